@@ -1,0 +1,39 @@
+# aotgrad: `make demo` and `make test` are the quick start; each installs what it needs.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTHON ?= python3.11
+
+.PHONY: install demo test lint typecheck pytest bench clean
+
+install: $(STAMP)
+
+# The stamp depends on pyproject.toml, so a second `make install` does nothing
+# until the dependencies change. torch goes first and by exact version: the CPU
+# wheel is found locally, and pinning it keeps pip from pulling CUDA builds.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/aotgrad show examples/carry.py:fn
+
+lint: install
+	$(VENV)/bin/ruff check src tests examples bench
+	$(VENV)/bin/ruff format --check src tests examples bench
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+pytest: install
+	$(VENV)/bin/pytest
+
+test: lint typecheck pytest
+
+bench: install
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

@@ -1,0 +1,38 @@
+"""aotgrad: ahead-of-time autograd for PyTorch.
+
+Capture a function's forward and backward as functional aten ``torch.fx``
+graphs on fake tensors, split them, compile each, and get back a callable
+with ordinary autograd semantics, plus a calling convention you can read.
+
+>>> import torch, aotgrad
+>>> traced = aotgrad.trace(lambda x: x.sin(), torch.ones(2, requires_grad=True))
+>>> traced.signature.backward_outputs
+(Grad(of=Input(path='x')),)
+"""
+
+from aotgrad.api import AOTModule, Traced, aot_function, aot_module, trace
+from aotgrad.errors import (
+    AotgradError,
+    CallError,
+    CaptureError,
+    DataDependentError,
+    UnsupportedMutationError,
+    UnsupportedOutputError,
+)
+from aotgrad.runtime import make_boxed_func, nop
+
+__all__ = [
+    "AOTModule",
+    "AotgradError",
+    "CallError",
+    "CaptureError",
+    "DataDependentError",
+    "Traced",
+    "UnsupportedMutationError",
+    "UnsupportedOutputError",
+    "aot_function",
+    "aot_module",
+    "make_boxed_func",
+    "nop",
+    "trace",
+]

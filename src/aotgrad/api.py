@@ -1,0 +1,265 @@
+"""The user-facing entry points: ``trace``, ``aot_function``, ``aot_module``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.func import functional_call
+
+from aotgrad.capture import JointGraph, capture
+from aotgrad.errors import CallError, user_frame_of_function
+from aotgrad.partition import Partitioned, SavedValue, partition
+from aotgrad.runtime import CompiledGraphs, compile_partitioned
+from aotgrad.runtime.compilers import Compiler
+from aotgrad.signature import (
+    Buffer,
+    FlatInputs,
+    Param,
+    PrimalDescriptor,
+    Signature,
+    call_key,
+    flatten_inputs,
+)
+
+Decompositions = Mapping[Any, Callable[..., Any]]
+PartitionFn = Callable[[JointGraph], Partitioned]
+
+
+@dataclass(frozen=True)
+class Traced:
+    """The forward and backward graphs of one call, with everything aotgrad decided.
+
+    >>> import torch, aotgrad
+    >>> def f(x, w):
+    ...     return (x @ w).sin()
+    >>> t = aotgrad.trace(f, torch.ones(2, 3), torch.ones(3, 4, requires_grad=True))
+    >>> [str(d) for d in t.signature.forward_inputs]
+    ['x', 'w']
+    >>> [str(g) for g in t.signature.backward_outputs]
+    ['None', 'grad of w']
+    """
+
+    partitioned: Partitioned
+    # Runs the graphs (uncompiled) on real inputs of the same specialization.
+    _compiled: CompiledGraphs
+    _lifted: tuple[torch.Tensor, ...]
+
+    @property
+    def joint(self) -> fx.GraphModule:
+        """The joint graph: ``(*primals, *cotangents) -> (*outputs, ..., *grads)``."""
+        return self.partitioned.joint.gm
+
+    @property
+    def forward(self) -> fx.GraphModule:
+        return self.partitioned.forward
+
+    @property
+    def backward(self) -> fx.GraphModule | None:
+        return self.partitioned.backward
+
+    @property
+    def signature(self) -> Signature:
+        return self.partitioned.signature
+
+    @property
+    def saved(self) -> tuple[SavedValue, ...]:
+        return self.partitioned.saved
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the traced graphs on new inputs of the same structure and metadata."""
+        flat = self.partitioned.joint.inputs
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != flat.spec:
+            raise CallError(
+                f"this Traced was captured for arguments structured as {flat.spec}, got {spec};"
+                " call aotgrad.trace again (or use aotgrad.aot_function, which re-traces)"
+            )
+        tensors = [leaves[i] for i in flat.tensor_positions]
+        return self._compiled([*self._lifted, *tensors])
+
+    def __str__(self) -> str:
+        parts = [str(self.signature), "# forward", self.forward.code.strip()]
+        if self.backward is not None:
+            parts += ["# backward", self.backward.code.strip()]
+        return "\n\n".join(parts)
+
+
+def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Traced:
+    """Capture the forward and backward graphs of ``fn(*args, **kwargs)`` on fake tensors.
+
+    ``fn`` is a function or an ``nn.Module`` (its parameters and buffers become
+    the first inputs). The example inputs' data is never read: they may live
+    on any device, ``meta`` included. See ``docs/calling-convention.md``.
+    """
+    lifted, descriptors, body_of = _lift(fn)
+    state = tuple(lifted)
+    flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, descriptors)
+    partitioned = _capture_and_partition(fn, body_of(flat), flat, [*state, *tensors], None, "save_all")
+    return Traced(partitioned, compile_partitioned(partitioned), state)
+
+
+def aot_function(
+    fn: Callable[..., Any],
+    fw_compiler: Compiler | None = None,
+    bw_compiler: Compiler | None = None,
+    *,
+    partition_fn: PartitionFn | None = None,
+    decompositions: Decompositions | None = None,
+    inference_compiler: Compiler | None = None,
+) -> Callable[..., Any]:
+    """Compile ``fn``'s forward and backward graphs with the given compilers.
+
+    Call-compatible with ``functorch.compile.aot_function``. Each new input
+    structure or tensor metadata (shape, stride, dtype, device,
+    requires_grad) or non-tensor value traces and compiles once; later
+    calls with the same ones reuse it.
+
+    >>> import torch, aotgrad
+    >>> f = aotgrad.aot_function(lambda x: x.sin().sum())
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> f(x).backward(); torch.allclose(x.grad, torch.ones(3).cos())
+    True
+    """
+    lifted, descriptors, body_of = _lift(fn)
+    cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...]]] = {}
+
+    def specialize(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[CompiledGraphs, tuple[int, ...]]:
+        flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, descriptors)
+        primals = [*lifted, *tensors]
+        partitioned = _capture_and_partition(
+            fn, body_of(flat), flat, primals, decompositions, partition_fn or "save_all"
+        )
+        compiled = compile_partitioned(partitioned, fw_compiler, bw_compiler, inference_compiler)
+        return compiled, flat.tensor_positions
+
+    @functools.wraps(fn)
+    def compiled_fn(*args: Any, **kwargs: Any) -> Any:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = (spec, call_key(leaves), torch.is_grad_enabled())
+        entry = cache.get(key)
+        if entry is None:
+            entry = cache[key] = specialize(args, kwargs)
+        compiled, positions = entry
+        return compiled([*lifted, *(leaves[i] for i in positions)])
+
+    compiled_fn.cache = cache  # type: ignore[attr-defined]
+    return compiled_fn
+
+
+class AOTModule(torch.nn.Module):
+    """``aot_module``'s result: the original module, run through compiled graphs."""
+
+    def __init__(self, module: torch.nn.Module, compiled: Callable[..., Any]) -> None:
+        super().__init__()
+        self.orig_module = module
+        self._compiled = compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(*args, **kwargs)
+
+
+def aot_module(
+    module: torch.nn.Module,
+    fw_compiler: Compiler | None = None,
+    bw_compiler: Compiler | None = None,
+    *,
+    partition_fn: PartitionFn | None = None,
+    decompositions: Decompositions | None = None,
+    inference_compiler: Compiler | None = None,
+) -> AOTModule:
+    """``aot_function`` for an ``nn.Module``: parameters and buffers become graph inputs.
+
+    Inputs are named by qualified name (``Param("fc1.weight")``). Tied
+    parameters (the same tensor under two names) are one input with one,
+    summed, gradient.
+    """
+    compiled = aot_function(
+        module,
+        fw_compiler,
+        bw_compiler,
+        partition_fn=partition_fn,
+        decompositions=decompositions,
+        inference_compiler=inference_compiler,
+    )
+    return AOTModule(module, compiled)
+
+
+def _capture_and_partition(
+    fn: Callable[..., Any],
+    body: Callable[[list[torch.Tensor]], Any],
+    flat: FlatInputs,
+    primals: list[torch.Tensor],
+    decompositions: Decompositions | None,
+    strategy: Any,
+) -> Partitioned:
+    with_backward = torch.is_grad_enabled() and any(p.requires_grad for p in primals)
+    joint = capture(
+        body,
+        flat,
+        primals,
+        with_backward=with_backward,
+        decompositions=decompositions,
+        where=user_frame_of_function(fn),
+    )
+    return partition(joint, strategy)
+
+
+BodyOf = Callable[[FlatInputs], Callable[[list[torch.Tensor]], Any]]
+
+
+def _lift(fn: Callable[..., Any]) -> tuple[Iterable[torch.Tensor], tuple[PrimalDescriptor, ...], BodyOf]:
+    """For a module: its live state (leading inputs), their descriptors, and the body builder.
+
+    Plain functions lift nothing. Tied parameters appear once (``named_parameters``
+    removes duplicates), so they are one input whose gradient autograd sums.
+    """
+    if not isinstance(fn, torch.nn.Module):
+        return (), (), functools.partial(_function_body, fn)
+    module = fn
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    names = [*params, *buffers]
+    descriptors = (*(Param(n) for n in params), *(Buffer(n) for n in buffers))
+    state = _ModuleState(module)
+    return state, descriptors, functools.partial(_module_body, module, names)
+
+
+class _ModuleState:
+    """Iterates a module's parameters, then buffers, as they are now."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield from (p for _, p in self.module.named_parameters())
+        yield from (b for _, b in self.module.named_buffers())
+
+
+def _function_body(fn: Callable[..., Any], flat: FlatInputs) -> Callable[[list[torch.Tensor]], Any]:
+    def body(primals: list[torch.Tensor]) -> Any:
+        args, kwargs = flat.unflatten(primals)
+        return fn(*args, **kwargs)
+
+    return body
+
+
+def _module_body(
+    module: torch.nn.Module, names: list[str], flat: FlatInputs
+) -> Callable[[list[torch.Tensor]], Any]:
+    def body(primals: list[torch.Tensor]) -> Any:
+        state = dict(zip(names, primals[: flat.num_lifted], strict=True))
+        args, kwargs = flat.unflatten(primals[flat.num_lifted :])
+        return functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
+
+    return body
+
+
+def _signature_target(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return fn.forward if isinstance(fn, torch.nn.Module) else fn
+

@@ -1,0 +1,79 @@
+"""Turn what fails inside a trace into errors that name the user's construct and line."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from aotgrad.errors import (
+    DataDependentError,
+    UnsupportedOutputError,
+    UserFrame,
+    format_error,
+    user_frame_from_traceback,
+)
+
+_SCALARS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size)
+
+_DATA_DEPENDENT = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    GuardOnDataDependentSymNode,
+)
+
+
+@contextlib.contextmanager
+def translate_trace_errors(fn: Any) -> Iterator[None]:
+    """Re-raise data-dependent failures as :class:`DataDependentError` at the user's line."""
+    try:
+        yield
+    except _DATA_DEPENDENT as e:
+        where = user_frame_from_traceback(e.__traceback__)
+        construct = _construct(e, where.line if where else "")
+        raise DataDependentError(
+            format_error(
+                f"{construct} reads a tensor's value during capture ({type(e).__name__}: {e})."
+                " aotgrad captures one graph for all input values and never reads data, so"
+                " Python code cannot depend on tensor values",
+                where,
+                "Keep the decision in tensor ops (torch.where(cond, a, b) instead of"
+                " `if cond:`), move .item() out of the function, or pass the value as a Python"
+                " scalar argument (aotgrad specializes on it and re-traces when it changes).",
+            )
+        ) from None
+
+
+def _construct(e: Exception, line: str) -> str:
+    if isinstance(e, DynamicOutputShapeException):
+        return "an op whose output shape depends on tensor values (nonzero, unique, masked_select)"
+    if ".item()" in line:
+        return "`.item()`"
+    if ".tolist()" in line:
+        return "`.tolist()`"
+    if line.startswith(("if ", "elif ", "while ", "assert ")):
+        return f"Python control flow on a tensor (`{line.rstrip(':')}`)"
+    return "converting a tensor to a Python value (bool(t), int(t), float(t), .item())"
+
+
+def check_output_leaf(path: tuple[Any, ...], leaf: Any, where: UserFrame | None) -> None:
+    """Outputs are tensors, Python scalars, ``None`` or pytrees of them; anything else fails."""
+    if isinstance(leaf, (torch.Tensor, *_SCALARS)):
+        return
+    raise UnsupportedOutputError(
+        format_error(
+            f"output{pytree.keystr(path)} is a {type(leaf).__module__}.{type(leaf).__qualname__},"
+            " which aotgrad cannot return from a graph",
+            where,
+            "Return tensors, Python scalars, None, or lists/tuples/dicts/namedtuples of them;"
+            " register custom containers with torch.utils._pytree.register_pytree_node.",
+        )
+    )

@@ -1,0 +1,77 @@
+"""The joint graph, the contract between capture and partition."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from aotgrad.capture.aliasing import OutputLeaf, TensorOutput
+from aotgrad.capture.provenance import Phase, phase_of
+from aotgrad.signature import Cotangent, FlatInputs, MutatedInput, Output, OutputBase
+
+
+@dataclass(frozen=True)
+class JointGraph:
+    """One functional aten graph computing forward outputs and gradients.
+
+    ``gm(*primals, *cotangents) -> (*outputs, *bases, *mutated, *grads)`` with
+    one grad per primal (``None`` where it needs none). Every node's
+    ``meta["aotgrad"]`` says whether it is forward or backward.
+    """
+
+    # The graph; placeholders and outputs carry descriptors.
+    gm: fx.GraphModule
+    # The user's call, flattened; one descriptor per primal.
+    inputs: FlatInputs
+    # Per primal: does it require grad?
+    requires_grad: tuple[bool, ...]
+    # Every leaf of the user's result, in pytree order.
+    leaves: tuple[OutputLeaf, ...]
+    # Tree structure of the user's result.
+    out_spec: pytree.TreeSpec
+    # One descriptor per tensor output of the graph.
+    outputs: tuple[Output, ...]
+    # Intermediates several outputs view (Note [Aliased outputs]).
+    bases: tuple[OutputBase, ...]
+    # Primal positions the function mutated (their new values are graph outputs).
+    mutated: tuple[int, ...]
+    # Per value the autograd.Function returns (fresh outputs, bases, mutated): differentiable?
+    differentiable: tuple[bool, ...]
+    # One per cotangent placeholder, aligned with the differentiable returned values.
+    cotangents: tuple[Cotangent, ...]
+
+    def __post_init__(self) -> None:
+        if sum(self.differentiable) != len(self.cotangents):
+            raise AssertionError(
+                f"expected {sum(self.differentiable)} cotangents, got {len(self.cotangents)}"
+            )
+        returned = len(self.fresh_outputs) + len(self.bases) + len(self.mutated)
+        if returned != len(self.differentiable):
+            raise AssertionError(f"expected {returned} returned values, got {len(self.differentiable)}")
+
+    @property
+    def num_primals(self) -> int:
+        return len(self.inputs.descriptors)
+
+    @property
+    def tensor_outputs(self) -> tuple[TensorOutput, ...]:
+        return tuple(leaf for leaf in self.leaves if isinstance(leaf, TensorOutput))
+
+    @property
+    def fresh_outputs(self) -> tuple[int, ...]:
+        """Tensor-output positions the autograd.Function returns (the rest are rebuilt)."""
+        unique = {o.index: o for o in self.tensor_outputs}
+        return tuple(k for k, o in sorted(unique.items()) if o.alias is None)
+
+    @property
+    def mutated_descriptors(self) -> tuple[MutatedInput, ...]:
+        return tuple(MutatedInput(of=self.inputs.descriptors[i]) for i in self.mutated)
+
+    @property
+    def has_backward(self) -> bool:
+        return bool(self.cotangents)
+
+    def nodes(self, phase: Phase) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op != "output" and phase_of(n) is phase]

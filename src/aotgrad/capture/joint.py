@@ -1,0 +1,205 @@
+"""Trace forward and backward together, once, on fake tensors.
+
+Note [One tracing pass]
+~~~~~~~~~~~~~~~~~~~~~~~
+PyTorch's AOTAutograd runs the user's function several times before it has a
+joint graph (a metadata pass, then the joint trace). aotgrad runs it once.
+Inside a single ``make_fx`` trace over fake tensors, with functionalization
+on top, the joint function:
+
+1. wraps the primals as functional tensors and calls the user's function;
+2. reads what the metadata pass would have told it off the live results:
+   which outputs alias inputs or each other (``analyze_aliasing``), which
+   inputs were mutated, which outputs require grad;
+3. syncs every forward value, then creates one cotangent per differentiable
+   output the runtime's ``autograd.Function`` will return (Note [Cotangents
+   discovered during the trace]) and calls ``torch.autograd.grad``.
+
+Everything the tracer records before the first cotangent is forward, the
+rest is backward. The trace never reads tensor data: inputs are fake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from aotgrad.capture.aliasing import (
+    AliasSource,
+    ConstantOutput,
+    OutputAliasing,
+    OutputLeaf,
+    analyze_aliasing,
+)
+from aotgrad.capture.cotangents import make_cotangent
+from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
+from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
+from aotgrad.signature import FlatInputs
+
+Body = Callable[[list[torch.Tensor]], Any]
+
+
+@dataclass
+class TraceRecord:
+    """What the joint function learns about the user's function while it is traced."""
+
+    # Every leaf of the user's result, in pytree order.
+    leaves: list[OutputLeaf] = field(default_factory=list)
+    out_spec: pytree.TreeSpec | None = None
+    # Key path of every leaf of the user's result: "[0]['a']".
+    out_paths: list[str] = field(default_factory=list)
+    aliasing: OutputAliasing | None = None
+    mutated: list[int] = field(default_factory=list)
+    # Per value the autograd.Function returns: does it get a cotangent?
+    differentiable: list[bool] = field(default_factory=list)
+    grad_inputs: list[int] = field(default_factory=list)
+
+
+def fake_primals(mode: FakeTensorMode, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Fake leaves with the primals' metadata and ``requires_grad``; no data is read."""
+    fakes = []
+    for p in primals:
+        fake = mode.from_tensor(p.detach())
+        fakes.append(fake.requires_grad_(p.requires_grad))
+    return fakes
+
+
+def trace_joint(
+    body: Body,
+    flat: FlatInputs,
+    primals: Sequence[torch.Tensor],
+    *,
+    with_backward: bool,
+    decompositions: Mapping[Any, Callable[..., Any]] | None,
+    where: UserFrame | None,
+) -> tuple[fx.GraphModule, TraceRecord, list[torch.Tensor]]:
+    """Trace ``body`` and its backward into one graph; see Note [One tracing pass]."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = fake_primals(mode, primals)
+    record = TraceRecord()
+
+    def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
+        return _joint(body, flat, inner, record, with_backward, where)
+
+    with translate_trace_errors(body), mode:
+        gm = make_fx(joint, decomposition_table=decompositions)(*fakes)
+    return gm, record, fakes
+
+
+def _joint(
+    body: Body,
+    flat: FlatInputs,
+    inner: Sequence[torch.Tensor],
+    record: TraceRecord,
+    with_backward: bool,
+    where: UserFrame | None,
+) -> list[torch.Tensor | None]:
+    functional_mode = FunctionalTensorMode()
+    with functional_mode:
+        primals = [FunctionalTensor.to_functional(p) for p in inner]
+    with functional_mode:
+        result = body(primals)
+        leaves, tensors = _flatten_result(result, record, where)
+        aliasing, bases = analyze_aliasing(tensors, primals)
+        record.aliasing = aliasing
+        record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
+        record.mutated = _mutated_inputs(primals, flat, where)
+        mutated = [primals[i] for i in record.mutated]
+        forward = [*tensors, *bases, *mutated]
+        for value in forward:
+            torch._sync(value)
+        fresh = [tensors[o.index] for o in aliasing.outputs if o.alias is None]
+        returned = [*fresh, *bases, *mutated]
+        record.grad_inputs = [i for i, p in enumerate(primals) if p.requires_grad]
+        record.differentiable = [
+            with_backward and bool(record.grad_inputs) and _is_differentiable(t)
+            for t in [*fresh, *bases]
+        ] + [False] * len(mutated)  # mutated inputs require no grad (checked above)
+        grads = _backward(record, primals, returned) if any(record.differentiable) else []
+    return [_unwrap(v) for v in (*forward, *grads)]
+
+
+def _flatten_result(
+    result: Any, record: TraceRecord, where: UserFrame | None
+) -> tuple[list[ConstantOutput | int], list[torch.Tensor]]:
+    """Validate and flatten the user's result into constants and traced tensor positions."""
+    with_paths, record.out_spec = pytree.tree_flatten_with_path(result)
+    leaves: list[ConstantOutput | int] = []
+    tensors: list[torch.Tensor] = []
+    record.out_paths = [pytree.keystr(path) for path, _ in with_paths]
+    for path, leaf in with_paths:
+        check_output_leaf(path, leaf, where)
+        if isinstance(leaf, FunctionalTensor):
+            leaves.append(len(tensors))
+            tensors.append(leaf)
+        else:  # a constant, or a tensor the function closed over: returned as is
+            leaves.append(ConstantOutput(leaf))
+    return leaves, tensors
+
+
+def _mutated_inputs(
+    primals: Sequence[torch.Tensor], flat: FlatInputs, where: UserFrame | None
+) -> list[int]:
+    """Indices of inputs whose data the function mutated; refuse what is not supported yet."""
+    mutated = []
+    for i, p in enumerate(primals):
+        elem = p.elem  # type: ignore[attr-defined]
+        if torch._functionalize_has_metadata_mutation(elem):  # type: ignore[attr-defined]
+            raise UnsupportedMutationError(
+                format_error(
+                    f"the function changes the metadata of input {flat.descriptors[i]} in place"
+                    " (for example with t_(), unsqueeze_(), resize_() or as_strided_())",
+                    where,
+                    "aotgrad does not support input metadata mutation yet; use the out-of-place"
+                    " op (x = x.t()) and return the result.",
+                )
+            )
+        if torch._functionalize_has_data_mutation(elem):  # type: ignore[attr-defined]
+            if p.requires_grad:
+                raise UnsupportedMutationError(
+                    format_error(
+                        f"the function mutates input {flat.descriptors[i]}, which requires grad,"
+                        " in place",
+                        where,
+                        "aotgrad does not support in-place mutation of inputs that require grad"
+                        " yet; compute a new tensor instead (x = x * 2, not x.mul_(2)).",
+                    )
+                )
+            mutated.append(i)
+    return mutated
+
+
+def _backward(
+    record: TraceRecord, primals: Sequence[torch.Tensor], returned: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """Cotangents for the Function's differentiable outputs, then the grads of all primals."""
+    targets = [t for t, d in zip(returned, record.differentiable, strict=True) if d]
+    cotangents = [make_cotangent(t, i) for i, t in enumerate(targets)]
+    computed = torch.autograd.grad(
+        targets, [primals[i] for i in record.grad_inputs], cotangents, allow_unused=True
+    )
+    grads: list[torch.Tensor | None] = [None] * len(primals)
+    for i, g in zip(record.grad_inputs, computed, strict=True):
+        grads[i] = g
+    return grads
+
+
+def _is_differentiable(t: torch.Tensor) -> bool:
+    return t.requires_grad and (t.is_floating_point() or t.is_complex())
+
+
+def _unwrap(value: torch.Tensor | None) -> torch.Tensor | None:
+    if isinstance(value, FunctionalTensor):
+        return value.from_functional()
+    return value
+
+
+__all__ = ["AliasSource", "TraceRecord", "trace_joint"]

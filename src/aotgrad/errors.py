@@ -1,0 +1,91 @@
+"""aotgrad's errors: each says what went wrong, where in the user's code, and what to do.
+
+Every error aotgrad raises on purpose derives from :class:`AotgradError`, so
+callers can catch them all at once. Messages follow one shape::
+
+    <what went wrong>
+      at <user file>:<line>: <source line>
+    <what to do instead>
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import traceback
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AOTGRAD_DIR = os.path.dirname(__file__)
+_INTERNAL_DIRS = (_TORCH_DIR, _AOTGRAD_DIR, os.path.dirname(os.__file__))
+
+
+class AotgradError(Exception):
+    """Base class of every error aotgrad raises on purpose."""
+
+
+class CaptureError(AotgradError):
+    """The function cannot be captured faithfully as a graph."""
+
+
+class DataDependentError(CaptureError):
+    """Python code read a tensor's value (``.item()``, ``bool(t)``, ``if t > 0``)."""
+
+
+class UnsupportedOutputError(CaptureError):
+    """The function returned something that is not a tensor, a scalar or a pytree of them."""
+
+
+class UnsupportedMutationError(CaptureError):
+    """The function mutates an input in a way aotgrad does not support yet."""
+
+
+class CallError(AotgradError, TypeError):
+    """A compiled function was called with arguments it cannot accept."""
+
+
+@dataclass(frozen=True)
+class UserFrame:
+    """A location in the user's source: file, line and the code on that line."""
+
+    filename: str
+    lineno: int
+    name: str
+    line: str
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno} in {self.name}: {self.line}"
+
+
+def _is_user_file(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return not filename.startswith("<") and not path.startswith(_INTERNAL_DIRS)
+
+
+def user_frame_from_traceback(tb: TracebackType | None) -> UserFrame | None:
+    """The innermost frame of ``tb`` that is the user's code (not torch's, not aotgrad's)."""
+    found = None
+    for frame, lineno in traceback.walk_tb(tb):
+        filename = frame.f_code.co_filename
+        if _is_user_file(filename):
+            line = linecache.getline(filename, lineno).strip()
+            found = UserFrame(filename, lineno, frame.f_code.co_name, line)
+    return found
+
+
+def user_frame_of_function(fn: object) -> UserFrame | None:
+    """Where ``fn`` is defined, when Python can tell."""
+    code = getattr(getattr(fn, "forward", fn), "__code__", None)
+    if code is None:
+        return None
+    line = linecache.getline(code.co_filename, code.co_firstlineno).strip()
+    return UserFrame(code.co_filename, code.co_firstlineno, code.co_name, line)
+
+
+def format_error(what: str, where: UserFrame | None, todo: str) -> str:
+    """The one message shape every aotgrad error uses."""
+    location = f"\n  at {where}" if where is not None else ""
+    return f"{what}{location}\n{todo}"

@@ -1,0 +1,106 @@
+"""Stage 3: partition. Decide what the backward saves, and split the joint graph in two.
+
+Entry point: :func:`partition`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch.fx as fx
+
+from aotgrad.capture import JointGraph
+from aotgrad.partition.save_all import choose_saved, users_in
+from aotgrad.partition.saved import SavedValue, describe_saved
+from aotgrad.partition.split import build_backward, build_forward
+from aotgrad.signature import Grad, Saved, Signature, describe_graph
+
+__all__ = ["Partitioned", "SavedValue", "partition"]
+
+Strategy = Literal["save_all"]
+
+
+@dataclass(frozen=True)
+class Partitioned:
+    """The forward and backward graphs, what passes between them, and the convention."""
+
+    # What was split.
+    joint: JointGraph
+    # forward(*primals) -> (*outputs, *bases, *mutated, *saved)
+    forward: fx.GraphModule
+    # backward(*saved, *cotangents) -> grads; None when nothing needs a gradient.
+    backward: fx.GraphModule | None
+    # The values the forward hands to the backward, in order.
+    saved: tuple[SavedValue, ...]
+    # Descriptors of every placeholder and output of both graphs.
+    signature: Signature
+
+    def __post_init__(self) -> None:
+        if self.backward is None and self.saved:
+            raise AssertionError(f"expected no saved values without a backward, got {self.saved}")
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the saved values hold beyond the inputs, each storage counted once."""
+        return sum(s.nbytes for s in self.saved if not s.is_input)
+
+
+def partition(
+    joint: JointGraph, strategy: Strategy | Callable[[JointGraph], Partitioned] = "save_all"
+) -> Partitioned:
+    """Split ``joint`` into forward and backward graphs.
+
+    >>> import torch, aotgrad
+    >>> traced = aotgrad.trace(lambda x: x.sin(), torch.ones(2, requires_grad=True))
+    >>> [s.name for s in traced.saved]
+    ['x']
+    """
+    if callable(strategy):
+        return strategy(joint)
+    if strategy != "save_all":
+        raise ValueError(f"unknown partition strategy {strategy!r}; expected 'save_all'")
+    if not joint.has_backward:
+        return _forward_only(joint)
+    saved_nodes, recompute, reasons = choose_saved(joint)
+    backward = build_backward(joint, saved_nodes, recompute)
+    saved = tuple(
+        describe_saved(n, users_in_backward(n, backward), reasons[n]) for n in saved_nodes
+    )
+    forward = build_forward(joint, saved_nodes)
+    signature = _signature(joint, saved)
+    describe_graph(forward, signature.forward_inputs, signature.forward_outputs)
+    describe_graph(backward, signature.backward_inputs, signature.backward_outputs)
+    return Partitioned(joint, forward, backward, saved, signature)
+
+
+def users_in_backward(node: fx.Node, backward: fx.GraphModule) -> list[str]:
+    placeholder = next(n for n in backward.graph.nodes if n.op == "placeholder" and n.name == node.name)
+    return users_in(placeholder, backward.graph.nodes)
+
+
+def _forward_only(joint: JointGraph) -> Partitioned:
+    forward = build_forward(joint, [])
+    signature = _signature(joint, ())
+    describe_graph(forward, signature.forward_inputs, signature.forward_outputs)
+    return Partitioned(joint, forward, None, (), signature)
+
+
+def _signature(joint: JointGraph, saved: tuple[SavedValue, ...]) -> Signature:
+    saved_descs = tuple(Saved(name=s.name) for s in saved)
+    grads = tuple(
+        Grad(of=d) if rg and joint.has_backward else None
+        for d, rg in zip(joint.inputs.descriptors, joint.requires_grad, strict=True)
+    )
+    return Signature(
+        forward_inputs=joint.inputs.descriptors,
+        forward_outputs=(
+            *joint.outputs,
+            *joint.bases,
+            *joint.mutated_descriptors,
+            *saved_descs,
+        ),
+        backward_inputs=(*saved_descs, *joint.cotangents),
+        backward_outputs=grads,
+    )

@@ -1,0 +1,60 @@
+"""Stage 4: runtime. Compile both graphs and run them with ordinary autograd semantics.
+
+Entry point: :func:`compile_partitioned`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from aotgrad.partition import Partitioned
+from aotgrad.runtime.compilers import Compiler, compile_boxed, make_boxed_func, nop
+from aotgrad.runtime.function import Plan, make_function, run_epilogue
+
+__all__ = ["CompiledGraphs", "compile_partitioned", "make_boxed_func", "nop"]
+
+
+class CompiledGraphs:
+    """One specialization, compiled: call it with the flat primals, get the user's result."""
+
+    def __init__(self, partitioned: Partitioned, forward: Any, backward: Any | None) -> None:
+        self.partitioned = partitioned
+        self.plan = Plan.of(partitioned)
+        self._forward = forward
+        self._function = make_function(self.plan, forward, backward) if backward else None
+
+    def __call__(self, primals: Sequence[torch.Tensor]) -> Any:
+        if self._function is None:
+            with torch.no_grad():
+                results = self._forward(list(primals))
+            returned = [results[i] for i in self.plan.returned]
+        else:
+            returned = self._function.apply(*primals)
+        return run_epilogue(self.plan, primals, returned)
+
+
+def compile_partitioned(
+    partitioned: Partitioned,
+    fw_compiler: Compiler | None = None,
+    bw_compiler: Compiler | None = None,
+    inference_compiler: Compiler | None = None,
+) -> CompiledGraphs:
+    """Hand each graph to its compiler (``nop`` by default) and wire the results up.
+
+    Compilers receive ``(gm, example_inputs)`` with fake example inputs.
+    """
+    forward_examples = _examples(partitioned.forward)
+    if partitioned.backward is None:
+        compiler = inference_compiler or fw_compiler
+        return CompiledGraphs(partitioned, compile_boxed(compiler, partitioned.forward, forward_examples), None)
+    forward = compile_boxed(fw_compiler, partitioned.forward, forward_examples)
+    backward = compile_boxed(bw_compiler or fw_compiler, partitioned.backward, _examples(partitioned.backward))
+    return CompiledGraphs(partitioned, forward, backward)
+
+
+def _examples(gm: torch.fx.GraphModule) -> list[Any]:
+    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+

@@ -1,0 +1,57 @@
+"""User compilers: what they receive, what they may return, how aotgrad calls the result.
+
+A compiler is ``compiler(gm: fx.GraphModule, example_inputs: list[Tensor]) ->
+callable``. The callable is *unboxed* (``f(*args)``) or *boxed* (``f(args)``,
+one list argument, marked with ``_boxed_call = True``, which lets the callee
+free inputs early). aotgrad accepts both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+Compiled = Callable[..., Any]
+Compiler = Callable[[fx.GraphModule, list[torch.Tensor]], Compiled]
+BoxedCall = Callable[[list[Any]], Sequence[Any]]
+
+
+def make_boxed_func(f: Callable[..., Any]) -> Callable[[list[Any]], Any]:
+    """Wrap an unboxed ``f(*args)`` as a boxed ``g(args)``.
+
+    >>> g = make_boxed_func(lambda a, b: a + b)
+    >>> g([1, 2]), g._boxed_call
+    (3, True)
+    """
+
+    def boxed(args: list[Any]) -> Any:
+        return f(*args)
+
+    boxed._boxed_call = True  # type: ignore[attr-defined]
+    return boxed
+
+
+def nop(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    """The compiler that compiles nothing: run the graph as Python, op by op.
+
+    >>> import torch.fx as fx
+    >>> nop(fx.symbolic_trace(lambda x: x + 1), [])([1])
+    2
+    """
+    return make_boxed_func(gm.forward)
+
+
+def compile_boxed(compiler: Compiler | None, gm: fx.GraphModule, examples: list[Any]) -> BoxedCall:
+    """Run ``compiler`` (``nop`` if None) and return its result as a boxed call."""
+    compiled = (compiler or nop)(gm, examples)
+    if not callable(compiled):
+        raise TypeError(
+            f"compiler {compiler!r} returned {type(compiled).__name__}, expected a callable;"
+            " return the GraphModule itself, gm.forward, or make_boxed_func(...)"
+        )
+    if getattr(compiled, "_boxed_call", False):
+        return compiled
+    return make_boxed_func(compiled)

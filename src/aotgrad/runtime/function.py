@@ -1,0 +1,133 @@
+"""The compiled callable: an ``autograd.Function`` around the two graphs, plus an epilogue.
+
+Note [What the autograd.Function returns]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The forward graph returns ``(*outputs, *bases, *mutated, *saved)``. The
+Function returns only the values autograd must track as its own outputs:
+fresh outputs (those that alias nothing, Note [Aliased outputs]), bases and
+mutated inputs' new values. Non-differentiable ones are marked so. The
+epilogue, outside the Function, then
+
+1. copies each mutated input's new value into the user's tensor;
+2. rebuilds every aliased output from what it aliases (an input, a fresh
+   output or a base) with ``as_strided`` or by identity, so autograd sees
+   a real view and routes its gradient into the source;
+3. puts constants back and unflattens the result to the user's structure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.autograd.function import once_differentiable
+
+from aotgrad.capture import Alias, AliasSource, ConstantOutput, OutputLeaf, TensorOutput
+from aotgrad.partition import Partitioned
+from aotgrad.runtime.compilers import BoxedCall
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Positions the runtime needs, computed once per compiled specialization."""
+
+    # Forward-graph output positions the Function returns, in order.
+    returned: tuple[int, ...]
+    # Per returned value: does it get a cotangent?
+    differentiable: tuple[bool, ...]
+    # Number of user-visible forward-graph outputs before the saved values.
+    num_forward_outputs: int
+    # Tensor-output position of each fresh output, aligned with the head of ``returned``.
+    fresh: tuple[int, ...]
+    num_bases: int
+    # Primal positions mutated in place, aligned with the tail of ``returned``.
+    mutated: tuple[int, ...]
+    num_tensor_outputs: int
+    leaves: tuple[OutputLeaf, ...]
+    out_spec: pytree.TreeSpec
+
+    @staticmethod
+    def of(partitioned: Partitioned) -> Plan:
+        joint = partitioned.joint
+        n_out, n_base = len(joint.outputs), len(joint.bases)
+        returned = (
+            *joint.fresh_outputs,
+            *range(n_out, n_out + n_base + len(joint.mutated)),
+        )
+        return Plan(
+            returned=returned,
+            differentiable=joint.differentiable,
+            num_forward_outputs=n_out + n_base + len(joint.mutated),
+            fresh=joint.fresh_outputs,
+            num_bases=n_base,
+            mutated=joint.mutated,
+            num_tensor_outputs=n_out,
+            leaves=joint.leaves,
+            out_spec=joint.out_spec,
+        )
+
+
+def make_function(plan: Plan, forward: BoxedCall, backward: BoxedCall) -> type[torch.autograd.Function]:
+    """A fresh ``autograd.Function`` class bound to one pair of compiled graphs."""
+    not_differentiable = [i for i, d in enumerate(plan.differentiable) if not d]
+    differentiable = [i for i, d in enumerate(plan.differentiable) if d]
+
+    class CompiledFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            results = forward(list(primals))
+            returned = tuple(results[i] for i in plan.returned)
+            ctx.save_for_backward(*results[plan.num_forward_outputs :])
+            ctx.mark_non_differentiable(*(returned[i] for i in not_differentiable))
+            return returned
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            cotangents = [grad_outputs[i].contiguous() for i in differentiable]
+            return tuple(backward([*ctx.saved_tensors, *cotangents]))
+
+    return CompiledFunction
+
+
+def run_epilogue(plan: Plan, primals: Sequence[torch.Tensor], returned: Sequence[torch.Tensor]) -> Any:
+    """Mutations back into inputs, aliases rebuilt, constants restored (Note above)."""
+    n_fresh = len(plan.fresh)
+    bases = returned[n_fresh : n_fresh + plan.num_bases]
+    if plan.mutated:
+        with torch.no_grad():
+            for i, new in zip(plan.mutated, returned[n_fresh + plan.num_bases :], strict=True):
+                primals[i].copy_(new)
+    tensors: list[torch.Tensor | None] = [None] * plan.num_tensor_outputs
+    for k, value in zip(plan.fresh, returned, strict=False):
+        tensors[k] = value
+    leaves = []
+    for leaf in plan.leaves:
+        if isinstance(leaf, ConstantOutput):
+            leaves.append(leaf.value)
+            continue
+        if leaf.alias is not None:
+            tensors[leaf.index] = _rebuild(leaf.alias, primals, tensors, bases)
+        leaves.append(tensors[leaf.index])
+    return pytree.tree_unflatten(leaves, plan.out_spec)
+
+
+def _rebuild(
+    alias: Alias,
+    primals: Sequence[torch.Tensor],
+    tensors: Sequence[torch.Tensor | None],
+    bases: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    sources = {AliasSource.INPUT: primals, AliasSource.OUTPUT: tensors, AliasSource.BASE: bases}
+    source = sources[alias.source][alias.index]
+    assert source is not None, f"expected {alias.source.value} {alias.index} to be built first"
+    if alias.view is None:
+        return source
+    view = source.as_strided(alias.view.size, alias.view.stride, alias.view.storage_offset)
+    return view if alias.requires_grad or not view.requires_grad else view.detach()
+
+
+__all__ = ["Plan", "TensorOutput", "make_function", "run_epilogue"]

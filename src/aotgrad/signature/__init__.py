@@ -1,0 +1,42 @@
+"""Stage 1: the calling convention. Flatten the user's call into described graph inputs.
+
+Entry point: :func:`flatten_inputs`. The descriptors and the :class:`Signature`
+built from them are shared vocabulary for every later stage.
+"""
+
+from aotgrad.signature.convention import SIGNATURE_VERSION, Signature
+from aotgrad.signature.descriptors import (
+    Buffer,
+    Cotangent,
+    Descriptor,
+    Grad,
+    Input,
+    MutatedInput,
+    Output,
+    OutputBase,
+    Param,
+    PrimalDescriptor,
+    Saved,
+)
+from aotgrad.signature.flatten import FlatInputs, call_key, flatten_inputs
+from aotgrad.signature.printing import describe_graph
+
+__all__ = [
+    "SIGNATURE_VERSION",
+    "Buffer",
+    "Cotangent",
+    "Descriptor",
+    "FlatInputs",
+    "Grad",
+    "Input",
+    "MutatedInput",
+    "Output",
+    "OutputBase",
+    "Param",
+    "PrimalDescriptor",
+    "Saved",
+    "Signature",
+    "call_key",
+    "describe_graph",
+    "flatten_inputs",
+]

@@ -1,0 +1,130 @@
+"""Descriptors: a typed, printable name for every graph input and output.
+
+A descriptor says what a graph value *is* in the user's terms. It never holds
+an index: positions are the calling convention's business (see
+``docs/calling-convention.md``), and a descriptor stays valid when the
+convention adds or reorders values.
+
+>>> str(Grad(of=Input(path="carry['a']")))
+"grad of carry['a']"
+>>> str(Cotangent(of=Output(path="[0]")))
+'cotangent of output[0]'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """Base class of all descriptors."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form: ``{"kind": "Input", "path": "x"}``; nested descriptors nest."""
+        out: dict[str, Any] = {"kind": type(self).__name__}
+        for key, value in vars(self).items():
+            if isinstance(value, Descriptor):
+                out[key] = value.to_dict()
+            elif isinstance(value, tuple):
+                out[key] = [v.to_dict() if isinstance(v, Descriptor) else v for v in value]
+            else:
+                out[key] = value
+        return out
+
+
+@dataclass(frozen=True)
+class Input(Descriptor):
+    """A tensor leaf of the user's arguments, by its pytree key path: ``carry['a']``."""
+
+    path: str
+
+    def __str__(self) -> str:
+        return self.path
+
+
+@dataclass(frozen=True)
+class Param(Descriptor):
+    """A module parameter lifted to a graph input, by qualified name: ``fc1.weight``."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"param {self.name}"
+
+
+@dataclass(frozen=True)
+class Buffer(Descriptor):
+    """A module buffer lifted to a graph input, by qualified name: ``bn.running_mean``."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"buffer {self.name}"
+
+
+PrimalDescriptor = Input | Param | Buffer
+
+
+@dataclass(frozen=True)
+class Output(Descriptor):
+    """A leaf of the user's result, by key path below ``output``: ``[1]``, ``[0]['a']``."""
+
+    path: str
+
+    def __str__(self) -> str:
+        return f"output{self.path}"
+
+
+@dataclass(frozen=True)
+class OutputBase(Descriptor):
+    """An intermediate that several outputs are views of; the runtime rebuilds them from it.
+
+    See Note [Aliased outputs] in ``capture/aliasing.py``.
+    """
+
+    of: tuple[Output, ...]
+
+    def __str__(self) -> str:
+        return "base of " + ", ".join(str(o) for o in self.of)
+
+
+@dataclass(frozen=True)
+class MutatedInput(Descriptor):
+    """The new value of an input the function mutated in place; copied back after the call."""
+
+    of: Input | Param | Buffer
+
+    def __str__(self) -> str:
+        return f"new value of {self.of}"
+
+
+@dataclass(frozen=True)
+class Saved(Descriptor):
+    """A forward value the backward needs, by its node name in the forward graph."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"saved: {self.name}"
+
+
+@dataclass(frozen=True)
+class Cotangent(Descriptor):
+    """The incoming gradient of a differentiable forward output."""
+
+    of: Output | OutputBase
+
+    def __str__(self) -> str:
+        return f"cotangent of {self.of}"
+
+
+@dataclass(frozen=True)
+class Grad(Descriptor):
+    """The gradient of the loss with respect to a forward input."""
+
+    of: Input | Param | Buffer
+
+    def __str__(self) -> str:
+        return f"grad of {self.of}"

@@ -1,0 +1,161 @@
+"""Flatten the user's arguments into graph inputs, naming each by its pytree key path.
+
+Note [Input order]
+~~~~~~~~~~~~~~~~~~
+Graph inputs are the tensor leaves of ``(args, kwargs)`` in the order
+``torch.utils._pytree`` flattens them, never in the order the function body
+happens to use them. For::
+
+    def fn(carry, x):
+        b = x['biases']; w = x['weights']      # body reads x first
+        return torch.sin(carry['a'] @ w + b) + carry['b']
+
+    fn({'a': a, 'b': b}, {'weights': w, 'biases': bias})
+
+the inputs are ``carry['a'], carry['b'], x['weights'], x['biases']`` (dicts
+flatten in insertion order). Each leaf is named by the parameter it was bound
+to plus its key path below it, so the names survive positional and keyword
+calls alike. Lifted module state (parameters, then buffers) comes first.
+Non-tensor leaves are not graph inputs: they are specialized into the graph
+and are part of the cache key, so a different value re-traces.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from aotgrad.errors import CallError, format_error, user_frame_of_function
+from aotgrad.signature.descriptors import Input, PrimalDescriptor
+
+
+@dataclass(frozen=True)
+class FlatInputs:
+    """The user's call, flattened: which leaves are graph inputs and what each one is."""
+
+    # Tree structure of the user's ``(args, kwargs)``.
+    spec: pytree.TreeSpec
+    # All leaves of ``(args, kwargs)``; tensor leaves are replaced by ``None``
+    # (they are graph inputs), the rest are the specialized constants.
+    constants: tuple[Any, ...]
+    # Position, among all leaves, of each tensor leaf (the user's graph inputs).
+    tensor_positions: tuple[int, ...]
+    # One descriptor per graph input: lifted module state first, then the user's tensors.
+    descriptors: tuple[PrimalDescriptor, ...]
+    # How many leading graph inputs are lifted module state (parameters and buffers).
+    num_lifted: int
+
+    def __post_init__(self) -> None:
+        expected = self.num_lifted + len(self.tensor_positions)
+        if len(self.descriptors) != expected:
+            raise AssertionError(f"expected {expected} descriptors, got {len(self.descriptors)}")
+
+    def unflatten(self, user_tensors: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Rebuild ``(args, kwargs)`` from the user's graph inputs (lifted state excluded)."""
+        leaves = list(self.constants)
+        for position, tensor in zip(self.tensor_positions, user_tensors, strict=True):
+            leaves[position] = tensor
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return args, kwargs
+
+
+def flatten_inputs(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    lifted: Sequence[PrimalDescriptor] = (),
+) -> tuple[FlatInputs, list[torch.Tensor]]:
+    """Flatten a call of ``fn`` into its tensor inputs and their descriptors.
+
+    >>> flat, tensors = flatten_inputs(lambda carry, x: None, ({'a': torch.ones(1)}, 2.0), {})
+    >>> [str(d) for d in flat.descriptors], flat.constants
+    (["carry['a']"], (None, 2.0))
+    """
+    names = _argument_names(fn, args, kwargs)
+    with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
+    constants: list[Any] = []
+    positions: list[int] = []
+    descriptors: list[PrimalDescriptor] = list(lifted)
+    tensors: list[torch.Tensor] = []
+    for position, (path, leaf) in enumerate(with_paths):
+        if isinstance(leaf, torch.Tensor):
+            constants.append(None)
+            positions.append(position)
+            descriptors.append(Input(path=_leaf_name(path, names)))
+            tensors.append(leaf)
+        else:
+            constants.append(leaf)
+    flat = FlatInputs(spec, tuple(constants), tuple(positions), tuple(descriptors), len(lifted))
+    return flat, tensors
+
+
+def _argument_names(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[str]:
+    """The parameter name each positional argument binds to (``args[i]`` for ``*args``)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins and some C functions have no signature
+        return [f"args[{i}]" for i in range(len(args))]
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise CallError(
+            format_error(
+                f"cannot call {name}{signature} with {len(args)} positional argument(s)"
+                f" and keyword(s) {sorted(kwargs)}: {e}",
+                user_frame_of_function(fn),
+                "Pass the arguments the function declares.",
+            )
+        ) from None
+    names: list[str] = []
+    for parameter in signature.parameters.values():
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            names.append(parameter.name)
+        elif parameter.kind == parameter.VAR_POSITIONAL:
+            start = len(names)
+            names.extend(f"{parameter.name}[{i - start}]" for i in range(start, len(args)))
+    return names[: len(args)]
+
+
+def _leaf_name(path: tuple[Any, ...], names: Sequence[str]) -> str:
+    """``(SequenceKey(0), SequenceKey(1), MappingKey('a'))`` → ``x['a']`` if arg 1 is ``x``."""
+    in_args, key, *rest = path
+    if in_args.idx == 0:
+        root = names[key.idx]
+    else:
+        root = str(key.key)
+    return root + pytree.keystr(tuple(rest))
+
+
+def call_key(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    """What a traced graph is specialized on: tensor metadata and non-tensor values.
+
+    Two calls with equal keys (and equal tree structure) can share one trace.
+    """
+    return tuple(_leaf_key(leaf) for leaf in leaves)
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return (
+            type(leaf),
+            leaf.shape,
+            leaf.stride(),
+            leaf.storage_offset(),
+            leaf.dtype,
+            leaf.device,
+            leaf.requires_grad,
+            leaf.layout,
+        )
+    try:
+        hash(leaf)
+    except TypeError:
+        return (type(leaf), repr(leaf))
+    return (type(leaf), leaf)

@@ -1,0 +1,47 @@
+"""Descriptors in the printed graph: each placeholder and output carries a comment.
+
+>>> import torch.fx as fx
+>>> g = fx.Graph(); x = g.placeholder("x"); _ = g.output((x,))
+>>> gm = fx.GraphModule({}, g)
+>>> describe_graph(gm, ["carry['a']"], ["output[0]"])
+>>> print(gm.code.strip())  # doctest: +NORMALIZE_WHITESPACE
+def forward(
+    self,
+    x,  # carry['a']
+):
+    return (
+        x,  # output[0]
+    )
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.fx as fx
+
+DESC_KEY = "desc"  # torch.fx prints node.meta["desc"] as a comment when expanding defs
+
+
+class DescribedCodeGen(fx.graph.CodeGen):
+    """fx's code generator, always in expanded form so descriptors print as comments."""
+
+    def _gen_python_code(self, *args: Any, **kwargs: Any) -> fx.graph.PythonCode:
+        kwargs["expanded_def"] = True
+        return super()._gen_python_code(*args, **kwargs)
+
+
+def describe_graph(gm: fx.GraphModule, inputs: Sequence[object], outputs: Sequence[object]) -> None:
+    """Attach descriptors to ``gm``'s placeholders and outputs (in place) and recompile."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, desc in zip(placeholders, inputs, strict=True):
+        node.meta[DESC_KEY] = str(desc)
+        node.meta["aotgrad_desc"] = desc
+    output = gm.graph.output_node()
+    if len(output.args[0]) != len(outputs):  # type: ignore[arg-type]
+        raise AssertionError(f"expected {len(outputs)} outputs, got {len(output.args[0])}")  # type: ignore[arg-type]
+    output.meta[DESC_KEY] = [str(d) for d in outputs]
+    output.meta["aotgrad_desc"] = list(outputs)
+    gm.graph.set_codegen(DescribedCodeGen())
+    gm.recompile()
