@@ -1,0 +1,86 @@
+"""``aotgrad show FILE:FUNCTION``: print a function's graphs, descriptors and saved values.
+
+The file must define ``example_inputs()`` (or the name given by ``--inputs``)
+returning ``(args, kwargs)`` for the function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from aotgrad.api import trace
+from aotgrad.report import saved_table
+from aotgrad.testing import verify
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="aotgrad", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    show = commands.add_parser("show", help="print forward/backward graphs and saved values")
+    show.add_argument("target", help="FILE.py:FUNCTION")
+    show.add_argument("--inputs", default="example_inputs", help="function returning (args, kwargs)")
+    show.add_argument("--no-check", action="store_true", help="skip the comparison with eager")
+    options = parser.parse_args(argv)
+    try:
+        fn, args, kwargs = _load(options.target, options.inputs)
+    except (OSError, AttributeError, ValueError) as e:
+        print(f"aotgrad: {e}", file=sys.stderr)
+        return 2
+    return _show(fn, args, kwargs, check=not options.no_check)
+
+
+def _show(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], check: bool) -> int:
+    traced = trace(fn, *args, **kwargs)
+    print("=== forward graph ===")
+    print(traced.forward.code.strip(), end="\n\n")
+    if traced.backward is not None:
+        print("=== backward graph ===")
+        print(traced.backward.code.strip(), end="\n\n")
+    print("=== calling convention ===")
+    print(traced.signature, end="\n\n")
+    print("=== saved for backward ===")
+    print(saved_table(traced.saved), end="\n\n")
+    if not check:
+        return 0
+    print("=== check against eager ===")
+    report = verify(fn, *args, check=False, **kwargs)
+    print(report)
+    return 0 if report.ok else 1
+
+
+def _load(target: str, inputs_name: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    path_text, sep, name = target.rpartition(":")
+    if not sep or not name:
+        raise ValueError(f"expected FILE.py:FUNCTION, got {target!r}")
+    module = _import_file(Path(path_text))
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise AttributeError(f"{path_text} defines no {name!r}")
+    make_inputs = getattr(module, inputs_name, None)
+    if make_inputs is None:
+        raise AttributeError(
+            f"{path_text} defines no {inputs_name}(); add one returning (args, kwargs) for {name}"
+        )
+    args, kwargs = make_inputs()
+    return fn, tuple(args), dict(kwargs)
+
+
+def _import_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise OSError(f"no such file: {path}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+if __name__ == "__main__":
+    sys.exit(main())
