@@ -100,7 +100,9 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Traced:
     lifted, descriptors, body_of = _lift(fn)
     state = tuple(lifted)
     flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, descriptors)
-    partitioned = _capture_and_partition(fn, body_of(flat), flat, [*state, *tensors], None, "save_all")
+    partitioned = _capture_and_partition(
+        fn, body_of(flat), flat, [*state, *tensors], None, "save_all"
+    )
     return Traced(partitioned, compile_partitioned(partitioned), state)
 
 
@@ -129,7 +131,9 @@ def aot_function(
     lifted, descriptors, body_of = _lift(fn)
     cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...]]] = {}
 
-    def specialize(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[CompiledGraphs, tuple[int, ...]]:
+    def specialize(
+        args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[CompiledGraphs, tuple[int, ...]]:
         flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, descriptors)
         primals = [*lifted, *tensors]
         partitioned = _capture_and_partition(
@@ -213,7 +217,9 @@ def _capture_and_partition(
 BodyOf = Callable[[FlatInputs], Callable[[list[torch.Tensor]], Any]]
 
 
-def _lift(fn: Callable[..., Any]) -> tuple[Iterable[torch.Tensor], tuple[PrimalDescriptor, ...], BodyOf]:
+def _lift(
+    fn: Callable[..., Any],
+) -> tuple[Iterable[torch.Tensor], tuple[PrimalDescriptor, ...], BodyOf]:
     """For a module: its live state (leading inputs), their descriptors, and the body builder.
 
     Plain functions lift nothing. Tied parameters appear once (``named_parameters``
@@ -225,7 +231,10 @@ def _lift(fn: Callable[..., Any]) -> tuple[Iterable[torch.Tensor], tuple[PrimalD
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
     names = [*params, *buffers]
-    descriptors = (*(Param(n) for n in params), *(Buffer(n) for n in buffers))
+    descriptors: tuple[PrimalDescriptor, ...] = (
+        *(Param(n) for n in params),
+        *(Buffer(n) for n in buffers),
+    )
     state = _ModuleState(module)
     return state, descriptors, functools.partial(_module_body, module, names)
 
@@ -262,4 +271,3 @@ def _module_body(
 
 def _signature_target(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn.forward if isinstance(fn, torch.nn.Module) else fn
-

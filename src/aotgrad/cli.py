@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser("show", help="print forward/backward graphs and saved values")
     show.add_argument("target", help="FILE.py:FUNCTION")
-    show.add_argument("--inputs", default="example_inputs", help="function returning (args, kwargs)")
+    show.add_argument(
+        "--inputs", default="example_inputs", help="function returning (args, kwargs)"
+    )
     show.add_argument("--no-check", action="store_true", help="skip the comparison with eager")
     options = parser.parse_args(argv)
     try:

@@ -71,7 +71,14 @@ def verify(
     eager_out = eager_fn(*eager_args, **eager_kwargs)
     compiled_out = compiled_fn(*compiled_args, **compiled_kwargs)
     _compare_trees("output", eager_out, compiled_out, report, rtol, atol, check_grad=True)
-    _compare_trees("input after the call", (eager_args, eager_kwargs), (compiled_args, compiled_kwargs), report, rtol, atol)
+    _compare_trees(
+        "input after the call",
+        (eager_args, eager_kwargs),
+        (compiled_args, compiled_kwargs),
+        report,
+        rtol,
+        atol,
+    )
     _backward(eager_out, compiled_out)
     eager_leaves = [*_grad_holders(eager_fn), *pytree.tree_leaves((eager_args, eager_kwargs))]
     compiled_leaves = [*_grad_holders(fn), *pytree.tree_leaves((compiled_args, compiled_kwargs))]
@@ -101,7 +108,13 @@ def _grad_holders(fn: Any) -> list[torch.Tensor]:
 
 
 def _compare_trees(
-    what: str, eager: Any, compiled: Any, report: Report, rtol: float, atol: float, check_grad: bool = False
+    what: str,
+    eager: Any,
+    compiled: Any,
+    report: Report,
+    rtol: float,
+    atol: float,
+    check_grad: bool = False,
 ) -> None:
     eager_leaves, eager_spec = pytree.tree_flatten_with_path(eager)
     compiled_leaves, compiled_spec = pytree.tree_flatten(compiled)
@@ -117,15 +130,21 @@ def _compare_trees(
         report.compared_outputs += what == "output"
         _compare_tensor(name, e, c, report, rtol, atol)
         if check_grad and e.requires_grad != c.requires_grad:
-            report.mismatches.append(f"{name}: requires_grad {c.requires_grad} != eager {e.requires_grad}")
+            report.mismatches.append(
+                f"{name}: requires_grad {c.requires_grad} != eager {e.requires_grad}"
+            )
 
 
-def _compare_tensor(name: str, e: torch.Tensor, c: Any, report: Report, rtol: float, atol: float) -> None:
+def _compare_tensor(
+    name: str, e: torch.Tensor, c: Any, report: Report, rtol: float, atol: float
+) -> None:
     if not isinstance(c, torch.Tensor):
         report.mismatches.append(f"{name}: got {type(c).__name__}, eager gave a tensor")
         return
     if e.shape != c.shape or e.dtype != c.dtype:
-        report.mismatches.append(f"{name}: {c.dtype}{list(c.shape)} != eager {e.dtype}{list(e.shape)}")
+        report.mismatches.append(
+            f"{name}: {c.dtype}{list(c.shape)} != eager {e.dtype}{list(e.shape)}"
+        )
         return
     if e.device.type == "meta":
         return
@@ -139,10 +158,19 @@ def _compare_tensor(name: str, e: torch.Tensor, c: Any, report: Report, rtol: fl
         report.mismatches.append(f"{name}: values differ ({'; '.join(first[:3])})")
 
 
-def _compare_grad(name: str, e: torch.Tensor | None, c: torch.Tensor | None, report: Report, rtol: float, atol: float) -> None:
+def _compare_grad(
+    name: str,
+    e: torch.Tensor | None,
+    c: torch.Tensor | None,
+    report: Report,
+    rtol: float,
+    atol: float,
+) -> None:
     if e is None or c is None:
         if (e is None) != (c is None):
-            report.mismatches.append(f"{name}: {'None' if c is None else 'a tensor'} != eager {'None' if e is None else 'a tensor'}")
+            report.mismatches.append(
+                f"{name}: {'None' if c is None else 'a tensor'} != eager {'None' if e is None else 'a tensor'}"
+            )
         return
     _compare_tensor(name, e, c, report, rtol, atol)
 
@@ -151,12 +179,17 @@ def _backward(eager: Any, compiled: Any) -> None:
     pairs = [
         (e, c)
         for e, c in zip(pytree.tree_leaves(eager), pytree.tree_leaves(compiled), strict=False)
-        if isinstance(e, torch.Tensor) and e.requires_grad and e.is_floating_point()
-        and isinstance(c, torch.Tensor) and c.requires_grad
+        if isinstance(e, torch.Tensor)
+        and e.requires_grad
+        and e.is_floating_point()
+        and isinstance(c, torch.Tensor)
+        and c.requires_grad
     ]
     if not pairs:
         return
     generator = torch.Generator().manual_seed(0)
-    cotangents = [torch.randn(e.shape, generator=generator, dtype=e.dtype).to(e.device) for e, _ in pairs]
+    cotangents = [
+        torch.randn(e.shape, generator=generator, dtype=e.dtype).to(e.device) for e, _ in pairs
+    ]
     torch.autograd.backward([e for e, _ in pairs], cotangents)
     torch.autograd.backward([c for _, c in pairs], cotangents)

@@ -48,6 +48,7 @@ __all__ = [
     "capture",
     "node_info",
     "phase_of",
+    "set_phase",
 ]
 
 

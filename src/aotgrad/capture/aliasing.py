@@ -150,12 +150,11 @@ def _alias_group(
 ) -> None:
     """Rebuild every output of one storage from one fresh tensor (Note [Aliased outputs])."""
     owners = [k for k in group if tensors[k]._base is None]
+    base: torch.Tensor | None
     if owners:
-        source, base = AliasSource.OUTPUT, tensors[owners[0]]
-        index = owners[0]
+        source, base, index = AliasSource.OUTPUT, tensors[owners[0]], owners[0]
     else:
-        source, base = AliasSource.BASE, tensors[group[0]]._base
-        index = len(bases)
+        source, base, index = AliasSource.BASE, tensors[group[0]]._base, len(bases)
     rebuilt = []
     for k in group:
         t = tensors[k]
@@ -166,6 +165,7 @@ def _alias_group(
         aliases[k] = Alias(source, index, ViewMeta.of(t), t.requires_grad)
         rebuilt.append(k)
     if source is AliasSource.BASE and rebuilt:
+        assert base is not None
         bases.append(base)
         members.append(tuple(rebuilt))
 

@@ -49,7 +49,9 @@ class JointGraph:
             )
         returned = len(self.fresh_outputs) + len(self.bases) + len(self.mutated)
         if returned != len(self.differentiable):
-            raise AssertionError(f"expected {returned} returned values, got {len(self.differentiable)}")
+            raise AssertionError(
+                f"expected {returned} returned values, got {len(self.differentiable)}"
+            )
 
     @property
     def num_primals(self) -> int:
@@ -72,6 +74,24 @@ class JointGraph:
     @property
     def has_backward(self) -> bool:
         return bool(self.cotangents)
+
+    @property
+    def num_forward_results(self) -> int:
+        """Outputs, bases and mutated inputs: the graph outputs before the grads."""
+        return len(self.outputs) + len(self.bases) + len(self.mutated)
+
+    def results(self) -> list[fx.Node | None]:
+        """The graph's output values: ``(*outputs, *bases, *mutated, *grads)``."""
+        values = self.gm.graph.output_node().args[0]
+        assert isinstance(values, (list, tuple)), f"expected a list of outputs, got {values!r}"
+        return [v if isinstance(v, fx.Node) else None for v in values]
+
+    def forward_results(self) -> list[fx.Node]:
+        values = self.results()[: self.num_forward_results]
+        return [v for v in values if v is not None]
+
+    def grad_results(self) -> list[fx.Node | None]:
+        return self.results()[self.num_forward_results :]
 
     def nodes(self, phase: Phase) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op != "output" and phase_of(n) is phase]

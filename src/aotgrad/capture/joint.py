@@ -104,7 +104,7 @@ def _joint(
 ) -> list[torch.Tensor | None]:
     functional_mode = FunctionalTensorMode()
     with functional_mode:
-        primals = [FunctionalTensor.to_functional(p) for p in inner]
+        primals: list[torch.Tensor] = [FunctionalTensor.to_functional(p) for p in inner]
     with functional_mode:
         result = body(primals)
         leaves, tensors = _flatten_result(result, record, where)
@@ -152,7 +152,7 @@ def _mutated_inputs(
     mutated = []
     for i, p in enumerate(primals):
         elem = p.elem  # type: ignore[attr-defined]
-        if torch._functionalize_has_metadata_mutation(elem):  # type: ignore[attr-defined]
+        if torch._functionalize_has_metadata_mutation(elem):
             raise UnsupportedMutationError(
                 format_error(
                     f"the function changes the metadata of input {flat.descriptors[i]} in place"

@@ -14,7 +14,7 @@ import torch.fx as fx
 META_KEY = "aotgrad"
 
 
-class Phase(str, enum.Enum):
+class Phase(enum.StrEnum):
     """Where a node's value is computed."""
 
     FORWARD = "forward"  # computed by the forward pass

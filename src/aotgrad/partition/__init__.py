@@ -76,7 +76,9 @@ def partition(
 
 
 def users_in_backward(node: fx.Node, backward: fx.GraphModule) -> list[str]:
-    placeholder = next(n for n in backward.graph.nodes if n.op == "placeholder" and n.name == node.name)
+    placeholder = next(
+        n for n in backward.graph.nodes if n.op == "placeholder" and n.name == node.name
+    )
     return users_in(placeholder, backward.graph.nodes)
 
 

@@ -27,15 +27,14 @@ from aotgrad.optable import is_free_view
 
 def choose_saved(joint: JointGraph) -> tuple[list[fx.Node], set[fx.Node], dict[fx.Node, str]]:
     """Which forward nodes the backward receives, which it recomputes, and why each is saved."""
-    num_forward = _num_forward_outputs(joint)
-    grads = joint.gm.graph.output_node().args[0][num_forward:]  # type: ignore[index]
+    grads = joint.grad_results()
     wanted: dict[fx.Node, str] = {}
     for node in joint.nodes(Phase.BACKWARD):
         for source in node.all_input_nodes:
             if phase_of(source) is Phase.FORWARD:
                 wanted.setdefault(source, f"read by backward op {node.name}")
     for grad in grads:
-        if isinstance(grad, fx.Node) and phase_of(grad) is Phase.FORWARD:
+        if grad is not None and phase_of(grad) is Phase.FORWARD:
             wanted.setdefault(grad, "is a gradient")
     recompute: set[fx.Node] = set()
     saved: dict[fx.Node, str] = {}
@@ -55,10 +54,6 @@ def _save_or_replay(
             _save_or_replay(source, f"source of view {node.name}, {reason}", saved, recompute)
     else:
         saved.setdefault(node, reason)
-
-
-def _num_forward_outputs(joint: JointGraph) -> int:
-    return len(joint.outputs) + len(joint.bases) + len(joint.mutated)
 
 
 def users_in(node: fx.Node, nodes: Iterable[fx.Node]) -> list[str]:

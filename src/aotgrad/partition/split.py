@@ -6,8 +6,7 @@ from collections.abc import Sequence
 
 import torch.fx as fx
 
-from aotgrad.capture import JointGraph, Phase, phase_of
-from aotgrad.capture.provenance import set_phase
+from aotgrad.capture import JointGraph, Phase, phase_of, set_phase
 
 
 def build_forward(joint: JointGraph, saved: Sequence[fx.Node]) -> fx.GraphModule:
@@ -17,9 +16,7 @@ def build_forward(joint: JointGraph, saved: Sequence[fx.Node]) -> fx.GraphModule
     for node in joint.gm.graph.nodes:
         if node.op != "output" and phase_of(node) is Phase.FORWARD:
             env[node] = graph.node_copy(node, env.__getitem__)
-    num_forward = len(joint.outputs) + len(joint.bases) + len(joint.mutated)
-    outputs = joint.gm.graph.output_node().args[0][:num_forward]  # type: ignore[index]
-    graph.output(tuple(env[n] for n in (*outputs, *saved)))
+    graph.output(tuple(env[n] for n in (*joint.forward_results(), *saved)))
     graph.eliminate_dead_code()
     return fx.GraphModule(joint.gm, graph)
 
@@ -42,8 +39,6 @@ def build_backward(
             set_phase(env[node], Phase.RECOMPUTE)
         elif node.op == "call_function" and phase_of(node) is Phase.BACKWARD:
             env[node] = graph.node_copy(node, env.__getitem__)
-    num_forward = len(joint.outputs) + len(joint.bases) + len(joint.mutated)
-    grads = joint.gm.graph.output_node().args[0][num_forward:]  # type: ignore[index]
-    graph.output(tuple(env[g] if g is not None else None for g in grads))
+    graph.output(tuple(env[g] if g is not None else None for g in joint.grad_results()))
     graph.eliminate_dead_code()
     return fx.GraphModule(joint.gm, graph)

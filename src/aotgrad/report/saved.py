@@ -29,7 +29,7 @@ def saved_table(saved: Sequence[SavedValue]) -> str:
         bytes_text = "(input)" if s.is_input else format_bytes(s.nbytes)
         shape = "x".join(map(str, s.shape)) or "scalar"
         rows.append(
-            f"{s.name:<16} {shape:<18} {str(s.dtype):<14} {bytes_text:>10}  {s.producer:<28} {s.reason}"
+            f"{s.name:<16} {shape:<18} {s.dtype!s:<14} {bytes_text:>10}  {s.producer:<28} {s.reason}"
         )
     total = sum(s.nbytes for s in saved if not s.is_input)
     rows.append(f"total saved beyond inputs: {format_bytes(total)} in {len(saved)} value(s)")

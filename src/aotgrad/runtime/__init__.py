@@ -49,12 +49,15 @@ def compile_partitioned(
     forward_examples = _examples(partitioned.forward)
     if partitioned.backward is None:
         compiler = inference_compiler or fw_compiler
-        return CompiledGraphs(partitioned, compile_boxed(compiler, partitioned.forward, forward_examples), None)
+        return CompiledGraphs(
+            partitioned, compile_boxed(compiler, partitioned.forward, forward_examples), None
+        )
     forward = compile_boxed(fw_compiler, partitioned.forward, forward_examples)
-    backward = compile_boxed(bw_compiler or fw_compiler, partitioned.backward, _examples(partitioned.backward))
+    backward = compile_boxed(
+        bw_compiler or fw_compiler, partitioned.backward, _examples(partitioned.backward)
+    )
     return CompiledGraphs(partitioned, forward, backward)
 
 
 def _examples(gm: torch.fx.GraphModule) -> list[Any]:
     return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-

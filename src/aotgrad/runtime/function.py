@@ -70,7 +70,9 @@ class Plan:
         )
 
 
-def make_function(plan: Plan, forward: BoxedCall, backward: BoxedCall) -> type[torch.autograd.Function]:
+def make_function(
+    plan: Plan, forward: BoxedCall, backward: BoxedCall
+) -> type[torch.autograd.Function]:
     """A fresh ``autograd.Function`` class bound to one pair of compiled graphs."""
     not_differentiable = [i for i, d in enumerate(plan.differentiable) if not d]
     differentiable = [i for i, d in enumerate(plan.differentiable) if d]
@@ -93,7 +95,9 @@ def make_function(plan: Plan, forward: BoxedCall, backward: BoxedCall) -> type[t
     return CompiledFunction
 
 
-def run_epilogue(plan: Plan, primals: Sequence[torch.Tensor], returned: Sequence[torch.Tensor]) -> Any:
+def run_epilogue(
+    plan: Plan, primals: Sequence[torch.Tensor], returned: Sequence[torch.Tensor]
+) -> Any:
     """Mutations back into inputs, aliases rebuilt, constants restored (Note above)."""
     n_fresh = len(plan.fresh)
     bases = returned[n_fresh : n_fresh + plan.num_bases]

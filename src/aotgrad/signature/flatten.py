@@ -127,10 +127,7 @@ def _argument_names(
 def _leaf_name(path: tuple[Any, ...], names: Sequence[str]) -> str:
     """``(SequenceKey(0), SequenceKey(1), MappingKey('a'))`` → ``x['a']`` if arg 1 is ``x``."""
     in_args, key, *rest = path
-    if in_args.idx == 0:
-        root = names[key.idx]
-    else:
-        root = str(key.key)
+    root = names[key.idx] if in_args.idx == 0 else str(key.key)
     return root + pytree.keystr(tuple(rest))
 
 

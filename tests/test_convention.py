@@ -1,0 +1,160 @@
+"""The calling convention: layout, descriptors, printing, JSON, re-tracing."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.fx as fx
+
+import aotgrad
+from aotgrad.signature import (
+    SIGNATURE_VERSION,
+    Cotangent,
+    Grad,
+    Input,
+    Output,
+    Saved,
+)
+
+
+def f(x, w):
+    return (x @ w).sin()
+
+
+def traced_f():
+    return aotgrad.trace(f, torch.randn(2, 3), torch.randn(3, 4, requires_grad=True))
+
+
+def test_layout_of_forward_and_backward():
+    sig = traced_f().signature
+    assert sig.version == SIGNATURE_VERSION
+    assert sig.forward_inputs == (Input("x"), Input("w"))
+    assert sig.forward_outputs[0] == Output("")
+    assert all(isinstance(d, Saved) for d in sig.forward_outputs[1:])
+    assert sig.backward_inputs[: len(sig.saved)] == sig.saved
+    assert sig.backward_inputs[len(sig.saved) :] == (Cotangent(Output("")),)
+    assert sig.backward_outputs == (None, Grad(Input("w")))
+
+
+def test_descriptors_print_as_comments_and_sit_on_node_meta():
+    traced = traced_f()
+    code = traced.forward.code
+    assert "x,  # x" in code and "w,  # w" in code
+    assert "# saved: " in code
+    assert "# grad of w" in traced.backward.code
+    assert "# cotangent of output" in traced.backward.code
+    placeholder = next(n for n in traced.forward.graph.nodes if n.op == "placeholder")
+    assert placeholder.meta["aotgrad_desc"] == Input("x")
+
+
+def test_graphs_run_as_plain_python_with_the_convention():
+    traced = traced_f()
+    x, w = torch.randn(2, 3), torch.randn(3, 4)
+    out, *saved = traced.forward(x, w)
+    torch.testing.assert_close(out, f(x, w))
+    (grad_x, grad_w) = traced.backward(*saved, torch.ones(2, 4))
+    assert grad_x is None
+    torch.testing.assert_close(grad_w, x.t() @ (x @ w).cos())
+
+
+def test_every_joint_node_is_marked_forward_or_backward():
+    from aotgrad.capture import Phase, phase_of
+
+    traced = traced_f()
+    phases = {phase_of(n) for n in traced.joint.graph.nodes if n.op != "output"}
+    assert phases == {Phase.FORWARD, Phase.BACKWARD}
+    for n in traced.forward.graph.nodes:
+        if n.op == "call_function":
+            assert phase_of(n) is Phase.FORWARD
+
+
+def test_signature_is_json_data():
+    data = json.loads(json.dumps(traced_f().signature.to_dict()))
+    assert data["version"] == SIGNATURE_VERSION
+    assert data["backward_outputs"][1] == {"kind": "Grad", "of": {"kind": "Input", "path": "w"}}
+
+
+def test_saved_values_report_shape_dtype_bytes_and_reason():
+    saved = {s.name: s for s in traced_f().saved}
+    mm = saved["mm"]
+    assert mm.shape == (2, 4) and mm.dtype == torch.float32 and mm.nbytes == 32
+    assert mm.producer == "aten.mm.default" and "backward" in mm.reason
+    assert saved["x"].is_input
+
+
+def test_free_views_are_recomputed_in_the_backward_not_saved():
+    traced = aotgrad.trace(
+        lambda x, w: (x @ w.t()).sum(), torch.randn(2, 3, requires_grad=True), torch.randn(4, 3)
+    )
+    assert all(s.producer != "aten.t.default" for s in traced.saved)
+
+
+def test_no_backward_when_nothing_requires_grad():
+    traced = aotgrad.trace(f, torch.randn(2, 3), torch.randn(3, 4))
+    assert traced.backward is None and traced.saved == ()
+    with torch.no_grad():
+        traced = aotgrad.trace(f, torch.randn(2, 3), torch.randn(3, 4, requires_grad=True))
+    assert traced.backward is None
+
+
+def counting(fn):
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return wrapper, calls
+
+
+def test_retraces_on_new_metadata_or_scalar_values_only():
+    body, calls = counting(lambda x, scale: x.sin() * scale)
+    compiled = aotgrad.aot_function(body)
+    x = torch.randn(3, requires_grad=True)
+    compiled(x, 2.0)
+    compiled(torch.randn(3, requires_grad=True), 2.0)
+    assert len(calls) == 1, "same metadata and scalars: cache hit"
+    for new in [
+        (torch.randn(4, requires_grad=True), 2.0),  # shape
+        (torch.randn(3, dtype=torch.float64, requires_grad=True), 2.0),  # dtype
+        (torch.randn(3), 2.0),  # requires_grad
+        (x, 3.0),  # scalar value
+    ]:
+        before = len(calls)
+        out = compiled(*new)
+        assert len(calls) == before + 1
+        torch.testing.assert_close(out, new[0].sin() * new[1])
+
+
+def test_specialized_scalars_are_baked_into_the_graph():
+    traced = aotgrad.trace(lambda x, n: x * n, torch.randn(2), 7)
+    assert [str(d) for d in traced.signature.forward_inputs] == ["x"]
+    assert "7" in traced.forward.code
+
+
+def test_compilers_get_graph_and_fake_example_inputs_and_may_return_boxed_or_not():
+    seen = []
+
+    def unboxed(gm, example_inputs):
+        assert isinstance(gm, fx.GraphModule)
+        seen.append([tuple(t.shape) for t in example_inputs])
+        return gm.forward
+
+    def boxed(gm, example_inputs):
+        seen.append(len(example_inputs))
+        return aotgrad.make_boxed_func(gm.forward)
+
+    compiled = aotgrad.aot_function(f, fw_compiler=unboxed, bw_compiler=boxed)
+    x, w = torch.randn(2, 3), torch.randn(3, 4, requires_grad=True)
+    compiled(x, w).sum().backward()
+    assert seen[0] == [(2, 3), (3, 4)]
+    assert isinstance(seen[1], int)
+    torch.testing.assert_close(w.grad, x.t() @ (x @ w).cos())
+
+
+def test_works_with_autograd_grad_and_backward():
+    compiled = aotgrad.aot_function(f)
+    x, w = torch.randn(2, 3), torch.randn(3, 4, requires_grad=True)
+    (g,) = torch.autograd.grad(compiled(x, w).sum(), [w])
+    torch.testing.assert_close(g, x.t() @ (x @ w).cos())

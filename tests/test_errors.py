@@ -1,0 +1,82 @@
+"""Clear errors, never a wrong graph: each names the construct, the user's line and a fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotgrad
+
+HERE = __file__
+
+
+def branch_on_value(x):
+    if x.sum() > 0:  # the offending line
+        return x * 2
+    return x
+
+
+def item_in_python(x):
+    return x * x.max().item()
+
+
+def data_dependent_shape(x):
+    return x[x > 0].sum()
+
+
+@pytest.mark.parametrize(
+    ("fn", "construct", "line"),
+    [
+        (branch_on_value, "Python control flow", "if x.sum() > 0:"),
+        (item_in_python, "`.item()`", "return x * x.max().item()"),
+        (data_dependent_shape, "depends on tensor values", "return x[x > 0].sum()"),
+    ],
+)
+def test_data_dependent_python_is_refused_at_the_users_line(fn, construct, line):
+    with pytest.raises(aotgrad.DataDependentError) as info:
+        aotgrad.trace(fn, torch.randn(3, requires_grad=True))
+    message = str(info.value)
+    assert construct in message
+    assert f"{HERE}:" in message and line in message
+    assert "torch.where" in message  # what to do
+
+
+def test_non_tensor_output_is_refused():
+    with pytest.raises(aotgrad.UnsupportedOutputError, match=r"output\[1\] is a builtins.object"):
+        aotgrad.trace(lambda x: (x.sin(), object()), torch.randn(3))
+
+
+def test_wrong_number_of_arguments_says_what_the_function_takes():
+    compiled = aotgrad.aot_function(lambda x, w: x @ w)
+    with pytest.raises(aotgrad.CallError, match=r"missing a required argument: 'w'"):
+        compiled(torch.randn(2, 2))
+
+
+def test_traced_called_with_another_structure_says_so():
+    traced = aotgrad.trace(lambda d: d["a"].sin(), {"a": torch.randn(2)})
+    with pytest.raises(aotgrad.CallError, match="captured for arguments structured as"):
+        traced({"b": torch.randn(2)})
+
+
+def test_mutating_an_input_that_requires_grad_is_refused_clearly():
+    def mutate_non_leaf(x):
+        x.add_(1)
+        return x.sin()
+
+    base = torch.randn(3, requires_grad=True)
+    with pytest.raises(aotgrad.UnsupportedMutationError, match="requires grad"):
+        aotgrad.trace(mutate_non_leaf, base * 2)
+
+
+def test_metadata_mutation_is_refused_clearly():
+    def f(x):
+        x.t_()
+        return x + 1
+
+    with pytest.raises(aotgrad.UnsupportedMutationError, match="metadata"):
+        aotgrad.trace(f, torch.randn(2, 3))
+
+
+def test_errors_are_aotgrad_errors():
+    assert issubclass(aotgrad.DataDependentError, aotgrad.AotgradError)
+    assert issubclass(aotgrad.CallError, TypeError)
