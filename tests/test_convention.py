@@ -158,3 +158,19 @@ def test_works_with_autograd_grad_and_backward():
     x, w = torch.randn(2, 3), torch.randn(3, 4, requires_grad=True)
     (g,) = torch.autograd.grad(compiled(x, w).sum(), [w])
     torch.testing.assert_close(g, x.t() @ (x @ w).cos())
+
+
+def test_modules_retrace_on_train_eval_and_parameter_changes():
+    from models import ConvBN
+
+    torch.manual_seed(0)
+    model = ConvBN()
+    compiled = aotgrad.aot_module(model)
+    x, target = torch.randn(2, 1, 8, 8), torch.randn(2, 10)
+    compiled(x, target)
+    model.eval()
+    torch.testing.assert_close(compiled(x, target), model(x, target))
+    model.fc1.weight.requires_grad_(False)
+    compiled(x, target).backward()
+    assert model.fc1.weight.grad is None and model.conv1.weight.grad is not None
+    assert len(compiled._compiled.cache) == 3

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +117,7 @@ def aot_function(
 ) -> Callable[..., Any]:
     """Compile ``fn``'s forward and backward graphs with the given compilers.
 
-    Call-compatible with ``functorch.compile.aot_function``. Each new input
+    Call-compatible with PyTorch's ``aot_function`` (functorch's compile module). Each new input
     structure or tensor metadata (shape, stride, dtype, device,
     requires_grad) or non-tensor value traces and compiles once; later
     calls with the same ones reuse it.
@@ -132,10 +132,10 @@ def aot_function(
     cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...]]] = {}
 
     def specialize(
-        args: tuple[Any, ...], kwargs: dict[str, Any]
+        state: tuple[torch.Tensor, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[CompiledGraphs, tuple[int, ...]]:
         flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, descriptors)
-        primals = [*lifted, *tensors]
+        primals = [*state, *tensors]
         partitioned = _capture_and_partition(
             fn, body_of(flat), flat, primals, decompositions, partition_fn or "save_all"
         )
@@ -144,16 +144,38 @@ def aot_function(
 
     @functools.wraps(fn)
     def compiled_fn(*args: Any, **kwargs: Any) -> Any:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        key = (spec, call_key(leaves), torch.is_grad_enabled())
+        leaves, spec = _flatten_call(args, kwargs)
+        state = tuple(lifted)
+        key = (spec, call_key(leaves), call_key(state), _modes(fn), torch.is_grad_enabled())
         entry = cache.get(key)
         if entry is None:
-            entry = cache[key] = specialize(args, kwargs)
+            entry = cache[key] = specialize(state, args, kwargs)
         compiled, positions = entry
-        return compiled([*lifted, *(leaves[i] for i in positions)])
+        return compiled([*state, *(leaves[i] for i in positions)])
 
     compiled_fn.cache = cache  # type: ignore[attr-defined]
     return compiled_fn
+
+
+def _modes(fn: Callable[..., Any]) -> tuple[bool, ...]:
+    """A module's train/eval flags: part of what a trace is specialized on."""
+    if isinstance(fn, torch.nn.Module):
+        return tuple(m.training for m in fn.modules())
+    return ()
+
+
+_SCALAR_TYPES = frozenset({int, float, bool, str, type(None)})
+
+
+def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Sequence[Any], Any]:
+    """The call's leaves and a hashable structure key; skips pytree for flat positional calls.
+
+    A call of tensors and scalars only, without keywords, has leaves ``args``
+    in the same order ``pytree`` would give; its structure key is the count.
+    """
+    if not kwargs and all(isinstance(a, torch.Tensor) or type(a) in _SCALAR_TYPES for a in args):
+        return args, len(args)
+    return pytree.tree_flatten((args, kwargs))
 
 
 class AOTModule(torch.nn.Module):

@@ -116,6 +116,8 @@ def run_epilogue(
         if leaf.alias is not None:
             tensors[leaf.index] = _rebuild(leaf.alias, primals, tensors, bases)
         leaves.append(tensors[leaf.index])
+    if plan.out_spec.is_leaf():
+        return leaves[0]
     return pytree.tree_unflatten(leaves, plan.out_spec)
 
 
