@@ -164,3 +164,15 @@ def test_matches_pytorch_aot_function_on_values_and_grads():
     out_theirs.sum().backward()
     torch.testing.assert_close(ours[1].grad, theirs[1].grad)
     torch.testing.assert_close(ours[2].grad, theirs[2].grad)
+
+
+CONSTANT = torch.randn(3)
+
+
+def test_tensors_the_function_closes_over_are_graph_constants():
+    def f(x):
+        return (x * CONSTANT).sin(), CONSTANT
+
+    verify(f, torch.randn(3, requires_grad=True))
+    out = aotgrad.aot_function(f)(torch.randn(3, requires_grad=True))
+    assert out[1] is CONSTANT, "eager returns the global itself"

@@ -96,6 +96,16 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Traced:
     ``fn`` is a function or an ``nn.Module`` (its parameters and buffers become
     the first inputs). The example inputs' data is never read: they may live
     on any device, ``meta`` included. See ``docs/calling-convention.md``.
+
+    >>> import torch, aotgrad
+    >>> def fn(carry, x):
+    ...     return torch.sin(carry["a"] @ x["w"])
+    >>> carry = {"a": torch.ones(2, 3, device="meta", requires_grad=True)}
+    >>> traced = aotgrad.trace(fn, carry, {"w": torch.ones(3, 3, device="meta")})
+    >>> [str(d) for d in traced.signature.forward_outputs]
+    ['output', 'saved: x_w', 'saved: mm']
+    >>> [str(d) for d in traced.signature.backward_outputs]
+    ["grad of carry['a']", 'None']
     """
     lifted, descriptors, body_of = _lift(fn)
     state = tuple(lifted)
@@ -204,6 +214,12 @@ def aot_module(
     Inputs are named by qualified name (``Param("fc1.weight")``). Tied
     parameters (the same tensor under two names) are one input with one,
     summed, gradient.
+
+    >>> import torch, aotgrad
+    >>> model = aotgrad.aot_module(torch.nn.Linear(3, 2))
+    >>> model(torch.ones(4, 3)).sum().backward()
+    >>> model.orig_module.weight.grad.shape
+    torch.Size([2, 3])
     """
     compiled = aot_function(
         module,

@@ -47,8 +47,10 @@ def choose_saved(joint: JointGraph) -> tuple[list[fx.Node], set[fx.Node], dict[f
 def _save_or_replay(
     node: fx.Node, reason: str, saved: dict[fx.Node, str], recompute: set[fx.Node]
 ) -> None:
-    """Save ``node``, or, if it is a free view, recompute it and save its sources."""
-    if node.op == "call_function" and is_free_view(node.target):
+    """Save ``node``, or, if it is a free view or a constant, recompute it in the backward."""
+    if node.op == "get_attr":  # a constant the graph holds: the backward reads it directly
+        recompute.add(node)
+    elif node.op == "call_function" and is_free_view(node.target):
         recompute.add(node)
         for source in node.all_input_nodes:
             _save_or_replay(source, f"source of view {node.name}, {reason}", saved, recompute)

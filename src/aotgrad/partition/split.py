@@ -37,7 +37,7 @@ def build_backward(
         if node in recompute:
             env[node] = graph.node_copy(node, env.__getitem__)
             set_phase(env[node], Phase.RECOMPUTE)
-        elif node.op == "call_function" and phase_of(node) is Phase.BACKWARD:
+        elif node.op in ("call_function", "get_attr") and phase_of(node) is Phase.BACKWARD:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[g] if g is not None else None for g in joint.grad_results()))
     graph.eliminate_dead_code()
