@@ -69,8 +69,7 @@ def capture(
     gm, record, _ = trace_joint(
         body, flat, primals, with_backward=with_backward, decompositions=decompositions, where=where
     )
-    joint = _assemble(gm, flat, primals, record)
-    return joint
+    return _assemble(gm, flat, primals, record)
 
 
 def _assemble(
@@ -104,10 +103,11 @@ def _assemble(
     _name_placeholders(gm.graph, [*flat.descriptors, *cotangents])
     grads = [Grad(of=d) for d in flat.descriptors] if cotangents else []
     describe_graph(
-        gm,
+        gm.graph,
         [*flat.descriptors, *cotangents],
         [*outputs, *bases, *joint.mutated_descriptors, *grads],
     )
+    gm.recompile()
     return joint
 
 

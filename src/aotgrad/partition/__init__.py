@@ -5,7 +5,7 @@ Entry point: :func:`partition`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -68,25 +68,36 @@ def partition(
     saved = tuple(
         describe_saved(n, users_in_backward(n, backward), reasons[n]) for n in saved_nodes
     )
-    forward = build_forward(joint, saved_nodes)
     signature = _signature(joint, saved)
-    describe_graph(forward, signature.forward_inputs, signature.forward_outputs)
-    describe_graph(backward, signature.backward_inputs, signature.backward_outputs)
-    return Partitioned(joint, forward, backward, saved, signature)
-
-
-def users_in_backward(node: fx.Node, backward: fx.GraphModule) -> list[str]:
-    placeholder = next(
-        n for n in backward.graph.nodes if n.op == "placeholder" and n.name == node.name
+    forward = _module(
+        joint,
+        build_forward(joint, saved_nodes),
+        signature.forward_inputs,
+        signature.forward_outputs,
     )
-    return users_in(placeholder, backward.graph.nodes)
+    backward_gm = _module(joint, backward, signature.backward_inputs, signature.backward_outputs)
+    return Partitioned(joint, forward, backward_gm, saved, signature)
+
+
+def users_in_backward(node: fx.Node, backward: fx.Graph) -> list[str]:
+    placeholder = next(n for n in backward.nodes if n.op == "placeholder" and n.name == node.name)
+    return users_in(placeholder, backward.nodes)
 
 
 def _forward_only(joint: JointGraph) -> Partitioned:
-    forward = build_forward(joint, [])
     signature = _signature(joint, ())
-    describe_graph(forward, signature.forward_inputs, signature.forward_outputs)
+    forward = _module(
+        joint, build_forward(joint, []), signature.forward_inputs, signature.forward_outputs
+    )
     return Partitioned(joint, forward, None, (), signature)
+
+
+def _module(
+    joint: JointGraph, graph: fx.Graph, inputs: Sequence[object], outputs: Sequence[object]
+) -> fx.GraphModule:
+    """Describe ``graph``, then compile it once into a module sharing the joint's constants."""
+    describe_graph(graph, inputs, outputs)
+    return fx.GraphModule(joint.gm, graph)
 
 
 def _signature(joint: JointGraph, saved: tuple[SavedValue, ...]) -> Signature:

@@ -9,7 +9,7 @@ import torch.fx as fx
 from aotgrad.capture import JointGraph, Phase, phase_of, set_phase
 
 
-def build_forward(joint: JointGraph, saved: Sequence[fx.Node]) -> fx.GraphModule:
+def build_forward(joint: JointGraph, saved: Sequence[fx.Node]) -> fx.Graph:
     """``forward(*primals) -> (*outputs, *bases, *mutated, *saved)``."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -18,12 +18,12 @@ def build_forward(joint: JointGraph, saved: Sequence[fx.Node]) -> fx.GraphModule
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[n] for n in (*joint.forward_results(), *saved)))
     graph.eliminate_dead_code()
-    return fx.GraphModule(joint.gm, graph)
+    return graph
 
 
 def build_backward(
     joint: JointGraph, saved: Sequence[fx.Node], recompute: set[fx.Node]
-) -> fx.GraphModule:
+) -> fx.Graph:
     """``backward(*saved, *cotangents) -> grads``, recomputing ``recompute`` first."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -41,4 +41,4 @@ def build_backward(
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[g] if g is not None else None for g in joint.grad_results()))
     graph.eliminate_dead_code()
-    return fx.GraphModule(joint.gm, graph)
+    return graph

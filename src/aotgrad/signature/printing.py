@@ -2,9 +2,8 @@
 
 >>> import torch.fx as fx
 >>> g = fx.Graph(); x = g.placeholder("x"); _ = g.output((x,))
->>> gm = fx.GraphModule({}, g)
->>> describe_graph(gm, ["carry['a']"], ["output[0]"])
->>> print(gm.code.strip())  # doctest: +NORMALIZE_WHITESPACE
+>>> describe_graph(g, ["carry['a']"], ["output[0]"])
+>>> print(fx.GraphModule({}, g).code.strip())  # doctest: +NORMALIZE_WHITESPACE
 def forward(
     self,
     x,  # carry['a']
@@ -32,16 +31,18 @@ class DescribedCodeGen(fx.graph.CodeGen):
         return super()._gen_python_code(*args, **kwargs)
 
 
-def describe_graph(gm: fx.GraphModule, inputs: Sequence[object], outputs: Sequence[object]) -> None:
-    """Attach descriptors to ``gm``'s placeholders and outputs (in place) and recompile."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+def describe_graph(graph: fx.Graph, inputs: Sequence[object], outputs: Sequence[object]) -> None:
+    """Attach descriptors to ``graph``'s placeholders and outputs, in place.
+
+    A ``GraphModule`` built on (or recompiled after) this prints them.
+    """
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, desc in zip(placeholders, inputs, strict=True):
         node.meta[DESC_KEY] = str(desc)
         node.meta["aotgrad_desc"] = desc
-    output = gm.graph.output_node()
+    output = graph.output_node()
     if len(output.args[0]) != len(outputs):  # type: ignore[arg-type]
         raise AssertionError(f"expected {len(outputs)} outputs, got {len(output.args[0])}")  # type: ignore[arg-type]
     output.meta[DESC_KEY] = [str(d) for d in outputs]
     output.meta["aotgrad_desc"] = list(outputs)
-    gm.graph.set_codegen(DescribedCodeGen())
-    gm.recompile()
+    graph.set_codegen(DescribedCodeGen())
