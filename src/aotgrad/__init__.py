@@ -16,6 +16,7 @@ from aotgrad.errors import (
     CallError,
     CaptureError,
     DataDependentError,
+    InPlaceOnLeafError,
     UnsupportedMutationError,
     UnsupportedOutputError,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "CallError",
     "CaptureError",
     "DataDependentError",
+    "InPlaceOnLeafError",
     "Traced",
     "UnsupportedMutationError",
     "UnsupportedOutputError",

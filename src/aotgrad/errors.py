@@ -43,6 +43,10 @@ class UnsupportedMutationError(CaptureError):
     """The function mutates an input in a way aotgrad does not support yet."""
 
 
+class InPlaceOnLeafError(CaptureError, RuntimeError):
+    """An in-place op on a leaf that requires grad: eager refuses it, and so does aotgrad."""
+
+
 class CallError(AotgradError, TypeError):
     """A compiled function was called with arguments it cannot accept."""
 

@@ -1,10 +1,19 @@
 """A differential checker: does a compiled function behave exactly like eager?
 
+:func:`verify` runs the function eagerly and through aotgrad on two
+independent copies of the same inputs, then compares everything a caller
+can observe: output values, shapes, dtypes, ``requires_grad``, leafness,
+which outputs alias which inputs or each other, the inputs' values and
+metadata after the call, and gradients.
+
 >>> import torch
 >>> from aotgrad.testing import verify
->>> report = verify(lambda x, w: (x @ w).relu(), torch.randn(2, 3), torch.randn(3, 4, requires_grad=True))
->>> report.ok
-True
+>>> def f(x, w):
+...     x.mul_(2)
+...     return (x @ w).relu(), x.t()
+>>> report = verify(f, torch.randn(2, 3), torch.randn(3, 4, requires_grad=True))
+>>> report.ok, report.compared_outputs, report.compared_grads
+(True, 2, 1)
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotgrad.api import aot_function, aot_module
 
@@ -48,6 +58,21 @@ class Report:
         return "\n".join([f"{len(self.mismatches)} mismatch(es): {head}", *self.mismatches])
 
 
+@dataclass
+class _Call:
+    """One independent copy of the user's arguments."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    # Tensors whose ``.grad`` holds each input's gradient, by name.
+    grad_holders: dict[str, torch.Tensor]
+
+    @property
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        leaves, _ = pytree.tree_flatten_with_path((self.args, self.kwargs))
+        return [(_input_name(p), t) for p, t in leaves if isinstance(t, torch.Tensor)]
+
+
 def verify(
     fn: Callable[..., Any],
     *args: Any,
@@ -58,121 +83,213 @@ def verify(
 ) -> Report:
     """Run ``fn`` eagerly and through ``aot_function`` (``aot_module`` for modules) and compare.
 
-    Compares output values, shapes, dtypes and ``requires_grad``, input values
-    after the call, and gradients of every input (and parameter) for random
+    Inputs are copied twice, keeping their values, strides, storage sharing,
+    ``requires_grad`` and leafness. Gradients are taken for seeded random
     cotangents on every differentiable output. Raises
     :class:`VerificationError` listing every mismatch unless ``check=False``.
     """
     report = Report()
     eager_fn = copy.deepcopy(fn) if isinstance(fn, torch.nn.Module) else fn
     compiled_fn = aot_module(fn) if isinstance(fn, torch.nn.Module) else aot_function(fn)
-    eager_args, eager_kwargs = _clone_tree((args, kwargs))
-    compiled_args, compiled_kwargs = _clone_tree((args, kwargs))
-    eager_out = eager_fn(*eager_args, **eager_kwargs)
-    compiled_out = compiled_fn(*compiled_args, **compiled_kwargs)
-    _compare_trees("output", eager_out, compiled_out, report, rtol, atol, check_grad=True)
-    _compare_trees(
-        "input after the call",
-        (eager_args, eager_kwargs),
-        (compiled_args, compiled_kwargs),
-        report,
-        rtol,
-        atol,
-    )
+    eager, compiled = _copy_call(args, kwargs), _copy_call(args, kwargs)
+    eager_out = eager_fn(*eager.args, **eager.kwargs)
+    compiled_out = compiled_fn(*compiled.args, **compiled.kwargs)
+    checker = _Checker(report, rtol, atol)
+    checker.outputs(eager_out, compiled_out, eager, compiled)
+    checker.inputs_after_call(eager, compiled)
     _backward(eager_out, compiled_out)
-    eager_leaves = [*_grad_holders(eager_fn), *pytree.tree_leaves((eager_args, eager_kwargs))]
-    compiled_leaves = [*_grad_holders(fn), *pytree.tree_leaves((compiled_args, compiled_kwargs))]
-    for i, (e, c) in enumerate(zip(eager_leaves, compiled_leaves, strict=True)):
-        if isinstance(e, torch.Tensor) and e.requires_grad:
-            report.compared_grads += 1
-            _compare_grad(f"grad of input {i}", e.grad, c.grad, report, rtol, atol)
+    eager.grad_holders.update(_parameters(eager_fn))
+    compiled.grad_holders.update(_parameters(fn))
+    for name, holder in eager.grad_holders.items():
+        report.compared_grads += 1
+        checker.grad(f"grad of {name}", holder.grad, compiled.grad_holders[name].grad)
     if check and not report.ok:
         raise VerificationError(str(report))
     return report
 
 
-def _clone_tree(tree: Any) -> Any:
-    def clone(leaf: Any) -> Any:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        out = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device)
-        with torch.no_grad():
-            out.copy_(leaf)
-        return out.requires_grad_(leaf.requires_grad)
-
-    return pytree.tree_map(clone, tree)
+def _input_name(path: tuple[Any, ...]) -> str:
+    in_args, key, *rest = path
+    root = f"args[{key.idx}]" if in_args.idx == 0 else str(key.key)
+    return root + pytree.keystr(tuple(rest))
 
 
-def _grad_holders(fn: Any) -> list[torch.Tensor]:
-    return list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+def _parameters(fn: Any) -> dict[str, torch.Tensor]:
+    if not isinstance(fn, torch.nn.Module):
+        return {}
+    return {f"param {n}": p for n, p in fn.named_parameters() if p.requires_grad}
 
 
-def _compare_trees(
-    what: str,
-    eager: Any,
-    compiled: Any,
-    report: Report,
-    rtol: float,
-    atol: float,
-    check_grad: bool = False,
-) -> None:
-    eager_leaves, eager_spec = pytree.tree_flatten_with_path(eager)
-    compiled_leaves, compiled_spec = pytree.tree_flatten(compiled)
-    if eager_spec != compiled_spec:
-        report.mismatches.append(f"{what}: structure {compiled_spec} != eager {eager_spec}")
-        return
-    for (path, e), c in zip(eager_leaves, compiled_leaves, strict=True):
-        name = f"{what}{pytree.keystr(path)}"
-        if not isinstance(e, torch.Tensor):
-            if e != c:
-                report.mismatches.append(f"{name}: {c!r} != eager {e!r}")
+def _copy_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+    """Copy the inputs, keeping storage sharing between them (aliasing inputs stay aliased)."""
+    leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
+    groups: dict[Any, list[int]] = {}
+    for i, (_, leaf) in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            groups.setdefault(_storage_key(leaf), []).append(i)
+    copies: list[Any] = [leaf for _, leaf in leaves]
+    holders: dict[str, torch.Tensor] = {}
+    for members in groups.values():
+        originals = [leaves[i][1] for i in members]
+        for i, new in zip(
+            members, _copy_storage_group(originals, holders, leaves, members), strict=True
+        ):
+            copies[i] = new
+    new_args, new_kwargs = pytree.tree_unflatten(copies, spec)
+    return _Call(tuple(new_args), dict(new_kwargs), holders)
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    if t.device.type == "meta":
+        return id(t)
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _copy_storage_group(
+    originals: list[torch.Tensor],
+    holders: dict[str, torch.Tensor],
+    leaves: list[Any],
+    members: list[int],
+) -> list[torch.Tensor]:
+    """Fresh tensors over one fresh storage; gradient holders registered by input name."""
+    first = originals[0]
+    if first.device.type == "meta":
+        return [t.detach().clone().requires_grad_(t.requires_grad) for t in originals]
+    buffer = torch.empty(
+        first.untyped_storage().nbytes() // first.element_size(),
+        dtype=first.dtype,
+        device=first.device,
+    )
+    with torch.no_grad():
+        buffer.untyped_storage().copy_(first.untyped_storage())
+    distinct = {id(t) for t in originals}
+    if len(distinct) == 1:  # one tensor (maybe passed several times): keep its leafness
+        t = first
+        new = torch.empty((), dtype=t.dtype, device=t.device)
+        new.set_(buffer.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        if t.requires_grad:
+            new.requires_grad_(True)
+            holders[_input_name(leaves[members[0]][0])] = new
+            if not t.is_leaf:
+                new = new.clone(memory_format=torch.preserve_format)
+        return [new] * len(originals)
+    # Several views of one storage: views of a non-leaf base, its leaf root holds the grad.
+    any_grad = any(t.requires_grad for t in originals)
+    base = buffer
+    if any_grad:
+        root = buffer.requires_grad_(True)
+        holders["storage of " + ", ".join(_input_name(leaves[i][0]) for i in members)] = root
+        base = root * 1
+    views: dict[int, torch.Tensor] = {}
+    for t in originals:
+        if id(t) not in views:
+            views[id(t)] = base.as_strided(t.shape, t.stride(), t.storage_offset())
+    return [views[id(t)] for t in originals]
+
+
+@dataclass
+class _Checker:
+    report: Report
+    rtol: float
+    atol: float
+
+    def mismatch(self, text: str) -> None:
+        self.report.mismatches.append(text)
+
+    def outputs(self, eager: Any, compiled: Any, eager_call: _Call, compiled_call: _Call) -> None:
+        eager_leaves, eager_spec = pytree.tree_flatten_with_path(eager)
+        compiled_leaves, compiled_spec = pytree.tree_flatten(compiled)
+        if eager_spec != compiled_spec:
+            self.mismatch(f"output structure {compiled_spec} != eager {eager_spec}")
+            return
+        eager_aliases = _aliases([t for _, t in eager_leaves], eager_call)
+        compiled_aliases = _aliases(compiled_leaves, compiled_call)
+        for k, ((path, e), c) in enumerate(zip(eager_leaves, compiled_leaves, strict=True)):
+            name = f"output{pytree.keystr(path)}"
+            if not isinstance(e, torch.Tensor):
+                if e != c:
+                    self.mismatch(f"{name}: {c!r} != eager {e!r}")
+                continue
+            self.report.compared_outputs += 1
+            if not self.tensor(name, e, c):
+                continue
+            self.autograd_meta(name, e, c)
+            if eager_aliases[k] != compiled_aliases[k]:
+                self.mismatch(f"{name}: aliases {compiled_aliases[k]} != eager {eager_aliases[k]}")
+            elif eager_aliases[k] is not None and e.stride() != c.stride():
+                self.mismatch(f"{name}: stride {c.stride()} != eager {e.stride()}")
+
+    def inputs_after_call(self, eager: _Call, compiled: _Call) -> None:
+        for (name, e), (_, c) in zip(eager.tensors, compiled.tensors, strict=True):
+            where = f"input {name} after the call"
+            if not self.tensor(where, e, c):
+                continue
+            if (e.stride(), e.storage_offset()) != (c.stride(), c.storage_offset()):
+                self.mismatch(
+                    f"{where}: stride/offset {c.stride()}/{c.storage_offset()}"
+                    f" != eager {e.stride()}/{e.storage_offset()}"
+                )
+            self.autograd_meta(where, e, c)
+
+    def autograd_meta(self, name: str, e: torch.Tensor, c: torch.Tensor) -> None:
+        if e.requires_grad != c.requires_grad:
+            self.mismatch(f"{name}: requires_grad {c.requires_grad} != eager {e.requires_grad}")
+        elif e.is_leaf != c.is_leaf:
+            self.mismatch(f"{name}: is_leaf {c.is_leaf} != eager {e.is_leaf}")
+
+    def tensor(self, name: str, e: torch.Tensor, c: Any) -> bool:
+        """Compare type, shape, dtype and values; False if the rest is not comparable."""
+        if not isinstance(c, torch.Tensor):
+            self.mismatch(f"{name}: got {type(c).__name__}, eager gave a tensor")
+            return False
+        if e.shape != c.shape or e.dtype != c.dtype:
+            self.mismatch(f"{name}: {c.dtype}{list(c.shape)} != eager {e.dtype}{list(e.shape)}")
+            return False
+        if e.device.type == "meta":
+            return True
+        e, c = e.detach(), c.detach()
+        if e.numel() and not e.is_complex() and e.dtype != torch.bool:
+            diff = (e.double() - c.double()).abs().nan_to_num(0.0)
+            self.report.max_abs_diff = max(self.report.max_abs_diff, float(diff.max()))
+        try:
+            torch.testing.assert_close(c, e, rtol=self.rtol, atol=self.atol, equal_nan=True)
+        except AssertionError as err:
+            lines = [line for line in str(err).strip().splitlines() if line][:3]
+            self.mismatch(f"{name}: values differ ({'; '.join(lines)})")
+        return True
+
+    def grad(self, name: str, e: torch.Tensor | None, c: torch.Tensor | None) -> None:
+        if e is None or c is None:
+            if (e is None) != (c is None):
+                got, want = ("None" if x is None else "a tensor" for x in (c, e))
+                self.mismatch(f"{name}: {got} != eager {want}")
+            return
+        self.tensor(name, e, c)
+
+
+def _aliases(outputs: list[Any], call: _Call) -> list[tuple[str, Any, bool] | None]:
+    """Per output: the input or earlier output it shares memory with, and whether it *is* it."""
+    inputs = call.tensors
+    seen: list[tuple[Any, int, torch.Tensor]] = []
+    result: list[tuple[str, Any, bool] | None] = []
+    for k, out in enumerate(outputs):
+        if not isinstance(out, torch.Tensor) or out.device.type == "meta":
+            result.append(None)
             continue
-        report.compared_outputs += what == "output"
-        _compare_tensor(name, e, c, report, rtol, atol)
-        if check_grad and e.requires_grad != c.requires_grad:
-            report.mismatches.append(
-                f"{name}: requires_grad {c.requires_grad} != eager {e.requires_grad}"
-            )
-
-
-def _compare_tensor(
-    name: str, e: torch.Tensor, c: Any, report: Report, rtol: float, atol: float
-) -> None:
-    if not isinstance(c, torch.Tensor):
-        report.mismatches.append(f"{name}: got {type(c).__name__}, eager gave a tensor")
-        return
-    if e.shape != c.shape or e.dtype != c.dtype:
-        report.mismatches.append(
-            f"{name}: {c.dtype}{list(c.shape)} != eager {e.dtype}{list(e.shape)}"
-        )
-        return
-    if e.device.type == "meta":
-        return
-    diff = (e.detach().double() - c.detach().double()).abs().nan_to_num(0.0)
-    if diff.numel():
-        report.max_abs_diff = max(report.max_abs_diff, float(diff.max()))
-    try:
-        torch.testing.assert_close(c.detach(), e.detach(), rtol=rtol, atol=atol, equal_nan=True)
-    except AssertionError as err:
-        first = str(err).strip().splitlines()
-        report.mismatches.append(f"{name}: values differ ({'; '.join(first[:3])})")
-
-
-def _compare_grad(
-    name: str,
-    e: torch.Tensor | None,
-    c: torch.Tensor | None,
-    report: Report,
-    rtol: float,
-    atol: float,
-) -> None:
-    if e is None or c is None:
-        if (e is None) != (c is None):
-            report.mismatches.append(
-                f"{name}: {'None' if c is None else 'a tensor'} != eager {'None' if e is None else 'a tensor'}"
-            )
-        return
-    _compare_tensor(name, e, c, report, rtol, atol)
+        key = StorageWeakRef(out.untyped_storage())
+        alias: tuple[str, Any, bool] | None = None
+        for name, t in inputs:
+            if t.device.type != "meta" and StorageWeakRef(t.untyped_storage()) == key:
+                alias = ("input", name, out is t)
+                break
+        if alias is None:
+            for other_key, j, other in seen:
+                if other_key == key:
+                    alias = ("output", j, out is other)
+                    break
+        seen.append((key, k, out))
+        result.append(alias)
+    return result
 
 
 def _backward(eager: Any, compiled: Any) -> None:
@@ -181,7 +298,7 @@ def _backward(eager: Any, compiled: Any) -> None:
         for e, c in zip(pytree.tree_leaves(eager), pytree.tree_leaves(compiled), strict=False)
         if isinstance(e, torch.Tensor)
         and e.requires_grad
-        and e.is_floating_point()
+        and (e.is_floating_point() or e.is_complex())
         and isinstance(c, torch.Tensor)
         and c.requires_grad
     ]

@@ -23,12 +23,14 @@ from aotgrad.capture.aliasing import (
 from aotgrad.capture.cotangents import split_at_cotangents
 from aotgrad.capture.graph import JointGraph
 from aotgrad.capture.joint import Body, TraceRecord, trace_joint
+from aotgrad.capture.mutation import InputMutation
 from aotgrad.capture.provenance import META_KEY, NodeInfo, Phase, node_info, phase_of, set_phase
 from aotgrad.errors import UserFrame
 from aotgrad.signature import (
     Cotangent,
     FlatInputs,
     Grad,
+    MutatedInput,
     Output,
     OutputBase,
     describe_graph,
@@ -39,6 +41,7 @@ __all__ = [
     "Alias",
     "AliasSource",
     "ConstantOutput",
+    "InputMutation",
     "JointGraph",
     "NodeInfo",
     "OutputLeaf",
@@ -85,8 +88,9 @@ def _assemble(
         for members in record.aliasing.base_members
     )
     fresh = [outputs[o.index] for o in record.aliasing.outputs if o.alias is None]
-    returned: list[Output | OutputBase] = [*fresh, *bases]
-    targets = [r for r, d in zip(returned, record.differentiable, strict=False) if d]
+    mutated = [MutatedInput(of=flat.descriptors[m.index]) for m in record.mutations if m.data]
+    returned: list[Output | OutputBase | MutatedInput] = [*fresh, *bases, *mutated]
+    targets = [r for r, d in zip(returned, record.differentiable, strict=True) if d]
     cotangents = tuple(Cotangent(of=t) for t in targets)
     joint = JointGraph(
         gm=gm,
@@ -96,7 +100,7 @@ def _assemble(
         out_spec=record.out_spec,
         outputs=tuple(outputs),
         bases=bases,
-        mutated=tuple(record.mutated),
+        mutations=tuple(record.mutations),
         differentiable=tuple(record.differentiable),
         cotangents=cotangents,
     )

@@ -54,6 +54,17 @@ class ViewMeta:
     stride: tuple[int, ...]
     storage_offset: int
 
+    @property
+    def extent(self) -> int:
+        """Elements of storage the view reaches: offset + 1 + the farthest stride step."""
+        if 0 in self.size:
+            return self.storage_offset
+        return (
+            self.storage_offset
+            + 1
+            + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
+        )
+
     @staticmethod
     def of(t: torch.Tensor) -> ViewMeta:
         return ViewMeta(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))

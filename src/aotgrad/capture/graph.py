@@ -8,6 +8,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad.capture.aliasing import OutputLeaf, TensorOutput
+from aotgrad.capture.mutation import InputMutation
 from aotgrad.capture.provenance import Phase, phase_of
 from aotgrad.signature import Cotangent, FlatInputs, MutatedInput, Output, OutputBase
 
@@ -35,8 +36,8 @@ class JointGraph:
     outputs: tuple[Output, ...]
     # Intermediates several outputs view (Note [Aliased outputs]).
     bases: tuple[OutputBase, ...]
-    # Primal positions the function mutated (their new values are graph outputs).
-    mutated: tuple[int, ...]
+    # Inputs the function mutated in place (Note [Input mutation]).
+    mutations: tuple[InputMutation, ...]
     # Per value the autograd.Function returns (fresh outputs, bases, mutated): differentiable?
     differentiable: tuple[bool, ...]
     # One per cotangent placeholder, aligned with the differentiable returned values.
@@ -66,6 +67,11 @@ class JointGraph:
         """Tensor-output positions the autograd.Function returns (the rest are rebuilt)."""
         unique = {o.index: o for o in self.tensor_outputs}
         return tuple(k for k, o in sorted(unique.items()) if o.alias is None)
+
+    @property
+    def mutated(self) -> tuple[int, ...]:
+        """Primal positions whose data changed: their new values are forward outputs."""
+        return tuple(m.index for m in self.mutations if m.data)
 
     @property
     def mutated_descriptors(self) -> tuple[MutatedInput, ...]:

@@ -30,6 +30,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from aotgrad.capture.aliasing import (
@@ -41,7 +42,8 @@ from aotgrad.capture.aliasing import (
 )
 from aotgrad.capture.cotangents import make_cotangent
 from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
-from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
+from aotgrad.capture.mutation import InputMutation, PrimalInfo, analyze_mutations
+from aotgrad.errors import UserFrame
 from aotgrad.signature import FlatInputs
 
 Body = Callable[[list[torch.Tensor]], Any]
@@ -57,7 +59,7 @@ class TraceRecord:
     # Key path of every leaf of the user's result: "[0]['a']".
     out_paths: list[str] = field(default_factory=list)
     aliasing: OutputAliasing | None = None
-    mutated: list[int] = field(default_factory=list)
+    mutations: list[InputMutation] = field(default_factory=list)
     # Per value the autograd.Function returns: does it get a cotangent?
     differentiable: list[bool] = field(default_factory=list)
     grad_inputs: list[int] = field(default_factory=list)
@@ -65,11 +67,11 @@ class TraceRecord:
 
 def fake_primals(mode: FakeTensorMode, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Fake leaves with the primals' metadata and ``requires_grad``; no data is read."""
-    fakes = []
+    fakes: dict[int, torch.Tensor] = {}
     for p in primals:
-        fake = mode.from_tensor(p.detach())
-        fakes.append(fake.requires_grad_(p.requires_grad))
-    return fakes
+        if id(p) not in fakes:
+            fakes[id(p)] = mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)
+    return [fakes[id(p)] for p in primals]
 
 
 def trace_joint(
@@ -84,10 +86,11 @@ def trace_joint(
     """Trace ``body`` and its backward into one graph; see Note [One tracing pass]."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = fake_primals(mode, primals)
+    infos = PrimalInfo.of_all(primals)
     record = TraceRecord()
 
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
-        return _joint(body, flat, inner, record, with_backward, where)
+        return _joint(body, flat, inner, infos, record, with_backward, where)
 
     with translate_trace_errors(body), mode:
         gm = make_fx(joint, decomposition_table=decompositions)(*fakes)
@@ -98,33 +101,53 @@ def _joint(
     body: Body,
     flat: FlatInputs,
     inner: Sequence[torch.Tensor],
+    infos: Sequence[PrimalInfo],
     record: TraceRecord,
     with_backward: bool,
     where: UserFrame | None,
 ) -> list[torch.Tensor | None]:
     functional_mode = FunctionalTensorMode()
     with functional_mode:
-        primals: list[torch.Tensor] = [FunctionalTensor.to_functional(p) for p in inner]
+        primals = _functional_primals(inner, infos)
+    # Gradients are taken with respect to the inputs' values *before* the call,
+    # whatever the function does to them in place (Note [Input mutation]).
+    edges = [get_gradient_edge(p) if p.requires_grad else None for p in primals]
     with functional_mode:
         result = body(primals)
         leaves, tensors = _flatten_result(result, record, where)
         aliasing, bases = analyze_aliasing(tensors, primals)
         record.aliasing = aliasing
         record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
-        record.mutated = _mutated_inputs(primals, flat, where)
-        mutated = [primals[i] for i in record.mutated]
+        record.mutations = analyze_mutations(primals, infos, flat, where)
+        mutated = [primals[m.index] for m in record.mutations if m.data]
         forward = [*tensors, *bases, *mutated]
         for value in forward:
             torch._sync(value)
         fresh = [tensors[o.index] for o in aliasing.outputs if o.alias is None]
+        record.grad_inputs = [
+            i
+            for i, (e, info) in enumerate(zip(edges, infos, strict=True))
+            if e is not None and info.duplicate_of is None
+        ]
+        backward = with_backward and bool(record.grad_inputs)
+        record.differentiable = [backward and _is_differentiable(t) for t in [*fresh, *bases]]
+        record.differentiable += [backward and m.requires_grad for m in record.mutations if m.data]
         returned = [*fresh, *bases, *mutated]
-        record.grad_inputs = [i for i, p in enumerate(primals) if p.requires_grad]
-        record.differentiable = [
-            with_backward and bool(record.grad_inputs) and _is_differentiable(t)
-            for t in [*fresh, *bases]
-        ] + [False] * len(mutated)  # mutated inputs require no grad (checked above)
-        grads = _backward(record, primals, returned) if any(record.differentiable) else []
+        grads = _backward(record, edges, returned) if any(record.differentiable) else []
     return [_unwrap(v) for v in (*forward, *grads)]
+
+
+def _functional_primals(
+    inner: Sequence[torch.Tensor], infos: Sequence[PrimalInfo]
+) -> list[torch.Tensor]:
+    """One functional wrapper per distinct input; a repeated input gets the same wrapper."""
+    primals: list[torch.Tensor] = []
+    for p, info in zip(inner, infos, strict=True):
+        if info.duplicate_of is None:
+            primals.append(FunctionalTensor.to_functional(p))
+        else:
+            primals.append(primals[info.duplicate_of])
+    return primals
 
 
 def _flatten_result(
@@ -145,48 +168,15 @@ def _flatten_result(
     return leaves, tensors
 
 
-def _mutated_inputs(
-    primals: Sequence[torch.Tensor], flat: FlatInputs, where: UserFrame | None
-) -> list[int]:
-    """Indices of inputs whose data the function mutated; refuse what is not supported yet."""
-    mutated = []
-    for i, p in enumerate(primals):
-        elem = p.elem  # type: ignore[attr-defined]
-        if torch._functionalize_has_metadata_mutation(elem):
-            raise UnsupportedMutationError(
-                format_error(
-                    f"the function changes the metadata of input {flat.descriptors[i]} in place"
-                    " (for example with t_(), unsqueeze_(), resize_() or as_strided_())",
-                    where,
-                    "aotgrad does not support input metadata mutation yet; use the out-of-place"
-                    " op (x = x.t()) and return the result.",
-                )
-            )
-        if torch._functionalize_has_data_mutation(elem):  # type: ignore[attr-defined]
-            if p.requires_grad:
-                raise UnsupportedMutationError(
-                    format_error(
-                        f"the function mutates input {flat.descriptors[i]}, which requires grad,"
-                        " in place",
-                        where,
-                        "aotgrad does not support in-place mutation of inputs that require grad"
-                        " yet; compute a new tensor instead (x = x * 2, not x.mul_(2)).",
-                    )
-                )
-            mutated.append(i)
-    return mutated
-
-
 def _backward(
-    record: TraceRecord, primals: Sequence[torch.Tensor], returned: Sequence[torch.Tensor]
+    record: TraceRecord, edges: Sequence[GradientEdge | None], returned: Sequence[torch.Tensor]
 ) -> list[torch.Tensor | None]:
     """Cotangents for the Function's differentiable outputs, then the grads of all primals."""
     targets = [t for t, d in zip(returned, record.differentiable, strict=True) if d]
     cotangents = [make_cotangent(t, i) for i, t in enumerate(targets)]
-    computed = torch.autograd.grad(
-        targets, [primals[i] for i in record.grad_inputs], cotangents, allow_unused=True
-    )
-    grads: list[torch.Tensor | None] = [None] * len(primals)
+    inputs = [edge for i in record.grad_inputs if (edge := edges[i]) is not None]
+    computed = torch.autograd.grad(targets, inputs, cotangents, allow_unused=True)
+    grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g
     return grads

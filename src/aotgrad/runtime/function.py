@@ -25,7 +25,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd.function import once_differentiable
 
-from aotgrad.capture import Alias, AliasSource, ConstantOutput, OutputLeaf, TensorOutput
+from aotgrad.capture import (
+    Alias,
+    AliasSource,
+    ConstantOutput,
+    InputMutation,
+    OutputLeaf,
+    TensorOutput,
+)
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.compilers import BoxedCall
 
@@ -43,8 +50,8 @@ class Plan:
     # Tensor-output position of each fresh output, aligned with the head of ``returned``.
     fresh: tuple[int, ...]
     num_bases: int
-    # Primal positions mutated in place, aligned with the tail of ``returned``.
-    mutated: tuple[int, ...]
+    # Inputs mutated in place; those with ``data`` align with the tail of ``returned``.
+    mutations: tuple[InputMutation, ...]
     num_tensor_outputs: int
     leaves: tuple[OutputLeaf, ...]
     out_spec: pytree.TreeSpec
@@ -63,7 +70,7 @@ class Plan:
             num_forward_outputs=n_out + n_base + len(joint.mutated),
             fresh=joint.fresh_outputs,
             num_bases=n_base,
-            mutated=joint.mutated,
+            mutations=joint.mutations,
             num_tensor_outputs=n_out,
             leaves=joint.leaves,
             out_spec=joint.out_spec,
@@ -101,10 +108,10 @@ def run_epilogue(
     """Mutations back into inputs, aliases rebuilt, constants restored (Note above)."""
     n_fresh = len(plan.fresh)
     bases = returned[n_fresh : n_fresh + plan.num_bases]
-    if plan.mutated:
-        with torch.no_grad():
-            for i, new in zip(plan.mutated, returned[n_fresh + plan.num_bases :], strict=True):
-                primals[i].copy_(new)
+    new_values = iter(returned[n_fresh + plan.num_bases :])
+    for mutation in plan.mutations:
+        new = next(new_values) if mutation.data else None
+        _replay_mutation(primals[mutation.index], mutation, new)
     tensors: list[torch.Tensor | None] = [None] * plan.num_tensor_outputs
     for k, value in zip(plan.fresh, returned, strict=False):
         tensors[k] = value
@@ -119,6 +126,21 @@ def run_epilogue(
     if plan.out_spec.is_leaf():
         return leaves[0]
     return pytree.tree_unflatten(leaves, plan.out_spec)
+
+
+def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor | None) -> None:
+    """Apply a traced in-place change to the caller's tensor (Note [Input mutation])."""
+    if mutation.metadata is not None:
+        meta = mutation.metadata
+        needed = meta.extent * x.element_size()
+        if needed > x.untyped_storage().nbytes():  # resize_ grew the tensor
+            with torch.no_grad():
+                x.untyped_storage().resize_(needed)
+        with torch.set_grad_enabled(mutation.with_grad):
+            x.as_strided_(meta.size, meta.stride, meta.storage_offset)
+    if new is not None:
+        with torch.set_grad_enabled(mutation.requires_grad):
+            x.copy_(new)
 
 
 def _rebuild(

@@ -114,7 +114,7 @@ class Saved(Descriptor):
 class Cotangent(Descriptor):
     """The incoming gradient of a differentiable forward output."""
 
-    of: Output | OutputBase
+    of: Output | OutputBase | MutatedInput
 
     def __str__(self) -> str:
         return f"cotangent of {self.of}"

@@ -1,0 +1,124 @@
+"""Which inputs the function changed in place, and how the runtime replays that on the caller's.
+
+Note [Input mutation]
+~~~~~~~~~~~~~~~~~~~~~
+The graphs are functional: an in-place op on an input becomes an
+out-of-place op whose result is the input's *new value*, a forward output
+(``MutatedInput``). After the call the runtime writes it back into the
+caller's tensor. Worked example::
+
+    def f(x, w):           # x = a * 1 (not a leaf), w requires grad
+        x.mul_(w)           # data mutation, recorded by autograd
+        x.t_()              # metadata mutation
+        return x.sum()
+
+    forward(x, w) -> (sum, mul, ...)   # mul: new value of x (shape as before t_)
+    epilogue:  x.as_strided_(size=(3, 2), stride=(1, 3), offset=0)   # metadata first
+               x.copy_(new value)       # under grad mode: new value requires grad
+
+The copy-back runs outside the ``autograd.Function``, with grad mode on
+exactly when the new value requires grad, so autograd records it as eager
+would have recorded the in-place op: gradients flow from whatever later
+uses ``x`` into the Function's new-value output, and through its cotangent
+into ``w`` and the old ``x``. The backward differentiates with respect to
+each input's value *before* the call (capture takes the inputs' gradient
+edges before running the function). A saved input that is mutated is
+saved as a clone, since the copy-back overwrites the caller's tensor.
+
+Eager's rules still apply: an in-place op with grad mode on, on a leaf
+that requires grad (or a view of one), raises eager's error at the
+user's line. Mutations under ``torch.no_grad()`` (running statistics,
+optimizer-style updates) are copied back under ``no_grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from aotgrad.capture.aliasing import ViewMeta
+from aotgrad.errors import InPlaceOnLeafError, UserFrame, format_error
+from aotgrad.signature import FlatInputs
+
+
+@dataclass(frozen=True)
+class PrimalInfo:
+    """What capture needs to know about a real input beyond its fake twin."""
+
+    is_leaf: bool
+    requires_grad: bool
+    # Position of the first input that is the very same tensor, if this one repeats it.
+    duplicate_of: int | None
+
+    @staticmethod
+    def of_all(primals: Sequence[torch.Tensor]) -> tuple[PrimalInfo, ...]:
+        first: dict[int, int] = {}
+        infos = []
+        for i, p in enumerate(primals):
+            duplicate = first.setdefault(id(p), i)
+            infos.append(
+                PrimalInfo(p.is_leaf, p.requires_grad, None if duplicate == i else duplicate)
+            )
+        return tuple(infos)
+
+
+@dataclass(frozen=True)
+class InputMutation:
+    """How the function changed one input in place (Note [Input mutation])."""
+
+    # Primal position of the input.
+    index: int
+    # Its values changed: the new value is a forward output, copied back after the call.
+    data: bool
+    # Its size, stride and storage offset after the call, if they changed.
+    metadata: ViewMeta | None
+    # The mutation ran with grad mode on: the runtime replays it with grad mode on.
+    with_grad: bool
+    # The new value requires grad: copied back under grad mode, and it gets a cotangent.
+    requires_grad: bool
+
+
+def analyze_mutations(
+    primals: Sequence[torch.Tensor],
+    infos: Sequence[PrimalInfo],
+    flat: FlatInputs,
+    where: UserFrame | None,
+) -> list[InputMutation]:
+    """Read each functional primal's mutation flags after the function ran."""
+    mutations = []
+    for i, (p, info) in enumerate(zip(primals, infos, strict=True)):
+        if info.duplicate_of is not None:
+            continue  # the first occurrence carries the mutation
+        elem = p.elem  # type: ignore[attr-defined]
+        data = bool(torch._functionalize_has_data_mutation(elem))  # type: ignore[attr-defined]
+        metadata = bool(torch._functionalize_has_metadata_mutation(elem))
+        if not (data or metadata):
+            continue
+        if data:
+            with_grad = not torch._functionalize_are_all_mutations_under_no_grad_or_inference_mode(
+                elem
+            )
+        else:  # functionalization tracks grad mode for data mutations only
+            with_grad = torch.is_grad_enabled()
+        if with_grad and info.is_leaf and info.requires_grad:
+            raise InPlaceOnLeafError(
+                format_error(
+                    f"a leaf Variable that requires grad ({flat.descriptors[i]}) is being used in"
+                    " an in-place operation (eager PyTorch raises the same error)",
+                    where,
+                    "Mutate a copy (x = x.clone(); x.mul_(2)), or wrap the update in"
+                    " torch.no_grad() if it must not be differentiated.",
+                )
+            )
+        mutations.append(
+            InputMutation(
+                index=i,
+                data=data,
+                metadata=ViewMeta.of(p) if metadata else None,
+                with_grad=with_grad,
+                requires_grad=data and with_grad and p.requires_grad,
+            )
+        )
+    return mutations
