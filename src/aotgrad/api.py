@@ -23,6 +23,7 @@ from aotgrad.signature import (
     Param,
     PrimalDescriptor,
     Signature,
+    alias_key,
     call_key,
     flatten_inputs,
 )
@@ -156,7 +157,14 @@ def aot_function(
     def compiled_fn(*args: Any, **kwargs: Any) -> Any:
         leaves, spec = _flatten_call(args, kwargs)
         state = tuple(lifted)
-        key = (spec, call_key(leaves), call_key(state), _modes(fn), torch.is_grad_enabled())
+        key = (
+            spec,
+            call_key(leaves),
+            call_key(state),
+            alias_key(leaves),
+            _modes(fn),
+            torch.is_grad_enabled(),
+        )
         entry = cache.get(key)
         if entry is None:
             entry = cache[key] = specialize(state, args, kwargs)

@@ -22,10 +22,16 @@ from aotgrad.capture.aliasing import (
 )
 from aotgrad.capture.cotangents import split_at_cotangents
 from aotgrad.capture.graph import JointGraph
-from aotgrad.capture.joint import Body, TraceRecord, trace_joint
+from aotgrad.capture.input_aliases import (
+    SyntheticBase,
+    graph_inputs,
+    overlapping_groups,
+    synthetic_base,
+)
+from aotgrad.capture.joint import Body, GraphInputs, TraceRecord, trace_joint
 from aotgrad.capture.mutation import InputMutation
 from aotgrad.capture.provenance import META_KEY, NodeInfo, Phase, node_info, phase_of, set_phase
-from aotgrad.errors import UserFrame
+from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature import (
     Cotangent,
     FlatInputs,
@@ -46,9 +52,11 @@ __all__ = [
     "NodeInfo",
     "OutputLeaf",
     "Phase",
+    "SyntheticBase",
     "TensorOutput",
     "ViewMeta",
     "capture",
+    "graph_inputs",
     "node_info",
     "phase_of",
     "set_phase",
@@ -69,14 +77,66 @@ def capture(
     ``body`` receives the primals (lifted module state, then the user's
     tensors) as functional fake tensors and returns the user's result.
     """
-    gm, record, _ = trace_joint(
-        body, flat, primals, with_backward=with_backward, decompositions=decompositions, where=where
+    joint = _capture(body, flat, primals, (), with_backward, decompositions, where)
+    bases = _synthetic_bases(joint, primals, where)
+    if bases:  # Note [Aliased inputs]: trace again, the members re-derived from their bases
+        joint = _capture(body, flat, primals, bases, with_backward, decompositions, where)
+    return joint
+
+
+def _capture(
+    body: Body,
+    flat: FlatInputs,
+    primals: Sequence[torch.Tensor],
+    bases: Sequence[SyntheticBase],
+    with_backward: bool,
+    decompositions: Mapping[Any, Callable[..., Any]] | None,
+    where: UserFrame | None,
+) -> JointGraph:
+    gm, record, inputs = trace_joint(
+        body,
+        flat,
+        primals,
+        bases=bases,
+        with_backward=with_backward,
+        decompositions=decompositions,
+        where=where,
     )
-    return _assemble(gm, flat, primals, record)
+    return _assemble(gm, flat, inputs, bases, record)
+
+
+def _synthetic_bases(
+    joint: JointGraph, primals: Sequence[torch.Tensor], where: UserFrame | None
+) -> list[SyntheticBase]:
+    """Bases for groups of memory-sharing inputs of which one is mutated."""
+    mutated = {m.index for m in joint.mutations}
+    bases = []
+    for group in overlapping_groups(primals):
+        if not mutated.intersection(group):
+            continue
+        base = synthetic_base(primals, group)
+        if base is None:
+            names = ", ".join(
+                str(flat_desc) for flat_desc in (joint.inputs.descriptors[i] for i in group)
+            )
+            raise UnsupportedMutationError(
+                format_error(
+                    f"inputs {names} share memory without a common base, and the function"
+                    " mutates one of them",
+                    where,
+                    "Pass views of one tensor (x and x[1:]), or clone the inputs before the call.",
+                )
+            )
+        bases.append(base)
+    return bases
 
 
 def _assemble(
-    gm: fx.GraphModule, flat: FlatInputs, primals: Sequence[torch.Tensor], record: TraceRecord
+    gm: fx.GraphModule,
+    flat: FlatInputs,
+    inputs: GraphInputs,
+    input_bases: Sequence[SyntheticBase],
+    record: TraceRecord,
 ) -> JointGraph:
     assert record.aliasing is not None and record.out_spec is not None
     split_at_cotangents(gm)
@@ -88,14 +148,16 @@ def _assemble(
         for members in record.aliasing.base_members
     )
     fresh = [outputs[o.index] for o in record.aliasing.outputs if o.alias is None]
-    mutated = [MutatedInput(of=flat.descriptors[m.index]) for m in record.mutations if m.data]
+    mutated = [MutatedInput(of=inputs.descriptors[m.index]) for m in record.mutations if m.data]
     returned: list[Output | OutputBase | MutatedInput] = [*fresh, *bases, *mutated]
     targets = [r for r, d in zip(returned, record.differentiable, strict=True) if d]
     cotangents = tuple(Cotangent(of=t) for t in targets)
     joint = JointGraph(
         gm=gm,
         inputs=flat,
-        requires_grad=tuple(p.requires_grad for p in primals),
+        graph_inputs=inputs.descriptors,
+        input_bases=tuple(input_bases),
+        requires_grad=tuple(info.requires_grad for info in inputs.infos),
         leaves=tuple(record.leaves),
         out_spec=record.out_spec,
         outputs=tuple(outputs),
@@ -104,11 +166,11 @@ def _assemble(
         differentiable=tuple(record.differentiable),
         cotangents=cotangents,
     )
-    _name_placeholders(gm.graph, [*flat.descriptors, *cotangents])
-    grads = [Grad(of=d) for d in flat.descriptors] if cotangents else []
+    _name_placeholders(gm.graph, [*inputs.descriptors, *cotangents])
+    grads = [Grad(of=d) for d in inputs.descriptors] if cotangents else []
     describe_graph(
         gm.graph,
-        [*flat.descriptors, *cotangents],
+        [*inputs.descriptors, *cotangents],
         [*outputs, *bases, *joint.mutated_descriptors, *grads],
     )
     gm.recompile()
@@ -143,6 +205,6 @@ def _name_placeholders(graph: fx.Graph, descriptors: Sequence[object]) -> None:
 
 def _identifier(text: str) -> str:
     """``carry['a']`` → ``carry_a``; ``param fc1.weight`` → ``fc1_weight``."""
-    text = text.removeprefix("param ").removeprefix("buffer ")
+    text = text.removeprefix("param ").removeprefix("buffer ").replace("base of ", "base_of_")
     name = re.sub(r"\W+", "_", text).strip("_") or "input"
     return name if not name[0].isdigit() else f"_{name}"

@@ -17,7 +17,7 @@ it aliases. Worked example::
     output[0] a               fresh: returned by the Function
     output[1] a               Alias(source=OUTPUT, index=0, view=None): the same object
     output[2] a.t()           Alias(OUTPUT, 0, view=size/stride/offset of a.t())
-    output[3] x.view(-1)      Alias(INPUT, 0, view=...): a real view of the user's x
+    output[3] x.view(-1)      Alias(GRAPH_INPUT, 0, view=...): a real view of the user's x
     output[4] a.view(-1)[:2]  Alias(OUTPUT, 0, view=...)
 
 When every output of a storage is a view (``return a.t(), a.view(-1)`` with
@@ -41,7 +41,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 
 class AliasSource(enum.Enum):
-    INPUT = "input"  # index is a forward input position
+    INPUT = "input"  # index is a user input position (the output *is* that tensor)
+    GRAPH_INPUT = "graph input"  # index is a forward-graph input position
     OUTPUT = "output"  # index is the position of an earlier tensor output
     BASE = "base"  # index is a position among the OutputBase values
 
@@ -118,12 +119,20 @@ class OutputAliasing:
 
 
 def analyze_aliasing(
-    tensors: Sequence[torch.Tensor], primals: Sequence[torch.Tensor]
+    tensors: Sequence[torch.Tensor],
+    primals: Sequence[torch.Tensor],
+    graph_primals: Sequence[torch.Tensor],
 ) -> tuple[OutputAliasing, list[torch.Tensor]]:
-    """Classify traced tensor outputs; return the analysis and the base tensors to output."""
-    input_ids = {id(p): i for i, p in enumerate(primals)}
-    input_storages: dict[StorageWeakRef, int] = {}
+    """Classify traced tensor outputs; return the analysis and the base tensors to output.
+
+    ``primals`` are the user's inputs, ``graph_primals`` the graph's (they
+    differ when inputs share memory, Note [Aliased inputs]).
+    """
+    input_ids: dict[int, int] = {}
     for i, p in enumerate(primals):
+        input_ids.setdefault(id(p), i)
+    input_storages: dict[StorageWeakRef, int] = {}
+    for i, p in enumerate(graph_primals):
         input_storages.setdefault(storage_of(p), i)
     aliases: list[Alias | None] = [None] * len(tensors)
     first_index: dict[int, int] = {}
@@ -132,9 +141,9 @@ def analyze_aliasing(
         storage = storage_of(t)
         if id(t) in input_ids:
             aliases[k] = Alias(AliasSource.INPUT, input_ids[id(t)], None, t.requires_grad)
-        elif storage in input_storages and _rebuildable(t, primals[input_storages[storage]]):
+        elif storage in input_storages and _rebuildable(t, graph_primals[input_storages[storage]]):
             source = input_storages[storage]
-            aliases[k] = Alias(AliasSource.INPUT, source, ViewMeta.of(t), t.requires_grad)
+            aliases[k] = Alias(AliasSource.GRAPH_INPUT, source, ViewMeta.of(t), t.requires_grad)
         elif id(t) in first_index:
             aliases[k] = Alias(AliasSource.OUTPUT, first_index[id(t)], None, t.requires_grad)
         else:

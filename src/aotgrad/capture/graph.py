@@ -8,9 +8,17 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad.capture.aliasing import OutputLeaf, TensorOutput
+from aotgrad.capture.input_aliases import SyntheticBase
 from aotgrad.capture.mutation import InputMutation
 from aotgrad.capture.provenance import Phase, phase_of
-from aotgrad.signature import Cotangent, FlatInputs, MutatedInput, Output, OutputBase
+from aotgrad.signature import (
+    Cotangent,
+    FlatInputs,
+    GraphInputDescriptor,
+    MutatedInput,
+    Output,
+    OutputBase,
+)
 
 
 @dataclass(frozen=True)
@@ -24,9 +32,14 @@ class JointGraph:
 
     # The graph; placeholders and outputs carry descriptors.
     gm: fx.GraphModule
-    # The user's call, flattened; one descriptor per primal.
+    # The user's call, flattened; one descriptor per user input.
     inputs: FlatInputs
-    # Per primal: does it require grad?
+    # One descriptor per graph input (primal placeholder): the user's inputs, except that
+    # a synthetic base replaces inputs sharing memory (Note [Aliased inputs]).
+    graph_inputs: tuple[GraphInputDescriptor, ...]
+    # The synthetic bases among the graph inputs, if any.
+    input_bases: tuple[SyntheticBase, ...]
+    # Per graph input: does it require grad?
     requires_grad: tuple[bool, ...]
     # Every leaf of the user's result, in pytree order.
     leaves: tuple[OutputLeaf, ...]
@@ -56,7 +69,7 @@ class JointGraph:
 
     @property
     def num_primals(self) -> int:
-        return len(self.inputs.descriptors)
+        return len(self.graph_inputs)
 
     @property
     def tensor_outputs(self) -> tuple[TensorOutput, ...]:
@@ -75,7 +88,7 @@ class JointGraph:
 
     @property
     def mutated_descriptors(self) -> tuple[MutatedInput, ...]:
-        return tuple(MutatedInput(of=self.inputs.descriptors[i]) for i in self.mutated)
+        return tuple(MutatedInput(of=self.graph_inputs[i]) for i in self.mutated)
 
     @property
     def has_backward(self) -> bool:

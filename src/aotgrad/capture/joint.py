@@ -38,13 +38,15 @@ from aotgrad.capture.aliasing import (
     ConstantOutput,
     OutputAliasing,
     OutputLeaf,
+    ViewMeta,
     analyze_aliasing,
 )
 from aotgrad.capture.cotangents import make_cotangent
 from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
+from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
 from aotgrad.capture.mutation import InputMutation, PrimalInfo, analyze_mutations
 from aotgrad.errors import UserFrame
-from aotgrad.signature import FlatInputs
+from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
 
 Body = Callable[[list[torch.Tensor]], Any]
 
@@ -74,59 +76,92 @@ def fake_primals(mode: FakeTensorMode, primals: Sequence[torch.Tensor]) -> list[
     return [fakes[id(p)] for p in primals]
 
 
+@dataclass(frozen=True)
+class GraphInputs:
+    """The forward graph's inputs, and how the user's inputs derive from them."""
+
+    # One descriptor per graph input.
+    descriptors: tuple[GraphInputDescriptor, ...]
+    # One per graph input.
+    infos: tuple[PrimalInfo, ...]
+    # Per user input: the graph input it comes from and its view of it (None: it is it).
+    sources: tuple[tuple[int, ViewMeta | None], ...]
+
+    @staticmethod
+    def of(
+        flat: FlatInputs, primals: Sequence[torch.Tensor], bases: Sequence[SyntheticBase]
+    ) -> tuple[GraphInputs, list[torch.Tensor]]:
+        tensors = graph_inputs(primals, bases)
+        sources = tuple(input_sources(primals, bases))
+        descriptors: list[GraphInputDescriptor] = []
+        infos = list(PrimalInfo.of_all(tensors))
+        base_at = {b.members[0]: b for b in bases}
+        for i, (j, _) in enumerate(sources):
+            if j < len(descriptors):
+                continue
+            base = base_at.get(i)
+            if base is None:
+                descriptors.append(flat.descriptors[i])
+                continue
+            descriptors.append(InputBase(of=tuple(flat.descriptors[m] for m in base.members)))
+            root = primals[base.anchor]._base
+            root = primals[base.anchor] if root is None else root
+            infos[j] = PrimalInfo(root.is_leaf, root.requires_grad, None)
+        return GraphInputs(tuple(descriptors), tuple(infos), sources), tensors
+
+
 def trace_joint(
     body: Body,
     flat: FlatInputs,
     primals: Sequence[torch.Tensor],
     *,
+    bases: Sequence[SyntheticBase],
     with_backward: bool,
     decompositions: Mapping[Any, Callable[..., Any]] | None,
     where: UserFrame | None,
-) -> tuple[fx.GraphModule, TraceRecord, list[torch.Tensor]]:
+) -> tuple[fx.GraphModule, TraceRecord, GraphInputs]:
     """Trace ``body`` and its backward into one graph; see Note [One tracing pass]."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = fake_primals(mode, primals)
-    infos = PrimalInfo.of_all(primals)
+    inputs, tensors = GraphInputs.of(flat, primals, bases)
+    fakes = fake_primals(mode, tensors)
     record = TraceRecord()
 
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
-        return _joint(body, flat, inner, infos, record, with_backward, where)
+        return _joint(body, inputs, inner, record, with_backward, where)
 
     with translate_trace_errors(body), mode:
         gm = make_fx(joint, decomposition_table=decompositions)(*fakes)
-    return gm, record, fakes
+    return gm, record, inputs
 
 
 def _joint(
     body: Body,
-    flat: FlatInputs,
+    inputs: GraphInputs,
     inner: Sequence[torch.Tensor],
-    infos: Sequence[PrimalInfo],
     record: TraceRecord,
     with_backward: bool,
     where: UserFrame | None,
 ) -> list[torch.Tensor | None]:
     functional_mode = FunctionalTensorMode()
     with functional_mode:
-        primals = _functional_primals(inner, infos)
-    # Gradients are taken with respect to the inputs' values *before* the call,
-    # whatever the function does to them in place (Note [Input mutation]).
-    edges = [get_gradient_edge(p) if p.requires_grad else None for p in primals]
+        graph_primals = _functional_primals(inner, inputs.infos)
+    edges = [get_gradient_edge(p) if p.requires_grad else None for p in graph_primals]
     with functional_mode:
+        primals = _user_primals(graph_primals, inputs.sources)
         result = body(primals)
         leaves, tensors = _flatten_result(result, record, where)
-        aliasing, bases = analyze_aliasing(tensors, primals)
+        aliasing, bases = analyze_aliasing(tensors, primals, graph_primals)
         record.aliasing = aliasing
         record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
-        record.mutations = analyze_mutations(primals, infos, flat, where)
-        mutated = [primals[m.index] for m in record.mutations if m.data]
+        record.mutations = analyze_mutations(graph_primals, inputs.infos, inputs.descriptors, where)
+        mutated = [graph_primals[m.index] for m in record.mutations if m.data]
         forward = [*tensors, *bases, *mutated]
         for value in forward:
             torch._sync(value)
         fresh = [tensors[o.index] for o in aliasing.outputs if o.alias is None]
         record.grad_inputs = [
             i
-            for i, (e, info) in enumerate(zip(edges, infos, strict=True))
+            for i, (e, info) in enumerate(zip(edges, inputs.infos, strict=True))
             if e is not None and info.duplicate_of is None
         ]
         backward = with_backward and bool(record.grad_inputs)
@@ -135,6 +170,23 @@ def _joint(
         returned = [*fresh, *bases, *mutated]
         grads = _backward(record, edges, returned) if any(record.differentiable) else []
     return [_unwrap(v) for v in (*forward, *grads)]
+
+
+def _user_primals(
+    graph_primals: Sequence[torch.Tensor], sources: Sequence[tuple[int, ViewMeta | None]]
+) -> list[torch.Tensor]:
+    """The user's inputs: graph inputs, or views of a synthetic base (Note [Aliased inputs])."""
+    views: dict[tuple[int, ViewMeta], torch.Tensor] = {}
+    primals = []
+    for j, view in sources:
+        if view is None:
+            primals.append(graph_primals[j])
+        else:
+            if (j, view) not in views:
+                base = graph_primals[j]
+                views[(j, view)] = base.as_strided(view.size, view.stride, view.storage_offset)
+            primals.append(views[(j, view)])
+    return primals
 
 
 def _functional_primals(

@@ -40,7 +40,7 @@ import torch
 
 from aotgrad.capture.aliasing import ViewMeta
 from aotgrad.errors import InPlaceOnLeafError, UserFrame, format_error
-from aotgrad.signature import FlatInputs
+from aotgrad.signature import Descriptor
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class InputMutation:
 def analyze_mutations(
     primals: Sequence[torch.Tensor],
     infos: Sequence[PrimalInfo],
-    flat: FlatInputs,
+    descriptors: Sequence[Descriptor],
     where: UserFrame | None,
 ) -> list[InputMutation]:
     """Read each functional primal's mutation flags after the function ran."""
@@ -105,7 +105,7 @@ def analyze_mutations(
         if with_grad and info.is_leaf and info.requires_grad:
             raise InPlaceOnLeafError(
                 format_error(
-                    f"a leaf Variable that requires grad ({flat.descriptors[i]}) is being used in"
+                    f"a leaf Variable that requires grad ({descriptors[i]}) is being used in"
                     " an in-place operation (eager PyTorch raises the same error)",
                     where,
                     "Mutate a copy (x = x.clone(); x.mul_(2)), or wrap the update in"

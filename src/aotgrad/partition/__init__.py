@@ -104,10 +104,10 @@ def _signature(joint: JointGraph, saved: tuple[SavedValue, ...]) -> Signature:
     saved_descs = tuple(Saved(name=s.name) for s in saved)
     grads = tuple(
         Grad(of=d) if rg and joint.has_backward else None
-        for d, rg in zip(joint.inputs.descriptors, joint.requires_grad, strict=True)
+        for d, rg in zip(joint.graph_inputs, joint.requires_grad, strict=True)
     )
     return Signature(
-        forward_inputs=joint.inputs.descriptors,
+        forward_inputs=joint.graph_inputs,
         forward_outputs=(
             *joint.outputs,
             *joint.bases,

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from aotgrad.capture import graph_inputs
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.compilers import Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, make_function, run_epilogue
@@ -27,13 +28,14 @@ class CompiledGraphs:
         self._function = make_function(self.plan, forward, backward) if backward else None
 
     def __call__(self, primals: Sequence[torch.Tensor]) -> Any:
+        inputs = graph_inputs(primals, self.plan.input_bases)
         if self._function is None:
             with torch.no_grad():
-                results = self._forward(list(primals))
+                results = self._forward(inputs)
             returned = [results[i] for i in self.plan.returned]
         else:
-            returned = self._function.apply(*primals)
-        return run_epilogue(self.plan, primals, returned)
+            returned = self._function.apply(*inputs)
+        return run_epilogue(self.plan, primals, inputs, returned)
 
 
 def compile_partitioned(

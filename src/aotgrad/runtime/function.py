@@ -31,6 +31,7 @@ from aotgrad.capture import (
     ConstantOutput,
     InputMutation,
     OutputLeaf,
+    SyntheticBase,
     TensorOutput,
 )
 from aotgrad.partition import Partitioned
@@ -53,6 +54,8 @@ class Plan:
     # Inputs mutated in place; those with ``data`` align with the tail of ``returned``.
     mutations: tuple[InputMutation, ...]
     num_tensor_outputs: int
+    # Synthetic bases the graph takes in place of memory-sharing inputs.
+    input_bases: tuple[SyntheticBase, ...]
     leaves: tuple[OutputLeaf, ...]
     out_spec: pytree.TreeSpec
 
@@ -72,6 +75,7 @@ class Plan:
             num_bases=n_base,
             mutations=joint.mutations,
             num_tensor_outputs=n_out,
+            input_bases=joint.input_bases,
             leaves=joint.leaves,
             out_spec=joint.out_spec,
         )
@@ -103,15 +107,21 @@ def make_function(
 
 
 def run_epilogue(
-    plan: Plan, primals: Sequence[torch.Tensor], returned: Sequence[torch.Tensor]
+    plan: Plan,
+    primals: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    returned: Sequence[torch.Tensor],
 ) -> Any:
-    """Mutations back into inputs, aliases rebuilt, constants restored (Note above)."""
+    """Mutations back into inputs, aliases rebuilt, constants restored (Note above).
+
+    ``primals`` are the user's tensors, ``inputs`` the graph's (Note [Aliased inputs]).
+    """
     n_fresh = len(plan.fresh)
     bases = returned[n_fresh : n_fresh + plan.num_bases]
     new_values = iter(returned[n_fresh + plan.num_bases :])
     for mutation in plan.mutations:
         new = next(new_values) if mutation.data else None
-        _replay_mutation(primals[mutation.index], mutation, new)
+        _replay_mutation(inputs[mutation.index], mutation, new)
     tensors: list[torch.Tensor | None] = [None] * plan.num_tensor_outputs
     for k, value in zip(plan.fresh, returned, strict=False):
         tensors[k] = value
@@ -121,7 +131,7 @@ def run_epilogue(
             leaves.append(leaf.value)
             continue
         if leaf.alias is not None:
-            tensors[leaf.index] = _rebuild(leaf.alias, primals, tensors, bases)
+            tensors[leaf.index] = _rebuild(leaf.alias, (primals, inputs, tensors, bases))
         leaves.append(tensors[leaf.index])
     if plan.out_spec.is_leaf():
         return leaves[0]
@@ -143,14 +153,12 @@ def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor
             x.copy_(new)
 
 
-def _rebuild(
-    alias: Alias,
-    primals: Sequence[torch.Tensor],
-    tensors: Sequence[torch.Tensor | None],
-    bases: Sequence[torch.Tensor],
-) -> torch.Tensor:
-    sources = {AliasSource.INPUT: primals, AliasSource.OUTPUT: tensors, AliasSource.BASE: bases}
-    source = sources[alias.source][alias.index]
+_SOURCES = (AliasSource.INPUT, AliasSource.GRAPH_INPUT, AliasSource.OUTPUT, AliasSource.BASE)
+
+
+def _rebuild(alias: Alias, values: tuple[Sequence[torch.Tensor | None], ...]) -> torch.Tensor:
+    """``values``: user inputs, graph inputs, tensor outputs and bases, in ``_SOURCES`` order."""
+    source = values[_SOURCES.index(alias.source)][alias.index]
     assert source is not None, f"expected {alias.source.value} {alias.index} to be built first"
     if alias.view is None:
         return source

@@ -10,7 +10,9 @@ from aotgrad.signature.descriptors import (
     Cotangent,
     Descriptor,
     Grad,
+    GraphInputDescriptor,
     Input,
+    InputBase,
     MutatedInput,
     Output,
     OutputBase,
@@ -18,7 +20,7 @@ from aotgrad.signature.descriptors import (
     PrimalDescriptor,
     Saved,
 )
-from aotgrad.signature.flatten import FlatInputs, call_key, flatten_inputs
+from aotgrad.signature.flatten import FlatInputs, alias_key, call_key, flatten_inputs
 from aotgrad.signature.printing import describe_graph
 
 __all__ = [
@@ -28,7 +30,9 @@ __all__ = [
     "Descriptor",
     "FlatInputs",
     "Grad",
+    "GraphInputDescriptor",
     "Input",
+    "InputBase",
     "MutatedInput",
     "Output",
     "OutputBase",
@@ -36,6 +40,7 @@ __all__ = [
     "PrimalDescriptor",
     "Saved",
     "Signature",
+    "alias_key",
     "call_key",
     "describe_graph",
     "flatten_inputs",

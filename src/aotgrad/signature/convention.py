@@ -29,10 +29,10 @@ from aotgrad.signature.descriptors import (
     Cotangent,
     Descriptor,
     Grad,
+    GraphInputDescriptor,
     MutatedInput,
     Output,
     OutputBase,
-    PrimalDescriptor,
     Saved,
 )
 
@@ -43,8 +43,9 @@ SIGNATURE_VERSION = 1
 class Signature:
     """Every placeholder and output of the forward and backward graphs, described."""
 
-    # Forward placeholders, in order: lifted module state, then the user's tensors.
-    forward_inputs: tuple[PrimalDescriptor, ...]
+    # Forward placeholders: lifted module state, then the user's tensors (Note [Input order]);
+    # inputs sharing memory may be replaced by one InputBase (Note [Aliased inputs]).
+    forward_inputs: tuple[GraphInputDescriptor, ...]
     # Forward outputs, in order: Output..., OutputBase..., MutatedInput..., Saved...
     forward_outputs: tuple[Descriptor, ...]
     # Backward placeholders, in order: Saved..., Cotangent...

@@ -68,6 +68,22 @@ PrimalDescriptor = Input | Param | Buffer
 
 
 @dataclass(frozen=True)
+class InputBase(Descriptor):
+    """One graph input standing for several inputs that share memory.
+
+    See Note [Aliased inputs] in ``capture/input_aliases.py``.
+    """
+
+    of: tuple[Input | Param | Buffer, ...]
+
+    def __str__(self) -> str:
+        return "base of " + ", ".join(str(d) for d in self.of)
+
+
+GraphInputDescriptor = Input | Param | Buffer | InputBase
+
+
+@dataclass(frozen=True)
 class Output(Descriptor):
     """A leaf of the user's result, by key path below ``output``: ``[1]``, ``[0]['a']``."""
 
@@ -94,7 +110,7 @@ class OutputBase(Descriptor):
 class MutatedInput(Descriptor):
     """The new value of an input the function mutated in place; copied back after the call."""
 
-    of: Input | Param | Buffer
+    of: Input | Param | Buffer | InputBase
 
     def __str__(self) -> str:
         return f"new value of {self.of}"
@@ -124,7 +140,7 @@ class Cotangent(Descriptor):
 class Grad(Descriptor):
     """The gradient of the loss with respect to a forward input."""
 
-    of: Input | Param | Buffer
+    of: Input | Param | Buffer | InputBase
 
     def __str__(self) -> str:
         return f"grad of {self.of}"

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotgrad.errors import CallError, format_error, user_frame_of_function
 from aotgrad.signature.descriptors import Input, PrimalDescriptor
@@ -137,6 +138,21 @@ def call_key(leaves: Sequence[Any]) -> tuple[Any, ...]:
     Two calls with equal keys (and equal tree structure) can share one trace.
     """
     return tuple(_leaf_key(leaf) for leaf in leaves)
+
+
+def alias_key(leaves: Sequence[Any]) -> tuple[int, ...] | None:
+    """Which tensor leaves are the same tensor or share memory: part of the specialization.
+
+    Cheap when no leaf is a view and none repeats (the common case): ``None``.
+    Leaves sharing memory without being views (``set_``) are not detected.
+    """
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if len({id(t) for t in tensors}) == len(tensors) and not any(t._is_view() for t in tensors):
+        return None
+    groups: dict[Any, int] = {}
+    return tuple(
+        groups.setdefault(StorageWeakRef(t.untyped_storage()), len(groups)) for t in tensors
+    ) + tuple(groups.setdefault(("id", id(t)), len(groups)) for t in tensors)
 
 
 def _leaf_key(leaf: Any) -> Any:

@@ -1,0 +1,137 @@
+"""Inputs that share memory, traced as views of one synthetic base.
+
+Note [Aliased inputs]
+~~~~~~~~~~~~~~~~~~~~~
+Capture wraps each input in its own functional tensor, so a mutation through
+one input is invisible to another input over the same memory. That is
+harmless until the function mutates one of them::
+
+    def f(x, v):        # called as f(x, x.view(2, 2))
+        v.add_(1)       # eager: x changes too
+        return x * 2    # eager: uses the new x
+
+When, after a first trace, an input that shares its storage with another
+input turns out to be mutated, capture traces again with a *synthetic
+base*: one graph input covering the whole storage (``x.as_strided((4,),
+(1,), 0)`` built from the inputs' common ``._base``), from which every
+member is re-derived inside the graph::
+
+    forward(base_of_x_v):
+        x = as_strided(base_of_x_v, (4,), (1,), 0)
+        v = as_strided(base_of_x_v, (2, 2), (2, 1), 0)
+        add = v + 1          # functionalization writes it back into the base
+        ...
+    -> (mul, new value of base of x, v, ...)
+
+The members' placeholders disappear; the base takes the first member's
+place and gets one gradient, which autograd routes to the members through
+the runtime's real ``as_strided`` view. Duplicates (the same tensor passed
+twice) need no base: they share one functional wrapper.
+
+Inputs that share memory without a common ``._base`` cannot be rebuilt
+from one base; mutating one of them raises ``UnsupportedMutationError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from aotgrad.capture.aliasing import ViewMeta
+
+
+@dataclass(frozen=True)
+class SyntheticBase:
+    """One graph input standing for several user inputs over one storage."""
+
+    # User primal positions of the distinct tensors sharing the storage, ascending.
+    members: tuple[int, ...]
+    # The member whose ``._base`` (or itself, if it has none) the base is cut from.
+    anchor: int
+    # Elements in the storage: the base is ``source.as_strided((numel,), (1,), 0)``.
+    numel: int
+    # Where each member sits in the storage.
+    views: tuple[ViewMeta, ...]
+
+    def build(self, primals: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The base over the callers' real storage (a view, so autograd reaches the members)."""
+        anchor = primals[self.anchor]
+        source = anchor._base if anchor._base is not None else anchor
+        return source.as_strided((self.numel,), (1,), 0)
+
+
+def overlapping_groups(primals: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Groups of distinct inputs over one storage (each group has two or more members)."""
+    groups: dict[StorageWeakRef, list[int]] = {}
+    seen: set[int] = set()
+    for i, p in enumerate(primals):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        groups.setdefault(StorageWeakRef(p.untyped_storage()), []).append(i)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def synthetic_base(primals: Sequence[torch.Tensor], members: Sequence[int]) -> SyntheticBase | None:
+    """A base for ``members`` if they share a common ``._base`` (or are it); else None."""
+    roots = {id(primals[i]._base if primals[i]._base is not None else primals[i]) for i in members}
+    if len(roots) != 1:
+        return None
+    first = primals[members[0]]
+    return SyntheticBase(
+        members=tuple(members),
+        anchor=members[0],
+        numel=first.untyped_storage().nbytes() // first.element_size(),
+        views=tuple(ViewMeta.of(primals[i]) for i in members),
+    )
+
+
+def input_sources(
+    primals: Sequence[torch.Tensor], bases: Sequence[SyntheticBase]
+) -> list[tuple[int, ViewMeta | None]]:
+    """Per user input: the graph input it comes from, and its view of it (None: it *is* it)."""
+    base_of: dict[int, tuple[int, ViewMeta]] = {}  # id(member) -> (base number, view)
+    for b, base in enumerate(bases):
+        for i, view in zip(base.members, base.views, strict=True):
+            base_of[id(primals[i])] = (b, view)
+    sources: list[tuple[int, ViewMeta | None]] = []
+    base_position: dict[int, int] = {}  # base number -> graph input index
+    count = 0
+    for p in primals:
+        if id(p) not in base_of:
+            sources.append((count, None))
+            count += 1
+            continue
+        b, view = base_of[id(p)]
+        if b not in base_position:
+            base_position[b] = count
+            count += 1
+        sources.append((base_position[b], view))
+    return sources
+
+
+def graph_inputs(
+    primals: Sequence[torch.Tensor], bases: Sequence[SyntheticBase]
+) -> list[torch.Tensor]:
+    """The forward graph's inputs: each base replaces its members, at the first one's place.
+
+    A tensor passed twice stays two graph inputs when it belongs to no base
+    (the second placeholder is unused; see ``PrimalInfo.duplicate_of``).
+    """
+    if not bases:
+        return list(primals)
+    built = [b.build(primals) for b in bases]
+    member = {id(primals[i]): b for b, base in enumerate(bases) for i in base.members}
+    out: list[torch.Tensor] = []
+    placed: set[int] = set()
+    for p in primals:
+        b = member.get(id(p))
+        if b is None:
+            out.append(p)
+        elif b not in placed:
+            placed.add(b)
+            out.append(built[b])
+    return out
