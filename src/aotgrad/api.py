@@ -125,13 +125,16 @@ def aot_function(
     partition_fn: PartitionFn | None = None,
     decompositions: Decompositions | None = None,
     inference_compiler: Compiler | None = None,
+    keep_inference_input_mutations: bool = False,
 ) -> Callable[..., Any]:
     """Compile ``fn``'s forward and backward graphs with the given compilers.
 
     Call-compatible with PyTorch's ``aot_function`` (functorch's compile module). Each new input
     structure or tensor metadata (shape, stride, dtype, device,
     requires_grad) or non-tensor value traces and compiles once; later
-    calls with the same ones reuse it.
+    calls with the same ones reuse it. With ``keep_inference_input_mutations``,
+    inference graphs (no backward) write input mutations themselves with
+    ``aten.copy_`` instead of returning new values.
 
     >>> import torch, aotgrad
     >>> f = aotgrad.aot_function(lambda x: x.sin().sum())
@@ -148,7 +151,13 @@ def aot_function(
         flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, descriptors)
         primals = [*state, *tensors]
         partitioned = _capture_and_partition(
-            fn, body_of(flat), flat, primals, decompositions, partition_fn or "save_all"
+            fn,
+            body_of(flat),
+            flat,
+            primals,
+            decompositions,
+            partition_fn or "save_all",
+            keep_inference_input_mutations,
         )
         compiled = compile_partitioned(partitioned, fw_compiler, bw_compiler, inference_compiler)
         return compiled, flat.tensor_positions
@@ -216,6 +225,7 @@ def aot_module(
     partition_fn: PartitionFn | None = None,
     decompositions: Decompositions | None = None,
     inference_compiler: Compiler | None = None,
+    keep_inference_input_mutations: bool = False,
 ) -> AOTModule:
     """``aot_function`` for an ``nn.Module``: parameters and buffers become graph inputs.
 
@@ -236,6 +246,7 @@ def aot_module(
         partition_fn=partition_fn,
         decompositions=decompositions,
         inference_compiler=inference_compiler,
+        keep_inference_input_mutations=keep_inference_input_mutations,
     )
     return AOTModule(module, compiled)
 
@@ -247,6 +258,7 @@ def _capture_and_partition(
     primals: list[torch.Tensor],
     decompositions: Decompositions | None,
     strategy: Any,
+    keep_input_mutations: bool = False,
 ) -> Partitioned:
     with_backward = torch.is_grad_enabled() and any(p.requires_grad for p in primals)
     joint = capture(
@@ -257,7 +269,7 @@ def _capture_and_partition(
         decompositions=decompositions,
         where=user_frame_of_function(fn),
     )
-    return partition(joint, strategy)
+    return partition(joint, strategy, keep_input_mutations=keep_input_mutations)
 
 
 BodyOf = Callable[[FlatInputs], Callable[[list[torch.Tensor]], Any]]

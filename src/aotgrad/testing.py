@@ -92,7 +92,9 @@ def verify(
     eager_fn = copy.deepcopy(fn) if isinstance(fn, torch.nn.Module) else fn
     compiled_fn = aot_module(fn) if isinstance(fn, torch.nn.Module) else aot_function(fn)
     eager, compiled = _copy_call(args, kwargs), _copy_call(args, kwargs)
+    rng = torch.random.get_rng_state()  # both runs draw the same random numbers
     eager_out = eager_fn(*eager.args, **eager.kwargs)
+    torch.random.set_rng_state(rng)
     compiled_out = compiled_fn(*compiled.args, **compiled.kwargs)
     checker = _Checker(report, rtol, atol)
     checker.outputs(eager_out, compiled_out, eager, compiled)

@@ -6,7 +6,7 @@ Entry point: :func:`partition`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch.fx as fx
@@ -14,8 +14,8 @@ import torch.fx as fx
 from aotgrad.capture import JointGraph
 from aotgrad.partition.save_all import choose_saved, users_in
 from aotgrad.partition.saved import SavedValue, describe_saved
-from aotgrad.partition.split import build_backward, build_forward
-from aotgrad.signature import Grad, Saved, Signature, describe_graph
+from aotgrad.partition.split import apply_mutations_in_graph, build_backward, build_forward
+from aotgrad.signature import Grad, MutatedInput, Saved, Signature, describe_graph
 
 __all__ = ["Partitioned", "SavedValue", "partition"]
 
@@ -36,10 +36,14 @@ class Partitioned:
     saved: tuple[SavedValue, ...]
     # Descriptors of every placeholder and output of both graphs.
     signature: Signature
+    # The forward graph copies new values into mutated inputs itself (inference only).
+    mutations_in_graph: bool = False
 
     def __post_init__(self) -> None:
         if self.backward is None and self.saved:
             raise AssertionError(f"expected no saved values without a backward, got {self.saved}")
+        if self.mutations_in_graph and self.backward is not None:
+            raise AssertionError("expected mutations in the graph only without a backward")
 
     @property
     def saved_bytes(self) -> int:
@@ -48,9 +52,16 @@ class Partitioned:
 
 
 def partition(
-    joint: JointGraph, strategy: Strategy | Callable[[JointGraph], Partitioned] = "save_all"
+    joint: JointGraph,
+    strategy: Strategy | Callable[[JointGraph], Partitioned] = "save_all",
+    *,
+    keep_input_mutations: bool = False,
 ) -> Partitioned:
     """Split ``joint`` into forward and backward graphs.
+
+    With ``keep_input_mutations`` and no backward, the forward graph itself
+    writes the new values into its inputs (``aten.copy_``) instead of
+    returning them (Note [Mutations kept in the graph]).
 
     >>> import torch, aotgrad
     >>> traced = aotgrad.trace(lambda x: x.sin(), torch.ones(2, requires_grad=True))
@@ -62,7 +73,7 @@ def partition(
     if strategy != "save_all":
         raise ValueError(f"unknown partition strategy {strategy!r}; expected 'save_all'")
     if not joint.has_backward:
-        return _forward_only(joint)
+        return _forward_only(joint, keep_input_mutations)
     saved_nodes, recompute, reasons = choose_saved(joint)
     backward = build_backward(joint, saved_nodes, recompute)
     saved = tuple(
@@ -84,12 +95,17 @@ def users_in_backward(node: fx.Node, backward: fx.Graph) -> list[str]:
     return users_in(placeholder, backward.nodes)
 
 
-def _forward_only(joint: JointGraph) -> Partitioned:
+def _forward_only(joint: JointGraph, keep_input_mutations: bool) -> Partitioned:
+    graph = build_forward(joint, [])
     signature = _signature(joint, ())
-    forward = _module(
-        joint, build_forward(joint, []), signature.forward_inputs, signature.forward_outputs
+    if keep_input_mutations and joint.mutated:
+        apply_mutations_in_graph(joint, graph)
+        kept = [d for d in signature.forward_outputs if not isinstance(d, MutatedInput)]
+        signature = replace(signature, forward_outputs=tuple(kept))
+    forward = _module(joint, graph, signature.forward_inputs, signature.forward_outputs)
+    return Partitioned(
+        joint, forward, None, (), signature, bool(keep_input_mutations and joint.mutated)
     )
-    return Partitioned(joint, forward, None, (), signature)
 
 
 def _module(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 import torch.fx as fx
 
 from aotgrad.capture import JointGraph, Phase, phase_of, set_phase
@@ -42,3 +43,24 @@ def build_backward(
     graph.output(tuple(env[g] if g is not None else None for g in joint.grad_results()))
     graph.eliminate_dead_code()
     return graph
+
+
+def apply_mutations_in_graph(joint: JointGraph, graph: fx.Graph) -> None:
+    """Note [Mutations kept in the graph]: ``copy_`` each new value into its input, in place.
+
+    For backends that want the mutation (an inference graph that updates a
+    KV cache, say)::
+
+        forward(cache, x):  new = aten.index_put(cache, ...)
+                            copy_ = aten.copy_(cache, new)     # kept in the graph
+                            return (out,)                     # no "new value of cache"
+    """
+    output = graph.output_node()
+    values = list(output.args[0])  # type: ignore[arg-type]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    start = len(joint.outputs) + len(joint.bases)
+    new_values = values[start : start + len(joint.mutated)]
+    with graph.inserting_before(output):
+        for index, new in zip(joint.mutated, new_values, strict=True):
+            graph.call_function(torch.ops.aten.copy_.default, (placeholders[index], new))
+    output.args = (tuple(values[:start] + values[start + len(joint.mutated) :]),)

@@ -18,7 +18,7 @@ epilogue, outside the Function, then
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -63,17 +63,18 @@ class Plan:
     def of(partitioned: Partitioned) -> Plan:
         joint = partitioned.joint
         n_out, n_base = len(joint.outputs), len(joint.bases)
-        returned = (
-            *joint.fresh_outputs,
-            *range(n_out, n_out + n_base + len(joint.mutated)),
-        )
+        n_mutated = 0 if partitioned.mutations_in_graph else len(joint.mutated)
+        returned = (*joint.fresh_outputs, *range(n_out, n_out + n_base + n_mutated))
+        mutations = joint.mutations
+        if partitioned.mutations_in_graph:  # the graph already wrote the data back
+            mutations = tuple(replace(m, data=False) for m in mutations if m.metadata)
         return Plan(
             returned=returned,
-            differentiable=joint.differentiable,
-            num_forward_outputs=n_out + n_base + len(joint.mutated),
+            differentiable=joint.differentiable[: len(returned)],
+            num_forward_outputs=n_out + n_base + n_mutated,
             fresh=joint.fresh_outputs,
             num_bases=n_base,
-            mutations=joint.mutations,
+            mutations=mutations,
             num_tensor_outputs=n_out,
             input_bases=joint.input_bases,
             leaves=joint.leaves,
