@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTHON ?= python3.11
 
-.PHONY: install demo test lint typecheck pytest bench clean
+.PHONY: install demo test lint typecheck pytest bench sweep clean
 
 install: $(STAMP)
 
@@ -21,8 +21,8 @@ demo: install
 	$(VENV)/bin/aotgrad show examples/carry.py:fn
 
 lint: install
-	$(VENV)/bin/ruff check src tests examples bench
-	$(VENV)/bin/ruff format --check src tests examples bench
+	$(VENV)/bin/ruff check src tests examples bench sweep
+	$(VENV)/bin/ruff format --check src tests examples bench sweep
 
 typecheck: install
 	$(VENV)/bin/mypy
@@ -34,6 +34,10 @@ test: lint typecheck pytest
 
 bench: install
 	$(PY) bench/run.py
+
+# Every OpInfo op with autograd, through aotgrad and PyTorch's aot_function, against eager.
+sweep: install
+	$(PY) sweep/opinfo_sweep.py --out sweep/report.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -18,6 +18,7 @@ from aotgrad.errors import (
     DataDependentError,
     InPlaceOnLeafError,
     UnsupportedMutationError,
+    UnsupportedOpError,
     UnsupportedOutputError,
 )
 from aotgrad.runtime import make_boxed_func, nop
@@ -31,6 +32,7 @@ __all__ = [
     "InPlaceOnLeafError",
     "Traced",
     "UnsupportedMutationError",
+    "UnsupportedOpError",
     "UnsupportedOutputError",
     "aot_function",
     "aot_module",

@@ -35,6 +35,10 @@ class DataDependentError(CaptureError):
     """Python code read a tensor's value (``.item()``, ``bool(t)``, ``if t > 0``)."""
 
 
+class UnsupportedOpError(CaptureError):
+    """The function calls an op aotgrad cannot put in a functional graph."""
+
+
 class UnsupportedOutputError(CaptureError):
     """The function returned something that is not a tensor, a scalar or a pytree of them."""
 

@@ -21,8 +21,9 @@ it aliases. Worked example::
     output[4] a.view(-1)[:2]  Alias(OUTPUT, 0, view=...)
 
 When every output of a storage is a view (``return a.t(), a.view(-1)`` with
-``a`` not returned), the storage's base ``a`` becomes an extra forward output
-(an ``OutputBase``) and both are rebuilt from it. Gradients flow from each
+``a`` not returned, or a lone ``return a.view(-1)``), the storage's base
+``a`` becomes an extra forward output (an ``OutputBase``) and the views are
+rebuilt from it, so that their ``._base`` is an intermediate as in eager. Gradients flow from each
 rebuilt view into its source through autograd, so cotangents are needed only
 for the Function's own outputs. Views that change dtype cannot be rebuilt
 with ``as_strided`` and are returned fresh (a copy): see
@@ -152,7 +153,7 @@ def analyze_aliasing(
     bases: list[torch.Tensor] = []
     members: list[tuple[int, ...]] = []
     for group in groups.values():
-        if len(group) > 1:
+        if len(group) > 1 or tensors[group[0]]._base is not None:
             _alias_group(group, tensors, aliases, bases, members)
     outputs = tuple(
         TensorOutput(k, alias, t.requires_grad)

@@ -61,8 +61,10 @@ def split_at_cotangents(gm: fx.GraphModule) -> list[fx.Node]:
             markers.append(node)
         if node.op != "output":
             set_phase(node, phase)
-    placeholders = []
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    placeholders: list[fx.Node] = []
+    if not markers:
+        return placeholders
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]  # markers imply primals
     for marker in sorted(markers, key=lambda n: n.args[1]):
         with graph.inserting_after(last):
             last = graph.placeholder(f"cotangent_{marker.args[1]}")

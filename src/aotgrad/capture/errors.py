@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from aotgrad.errors import (
     DataDependentError,
+    UnsupportedOpError,
     UnsupportedOutputError,
     UserFrame,
     format_error,
@@ -37,19 +38,41 @@ def translate_trace_errors(fn: Any) -> Iterator[None]:
     try:
         yield
     except _DATA_DEPENDENT as e:
+        raise _data_dependent(e) from None
+    except RuntimeError as e:
+        if "data is not allocated yet" not in str(e):
+            raise
+        raise _data_dependent(e, "an op that reads tensor values on the host") from None
+    except AssertionError as e:
+        if "Could not find a token for effect" not in str(e):
+            raise
         where = user_frame_from_traceback(e.__traceback__)
-        construct = _construct(e, where.line if where else "")
-        raise DataDependentError(
+        op = str(e).rsplit(" ", 1)[-1]
+        raise UnsupportedOpError(
             format_error(
-                f"{construct} reads a tensor's value during capture ({type(e).__name__}: {e})."
-                " aotgrad captures one graph for all input values and never reads data, so"
-                " Python code cannot depend on tensor values",
+                f"{op} has a side effect (it is ordered by an effect token, e.g. an error check"
+                " that raises on bad input values); aotgrad's graphs do not carry effect tokens",
                 where,
-                "Keep the decision in tensor ops (torch.where(cond, a, b) instead of"
-                " `if cond:`), move .item() out of the function, or pass the value as a Python"
-                " scalar argument (aotgrad specializes on it and re-traces when it changes).",
+                "Call the function eagerly, or use a variant without the check (for linalg:"
+                " the *_ex functions, such as torch.linalg.inv_ex).",
             )
         ) from None
+
+
+def _data_dependent(e: Exception, construct: str | None = None) -> DataDependentError:
+    where = user_frame_from_traceback(e.__traceback__)
+    construct = construct or _construct(e, where.line if where else "")
+    return DataDependentError(
+        format_error(
+            f"{construct} reads a tensor's value during capture ({type(e).__name__}: {e})."
+            " aotgrad captures one graph for all input values and never reads data, so"
+            " Python code cannot depend on tensor values",
+            where,
+            "Keep the decision in tensor ops (torch.where(cond, a, b) instead of"
+            " `if cond:`), move .item() out of the function, or pass the value as a Python"
+            " scalar argument (aotgrad specializes on it and re-traces when it changes).",
+        )
+    )
 
 
 def _construct(e: Exception, line: str) -> str:
