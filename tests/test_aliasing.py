@@ -111,3 +111,17 @@ def test_requires_grad_and_leafness_match_eager():
     compiled = aotgrad.aot_function(_detached)(x * w)
     assert [t.requires_grad for t in compiled] == [t.requires_grad for t in eager]
     assert [t.grad_fn is None for t in compiled] == [t.grad_fn is None for t in eager]
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.fft.ihfft(x.sin()),  # a conj view of an intermediate
+        lambda x: (lambda a: (a, a.conj()))(torch.fft.fft(x)),
+        lambda x: x.to(torch.complex64).conj(),
+        lambda x: (lambda a: (a, a.view(torch.int32)))(x.sin()),
+    ],
+    ids=["ihfft", "conj of an output", "conj of a cast", "dtype view"],
+)
+def test_views_that_as_strided_cannot_rebuild_keep_their_values(fn):
+    verify(fn, torch.randn(5, 6, requires_grad=True))

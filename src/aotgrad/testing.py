@@ -79,18 +79,25 @@ def verify(
     rtol: float = 1.3e-6,
     atol: float = 1e-5,
     check: bool = True,
+    compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
     **kwargs: Any,
 ) -> Report:
     """Run ``fn`` eagerly and through ``aot_function`` (``aot_module`` for modules) and compare.
 
     Inputs are copied twice, keeping their values, strides, storage sharing,
     ``requires_grad`` and leafness. Gradients are taken for seeded random
-    cotangents on every differentiable output. Raises
+    cotangents on every differentiable output. ``compile_fn`` replaces aotgrad
+    with another compiler of functions (to check PyTorch's own, say). Raises
     :class:`VerificationError` listing every mismatch unless ``check=False``.
     """
     report = Report()
     eager_fn = copy.deepcopy(fn) if isinstance(fn, torch.nn.Module) else fn
-    compiled_fn = aot_module(fn) if isinstance(fn, torch.nn.Module) else aot_function(fn)
+    if compile_fn is not None:
+        compiled_fn = compile_fn(fn)
+    elif isinstance(fn, torch.nn.Module):
+        compiled_fn = aot_module(fn)
+    else:
+        compiled_fn = aot_function(fn)
     eager, compiled = _copy_call(args, kwargs), _copy_call(args, kwargs)
     rng = torch.random.get_rng_state()  # both runs draw the same random numbers
     eager_out = eager_fn(*eager.args, **eager.kwargs)

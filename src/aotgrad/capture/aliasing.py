@@ -25,8 +25,9 @@ When every output of a storage is a view (``return a.t(), a.view(-1)`` with
 ``a`` becomes an extra forward output (an ``OutputBase``) and the views are
 rebuilt from it, so that their ``._base`` is an intermediate as in eager. Gradients flow from each
 rebuilt view into its source through autograd, so cotangents are needed only
-for the Function's own outputs. Views that change dtype cannot be rebuilt
-with ``as_strided`` and are returned fresh (a copy): see
+for the Function's own outputs. Views that change dtype or the lazy
+conjugate/negative bit (``view(dtype)``, ``conj()``) cannot be rebuilt with
+``as_strided`` and are returned fresh (a copy): see
 ``docs/known-limitations.md``.
 """
 
@@ -192,5 +193,10 @@ def _alias_group(
 
 
 def _rebuildable(view: torch.Tensor, base: torch.Tensor | None) -> bool:
-    """``as_strided`` can rebuild ``view`` from ``base`` only without a dtype change."""
-    return base is not None and view.dtype == base.dtype
+    """``as_strided`` keeps dtype and the lazy conj/neg bits: it rebuilds only views that do too."""
+    return (
+        base is not None
+        and view.dtype == base.dtype
+        and view.is_conj() == base.is_conj()
+        and view.is_neg() == base.is_neg()
+    )
