@@ -76,7 +76,13 @@ DATA_CASES = {
     "mutation after use": (mutate_after_use, lambda: (nonleaf(3), grad(3))),
     "output is a view of the mutated input": (return_mutated_view, lambda: (nonleaf(3), grad(3))),
     "leaf mutated under no_grad": (under_no_grad, lambda: (grad(3),)),
+    "non-leaf mutated under no_grad": (under_no_grad, lambda: (nonleaf(3),)),
 }
+
+
+def test_a_mutation_under_no_grad_gets_no_cotangent():
+    traced = aotgrad.trace(under_no_grad, nonleaf(3))
+    assert [str(c) for c in traced.signature.cotangents] == ["cotangent of output"]
 
 
 @pytest.mark.parametrize("name", list(DATA_CASES))

@@ -48,9 +48,15 @@ def no_grad_region(x):
 CASES = {
     "add_ on input": (lambda x: x.add_(1) * 2, lambda: (t(3),)),
     "mul_ by grad input": (lambda x, y: x.mul_(y).sum(), lambda: (t(3), t(3, grad=True))),
-    "mul_ on non-leaf": (lambda x, y: x.mul_(y).sum(), lambda: (t(3, grad=True, leaf=False), t(3, grad=True))),
+    "mul_ on non-leaf": (
+        lambda x, y: x.mul_(y).sum(),
+        lambda: (t(3, grad=True, leaf=False), t(3, grad=True)),
+    ),
     "zero_ on a slice of input": (lambda x: x[1:].zero_() is None or x.sum(), lambda: (t(4),)),
-    "index_put_ on input": (lambda x, v: x.index_put_((torch.tensor([0, 2]),), v) * 1, lambda: (t(4), t(2, grad=True))),
+    "index_put_ on input": (
+        lambda x, v: x.index_put_((torch.tensor([0, 2]),), v) * 1,
+        lambda: (t(4), t(2, grad=True)),
+    ),
     "copy_ into input": (lambda x, y: x.copy_(y) + 1, lambda: (t(3), t(3, grad=True))),
     "t_": (lambda x: x.t_() * 1, lambda: (t(2, 3),)),
     "unsqueeze_ and return": (lambda x: x.unsqueeze_(0), lambda: (t(2, 3),)),
@@ -61,23 +67,41 @@ CASES = {
     "detach of input out": (lambda x: x.detach(), lambda: (t(3, grad=True),)),
     "t of input with grad": (lambda x: (x.t(), x.sum()), lambda: (t(2, 3, grad=True),)),
     "two views of input": (lambda x: (x[0], x[1]), lambda: (t(2, 3, grad=True),)),
-    "intermediate and its view": (lambda x: (lambda a: (a, a.view(-1)))(x.sin()), lambda: (t(2, 3, grad=True),)),
-    "two views of an intermediate": (lambda x: (lambda a: (a.t(), a[0]))(x.sin()), lambda: (t(2, 3, grad=True),)),
+    "intermediate and its view": (
+        lambda x: (lambda a: (a, a.view(-1)))(x.sin()),
+        lambda: (t(2, 3, grad=True),),
+    ),
+    "two views of an intermediate": (
+        lambda x: (lambda a: (a.t(), a[0]))(x.sin()),
+        lambda: (t(2, 3, grad=True),),
+    ),
     "same intermediate twice": (lambda x: same(x.cos()), lambda: (t(3, grad=True),)),
     "view of input created before mutation": (mutate_view_created_before, lambda: (t(4),)),
     "mutated input returned as view": (lambda x: x.add_(1).view(2, 2), lambda: (t(4),)),
     "in-place on an intermediate": (inplace_intermediate, lambda: (t(3, grad=True),)),
     "duplicate inputs": (lambda x, y: (x * y).sum(), lambda: (lambda a: (a, a))(t(3, grad=True))),
     "duplicate inputs, one mutated": (lambda x, y: x.add_(1) + y, lambda: (lambda a: (a, a))(t(3))),
-    "overlapping inputs, one mutated": (lambda x, v: (v.add_(1), x * 2)[1], lambda: (lambda a: (a, a.view(2, 2)))(t(4))),
-    "overlapping slices, one mutated": (lambda a, b: a.mul_(2).sum() + b.sum(), lambda: (lambda z: (z[:4], z[2:]))(t(6))),
+    "overlapping inputs, one mutated": (
+        lambda x, v: (v.add_(1), x * 2)[1],
+        lambda: (lambda a: (a, a.view(2, 2)))(t(4)),
+    ),
+    "overlapping slices, one mutated": (
+        lambda a, b: a.mul_(2).sum() + b.sum(),
+        lambda: (lambda z: (z[:4], z[2:]))(t(6)),
+    ),
     "no_grad region": (no_grad_region, lambda: (t(3, grad=True),)),
     "leaf mutated under no_grad": (lambda x: _nograd_mul(x), lambda: (t(3, grad=True),)),
-    "batch_norm updates running stats": (batch_norm_train, lambda: (t(4, 3, grad=True), torch.zeros(3), torch.ones(3), t(3, grad=True))),
+    "batch_norm updates running stats": (
+        batch_norm_train,
+        lambda: (t(4, 3, grad=True), torch.zeros(3), torch.ones(3), t(3, grad=True)),
+    ),
     "dropout": (lambda x: F.dropout(x, 0.3), lambda: (t(32, 32, grad=True),)),
     "argmax and max": (lambda x: (x.argmax(), x.max()), lambda: (t(5, grad=True),)),
     "None and int outputs": (lambda x: (None, 2, x.exp()), lambda: (t(3, grad=True),)),
-    "mutate non-leaf view input": (lambda x: x.mul_(3).sum(), lambda: (t(2, 3, grad=True, leaf=False)[0],)),
+    "mutate non-leaf view input": (
+        lambda x: x.mul_(3).sum(),
+        lambda: (t(2, 3, grad=True, leaf=False)[0],),
+    ),
 }
 
 

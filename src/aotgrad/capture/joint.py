@@ -149,27 +149,46 @@ def _joint(
     with functional_mode:
         primals = _user_primals(graph_primals, inputs.sources)
         result = body(primals)
-        leaves, tensors = _flatten_result(result, record, where)
-        aliasing, bases = analyze_aliasing(tensors, primals, graph_primals)
-        record.aliasing = aliasing
-        record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
-        record.mutations = analyze_mutations(graph_primals, inputs.infos, inputs.descriptors, where)
-        mutated = [graph_primals[m.index] for m in record.mutations if m.data]
-        forward = [*tensors, *bases, *mutated]
-        for value in forward:
-            torch._sync(value)
-        fresh = [tensors[o.index] for o in aliasing.outputs if o.alias is None]
+        forward, returned = _forward_values(result, primals, graph_primals, inputs, record, where)
         record.grad_inputs = [
             i
             for i, (e, info) in enumerate(zip(edges, inputs.infos, strict=True))
             if e is not None and info.duplicate_of is None
         ]
         backward = with_backward and bool(record.grad_inputs)
-        record.differentiable = [backward and _is_differentiable(t) for t in [*fresh, *bases]]
-        record.differentiable += [backward and m.requires_grad for m in record.mutations if m.data]
-        returned = [*fresh, *bases, *mutated]
+        new_values = [m.requires_grad for m in record.mutations if m.data]
+        outputs = returned[: len(returned) - len(new_values)]
+        record.differentiable = [backward and _is_differentiable(t) for t in outputs]
+        record.differentiable += [backward and g for g in new_values]  # Note [Input mutation]
         grads = _backward(record, edges, returned) if any(record.differentiable) else []
     return [_unwrap(v) for v in (*forward, *grads)]
+
+
+def _forward_values(
+    result: Any,
+    primals: Sequence[torch.Tensor],
+    graph_primals: Sequence[torch.Tensor],
+    inputs: GraphInputs,
+    record: TraceRecord,
+    where: UserFrame | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Analyze the result; return the forward graph's outputs and what the Function returns.
+
+    Forward outputs: ``(*tensor outputs, *bases, *new values)``; the Function
+    returns the fresh outputs, the bases and the new values. All are synced,
+    so no forward op is recorded after the first cotangent.
+    """
+    leaves, tensors = _flatten_result(result, record, where)
+    aliasing, bases = analyze_aliasing(tensors, primals, graph_primals)
+    record.aliasing = aliasing
+    record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
+    record.mutations = analyze_mutations(graph_primals, inputs.infos, inputs.descriptors, where)
+    mutated = [graph_primals[m.index] for m in record.mutations if m.data]
+    forward = [*tensors, *bases, *mutated]
+    for value in forward:
+        torch._sync(value)
+    fresh = [tensors[o.index] for o in aliasing.outputs if o.alias is None]
+    return forward, [*fresh, *bases, *mutated]
 
 
 def _user_primals(
@@ -235,6 +254,7 @@ def _backward(
 
 
 def _is_differentiable(t: torch.Tensor) -> bool:
+    """Gets a cotangent: requires grad and has a differentiable dtype."""
     return t.requires_grad and (t.is_floating_point() or t.is_complex())
 
 
