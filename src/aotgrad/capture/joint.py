@@ -146,10 +146,13 @@ def _joint(
     with functional_mode:
         graph_primals = _functional_primals(inner, inputs.infos)
     edges = [get_gradient_edge(p) if p.requires_grad else None for p in graph_primals]
+    grad_fns = [p.grad_fn for p in graph_primals]  # to tell mutations autograd saw
     with functional_mode:
         primals = _user_primals(graph_primals, inputs.sources)
         result = body(primals)
-        forward, returned = _forward_values(result, primals, graph_primals, inputs, record, where)
+        forward, returned = _forward_values(
+            result, primals, graph_primals, grad_fns, inputs, record, where
+        )
         record.grad_inputs = [
             i
             for i, (e, info) in enumerate(zip(edges, inputs.infos, strict=True))
@@ -168,6 +171,7 @@ def _forward_values(
     result: Any,
     primals: Sequence[torch.Tensor],
     graph_primals: Sequence[torch.Tensor],
+    grad_fns: Sequence[object],
     inputs: GraphInputs,
     record: TraceRecord,
     where: UserFrame | None,
@@ -182,7 +186,9 @@ def _forward_values(
     aliasing, bases = analyze_aliasing(tensors, primals, graph_primals)
     record.aliasing = aliasing
     record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
-    record.mutations = analyze_mutations(graph_primals, inputs.infos, inputs.descriptors, where)
+    record.mutations = analyze_mutations(
+        graph_primals, grad_fns, inputs.infos, inputs.descriptors, where
+    )
     mutated = [graph_primals[m.index] for m in record.mutations if m.data]
     forward = [*tensors, *bases, *mutated]
     for value in forward:

@@ -27,8 +27,9 @@ saved as a clone, since the copy-back overwrites the caller's tensor.
 
 Eager's rules still apply: an in-place op with grad mode on, on a leaf
 that requires grad (or a view of one), raises eager's error at the
-user's line. Mutations under ``torch.no_grad()`` (running statistics,
-optimizer-style updates) are copied back under ``no_grad``.
+user's line. Mutations autograd does not see — under ``torch.no_grad()``
+(running statistics, optimizer-style updates) or through ``x.detach()`` and
+``x.data`` — are copied back under ``no_grad``.
 """
 
 from __future__ import annotations
@@ -82,11 +83,17 @@ class InputMutation:
 
 def analyze_mutations(
     primals: Sequence[torch.Tensor],
+    grad_fns_before: Sequence[object],
     infos: Sequence[PrimalInfo],
     descriptors: Sequence[Descriptor],
     where: UserFrame | None,
 ) -> list[InputMutation]:
-    """Read each functional primal's mutation flags after the function ran."""
+    """Read each functional primal's mutation flags after the function ran.
+
+    A mutation ran "with grad" when autograd recorded it: the primal's
+    ``grad_fn`` changed. Mutations under ``no_grad`` or through ``.detach()``
+    and ``.data`` leave it as it was.
+    """
     mutations = []
     for i, (p, info) in enumerate(zip(primals, infos, strict=True)):
         if info.duplicate_of is not None:
@@ -96,12 +103,7 @@ def analyze_mutations(
         metadata = bool(torch._functionalize_has_metadata_mutation(elem))
         if not (data or metadata):
             continue
-        if data:
-            with_grad = not torch._functionalize_are_all_mutations_under_no_grad_or_inference_mode(
-                elem
-            )
-        else:  # functionalization tracks grad mode for data mutations only
-            with_grad = torch.is_grad_enabled()
+        with_grad = p.grad_fn is not grad_fns_before[i]
         if with_grad and info.is_leaf and info.requires_grad:
             raise InPlaceOnLeafError(
                 format_error(
