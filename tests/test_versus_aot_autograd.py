@@ -45,6 +45,10 @@ def no_grad_region(x):
     return y + x
 
 
+def _add_one(x):
+    x.add_(1)
+
+
 CASES = {
     "add_ on input": (lambda x: x.add_(1) * 2, lambda: (t(3),)),
     "mul_ by grad input": (lambda x, y: x.mul_(y).sum(), lambda: (t(3), t(3, grad=True))),
@@ -102,7 +106,33 @@ CASES = {
         lambda x: x.mul_(3).sum(),
         lambda: (t(2, 3, grad=True, leaf=False)[0],),
     ),
+    "mutate through detach of a leaf": (
+        lambda x: x.detach().add_(1) * 2,
+        lambda: (t(3, grad=True),),
+    ),
+    "mutate through .data of a leaf": (
+        lambda x: (x.data.add_(1), x * 2)[1],
+        lambda: (t(3, grad=True),),
+    ),
+    "mutation, no return value": (_add_one, lambda: (t(3),)),
+    "view input mutated": (lambda x: x.add_(1), lambda: (t(3, 4)[1],)),
+    "view input t_": (lambda x: x.t_(), lambda: (t(3, 4)[:, 1:],)),
+    "no_grad zero_ on view of leaf": (
+        lambda x: _nograd_zero_first(x) * 2,
+        lambda: (t(3, grad=True),),
+    ),
+    "two inputs mutated": (lambda x, y: (x.add_(y), y.mul_(2))[0] + y, lambda: (t(3), t(3))),
+    "fill_ from a 0-d tensor": (
+        lambda x, v: x.fill_(v),
+        lambda: (t(3), torch.tensor(2.0, requires_grad=True)),
+    ),
 }
+
+
+def _nograd_zero_first(x):
+    with torch.no_grad():
+        x[0].zero_()
+    return x
 
 
 def _nograd_mul(x):
