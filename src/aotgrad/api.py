@@ -268,6 +268,7 @@ def _capture_and_partition(
         with_backward=with_backward,
         decompositions=decompositions,
         where=user_frame_of_function(fn),
+        root=fn,
     )
     return partition(joint, strategy, keep_input_mutations=keep_input_mutations)
 

@@ -69,8 +69,9 @@ class UserFrame:
 
 
 def _is_user_file(filename: str) -> bool:
-    path = os.path.abspath(filename)
-    return not filename.startswith("<") and not path.startswith(_INTERNAL_DIRS)
+    if filename.startswith("<"):
+        return filename in ("<stdin>", "<console>")
+    return not os.path.abspath(filename).startswith(_INTERNAL_DIRS)
 
 
 def user_frame_from_traceback(tb: TracebackType | None) -> UserFrame | None:

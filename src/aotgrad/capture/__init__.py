@@ -30,7 +30,16 @@ from aotgrad.capture.input_aliases import (
 )
 from aotgrad.capture.joint import Body, GraphInputs, TraceRecord, trace_joint
 from aotgrad.capture.mutation import InputMutation
-from aotgrad.capture.provenance import META_KEY, NodeInfo, Phase, node_info, phase_of, set_phase
+from aotgrad.capture.provenance import (
+    META_KEY,
+    Kind,
+    NodeInfo,
+    Phase,
+    node_info,
+    phase_of,
+    set_phase,
+)
+from aotgrad.capture.recorder import Recorder, stamp
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature import (
     Cotangent,
@@ -49,6 +58,7 @@ __all__ = [
     "ConstantOutput",
     "InputMutation",
     "JointGraph",
+    "Kind",
     "NodeInfo",
     "OutputLeaf",
     "Phase",
@@ -71,16 +81,20 @@ def capture(
     with_backward: bool,
     decompositions: Mapping[Any, Callable[..., Any]] | None = None,
     where: UserFrame | None = None,
+    root: object = None,
 ) -> JointGraph:
     """Trace ``body(primals)`` and, if ``with_backward``, its backward, into a :class:`JointGraph`.
 
     ``body`` receives the primals (lifted module state, then the user's
-    tensors) as functional fake tensors and returns the user's result.
+    tensors) as functional fake tensors and returns the user's result. ``root``
+    (the user's function or module) names the provenance: module paths are
+    relative to it, and ops outside any module carry its name.
     """
-    joint = _capture(body, flat, primals, (), with_backward, decompositions, where)
+    options = (with_backward, decompositions, where, root if root is not None else body)
+    joint = _capture(body, flat, primals, (), *options)
     bases = _synthetic_bases(joint, primals, where)
     if bases:  # Note [Aliased inputs]: trace again, the members re-derived from their bases
-        joint = _capture(body, flat, primals, bases, with_backward, decompositions, where)
+        joint = _capture(body, flat, primals, bases, *options)
     return joint
 
 
@@ -92,7 +106,9 @@ def _capture(
     with_backward: bool,
     decompositions: Mapping[Any, Callable[..., Any]] | None,
     where: UserFrame | None,
+    root: object,
 ) -> JointGraph:
+    recorder = Recorder(root)
     gm, record, inputs = trace_joint(
         body,
         flat,
@@ -101,7 +117,10 @@ def _capture(
         with_backward=with_backward,
         decompositions=decompositions,
         where=where,
+        recorder=recorder,
     )
+    split_at_cotangents(gm)
+    stamp(gm, recorder)
     return _assemble(gm, flat, inputs, bases, record)
 
 
@@ -139,7 +158,6 @@ def _assemble(
     record: TraceRecord,
 ) -> JointGraph:
     assert record.aliasing is not None and record.out_spec is not None
-    split_at_cotangents(gm)
     _remove_detaches(gm.graph)
     gm.graph.eliminate_dead_code()
     outputs = _output_descriptors(record)

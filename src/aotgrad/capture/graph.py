@@ -112,5 +112,13 @@ class JointGraph:
     def grad_results(self) -> list[fx.Node | None]:
         return self.results()[self.num_forward_results :]
 
+    def backward_nodes(self) -> list[fx.Node]:
+        """Nodes the backward computes: its own ops and forward ops it re-runs."""
+        return [
+            n
+            for n in self.gm.graph.nodes
+            if n.op != "output" and phase_of(n) in (Phase.BACKWARD, Phase.RECOMPUTE)
+        ]
+
     def nodes(self, phase: Phase) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op != "output" and phase_of(n) is phase]

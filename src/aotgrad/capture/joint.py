@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -45,6 +45,7 @@ from aotgrad.capture.cotangents import make_cotangent
 from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
 from aotgrad.capture.mutation import InputMutation, PrimalInfo, analyze_mutations
+from aotgrad.capture.recorder import ProvenanceMode, Recorder
 from aotgrad.errors import UserFrame
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
 
@@ -119,6 +120,7 @@ def trace_joint(
     with_backward: bool,
     decompositions: Mapping[Any, Callable[..., Any]] | None,
     where: UserFrame | None,
+    recorder: Recorder,
 ) -> tuple[fx.GraphModule, TraceRecord, GraphInputs]:
     """Trace ``body`` and its backward into one graph; see Note [One tracing pass]."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -127,9 +129,9 @@ def trace_joint(
     record = TraceRecord()
 
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
-        return _joint(body, inputs, inner, record, with_backward, where)
+        return _joint(body, inputs, inner, record, with_backward, where, recorder)
 
-    with translate_trace_errors(body), mode:
+    with translate_trace_errors(body), mode, recorder.recording():
         gm = make_fx(joint, decomposition_table=decompositions)(*fakes)
     return gm, record, inputs
 
@@ -141,8 +143,9 @@ def _joint(
     record: TraceRecord,
     with_backward: bool,
     where: UserFrame | None,
+    recorder: Recorder,
 ) -> list[torch.Tensor | None]:
-    functional_mode = FunctionalTensorMode()
+    functional_mode = ProvenanceMode(recorder)
     with functional_mode:
         graph_primals = _functional_primals(inner, inputs.infos)
     edges = [get_gradient_edge(p) if p.requires_grad else None for p in graph_primals]
@@ -163,7 +166,7 @@ def _joint(
         outputs = returned[: len(returned) - len(new_values)]
         record.differentiable = [backward and _is_differentiable(t) for t in outputs]
         record.differentiable += [backward and g for g in new_values]  # Note [Input mutation]
-        grads = _backward(record, edges, returned) if any(record.differentiable) else []
+        grads = _backward(record, edges, returned, recorder) if any(record.differentiable) else []
     return [_unwrap(v) for v in (*forward, *grads)]
 
 
@@ -246,12 +249,16 @@ def _flatten_result(
 
 
 def _backward(
-    record: TraceRecord, edges: Sequence[GradientEdge | None], returned: Sequence[torch.Tensor]
+    record: TraceRecord,
+    edges: Sequence[GradientEdge | None],
+    returned: Sequence[torch.Tensor],
+    recorder: Recorder,
 ) -> list[torch.Tensor | None]:
     """Cotangents for the Function's differentiable outputs, then the grads of all primals."""
     targets = [t for t, d in zip(returned, record.differentiable, strict=True) if d]
     cotangents = [make_cotangent(t, i) for i, t in enumerate(targets)]
     inputs = [edge for i in record.grad_inputs if (edge := edges[i]) is not None]
+    recorder.backward_hooks(targets)
     computed = torch.autograd.grad(targets, inputs, cotangents, allow_unused=True)
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):

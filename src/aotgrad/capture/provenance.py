@@ -1,15 +1,51 @@
-"""Per-node provenance, typed: which part of the computation a graph node belongs to.
+"""Per-node provenance, typed: which forward op a node belongs to, where it came from.
 
-Every ``call_function`` and ``placeholder`` node of the joint, forward and
-backward graphs carries a :class:`NodeInfo` under ``node.meta["aotgrad"]``.
+Every node of the joint, forward and backward graphs carries a
+:class:`NodeInfo` under ``node.meta["aotgrad"]``.
+
+Note [Sequence numbers]
+~~~~~~~~~~~~~~~~~~~~~~~
+Autograd numbers every node it creates from a thread-global counter. During
+the trace, each forward op records the number of the last autograd node
+created (ops that create none, like a buffer update under ``no_grad``,
+share the previous op's number), and each backward op records the number of
+the autograd node whose backward is running (set by a pre-hook on every
+node, reset by a post-hook). Subtracting the counter's value at the start of
+the user's function makes the numbers start at 0 and repeat exactly across
+runs and processes::
+
+    seq  op                          phase     kind
+    0    aten.convolution            forward   op
+    0    aten.add.Tensor             forward   op       # num_batches_tracked += 1
+    1    aten._native_batch_norm...  forward   op
+    ...
+    1    aten.native_batch_norm_bw   backward  op       # same number: its derivative
+    0    aten.convolution_backward   backward  op
+
+Backward ops that no autograd node runs — the engine summing two gradients
+of a tensor used twice — have kind ``accumulate`` and no number. Forward ops
+that a checkpointed region re-runs inside the backward have kind
+``recompute`` and phase ``recompute``.
+
+Note [Module paths and source lines]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+While the user's function runs, module forward hooks keep the path of the
+``nn.Module`` being run (``blocks.3.attn.qkv``; the function's name outside
+any module) and a torch-function mode notes, for every torch call the user's
+code makes, the innermost frame outside torch and aotgrad: the user's file,
+line and code. Backward ops inherit both from the forward op with their
+sequence number, so a fused backward kernel points at the user's line.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch.fx as fx
+
+from aotgrad.errors import UserFrame
 
 META_KEY = "aotgrad"
 
@@ -22,12 +58,44 @@ class Phase(enum.StrEnum):
     RECOMPUTE = "recompute"  # a forward value recomputed in the backward
 
 
+class Kind(enum.StrEnum):
+    """What a node is, beyond its phase."""
+
+    INPUT = "input"  # a placeholder: primal or cotangent
+    OP = "op"  # a forward op, or part of the derivative of one
+    ACCUMULATE = "accumulate"  # sums gradients of a tensor used more than once
+    RECOMPUTE = "recompute"  # a forward op re-run in the backward (checkpoint, remat)
+
+
 @dataclass(frozen=True)
 class NodeInfo:
-    """What aotgrad knows about a node."""
+    """What aotgrad knows about a node (Note [Sequence numbers], Note [Module paths ...])."""
 
     # Which pass computes the node.
     phase: Phase
+    kind: Kind = Kind.OP
+    # The forward op this node is, or differentiates; None for inputs and accumulations.
+    seq_nr: int | None = None
+    # nn.Module path ("blocks.3.attn.qkv"), or the traced function's name.
+    module: str = ""
+    # The user's line that produced the (forward) op.
+    source: UserFrame | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase.value,
+            "kind": self.kind.value,
+            "seq_nr": self.seq_nr,
+            "module": self.module,
+            "source": None
+            if self.source is None
+            else {
+                "file": self.source.filename,
+                "line": self.source.lineno,
+                "function": self.source.name,
+                "code": self.source.line,
+            },
+        }
 
 
 def node_info(node: fx.Node) -> NodeInfo:
@@ -42,5 +110,13 @@ def phase_of(node: fx.Node) -> Phase:
     return node_info(node).phase
 
 
+def set_info(node: fx.Node, info: NodeInfo) -> None:
+    node.meta[META_KEY] = info
+
+
 def set_phase(node: fx.Node, phase: Phase) -> None:
-    node.meta[META_KEY] = NodeInfo(phase=phase)
+    """Change a node's phase, keeping the rest of its provenance."""
+    info = node.meta.get(META_KEY)
+    node.meta[META_KEY] = (
+        replace(info, phase=phase) if isinstance(info, NodeInfo) else NodeInfo(phase)
+    )

@@ -29,7 +29,7 @@ def choose_saved(joint: JointGraph) -> tuple[list[fx.Node], set[fx.Node], dict[f
     """Which forward nodes the backward receives, which it recomputes, and why each is saved."""
     grads = joint.grad_results()
     wanted: dict[fx.Node, str] = {}
-    for node in joint.nodes(Phase.BACKWARD):
+    for node in joint.backward_nodes():
         for source in node.all_input_nodes:
             if phase_of(source) is Phase.FORWARD:
                 wanted.setdefault(source, f"read by backward op {node.name}")

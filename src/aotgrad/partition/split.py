@@ -34,11 +34,12 @@ def build_backward(
     for node in joint.gm.graph.nodes:
         if node.op == "placeholder" and phase_of(node) is Phase.BACKWARD:
             env[node] = graph.node_copy(node)
+    backward = set(joint.backward_nodes())
     for node in joint.gm.graph.nodes:
         if node in recompute:
             env[node] = graph.node_copy(node, env.__getitem__)
             set_phase(env[node], Phase.RECOMPUTE)
-        elif node.op in ("call_function", "get_attr") and phase_of(node) is Phase.BACKWARD:
+        elif node in backward and node.op != "placeholder":
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[g] if g is not None else None for g in joint.grad_results()))
     graph.eliminate_dead_code()

@@ -1,0 +1,228 @@
+"""Record provenance while the trace runs; stamp it onto the graph afterwards.
+
+See Note [Sequence numbers] and Note [Module paths and source lines] in
+``provenance.py``. During the trace, facts ride on ``torch.fx.traceback``'s
+node metadata (``seq_nr``, and our keys under ``custom``); :func:`stamp`
+turns them into one typed :class:`NodeInfo` per node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import linecache
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
+from aotgrad.errors import UserFrame
+
+_MODULE = "aotgrad_module"
+_SOURCE = "aotgrad_source"
+_IN_NODE = "aotgrad_in_node"
+_RECOMPUTE = "aotgrad_recompute"
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AOTGRAD_DIR = os.path.dirname(os.path.dirname(__file__))
+_STDLIB_DIR = os.path.dirname(os.__file__)
+
+
+@functools.cache
+def _origin(filename: str) -> str:
+    """``torch``, ``aotgrad`` or ``user``; the stdlib and this file count as torch."""
+    if filename == __file__:
+        return "torch"
+    if filename.startswith(_AOTGRAD_DIR):
+        return "aotgrad"
+    if filename.startswith((_TORCH_DIR, _STDLIB_DIR)):
+        return "torch"
+    if filename.startswith("<") and filename not in ("<stdin>", "<console>"):
+        return "torch"  # generated code: "<string>", "<eval_with_key>.3", "<frozen ...>"
+    return "user"
+
+
+def _user_frame() -> tuple[str, int, str] | None:
+    """The innermost user frame calling into torch, or None if aotgrad itself is the caller."""
+    frame = sys._getframe(3)
+    while frame is not None:
+        origin = _origin(frame.f_code.co_filename)
+        if origin == "user":
+            return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+        if origin == "aotgrad":
+            return None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+class ProvenanceMode(FunctionalTensorMode):
+    """Functionalization that also notes, for every op, the user's line that issued it.
+
+    Functionalization already sees every aten op in Python; noting the line
+    there costs a frame walk per op and adds no dispatch layer.
+    """
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        self.recorder.note_source()
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class Recorder:
+    """Collects provenance during one trace."""
+
+    def __init__(self, root: Any) -> None:
+        self.root_name = _root_name(root)
+        self.module_names: dict[int, str] = {}
+        if isinstance(root, torch.nn.Module):
+            self.module_names = {id(m): n for n, m in root.named_modules()}
+        self.module_stack: list[AbstractContextManager[None]] = []
+        self.node_contexts: list[AbstractContextManager[None]] = []
+        self.in_backward = False
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Around the whole trace: node metadata on, module hooks in."""
+        pre = torch.nn.modules.module.register_module_forward_pre_hook(self._enter_module)
+        post = torch.nn.modules.module.register_module_forward_hook(self._exit_module)
+        try:
+            with (
+                fx_traceback.preserve_node_meta(),
+                fx_traceback.annotate({_MODULE: self.root_name}),
+            ):
+                yield
+        finally:
+            pre.remove()
+            post.remove()
+            while self.module_stack:
+                self.module_stack.pop().__exit__(None, None, None)
+
+    def note_source(self) -> None:
+        """Stamp the op being dispatched with the user's line (and whether it is recomputed)."""
+        custom = fx_traceback.current_meta.get("custom")
+        if custom is None:
+            return
+        where = _user_frame()
+        custom[_SOURCE] = where
+        # Forward code re-run by the backward (a checkpointed region): user code, grad mode on.
+        custom[_RECOMPUTE] = self.in_backward and where is not None and torch.is_grad_enabled()
+
+    def backward_hooks(self, targets: Sequence[torch.Tensor]) -> None:
+        """Hook every autograd node behind ``targets`` (Note [Sequence numbers])."""
+        self.in_backward = True
+        for node in _autograd_nodes(targets):
+            node.register_prehook(functools.partial(self._enter_node, node))
+            node.register_hook(self._exit_node)
+
+    def _enter_module(self, module: torch.nn.Module, args: Any) -> None:
+        name = self.module_names.get(id(module))
+        if name is None:
+            name = type(module).__name__
+        context = fx_traceback.annotate({_MODULE: name or self.root_name})
+        context.__enter__()
+        self.module_stack.append(context)
+
+    def _exit_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.module_stack:
+            self.module_stack.pop().__exit__(None, None, None)
+
+    def _enter_node(self, node: Any, grad_outputs: Any) -> None:
+        fx_traceback.set_grad_fn_seq_nr(node._sequence_nr())
+        context = fx_traceback.annotate({_IN_NODE: True})
+        context.__enter__()
+        self.node_contexts.append(context)
+
+    def _exit_node(self, grad_inputs: Any, grad_outputs: Any) -> None:
+        self.node_contexts.pop().__exit__(None, None, None)
+        fx_traceback.reset_grad_fn_seq_nr()
+
+
+def _root_name(root: Any) -> str:
+    if isinstance(root, torch.nn.Module):
+        return type(root).__name__
+    return getattr(root, "__name__", type(root).__name__)
+
+
+def _autograd_nodes(targets: Sequence[torch.Tensor]) -> list[Any]:
+    seen: dict[int, Any] = {}
+    stack = [t.grad_fn for t in targets if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return list(seen.values())
+
+
+def stamp(gm: fx.GraphModule, recorder: Recorder) -> None:
+    """Replace the raw metadata by one :class:`NodeInfo` per node (phases already set)."""
+    ranks: dict[int, int] = {}
+    first_forward: dict[int, fx.Node] = {}
+    infos: dict[fx.Node, NodeInfo] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        info: NodeInfo = node.meta[META_KEY]
+        custom = node.meta.get("custom", {})
+        raw = node.meta.get("seq_nr")
+        if node.op == "placeholder":
+            infos[node] = replace(info, kind=Kind.INPUT, module=recorder.root_name)
+        elif info.phase is Phase.FORWARD:
+            seq = ranks.setdefault(raw, len(ranks)) if raw is not None else None
+            if seq is not None:
+                first_forward.setdefault(seq, node)
+            infos[node] = replace(
+                info,
+                seq_nr=seq,
+                module=custom.get(_MODULE, recorder.root_name),
+                source=_frame(custom),
+            )
+        elif custom.get(_RECOMPUTE):
+            infos[node] = replace(
+                info,
+                phase=Phase.RECOMPUTE,
+                kind=Kind.RECOMPUTE,
+                seq_nr=ranks.get(raw),
+                module=custom.get(_MODULE, recorder.root_name),
+                source=_frame(custom),
+            )
+        elif custom.get(_IN_NODE):
+            seq = ranks.get(raw)
+            origin = first_forward.get(seq) if seq is not None else None
+            origin_info = infos[origin] if origin is not None else info
+            infos[node] = replace(
+                info,
+                seq_nr=seq,
+                module=origin_info.module or recorder.root_name,
+                source=origin_info.source,
+            )
+        else:
+            infos[node] = replace(info, kind=Kind.ACCUMULATE, module=recorder.root_name)
+    for node, info in infos.items():
+        set_info(node, info)
+        node.meta.pop("custom", None)
+
+
+def _frame(custom: dict[str, Any]) -> UserFrame | None:
+    where = custom.get(_SOURCE)
+    if where is None:
+        return None
+    filename, lineno, name = where
+    return UserFrame(filename, lineno, name, linecache.getline(filename, lineno).strip())
+
+
+__all__ = ["Callable", "Recorder", "stamp"]
