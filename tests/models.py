@@ -81,3 +81,26 @@ class GPT(nn.Module):
 class State(NamedTuple):
     h: torch.Tensor
     c: torch.Tensor
+
+
+class SeedNet(nn.Module):
+    """The conv / batchnorm / relu / residual / linear / L1-loss net of the seq_nr seed document.
+
+    Its structure is read off the seed's expected table: a residual add after relu, a flatten
+    to one dimension, and a linear layer on that vector (hence t / unsqueeze / mm / squeeze).
+    """
+
+    def __init__(self, channels=4, size=4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, kernel_size=1, padding="same")
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu1 = nn.ReLU()
+        self.fc1 = nn.Linear(channels * size * size, 1)
+        self.loss_fn = nn.L1Loss()
+
+    def forward(self, x, target):
+        residual = x
+        x = self.relu1(self.bn1(self.conv1(x)))
+        x = x + residual
+        x = torch.flatten(x)
+        return (self.loss_fn(self.fc1(x), target),)

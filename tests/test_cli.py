@@ -20,7 +20,9 @@ def test_show_prints_graphs_descriptors_saved_and_check(capsys):
         "carry_a,  # carry['a']",
         "# grad of x['biases']",
         "# cotangent of output[1]",
-        "total saved beyond inputs: 72 B",
+        "total: 156 B in 6 storage(s) (72 B beyond the inputs)",
+        "SeqNr|OrigAten|SrcFn",
+        "7|aten.sigmoid_backward.default|fn",
         "match: 3 outputs and 4 gradients compared",
     ]:
         assert expected in out

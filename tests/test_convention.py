@@ -173,4 +173,4 @@ def test_modules_retrace_on_train_eval_and_parameter_changes():
     model.fc1.weight.requires_grad_(False)
     compiled(x, target).backward()
     assert model.fc1.weight.grad is None and model.conv1.weight.grad is not None
-    assert len(compiled._compiled.cache) == 3
+    assert len(compiled.compiled.cache) == 3

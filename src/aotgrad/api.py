@@ -15,6 +15,7 @@ from torch.func import functional_call
 from aotgrad.capture import JointGraph, capture
 from aotgrad.errors import CallError, user_frame_of_function
 from aotgrad.partition import Partitioned, SavedValue, partition
+from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
 from aotgrad.runtime.compilers import Compiler
 from aotgrad.signature import (
@@ -72,6 +73,14 @@ class Traced:
     def saved(self) -> tuple[SavedValue, ...]:
         return self.partitioned.saved
 
+    def seq_table(self) -> SeqTable:
+        """Every op of the joint graph with its forward op's number and module (data; prints as a table)."""
+        return seq_table(self.joint)
+
+    def memory_report(self, by_module: bool = False) -> str:
+        """The saved values, largest first, with the total of unique storages."""
+        return memory_report(self.saved, by_module=by_module)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the traced graphs on new inputs of the same structure and metadata."""
         flat = self.partitioned.joint.inputs
@@ -126,7 +135,7 @@ def aot_function(
     decompositions: Decompositions | None = None,
     inference_compiler: Compiler | None = None,
     keep_inference_input_mutations: bool = False,
-) -> Callable[..., Any]:
+) -> AOTFunction:
     """Compile ``fn``'s forward and backward graphs with the given compilers.
 
     Call-compatible with PyTorch's ``aot_function`` (functorch's compile module). Each new input
@@ -142,46 +151,88 @@ def aot_function(
     >>> f(x).backward(); torch.allclose(x.grad, torch.ones(3).cos())
     True
     """
-    lifted, descriptors, body_of = _lift(fn)
-    cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...]]] = {}
+    options = _Options(
+        fw_compiler,
+        bw_compiler,
+        inference_compiler,
+        partition_fn or "save_all",
+        decompositions,
+        keep_inference_input_mutations,
+    )
+    return AOTFunction(fn, options)
 
-    def specialize(
-        state: tuple[torch.Tensor, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[CompiledGraphs, tuple[int, ...]]:
-        flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, descriptors)
-        primals = [*state, *tensors]
-        partitioned = _capture_and_partition(
-            fn,
-            body_of(flat),
-            flat,
-            primals,
-            decompositions,
-            partition_fn or "save_all",
-            keep_inference_input_mutations,
-        )
-        compiled = compile_partitioned(partitioned, fw_compiler, bw_compiler, inference_compiler)
-        return compiled, flat.tensor_positions
 
-    @functools.wraps(fn)
-    def compiled_fn(*args: Any, **kwargs: Any) -> Any:
+@dataclass(frozen=True)
+class _Options:
+    fw_compiler: Compiler | None
+    bw_compiler: Compiler | None
+    inference_compiler: Compiler | None
+    partition: Any
+    decompositions: Decompositions | None
+    keep_inference_input_mutations: bool
+
+
+class AOTFunction:
+    """``aot_function``'s result: call it like the function; one compiled graph pair per specialization.
+
+    ``seq_table()``, ``memory_report()`` and ``partitioned`` describe the most
+    recent specialization; ``cache`` holds them all.
+    """
+
+    def __init__(self, fn: Callable[..., Any], options: _Options) -> None:
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._options = options
+        self._lifted, self._descriptors, self._body_of = _lift(fn)
+        self.cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...]]] = {}
+        self.partitioned: Partitioned | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = _flatten_call(args, kwargs)
-        state = tuple(lifted)
+        state = tuple(self._lifted)
         key = (
             spec,
             call_key(leaves),
             call_key(state),
             alias_key(leaves),
-            _modes(fn),
+            _modes(self._fn),
             torch.is_grad_enabled(),
         )
-        entry = cache.get(key)
+        entry = self.cache.get(key)
         if entry is None:
-            entry = cache[key] = specialize(state, args, kwargs)
+            entry = self.cache[key] = self._specialize(state, args, kwargs)
         compiled, positions = entry
         return compiled([*state, *(leaves[i] for i in positions)])
 
-    compiled_fn.cache = cache  # type: ignore[attr-defined]
-    return compiled_fn
+    def seq_table(self) -> SeqTable:
+        return seq_table(self._last().joint.gm)
+
+    def memory_report(self, by_module: bool = False) -> str:
+        return memory_report(self._last().saved, by_module=by_module)
+
+    def _last(self) -> Partitioned:
+        if self.partitioned is None:
+            raise CallError("no specialization yet: call the compiled function first")
+        return self.partitioned
+
+    def _specialize(
+        self, state: tuple[torch.Tensor, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[CompiledGraphs, tuple[int, ...]]:
+        fn, options = self._fn, self._options
+        flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, self._descriptors)
+        self.partitioned = _capture_and_partition(
+            fn,
+            self._body_of(flat),
+            flat,
+            [*state, *tensors],
+            options.decompositions,
+            options.partition,
+            options.keep_inference_input_mutations,
+        )
+        compiled = compile_partitioned(
+            self.partitioned, options.fw_compiler, options.bw_compiler, options.inference_compiler
+        )
+        return compiled, flat.tensor_positions
 
 
 def _modes(fn: Callable[..., Any]) -> tuple[bool, ...]:
@@ -208,13 +259,19 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Sequen
 class AOTModule(torch.nn.Module):
     """``aot_module``'s result: the original module, run through compiled graphs."""
 
-    def __init__(self, module: torch.nn.Module, compiled: Callable[..., Any]) -> None:
+    def __init__(self, module: torch.nn.Module, compiled: AOTFunction) -> None:
         super().__init__()
         self.orig_module = module
-        self._compiled = compiled
+        self.compiled = compiled
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._compiled(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
+
+    def seq_table(self) -> SeqTable:
+        return self.compiled.seq_table()
+
+    def memory_report(self, by_module: bool = False) -> str:
+        return self.compiled.memory_report(by_module)
 
 
 def aot_module(

@@ -14,7 +14,6 @@ from types import ModuleType
 from typing import Any
 
 from aotgrad.api import trace
-from aotgrad.report import saved_table
 from aotgrad.testing import verify
 
 
@@ -46,7 +45,9 @@ def _show(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], check: bool) -
     print("=== calling convention ===")
     print(traced.signature, end="\n\n")
     print("=== saved for backward ===")
-    print(saved_table(traced.saved), end="\n\n")
+    print(traced.memory_report(), end="\n\n")
+    print("=== sequence numbers ===")
+    print(traced.seq_table(), end="\n\n")
     if not check:
         return 0
     print("=== check against eager ===")

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from aotgrad.capture import JointGraph
 from aotgrad.partition.save_all import choose_saved, users_in
-from aotgrad.partition.saved import SavedValue, describe_saved
+from aotgrad.partition.saved import SavedValue, describe_saved, unique_bytes
 from aotgrad.partition.split import apply_mutations_in_graph, build_backward, build_forward
 from aotgrad.signature import Grad, MutatedInput, Saved, Signature, describe_graph
 
@@ -47,8 +47,13 @@ class Partitioned:
 
     @property
     def saved_bytes(self) -> int:
-        """Bytes the saved values hold beyond the inputs, each storage counted once."""
-        return sum(s.nbytes for s in self.saved if not s.is_input)
+        """Bytes of the storages the backward receives, each counted once (inputs included)."""
+        return unique_bytes(self.saved)
+
+    @property
+    def saved_bytes_beyond_inputs(self) -> int:
+        """Bytes the saved values keep alive that the caller does not hold anyway."""
+        return unique_bytes([s for s in self.saved if not s.is_input])
 
 
 def partition(
@@ -76,8 +81,10 @@ def partition(
         return _forward_only(joint, keep_input_mutations)
     saved_nodes, recompute, reasons = choose_saved(joint)
     backward = build_backward(joint, saved_nodes, recompute)
-    saved = tuple(
-        describe_saved(n, users_in_backward(n, backward), reasons[n]) for n in saved_nodes
+    saved = describe_saved(
+        saved_nodes,
+        [users_in_backward(n, backward) for n in saved_nodes],
+        [reasons[n] for n in saved_nodes],
     )
     signature = _signature(joint, saved)
     forward = _module(

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from aotgrad.capture import node_info
+from aotgrad.errors import UserFrame
 from aotgrad.optable import op_name
 
 
@@ -20,8 +25,14 @@ class SavedValue:
     dtype: torch.dtype
     # Bytes of the storage behind the value (a view reports its whole storage).
     nbytes: int
+    # Saved values over one storage share this number; count their bytes once.
+    storage: int
     # The op that produced it: "aten.mm.default", or "input" for a forward input.
     producer: str
+    # The producing op's forward sequence number, module path and user line.
+    seq_nr: int | None
+    module: str
+    source: UserFrame | None
     # Names of the backward nodes that read it.
     users: tuple[str, ...]
     # Why it is saved rather than recomputed.
@@ -29,21 +40,48 @@ class SavedValue:
 
     @property
     def is_input(self) -> bool:
-        """Saving a forward input costs no memory: the caller holds it anyway."""
+        """A saved forward input: the caller holds it anyway."""
         return self.producer == "input"
 
+    def to_dict(self) -> dict[str, Any]:
+        info = {k: v for k, v in vars(self).items() if k not in ("dtype", "source")}
+        info["dtype"] = str(self.dtype).removeprefix("torch.")
+        info["source"] = None if self.source is None else str(self.source)
+        info["users"] = list(self.users)
+        info["shape"] = list(self.shape)
+        return info
 
-def describe_saved(node: fx.Node, users: list[str], reason: str) -> SavedValue:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        raise AssertionError(f"expected a tensor value on saved node {node.name}, got {val!r}")
-    producer = "input" if node.op == "placeholder" else op_name(node.target)
-    return SavedValue(
-        name=node.name,
-        shape=tuple(val.shape),
-        dtype=val.dtype,
-        nbytes=val.untyped_storage().nbytes(),
-        producer=producer,
-        users=tuple(users),
-        reason=reason,
-    )
+
+def describe_saved(
+    nodes: Sequence[fx.Node], users: Sequence[list[str]], reasons: Sequence[str]
+) -> tuple[SavedValue, ...]:
+    """One :class:`SavedValue` per saved node; views of one storage get one storage number."""
+    storages: dict[StorageWeakRef, int] = {}
+    values = []
+    for node, readers, reason in zip(nodes, users, reasons, strict=True):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise AssertionError(f"expected a tensor value on saved node {node.name}, got {val!r}")
+        storage = storages.setdefault(StorageWeakRef(val.untyped_storage()), len(storages))
+        info = node_info(node)
+        values.append(
+            SavedValue(
+                name=node.name,
+                shape=tuple(val.shape),
+                dtype=val.dtype,
+                nbytes=val.untyped_storage().nbytes(),
+                storage=storage,
+                producer="input" if node.op == "placeholder" else op_name(node.target),
+                seq_nr=info.seq_nr,
+                module=info.module,
+                source=info.source,
+                users=tuple(readers),
+                reason=reason,
+            )
+        )
+    return tuple(values)
+
+
+def unique_bytes(saved: Sequence[SavedValue]) -> int:
+    """Bytes of the distinct storages behind ``saved``."""
+    return sum({s.storage: s.nbytes for s in saved}.values())

@@ -1,10 +1,12 @@
-"""The saved-activation table: what the backward keeps alive, how big, and why."""
+"""The saved-activation report: what the backward keeps alive, how big, and why."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from aotgrad.partition import SavedValue
+from aotgrad.partition.saved import unique_bytes
 
 
 def format_bytes(n: int) -> str:
@@ -21,16 +23,48 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def saved_table(saved: Sequence[SavedValue]) -> str:
-    """One row per saved value, largest first, with the total held beyond the inputs."""
-    header = f"{'name':<16} {'shape':<18} {'dtype':<14} {'bytes':>10}  {'producer':<28} reason"
+def memory_report(saved: Sequence[SavedValue], by_module: bool = False) -> str:
+    """Saved values largest first, with the total of unique storages; optionally per module."""
+    if not by_module:
+        return "\n".join([*_rows(saved), _total(saved)])
+    lines = []
+    modules = sorted({s.module for s in saved}, key=lambda m: -unique_bytes(_of(saved, m)))
+    for module in modules:
+        group = _of(saved, module)
+        lines.append(f"[{module}] {format_bytes(unique_bytes(group))}")
+        lines += ["  " + row for row in _rows(group)[2:]]
+    lines.append(_total(saved))
+    return "\n".join(lines)
+
+
+def _of(saved: Sequence[SavedValue], module: str) -> list[SavedValue]:
+    return [s for s in saved if s.module == module]
+
+
+def _rows(saved: Sequence[SavedValue]) -> list[str]:
+    header = (
+        f"{'name':<18} {'shape':<14} {'dtype':<9} {'bytes':>14}  {'producer':<28}"
+        f" {'module':<16} {'source':<28} reason"
+    )
     rows = [header, "-" * len(header)]
-    for s in sorted(saved, key=lambda s: -s.nbytes):
-        bytes_text = "(input)" if s.is_input else format_bytes(s.nbytes)
+    for s in sorted(saved, key=lambda s: (-s.nbytes, s.name)):
         shape = "x".join(map(str, s.shape)) or "scalar"
-        rows.append(
-            f"{s.name:<16} {shape:<18} {s.dtype!s:<14} {bytes_text:>10}  {s.producer:<28} {s.reason}"
+        size = f"{format_bytes(s.nbytes)}{' (input)' if s.is_input else ''}"
+        where = (
+            "" if s.source is None else f"{os.path.basename(s.source.filename)}:{s.source.lineno}"
         )
-    total = sum(s.nbytes for s in saved if not s.is_input)
-    rows.append(f"total saved beyond inputs: {format_bytes(total)} in {len(saved)} value(s)")
-    return "\n".join(rows)
+        dtype = str(s.dtype).removeprefix("torch.")
+        rows.append(
+            f"{s.name:<18} {shape:<14} {dtype:<9} {size:>14}  {s.producer:<28}"
+            f" {s.module:<16} {where:<28} {s.reason}"
+        )
+    return rows
+
+
+def _total(saved: Sequence[SavedValue]) -> str:
+    total = unique_bytes(saved)
+    beyond = unique_bytes([s for s in saved if not s.is_input])
+    return (
+        f"total: {format_bytes(total)} in {len({s.storage for s in saved})} storage(s)"
+        f" ({format_bytes(beyond)} beyond the inputs)"
+    )
