@@ -77,3 +77,15 @@ def test_in_place_on_a_leaf_that_requires_grad_fails_as_in_eager():
 def test_errors_are_aotgrad_errors():
     assert issubclass(aotgrad.DataDependentError, aotgrad.AotgradError)
     assert issubclass(aotgrad.CallError, TypeError)
+
+
+BUFFER = torch.zeros(3)
+
+
+def test_mutating_a_global_tensor_is_refused_clearly():
+    def f(x):
+        BUFFER.add_(x)
+        return x * 2
+
+    with pytest.raises(aotgrad.UnsupportedMutationError, match="does not take as an argument"):
+        aotgrad.trace(f, torch.randn(3))

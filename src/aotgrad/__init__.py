@@ -21,6 +21,7 @@ from aotgrad.errors import (
     UnsupportedOpError,
     UnsupportedOutputError,
 )
+from aotgrad.profiling import ProfileReport, profile
 from aotgrad.runtime import make_boxed_func, nop
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "CaptureError",
     "DataDependentError",
     "InPlaceOnLeafError",
+    "ProfileReport",
     "Traced",
     "UnsupportedMutationError",
     "UnsupportedOpError",
@@ -38,5 +40,6 @@ __all__ = [
     "aot_module",
     "make_boxed_func",
     "nop",
+    "profile",
     "trace",
 ]

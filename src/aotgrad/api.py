@@ -117,6 +117,7 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Traced:
     >>> [str(d) for d in traced.signature.backward_outputs]
     ["grad of carry['a']", 'None']
     """
+    fn = _as_module(fn)
     lifted, descriptors, body_of = _lift(fn)
     state = tuple(lifted)
     flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, descriptors)
@@ -181,7 +182,7 @@ class AOTFunction:
 
     def __init__(self, fn: Callable[..., Any], options: _Options) -> None:
         functools.update_wrapper(self, fn)
-        self._fn = fn
+        self._fn = fn = _as_module(fn)
         self._options = options
         self._lifted, self._descriptors, self._body_of = _lift(fn)
         self.cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...]]] = {}
@@ -383,6 +384,14 @@ def _module_body(
         return functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
 
     return body
+
+
+def _as_module(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``model.forward`` (a bound method) is traced as ``model``: its state becomes inputs."""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module) and getattr(fn, "__name__", "") == "forward":
+        return owner
+    return fn
 
 
 def _signature_target(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from aotgrad.api import trace
+from aotgrad.report import show_document
 from aotgrad.testing import verify
 
 
@@ -26,12 +28,19 @@ def main(argv: list[str] | None = None) -> int:
         "--inputs", default="example_inputs", help="function returning (args, kwargs)"
     )
     show.add_argument("--no-check", action="store_true", help="skip the comparison with eager")
+    show.add_argument(
+        "--json", action="store_true", help="print one JSON document (schema aotgrad.show/1)"
+    )
     options = parser.parse_args(argv)
     try:
         fn, args, kwargs = _load(options.target, options.inputs)
     except (OSError, AttributeError, ValueError) as e:
         print(f"aotgrad: {e}", file=sys.stderr)
         return 2
+    if options.json:
+        document = show_document(trace(fn, *args, **kwargs).partitioned)
+        print(json.dumps(document, indent=1))
+        return 0
     return _show(fn, args, kwargs, check=not options.no_check)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,17 +38,20 @@ from aotgrad.capture.provenance import (
     Phase,
     node_info,
     phase_of,
+    set_info,
     set_phase,
 )
 from aotgrad.capture.recorder import Recorder, stamp
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature import (
+    Buffer,
     Cotangent,
     FlatInputs,
     Grad,
     MutatedInput,
     Output,
     OutputBase,
+    Param,
     describe_graph,
 )
 
@@ -213,12 +217,16 @@ def _remove_detaches(graph: fx.Graph) -> None:
 
 
 def _name_placeholders(graph: fx.Graph, descriptors: Sequence[object]) -> None:
+    """Name each placeholder after its descriptor; a parameter belongs to its module."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, desc in zip(placeholders, descriptors, strict=True):
         if isinstance(desc, Cotangent):
             continue  # already cotangent_<i>
         node._rename(_identifier(str(desc)))
         node.target = node.name
+        if isinstance(desc, Param | Buffer) and "." in desc.name:
+            owner = desc.name.rsplit(".", 1)[0]
+            set_info(node, replace(node_info(node), module=owner))
 
 
 def _identifier(text: str) -> str:

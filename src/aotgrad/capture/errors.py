@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from aotgrad.errors import (
     DataDependentError,
+    UnsupportedMutationError,
     UnsupportedOpError,
     UnsupportedOutputError,
     UserFrame,
@@ -40,6 +41,16 @@ def translate_trace_errors(fn: Any) -> Iterator[None]:
     except _DATA_DEPENDENT as e:
         raise _data_dependent(e) from None
     except RuntimeError as e:
+        if "mutating a non-functional tensor with a functional tensor" in str(e):
+            raise UnsupportedMutationError(
+                format_error(
+                    "the function mutates a tensor it does not take as an argument (a global,"
+                    " a closure variable, or a module buffer reached through a method)",
+                    user_frame_from_traceback(e.__traceback__),
+                    "Pass the tensor as an argument; for a module, trace the module itself"
+                    " (aotgrad.aot_module(model)) so its buffers become inputs.",
+                )
+            ) from None
         if "data is not allocated yet" not in str(e):
             raise
         raise _data_dependent(e, "an op that reads tensor values on the host") from None

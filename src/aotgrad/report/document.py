@@ -1,0 +1,58 @@
+"""``aotgrad show --json``: the signature, every node with its provenance, and the saved report.
+
+The document's layout is versioned by ``schema`` (``docs/provenance.md`` describes it)::
+
+    {"schema": "aotgrad.show/1",
+     "signature": {...Signature.to_dict()...},
+     "graphs": {"joint": [node...], "forward": [node...], "backward": [node...] | null},
+     "saved": [{"name", "shape", "dtype", "nbytes", "storage", "producer", "seq_nr",
+                "module", "source", "users", "reason"}...],
+     "saved_bytes": int}
+
+    node = {"name", "op", "target", "args", "desc", "phase", "kind", "seq_nr", "module", "source"}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from aotgrad.capture import META_KEY, NodeInfo
+from aotgrad.optable import op_name
+from aotgrad.partition import Partitioned
+
+SCHEMA = "aotgrad.show/1"
+
+
+def show_document(partitioned: Partitioned) -> dict[str, Any]:
+    backward = partitioned.backward
+    return {
+        "schema": SCHEMA,
+        "signature": partitioned.signature.to_dict(),
+        "graphs": {
+            "joint": graph_nodes(partitioned.joint.gm),
+            "forward": graph_nodes(partitioned.forward),
+            "backward": None if backward is None else graph_nodes(backward),
+        },
+        "saved": [s.to_dict() for s in partitioned.saved],
+        "saved_bytes": partitioned.saved_bytes,
+    }
+
+
+def graph_nodes(gm: fx.GraphModule) -> list[dict[str, Any]]:
+    return [_node(n) for n in gm.graph.nodes]
+
+
+def _node(node: fx.Node) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "name": node.name,
+        "op": node.op,
+        "target": op_name(node.target) if node.op == "call_function" else str(node.target),
+        "args": [str(a) for a in node.args] if node.op != "output" else None,
+        "desc": node.meta.get("desc"),
+    }
+    info = node.meta.get(META_KEY)
+    if isinstance(info, NodeInfo):
+        entry.update(info.to_dict())
+    return entry
