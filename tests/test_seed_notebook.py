@@ -56,18 +56,7 @@ def test_the_function_runs_once_on_fake_tensors_and_reads_no_data():
     assert traced.backward is not None
 
 
-@pytest.mark.parametrize(
-    "use_reentrant",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                reason="reentrant checkpoint: rematerialization issue", strict=True
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_saves_only_the_region_inputs(use_reentrant):
     def checkpointed(a, w):
         return torch.utils.checkpoint.checkpoint(layers, a, w, use_reentrant=use_reentrant)

@@ -28,3 +28,13 @@ def op_name(target: object) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
     return getattr(target, "__name__", str(target))
+
+
+@functools.cache
+def is_random(op: object) -> bool:
+    """Draws from the RNG: never recomputed, or the backward would see other numbers.
+
+    >>> is_random(torch.ops.aten.bernoulli.p), is_random(torch.ops.aten.sin.default)
+    (True, False)
+    """
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags

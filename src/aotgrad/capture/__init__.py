@@ -41,6 +41,7 @@ from aotgrad.capture.provenance import (
     set_info,
     set_phase,
 )
+from aotgrad.capture.recompute import link_recompute
 from aotgrad.capture.recorder import Recorder, stamp
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature import (
@@ -112,20 +113,45 @@ def _capture(
     where: UserFrame | None,
     root: object,
 ) -> JointGraph:
-    recorder = Recorder(root)
-    gm, record, inputs = trace_joint(
-        body,
-        flat,
-        primals,
-        bases=bases,
-        with_backward=with_backward,
-        decompositions=decompositions,
-        where=where,
-        recorder=recorder,
-    )
+    def trace(leaf_primals: bool) -> tuple[fx.GraphModule, TraceRecord, GraphInputs, Recorder]:
+        recorder = Recorder(root)
+        gm, record, inputs = trace_joint(
+            body,
+            flat,
+            primals,
+            bases=bases,
+            with_backward=with_backward,
+            decompositions=decompositions,
+            where=where,
+            recorder=recorder,
+            leaf_primals=leaf_primals,
+        )
+        return gm, record, inputs, recorder
+
+    try:
+        gm, record, inputs, recorder = trace(leaf_primals=False)
+    except RuntimeError as e:  # Note [Reentrant checkpoints]
+        if "incompatible with .grad()" not in str(e):
+            raise
+        gm, record, inputs, recorder = trace(leaf_primals=True)
     split_at_cotangents(gm)
     stamp(gm, recorder)
+    link_recompute(gm)
     return _assemble(gm, flat, inputs, bases, record)
+
+
+# Note [Reentrant checkpoints]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``checkpoint(..., use_reentrant=True)`` runs its own ``autograd.backward``
+# inside the backward and refuses ``autograd.grad`` from outside. Capture
+# differentiates with ``autograd.grad`` on the inputs' gradient edges (Note
+# [Input mutation]); when a reentrant checkpoint refuses that, capture traces
+# again with the inputs as autograd leaves and ``.backward()``, reading each
+# input's ``.grad``. The region's forward ops then appear once in the forward
+# and again, as recompute, in the backward, as for the non-reentrant flavour:
+#
+#     forward:   sin, mm, cos, mm, sigmoid           saves: a, w
+#     backward:  sin, mm, cos, mm, sigmoid (recompute), sigmoid_backward, ...
 
 
 def _synthetic_bases(

@@ -66,6 +66,9 @@ class TraceRecord:
     # Per value the autograd.Function returns: does it get a cotangent?
     differentiable: list[bool] = field(default_factory=list)
     grad_inputs: list[int] = field(default_factory=list)
+    # Differentiate with .backward() into leaf primals instead of autograd.grad on edges:
+    # the only way through a reentrant checkpoint (Note [Reentrant checkpoints]).
+    leaf_primals: bool = False
 
 
 def fake_primals(mode: FakeTensorMode, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -121,12 +124,13 @@ def trace_joint(
     decompositions: Mapping[Any, Callable[..., Any]] | None,
     where: UserFrame | None,
     recorder: Recorder,
+    leaf_primals: bool = False,
 ) -> tuple[fx.GraphModule, TraceRecord, GraphInputs]:
     """Trace ``body`` and its backward into one graph; see Note [One tracing pass]."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     inputs, tensors = GraphInputs.of(flat, primals, bases)
     fakes = fake_primals(mode, tensors)
-    record = TraceRecord()
+    record = TraceRecord(leaf_primals=leaf_primals)
 
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
         return _joint(body, inputs, inner, record, with_backward, where, recorder)
@@ -147,9 +151,13 @@ def _joint(
 ) -> list[torch.Tensor | None]:
     functional_mode = ProvenanceMode(recorder)
     with functional_mode:
-        graph_primals = _functional_primals(inner, inputs.infos)
-    edges = [get_gradient_edge(p) if p.requires_grad else None for p in graph_primals]
+        graph_primals = _functional_primals(inner, inputs.infos, record.leaf_primals)
+    edges = [
+        get_gradient_edge(p) if p.requires_grad and not record.leaf_primals else None
+        for p in graph_primals
+    ]
     grad_fns = [p.grad_fn for p in graph_primals]  # to tell mutations autograd saw
+    needs_grad = [p.requires_grad for p in graph_primals]  # before any in-place op
     with functional_mode:
         primals = _user_primals(graph_primals, inputs.sources)
         result = body(primals)
@@ -158,15 +166,16 @@ def _joint(
         )
         record.grad_inputs = [
             i
-            for i, (e, info) in enumerate(zip(edges, inputs.infos, strict=True))
-            if e is not None and info.duplicate_of is None
+            for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
+            if needs and info.duplicate_of is None
         ]
         backward = with_backward and bool(record.grad_inputs)
         new_values = [m.requires_grad for m in record.mutations if m.data]
         outputs = returned[: len(returned) - len(new_values)]
         record.differentiable = [backward and _is_differentiable(t) for t in outputs]
         record.differentiable += [backward and g for g in new_values]  # Note [Input mutation]
-        grads = _backward(record, edges, returned, recorder) if any(record.differentiable) else []
+        differentiate = any(record.differentiable)
+        grads = _backward(record, graph_primals, edges, returned, recorder) if differentiate else []
     return [_unwrap(v) for v in (*forward, *grads)]
 
 
@@ -218,15 +227,22 @@ def _user_primals(
 
 
 def _functional_primals(
-    inner: Sequence[torch.Tensor], infos: Sequence[PrimalInfo]
+    inner: Sequence[torch.Tensor], infos: Sequence[PrimalInfo], leaves: bool
 ) -> list[torch.Tensor]:
-    """One functional wrapper per distinct input; a repeated input gets the same wrapper."""
+    """One functional wrapper per distinct input; a repeated input gets the same wrapper.
+
+    The wrappers are not leaves (in-place ops on non-leaf inputs are legal), unless
+    ``leaves`` asks for autograd leaves that accumulate ``.grad``.
+    """
     primals: list[torch.Tensor] = []
     for p, info in zip(inner, infos, strict=True):
-        if info.duplicate_of is None:
-            primals.append(FunctionalTensor.to_functional(p))
-        else:
+        if info.duplicate_of is not None:
             primals.append(primals[info.duplicate_of])
+            continue
+        wrapped: torch.Tensor = FunctionalTensor.to_functional(p)
+        if leaves:
+            wrapped = wrapped.detach().requires_grad_(p.requires_grad)
+        primals.append(wrapped)
     return primals
 
 
@@ -250,6 +266,7 @@ def _flatten_result(
 
 def _backward(
     record: TraceRecord,
+    primals: Sequence[torch.Tensor],
     edges: Sequence[GradientEdge | None],
     returned: Sequence[torch.Tensor],
     recorder: Recorder,
@@ -259,7 +276,12 @@ def _backward(
     cotangents = [make_cotangent(t, i) for i, t in enumerate(targets)]
     inputs = [edge for i in record.grad_inputs if (edge := edges[i]) is not None]
     recorder.backward_hooks(targets)
-    computed = torch.autograd.grad(targets, inputs, cotangents, allow_unused=True)
+    computed: Sequence[torch.Tensor | None]
+    if record.leaf_primals:
+        torch.autograd.backward(targets, cotangents)
+        computed = [primals[i].grad for i in record.grad_inputs]
+    else:
+        computed = torch.autograd.grad(targets, inputs, cotangents, allow_unused=True)
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g

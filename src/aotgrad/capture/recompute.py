@@ -1,0 +1,68 @@
+"""Tie each op a checkpoint re-runs in the backward to the forward op it repeats.
+
+Note [Recomputed random ops]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``torch.utils.checkpoint`` re-runs its region in the backward, restoring the
+RNG state first so that dropout draws the same mask. That restore is a
+Python side effect; a graph cannot replay it. So after the trace, each
+recomputed node is matched with the forward node that computes the same op
+on the same (matched) inputs::
+
+    forward:    e = empty_like(x); b = bernoulli(e, 0.5); d = div(b, 0.5); y = mul(x, d)
+    recompute:  e' = empty_like(x); b' = bernoulli(e', 0.5); d' = div(b', 0.5); ...
+    matched:    e' ~ e, b' ~ b, d' ~ d
+
+A matched random node is replaced by its forward twin, so the backward reads
+the forward's mask (saved) instead of drawing a new one; the deterministic
+ones stay recomputed. Every matched node takes its twin's ``seq_nr``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch.fx as fx
+
+from aotgrad.capture.provenance import Phase, node_info, set_info
+from aotgrad.optable import is_random
+
+
+def link_recompute(gm: fx.GraphModule) -> None:
+    """Match recomputed nodes with forward twins; random ones reuse the twin's value."""
+    forward: dict[Any, fx.Node] = {}
+    twins: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        phase = node_info(node).phase
+        if phase is Phase.FORWARD:
+            forward.setdefault(_key(node, lambda n: n), node)
+        elif phase is Phase.RECOMPUTE:
+            twin = forward.get(_key(node, lambda n: twins.get(n, n)))
+            if twin is not None:
+                twins[node] = twin
+    for node, twin in twins.items():
+        set_info(node, replace(node_info(node), seq_nr=node_info(twin).seq_nr))
+        if is_random(node.target):
+            node.replace_all_uses_with(twin)
+    gm.graph.eliminate_dead_code()
+
+
+def _key(node: fx.Node, resolve: Callable[[fx.Node], fx.Node]) -> Any:
+    args = fx.node.map_arg(node.args, resolve)
+    kwargs = fx.node.map_arg(node.kwargs, resolve)
+    return (node.target, _hashable(args), _hashable(kwargs))
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
