@@ -21,6 +21,7 @@ from aotgrad.errors import (
     UnsupportedOpError,
     UnsupportedOutputError,
 )
+from aotgrad.partition import budget
 from aotgrad.profiling import ProfileReport, profile
 from aotgrad.runtime import make_boxed_func, nop
 
@@ -38,6 +39,7 @@ __all__ = [
     "UnsupportedOutputError",
     "aot_function",
     "aot_module",
+    "budget",
     "make_boxed_func",
     "nop",
     "profile",

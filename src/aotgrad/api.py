@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -14,7 +14,7 @@ from torch.func import functional_call
 
 from aotgrad.capture import JointGraph, capture
 from aotgrad.errors import CallError, user_frame_of_function
-from aotgrad.partition import Partitioned, SavedValue, partition
+from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
 from aotgrad.runtime.compilers import Compiler
@@ -31,6 +31,7 @@ from aotgrad.signature import (
 
 Decompositions = Mapping[Any, Callable[..., Any]]
 PartitionFn = Callable[[JointGraph], Partitioned]
+PartitionArg = Literal["save_all", "mincut"] | Budget | PartitionFn
 
 
 @dataclass(frozen=True)
@@ -100,12 +101,17 @@ class Traced:
         return "\n\n".join(parts)
 
 
-def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Traced:
+def trace(
+    fn: Callable[..., Any], *args: Any, partition: PartitionArg = "save_all", **kwargs: Any
+) -> Traced:
     """Capture the forward and backward graphs of ``fn(*args, **kwargs)`` on fake tensors.
 
     ``fn`` is a function or an ``nn.Module`` (its parameters and buffers become
     the first inputs). The example inputs' data is never read: they may live
     on any device, ``meta`` included. See ``docs/calling-convention.md``.
+    ``partition`` ("save_all", "mincut", ``aotgrad.budget(x)`` or a callable
+    taking the JointGraph) chooses what the backward saves; the keyword is
+    aotgrad's, not passed on to ``fn``.
 
     >>> import torch, aotgrad
     >>> def fn(carry, x):
@@ -122,7 +128,7 @@ def trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Traced:
     state = tuple(lifted)
     flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, descriptors)
     partitioned = _capture_and_partition(
-        fn, body_of(flat), flat, [*state, *tensors], None, "save_all"
+        fn, body_of(flat), flat, [*state, *tensors], None, partition
     )
     return Traced(partitioned, compile_partitioned(partitioned), state)
 
@@ -136,13 +142,15 @@ def aot_function(
     decompositions: Decompositions | None = None,
     inference_compiler: Compiler | None = None,
     keep_inference_input_mutations: bool = False,
+    partition: PartitionArg = "save_all",
 ) -> AOTFunction:
     """Compile ``fn``'s forward and backward graphs with the given compilers.
 
     Call-compatible with PyTorch's ``aot_function`` (functorch's compile module). Each new input
     structure or tensor metadata (shape, stride, dtype, device,
     requires_grad) or non-tensor value traces and compiles once; later
-    calls with the same ones reuse it. With ``keep_inference_input_mutations``,
+    calls with the same ones reuse it. ``partition`` (or ``partition_fn``)
+    chooses what the backward saves, as for :func:`trace`. With ``keep_inference_input_mutations``,
     inference graphs (no backward) write input mutations themselves with
     ``aten.copy_`` instead of returning new values.
 
@@ -156,7 +164,7 @@ def aot_function(
         fw_compiler,
         bw_compiler,
         inference_compiler,
-        partition_fn or "save_all",
+        partition_fn or partition,
         decompositions,
         keep_inference_input_mutations,
     )
@@ -284,6 +292,7 @@ def aot_module(
     decompositions: Decompositions | None = None,
     inference_compiler: Compiler | None = None,
     keep_inference_input_mutations: bool = False,
+    partition: PartitionArg = "save_all",
 ) -> AOTModule:
     """``aot_function`` for an ``nn.Module``: parameters and buffers become graph inputs.
 
@@ -305,6 +314,7 @@ def aot_module(
         decompositions=decompositions,
         inference_compiler=inference_compiler,
         keep_inference_input_mutations=keep_inference_input_mutations,
+        partition=partition,
     )
     return AOTModule(module, compiled)
 

@@ -6,6 +6,7 @@ Passes ask these functions instead of branching on op names in their loops.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -38,3 +39,63 @@ def is_random(op: object) -> bool:
     (True, False)
     """
     return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+
+
+def is_pointwise(op: object) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags
+
+
+def cheap_to_recompute(op: object) -> bool:
+    """What min-cut may recompute: free views and deterministic pointwise ops.
+
+    Matmuls, convolutions, reductions and random ops are saved instead
+    (a memory budget may still recompute all but the random ones).
+    """
+    return is_free_view(op) or (is_pointwise(op) and not is_random(op))
+
+
+def _numel(value: object) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, list | tuple):
+        return sum(_numel(v) for v in value)
+    return 0
+
+
+def _shape(value: object) -> tuple[int, ...]:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+
+
+def _matmul_flops(out: object, inner: int) -> int:
+    return 2 * _numel(out) * inner
+
+
+_FLOPS: dict[object, Any] = {
+    torch.ops.aten.mm.default: lambda a, out: _matmul_flops(out, _shape(a[0])[-1]),
+    torch.ops.aten.bmm.default: lambda a, out: _matmul_flops(out, _shape(a[0])[-1]),
+    torch.ops.aten.addmm.default: lambda a, out: _matmul_flops(out, _shape(a[1])[-1]),
+    torch.ops.aten.baddbmm.default: lambda a, out: _matmul_flops(out, _shape(a[1])[-1]),
+    torch.ops.aten.convolution.default: lambda a, out: _matmul_flops(
+        out, _numel(a[1]) // max(_shape(a[1])[0], 1) if _shape(a[1]) else 1
+    ),
+}
+
+
+def flops(op: object, args: tuple[Any, ...], out: object) -> int:
+    """Estimated floating-point operations of one op, from the per-op table.
+
+    Matmuls and convolutions: 2 × output elements × reduction length; views: 0;
+    everything else: one per output element, or per input element for reductions.
+
+    >>> a, b = torch.empty(4, 8, device="meta"), torch.empty(8, 16, device="meta")
+    >>> flops(torch.ops.aten.mm.default, (a, b), torch.empty(4, 16, device="meta"))
+    1024
+    """
+    rule = _FLOPS.get(op)
+    if rule is not None:
+        return int(rule(args, out))
+    if is_free_view(op):
+        return 0
+    if isinstance(op, torch._ops.OpOverload) and torch.Tag.reduction in op.tags:
+        return max(_numel(args[0]) if args else 0, _numel(out))
+    return _numel(out)

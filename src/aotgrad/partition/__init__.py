@@ -1,25 +1,47 @@
 """Stage 3: partition. Decide what the backward saves, and split the joint graph in two.
 
-Entry point: :func:`partition`.
+Entry point: :func:`partition`. Strategies: ``"save_all"``, ``"mincut"``,
+``aotgrad.budget(x)``, or a callable ``joint -> Partitioned``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch.fx as fx
 
-from aotgrad.capture import JointGraph
-from aotgrad.partition.save_all import choose_saved, users_in
+from aotgrad.capture import JointGraph, Phase, node_info
+from aotgrad.errors import UserFrame
+from aotgrad.optable import op_name
+from aotgrad.partition.memory import peak_bytes
+from aotgrad.partition.remat import RematPlan, node_flops
 from aotgrad.partition.saved import SavedValue, describe_saved, unique_bytes
 from aotgrad.partition.split import apply_mutations_in_graph, build_backward, build_forward
+from aotgrad.partition.strategies import Budget, budget, mincut, save_all, with_budget
 from aotgrad.signature import Grad, MutatedInput, Saved, Signature, describe_graph
 
-__all__ = ["Partitioned", "SavedValue", "partition"]
+__all__ = ["Budget", "Partitioned", "RecomputedOp", "SavedValue", "budget", "partition"]
 
-Strategy = Literal["save_all"]
+Strategy = Literal["save_all", "mincut"] | Budget
+
+
+@dataclass(frozen=True)
+class RecomputedOp:
+    """A forward op the backward runs again, and why."""
+
+    name: str  # node name in the backward graph
+    op: str
+    module: str
+    source: UserFrame | None
+    flops: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        info = dict(vars(self))
+        info["source"] = None if self.source is None else str(self.source)
+        return info
 
 
 @dataclass(frozen=True)
@@ -38,6 +60,11 @@ class Partitioned:
     signature: Signature
     # The forward graph copies new values into mutated inputs itself (inference only).
     mutations_in_graph: bool = False
+    # Forward ops the backward runs again (checkpoint regions, free views, remat choices).
+    recomputed: tuple[RecomputedOp, ...] = ()
+    # Which strategy chose, and anything it wants the user to know.
+    strategy: str = "save_all"
+    note: str | None = None
 
     def __post_init__(self) -> None:
         if self.backward is None and self.saved:
@@ -54,6 +81,16 @@ class Partitioned:
     def saved_bytes_beyond_inputs(self) -> int:
         """Bytes the saved values keep alive that the caller does not hold anyway."""
         return unique_bytes([s for s in self.saved if not s.is_input])
+
+    @property
+    def recompute_flops(self) -> int:
+        """Estimated FLOPs the backward spends re-running forward ops."""
+        return sum(r.flops for r in self.recomputed)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Estimated peak memory of forward then backward (a liveness simulation)."""
+        return peak_bytes(self.forward, self.backward)
 
 
 def partition(
@@ -73,33 +110,70 @@ def partition(
     >>> [s.name for s in traced.saved]
     ['x']
     """
-    if callable(strategy):
+    if callable(strategy) and not isinstance(strategy, Budget):
         return strategy(joint)
-    if strategy != "save_all":
-        raise ValueError(f"unknown partition strategy {strategy!r}; expected 'save_all'")
     if not joint.has_backward:
         return _forward_only(joint, keep_input_mutations)
-    saved_nodes, recompute, reasons = choose_saved(joint)
-    backward = build_backward(joint, saved_nodes, recompute)
+    return _split(joint, _plan(joint, strategy), str(strategy))
+
+
+def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:
+    if isinstance(strategy, Budget):
+        return with_budget(joint, strategy)
+    if strategy == "save_all":
+        return save_all(joint)
+    if strategy == "mincut":
+        return mincut(joint)
+    raise ValueError(
+        f"unknown partition strategy {strategy!r}; expected 'save_all', 'mincut',"
+        " aotgrad.budget(x) or a callable taking the JointGraph"
+    )
+
+
+def _split(joint: JointGraph, plan: RematPlan, strategy: str) -> Partitioned:
+    backward = build_backward(joint, plan.saved, plan.recompute)
     saved = describe_saved(
-        saved_nodes,
-        [users_in_backward(n, backward) for n in saved_nodes],
-        [reasons[n] for n in saved_nodes],
+        plan.saved,
+        [users_in_backward(n, backward) for n in plan.saved],
+        [plan.save_reasons[n] for n in plan.saved],
     )
     signature = _signature(joint, saved)
     forward = _module(
-        joint,
-        build_forward(joint, saved_nodes),
-        signature.forward_inputs,
-        signature.forward_outputs,
+        joint, build_forward(joint, plan.saved), signature.forward_inputs, signature.forward_outputs
     )
     backward_gm = _module(joint, backward, signature.backward_inputs, signature.backward_outputs)
-    return Partitioned(joint, forward, backward_gm, saved, signature)
+    recomputed = _recomputed(joint, plan, backward_gm)
+    return Partitioned(
+        joint, forward, backward_gm, saved, signature, False, recomputed, strategy, plan.note
+    )
+
+
+def _recomputed(
+    joint: JointGraph, plan: RematPlan, backward: fx.GraphModule
+) -> tuple[RecomputedOp, ...]:
+    names = {n.name for n in backward.graph.nodes}
+    ops = []
+    for node in joint.gm.graph.nodes:
+        if node.op != "call_function" or node.name not in names:
+            continue
+        if node in plan.recompute:
+            reason = plan.recompute_reasons.get(node, "recomputed")
+        elif node_info(node).phase is Phase.RECOMPUTE:
+            reason = "checkpoint region (torch.utils.checkpoint)"
+        else:
+            continue
+        info = node_info(node)
+        ops.append(
+            RecomputedOp(
+                node.name, op_name(node.target), info.module, info.source, node_flops(node), reason
+            )
+        )
+    return tuple(ops)
 
 
 def users_in_backward(node: fx.Node, backward: fx.Graph) -> list[str]:
     placeholder = next(n for n in backward.nodes if n.op == "placeholder" and n.name == node.name)
-    return users_in(placeholder, backward.nodes)
+    return [u.name for u in placeholder.users if u.op != "output"]
 
 
 def _forward_only(joint: JointGraph, keep_input_mutations: bool) -> Partitioned:

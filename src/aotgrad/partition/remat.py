@@ -1,0 +1,250 @@
+"""Choosing what the backward saves and what it recomputes: min-cut and an exact budget solver.
+
+Note [Saved and recomputed]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The backward reads some forward values (``needed``). A partition picks a
+``saved`` set; everything else the backward needs is recomputed from it,
+walking back through forward ops until saved values or inputs::
+
+    forward:  a = mm(x, w); b = relu(a); c = sin(b); out = mm(c, w2)
+    needed by the backward: b (for relu's grad), c (for mm's grad), w, w2
+    save_all: save b, c                     (recompute nothing)
+    mincut:   save b; recompute c = sin(b)  (c costs as many bytes as b;
+              saving one pointwise input beats saving both)
+    budget(0.5): the same if it fits, chosen by an integer program that
+              minimizes recompute FLOPs within the byte budget
+
+Inputs are always available (saving them costs no memory); views are never
+saved (their base is, and the view is replayed); random ops are never
+recomputed (the backward must see the forward's draws).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import networkx as nx
+import numpy as np
+import torch
+import torch.fx as fx
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from aotgrad.capture import JointGraph, Phase, phase_of
+from aotgrad.optable import cheap_to_recompute, flops, is_free_view, is_random
+
+INF = math.inf
+
+
+@dataclass
+class RematPlan:
+    """What the backward receives (``saved``, in forward order) and what it re-runs."""
+
+    saved: list[fx.Node]
+    recompute: set[fx.Node]
+    # Why each saved node is saved, and why each recomputed node is recomputed.
+    save_reasons: dict[fx.Node, str] = field(default_factory=dict)
+    recompute_reasons: dict[fx.Node, str] = field(default_factory=dict)
+    # Anything the solver wants the user to know (a time limit hit, say).
+    note: str | None = None
+
+
+def needed_by_backward(joint: JointGraph) -> dict[fx.Node, str]:
+    """Forward values the backward reads, each with the first backward node reading it."""
+    needed: dict[fx.Node, str] = {}
+    for node in joint.backward_nodes():
+        for source in node.all_input_nodes:
+            if phase_of(source) is Phase.FORWARD:
+                needed.setdefault(source, f"read by backward op {node.name}")
+    for grad in joint.grad_results():
+        if grad is not None and phase_of(grad) is Phase.FORWARD:
+            needed.setdefault(grad, "is a gradient")
+    return needed
+
+
+def nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, list | tuple):
+        return sum(v.numel() * v.element_size() for v in val if isinstance(v, torch.Tensor))
+    return 0
+
+
+def node_flops(node: fx.Node) -> int:
+    args = tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args)
+    return flops(node.target, args, node.meta.get("val"))
+
+
+def is_view_node(node: fx.Node) -> bool:
+    """A view op, or an element of a multi-output view op (``split``): no storage of its own."""
+    if node.op != "call_function":
+        return False
+    if is_free_view(node.target):
+        return True
+    source = node.args[0] if node.args else None
+    return (
+        node.target.__name__ == "getitem"  # type: ignore[union-attr]
+        and isinstance(source, fx.Node)
+        and getattr(source.target, "is_view", False)
+    )
+
+
+def recompute_closure(
+    needed: Iterable[fx.Node], saved: set[fx.Node]
+) -> tuple[set[fx.Node], set[fx.Node]]:
+    """Everything to re-run so the backward has ``needed`` from ``saved``; plus inputs to save."""
+    recompute: set[fx.Node] = set()
+    inputs: set[fx.Node] = set()
+    stack = [n for n in needed if n not in saved]
+    while stack:
+        node = stack.pop()
+        if node in recompute or node in saved or node in inputs:
+            continue
+        if node.op == "placeholder":
+            inputs.add(node)
+            continue
+        recompute.add(node)
+        stack.extend(node.all_input_nodes)
+    return recompute, inputs
+
+
+def forward_ops(joint: JointGraph) -> list[fx.Node]:
+    return [n for n in joint.nodes(Phase.FORWARD) if n.op == "call_function"]
+
+
+def mincut_saved(joint: JointGraph, needed: Iterable[fx.Node]) -> set[fx.Node]:
+    """Min-cut over a graph whose edge weights are tensor bytes (Note [Saved and recomputed]).
+
+    Each forward op is an edge ``in → out`` weighing its output's bytes
+    (infinite for views: their base is saved instead). Ops that must not be
+    recomputed hang off the source; what the backward reads hangs off the
+    sink. The cheapest cut is the set of values to save.
+    """
+    graph = nx.DiGraph()
+    for node in forward_ops(joint):
+        capacity = INF if is_view_node(node) else nbytes(node)
+        graph.add_edge((node, "in"), (node, "out"), capacity=capacity)
+        if not cheap_to_recompute(node.target) and not is_view_node(node):
+            graph.add_edge("source", (node, "in"), capacity=INF)
+        for source in node.all_input_nodes:
+            if source.op == "call_function":
+                graph.add_edge((source, "out"), (node, "in"), capacity=INF)
+    for node in needed:
+        if node.op == "call_function":
+            graph.add_edge((node, "out"), "sink", capacity=INF)
+    if "sink" not in graph or "source" not in graph:
+        return {n for n in needed if n.op == "call_function" and not is_view_node(n)}
+    _, (source_side, _) = nx.minimum_cut(graph, "source", "sink")
+    return {
+        node
+        for node in forward_ops(joint)
+        if (node, "in") in source_side and (node, "out") not in source_side
+    }
+
+
+@dataclass(frozen=True)
+class BudgetResult:
+    saved: set[fx.Node]
+    recompute_flops: int
+    note: str | None
+
+
+def budget_saved(
+    joint: JointGraph, needed: Iterable[fx.Node], budget_bytes: int, time_limit: float
+) -> BudgetResult:
+    """The exact memory-budget solver: a mixed-integer program solved by HiGHS.
+
+    Per forward op ``v``: ``save_v`` and ``recompute_v`` in {0, 1}.
+    minimize  Σ flops(v) · recompute_v                       (then Σ bytes · save_v)
+    subject   save_v + recompute_v ≥ 1           for v the backward reads
+              recompute_v ≤ save_u + recompute_u for each op input u of v
+              Σ bytes(v) · save_v ≤ budget;  views are never saved; random ops never recomputed
+    Minimizing saved bytes second, among the FLOP-optimal plans, makes the
+    result monotone: a smaller budget never saves more bytes.
+    """
+    ops = forward_ops(joint)
+    index = {n: i for i, n in enumerate(ops)}
+    n = len(ops)
+    if n == 0:
+        return BudgetResult(set(), 0, None)
+    weights = np.array([0 if is_view_node(v) else nbytes(v) for v in ops], dtype=float)
+    costs = np.array([node_flops(v) for v in ops], dtype=float)
+    rows, lower, upper = _budget_constraints(ops, index, needed, weights, budget_bytes)
+    constraint = LinearConstraint(np.array(rows), lower, upper)
+    bounds = _budget_bounds(ops)
+    integrality = np.ones(2 * n)
+    options = {"time_limit": time_limit, "disp": False}
+    objective = np.concatenate([np.zeros(n), costs])
+    first = milp(
+        objective, constraints=constraint, integrality=integrality, bounds=bounds, options=options
+    )
+    if first.x is None:
+        raise ValueError(
+            f"no plan fits a budget of {budget_bytes} bytes: the ops that cannot be recomputed"
+            f" (random ops) already need more; raise the budget ({first.message})"
+        )
+    best = float(costs @ np.round(first.x[n:]))
+    tie = LinearConstraint(np.concatenate([np.zeros(n), costs])[None, :], -np.inf, best + 0.5)
+    second = milp(
+        np.concatenate([weights, np.zeros(n)]),
+        constraints=[constraint, tie],
+        integrality=integrality,
+        bounds=bounds,
+        options=options,
+    )
+    chosen = second.x if second.x is not None else first.x
+    note = None
+    if not (first.success and second.success):
+        note = (
+            f"the budget solver hit its {time_limit:.0f} s time limit; the plan is the best found,"
+            " not proven optimal (raise time_limit in aotgrad.budget)"
+        )
+    saved = {v for v in ops if round(chosen[index[v]]) == 1}
+    return BudgetResult(saved, int(costs @ np.round(chosen[n:])), note)
+
+
+def _budget_constraints(
+    ops: list[fx.Node],
+    index: dict[fx.Node, int],
+    needed: Iterable[fx.Node],
+    weights: np.ndarray,
+    budget_bytes: int,
+) -> tuple[list[np.ndarray], list[float], list[float]]:
+    n = len(ops)
+    rows: list[np.ndarray] = []
+    lower: list[float] = []
+    upper: list[float] = []
+
+    def add(row: np.ndarray, lo: float, hi: float) -> None:
+        rows.append(row)
+        lower.append(lo)
+        upper.append(hi)
+
+    for v in needed:
+        if v in index:
+            row = np.zeros(2 * n)
+            row[index[v]] = row[n + index[v]] = 1
+            add(row, 1, np.inf)
+    for v in ops:
+        for u in v.all_input_nodes:
+            if u in index:  # recompute_v - save_u - recompute_u <= 0
+                row = np.zeros(2 * n)
+                row[n + index[v]] = 1
+                row[index[u]] -= 1
+                row[n + index[u]] -= 1
+                add(row, -np.inf, 0)
+    add(np.concatenate([weights, np.zeros(n)]), -np.inf, float(budget_bytes))
+    return rows, lower, upper
+
+
+def _budget_bounds(ops: list[fx.Node]) -> Bounds:
+    n = len(ops)
+    upper = np.ones(2 * n)
+    for i, v in enumerate(ops):
+        if is_view_node(v):
+            upper[i] = 0  # never save a view
+        if is_random(v.target):
+            upper[n + i] = 0  # never recompute a random op
+    return Bounds(np.zeros(2 * n), upper)

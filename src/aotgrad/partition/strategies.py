@@ -1,0 +1,136 @@
+"""The partition strategies: ``"save_all"``, ``"mincut"``, ``aotgrad.budget(x)``, or your own.
+
+Each turns a joint graph into a :class:`RematPlan`; every saved value and
+every recomputed op gets a reason (Note [Saved and recomputed]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from aotgrad.capture import JointGraph
+from aotgrad.optable import is_free_view
+from aotgrad.partition.remat import (
+    RematPlan,
+    budget_saved,
+    mincut_saved,
+    nbytes,
+    needed_by_backward,
+    recompute_closure,
+)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A memory budget for the saved activations: see :func:`budget`."""
+
+    # A fraction (0, 1] of what "save_all" saves beyond the inputs, or a byte count (> 1).
+    limit: float
+    # Seconds HiGHS may spend; past it the best plan found is used, and the plan says so.
+    time_limit: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.limit <= 0:
+            raise ValueError(f"a budget must be positive, got {self.limit}")
+
+    def bytes_for(self, joint: JointGraph) -> int:
+        if self.limit > 1:
+            return int(self.limit)
+        full = sum(nbytes(n) for n in save_all(joint).saved if n.op != "placeholder")
+        return int(self.limit * full)
+
+    def __str__(self) -> str:
+        return f"budget({self.limit:g})"
+
+
+def budget(limit: float, time_limit: float = 10.0) -> Budget:
+    """Save at most ``limit`` of ``save_all``'s activation bytes (or ``limit`` bytes, if > 1).
+
+    The plan minimizes recompute FLOPs exactly (a mixed-integer program solved by
+    HiGHS), and among equally cheap plans saves the fewest bytes, so a smaller
+    budget never saves more.
+
+    >>> import torch, aotgrad
+    >>> def f(x, w):
+    ...     return (x @ w).relu().sin().sum()
+    >>> x, w = torch.randn(8, 8), torch.randn(8, 8, requires_grad=True)
+    >>> traced = aotgrad.trace(f, x, w, partition=aotgrad.budget(0.5))
+    >>> [s.name for s in traced.saved if not s.is_input]  # save_all keeps relu: 256 bytes
+    []
+    >>> [r.name for r in traced.partitioned.recomputed]
+    ['mm', 'relu']
+    """
+    return Budget(float(limit), time_limit)
+
+
+def save_all(joint: JointGraph) -> RematPlan:
+    """Save what the backward reads; recompute nothing but free views and constants.
+
+    See Note [Free views are recomputed].
+    """
+    plan = RematPlan(saved=[], recompute=set())
+    chosen: dict[fx.Node, str] = {}
+    for node, reason in needed_by_backward(joint).items():
+        _save_or_replay(node, reason, chosen, plan)
+    plan.saved = _in_order(joint, chosen)
+    plan.save_reasons = chosen
+    return plan
+
+
+def _save_or_replay(
+    node: fx.Node, reason: str, chosen: dict[fx.Node, str], plan: RematPlan
+) -> None:
+    if node.op == "get_attr":  # a constant the graph holds: the backward reads it directly
+        plan.recompute.add(node)
+        plan.recompute_reasons[node] = "graph constant"
+    elif node.op == "call_function" and is_free_view(node.target):
+        plan.recompute.add(node)
+        plan.recompute_reasons[node] = "free view: replayed on its saved source"
+        for source in node.all_input_nodes:
+            _save_or_replay(source, f"source of view {node.name}, {reason}", chosen, plan)
+    else:
+        chosen.setdefault(node, reason)
+
+
+def mincut(joint: JointGraph) -> RematPlan:
+    """Min-cut rematerialization (Note [Saved and recomputed])."""
+    needed = needed_by_backward(joint)
+    saved = mincut_saved(joint, needed)
+    return from_saved(joint, needed, saved, "min-cut")
+
+
+def with_budget(joint: JointGraph, limit: Budget) -> RematPlan:
+    needed = needed_by_backward(joint)
+    budget_bytes = limit.bytes_for(joint)
+    result = budget_saved(joint, needed, budget_bytes, limit.time_limit)
+    plan = from_saved(joint, needed, result.saved, f"{limit} ({budget_bytes} bytes)")
+    plan.note = result.note
+    return plan
+
+
+def from_saved(
+    joint: JointGraph, needed: Mapping[fx.Node, str], saved: set[fx.Node], label: str
+) -> RematPlan:
+    """Recompute everything the backward needs from ``saved``; keep only saved values it uses."""
+    recompute, inputs = recompute_closure(needed, saved)
+    users = {u for node in recompute for u in node.all_input_nodes}
+    kept = {n for n in saved if n in needed or n in users} | inputs
+    reasons = {}
+    for node in kept:
+        why = needed.get(node) or "input of a recomputed op"
+        reasons[node] = why if node.op == "placeholder" else f"{label}: {why}"
+    recompute_reasons = {
+        node: "graph constant"
+        if node.op == "get_attr"
+        else f"{label}: recomputed from saved values"
+        for node in recompute
+    }
+    return RematPlan(_in_order(joint, kept), recompute, reasons, recompute_reasons)
+
+
+def _in_order(joint: JointGraph, nodes: Mapping[fx.Node, object] | set[fx.Node]) -> list[fx.Node]:
+    order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
+    return sorted(nodes, key=order.__getitem__)
