@@ -91,13 +91,15 @@ def verify(
     :class:`VerificationError` listing every mismatch unless ``check=False``.
     """
     report = Report()
+    # Modules are copied for both runs: gradients must not pile up across calls of verify.
     eager_fn = copy.deepcopy(fn) if isinstance(fn, torch.nn.Module) else fn
+    compiled_source = copy.deepcopy(fn) if isinstance(fn, torch.nn.Module) else fn
     if compile_fn is not None:
-        compiled_fn = compile_fn(fn)
-    elif isinstance(fn, torch.nn.Module):
-        compiled_fn = aot_module(fn)
+        compiled_fn = compile_fn(compiled_source)
+    elif isinstance(compiled_source, torch.nn.Module):
+        compiled_fn = aot_module(compiled_source)
     else:
-        compiled_fn = aot_function(fn)
+        compiled_fn = aot_function(compiled_source)
     eager, compiled = _copy_call(args, kwargs), _copy_call(args, kwargs)
     rng = torch.random.get_rng_state()  # both runs draw the same random numbers
     eager_out = eager_fn(*eager.args, **eager.kwargs)
@@ -108,7 +110,7 @@ def verify(
     checker.inputs_after_call(eager, compiled)
     _backward(eager_out, compiled_out)
     eager.grad_holders.update(_parameters(eager_fn))
-    compiled.grad_holders.update(_parameters(fn))
+    compiled.grad_holders.update(_parameters(compiled_source))
     for name, holder in eager.grad_holders.items():
         report.compared_grads += 1
         checker.grad(f"grad of {name}", holder.grad, compiled.grad_holders[name].grad)

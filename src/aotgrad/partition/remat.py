@@ -63,6 +63,11 @@ def needed_by_backward(joint: JointGraph) -> dict[fx.Node, str]:
     return needed
 
 
+def is_tensor_node(node: fx.Node) -> bool:
+    """Produces one tensor (multi-output ops are saved through their ``getitem`` nodes)."""
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
 def nbytes(node: fx.Node) -> int:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
@@ -78,10 +83,10 @@ def node_flops(node: fx.Node) -> int:
 
 
 def is_view_node(node: fx.Node) -> bool:
-    """A view op, or an element of a multi-output view op (``split``): no storage of its own."""
+    """A view op (``t``, ``split``) or an element of a multi-output view: no storage of its own."""
     if node.op != "call_function":
         return False
-    if is_free_view(node.target):
+    if is_free_view(node.target) or getattr(node.target, "is_view", False):
         return True
     source = node.args[0] if node.args else None
     return (
@@ -110,6 +115,20 @@ def recompute_closure(
     return recompute, inputs
 
 
+def reads_mutated_input(joint: JointGraph) -> set[fx.Node]:
+    """Forward ops that depend on an input the function mutates: never recomputed.
+
+    The runtime writes the new value into the caller's tensor after the
+    forward, so the backward no longer has the old one to recompute from.
+    """
+    placeholders = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
+    tainted = {placeholders[i] for i in joint.mutated}
+    for node in joint.gm.graph.nodes:
+        if node.op == "call_function" and any(a in tainted for a in node.all_input_nodes):
+            tainted.add(node)
+    return tainted
+
+
 def forward_ops(joint: JointGraph) -> list[fx.Node]:
     return [n for n in joint.nodes(Phase.FORWARD) if n.op == "call_function"]
 
@@ -123,10 +142,15 @@ def mincut_saved(joint: JointGraph, needed: Iterable[fx.Node]) -> set[fx.Node]:
     sink. The cheapest cut is the set of values to save.
     """
     graph = nx.DiGraph()
+    pinned = reads_mutated_input(joint)
     for node in forward_ops(joint):
-        capacity = INF if is_view_node(node) else nbytes(node)
-        graph.add_edge((node, "in"), (node, "out"), capacity=capacity)
-        if not cheap_to_recompute(node.target) and not is_view_node(node):
+        recomputable = node not in pinned and (
+            cheap_to_recompute(node.target) or is_view_node(node)
+        )
+        # Views are replayed rather than saved, unless they cannot be recomputed.
+        savable = is_tensor_node(node) and (not is_view_node(node) or not recomputable)
+        graph.add_edge((node, "in"), (node, "out"), capacity=nbytes(node) if savable else INF)
+        if not recomputable:
             graph.add_edge("source", (node, "in"), capacity=INF)
         for source in node.all_input_nodes:
             if source.op == "call_function":
@@ -160,7 +184,8 @@ def budget_saved(
     minimize  Σ flops(v) · recompute_v                       (then Σ bytes · save_v)
     subject   save_v + recompute_v ≥ 1           for v the backward reads
               recompute_v ≤ save_u + recompute_u for each op input u of v
-              Σ bytes(v) · save_v ≤ budget;  views are never saved; random ops never recomputed
+              Σ bytes(v) · save_v ≤ budget;  views are never saved; random ops, and ops
+              reading a mutated input, never recomputed
     Minimizing saved bytes second, among the FLOP-optimal plans, makes the
     result monotone: a smaller budget never saves more bytes.
     """
@@ -173,7 +198,7 @@ def budget_saved(
     costs = np.array([node_flops(v) for v in ops], dtype=float)
     rows, lower, upper = _budget_constraints(ops, index, needed, weights, budget_bytes)
     constraint = LinearConstraint(np.array(rows), lower, upper)
-    bounds = _budget_bounds(ops)
+    bounds = _budget_bounds(ops, reads_mutated_input(joint))
     integrality = np.ones(2 * n)
     options = {"time_limit": time_limit, "disp": False}
     objective = np.concatenate([np.zeros(n), costs])
@@ -181,9 +206,19 @@ def budget_saved(
         objective, constraints=constraint, integrality=integrality, bounds=bounds, options=options
     )
     if first.x is None:
+        relaxed = LinearConstraint(np.array(rows[:-1]), lower[:-1], upper[:-1])
+        least = milp(
+            np.concatenate([weights, np.zeros(n)]),
+            constraints=relaxed,
+            integrality=integrality,
+            bounds=bounds,
+            options=options,
+        )
+        smallest = "?" if least.x is None else str(int(weights @ np.round(least.x[:n])))
         raise ValueError(
-            f"no plan fits a budget of {budget_bytes} bytes: the ops that cannot be recomputed"
-            f" (random ops) already need more; raise the budget ({first.message})"
+            f"no plan fits a budget of {budget_bytes} bytes: values that cannot be recomputed"
+            " (random ops, ops reading an input the function mutates) need more; the smallest"
+            f" plan saves {smallest} bytes. Raise the budget."
         )
     best = float(costs @ np.round(first.x[n:]))
     tie = LinearConstraint(np.concatenate([np.zeros(n), costs])[None, :], -np.inf, best + 0.5)
@@ -239,12 +274,13 @@ def _budget_constraints(
     return rows, lower, upper
 
 
-def _budget_bounds(ops: list[fx.Node]) -> Bounds:
+def _budget_bounds(ops: list[fx.Node], pinned: set[fx.Node]) -> Bounds:
     n = len(ops)
     upper = np.ones(2 * n)
     for i, v in enumerate(ops):
-        if is_view_node(v):
-            upper[i] = 0  # never save a view
-        if is_random(v.target):
-            upper[n + i] = 0  # never recompute a random op
+        fixed = is_random(v.target) or v in pinned
+        if fixed:
+            upper[n + i] = 0  # never recompute a random op, or one reading a mutated input
+        if not is_tensor_node(v) or (is_view_node(v) and not fixed):
+            upper[i] = 0  # never save a tuple (its getitems are saved), nor a replayable view
     return Bounds(np.zeros(2 * n), upper)
