@@ -60,14 +60,15 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A GPT with its token embedding tied to the output head."""
 
-    def __init__(self, vocab=64, dim=32, heads=4, blocks=2, context=16):
+    def __init__(self, vocab=64, dim=32, heads=4, blocks=2, context=16, tied=True):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(context, dim)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(blocks))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.tok.weight
+        if tied:
+            self.head.weight = self.tok.weight
 
     def forward(self, idx, targets):
         t = idx.shape[1]
@@ -76,6 +77,19 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.head(self.ln(x))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+class DeepMLP(nn.Module):
+    """An 8-layer MLP with a loss: the rematerialization benchmarks' first model."""
+
+    def __init__(self, width=256, depth=8):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
 
 
 class State(NamedTuple):

@@ -6,6 +6,7 @@ Passes ask these functions instead of branching on op names in their loops.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any
 
 import torch
@@ -70,7 +71,28 @@ def _matmul_flops(out: object, inner: int) -> int:
     return 2 * _numel(out) * inner
 
 
+def _attention_flops(args: tuple[Any, ...], out: object) -> int:
+    """q @ kᵀ and weights @ v: 2·B·H·L·S·(E + Ev)."""
+    q, k, v = (_shape(a) for a in args[:3])
+    if not (q and k and v):
+        return _numel(out)
+    batch = _numel(args[0]) // (q[-2] * q[-1])
+    return 2 * batch * q[-2] * k[-2] * (q[-1] + v[-1])
+
+
+_ATTENTION = [
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+]
+
 _FLOPS: dict[object, Any] = {
+    **{
+        getattr(torch.ops.aten, name).default: _attention_flops
+        for name in _ATTENTION
+        if hasattr(torch.ops.aten, name)
+    },
     torch.ops.aten.mm.default: lambda a, out: _matmul_flops(out, _shape(a[0])[-1]),
     torch.ops.aten.bmm.default: lambda a, out: _matmul_flops(out, _shape(a[0])[-1]),
     torch.ops.aten.addmm.default: lambda a, out: _matmul_flops(out, _shape(a[1])[-1]),
@@ -84,8 +106,9 @@ _FLOPS: dict[object, Any] = {
 def flops(op: object, args: tuple[Any, ...], out: object) -> int:
     """Estimated floating-point operations of one op, from the per-op table.
 
-    Matmuls and convolutions: 2 × output elements × reduction length; views: 0;
-    everything else: one per output element, or per input element for reductions.
+    Matmuls and convolutions: 2 × output elements × reduction length; attention:
+    both matmuls; views and tuple indexing: 0; everything else: one per output
+    element, or per input element for reductions.
 
     >>> a, b = torch.empty(4, 8, device="meta"), torch.empty(8, 16, device="meta")
     >>> flops(torch.ops.aten.mm.default, (a, b), torch.empty(4, 16, device="meta"))
@@ -94,7 +117,7 @@ def flops(op: object, args: tuple[Any, ...], out: object) -> int:
     rule = _FLOPS.get(op)
     if rule is not None:
         return int(rule(args, out))
-    if is_free_view(op):
+    if is_free_view(op) or getattr(op, "is_view", False) or op is operator.getitem:
         return 0
     if isinstance(op, torch._ops.OpOverload) and torch.Tag.reduction in op.tags:
         return max(_numel(args[0]) if args else 0, _numel(out))

@@ -176,7 +176,11 @@ class BudgetResult:
 
 
 def budget_saved(
-    joint: JointGraph, needed: Iterable[fx.Node], budget_bytes: int, time_limit: float
+    joint: JointGraph,
+    needed: Iterable[fx.Node],
+    budget_bytes: int,
+    time_limit: float,
+    free_inputs: set[fx.Node],
 ) -> BudgetResult:
     """The exact memory-budget solver: a mixed-integer program solved by HiGHS.
 
@@ -187,14 +191,20 @@ def budget_saved(
               Σ bytes(v) · save_v ≤ budget;  views are never saved; random ops, and ops
               reading a mutated input, never recomputed
     Minimizing saved bytes second, among the FLOP-optimal plans, makes the
-    result monotone: a smaller budget never saves more bytes.
+    result monotone: a smaller budget never saves more bytes. Inputs are
+    variables too: those ``free_inputs`` (what ``save_all`` saves anyway) weigh
+    nothing, others (a bias a recomputation needs) weigh their bytes, so no
+    plan saves more than ``save_all``.
     """
-    ops = forward_ops(joint)
+    inputs = [
+        p for p in joint.gm.graph.nodes if p.op == "placeholder" and phase_of(p) is Phase.FORWARD
+    ]
+    ops = [*inputs, *forward_ops(joint)]
     index = {n: i for i, n in enumerate(ops)}
     n = len(ops)
-    if n == 0:
-        return BudgetResult(set(), 0, None)
-    weights = np.array([0 if is_view_node(v) else nbytes(v) for v in ops], dtype=float)
+    weights = np.array(
+        [0 if is_view_node(v) or v in free_inputs else nbytes(v) for v in ops], dtype=float
+    )
     costs = np.array([node_flops(v) for v in ops], dtype=float)
     rows, lower, upper = _budget_constraints(ops, index, needed, weights, budget_bytes)
     constraint = LinearConstraint(np.array(rows), lower, upper)
@@ -278,7 +288,7 @@ def _budget_bounds(ops: list[fx.Node], pinned: set[fx.Node]) -> Bounds:
     n = len(ops)
     upper = np.ones(2 * n)
     for i, v in enumerate(ops):
-        fixed = is_random(v.target) or v in pinned
+        fixed = v.op == "placeholder" or is_random(v.target) or v in pinned
         if fixed:
             upper[n + i] = 0  # never recompute a random op, or one reading a mutated input
         if not is_tensor_node(v) or (is_view_node(v) and not fixed):

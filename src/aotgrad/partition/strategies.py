@@ -27,7 +27,8 @@ from aotgrad.partition.remat import (
 class Budget:
     """A memory budget for the saved activations: see :func:`budget`."""
 
-    # A fraction (0, 1] of what "save_all" saves beyond the inputs, or a byte count (> 1).
+    # A fraction (0, 1] of what "save_all" saves beyond the inputs, or a byte count (> 1),
+    # bounding the bytes saved beyond the inputs "save_all" saves.
     limit: float
     # Seconds HiGHS may spend; past it the best plan found is used, and the plan says so.
     time_limit: float = 10.0
@@ -105,7 +106,8 @@ def mincut(joint: JointGraph) -> RematPlan:
 def with_budget(joint: JointGraph, limit: Budget) -> RematPlan:
     needed = needed_by_backward(joint)
     budget_bytes = limit.bytes_for(joint)
-    result = budget_saved(joint, needed, budget_bytes, limit.time_limit)
+    free_inputs = {n for n in save_all(joint).saved if n.op == "placeholder"}
+    result = budget_saved(joint, needed, budget_bytes, limit.time_limit, free_inputs)
     plan = from_saved(joint, needed, result.saved, f"{limit} ({budget_bytes} bytes)")
     plan.note = result.note
     return plan
