@@ -136,6 +136,7 @@ def _capture(
         gm, record, inputs, recorder = trace(leaf_primals=True)
     split_at_cotangents(gm)
     stamp(gm, recorder)
+    _remove_detaches(gm.graph)  # before matching: a checkpoint recomputes from detached inputs
     link_recompute(gm)
     return _assemble(gm, flat, inputs, bases, record)
 
@@ -188,7 +189,6 @@ def _assemble(
     record: TraceRecord,
 ) -> JointGraph:
     assert record.aliasing is not None and record.out_spec is not None
-    _remove_detaches(gm.graph)
     gm.graph.eliminate_dead_code()
     outputs = _output_descriptors(record)
     bases = tuple(

@@ -47,6 +47,7 @@ def link_recompute(gm: fx.GraphModule) -> None:
         set_info(node, replace(node_info(node), seq_nr=node_info(twin).seq_nr))
         if is_random(node.target):
             node.replace_all_uses_with(twin)
+            gm.graph.erase_node(node)  # DCE keeps random ops: they look side-effecting
     gm.graph.eliminate_dead_code()
 
 

@@ -19,7 +19,14 @@ from aotgrad.partition.memory import peak_bytes
 from aotgrad.partition.remat import RematPlan, node_flops
 from aotgrad.partition.saved import SavedValue, describe_saved, unique_bytes
 from aotgrad.partition.split import apply_mutations_in_graph, build_backward, build_forward
-from aotgrad.partition.strategies import Budget, budget, mincut, save_all, with_budget
+from aotgrad.partition.strategies import (
+    Budget,
+    apply_checkpoint_policy,
+    budget,
+    mincut,
+    save_all,
+    with_budget,
+)
 from aotgrad.signature import Grad, MutatedInput, Saved, Signature, describe_graph
 
 __all__ = ["Budget", "Partitioned", "RecomputedOp", "SavedValue", "budget", "partition"]
@@ -114,7 +121,8 @@ def partition(
         return strategy(joint)
     if not joint.has_backward:
         return _forward_only(joint, keep_input_mutations)
-    return _split(joint, _plan(joint, strategy), str(strategy))
+    plan = apply_checkpoint_policy(joint, _plan(joint, strategy))
+    return _split(joint, plan, str(strategy))
 
 
 def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:

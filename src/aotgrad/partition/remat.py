@@ -170,7 +170,8 @@ def mincut_saved(joint: JointGraph, needed: Iterable[fx.Node]) -> set[fx.Node]:
 
 @dataclass(frozen=True)
 class BudgetResult:
-    saved: set[fx.Node]
+    # None when the solver found no plan in time (the caller falls back).
+    saved: set[fx.Node] | None
     recompute_flops: int
     note: str | None
 
@@ -215,6 +216,13 @@ def budget_saved(
     first = milp(
         objective, constraints=constraint, integrality=integrality, bounds=bounds, options=options
     )
+    if first.x is None and first.status == 1:  # the time limit struck before any plan
+        return BudgetResult(
+            None,
+            0,
+            f"the budget solver hit its {time_limit:g} s time limit before finding a plan;"
+            " falling back to save_all (raise time_limit in aotgrad.budget)",
+        )
     if first.x is None:
         relaxed = LinearConstraint(np.array(rows[:-1]), lower[:-1], upper[:-1])
         least = milp(
@@ -243,7 +251,7 @@ def budget_saved(
     note = None
     if not (first.success and second.success):
         note = (
-            f"the budget solver hit its {time_limit:.0f} s time limit; the plan is the best found,"
+            f"the budget solver hit its {time_limit:g} s time limit; the plan is the best found,"
             " not proven optimal (raise time_limit in aotgrad.budget)"
         )
     saved = {v for v in ops if round(chosen[index[v]]) == 1}

@@ -10,9 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
-from aotgrad.capture import JointGraph
-from aotgrad.optable import is_free_view
+from aotgrad.capture import JointGraph, Phase
+from aotgrad.optable import is_free_view, is_random
 from aotgrad.partition.remat import (
     RematPlan,
     budget_saved,
@@ -108,7 +109,10 @@ def with_budget(joint: JointGraph, limit: Budget) -> RematPlan:
     budget_bytes = limit.bytes_for(joint)
     free_inputs = {n for n in save_all(joint).saved if n.op == "placeholder"}
     result = budget_saved(joint, needed, budget_bytes, limit.time_limit, free_inputs)
-    plan = from_saved(joint, needed, result.saved, f"{limit} ({budget_bytes} bytes)")
+    if result.saved is None:
+        plan = save_all(joint)
+    else:
+        plan = from_saved(joint, needed, result.saved, f"{limit} ({budget_bytes} bytes)")
     plan.note = result.note
     return plan
 
@@ -131,6 +135,47 @@ def from_saved(
         for node in recompute
     }
     return RematPlan(_in_order(joint, kept), recompute, reasons, recompute_reasons)
+
+
+# Note [Selective checkpoint policies]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under a selective checkpoint (``create_selective_checkpoint_contexts``),
+# PyTorch does not re-run the region itself while a graph is traced: it tags
+# each forward op with its policy (``node.meta["recompute"]``) and leaves the
+# decision to the partitioner. aotgrad honors the tags after any strategy:
+#
+#     mm  MUST_SAVE        -> saved
+#     sin MUST_RECOMPUTE   -> not saved; re-run in the backward from the saved mm
+#
+# ``PREFER_*`` tags are followed as if they were ``MUST_*``; random ops are
+# saved whatever their tag (the backward must see the forward's draws).
+_RECOMPUTE_POLICIES = {CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE}
+
+
+def apply_checkpoint_policy(joint: JointGraph, plan: RematPlan) -> RematPlan:
+    """Re-plan so ops a selective checkpoint tags for recompute are recomputed."""
+    tagged = {
+        n
+        for n in joint.nodes(Phase.FORWARD)
+        if n.meta.get("recompute") in _RECOMPUTE_POLICIES and not is_random(n.target)
+    }
+    if not tagged:
+        return plan
+    boundary = {u for v in tagged for u in v.all_input_nodes if u not in tagged}
+    saved = (set(plan.saved) - tagged) | boundary
+    policy_plan = from_saved(joint, needed_by_backward(joint), saved, "selective checkpoint")
+    for node in policy_plan.recompute:
+        if node in tagged:
+            policy_plan.recompute_reasons[node] = (
+                f"selective checkpoint policy {node.meta['recompute'].name}"
+            )
+        elif node in plan.recompute_reasons:
+            policy_plan.recompute_reasons[node] = plan.recompute_reasons[node]
+    for node in policy_plan.saved:
+        if node in plan.save_reasons:
+            policy_plan.save_reasons[node] = plan.save_reasons[node]
+    policy_plan.note = plan.note
+    return policy_plan
 
 
 def _in_order(joint: JointGraph, nodes: Mapping[fx.Node, object] | set[fx.Node]) -> list[fx.Node]:

@@ -1,0 +1,222 @@
+"""Rematerialization: checkpoints honored on every path, min-cut, the exact budget solver."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+from torch.autograd.graph import saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import aotgrad
+from aotgrad.capture import Kind, node_info
+from aotgrad.testing import verify
+from models import GPT, ConvBN, DeepMLP
+
+
+def stack(x, w):
+    for _ in range(3):
+        x = torch.sin(x @ w)
+    return x
+
+
+def checkpointed(use_reentrant):
+    def f(x, w):
+        return cp.checkpoint(stack, x, w, use_reentrant=use_reentrant)
+
+    return f
+
+
+def inputs():
+    torch.manual_seed(0)
+    return torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+
+
+def activations(saved):
+    return [s.name for s in saved if not s.is_input]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_saves_only_region_inputs_and_matches_eager(use_reentrant):
+    fn = checkpointed(use_reentrant)
+    traced = aotgrad.trace(fn, *inputs())
+    assert activations(traced.saved) == []
+    assert {s.name for s in traced.saved} == {"x", "w"}
+    recomputed = [r for r in traced.partitioned.recomputed if "checkpoint" in r.reason]
+    assert [r.op for r in recomputed].count("aten.mm.default") == 3  # the last sin is not needed
+    verify(fn, *inputs())
+
+
+@pytest.mark.parametrize("path", ["aot_function", "aot_module"])
+def test_checkpoint_is_honored_on_every_path(path):
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return cp.checkpoint(stack, x, self.w, use_reentrant=False)
+
+    x = torch.randn(8, 8, requires_grad=True)
+    compiled = aotgrad.aot_module(Net()) if path == "aot_module" else aotgrad.aot_function(Net())
+    compiled(x).sum().backward()
+    partitioned = (compiled.compiled if path == "aot_module" else compiled).partitioned
+    assert [s.name for s in partitioned.saved if not s.is_input] == []
+
+
+def test_dropout_inside_a_checkpoint_reuses_the_forward_mask():
+    def fn(x):
+        return cp.checkpoint(lambda x: F.dropout(x.sin(), 0.5).cos(), x, use_reentrant=False)
+
+    x = torch.randn(64, 64, requires_grad=True)
+    torch.manual_seed(0)
+    eager_x = x.detach().clone().requires_grad_()
+    fn(eager_x).sum().backward()
+    torch.manual_seed(0)
+    ours_x = x.detach().clone().requires_grad_()
+    aotgrad.aot_function(fn)(ours_x).sum().backward()
+    torch.testing.assert_close(ours_x.grad, eager_x.grad, atol=1e-3, rtol=1e-3)
+    traced = aotgrad.trace(fn, x)
+    assert "bernoulli" in [s.name for s in traced.saved]  # the mask is saved, not redrawn
+    ops = [str(n.target) for n in traced.backward.graph.nodes if n.op == "call_function"]
+    assert not any("bernoulli" in op for op in ops)
+
+
+def test_selective_checkpoint_saves_what_the_policy_says():
+    def policy(ctx, op, *args, **kwargs):
+        if op == torch.ops.aten.mm.default:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def fn(x, w):
+        context = functools.partial(create_selective_checkpoint_contexts, policy)
+        return cp.checkpoint(stack, x, w, use_reentrant=False, context_fn=context)
+
+    traced = aotgrad.trace(fn, *inputs())
+    producers = {s.producer for s in traced.saved if not s.is_input}
+    assert producers == {"aten.mm.default"}
+    verify(fn, *inputs())
+
+
+def test_nested_checkpoints():
+    def inner(x, w):
+        return cp.checkpoint(stack, x, w, use_reentrant=False)
+
+    def fn(x, w):
+        return cp.checkpoint(lambda x, w: inner(x, w).cos(), x, w, use_reentrant=False)
+
+    traced = aotgrad.trace(fn, *inputs())
+    assert activations(traced.saved) == []
+    verify(fn, *inputs())
+
+
+def test_checkpoint_plan_equals_the_bytes_autograd_holds():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 64))
+
+        def forward(self, x):
+            y = cp.checkpoint(stack, x, self.w, use_reentrant=False)
+            return (y @ self.w).relu().sum()
+
+    compiled = aotgrad.aot_module(Net())
+    x = torch.randn(32, 64, requires_grad=True)
+    compiled(x)  # trace first
+    held = {}
+
+    def pack(t):
+        held[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        loss = compiled(x)
+    loss.backward()
+    assert sum(held.values()) == compiled.compiled.partitioned.saved_bytes
+
+
+PARTITIONS = ["save_all", "mincut", aotgrad.budget(0.5), aotgrad.budget(0.1)]
+
+
+@pytest.mark.parametrize("partition", PARTITIONS, ids=str)
+def test_partitions_keep_eager_gradients(partition):
+    torch.manual_seed(0)
+    model, idx = GPT(blocks=2), torch.randint(0, 64, (2, 16))
+    compile_fn = functools.partial(aotgrad.aot_module, partition=partition)
+    verify(model, idx, idx, compile_fn=compile_fn, atol=1e-4, rtol=1e-4)
+
+
+def test_mincut_recomputes_cheap_pointwise_chains_only():
+    torch.manual_seed(0)
+    model, idx = GPT(blocks=2), torch.randint(0, 64, (2, 16))
+    full = aotgrad.trace(model, idx, idx).partitioned
+    cut = aotgrad.trace(model, idx, idx, partition="mincut").partitioned
+    assert cut.saved_bytes < full.saved_bytes
+    for op in cut.recomputed:
+        assert not any(k in op.op for k in ("mm", "convolution", "attention", "bernoulli", "sum"))
+        assert op.reason.startswith(("min-cut", "free view", "graph constant"))
+
+
+def test_budget_is_monotone_and_explains_itself():
+    torch.manual_seed(0)
+    model, idx = GPT(blocks=2), torch.randint(0, 64, (2, 16))
+    results = [
+        aotgrad.trace(model, idx, idx, partition=aotgrad.budget(b)).partitioned
+        for b in (1.0, 0.7, 0.5, 0.3, 0.1)
+    ]
+    saved = [r.saved_bytes for r in results]
+    flops = [r.recompute_flops for r in results]
+    assert saved == sorted(saved, reverse=True), saved
+    assert flops == sorted(flops), flops
+    assert saved[-1] < saved[0] and flops[-1] > 0
+    assert all(r.peak_bytes >= r.saved_bytes_beyond_inputs for r in results)
+    assert all(
+        op.reason.startswith(("budget", "free view", "graph constant"))
+        for op in results[-1].recomputed
+    )
+
+
+def test_budget_in_bytes_and_infeasible_budgets_say_so():
+    torch.manual_seed(0)
+    plan = aotgrad.trace(
+        DeepMLP(64, 3), torch.randn(4, 64), partition=aotgrad.budget(2048)
+    ).partitioned
+    assert plan.saved_bytes_beyond_inputs <= 2048 + sum(s.nbytes for s in plan.saved if s.is_input)
+    with pytest.raises(ValueError, match="smallest plan saves"):
+        aotgrad.trace(
+            ConvBN(), torch.randn(2, 1, 8, 8), torch.randn(2, 10), partition=aotgrad.budget(0.01)
+        )
+
+
+def test_budget_time_limit_is_reported():
+    torch.manual_seed(0)
+    model, idx = GPT(blocks=2), torch.randint(0, 64, (2, 16))
+    plan = aotgrad.trace(
+        model, idx, idx, partition=aotgrad.budget(0.3, time_limit=1e-6)
+    ).partitioned
+    assert plan.note is not None and "time limit" in plan.note
+
+
+def test_recomputed_ops_carry_their_forward_seq_nr():
+    traced = aotgrad.trace(checkpointed(False), *inputs())
+    forward = {node_info(n).seq_nr for n in traced.forward.graph.nodes if n.op == "call_function"}
+    for n in traced.backward.graph.nodes:
+        if n.op == "call_function" and node_info(n).kind is Kind.RECOMPUTE:
+            assert node_info(n).seq_nr in forward
+
+
+def test_user_partition_callable():
+    seen = []
+
+    def mine(joint):
+        seen.append(joint)
+        from aotgrad.partition import partition
+
+        return partition(joint, "mincut")
+
+    aotgrad.trace(lambda x: x.sin().cos().sum(), torch.randn(3, requires_grad=True), partition=mine)
+    assert len(seen) == 1
