@@ -234,9 +234,10 @@ def budget_saved(
         )
         smallest = "?" if least.x is None else str(int(weights @ np.round(least.x[:n])))
         raise ValueError(
-            f"no plan fits a budget of {budget_bytes} bytes: values that cannot be recomputed"
-            " (random ops, ops reading an input the function mutates) need more; the smallest"
-            f" plan saves {smallest} bytes. Raise the budget."
+            f"no plan fits a budget of {budget_bytes} bytes: what cannot be recomputed (random"
+            " ops, ops reading an input the function mutates) and the inputs a recomputation"
+            f" needs beyond save_all's take more; the smallest plan saves {smallest} bytes."
+            " Raise the budget."
         )
     best = float(costs @ np.round(first.x[n:]))
     tie = LinearConstraint(np.concatenate([np.zeros(n), costs])[None, :], -np.inf, best + 0.5)

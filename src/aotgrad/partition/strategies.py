@@ -58,7 +58,7 @@ def budget(limit: float, time_limit: float = 10.0) -> Budget:
     >>> import torch, aotgrad
     >>> def f(x, w):
     ...     return (x @ w).relu().sin().sum()
-    >>> x, w = torch.randn(8, 8), torch.randn(8, 8, requires_grad=True)
+    >>> x, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
     >>> traced = aotgrad.trace(f, x, w, partition=aotgrad.budget(0.5))
     >>> [s.name for s in traced.saved if not s.is_input]  # save_all keeps relu: 256 bytes
     []
