@@ -47,7 +47,12 @@ def backward_stats(gm: fx.GraphModule) -> tuple[int, int]:
     return sum(storages.values()), recompute
 
 
-def pytorch_stats(model: torch.nn.Module, args: tuple[Any, ...], partition: Callable[..., Any], budget: float = 1.0) -> tuple[int, int]:
+def pytorch_stats(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    partition: Callable[..., Any],
+    budget: float = 1.0,
+) -> tuple[int, int]:
     found: list[tuple[int, int]] = []
 
     def bw_compiler(gm: fx.GraphModule, example_inputs: Any) -> Any:
@@ -55,7 +60,12 @@ def pytorch_stats(model: torch.nn.Module, args: tuple[Any, ...], partition: Call
         return gm
 
     with functorch_config.patch(activation_memory_budget=budget):
-        compiled = aot_module(copy.deepcopy(model), fw_compiler=aotgrad.nop, bw_compiler=bw_compiler, partition_fn=partition)
+        compiled = aot_module(
+            copy.deepcopy(model),
+            fw_compiler=aotgrad.nop,
+            bw_compiler=bw_compiler,
+            partition_fn=partition,
+        )
         out = compiled(*args)
         (out[0] if isinstance(out, tuple) else out).backward()
     return found[-1]
@@ -75,6 +85,8 @@ def compare(model: torch.nn.Module, args: tuple[Any, ...]) -> dict[str, tuple[in
         "aotgrad mincut": aotgrad_stats(model, args, "mincut"),
     }
     for b in BUDGETS:
-        rows[f"pytorch budget {b}"] = pytorch_stats(model, args, min_cut_rematerialization_partition, b)
+        rows[f"pytorch budget {b}"] = pytorch_stats(
+            model, args, min_cut_rematerialization_partition, b
+        )
         rows[f"aotgrad budget {b}"] = aotgrad_stats(model, args, aotgrad.budget(b))
     return rows

@@ -1,8 +1,9 @@
-"""Benchmarks (a first cut; the benchmark issue extends it): capture time vs PyTorch.
+"""Benchmarks (a first cut; the benchmark issue extends it), each against PyTorch in the same run.
 
-Measures, in one run, the first call of ``aot_function`` (trace + partition
-+ nop compile + one run) for aotgrad and for PyTorch's AOTAutograd on the
-same models, and prints the ratio. Lower is better; the target is <= 0.5x.
+1. Capture: the first call of ``aot_module`` (trace + partition + nop compile
+   + one run) for aotgrad and for PyTorch's AOTAutograd; ratio, target <= 0.5x.
+2. Rematerialization: saved bytes and recompute FLOPs of aotgrad's partitioners
+   and PyTorch's default / min-cut / memory-budget partitions (bench/remat.py).
 
     make bench
 """
@@ -21,7 +22,10 @@ from functorch.compile import aot_module as torch_aot_module
 import aotgrad
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from models import GPT, MLP
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import remat
+
+from models import GPT, MLP, DeepMLP
 
 
 def first_call_seconds(make_compiled, model, args, repeats=5):
@@ -53,6 +57,23 @@ def main():
             lambda m: torch_aot_module(m, fw_compiler=aotgrad.nop), reference_model, args
         )
         print(f"{name:<10} {ours:>10.3f} {theirs:>10.3f} {ours / theirs:>6.2f}x  <= 0.50x")
+    print()
+    remat_table()
+
+
+def remat_table():
+    torch.manual_seed(0)
+    models = {
+        "mlp8": (DeepMLP(), (torch.randn(64, 256),)),
+        "gpt4": (
+            GPT(blocks=4, dim=64, heads=4, context=32, tied=False),
+            (torch.randint(0, 64, (4, 32)), torch.randint(0, 64, (4, 32))),
+        ),
+    }
+    print(f"{'model':<6} {'partition':<28} {'saved bytes':>12} {'recompute FLOPs':>16}")
+    for name, (model, args) in models.items():
+        for label, (saved, flops) in remat.compare(model, args).items():
+            print(f"{name:<6} {label:<28} {saved:>12} {flops:>16}")
 
 
 if __name__ == "__main__":
