@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -202,61 +203,66 @@ def budget_saved(
     ]
     ops = [*inputs, *forward_ops(joint)]
     index = {n: i for i, n in enumerate(ops)}
-    n = len(ops)
     weights = np.array(
         [0 if is_view_node(v) or v in free_inputs else nbytes(v) for v in ops], dtype=float
     )
     costs = np.array([node_flops(v) for v in ops], dtype=float)
     rows, lower, upper = _budget_constraints(ops, index, needed, weights, budget_bytes)
+    program = _Program(len(ops), _budget_bounds(ops, reads_mutated_input(joint)), time_limit)
     constraint = LinearConstraint(np.array(rows), lower, upper)
-    bounds = _budget_bounds(ops, reads_mutated_input(joint))
-    integrality = np.ones(2 * n)
-    options = {"time_limit": time_limit, "disp": False}
-    objective = np.concatenate([np.zeros(n), costs])
-    first = milp(
-        objective, constraints=constraint, integrality=integrality, bounds=bounds, options=options
-    )
+    first = program.solve(program.on_recompute(costs), [constraint])
     if first.x is None and first.status == 1:  # the time limit struck before any plan
-        return BudgetResult(
-            None,
-            0,
+        fallback = (
             f"the budget solver hit its {time_limit:g} s time limit before finding a plan;"
-            " falling back to save_all (raise time_limit in aotgrad.budget)",
+            " falling back to save_all (raise time_limit in aotgrad.budget)"
         )
+        return BudgetResult(None, 0, fallback)
     if first.x is None:
         relaxed = LinearConstraint(np.array(rows[:-1]), lower[:-1], upper[:-1])
-        least = milp(
-            np.concatenate([weights, np.zeros(n)]),
-            constraints=relaxed,
-            integrality=integrality,
-            bounds=bounds,
-            options=options,
-        )
-        smallest = "?" if least.x is None else str(int(weights @ np.round(least.x[:n])))
+        least = program.solve(program.on_save(weights), [relaxed])
+        smallest = "?" if least.x is None else str(int(weights @ np.round(least.x[: len(ops)])))
         raise ValueError(
             f"no plan fits a budget of {budget_bytes} bytes: what cannot be recomputed (random"
             " ops, ops reading an input the function mutates) and the inputs a recomputation"
             f" needs beyond save_all's take more; the smallest plan saves {smallest} bytes."
             " Raise the budget."
         )
-    best = float(costs @ np.round(first.x[n:]))
-    tie = LinearConstraint(np.concatenate([np.zeros(n), costs])[None, :], -np.inf, best + 0.5)
-    second = milp(
-        np.concatenate([weights, np.zeros(n)]),
-        constraints=[constraint, tie],
-        integrality=integrality,
-        bounds=bounds,
-        options=options,
-    )
+    best = float(costs @ np.round(first.x[len(ops) :]))
+    tie = LinearConstraint(program.on_recompute(costs)[None, :], -np.inf, best + 0.5)
+    second = program.solve(program.on_save(weights), [constraint, tie])
     chosen = second.x if second.x is not None else first.x
-    note = None
+    note: str | None = None
     if not (first.success and second.success):
         note = (
             f"the budget solver hit its {time_limit:g} s time limit; the plan is the best found,"
             " not proven optimal (raise time_limit in aotgrad.budget)"
         )
     saved = {v for v in ops if round(chosen[index[v]]) == 1}
-    return BudgetResult(saved, int(costs @ np.round(chosen[n:])), note)
+    return BudgetResult(saved, int(costs @ np.round(chosen[len(ops) :])), note)
+
+
+@dataclass(frozen=True)
+class _Program:
+    """The budget program's fixed parts: variables ``[save_0..save_n, recompute_0..recompute_n]``."""
+
+    n: int
+    bounds: Bounds
+    time_limit: float
+
+    def on_save(self, values: np.ndarray) -> np.ndarray:
+        return np.concatenate([values, np.zeros(self.n)])
+
+    def on_recompute(self, values: np.ndarray) -> np.ndarray:
+        return np.concatenate([np.zeros(self.n), values])
+
+    def solve(self, objective: np.ndarray, constraints: list[LinearConstraint]) -> Any:
+        return milp(
+            objective,
+            constraints=constraints,
+            integrality=np.ones(2 * self.n),
+            bounds=self.bounds,
+            options={"time_limit": self.time_limit, "disp": False},
+        )
 
 
 def _budget_constraints(
