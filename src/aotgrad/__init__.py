@@ -10,12 +10,15 @@ with ordinary autograd semantics, plus a calling convention you can read.
 (Grad(of=Input(path='x')),)
 """
 
+from aotgrad import compilers
 from aotgrad.api import AOTModule, Traced, aot_function, aot_module, trace
+from aotgrad.cache import CacheInfo, cache_info
 from aotgrad.errors import (
     AotgradError,
     CallError,
     CaptureError,
     DataDependentError,
+    DoubleBackwardError,
     InPlaceOnLeafError,
     UnsupportedMutationError,
     UnsupportedOpError,
@@ -28,9 +31,11 @@ from aotgrad.runtime import make_boxed_func, nop
 __all__ = [
     "AOTModule",
     "AotgradError",
+    "CacheInfo",
     "CallError",
     "CaptureError",
     "DataDependentError",
+    "DoubleBackwardError",
     "InPlaceOnLeafError",
     "ProfileReport",
     "Traced",
@@ -40,6 +45,8 @@ __all__ = [
     "aot_function",
     "aot_module",
     "budget",
+    "cache_info",
+    "compilers",
     "make_boxed_func",
     "nop",
     "profile",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -12,6 +13,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.func import functional_call
 
+from aotgrad.cache import CacheInfo, explain_miss
 from aotgrad.capture import JointGraph, capture
 from aotgrad.errors import CallError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
@@ -27,6 +29,7 @@ from aotgrad.signature import (
     alias_key,
     call_key,
     flatten_inputs,
+    leaf_names,
 )
 
 Decompositions = Mapping[Any, Callable[..., Any]]
@@ -143,13 +146,15 @@ def aot_function(
     inference_compiler: Compiler | None = None,
     keep_inference_input_mutations: bool = False,
     partition: PartitionArg = "save_all",
+    cache_limit: int = 8,
 ) -> AOTFunction:
     """Compile ``fn``'s forward and backward graphs with the given compilers.
 
     Call-compatible with PyTorch's ``aot_function`` (functorch's compile module). Each new input
     structure or tensor metadata (shape, stride, dtype, device,
     requires_grad) or non-tensor value traces and compiles once; later
-    calls with the same ones reuse it. ``partition`` (or ``partition_fn``)
+    calls with the same ones reuse it (``aotgrad.cache_info`` tells hits, misses and why);
+    past ``cache_limit`` specializations, new ones run eagerly with a warning. ``partition`` (or ``partition_fn``)
     chooses what the backward saves, as for :func:`trace`. With ``keep_inference_input_mutations``,
     inference graphs (no backward) write input mutations themselves with
     ``aten.copy_`` instead of returning new values.
@@ -167,6 +172,7 @@ def aot_function(
         partition_fn or partition,
         decompositions,
         keep_inference_input_mutations,
+        cache_limit,
     )
     return AOTFunction(fn, options)
 
@@ -179,6 +185,7 @@ class _Options:
     partition: Any
     decompositions: Decompositions | None
     keep_inference_input_mutations: bool
+    cache_limit: int
 
 
 class AOTFunction:
@@ -195,6 +202,8 @@ class AOTFunction:
         self._lifted, self._descriptors, self._body_of = _lift(fn)
         self.cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...]]] = {}
         self.partitioned: Partitioned | None = None
+        self.info = CacheInfo()
+        self._last_key: tuple[Any, ...] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = _flatten_call(args, kwargs)
@@ -209,9 +218,35 @@ class AOTFunction:
         )
         entry = self.cache.get(key)
         if entry is None:
+            if not self._miss(key, args, kwargs):
+                return self._fn(*args, **kwargs)
             entry = self.cache[key] = self._specialize(state, args, kwargs)
+            self.info.entries = len(self.cache)
+        else:
+            self.info.hits += 1
         compiled, positions = entry
         return compiled([*state, *(leaves[i] for i in positions)])
+
+    def _miss(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Record the miss and its reason; False when the cache is full (run eagerly)."""
+        names = leaf_names(_signature_target(self._fn), args, kwargs)
+        state_names = [str(d) for d in self._descriptors]
+        reason = explain_miss(key, self._last_key, names, state_names)
+        self.info.misses += 1
+        self.info.reasons.append(reason)
+        self._last_key = key
+        limit = self._options.cache_limit
+        if len(self.cache) < limit:
+            return True
+        self.info.fallbacks += 1
+        warnings.warn(
+            f"aotgrad: {getattr(self._fn, '__name__', type(self._fn).__name__)} has {limit}"
+            f" compiled specializations (cache_limit); running this call eagerly. Last miss:"
+            f" {reason}. Pass values that change between calls as tensors (a Python number is"
+            " baked into the graph), or raise cache_limit.",
+            stacklevel=3,
+        )
+        return False
 
     def seq_table(self) -> SeqTable:
         return seq_table(self._last().joint.gm)
@@ -293,6 +328,7 @@ def aot_module(
     inference_compiler: Compiler | None = None,
     keep_inference_input_mutations: bool = False,
     partition: PartitionArg = "save_all",
+    cache_limit: int = 8,
 ) -> AOTModule:
     """``aot_function`` for an ``nn.Module``: parameters and buffers become graph inputs.
 
@@ -315,6 +351,7 @@ def aot_module(
         inference_compiler=inference_compiler,
         keep_inference_input_mutations=keep_inference_input_mutations,
         partition=partition,
+        cache_limit=cache_limit,
     )
     return AOTModule(module, compiled)
 

@@ -51,6 +51,10 @@ class InPlaceOnLeafError(CaptureError, RuntimeError):
     """An in-place op on a leaf that requires grad: eager refuses it, and so does aotgrad."""
 
 
+class DoubleBackwardError(AotgradError, RuntimeError):
+    """A second derivative was asked through a compiled function (``create_graph=True``)."""
+
+
 class CallError(AotgradError, TypeError):
     """A compiled function was called with arguments it cannot accept."""
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.autograd.function import once_differentiable
 
 from aotgrad.capture import (
     Alias,
@@ -34,6 +33,7 @@ from aotgrad.capture import (
     SyntheticBase,
     TensorOutput,
 )
+from aotgrad.errors import DoubleBackwardError
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.compilers import BoxedCall
 
@@ -99,12 +99,22 @@ def make_function(
             return returned
 
         @staticmethod
-        @once_differentiable
         def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+            if torch.is_grad_enabled():
+                raise DoubleBackwardError(_DOUBLE_BACKWARD)
             cotangents = [grad_outputs[i].contiguous() for i in differentiable]
             return tuple(backward([*ctx.saved_tensors, *cotangents]))
 
     return CompiledFunction
+
+
+_DOUBLE_BACKWARD = (
+    "create_graph=True (double backward) through an aotgrad-compiled function is not supported:"
+    " its backward graph runs as a black box, so a second derivative would miss the paths"
+    " through the values the forward saved.\nCompute higher-order gradients eagerly, or trace"
+    " the first-order gradient itself: aotgrad.trace(lambda x: torch.autograd.grad(f(x).sum(),"
+    " x, create_graph=True)[0], x)."
+)
 
 
 def run_epilogue(

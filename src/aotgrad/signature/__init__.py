@@ -20,7 +20,13 @@ from aotgrad.signature.descriptors import (
     PrimalDescriptor,
     Saved,
 )
-from aotgrad.signature.flatten import FlatInputs, alias_key, call_key, flatten_inputs
+from aotgrad.signature.flatten import (
+    FlatInputs,
+    alias_key,
+    call_key,
+    flatten_inputs,
+    leaf_names,
+)
 from aotgrad.signature.printing import describe_graph
 
 __all__ = [
@@ -44,4 +50,5 @@ __all__ = [
     "call_key",
     "describe_graph",
     "flatten_inputs",
+    "leaf_names",
 ]

@@ -95,6 +95,13 @@ def flatten_inputs(
     return flat, tensors
 
 
+def leaf_names(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """The name of every leaf of a call, tensors and non-tensors alike: ``x['weights']``, ``n``."""
+    names = _argument_names(fn, args, kwargs)
+    with_paths, _ = pytree.tree_flatten_with_path((args, kwargs))
+    return [_leaf_name(path, names) for path, _ in with_paths]
+
+
 def _argument_names(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[str]:

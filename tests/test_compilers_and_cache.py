@@ -1,0 +1,99 @@
+"""Compilers (nop, print_graphs, inductor), cache hits/misses with reasons, double backward."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+
+import aotgrad
+from aotgrad.compilers import inductor, nop, print_graphs
+from aotgrad.testing import verify
+from models import GPT
+
+
+def test_print_graphs_dumps_both_graphs_with_descriptors():
+    out = io.StringIO()
+    compiler = print_graphs(out)
+    f = aotgrad.aot_function(lambda x, w: (x @ w).sin().sum(), compiler, compiler)
+    f(torch.randn(2, 3), torch.randn(3, 4, requires_grad=True)).backward()
+    text = out.getvalue()
+    assert "w,  # w" in text and "# grad of w" in text and "# cotangent of output" in text
+
+
+def test_nop_is_the_default_compiler():
+    f = aotgrad.aot_function(lambda x: x.cos(), nop, nop)
+    x = torch.randn(3, requires_grad=True)
+    f(x).sum().backward()
+    torch.testing.assert_close(x.grad, -x.detach().sin())
+
+
+def test_inductor_training_step_of_the_transformer_matches_eager():
+    torch.manual_seed(0)
+    model = GPT(blocks=4, dim=64, heads=4, context=32)
+    compiled_model = copy.deepcopy(model)
+    idx, targets = torch.randint(0, 64, (4, 32)), torch.randint(0, 64, (4, 32))
+    compiled = aotgrad.aot_module(compiled_model, inductor, inductor)
+    loss = compiled(idx, targets)
+    loss.backward()
+    eager = model(idx, targets)
+    eager.backward()
+    torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), compiled_model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_cache_info_counts_hits_and_names_the_failed_guard():
+    f = aotgrad.aot_function(lambda x: x.sin())
+    f(torch.ones(4, 8))
+    f(torch.ones(4, 8))
+    f(torch.ones(4, 16))
+    f(torch.ones(4, 16, dtype=torch.float64))
+    info = aotgrad.cache_info(f)
+    assert (info.hits, info.misses, info.entries) == (1, 3, 3)
+    assert info.reasons == [
+        "first call",
+        "input x: shape (4, 8) != (4, 16)",
+        "input x: dtype torch.float32 != torch.float64",
+    ]
+
+
+def test_cache_info_on_modules_names_parameters_and_modes():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+    compiled = aotgrad.aot_module(model)
+    compiled(torch.ones(1, 2))
+    model[0].weight.requires_grad_(False)
+    compiled(torch.ones(1, 2))
+    model.eval()
+    compiled(torch.ones(1, 2))
+    assert aotgrad.cache_info(compiled).reasons[1:] == [
+        "param 0.weight: requires_grad True != False",
+        "a module switched between train() and eval()",
+    ]
+
+
+def test_a_full_cache_warns_and_runs_eagerly():
+    f = aotgrad.aot_function(lambda x, n: x * n, cache_limit=2)
+    f(torch.ones(2), 1)
+    f(torch.ones(2), 2)
+    with pytest.warns(UserWarning, match=r"cache_limit.*input n: value 2 != 3"):
+        out = f(torch.ones(2), 3)
+    torch.testing.assert_close(out, torch.full((2,), 3.0))
+    assert aotgrad.cache_info(f).fallbacks == 1
+
+
+def test_double_backward_is_refused_clearly_and_tracing_the_gradient_works():
+    f = aotgrad.aot_function(lambda x: x.sin().sum())
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(aotgrad.DoubleBackwardError, match="create_graph=True"):
+        torch.autograd.grad(f(x), x, create_graph=True)
+
+    def first_derivative(x):
+        return torch.autograd.grad(x.sin().sum(), x, create_graph=True)[0]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        verify(first_derivative, x)
