@@ -13,6 +13,7 @@ with ordinary autograd semantics, plus a calling convention you can read.
 from aotgrad import compilers
 from aotgrad.api import AOTModule, Traced, aot_function, aot_module, trace
 from aotgrad.cache import CacheInfo, cache_info
+from aotgrad.dynamo import backend
 from aotgrad.errors import (
     AotgradError,
     CallError,
@@ -44,6 +45,7 @@ __all__ = [
     "UnsupportedOutputError",
     "aot_function",
     "aot_module",
+    "backend",
     "budget",
     "cache_info",
     "compilers",

@@ -195,10 +195,14 @@ class AOTFunction:
     recent specialization; ``cache`` holds them all.
     """
 
-    def __init__(self, fn: Callable[..., Any], options: _Options) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], options: _Options, input_names: Sequence[str] | None = None
+    ) -> None:
         functools.update_wrapper(self, fn)
         self._fn = fn = _as_module(fn)
         self._options = options
+        # Names for the tensor inputs, when the caller knows better than fn's signature.
+        self._input_names = input_names
         self._lifted, self._descriptors, self._body_of = _lift(fn)
         self.cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...]]] = {}
         self.partitioned: Partitioned | None = None
@@ -264,6 +268,8 @@ class AOTFunction:
     ) -> tuple[CompiledGraphs, tuple[int, ...]]:
         fn, options = self._fn, self._options
         flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, self._descriptors)
+        if self._input_names is not None:
+            flat = flat.renamed(self._input_names)
         self.partitioned = _capture_and_partition(
             fn,
             self._body_of(flat),

@@ -26,8 +26,9 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.errors import UserFrame
 
-_MODULE = "aotgrad_module"
-_SOURCE = "aotgrad_source"
+_MODULE = MODULE_KEY = "aotgrad_module"
+_SOURCE = SOURCE_KEY = "aotgrad_source"
+SOURCE_FIXED_KEY = "aotgrad_source_fixed"
 _IN_NODE = "aotgrad_in_node"
 _RECOMPUTE = "aotgrad_recompute"
 
@@ -115,6 +116,8 @@ class Recorder:
         custom = fx_traceback.current_meta.get("custom")
         if custom is None:
             return
+        if custom.get(SOURCE_FIXED_KEY):
+            return  # a frontend that knows better (the Dynamo backend) set it
         where = _user_frame()
         custom[_SOURCE] = where
         # Forward code re-run by the backward (a checkpointed region): user code, grad mode on.

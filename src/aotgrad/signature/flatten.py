@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -55,6 +55,13 @@ class FlatInputs:
         expected = self.num_lifted + len(self.tensor_positions)
         if len(self.descriptors) != expected:
             raise AssertionError(f"expected {expected} descriptors, got {len(self.descriptors)}")
+
+    def renamed(self, names: Sequence[str]) -> FlatInputs:
+        """The same inputs, the user's tensors named ``names`` (lifted state keeps its names)."""
+        user = tuple(Input(path=n) for n in names)
+        if len(user) != len(self.tensor_positions):
+            raise AssertionError(f"expected {len(self.tensor_positions)} names, got {len(user)}")
+        return replace(self, descriptors=(*self.descriptors[: self.num_lifted], *user))
 
     def unflatten(self, user_tensors: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Rebuild ``(args, kwargs)`` from the user's graph inputs (lifted state excluded)."""

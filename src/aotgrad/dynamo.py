@@ -1,0 +1,149 @@
+"""``torch.compile(model, backend="aotgrad")``: aotgrad as a Dynamo backend.
+
+Dynamo hands the backend a graph whose placeholders follow the order the
+body first uses them, named like ``l_x_weights_``. aotgrad names each input
+by the user's own expression instead, recovered from Dynamo's source
+information (``L['x']['weights']`` → ``x['weights']``,
+``L['self']._modules['fc1']._parameters['weight']`` → ``self.fc1.weight``),
+and carries Dynamo's module stack and source lines into its provenance, so
+the graphs the user's compilers receive describe themselves.
+
+>>> import torch, aotgrad
+>>> compiled = torch.compile(torch.nn.Linear(3, 2), backend=aotgrad.backend())
+>>> compiled(torch.ones(4, 3)).shape
+torch.Size([4, 2])
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+
+from aotgrad.api import AOTFunction, PartitionArg, _Options
+from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
+from aotgrad.runtime.compilers import Compiler
+
+__all__ = ["aotgrad_backend", "backend", "user_expression"]
+
+_ROOT = re.compile(r"^[LG]\['([^']+)'\]")
+_MEMBER = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def backend(
+    fw_compiler: Compiler | None = None,
+    bw_compiler: Compiler | None = None,
+    *,
+    partition: PartitionArg = "save_all",
+    inference_compiler: Compiler | None = None,
+    cache_limit: int = 8,
+) -> Callable[[fx.GraphModule, list[Any]], Any]:
+    """A Dynamo backend running aotgrad with these compilers and this partition."""
+    options = _Options(
+        fw_compiler, bw_compiler, inference_compiler, partition, None, False, cache_limit
+    )
+
+    def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        names = [user_expression(n) for n in placeholders]
+        body = _Interpreted(gm, _root_name(gm))
+        return AOTFunction(body, options, input_names=names)
+
+    return compile_graph
+
+
+def aotgrad_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """The backend registered as ``"aotgrad"`` (the ``torch_dynamo_backends`` entry point)."""
+    return backend()(gm, example_inputs)
+
+
+def user_expression(node: fx.Node) -> str:
+    """The user's expression for a Dynamo placeholder: ``carry['a']``, ``self.fc1.weight``."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = source.name if source is not None else node.name
+    name = name() if callable(name) else str(name)
+    name = _ROOT.sub(r"\1", name)
+    return _MEMBER.sub(r".\1", name)
+
+
+def _module_path(node: fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path, _ = list(stack.values())[-1]
+    path = user_expression_text(path)
+    return path.removeprefix("self.").removeprefix("self") or None
+
+
+def user_expression_text(text: str) -> str:
+    return _MEMBER.sub(r".\1", _ROOT.sub(r"\1", text))
+
+
+def _frame(node: fx.Node) -> tuple[str, int, str] | None:
+    trace = node.meta.get("stack_trace") or ""
+    frames = _FRAME.findall(trace)
+    if not frames:
+        return None
+    filename, line, name = frames[-1]
+    return filename, int(line), name
+
+
+def _root_name(gm: fx.GraphModule) -> str:
+    for node in gm.graph.nodes:
+        frame = _frame(node)
+        if frame is not None:
+            return frame[2]
+    return "compiled"
+
+
+class _Interpreted:
+    """Runs Dynamo's graph node by node, each under its Dynamo module path and source line.
+
+    (Not ``fx.Interpreter``: it swaps in each node's own metadata while running it,
+    which would hide aotgrad's provenance notes from the tracer.)
+    """
+
+    def __init__(self, gm: fx.GraphModule, name: str) -> None:
+        self.gm = gm
+        self.__name__ = name
+
+    def __call__(self, *args: Any) -> Any:
+        env: dict[fx.Node, Any] = {}
+        inputs = iter(args)
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(inputs)
+            elif node.op == "output":
+                return fx.node.map_arg(node.args[0], env.__getitem__)
+            else:
+                env[node] = self._run(node, env)
+        raise AssertionError("expected the graph to end with an output node")
+
+    def _run(self, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        note = {
+            MODULE_KEY: _module_path(node) or self.__name__,
+            SOURCE_KEY: _frame(node),
+            SOURCE_FIXED_KEY: True,
+        }
+        with fx_traceback.annotate(note):
+            if node.op == "call_function":
+                return node.target(*args, **kwargs)  # type: ignore[operator]
+            if node.op == "call_method":
+                self_arg, *rest = args
+                return getattr(self_arg, str(node.target))(*rest, **kwargs)
+            if node.op == "call_module":
+                return self.gm.get_submodule(str(node.target))(*args, **kwargs)
+            return _attr(self.gm, node.target)  # get_attr
+
+
+def _attr(gm: fx.GraphModule, target: Any) -> Any:
+    value: Any = gm
+    for part in str(target).split("."):
+        value = getattr(value, part)
+    return value
