@@ -15,6 +15,7 @@ from torch.func import functional_call
 
 from aotgrad.cache import CacheInfo, explain_miss
 from aotgrad.capture import JointGraph, capture
+from aotgrad.capture.dynamic import all_dims, has_marks, marked_dims
 from aotgrad.errors import CallError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
@@ -28,6 +29,7 @@ from aotgrad.signature import (
     Signature,
     alias_key,
     call_key,
+    dynamic_call_key,
     flatten_inputs,
     leaf_names,
 )
@@ -105,7 +107,11 @@ class Traced:
 
 
 def trace(
-    fn: Callable[..., Any], *args: Any, partition: PartitionArg = "save_all", **kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    partition: PartitionArg = "save_all",
+    dynamic: bool = False,
+    **kwargs: Any,
 ) -> Traced:
     """Capture the forward and backward graphs of ``fn(*args, **kwargs)`` on fake tensors.
 
@@ -114,7 +120,8 @@ def trace(
     on any device, ``meta`` included. See ``docs/calling-convention.md``.
     ``partition`` ("save_all", "mincut", ``aotgrad.budget(x)`` or a callable
     taking the JointGraph) chooses what the backward saves; the keyword is
-    aotgrad's, not passed on to ``fn``.
+    aotgrad's, not passed on to ``fn``. ``dynamic=True`` (or dimensions marked with
+    ``aotgrad.dynamic``) traces symbolic sizes (Note [Dynamic shapes]), also reserved.
 
     >>> import torch, aotgrad
     >>> def fn(carry, x):
@@ -130,8 +137,10 @@ def trace(
     lifted, descriptors, body_of = _lift(fn)
     state = tuple(lifted)
     flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, descriptors)
+    dims = _dynamic_dims(tensors, dynamic)
+    dynamic_dims = None if dims is None else {id(t): d for t, d in zip(tensors, dims, strict=True)}
     partitioned = _capture_and_partition(
-        fn, body_of(flat), flat, [*state, *tensors], None, partition
+        fn, body_of(flat), flat, [*state, *tensors], None, partition, False, dynamic_dims
     )
     return Traced(partitioned, compile_partitioned(partitioned), state)
 
@@ -147,6 +156,7 @@ def aot_function(
     keep_inference_input_mutations: bool = False,
     partition: PartitionArg = "save_all",
     cache_limit: int = 8,
+    dynamic: bool = False,
 ) -> AOTFunction:
     """Compile ``fn``'s forward and backward graphs with the given compilers.
 
@@ -173,6 +183,7 @@ def aot_function(
         decompositions,
         keep_inference_input_mutations,
         cache_limit,
+        dynamic,
     )
     return AOTFunction(fn, options)
 
@@ -186,6 +197,7 @@ class _Options:
     decompositions: Decompositions | None
     keep_inference_input_mutations: bool
     cache_limit: int
+    dynamic: bool = False
 
 
 class AOTFunction:
@@ -212,19 +224,24 @@ class AOTFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = _flatten_call(args, kwargs)
         state = tuple(self._lifted)
+        dims = _dynamic_dims(leaves, self._options.dynamic)
         key = (
             spec,
-            call_key(leaves),
+            call_key(leaves) if dims is None else dynamic_call_key(leaves, dims),
             call_key(state),
             alias_key(leaves),
             _modes(self._fn),
             torch.is_grad_enabled(),
         )
         entry = self.cache.get(key)
+        if entry is not None and dims is not None:
+            compiled, positions = entry
+            if not compiled.accepts([*state, *(leaves[i] for i in positions)]):
+                entry = None  # the sizes break the trace's shape guards: trace again
         if entry is None:
             if not self._miss(key, args, kwargs):
                 return self._fn(*args, **kwargs)
-            entry = self.cache[key] = self._specialize(state, args, kwargs)
+            entry = self.cache[key] = self._specialize(state, args, kwargs, dims)
             self.info.entries = len(self.cache)
         else:
             self.info.hits += 1
@@ -264,12 +281,17 @@ class AOTFunction:
         return self.partitioned
 
     def _specialize(
-        self, state: tuple[torch.Tensor, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        state: tuple[torch.Tensor, ...],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        dims: list[tuple[int, ...]] | None = None,
     ) -> tuple[CompiledGraphs, tuple[int, ...]]:
         fn, options = self._fn, self._options
         flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, self._descriptors)
         if self._input_names is not None:
             flat = flat.renamed(self._input_names)
+        leaves, _ = pytree.tree_flatten((args, kwargs))
         self.partitioned = _capture_and_partition(
             fn,
             self._body_of(flat),
@@ -278,11 +300,25 @@ class AOTFunction:
             options.decompositions,
             options.partition,
             options.keep_inference_input_mutations,
+            None if dims is None else {id(leaves[i]): dims[i] for i in flat.tensor_positions},
         )
         compiled = compile_partitioned(
             self.partitioned, options.fw_compiler, options.bw_compiler, options.inference_compiler
         )
         return compiled, flat.tensor_positions
+
+
+def _dynamic_dims(leaves: Sequence[Any], everything: bool) -> list[tuple[int, ...]] | None:
+    """Per leaf, its dynamic dimensions (Note [Dynamic shapes]); None when nothing is dynamic."""
+    if not everything and not has_marks():
+        return None
+    dims = [
+        (all_dims(leaf) if everything else marked_dims(leaf))
+        if isinstance(leaf, torch.Tensor)
+        else ()
+        for leaf in leaves
+    ]
+    return dims if any(dims) else None
 
 
 def _modes(fn: Callable[..., Any]) -> tuple[bool, ...]:
@@ -335,6 +371,7 @@ def aot_module(
     keep_inference_input_mutations: bool = False,
     partition: PartitionArg = "save_all",
     cache_limit: int = 8,
+    dynamic: bool = False,
 ) -> AOTModule:
     """``aot_function`` for an ``nn.Module``: parameters and buffers become graph inputs.
 
@@ -358,6 +395,7 @@ def aot_module(
         keep_inference_input_mutations=keep_inference_input_mutations,
         partition=partition,
         cache_limit=cache_limit,
+        dynamic=dynamic,
     )
     return AOTModule(module, compiled)
 
@@ -370,6 +408,7 @@ def _capture_and_partition(
     decompositions: Decompositions | None,
     strategy: Any,
     keep_input_mutations: bool = False,
+    dynamic_dims: Mapping[int, Sequence[int]] | None = None,
 ) -> Partitioned:
     with_backward = torch.is_grad_enabled() and any(p.requires_grad for p in primals)
     joint = capture(
@@ -380,6 +419,7 @@ def _capture_and_partition(
         decompositions=decompositions,
         where=user_frame_of_function(fn),
         root=fn,
+        dynamic_dims=dynamic_dims,
     )
     return partition(joint, strategy, keep_input_mutations=keep_input_mutations)
 

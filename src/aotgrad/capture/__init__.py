@@ -22,6 +22,7 @@ from aotgrad.capture.aliasing import (
     ViewMeta,
 )
 from aotgrad.capture.cotangents import split_at_cotangents
+from aotgrad.capture.dynamic import ShapeGuards
 from aotgrad.capture.graph import JointGraph
 from aotgrad.capture.input_aliases import (
     SyntheticBase,
@@ -67,6 +68,7 @@ __all__ = [
     "NodeInfo",
     "OutputLeaf",
     "Phase",
+    "ShapeGuards",
     "SyntheticBase",
     "TensorOutput",
     "ViewMeta",
@@ -87,15 +89,23 @@ def capture(
     decompositions: Mapping[Any, Callable[..., Any]] | None = None,
     where: UserFrame | None = None,
     root: object = None,
+    dynamic_dims: Mapping[int, Sequence[int]] | None = None,
 ) -> JointGraph:
     """Trace ``body(primals)`` and, if ``with_backward``, its backward, into a :class:`JointGraph`.
 
     ``body`` receives the primals (lifted module state, then the user's
     tensors) as functional fake tensors and returns the user's result. ``root``
     (the user's function or module) names the provenance: module paths are
-    relative to it, and ops outside any module carry its name.
+    relative to it, and ops outside any module carry its name. ``dynamic_dims``
+    (by ``id`` of a primal) makes those dimensions symbolic (Note [Dynamic shapes]).
     """
-    options = (with_backward, decompositions, where, root if root is not None else body)
+    options = (
+        with_backward,
+        decompositions,
+        where,
+        root if root is not None else body,
+        dynamic_dims,
+    )
     joint = _capture(body, flat, primals, (), *options)
     bases = _synthetic_bases(joint, primals, where)
     if bases:  # Note [Aliased inputs]: trace again, the members re-derived from their bases
@@ -112,6 +122,7 @@ def _capture(
     decompositions: Mapping[Any, Callable[..., Any]] | None,
     where: UserFrame | None,
     root: object,
+    dynamic_dims: Mapping[int, Sequence[int]] | None,
 ) -> JointGraph:
     def trace(leaf_primals: bool) -> tuple[fx.GraphModule, TraceRecord, GraphInputs, Recorder]:
         recorder = Recorder(root)
@@ -125,6 +136,7 @@ def _capture(
             where=where,
             recorder=recorder,
             leaf_primals=leaf_primals,
+            dynamic_dims=dynamic_dims,
         )
         return gm, record, inputs, recorder
 
@@ -213,6 +225,7 @@ def _assemble(
         mutations=tuple(record.mutations),
         differentiable=tuple(record.differentiable),
         cotangents=cotangents,
+        guards=record.guards,
     )
     _name_placeholders(gm.graph, [*inputs.descriptors, *cotangents])
     grads = [Grad(of=d) for d in inputs.descriptors] if cotangents else []

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from aotgrad.errors import UnsupportedOutputError, format_error
+
 
 class AliasSource(enum.Enum):
     INPUT = "input"  # index is a user input position (the output *is* that tensor)
@@ -70,6 +72,17 @@ class ViewMeta:
 
     @staticmethod
     def of(t: torch.Tensor) -> ViewMeta:
+        values = (*t.shape, *t.stride(), t.storage_offset())
+        if any(isinstance(v, torch.SymInt) for v in values):
+            raise UnsupportedOutputError(
+                format_error(
+                    "with dynamic shapes, an output that is a view of an input or of another"
+                    " output, or a metadata mutation of an input, has a symbolic layout;"
+                    " aotgrad cannot replay it yet",
+                    None,
+                    "Return a copy (y.clone()) or trace without dynamic=True.",
+                )
+            )
         return ViewMeta(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
 

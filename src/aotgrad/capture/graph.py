@@ -8,6 +8,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad.capture.aliasing import OutputLeaf, TensorOutput
+from aotgrad.capture.dynamic import ShapeGuards
 from aotgrad.capture.input_aliases import SyntheticBase
 from aotgrad.capture.mutation import InputMutation
 from aotgrad.capture.provenance import Phase, phase_of
@@ -55,6 +56,8 @@ class JointGraph:
     differentiable: tuple[bool, ...]
     # One per cotangent placeholder, aligned with the differentiable returned values.
     cotangents: tuple[Cotangent, ...]
+    # Guards on symbolic sizes (Note [Dynamic shapes]); None for a static trace.
+    guards: ShapeGuards | None = None
 
     def __post_init__(self) -> None:
         if sum(self.differentiable) != len(self.cotangents):

@@ -42,6 +42,7 @@ from aotgrad.capture.aliasing import (
     analyze_aliasing,
 )
 from aotgrad.capture.cotangents import make_cotangent
+from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
 from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
 from aotgrad.capture.mutation import InputMutation, PrimalInfo, analyze_mutations
@@ -66,17 +67,31 @@ class TraceRecord:
     # Per value the autograd.Function returns: does it get a cotangent?
     differentiable: list[bool] = field(default_factory=list)
     grad_inputs: list[int] = field(default_factory=list)
+    # Symbolic sizes and their guards (Note [Dynamic shapes]); None for static traces.
+    guards: ShapeGuards | None = None
     # Differentiate with .backward() into leaf primals instead of autograd.grad on edges:
     # the only way through a reentrant checkpoint (Note [Reentrant checkpoints]).
     leaf_primals: bool = False
 
 
-def fake_primals(mode: FakeTensorMode, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Fake leaves with the primals' metadata and ``requires_grad``; no data is read."""
+def fake_primals(
+    mode: FakeTensorMode,
+    primals: Sequence[torch.Tensor],
+    dynamic_dims: Mapping[int, Sequence[int]] | None = None,
+) -> list[torch.Tensor]:
+    """Fake leaves with the primals' metadata and ``requires_grad``; no data is read.
+
+    ``dynamic_dims`` (by ``id`` of the primal) gives dimensions symbolic sizes
+    (Note [Dynamic shapes]).
+    """
     fakes: dict[int, torch.Tensor] = {}
     for p in primals:
-        if id(p) not in fakes:
-            fakes[id(p)] = mode.from_tensor(p.detach()).requires_grad_(p.requires_grad)
+        if id(p) in fakes:
+            continue
+        dims = (dynamic_dims or {}).get(id(p))
+        context = symbolic_context(p, dims) if dims else None
+        fake = mode.from_tensor(p.detach(), symbolic_context=context)
+        fakes[id(p)] = fake.requires_grad_(p.requires_grad)
     return [fakes[id(p)] for p in primals]
 
 
@@ -125,12 +140,16 @@ def trace_joint(
     where: UserFrame | None,
     recorder: Recorder,
     leaf_primals: bool = False,
+    dynamic_dims: Mapping[int, Sequence[int]] | None = None,
 ) -> tuple[fx.GraphModule, TraceRecord, GraphInputs]:
     """Trace ``body`` and its backward into one graph; see Note [One tracing pass]."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    shape_env = new_shape_env() if dynamic_dims else None
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
     inputs, tensors = GraphInputs.of(flat, primals, bases)
-    fakes = fake_primals(mode, tensors)
+    fakes = fake_primals(mode, tensors, dynamic_dims)
     record = TraceRecord(leaf_primals=leaf_primals)
+    if shape_env is not None:
+        record.guards = ShapeGuards(shape_env, fakes)
 
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
         return _joint(body, inputs, inner, record, with_backward, where, recorder)

@@ -121,6 +121,11 @@ def partition(
         return strategy(joint)
     if not joint.has_backward:
         return _forward_only(joint, keep_input_mutations)
+    if joint.guards is not None and strategy != "save_all":
+        raise ValueError(
+            f"partition {strategy!r} weighs tensors by their bytes, which are symbolic with"
+            " dynamic shapes; use 'save_all' with dynamic=True for now"
+        )
     plan = apply_checkpoint_policy(joint, _plan(joint, strategy))
     return _split(joint, plan, str(strategy))
 

@@ -39,16 +39,22 @@ class SavedValue:
     reason: str
 
     @property
+    def is_size(self) -> bool:
+        """A symbolic size (dynamic shapes), passed to the backward as a Python int."""
+        return self.storage < 0
+
+    @property
     def is_input(self) -> bool:
         """A saved forward input: the caller holds it anyway."""
         return self.producer == "input"
 
     def to_dict(self) -> dict[str, Any]:
         info = {k: v for k, v in vars(self).items() if k not in ("dtype", "source")}
-        info["dtype"] = str(self.dtype).removeprefix("torch.")
+        info["dtype"] = "size" if self.is_size else str(self.dtype).removeprefix("torch.")
         info["source"] = None if self.source is None else str(self.source)
         info["users"] = list(self.users)
-        info["shape"] = list(self.shape)
+        info["shape"] = [d if isinstance(d, int) else str(d) for d in self.shape]
+        info["nbytes"] = self.nbytes if isinstance(self.nbytes, int) else str(self.nbytes)
         return info
 
 
@@ -57,19 +63,26 @@ def describe_saved(
 ) -> tuple[SavedValue, ...]:
     """One :class:`SavedValue` per saved node; views of one storage get one storage number."""
     storages: dict[StorageWeakRef, int] = {}
-    values = []
+    values: list[SavedValue] = []
+    shape: tuple[int, ...]
     for node, readers, reason in zip(nodes, users, reasons, strict=True):
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            raise AssertionError(f"expected a tensor value on saved node {node.name}, got {val!r}")
-        storage = storages.setdefault(StorageWeakRef(val.untyped_storage()), len(storages))
+        if isinstance(val, torch.SymInt):  # a symbolic size the backward needs
+            shape, dtype, nbytes, storage = (), torch.int64, 0, -1 - len(values)
+        elif isinstance(val, torch.Tensor):
+            shape, dtype, nbytes = tuple(val.shape), val.dtype, val.untyped_storage().nbytes()
+            storage = storages.setdefault(StorageWeakRef(val.untyped_storage()), len(storages))
+        else:
+            raise AssertionError(
+                f"expected a tensor or size on saved node {node.name}, got {val!r}"
+            )
         info = node_info(node)
         values.append(
             SavedValue(
                 name=node.name,
-                shape=tuple(val.shape),
-                dtype=val.dtype,
-                nbytes=val.untyped_storage().nbytes(),
+                shape=shape,
+                dtype=dtype,
+                nbytes=nbytes,
                 storage=storage,
                 producer="input" if node.op == "placeholder" else op_name(node.target),
                 seq_nr=info.seq_nr,

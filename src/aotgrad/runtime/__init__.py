@@ -27,6 +27,11 @@ class CompiledGraphs:
         self._forward = forward
         self._function = make_function(self.plan, forward, backward) if backward else None
 
+    def accepts(self, primals: Sequence[torch.Tensor]) -> bool:
+        """Do these inputs satisfy the trace's shape guards? (Always, for static traces.)"""
+        guards = self.partitioned.joint.guards
+        return guards is None or guards.check(graph_inputs(primals, self.plan.input_bases))
+
     def __call__(self, primals: Sequence[torch.Tensor]) -> Any:
         inputs = graph_inputs(primals, self.plan.input_bases)
         if self._function is None:

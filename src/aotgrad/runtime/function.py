@@ -56,6 +56,8 @@ class Plan:
     num_tensor_outputs: int
     # Synthetic bases the graph takes in place of memory-sharing inputs.
     input_bases: tuple[SyntheticBase, ...]
+    # Per saved value, whether it is a size (dynamic shapes); empty when none is.
+    saved_sizes: tuple[bool, ...]
     leaves: tuple[OutputLeaf, ...]
     out_spec: pytree.TreeSpec
 
@@ -77,6 +79,7 @@ class Plan:
             mutations=mutations,
             num_tensor_outputs=n_out,
             input_bases=joint.input_bases,
+            saved_sizes=sizes if any(sizes := tuple(s.is_size for s in partitioned.saved)) else (),
             leaves=joint.leaves,
             out_spec=joint.out_spec,
         )
@@ -94,7 +97,11 @@ def make_function(
         def forward(ctx: Any, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
             results = forward(list(primals))
             returned = tuple(results[i] for i in plan.returned)
-            ctx.save_for_backward(*results[plan.num_forward_outputs :])
+            saved = results[plan.num_forward_outputs :]
+            if plan.saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
+                ctx.sizes = [v for v in saved if not isinstance(v, torch.Tensor)]
+                saved = [v for v in saved if isinstance(v, torch.Tensor)]
+            ctx.save_for_backward(*saved)
             ctx.mark_non_differentiable(*(returned[i] for i in not_differentiable))
             return returned
 
@@ -103,9 +110,17 @@ def make_function(
             if torch.is_grad_enabled():
                 raise DoubleBackwardError(_DOUBLE_BACKWARD)
             cotangents = [grad_outputs[i].contiguous() for i in differentiable]
-            return tuple(backward([*ctx.saved_tensors, *cotangents]))
+            saved = ctx.saved_tensors
+            if plan.saved_sizes:
+                saved = _interleave(plan.saved_sizes, ctx.saved_tensors, ctx.sizes)
+            return tuple(backward([*saved, *cotangents]))
 
     return CompiledFunction
+
+
+def _interleave(is_size: Sequence[bool], tensors: Sequence[Any], sizes: Sequence[Any]) -> list[Any]:
+    tensor_iter, size_iter = iter(tensors), iter(sizes)
+    return [next(size_iter) if flag else next(tensor_iter) for flag in is_size]
 
 
 _DOUBLE_BACKWARD = (

@@ -24,6 +24,7 @@ from aotgrad.signature.flatten import (
     FlatInputs,
     alias_key,
     call_key,
+    dynamic_call_key,
     flatten_inputs,
     leaf_names,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "alias_key",
     "call_key",
     "describe_graph",
+    "dynamic_call_key",
     "flatten_inputs",
     "leaf_names",
 ]

@@ -154,6 +154,21 @@ def call_key(leaves: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(_leaf_key(leaf) for leaf in leaves)
 
 
+def dynamic_call_key(leaves: Sequence[Any], dims: Sequence[Sequence[int]]) -> tuple[Any, ...]:
+    """``call_key`` with the dynamic dimensions (``dims[i]`` for leaf ``i``) left out.
+
+    Their sizes are checked by the trace's shape guards instead (Note [Dynamic shapes]).
+    """
+    keys = []
+    for leaf, leaf_dims in zip(leaves, dims, strict=True):
+        key = _leaf_key(leaf)
+        if leaf_dims:
+            shape = tuple(None if d in leaf_dims else n for d, n in enumerate(leaf.shape))
+            key = (key[0], shape, leaf.is_contiguous(), *key[3:])
+        keys.append(key)
+    return tuple(keys)
+
+
 def alias_key(leaves: Sequence[Any]) -> tuple[int, ...] | None:
     """Which tensor leaves are the same tensor or share memory: part of the specialization.
 
