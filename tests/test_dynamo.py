@@ -87,3 +87,23 @@ def test_module_parameters_are_named_like_the_user_wrote_them():
     assert names == {"self.fc1.weight", "self.fc1.bias", "x"}
     modules = {node_info(n).module for n in graphs[0].graph.nodes if n.op == "call_function"}
     assert "fc1" in modules
+
+
+def test_backend_honors_dynamos_dynamic_dimensions():
+    graphs, compiler = recording()
+    torch._dynamo.reset()
+
+    def f(x, w):
+        return (x @ w).relu().sum()
+
+    compiled = torch.compile(f, backend=aotgrad.backend(compiler, compiler), dynamic=True)
+    for batch in (4, 9, 33):
+        x, w = torch.randn(batch, 8), torch.randn(8, 3, requires_grad=True)
+        out = compiled(x, w)
+        out.backward()
+        torch.testing.assert_close(out, f(x, w))
+        reference = w.detach().requires_grad_()
+        f(x, reference).backward()
+        torch.testing.assert_close(w.grad, reference.grad)
+    assert len(graphs) == 2, "one forward and one backward graph serve every batch size"
+    assert "sym_size" in graphs[0].code

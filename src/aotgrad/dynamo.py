@@ -20,10 +20,12 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
 from aotgrad.api import AOTFunction, PartitionArg, _Options
+from aotgrad.capture.dynamic import dynamic
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.runtime.compilers import Compiler
 
@@ -49,11 +51,63 @@ def backend(
 
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        names = [user_expression(n) for n in placeholders]
-        body = _Interpreted(gm, _root_name(gm))
-        return AOTFunction(body, options, input_names=names)
+        sizes = _size_sources(placeholders)
+        tensors = [i for i, n in enumerate(placeholders) if i not in sizes]
+        names = [user_expression(placeholders[i]) for i in tensors]
+        body = _Interpreted(gm, _root_name(gm), sizes, tensors)
+        compiled = AOTFunction(body, options, input_names=names)
+        dims = [_symbolic_dims(placeholders[i]) for i in tensors]
+        return _DynamicCall(compiled, tensors, dims) if sizes or any(dims) else compiled
 
     return compile_graph
+
+
+def _symbolic_dims(node: fx.Node) -> tuple[int, ...]:
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return ()
+    return tuple(d for d, n in enumerate(value.shape) if isinstance(n, torch.SymInt))
+
+
+def _size_sources(placeholders: list[fx.Node]) -> dict[int, tuple[int, int]]:
+    """Note [Dynamo's size inputs]: each SymInt placeholder → (tensor placeholder, dim) it sizes.
+
+    With dynamic shapes Dynamo passes sizes as separate inputs (``s77`` for
+    ``x.size(0)``). aotgrad's graph takes only tensors: each size is re-read
+    from its tensor (symbolic while tracing, an int when running), so one
+    trace serves every size the guards allow.
+    """
+    owners: dict[Any, tuple[int, int]] = {}
+    for i, node in enumerate(placeholders):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            for d, n in enumerate(value.shape):
+                if isinstance(n, torch.SymInt):
+                    owners.setdefault(str(n), (i, d))
+    sources = {}
+    for i, node in enumerate(placeholders):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt) and str(value) in owners:
+            sources[i] = owners[str(value)]
+    return sources
+
+
+class _DynamicCall:
+    """What Dynamo calls for a dynamic graph: drops size inputs, marks dynamic dims."""
+
+    def __init__(
+        self, compiled: AOTFunction, tensors: list[int], dims: list[tuple[int, ...]]
+    ) -> None:
+        self.compiled = compiled
+        self.tensors = tensors
+        self.dims = dims
+
+    def __call__(self, *args: Any) -> Any:
+        inputs = [args[i] for i in self.tensors]
+        for t, dims in zip(inputs, self.dims, strict=True):
+            if dims:
+                dynamic(t, dims)
+        return self.compiled(*inputs)
 
 
 def aotgrad_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -107,13 +161,29 @@ class _Interpreted:
     which would hide aotgrad's provenance notes from the tracer.)
     """
 
-    def __init__(self, gm: fx.GraphModule, name: str) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        name: str,
+        sizes: dict[int, tuple[int, int]] | None = None,
+        tensors: list[int] | None = None,
+    ) -> None:
         self.gm = gm
         self.__name__ = name
+        self.sizes = sizes or {}
+        self.tensors = tensors
 
     def __call__(self, *args: Any) -> Any:
         env: dict[fx.Node, Any] = {}
-        inputs = iter(args)
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        values: list[Any] = list(args)
+        if self.tensors is not None:  # rebuild Dynamo's inputs: sizes re-read from tensors
+            values = [None] * len(placeholders)
+            for i, arg in zip(self.tensors, args, strict=True):
+                values[i] = arg
+            for i, (owner, dim) in self.sizes.items():
+                values[i] = values[owner].shape[dim]
+        inputs = iter(values)
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 env[node] = next(inputs)
