@@ -79,6 +79,24 @@ class Traced:
     def saved(self) -> tuple[SavedValue, ...]:
         return self.partitioned.saved
 
+    def compile(
+        self,
+        fw_compiler: Compiler | None = None,
+        bw_compiler: Compiler | None = None,
+        inference_compiler: Compiler | None = None,
+    ) -> Traced:
+        """The same graphs, handed to these compilers; call the result like this ``Traced``.
+
+        >>> import torch, aotgrad
+        >>> traced = aotgrad.trace(lambda x: x.cos(), torch.zeros(2))
+        >>> traced.compile(aotgrad.compilers.nop)(torch.zeros(2))
+        tensor([1., 1.])
+        """
+        compiled = compile_partitioned(
+            self.partitioned, fw_compiler, bw_compiler, inference_compiler
+        )
+        return Traced(self.partitioned, compiled, self._lifted)
+
     def seq_table(self) -> SeqTable:
         """Every op of the joint graph with its forward op's number and module (data; prints as a table)."""
         return seq_table(self.joint)
