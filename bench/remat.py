@@ -90,3 +90,24 @@ def compare(model: torch.nn.Module, args: tuple[Any, ...]) -> dict[str, tuple[in
         )
         rows[f"aotgrad budget {b}"] = aotgrad_stats(model, args, aotgrad.budget(b))
     return rows
+
+
+def plot(points: dict[str, list[tuple[float, int, int]]], path: str) -> None:
+    """Saved bytes vs recompute FLOPs per budget, one line per solver (matplotlib, PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, rows in points.items():
+        rows = sorted(rows)
+        ax.plot([r[2] for r in rows], [r[1] / 1e6 for r in rows], marker="o", label=label)
+        for budget, saved, flops in rows:
+            ax.annotate(f"{budget:g}", (flops, saved / 1e6), fontsize=7)
+    ax.set_xlabel("recompute FLOPs")
+    ax.set_ylabel("saved MB")
+    ax.set_title("memory budget: saved bytes vs recompute FLOPs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

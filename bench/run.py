@@ -1,79 +1,150 @@
-"""Benchmarks (a first cut; the benchmark issue extends it), each against PyTorch in the same run.
+"""``make bench``: every benchmark against PyTorch in one run; ratios with their targets.
 
-1. Capture: the first call of ``aot_module`` (trace + partition + nop compile
-   + one run) for aotgrad and for PyTorch's AOTAutograd; ratio, target <= 0.5x.
-2. Rematerialization: saved bytes and recompute FLOPs of aotgrad's partitioners
-   and PyTorch's default / min-cut / memory-budget partitions (bench/remat.py).
-
-    make bench
+Writes ``bench/results.json`` and regenerates the README's performance table from it.
 """
 
 from __future__ import annotations
 
-import copy
-import pathlib
-import statistics
+import json
+import platform
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
-from functorch.compile import aot_module as torch_aot_module
 
-import aotgrad
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import remat
+import capture  # noqa: E402
+import compiled  # noqa: E402
+import overhead  # noqa: E402
+import remat  # noqa: E402
 
-from models import GPT, MLP, DeepMLP
+from models import make  # noqa: E402
 
-
-def first_call_seconds(make_compiled, model, args, repeats=5):
-    times = []
-    for _ in range(repeats):
-        compiled = make_compiled(copy.deepcopy(model))
-        start = time.perf_counter()
-        out = compiled(*args)
-        times.append(time.perf_counter() - start)
-        assert out is not None
-    return statistics.median(times)
+README = HERE.parent / "README.md"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
-def main():
-    torch.manual_seed(0)
-    cases = {
-        "mlp": (MLP(), (torch.randn(8, 16),)),
-        "gpt2blk": (GPT(blocks=2), (torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))),
+def main() -> None:
+    results: dict[str, Any] = {
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": [],
     }
-    print(f"{'model':<10} {'aotgrad s':>10} {'pytorch s':>10} {'ratio':>7}  target")
-    for name, (model, args) in cases.items():
-        ours = first_call_seconds(lambda m: aotgrad.aot_module(m), model, args)
-        if name == "gpt2blk":  # PyTorch's aot_module rejects tied weights: untie for the reference
-            reference_model = copy.deepcopy(model)
-            reference_model.head.weight = torch.nn.Parameter(model.tok.weight.detach().clone())
-        else:
-            reference_model = model
-        theirs = first_call_seconds(
-            lambda m: torch_aot_module(m, fw_compiler=aotgrad.nop), reference_model, args
+    rows = results["rows"]
+    for name in ("gpt4", "gpt12"):
+        times = {
+            tool: capture.measure_in_fresh_processes(name, tool, repeats=3)
+            for tool in capture.TOOLS
+        }
+        for kind in ("cold", "warm"):
+            ours, theirs, floor = (times[t][kind] for t in capture.TOOLS)
+            rows.append(
+                row(
+                    f"capture {name} ({kind})",
+                    ours,
+                    theirs,
+                    "<= 0.50",
+                    f"{ours / floor:.1f}x the fake floor",
+                )
+            )
+    calls = overhead.measure()
+    for phase, numbers in calls.items():
+        rows.append(
+            row(
+                f"per call {phase} vs bare Function (us)",
+                numbers["aotgrad"],
+                numbers["bare"],
+                "<= 1.20",
+            )
         )
-        print(f"{name:<10} {ours:>10.3f} {theirs:>10.3f} {ours / theirs:>6.2f}x  <= 0.50x")
-    print()
-    remat_table()
-
-
-def remat_table():
-    torch.manual_seed(0)
-    models = {
-        "mlp8": (DeepMLP(), (torch.randn(64, 256),)),
-        "gpt4": (
-            GPT(blocks=4, dim=64, heads=4, context=32, tied=False),
-            (torch.randint(0, 64, (4, 32)), torch.randint(0, 64, (4, 32))),
-        ),
-    }
-    print(f"{'model':<6} {'partition':<28} {'saved bytes':>12} {'recompute FLOPs':>16}")
-    for name, (model, args) in models.items():
+    rows.append(
+        row(
+            "per call forward vs PyTorch (us)",
+            calls["forward"]["aotgrad"],
+            calls["forward"]["pytorch"],
+            "<= 0.50",
+        )
+    )
+    points: dict[str, list[tuple[float, int, int]]] = {"aotgrad budget": [], "pytorch budget": []}
+    for name in ("mlp8", "gpt4"):
+        model, args = make(name)
+        if name == "gpt4":
+            model = untied(model)
         for label, (saved, flops) in remat.compare(model, args).items():
-            print(f"{name:<6} {label:<28} {saved:>12} {flops:>16}")
+            results.setdefault("remat", {}).setdefault(name, {})[label] = {
+                "saved_bytes": saved,
+                "recompute_flops": flops,
+            }
+            if name == "gpt4" and "budget" in label:
+                tool = "aotgrad budget" if label.startswith("aotgrad") else "pytorch budget"
+                points[tool].append((float(label.split()[-1]), saved, flops))
+    remat.plot(points, str(HERE / "remat.png"))
+    speed = compiled.measure()
+    rows.append(
+        row(
+            "training step gpt4, inductor (s)",
+            speed["aotgrad_inductor"],
+            speed["torch_compile"],
+            "<= 1.05",
+        )
+    )
+    (HERE / "results.json").write_text(json.dumps(results, indent=1))
+    print(table(results))
+    update_readme(results)
+
+
+def untied(model: torch.nn.Module) -> torch.nn.Module:
+    """PyTorch's aot_module rejects tied weights: compare on an untied copy."""
+    model.head.weight = torch.nn.Parameter(model.tok.weight.detach().clone())  # type: ignore[union-attr]
+    return model
+
+
+def row(what: str, ours: float, theirs: float, target: str, note: str = "") -> dict[str, Any]:
+    return {
+        "what": what,
+        "aotgrad": ours,
+        "reference": theirs,
+        "ratio": ours / theirs,
+        "target": target,
+        "note": note,
+    }
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        f"Measured by `make bench` on {results['machine']}, {results['date']}.",
+        "",
+        "| benchmark | aotgrad | reference | ratio | target | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results["rows"]:
+        ok = "met" if r["ratio"] <= float(r["target"].split()[-1]) else "not met"
+        lines.append(
+            f"| {r['what']} | {r['aotgrad']:.3g} | {r['reference']:.3g} | {r['ratio']:.2f}x | {r['target']} | {ok}{'; ' + r['note'] if r['note'] else ''} |"
+        )
+    lines += [
+        "",
+        "Saved bytes / recompute FLOPs per partitioner (`bench/remat.png` plots the budgets):",
+        "",
+    ]
+    lines += ["| model | partition | saved bytes | recompute FLOPs |", "|---|---|---|---|"]
+    for model, entries in results.get("remat", {}).items():
+        for label, v in entries.items():
+            lines.append(f"| {model} | {label} | {v['saved_bytes']:,} | {v['recompute_flops']:,} |")
+    return "\n".join(lines)
+
+
+def update_readme(results: dict[str, Any]) -> None:
+    text = README.read_text()
+    if BEGIN not in text:
+        return
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    README.write_text(f"{head}{BEGIN}\n{table(results)}\n{END}{tail}")
 
 
 if __name__ == "__main__":
