@@ -103,8 +103,8 @@ def plot(points: dict[str, list[tuple[float, int, int]]], path: str) -> None:
     for label, rows in points.items():
         rows = sorted(rows)
         ax.plot([r[2] for r in rows], [r[1] / 1e6 for r in rows], marker="o", label=label)
-        for budget, saved, flops in rows:
-            ax.annotate(f"{budget:g}", (flops, saved / 1e6), fontsize=7)
+        for budget, saved, cost in rows:
+            ax.annotate(f"{budget:g}", (cost, saved / 1e6), fontsize=7)
     ax.set_xlabel("recompute FLOPs")
     ax.set_ylabel("saved MB")
     ax.set_title("memory budget: saved bytes vs recompute FLOPs")
