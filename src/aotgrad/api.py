@@ -238,17 +238,18 @@ class AOTFunction:
         self.partitioned: Partitioned | None = None
         self.info = CacheInfo()
         self._last_key: tuple[Any, ...] | None = None
+        self._is_module = isinstance(fn, torch.nn.Module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = _flatten_call(args, kwargs)
-        state = tuple(self._lifted)
+        state = tuple(self._lifted) if self._is_module else ()
         dims = _dynamic_dims(leaves, self._options.dynamic)
         key = (
             spec,
             call_key(leaves) if dims is None else dynamic_call_key(leaves, dims),
-            call_key(state),
+            call_key(state) if state else (),
             alias_key(leaves),
-            _modes(self._fn),
+            _modes(self._fn) if self._is_module else (),
             torch.is_grad_enabled(),
         )
         entry = self.cache.get(key)

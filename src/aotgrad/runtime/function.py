@@ -58,6 +58,8 @@ class Plan:
     input_bases: tuple[SyntheticBase, ...]
     # Per saved value, whether it is a size (dynamic shapes); empty when none is.
     saved_sizes: tuple[bool, ...]
+    # Every output leaf is a fresh tensor, in order, and nothing is mutated: no epilogue.
+    only_fresh: bool
     leaves: tuple[OutputLeaf, ...]
     out_spec: pytree.TreeSpec
 
@@ -80,9 +82,20 @@ class Plan:
             num_tensor_outputs=n_out,
             input_bases=joint.input_bases,
             saved_sizes=sizes if any(sizes := tuple(s.is_size for s in partitioned.saved)) else (),
+            only_fresh=_only_fresh(joint.leaves, joint.mutations, n_base),
             leaves=joint.leaves,
             out_spec=joint.out_spec,
         )
+
+
+def _only_fresh(leaves: Sequence[OutputLeaf], mutations: Sequence[Any], num_bases: int) -> bool:
+    tensors = [leaf for leaf in leaves if isinstance(leaf, TensorOutput)]
+    return (
+        not mutations
+        and num_bases == 0
+        and len(tensors) == len(leaves)
+        and all(leaf.alias is None and leaf.index == k for k, leaf in enumerate(tensors))
+    )
 
 
 def make_function(
@@ -96,13 +109,14 @@ def make_function(
         @staticmethod
         def forward(ctx: Any, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
             results = forward(list(primals))
-            returned = tuple(results[i] for i in plan.returned)
+            returned = tuple([results[i] for i in plan.returned])
             saved = results[plan.num_forward_outputs :]
             if plan.saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
                 ctx.sizes = [v for v in saved if not isinstance(v, torch.Tensor)]
                 saved = [v for v in saved if isinstance(v, torch.Tensor)]
             ctx.save_for_backward(*saved)
-            ctx.mark_non_differentiable(*(returned[i] for i in not_differentiable))
+            if not_differentiable:
+                ctx.mark_non_differentiable(*[returned[i] for i in not_differentiable])
             return returned
 
         @staticmethod
@@ -142,6 +156,10 @@ def run_epilogue(
 
     ``primals`` are the user's tensors, ``inputs`` the graph's (Note [Aliased inputs]).
     """
+    if plan.only_fresh:  # nothing to replay: the returned values are the outputs, in order
+        if plan.out_spec.is_leaf():
+            return returned[0]
+        return pytree.tree_unflatten(list(returned), plan.out_spec)
     n_fresh = len(plan.fresh)
     bases = returned[n_fresh : n_fresh + plan.num_bases]
     new_values = iter(returned[n_fresh + plan.num_bases :])

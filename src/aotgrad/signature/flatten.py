@@ -151,7 +151,7 @@ def call_key(leaves: Sequence[Any]) -> tuple[Any, ...]:
 
     Two calls with equal keys (and equal tree structure) can share one trace.
     """
-    return tuple(_leaf_key(leaf) for leaf in leaves)
+    return tuple([_leaf_key(leaf) for leaf in leaves])
 
 
 def dynamic_call_key(leaves: Sequence[Any], dims: Sequence[Sequence[int]]) -> tuple[Any, ...]:
