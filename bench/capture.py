@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import aotgrad
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import make
+from bench_models import make
 
 TOOLS = ("aotgrad", "pytorch", "floor")
 

@@ -13,7 +13,7 @@ import torch
 import aotgrad
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import make
+from bench_models import make
 
 
 def step_seconds(step: Any, args: tuple[Any, ...], warmup: int = 3, steps: int = 10) -> float:

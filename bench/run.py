@@ -21,8 +21,7 @@ import capture  # noqa: E402
 import compiled  # noqa: E402
 import overhead  # noqa: E402
 import remat  # noqa: E402
-
-from models import make  # noqa: E402
+from bench_models import make  # noqa: E402
 
 README = HERE.parent / "README.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
