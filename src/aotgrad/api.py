@@ -193,7 +193,7 @@ def aot_function(
     >>> f(x).backward(); torch.allclose(x.grad, torch.ones(3).cos())
     True
     """
-    options = _Options(
+    options = Options(
         fw_compiler,
         bw_compiler,
         inference_compiler,
@@ -207,7 +207,9 @@ def aot_function(
 
 
 @dataclass(frozen=True)
-class _Options:
+class Options:
+    """How an ``AOTFunction`` compiles: the arguments of ``aot_function``, in one place."""
+
     fw_compiler: Compiler | None
     bw_compiler: Compiler | None
     inference_compiler: Compiler | None
@@ -226,7 +228,7 @@ class AOTFunction:
     """
 
     def __init__(
-        self, fn: Callable[..., Any], options: _Options, input_names: Sequence[str] | None = None
+        self, fn: Callable[..., Any], options: Options, input_names: Sequence[str] | None = None
     ) -> None:
         functools.update_wrapper(self, fn)
         self._fn = fn = _as_module(fn)

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
-from aotgrad.api import AOTFunction, PartitionArg, _Options
+from aotgrad.api import AOTFunction, PartitionArg, Options
 from aotgrad.capture.dynamic import dynamic
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.runtime.compilers import Compiler
@@ -45,8 +45,14 @@ def backend(
     cache_limit: int = 8,
 ) -> Callable[[fx.GraphModule, list[Any]], Any]:
     """A Dynamo backend running aotgrad with these compilers and this partition."""
-    options = _Options(
-        fw_compiler, bw_compiler, inference_compiler, partition, None, False, cache_limit
+    options = Options(
+        fw_compiler=fw_compiler,
+        bw_compiler=bw_compiler,
+        inference_compiler=inference_compiler,
+        partition=partition,
+        decompositions=None,
+        keep_inference_input_mutations=False,
+        cache_limit=cache_limit,
     )
 
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
