@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
-from aotgrad.api import AOTFunction, PartitionArg, Options
+from aotgrad.api import AOTFunction, Options, PartitionArg
 from aotgrad.capture.dynamic import dynamic
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.runtime.compilers import Compiler
