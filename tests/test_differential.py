@@ -176,3 +176,19 @@ def test_tensors_the_function_closes_over_are_graph_constants():
     verify(f, torch.randn(3, requires_grad=True))
     out = aotgrad.aot_function(f)(torch.randn(3, requires_grad=True))
     assert out[1] is CONSTANT, "eager returns the global itself"
+
+
+@pytest.mark.parametrize("cell", [torch.nn.LSTM, torch.nn.GRU])
+def test_recurrent_layers_whose_kernels_depend_on_grad_mode(cell):
+    """mkldnn's RNN drops its backward workspace under no_grad: the forward runs with grad on."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = cell(4, 8, batch_first=True)
+
+        def forward(self, x):
+            return self.rnn(x)[0].sum()
+
+    torch.manual_seed(0)
+    verify(Net(), torch.randn(2, 5, 4, requires_grad=True), atol=1e-5, rtol=1e-4)

@@ -122,3 +122,24 @@ def flops(op: object, args: tuple[Any, ...], out: object) -> int:
     if isinstance(op, torch._ops.OpOverload) and torch.Tag.reduction in op.tags:
         return max(_numel(args[0]) if args else 0, _numel(out))
     return _numel(out)
+
+
+# Kernels that return less under no_grad (mkldnn's RNN drops the workspace its backward
+# needs): the runtime runs forward graphs holding them with grad mode on, on detached inputs.
+_GRAD_MODE_SENSITIVE = {
+    name
+    for name in ("mkldnn_rnn_layer", "_cudnn_rnn", "miopen_rnn", "mkldnn_rnn")
+    if hasattr(torch.ops.aten, name)
+}
+
+
+def needs_grad_mode(op: object) -> bool:
+    """Does this op's kernel change its outputs when grad mode is off?
+
+    >>> needs_grad_mode(torch.ops.aten.mkldnn_rnn_layer.default), needs_grad_mode(torch.ops.aten.mm.default)
+    (True, False)
+    """
+    return (
+        isinstance(op, torch._ops.OpOverload)
+        and op._schema.name.removeprefix("aten::") in _GRAD_MODE_SENSITIVE
+    )

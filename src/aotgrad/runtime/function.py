@@ -34,6 +34,7 @@ from aotgrad.capture import (
     TensorOutput,
 )
 from aotgrad.errors import DoubleBackwardError
+from aotgrad.optable import needs_grad_mode
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.compilers import BoxedCall
 
@@ -60,6 +61,8 @@ class Plan:
     saved_sizes: tuple[bool, ...]
     # Every output leaf is a fresh tensor, in order, and nothing is mutated: no epilogue.
     only_fresh: bool
+    # The forward holds a kernel that needs grad mode on (optable.needs_grad_mode).
+    forward_needs_grad_mode: bool
     leaves: tuple[OutputLeaf, ...]
     out_spec: pytree.TreeSpec
 
@@ -83,6 +86,9 @@ class Plan:
             input_bases=joint.input_bases,
             saved_sizes=sizes if any(sizes := tuple(s.is_size for s in partitioned.saved)) else (),
             only_fresh=_only_fresh(joint.leaves, joint.mutations, n_base),
+            forward_needs_grad_mode=any(
+                needs_grad_mode(n.target) for n in partitioned.forward.graph.nodes
+            ),
             leaves=joint.leaves,
             out_spec=joint.out_spec,
         )
@@ -108,7 +114,11 @@ def make_function(
     class CompiledFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            results = forward(list(primals))
+            if plan.forward_needs_grad_mode:  # detached inputs: grad mode on, no graph built
+                with torch.enable_grad():
+                    results = forward([p.detach() for p in primals])
+            else:
+                results = forward(list(primals))
             returned = tuple([results[i] for i in plan.returned])
             saved = results[plan.num_forward_outputs :]
             if plan.saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
