@@ -151,7 +151,24 @@ def call_key(leaves: Sequence[Any]) -> tuple[Any, ...]:
 
     Two calls with equal keys (and equal tree structure) can share one trace.
     """
-    return tuple([_leaf_key(leaf) for leaf in leaves])
+    keys = []
+    for leaf in leaves:  # inlined _leaf_key for tensors: this runs on every call
+        if isinstance(leaf, torch.Tensor):
+            keys.append(
+                (
+                    type(leaf),
+                    leaf.shape,
+                    leaf.stride(),
+                    leaf.storage_offset(),
+                    leaf.dtype,
+                    leaf.device,
+                    leaf.requires_grad,
+                    leaf.layout,
+                )
+            )
+        else:
+            keys.append(_leaf_key(leaf))
+    return tuple(keys)
 
 
 def dynamic_call_key(leaves: Sequence[Any], dims: Sequence[Sequence[int]]) -> tuple[Any, ...]:
@@ -176,7 +193,12 @@ def alias_key(leaves: Sequence[Any]) -> tuple[int, ...] | None:
     Leaves sharing memory without being views (``set_``) are not detected.
     """
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    if len({id(t) for t in tensors}) == len(tensors) and not any(t._is_view() for t in tensors):
+    seen = set()
+    for t in tensors:
+        if t._is_view() or id(t) in seen:
+            break
+        seen.add(id(t))
+    else:
         return None
     groups: dict[Any, int] = {}
     return tuple(
