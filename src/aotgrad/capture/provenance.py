@@ -23,7 +23,8 @@ runs and processes::
     0    aten.convolution_backward   backward  op
 
 Backward ops that no autograd node runs — the engine summing two gradients
-of a tensor used twice — have kind ``accumulate`` and no number. Forward ops
+of a tensor used twice — have kind ``accumulate`` and no number (they take
+the module and line of the backward op they feed). Forward ops
 that a checkpointed region re-runs inside the backward have kind
 ``recompute`` and phase ``recompute``.
 

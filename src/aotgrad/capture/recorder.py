@@ -215,9 +215,30 @@ def stamp(gm: fx.GraphModule, recorder: Recorder) -> None:
             )
         else:
             infos[node] = replace(info, kind=Kind.ACCUMULATE, module=recorder.root_name)
+    _attribute_accumulations(infos)
     for node, info in infos.items():
         set_info(node, info)
         node.meta.pop("custom", None)
+
+
+def _attribute_accumulations(infos: dict[fx.Node, NodeInfo]) -> None:
+    """A gradient sum belongs where the summed gradient goes: the producer's backward.
+
+    ``y = x + x`` sends two gradients to ``x``; their sum feeds the backward of
+    the op that produced ``x``, so the sum takes that op's module and line (it
+    keeps ``kind=accumulate`` and no sequence number). Walked in reverse so
+    chains of sums inherit from their last user.
+    """
+    for node in reversed(list(infos)):
+        info = infos[node]
+        if info.kind is not Kind.ACCUMULATE:
+            continue
+        # Its consumer's op; else (a gradient returned as is) the op producing a summand.
+        for neighbour in (*node.users, *node.all_input_nodes):
+            owner = infos.get(neighbour)
+            if owner is not None and owner.source is not None:
+                infos[node] = replace(info, module=owner.module, source=owner.source)
+                break
 
 
 def _frame(custom: dict[str, Any]) -> UserFrame | None:
