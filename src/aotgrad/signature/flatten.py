@@ -151,24 +151,7 @@ def call_key(leaves: Sequence[Any]) -> tuple[Any, ...]:
 
     Two calls with equal keys (and equal tree structure) can share one trace.
     """
-    keys = []
-    for leaf in leaves:  # inlined _leaf_key for tensors: this runs on every call
-        if isinstance(leaf, torch.Tensor):
-            keys.append(
-                (
-                    type(leaf),
-                    leaf.shape,
-                    leaf.stride(),
-                    leaf.storage_offset(),
-                    leaf.dtype,
-                    leaf.device,
-                    leaf.requires_grad,
-                    leaf.layout,
-                )
-            )
-        else:
-            keys.append(_leaf_key(leaf))
-    return tuple(keys)
+    return tuple([_tensor_key(x) if isinstance(x, torch.Tensor) else _value_key(x) for x in leaves])
 
 
 def dynamic_call_key(leaves: Sequence[Any], dims: Sequence[Sequence[int]]) -> tuple[Any, ...]:
@@ -207,19 +190,26 @@ def alias_key(leaves: Sequence[Any]) -> tuple[int, ...] | None:
 
 
 def _leaf_key(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return (
-            type(leaf),
-            leaf.shape,
-            leaf.stride(),
-            leaf.storage_offset(),
-            leaf.dtype,
-            leaf.device,
-            leaf.requires_grad,
-            leaf.layout,
-        )
+    return _tensor_key(leaf) if isinstance(leaf, torch.Tensor) else _value_key(leaf)
+
+
+def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Fields, in order: type, shape, stride, storage offset, dtype, device, requires_grad, layout."""
+    return (
+        type(t),
+        t.shape,
+        t.stride(),
+        t.storage_offset(),
+        t.dtype,
+        t.device,
+        t.requires_grad,
+        t.layout,
+    )
+
+
+def _value_key(value: Any) -> Any:
     try:
-        hash(leaf)
+        hash(value)
     except TypeError:
-        return (type(leaf), repr(leaf))
-    return (type(leaf), leaf)
+        return (type(value), repr(value))
+    return (type(value), value)
