@@ -30,7 +30,7 @@ from aotgrad.capture.input_aliases import (
     overlapping_groups,
     synthetic_base,
 )
-from aotgrad.capture.joint import Body, GraphInputs, TraceRecord, trace_joint
+from aotgrad.capture.joint import Body, GraphInputs, TraceOptions, TraceRecord, trace_joint
 from aotgrad.capture.mutation import InputMutation
 from aotgrad.capture.provenance import (
     META_KEY,
@@ -99,17 +99,12 @@ def capture(
     relative to it, and ops outside any module carry its name. ``dynamic_dims``
     (by ``id`` of a primal) makes those dimensions symbolic (Note [Dynamic shapes]).
     """
-    options = (
-        with_backward,
-        decompositions,
-        where,
-        root if root is not None else body,
-        dynamic_dims,
-    )
-    joint = _capture(body, flat, primals, (), *options)
+    options = TraceOptions(with_backward, decompositions, where, dynamic_dims)
+    label = root if root is not None else body
+    joint = _capture(body, flat, primals, (), options, label)
     bases = _synthetic_bases(joint, primals, where)
     if bases:  # Note [Aliased inputs]: trace again, the members re-derived from their bases
-        joint = _capture(body, flat, primals, bases, *options)
+        joint = _capture(body, flat, primals, bases, options, label)
     return joint
 
 
@@ -118,25 +113,13 @@ def _capture(
     flat: FlatInputs,
     primals: Sequence[torch.Tensor],
     bases: Sequence[SyntheticBase],
-    with_backward: bool,
-    decompositions: Mapping[Any, Callable[..., Any]] | None,
-    where: UserFrame | None,
+    options: TraceOptions,
     root: object,
-    dynamic_dims: Mapping[int, Sequence[int]] | None,
 ) -> JointGraph:
     def trace(leaf_primals: bool) -> tuple[fx.GraphModule, TraceRecord, GraphInputs, Recorder]:
         recorder = Recorder(root)
         gm, record, inputs = trace_joint(
-            body,
-            flat,
-            primals,
-            bases=bases,
-            with_backward=with_backward,
-            decompositions=decompositions,
-            where=where,
-            recorder=recorder,
-            leaf_primals=leaf_primals,
-            dynamic_dims=dynamic_dims,
+            body, flat, primals, options, bases=bases, recorder=recorder, leaf_primals=leaf_primals
         )
         return gm, record, inputs, recorder
 

@@ -129,20 +129,32 @@ class GraphInputs:
         return GraphInputs(tuple(descriptors), tuple(infos), sources), tensors
 
 
+@dataclass(frozen=True)
+class TraceOptions:
+    """How to trace, the same for every attempt of one capture."""
+
+    # Trace the backward too (grad mode on and some input requires grad).
+    with_backward: bool
+    # Decomposition table handed to make_fx.
+    decompositions: Mapping[Any, Callable[..., Any]] | None
+    # The user's function, for error messages.
+    where: UserFrame | None
+    # Per primal ``id``: dimensions with symbolic sizes (Note [Dynamic shapes]).
+    dynamic_dims: Mapping[int, Sequence[int]] | None
+
+
 def trace_joint(
     body: Body,
     flat: FlatInputs,
     primals: Sequence[torch.Tensor],
+    options: TraceOptions,
     *,
     bases: Sequence[SyntheticBase],
-    with_backward: bool,
-    decompositions: Mapping[Any, Callable[..., Any]] | None,
-    where: UserFrame | None,
     recorder: Recorder,
     leaf_primals: bool = False,
-    dynamic_dims: Mapping[int, Sequence[int]] | None = None,
 ) -> tuple[fx.GraphModule, TraceRecord, GraphInputs]:
     """Trace ``body`` and its backward into one graph; see Note [One tracing pass]."""
+    with_backward, where, dynamic_dims = options.with_backward, options.where, options.dynamic_dims
     shape_env = new_shape_env() if dynamic_dims else None
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
     inputs, tensors = GraphInputs.of(flat, primals, bases)
@@ -155,7 +167,7 @@ def trace_joint(
         return _joint(body, inputs, inner, record, with_backward, where, recorder)
 
     with translate_trace_errors(body), mode, recorder.recording():
-        gm = make_fx(joint, decomposition_table=decompositions)(*fakes)
+        gm = make_fx(joint, decomposition_table=options.decompositions)(*fakes)
     return gm, record, inputs
 
 
