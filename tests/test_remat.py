@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as cp
+from functorch.compile import min_cut_rematerialization_partition
 from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -16,6 +17,7 @@ import aotgrad
 from aotgrad.capture import Kind, node_info
 from aotgrad.testing import verify
 from models import GPT, ConvBN, DeepMLP
+from reference import pytorch_stats
 
 
 def stack(x, w):
@@ -180,16 +182,71 @@ def test_budget_is_monotone_and_explains_itself():
     )
 
 
-def test_budget_in_bytes_and_infeasible_budgets_say_so():
+def test_budget_in_bytes_caps_the_reported_saved_bytes():
     torch.manual_seed(0)
-    plan = aotgrad.trace(
-        DeepMLP(64, 3), torch.randn(4, 64), partition=aotgrad.budget(2048)
-    ).partitioned
-    assert plan.saved_bytes_beyond_inputs <= 2048 + sum(s.nbytes for s in plan.saved if s.is_input)
+    model, x = DeepMLP(64, 3), torch.randn(4, 64)
+    full = aotgrad.trace(model, x).partitioned
+    inputs = sum(s.nbytes for s in full.saved if s.is_input)
+    for cap in (full.saved_bytes, inputs + 2048, (inputs + full.saved_bytes) // 2):
+        plan = aotgrad.trace(model, x, partition=aotgrad.budget(cap)).partitioned
+        assert plan.saved_bytes <= cap
+        # the same cap as a byte count or as the fraction that gives it
+        again = aotgrad.trace(model, x, partition=aotgrad.budget(plan.saved_bytes)).partitioned
+        assert again.recompute_flops <= plan.recompute_flops
+    with pytest.raises(ValueError, match=f"inputs the backward reads take {inputs}"):
+        aotgrad.trace(model, x, partition=aotgrad.budget(inputs - 1))
     with pytest.raises(ValueError, match="smallest plan saves"):
         aotgrad.trace(
             ConvBN(), torch.randn(2, 1, 8, 8), torch.randn(2, 10), partition=aotgrad.budget(0.01)
         )
+
+
+def test_budget_fraction_interpolates_from_inputs_to_save_all():
+    torch.manual_seed(0)
+    model, idx = GPT(blocks=2), torch.randint(0, 64, (2, 16))
+    full = aotgrad.trace(model, idx, idx).partitioned
+    inputs = sum(s.nbytes for s in full.saved if s.is_input)
+    for fraction in (1.0, 0.5, 0.2):
+        plan = aotgrad.trace(model, idx, idx, partition=aotgrad.budget(fraction)).partitioned
+        assert plan.saved_bytes <= inputs + fraction * (full.saved_bytes - inputs)
+
+
+def untied_gpt():
+    torch.manual_seed(0)
+    model = GPT(vocab=128, dim=64, heads=4, blocks=2, context=32, tied=False)
+    idx = torch.randint(0, 128, (2, 32))
+    return model, (idx, idx)
+
+
+def test_mincut_saves_no_more_than_pytorchs_min_cut():
+    model, args = untied_gpt()
+    theirs, _ = pytorch_stats(model, args, min_cut_rematerialization_partition)
+    ours = aotgrad.trace(model, *args, partition="mincut").partitioned
+    assert ours.saved_bytes <= theirs
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.5, 0.3])
+def test_budget_at_pytorchs_bytes_dominates_its_knapsack(fraction):
+    # Note [Budget units]: a byte count caps saved_bytes, so handing aotgrad the
+    # bytes PyTorch's plan saved poses the same problem; the exact solver must
+    # then recompute no more, and (FLOPs tied) save no more.
+    model, args = untied_gpt()
+    saved, flops = pytorch_stats(model, args, min_cut_rematerialization_partition, fraction)
+    ours = aotgrad.trace(model, *args, partition=aotgrad.budget(saved)).partitioned
+    assert ours.saved_bytes <= saved and ours.recompute_flops <= flops
+
+
+def test_attention_without_dropout_may_be_recomputed():
+    model, args = untied_gpt()
+    tight = aotgrad.trace(model, *args, partition=aotgrad.budget(0.05)).partitioned
+    assert any("attention" in op.op for op in tight.recomputed)
+    verify(
+        model,
+        *args,
+        compile_fn=functools.partial(aotgrad.aot_module, partition=aotgrad.budget(0.05)),
+        atol=1e-4,
+        rtol=1e-4,
+    )
 
 
 def test_budget_time_limit_is_reported():

@@ -34,12 +34,33 @@ def op_name(target: object) -> str:
 
 @functools.cache
 def is_random(op: object) -> bool:
-    """Draws from the RNG: never recomputed, or the backward would see other numbers.
+    """May draw from the RNG: never recomputed, or the backward would see other numbers.
 
     >>> is_random(torch.ops.aten.bernoulli.p), is_random(torch.ops.aten.sin.default)
     (True, False)
     """
     return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+
+
+def draws_random(op: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call draws from the RNG: :func:`is_random`, except attention with no dropout.
+
+    Attention kernels carry the RNG tag for their ``dropout_p``; at 0 they
+    draw nothing and may be recomputed like any other op.
+
+    >>> attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    >>> q = torch.ones(1, 1, 2, 4)
+    >>> draws_random(attention, (q, q, q), {}), draws_random(attention, (q, q, q, 0.1), {})
+    (False, True)
+    """
+    if not is_random(op):
+        return False
+    assert isinstance(op, torch._ops.OpOverload)
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name == "dropout_p":
+            p = args[i] if i < len(args) else kwargs.get("dropout_p", argument.default_value)
+            return p != 0
+    return True
 
 
 def is_pointwise(op: object) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 import torch.fx as fx
 
 from aotgrad.capture.provenance import Phase, node_info, set_info
-from aotgrad.optable import is_random
+from aotgrad.optable import draws_random
 
 
 def link_recompute(gm: fx.GraphModule) -> None:
@@ -45,7 +45,7 @@ def link_recompute(gm: fx.GraphModule) -> None:
                 twins[node] = twin
     for node, twin in twins.items():
         set_info(node, replace(node_info(node), seq_nr=node_info(twin).seq_nr))
-        if is_random(node.target):
+        if draws_random(node.target, node.args, node.kwargs):
             node.replace_all_uses_with(twin)
             gm.graph.erase_node(node)  # DCE keeps random ops: they look side-effecting
     gm.graph.eliminate_dead_code()

@@ -33,7 +33,7 @@ import torch.fx as fx
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from aotgrad.capture import JointGraph, Phase, phase_of
-from aotgrad.optable import cheap_to_recompute, flops, is_free_view, is_random
+from aotgrad.optable import cheap_to_recompute, draws_random, flops, is_free_view
 
 INF = math.inf
 
@@ -62,6 +62,11 @@ def needed_by_backward(joint: JointGraph) -> dict[fx.Node, str]:
         if grad is not None and phase_of(grad) is Phase.FORWARD:
             needed.setdefault(grad, "is a gradient")
     return needed
+
+
+def is_random_node(node: fx.Node) -> bool:
+    """Draws from the RNG (attention without dropout does not): never recomputed."""
+    return node.op == "call_function" and draws_random(node.target, node.args, node.kwargs)
 
 
 def is_tensor_node(node: fx.Node) -> bool:
@@ -190,12 +195,13 @@ def budget_saved(
     minimize  Σ flops(v) · recompute_v                       (then Σ bytes · save_v)
     subject   save_v + recompute_v ≥ 1           for v the backward reads
               recompute_v ≤ save_u + recompute_u for each op input u of v
-              Σ bytes(v) · save_v ≤ budget;  views are never saved; random ops, and ops
-              reading a mutated input, never recomputed
+              Σ bytes(v) · save_v ≤ budget − bytes(free_inputs);  views are never saved;
+              random ops, and ops reading a mutated input, never recomputed
     Minimizing saved bytes second, among the FLOP-optimal plans, makes the
-    result monotone: a smaller budget never saves more bytes. Inputs are
-    variables too: those ``free_inputs`` (what ``save_all`` saves anyway) weigh
-    nothing, others (a bias a recomputation needs) weigh their bytes, so no
+    result monotone: a smaller budget never saves more bytes. ``budget_bytes``
+    caps the total, inputs included (Note [Budget units]). Inputs are
+    variables too: ``free_inputs`` (what ``save_all`` saves anyway, and every
+    plan with it) are paid for up front, others (a bias a recomputation needs) weigh their bytes, so no
     plan saves more than ``save_all``.
     """
     inputs = [
@@ -207,7 +213,8 @@ def budget_saved(
         [0 if is_view_node(v) or v in free_inputs else nbytes(v) for v in ops], dtype=float
     )
     costs = np.array([node_flops(v) for v in ops], dtype=float)
-    rows, lower, upper = _budget_constraints(ops, index, needed, weights, budget_bytes)
+    held = sum(nbytes(n) for n in free_inputs)  # saved whatever the plan: the budget's floor
+    rows, lower, upper = _budget_constraints(ops, index, needed, weights, budget_bytes - held)
     program = _Program(len(ops), _budget_bounds(ops, reads_mutated_input(joint)), time_limit)
     constraint = LinearConstraint(np.array(rows), lower, upper)
     first = program.solve(program.on_recompute(costs), [constraint])
@@ -220,25 +227,56 @@ def budget_saved(
     if first.x is None:
         relaxed = LinearConstraint(np.array(rows[:-1]), lower[:-1], upper[:-1])
         least = program.solve(program.on_save(weights), [relaxed])
-        smallest = "?" if least.x is None else str(int(weights @ np.round(least.x[: len(ops)])))
+        smallest = "?" if least.x is None else str(held + int(weights @ least.x[: len(ops)]))
         raise ValueError(
-            f"no plan fits a budget of {budget_bytes} bytes: what cannot be recomputed (random"
-            " ops, ops reading an input the function mutates) and the inputs a recomputation"
-            f" needs beyond save_all's take more; the smallest plan saves {smallest} bytes."
-            " Raise the budget."
+            f"no plan fits a budget of {budget_bytes} bytes: the inputs the backward reads take"
+            f" {held}, and with what cannot be recomputed (random ops, ops reading an input the"
+            f" function mutates) the smallest plan saves {smallest} bytes. Raise the budget."
         )
-    best = float(costs @ np.round(first.x[len(ops) :]))
-    tie = LinearConstraint(program.on_recompute(costs)[None, :], -np.inf, best + 0.5)
+    best = _Rounded.of(first.x, ops, needed, weights, costs)
+    tie = LinearConstraint(program.on_recompute(costs)[None, :], -np.inf, best.flops + 0.5)
     second = program.solve(program.on_save(weights), [constraint, tie])
-    chosen = second.x if second.x is not None else first.x
+    candidates = [best]
+    if second.x is not None:
+        candidates.append(_Rounded.of(second.x, ops, needed, weights, costs))
+    fits = [c for c in candidates if c.bytes <= budget_bytes - held] or candidates
+    chosen = min(fits, key=lambda c: (c.bytes > budget_bytes - held, c.flops, c.bytes))
     note: str | None = None
     if not (first.success and second.success):
         note = (
             f"the budget solver hit its {time_limit:g} s time limit; the plan is the best found,"
             " not proven optimal (raise time_limit in aotgrad.budget)"
         )
-    saved = {v for v in ops if round(chosen[index[v]]) == 1}
-    return BudgetResult(saved, int(costs @ np.round(chosen[len(ops) :])), note)
+    return BudgetResult(chosen.saved, chosen.flops, note)
+
+
+@dataclass(frozen=True)
+class _Rounded:
+    """A solver answer rounded to a plan, with its bytes and FLOPs counted exactly.
+
+    HiGHS accepts values within 1e-6 of an integer, and with coefficients in
+    the hundreds of millions that slack is worth a few FLOPs or bytes: the
+    plan is re-measured from its saved set rather than read off the solution.
+    """
+
+    saved: set[fx.Node]
+    bytes: int
+    flops: int
+
+    @staticmethod
+    def of(
+        x: np.ndarray, ops: list[fx.Node], needed: Iterable[fx.Node], weights: Any, costs: Any
+    ) -> _Rounded:
+        position = {v: i for i, v in enumerate(ops)}
+        saved = {v for v in ops if round(x[position[v]]) == 1}
+        recompute, inputs = recompute_closure(needed, saved)
+        used = set(needed) | {u for v in recompute for u in v.all_input_nodes} | inputs
+        kept = {v for v in saved | inputs if v in used and v in position}
+        return _Rounded(
+            saved,
+            int(sum(weights[position[v]] for v in kept)),
+            int(sum(costs[position[v]] for v in recompute if v in position)),
+        )
 
 
 @dataclass(frozen=True)
@@ -261,7 +299,7 @@ class _Program:
             constraints=constraints,
             integrality=np.ones(2 * self.n),
             bounds=self.bounds,
-            options={"time_limit": self.time_limit, "disp": False},
+            options={"time_limit": self.time_limit, "disp": False, "mip_rel_gap": 0.0},
         )
 
 
@@ -303,7 +341,7 @@ def _budget_bounds(ops: list[fx.Node], pinned: set[fx.Node]) -> Bounds:
     n = len(ops)
     upper = np.ones(2 * n)
     for i, v in enumerate(ops):
-        fixed = v.op == "placeholder" or is_random(v.target) or v in pinned
+        fixed = v.op == "placeholder" or is_random_node(v) or v in pinned
         if fixed:
             upper[n + i] = 0  # never recompute a random op, or one reading a mutated input
         if not is_tensor_node(v) or (is_view_node(v) and not fixed):

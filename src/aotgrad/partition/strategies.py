@@ -6,17 +6,18 @@ every recomputed op gets a reason (Note [Saved and recomputed]).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from aotgrad.capture import JointGraph, Phase
-from aotgrad.optable import is_free_view, is_random
+from aotgrad.optable import is_free_view
 from aotgrad.partition.remat import (
     RematPlan,
     budget_saved,
+    is_random_node,
     mincut_saved,
     nbytes,
     needed_by_backward,
@@ -26,10 +27,10 @@ from aotgrad.partition.remat import (
 
 @dataclass(frozen=True)
 class Budget:
-    """A memory budget for the saved activations: see :func:`budget`."""
+    """A memory budget for the saved values: see :func:`budget`."""
 
-    # A fraction (0, 1] of what "save_all" saves beyond the inputs, or a byte count (> 1),
-    # bounding the bytes saved beyond the inputs "save_all" saves.
+    # A fraction (0, 1] of the way from "save only the inputs" to "save_all", or a byte
+    # count (> 1) bounding ``Partitioned.saved_bytes`` itself (Note [Budget units]).
     limit: float
     # Seconds HiGHS may spend; past it the best plan found is used, and the plan says so.
     time_limit: float = 10.0
@@ -39,17 +40,44 @@ class Budget:
             raise ValueError(f"a budget must be positive, got {self.limit}")
 
     def bytes_for(self, joint: JointGraph) -> int:
+        """The cap on saved bytes, inputs included (what ``Partitioned.saved_bytes`` reports)."""
         if self.limit > 1:
             return int(self.limit)
-        full = sum(nbytes(n) for n in save_all(joint).saved if n.op != "placeholder")
-        return int(self.limit * full)
+        saved = save_all(joint).saved
+        inputs = unique_nbytes(n for n in saved if n.op == "placeholder")
+        activations = unique_nbytes(n for n in saved if n.op != "placeholder")
+        return inputs + int(self.limit * activations)
 
     def __str__(self) -> str:
         return f"budget({self.limit:g})"
 
 
+# Note [Budget units]
+# ~~~~~~~~~~~~~~~~~~~
+# A budget bounds the number the plan reports, ``Partitioned.saved_bytes``:
+# unique storages the backward receives, inputs included. A byte count is
+# that cap as given; a fraction x interpolates between the inputs
+# ``save_all`` saves (x → 0: recompute every activation) and ``save_all``
+# itself (x = 1). On a 2-block MLP whose ``save_all`` saves 1 MB of weights
+# and 4 MB of activations:
+#
+#     budget(0.5)        -> saved_bytes <= 1 MB + 0.5 * 4 MB = 3 MB
+#     budget(3_000_000)  -> saved_bytes <= 3 MB, the same cap
+#     budget(500_000)    -> ValueError: the weights alone take 1 MB
+#
+# Inputs are held by the caller anyway, but they count: the solver pays for
+# an input only recomputation needs (a bias ``save_all`` never saves), so no
+# plan saves more than ``save_all``, and ``budget(p.saved_bytes)`` for any
+# plan ``p`` finds one at least as cheap in recompute FLOPs.
+
+
+def unique_nbytes(nodes: Iterable[fx.Node]) -> int:
+    return sum(nbytes(n) for n in set(nodes))
+
+
 def budget(limit: float, time_limit: float = 10.0) -> Budget:
-    """Save at most ``limit`` of ``save_all``'s activation bytes (or ``limit`` bytes, if > 1).
+    """Save at most ``limit`` bytes (if > 1), or the fraction ``limit`` of the way from the inputs to
+    ``save_all`` (Note [Budget units]), recomputing as few FLOPs as possible.
 
     The plan minimizes recompute FLOPs exactly (a mixed-integer program solved by
     HiGHS), and among equally cheap plans saves the fewest bytes, so a smaller
@@ -64,6 +92,8 @@ def budget(limit: float, time_limit: float = 10.0) -> Budget:
     []
     >>> [r.name for r in traced.partitioned.recomputed]
     ['mm', 'relu']
+    >>> traced.partitioned.saved_bytes  # x and w
+    512
     """
     return Budget(float(limit), time_limit)
 
@@ -157,7 +187,7 @@ def apply_checkpoint_policy(joint: JointGraph, plan: RematPlan) -> RematPlan:
     tagged = {
         n
         for n in joint.nodes(Phase.FORWARD)
-        if n.meta.get("recompute") in _RECOMPUTE_POLICIES and not is_random(n.target)
+        if n.meta.get("recompute") in _RECOMPUTE_POLICIES and not is_random_node(n)
     }
     if not tagged:
         return plan
