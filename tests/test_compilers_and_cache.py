@@ -61,6 +61,41 @@ def test_cache_info_counts_hits_and_names_the_failed_guard():
     ]
 
 
+def test_the_last_entry_answers_exactly_like_the_full_key():
+    # Note [The last entry]: after a hit the next call is checked by a guard on
+    # its tensors; every change the full key would see must still miss.
+    def f(x, w):
+        return (x @ w).relu() * 2
+
+    g = aotgrad.aot_function(f)
+    x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
+    g(x, w)
+    g(x, w)  # a hit: now the last entry
+    calls = [
+        (torch.randn(4, 4), w),  # same fields: the last entry
+        (x.double(), w.double()),  # dtype
+        (x, w.detach()),  # requires_grad
+        (x.t(), w),  # a view with other strides
+        (torch.randn(5, 4)[1:], w),  # a view with an offset
+        (w, w),  # the same tensor twice
+    ]
+    for args in calls:
+        out, expected = g(*args), f(*args)
+        torch.testing.assert_close(out, expected)
+        assert out.requires_grad == expected.requires_grad
+    with torch.no_grad():
+        assert not g(x, w).requires_grad
+    info = aotgrad.cache_info(g)
+    assert info.hits == 2 and info.misses == 7, info
+
+
+def test_straight_line_code_calls_kernels_and_frees_values():
+    traced = aotgrad.trace(lambda x, w: (x @ w).relu().sum(), torch.ones(2, 2), torch.ones(2, 2))
+    source, _ = aotgrad.runtime.straight_line.straight_line_source(traced.forward)
+    assert "aten_mm_default(x, w)" in source and "torch.ops" not in source
+    assert "mm = None" in source  # freed after its last use, like the GraphModule
+
+
 def test_cache_info_on_modules_names_parameters_and_modes():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
     compiled = aotgrad.aot_module(model)

@@ -25,6 +25,7 @@ from aotgrad.signature import (
     Buffer,
     FlatInputs,
     Param,
+    PlainTensorsGuard,
     PrimalDescriptor,
     Signature,
     alias_key,
@@ -220,6 +221,28 @@ class Options:
     dynamic: bool = False
 
 
+# Note [The last entry]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Most callers call with the same kinds of tensors every time. After a cache
+# hit on a plain call -- positional tensors only, none a view or repeated,
+# a function rather than a module, static shapes -- the entry is remembered
+# with a guard on its tensors' fields (``PlainTensorsGuard``: Dynamo's C++
+# tensor check plus offsets and aliasing), tried before building any key:
+#
+#     f(x, w)   miss: trace, compile, cache[key] = entry
+#     f(x, w)   hit through the dict; entry remembered as the last one
+#     f(x2, w)  same fields as the last entry's keys: run it (no key, no hash)
+#     f(x3, w)  x3 is float64: the full key, the dict, maybe a miss
+#
+# It answers exactly when the full key would find that entry; it only skips
+# the work of building and hashing the key (microseconds of a ~25 us call).
+@dataclass(frozen=True)
+class _LastEntry:
+    guard: PlainTensorsGuard
+    grad_mode: bool
+    compiled: CompiledGraphs
+
+
 class AOTFunction:
     """``aot_function``'s result: call it like the function; one compiled graph pair per specialization.
 
@@ -236,28 +259,66 @@ class AOTFunction:
         # Names for the tensor inputs, when the caller knows better than fn's signature.
         self._input_names = input_names
         self._lifted, self._descriptors, self._body_of = _lift(fn)
-        self.cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...]]] = {}
+        # key -> (compiled graphs, leaf positions of the graph's inputs after the module
+        # state; None when the inputs are exactly the leaves)
+        self.cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...] | None]] = {}
         self.partitioned: Partitioned | None = None
         self.info = CacheInfo()
         self._last_key: tuple[Any, ...] | None = None
         self._is_module = isinstance(fn, torch.nn.Module)
+        self._last_entry: _LastEntry | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        last = self._last_entry
+        if (
+            last is not None
+            and not kwargs
+            and torch.is_grad_enabled() is last.grad_mode
+            and last.guard(args)
+        ):
+            self.info.hits += 1
+            return last.compiled(args)
         leaves, spec = _flatten_call(args, kwargs)
-        state = tuple(self._lifted) if self._is_module else ()
         dims = _dynamic_dims(leaves, self._options.dynamic)
+        if self._is_module:
+            state = tuple(self._lifted)
+            state_key, modes = call_key(state), _modes(self._fn)
+        else:
+            state, state_key, modes = (), (), ()
         key = (
             spec,
             call_key(leaves) if dims is None else dynamic_call_key(leaves, dims),
-            call_key(state) if state else (),
+            state_key,
             alias_key(leaves),
-            _modes(self._fn) if self._is_module else (),
+            modes,
             torch.is_grad_enabled(),
         )
         entry = self.cache.get(key)
-        if entry is not None and dims is not None:
+        if entry is not None and dims is None:
+            self.info.hits += 1
             compiled, positions = entry
-            if not compiled.accepts([*state, *(leaves[i] for i in positions)]):
+            if positions is None and key[3] is None and not kwargs and not self._is_module:
+                self._last_entry = _LastEntry(PlainTensorsGuard(leaves), key[5], compiled)
+            return compiled(
+                leaves if positions is None else [*state, *map(leaves.__getitem__, positions)]
+            )
+        return self._call_slow(key, entry, state, dims, args, kwargs, leaves)
+
+    def _call_slow(
+        self,
+        key: tuple[Any, ...],
+        entry: tuple[CompiledGraphs, tuple[int, ...] | None] | None,
+        state: tuple[torch.Tensor, ...],
+        dims: list[tuple[int, ...]] | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        leaves: Sequence[Any],
+    ) -> Any:
+        """A miss, or a dynamic entry whose shape guards must be checked."""
+        if entry is not None:
+            compiled, positions = entry
+            inputs = leaves if positions is None else [*state, *(leaves[i] for i in positions)]
+            if not compiled.accepts(inputs):
                 entry = None  # the sizes break the trace's shape guards: trace again
         if entry is None:
             if not self._miss(key, args, kwargs):
@@ -267,7 +328,7 @@ class AOTFunction:
         else:
             self.info.hits += 1
         compiled, positions = entry
-        return compiled([*state, *(leaves[i] for i in positions)])
+        return compiled(leaves if positions is None else [*state, *(leaves[i] for i in positions)])
 
     def _miss(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Record the miss and its reason; False when the cache is full (run eagerly)."""
@@ -307,7 +368,7 @@ class AOTFunction:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         dims: list[tuple[int, ...]] | None = None,
-    ) -> tuple[CompiledGraphs, tuple[int, ...]]:
+    ) -> tuple[CompiledGraphs, tuple[int, ...] | None]:
         fn, options = self._fn, self._options
         flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, self._descriptors)
         if self._input_names is not None:
@@ -326,7 +387,10 @@ class AOTFunction:
         compiled = compile_partitioned(
             self.partitioned, options.fw_compiler, options.bw_compiler, options.inference_compiler
         )
-        return compiled, flat.tensor_positions
+        positions = flat.tensor_positions
+        if not state and positions == tuple(range(len(leaves))):
+            return compiled, None
+        return compiled, positions
 
 
 def _dynamic_dims(leaves: Sequence[Any], everything: bool) -> list[tuple[int, ...]] | None:

@@ -13,7 +13,7 @@ import torch
 from aotgrad.capture import graph_inputs
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.compilers import Compiler, compile_boxed, make_boxed_func, nop
-from aotgrad.runtime.function import Plan, make_function, run_epilogue
+from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue
 
 __all__ = ["CompiledGraphs", "compile_partitioned", "make_boxed_func", "nop"]
 
@@ -26,6 +26,8 @@ class CompiledGraphs:
         self.plan = Plan.of(partitioned)
         self._forward = forward
         self._function = make_function(self.plan, forward, backward) if backward else None
+        self._apply = direct_apply(self._function) if self._function else None
+        self._bases = self.plan.input_bases
 
     def accepts(self, primals: Sequence[torch.Tensor]) -> bool:
         """Do these inputs satisfy the trace's shape guards? (Always, for static traces.)"""
@@ -33,13 +35,13 @@ class CompiledGraphs:
         return guards is None or guards.check(graph_inputs(primals, self.plan.input_bases))
 
     def __call__(self, primals: Sequence[torch.Tensor]) -> Any:
-        inputs = graph_inputs(primals, self.plan.input_bases)
-        if self._function is None:
+        inputs = graph_inputs(primals, self._bases) if self._bases else primals
+        if self._apply is None:
             with torch.no_grad():
-                results = self._forward(inputs)
+                results = self._forward(list(inputs))
             returned = [results[i] for i in self.plan.returned]
         else:
-            returned = self._function.apply(*inputs)
+            returned = self._apply(*inputs)
         return run_epilogue(self.plan, primals, inputs, returned)
 
 

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from aotgrad.runtime.straight_line import straight_line
+
 Compiled = Callable[..., Any]
 Compiler = Callable[[fx.GraphModule, list[torch.Tensor]], Compiled]
 BoxedCall = Callable[[list[Any]], Sequence[Any]]
@@ -37,11 +39,17 @@ def make_boxed_func(f: Callable[..., Any]) -> Callable[[list[Any]], Any]:
 def nop(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
     """The compiler that compiles nothing: run the graph as Python, op by op.
 
+    Aten graphs become straight-line code calling each kernel directly (Note
+    [Straight-line graphs]); anything else runs through ``gm.forward``.
+
     >>> import torch.fx as fx
     >>> nop(fx.symbolic_trace(lambda x: x + 1), [])([1])
     2
     """
-    return make_boxed_func(gm.forward)
+    try:
+        return straight_line(gm)
+    except NotImplementedError:  # call_module / call_method nodes: not an aten graph
+        return make_boxed_func(gm.forward)
 
 
 def compile_boxed(compiler: Compiler | None, gm: fx.GraphModule, examples: list[Any]) -> BoxedCall:

@@ -108,6 +108,7 @@ def make_function(
     plan: Plan, forward: BoxedCall, backward: BoxedCall
 ) -> type[torch.autograd.Function]:
     """A fresh ``autograd.Function`` class bound to one pair of compiled graphs."""
+    returned_positions, num_forward_outputs = plan.returned, plan.num_forward_outputs
     not_differentiable = [i for i, d in enumerate(plan.differentiable) if not d]
     differentiable = [i for i, d in enumerate(plan.differentiable) if d]
 
@@ -119,8 +120,8 @@ def make_function(
                     results = forward([p.detach() for p in primals])
             else:
                 results = forward(list(primals))
-            returned = tuple([results[i] for i in plan.returned])
-            saved = results[plan.num_forward_outputs :]
+            returned = tuple([results[i] for i in returned_positions])
+            saved = results[num_forward_outputs:]
             if plan.saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
                 ctx.sizes = [v for v in saved if not isinstance(v, torch.Tensor)]
                 saved = [v for v in saved if isinstance(v, torch.Tensor)]
@@ -140,6 +141,34 @@ def make_function(
             return tuple(backward([*saved, *cotangents]))
 
     return CompiledFunction
+
+
+# Note [Calling the Function directly]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``autograd.Function.apply`` is a Python classmethod that, outside functorch
+# transforms, unwraps dead functorch wrappers (pytree over the arguments) and
+# calls the C++ ``_FunctionBase.apply``. That Python layer costs ~2 us of a
+# ~25 us call on small graphs. ``direct_apply`` does the same two steps
+# itself on the flat tensor list, and defers to ``apply`` whenever a
+# transform is active (vmap/grad need ``custom_function_call``):
+#
+#     Function.apply(x, w)       ->  unwrap_dead_wrappers((x, w)); _FunctionBase.apply(x, w)
+#     direct_apply(F)(x, w)      ->  [unwrap_if_dead(x), unwrap_if_dead(w)]; _FunctionBase.apply
+_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
+
+
+def direct_apply(function: type[torch.autograd.Function]) -> Any:
+    """``function.apply`` without its Python layer (Note [Calling the Function directly])."""
+    raw = _BASE_APPLY.__get__(None, function)
+    unwrap = torch._C._functorch.unwrap_if_dead
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def apply(*inputs: torch.Tensor) -> Any:
+        if transforms_active():
+            return function.apply(*inputs)
+        return raw(*[unwrap(x) for x in inputs])
+
+    return apply
 
 
 def _interleave(is_size: Sequence[bool], tensors: Sequence[Any], sizes: Sequence[Any]) -> list[Any]:
@@ -220,4 +249,4 @@ def _rebuild(alias: Alias, values: tuple[Sequence[torch.Tensor | None], ...]) ->
     return view if alias.requires_grad or not view.requires_grad else view.detach()
 
 
-__all__ = ["Plan", "TensorOutput", "make_function", "run_epilogue"]
+__all__ = ["Plan", "TensorOutput", "direct_apply", "make_function", "run_epilogue"]

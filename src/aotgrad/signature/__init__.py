@@ -22,6 +22,7 @@ from aotgrad.signature.descriptors import (
 )
 from aotgrad.signature.flatten import (
     FlatInputs,
+    PlainTensorsGuard,
     alias_key,
     call_key,
     dynamic_call_key,
@@ -44,6 +45,7 @@ __all__ = [
     "Output",
     "OutputBase",
     "Param",
+    "PlainTensorsGuard",
     "PrimalDescriptor",
     "Saved",
     "Signature",

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._C._dynamo.guards import TensorGuards
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotgrad.errors import CallError, format_error, user_frame_of_function
@@ -187,6 +188,41 @@ def alias_key(leaves: Sequence[Any]) -> tuple[int, ...] | None:
     return tuple(
         groups.setdefault(StorageWeakRef(t.untyped_storage()), len(groups)) for t in tensors
     ) + tuple(groups.setdefault(("id", id(t)), len(groups)) for t in tensors)
+
+
+class PlainTensorsGuard:
+    """Passes leaves exactly when they give the same ``call_key`` as ``leaves`` and no ``alias_key``.
+
+    The per-call fast path (Note [The last entry]). Built from distinct,
+    non-view tensors; the fields of ``_tensor_key`` are compared by Dynamo's
+    C++ tensor check (type, dispatch keys -- which carry device type and
+    layout --, dtype, device index, requires_grad, sizes, strides) plus the
+    storage offsets and the alias conditions here.
+
+    >>> x, w = torch.ones(2, 3), torch.ones(3, requires_grad=True)
+    >>> guard = PlainTensorsGuard((x, w))
+    >>> guard((torch.zeros(2, 3), w)), guard((x, w.detach())), guard((x, x[0])), guard((w, w))
+    (True, False, False, False)
+    """
+
+    def __init__(self, leaves: Sequence[torch.Tensor]) -> None:
+        self._offsets = tuple(t.storage_offset() for t in leaves)
+        # One size and one stride list per tensor (the stub's element type is wrong).
+        sizes: Any = [list(t.shape) for t in leaves]
+        strides: Any = [list(t.stride()) for t in leaves]
+        self._check = TensorGuards(
+            *leaves, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides
+        ).check
+
+    def __call__(self, leaves: Sequence[Any]) -> bool:
+        if len(leaves) != len(self._offsets) or not self._check(*leaves):
+            return False
+        for t, offset in zip(leaves, self._offsets, strict=True):
+            if t.storage_offset() != offset or t._is_view():
+                return False
+        if len(leaves) == 2:
+            return leaves[0] is not leaves[1]
+        return len(leaves) < 2 or len({id(t) for t in leaves}) == len(leaves)
 
 
 def _leaf_key(leaf: Any) -> Any:

@@ -1,0 +1,131 @@
+"""Run an aten graph as straight-line Python that calls each kernel directly.
+
+Note [Straight-line graphs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A ``GraphModule``'s generated code calls ``torch.ops.aten.mm.default(x, w)``:
+four attribute lookups and a Python ``OpOverload.__call__`` frame per op
+before the kernel runs, about a microsecond each time. ``nop`` instead
+compiles the graph into a function whose globals hold each overload's
+kernel entry point (``OpOverload._op``, what ``__call__`` forwards to) and
+every non-tensor constant::
+
+    graph:      mm = aten.mm.default(x, w); relu = aten.relu.default(mm); ...
+    generated:  def forward(args):
+                    x, w = args
+                    mm = aten_mm_default(x, w); w = None
+                    relu = aten_relu_default(mm); mm = None
+                    ...
+
+Same kernels, same order, same frees after each value's last use (so peak
+memory matches the GraphModule's); only the Python in between is gone.
+``aotgrad.runtime.straight_line_source(gm)`` shows the code.
+"""
+
+from __future__ import annotations
+
+import linecache
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+_LITERALS = (bool, int, str, type(None))
+
+
+class _Emitter:
+    """The source lines and globals of one straight-line function."""
+
+    def __init__(self, reserved: set[str]) -> None:
+        self.globals: dict[str, Any] = {}
+        self._names: dict[int, str] = {}
+        self._taken = set(reserved)
+
+    def bind(self, hint: str, value: Any) -> str:
+        """A global name for ``value``, the same each time the same object is bound."""
+        if id(value) in self._names:
+            return self._names[id(value)]
+        name, k = hint, 0
+        while name in self._taken:
+            k += 1
+            name = f"{hint}_{k}"
+        self._taken.add(name)
+        self._names[id(value)] = name
+        self.globals[name] = value
+        return name
+
+    def value(self, arg: Any) -> str:
+        if isinstance(arg, fx.Node):
+            return arg.name
+        if isinstance(arg, list) or (isinstance(arg, tuple) and not hasattr(arg, "_fields")):
+            items = ", ".join(self.value(a) for a in arg)
+            return f"[{items}]" if isinstance(arg, list) else f"({items},)"
+        if type(arg) in _LITERALS or (type(arg) is float and math.isfinite(arg)):
+            return repr(arg)
+        return self.bind("_const", arg)
+
+    def call(self, node: fx.Node) -> str:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            callee = self.bind(str(target).replace(".", "_"), target._op)
+        elif target is operator.getitem:
+            return f"{self.value(node.args[0])}[{self.value(node.args[1])}]"
+        else:
+            callee = self.bind(getattr(target, "__name__", "_fn"), target)
+        args = [self.value(a) for a in node.args]
+        args += [f"{k}={self.value(v)}" for k, v in node.kwargs.items()]
+        return f"{callee}({', '.join(args)})"
+
+
+def straight_line_source(gm: fx.GraphModule) -> tuple[str, dict[str, Any]]:
+    """The source of ``gm`` as a straight-line function ``forward(args)``, and its globals."""
+    nodes = list(gm.graph.nodes)
+    emit = _Emitter({n.name for n in nodes} | {"forward", "args"})
+    last_use: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        for source in node.all_input_nodes:
+            last_use[source] = node
+    freed_at: dict[fx.Node, list[str]] = {}
+    for value, user in last_use.items():
+        freed_at.setdefault(user, []).append(value.name)
+    placeholders = [n.name for n in nodes if n.op == "placeholder"]
+    lines = ["def forward(args):"]
+    if placeholders:
+        lines.append(f"    {', '.join(placeholders)}, = args")
+    for node in nodes:
+        if node.op == "call_function":
+            line = f"    {node.name} = {emit.call(node)}"
+        elif node.op == "get_attr":
+            attr = operator.attrgetter(str(node.target))(gm)
+            line = f"    {node.name} = {emit.bind('_attr', attr)}"
+        elif node.op == "output":
+            line = f"    return {emit.value(node.args[0])}"
+        elif node.op == "placeholder":
+            continue
+        else:
+            raise NotImplementedError(f"no straight-line code for {node.op} nodes: {node}")
+        if node.op != "output" and freed_at.get(node):
+            line += f";  {' = '.join(freed_at[node])} = None"
+        lines.append(line)
+    return "\n".join(lines) + "\n", emit.globals
+
+
+def straight_line(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
+    """Compile ``gm`` to a boxed call (Note [Straight-line graphs]).
+
+    >>> import torch
+    >>> from torch.fx.experimental.proxy_tensor import make_fx
+    >>> gm = make_fx(lambda x, w: (x @ w).relu())(torch.ones(2, 2), torch.ones(2, 2))
+    >>> straight_line(gm)([torch.ones(2, 2), -torch.ones(2, 2)])
+    tensor([[0., 0.],
+            [0., 0.]])
+    """
+    source, namespace = straight_line_source(gm)
+    filename = f"<aotgrad straight-line {id(gm):#x}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+    forward = namespace["forward"]
+    forward._boxed_call = True
+    return forward
