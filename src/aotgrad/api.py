@@ -240,7 +240,7 @@ class Options:
 class _LastEntry:
     guard: PlainTensorsGuard
     grad_mode: bool
-    compiled: CompiledGraphs
+    call: Callable[[Sequence[torch.Tensor]], Any]
 
 
 class AOTFunction:
@@ -277,7 +277,7 @@ class AOTFunction:
             and last.guard(args)
         ):
             self.info.hits += 1
-            return last.compiled(args)
+            return last.call(args)
         leaves, spec = _flatten_call(args, kwargs)
         dims = _dynamic_dims(leaves, self._options.dynamic)
         if self._is_module:
@@ -298,7 +298,8 @@ class AOTFunction:
             self.info.hits += 1
             compiled, positions = entry
             if positions is None and key[3] is None and not kwargs and not self._is_module:
-                self._last_entry = _LastEntry(PlainTensorsGuard(leaves), key[5], compiled)
+                call = compiled.direct_call() or compiled
+                self._last_entry = _LastEntry(PlainTensorsGuard(leaves), key[5], call)
             return compiled(
                 leaves if positions is None else [*state, *map(leaves.__getitem__, positions)]
             )

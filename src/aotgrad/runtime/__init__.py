@@ -5,10 +5,11 @@ Entry point: :func:`compile_partitioned`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from aotgrad.capture import graph_inputs
 from aotgrad.partition import Partitioned
@@ -28,6 +29,20 @@ class CompiledGraphs:
         self._function = make_function(self.plan, forward, backward) if backward else None
         self._apply = direct_apply(self._function) if self._function else None
         self._bases = self.plan.input_bases
+
+    def direct_call(self) -> Callable[[Sequence[torch.Tensor]], Any] | None:
+        """``self.__call__`` for the common case, with nothing to rebuild around the Function.
+
+        None unless the graphs need no input bases and every output is fresh
+        (the epilogue's fast path, Note [What the autograd.Function returns]).
+        """
+        apply, plan = self._apply, self.plan
+        if apply is None or self._bases or not plan.only_fresh:
+            return None
+        if plan.out_spec.is_leaf():
+            return lambda primals: apply(*primals)[0]
+        spec = plan.out_spec
+        return lambda primals: pytree.tree_unflatten(list(apply(*primals)), spec)
 
     def accepts(self, primals: Sequence[torch.Tensor]) -> bool:
         """Do these inputs satisfy the trace's shape guards? (Always, for static traces.)"""

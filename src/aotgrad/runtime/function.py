@@ -109,6 +109,8 @@ def make_function(
 ) -> type[torch.autograd.Function]:
     """A fresh ``autograd.Function`` class bound to one pair of compiled graphs."""
     returned_positions, num_forward_outputs = plan.returned, plan.num_forward_outputs
+    num_returned = len(returned_positions)
+    leading = returned_positions == tuple(range(num_returned))
     not_differentiable = [i for i, d in enumerate(plan.differentiable) if not d]
     differentiable = [i for i, d in enumerate(plan.differentiable) if d]
 
@@ -120,7 +122,10 @@ def make_function(
                     results = forward([p.detach() for p in primals])
             else:
                 results = forward(list(primals))
-            returned = tuple([results[i] for i in returned_positions])
+            if leading:  # the returned values are the graph's first outputs, in order
+                returned = tuple(results[:num_returned])
+            else:
+                returned = tuple([results[i] for i in returned_positions])
             saved = results[num_forward_outputs:]
             if plan.saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
                 ctx.sizes = [v for v in saved if not isinstance(v, torch.Tensor)]
