@@ -300,9 +300,7 @@ class AOTFunction:
             if positions is None and key[3] is None and not kwargs and not self._is_module:
                 call = compiled.direct_call() or compiled
                 self._last_entry = _LastEntry(PlainTensorsGuard(leaves), key[5], call)
-            return compiled(
-                leaves if positions is None else [*state, *map(leaves.__getitem__, positions)]
-            )
+            return compiled(_graph_inputs(state, leaves, positions))
         return self._call_slow(key, entry, state, dims, args, kwargs, leaves)
 
     def _call_slow(
@@ -318,8 +316,7 @@ class AOTFunction:
         """A miss, or a dynamic entry whose shape guards must be checked."""
         if entry is not None:
             compiled, positions = entry
-            inputs = leaves if positions is None else [*state, *(leaves[i] for i in positions)]
-            if not compiled.accepts(inputs):
+            if not compiled.accepts(_graph_inputs(state, leaves, positions)):
                 entry = None  # the sizes break the trace's shape guards: trace again
         if entry is None:
             if not self._miss(key, args, kwargs):
@@ -329,7 +326,7 @@ class AOTFunction:
         else:
             self.info.hits += 1
         compiled, positions = entry
-        return compiled(leaves if positions is None else [*state, *(leaves[i] for i in positions)])
+        return compiled(_graph_inputs(state, leaves, positions))
 
     def _miss(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Record the miss and its reason; False when the cache is full (run eagerly)."""
@@ -392,6 +389,13 @@ class AOTFunction:
         if not state and positions == tuple(range(len(leaves))):
             return compiled, None
         return compiled, positions
+
+
+def _graph_inputs(
+    state: tuple[torch.Tensor, ...], leaves: Sequence[Any], positions: tuple[int, ...] | None
+) -> Sequence[Any]:
+    """The compiled graphs' inputs: module state, then the tensor leaves (all of them if None)."""
+    return leaves if positions is None else [*state, *map(leaves.__getitem__, positions)]
 
 
 def _dynamic_dims(leaves: Sequence[Any], everything: bool) -> list[tuple[int, ...]] | None:

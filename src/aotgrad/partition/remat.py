@@ -204,6 +204,7 @@ def budget_saved(
     plan with it) are paid for up front, others (a bias a recomputation needs) weigh their bytes, so no
     plan saves more than ``save_all``.
     """
+    needed = list(needed)  # read several times below
     inputs = [
         p for p in joint.gm.graph.nodes if p.op == "placeholder" and phase_of(p) is Phase.FORWARD
     ]
