@@ -83,6 +83,11 @@ def nbytes(node: fx.Node) -> int:
     return 0
 
 
+def unique_nbytes(nodes: Iterable[fx.Node]) -> int:
+    """Bytes of these nodes' values, each node counted once."""
+    return sum(nbytes(n) for n in set(nodes))
+
+
 def node_flops(node: fx.Node) -> int:
     args = tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args)
     return flops(node.target, args, node.meta.get("val"))
@@ -214,7 +219,7 @@ def budget_saved(
         [0 if is_view_node(v) or v in free_inputs else nbytes(v) for v in ops], dtype=float
     )
     costs = np.array([node_flops(v) for v in ops], dtype=float)
-    held = sum(nbytes(n) for n in free_inputs)  # saved whatever the plan: the budget's floor
+    held = unique_nbytes(free_inputs)  # saved whatever the plan: the budget's floor
     rows, lower, upper = _budget_constraints(ops, index, needed, weights, budget_bytes - held)
     program = _Program(len(ops), _budget_bounds(ops, reads_mutated_input(joint)), time_limit)
     constraint = LinearConstraint(np.array(rows), lower, upper)

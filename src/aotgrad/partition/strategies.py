@@ -6,7 +6,7 @@ every recomputed op gets a reason (Note [Saved and recomputed]).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -19,9 +19,9 @@ from aotgrad.partition.remat import (
     budget_saved,
     is_random_node,
     mincut_saved,
-    nbytes,
     needed_by_backward,
     recompute_closure,
+    unique_nbytes,
 )
 
 
@@ -69,10 +69,6 @@ class Budget:
 # an input only recomputation needs (a bias ``save_all`` never saves), so no
 # plan saves more than ``save_all``, and ``budget(p.saved_bytes)`` for any
 # plan ``p`` finds one at least as cheap in recompute FLOPs.
-
-
-def unique_nbytes(nodes: Iterable[fx.Node]) -> int:
-    return sum(nbytes(n) for n in set(nodes))
 
 
 def budget(limit: float, time_limit: float = 10.0) -> Budget:
