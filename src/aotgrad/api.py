@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -490,6 +492,31 @@ def aot_module(
     return AOTModule(module, compiled)
 
 
+# Note [No garbage collection during capture]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A capture allocates some 10^5 short-lived Python objects (fake tensors, fx
+# nodes, dispatch keys), and CPython's collector runs a generation-2 pass, which
+# walks every object in the process (torch alone brings ~10^6), each time enough
+# survivors pile up. On the first capture of gpt4 that was 2 full passes and
+# ~200 young ones: 0.39 s of a 2.8 s capture, for garbage that is mostly freed
+# by reference counting anyway. The collector is paused while one capture runs
+# and resumed as it was; cycles made meanwhile are collected by its next pass.
+# (``torch.distributed.checkpoint`` does the same around its state-dict walks.)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for one capture (Note [No garbage collection...])."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@_collector_paused()
 def _capture_and_partition(
     fn: Callable[..., Any],
     body: Callable[[list[torch.Tensor]], Any],

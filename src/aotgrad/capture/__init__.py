@@ -23,7 +23,7 @@ from aotgrad.capture.aliasing import (
 )
 from aotgrad.capture.cotangents import split_at_cotangents
 from aotgrad.capture.dynamic import ShapeGuards
-from aotgrad.capture.graph import JointGraph
+from aotgrad.capture.graph import JointGraph, lazy_module, ready_for_compiler
 from aotgrad.capture.input_aliases import (
     SyntheticBase,
     graph_inputs,
@@ -74,8 +74,10 @@ __all__ = [
     "ViewMeta",
     "capture",
     "graph_inputs",
+    "lazy_module",
     "node_info",
     "phase_of",
+    "ready_for_compiler",
     "set_phase",
 ]
 

@@ -44,6 +44,7 @@ from aotgrad.capture.aliasing import (
 from aotgrad.capture.cotangents import make_cotangent
 from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
 from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
+from aotgrad.capture.graph import code_on_demand
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
 from aotgrad.capture.mutation import InputMutation, PrimalInfo, analyze_mutations
 from aotgrad.capture.recorder import ProvenanceMode, Recorder
@@ -166,7 +167,7 @@ def trace_joint(
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
         return _joint(body, inputs, inner, record, with_backward, where, recorder)
 
-    with translate_trace_errors(body), mode, recorder.recording():
+    with translate_trace_errors(body), mode, recorder.recording(), code_on_demand():
         gm = make_fx(joint, decomposition_table=options.decompositions)(*fakes)
     return gm, record, inputs
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch.fx as fx
 
-from aotgrad.capture import JointGraph, Phase, node_info
+from aotgrad.capture import JointGraph, Phase, lazy_module, node_info
 from aotgrad.errors import UserFrame
 from aotgrad.optable import op_name
 from aotgrad.partition.memory import peak_bytes
@@ -205,9 +205,9 @@ def _forward_only(joint: JointGraph, keep_input_mutations: bool) -> Partitioned:
 def _module(
     joint: JointGraph, graph: fx.Graph, inputs: Sequence[object], outputs: Sequence[object]
 ) -> fx.GraphModule:
-    """Describe ``graph``, then compile it once into a module sharing the joint's constants."""
+    """Describe ``graph``; a module sharing the joint's constants (Note [Code on demand])."""
     describe_graph(graph, inputs, outputs)
-    return fx.GraphModule(joint.gm, graph)
+    return lazy_module(joint.gm, graph)
 
 
 def _signature(joint: JointGraph, saved: tuple[SavedValue, ...]) -> Signature:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from aotgrad.capture import ready_for_compiler
 from aotgrad.runtime.straight_line import straight_line
 
 Compiled = Callable[..., Any]
@@ -54,6 +55,8 @@ def nop(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[...,
 
 def compile_boxed(compiler: Compiler | None, gm: fx.GraphModule, examples: list[Any]) -> BoxedCall:
     """Run ``compiler`` (``nop`` if None) and return its result as a boxed call."""
+    if compiler is not None and compiler is not nop:
+        ready_for_compiler(gm)  # Note [Code on demand]
     compiled = (compiler or nop)(gm, examples)
     if not callable(compiled):
         raise TypeError(
