@@ -168,7 +168,9 @@ def trace_joint(
         return _joint(body, inputs, inner, record, with_backward, where, recorder)
 
     with translate_trace_errors(body), mode, recorder.recording(), code_on_demand():
-        gm = make_fx(joint, decomposition_table=options.decompositions)(*fakes)
+        gm = make_fx(
+            joint, decomposition_table=options.decompositions, _disable_torch_fn_metadata_mode=True
+        )(*fakes)
     return gm, record, inputs
 
 
