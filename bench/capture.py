@@ -3,7 +3,8 @@
 aotgrad's ``aot_module`` against PyTorch's ``aot_function`` over
 ``torch.func.functional_call`` (its ``aot_module`` fails on tied weights) with
 ``default_partition``; plus one forward+backward under ``FakeTensorMode`` with
-no tracing: the floor no tracer can beat. Run as a script it measures one
+no tracing (the floor no tracer can beat) and one eager forward+backward on the
+real inputs (the first real step, which both tools' captures include). Run as a script it measures one
 model in this process: ``python bench/capture.py gpt4 aotgrad``.
 """
 
@@ -25,7 +26,7 @@ import aotgrad
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_models import make
 
-TOOLS = ("aotgrad", "pytorch", "floor")
+TOOLS = ("aotgrad", "pytorch", "floor", "eager")
 
 
 def _loss(out: Any) -> torch.Tensor:
@@ -69,7 +70,16 @@ def _fake_module(model: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Modul
     return fake
 
 
-RUN = {"aotgrad": capture_aotgrad, "pytorch": capture_pytorch, "floor": fake_floor}
+def eager_step(model: torch.nn.Module, args: tuple[Any, ...]) -> None:
+    _loss(model(*args)).backward()
+
+
+RUN = {
+    "aotgrad": capture_aotgrad,
+    "pytorch": capture_pytorch,
+    "floor": fake_floor,
+    "eager": eager_step,
+}
 
 
 def measure(name: str, tool: str) -> dict[str, float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import warnings
 
@@ -29,6 +30,24 @@ def test_nop_is_the_default_compiler():
     x = torch.randn(3, requires_grad=True)
     f(x).sum().backward()
     torch.testing.assert_close(x.grad, -x.detach().sin())
+
+
+def test_compilers_get_ordinary_graph_modules_while_inspected_graphs_generate_code_on_demand():
+    # Note [Code on demand]: a compiler reading gm.forward's source sees the graph's code.
+    sources = []
+
+    def reading(gm, _):
+        sources.append(inspect.getsource(gm.forward))
+        return gm
+
+    f = aotgrad.aot_function(lambda x, w: (x @ w).relu().sum(), reading)
+    x, w = torch.randn(3, 4), torch.randn(4, 2, requires_grad=True)
+    f(x, w).backward()
+    torch.testing.assert_close(w.grad, x.t() @ ((x @ w) > 0).to(x.dtype))
+    assert "aten.mm.default(x, w)" in sources[0] and "aten.mm.default" in sources[1]
+    traced = aotgrad.trace(lambda x, w: (x @ w).relu().sum(), x, w)
+    assert "aten.mm.default(x, w)" in traced.joint.code  # generated when asked for
+    assert traced.forward(x, w)[0].item() == pytest.approx((x @ w).relu().sum().item())
 
 
 def test_inductor_training_step_of_the_transformer_matches_eager():

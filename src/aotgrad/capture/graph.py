@@ -34,9 +34,8 @@ from aotgrad.signature import (
 # code of its own (Note [Straight-line graphs]). Graph modules aotgrad builds
 # are therefore lazy (``torch.fx``'s ``_LazyGraphModule``): ``gm.code``,
 # ``print(gm)`` and ``gm(*args)`` generate the source on first use, as before,
-# and a user's compiler receives a module whose source is already generated
-# (``ready_for_compiler``), so a compiler that reads ``gm.forward`` or
-# scripts the module sees an ordinary GraphModule.
+# and a user's compiler receives an ordinary GraphModule over the same graph
+# (``ready_for_compiler``; ``torch.jit.script`` refuses the lazy class).
 
 
 @contextlib.contextmanager
@@ -52,8 +51,9 @@ def lazy_module(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
 
 
 def ready_for_compiler(gm: fx.GraphModule) -> fx.GraphModule:
-    """Generate ``gm``'s code now, for compilers that read it (Note [Code on demand])."""
-    _LazyGraphModule.force_recompile(gm)
+    """An ordinary ``GraphModule`` over ``gm``'s graph, for compilers (Note [Code on demand])."""
+    if isinstance(gm, _LazyGraphModule):
+        return fx.GraphModule(gm, gm.graph)
     return gm
 
 

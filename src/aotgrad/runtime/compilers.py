@@ -56,7 +56,7 @@ def nop(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[...,
 def compile_boxed(compiler: Compiler | None, gm: fx.GraphModule, examples: list[Any]) -> BoxedCall:
     """Run ``compiler`` (``nop`` if None) and return its result as a boxed call."""
     if compiler is not None and compiler is not nop:
-        ready_for_compiler(gm)  # Note [Code on demand]
+        gm = ready_for_compiler(gm)  # Note [Code on demand]
     compiled = (compiler or nop)(gm, examples)
     if not callable(compiled):
         raise TypeError(
