@@ -82,6 +82,9 @@ __all__ = [
 ]
 
 
+_Traced = tuple[fx.GraphModule, TraceRecord, GraphInputs, Recorder]
+
+
 def capture(
     body: Body,
     flat: FlatInputs,
@@ -118,15 +121,25 @@ def _capture(
     options: TraceOptions,
     root: object,
 ) -> JointGraph:
-    def trace(leaf_primals: bool) -> tuple[fx.GraphModule, TraceRecord, GraphInputs, Recorder]:
+    def trace(
+        leaf_primals: bool, direct: bool = False
+    ) -> tuple[fx.GraphModule, TraceRecord, GraphInputs, Recorder]:
         recorder = Recorder(root)
         gm, record, inputs = trace_joint(
-            body, flat, primals, options, bases=bases, recorder=recorder, leaf_primals=leaf_primals
+            body,
+            flat,
+            primals,
+            options,
+            bases=bases,
+            recorder=recorder,
+            leaf_primals=leaf_primals,
+            direct=direct,
         )
         return gm, record, inputs, recorder
 
+    traced = _trace_directly(trace) if not options.dynamic_dims and not bases else None
     try:
-        gm, record, inputs, recorder = trace(leaf_primals=False)
+        gm, record, inputs, recorder = traced or trace(leaf_primals=False)
     except RuntimeError as e:  # Note [Reentrant checkpoints]
         if "incompatible with .grad()" not in str(e):
             raise
@@ -136,6 +149,18 @@ def _capture(
     _remove_detaches(gm.graph)  # before matching: a checkpoint recomputes from detached inputs
     link_recompute(gm)
     return _assemble(gm, flat, inputs, bases, record)
+
+
+def _trace_directly(trace: Callable[..., _Traced]) -> _Traced | None:
+    """The direct trace, or None when the function needs the full one (Note [Direct tracing]).
+
+    Any failure counts as "needs the full trace": that trace runs the function
+    again and reports a genuine error in the user's terms.
+    """
+    try:
+        return trace(leaf_primals=False, direct=True)
+    except Exception:
+        return None
 
 
 # Note [Reentrant checkpoints]

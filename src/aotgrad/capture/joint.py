@@ -21,6 +21,7 @@ rest is backward. The trace never reads tensor data: inputs are fake.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import disable_autocast_cache, make_fx
 
 from aotgrad.capture.aliasing import (
     AliasSource,
@@ -42,6 +43,7 @@ from aotgrad.capture.aliasing import (
     analyze_aliasing,
 )
 from aotgrad.capture.cotangents import make_cotangent
+from aotgrad.capture.direct import DirectTracer
 from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
 from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.graph import code_on_demand
@@ -153,8 +155,13 @@ def trace_joint(
     bases: Sequence[SyntheticBase],
     recorder: Recorder,
     leaf_primals: bool = False,
+    direct: bool = False,
 ) -> tuple[fx.GraphModule, TraceRecord, GraphInputs]:
-    """Trace ``body`` and its backward into one graph; see Note [One tracing pass]."""
+    """Trace ``body`` and its backward into one graph; see Note [One tracing pass].
+
+    ``direct`` records ops without functionalization and raises
+    :class:`NeedsFunctionalization` when that is not enough (Note [Direct tracing]).
+    """
     with_backward, where, dynamic_dims = options.with_backward, options.where, options.dynamic_dims
     shape_env = new_shape_env() if dynamic_dims else None
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
@@ -163,10 +170,17 @@ def trace_joint(
     record = TraceRecord(leaf_primals=leaf_primals)
     if shape_env is not None:
         record.guards = ShapeGuards(shape_env, fakes)
+    tracer = DirectTracer(recorder, options.decompositions) if direct else None
 
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
-        return _joint(body, inputs, inner, record, with_backward, where, recorder)
+        return _joint(body, inputs, inner, record, with_backward, where, recorder, tracer)
 
+    if tracer is not None:
+        with mode, recorder.recording(), disable_autocast_cache(), tracer:
+            for fake in fakes:
+                tracer.input(fake)
+            values = joint(*fakes)
+        return tracer.finish(values, "joint"), record, inputs
     with translate_trace_errors(body), mode, recorder.recording(), code_on_demand():
         gm = make_fx(
             joint, decomposition_table=options.decompositions, _disable_torch_fn_metadata_mode=True
@@ -182,21 +196,28 @@ def _joint(
     with_backward: bool,
     where: UserFrame | None,
     recorder: Recorder,
+    direct: DirectTracer | None,
 ) -> list[torch.Tensor | None]:
-    functional_mode = ProvenanceMode(recorder)
+    functional_mode = ProvenanceMode(recorder) if direct is None else contextlib.nullcontext()
     with functional_mode:
-        graph_primals = _functional_primals(inner, inputs.infos, record.leaf_primals)
-    edges = [
-        get_gradient_edge(p) if p.requires_grad and not record.leaf_primals else None
-        for p in graph_primals
-    ]
+        graph_primals = (
+            _functional_primals(inner, inputs.infos, record.leaf_primals)
+            if direct is None
+            else list(inner)
+        )
+    with direct.paused() if direct is not None else contextlib.nullcontext():
+        # A leaf's edge is found through a throwaway view (``view_as``): not user computation.
+        edges = [
+            get_gradient_edge(p) if p.requires_grad and not record.leaf_primals else None
+            for p in graph_primals
+        ]
     grad_fns = [p.grad_fn for p in graph_primals]  # to tell mutations autograd saw
     needs_grad = [p.requires_grad for p in graph_primals]  # before any in-place op
     with functional_mode:
         primals = _user_primals(graph_primals, inputs.sources)
         result = body(primals)
         forward, returned = _forward_values(
-            result, primals, graph_primals, grad_fns, inputs, record, where
+            result, primals, graph_primals, grad_fns, inputs, record, where, direct
         )
         record.grad_inputs = [
             i
@@ -221,6 +242,7 @@ def _forward_values(
     inputs: GraphInputs,
     record: TraceRecord,
     where: UserFrame | None,
+    direct: DirectTracer | None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Analyze the result; return the forward graph's outputs and what the Function returns.
 
@@ -228,17 +250,20 @@ def _forward_values(
     returns the fresh outputs, the bases and the new values. All are synced,
     so no forward op is recorded after the first cotangent.
     """
-    leaves, tensors = _flatten_result(result, record, where)
+    traced = _is_functional if direct is None else direct.traced
+    leaves, tensors = _flatten_result(result, record, where, traced)
     aliasing, bases = analyze_aliasing(tensors, primals, graph_primals)
     record.aliasing = aliasing
     record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
-    record.mutations = analyze_mutations(
-        graph_primals, grad_fns, inputs.infos, inputs.descriptors, where
-    )
+    if direct is None:  # a direct trace stops at the first mutation (Note [Direct tracing])
+        record.mutations = analyze_mutations(
+            graph_primals, grad_fns, inputs.infos, inputs.descriptors, where
+        )
     mutated = [graph_primals[m.index] for m in record.mutations if m.data]
     forward = [*tensors, *bases, *mutated]
-    for value in forward:
-        torch._sync(value)
+    if direct is None:
+        for value in forward:
+            torch._sync(value)
     fresh = [tensors[o.index] for o in aliasing.outputs if o.alias is None]
     return forward, [*fresh, *bases, *mutated]
 
@@ -281,7 +306,7 @@ def _functional_primals(
 
 
 def _flatten_result(
-    result: Any, record: TraceRecord, where: UserFrame | None
+    result: Any, record: TraceRecord, where: UserFrame | None, traced: Callable[[object], bool]
 ) -> tuple[list[ConstantOutput | int], list[torch.Tensor]]:
     """Validate and flatten the user's result into constants and traced tensor positions."""
     with_paths, record.out_spec = pytree.tree_flatten_with_path(result)
@@ -290,12 +315,16 @@ def _flatten_result(
     record.out_paths = [pytree.keystr(path) for path, _ in with_paths]
     for path, leaf in with_paths:
         check_output_leaf(path, leaf, where)
-        if isinstance(leaf, FunctionalTensor):
+        if traced(leaf):
             leaves.append(len(tensors))
             tensors.append(leaf)
         else:  # a constant, or a tensor the function closed over: returned as is
             leaves.append(ConstantOutput(leaf))
     return leaves, tensors
+
+
+def _is_functional(value: object) -> bool:
+    return isinstance(value, FunctionalTensor)
 
 
 def _backward(

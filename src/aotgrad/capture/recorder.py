@@ -35,12 +35,14 @@ _RECOMPUTE = "aotgrad_recompute"
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _AOTGRAD_DIR = os.path.dirname(os.path.dirname(__file__))
 _STDLIB_DIR = os.path.dirname(os.__file__)
+# Frames of the recording machinery itself (this file, the direct tracer): not the caller.
+_TRACER_FILES = (__file__, os.path.join(os.path.dirname(__file__), "direct.py"))
 
 
 @functools.cache
 def _origin(filename: str) -> str:
-    """``torch``, ``aotgrad`` or ``user``; the stdlib and this file count as torch."""
-    if filename == __file__:
+    """``torch``, ``aotgrad`` or ``user``; the stdlib and the tracers' own files count as torch."""
+    if filename in _TRACER_FILES:
         return "torch"
     if filename.startswith(_AOTGRAD_DIR):
         return "aotgrad"
@@ -104,12 +106,25 @@ class Recorder:
                 fx_traceback.preserve_node_meta(),
                 fx_traceback.annotate({_MODULE: self.root_name}),
             ):
-                yield
+                try:
+                    yield
+                finally:
+                    self._close_open_contexts()
         finally:
             pre.remove()
             post.remove()
-            while self.module_stack:
-                self.module_stack.pop().__exit__(None, None, None)
+
+    def _close_open_contexts(self) -> None:
+        """Close what a trace that stopped mid-way left open, innermost first.
+
+        (A failed direct trace, Note [Direct tracing], or the user's own error.)
+        Left open, an annotation context would write its stale metadata into the
+        global node context whenever the collector finalizes it, long after the
+        trace; closed here, inside ``preserve_node_meta``, its writes are undone.
+        """
+        for stack in (self.node_contexts, self.module_stack):
+            while stack:
+                stack.pop().__exit__(None, None, None)
 
     def note_source(self) -> None:
         """Stamp the op being dispatched with the user's line (and whether it is recomputed)."""
