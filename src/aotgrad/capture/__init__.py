@@ -121,9 +121,7 @@ def _capture(
     options: TraceOptions,
     root: object,
 ) -> JointGraph:
-    def trace(
-        leaf_primals: bool, direct: bool = False
-    ) -> tuple[fx.GraphModule, TraceRecord, GraphInputs, Recorder]:
+    def trace(leaf_primals: bool, direct: bool = False) -> _Traced:
         recorder = Recorder(root)
         gm, record, inputs = trace_joint(
             body,
