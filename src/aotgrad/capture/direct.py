@@ -27,10 +27,9 @@ of tracing; the graphs are identical, which a test checks op by op.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -69,22 +68,12 @@ class DirectTracer(TorchDispatchMode):
         self.decompositions = decompositions or {}
         self._nodes: dict[int, fx.Node] = {}
         self._alive: list[torch.Tensor] = []  # keeps every traced tensor's id unique
-        self._paused = False
 
     def input(self, t: torch.Tensor) -> None:
         node = self.graph.placeholder(f"arg{len(self._alive)}_1")
         self._copy_context(node)
         self._describe(node, t)
         self._track(t, node)
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Ops run inside are not recorded (bookkeeping, not the user's computation)."""
-        self._paused = True
-        try:
-            yield
-        finally:
-            self._paused = False
 
     def traced(self, t: object) -> bool:
         return isinstance(t, torch.Tensor) and id(t) in self._nodes
@@ -98,7 +87,7 @@ class DirectTracer(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _PASS_THROUGH or self._paused:
+        if func in _PASS_THROUGH:
             return func(*args, **kwargs)
         with set_original_aten_op(func):
             return self._record(func, args, kwargs)

@@ -205,12 +205,9 @@ def _joint(
             if direct is None
             else list(inner)
         )
-    with direct.paused() if direct is not None else contextlib.nullcontext():
-        # A leaf's edge is found through a throwaway view (``view_as``): not user computation.
-        edges = [
-            get_gradient_edge(p) if p.requires_grad and not record.leaf_primals else None
-            for p in graph_primals
-        ]
+    edges: list[GradientEdge | torch.Tensor | None] = [
+        _differentiate_at(p, record.leaf_primals, direct is not None) for p in graph_primals
+    ]
     grad_fns = [p.grad_fn for p in graph_primals]  # to tell mutations autograd saw
     needs_grad = [p.requires_grad for p in graph_primals]  # before any in-place op
     with functional_mode:
@@ -330,14 +327,15 @@ def _is_functional(value: object) -> bool:
 def _backward(
     record: TraceRecord,
     primals: Sequence[torch.Tensor],
-    edges: Sequence[GradientEdge | None],
+    edges: Sequence[GradientEdge | torch.Tensor | None],
     returned: Sequence[torch.Tensor],
     recorder: Recorder,
 ) -> list[torch.Tensor | None]:
     """Cotangents for the Function's differentiable outputs, then the grads of all primals."""
     targets = [t for t, d in zip(returned, record.differentiable, strict=True) if d]
     cotangents = [make_cotangent(t, i) for i, t in enumerate(targets)]
-    inputs = [edge for i in record.grad_inputs if (edge := edges[i]) is not None]
+    # All edges (full trace) or all tensors (direct trace): ``grad`` takes either.
+    inputs: Any = [edge for i in record.grad_inputs if (edge := edges[i]) is not None]
     recorder.backward_hooks(targets)
     computed: Sequence[torch.Tensor | None]
     if record.leaf_primals:
@@ -349,6 +347,21 @@ def _backward(
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g
     return grads
+
+
+def _differentiate_at(
+    primal: torch.Tensor, leaf_primals: bool, direct: bool
+) -> GradientEdge | torch.Tensor | None:
+    """What ``autograd.grad`` differentiates with respect to, for one primal.
+
+    The full trace's primals are functional wrappers that an in-place op may
+    replace, so it holds on to their gradient edges (Note [Input mutation]); a
+    direct trace has no in-place ops, and its primals are autograd leaves, so
+    the tensor itself will do (finding a leaf's edge costs a throwaway view).
+    """
+    if not primal.requires_grad or leaf_primals:
+        return None
+    return primal if direct else get_gradient_edge(primal)
 
 
 def _is_differentiable(t: torch.Tensor) -> bool:
