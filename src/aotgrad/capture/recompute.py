@@ -31,6 +31,10 @@ from aotgrad.optable import draws_random
 
 def link_recompute(gm: fx.GraphModule) -> None:
     """Match recomputed nodes with forward twins; random ones reuse the twin's value."""
+    if not any(
+        n.op == "call_function" and node_info(n).phase is Phase.RECOMPUTE for n in gm.graph.nodes
+    ):
+        return  # no checkpointed region: nothing to match (and no pass over the graph)
     forward: dict[Any, fx.Node] = {}
     twins: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
