@@ -94,15 +94,23 @@ def measure(name: str, tool: str) -> dict[str, float]:
     return times
 
 
-def measure_in_fresh_processes(name: str, tool: str, repeats: int) -> dict[str, float]:
-    """Median over ``repeats`` fresh processes."""
-    runs = []
+def measure_in_fresh_processes(name: str, repeats: int) -> dict[str, dict[str, float]]:
+    """Per tool, the median over ``repeats`` fresh processes of cold and warm seconds.
+
+    The tools take turns process by process, so a burst of load on this shared
+    machine hits them alike instead of one tool's whole series.
+    """
+    runs: dict[str, list[dict[str, float]]] = {tool: [] for tool in TOOLS}
     for _ in range(repeats):
-        out = subprocess.run(
-            [sys.executable, __file__, name, tool], capture_output=True, text=True, check=True
-        ).stdout
-        runs.append(json.loads(out.strip().splitlines()[-1]))
-    return {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in ("cold", "warm")}
+        for tool in TOOLS:
+            out = subprocess.run(
+                [sys.executable, __file__, name, tool], capture_output=True, text=True, check=True
+            ).stdout
+            runs[tool].append(json.loads(out.strip().splitlines()[-1]))
+    return {
+        tool: {k: sorted(r[k] for r in rs)[len(rs) // 2] for k in ("cold", "warm")}
+        for tool, rs in runs.items()
+    }
 
 
 if __name__ == "__main__":

@@ -35,10 +35,7 @@ def main() -> None:
     }
     rows = results["rows"]
     for name in ("gpt4", "gpt12"):
-        times = {
-            tool: capture.measure_in_fresh_processes(name, tool, repeats=3)
-            for tool in capture.TOOLS
-        }
+        times = capture.measure_in_fresh_processes(name, repeats=5)
         for kind in ("cold", "warm"):
             ours, theirs, floor, eager = (times[t][kind] for t in capture.TOOLS)
             rows.append(
