@@ -22,7 +22,10 @@ a mutable op (``add_``, ``copy_``, ``out=``: only functionalization can turn
 those into values), symbolic sizes, a tensor the trace did not create (a
 constant closed over), data-dependent ops (``.item()``), or any error (the
 full trace reports it in the user's terms). On gpt4 this halves the cost
-of tracing; the graphs are identical, which a test checks op by op.
+of tracing; the graphs are identical, which a test checks op by op. The
+price of stopping is that the function's Python runs twice (PyTorch's
+AOTAutograd always runs it at least twice); it stops early in practice,
+at the first in-place op (a BatchNorm's ``num_batches_tracked.add_``).
 """
 
 from __future__ import annotations
