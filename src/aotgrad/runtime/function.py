@@ -171,7 +171,7 @@ def direct_apply(function: type[torch.autograd.Function]) -> Any:
     def apply(*inputs: torch.Tensor) -> Any:
         if transforms_active():
             return function.apply(*inputs)
-        return raw(*[unwrap(x) for x in inputs])
+        return raw(*map(unwrap, inputs))
 
     return apply
 

@@ -217,7 +217,7 @@ class PlainTensorsGuard:
     def __call__(self, leaves: Sequence[Any]) -> bool:
         if len(leaves) != len(self._offsets) or not self._check(*leaves):
             return False
-        for t, offset in zip(leaves, self._offsets, strict=True):
+        for t, offset in zip(leaves, self._offsets):  # noqa: B905 -- lengths checked above
             if t.storage_offset() != offset or t._is_view():
                 return False
         if len(leaves) == 2:
