@@ -40,12 +40,12 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch._ops import OpOverload
-from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.proxy_tensor import set_original_aten_op
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.fx.proxy import _COPY_META_FIELDS, _get_seq_nr
 from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed
 
+from aotgrad.capture.graph import lazy_module
 from aotgrad.capture.recorder import Recorder
 
 _PASS_THROUGH = (torch.ops.prim.device.default,)
@@ -84,7 +84,7 @@ class DirectTracer(TorchDispatchMode):
     def finish(self, values: Sequence[torch.Tensor | None], name: str) -> fx.GraphModule:
         node = self.graph.output([self._nodes[id(v)] if v is not None else None for v in values])
         self._copy_context(node)
-        return _LazyGraphModule(torch.nn.Module(), self.graph, name)
+        return lazy_module(torch.nn.Module(), self.graph, name)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
@@ -45,9 +46,11 @@ def code_on_demand() -> Iterator[None]:
         yield
 
 
-def lazy_module(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+def lazy_module(
+    root: torch.nn.Module, graph: fx.Graph, class_name: str = "GraphModule"
+) -> fx.GraphModule:
     """``fx.GraphModule(root, graph)`` whose code is generated on first use (Note [Code on demand])."""
-    return _LazyGraphModule(root, graph)
+    return _LazyGraphModule(root, graph, class_name)
 
 
 def ready_for_compiler(gm: fx.GraphModule) -> fx.GraphModule:
