@@ -144,10 +144,10 @@ def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:
 
 
 def _split(joint: JointGraph, plan: RematPlan, strategy: str) -> Partitioned:
-    backward = build_backward(joint, plan.saved, plan.recompute)
+    backward, placeholders = build_backward(joint, plan.saved, plan.recompute)
     saved = describe_saved(
         plan.saved,
-        [users_in_backward(n, backward) for n in plan.saved],
+        [users_in_backward(p) for p in placeholders],
         [plan.save_reasons[n] for n in plan.saved],
     )
     signature = _signature(joint, saved)
@@ -184,8 +184,8 @@ def _recomputed(
     return tuple(ops)
 
 
-def users_in_backward(node: fx.Node, backward: fx.Graph) -> list[str]:
-    placeholder = next(n for n in backward.nodes if n.op == "placeholder" and n.name == node.name)
+def users_in_backward(placeholder: fx.Node) -> list[str]:
+    """The backward ops that read a saved value (its placeholder in the backward graph)."""
     return [u.name for u in placeholder.users if u.op != "output"]
 
 

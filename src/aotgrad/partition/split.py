@@ -24,13 +24,19 @@ def build_forward(joint: JointGraph, saved: Sequence[fx.Node]) -> fx.Graph:
 
 def build_backward(
     joint: JointGraph, saved: Sequence[fx.Node], recompute: set[fx.Node]
-) -> fx.Graph:
-    """``backward(*saved, *cotangents) -> grads``, recomputing ``recompute`` first."""
+) -> tuple[fx.Graph, list[fx.Node]]:
+    """``backward(*saved, *cotangents) -> grads``, recomputing ``recompute`` first.
+
+    Also returns the backward's placeholder for each saved value, in order: a
+    saved value keeps its forward name (``LayerNorm_weight`` stays as it is;
+    ``fx`` would snake-case a name it derives itself), but callers hold the node.
+    """
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in saved:
-        env[node] = graph.placeholder(node.name)
+        env[node] = graph.create_node("placeholder", node.name, name=node.name)
         env[node].meta.update(node.meta)
+    placeholders = [env[node] for node in saved]
     for node in joint.gm.graph.nodes:
         if node.op == "placeholder" and phase_of(node) is Phase.BACKWARD:
             env[node] = graph.node_copy(node)
@@ -43,7 +49,7 @@ def build_backward(
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[g] if g is not None else None for g in joint.grad_results()))
     graph.eliminate_dead_code()
-    return graph
+    return graph, placeholders
 
 
 def apply_mutations_in_graph(joint: JointGraph, graph: fx.Graph) -> None:
