@@ -195,20 +195,37 @@ def test_budget_in_bytes_caps_the_reported_saved_bytes():
         assert again.recompute_flops <= plan.recompute_flops
     with pytest.raises(ValueError, match=f"inputs the backward reads take {inputs}"):
         aotgrad.trace(model, x, partition=aotgrad.budget(inputs - 1))
+    conv_args = (torch.randn(2, 1, 8, 8), torch.randn(2, 10))
+    conv_inputs = sum(s.nbytes for s in aotgrad.trace(ConvBN(), *conv_args).saved if s.is_input)
     with pytest.raises(ValueError, match="smallest plan saves"):
-        aotgrad.trace(
-            ConvBN(), torch.randn(2, 1, 8, 8), torch.randn(2, 10), partition=aotgrad.budget(0.01)
-        )
+        aotgrad.trace(ConvBN(), *conv_args, partition=aotgrad.budget(conv_inputs + 1))
 
 
-def test_budget_fraction_interpolates_from_inputs_to_save_all():
+def test_every_budget_fraction_fits_a_training_batchnorm():
+    # Note [Budget units]: a BatchNorm in training mode reads the running stats it updates, so
+    # it is never recomputed; fractions start from the smallest plan, not from the inputs alone.
+    torch.manual_seed(0)
+    model, args = ConvBN(), (torch.randn(2, 1, 8, 8), torch.randn(2, 10))
+    full = aotgrad.trace(model, *args).partitioned
+    sizes = []
+    for fraction in (0.01, 0.5, 1.0):
+        compile_fn = functools.partial(aotgrad.aot_module, partition=aotgrad.budget(fraction))
+        assert verify(model, *args, compile_fn=compile_fn).ok
+        sizes.append(aotgrad.trace(model, *args, partition=aotgrad.budget(fraction)).partitioned)
+    assert sizes[0].saved_bytes <= sizes[1].saved_bytes <= sizes[2].saved_bytes
+    assert sizes[2].saved_bytes <= full.saved_bytes
+
+
+def test_budget_fraction_interpolates_from_the_smallest_plan_to_save_all():
     torch.manual_seed(0)
     model, idx = GPT(blocks=2), torch.randint(0, 64, (2, 16))
     full = aotgrad.trace(model, idx, idx).partitioned
     inputs = sum(s.nbytes for s in full.saved if s.is_input)
-    for fraction in (1.0, 0.5, 0.2):
+    caps = [aotgrad.budget(f).bytes_for(full.joint) for f in (1e-9, 0.2, 0.5, 1.0)]
+    assert inputs <= caps[0] < caps[1] < caps[2] < caps[3] == full.saved_bytes
+    for fraction, cap in zip((0.2, 0.5, 1.0), caps[1:], strict=True):
         plan = aotgrad.trace(model, idx, idx, partition=aotgrad.budget(fraction)).partitioned
-        assert plan.saved_bytes <= inputs + fraction * (full.saved_bytes - inputs)
+        assert plan.saved_bytes <= cap
 
 
 def untied_gpt():

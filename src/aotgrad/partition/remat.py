@@ -210,18 +210,17 @@ def budget_saved(
     plan saves more than ``save_all``.
     """
     needed = list(needed)  # read several times below
-    inputs = [
-        p for p in joint.gm.graph.nodes if p.op == "placeholder" and phase_of(p) is Phase.FORWARD
-    ]
-    ops = [*inputs, *forward_ops(joint)]
-    index = {n: i for i, n in enumerate(ops)}
-    weights = np.array(
-        [0 if is_view_node(v) or v in free_inputs else nbytes(v) for v in ops], dtype=float
+    problem = _BudgetProblem.of(joint, free_inputs, time_limit)
+    ops, weights, costs, held, program = (
+        problem.ops,
+        problem.weights,
+        problem.costs,
+        problem.held,
+        problem.program,
     )
-    costs = np.array([node_flops(v) for v in ops], dtype=float)
-    held = unique_nbytes(free_inputs)  # saved whatever the plan: the budget's floor
-    rows, lower, upper = _budget_constraints(ops, index, needed, weights, budget_bytes - held)
-    program = _Program(len(ops), _budget_bounds(ops, reads_mutated_input(joint)), time_limit)
+    rows, lower, upper = _budget_constraints(
+        ops, problem.index, needed, weights, budget_bytes - held
+    )
     constraint = LinearConstraint(np.array(rows), lower, upper)
     first = program.solve(program.on_recompute(costs), [constraint])
     if first.x is None and first.status == 1:  # the time limit struck before any plan
@@ -231,9 +230,8 @@ def budget_saved(
         )
         return BudgetResult(None, 0, fallback)
     if first.x is None:
-        relaxed = LinearConstraint(np.array(rows[:-1]), lower[:-1], upper[:-1])
-        least = program.solve(program.on_save(weights), [relaxed])
-        smallest = "?" if least.x is None else str(held + int(weights @ least.x[: len(ops)]))
+        least = smallest_saved_bytes(joint, needed, free_inputs, time_limit)
+        smallest = "?" if least is None else str(least)
         raise ValueError(
             f"no plan fits a budget of {budget_bytes} bytes: the inputs the backward reads take"
             f" {held}, and with what cannot be recomputed (random ops, ops reading an input the"
@@ -254,6 +252,65 @@ def budget_saved(
             " not proven optimal (raise time_limit in aotgrad.budget)"
         )
     return BudgetResult(chosen.saved, chosen.flops, note)
+
+
+def smallest_saved_bytes(
+    joint: JointGraph, needed: Iterable[fx.Node], free_inputs: set[fx.Node], time_limit: float
+) -> int | None:
+    """The fewest bytes any plan saves (inputs included): the floor of every budget.
+
+    Above the inputs when some values cannot be recomputed (random ops, ops
+    reading an input the function mutates, such as a BatchNorm in training).
+    None when the solver ran out of time.
+    """
+    needed = list(needed)
+    problem = _BudgetProblem.of(joint, free_inputs, time_limit)
+    rows, lower, upper = _budget_constraints(
+        problem.ops, problem.index, needed, problem.weights, np.inf
+    )
+    constraint = LinearConstraint(np.array(rows[:-1]), lower[:-1], upper[:-1])
+    least = problem.program.solve(problem.program.on_save(problem.weights), [constraint])
+    if least.x is None:
+        return None
+    return (
+        problem.held
+        + _Rounded.of(least.x, problem.ops, needed, problem.weights, problem.costs).bytes
+    )
+
+
+@dataclass(frozen=True)
+class _BudgetProblem:
+    """The parts of the budget program that do not depend on the budget."""
+
+    # Forward inputs, then forward ops: one save and one recompute variable each.
+    ops: list[fx.Node]
+    index: dict[fx.Node, int]
+    # Bytes a saved op costs (0 for views and for inputs every plan saves), and its FLOPs.
+    weights: np.ndarray
+    costs: np.ndarray
+    # Bytes of the inputs every plan saves.
+    held: int
+    program: _Program
+
+    @staticmethod
+    def of(joint: JointGraph, free_inputs: set[fx.Node], time_limit: float) -> _BudgetProblem:
+        inputs = [
+            p
+            for p in joint.gm.graph.nodes
+            if p.op == "placeholder" and phase_of(p) is Phase.FORWARD
+        ]
+        ops = [*inputs, *forward_ops(joint)]
+        weights = np.array(
+            [0 if is_view_node(v) or v in free_inputs else nbytes(v) for v in ops], dtype=float
+        )
+        return _BudgetProblem(
+            ops=ops,
+            index={n: i for i, n in enumerate(ops)},
+            weights=weights,
+            costs=np.array([node_flops(v) for v in ops], dtype=float),
+            held=unique_nbytes(free_inputs),
+            program=_Program(len(ops), _budget_bounds(ops, reads_mutated_input(joint)), time_limit),
+        )
 
 
 @dataclass(frozen=True)
@@ -314,7 +371,7 @@ def _budget_constraints(
     index: dict[fx.Node, int],
     needed: Iterable[fx.Node],
     weights: np.ndarray,
-    budget_bytes: int,
+    budget_bytes: float,
 ) -> tuple[list[np.ndarray], list[float], list[float]]:
     n = len(ops)
     rows: list[np.ndarray] = []

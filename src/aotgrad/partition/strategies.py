@@ -21,6 +21,7 @@ from aotgrad.partition.remat import (
     mincut_saved,
     needed_by_backward,
     recompute_closure,
+    smallest_saved_bytes,
     unique_nbytes,
 )
 
@@ -29,8 +30,9 @@ from aotgrad.partition.remat import (
 class Budget:
     """A memory budget for the saved values: see :func:`budget`."""
 
-    # A fraction (0, 1] of the way from "save only the inputs" to "save_all", or a byte
-    # count (> 1) bounding ``Partitioned.saved_bytes`` itself (Note [Budget units]).
+    # A fraction (0, 1] of the way from the smallest plan any strategy can make to
+    # "save_all", or a byte count (> 1) bounding ``Partitioned.saved_bytes`` itself
+    # (Note [Budget units]).
     limit: float
     # Seconds HiGHS may spend; past it the best plan found is used, and the plan says so.
     time_limit: float = 10.0
@@ -44,9 +46,11 @@ class Budget:
         if self.limit > 1:
             return int(self.limit)
         saved = save_all(joint).saved
-        inputs = unique_nbytes(n for n in saved if n.op == "placeholder")
-        activations = unique_nbytes(n for n in saved if n.op != "placeholder")
-        return inputs + int(self.limit * activations)
+        top = unique_nbytes(saved)
+        inputs = {n for n in saved if n.op == "placeholder"}
+        floor = smallest_saved_bytes(joint, needed_by_backward(joint), inputs, self.time_limit)
+        floor = unique_nbytes(inputs) if floor is None else min(floor, top)
+        return floor + int(self.limit * (top - floor))
 
     def __str__(self) -> str:
         return f"budget({self.limit:g})"
@@ -56,14 +60,20 @@ class Budget:
 # ~~~~~~~~~~~~~~~~~~~
 # A budget bounds the number the plan reports, ``Partitioned.saved_bytes``:
 # unique storages the backward receives, inputs included. A byte count is
-# that cap as given; a fraction x interpolates between the inputs
-# ``save_all`` saves (x → 0: recompute every activation) and ``save_all``
-# itself (x = 1). On a 2-block MLP whose ``save_all`` saves 1 MB of weights
-# and 4 MB of activations:
+# that cap as given; a fraction x interpolates between the smallest plan
+# (x → 0: the inputs ``save_all`` saves, plus what cannot be recomputed)
+# and ``save_all`` itself (x = 1), so every fraction has a plan. On a 2-block
+# MLP whose ``save_all`` saves 1 MB of weights and 4 MB of activations:
 #
 #     budget(0.5)        -> saved_bytes <= 1 MB + 0.5 * 4 MB = 3 MB
 #     budget(3_000_000)  -> saved_bytes <= 3 MB, the same cap
 #     budget(500_000)    -> ValueError: the weights alone take 1 MB
+#
+# Add a BatchNorm in training mode: it reads the running stats the function
+# updates, so it is never recomputed and its 1 MB output is saved by every
+# plan. The floor is then 2 MB and budget(0.5) caps at 2 + 0.5 * 3 = 3.5 MB
+# (measured against the inputs alone, 3 MB would leave no plan on most
+# conv nets).
 #
 # Inputs are held by the caller anyway, but they count: the solver pays for
 # an input only recomputation needs (a bias ``save_all`` never saves), so no
@@ -72,8 +82,8 @@ class Budget:
 
 
 def budget(limit: float, time_limit: float = 10.0) -> Budget:
-    """Save at most ``limit`` bytes (if > 1), or the fraction ``limit`` of the way from the inputs to
-    ``save_all`` (Note [Budget units]), recomputing as few FLOPs as possible.
+    """Save at most ``limit`` bytes (if > 1), or the fraction ``limit`` of the way from the
+    smallest plan to ``save_all`` (Note [Budget units]), recomputing as few FLOPs as possible.
 
     The plan minimizes recompute FLOPs exactly (a mixed-integer program solved by
     HiGHS), and among equally cheap plans saves the fewest bytes, so a smaller
