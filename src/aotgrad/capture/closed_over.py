@@ -64,8 +64,8 @@ class ClosedOver(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        if any(type(x) in _REAL for x in flat):
+        if _has_real(args) or (kwargs and _has_real(kwargs.values())):
+            flat, spec = pytree.tree_flatten((args, kwargs))
             flat = [
                 self._swap(func, i, x, kwargs) if type(x) in _REAL else x
                 for i, x in enumerate(flat)
@@ -102,6 +102,16 @@ class ClosedOver(TorchFunctionMode):
                 )
             )
         return t
+
+
+def _has_real(values: Any) -> bool:
+    """Is a real tensor among ``values`` or the lists and tuples in them (op arguments)?"""
+    for v in values:
+        if type(v) in _REAL:
+            return True
+        if type(v) in (list, tuple) and any(type(x) in _REAL for x in v):
+            return True
+    return False
 
 
 def _mutates(name: str, position: int, t: torch.Tensor, kwargs: dict[str, Any]) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import functools
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -123,6 +124,8 @@ def _fields(value: Any, path: str, depth: int, active: set[int]) -> Any:
     state = _state(value)
     if state is not None:
         return tuple((k, _key(v, f"{path}.{k}", depth, active)) for k, v in state)
+    if isinstance(value, weakref.ref):
+        return ("referent", id(value()))  # comparing referents could compare tensors
     try:
         hash(value)
     except TypeError:
