@@ -68,7 +68,7 @@ def test_closed_over_tensors_are_named_by_where_they_were_found():
     lin = nn.Linear(3, 2)
     scale = torch.ones(2, requires_grad=True)
 
-    def f(x, bias=torch.zeros(2)):
+    def f(x, bias=torch.zeros(2)):  # noqa: B008 -- a tensor default is the case
         return lin(x) * scale + bias
 
     traced = aotgrad.trace(f, torch.ones(1, 3))

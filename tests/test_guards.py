@@ -142,7 +142,7 @@ def test_an_object_argument_holding_a_tensor_is_refused_with_its_type():
 
 def test_a_module_argument_is_refused():
     compiled = aotgrad.aot_function(lambda x, m: m(x))
-    with pytest.raises(aotgrad.CallError, match="nn.Module"):
+    with pytest.raises(aotgrad.CallError, match=r"nn\.Module"):
         compiled(torch.ones(1, 2), nn.Linear(2, 2))
 
 
