@@ -25,7 +25,7 @@ from aotgrad.signature import (
     PrimalDescriptor,
     call_key,
 )
-from aotgrad.signature.closures import EMPTY, Root, read_environment, roots_of
+from aotgrad.signature.closures import EMPTY, Environment, Root, read_environment, roots_of
 
 Body = Callable[[list[torch.Tensor]], Any]
 
@@ -43,6 +43,13 @@ class Lifted:
 
 
 NOTHING = Lifted((), (), (), ())
+
+
+def _module_state(module: torch.nn.Module) -> Environment:
+    """A module's parameters and buffers alone, when its environment is not read."""
+    return Environment(
+        (), (), (), (), tuple(module.named_parameters()), tuple(module.named_buffers())
+    )
 
 
 class State:
@@ -64,20 +71,12 @@ class State:
     def read(self) -> Lifted:
         if self.empty:
             return NOTHING
-        names: list[str] = []
-        tensors: list[torch.Tensor] = []
-        num_params = 0
-        if self.module is not None:
-            for name, p in self.module.named_parameters():
-                names.append(name)
-                tensors.append(p)
-            num_params = len(names)
-            for name, b in self.module.named_buffers():
-                names.append(name)
-                tensors.append(b)
-        module_names = tuple(names)
         env = read_environment(self.roots) if self.roots else EMPTY
-        tensors += env.tensors
+        if self.module is not None and not self.roots:  # Dynamo: module state only
+            env = _module_state(self.module)
+        module_names = (*(n for n, _ in env.params), *(n for n, _ in env.buffers))
+        num_params = len(env.params)
+        tensors = (*(p for _, p in env.params), *(b for _, b in env.buffers), *env.tensors)
         if (module_names, num_params, env.descriptors) != self._read_as:
             self._read_as = (module_names, num_params, env.descriptors)
             self._descriptors = (
@@ -91,7 +90,7 @@ class State:
             kept = [i for i, label in enumerate(labels) if label not in self._volatile]
             labels, keys = tuple(labels[i] for i in kept), tuple(keys[i] for i in kept)
         key = (self._labels, call_key(tensors), labels, keys)
-        return Lifted(tuple(tensors), self._descriptors, module_names, key)
+        return Lifted(tensors, self._descriptors, module_names, key)
 
     def settle(self, before: Lifted) -> Lifted:
         """``before`` (read just before a capture), without the values the capture changed.

@@ -73,6 +73,9 @@ class Environment:
     # Guarded values: a label per value (``global K``, ``lin.training``) and its key.
     labels: tuple[str, ...]
     keys: tuple[Any, ...]
+    # The traced module's parameters and buffers (``roots_of(..., skip_self=True)``).
+    params: tuple[tuple[str, torch.Tensor], ...] = ()
+    buffers: tuple[tuple[str, torch.Tensor], ...] = ()
 
 
 EMPTY = Environment((), (), (), ())
@@ -178,7 +181,12 @@ def read_environment(roots: tuple[Root, ...]) -> Environment:
     for root in roots:
         walk.visit(root.kind, root.name, root.get())
     return Environment(
-        tuple(walk.tensors), tuple(walk.descriptors), tuple(walk.labels), tuple(walk.keys)
+        tuple(walk.tensors),
+        tuple(walk.descriptors),
+        tuple(walk.labels),
+        tuple(walk.keys),
+        tuple(walk.params),
+        tuple(walk.buffers),
     )
 
 
@@ -189,6 +197,9 @@ class _Walk:
         self.labels: list[str] = []
         self.keys: list[Any] = []
         self._seen: set[int] = set()  # tensors and modules already visited
+        # The traced module's own parameters and buffers, by name (lifted as Param/Buffer).
+        self.params: list[tuple[str, torch.Tensor]] = []
+        self.buffers: list[tuple[str, torch.Tensor]] = []
 
     def visit(self, kind: type[Closure] | type[Global], name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor):
@@ -214,22 +225,35 @@ class _Walk:
         module: torch.nn.Module,
         with_state: bool,
     ) -> None:
+        """One pass over the module tree: parameters, then buffers, then other attributes.
+
+        Without ``with_state`` (the traced module) the parameters and buffers are
+        collected apart, by their names relative to the module (``Param``/``Buffer``).
+        """
         if id(module) in self._seen:
             return
-        self._seen.add(id(module))
-        if with_state:
-            for qualname, t in module.named_parameters(prefix=name):
-                self._tensor(kind, qualname, t)
-            for qualname, t in module.named_buffers(prefix=name):
-                self._tensor(kind, qualname, t)
-        else:  # the traced module: its state is lifted as Param/Buffer
-            for t in (*module.parameters(), *module.buffers()):
-                self._seen.add(id(t))
-        for qualname, sub in module.named_modules(prefix=name):
+        params: list[tuple[str, torch.Tensor]] = []
+        buffers: list[tuple[str, torch.Tensor]] = []
+        attributes: list[tuple[str, Any]] = []
+        for relative, sub in module.named_modules():
             self._seen.add(id(sub))
-            for attr, value in vars(sub).items():
-                if attr not in _MODULE_FIELDS:
-                    self.visit(kind, f"{qualname}.{attr}", value)
+            prefix = f"{relative}." if relative else ""
+            params += ((prefix + n, p) for n, p in sub._parameters.items() if p is not None)
+            buffers += ((prefix + n, b) for n, b in sub._buffers.items() if b is not None)
+            attributes += (
+                (f"{name}.{prefix}{a}", v) for a, v in vars(sub).items() if a not in _MODULE_FIELDS
+            )
+        for found, into in ((params, self.params), (buffers, self.buffers)):
+            for qualname, t in found:
+                if id(t) in self._seen:
+                    continue  # tied: one input under its first name
+                if with_state:
+                    self._tensor(kind, f"{name}.{qualname}", t)
+                else:
+                    self._seen.add(id(t))
+                    into.append((qualname, t))
+        for label, value in attributes:
+            self.visit(kind, label, value)
 
     def _value(self, kind: type[Closure] | type[Global], name: str, value: Any) -> None:
         try:
