@@ -125,7 +125,7 @@ def test_cache_info_on_modules_names_parameters_and_modes():
     compiled(torch.ones(1, 2))
     assert aotgrad.cache_info(compiled).reasons[1:] == [
         "param 0.weight: requires_grad True != False",
-        "a module switched between train() and eval()",
+        "a module switched between train() and eval() (closure self.training: value True != False)",
     ]
 
 

@@ -6,35 +6,33 @@ import contextlib
 import functools
 import gc
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.func import functional_call
 
 from aotgrad.cache import CacheInfo, explain_miss
 from aotgrad.capture import JointGraph, capture
 from aotgrad.capture.dynamic import all_dims, has_marks, marked_dims
 from aotgrad.errors import CallError, user_frame_of_function
+from aotgrad.lifting import NOTHING, State
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
 from aotgrad.runtime.compilers import Compiler
 from aotgrad.signature import (
-    Buffer,
     FlatInputs,
-    Param,
     PlainTensorsGuard,
-    PrimalDescriptor,
     Signature,
     alias_key,
     call_key,
     dynamic_call_key,
     flatten_inputs,
     leaf_names,
+    register_dataclasses,
 )
 
 Decompositions = Mapping[Any, Callable[..., Any]]
@@ -155,13 +153,15 @@ def trace(
     ["grad of carry['a']", 'None']
     """
     fn = _as_module(fn)
-    lifted, descriptors, body_of = _lift(fn)
-    state = tuple(lifted)
-    flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, descriptors)
+    lifting = State(fn)
+    lifted = lifting.read()
+    state = lifted.tensors
+    flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, lifted.descriptors)
     dims = _dynamic_dims(tensors, dynamic)
     dynamic_dims = None if dims is None else {id(t): d for t, d in zip(tensors, dims, strict=True)}
+    body = lifting.body(fn, lifted, flat)
     partitioned = _capture_and_partition(
-        fn, body_of(flat), flat, [*state, *tensors], None, partition, False, dynamic_dims
+        fn, body, flat, [*state, *tensors], None, partition, False, dynamic_dims
     )
     return Traced(partitioned, compile_partitioned(partitioned), state)
 
@@ -253,14 +253,21 @@ class AOTFunction:
     """
 
     def __init__(
-        self, fn: Callable[..., Any], options: Options, input_names: Sequence[str] | None = None
+        self,
+        fn: Callable[..., Any],
+        options: Options,
+        input_names: Sequence[str] | None = None,
+        read_environment: bool = True,
     ) -> None:
         functools.update_wrapper(self, fn)
         self._fn = fn = _as_module(fn)
         self._options = options
         # Names for the tensor inputs, when the caller knows better than fn's signature.
         self._input_names = input_names
-        self._lifted, self._descriptors, self._body_of = _lift(fn)
+        # Module state, closed-over tensors and guarded values (Note [Closed-over tensors]).
+        # ``read_environment=False``: the caller (Dynamo) guards and lifts those itself.
+        self._state = State(fn, read_environment)
+        self._lifted = NOTHING
         # key -> (compiled graphs, leaf positions of the graph's inputs after the module
         # state; None when the inputs are exactly the leaves)
         self.cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...] | None]] = {}
@@ -269,6 +276,7 @@ class AOTFunction:
         self._last_key: tuple[Any, ...] | None = None
         self._is_module = isinstance(fn, torch.nn.Module)
         self._last_entry: _LastEntry | None = None
+        self._warned_full = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         last = self._last_entry
@@ -282,26 +290,22 @@ class AOTFunction:
             return last.call(args)
         leaves, spec = _flatten_call(args, kwargs)
         dims = _dynamic_dims(leaves, self._options.dynamic)
-        if self._is_module:
-            state = tuple(self._lifted)
-            state_key, modes = call_key(state), _modes(self._fn)
-        else:
-            state, state_key, modes = (), (), ()
+        self._lifted = lifted = self._state.read()
+        state = lifted.tensors
         key = (
             spec,
             call_key(leaves) if dims is None else dynamic_call_key(leaves, dims),
-            state_key,
-            alias_key(leaves),
-            modes,
+            lifted.key,
+            alias_key([*state, *leaves] if state else leaves),
             torch.is_grad_enabled(),
         )
         entry = self.cache.get(key)
         if entry is not None and dims is None:
             self.info.hits += 1
             compiled, positions = entry
-            if positions is None and key[3] is None and not kwargs and not self._is_module:
+            if positions is None and key[3] is None and not kwargs and self._state.empty:
                 call = compiled.direct_call() or compiled
-                self._last_entry = _LastEntry(PlainTensorsGuard(leaves), key[5], call)
+                self._last_entry = _LastEntry(PlainTensorsGuard(leaves), key[4], call)
             return compiled(_graph_inputs(state, leaves, positions))
         return self._call_slow(key, entry, state, dims, args, kwargs, leaves)
 
@@ -323,7 +327,9 @@ class AOTFunction:
         if entry is None:
             if not self._miss(key, args, kwargs):
                 return self._fn(*args, **kwargs)
-            entry = self.cache[key] = self._specialize(state, args, kwargs, dims)
+            entry = self._specialize(state, args, kwargs, dims)
+            key = self._last_key = (*key[:2], self._state.settle(self._lifted).key, *key[3:])
+            self.cache[key] = entry
             self.info.entries = len(self.cache)
         else:
             self.info.hits += 1
@@ -333,8 +339,7 @@ class AOTFunction:
     def _miss(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Record the miss and its reason; False when the cache is full (run eagerly)."""
         names = leaf_names(_signature_target(self._fn), args, kwargs)
-        state_names = [str(d) for d in self._descriptors]
-        reason = explain_miss(key, self._last_key, names, state_names)
+        reason = explain_miss(key, self._last_key, names)
         self.info.misses += 1
         self.info.reasons.append(reason)
         self._last_key = key
@@ -342,11 +347,15 @@ class AOTFunction:
         if len(self.cache) < limit:
             return True
         self.info.fallbacks += 1
+        if self._warned_full:
+            return False
+        self._warned_full = True
         warnings.warn(
             f"aotgrad: {getattr(self._fn, '__name__', type(self._fn).__name__)} has {limit}"
             f" compiled specializations (cache_limit); running this call eagerly. Last miss:"
             f" {reason}. Pass values that change between calls as tensors (a Python number is"
-            " baked into the graph), or raise cache_limit.",
+            " baked into the graph), or raise cache_limit. (Warned once; aotgrad.cache_info"
+            " counts the eager calls.)",
             stacklevel=3,
         )
         return False
@@ -370,13 +379,14 @@ class AOTFunction:
         dims: list[tuple[int, ...]] | None = None,
     ) -> tuple[CompiledGraphs, tuple[int, ...] | None]:
         fn, options = self._fn, self._options
-        flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, self._descriptors)
+        lifted = self._lifted
+        flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, lifted.descriptors)
         if self._input_names is not None:
             flat = flat.renamed(self._input_names)
         leaves, _ = pytree.tree_flatten((args, kwargs))
         self.partitioned = _capture_and_partition(
             fn,
-            self._body_of(flat),
+            self._state.body(fn, lifted, flat),
             flat,
             [*state, *tensors],
             options.decompositions,
@@ -413,13 +423,6 @@ def _dynamic_dims(leaves: Sequence[Any], everything: bool) -> list[tuple[int, ..
     return dims if any(dims) else None
 
 
-def _modes(fn: Callable[..., Any]) -> tuple[bool, ...]:
-    """A module's train/eval flags: part of what a trace is specialized on."""
-    if isinstance(fn, torch.nn.Module):
-        return tuple(m.training for m in fn.modules())
-    return ()
-
-
 _SCALAR_TYPES = frozenset({int, float, bool, str, type(None)})
 
 
@@ -431,7 +434,10 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Sequen
     """
     if not kwargs and all(isinstance(a, torch.Tensor) or type(a) in _SCALAR_TYPES for a in args):
         return args, len(args)
-    return pytree.tree_flatten((args, kwargs))
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if register_dataclasses(leaves):  # Note [Dataclass arguments]
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+    return leaves, spec
 
 
 class AOTModule(torch.nn.Module):
@@ -539,61 +545,6 @@ def _capture_and_partition(
         dynamic_dims=dynamic_dims,
     )
     return partition(joint, strategy, keep_input_mutations=keep_input_mutations)
-
-
-BodyOf = Callable[[FlatInputs], Callable[[list[torch.Tensor]], Any]]
-
-
-def _lift(
-    fn: Callable[..., Any],
-) -> tuple[Iterable[torch.Tensor], tuple[PrimalDescriptor, ...], BodyOf]:
-    """For a module: its live state (leading inputs), their descriptors, and the body builder.
-
-    Plain functions lift nothing. Tied parameters appear once (``named_parameters``
-    removes duplicates), so they are one input whose gradient autograd sums.
-    """
-    if not isinstance(fn, torch.nn.Module):
-        return (), (), functools.partial(_function_body, fn)
-    module = fn
-    params = dict(module.named_parameters())
-    buffers = dict(module.named_buffers())
-    names = [*params, *buffers]
-    descriptors: tuple[PrimalDescriptor, ...] = (
-        *(Param(n) for n in params),
-        *(Buffer(n) for n in buffers),
-    )
-    state = _ModuleState(module)
-    return state, descriptors, functools.partial(_module_body, module, names)
-
-
-class _ModuleState:
-    """Iterates a module's parameters, then buffers, as they are now."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        yield from (p for _, p in self.module.named_parameters())
-        yield from (b for _, b in self.module.named_buffers())
-
-
-def _function_body(fn: Callable[..., Any], flat: FlatInputs) -> Callable[[list[torch.Tensor]], Any]:
-    def body(primals: list[torch.Tensor]) -> Any:
-        args, kwargs = flat.unflatten(primals)
-        return fn(*args, **kwargs)
-
-    return body
-
-
-def _module_body(
-    module: torch.nn.Module, names: list[str], flat: FlatInputs
-) -> Callable[[list[torch.Tensor]], Any]:
-    def body(primals: list[torch.Tensor]) -> Any:
-        state = dict(zip(names, primals[: flat.num_lifted], strict=True))
-        args, kwargs = flat.unflatten(primals[flat.num_lifted :])
-        return functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
-
-    return body
 
 
 def _as_module(fn: Callable[..., Any]) -> Callable[..., Any]:

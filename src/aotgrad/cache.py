@@ -3,7 +3,9 @@
 An ``AOTFunction`` keeps one compiled entry per specialization key: the
 call's structure, every tensor's metadata (type, shape, stride, storage
 offset, dtype, device, requires_grad, layout), every non-tensor value, the
-module state's metadata, which inputs alias, train/eval flags and grad mode.
+module state's and closed-over tensors' metadata, the values of the globals,
+closure variables and module attributes the function reads (train/eval flags
+included), which inputs alias, and grad mode.
 A call whose key matches an entry is a hit; otherwise aotgrad traces again
 and records, for the miss, the first guard that differs from the latest entry::
 
@@ -63,29 +65,50 @@ def cache_info(fn: Any) -> CacheInfo:
     return info
 
 
-def explain_miss(
-    new: tuple[Any, ...],
-    old: tuple[Any, ...] | None,
-    names: Sequence[str],
-    state_names: Sequence[str],
-) -> str:
-    """The first guard ``new`` fails against ``old``, in the user's terms."""
+def explain_miss(new: tuple[Any, ...], old: tuple[Any, ...] | None, names: Sequence[str]) -> str:
+    """The first guard ``new`` fails against ``old``, in the user's terms.
+
+    A key is ``(structure, leaves, state, aliases, grad mode)``; ``state`` is
+    ``(input names, tensor keys, value labels, value keys)`` of the lifted
+    module state, closed-over tensors and guarded values (``aotgrad/lifting.py``).
+    """
     if old is None:
         return "first call"
-    spec, leaves, state, aliases, modes, grad = new
-    old_spec, old_leaves, old_state, old_aliases, old_modes, old_grad = old
+    spec, leaves, state, aliases, grad = new
+    old_spec, old_leaves, old_state, old_aliases, old_grad = old
     if spec != old_spec:
         return f"argument structure changed: {spec} != {old_spec}"
-    labels = [f"input {n}" for n in names] + list(state_names)
-    for label, a, b in zip(labels, [*leaves, *state], [*old_leaves, *old_state], strict=False):
+    labels = [f"input {n}" for n in names]
+    for label, a, b in zip(labels, leaves, old_leaves, strict=False):
         if a != b:
             return f"{label}: {_leaf_difference(a, b)}"
+    if state != old_state:
+        return _state_difference(state, old_state)
     if aliases != old_aliases:
         return "which inputs are the same tensor or share memory changed"
-    if modes != old_modes:
-        return "a module switched between train() and eval()"
     if grad != old_grad:
         return f"grad mode {grad} != {old_grad}"
+    return "unknown"
+
+
+def _state_difference(new: tuple[Any, ...], old: tuple[Any, ...]) -> str:
+    names, tensors, labels, values = new or ((), (), (), ())
+    old_names, old_tensors, old_labels, old_values = old or ((), (), (), ())
+    if names != old_names:
+        added = [n for n in names if n not in old_names]
+        removed = [n for n in old_names if n not in names]
+        return f"lifted tensors changed: added {added or 'none'}, removed {removed or 'none'}"
+    for name, a, b in zip(names, tensors, old_tensors, strict=True):
+        if a != b:
+            return f"{name}: {_leaf_difference(a, b)}"
+    if labels != old_labels:
+        return f"the values the function reads changed: {list(labels)} != {list(old_labels)}"
+    for label, a, b in zip(labels, values, old_values, strict=True):
+        if a != b:
+            change = f"{label}: value {show_value(b)} != {show_value(a)}"
+            if label.endswith(".training"):
+                return f"a module switched between train() and eval() ({change})"
+            return change
     return "unknown"
 
 
@@ -94,7 +117,19 @@ def _leaf_difference(new: Any, old: Any) -> str:
         for label, a, b in zip(_TENSOR_FIELDS, new, old, strict=True):
             if a != b:
                 return f"{label} {_show(b)} != {_show(a)}"
-    return f"value {_show(old[-1])} != {_show(new[-1])}"
+    return f"value {show_value(old)} != {show_value(new)}"
+
+
+def show_value(key: Any) -> str:
+    """A value key (Note [Keys of Python values]) as the value it stands for: ``-0.0``, ``True``."""
+    if isinstance(key, tuple) and len(key) == 2:
+        cls, value = key
+        if cls is float and isinstance(value, str):
+            return repr(float.fromhex(value))
+        if cls in (int, bool, str, type(None)):
+            return repr(value)
+    text = str(key)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _show(value: Any) -> str:

@@ -61,7 +61,8 @@ def backend(
         tensors = [i for i, n in enumerate(placeholders) if i not in sizes]
         names = [user_expression(placeholders[i]) for i in tensors]
         body = _Interpreted(gm, _root_name(gm), sizes, tensors)
-        compiled = AOTFunction(body, options, input_names=names)
+        # Dynamo guards and lifts what the frame reads itself: read only the arguments.
+        compiled = AOTFunction(body, options, input_names=names, read_environment=False)
         dims = [_symbolic_dims(placeholders[i]) for i in tensors]
         return _DynamicCall(compiled, tensors, dims) if sizes or any(dims) else compiled
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import sys
 import traceback
 from dataclasses import dataclass
 from types import TracebackType
@@ -45,6 +46,10 @@ class UnsupportedOutputError(CaptureError):
 
 class UnsupportedMutationError(CaptureError):
     """The function mutates an input in a way aotgrad does not support yet."""
+
+
+class UnsupportedClosureError(CaptureError):
+    """The function reaches a tensor aotgrad can neither lift as an input nor bake in."""
 
 
 class InPlaceOnLeafError(CaptureError, RuntimeError):
@@ -87,6 +92,18 @@ def user_frame_from_traceback(tb: TracebackType | None) -> UserFrame | None:
             line = linecache.getline(filename, lineno).strip()
             found = UserFrame(filename, lineno, frame.f_code.co_name, line)
     return found
+
+
+def user_frame_from_stack() -> UserFrame | None:
+    """The innermost frame of the current call stack that is the user's code."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if _is_user_file(filename):
+            line = linecache.getline(filename, frame.f_lineno).strip()
+            return UserFrame(filename, frame.f_lineno, frame.f_code.co_name, line)
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def user_frame_of_function(fn: object) -> UserFrame | None:

@@ -278,6 +278,8 @@ def _name_placeholders(graph: fx.Graph, descriptors: Sequence[object]) -> None:
 
 def _identifier(text: str) -> str:
     """``carry['a']`` → ``carry_a``; ``param fc1.weight`` → ``fc1_weight``."""
-    text = text.removeprefix("param ").removeprefix("buffer ").replace("base of ", "base_of_")
+    for prefix in ("param ", "buffer ", "closure ", "global "):
+        text = text.removeprefix(prefix)
+    text = text.replace("base of ", "base_of_")
     name = re.sub(r"\W+", "_", text).strip("_") or "input"
     return name if not name[0].isdigit() else f"_{name}"

@@ -42,6 +42,7 @@ from aotgrad.capture.aliasing import (
     ViewMeta,
     analyze_aliasing,
 )
+from aotgrad.capture.closed_over import ClosedOver
 from aotgrad.capture.cotangents import make_cotangent
 from aotgrad.capture.direct import DirectTracer
 from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
@@ -173,7 +174,7 @@ def trace_joint(
     tracer = DirectTracer(recorder, options.decompositions) if direct else None
 
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
-        return _joint(body, inputs, inner, record, with_backward, where, recorder, tracer)
+        return _joint(body, inputs, inner, record, with_backward, where, recorder, tracer, primals)
 
     if tracer is not None:
         with mode, recorder.recording(), disable_autocast_cache(), tracer:
@@ -197,6 +198,7 @@ def _joint(
     where: UserFrame | None,
     recorder: Recorder,
     direct: DirectTracer | None,
+    real: Sequence[torch.Tensor],
 ) -> list[torch.Tensor | None]:
     functional_mode = ProvenanceMode(recorder) if direct is None else contextlib.nullcontext()
     with functional_mode:
@@ -212,7 +214,9 @@ def _joint(
     needs_grad = [p.requires_grad for p in graph_primals]  # before any in-place op
     with functional_mode:
         primals = _user_primals(graph_primals, inputs.sources)
-        result = body(primals)
+        closed_over = ClosedOver(real, primals, where)  # Note [Real tensors in a trace]
+        with closed_over:
+            result = body(primals)
         forward, returned = _forward_values(
             result, primals, graph_primals, grad_fns, inputs, record, where, direct
         )
@@ -227,7 +231,10 @@ def _joint(
         record.differentiable = [backward and _is_differentiable(t) for t in outputs]
         record.differentiable += [backward and g for g in new_values]  # Note [Input mutation]
         differentiate = any(record.differentiable)
-        grads = _backward(record, graph_primals, edges, returned, recorder) if differentiate else []
+        with closed_over:
+            grads = (
+                _backward(record, graph_primals, edges, returned, recorder) if differentiate else []
+            )
     return [_unwrap(v) for v in (*forward, *grads)]
 
 

@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
+from aotgrad.capture import closed_over
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.errors import UserFrame
 
@@ -53,6 +54,9 @@ def _origin(filename: str) -> str:
     return "user"
 
 
+_CLOSED_OVER = closed_over.__file__
+
+
 def _user_frame() -> tuple[str, int, str] | None:
     """The innermost user frame calling into torch, or None if aotgrad itself is the caller."""
     frame = sys._getframe(3)
@@ -60,8 +64,8 @@ def _user_frame() -> tuple[str, int, str] | None:
         origin = _origin(frame.f_code.co_filename)
         if origin == "user":
             return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
-        if origin == "aotgrad":
-            return None
+        if origin == "aotgrad" and frame.f_code.co_filename != _CLOSED_OVER:
+            return None  # (the closed-over mode only forwards the user's call)
         frame = frame.f_back  # type: ignore[assignment]
     return None
 

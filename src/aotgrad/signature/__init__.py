@@ -28,6 +28,7 @@ from aotgrad.signature.flatten import (
     dynamic_call_key,
     flatten_inputs,
     leaf_names,
+    register_dataclasses,
 )
 from aotgrad.signature.printing import describe_graph
 
@@ -55,4 +56,5 @@ __all__ = [
     "dynamic_call_key",
     "flatten_inputs",
     "leaf_names",
+    "register_dataclasses",
 ]

@@ -64,7 +64,31 @@ class Buffer(Descriptor):
         return f"buffer {self.name}"
 
 
-PrimalDescriptor = Input | Param | Buffer
+@dataclass(frozen=True)
+class Closure(Descriptor):
+    """A tensor the function reaches through a closure cell, a default argument or its bound
+    ``self``, lifted to a graph input, by the expression that reaches it: ``lin.weight``.
+
+    See Note [Closed-over tensors] in ``signature/closures.py``.
+    """
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"closure {self.name}"
+
+
+@dataclass(frozen=True)
+class Global(Descriptor):
+    """A tensor the function reaches through a global name, lifted to a graph input: ``W``."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"global {self.name}"
+
+
+PrimalDescriptor = Input | Param | Buffer | Closure | Global
 
 
 @dataclass(frozen=True)
@@ -74,13 +98,13 @@ class InputBase(Descriptor):
     See Note [Aliased inputs] in ``capture/input_aliases.py``.
     """
 
-    of: tuple[Input | Param | Buffer, ...]
+    of: tuple[Input | Param | Buffer | Closure | Global, ...]
 
     def __str__(self) -> str:
         return "base of " + ", ".join(str(d) for d in self.of)
 
 
-GraphInputDescriptor = Input | Param | Buffer | InputBase
+GraphInputDescriptor = Input | Param | Buffer | Closure | Global | InputBase
 
 
 @dataclass(frozen=True)
@@ -110,7 +134,7 @@ class OutputBase(Descriptor):
 class MutatedInput(Descriptor):
     """The new value of an input the function mutated in place; copied back after the call."""
 
-    of: Input | Param | Buffer | InputBase
+    of: Input | Param | Buffer | Closure | Global | InputBase
 
     def __str__(self) -> str:
         return f"new value of {self.of}"
@@ -140,7 +164,7 @@ class Cotangent(Descriptor):
 class Grad(Descriptor):
     """The gradient of the loss with respect to a forward input."""
 
-    of: Input | Param | Buffer | InputBase
+    of: Input | Param | Buffer | Closure | Global | InputBase
 
     def __str__(self) -> str:
         return f"grad of {self.of}"

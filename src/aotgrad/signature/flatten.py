@@ -22,6 +22,7 @@ and are part of the cache key, so a different value re-traces.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -34,6 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotgrad.errors import CallError, format_error, user_frame_of_function
 from aotgrad.signature.descriptors import Input, PrimalDescriptor
+from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ def flatten_inputs(
     """
     names = _argument_names(fn, args, kwargs)
     with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
+    if register_dataclasses([leaf for _, leaf in with_paths]):
+        with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
     constants: list[Any] = []
     positions: list[int] = []
     descriptors: list[PrimalDescriptor] = list(lifted)
@@ -244,8 +248,67 @@ def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _value_key(value: Any) -> Any:
+    """A non-tensor argument's key, by value (Note [Keys of Python values]); refuses what
+    cannot be keyed so, or holds tensors pytree does not see."""
     try:
-        hash(value)
-    except TypeError:
-        return (type(value), repr(value))
-    return (type(value), value)
+        return value_key(value)
+    except TensorInValue as e:
+        raise CallError(_tensor_in_argument(value, e.path)) from None
+    except Unkeyable as e:
+        raise CallError(
+            format_error(
+                f"an argument of type {_type_name(value)} holds a {e}, which aotgrad cannot"
+                " compare by value; aotgrad specializes the graph on every non-tensor"
+                " argument and must tell when it changes",
+                None,
+                "Pass plain Python values (numbers, strings, tuples, dicts, dataclasses), or"
+                " close over the object instead of passing it.",
+            )
+        ) from None
+
+
+def _tensor_in_argument(value: Any, path: str) -> str:
+    if isinstance(value, torch.nn.Module):
+        return format_error(
+            f"an argument is an nn.Module ({_type_name(value)}); aotgrad lifts a module's"
+            " parameters and buffers only when it traces the module or the function closes"
+            " over it, so as an argument its gradients would be lost",
+            None,
+            "Close over the module (aot_function(lambda x: model(x))), or use"
+            " aotgrad.aot_module(model).",
+        )
+    return format_error(
+        f"an argument of type {_type_name(value)} holds a tensor (at {path or 'the top'}), but"
+        " it is not a pytree container, so the tensor cannot be a graph input: it would be"
+        " baked into the graph as a constant, without gradient",
+        None,
+        "Make it a dataclass or register it with torch.utils._pytree.register_pytree_node"
+        " (or register_dataclass), or pass the tensor itself as an argument.",
+    )
+
+
+def _type_name(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+# Note [Dataclass arguments]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A dataclass instance among the arguments is flattened into its fields, as
+# ``torch.utils._pytree.register_dataclass`` would: aotgrad registers its type
+# the first time it sees one (once per type, for the whole process, exactly
+# what the user would do by hand). ``f(Batch(x=t, scale=2.0))`` then has the
+# input ``batch.x`` and the constant ``2.0`` instead of an opaque leaf.
+
+
+def register_dataclasses(leaves: Sequence[Any]) -> bool:
+    """Register the types of unregistered dataclass instances among ``leaves`` as pytrees.
+
+    True when any was registered: flatten again (Note [Dataclass arguments]).
+    """
+    registered = False
+    for leaf in leaves:
+        cls = type(leaf)
+        if dataclasses.is_dataclass(leaf) and cls not in pytree.SUPPORTED_NODES:
+            pytree.register_dataclass(cls)
+            registered = True
+    return registered

@@ -1,0 +1,122 @@
+"""Real tensors reaching ops during a trace: swap the lifted ones, refuse the dangerous rest.
+
+Note [Real tensors in a trace]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The trace runs on fake tensors, but the function may reach real ones that are
+not its arguments: closed-over tensors (Note [Closed-over tensors]). Those the
+frontend found are primals of the trace; while the function (and a
+checkpoint's recompute in the backward) runs, a torch-function mode replaces
+each real primal, wherever it is reached from, by its traced counterpart::
+
+    lin = nn.Linear(3, 2);  f = lambda x: lin(x).sum()
+    primals: closure lin.weight, closure lin.bias, x      (real tensors)
+    F.linear(x', lin.weight, lin.bias)  ->  F.linear(x', weight', bias')
+
+so its gradient is computed and its in-place updates are input mutations; the
+real tensor is never read or written by the trace. A real tensor that is not
+a primal (reached some way the frontend does not walk) stays a constant, as
+fake tensor mode makes it, unless it requires grad (its gradient would be
+dropped) or the op mutates it (the trace would write the user's data): both
+raise before the op runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+
+from aotgrad.errors import (
+    UnsupportedClosureError,
+    UnsupportedMutationError,
+    UserFrame,
+    format_error,
+    user_frame_from_stack,
+)
+
+_REAL = (torch.Tensor, torch.nn.Parameter)
+_INPLACE_DUNDERS = frozenset(
+    f"__i{op}__"
+    for op in (
+        *("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"),
+        *("and", "or", "xor", "lshift", "rshift"),
+    )
+) | {"__setitem__"}
+
+
+class ClosedOver(TorchFunctionMode):
+    """Replaces real primals by their traced values; refuses other real tensors that matter."""
+
+    def __init__(
+        self, real: Sequence[torch.Tensor], traced: Sequence[torch.Tensor], where: UserFrame | None
+    ) -> None:
+        super().__init__()
+        self._traced: dict[int, torch.Tensor] = {}
+        for r, t in zip(real, traced, strict=True):
+            self._traced.setdefault(id(r), t)
+        self._real = list(real)  # keeps the ids valid
+        self._where = where
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if _has_real(args) or (kwargs and _has_real(kwargs.values())):
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            flat = [
+                self._swap(func, i, x, kwargs) if type(x) in _REAL else x
+                for i, x in enumerate(flat)
+            ]
+            args, kwargs = pytree.tree_unflatten(flat, spec)
+        return func(*args, **kwargs)
+
+    def _swap(self, func: Any, position: int, t: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        traced = self._traced.get(id(t))
+        if traced is not None:
+            return traced
+        where = user_frame_from_stack() or self._where
+        name = getattr(func, "__name__", str(func))
+        if t.requires_grad:
+            raise UnsupportedClosureError(
+                format_error(
+                    f"{name} reads a tensor that requires grad which is not an argument and"
+                    " which aotgrad did not find through the function's closure, globals,"
+                    " defaults or bound self (so its gradient would be lost)",
+                    where,
+                    "Pass the tensor as an argument, or reach it through a closed-over module"
+                    " or variable (aotgrad lifts those), or aotgrad.aot_module(model).",
+                )
+            )
+        if _mutates(name, position, t, kwargs):
+            raise UnsupportedMutationError(
+                format_error(
+                    f"{name} mutates a tensor that is not an argument and that aotgrad did not"
+                    " find through the function's closure, globals, defaults or bound self;"
+                    " the capture would write the real tensor once instead of every call",
+                    where,
+                    "Pass the tensor as an argument (or close over it directly: aotgrad"
+                    " lifts closed-over tensors and replays their mutation on each call).",
+                )
+            )
+        return t
+
+
+def _has_real(values: Any) -> bool:
+    """Is a real tensor among ``values`` or the lists and tuples in them (op arguments)?"""
+    for v in values:
+        if type(v) in _REAL:
+            return True
+        if type(v) in (list, tuple) and any(type(x) in _REAL for x in v):
+            return True
+    return False
+
+
+def _mutates(name: str, position: int, t: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Does an op named ``name`` write its argument at ``position`` (``t``)?"""
+    if any(out is t for out in pytree.tree_leaves(kwargs.get("out"))):
+        return True
+    in_place = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+    return in_place and position == 0

@@ -1,0 +1,281 @@
+"""What a function reads besides its arguments: closed-over tensors (lifted) and values (guarded).
+
+Note [Closed-over tensors]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+A function reaches tensors and Python values that are not its arguments:
+closure cells, globals, default arguments, its bound ``self``, and through
+them modules and objects. Each call, aotgrad reads them afresh from these
+*roots* (found once from the code objects) and
+
+- lifts every tensor found as a graph input named by the expression that
+  reaches it (``Closure("lin.weight")``, ``Global("W")``), after the module
+  state and before the user's tensors: its gradient flows into the real
+  tensor's ``.grad`` and an in-place update of it is an input mutation,
+  replayed on the real tensor by every call (capture never touches it);
+- keys every other value by value (Note [Keys of Python values]): a changed
+  global, closure variable or module attribute re-traces, and ``cache_info``
+  names it. Functions, classes and Python modules are keyed by identity.
+
+For::
+
+    lin, K = nn.Linear(3, 2), 2
+    def helper(x): return x * K
+    f = aot_function(lambda x: helper(lin(x)).sum())
+
+the roots are ``lin`` (closure cell) and ``helper`` (global), and through
+``helper`` (a function of the same module, walked too) ``K``; the inputs are
+``closure lin.weight, closure lin.bias, x``, and the guards ``helper`` (itself),
+``lin.training`` (False/True), ``K`` ((int, 2)). ``K = 3`` re-traces, with the
+miss reason ``global K: value (int, 2) != (int, 3)``.
+
+What is walked: the function's closure cells, defaults, globals named by its
+code (nested code objects included), and functions of its own module that it
+names (recursively). Python modules, and functions of other modules, are
+keyed by identity and not walked: a library's globals are its own business.
+A real tensor reached some other way that requires grad or is mutated is
+refused during capture (``capture/closed_over.py``), never silently baked in.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aotgrad.signature.descriptors import Closure, Global, PrimalDescriptor
+from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
+
+# A module's own bookkeeping in ``__dict__``: not user attributes (``training`` is).
+_MODULE_FIELDS = frozenset(vars(torch.nn.Module())) - {"training"}
+
+
+@dataclass(frozen=True)
+class Root:
+    """A place the function reads: a closure cell, a global, a default, ``self``."""
+
+    kind: type[Closure] | type[Global]
+    name: str
+    get: Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class Environment:
+    """One call's reading of the roots: the tensors to lift and the keys of everything else."""
+
+    # Lifted tensors and their descriptors, in the order found (each tensor once).
+    tensors: tuple[torch.Tensor, ...]
+    descriptors: tuple[PrimalDescriptor, ...]
+    # Guarded values: a label per value (``global K``, ``lin.training``) and its key.
+    labels: tuple[str, ...]
+    keys: tuple[Any, ...]
+    # The traced module's parameters and buffers (``roots_of(..., skip_self=True)``).
+    params: tuple[tuple[str, torch.Tensor], ...] = ()
+    buffers: tuple[tuple[str, torch.Tensor], ...] = ()
+
+
+EMPTY = Environment((), (), (), ())
+
+
+def roots_of(fn: Callable[..., Any], *, skip_self: bool = False) -> tuple[Root, ...]:
+    """The places ``fn`` reads besides its arguments (Note [Closed-over tensors]).
+
+    ``skip_self``: ``fn`` is a module traced with its state as inputs; its own
+    parameters and buffers are not roots (its other attributes are).
+    """
+    roots: list[Root] = []
+    _collect(fn, roots, set(), skip_self)
+    seen: set[tuple[type, str]] = set()
+    unique = []
+    for root in roots:
+        if (root.kind, root.name) not in seen:
+            seen.add((root.kind, root.name))
+            unique.append(root)
+    return tuple(unique)
+
+
+def _collect(fn: Any, roots: list[Root], visited: set[int], skip_self: bool) -> None:
+    if id(fn) in visited:
+        return
+    visited.add(id(fn))
+    if isinstance(fn, torch.nn.Module):
+        module = fn
+        if skip_self:
+            roots.append(Root(Closure, "self", lambda: _Attributes(module)))
+        else:
+            roots.append(Root(Closure, "self", lambda: module))
+        _collect(type(fn).forward, roots, visited, skip_self=False)
+    elif isinstance(fn, types.MethodType):
+        owner = fn.__self__
+        roots.append(Root(Closure, "self", lambda: owner))
+        _collect(fn.__func__, roots, visited, skip_self=False)
+    elif isinstance(fn, functools.partial):
+        partial = fn
+        roots.append(Root(Closure, "partial", lambda: (partial.args, partial.keywords)))
+        _collect(fn.func, roots, visited, skip_self=False)
+    elif isinstance(fn, types.FunctionType):
+        _function_roots(fn, roots, visited)
+    elif callable(fn) and not isinstance(fn, type | types.BuiltinFunctionType):
+        owner = fn
+        roots.append(Root(Closure, "self", lambda: owner))
+        _collect(vars(type(fn)).get("__call__"), roots, visited, skip_self=False)
+
+
+def _function_roots(fn: types.FunctionType, roots: list[Root], visited: set[int]) -> None:
+    code = fn.__code__
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
+        roots.append(Root(Closure, name, functools.partial(_cell_contents, cell)))
+    parameters = _parameters_with_defaults(fn)
+    for name in parameters:
+        roots.append(Root(Closure, f"{name} (default)", functools.partial(parameters.get, name)))
+    namespace = fn.__globals__
+    for name in _global_names(code):
+        if name not in namespace:
+            continue  # a builtin, or an attribute name
+        value = namespace[name]
+        if isinstance(value, types.ModuleType):
+            continue  # torch, F, math: identity never changes in practice
+        roots.append(Root(Global, name, functools.partial(namespace.get, name)))
+        if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
+            _collect(value, roots, visited, skip_self=False)
+
+
+def _cell_contents(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell (a name assigned later in the enclosing function)
+        return None
+
+
+def _parameters_with_defaults(fn: types.FunctionType) -> dict[str, Any]:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _global_names(const)
+
+
+class _Attributes:
+    """A traced module's attributes, without its parameters and buffers (they are inputs)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+
+def read_environment(roots: tuple[Root, ...]) -> Environment:
+    """Read every root now: the tensors to lift and the keys of the values to guard."""
+    if not roots:
+        return EMPTY
+    walk = _Walk()
+    for root in roots:
+        walk.visit(root.kind, root.name, root.get())
+    return Environment(
+        tuple(walk.tensors),
+        tuple(walk.descriptors),
+        tuple(walk.labels),
+        tuple(walk.keys),
+        tuple(walk.params),
+        tuple(walk.buffers),
+    )
+
+
+class _Walk:
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.descriptors: list[PrimalDescriptor] = []
+        self.labels: list[str] = []
+        self.keys: list[Any] = []
+        self._seen: set[int] = set()  # tensors and modules already visited
+        # The traced module's own parameters and buffers, by name (lifted as Param/Buffer).
+        self.params: list[tuple[str, torch.Tensor]] = []
+        self.buffers: list[tuple[str, torch.Tensor]] = []
+
+    def visit(self, kind: type[Closure] | type[Global], name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self._tensor(kind, name, value)
+        elif isinstance(value, torch.nn.Module):
+            self._module(kind, name, value, with_state=True)
+        elif isinstance(value, _Attributes):
+            self._module(kind, name, value.module, with_state=False)
+        else:
+            self._value(kind, name, value)
+
+    def _tensor(self, kind: type[Closure] | type[Global], name: str, t: torch.Tensor) -> None:
+        if id(t) in self._seen:
+            return
+        self._seen.add(id(t))
+        self.tensors.append(t)
+        self.descriptors.append(kind(name))
+
+    def _module(
+        self,
+        kind: type[Closure] | type[Global],
+        name: str,
+        module: torch.nn.Module,
+        with_state: bool,
+    ) -> None:
+        """One pass over the module tree: parameters, then buffers, then other attributes.
+
+        Without ``with_state`` (the traced module) the parameters and buffers are
+        collected apart, by their names relative to the module (``Param``/``Buffer``).
+        """
+        if id(module) in self._seen:
+            return
+        params: list[tuple[str, torch.Tensor]] = []
+        buffers: list[tuple[str, torch.Tensor]] = []
+        attributes: list[tuple[str, Any]] = []
+        for relative, sub in module.named_modules():
+            self._seen.add(id(sub))
+            prefix = f"{relative}." if relative else ""
+            params += ((prefix + n, p) for n, p in sub._parameters.items() if p is not None)
+            buffers += ((prefix + n, b) for n, b in sub._buffers.items() if b is not None)
+            attributes += (
+                (f"{name}.{prefix}{a}", v) for a, v in vars(sub).items() if a not in _MODULE_FIELDS
+            )
+        for found, into in ((params, self.params), (buffers, self.buffers)):
+            for qualname, t in found:
+                if id(t) in self._seen:
+                    continue  # tied: one input under its first name
+                if with_state:
+                    self._tensor(kind, f"{name}.{qualname}", t)
+                else:
+                    self._seen.add(id(t))
+                    into.append((qualname, t))
+        for label, value in attributes:
+            self.visit(kind, label, value)
+
+    def _value(self, kind: type[Closure] | type[Global], name: str, value: Any) -> None:
+        try:
+            key = value_key(value)
+        except TensorInValue:
+            self._parts(kind, name, value)
+            return
+        except Unkeyable:
+            key = (type(value), "identity", id(value))
+        self.labels.append(f"{kind.__name__.lower()} {name}")
+        self.keys.append(key)
+
+    def _parts(self, kind: type[Closure] | type[Global], name: str, value: Any) -> None:
+        """A container or object holding tensors: visit its parts (tensors lifted, rest keyed)."""
+        if id(value) in self._seen:
+            return
+        self._seen.add(id(value))
+        if isinstance(value, tuple | list):
+            items: Any = ((f"{name}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            items = ((f"{name}[{k!r}]", v) for k, v in value.items())
+        else:
+            items = ((f"{name}.{k}", v) for k, v in getattr(value, "__dict__", {}).items())
+        for label, part in items:
+            self.visit(kind, label, part)
