@@ -79,6 +79,7 @@ FEATURES = frozenset(
         "return_alias",  # returning inputs, views of inputs, or one value twice
         "nograd_view",  # a view made in a no_grad region
         "reshape_size1_strides",  # reshape of a non-contiguous tensor to a view with size-1 dims
+        "inplace_overlapping",  # an in-place op through an expanded (self-overlapping) view
         "equal_view_inputs",  # two distinct input objects that are equal views of one base
         "return_nograd_alias",  # returning a value and a detach()/no_grad view of it
         "dynamic",  # aot_function(dynamic=True)
@@ -102,10 +103,28 @@ KNOWN_BAD: dict[str, str] = {
     "metadata_input": "NEW F5: metadata mutation of an input, then an in-place op on a value made from it",
     "reshape_size1_strides": "NEW F4: a reshape view of a strided input has other size-1 strides",
     "nograd_view": "NEW F6: a no_grad view of a tensor that requires grad gets a gradient",
+    "inplace_overlapping": "NEW F7: in-place op through an expanded view of an input",
     "dynamic_resize": "NEW F1: resize_ under dynamic=True leaks a raw RuntimeError",
     "return_nograd_alias": "NEW F2: an output and a detach()/no_grad view of it",
     "equal_view_inputs": "NEW F3: two inputs that are equal views of one base are merged",
 }
+
+# Known-bad *differences* no feature isolates: a failure whose signature is listed is tolerated
+# unless its name is enabled like a feature (AOTGRAD_FUZZ_FEATURES=zero_grad_of_unused_mutated_input).
+KNOWN_BAD_SIGNATURES: dict[str, tuple[str, str]] = {
+    "zero_grad_of_unused_mutated_input": (
+        "mismatch: grad of: a tensor != eager None",
+        "NEW F8: a mutated input no output uses gets a zero gradient (eager: None)",
+    ),
+}
+
+
+def tolerated_signatures() -> set[str]:
+    extra = os.environ.get("AOTGRAD_FUZZ_FEATURES", "")
+    if extra.strip() == "all":
+        return set()
+    on = {name.strip() for name in extra.split(",")}
+    return {sig for name, (sig, _) in KNOWN_BAD_SIGNATURES.items() if name not in on}
 
 
 def enabled_features() -> frozenset[str]:
@@ -113,7 +132,7 @@ def enabled_features() -> frozenset[str]:
     if extra.strip() == "all":
         return FEATURES
     on = {name.strip() for name in extra.split(",") if name.strip()}
-    unknown = on - FEATURES
+    unknown = on - FEATURES - set(KNOWN_BAD_SIGNATURES)
     if unknown:
         raise ValueError(f"AOTGRAD_FUZZ_FEATURES: unknown features {sorted(unknown)}")
     return frozenset(FEATURES - (set(KNOWN_BAD) - on))
@@ -121,7 +140,7 @@ def enabled_features() -> frozenset[str]:
 
 settings.register_profile(
     "fuzz_ci",
-    max_examples=int(os.environ.get("AOTGRAD_FUZZ_EXAMPLES", "60")),
+    max_examples=int(os.environ.get("AOTGRAD_FUZZ_EXAMPLES", "80")),
     derandomize=True,
     deadline=None,
     database=None,
@@ -269,6 +288,9 @@ class Program:
             f"from fuzz_programs import {', '.join(sorted(FUNCTIONS))}\n"
         )
         return "\n".join(["", imports, self.function_source(), "", self.inputs_source(), *run, ""])
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))  # Hypothesis prints the runnable script, not the fields
 
     def make_function(self) -> Callable[..., Any]:
         """``fn`` compiled from a real file, so tracebacks and source lines work."""
@@ -533,6 +555,8 @@ def _draw_step(draw, env: _Env, features) -> Step | None:
         tags.add("inplace")
         if shares:
             tags.add("inplace_input")
+        if torch._debug_has_internal_overlap(x) != 0:
+            tags.add("inplace_overlapping")
         target = None  # a statement
     elif kind == "metadata":
         expr = _metadata_expr(draw, name, x)
@@ -712,7 +736,13 @@ def _compilers(program: Program, fn: Callable[..., Any]):
             compiled = aotgrad.aot_function(fn)
             yield mode, [lambda f, c=compiled: c, lambda f, c=compiled: c]
         elif mode == "compile":
-            yield mode, [lambda f: torch.compile(f, backend="aotgrad")]
+            yield mode, [_fresh_compile]
+
+
+def _fresh_compile(f):
+    # Dynamo keeps state across programs (automatic dynamic shapes when one source recurs).
+    torch._dynamo.reset()
+    return torch.compile(f, backend="aotgrad")
 
 
 def check(program: Program) -> Outcome:
@@ -728,6 +758,8 @@ def check(program: Program) -> Outcome:
                 outcome.refusals.append(f"{type(err).__name__}: {str(err).splitlines()[0]}")
                 break
             except FuzzFailure as failure:
+                if failure.signature in tolerated_signatures():
+                    break
                 if mode == "compile" and _dynamo_alone_fails(program, fn):
                     break
                 raise FuzzFailure(mode, failure.signature, failure.detail) from None
