@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import sys
@@ -37,8 +38,6 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -438,9 +437,7 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
     modes = tuple(
         m
         for m in ("dynamic", "twice", "compile")
-        if m in features
-        and draw(st.integers(0, 3)) == 0
-        and _mode_features(m, steps) <= features
+        if m in features and draw(st.integers(0, 3)) == 0 and _mode_features(m, steps) <= features
     )
     for m in modes:
         prog_features |= _mode_features(m, steps)
@@ -448,7 +445,13 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
     if under_no_grad:
         prog_features.add("call_under_no_grad")
     return Program(
-        bases_src, tuple(args), tuple(steps), returns, modes, under_no_grad, frozenset(prog_features)
+        bases_src,
+        tuple(args),
+        tuple(steps),
+        returns,
+        modes,
+        under_no_grad,
+        frozenset(prog_features),
     )
 
 
@@ -474,9 +477,7 @@ def _draw_returns(draw, env: _Env, features, prog_features: set[str]) -> tuple[s
     chosen = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3))
     if "return_alias" in features and draw(st.integers(0, 3)) == 0:
         chosen.append(draw(st.sampled_from(names)))
-    if len(set(chosen)) != len(chosen) or any(
-        env.shares_input(env.values[n]) for n in chosen
-    ):
+    if len(set(chosen)) != len(chosen) or any(env.shares_input(env.values[n]) for n in chosen):
         if "return_alias" not in features:
             chosen = list(dict.fromkeys(n for n in chosen if not env.shares_input(env.values[n])))
             if not chosen:
@@ -509,7 +510,11 @@ def _draw_step(draw, env: _Env, features) -> Step | None:
     other = draw(st.sampled_from(sorted(env.values)))
     kind = draw(
         st.sampled_from(
-            ["view"] * 4 + ["compute"] * 2 + ["inplace"] * 4 + ["metadata"] * 2 + ["function"] * 2
+            ["view"] * 4
+            + ["compute"] * 2
+            + ["inplace"] * 4
+            + ["metadata"] * 2
+            + ["function"] * 2
             + ["random", "requires_grad_"]
         )
     )
@@ -935,10 +940,8 @@ def _shrink(opts, features, key: str, program: Program | None) -> Program | None
         except Exception:
             return
 
-    try:
+    with contextlib.suppress(FuzzFailure):
         reproduce()
-    except FuzzFailure:
-        pass
     return last[-1]
 
 
