@@ -202,3 +202,25 @@ def test_mutated_input_that_no_output_uses_gets_no_gradient():
         return c * 2
 
     verify(fn, torch.randn(3, requires_grad=True) * 1, torch.randn(2, requires_grad=True))
+
+
+@unfixed("NEW F9: one view of an aliased input returned twice gets a wrong gradient")
+def test_view_of_an_aliased_input_returned_twice():
+    def fn(a0, a1):
+        v0 = a1.t()
+        return v0, v0
+
+    b = torch.randn(3, 2, requires_grad=True)
+    verify(fn, b[0], b)
+
+
+@unfixed("NEW F10: in-place ops through a detach() of a mutated view input differ from eager")
+def test_inplace_through_a_detached_alias_of_a_mutated_input():
+    def fn(a0):
+        a0.zero_()
+        v0 = a0.detach()
+        a0.zero_()
+        v0.index_put_((torch.tensor([0]),), torch.tensor(2.5))
+        return v0, v0, v0
+
+    verify(fn, torch.randn(4, 2, 4)[1:])
