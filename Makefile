@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTHON ?= python3.11
 
-.PHONY: install demo test lint typecheck pytest bench sweep clean
+.PHONY: install demo test lint typecheck pytest bench sweep fuzz clean
 
 install: $(STAMP)
 
@@ -38,6 +38,14 @@ bench: install
 # Every OpInfo op with autograd, through aotgrad and PyTorch's aot_function, against eager.
 sweep: install
 	$(PY) sweep/opinfo_sweep.py --out sweep/report.json
+
+# The differential fuzzer, long: every feature (known-bad ones too), thousands of random programs
+# against eager; prints each distinct failure shrunk to a runnable script. `make test` runs a
+# bounded, deterministic slice (tests/test_fuzz.py). FUZZ_SEED=n for another sequence.
+FUZZ_EXAMPLES ?= 5000
+FUZZ_SEED     ?= 0
+fuzz: install
+	OMP_NUM_THREADS=1 $(PY) tests/fuzz_programs.py --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
