@@ -177,3 +177,42 @@ def test_in_place_clamp_family_under_dynamic_shapes(fn):
     """C++ composite kernels read sizes as ints: capture runs the Python dispatcher."""
     for shape in [(4, 3), (6, 3)]:
         verify(fn, torch.randn(shape, requires_grad=True), compile_fn=_dynamic)
+
+
+# Note [Dynamo's number inputs]: a Python number that changes between calls.
+
+
+def _compiled_matches_eager(fn, values, **options):
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aotgrad", **options)
+    for value in values:
+        a = torch.randn(3, requires_grad=True)
+        out, ref = compiled(a, value), fn(a, value)
+        torch.testing.assert_close(out, ref)
+        (grad,) = torch.autograd.grad(out.sum(), a)
+        (expected,) = torch.autograd.grad(ref.sum(), a)
+        torch.testing.assert_close(grad, expected)
+
+
+def test_dynamo_int_argument_that_changes_between_calls():
+    _compiled_matches_eager(lambda a, n: a * n + n, [2, 3, 4, 3])
+
+
+def test_dynamo_float_argument_that_changes_between_calls():
+    _compiled_matches_eager(lambda a, x: (a * x).sin() * x, [2.0, 3.5, 0.5])
+
+
+def test_dynamo_item_after_a_graph_break():
+    def fn(a, scale):
+        v = (a * scale).sum().item()  # graph break; the rest reads v
+        return a * v
+
+    _compiled_matches_eager(fn, [1.0, 2.0, 3.0])
+
+
+def test_dynamo_numbers_with_dynamic_shapes():
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, n: (a * n).sum(0), backend="aotgrad", dynamic=True)
+    for rows, n in [(3, 2), (5, 3), (4, 2)]:
+        a = torch.randn(rows, 4)
+        torch.testing.assert_close(compiled(a, n), (a * n).sum(0))
