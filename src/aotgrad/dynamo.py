@@ -123,11 +123,8 @@ def _number_inputs(placeholders: list[fx.Node], sizes: dict[int, tuple[int, int]
     numbers = set()
     for i, node in enumerate(placeholders):
         value = node.meta.get("example_value")
-        if i in sizes:
-            continue
-        if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-            numbers.add(i)
-        elif _read_only_by_item(node, value):
+        symbolic = isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool)
+        if i not in sizes and (symbolic or _read_only_by_item(node, value)):
             numbers.add(i)
     return numbers
 
