@@ -320,26 +320,64 @@ class AOTFunction:
         leaves: Sequence[Any],
     ) -> Any:
         """A miss, or a dynamic entry whose shape guards must be checked."""
-        if entry is not None:
-            compiled, positions = entry
-            if not compiled.accepts(_graph_inputs(state, leaves, positions)):
-                entry = None  # the sizes break the trace's shape guards: trace again
+        slot, failed = key, None
+        if entry is not None:  # Note [Entries with shape guards]
+            entry, slot, failed = self._guarded_entry(key, entry, state, leaves)
         if entry is None:
-            if not self._miss(key, args, kwargs):
+            if not self._miss(key, args, kwargs, failed):
                 return self._fn(*args, **kwargs)
+            extra = slot[
+                len(key) :
+            ]  # the n-th trace under one key (Note [Entries with shape guards])
             entry = self._specialize(state, args, kwargs, dims)
             key = self._last_key = (*key[:2], self._state.settle(self._lifted).key, *key[3:])
-            self.cache[key] = entry
+            self.cache[(*key, *extra)] = entry
             self.info.entries = len(self.cache)
         else:
             self.info.hits += 1
         compiled, positions = entry
         return compiled(_graph_inputs(state, leaves, positions))
 
-    def _miss(self, key: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    # Note [Entries with shape guards]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A dynamic trace serves the sizes its shape guards allow (Note [Dynamic
+    # shapes]); calls outside them have the same key but need another trace.
+    # Those traces sit under the key extended by a count, tried in order:
+    #
+    #     f(ones(2, 4))   key K: traced, guards y.size()[1] == 4  -> cache[K]
+    #     f(ones(2, 6))   cache[K] fails y.size()[1] == 4; traced -> cache[(*K, 1)]
+    #     f(ones(2, 4))   cache[K] passes: a hit
+    def _guarded_entry(
+        self,
+        key: tuple[Any, ...],
+        entry: tuple[CompiledGraphs, tuple[int, ...] | None] | None,
+        state: tuple[torch.Tensor, ...],
+        leaves: Sequence[Any],
+    ) -> tuple[Any, tuple[Any, ...], str | None]:
+        """The first entry under ``key`` whose guards pass; else None, a free slot, the failed guard."""
+        slot, first_failed, count = key, None, 0
+        while entry is not None:
+            compiled, positions = entry
+            failed = compiled.failed_guard(_graph_inputs(state, leaves, positions))
+            if failed is None:
+                return entry, slot, None
+            first_failed = first_failed or failed
+            count += 1
+            slot = (*key, count)
+            entry = self.cache.get(slot)
+        return None, slot, f"shape guard {first_failed} failed"
+
+    def _miss(
+        self,
+        key: tuple[Any, ...],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reason: str | None = None,
+    ) -> bool:
         """Record the miss and its reason; False when the cache is full (run eagerly)."""
-        names = leaf_names(_signature_target(self._fn), args, kwargs)
-        reason = explain_miss(key, self._last_key, names)
+        if reason is None:
+            names = leaf_names(_signature_target(self._fn), args, kwargs)
+            reason = explain_miss(key, self._last_key, names)
         self.info.misses += 1
         self.info.reasons.append(reason)
         self._last_key = key

@@ -58,13 +58,17 @@ def backend(
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         sizes = _size_sources(placeholders)
-        tensors = [i for i, n in enumerate(placeholders) if i not in sizes]
+        numbers = _number_inputs(placeholders, sizes)
+        inputs = [i for i in range(len(placeholders)) if i not in sizes]
+        tensors = [i for i in inputs if i not in numbers]
         names = [user_expression(placeholders[i]) for i in tensors]
-        body = _Interpreted(gm, _root_name(gm), sizes, tensors)
+        body = _Interpreted(gm, _root_name(gm), sizes, inputs)
         # Dynamo guards and lifts what the frame reads itself: read only the arguments.
         compiled = AOTFunction(body, options, input_names=names, read_environment=False)
-        dims = [_symbolic_dims(placeholders[i]) for i in tensors]
-        return _DynamicCall(compiled, tensors, dims) if sizes or any(dims) else compiled
+        dims = [_symbolic_dims(placeholders[i]) if i in tensors else () for i in inputs]
+        if sizes or numbers or any(dims):
+            return _DynamicCall(compiled, inputs, dims, numbers)
+        return compiled
 
     return compile_graph
 
@@ -99,22 +103,67 @@ def _size_sources(placeholders: list[fx.Node]) -> dict[int, tuple[int, int]]:
     return sources
 
 
+# Note [Dynamo's number inputs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# When a Python number argument changes between calls, Dynamo recompiles with
+# the number as a graph input: an int as a ``SymInt`` placeholder, a float as
+# a 0-d float64 tensor that the graph reads with ``.item()``::
+#
+#     f(a, 2); f(a, 3)        forward(L_a_, L_n_: SymInt): mul = l_a_ * l_n_
+#     g(a, 2.0); g(a, 3.5)    forward(L_a_, L_x_: f64[]): item = l_x_.item(); ...
+#
+# aotgrad's graphs take tensors only, and reading a tensor's value while
+# tracing is data-dependent. So such an input reaches the AOTFunction as the
+# Python number it stands for (``x.item()`` read before the call, outside the
+# trace): the trace specializes on its value, and the cache keys on the value
+# and traces again when it changes, as for a number passed to ``aot_function``.
+
+
+def _number_inputs(placeholders: list[fx.Node], sizes: dict[int, tuple[int, int]]) -> set[int]:
+    """Placeholders that stand for a Python number (Note [Dynamo's number inputs])."""
+    numbers = set()
+    for i, node in enumerate(placeholders):
+        value = node.meta.get("example_value")
+        symbolic = isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool)
+        if i not in sizes and (symbolic or _read_only_by_item(node, value)):
+            numbers.add(i)
+    return numbers
+
+
+def _read_only_by_item(node: fx.Node, value: Any) -> bool:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0 or value.requires_grad:
+        return False
+    return bool(node.users) and all(
+        user.op == "call_method" and user.target == "item" for user in node.users
+    )
+
+
 class _DynamicCall:
-    """What Dynamo calls for a dynamic graph: drops size inputs, marks dynamic dims."""
+    """What Dynamo calls for a dynamic graph: drops size inputs, marks dynamic dims, reads numbers."""
 
     def __init__(
-        self, compiled: AOTFunction, tensors: list[int], dims: list[tuple[int, ...]]
+        self,
+        compiled: AOTFunction,
+        inputs: list[int],
+        dims: list[tuple[int, ...]],
+        numbers: set[int] | None = None,
     ) -> None:
         self.compiled = compiled
-        self.tensors = tensors
+        self.inputs = inputs
         self.dims = dims
+        self.numbers = numbers or set()
 
     def __call__(self, *args: Any) -> Any:
-        inputs = [args[i] for i in self.tensors]
+        inputs = [_number(args[i]) if i in self.numbers else args[i] for i in self.inputs]
         for t, dims in zip(inputs, self.dims, strict=True):
             if dims:
                 dynamic(t, dims)
         return self.compiled(*inputs)
+
+
+def _number(value: Any) -> Any:
+    """A number input's Python value: a 0-d tensor (a float Dynamo wrapped) is read."""
+    return value.item() if isinstance(value, torch.Tensor) else value
 
 
 def aotgrad_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -173,20 +222,20 @@ class _Interpreted:
         gm: fx.GraphModule,
         name: str,
         sizes: dict[int, tuple[int, int]] | None = None,
-        tensors: list[int] | None = None,
+        inputs: list[int] | None = None,
     ) -> None:
         self.gm = gm
         self.__name__ = name
         self.sizes = sizes or {}
-        self.tensors = tensors
+        self.inputs = inputs
 
     def __call__(self, *args: Any) -> Any:
         env: dict[fx.Node, Any] = {}
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         values: list[Any] = list(args)
-        if self.tensors is not None:  # rebuild Dynamo's inputs: sizes re-read from tensors
+        if self.inputs is not None:  # rebuild Dynamo's inputs: sizes re-read from tensors
             values = [None] * len(placeholders)
-            for i, arg in zip(self.tensors, args, strict=True):
+            for i, arg in zip(self.inputs, args, strict=True):
                 values[i] = arg
             for i, (owner, dim) in self.sizes.items():
                 values[i] = values[owner].shape[dim]
@@ -213,6 +262,8 @@ class _Interpreted:
                 return node.target(*args, **kwargs)  # type: ignore[operator]
             if node.op == "call_method":
                 self_arg, *rest = args
+                if node.target == "item" and not isinstance(self_arg, torch.Tensor):
+                    return self_arg  # already a number (Note [Dynamo's number inputs])
                 return getattr(self_arg, str(node.target))(*rest, **kwargs)
             if node.op == "call_module":
                 return self.gm.get_submodule(str(node.target))(*args, **kwargs)

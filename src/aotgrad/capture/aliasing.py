@@ -34,14 +34,12 @@ conjugate/negative bit (``view(dtype)``, ``conj()``) cannot be rebuilt with
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-
-from aotgrad.errors import UnsupportedOutputError, format_error
 
 
 class AliasSource(enum.Enum):
@@ -72,18 +70,28 @@ class ViewMeta:
 
     @staticmethod
     def of(t: torch.Tensor) -> ViewMeta:
-        values = (*t.shape, *t.stride(), t.storage_offset())
-        if any(isinstance(v, torch.SymInt) for v in values):
-            raise UnsupportedOutputError(
-                format_error(
-                    "with dynamic shapes, an output that is a view of an input or of another"
-                    " output, or a metadata mutation of an input, has a symbolic layout;"
-                    " aotgrad cannot replay it yet",
-                    None,
-                    "Return a copy (y.clone()) or trace without dynamic=True.",
-                )
-            )
-        return ViewMeta(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        """``t``'s layout; under dynamic shapes it may hold ``SymInt`` (Note [Symbolic layouts])."""
+        offset: Any = t.storage_offset()  # int, or SymInt under dynamic shapes
+        return ViewMeta(tuple(t.shape), tuple(t.stride()), offset)
+
+    @property
+    def is_symbolic(self) -> bool:
+        values = (*self.size, *self.stride, self.storage_offset)
+        return any(isinstance(v, torch.SymInt) for v in values)
+
+    def resolved(self, value_of: Callable[[Any], int]) -> ViewMeta:
+        """The layout at one call: each ``SymInt`` replaced by ``value_of`` it."""
+        size, stride = tuple(map(value_of, self.size)), tuple(map(value_of, self.stride))
+        return ViewMeta(size, stride, value_of(self.storage_offset))
+
+
+# Note [Symbolic layouts]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Under dynamic shapes the layout of an output view (or of an input after
+# ``t_()``) is symbolic: ``F.pad(y, (0, 1)).reshape(-1)`` has size
+# ``(s0*(s1 + 1),)``. The ViewMeta keeps the ``SymInt`` and the runtime
+# evaluates it at each call from the graph inputs' real sizes (the trace's
+# ShapeGuards bind ``s0``, ``s1``), then rebuilds the view with ``as_strided``.
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,17 @@ sizes satisfy them::
     forward(x: f32[s0, 16], w) -> (out, sym_size_int, relu)   # s0: the batch
     guards: 2 <= s0
 
-Parameters and buffers stay static. Outputs or mutations whose layout
-depends on a symbol (views of inputs, ``t_()``) are refused with a clear
-error for now.
+Parameters, buffers and unmarked dimensions stay static. Every size the
+trace specialized is a guard too (Note [Specializations are guards]); a call
+failing the guards traces again, next to the old entry. Outputs or mutations
+whose layout depends on a symbol (views, ``t_()``) are rebuilt at each call
+from the real sizes (Note [Symbolic layouts] in ``aliasing.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +78,24 @@ def new_shape_env() -> ShapeEnv:
     return ShapeEnv()
 
 
+# Note [Specializations are guards]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Tracing may turn a symbolic size into a constant: ``int(y.shape[1])``, or an
+# op whose meta function branches on a size (``F.pad`` then ``reshape(-1)``),
+# records ``Eq(s1, 4)`` and replaces ``s1`` by 4 in everything after. The graph
+# is then only valid at width 4. ``produce_guards`` skips such sizes by default
+# (``ignore_static``: Dynamo checks static sizes elsewhere), and the call key
+# leaves dynamic dimensions out, so nothing would check them. aotgrad asks for
+# every guard, static values included, of every input with a symbolic size::
+#
+#     f = aot_function(lambda y: y * int(y.shape[1]), dynamic=True)
+#     f(ones(2, 4))   guards: y.size()[1] == 4 and y.stride()[0] == 4 and 2 <= y.size()[0]
+#     f(ones(2, 6))   fails y.size()[1] == 4: traced again (cache_info names the guard)
+#
+# Inputs without symbols (parameters, buffers, static tensors) are left out:
+# the call key already holds their exact metadata.
+
+
 @dataclass
 class ShapeGuards:
     """The conditions on symbolic sizes under which a traced graph is valid."""
@@ -82,20 +103,76 @@ class ShapeGuards:
     shape_env: ShapeEnv
     # The fake graph inputs, in graph order.
     placeholders: Sequence[Any]
+    # The user's name for each graph input, for messages ("x", "param fc1.weight").
+    names: Sequence[str] = ()
+    _terms: list[str] | None = field(default=None, repr=False)
     _code: Any = field(default=None, repr=False)
 
-    def expression(self) -> str | None:
-        return self.shape_env.produce_guards_expression(self.placeholders)
+    def terms(self) -> list[str]:
+        """Every guard, as Python over ``L['t<i>']`` (graph input ``i``)."""
+        if self._terms is None:
+            from torch._dynamo.source import LocalSource
 
-    def check(self, inputs: Sequence[torch.Tensor]) -> bool:
+            symbolic = [i for i, p in enumerate(self.placeholders) if _has_symbols(p)]
+            self._terms = self.shape_env.produce_guards(
+                [self.placeholders[i] for i in symbolic],
+                [LocalSource(f"t{i}") for i in symbolic],
+                ignore_static=False,  # Note [Specializations are guards]
+            )
+        return self._terms
+
+    def expression(self) -> str | None:
+        return " and ".join(self.terms()) or None
+
+    def check(self, inputs: Sequence[Any]) -> bool:
         """Do real ``inputs`` (graph order) satisfy the guards?"""
         if self._code is None:
             text = self.expression()
             self._code = compile(text, "<aotgrad guards>", "eval") if text else False
         if self._code is False:
             return True
-        names = {f"t{i}": value for i, value in enumerate(inputs)}
-        return bool(eval(self._code, SYMPY_INTERP, {"L": names}))
+        return bool(eval(self._code, SYMPY_INTERP, {"L": _locals(inputs)}))
+
+    def failed(self, inputs: Sequence[Any]) -> str | None:
+        """The first guard ``inputs`` fail, in the user's names; None when all pass."""
+        scope = {"L": _locals(inputs)}
+        for term in self.terms():
+            if not eval(term, SYMPY_INTERP, scope):
+                return self.describe(term)
+        return None
+
+    def value_of(self, inputs: Sequence[Any]) -> Callable[[Any], int]:
+        """Evaluates a ``SymInt`` of the trace at real ``inputs`` (graph order); ints pass."""
+        bindings = self.shape_env.bind_symbols(self.placeholders, inputs)
+        shape_env = self.shape_env
+
+        def value_of(value: Any) -> int:
+            if not isinstance(value, torch.SymInt):
+                return int(value)
+            return int(shape_env.replace(value.node.expr).xreplace(bindings))
+
+        return value_of
+
+    def describe(self, term: str) -> str:
+        """``L['t0'].size()[1] == 4`` → ``y.size()[1] == 4``."""
+        names = self.names
+        return _INPUT.sub(lambda m: names[int(m[1])] if int(m[1]) < len(names) else m[0], term)
+
+
+_INPUT = re.compile(r"L\['t(\d+)'\]")
+
+
+def _locals(inputs: Sequence[Any]) -> dict[str, Any]:
+    return {f"t{i}": value for i, value in enumerate(inputs)}
+
+
+def _has_symbols(value: Any) -> bool:
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return True
+    if not isinstance(value, torch.Tensor):
+        return False
+    sizes = [*value.shape, *value.stride(), value.storage_offset()]
+    return any(isinstance(n, torch.SymInt) for n in sizes)
 
 
 def is_symbolic(values: Sequence[Any]) -> bool:

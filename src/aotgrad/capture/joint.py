@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -92,8 +93,10 @@ def fake_primals(
     for p in primals:
         if id(p) in fakes:
             continue
-        dims = (dynamic_dims or {}).get(id(p))
-        context = symbolic_context(p, dims) if dims else None
+        # With a ShapeEnv, a tensor without a context would get a symbol for every
+        # dimension: parameters and unmarked dimensions stay static only if told.
+        dims = dynamic_dims.get(id(p), ()) if dynamic_dims else None
+        context = None if dims is None else symbolic_context(p, dims)
         fake = mode.from_tensor(p.detach(), symbolic_context=context)
         fakes[id(p)] = fake.requires_grad_(p.requires_grad)
     return [fakes[id(p)] for p in primals]
@@ -170,7 +173,7 @@ def trace_joint(
     fakes = fake_primals(mode, tensors, dynamic_dims)
     record = TraceRecord(leaf_primals=leaf_primals)
     if shape_env is not None:
-        record.guards = ShapeGuards(shape_env, fakes)
+        record.guards = ShapeGuards(shape_env, fakes, names=[str(d) for d in inputs.descriptors])
     tracer = DirectTracer(recorder, options.decompositions) if direct else None
 
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
@@ -182,7 +185,12 @@ def trace_joint(
                 tracer.input(fake)
             values = joint(*fakes)
         return tracer.finish(values, "joint"), record, inputs
-    with translate_trace_errors(body), mode, recorder.recording(), code_on_demand():
+    # Note [Python dispatcher for symbolic sizes]: with symbolic sizes, C++ composite
+    # kernels (``clamp_``'s functionalization, ``constant_pad_nd``) read sizes as ints,
+    # which fails or specializes; the Python dispatcher runs their symbolic-aware
+    # Python kernels instead, as ``make_fx(tracing_mode="symbolic")`` does.
+    dispatcher = enable_python_dispatcher() if shape_env is not None else contextlib.nullcontext()
+    with translate_trace_errors(body), mode, dispatcher, recorder.recording(), code_on_demand():
         gm = make_fx(
             joint, decomposition_table=options.decompositions, _disable_torch_fn_metadata_mode=True
         )(*fakes)

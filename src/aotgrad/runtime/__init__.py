@@ -49,6 +49,14 @@ class CompiledGraphs:
         guards = self.partitioned.joint.guards
         return guards is None or guards.check(graph_inputs(primals, self.plan.input_bases))
 
+    def failed_guard(self, primals: Sequence[torch.Tensor]) -> str | None:
+        """The first shape guard these inputs fail, in the user's names; None when they pass."""
+        guards = self.partitioned.joint.guards
+        if guards is None:
+            return None
+        inputs = graph_inputs(primals, self.plan.input_bases)
+        return None if guards.check(inputs) else guards.failed(inputs) or "the shape guards"
+
     def __call__(self, primals: Sequence[torch.Tensor]) -> Any:
         inputs = graph_inputs(primals, self._bases) if self._bases else primals
         if self._apply is None:

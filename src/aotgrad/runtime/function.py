@@ -17,7 +17,7 @@ epilogue, outside the Function, then
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,8 +30,10 @@ from aotgrad.capture import (
     ConstantOutput,
     InputMutation,
     OutputLeaf,
+    ShapeGuards,
     SyntheticBase,
     TensorOutput,
+    ViewMeta,
 )
 from aotgrad.errors import DoubleBackwardError
 from aotgrad.optable import needs_grad_mode
@@ -65,6 +67,8 @@ class Plan:
     forward_needs_grad_mode: bool
     leaves: tuple[OutputLeaf, ...]
     out_spec: pytree.TreeSpec
+    # Dynamic shapes: evaluates symbolic layouts at a call (Note [Symbolic layouts]).
+    guards: ShapeGuards | None = None
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
@@ -91,6 +95,7 @@ class Plan:
             ),
             leaves=joint.leaves,
             out_spec=joint.out_spec,
+            guards=joint.guards,
         )
 
 
@@ -207,9 +212,10 @@ def run_epilogue(
     n_fresh = len(plan.fresh)
     bases = returned[n_fresh : n_fresh + plan.num_bases]
     new_values = iter(returned[n_fresh + plan.num_bases :])
+    concrete = _ConcreteLayouts(plan.guards, inputs)
     for mutation in plan.mutations:
         new = next(new_values) if mutation.data else None
-        _replay_mutation(inputs[mutation.index], mutation, new)
+        _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new)
     tensors: list[torch.Tensor | None] = [None] * plan.num_tensor_outputs
     for k, value in zip(plan.fresh, returned, strict=False):
         tensors[k] = value
@@ -219,11 +225,36 @@ def run_epilogue(
             leaves.append(leaf.value)
             continue
         if leaf.alias is not None:
-            tensors[leaf.index] = _rebuild(leaf.alias, (primals, inputs, tensors, bases))
+            tensors[leaf.index] = _rebuild(
+                concrete.alias(leaf.alias), (primals, inputs, tensors, bases)
+            )
         leaves.append(tensors[leaf.index])
     if plan.out_spec.is_leaf():
         return leaves[0]
     return pytree.tree_unflatten(leaves, plan.out_spec)
+
+
+class _ConcreteLayouts:
+    """Aliases and mutations with this call's layouts (Note [Symbolic layouts])."""
+
+    def __init__(self, guards: ShapeGuards | None, inputs: Sequence[torch.Tensor]) -> None:
+        self.guards, self.inputs = guards, inputs
+        self._value_of: Callable[[Any], int] | None = None
+
+    def _resolve(self, layout: ViewMeta | None) -> ViewMeta | None:
+        if layout is None or self.guards is None or not layout.is_symbolic:
+            return None
+        if self._value_of is None:
+            self._value_of = self.guards.value_of(self.inputs)
+        return layout.resolved(self._value_of)
+
+    def alias(self, alias: Alias) -> Alias:
+        view = self._resolve(alias.view)
+        return alias if view is None else replace(alias, view=view)
+
+    def mutation(self, mutation: InputMutation) -> InputMutation:
+        metadata = self._resolve(mutation.metadata)
+        return mutation if metadata is None else replace(mutation, metadata=metadata)
 
 
 def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor | None) -> None:
