@@ -42,6 +42,7 @@ from aotgrad.capture.provenance import (
     set_info,
     set_phase,
 )
+from aotgrad.capture.random import faithful_decompositions
 from aotgrad.capture.recompute import link_recompute
 from aotgrad.capture.recorder import Recorder, stamp
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
@@ -104,6 +105,7 @@ def capture(
     relative to it, and ops outside any module carry its name. ``dynamic_dims``
     (by ``id`` of a primal) makes those dimensions symbolic (Note [Dynamic shapes]).
     """
+    decompositions = faithful_decompositions(decompositions)
     options = TraceOptions(with_backward, decompositions, where, dynamic_dims)
     label = root if root is not None else body
     joint = _capture(body, flat, primals, (), options, label)
