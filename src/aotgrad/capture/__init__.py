@@ -180,8 +180,11 @@ def _trace_directly(trace: Callable[..., _Traced]) -> _Traced | None:
 def _synthetic_bases(
     joint: JointGraph, primals: Sequence[torch.Tensor], where: UserFrame | None
 ) -> list[SyntheticBase]:
-    """Bases for groups of memory-sharing inputs of which one is mutated."""
-    mutated = {m.index for m in joint.mutations}
+    """Bases for groups of memory-sharing inputs of which one's data is mutated.
+
+    A metadata mutation (``a.t_()``) changes no value another input sees: no base.
+    """
+    mutated = {m.index for m in joint.mutations if m.data}
     bases = []
     for group in overlapping_groups(primals):
         if not mutated.intersection(group):
@@ -236,6 +239,7 @@ def _assemble(
         differentiable=tuple(record.differentiable),
         cotangents=cotangents,
         guards=record.guards,
+        member_mutations=tuple(record.member_mutations),
     )
     _name_placeholders(gm.graph, [*inputs.descriptors, *cotangents])
     grads = [Grad(of=d) for d in inputs.descriptors] if cotangents else []

@@ -48,7 +48,13 @@ from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
 from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.graph import code_on_demand
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
-from aotgrad.capture.mutation import InputMutation, PrimalInfo, analyze_mutations
+from aotgrad.capture.mutation import (
+    InputMutation,
+    PrimalInfo,
+    analyze_mutations,
+    check_member_mutations,
+    member_metadata_mutations,
+)
 from aotgrad.capture.recorder import ProvenanceMode, Recorder
 from aotgrad.errors import UserFrame
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
@@ -67,6 +73,8 @@ class TraceRecord:
     out_paths: list[str] = field(default_factory=list)
     aliasing: OutputAliasing | None = None
     mutations: list[InputMutation] = field(default_factory=list)
+    # Metadata mutations of inputs re-derived from a synthetic base, by user input position.
+    member_mutations: list[InputMutation] = field(default_factory=list)
     # Per value the autograd.Function returns: does it get a cotangent?
     differentiable: list[bool] = field(default_factory=list)
     grad_inputs: list[int] = field(default_factory=list)
@@ -212,10 +220,15 @@ def _joint(
     needs_grad = [p.requires_grad for p in graph_primals]  # before any in-place op
     with functional_mode:
         primals = _user_primals(graph_primals, inputs.sources)
+        member_grad_fns = [p.grad_fn for p in primals]
         result = body(primals)
+        record.member_mutations = member_metadata_mutations(
+            primals, member_grad_fns, inputs.sources
+        )
         forward, returned = _forward_values(
             result, primals, graph_primals, grad_fns, inputs, record, where, direct
         )
+        check_member_mutations(record.member_mutations, record.mutations, primals, where)
         record.grad_inputs = [
             i
             for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
