@@ -96,6 +96,19 @@ class Alias:
     view: ViewMeta | None
     # Whether the rebuilt output requires grad (a detached alias does not).
     requires_grad: bool
+    # Whether autograd recorded the view (it was made with grad mode on): the runtime
+    # rebuilds it in the same grad mode (Note [Grad mode regions]).
+    with_grad: bool
+
+
+def _alias(t: torch.Tensor, source: AliasSource, index: int, view: ViewMeta | None) -> Alias:
+    return Alias(
+        source=source,
+        index=index,
+        view=view,
+        requires_grad=t.requires_grad,
+        with_grad=t.grad_fn is not None,
+    )
 
 
 @dataclass(frozen=True)
@@ -156,18 +169,18 @@ def analyze_aliasing(
     for k, t in enumerate(tensors):
         storage = storage_of(t)
         if id(t) in input_ids:
-            aliases[k] = Alias(AliasSource.INPUT, input_ids[id(t)], None, t.requires_grad)
+            aliases[k] = _alias(t, AliasSource.INPUT, input_ids[id(t)], None)
         elif _through_custom_function(t):
             # Note [Inputs returned by a custom Function]: the first is returned, others alias it
             owner = custom_owners.setdefault(storage, k)
             if owner != k:
                 view = None if tensors[owner] is t else ViewMeta.of(t)
-                aliases[k] = Alias(AliasSource.OUTPUT, owner, view, t.requires_grad)
+                aliases[k] = _alias(t, AliasSource.OUTPUT, owner, view)
         elif storage in input_storages and _rebuildable(t, graph_primals[input_storages[storage]]):
             source = input_storages[storage]
-            aliases[k] = Alias(AliasSource.GRAPH_INPUT, source, ViewMeta.of(t), t.requires_grad)
+            aliases[k] = _alias(t, AliasSource.GRAPH_INPUT, source, ViewMeta.of(t))
         elif id(t) in first_index:
-            aliases[k] = Alias(AliasSource.OUTPUT, first_index[id(t)], None, t.requires_grad)
+            aliases[k] = _alias(t, AliasSource.OUTPUT, first_index[id(t)], None)
         else:
             first_index[id(t)] = k
             groups.setdefault(storage, []).append(k)
@@ -204,7 +217,7 @@ def _alias_group(
             continue
         if not _rebuildable(t, base):
             continue
-        aliases[k] = Alias(source, index, ViewMeta.of(t), t.requires_grad)
+        aliases[k] = _alias(t, source, index, ViewMeta.of(t))
         rebuilt.append(k)
     if source is AliasSource.BASE and rebuilt:
         assert base is not None

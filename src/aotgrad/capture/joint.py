@@ -56,7 +56,7 @@ from aotgrad.capture.mutation import (
     member_metadata_mutations,
 )
 from aotgrad.capture.recorder import ProvenanceMode, Recorder
-from aotgrad.errors import UserFrame
+from aotgrad.errors import UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
 
 Body = Callable[[list[torch.Tensor]], Any]
@@ -237,11 +237,25 @@ def _joint(
         backward = with_backward and bool(record.grad_inputs)
         new_values = [m.requires_grad for m in record.mutations if m.data]
         outputs = returned[: len(returned) - len(new_values)]
+        if not backward and any(_is_differentiable(t) for t in outputs):
+            raise _grad_from_inside(where)
         record.differentiable = [backward and _is_differentiable(t) for t in outputs]
         record.differentiable += [backward and g for g in new_values]  # Note [Input mutation]
         differentiate = any(record.differentiable)
         grads = _backward(record, graph_primals, edges, returned, recorder) if differentiate else []
     return [_unwrap(v) for v in (*forward, *grads)]
+
+
+def _grad_from_inside(where: UserFrame | None) -> UnsupportedOutputError:
+    return UnsupportedOutputError(
+        format_error(
+            "an output requires grad, but no input does: its gradient would flow into a tensor"
+            " the function made require grad itself (t.requires_grad_(), nn.Parameter(...)),"
+            " which a compiled function cannot hold",
+            where,
+            "Pass that tensor as an input that requires grad, or detach the output.",
+        )
+    )
 
 
 def _forward_values(

@@ -257,8 +257,14 @@ def _rebuild(alias: Alias, values: tuple[Sequence[torch.Tensor | None], ...]) ->
     assert source is not None, f"expected {alias.source.value} {alias.index} to be built first"
     if alias.view is None:
         return source
-    view = source.as_strided(alias.view.size, alias.view.stride, alias.view.storage_offset)
-    return view if alias.requires_grad or not view.requires_grad else view.detach()
+    meta = alias.view
+    with torch.set_grad_enabled(alias.with_grad):  # Note [Grad mode regions]
+        view = source.as_strided(meta.size, meta.stride, meta.storage_offset)
+    if view.requires_grad and not alias.requires_grad:
+        return view.detach()
+    if alias.requires_grad and not view.requires_grad:  # v = a.view(-1); v.requires_grad_()
+        return view.requires_grad_(True)
+    return view
 
 
 __all__ = ["Plan", "TensorOutput", "direct_apply", "make_function", "run_epilogue"]
