@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._decomp import core_aten_decompositions
+from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.utils.checkpoint import checkpoint
 
 import aotgrad
@@ -61,14 +61,21 @@ def test_dropout_of_transposed_under_checkpoint_draws_once():
     verify(f, torch.randn(4, 6, requires_grad=True))
 
 
-def test_decomposition_of_dropout_keeps_eager_draws():
-    decompositions = core_aten_decompositions()
-    compile_fn = functools.partial(aotgrad.aot_function, decompositions=decompositions)
-    verify(
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.native_dropout(x, 0.5, True)[0],
         lambda x: F.dropout(x.t(), 0.5),
-        torch.randn(4, 6, requires_grad=True),
-        compile_fn=compile_fn,
-    )
+        lambda x: torch.native_dropout(x, 0.5, False)[0] * 2,
+    ],
+    ids=["native_dropout", "dropout of transposed", "native_dropout in eval"],
+)
+def test_decompositions_keep_eager_draws(fn):
+    # torch's native_dropout decomposition draws uniforms where eager draws Bernoullis.
+    aten = torch.ops.aten
+    table = {**core_aten_decompositions(), **get_decompositions([aten.native_dropout])}
+    compile_fn = functools.partial(aotgrad.aot_function, decompositions=table)
+    verify(fn, torch.randn(4, 6, requires_grad=True), compile_fn=compile_fn)
 
 
 def test_multihead_attention_batch_first_with_dropout():
