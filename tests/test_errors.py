@@ -156,3 +156,21 @@ def test_data_dependent_error_is_not_wrapped_as_an_op_error():
     with pytest.raises(aotgrad.DataDependentError) as info:
         aotgrad.aot_function(item_in_python)(torch.randn(3))
     assert not isinstance(info.value, aotgrad.errors.OpError)
+
+
+class BadBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[:1]  # the wrong shape
+
+
+def test_error_in_a_custom_backward_names_autograd_and_chains_the_original():
+    with pytest.raises(aotgrad.errors.OpError, match="torch.autograd.grad raised") as info:
+        aotgrad.aot_function(lambda x: BadBackward.apply(x).sum())(
+            torch.randn(3, requires_grad=True)
+        )
+    assert "BadBackward returned an invalid gradient" in str(info.value.__cause__)

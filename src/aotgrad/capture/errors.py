@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from aotgrad.errors import (
+    _AOTGRAD_DIR,
     AotgradError,
     DataDependentError,
     OpError,
@@ -146,15 +147,21 @@ def _failing_op(e: BaseException) -> str:
         func = frame.f_locals.get("func") if frame.f_code.co_name == "__torch_dispatch__" else None
         if isinstance(func, torch._ops.OpOverload):
             return str(func)
-    last_user = max(
-        (i for i, f in enumerate(frames) if _is_user_file(f.f_code.co_filename)), default=-1
+    # The torch function called last from the user's code, or from aotgrad's (autograd.grad).
+    caller = max(
+        (i for i, f in enumerate(frames) if _is_caller(f.f_code.co_filename)),
+        default=-1,
     )
-    inside = frames[last_user + 1 :]
+    inside = frames[caller + 1 :]
     if not inside:
         return "an op"
     code = inside[0].f_code
     module = inside[0].f_globals.get("__name__", "")
     return f"{module}.{code.co_name}" if module else code.co_name
+
+
+def _is_caller(filename: str) -> bool:
+    return _is_user_file(filename) or filename.startswith(_AOTGRAD_DIR)
 
 
 def _data_dependent(e: Exception, construct: str | None = None) -> DataDependentError:
