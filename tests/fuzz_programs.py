@@ -91,19 +91,12 @@ FEATURES = frozenset(
 
 # Features that trigger known defects: not generated unless enabled (see the module docstring).
 KNOWN_BAD: dict[str, str] = {
-    "dynamic_inplace_clamp": "issue 12 item 4: in-place clamp family under dynamic=True",
-    "random_strided": "issue 12 item 5: dropout/bernoulli on a non-contiguous tensor",
-    "function_returns_input": "issue 12 item 6: custom Function returning its input",
-    "metadata_aliased_input": "issue 12 item 7: metadata mutation of aliased inputs",
     "requires_grad_": "issue 12 item 8: requires_grad_() inside the function",
-    "call_under_no_grad": "issue 12 item 8: enable_grad inside a function called under no_grad",
     "compile_grad_mode": "issue 12 item 14: Dynamo graph break leaves a graph with no outputs",
-    "function_view": "issue 12 item 6: custom Function returning a view of its input",
     "metadata_input": "NEW F5: metadata mutation of an input, then an in-place op on a value made from it",
     "reshape_size1_strides": "NEW F4: a reshape view of a strided input has other size-1 strides",
     "nograd_view": "NEW F6: a no_grad view of a tensor that requires grad gets a gradient",
     "inplace_overlapping": "NEW F7: in-place op through an expanded view of an input",
-    "dynamic_resize": "NEW F1: resize_ under dynamic=True leaks a raw RuntimeError",
     "return_nograd_alias": "NEW F2: an output and a detach()/no_grad view of it",
     "equal_view_inputs": "NEW F3: two inputs that are equal views of one base are merged",
 }

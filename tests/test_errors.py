@@ -92,3 +92,88 @@ def test_mutating_a_tensor_aotgrad_cannot_lift_is_refused_before_it_changes():
         aotgrad.trace(f, torch.randn(3))
     assert "Holder.buffer.add_(x)" in str(e.value)
     assert Holder.buffer.eq(0).all(), "the capture wrote the real tensor"
+
+
+def matmul_of_mismatched_shapes(x, w):
+    y = x.sin()
+    return y @ w  # the offending matmul
+
+
+def view_of_transposed(x):
+    return x.t().view(-1)  # the offending view
+
+
+def index_out_of_range(x):
+    return x.select(0, 7)  # the offending select
+
+
+def users_own_error(x):
+    raise ValueError("the user's own message")
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "op", "line", "kind"),
+    [
+        (
+            matmul_of_mismatched_shapes,
+            (torch.randn(2, 3, requires_grad=True), torch.randn(4, 5)),
+            "aten.mm",
+            "return y @ w  # the offending matmul",
+            RuntimeError,
+        ),
+        (
+            view_of_transposed,
+            (torch.randn(2, 3),),
+            "aten.view",
+            "return x.t().view(-1)  # the offending view",
+            ValueError,
+        ),
+        (
+            index_out_of_range,
+            (torch.randn(2, 3),),
+            "aten.select",
+            "return x.select(0, 7)  # the offending select",
+            IndexError,
+        ),
+    ],
+)
+def test_error_inside_torch_names_the_op_and_the_users_line(fn, args, op, line, kind):
+    with pytest.raises(aotgrad.errors.OpError) as info:
+        aotgrad.aot_function(fn)(*args)
+    message = str(info.value)
+    assert op in message and f"{HERE}:" in message and line in message
+    assert isinstance(info.value, kind)  # still the type torch raised
+    assert type(info.value.__cause__) is kind  # the original, chained
+    with pytest.raises(Exception) as eager:
+        fn(*args)  # eager raises it too, as a RuntimeError or the same type
+    assert isinstance(info.value, type(eager.value))
+
+
+def test_users_own_error_passes_unchanged():
+    with pytest.raises(ValueError, match="the user's own message") as info:
+        aotgrad.aot_function(users_own_error)(torch.randn(2))
+    assert not isinstance(info.value, aotgrad.AotgradError)
+
+
+def test_data_dependent_error_is_not_wrapped_as_an_op_error():
+    with pytest.raises(aotgrad.DataDependentError) as info:
+        aotgrad.aot_function(item_in_python)(torch.randn(3))
+    assert not isinstance(info.value, aotgrad.errors.OpError)
+
+
+class BadBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[:1]  # the wrong shape
+
+
+def test_error_in_a_custom_backward_names_autograd_and_chains_the_original():
+    with pytest.raises(aotgrad.errors.OpError, match=r"torch\.autograd\.grad raised") as info:
+        aotgrad.aot_function(lambda x: BadBackward.apply(x).sum())(
+            torch.randn(3, requires_grad=True)
+        )
+    assert "returned an invalid gradient" in str(info.value.__cause__)

@@ -43,7 +43,6 @@ def verify_or_refuse(fn, *args, **kwargs):
 # --- bugs the issue lists --------------------------------------------------------------------
 
 
-@unfixed("issue 12 item 4: clamp_ under dynamic=True raises a raw RuntimeError")
 def test_inplace_clamp_under_dynamic_shapes():
     def fn(a):
         a.clamp_(-0.5, 0.5)
@@ -52,22 +51,18 @@ def test_inplace_clamp_under_dynamic_shapes():
     verify(fn, torch.randn(4), compile_fn=dynamic)
 
 
-@unfixed("issue 12 item 5: dropout on a strided tensor draws another mask than eager")
 def test_dropout_on_a_transposed_tensor_draws_eagers_mask():
     verify(lambda a: F.dropout(a, 0.5), torch.randn(4, 2).t())
 
 
-@unfixed("issue 12 item 6: a custom Function returning its input loses its backward")
 def test_custom_function_returning_its_input_uses_its_backward():
     verify(lambda a: ReturnsInput.apply(a), torch.randn(3, requires_grad=True))
 
 
-@unfixed("issue 12 item 6: a custom Function returning a view of its input loses its backward")
 def test_custom_function_returning_a_view_of_its_input_uses_its_backward():
     verify(lambda a: ReturnsView.apply(a), torch.randn(3, requires_grad=True))
 
 
-@unfixed("issue 12 item 7: t_() of one of two aliased inputs")
 def test_metadata_mutation_of_one_of_two_aliased_inputs():
     def fn(a0, a1):
         a0.t_()
@@ -77,7 +72,6 @@ def test_metadata_mutation_of_one_of_two_aliased_inputs():
     verify(fn, b, b[0:2])
 
 
-@unfixed("issue 12 item 8: requires_grad_() on a view of an input")
 def test_requires_grad_on_a_view_of_an_input():
     def fn(a):
         v = a.view(-1)
@@ -96,7 +90,6 @@ def test_requires_grad_on_an_input():
     verify(fn, torch.randn(2))
 
 
-@unfixed("issue 12 item 8: enable_grad inside a function called under no_grad")
 def test_enable_grad_inside_a_function_called_under_no_grad():
     def fn(a):
         with torch.enable_grad():
@@ -130,7 +123,6 @@ def test_compile_graph_break_at_enable_grad_after_metadata_mutation():
 # --- new bugs ----------------------------------------------------------------------------------
 
 
-@unfixed("NEW F1: resize_ under dynamic=True leaks a raw RuntimeError from fake tensors")
 def test_resize_under_dynamic_shapes():
     def fn(a):
         a.resize_(2)

@@ -571,7 +571,9 @@ def _capture_and_partition(
     keep_input_mutations: bool = False,
     dynamic_dims: Mapping[int, Sequence[int]] | None = None,
 ) -> Partitioned:
-    with_backward = torch.is_grad_enabled() and any(p.requires_grad for p in primals)
+    # Under no_grad too: an enable_grad() region inside the function makes outputs that
+    # require grad (Note [Grad mode regions]); the trace tells, from the outputs.
+    with_backward = any(p.requires_grad for p in primals)
     joint = capture(
         body,
         flat,

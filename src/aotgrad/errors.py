@@ -52,6 +52,30 @@ class UnsupportedClosureError(CaptureError):
     """The function reaches a tensor aotgrad can neither lift as an input nor bake in."""
 
 
+class OpError(CaptureError, RuntimeError):
+    """An op raised while the function was captured (a shape mismatch in ``x @ w``, a bad
+    ``view``): eager raises the same. The message names the op and the user's line; the
+    original exception is the ``__cause__``. Also an instance of the original's type, and
+    a ``RuntimeError`` (torch's Python refs raise ``ValueError`` where eager's kernels raise
+    ``RuntimeError``)."""
+
+
+class OpRuntimeError(OpError):
+    """:class:`OpError` for a ``RuntimeError``."""
+
+
+class OpValueError(OpError, ValueError):
+    """:class:`OpError` for a ``ValueError``."""
+
+
+class OpTypeError(OpError, TypeError):
+    """:class:`OpError` for a ``TypeError``."""
+
+
+class OpIndexError(OpError, IndexError):
+    """:class:`OpError` for an ``IndexError``."""
+
+
 class InPlaceOnLeafError(CaptureError, RuntimeError):
     """An in-place op on a leaf that requires grad: eager refuses it, and so does aotgrad."""
 

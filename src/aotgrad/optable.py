@@ -43,23 +43,35 @@ def is_random(op: object) -> bool:
 
 
 def draws_random(op: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether this call draws from the RNG: :func:`is_random`, except attention with no dropout.
+    """Whether this call draws from the RNG: :func:`is_random`, except calls that draw nothing.
 
-    Attention kernels carry the RNG tag for their ``dropout_p``; at 0 they
-    draw nothing and may be recomputed like any other op.
+    Attention kernels carry the RNG tag for their ``dropout_p``, dropout and
+    recurrent ops for their ``p``/``dropout`` when ``train`` (rrelu: ``training``);
+    at 0, or not training, they draw nothing and may be recomputed like any other op.
 
     >>> attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     >>> q = torch.ones(1, 1, 2, 4)
     >>> draws_random(attention, (q, q, q), {}), draws_random(attention, (q, q, q, 0.1), {})
     (False, True)
+    >>> dropout = torch.ops.aten.native_dropout.default
+    >>> draws_random(dropout, (q, 0.5, False), {}), draws_random(dropout, (q, 0.5, True), {})
+    (False, True)
     """
     if not is_random(op):
         return False
     assert isinstance(op, torch._ops.OpOverload)
-    for i, argument in enumerate(op._schema.arguments):
-        if argument.name == "dropout_p":
-            p = args[i] if i < len(args) else kwargs.get("dropout_p", argument.default_value)
-            return p != 0
+    bound = {
+        a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+        for i, a in enumerate(op._schema.arguments)
+    }
+    if "dropout_p" in bound:
+        return bool(bound["dropout_p"] != 0)
+    for flag in ("train", "training"):
+        if flag in bound and bound[flag] is False:
+            return False
+    if "train" in bound:
+        p = bound.get("p", bound.get("dropout"))
+        return p is None or bool(p != 0)
     return True
 
 

@@ -42,6 +42,7 @@ from aotgrad.capture.provenance import (
     set_info,
     set_phase,
 )
+from aotgrad.capture.random import faithful_decompositions
 from aotgrad.capture.recompute import link_recompute
 from aotgrad.capture.recorder import Recorder, stamp
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
@@ -104,6 +105,7 @@ def capture(
     relative to it, and ops outside any module carry its name. ``dynamic_dims``
     (by ``id`` of a primal) makes those dimensions symbolic (Note [Dynamic shapes]).
     """
+    decompositions = faithful_decompositions(decompositions)
     options = TraceOptions(with_backward, decompositions, where, dynamic_dims)
     label = root if root is not None else body
     joint = _capture(body, flat, primals, (), options, label)
@@ -178,8 +180,11 @@ def _trace_directly(trace: Callable[..., _Traced]) -> _Traced | None:
 def _synthetic_bases(
     joint: JointGraph, primals: Sequence[torch.Tensor], where: UserFrame | None
 ) -> list[SyntheticBase]:
-    """Bases for groups of memory-sharing inputs of which one is mutated."""
-    mutated = {m.index for m in joint.mutations}
+    """Bases for groups of memory-sharing inputs of which one's data is mutated.
+
+    A metadata mutation (``a.t_()``) changes no value another input sees: no base.
+    """
+    mutated = {m.index for m in joint.mutations if m.data}
     bases = []
     for group in overlapping_groups(primals):
         if not mutated.intersection(group):
@@ -234,6 +239,7 @@ def _assemble(
         differentiable=tuple(record.differentiable),
         cotangents=cotangents,
         guards=record.guards,
+        member_mutations=tuple(record.member_mutations),
     )
     _name_placeholders(gm.graph, [*inputs.descriptors, *cotangents])
     grads = [Grad(of=d) for d in inputs.descriptors] if cotangents else []

@@ -104,6 +104,19 @@ class Alias:
     view: ViewMeta | None
     # Whether the rebuilt output requires grad (a detached alias does not).
     requires_grad: bool
+    # Whether autograd recorded the view (it was made with grad mode on): the runtime
+    # rebuilds it in the same grad mode (Note [Grad mode regions]).
+    with_grad: bool
+
+
+def _alias(t: torch.Tensor, source: AliasSource, index: int, view: ViewMeta | None) -> Alias:
+    return Alias(
+        source=source,
+        index=index,
+        view=view,
+        requires_grad=t.requires_grad,
+        with_grad=t.grad_fn is not None,
+    )
 
 
 @dataclass(frozen=True)
@@ -160,15 +173,22 @@ def analyze_aliasing(
     aliases: list[Alias | None] = [None] * len(tensors)
     first_index: dict[int, int] = {}
     groups: dict[StorageWeakRef, list[int]] = {}
+    custom_owners: dict[StorageWeakRef, int] = {}
     for k, t in enumerate(tensors):
         storage = storage_of(t)
         if id(t) in input_ids:
-            aliases[k] = Alias(AliasSource.INPUT, input_ids[id(t)], None, t.requires_grad)
+            aliases[k] = _alias(t, AliasSource.INPUT, input_ids[id(t)], None)
+        elif _through_custom_function(t):
+            # Note [Inputs returned by a custom Function]: the first is returned, others alias it
+            owner = custom_owners.setdefault(storage, k)
+            if owner != k:
+                view = None if tensors[owner] is t else ViewMeta.of(t)
+                aliases[k] = _alias(t, AliasSource.OUTPUT, owner, view)
         elif storage in input_storages and _rebuildable(t, graph_primals[input_storages[storage]]):
             source = input_storages[storage]
-            aliases[k] = Alias(AliasSource.GRAPH_INPUT, source, ViewMeta.of(t), t.requires_grad)
+            aliases[k] = _alias(t, AliasSource.GRAPH_INPUT, source, ViewMeta.of(t))
         elif id(t) in first_index:
-            aliases[k] = Alias(AliasSource.OUTPUT, first_index[id(t)], None, t.requires_grad)
+            aliases[k] = _alias(t, AliasSource.OUTPUT, first_index[id(t)], None)
         else:
             first_index[id(t)] = k
             groups.setdefault(storage, []).append(k)
@@ -205,12 +225,49 @@ def _alias_group(
             continue
         if not _rebuildable(t, base):
             continue
-        aliases[k] = Alias(source, index, ViewMeta.of(t), t.requires_grad)
+        aliases[k] = _alias(t, source, index, ViewMeta.of(t))
         rebuilt.append(k)
     if source is AliasSource.BASE and rebuilt:
         assert base is not None
         bases.append(base)
         members.append(tuple(rebuilt))
+
+
+# Note [Inputs returned by a custom Function]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A custom ``autograd.Function`` may return its input, or a view of it,
+# without ``mark_dirty``. Eager returns a view of the input whose ``grad_fn``
+# is the Function's backward, so the gradient goes through that backward::
+#
+#     class Double(Function):  forward: return x;  backward: return 2 * g
+#     y = Double.apply(x)      # y shares x's storage; grad of x = 2 * g
+#
+# Rebuilt with ``as_strided`` from the input, ``y`` would get the gradient
+# of a view (g, not 2g). So an output that reaches its input through a
+# custom Function (between it and its ``._base``) is returned by the
+# runtime's Function as its own output, with a cotangent: the forward graph
+# returns the input (or its view), autograd makes it a view of the caller's
+# tensor as eager does, and the backward graph holds the Function's
+# backward. The same holds for a view of an intermediate. Other outputs of
+# that storage are rebuilt from it.
+
+
+def _through_custom_function(t: torch.Tensor) -> bool:
+    """Is ``t`` a view that a custom ``autograd.Function`` made of its base?
+
+    Walks ``t``'s autograd nodes back to its base's; views have one input each.
+    """
+    if t._base is None or not t.requires_grad:
+        return False
+    node, stop = t.grad_fn, t._base.grad_fn
+    while node is not None and node is not stop:
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return True
+        edges = [n for n, _ in node.next_functions if n is not None]
+        if len(edges) != 1:
+            return False
+        node = edges[0]
+    return False
 
 
 def _rebuildable(view: torch.Tensor, base: torch.Tensor | None) -> bool:

@@ -102,7 +102,9 @@ class DirectTracer(TorchDispatchMode):
             raise NeedsFunctionalization(f"{func} reads tensor data")
         if func in self.decompositions:
             with self:
-                return self.decompositions[func](*args, **kwargs)
+                out = self.decompositions[func](*args, **kwargs)
+            if out is not NotImplemented:  # Note [Random fills keep their layout]
+                return out
         if autograd_would_have_decomposed(func, pytree.arg_tree_leaves(*args, **kwargs)):
             with self:
                 out = func.decompose(*args, **kwargs)

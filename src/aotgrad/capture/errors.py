@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,11 +16,19 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from aotgrad.errors import (
+    _AOTGRAD_DIR,
+    AotgradError,
     DataDependentError,
+    OpError,
+    OpIndexError,
+    OpRuntimeError,
+    OpTypeError,
+    OpValueError,
     UnsupportedMutationError,
     UnsupportedOpError,
     UnsupportedOutputError,
     UserFrame,
+    _is_user_file,
     format_error,
     user_frame_from_traceback,
 )
@@ -35,9 +44,14 @@ _DATA_DEPENDENT = (
 
 @contextlib.contextmanager
 def translate_trace_errors(fn: Any) -> Iterator[None]:
-    """Re-raise data-dependent failures as :class:`DataDependentError` at the user's line."""
+    """Re-raise failures inside torch as aotgrad errors at the user's line.
+
+    Data-dependent code becomes :class:`DataDependentError`; any other error an op
+    raised (Note [Errors from inside torch]) an :class:`OpError`.
+    """
     try:
-        yield
+        with _ops_errors():
+            yield
     except _DATA_DEPENDENT as e:
         raise _data_dependent(e) from None
     except RuntimeError as e:
@@ -68,6 +82,86 @@ def translate_trace_errors(fn: Any) -> Iterator[None]:
                 " the *_ex functions, such as torch.linalg.inv_ex).",
             )
         ) from None
+
+
+# Note [Errors from inside torch]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A ``RuntimeError``/``ValueError``/``TypeError``/``IndexError`` that a meta
+# kernel, a ref, a decomposition or the fake tensor raises during capture is
+# most often the error eager raises for the same call (``x @ w`` with
+# mismatched shapes). Its traceback ends deep inside torch, so it is raised
+# again as an :class:`OpError` (also an instance of the original's type)
+# naming the op that failed and the user's line, the original chained::
+#
+#     aten.mm.default raised RuntimeError during capture: a and b must have same reduction dim...
+#       at model.py:12 in forward: return x @ self.w
+#
+# The op is the outermost ``__torch_dispatch__`` frame's ``func`` (the op as
+# the user's code issued it, before decompositions); without one (a check in
+# torch's Python code) the outermost torch function. Errors raised by the
+# user's own code, and errors aotgrad already translated, pass unchanged.
+_OP_ERRORS: dict[type[Exception], type[OpError]] = {
+    RuntimeError: OpRuntimeError,
+    ValueError: OpValueError,
+    TypeError: OpTypeError,
+    IndexError: OpIndexError,
+}
+
+
+@contextlib.contextmanager
+def _ops_errors() -> Iterator[None]:
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        if isinstance(e, (AotgradError, *_DATA_DEPENDENT)) or _raised_by_user(e):
+            raise
+        if "data is not allocated yet" in str(e) or "non-functional tensor" in str(e):
+            raise  # translated below, as data-dependent or as a mutation
+        kind = next(k for t, k in _OP_ERRORS.items() if isinstance(e, t))
+        op = _failing_op(e)
+        raise kind(
+            format_error(
+                f"{op} raised {type(e).__name__} during capture: {e}",
+                user_frame_from_traceback(e.__traceback__),
+                "Eager PyTorch raises the same for these inputs (check the shapes, dtypes"
+                " and arguments at that line); if the function runs eagerly, please report"
+                " it as an aotgrad bug.",
+            )
+        ) from e
+
+
+def _frames(e: BaseException) -> list[Any]:
+    return [frame for frame, _ in traceback.walk_tb(e.__traceback__)]
+
+
+def _raised_by_user(e: BaseException) -> bool:
+    """The innermost frame is the user's code: the user raised it, not torch."""
+    frames = _frames(e)
+    return bool(frames) and _is_user_file(frames[-1].f_code.co_filename)
+
+
+def _failing_op(e: BaseException) -> str:
+    """The op being dispatched when ``e`` was raised, or the torch function that raised it."""
+    frames = _frames(e)
+    for frame in frames:
+        func = frame.f_locals.get("func") if frame.f_code.co_name == "__torch_dispatch__" else None
+        if isinstance(func, torch._ops.OpOverload):
+            return str(func)
+    # The torch function called last from the user's code, or from aotgrad's (autograd.grad).
+    caller = max(
+        (i for i, f in enumerate(frames) if _is_caller(f.f_code.co_filename)),
+        default=-1,
+    )
+    inside = frames[caller + 1 :]
+    if not inside:
+        return "an op"
+    code = inside[0].f_code
+    module = inside[0].f_globals.get("__name__", "")
+    return f"{module}.{code.co_name}" if module else code.co_name
+
+
+def _is_caller(filename: str) -> bool:
+    return _is_user_file(filename) or filename.startswith(_AOTGRAD_DIR)
 
 
 def _data_dependent(e: Exception, construct: str | None = None) -> DataDependentError:

@@ -96,6 +96,8 @@ class JointGraph:
     cotangents: tuple[Cotangent, ...]
     # Guards on symbolic sizes (Note [Dynamic shapes]); None for a static trace.
     guards: ShapeGuards | None = None
+    # Metadata mutations of inputs a synthetic base stands for, by user input position.
+    member_mutations: tuple[InputMutation, ...] = ()
 
     def __post_init__(self) -> None:
         if sum(self.differentiable) != len(self.cotangents):

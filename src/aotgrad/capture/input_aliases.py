@@ -30,6 +30,18 @@ twice) need no base: they share one functional wrapper.
 
 Inputs that share memory without a common ``._base`` cannot be rebuilt
 from one base; mutating one of them raises ``UnsupportedMutationError``.
+
+Only data mutations need a base: ``a.t_()`` changes no value another input
+sees. When a member's metadata changes too (``a.t_(); b.add_(1)``), the
+base carries the data and the member's new size and strides are read off
+its view, then replayed on the caller's ``a`` (``member_mutations``)::
+
+    epilogue:  base.copy_(new value of base)                   # b's add_, seen by a
+               a.as_strided_((2, 2), (1, 4), 0)                 # a's t_()
+
+If that member requires grad, autograd would re-derive it from the mutated
+base by replaying the view ops that made it, without its ``t_()``, and the
+gradient would come back transposed: capture refuses that case loudly.
 """
 
 from __future__ import annotations

@@ -50,9 +50,15 @@ from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
 from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.graph import code_on_demand
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
-from aotgrad.capture.mutation import InputMutation, PrimalInfo, analyze_mutations
+from aotgrad.capture.mutation import (
+    InputMutation,
+    PrimalInfo,
+    analyze_mutations,
+    check_member_mutations,
+    member_metadata_mutations,
+)
 from aotgrad.capture.recorder import ProvenanceMode, Recorder
-from aotgrad.errors import UserFrame
+from aotgrad.errors import UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
 
 Body = Callable[[list[torch.Tensor]], Any]
@@ -69,6 +75,8 @@ class TraceRecord:
     out_paths: list[str] = field(default_factory=list)
     aliasing: OutputAliasing | None = None
     mutations: list[InputMutation] = field(default_factory=list)
+    # Metadata mutations of inputs re-derived from a synthetic base, by user input position.
+    member_mutations: list[InputMutation] = field(default_factory=list)
     # Per value the autograd.Function returns: does it get a cotangent?
     differentiable: list[bool] = field(default_factory=list)
     grad_inputs: list[int] = field(default_factory=list)
@@ -222,12 +230,17 @@ def _joint(
     needs_grad = [p.requires_grad for p in graph_primals]  # before any in-place op
     with functional_mode:
         primals = _user_primals(graph_primals, inputs.sources)
+        member_grad_fns = [p.grad_fn for p in primals]
         closed_over = ClosedOver(real, primals, where)  # Note [Real tensors in a trace]
         with closed_over:
             result = body(primals)
+        record.member_mutations = member_metadata_mutations(
+            primals, member_grad_fns, inputs.sources
+        )
         forward, returned = _forward_values(
             result, primals, graph_primals, grad_fns, inputs, record, where, direct
         )
+        check_member_mutations(record.member_mutations, record.mutations, primals, where)
         record.grad_inputs = [
             i
             for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
@@ -236,6 +249,8 @@ def _joint(
         backward = with_backward and bool(record.grad_inputs)
         new_values = [m.requires_grad for m in record.mutations if m.data]
         outputs = returned[: len(returned) - len(new_values)]
+        if not backward and any(_is_differentiable(t) for t in outputs):
+            raise _grad_from_inside(where)
         record.differentiable = [backward and _is_differentiable(t) for t in outputs]
         record.differentiable += [backward and g for g in new_values]  # Note [Input mutation]
         differentiate = any(record.differentiable)
@@ -244,6 +259,18 @@ def _joint(
                 _backward(record, graph_primals, edges, returned, recorder) if differentiate else []
             )
     return [_unwrap(v) for v in (*forward, *grads)]
+
+
+def _grad_from_inside(where: UserFrame | None) -> UnsupportedOutputError:
+    return UnsupportedOutputError(
+        format_error(
+            "an output requires grad, but no input does: its gradient would flow into a tensor"
+            " the function made require grad itself (t.requires_grad_(), nn.Parameter(...)),"
+            " which a compiled function cannot hold",
+            where,
+            "Pass that tensor as an input that requires grad, or detach the output.",
+        )
+    )
 
 
 def _forward_values(

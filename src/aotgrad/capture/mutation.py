@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from aotgrad.capture.aliasing import ViewMeta
-from aotgrad.errors import InPlaceOnLeafError, UserFrame, format_error
+from aotgrad.errors import InPlaceOnLeafError, UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature import Descriptor
 
 
@@ -124,3 +124,64 @@ def analyze_mutations(
             )
         )
     return mutations
+
+
+def member_metadata_mutations(
+    primals: Sequence[torch.Tensor],
+    grad_fns_before: Sequence[object],
+    sources: Sequence[tuple[int, ViewMeta | None]],
+) -> list[InputMutation]:
+    """Size, stride or offset changes of inputs traced as views of a synthetic base.
+
+    Note [Aliased inputs]: the base carries the members' data mutations; a
+    member's ``a.t_()`` changes only the view, so it is read off the view
+    and replayed on the caller's tensor (``index`` is the user input position).
+    """
+    mutations = []
+    seen: set[int] = set()
+    for i, (p, (_, view)) in enumerate(zip(primals, sources, strict=True)):
+        if view is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        after = ViewMeta.of(p)
+        if after == view:
+            continue
+        mutations.append(
+            InputMutation(
+                index=i,
+                data=False,
+                metadata=after,
+                with_grad=p.grad_fn is not grad_fns_before[i],
+                requires_grad=False,
+            )
+        )
+    return mutations
+
+
+def check_member_mutations(
+    members: Sequence[InputMutation],
+    mutations: Sequence[InputMutation],
+    primals: Sequence[torch.Tensor],
+    where: UserFrame | None,
+) -> None:
+    """Refuse a metadata mutation of a member that requires grad when the base's data changes.
+
+    Autograd re-derives such a view from the base after a data mutation by
+    replaying the view ops that made it, without the in-place ``t_()``
+    that followed: the gradient would come back transposed (wrong, silently).
+    """
+    if not any(m.data for m in mutations):
+        return
+    for m in members:
+        if primals[m.index].requires_grad:
+            raise UnsupportedMutationError(
+                format_error(
+                    "the function changes the shape or strides of an input in place"
+                    " (t_(), unsqueeze_(), as_strided_()) and the data of an input sharing its"
+                    " memory, and the input requires grad; aotgrad cannot differentiate that"
+                    " faithfully yet",
+                    where,
+                    "Use the out-of-place op (a = a.t()), or pass inputs that do not share"
+                    " memory (clone one of them).",
+                )
+            )

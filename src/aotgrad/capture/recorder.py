@@ -25,7 +25,10 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from aotgrad.capture import closed_over
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
+from aotgrad.capture.random import FILL_RANDOM, strided_fill
 from aotgrad.errors import UserFrame
+
+aten = torch.ops.aten
 
 _MODULE = MODULE_KEY = "aotgrad_module"
 _SOURCE = SOURCE_KEY = "aotgrad_source"
@@ -85,6 +88,10 @@ class ProvenanceMode(FunctionalTensorMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         self.recorder.note_source()
+        fill = strided_fill(func, args, kwargs)
+        if fill is not None:  # Note [Random fills keep their layout]
+            value = super().__torch_dispatch__(FILL_RANDOM, types, (args[0], *fill), {})
+            return super().__torch_dispatch__(aten.copy_.default, types, (args[0], value), {})
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

@@ -40,9 +40,9 @@ class CompiledGraphs:
         if apply is None or self._bases or not plan.only_fresh:
             return None
         if plan.out_spec.is_leaf():
-            return lambda primals: apply(*primals)[0]
+            return lambda primals: _apply_with_grad(apply, primals)[0]
         spec = plan.out_spec
-        return lambda primals: pytree.tree_unflatten(list(apply(*primals)), spec)
+        return lambda primals: pytree.tree_unflatten(list(_apply_with_grad(apply, primals)), spec)
 
     def accepts(self, primals: Sequence[torch.Tensor]) -> bool:
         """Do these inputs satisfy the trace's shape guards? (Always, for static traces.)"""
@@ -64,8 +64,40 @@ class CompiledGraphs:
                 results = self._forward(list(inputs))
             returned = [results[i] for i in self.plan.returned]
         else:
-            returned = self._apply(*inputs)
+            returned = _apply_with_grad(self._apply, inputs)
         return run_epilogue(self.plan, primals, inputs, returned)
+
+
+# Note [Grad mode regions]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# Grad mode inside the function is the function's business; the trace runs
+# under the caller's mode and sees every ``no_grad``/``enable_grad``/
+# ``set_grad_enabled``/``inference_mode`` region. Which outputs require grad
+# is read off the traced outputs, so capture builds a backward whenever an
+# input requires grad, even under the caller's ``no_grad``::
+#
+#     with torch.no_grad():
+#         f(x)            # def f(x): with torch.enable_grad(): return x * 2
+#
+# The trace finds ``x * 2`` requires grad; the runtime calls its Function
+# with grad mode on (under ``no_grad`` autograd would not record it), and
+# the Function marks every output outside the region non-differentiable.
+# An output rebuilt as a view (Note [Aliased outputs]) gets the trace's
+# ``requires_grad`` too: ``v = a.view(-1); v.requires_grad_(True)`` on an
+# input that does not require grad returns a view that does.
+
+
+def _apply_with_grad(apply: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Any:
+    """Call the Function with grad mode on (Note [Grad mode regions]).
+
+    A compiled function with a backward called under ``no_grad`` holds an
+    ``enable_grad()`` region whose outputs require grad; the Function marks
+    every other output non-differentiable, so they do not.
+    """
+    if torch.is_grad_enabled():
+        return apply(*inputs)
+    with torch.enable_grad():
+        return apply(*inputs)
 
 
 def compile_partitioned(

@@ -59,6 +59,8 @@ class Plan:
     num_tensor_outputs: int
     # Synthetic bases the graph takes in place of memory-sharing inputs.
     input_bases: tuple[SyntheticBase, ...]
+    # Metadata mutations of user inputs a synthetic base stands for (by user input position).
+    member_mutations: tuple[InputMutation, ...]
     # Per saved value, whether it is a size (dynamic shapes); empty when none is.
     saved_sizes: tuple[bool, ...]
     # Every output leaf is a fresh tensor, in order, and nothing is mutated: no epilogue.
@@ -88,8 +90,11 @@ class Plan:
             mutations=mutations,
             num_tensor_outputs=n_out,
             input_bases=joint.input_bases,
+            member_mutations=joint.member_mutations,
             saved_sizes=sizes if any(sizes := tuple(s.is_size for s in partitioned.saved)) else (),
-            only_fresh=_only_fresh(joint.leaves, joint.mutations, n_base),
+            only_fresh=_only_fresh(
+                joint.leaves, (*joint.mutations, *joint.member_mutations), n_base
+            ),
             forward_needs_grad_mode=any(
                 needs_grad_mode(n.target) for n in partitioned.forward.graph.nodes
             ),
@@ -216,6 +221,8 @@ def run_epilogue(
     for mutation in plan.mutations:
         new = next(new_values) if mutation.data else None
         _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new)
+    for mutation in plan.member_mutations:  # Note [Aliased inputs]
+        _replay_mutation(primals[mutation.index], concrete.mutation(mutation), None)
     tensors: list[torch.Tensor | None] = [None] * plan.num_tensor_outputs
     for k, value in zip(plan.fresh, returned, strict=False):
         tensors[k] = value
@@ -281,8 +288,14 @@ def _rebuild(alias: Alias, values: tuple[Sequence[torch.Tensor | None], ...]) ->
     assert source is not None, f"expected {alias.source.value} {alias.index} to be built first"
     if alias.view is None:
         return source
-    view = source.as_strided(alias.view.size, alias.view.stride, alias.view.storage_offset)
-    return view if alias.requires_grad or not view.requires_grad else view.detach()
+    meta = alias.view
+    with torch.set_grad_enabled(alias.with_grad):  # Note [Grad mode regions]
+        view = source.as_strided(meta.size, meta.stride, meta.storage_offset)
+    if view.requires_grad and not alias.requires_grad:
+        return view.detach()
+    if alias.requires_grad and not view.requires_grad:  # v = a.view(-1); v.requires_grad_()
+        return view.requires_grad_(True)
+    return view
 
 
 __all__ = ["Plan", "TensorOutput", "direct_apply", "make_function", "run_epilogue"]
