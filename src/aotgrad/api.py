@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 from aotgrad.cache import CacheInfo, explain_miss
-from aotgrad.capture import JointGraph, capture
+from aotgrad.capture import JointGraph, capture, capturing
 from aotgrad.capture.dynamic import all_dims, has_marks, marked_dims
 from aotgrad.errors import CallError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
@@ -271,6 +271,8 @@ class AOTFunction:
         self._last_entry: _LastEntry | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if capturing():  # called by code being traced: trace through (Note [Capture sessions])
+            return self._fn(*args, **kwargs)
         last = self._last_entry
         if (
             last is not None

@@ -1,0 +1,114 @@
+"""Frontends on unusual callers: nesting, threads, pickling, odd results and inputs."""
+
+from __future__ import annotations
+
+import threading
+from collections import namedtuple
+
+import pytest
+import torch
+
+import aotgrad
+from aotgrad.compilers import nop
+from aotgrad.testing import verify
+
+Pair = namedtuple("Pair", "tensor size")
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: (), lambda x: None, lambda x: {}, lambda x: ((), [None], 3)],
+    ids=["empty-tuple", "none", "empty-dict", "nested-constants"],
+)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_nop_compiles_graphs_without_outputs(fn, requires_grad):
+    x = torch.randn(3, requires_grad=requires_grad)
+    assert aotgrad.aot_function(fn, nop)(x) == fn(x)
+    verify(fn, x, compile_fn=lambda f: aotgrad.aot_function(f, nop))
+
+
+def test_nop_compiles_single_and_nested_outputs():
+    def fn(x):
+        return ((x.sin(),), [x.cos(), None], {"n": 1, "t": (x * 2,)})
+
+    verify(
+        fn, torch.randn(3, requires_grad=True), compile_fn=lambda f: aotgrad.aot_function(f, nop)
+    )
+
+
+def test_straight_line_source_of_an_empty_output_is_valid_python():
+    gm = torch.fx.symbolic_trace(lambda x: ())
+    source, _ = aotgrad.runtime.straight_line.straight_line_source(gm)
+    compile(source, "<test>", "exec")
+    assert "return ()" in source
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.shape,
+        lambda x: (x.sin(), x.size()),
+        lambda x: {"s": [x.sum().shape, Pair(x.cos(), x[0].shape)]},
+    ],
+    ids=["size", "tensor-and-size", "nested"],
+)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_returned_torch_size_stays_a_torch_size(fn, requires_grad):
+    x = torch.randn(2, 3, requires_grad=requires_grad)
+    verify(fn, x)  # compares the output structure: Size is not tuple
+    assert type(aotgrad.aot_function(fn)(x)) is type(fn(x))
+    assert type(aotgrad.trace(fn, x)(x)) is type(fn(x))
+
+
+def test_compiled_function_calling_a_compiled_function():
+    inner = aotgrad.aot_function(lambda x, w: (x @ w).sin())
+
+    def outer(x, w):
+        return inner(x, w).cos() + inner(x * 2, w).sum()
+
+    x, w = torch.randn(2, 3, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    verify(outer, x, w)
+    verify(aotgrad.aot_function(outer), x, w)  # compiled twice over
+    assert torch.allclose(inner(x, w), (x @ w).sin())  # the inner one still works on its own
+
+
+def test_aot_module_of_a_module_holding_an_aot_module():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(aotgrad.aot_module(torch.nn.Linear(3, 4)), torch.nn.Tanh())
+    verify(model, torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("with_batchnorm", [False, True])
+def test_verify_of_an_aot_module(with_batchnorm):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4))
+    if with_batchnorm:
+        model.append(torch.nn.BatchNorm1d(4))
+    verify(aotgrad.aot_module(model), torch.randn(5, 3))
+
+
+def test_first_calls_from_several_threads_capture_one_at_a_time():
+    def fn(x):
+        return (x @ x.t()).sin().sum(0) * 2
+
+    for _ in range(3):  # a fresh function each round: every thread's call is a first call
+        compiled = aotgrad.aot_function(fn)
+        barrier = threading.Barrier(4)
+        errors: list[BaseException] = []
+
+        def work(compiled=compiled, barrier=barrier, errors=errors):
+            x = torch.randn(4, 4, requires_grad=True)
+            barrier.wait()
+            try:
+                out = compiled(x)
+                out.sum().backward()
+                assert torch.allclose(out, fn(x))
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
