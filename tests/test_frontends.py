@@ -112,3 +112,38 @@ def test_first_calls_from_several_threads_capture_one_at_a_time():
         for t in threads:
             t.join()
         assert not errors, errors
+
+
+def _sparse(requires_grad=False):
+    return torch.randn(4, 3).relu().to_sparse().requires_grad_(requires_grad)
+
+
+@pytest.mark.parametrize(
+    ("fn", "make_inputs"),
+    [
+        (lambda a, b: torch.sparse.mm(a, b), lambda: (_sparse(), torch.randn(3, 2))),
+        (
+            lambda a, b: torch.sparse.mm(a, b).sin(),
+            lambda: (_sparse(True), torch.randn(3, 2, requires_grad=True)),
+        ),
+        (lambda a, b: (a.to_dense() * b).sum(), lambda: (_sparse(True), torch.randn(4, 3))),
+        (lambda a, b: a * 2, lambda: (_sparse(), torch.randn(3))),
+        (
+            lambda a, b: a @ b,
+            lambda: (
+                torch.randn(4, 3).relu().to_sparse_csr(),
+                torch.randn(3, 2, requires_grad=True),
+            ),
+        ),
+    ],
+    ids=["mm", "mm-grads", "to-dense-grad", "sparse-output", "csr"],
+)
+def test_sparse_inputs_run_as_in_eager(fn, make_inputs):
+    verify(fn, *make_inputs())
+
+
+def test_sparse_output_that_requires_grad_is_refused_clearly():
+    with pytest.raises(
+        aotgrad.UnsupportedOutputError, match="sparse_coo tensor that requires grad"
+    ):
+        aotgrad.aot_function(lambda a: a * 2)(_sparse(True))

@@ -30,6 +30,7 @@ from aotgrad.signature.flatten import (
     leaf_names,
 )
 from aotgrad.signature.printing import describe_graph
+from aotgrad.signature.storage import storage_key, storage_nbytes
 
 __all__ = [
     "SIGNATURE_VERSION",
@@ -55,4 +56,6 @@ __all__ = [
     "dynamic_call_key",
     "flatten_inputs",
     "leaf_names",
+    "storage_key",
+    "storage_nbytes",
 ]
