@@ -147,3 +147,44 @@ def test_sparse_output_that_requires_grad_is_refused_clearly():
         aotgrad.UnsupportedOutputError, match="sparse_coo tensor that requires grad"
     ):
         aotgrad.aot_function(lambda a: a * 2)(_sparse(True))
+
+
+def _double(x):
+    return (x * 2).sin()
+
+
+def test_pickled_aot_module_round_trips_and_compiles_again():
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model = aotgrad.aot_module(
+        torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)), partition="mincut"
+    )
+    x = torch.randn(5, 3)
+    model(x)  # compiled once before pickling
+    for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert isinstance(copied, aotgrad.AOTModule)
+        assert copied.compiled._options == model.compiled._options
+        assert copied.orig_module is not model.orig_module
+        verify(copied.orig_module, x)  # the copy is the same model
+        eager = copy.deepcopy(copied.orig_module)
+        out, expected = copied(x), eager(x)
+        cotangent = torch.randn_like(out)
+        out.backward(cotangent)
+        expected.backward(cotangent)
+        assert torch.allclose(out, expected)
+        for p, q in zip(copied.orig_module.parameters(), eager.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad)
+        assert copied.compiled.info.misses == 1  # captured again on first use
+
+
+def test_pickled_aot_function_round_trips():
+    import pickle
+
+    compiled = aotgrad.aot_function(_double, nop)
+    x = torch.randn(3, requires_grad=True)
+    compiled(x)  # holds compiled graphs now
+    copied = pickle.loads(pickle.dumps(compiled))
+    assert torch.equal(copied(x), _double(x))
+    assert copied._options == compiled._options

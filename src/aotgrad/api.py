@@ -353,6 +353,10 @@ class AOTFunction:
         )
         return False
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles as the function and the options; compiled graphs are made again on use."""
+        return (AOTFunction, (self._fn, self._options, self._input_names))
+
     def seq_table(self) -> SeqTable:
         return seq_table(self._last().joint.gm)
 
@@ -447,11 +451,19 @@ class AOTModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled(*args, **kwargs)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles (and deep-copies) as the wrapped module plus options, compiled again on use."""
+        return (_rebuild_aot_module, (self.orig_module, self.compiled._options))
+
     def seq_table(self) -> SeqTable:
         return self.compiled.seq_table()
 
     def memory_report(self, by_module: bool = False) -> str:
         return self.compiled.memory_report(by_module)
+
+
+def _rebuild_aot_module(module: torch.nn.Module, options: Options) -> AOTModule:
+    return AOTModule(module, AOTFunction(module, options))
 
 
 def aot_module(
