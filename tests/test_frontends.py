@@ -188,3 +188,14 @@ def test_pickled_aot_function_round_trips():
     copied = pickle.loads(pickle.dumps(compiled))
     assert torch.equal(copied(x), _double(x))
     assert copied._options == compiled._options
+
+
+def test_set_of_an_input_to_a_new_storage_is_refused_not_dropped():
+    def fn(a):
+        a.set_(torch.zeros(5))
+        return a + 1
+
+    a = torch.ones(3)
+    with pytest.raises(aotgrad.UnsupportedMutationError, match=r"new storage \(set_\)"):
+        aotgrad.aot_function(fn)(a)
+    assert torch.equal(a, torch.ones(3))  # untouched
