@@ -104,7 +104,7 @@ def analyze_mutations(
         if info.duplicate_of is not None:
             continue  # the first occurrence carries the mutation
         elem = p.elem  # type: ignore[attr-defined]
-        if torch._functionalize_was_storage_changed(elem):  # type: ignore[attr-defined]
+        if torch._functionalize_was_storage_changed(elem):
             raise UnsupportedMutationError(
                 format_error(
                     f"the function gives input {descriptors[i]} a new storage (set_), which"
