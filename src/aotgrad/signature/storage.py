@@ -21,10 +21,14 @@ def storage_key(t: torch.Tensor) -> Any:
     return ("tensor", id(t))  # never compared with a StorageWeakRef (its == needs one)
 
 
-def storage_nbytes(t: torch.Tensor) -> int:
-    """Bytes of the storage under ``t`` (a sparse tensor: its indices and values)."""
+def storage_nbytes(t: torch.Tensor) -> Any:
+    """Bytes of the storage under ``t`` (a sparse tensor: its indices and values).
+
+    An int, or a SymInt under dynamic shapes: never ``int()`` it here, which
+    would specialize the trace on the size (a shape guard).
+    """
     if t.layout is torch.strided:
-        return int(t.untyped_storage().nbytes())
+        return t.untyped_storage().nbytes()
     if t.layout is torch.sparse_coo:
         parts = [t._indices(), t._values()]
     elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
@@ -32,5 +36,5 @@ def storage_nbytes(t: torch.Tensor) -> int:
     elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
         parts = [t.ccol_indices(), t.row_indices(), t.values()]
     else:
-        return int(t.numel() * t.element_size())
-    return sum(int(p.numel() * p.element_size()) for p in parts)
+        return t.numel() * t.element_size()
+    return sum(p.numel() * p.element_size() for p in parts)
