@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from aotgrad.cli import main
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "carry.py"
@@ -42,3 +44,62 @@ def test_console_script_entry_point_runs():
     )
     assert result.returncode == 0, result.stderr
     assert "=== backward graph ===" in result.stdout
+
+
+CASES = """
+import torch
+
+NOT_A_FUNCTION = 3
+
+
+def fn(x):
+    return x.sin()
+
+
+def shape_error(x):
+    return x @ torch.ones(5, 2)  # the offending line
+
+
+def raises():
+    raise ValueError("boom")
+
+
+def wrong_shape():
+    return [torch.ones(2)]
+
+
+def example_inputs():
+    return (torch.ones(2, 3),), {}
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["bad.py:fn"], 2, "bad.py:3: syntax error"),
+        (["cases.py:NOT_A_FUNCTION"], 2, "NOT_A_FUNCTION is of type int, not a function"),
+        (["cases.py:fn", "--inputs", "raises"], 2, "raises() raised ValueError: boom"),
+        (["cases.py:fn", "--inputs", "wrong_shape"], 2, "must return (args, kwargs)"),
+        (["cases.py:fn", "--inputs", "fn"], 2, "fn() raised TypeError"),
+        (["cases.py:shape_error"], 1, "x @ torch.ones(5, 2)  # the offending line"),
+    ],
+    ids=[
+        "syntax-error",
+        "not-a-function",
+        "inputs-raise",
+        "inputs-wrong-shape",
+        "inputs-args",
+        "function-raises",
+    ],
+)
+def test_show_reports_bad_targets_in_one_line(tmp_path, capfd, argv, code, message):
+    (tmp_path / "cases.py").write_text(CASES)
+    (tmp_path / "bad.py").write_text("import torch\n\ndef fn(x)\n    return x\n")
+    target, *rest = argv
+    assert main(["show", str(tmp_path / target), *rest]) == code
+    err = capfd.readouterr().err
+    assert message in err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err, err
+    # A load error is one line; a capture error is aotgrad's own: what, where, what to do.
+    assert len(lines) == 1 or (code == 1 and lines[0].startswith("aotgrad: ")), err

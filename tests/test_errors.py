@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -177,3 +180,23 @@ def test_error_in_a_custom_backward_names_autograd_and_chains_the_original():
             torch.randn(3, requires_grad=True)
         )
     assert "returned an invalid gradient" in str(info.value.__cause__)
+
+
+FAKE_TENSOR_LOG_SCRIPT = """
+import logging, torch, aotgrad
+try:
+    aotgrad.aot_function(lambda x: x @ torch.ones(5, 2))(torch.randn(1, 3, requires_grad=True))
+except RuntimeError as e:
+    print("raised:", e)
+assert not logging.getLogger("torch._subclasses.fake_tensor").disabled  # restored after
+"""
+
+
+def test_a_user_error_during_capture_is_not_logged_by_the_fake_tensor_mode():
+    result = subprocess.run(
+        [sys.executable, "-c", FAKE_TENSOR_LOG_SCRIPT], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "raised: aten.mm.default raised RuntimeError" in result.stdout
+    assert "a and b must have same reduction dim" in result.stdout
+    assert "failed while attempting to run meta" not in result.stderr

@@ -108,7 +108,6 @@ def test_enable_grad_inside_a_function_called_under_no_grad():
     verify(eager, torch.randn(3, requires_grad=True), compile_fn=lambda f: under_no_grad)
 
 
-@unfixed("issue 12 item 14: a Dynamo graph break leaves a graph with no outputs (SyntaxError)")
 def test_compile_graph_break_at_enable_grad_after_metadata_mutation():
     def fn(a0):
         v0 = a0 * 2

@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad.cache import CacheInfo, explain_miss
-from aotgrad.capture import JointGraph, capture
+from aotgrad.capture import JointGraph, capture, capturing
 from aotgrad.capture.dynamic import all_dims, has_marks, marked_dims
 from aotgrad.errors import CallError, user_frame_of_function
 from aotgrad.lifting import NOTHING, State
@@ -279,6 +279,8 @@ class AOTFunction:
         self._warned_full = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if capturing():  # called by code being traced: trace through (Note [Capture sessions])
+            return self._fn(*args, **kwargs)
         last = self._last_entry
         if (
             last is not None
@@ -398,6 +400,10 @@ class AOTFunction:
         )
         return False
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles as the function and the options; compiled graphs are made again on use."""
+        return (AOTFunction, (self._fn, self._options, self._input_names))
+
     def seq_table(self) -> SeqTable:
         return seq_table(self._last().joint.gm)
 
@@ -489,11 +495,19 @@ class AOTModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled(*args, **kwargs)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles (and deep-copies) as the wrapped module plus options, compiled again on use."""
+        return (_rebuild_aot_module, (self.orig_module, self.compiled._options))
+
     def seq_table(self) -> SeqTable:
         return self.compiled.seq_table()
 
     def memory_report(self, by_module: bool = False) -> str:
         return self.compiled.memory_report(by_module)
+
+
+def _rebuild_aot_module(module: torch.nn.Module, options: Options) -> AOTModule:
+    return AOTModule(module, AOTFunction(module, options))
 
 
 def aot_module(

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotgrad.api import aot_function, aot_module
+from aotgrad.signature import storage_key
 
 
 class VerificationError(AssertionError):
@@ -153,7 +153,7 @@ def _copy_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
 def _storage_key(t: torch.Tensor) -> Any:
     if t.device.type == "meta":
         return id(t)
-    return StorageWeakRef(t.untyped_storage())
+    return storage_key(t)
 
 
 def _copy_storage_group(
@@ -166,6 +166,11 @@ def _copy_storage_group(
     first = originals[0]
     if first.device.type == "meta":
         return [t.detach().clone().requires_grad_(t.requires_grad) for t in originals]
+    if first.layout is not torch.strided:  # sparse: no storage to share, one tensor
+        new = first.detach().clone().requires_grad_(first.requires_grad)
+        if first.requires_grad:
+            holders[_input_name(leaves[members[0]][0])] = new
+        return [new] * len(originals)
     buffer = torch.empty(
         first.untyped_storage().nbytes() // first.element_size(),
         dtype=first.dtype,
@@ -235,7 +240,10 @@ class _Checker:
             where = f"input {name} after the call"
             if not self.tensor(where, e, c):
                 continue
-            if (e.stride(), e.storage_offset()) != (c.stride(), c.storage_offset()):
+            if e.layout is torch.strided and (e.stride(), e.storage_offset()) != (
+                c.stride(),
+                c.storage_offset(),
+            ):
                 self.mismatch(
                     f"{where}: stride/offset {c.stride()}/{c.storage_offset()}"
                     f" != eager {e.stride()}/{e.storage_offset()}"
@@ -256,9 +264,14 @@ class _Checker:
         if e.shape != c.shape or e.dtype != c.dtype:
             self.mismatch(f"{name}: {c.dtype}{list(c.shape)} != eager {e.dtype}{list(e.shape)}")
             return False
+        if e.layout != c.layout:
+            self.mismatch(f"{name}: layout {c.layout} != eager {e.layout}")
+            return False
         if e.device.type == "meta":
             return True
         e, c = e.detach(), c.detach()
+        if e.layout is not torch.strided:
+            e, c = e.to_dense(), c.to_dense()
         if e.numel() and not e.is_complex() and e.dtype != torch.bool:
             diff = (e.double() - c.double()).abs().nan_to_num(0.0)
             self.report.max_abs_diff = max(self.report.max_abs_diff, float(diff.max()))
@@ -287,10 +300,10 @@ def _aliases(outputs: list[Any], call: _Call) -> list[tuple[str, Any, bool] | No
         if not isinstance(out, torch.Tensor) or out.device.type == "meta":
             result.append(None)
             continue
-        key = StorageWeakRef(out.untyped_storage())
+        key = storage_key(out)
         alias: tuple[str, Any, bool] | None = None
         for name, t in inputs:
-            if t.device.type != "meta" and StorageWeakRef(t.untyped_storage()) == key:
+            if t.device.type != "meta" and storage_key(t) == key:
                 alias = ("input", name, out is t)
                 break
         if alias is None:

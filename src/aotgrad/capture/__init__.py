@@ -45,6 +45,7 @@ from aotgrad.capture.provenance import (
 from aotgrad.capture.random import faithful_decompositions
 from aotgrad.capture.recompute import link_recompute
 from aotgrad.capture.recorder import Recorder, stamp
+from aotgrad.capture.session import capture_session, capturing
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature import (
     Buffer,
@@ -74,6 +75,7 @@ __all__ = [
     "TensorOutput",
     "ViewMeta",
     "capture",
+    "capturing",
     "graph_inputs",
     "lazy_module",
     "node_info",
@@ -108,10 +110,11 @@ def capture(
     decompositions = faithful_decompositions(decompositions)
     options = TraceOptions(with_backward, decompositions, where, dynamic_dims)
     label = root if root is not None else body
-    joint = _capture(body, flat, primals, (), options, label)
-    bases = _synthetic_bases(joint, primals, where)
-    if bases:  # Note [Aliased inputs]: trace again, the members re-derived from their bases
-        joint = _capture(body, flat, primals, bases, options, label)
+    with capture_session():  # Note [Capture sessions]
+        joint = _capture(body, flat, primals, (), options, label)
+        bases = _synthetic_bases(joint, primals, where)
+        if bases:  # Note [Aliased inputs]: trace again, the members re-derived from their bases
+            joint = _capture(body, flat, primals, bases, options, label)
     return joint
 
 

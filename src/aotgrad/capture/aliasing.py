@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from aotgrad.signature.storage import storage_key
 
 
 class AliasSource(enum.Enum):
@@ -140,8 +141,8 @@ class ConstantOutput:
 OutputLeaf = TensorOutput | ConstantOutput
 
 
-def storage_of(t: torch.Tensor) -> StorageWeakRef:
-    return StorageWeakRef(t.untyped_storage())
+def storage_of(t: torch.Tensor) -> Any:
+    return storage_key(t)
 
 
 @dataclass(frozen=True)
@@ -167,13 +168,13 @@ def analyze_aliasing(
     input_ids: dict[int, int] = {}
     for i, p in enumerate(primals):
         input_ids.setdefault(id(p), i)
-    input_storages: dict[StorageWeakRef, int] = {}
+    input_storages: dict[Any, int] = {}
     for i, p in enumerate(graph_primals):
         input_storages.setdefault(storage_of(p), i)
     aliases: list[Alias | None] = [None] * len(tensors)
     first_index: dict[int, int] = {}
-    groups: dict[StorageWeakRef, list[int]] = {}
-    custom_owners: dict[StorageWeakRef, int] = {}
+    groups: dict[Any, list[int]] = {}
+    custom_owners: dict[Any, int] = {}
     for k, t in enumerate(tensors):
         storage = storage_of(t)
         if id(t) in input_ids:

@@ -194,6 +194,15 @@ def _construct(e: Exception, line: str) -> str:
 
 def check_output_leaf(path: tuple[Any, ...], leaf: Any, where: UserFrame | None) -> None:
     """Outputs are tensors, Python scalars, ``None`` or pytrees of them; anything else fails."""
+    if isinstance(leaf, torch.Tensor) and leaf.layout is not torch.strided and leaf.requires_grad:
+        raise UnsupportedOutputError(
+            format_error(
+                f"output{pytree.keystr(path)} is a {leaf.layout} tensor that requires grad;"
+                " aotgrad's backward graphs take strided (dense) cotangents",
+                where,
+                "Return it densified (.to_dense()), or detached if it needs no gradient.",
+            )
+        )
     if isinstance(leaf, (torch.Tensor, *_SCALARS)):
         return
     raise UnsupportedOutputError(

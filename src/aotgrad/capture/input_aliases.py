@@ -48,11 +48,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotgrad.capture.aliasing import ViewMeta
+from aotgrad.signature.storage import storage_key
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,13 @@ class SyntheticBase:
 
 def overlapping_groups(primals: Sequence[torch.Tensor]) -> list[list[int]]:
     """Groups of distinct inputs over one storage (each group has two or more members)."""
-    groups: dict[StorageWeakRef, list[int]] = {}
+    groups: dict[Any, list[int]] = {}
     seen: set[int] = set()
     for i, p in enumerate(primals):
         if id(p) in seen:
             continue
         seen.add(id(p))
-        groups.setdefault(StorageWeakRef(p.untyped_storage()), []).append(i)
+        groups.setdefault(storage_key(p), []).append(i)
     return [g for g in groups.values() if len(g) > 1]
 
 

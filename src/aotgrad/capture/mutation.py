@@ -40,7 +40,12 @@ from dataclasses import dataclass
 import torch
 
 from aotgrad.capture.aliasing import ViewMeta
-from aotgrad.errors import InPlaceOnLeafError, UnsupportedMutationError, UserFrame, format_error
+from aotgrad.errors import (
+    InPlaceOnLeafError,
+    UnsupportedMutationError,
+    UserFrame,
+    format_error,
+)
 from aotgrad.signature import Descriptor
 
 
@@ -99,6 +104,15 @@ def analyze_mutations(
         if info.duplicate_of is not None:
             continue  # the first occurrence carries the mutation
         elem = p.elem  # type: ignore[attr-defined]
+        if torch._functionalize_was_storage_changed(elem):
+            raise UnsupportedMutationError(
+                format_error(
+                    f"the function gives input {descriptors[i]} a new storage (set_), which"
+                    " aotgrad cannot replay on the caller's tensor",
+                    where,
+                    "Return the new tensor instead of setting it into the input.",
+                )
+            )
         data = bool(torch._functionalize_has_data_mutation(elem))  # type: ignore[attr-defined]
         metadata = bool(torch._functionalize_has_metadata_mutation(elem))
         if not (data or metadata):

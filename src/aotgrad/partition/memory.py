@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from aotgrad.signature.storage import storage_key, storage_nbytes
 
 
 def peak_bytes(forward: fx.GraphModule, backward: fx.GraphModule | None) -> int:
@@ -14,14 +17,14 @@ def peak_bytes(forward: fx.GraphModule, backward: fx.GraphModule | None) -> int:
     values) stay live into the backward; everything else is freed after its
     last use. Views share their base's storage and add nothing.
     """
-    live: dict[StorageWeakRef, int] = {}
+    live: dict[Any, int] = {}
     peak = _run(forward, live, keep_outputs=True)
     if backward is not None:
         peak = max(peak, _run(backward, live, keep_outputs=False))
     return peak
 
 
-def _run(gm: fx.GraphModule, live: dict[StorageWeakRef, int], keep_outputs: bool) -> int:
+def _run(gm: fx.GraphModule, live: dict[Any, int], keep_outputs: bool) -> int:
     nodes = list(gm.graph.nodes)
     last_use = {}
     for i, node in enumerate(nodes):
@@ -41,11 +44,7 @@ def _run(gm: fx.GraphModule, live: dict[StorageWeakRef, int], keep_outputs: bool
     return peak
 
 
-def _storages(node: fx.Node) -> list[tuple[StorageWeakRef, int]]:
+def _storages(node: fx.Node) -> list[tuple[Any, int]]:
     val = node.meta.get("val")
     values = val if isinstance(val, list | tuple) else [val]
-    return [
-        (StorageWeakRef(v.untyped_storage()), v.untyped_storage().nbytes())
-        for v in values
-        if isinstance(v, torch.Tensor)
-    ]
+    return [(storage_key(v), storage_nbytes(v)) for v in values if isinstance(v, torch.Tensor)]

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotgrad.capture import node_info
 from aotgrad.errors import UserFrame
 from aotgrad.optable import op_name
+from aotgrad.signature.storage import storage_key, storage_nbytes
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def describe_saved(
     nodes: Sequence[fx.Node], users: Sequence[list[str]], reasons: Sequence[str]
 ) -> tuple[SavedValue, ...]:
     """One :class:`SavedValue` per saved node; views of one storage get one storage number."""
-    storages: dict[StorageWeakRef, int] = {}
+    storages: dict[Any, int] = {}
     values: list[SavedValue] = []
     shape: tuple[int, ...]
     for node, readers, reason in zip(nodes, users, reasons, strict=True):
@@ -70,8 +70,8 @@ def describe_saved(
         if isinstance(val, torch.SymInt):  # a symbolic size the backward needs
             shape, dtype, nbytes, storage = (), torch.int64, 0, -1 - len(values)
         elif isinstance(val, torch.Tensor):
-            shape, dtype, nbytes = tuple(val.shape), val.dtype, val.untyped_storage().nbytes()
-            storage = storages.setdefault(StorageWeakRef(val.untyped_storage()), len(storages))
+            shape, dtype, nbytes = tuple(val.shape), val.dtype, storage_nbytes(val)
+            storage = storages.setdefault(storage_key(val), len(storages))
         else:
             raise AssertionError(
                 f"expected a tensor or size on saved node {node.name}, got {val!r}"

@@ -37,7 +37,7 @@ class CompiledGraphs:
         (the epilogue's fast path, Note [What the autograd.Function returns]).
         """
         apply, plan = self._apply, self.plan
-        if apply is None or self._bases or not plan.only_fresh:
+        if apply is None or self._bases or not plan.only_fresh or plan.has_sizes:
             return None
         if plan.out_spec.is_leaf():
             return lambda primals: _apply_with_grad(apply, primals)[0]

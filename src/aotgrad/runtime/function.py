@@ -71,6 +71,8 @@ class Plan:
     out_spec: pytree.TreeSpec
     # Dynamic shapes: evaluates symbolic layouts at a call (Note [Symbolic layouts]).
     guards: ShapeGuards | None = None
+    # The result holds a ``torch.Size`` (Note [Sizes in the result]).
+    has_sizes: bool = False
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
@@ -101,6 +103,7 @@ class Plan:
             leaves=joint.leaves,
             out_spec=joint.out_spec,
             guards=joint.guards,
+            has_sizes=_holds_size(joint.out_spec),
         )
 
 
@@ -213,7 +216,7 @@ def run_epilogue(
     if plan.only_fresh:  # nothing to replay: the returned values are the outputs, in order
         if plan.out_spec.is_leaf():
             return returned[0]
-        return pytree.tree_unflatten(list(returned), plan.out_spec)
+        return unflatten_result(list(returned), plan)
     n_fresh = len(plan.fresh)
     bases = returned[n_fresh : n_fresh + plan.num_bases]
     new_values = iter(returned[n_fresh + plan.num_bases :])
@@ -238,7 +241,39 @@ def run_epilogue(
         leaves.append(tensors[leaf.index])
     if plan.out_spec.is_leaf():
         return leaves[0]
-    return pytree.tree_unflatten(leaves, plan.out_spec)
+    return unflatten_result(leaves, plan)
+
+
+# Note [Sizes in the result]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch registers ``torch.Size`` as a pytree node that unflattens to a plain
+# ``tuple`` (fx's tracers need that: ``Size`` only holds ints). A function
+# returning ``x.shape`` must still return a ``torch.Size``, as eager does, so
+# the result is rebuilt node by node when its structure holds one:
+#
+#     fn(x) = (x.sin(), x.shape)   leaves: [sin, 2, 3]   spec: tuple(*, Size(*, *))
+#     pytree.tree_unflatten:       (sin, (2, 3))
+#     unflatten_result:            (sin, torch.Size([2, 3]))
+
+
+def unflatten_result(leaves: list[Any], plan: Plan) -> Any:
+    """The user's result from its leaves, ``torch.Size`` kept (Note [Sizes in the result])."""
+    if not plan.has_sizes:
+        return pytree.tree_unflatten(leaves, plan.out_spec)
+    return _build(iter(leaves), plan.out_spec)
+
+
+def _build(leaves: Any, spec: pytree.TreeSpec) -> Any:
+    if spec.is_leaf():
+        return next(leaves)
+    children = [_build(leaves, child) for child in spec.children()]
+    if spec.type is torch.Size:
+        return torch.Size(children)
+    return pytree.SUPPORTED_NODES[spec.type].unflatten_fn(children, spec.context)
+
+
+def _holds_size(spec: pytree.TreeSpec) -> bool:
+    return spec.type is torch.Size or any(_holds_size(c) for c in spec.children())
 
 
 class _ConcreteLayouts:
@@ -298,4 +333,11 @@ def _rebuild(alias: Alias, values: tuple[Sequence[torch.Tensor | None], ...]) ->
     return view
 
 
-__all__ = ["Plan", "TensorOutput", "direct_apply", "make_function", "run_epilogue"]
+__all__ = [
+    "Plan",
+    "TensorOutput",
+    "direct_apply",
+    "make_function",
+    "run_epilogue",
+    "unflatten_result",
+]

@@ -61,7 +61,9 @@ class _Emitter:
             return arg.name
         if isinstance(arg, list) or (isinstance(arg, tuple) and not hasattr(arg, "_fields")):
             items = ", ".join(self.value(a) for a in arg)
-            return f"[{items}]" if isinstance(arg, list) else f"({items},)"
+            if isinstance(arg, list):
+                return f"[{items}]"
+            return f"({items},)" if len(arg) == 1 else f"({items})"  # "()" for no outputs
         if type(arg) in _LITERALS or (type(arg) is float and math.isfinite(arg)):
             return repr(arg)
         return self.bind("_const", arg)

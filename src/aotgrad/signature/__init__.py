@@ -31,6 +31,7 @@ from aotgrad.signature.flatten import (
     register_dataclasses,
 )
 from aotgrad.signature.printing import describe_graph
+from aotgrad.signature.storage import storage_key, storage_nbytes
 
 __all__ = [
     "SIGNATURE_VERSION",
@@ -57,4 +58,6 @@ __all__ = [
     "flatten_inputs",
     "leaf_names",
     "register_dataclasses",
+    "storage_key",
+    "storage_nbytes",
 ]

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch._C._dynamo.guards import TensorGuards
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotgrad.errors import CallError, format_error, user_frame_of_function
 from aotgrad.signature.descriptors import Input, PrimalDescriptor
+from aotgrad.signature.storage import storage_key
 from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
 
 
@@ -189,9 +189,9 @@ def alias_key(leaves: Sequence[Any]) -> tuple[int, ...] | None:
     else:
         return None
     groups: dict[Any, int] = {}
-    return tuple(
-        groups.setdefault(StorageWeakRef(t.untyped_storage()), len(groups)) for t in tensors
-    ) + tuple(groups.setdefault(("id", id(t)), len(groups)) for t in tensors)
+    return tuple(groups.setdefault(storage_key(t), len(groups)) for t in tensors) + tuple(
+        groups.setdefault(("id", id(t)), len(groups)) for t in tensors
+    )
 
 
 class PlainTensorsGuard:
@@ -238,7 +238,7 @@ def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (
         type(t),
         t.shape,
-        t.stride(),
+        t.stride() if t.layout is torch.strided else None,  # sparse tensors have no strides
         t.storage_offset(),
         t.dtype,
         t.device,

@@ -1,0 +1,66 @@
+"""One capture at a time, and what the process looks like while one runs.
+
+Note [Capture sessions]
+~~~~~~~~~~~~~~~~~~~~~~~
+Tracing borrows process-wide state from torch: ``make_fx`` installs a global
+patcher (``torch.fx._symbolic_trace.CURRENT_PATCHER``) and restores the
+previous one when it ends. Two threads that trace at once restore each
+other's patcher and one fails (``CURRENT_PATCHER is None``). Every capture
+therefore runs under one process-wide lock: the *first* calls of a compiled
+function from several threads capture one after another; later calls (cache
+hits) never take it.
+
+While a capture runs, :func:`capturing` is true in its thread. A compiled
+function called from the traced code (``aot_function(g)`` called inside
+``aot_function(f)``, an ``aot_module`` inside another one) then runs its
+original function, so its ops are traced into the outer graph like any other
+Python code::
+
+    inner = aot_function(g); outer = aot_function(lambda x: inner(x).cos())
+    outer(x)   capture of the lambda: inner(fake x) runs g(fake x) -> sin, mul
+               outer graph: sin, mul, cos (one graph pair; inner is not compiled)
+
+A user error inside the traced code (a shape mismatch) makes the fake tensor
+mode log the failed meta kernel with a traceback, once per trace attempt, before
+aotgrad raises its own error: that logger is silenced for the session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+
+_LOCK = threading.RLock()
+_STATE = threading.local()
+_NOISY_LOGGERS = ("torch._subclasses.fake_tensor",)
+
+
+def capturing() -> bool:
+    """Is a capture running in this thread (Note [Capture sessions])?"""
+    return getattr(_STATE, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def capture_session() -> Iterator[None]:
+    """Hold the capture lock and mark this thread as capturing (Note [Capture sessions])."""
+    with _LOCK, _loggers_silenced(_NOISY_LOGGERS):
+        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _STATE.depth -= 1
+
+
+@contextlib.contextmanager
+def _loggers_silenced(names: tuple[str, ...]) -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in names]
+    were_disabled = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+    try:
+        yield
+    finally:
+        for logger, was in zip(loggers, were_disabled, strict=True):
+            logger.disabled = was
