@@ -75,6 +75,7 @@ def test_in_place_on_a_leaf_that_requires_grad_fails_as_in_eager():
         aotgrad.trace(f, x)
     assert isinstance(ours.value, RuntimeError) and isinstance(eager.value, RuntimeError)
     assert f"{HERE}:" in str(ours.value)
+    assert "x.mul_(2)  # the offending line" in str(ours.value), "not the in-place op's line"
 
 
 def test_errors_are_aotgrad_errors():

@@ -238,7 +238,15 @@ def _joint(
             primals, member_grad_fns, inputs.sources
         )
         forward, returned = _forward_values(
-            result, primals, graph_primals, grad_fns, inputs, record, where, direct
+            result,
+            primals,
+            graph_primals,
+            grad_fns,
+            inputs,
+            record,
+            where,
+            direct,
+            sites=recorder.mutation_sites,
         )
         check_member_mutations(record.member_mutations, record.mutations, primals, where)
         record.grad_inputs = [
@@ -282,6 +290,7 @@ def _forward_values(
     record: TraceRecord,
     where: UserFrame | None,
     direct: DirectTracer | None,
+    sites: Mapping[int, UserFrame | None] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Analyze the result; return the forward graph's outputs and what the Function returns.
 
@@ -296,7 +305,7 @@ def _forward_values(
     record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
     if direct is None:  # a direct trace stops at the first mutation (Note [Direct tracing])
         record.mutations = analyze_mutations(
-            graph_primals, grad_fns, inputs.infos, inputs.descriptors, where
+            graph_primals, grad_fns, inputs.infos, inputs.descriptors, where, sites
         )
     mutated = [graph_primals[m.index] for m in record.mutations if m.data]
     forward = [*tensors, *bases, *mutated]

@@ -34,7 +34,7 @@ user's line. Mutations autograd does not see — under ``torch.no_grad()``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,8 +92,12 @@ def analyze_mutations(
     infos: Sequence[PrimalInfo],
     descriptors: Sequence[Descriptor],
     where: UserFrame | None,
+    sites: Mapping[int, UserFrame | None] | None = None,
 ) -> list[InputMutation]:
     """Read each functional primal's mutation flags after the function ran.
+
+    ``sites`` (by ``id`` of a primal) gives the user's line of its first
+    in-place op, for errors; ``where`` (the function) otherwise.
 
     A mutation ran "with grad" when autograd recorded it: the primal's
     ``grad_fn`` changed. Mutations under ``no_grad`` or through ``.detach()``
@@ -119,6 +123,7 @@ def analyze_mutations(
             continue
         with_grad = p.grad_fn is not grad_fns_before[i]
         if with_grad and info.is_leaf and info.requires_grad:
+            where = (sites or {}).get(id(p)) or where
             raise InPlaceOnLeafError(
                 format_error(
                     f"a leaf Variable that requires grad ({descriptors[i]}) is being used in"

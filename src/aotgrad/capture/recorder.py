@@ -88,6 +88,9 @@ class ProvenanceMode(FunctionalTensorMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         self.recorder.note_source()
+        schema = getattr(func, "_schema", None)
+        if schema is not None and schema.is_mutable and args:
+            self.recorder.note_mutation(args[0])
         fill = strided_fill(func, args, kwargs)
         if fill is not None:  # Note [Random fills keep their layout]
             value = super().__torch_dispatch__(FILL_RANDOM, types, (args[0], *fill), {})
@@ -106,6 +109,9 @@ class Recorder:
         self.module_stack: list[AbstractContextManager[None]] = []
         self.node_contexts: list[AbstractContextManager[None]] = []
         self.in_backward = False
+        # Per tensor (by id), the user's line of the first in-place op on it: errors about
+        # a mutated input point there, not at the function's ``def``.
+        self.mutation_sites: dict[int, UserFrame | None] = {}
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -148,6 +154,12 @@ class Recorder:
         custom[_SOURCE] = where
         # Forward code re-run by the backward (a checkpointed region): user code, grad mode on.
         custom[_RECOMPUTE] = self.in_backward and where is not None and torch.is_grad_enabled()
+
+    def note_mutation(self, target: object) -> None:
+        """Remember the user's line of the first in-place op on ``target``."""
+        if id(target) not in self.mutation_sites:
+            where = _user_frame()
+            self.mutation_sites[id(target)] = None if where is None else _as_user_frame(where)
 
     def backward_hooks(self, targets: Sequence[torch.Tensor]) -> None:
         """Hook every autograd node behind ``targets`` (Note [Sequence numbers])."""
@@ -269,8 +281,10 @@ def _attribute_accumulations(infos: dict[fx.Node, NodeInfo]) -> None:
 
 def _frame(custom: dict[str, Any]) -> UserFrame | None:
     where = custom.get(_SOURCE)
-    if where is None:
-        return None
+    return None if where is None else _as_user_frame(where)
+
+
+def _as_user_frame(where: tuple[str, int, str]) -> UserFrame:
     filename, lineno, name = where
     return UserFrame(filename, lineno, name, linecache.getline(filename, lineno).strip())
 
