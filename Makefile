@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTHON ?= python3.11
 
-.PHONY: install demo test lint typecheck pytest bench sweep clean
+.PHONY: install demo test lint typecheck pytest bench sweep models clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ bench: install
 # Every OpInfo op with autograd, through aotgrad and PyTorch's aot_function, against eager.
 sweep: install
 	$(PY) sweep/opinfo_sweep.py --out sweep/report.json
+
+# Every library model x check (tests/test_real_models.py), slow cells included; writes the
+# README's model table. `make test` runs only the fast subset.
+models: install
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) tests/models_table.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
