@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTHON ?= python3.11
 
-.PHONY: install demo test lint typecheck pytest bench sweep fuzz clean
+.PHONY: install demo test lint typecheck pytest bench sweep fuzz models clean
 
 install: $(STAMP)
 
@@ -46,6 +46,11 @@ FUZZ_EXAMPLES ?= 5000
 FUZZ_SEED     ?= 0
 fuzz: install
 	OMP_NUM_THREADS=1 $(PY) tests/fuzz_programs.py --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED)
+
+# Every library model x check (tests/test_real_models.py), slow cells included; writes the
+# README's model table. `make test` runs only the fast subset.
+models: install
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) tests/models_table.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
