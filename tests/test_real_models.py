@@ -79,10 +79,6 @@ _MASK = "issue 12 item 12: the full trace raises DataDependentError in transform
 _T5 = _MASK + " (T5 always takes the full trace: in-place ops in its position buckets)"
 _LEAK = "issue 12 item 3: reentrant checkpoint leaves a FunctionalTensor in param.grad"
 _BN_CKPT = "issue 12 item 9: BatchNorm inside a checkpoint raises UnsupportedMutationError"
-_BN_BUDGET = (
-    "NEW (budget): budget(0.5) is unreachable with BatchNorm (ops reading mutated running"
-    " stats are never recomputed): ValueError"
-)
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
     **{("gpt2", c): _MASK for c in ("ckpt_reentrant", "ckpt_nonreentrant", "dropout", "dynamic")},
     **{("bert", c): _MASK for c in ("ckpt_reentrant", "ckpt_nonreentrant", "dropout", "dynamic")},
@@ -96,15 +92,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
         for m in ("efficientnet", "resnet18", "mobilenet_v3")
         for c in ("ckpt_reentrant", "ckpt_nonreentrant")
     },
-    **{(m, "budget"): _BN_BUDGET for m in ("efficientnet", "resnet18", "mobilenet_v3")},
-    (
-        "mobilenet_v3",
-        "dynamic",
-    ): "issue 12 item 4: in-place hardswish_/hardsigmoid_ under dynamic=True crash in torch's refs",
-    (
-        "tv_vit",
-        "dropout",
-    ): "issue 12 item 5: dropout on the (non-contiguous) attention output draws another mask",
 }
 
 # Cells without meaning: ResNet-18 has no dropout.
