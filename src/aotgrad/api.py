@@ -7,16 +7,17 @@ import functools
 import gc
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 
 from aotgrad.cache import CacheInfo, explain_miss
-from aotgrad.capture import JointGraph, capture
+from aotgrad.capture import Body, JointGraph, capture
 from aotgrad.capture.dynamic import all_dims, has_marks, marked_dims
 from aotgrad.errors import CallError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
@@ -519,7 +520,7 @@ def _collector_paused() -> Iterator[None]:
 @_collector_paused()
 def _capture_and_partition(
     fn: Callable[..., Any],
-    body: Callable[[list[torch.Tensor]], Any],
+    body: Body,
     flat: FlatInputs,
     primals: list[torch.Tensor],
     decompositions: Decompositions | None,
@@ -541,7 +542,7 @@ def _capture_and_partition(
     return partition(joint, strategy, keep_input_mutations=keep_input_mutations)
 
 
-BodyOf = Callable[[FlatInputs], Callable[[list[torch.Tensor]], Any]]
+BodyOf = Callable[[FlatInputs], Body]
 
 
 def _lift(
@@ -577,21 +578,28 @@ class _ModuleState:
         yield from (b for _, b in self.module.named_buffers())
 
 
-def _function_body(fn: Callable[..., Any], flat: FlatInputs) -> Callable[[list[torch.Tensor]], Any]:
-    def body(primals: list[torch.Tensor]) -> Any:
+def _function_body(fn: Callable[..., Any], flat: FlatInputs) -> Body:
+    def body(primals: list[torch.Tensor]) -> AbstractContextManager[Any]:
         args, kwargs = flat.unflatten(primals)
-        return fn(*args, **kwargs)
+        return contextlib.nullcontext(fn(*args, **kwargs))
 
     return body
 
 
-def _module_body(
-    module: torch.nn.Module, names: list[str], flat: FlatInputs
-) -> Callable[[list[torch.Tensor]], Any]:
-    def body(primals: list[torch.Tensor]) -> Any:
+def _module_body(module: torch.nn.Module, names: list[str], flat: FlatInputs) -> Body:
+    """Runs ``module`` on the lifted state, which stays in place until capture leaves the body.
+
+    Capture differentiates inside the body: a reentrant checkpoint re-runs its
+    region during the backward, and that region must see the lifted
+    parameters, not the module's real ones (Note [Reentrant checkpoints]).
+    """
+
+    @contextlib.contextmanager
+    def body(primals: list[torch.Tensor]) -> Iterator[Any]:
         state = dict(zip(names, primals[: flat.num_lifted], strict=True))
         args, kwargs = flat.unflatten(primals[flat.num_lifted :])
-        return functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
+        with _reparametrize_module(module, state, tie_weights=True, strict=False):
+            yield module(*args, **kwargs)
 
     return body
 

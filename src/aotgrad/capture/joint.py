@@ -22,7 +22,8 @@ rest is backward. The trace never reads tensor data: inputs are fake.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,12 +49,20 @@ from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
 from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.graph import code_on_demand
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
-from aotgrad.capture.mutation import InputMutation, PrimalInfo, analyze_mutations
-from aotgrad.capture.recorder import ProvenanceMode, Recorder
-from aotgrad.errors import UserFrame
+from aotgrad.capture.mutation import (
+    InputMutation,
+    PrimalInfo,
+    analyze_mutations,
+    check_no_backward_mutation,
+    mutation_counts,
+)
+from aotgrad.capture.recorder import ProvenanceMode, Recorder, generator_restored
+from aotgrad.errors import UnsupportedOpError, UserFrame, format_error
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
 
-Body = Callable[[list[torch.Tensor]], Any]
+# Runs the user's function on the primals; the result is the context's value. Capture
+# differentiates before leaving the context (Note [Reentrant checkpoints]).
+Body = Callable[[list[torch.Tensor]], AbstractContextManager[Any]]
 
 
 @dataclass
@@ -176,16 +185,58 @@ def trace_joint(
         return _joint(body, inputs, inner, record, with_backward, where, recorder, tracer)
 
     if tracer is not None:
-        with mode, recorder.recording(), disable_autocast_cache(), tracer:
+        with (
+            compiling(),
+            generator_restored(),
+            mode,
+            recorder.recording(),
+            disable_autocast_cache(),
+            tracer,
+        ):
             for fake in fakes:
                 tracer.input(fake)
             values = joint(*fakes)
         return tracer.finish(values, "joint"), record, inputs
-    with translate_trace_errors(body), mode, recorder.recording(), code_on_demand():
+    with (
+        translate_trace_errors(body),
+        compiling(),
+        generator_restored(),
+        mode,
+        recorder.recording(),
+        code_on_demand(),
+    ):
         gm = make_fx(
             joint, decomposition_table=options.decompositions, _disable_torch_fn_metadata_mode=True
         )(*fakes)
     return gm, record, inputs
+
+
+# Note [Capture is compiling]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Library code asks whether it is being traced before it branches on tensor
+# values: transformers' mask helpers skip ``if padding_mask.all():`` when
+# ``torch.compiler.is_compiling()`` is true or the tensor is a ``FakeTensor``.
+# The direct trace hands the function fake tensors, the full trace functional
+# wrappers of them, which such checks do not recognise::
+#
+#     direct trace:  is_tracing(mask) -> True  (FakeTensor)   -> no branch
+#     full trace:    is_tracing(mask) -> False (FunctionalTensor) -> mask.all():
+#                    DataDependentError
+#
+# So capture says what it is, as ``torch.compile`` and ``torch.export`` do
+# around their traces: ``torch.compiler.is_compiling()`` is true while either
+# trace runs, and both take the same, traceable, branch.
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is true inside (Note [Capture is compiling])."""
+    was = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = was
 
 
 def _joint(
@@ -198,7 +249,11 @@ def _joint(
     recorder: Recorder,
     direct: DirectTracer | None,
 ) -> list[torch.Tensor | None]:
-    functional_mode = ProvenanceMode(recorder) if direct is None else contextlib.nullcontext()
+    functional_mode: contextlib.AbstractContextManager[Any] = (
+        ProvenanceMode(recorder, note_real_leaves=record.leaf_primals)
+        if direct is None
+        else contextlib.nullcontext()
+    )
     with functional_mode:
         graph_primals = (
             _functional_primals(inner, inputs.infos, record.leaf_primals)
@@ -212,22 +267,27 @@ def _joint(
     needs_grad = [p.requires_grad for p in graph_primals]  # before any in-place op
     with functional_mode:
         primals = _user_primals(graph_primals, inputs.sources)
-        result = body(primals)
-        forward, returned = _forward_values(
-            result, primals, graph_primals, grad_fns, inputs, record, where, direct
-        )
-        record.grad_inputs = [
-            i
-            for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
-            if needs and info.duplicate_of is None
-        ]
-        backward = with_backward and bool(record.grad_inputs)
-        new_values = [m.requires_grad for m in record.mutations if m.data]
-        outputs = returned[: len(returned) - len(new_values)]
-        record.differentiable = [backward and _is_differentiable(t) for t in outputs]
-        record.differentiable += [backward and g for g in new_values]  # Note [Input mutation]
-        differentiate = any(record.differentiable)
-        grads = _backward(record, graph_primals, edges, returned, recorder) if differentiate else []
+        with body(primals) as result:  # the backward runs inside: it may re-run the body's code
+            forward, returned = _forward_values(
+                result, primals, graph_primals, grad_fns, inputs, record, where, direct
+            )
+            record.grad_inputs = [
+                i
+                for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
+                if needs and info.duplicate_of is None
+            ]
+            backward = with_backward and bool(record.grad_inputs)
+            new_values = [m.requires_grad for m in record.mutations if m.data]
+            outputs = returned[: len(returned) - len(new_values)]
+            record.differentiable = [backward and _is_differentiable(t) for t in outputs]
+            record.differentiable += [backward and g for g in new_values]  # Note [Input mutation]
+            differentiate = any(record.differentiable)
+            grads = []
+            if differentiate:
+                before = mutation_counts(graph_primals) if direct is None else None
+                grads = _backward(record, graph_primals, edges, returned, recorder, where)
+                if before is not None:
+                    check_no_backward_mutation(graph_primals, before, inputs.descriptors, where)
     return [_unwrap(v) for v in (*forward, *grads)]
 
 
@@ -330,6 +390,7 @@ def _backward(
     edges: Sequence[GradientEdge | torch.Tensor | None],
     returned: Sequence[torch.Tensor],
     recorder: Recorder,
+    where: UserFrame | None,
 ) -> list[torch.Tensor | None]:
     """Cotangents for the Function's differentiable outputs, then the grads of all primals."""
     targets = [t for t, d in zip(returned, record.differentiable, strict=True) if d]
@@ -339,7 +400,8 @@ def _backward(
     recorder.backward_hooks(targets)
     computed: Sequence[torch.Tensor | None]
     if record.leaf_primals:
-        torch.autograd.backward(targets, cotangents)
+        with _real_grads_untouched(recorder, where):
+            torch.autograd.backward(targets, cotangents)
         computed = [primals[i].grad for i in record.grad_inputs]
     else:
         computed = torch.autograd.grad(targets, inputs, cotangents, allow_unused=True)
@@ -347,6 +409,35 @@ def _backward(
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g
     return grads
+
+
+@contextlib.contextmanager
+def _real_grads_untouched(recorder: Recorder, where: UserFrame | None) -> Iterator[None]:
+    """Around ``.backward()`` into leaf primals: restore any real ``.grad`` it wrote, and refuse.
+
+    A reentrant checkpoint's backward accumulates into every leaf its region
+    used, including real tensors the function closes over (Note [Reentrant
+    checkpoints]); capture must never change a real tensor.
+    """
+    before = {i: t.grad for i, t in recorder.real_leaves.items()}
+    try:
+        yield
+    finally:
+        touched = [t for i, t in recorder.real_leaves.items() if t.grad is not before.get(i)]
+        for t in touched:
+            t.grad = before.get(id(t))
+    if touched:
+        shapes = ", ".join(f"a tensor of shape {tuple(t.shape)}" for t in touched)
+        raise UnsupportedOpError(
+            format_error(
+                f"a reentrant checkpoint (use_reentrant=True) uses {shapes} that requires grad"
+                " but is not an input of the function (a closed-over module's parameter, a"
+                " global); its gradient would be lost",
+                where,
+                "Trace the module itself (aotgrad.aot_module(model)) so its parameters become"
+                " inputs, pass the tensor as an argument, or use use_reentrant=False.",
+            )
+        )
 
 
 def _differentiate_at(
