@@ -24,11 +24,11 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._python_dispatch as _python_dispatch
 import torch.utils._pytree as pytree
-from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.errors import UserFrame
-from aotgrad.optable import draws_random
+from aotgrad.optable import draws_random, is_error_check
 
 _MODULE = MODULE_KEY = "aotgrad_module"
 _SOURCE = SOURCE_KEY = "aotgrad_source"
@@ -92,7 +92,25 @@ class ProvenanceMode(FunctionalTensorMode):
         self.recorder.note_random(func, args, kwargs)
         if self.note_real_leaves:
             self.recorder.note_real_leaves(args, kwargs)
+        if is_error_check(func):
+            return _record_error_check(func, args, kwargs)
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _record_error_check(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+    """Record an error check (``aten._linalg_check_errors``) as a plain call, no effect token.
+
+    It returns nothing and reads only its inputs: on the functional tensors'
+    current values it is a pure check, recorded where it ran, as the direct
+    trace records it; at run time it raises eager's error on bad input.
+    """
+
+    def unwrap(t: FunctionalTensor) -> torch.Tensor:
+        torch._sync(t)
+        return torch._from_functional_tensor(t.elem)  # type: ignore[attr-defined]
+
+    args, kwargs = pytree.tree_map_only(FunctionalTensor, unwrap, (args, kwargs or {}))
+    return func(*args, **kwargs)
 
 
 class Recorder:
