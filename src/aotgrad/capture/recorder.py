@@ -107,7 +107,7 @@ def _record_error_check(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
 
     def unwrap(t: FunctionalTensor) -> torch.Tensor:
         torch._sync(t)
-        return torch._from_functional_tensor(t.elem)  # type: ignore[attr-defined]
+        return torch._from_functional_tensor(t.elem)
 
     args, kwargs = pytree.tree_map_only(FunctionalTensor, unwrap, (args, kwargs or {}))
     return func(*args, **kwargs)
