@@ -158,9 +158,10 @@ def check_no_backward_mutation(
     ]
     if not changed:
         return
+    named = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
     raise UnsupportedMutationError(
         format_error(
-            f"the backward mutates {', '.join(changed)}: a checkpointed region that updates"
+            f"the backward mutates {named}: a checkpointed region that updates"
             " state (a BatchNorm's running statistics, in training mode) runs again when the"
             " backward recomputes it, and eager PyTorch updates the state a second time then;"
             " aotgrad writes inputs back only after the forward, so it cannot replay that",
