@@ -243,3 +243,27 @@ def test_compilers_receive_graphs_with_provenance(path):
         for n in gm.graph.nodes:
             if n.op == "call_function":
                 assert node_info(n).seq_nr == 0
+
+
+def test_inplace_activations_backward_ops_have_their_forward_ops_number():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4),
+        torch.nn.Hardswish(inplace=True),
+        torch.nn.Linear(4, 4),
+        torch.nn.SiLU(inplace=True),
+        torch.nn.Linear(4, 4),
+        torch.nn.ReLU(inplace=True),
+    )
+    traced = aotgrad.trace(model, torch.randn(3, 4))
+    wanted = {"hardswish_backward": "1", "silu_backward": "3", "threshold_backward": "5"}
+    forward_numbers = {
+        node_info(n).seq_nr for n in traced.forward.graph.nodes if n.op == "call_function"
+    }
+    for node in traced.backward.graph.nodes:
+        name = getattr(node.target, "__name__", "").split(".")[0]
+        if name in wanted:
+            info = node_info(node)
+            assert info.module == wanted[name], node.name
+            assert info.seq_nr is not None and info.seq_nr in forward_numbers, node.name
+    rows = [r for r in str(traced.seq_table()).splitlines() if "_backward" in r]
+    assert rows and all(not r.startswith("|") for r in rows), rows

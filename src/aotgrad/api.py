@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad.cache import CacheInfo, explain_miss
-from aotgrad.capture import JointGraph, capture, capturing
+from aotgrad.capture import Body, JointGraph, capture, capturing
 from aotgrad.capture.dynamic import all_dims, has_marks, marked_dims
 from aotgrad.errors import CallError, user_frame_of_function
 from aotgrad.lifting import NOTHING, State
@@ -577,7 +577,7 @@ def _collector_paused() -> Iterator[None]:
 @_collector_paused()
 def _capture_and_partition(
     fn: Callable[..., Any],
-    body: Callable[[list[torch.Tensor]], Any],
+    body: Body,
     flat: FlatInputs,
     primals: list[torch.Tensor],
     decompositions: Decompositions | None,

@@ -11,13 +11,15 @@ key, so the call re-traces, and ``cache_info`` says what changed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 
+from aotgrad.capture import Body
 from aotgrad.signature import (
     Buffer,
     FlatInputs,
@@ -26,8 +28,6 @@ from aotgrad.signature import (
     call_key,
 )
 from aotgrad.signature.closures import EMPTY, Environment, Root, read_environment, roots_of
-
-Body = Callable[[list[torch.Tensor]], Any]
 
 
 @dataclass(frozen=True)
@@ -117,11 +117,18 @@ class State:
         in by capture itself, Note [Real tensors in a trace])."""
         module, names = self.module, lifted.module_names
 
-        def body(primals: list[torch.Tensor]) -> Any:
+        @contextlib.contextmanager
+        def body(primals: list[torch.Tensor]) -> Iterator[Any]:
+            # The lifted state stays in place until capture leaves the body: capture
+            # differentiates inside it, and a reentrant checkpoint re-runs its region during
+            # the backward on the lifted parameters, not the real ones (Note [Reentrant
+            # checkpoints]).
             args, kwargs = flat.unflatten(primals[flat.num_lifted :])
             if module is None:
-                return fn(*args, **kwargs)
+                yield fn(*args, **kwargs)
+                return
             state = dict(zip(names, primals[: len(names)], strict=True))
-            return functional_call(module, state, args, kwargs, tie_weights=True, strict=False)
+            with _reparametrize_module(module, state, tie_weights=True, strict=False):
+                yield module(*args, **kwargs)
 
         return body

@@ -176,3 +176,18 @@ def needs_grad_mode(op: object) -> bool:
         isinstance(op, torch._ops.OpOverload)
         and op._schema.name.removeprefix("aten::") in _GRAD_MODE_SENSITIVE
     )
+
+
+# Ops that only check their inputs and raise on bad values (they return nothing).
+# PyTorch orders them with effect tokens; aotgrad's graphs keep them as plain calls,
+# in place, so the compiled function raises eager's error on bad input.
+_ERROR_CHECKS = {torch.ops.aten._linalg_check_errors.default}
+
+
+def is_error_check(op: object) -> bool:
+    """An op that returns nothing and raises on bad input values (kept in the graph as is).
+
+    >>> is_error_check(torch.ops.aten._linalg_check_errors.default)
+    True
+    """
+    return op in _ERROR_CHECKS

@@ -63,6 +63,7 @@ __all__ = [
     "META_KEY",
     "Alias",
     "AliasSource",
+    "Body",
     "ConstantOutput",
     "InputMutation",
     "JointGraph",
@@ -173,7 +174,11 @@ def _trace_directly(trace: Callable[..., _Traced]) -> _Traced | None:
 # differentiates with ``autograd.grad`` on the inputs' gradient edges (Note
 # [Input mutation]); when a reentrant checkpoint refuses that, capture traces
 # again with the inputs as autograd leaves and ``.backward()``, reading each
-# input's ``.grad``. The region's forward ops then appear once in the forward
+# input's ``.grad``. The backward runs before the body's context closes
+# (``Body``), so a region that reaches a module's parameters through
+# ``self`` re-runs on the lifted ones and their ``.grad`` is the graph's; a
+# real tensor's ``.grad`` written by that backward (a closed-over module) is
+# put back and refused. The region's forward ops then appear once in the forward
 # and again, as recompute, in the backward, as for the non-reentrant flavour:
 #
 #     forward:   sin, mm, cos, mm, sigmoid           saves: a, w

@@ -112,6 +112,7 @@ class DirectTracer(TorchDispatchMode):
                 return out
         node_args, node_kwargs = self._arg(args), self._arg(_without_defaults(func, kwargs))
         self.recorder.note_source()
+        self.recorder.note_random(func, args, kwargs)
         out = func(*args, **kwargs)
         name = self.graph._target_to_str(func.overloadpacket.__name__)
         node = self.graph.create_node("call_function", func, node_args, node_kwargs, name=name)

@@ -22,7 +22,8 @@ rest is backward. The trace never reads tensor data: inputs are fake.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,13 +56,18 @@ from aotgrad.capture.mutation import (
     PrimalInfo,
     analyze_mutations,
     check_member_mutations,
+    check_no_backward_mutation,
     member_metadata_mutations,
+    mutation_counts,
 )
-from aotgrad.capture.recorder import ProvenanceMode, Recorder
-from aotgrad.errors import UnsupportedOutputError, UserFrame, format_error
+from aotgrad.capture.recorder import ProvenanceMode, Recorder, generator_restored
+from aotgrad.errors import UnsupportedOpError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
+from aotgrad.signature.descriptors import Closure, Global
 
-Body = Callable[[list[torch.Tensor]], Any]
+# Runs the user's function on the primals; the result is the context's value. Capture
+# differentiates before leaving the context (Note [Reentrant checkpoints]).
+Body = Callable[[list[torch.Tensor]], AbstractContextManager[Any]]
 
 
 @dataclass
@@ -85,6 +91,9 @@ class TraceRecord:
     # Differentiate with .backward() into leaf primals instead of autograd.grad on edges:
     # the only way through a reentrant checkpoint (Note [Reentrant checkpoints]).
     leaf_primals: bool = False
+    # Real tensors requiring grad the function closes over (lifted as inputs): a reentrant
+    # checkpoint's backward must not write their ``.grad`` (``_real_grads_untouched``).
+    closed_over_leaves: list[torch.Tensor] = field(default_factory=list)
 
 
 def fake_primals(
@@ -180,6 +189,11 @@ def trace_joint(
     inputs, tensors = GraphInputs.of(flat, primals, bases)
     fakes = fake_primals(mode, tensors, dynamic_dims)
     record = TraceRecord(leaf_primals=leaf_primals)
+    record.closed_over_leaves = [
+        p
+        for p, d in zip(primals, flat.descriptors, strict=True)
+        if isinstance(d, Closure | Global) and p.requires_grad
+    ]
     if shape_env is not None:
         record.guards = ShapeGuards(shape_env, fakes, names=[str(d) for d in inputs.descriptors])
     tracer = DirectTracer(recorder, options.decompositions) if direct else None
@@ -188,7 +202,14 @@ def trace_joint(
         return _joint(body, inputs, inner, record, with_backward, where, recorder, tracer, primals)
 
     if tracer is not None:
-        with mode, recorder.recording(), disable_autocast_cache(), tracer:
+        with (
+            compiling(),
+            generator_restored(),
+            mode,
+            recorder.recording(),
+            disable_autocast_cache(),
+            tracer,
+        ):
             for fake in fakes:
                 tracer.input(fake)
             values = joint(*fakes)
@@ -198,11 +219,47 @@ def trace_joint(
     # which fails or specializes; the Python dispatcher runs their symbolic-aware
     # Python kernels instead, as ``make_fx(tracing_mode="symbolic")`` does.
     dispatcher = enable_python_dispatcher() if shape_env is not None else contextlib.nullcontext()
-    with translate_trace_errors(body), mode, dispatcher, recorder.recording(), code_on_demand():
+    with (
+        translate_trace_errors(body),
+        compiling(),
+        generator_restored(),
+        mode,
+        dispatcher,
+        recorder.recording(),
+        code_on_demand(),
+    ):
         gm = make_fx(
             joint, decomposition_table=options.decompositions, _disable_torch_fn_metadata_mode=True
         )(*fakes)
     return gm, record, inputs
+
+
+# Note [Capture is compiling]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Library code asks whether it is being traced before it branches on tensor
+# values: transformers' mask helpers skip ``if padding_mask.all():`` when
+# ``torch.compiler.is_compiling()`` is true or the tensor is a ``FakeTensor``.
+# The direct trace hands the function fake tensors, the full trace functional
+# wrappers of them, which such checks do not recognise::
+#
+#     direct trace:  is_tracing(mask) -> True  (FakeTensor)   -> no branch
+#     full trace:    is_tracing(mask) -> False (FunctionalTensor) -> mask.all():
+#                    DataDependentError
+#
+# So capture says what it is, as ``torch.compile`` and ``torch.export`` do
+# around their traces: ``torch.compiler.is_compiling()`` is true while either
+# trace runs, and both take the same, traceable, branch.
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is true inside (Note [Capture is compiling])."""
+    was = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = was
 
 
 def _joint(
@@ -216,7 +273,11 @@ def _joint(
     direct: DirectTracer | None,
     real: Sequence[torch.Tensor],
 ) -> list[torch.Tensor | None]:
-    functional_mode = ProvenanceMode(recorder) if direct is None else contextlib.nullcontext()
+    functional_mode: contextlib.AbstractContextManager[Any] = (
+        ProvenanceMode(recorder, note_real_leaves=record.leaf_primals)
+        if direct is None
+        else contextlib.nullcontext()
+    )
     with functional_mode:
         graph_primals = (
             _functional_primals(inner, inputs.infos, record.leaf_primals)
@@ -232,40 +293,49 @@ def _joint(
         primals = _user_primals(graph_primals, inputs.sources)
         member_grad_fns = [p.grad_fn for p in primals]
         closed_over = ClosedOver(real, primals, where)  # Note [Real tensors in a trace]
-        with closed_over:
-            result = body(primals)
-        record.member_mutations = member_metadata_mutations(
-            primals, member_grad_fns, inputs.sources
-        )
-        forward, returned = _forward_values(
-            result,
-            primals,
-            graph_primals,
-            grad_fns,
-            inputs,
-            record,
-            where,
-            direct,
-            sites=recorder.mutation_sites,
-        )
-        check_member_mutations(record.member_mutations, record.mutations, primals, where)
-        record.grad_inputs = [
-            i
-            for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
-            if needs and info.duplicate_of is None
-        ]
-        backward = with_backward and bool(record.grad_inputs)
-        new_values = [m.requires_grad for m in record.mutations if m.data]
-        outputs = returned[: len(returned) - len(new_values)]
-        if not backward and any(_is_differentiable(t) for t in outputs):
-            raise _grad_from_inside(where)
-        record.differentiable = [backward and _is_differentiable(t) for t in outputs]
-        record.differentiable += [backward and g for g in new_values]  # Note [Input mutation]
-        differentiate = any(record.differentiable)
-        with closed_over:
-            grads = (
-                _backward(record, graph_primals, edges, returned, recorder) if differentiate else []
+        # The backward runs inside the body's context: it may re-run the body's code. The
+        # closed-over swap covers the user's code only (Note [Real tensors in a trace]).
+        with contextlib.ExitStack() as stack:
+            with closed_over:
+                result = stack.enter_context(body(primals))
+            record.member_mutations = member_metadata_mutations(
+                primals, member_grad_fns, inputs.sources
             )
+            forward, returned = _forward_values(
+                result,
+                primals,
+                graph_primals,
+                grad_fns,
+                inputs,
+                record,
+                where,
+                direct,
+                sites=recorder.mutation_sites,
+            )
+            check_member_mutations(record.member_mutations, record.mutations, primals, where)
+            record.grad_inputs = [
+                i
+                for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
+                if needs and info.duplicate_of is None
+            ]
+            backward = with_backward and bool(record.grad_inputs)
+            new_values = [m.requires_grad for m in record.mutations if m.data]
+            outputs = returned[: len(returned) - len(new_values)]
+            if not backward and any(_is_differentiable(t) for t in outputs):
+                raise _grad_from_inside(where)
+            record.differentiable = [backward and _is_differentiable(t) for t in outputs]
+            record.differentiable += [backward and g for g in new_values]  # Note [Input mutation]
+            differentiate = any(record.differentiable)
+            grads = []
+            if differentiate:
+                before = mutation_counts(graph_primals) if direct is None else None
+                if record.leaf_primals:  # a reentrant checkpoint may write closed-over .grad
+                    for t in record.closed_over_leaves:
+                        recorder.real_leaves.setdefault(id(t), t)
+                with closed_over:
+                    grads = _backward(record, graph_primals, edges, returned, recorder, where)
+                if before is not None:
+                    check_no_backward_mutation(graph_primals, before, inputs.descriptors, where)
     return [_unwrap(v) for v in (*forward, *grads)]
 
 
@@ -381,6 +451,7 @@ def _backward(
     edges: Sequence[GradientEdge | torch.Tensor | None],
     returned: Sequence[torch.Tensor],
     recorder: Recorder,
+    where: UserFrame | None,
 ) -> list[torch.Tensor | None]:
     """Cotangents for the Function's differentiable outputs, then the grads of all primals."""
     targets = [t for t, d in zip(returned, record.differentiable, strict=True) if d]
@@ -390,7 +461,8 @@ def _backward(
     recorder.backward_hooks(targets)
     computed: Sequence[torch.Tensor | None]
     if record.leaf_primals:
-        torch.autograd.backward(targets, cotangents)
+        with _real_grads_untouched(recorder, where):
+            torch.autograd.backward(targets, cotangents)
         computed = [primals[i].grad for i in record.grad_inputs]
     else:
         computed = torch.autograd.grad(targets, inputs, cotangents, allow_unused=True)
@@ -398,6 +470,35 @@ def _backward(
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g
     return grads
+
+
+@contextlib.contextmanager
+def _real_grads_untouched(recorder: Recorder, where: UserFrame | None) -> Iterator[None]:
+    """Around ``.backward()`` into leaf primals: restore any real ``.grad`` it wrote, and refuse.
+
+    A reentrant checkpoint's backward accumulates into every leaf its region
+    used, including real tensors the function closes over (Note [Reentrant
+    checkpoints]); capture must never change a real tensor.
+    """
+    before = {i: t.grad for i, t in recorder.real_leaves.items()}
+    try:
+        yield
+    finally:
+        touched = [t for i, t in recorder.real_leaves.items() if t.grad is not before.get(i)]
+        for t in touched:
+            t.grad = before.get(id(t))
+    if touched:
+        shapes = ", ".join(f"a tensor of shape {tuple(t.shape)}" for t in touched)
+        raise UnsupportedOpError(
+            format_error(
+                f"a reentrant checkpoint (use_reentrant=True) uses {shapes} that requires grad"
+                " but is not an input of the function (a closed-over module's parameter, a"
+                " global); its gradient would be lost",
+                where,
+                "Trace the module itself (aotgrad.aot_module(model)) so its parameters become"
+                " inputs, pass the tensor as an argument, or use use_reentrant=False.",
+            )
+        )
 
 
 def _differentiate_at(

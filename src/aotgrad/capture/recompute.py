@@ -15,6 +15,17 @@ on the same (matched) inputs::
 A matched random node is replaced by its forward twin, so the backward reads
 the forward's mask (saved) instead of drawing a new one; the deterministic
 ones stay recomputed. Every matched node takes its twin's ``seq_nr``.
+
+Random nodes are matched by where they draw in the generator's stream, not by
+their arguments: ``bernoulli(empty([2, 8, 16]), 0.9)`` reads the same in every
+layer of a transformer, and the recompute of layer 1 must take layer 1's
+mask. During the trace each random op is stamped with the generator's state
+and steps it (``Recorder.note_random``); the checkpoint saves and restores
+that state around the recompute, as in eager, so a recomputed draw carries the
+position of the forward draw it repeats::
+
+    forward:    layer 0 bernoulli @ p0, layer 1 bernoulli @ p1
+    recompute:  layer 1 bernoulli @ p1 (state restored to p1)  ->  twin: layer 1's
 """
 
 from __future__ import annotations
@@ -23,9 +34,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from aotgrad.capture.provenance import Phase, node_info, set_info
+from aotgrad.capture.recorder import RNG_POSITION_KEY
 from aotgrad.optable import draws_random
 
 
@@ -36,15 +49,22 @@ def link_recompute(gm: fx.GraphModule) -> None:
     ):
         return  # no checkpointed region: nothing to match (and no pass over the graph)
     forward: dict[Any, fx.Node] = {}
+    drawn: dict[int, fx.Node] = {}  # forward random nodes by position in the stream
     twins: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         phase = node_info(node).phase
+        position = node.meta.pop(RNG_POSITION_KEY, None)
         if phase is Phase.FORWARD:
             forward.setdefault(_key(node, lambda n: n), node)
+            if position is not None:
+                drawn.setdefault(position, node)
         elif phase is Phase.RECOMPUTE:
-            twin = forward.get(_key(node, lambda n: twins.get(n, n)))
+            if position is not None:
+                twin = _same_draw(node, drawn.get(position))
+            else:
+                twin = forward.get(_key(node, lambda n: twins.get(n, n)))
             if twin is not None:
                 twins[node] = twin
     for node, twin in twins.items():
@@ -53,6 +73,16 @@ def link_recompute(gm: fx.GraphModule) -> None:
             node.replace_all_uses_with(twin)
             gm.graph.erase_node(node)  # DCE keeps random ops: they look side-effecting
     gm.graph.eliminate_dead_code()
+
+
+def _same_draw(node: fx.Node, twin: fx.Node | None) -> fx.Node | None:
+    """``twin`` if it draws what ``node`` draws: same op, same result shape and dtype."""
+    if twin is None or twin.target is not node.target:
+        return None
+    mine, theirs = node.meta.get("val"), twin.meta.get("val")
+    if not (isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor)):
+        return None
+    return twin if (mine.shape, mine.dtype) == (theirs.shape, theirs.dtype) else None
 
 
 def _key(node: fx.Node, resolve: Callable[[fx.Node], fx.Node]) -> Any:

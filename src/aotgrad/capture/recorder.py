@@ -8,6 +8,7 @@ turns them into one typed :class:`NodeInfo` per node.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import linecache
@@ -21,12 +22,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.functional_tensor import FunctionalTensorMode
+import torch.utils._python_dispatch as _python_dispatch
+import torch.utils._pytree as pytree
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from aotgrad.capture import closed_over
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.capture.random import FILL_RANDOM, strided_fill
 from aotgrad.errors import UserFrame
+from aotgrad.optable import draws_random, is_error_check
 
 aten = torch.ops.aten
 
@@ -35,6 +39,9 @@ _SOURCE = SOURCE_KEY = "aotgrad_source"
 SOURCE_FIXED_KEY = "aotgrad_source_fixed"
 _IN_NODE = "aotgrad_in_node"
 _RECOMPUTE = "aotgrad_recompute"
+_RNG = "aotgrad_rng"
+# Where a random op sits in the CPU generator's stream (Note [Recomputed random ops]).
+RNG_POSITION_KEY = "aotgrad_rng_position"
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _AOTGRAD_DIR = os.path.dirname(os.path.dirname(__file__))
@@ -80,9 +87,10 @@ class ProvenanceMode(FunctionalTensorMode):
     there costs a frame walk per op and adds no dispatch layer.
     """
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder, *, note_real_leaves: bool = False) -> None:
         super().__init__()
         self.recorder = recorder
+        self.note_real_leaves = note_real_leaves
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -91,11 +99,32 @@ class ProvenanceMode(FunctionalTensorMode):
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable and args:
             self.recorder.note_mutation(args[0])
+        self.recorder.note_random(func, args, kwargs)
+        if self.note_real_leaves:
+            self.recorder.note_real_leaves(args, kwargs)
+        if is_error_check(func):
+            return _record_error_check(func, args, kwargs)
         fill = strided_fill(func, args, kwargs)
         if fill is not None:  # Note [Random fills keep their layout]
             value = super().__torch_dispatch__(FILL_RANDOM, types, (args[0], *fill), {})
             return super().__torch_dispatch__(aten.copy_.default, types, (args[0], value), {})
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _record_error_check(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+    """Record an error check (``aten._linalg_check_errors``) as a plain call, no effect token.
+
+    It returns nothing and reads only its inputs: on the functional tensors'
+    current values it is a pure check, recorded where it ran, as the direct
+    trace records it; at run time it raises eager's error on bad input.
+    """
+
+    def unwrap(t: FunctionalTensor) -> torch.Tensor:
+        torch._sync(t)
+        return torch._from_functional_tensor(t.elem)
+
+    args, kwargs = pytree.tree_map_only(FunctionalTensor, unwrap, (args, kwargs or {}))
+    return func(*args, **kwargs)
 
 
 class Recorder:
@@ -112,6 +141,10 @@ class Recorder:
         # Per tensor (by id), the user's line of the first in-place op on it: errors about
         # a mutated input point there, not at the function's ``def``.
         self.mutation_sites: dict[int, UserFrame | None] = {}
+        # Sequence numbers of the autograd nodes the backward runs (Note [In-place ops' numbers]).
+        self.live_numbers: list[int] = []
+        # Real tensors requiring grad that ops read (closed over, not inputs), by id.
+        self.real_leaves: dict[int, torch.Tensor] = {}
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -161,10 +194,41 @@ class Recorder:
             where = _user_frame()
             self.mutation_sites[id(target)] = None if where is None else _as_user_frame(where)
 
+    def note_random(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> None:
+        """Stamp a random op with its place in the generator's stream, and move the stream on.
+
+        Fake random ops draw nothing, so the real CPU generator stands still
+        during a trace; stepping it here, once per random op, gives every draw
+        a position that ``torch.utils.checkpoint``'s save/restore of the
+        generator state replays (Note [Recomputed random ops]). The trace
+        restores the generator when it ends (:func:`generator_restored`).
+        """
+        custom = fx_traceback.current_meta.get("custom")
+        if custom is None:
+            return
+        if not draws_random(func, args, kwargs or {}):
+            custom.pop(_RNG, None)
+            return
+        generator = torch.default_generator
+        with _python_dispatch._disable_current_modes():
+            position = hash(generator.get_state().numpy().tobytes())
+        custom[_RNG] = position
+        generator.manual_seed(position & 0xFFFF_FFFF_FFFF)
+
+    def note_real_leaves(self, args: tuple[Any, ...], kwargs: Any) -> None:
+        """Remember real tensors that require grad among an op's arguments."""
+        for value in pytree.tree_leaves((args, kwargs)):
+            if (
+                type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter)
+            ) and value.requires_grad:
+                self.real_leaves.setdefault(id(value), value)
+
     def backward_hooks(self, targets: Sequence[torch.Tensor]) -> None:
         """Hook every autograd node behind ``targets`` (Note [Sequence numbers])."""
         self.in_backward = True
-        for node in _autograd_nodes(targets):
+        nodes = _autograd_nodes(targets)
+        self.live_numbers = sorted(node._sequence_nr() for node in nodes)
+        for node in nodes:
             node.register_prehook(functools.partial(self._enter_node, node))
             node.register_hook(self._exit_node)
 
@@ -189,6 +253,40 @@ class Recorder:
     def _exit_node(self, grad_inputs: Any, grad_outputs: Any) -> None:
         self.node_contexts.pop().__exit__(None, None, None)
         fx_traceback.reset_grad_fn_seq_nr()
+
+
+@contextlib.contextmanager
+def generator_restored() -> Iterator[None]:
+    """The real CPU generator during a trace, restored as it was when the trace ends.
+
+    Inside a trace ``torch.get_rng_state()`` would build its tensor under the
+    fake mode (fake storage: ``set_rng_state`` of it restores garbage), so
+    ``torch.utils.checkpoint``'s save and restore around a recompute would not
+    replay the stream (Note [Recomputed random ops]). Here both read and write
+    the real generator, outside every mode; :meth:`Recorder.note_random` steps it.
+    """
+    generator = torch.default_generator
+    with _python_dispatch._disable_current_modes():
+        state = generator.get_state()
+
+    def get_rng_state() -> torch.Tensor:
+        with _python_dispatch._disable_current_modes():
+            return generator.get_state()
+
+    def set_rng_state(new_state: torch.Tensor) -> None:
+        with _python_dispatch._disable_current_modes():
+            generator.set_state(new_state)
+
+    saved = torch.get_rng_state, torch.set_rng_state
+    torch.get_rng_state = torch.random.get_rng_state = get_rng_state
+    torch.set_rng_state = torch.random.set_rng_state = set_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = torch.random.get_rng_state = saved[0]
+        torch.set_rng_state = torch.random.set_rng_state = saved[1]
+        with _python_dispatch._disable_current_modes():
+            generator.set_state(state)
 
 
 def _root_name(root: Any) -> str:
@@ -242,7 +340,7 @@ def stamp(gm: fx.GraphModule, recorder: Recorder) -> None:
                 source=_frame(custom),
             )
         elif custom.get(_IN_NODE):
-            seq = ranks.get(raw)
+            seq = _rank_of_node(raw, ranks, recorder.live_numbers)
             origin = first_forward.get(seq) if seq is not None else None
             origin_info = infos[origin] if origin is not None else info
             infos[node] = replace(
@@ -256,7 +354,42 @@ def stamp(gm: fx.GraphModule, recorder: Recorder) -> None:
     _attribute_accumulations(infos)
     for node, info in infos.items():
         set_info(node, info)
-        node.meta.pop("custom", None)
+        custom = node.meta.pop("custom", {})
+        if _RNG in custom:
+            node.meta[RNG_POSITION_KEY] = custom[_RNG]
+
+
+# Note [In-place ops' numbers]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A forward op records the number of the last autograd node *created*, which
+# is not always a node the backward runs. An in-place op whose derivative
+# needs the old value (``F.silu(x, inplace=True)``, ``Hardswish(inplace=True)``)
+# gets its node, then autograd clones ``x`` and creates (and drops) a node
+# for the clone::
+#
+#     node 6  SiluBackward0        (runs in the backward)
+#     node 7  CloneBackward0       (dropped)
+#     forward:  clone  seq 7,  silu  seq 7
+#     backward: silu_backward under node 6: no forward op has 6
+#
+# A backward op under node N belongs to the forward ops recorded next after N
+# (the smallest number r >= N some forward op has), provided no node the
+# backward runs lies in (N, r]: those forward ops ran while N was the newest
+# live node.
+
+
+def _rank_of_node(raw: int | None, ranks: dict[int, int], live: Sequence[int]) -> int | None:
+    """The rank of the forward ops autograd node ``raw`` differentiates (Note [In-place ...])."""
+    if raw is None or raw in ranks:
+        return ranks.get(raw) if raw is not None else None
+    later = [r for r in ranks if r > raw]
+    if not later:
+        return None
+    first = min(later)
+    at = bisect.bisect_right(live, raw)
+    if at < len(live) and live[at] <= first:
+        return None  # another live node came first: those ops are its
+    return ranks[first]
 
 
 def _attribute_accumulations(infos: dict[fx.Node, NodeInfo]) -> None:
