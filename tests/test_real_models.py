@@ -75,18 +75,10 @@ CHECKS: dict[str, str] = {
 }
 
 # (model, check) -> why it fails today. Delete an entry when its fix merges (strict xfail).
-_MASK = "issue 12 item 12: the full trace raises DataDependentError in transformers' masking_utils"
-_T5 = _MASK + " (T5 always takes the full trace: in-place ops in its position buckets)"
-_LEAK = "issue 12 item 3: reentrant checkpoint leaves a FunctionalTensor in param.grad"
-_BN_CKPT = "issue 12 item 9: BatchNorm inside a checkpoint raises UnsupportedMutationError"
+_BN_CKPT = "issue 12 item 9: BatchNorm updated again by a checkpoint recompute is refused"
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    **{("gpt2", c): _MASK for c in ("ckpt_reentrant", "ckpt_nonreentrant", "dropout", "dynamic")},
-    **{("bert", c): _MASK for c in ("ckpt_reentrant", "ckpt_nonreentrant", "dropout", "dynamic")},
-    **{("llama", c): _MASK for c in ("ckpt_reentrant", "ckpt_nonreentrant", "dropout", "dynamic")},
-    **{("t5", c): _T5 for c in CHECKS if c != "dynamo"},
-    ("vit", "ckpt_reentrant"): _LEAK,
-    ("convnext", "ckpt_reentrant"): _LEAK,
-    ("tv_vit", "ckpt_reentrant"): _LEAK,
+    # Refused loudly (UnsupportedMutationError): eager updates the running stats a second time
+    # when the checkpoint recomputes a BatchNorm in training mode (Note [Mutations in the backward]).
     **{
         (m, c): _BN_CKPT
         for m in ("efficientnet", "resnet18", "mobilenet_v3")
