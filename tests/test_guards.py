@@ -187,3 +187,48 @@ def test_the_cache_limit_warning_fires_once():
             torch.testing.assert_close(compiled(torch.ones(1), n), torch.full((1,), float(n)))
     assert len([w for w in caught if "cache_limit" in str(w.message)]) == 1
     assert aotgrad.cache_info(compiled).fallbacks == 4
+
+
+# --- ambient state (Note [Ambient state]) ------------------------------------------------------
+
+
+def test_a_call_outside_autocast_after_one_inside_is_not_lower_precision():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    compiled = aotgrad.aot_function(lambda x: lin(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = compiled(x)
+        assert inside.dtype == lin(x).dtype == torch.bfloat16
+    outside = compiled(x)  # the fast path of the last entry must not serve it
+    assert outside.dtype == torch.float32
+    torch.testing.assert_close(outside, lin(x))
+    assert aotgrad.cache_info(compiled).reasons[-1] == "autocast off != cpu/bfloat16"
+
+
+def test_a_call_inside_autocast_after_one_outside_traces_again():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    compiled = aotgrad.aot_function(lambda x: lin(x))
+    compiled(x)
+    compiled(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(compiled(x), lin(x))
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert compiled(x).dtype == torch.float16
+    assert aotgrad.cache_info(compiled).misses == 3
+
+
+def test_the_default_dtype_is_guarded():
+    compiled = aotgrad.aot_function(lambda x: torch.ones(2) + x.sum())
+    x = torch.randn(2)
+    compiled(x)
+    compiled(x)
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert compiled(x).dtype == (torch.ones(2) + x.sum()).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(old)
+    assert (
+        aotgrad.cache_info(compiled).reasons[-1] == "default dtype torch.float64 != torch.float32"
+    )

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from aotgrad.cache import CacheInfo, explain_miss
+from aotgrad.cache import CacheInfo, ambient_key, explain_miss
 from aotgrad.capture import Body, JointGraph, capture, capturing
 from aotgrad.capture.dynamic import all_dims, has_marks, marked_dims
 from aotgrad.errors import CallError, user_frame_of_function
@@ -241,7 +241,7 @@ class Options:
 @dataclass(frozen=True)
 class _LastEntry:
     guard: PlainTensorsGuard
-    grad_mode: bool
+    ambient: Any  # Note [Ambient state]
     call: Callable[[Sequence[torch.Tensor]], Any]
 
 
@@ -282,12 +282,7 @@ class AOTFunction:
         if capturing():  # called by code being traced: trace through (Note [Capture sessions])
             return self._fn(*args, **kwargs)
         last = self._last_entry
-        if (
-            last is not None
-            and not kwargs
-            and torch.is_grad_enabled() is last.grad_mode
-            and last.guard(args)
-        ):
+        if last is not None and not kwargs and ambient_key() == last.ambient and last.guard(args):
             self.info.hits += 1
             return last.call(args)
         leaves, spec = _flatten_call(args, kwargs)
@@ -299,7 +294,7 @@ class AOTFunction:
             call_key(leaves) if dims is None else dynamic_call_key(leaves, dims),
             lifted.key,
             alias_key([*state, *leaves] if state else leaves),
-            torch.is_grad_enabled(),
+            ambient_key(),
         )
         entry = self.cache.get(key)
         if entry is not None and dims is None:
