@@ -108,6 +108,21 @@ _OP_ERRORS: dict[type[Exception], type[OpError]] = {
 }
 
 
+# Torch functions that fail inside a capture because they cannot be captured, not because
+# of the user's inputs: (what happened, what to do) instead of Note [Errors from inside torch]'s
+# "eager raises the same".
+_BACKWARD_INSIDE = (
+    "the function calls .backward() (torch.autograd.backward): a capture cannot accumulate"
+    " gradients into the .grad of tensors outside its graph",
+    "aotgrad builds the backward itself: return the loss and call .backward() on the compiled"
+    " function's result, or take gradients as values inside with torch.autograd.grad.",
+)
+_REFUSED_CALLS: dict[str, tuple[str, str]] = {
+    "torch._tensor.backward": _BACKWARD_INSIDE,
+    "torch.autograd.backward": _BACKWARD_INSIDE,
+}
+
+
 @contextlib.contextmanager
 def _ops_errors() -> Iterator[None]:
     try:
@@ -119,6 +134,10 @@ def _ops_errors() -> Iterator[None]:
             raise  # translated below, as data-dependent or as a mutation
         kind = next(k for t, k in _OP_ERRORS.items() if isinstance(e, t))
         op = _failing_op(e)
+        if op in _REFUSED_CALLS:
+            what, fix = _REFUSED_CALLS[op]
+            where = user_frame_from_traceback(e.__traceback__)
+            raise UnsupportedOpError(format_error(what, where, fix)) from e
         raise kind(
             format_error(
                 f"{op} raised {type(e).__name__} during capture: {e}",
