@@ -157,7 +157,15 @@ def _failing_op(e: BaseException) -> str:
         return "an op"
     code = inside[0].f_code
     module = inside[0].f_globals.get("__name__", "")
-    return f"{module}.{code.co_name}" if module else code.co_name
+    name = f"{module}.{code.co_name}" if module else code.co_name
+    return _TORCH_FUNCTION_NAMES.get(name, name)
+
+
+# Torch functions aotgrad calls itself, by what they do for the user.
+_TORCH_FUNCTION_NAMES = {
+    # capture's backward (Note [The swap spans the backward])
+    "torch.autograd.graph._engine_run_backward": "the backward (torch.autograd.grad)",
+}
 
 
 def _is_caller(filename: str) -> bool:

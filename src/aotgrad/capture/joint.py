@@ -63,7 +63,7 @@ from aotgrad.capture.mutation import (
 from aotgrad.capture.recorder import ProvenanceMode, Recorder, generator_restored
 from aotgrad.errors import UnsupportedOpError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
-from aotgrad.signature.descriptors import Closure, Global
+from aotgrad.signature.descriptors import Closure, Global, Input
 
 # Runs the user's function on the primals; the result is the context's value. Capture
 # differentiates before leaving the context (Note [Reentrant checkpoints]).
@@ -95,6 +95,11 @@ class TraceRecord:
     # checkpoint's backward must not write their ``.grad`` (``_real_grads_untouched``, a
     # safety net: the closed-over swap spans the backward).
     closed_over_leaves: list[torch.Tensor] = field(default_factory=list)
+
+
+def _module_argument(i: int, d: GraphInputDescriptor, flat: FlatInputs) -> bool:
+    """Is graph input ``i`` a module argument's tensor (Note [Module arguments])?"""
+    return i < flat.num_lifted and isinstance(d, Input)
 
 
 def fake_primals(
@@ -192,8 +197,8 @@ def trace_joint(
     record = TraceRecord(leaf_primals=leaf_primals)
     record.closed_over_leaves = [
         p
-        for p, d in zip(primals, flat.descriptors, strict=True)
-        if isinstance(d, Closure | Global) and p.requires_grad
+        for i, (p, d) in enumerate(zip(primals, flat.descriptors, strict=True))
+        if p.requires_grad and (isinstance(d, Closure | Global) or _module_argument(i, d, flat))
     ]
     if shape_env is not None:
         record.guards = ShapeGuards(shape_env, fakes, names=[str(d) for d in inputs.descriptors])
