@@ -218,7 +218,8 @@ def check_output_leaf(path: tuple[Any, ...], leaf: Any, where: UserFrame | None)
             f"output{pytree.keystr(path)} is a {type(leaf).__module__}.{type(leaf).__qualname__},"
             " which aotgrad cannot return from a graph",
             where,
-            "Return tensors, Python scalars, None, or lists/tuples/dicts/namedtuples of them;"
-            " register custom containers with torch.utils._pytree.register_pytree_node.",
+            "Return tensors, Python scalars, None, lists/tuples/dicts/namedtuples of them, or"
+            " plain objects holding tensors; register custom containers with"
+            " torch.utils._pytree.register_pytree_node.",
         )
     )

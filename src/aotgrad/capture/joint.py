@@ -64,6 +64,7 @@ from aotgrad.capture.recorder import ProvenanceMode, Recorder, generator_restore
 from aotgrad.errors import UnsupportedOpError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
 from aotgrad.signature.descriptors import Closure, Global, Input
+from aotgrad.signature.objects import SharedObjectError, objects_as_nodes
 
 # Runs the user's function on the primals; the result is the context's value. Capture
 # differentiates before leaving the context (Note [Reentrant checkpoints]).
@@ -434,6 +435,18 @@ def _flatten_result(
     result: Any, record: TraceRecord, where: UserFrame | None, traced: Callable[[object], bool]
 ) -> tuple[list[ConstantOutput | int], list[torch.Tensor]]:
     """Validate and flatten the user's result into constants and traced tensor positions."""
+    try:
+        result = objects_as_nodes(result)  # Note [Objects among the outputs]
+    except SharedObjectError as e:
+        raise UnsupportedOutputError(
+            format_error(
+                f"the result reaches one {e} object holding tensors twice (or in a cycle);"
+                " aotgrad rebuilds such objects from the graph's outputs and cannot make"
+                " them one object again",
+                where,
+                "Return the object once, or return its tensors.",
+            )
+        ) from None
     with_paths, record.out_spec = pytree.tree_flatten_with_path(result)
     leaves: list[ConstantOutput | int] = []
     tensors: list[torch.Tensor] = []
