@@ -176,7 +176,9 @@ class BadBackward(torch.autograd.Function):
 
 
 def test_error_in_a_custom_backward_names_autograd_and_chains_the_original():
-    with pytest.raises(aotgrad.errors.OpError, match=r"torch\.autograd\.grad raised") as info:
+    with pytest.raises(
+        aotgrad.errors.OpError, match=r"backward \(torch\.autograd\.grad\) raised"
+    ) as info:
         aotgrad.aot_function(lambda x: BadBackward.apply(x).sum())(
             torch.randn(3, requires_grad=True)
         )

@@ -140,10 +140,14 @@ def test_an_object_argument_holding_a_tensor_is_refused_with_its_type():
         compiled(Holder(torch.ones(2, requires_grad=True)))
 
 
-def test_a_module_argument_is_refused():
+def test_a_module_argument_is_lifted_and_keyed_by_identity():
+    # Note [Module arguments]; more in test_closures.py
     compiled = aotgrad.aot_function(lambda x, m: m(x))
-    with pytest.raises(aotgrad.CallError, match=r"nn\.Module"):
-        compiled(torch.ones(1, 2), nn.Linear(2, 2))
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    for m in (first, second, first):
+        torch.testing.assert_close(compiled(torch.ones(1, 2), m), m(torch.ones(1, 2)))
+    info = aotgrad.cache_info(compiled)
+    assert (info.misses, info.hits) == (2, 1)
 
 
 def test_a_buffer_added_after_the_first_call_is_lifted():

@@ -176,7 +176,15 @@ def _failing_op(e: BaseException) -> str:
         return "an op"
     code = inside[0].f_code
     module = inside[0].f_globals.get("__name__", "")
-    return f"{module}.{code.co_name}" if module else code.co_name
+    name = f"{module}.{code.co_name}" if module else code.co_name
+    return _TORCH_FUNCTION_NAMES.get(name, name)
+
+
+# Torch functions aotgrad calls itself, by what they do for the user.
+_TORCH_FUNCTION_NAMES = {
+    # capture's backward (Note [The swap spans the backward])
+    "torch.autograd.graph._engine_run_backward": "the backward (torch.autograd.grad)",
+}
 
 
 def _is_caller(filename: str) -> bool:
@@ -229,7 +237,8 @@ def check_output_leaf(path: tuple[Any, ...], leaf: Any, where: UserFrame | None)
             f"output{pytree.keystr(path)} is a {type(leaf).__module__}.{type(leaf).__qualname__},"
             " which aotgrad cannot return from a graph",
             where,
-            "Return tensors, Python scalars, None, or lists/tuples/dicts/namedtuples of them;"
-            " register custom containers with torch.utils._pytree.register_pytree_node.",
+            "Return tensors, Python scalars, None, lists/tuples/dicts/namedtuples of them, or"
+            " plain objects holding tensors; register custom containers with"
+            " torch.utils._pytree.register_pytree_node.",
         )
     )
