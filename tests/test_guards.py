@@ -236,3 +236,55 @@ def test_the_default_dtype_is_guarded():
     assert (
         aotgrad.cache_info(compiled).reasons[-1] == "default dtype torch.float64 != torch.float32"
     )
+
+
+# --- module hooks (Note [Module hooks]) ---------------------------------------------------------
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_forward_hook_registered_after_the_first_call_runs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    compiled = aotgrad.aot_module(model)
+    x = torch.randn(2, 4)
+    compiled(x)
+    handle = model[0].register_forward_hook(lambda module, args, out: out * 2)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert aotgrad.cache_info(compiled).reasons[-1] == (
+        "the values the function reads changed: added ['closure self.0.<hooks>'], removed []"
+    )
+    handle.remove()
+    torch.testing.assert_close(compiled(x), model(x))  # the hookless entry again
+    assert aotgrad.cache_info(compiled).misses == 2
+
+
+def test_a_backward_hook_registered_after_the_first_call_runs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    compiled = aotgrad.aot_module(model)
+    x = torch.randn(2, 4)
+    compiled(x).sum().backward()
+    model.zero_grad()
+    model[2].register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 3,))
+    model(x).sum().backward()
+    expected = _grads(model)
+    model.zero_grad()
+    compiled(x).sum().backward()
+    for got, want in zip(_grads(model), expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_global_module_hook_registered_after_the_first_call_runs():
+    lin = nn.Linear(3, 3)
+    compiled = aotgrad.aot_function(lambda x: lin(x))
+    x = torch.randn(2, 3)
+    compiled(x)
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: out + 1)
+    try:
+        torch.testing.assert_close(compiled(x), lin(x))
+    finally:
+        handle.remove()
+    assert aotgrad.cache_info(compiled).misses == 2

@@ -159,7 +159,9 @@ def _state_difference(new: tuple[Any, ...], old: tuple[Any, ...]) -> str:
         if a != b:
             return f"{name}: {_leaf_difference(a, b)}"
     if labels != old_labels:
-        return f"the values the function reads changed: {list(labels)} != {list(old_labels)}"
+        added = [label for label in labels if label not in old_labels]
+        removed = [label for label in old_labels if label not in labels]
+        return f"the values the function reads changed: added {added}, removed {removed}"
     for label, a, b in zip(labels, values, old_values, strict=True):
         if a != b:
             change = f"{label}: value {show_value(b)} != {show_value(a)}"

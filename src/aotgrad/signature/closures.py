@@ -211,6 +211,9 @@ def read_environment(
         walk.visit(root.kind, root.name, root.get())
     for name, module in arguments:
         walk.visit(Input, name, module)
+    if hooks := _global_hooks_key():  # Note [Module hooks]
+        walk.labels.append("global module hooks")
+        walk.keys.append(hooks)
     return Environment(
         tuple(walk.tensors),
         tuple(walk.descriptors),
@@ -219,6 +222,44 @@ def read_environment(
         tuple(walk.params),
         tuple(walk.buffers),
     )
+
+
+# Note [Module hooks]
+# ~~~~~~~~~~~~~~~~~~~
+# A module's forward (pre-)hooks run inside its ``__call__``, so a trace bakes
+# them in, and its backward hooks are traced as autograd Functions. Hooks live
+# in the module's bookkeeping dicts, keyed by the handle's id, so the ids of a
+# walked module's hooks are guarded (and the global module hooks, once per
+# read). Registering or removing a hook after the first call re-traces:
+#
+#     f = aot_module(lin); f(x)                  # traced without hooks
+#     lin.register_forward_hook(lambda m, i, o: o * 2)
+#     f(x)   # miss: "closure self.<hooks>" is new; the hook runs, as in eager
+#
+# The hooks' own code is not walked: a hook that reads a changed global runs
+# with the value of its trace.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+def _hooks_key(module: torch.nn.Module) -> tuple[tuple[int, ...], ...] | None:
+    """The ids of ``module``'s hooks, or None when it has none (the common case)."""
+    dicts = [getattr(module, d, None) for d in _HOOK_DICTS]
+    if not any(dicts):
+        return None
+    return tuple(tuple(d or ()) for d in dicts)
+
+
+def _global_hooks_key() -> tuple[tuple[int, ...], ...] | None:
+    dicts = [getattr(torch.nn.modules.module, d, None) for d in _GLOBAL_HOOK_DICTS]
+    if not any(dicts):
+        return None
+    return tuple(tuple(d or ()) for d in dicts)
 
 
 class _Walk:
@@ -274,6 +315,9 @@ class _Walk:
             attributes += (
                 (f"{name}.{prefix}{a}", v) for a, v in vars(sub).items() if a not in _MODULE_FIELDS
             )
+            if hooks := _hooks_key(sub):  # Note [Module hooks]
+                self.labels.append(f"{kind.__name__.lower()} {name}.{prefix}<hooks>")
+                self.keys.append(hooks)
         for found, into in ((params, self.params), (buffers, self.buffers)):
             for qualname, t in found:
                 if id(t) in self._seen:
