@@ -101,13 +101,8 @@ KNOWN_BAD: dict[str, str] = {
 }
 
 # Known-bad *differences* no feature isolates: a failure whose signature is listed is tolerated
-# unless its name is enabled like a feature (AOTGRAD_FUZZ_FEATURES=zero_grad_of_unused_mutated_input).
-KNOWN_BAD_SIGNATURES: dict[str, tuple[str, str]] = {
-    "zero_grad_of_unused_mutated_input": (
-        "mismatch: grad of: a tensor != eager None",
-        "NEW F8: a mutated input no output uses gets a zero gradient (eager: None)",
-    ),
-}
+# unless its name is enabled like a feature (AOTGRAD_FUZZ_FEATURES=<name>). None at present.
+KNOWN_BAD_SIGNATURES: dict[str, tuple[str, str]] = {}
 
 
 def tolerated_signatures() -> set[str]:

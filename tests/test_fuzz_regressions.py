@@ -186,7 +186,6 @@ def test_inplace_through_an_expanded_view_of_an_input():
     verify(fn, b, b.unsqueeze(0))
 
 
-@unfixed("NEW F8: a mutated input no output uses gets a zero gradient where eager has None")
 def test_mutated_input_that_no_output_uses_gets_no_gradient():
     def fn(a, c):
         a.add_(1.5)

@@ -98,11 +98,18 @@ class JointGraph:
     guards: ShapeGuards | None = None
     # Metadata mutations of inputs a synthetic base stands for, by user input position.
     member_mutations: tuple[InputMutation, ...] = ()
+    # Per graph input (with a backward): the cotangents whose outputs have an autograd path
+    # to it; its gradient is None when none of them is given (Note [Gradients no output reaches]).
+    reached_by: tuple[tuple[Cotangent, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if sum(self.differentiable) != len(self.cotangents):
             raise AssertionError(
                 f"expected {sum(self.differentiable)} cotangents, got {len(self.cotangents)}"
+            )
+        if self.cotangents and len(self.reached_by) != self.num_primals:
+            raise AssertionError(
+                f"expected reached_by for {self.num_primals} inputs, got {len(self.reached_by)}"
             )
         returned = len(self.fresh_outputs) + len(self.bases) + len(self.mutated)
         if returned != len(self.differentiable):

@@ -60,6 +60,7 @@ from aotgrad.capture.mutation import (
     member_metadata_mutations,
     mutation_counts,
 )
+from aotgrad.capture.reachability import reaching_masks
 from aotgrad.capture.recorder import ProvenanceMode, Recorder, generator_restored
 from aotgrad.errors import UnsupportedOpError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
@@ -86,6 +87,9 @@ class TraceRecord:
     # Per value the autograd.Function returns: does it get a cotangent?
     differentiable: list[bool] = field(default_factory=list)
     grad_inputs: list[int] = field(default_factory=list)
+    # Per graph input: bit ``j`` set when cotangent ``j``'s output has an autograd path to it
+    # (Note [Gradients no output reaches]).
+    reached_by: list[int] = field(default_factory=list)
     # Symbolic sizes and their guards (Note [Dynamic shapes]); None for static traces.
     guards: ShapeGuards | None = None
     # Differentiate with .backward() into leaf primals instead of autograd.grad on edges:
@@ -458,6 +462,14 @@ def _backward(
     cotangents = [make_cotangent(t, i) for i, t in enumerate(targets)]
     # All edges (full trace) or all tensors (direct trace): ``grad`` takes either.
     inputs: Any = [edge for i in record.grad_inputs if (edge := edges[i]) is not None]
+    sources = [
+        source
+        for i in record.grad_inputs
+        if (source := primals[i] if record.leaf_primals else edges[i]) is not None
+    ]
+    record.reached_by = [0] * len(edges)
+    for i, mask in zip(record.grad_inputs, reaching_masks(targets, sources), strict=True):
+        record.reached_by[i] = mask
     recorder.backward_hooks(targets)
     computed: Sequence[torch.Tensor | None]
     if record.leaf_primals:
