@@ -130,13 +130,21 @@ def test_resize_under_dynamic_shapes():
     verify_or_refuse(fn, torch.randn(4), compile_fn=dynamic)
 
 
-@unfixed("NEW F2: an output returned with a detach() of it loses requires_grad (no gradient)")
 def test_output_returned_after_its_detached_alias_keeps_requires_grad():
     def fn(a):
         v = a + 1
         return v.detach(), v
 
     verify(fn, torch.randn(3, requires_grad=True))
+
+
+def test_view_returned_with_a_detach_of_its_base_keeps_requires_grad():
+    def fn(a):
+        v = a + 1
+        return v.detach(), v.view(-1)
+
+    verify(fn, torch.randn(3, requires_grad=True))
+    verify(fn, torch.randn(3, requires_grad=True), compile_fn=dynamic)
 
 
 @unfixed("NEW F3: two inputs that are equal views of one base: the wrong one is returned")
@@ -165,7 +173,6 @@ def test_metadata_mutation_of_an_input_then_inplace_on_a_value_made_from_it():
     verify(fn, torch.randn(2, 1, requires_grad=True) * 1)
 
 
-@unfixed("NEW F6: a no_grad view of a tensor that requires grad, expanded, gets a gradient")
 def test_no_grad_view_of_an_input_gets_no_gradient():
     def fn(a):
         with torch.no_grad():
@@ -173,6 +180,17 @@ def test_no_grad_view_of_an_input_gets_no_gradient():
         return v.expand(2, 4)
 
     verify(fn, torch.randn(4, requires_grad=True))
+
+
+def test_no_grad_view_of_an_intermediate_viewed_again_gets_no_gradient():
+    def fn(a):
+        v = a * 2
+        with torch.no_grad():
+            w = v.view(-1)
+        return w.t(), v, w.expand(2, 4) * 3
+
+    verify(fn, torch.randn(4, requires_grad=True))
+    verify(fn, torch.randn(4, requires_grad=True), compile_fn=compiled)
 
 
 @unfixed("NEW F7: an in-place op through an expanded view of an input differs from eager")

@@ -416,8 +416,14 @@ def _rebuild(alias: Alias, values: tuple[Sequence[torch.Tensor | None], ...]) ->
     if alias.view is None:
         return source
     meta = alias.view
-    with torch.set_grad_enabled(alias.with_grad):  # Note [Grad mode regions]
-        view = source.as_strided(meta.size, meta.stride, meta.storage_offset)
+    if alias.past_no_grad_view:  # Note [Views past a no_grad view]
+        with torch.no_grad():
+            cut = source.as_strided(meta.size, meta.stride, meta.storage_offset)
+        with torch.enable_grad():
+            view = cut.view_as(cut)
+    else:
+        with torch.set_grad_enabled(alias.with_grad):  # Note [Grad mode regions]
+            view = source.as_strided(meta.size, meta.stride, meta.storage_offset)
     if view.requires_grad and not alias.requires_grad:
         return view.detach()
     if alias.requires_grad and not view.requires_grad:  # v = a.view(-1); v.requires_grad_()
