@@ -81,13 +81,37 @@ def test_requires_grad_on_a_view_of_an_input():
     verify(fn, torch.randn(2, 2))
 
 
-@unfixed("issue 12 item 8: requires_grad_() on an input")
 def test_requires_grad_on_an_input():
     def fn(a):
         a.requires_grad_(True)
         return a * 2
 
     verify(fn, torch.randn(2))
+
+
+def test_requires_grad_on_an_input_after_using_it_and_under_dynamic_shapes():
+    def fn(a, w):
+        b = a * 3
+        a.requires_grad_()
+        with torch.no_grad():
+            a.add_(1)
+        return b, a * w, a.t()
+
+    for compile_fn in (None, dynamic, compiled):
+        verify(fn, torch.randn(2, 2), torch.randn(2, 2, requires_grad=True), compile_fn=compile_fn)
+
+
+def test_requires_grad_on_an_input_reaches_the_callers_tensor_on_every_call():
+    def fn(a):
+        a.requires_grad_(True)
+        return a * 2
+
+    compiled_fn = aotgrad.aot_function(fn)
+    for _ in range(3):  # a cache hit replays it too
+        a = torch.randn(2)
+        compiled_fn(a).sum().backward()
+        assert a.requires_grad and a.is_leaf
+        torch.testing.assert_close(a.grad, torch.full((2,), 2.0))
 
 
 def test_enable_grad_inside_a_function_called_under_no_grad():

@@ -250,6 +250,7 @@ def _assemble(
         guards=record.guards,
         member_mutations=tuple(record.member_mutations),
         reached_by=_reached_by(gm.graph, record, cotangents),
+        made_to_require_grad=tuple(record.made_to_require_grad),
     )
     _name_placeholders(gm.graph, [*inputs.descriptors, *cotangents])
     grads = [Grad(of=d) for d in inputs.descriptors] if cotangents else []

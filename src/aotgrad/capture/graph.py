@@ -101,6 +101,9 @@ class JointGraph:
     # Per graph input (with a backward): the cotangents whose outputs have an autograd path
     # to it; its gradient is None when none of them is given (Note [Gradients no output reaches]).
     reached_by: tuple[tuple[Cotangent, ...], ...] = ()
+    # User input positions the function called requires_grad_() on; the runtime does the
+    # same to the caller's tensors before the call (Note [requires_grad_() on an input]).
+    made_to_require_grad: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if sum(self.differentiable) != len(self.cotangents):

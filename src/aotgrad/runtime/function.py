@@ -78,6 +78,8 @@ class Plan:
     reached_by: tuple[int, ...] = ()
     # Per cotangent: how to make zeros in its place (Note [Missing cotangents]).
     zeros: tuple[ZerosLike, ...] = ()
+    # User inputs to make require grad before the call (Note [requires_grad_() on an input]).
+    made_to_require_grad: tuple[int, ...] = ()
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
@@ -114,6 +116,7 @@ class Plan:
                 for cotangents in joint.reached_by
             ),
             zeros=_zeros_like_cotangents(partitioned),
+            made_to_require_grad=joint.made_to_require_grad,
         )
 
 
