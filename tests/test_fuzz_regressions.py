@@ -256,3 +256,13 @@ def test_inplace_through_a_detached_alias_of_a_mutated_input():
         return v0, v0, v0
 
     verify(fn, torch.randn(4, 2, 4)[1:])
+
+
+@unfixed("NEW F11: a custom Function returning a mutated input that aliases another: not an alias")
+def test_custom_function_returning_a_mutated_aliased_input_aliases_it():
+    def fn(a0, a1):
+        a1.add_(1.5)
+        return ReturnsInput.apply(a1)
+
+    b = torch.randn(3, requires_grad=True)
+    verify(fn, b, b[1:])
