@@ -91,23 +91,15 @@ FEATURES = frozenset(
 
 # Features that trigger known defects: not generated unless enabled (see the module docstring).
 KNOWN_BAD: dict[str, str] = {
-    "requires_grad_": "issue 12 item 8: requires_grad_() inside the function",
     "metadata_input": "NEW F5: metadata mutation of an input, then an in-place op on a value made from it",
     "reshape_size1_strides": "NEW F4: a reshape view of a strided input has other size-1 strides",
-    "nograd_view": "NEW F6: a no_grad view of a tensor that requires grad gets a gradient",
     "inplace_overlapping": "NEW F7: in-place op through an expanded view of an input",
-    "return_nograd_alias": "NEW F2: an output and a detach()/no_grad view of it",
     "equal_view_inputs": "NEW F3: two inputs that are equal views of one base are merged",
 }
 
 # Known-bad *differences* no feature isolates: a failure whose signature is listed is tolerated
-# unless its name is enabled like a feature (AOTGRAD_FUZZ_FEATURES=zero_grad_of_unused_mutated_input).
-KNOWN_BAD_SIGNATURES: dict[str, tuple[str, str]] = {
-    "zero_grad_of_unused_mutated_input": (
-        "mismatch: grad of: a tensor != eager None",
-        "NEW F8: a mutated input no output uses gets a zero gradient (eager: None)",
-    ),
-}
+# unless its name is enabled like a feature (AOTGRAD_FUZZ_FEATURES=<name>). None at present.
+KNOWN_BAD_SIGNATURES: dict[str, tuple[str, str]] = {}
 
 
 def tolerated_signatures() -> set[str]:

@@ -81,13 +81,37 @@ def test_requires_grad_on_a_view_of_an_input():
     verify(fn, torch.randn(2, 2))
 
 
-@unfixed("issue 12 item 8: requires_grad_() on an input")
 def test_requires_grad_on_an_input():
     def fn(a):
         a.requires_grad_(True)
         return a * 2
 
     verify(fn, torch.randn(2))
+
+
+def test_requires_grad_on_an_input_after_using_it_and_under_dynamic_shapes():
+    def fn(a, w):
+        b = a * 3
+        a.requires_grad_()
+        with torch.no_grad():
+            a.add_(1)
+        return b, a * w, a.t()
+
+    for compile_fn in (None, dynamic, compiled):
+        verify(fn, torch.randn(2, 2), torch.randn(2, 2, requires_grad=True), compile_fn=compile_fn)
+
+
+def test_requires_grad_on_an_input_reaches_the_callers_tensor_on_every_call():
+    def fn(a):
+        a.requires_grad_(True)
+        return a * 2
+
+    compiled_fn = aotgrad.aot_function(fn)
+    for _ in range(3):  # a cache hit replays it too
+        a = torch.randn(2)
+        compiled_fn(a).sum().backward()
+        assert a.requires_grad and a.is_leaf
+        torch.testing.assert_close(a.grad, torch.full((2,), 2.0))
 
 
 def test_enable_grad_inside_a_function_called_under_no_grad():
@@ -130,13 +154,21 @@ def test_resize_under_dynamic_shapes():
     verify_or_refuse(fn, torch.randn(4), compile_fn=dynamic)
 
 
-@unfixed("NEW F2: an output returned with a detach() of it loses requires_grad (no gradient)")
 def test_output_returned_after_its_detached_alias_keeps_requires_grad():
     def fn(a):
         v = a + 1
         return v.detach(), v
 
     verify(fn, torch.randn(3, requires_grad=True))
+
+
+def test_view_returned_with_a_detach_of_its_base_keeps_requires_grad():
+    def fn(a):
+        v = a + 1
+        return v.detach(), v.view(-1)
+
+    verify(fn, torch.randn(3, requires_grad=True))
+    verify(fn, torch.randn(3, requires_grad=True), compile_fn=dynamic)
 
 
 @unfixed("NEW F3: two inputs that are equal views of one base: the wrong one is returned")
@@ -165,7 +197,6 @@ def test_metadata_mutation_of_an_input_then_inplace_on_a_value_made_from_it():
     verify(fn, torch.randn(2, 1, requires_grad=True) * 1)
 
 
-@unfixed("NEW F6: a no_grad view of a tensor that requires grad, expanded, gets a gradient")
 def test_no_grad_view_of_an_input_gets_no_gradient():
     def fn(a):
         with torch.no_grad():
@@ -173,6 +204,17 @@ def test_no_grad_view_of_an_input_gets_no_gradient():
         return v.expand(2, 4)
 
     verify(fn, torch.randn(4, requires_grad=True))
+
+
+def test_no_grad_view_of_an_intermediate_viewed_again_gets_no_gradient():
+    def fn(a):
+        v = a * 2
+        with torch.no_grad():
+            w = v.view(-1)
+        return w.t(), v, w.expand(2, 4) * 3
+
+    verify(fn, torch.randn(4, requires_grad=True))
+    verify(fn, torch.randn(4, requires_grad=True), compile_fn=compiled)
 
 
 @unfixed("NEW F7: an in-place op through an expanded view of an input differs from eager")
@@ -186,7 +228,6 @@ def test_inplace_through_an_expanded_view_of_an_input():
     verify(fn, b, b.unsqueeze(0))
 
 
-@unfixed("NEW F8: a mutated input no output uses gets a zero gradient where eager has None")
 def test_mutated_input_that_no_output_uses_gets_no_gradient():
     def fn(a, c):
         a.add_(1.5)
@@ -215,3 +256,13 @@ def test_inplace_through_a_detached_alias_of_a_mutated_input():
         return v0, v0, v0
 
     verify(fn, torch.randn(4, 2, 4)[1:])
+
+
+@unfixed("NEW F11: a custom Function returning a mutated input that aliases another: not an alias")
+def test_custom_function_returning_a_mutated_aliased_input_aliases_it():
+    def fn(a0, a1):
+        a1.add_(1.5)
+        return ReturnsInput.apply(a1)
+
+    b = torch.randn(3, requires_grad=True)
+    verify(fn, b, b[1:])

@@ -124,6 +124,8 @@ def verify(
     eager.grad_holders.update(_parameters(eager_fn))
     compiled.grad_holders.update(_parameters(compiled_source))
     for name, holder in eager.grad_holders.items():
+        if not holder.requires_grad:  # an input the function did not make require grad
+            continue
         report.compared_grads += 1
         checker.grad(f"grad of {name}", holder.grad, compiled.grad_holders[name].grad)
     if check and not report.ok:
@@ -202,9 +204,11 @@ def _copy_storage_group(
         t = first
         new = torch.empty((), dtype=t.dtype, device=t.device)
         new.set_(buffer.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        # A leaf that does not require grad holds one too: the function may call
+        # requires_grad_() on it.
+        holders[_input_name(leaves[members[0]][0])] = new
         if t.requires_grad:
             new.requires_grad_(True)
-            holders[_input_name(leaves[members[0]][0])] = new
             if not t.is_leaf:
                 new = new.clone(memory_format=torch.preserve_format)
         return [new] * len(originals)

@@ -43,6 +43,7 @@ from aotgrad.capture.provenance import (
     set_phase,
 )
 from aotgrad.capture.random import faithful_decompositions
+from aotgrad.capture.reachability import computed_from
 from aotgrad.capture.recompute import link_recompute
 from aotgrad.capture.recorder import Recorder, stamp
 from aotgrad.capture.session import capture_session, capturing
@@ -249,6 +250,8 @@ def _assemble(
         cotangents=cotangents,
         guards=record.guards,
         member_mutations=tuple(record.member_mutations),
+        reached_by=_reached_by(gm.graph, record, cotangents),
+        made_to_require_grad=tuple(record.made_to_require_grad),
     )
     _name_placeholders(gm.graph, [*inputs.descriptors, *cotangents])
     grads = [Grad(of=d) for d in inputs.descriptors] if cotangents else []
@@ -259,6 +262,22 @@ def _assemble(
     )
     gm.recompile()
     return joint
+
+
+def _reached_by(
+    graph: fx.Graph, record: TraceRecord, cotangents: Sequence[Cotangent]
+) -> tuple[tuple[Cotangent, ...], ...]:
+    """Per graph input, the cotangents that reach it (Note [Gradients no output reaches])."""
+    if not cotangents:
+        return ()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    results = list(graph.output_node().args[0])  # type: ignore[arg-type]
+    grads = results[len(results) - len(record.reached_by) :]
+    computed = computed_from(graph, placeholders[-len(cotangents) :], grads)
+    return tuple(
+        tuple(c for j, c in enumerate(cotangents) if (path | data) >> j & 1)
+        for path, data in zip(record.reached_by, computed, strict=True)
+    )
 
 
 def _output_descriptors(record: TraceRecord) -> list[Output]:

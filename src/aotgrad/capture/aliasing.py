@@ -23,7 +23,10 @@ it aliases. Worked example::
 When every output of a storage is a view (``return a.t(), a.view(-1)`` with
 ``a`` not returned, or a lone ``return a.view(-1)``), the storage's base
 ``a`` becomes an extra forward output (an ``OutputBase``) and the views are
-rebuilt from it, so that their ``._base`` is an intermediate as in eager. Gradients flow from each
+rebuilt from it, so that their ``._base`` is an intermediate as in eager. Of
+several outputs that own one storage (``return v.detach(), v``), one that
+requires grad is returned and the others are rebuilt from it: rebuilt from
+``v.detach()``, ``v`` would be a leaf with no path to the inputs. Gradients flow from each
 rebuilt view into its source through autograd, so cotangents are needed only
 for the Function's own outputs. Views that change dtype or the lazy
 conjugate/negative bit (``view(dtype)``, ``conj()``) cannot be rebuilt with
@@ -108,6 +111,9 @@ class Alias:
     # Whether autograd recorded the view (it was made with grad mode on): the runtime
     # rebuilds it in the same grad mode (Note [Grad mode regions]).
     with_grad: bool
+    # Recorded, but past a view made under no_grad: no autograd path to the source
+    # (Note [Views past a no_grad view]).
+    past_no_grad_view: bool = False
 
 
 def _alias(t: torch.Tensor, source: AliasSource, index: int, view: ViewMeta | None) -> Alias:
@@ -117,7 +123,40 @@ def _alias(t: torch.Tensor, source: AliasSource, index: int, view: ViewMeta | No
         view=view,
         requires_grad=t.requires_grad,
         with_grad=t.grad_fn is not None,
+        past_no_grad_view=_past_no_grad_view(t),
     )
+
+
+# Note [Views past a no_grad view]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A view made under ``no_grad`` of a tensor that requires grad requires grad
+# itself but has no ``grad_fn`` and no gradient accumulator; a view of it made
+# with grad mode on records a node whose edge leads nowhere. Eager's output
+# requires grad, yet no gradient reaches the input::
+#
+#     with torch.no_grad():
+#         v = a.view(-1)        # requires_grad, grad_fn None
+#     return v.expand(2, 4)     # ExpandBackward0, next_functions ((None, 0),)
+#
+# Rebuilt as ``a.as_strided(...)`` with grad mode on, the output would send
+# its gradient into ``a``. So the runtime rebuilds such an output the way it
+# was made: ``as_strided`` under ``no_grad``, then an identity view with grad
+# mode on.
+
+
+def _past_no_grad_view(t: torch.Tensor) -> bool:
+    """Does ``t``'s chain of view nodes end in an edge to nowhere (Note [Views past a no_grad view])?"""
+    if t._base is None:
+        return False
+    node, stop = t.grad_fn, t._base.grad_fn
+    while node is not None and node is not stop:
+        edges = node.next_functions
+        if len(edges) != 1:
+            return False
+        if edges[0][0] is None:
+            return True
+        node = edges[0][0]
+    return False
 
 
 @dataclass(frozen=True)
@@ -213,12 +252,7 @@ def _alias_group(
     members: list[tuple[int, ...]],
 ) -> None:
     """Rebuild every output of one storage from one fresh tensor (Note [Aliased outputs])."""
-    owners = [k for k in group if tensors[k]._base is None]
-    base: torch.Tensor | None
-    if owners:
-        source, base, index = AliasSource.OUTPUT, tensors[owners[0]], owners[0]
-    else:
-        source, base, index = AliasSource.BASE, tensors[group[0]]._base, len(bases)
+    source, base, index = _group_source(group, tensors, len(bases))
     rebuilt = []
     for k in group:
         t = tensors[k]
@@ -232,6 +266,24 @@ def _alias_group(
         assert base is not None
         bases.append(base)
         members.append(tuple(rebuilt))
+
+
+def _group_source(
+    group: list[int], tensors: Sequence[torch.Tensor], num_bases: int
+) -> tuple[AliasSource, torch.Tensor | None, int]:
+    """The tensor one storage's outputs are rebuilt from: an output, or a base to add.
+
+    One that requires grad when any output does (Note [Aliased outputs]): ``v``,
+    not ``v.detach()``; the base of ``v.view(-1)`` when ``v`` is not returned.
+    """
+    owners = [k for k in group if tensors[k]._base is None]
+    needs_grad = any(tensors[k].requires_grad for k in group)
+    for k in owners:
+        if tensors[k].requires_grad or not needs_grad:
+            return AliasSource.OUTPUT, tensors[k], k
+    views = [k for k in group if tensors[k]._base is not None]  # not empty: see the loop
+    view = next((k for k in views if tensors[k].requires_grad), views[0])
+    return AliasSource.BASE, tensors[view]._base, num_bases
 
 
 # Note [Inputs returned by a custom Function]

@@ -98,11 +98,21 @@ class JointGraph:
     guards: ShapeGuards | None = None
     # Metadata mutations of inputs a synthetic base stands for, by user input position.
     member_mutations: tuple[InputMutation, ...] = ()
+    # Per graph input (with a backward): the cotangents whose outputs have an autograd path
+    # to it; its gradient is None when none of them is given (Note [Gradients no output reaches]).
+    reached_by: tuple[tuple[Cotangent, ...], ...] = ()
+    # User input positions the function called requires_grad_() on; the runtime does the
+    # same to the caller's tensors before the call (Note [requires_grad_() on an input]).
+    made_to_require_grad: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if sum(self.differentiable) != len(self.cotangents):
             raise AssertionError(
                 f"expected {sum(self.differentiable)} cotangents, got {len(self.cotangents)}"
+            )
+        if self.cotangents and len(self.reached_by) != self.num_primals:
+            raise AssertionError(
+                f"expected reached_by for {self.num_primals} inputs, got {len(self.reached_by)}"
             )
         returned = len(self.fresh_outputs) + len(self.bases) + len(self.mutated)
         if returned != len(self.differentiable):

@@ -60,6 +60,7 @@ from aotgrad.capture.mutation import (
     member_metadata_mutations,
     mutation_counts,
 )
+from aotgrad.capture.reachability import reaching_masks
 from aotgrad.capture.recorder import ProvenanceMode, Recorder, generator_restored
 from aotgrad.errors import UnsupportedOpError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
@@ -87,6 +88,11 @@ class TraceRecord:
     # Per value the autograd.Function returns: does it get a cotangent?
     differentiable: list[bool] = field(default_factory=list)
     grad_inputs: list[int] = field(default_factory=list)
+    # User input positions the function made require grad (Note [requires_grad_() on an input]).
+    made_to_require_grad: list[int] = field(default_factory=list)
+    # Per graph input: bit ``j`` set when cotangent ``j``'s output has an autograd path to it
+    # (Note [Gradients no output reaches]).
+    reached_by: list[int] = field(default_factory=list)
     # Symbolic sizes and their guards (Note [Dynamic shapes]); None for static traces.
     guards: ShapeGuards | None = None
     # Differentiate with .backward() into leaf primals instead of autograd.grad on edges:
@@ -306,6 +312,11 @@ def _joint(
         with contextlib.ExitStack() as stack:
             with closed_over:
                 result = stack.enter_context(body(primals))
+            for i in _made_to_require_grad(primals, needs_grad, inputs, record, where):
+                needs_grad[i] = True  # Note [requires_grad_() on an input]
+                edges[i] = _differentiate_at(
+                    graph_primals[i], record.leaf_primals, direct is not None
+                )
             record.member_mutations = member_metadata_mutations(
                 primals, member_grad_fns, inputs.sources
             )
@@ -326,7 +337,9 @@ def _joint(
                 for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
                 if needs and info.duplicate_of is None
             ]
-            backward = with_backward and bool(record.grad_inputs)
+            backward = (with_backward or bool(record.made_to_require_grad)) and bool(
+                record.grad_inputs
+            )
             new_values = [m.requires_grad for m in record.mutations if m.data]
             outputs = returned[: len(returned) - len(new_values)]
             if not backward and any(_is_differentiable(t) for t in outputs):
@@ -345,6 +358,56 @@ def _joint(
                 if before is not None:
                     check_no_backward_mutation(graph_primals, before, inputs.descriptors, where)
     return [_unwrap(v) for v in (*forward, *grads)]
+
+
+# Note [requires_grad_() on an input]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``a.requires_grad_()`` inside the function, on an input that does not
+# require grad, makes the caller's tensor a leaf that requires grad: outputs
+# computed from ``a`` afterwards send their gradient into ``a.grad``::
+#
+#     def fn(a):
+#         b = a * 3             # before: b does not require grad
+#         a.requires_grad_()
+#         return b, a * 2       # a.grad = 2 * cotangent of output[1]
+#
+# The trace sees the traced input become such a leaf and differentiates with
+# respect to it (only what follows the call depends on it in autograd's
+# graph, so ``b`` stays non-differentiable). The runtime calls
+# ``requires_grad_()`` on the caller's tensor before it runs the Function,
+# whose backward then returns ``a``'s gradient. An input traced as a view of
+# a synthetic base (Note [Aliased inputs]) is refused: its ``requires_grad``
+# is the view's, not the graph input's.
+
+
+def _made_to_require_grad(
+    primals: Sequence[torch.Tensor],
+    needs_grad: Sequence[bool],
+    inputs: GraphInputs,
+    record: TraceRecord,
+    where: UserFrame | None,
+) -> list[int]:
+    """Graph inputs the function made leaves that require grad (Note [requires_grad_() on an input]).
+
+    Records the user input positions in ``record``.
+    """
+    made: list[int] = []
+    for k, (p, (j, view)) in enumerate(zip(primals, inputs.sources, strict=True)):
+        if needs_grad[j] or not (p.requires_grad and p.grad_fn is None):
+            continue
+        if view is not None:
+            raise UnsupportedOutputError(
+                format_error(
+                    "the function calls requires_grad_() on an input that shares memory with"
+                    f" another input it mutates ({inputs.descriptors[j]})",
+                    where,
+                    "Pass a tensor that already requires grad, or clone the input.",
+                )
+            )
+        record.made_to_require_grad.append(k)
+        if j not in made:
+            made.append(j)
+    return made
 
 
 def _grad_from_inside(where: UserFrame | None) -> UnsupportedOutputError:
@@ -478,6 +541,14 @@ def _backward(
     cotangents = [make_cotangent(t, i) for i, t in enumerate(targets)]
     # All edges (full trace) or all tensors (direct trace): ``grad`` takes either.
     inputs: Any = [edge for i in record.grad_inputs if (edge := edges[i]) is not None]
+    sources = [
+        source
+        for i in record.grad_inputs
+        if (source := primals[i] if record.leaf_primals else edges[i]) is not None
+    ]
+    record.reached_by = [0] * len(edges)
+    for i, mask in zip(record.grad_inputs, reaching_masks(targets, sources), strict=True):
+        record.reached_by[i] = mask
     recorder.backward_hooks(targets)
     computed: Sequence[torch.Tensor | None]
     if record.leaf_primals:

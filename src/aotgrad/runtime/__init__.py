@@ -39,6 +39,8 @@ class CompiledGraphs:
         apply, plan = self._apply, self.plan
         if apply is None or self._bases or not plan.only_fresh or plan.has_sizes:
             return None
+        if plan.made_to_require_grad:
+            return None
         if plan.out_spec.is_leaf():
             return lambda primals: _apply_with_grad(apply, primals)[0]
         spec = plan.out_spec
@@ -58,6 +60,8 @@ class CompiledGraphs:
         return None if guards.check(inputs) else guards.failed(inputs) or "the shape guards"
 
     def __call__(self, primals: Sequence[torch.Tensor]) -> Any:
+        for i in self.plan.made_to_require_grad:  # Note [requires_grad_() on an input]
+            primals[i].requires_grad_(True)
         inputs = graph_inputs(primals, self._bases) if self._bases else primals
         if self._apply is None:
             with torch.no_grad():

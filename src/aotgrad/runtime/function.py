@@ -73,6 +73,13 @@ class Plan:
     guards: ShapeGuards | None = None
     # The result holds a ``torch.Size`` (Note [Sizes in the result]).
     has_sizes: bool = False
+    # Per Function input: bit ``k`` set when cotangent ``k``'s output reaches it (Note
+    # [Gradients no output reaches]).
+    reached_by: tuple[int, ...] = ()
+    # Per cotangent: how to make zeros in its place (Note [Missing cotangents]).
+    zeros: tuple[ZerosLike, ...] = ()
+    # User inputs to make require grad before the call (Note [requires_grad_() on an input]).
+    made_to_require_grad: tuple[int, ...] = ()
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
@@ -104,7 +111,41 @@ class Plan:
             out_spec=joint.out_spec,
             guards=joint.guards,
             has_sizes=_holds_size(joint.out_spec),
+            reached_by=tuple(
+                sum(1 << joint.cotangents.index(c) for c in cotangents)
+                for cotangents in joint.reached_by
+            ),
+            zeros=_zeros_like_cotangents(partitioned),
+            made_to_require_grad=joint.made_to_require_grad,
         )
+
+
+@dataclass(frozen=True)
+class ZerosLike:
+    """Zeros standing in for a cotangent the caller did not give (Note [Missing cotangents])."""
+
+    # None when the size is symbolic: the forward keeps each call's sizes on ``ctx``.
+    size: tuple[int, ...] | None
+    dtype: torch.dtype
+    device: torch.device
+
+    def make(self, ctx: Any, k: int) -> torch.Tensor:
+        size = self.size if self.size is not None else ctx.cotangent_sizes[k]
+        return torch.zeros(size, dtype=self.dtype, device=self.device)
+
+
+def _zeros_like_cotangents(partitioned: Partitioned) -> tuple[ZerosLike, ...]:
+    if partitioned.backward is None:
+        return ()
+    placeholders = [n for n in partitioned.backward.graph.nodes if n.op == "placeholder"]
+    values = [n.meta["val"] for n in placeholders[-len(partitioned.joint.cotangents) :]]
+    return tuple(ZerosLike(_static_size(v.shape), v.dtype, v.device) for v in values)
+
+
+def _static_size(shape: torch.Size) -> tuple[int, ...] | None:
+    if all(isinstance(d, int) for d in shape):
+        return tuple(shape)
+    return None
 
 
 def _only_fresh(leaves: Sequence[OutputLeaf], mutations: Sequence[Any], num_bases: int) -> bool:
@@ -126,6 +167,9 @@ def make_function(
     leading = returned_positions == tuple(range(num_returned))
     not_differentiable = [i for i, d in enumerate(plan.differentiable) if not d]
     differentiable = [i for i, d in enumerate(plan.differentiable) if d]
+    symbolic_sizes = any(z.size is None for z in plan.zeros)
+    all_received = (1 << len(differentiable)) - 1
+    no_grads = (None,) * len(plan.reached_by)
 
     class CompiledFunction(torch.autograd.Function):
         @staticmethod
@@ -144,21 +188,72 @@ def make_function(
                 ctx.sizes = [v for v in saved if not isinstance(v, torch.Tensor)]
                 saved = [v for v in saved if isinstance(v, torch.Tensor)]
             ctx.save_for_backward(*saved)
+            ctx.set_materialize_grads(False)  # Note [Missing cotangents]
+            if symbolic_sizes:
+                ctx.cotangent_sizes = [returned[i].shape for i in differentiable]
             if not_differentiable:
                 ctx.mark_non_differentiable(*[returned[i] for i in not_differentiable])
             return returned
 
         @staticmethod
-        def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
             if torch.is_grad_enabled():
                 raise DoubleBackwardError(_DOUBLE_BACKWARD)
-            cotangents = [grad_outputs[i].contiguous() for i in differentiable]
+            received = all_received
+            try:  # the usual call: every differentiable output got a gradient
+                cotangents = [grad_outputs[i].contiguous() for i in differentiable]  # type: ignore[union-attr]
+            except AttributeError:  # one is None (Note [Missing cotangents])
+                given = [grad_outputs[i] for i in differentiable]
+                cotangents, received = _with_zeros(ctx, given, plan.zeros)
+                if not received:
+                    return no_grads
             saved = ctx.saved_tensors
             if plan.saved_sizes:
                 saved = _interleave(plan.saved_sizes, ctx.saved_tensors, ctx.sizes)
-            return tuple(backward([*saved, *cotangents]))
+            grads = backward([*saved, *cotangents])
+            if received != all_received:
+                return tuple(_reached(grads, plan.reached_by, received))
+            return tuple(grads)
 
     return CompiledFunction
+
+
+# Note [Missing cotangents]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# The Function does not let autograd make zeros for the outputs nothing
+# differentiated (``set_materialize_grads(False)``): ``backward`` receives
+# ``None`` for them, puts zeros in their place for the backward graph (which
+# takes one cotangent per differentiable output), and returns ``None`` for
+# every input that only those outputs reach (Note [Gradients no output
+# reaches]). For ``f(a, c) = (a * 2, c * 3)`` with ``reached_by = (0b01, 0b10)``:
+#
+#     backward(g0, g1)    ->  received 0b11   ->  (2 * g0, 3 * g1)
+#     backward(g0, None)  ->  received 0b01   ->  (2 * g0, None)      # graph ran on (g0, zeros)
+#     backward(None, None) ->  received 0b00  ->  (None, None)        # graph not run
+#
+# Zeros take the cotangent's traced size, or, under dynamic shapes, the size
+# the forward saw at this call (kept on ``ctx`` only then).
+
+
+def _with_zeros(
+    ctx: Any, given: Sequence[torch.Tensor | None], zeros: Sequence[ZerosLike]
+) -> tuple[list[torch.Tensor], int]:
+    """Zeros in place of missing cotangents, and the bitmask of those given."""
+    cotangents, received = [], 0
+    for k, (g, like) in enumerate(zip(given, zeros, strict=True)):
+        if g is None:
+            cotangents.append(like.make(ctx, k))
+        else:
+            cotangents.append(g.contiguous())
+            received |= 1 << k
+    return cotangents, received
+
+
+def _reached(
+    grads: Sequence[torch.Tensor | None], reached_by: Sequence[int], received: int
+) -> list[torch.Tensor | None]:
+    """``grads`` with None for inputs no received cotangent reaches (Note [Missing cotangents])."""
+    return [g if mask & received else None for g, mask in zip(grads, reached_by, strict=True)]
 
 
 # Note [Calling the Function directly]
@@ -324,8 +419,14 @@ def _rebuild(alias: Alias, values: tuple[Sequence[torch.Tensor | None], ...]) ->
     if alias.view is None:
         return source
     meta = alias.view
-    with torch.set_grad_enabled(alias.with_grad):  # Note [Grad mode regions]
-        view = source.as_strided(meta.size, meta.stride, meta.storage_offset)
+    if alias.past_no_grad_view:  # Note [Views past a no_grad view]
+        with torch.no_grad():
+            cut = source.as_strided(meta.size, meta.stride, meta.storage_offset)
+        with torch.enable_grad():
+            view = cut.view_as(cut)
+    else:
+        with torch.set_grad_enabled(alias.with_grad):  # Note [Grad mode regions]
+            view = source.as_strided(meta.size, meta.stride, meta.storage_offset)
     if view.requires_grad and not alias.requires_grad:
         return view.detach()
     if alias.requires_grad and not view.requires_grad:  # v = a.view(-1); v.requires_grad_()
