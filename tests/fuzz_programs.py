@@ -97,7 +97,6 @@ KNOWN_BAD: dict[str, str] = {
     "nograd_view": "NEW F6: a no_grad view of a tensor that requires grad gets a gradient",
     "inplace_overlapping": "NEW F7: in-place op through an expanded view of an input",
     "return_nograd_alias": "NEW F2: an output and a detach()/no_grad view of it",
-    "equal_view_inputs": "NEW F3: two inputs that are equal views of one base are merged",
 }
 
 # Known-bad *differences* no feature isolates: a failure whose signature is listed is tolerated

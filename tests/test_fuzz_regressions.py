@@ -139,7 +139,6 @@ def test_output_returned_after_its_detached_alias_keeps_requires_grad():
     verify(fn, torch.randn(3, requires_grad=True))
 
 
-@unfixed("NEW F3: two inputs that are equal views of one base: the wrong one is returned")
 def test_mutated_input_returned_is_that_input_when_another_is_an_equal_view():
     def fn(a0, a1):
         a1.mul_(2)
@@ -147,6 +146,16 @@ def test_mutated_input_returned_is_that_input_when_another_is_an_equal_view():
 
     b = torch.randn(4)
     verify(fn, b[1:], b[1:])
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_equal_views_passed_together_stay_distinct_inputs(requires_grad):
+    def fn(a0, a1, a2):
+        a0.add_(1)
+        return a1, a0 * a1, a0.t(), a2[1]
+
+    b = torch.randn(4, 4, requires_grad=requires_grad) * 1
+    verify(fn, b[1:], b[1:], b[1:, 1:])
 
 
 @unfixed("NEW F4: a reshape view of a strided input gets other strides on size-1 dims")
@@ -205,7 +214,6 @@ def test_view_of_an_aliased_input_returned_twice():
     verify(fn, b[0], b)
 
 
-@unfixed("NEW F10: in-place ops through a detach() of a mutated view input differ from eager")
 def test_inplace_through_a_detached_alias_of_a_mutated_input():
     def fn(a0):
         a0.zero_()
@@ -215,3 +223,110 @@ def test_inplace_through_a_detached_alias_of_a_mutated_input():
         return v0, v0, v0
 
     verify(fn, torch.randn(4, 2, 4)[1:])
+
+
+# A view taken after an in-place op on an input that is itself a view: its layout is where it
+# sits in the caller's storage, not in functionalization's fresh buffer (F10's class, Note
+# [Layouts in the caller's storage]).
+
+
+def _slice_then_select(x):
+    a = x[1:]
+    a.add_(1)
+    return a[1]
+
+
+def _transpose(x):
+    x.mul_(2)
+    return x.t()
+
+
+def _select(x):
+    x.mul_(2)
+    return x[:, 1]
+
+
+def _diagonal(x):
+    x.sub_(1)
+    return x.diagonal(), x
+
+
+def _as_strided(x):
+    x.add_(1)
+    return x.as_strided((2, 2), (1, 2), x.storage_offset() + 1)
+
+
+def _unsqueeze(x):
+    x.mul_(3)
+    return x.unsqueeze(0)
+
+
+def _unflatten(x):
+    x.add_(1)
+    return x.view(2, 2, 4)
+
+
+def _transpose_in_place_then_select(x):
+    x.mul_(2)
+    x.t_()
+    return x[1]
+
+
+def _in_place_transpose_first(x):
+    x.t_()
+    x.mul_(2)
+    return x.diagonal(), x[1:]
+
+
+def _through_detach(x):
+    x.detach().add_(1)
+    return x[1:].t()
+
+
+def _two_views(x):
+    a = x[1:]
+    a.add_(1)
+    return a[1], x.t()
+
+
+VIEWS_AFTER_MUTATION = [
+    _slice_then_select,
+    _transpose,
+    _select,
+    _diagonal,
+    _as_strided,
+    _unsqueeze,
+    _unflatten,
+    _transpose_in_place_then_select,
+    _in_place_transpose_first,
+    _through_detach,
+    _two_views,
+]
+
+
+def _input_view(requires_grad, transposed):
+    """A 4x4 view at a nonzero offset: every other column (or, transposed, row) of a 5x8."""
+    base = torch.randn(5, 8, requires_grad=requires_grad) * 1
+    view = base[1:, ::2]
+    return view.t() if transposed else view
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
+@pytest.mark.parametrize("fn", VIEWS_AFTER_MUTATION, ids=lambda f: f.__name__.strip("_"))
+def test_view_after_mutating_a_view_input_sits_where_eager_puts_it(fn, transposed, requires_grad):
+    verify(fn, _input_view(requires_grad, transposed))
+
+
+@pytest.mark.parametrize("fn", [_transpose, _diagonal, _transpose_in_place_then_select])
+def test_view_after_mutating_a_view_input_under_dynamic_shapes(fn):
+    verify(fn, _input_view(True, False), compile_fn=dynamic)
+
+
+def test_view_after_mutating_an_aliased_view_input():
+    def fn(a0, a1):
+        a0.add_(1)
+        return a1[1:].t(), a0.diagonal()
+
+    b = torch.randn(6, 6, requires_grad=True) * 1
+    verify(fn, b[1:, ::2], b[2:, 1:])

@@ -290,7 +290,7 @@ def _joint(
     grad_fns = [p.grad_fn for p in graph_primals]  # to tell mutations autograd saw
     needs_grad = [p.requires_grad for p in graph_primals]  # before any in-place op
     with functional_mode:
-        primals = _user_primals(graph_primals, inputs.sources)
+        primals = _user_primals(graph_primals, inputs.sources, real)
         member_grad_fns = [p.grad_fn for p in primals]
         closed_over = ClosedOver(real, primals, where)  # Note [Real tensors in a trace]
         # The backward runs inside the body's context: it may re-run the body's code. The
@@ -305,6 +305,7 @@ def _joint(
                 result,
                 primals,
                 graph_primals,
+                inner,
                 grad_fns,
                 inputs,
                 record,
@@ -355,6 +356,7 @@ def _forward_values(
     result: Any,
     primals: Sequence[torch.Tensor],
     graph_primals: Sequence[torch.Tensor],
+    originals: Sequence[torch.Tensor],
     grad_fns: Sequence[object],
     inputs: GraphInputs,
     record: TraceRecord,
@@ -370,7 +372,7 @@ def _forward_values(
     """
     traced = _is_functional if direct is None else direct.traced
     leaves, tensors = _flatten_result(result, record, where, traced)
-    aliasing, bases = analyze_aliasing(tensors, primals, graph_primals)
+    aliasing, bases = analyze_aliasing(tensors, primals, graph_primals, originals)
     record.aliasing = aliasing
     record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
     if direct is None:  # a direct trace stops at the first mutation (Note [Direct tracing])
@@ -387,19 +389,25 @@ def _forward_values(
 
 
 def _user_primals(
-    graph_primals: Sequence[torch.Tensor], sources: Sequence[tuple[int, ViewMeta | None]]
+    graph_primals: Sequence[torch.Tensor],
+    sources: Sequence[tuple[int, ViewMeta | None]],
+    real: Sequence[torch.Tensor],
 ) -> list[torch.Tensor]:
-    """The user's inputs: graph inputs, or views of a synthetic base (Note [Aliased inputs])."""
-    views: dict[tuple[int, ViewMeta], torch.Tensor] = {}
+    """The user's inputs: graph inputs, or views of a synthetic base (Note [Aliased inputs]).
+
+    One view per distinct ``real`` input: two equal views (``b[1:], b[1:]``)
+    stay two tensors, as the caller's are (the function may return either).
+    """
+    views: dict[int, torch.Tensor] = {}  # id of the real input -> its view
     primals = []
-    for j, view in sources:
+    for (j, view), p in zip(sources, real, strict=True):
         if view is None:
             primals.append(graph_primals[j])
         else:
-            if (j, view) not in views:
+            if id(p) not in views:
                 base = graph_primals[j]
-                views[(j, view)] = base.as_strided(view.size, view.stride, view.storage_offset)
-            primals.append(views[(j, view)])
+                views[id(p)] = base.as_strided(view.size, view.stride, view.storage_offset)
+            primals.append(views[id(p)])
     return primals
 
 
