@@ -204,7 +204,6 @@ def test_mutated_input_that_no_output_uses_gets_no_gradient():
     verify(fn, torch.randn(3, requires_grad=True) * 1, torch.randn(2, requires_grad=True))
 
 
-@unfixed("NEW F9: one view of an aliased input returned twice gets a wrong gradient")
 def test_view_of_an_aliased_input_returned_twice():
     def fn(a0, a1):
         v0 = a1.t()
@@ -212,6 +211,28 @@ def test_view_of_an_aliased_input_returned_twice():
 
     b = torch.randn(3, 2, requires_grad=True)
     verify(fn, b[0], b)
+
+
+@pytest.mark.parametrize("mutate", [False, True])
+def test_view_of_the_larger_of_two_aliased_inputs_routes_its_gradient_through_it(mutate):
+    def fn(a0, a1):
+        if mutate:
+            a0.mul_(2)
+        return a1[1:].t(), a0 * 2, a1.diagonal()
+
+    b = torch.randn(3, 3, requires_grad=True)
+    verify(fn, b[0], b)
+    verify(fn, b[1:, 1], b[1:])
+
+
+def test_one_tensor_returned_twice_is_one_object():
+    def fn(a0, a1):
+        v = a1[1:]
+        return v, a0, v, a0.t(), a0.t()
+
+    b = torch.randn(3, 2, requires_grad=True)
+    verify(fn, b[0], b)
+    verify(fn, torch.randn(2, requires_grad=True), torch.randn(3, 2))
 
 
 def test_inplace_through_a_detached_alias_of_a_mutated_input():

@@ -221,20 +221,22 @@ def analyze_aliasing(
         storage = storage_of(t)
         if id(t) in input_ids:
             aliases[k] = _alias(t, AliasSource.INPUT, input_ids[id(t)], None)
+        elif id(t) in first_index:  # one tensor returned twice: the same object twice
+            aliases[k] = _alias(t, AliasSource.OUTPUT, first_index[id(t)], None)
         elif _through_custom_function(t):
+            first_index[id(t)] = k
             # Note [Inputs returned by a custom Function]: the first is returned, others alias it
             owner = custom_owners.setdefault(storage, k)
             if owner != k:
-                view = None if tensors[owner] is t else ViewMeta.of(t)
-                if view is not None and storage in input_storages:
+                view = ViewMeta.of(t)
+                if storage in input_storages:
                     view = caller_layout(t, originals[input_storages[storage]])
                 aliases[k] = _alias(t, AliasSource.OUTPUT, owner, view)
         elif storage in input_storages and _rebuildable(t, graph_primals[input_storages[storage]]):
+            first_index[id(t)] = k
             source = input_storages[storage]
             view = caller_layout(t, originals[source])
             aliases[k] = _alias(t, AliasSource.GRAPH_INPUT, source, view)
-        elif id(t) in first_index:
-            aliases[k] = _alias(t, AliasSource.OUTPUT, first_index[id(t)], None)
         else:
             first_index[id(t)] = k
             groups.setdefault(storage, []).append(k)
