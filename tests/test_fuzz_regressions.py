@@ -158,9 +158,29 @@ def test_equal_views_passed_together_stay_distinct_inputs(requires_grad):
     verify(fn, b[1:], b[1:], b[1:, 1:])
 
 
-@unfixed("NEW F4: a reshape view of a strided input gets other strides on size-1 dims")
 def test_reshape_view_of_a_strided_input_keeps_eagers_strides():
     verify(lambda a: a.reshape(1, 4, 1), torch.randn(1, 4, 2).permute(2, 1, 0)[1:])
+
+
+@pytest.mark.parametrize(
+    "make, size",
+    [
+        (lambda: torch.randn(4, 1).t(), (4, 1)),
+        (lambda: torch.randn(3, 1, 4)[:, :, ::2], (1, 3, 2)),
+        (lambda: torch.randn(2, 1, 3, 1).permute(3, 2, 1, 0), (3, 1, 2)),
+        (lambda: torch.randn(6)[1::2].unsqueeze(1), (1, 3, 1)),
+    ],
+)
+def test_view_with_size1_dims_keeps_eagers_strides(make, size):
+    """Note [Eager strides for views]: of an input, and of an intermediate returned with it."""
+
+    def of_an_intermediate(a):
+        y = (a * 2).transpose(0, -1)
+        return y, y.transpose(0, -1).view(size)
+
+    verify(lambda a: a.view(size), make())
+    verify(of_an_intermediate, make())
+    verify(lambda a: a.view(size), make().requires_grad_(), compile_fn=dynamic)
 
 
 @unfixed("NEW F5: t_() of an input then an in-place op: spurious 'modified by an inplace op'")

@@ -49,6 +49,7 @@ from aotgrad.capture.cotangents import make_cotangent
 from aotgrad.capture.direct import DirectTracer
 from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
 from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
+from aotgrad.capture.fake import CaptureFakeMode
 from aotgrad.capture.graph import code_on_demand
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
 from aotgrad.capture.mutation import (
@@ -185,7 +186,7 @@ def trace_joint(
     """
     with_backward, where, dynamic_dims = options.with_backward, options.where, options.dynamic_dims
     shape_env = new_shape_env() if dynamic_dims else None
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
+    mode = CaptureFakeMode(allow_non_fake_inputs=True, shape_env=shape_env)
     inputs, tensors = GraphInputs.of(flat, primals, bases)
     fakes = fake_primals(mode, tensors, dynamic_dims)
     record = TraceRecord(leaf_primals=leaf_primals)
