@@ -92,7 +92,6 @@ FEATURES = frozenset(
 # Features that trigger known defects: not generated unless enabled (see the module docstring).
 KNOWN_BAD: dict[str, str] = {
     "requires_grad_": "issue 12 item 8: requires_grad_() inside the function",
-    "metadata_input": "NEW F5: metadata mutation of an input, then an in-place op on a value made from it",
     "nograd_view": "NEW F6: a no_grad view of a tensor that requires grad gets a gradient",
     "inplace_overlapping": "NEW F7: in-place op through an expanded view of an input",
     "return_nograd_alias": "NEW F2: an output and a detach()/no_grad view of it",

@@ -183,7 +183,6 @@ def test_view_with_size1_dims_keeps_eagers_strides(make, size):
     verify(lambda a: a.view(size), make().requires_grad_(), compile_fn=dynamic)
 
 
-@unfixed("NEW F5: t_() of an input then an in-place op: spurious 'modified by an inplace op'")
 def test_metadata_mutation_of_an_input_then_inplace_on_a_value_made_from_it():
     def fn(a):
         a.t_()
@@ -192,6 +191,50 @@ def test_metadata_mutation_of_an_input_then_inplace_on_a_value_made_from_it():
         return v
 
     verify(fn, torch.randn(2, 1, requires_grad=True) * 1)
+
+
+def _restride_t(a):
+    a.t_()
+    return a.sin()
+
+
+def _restride_unsqueeze(a):
+    a.unsqueeze_(0)
+    return a * a.exp(), a
+
+
+def _restride_as_strided(a):
+    a.as_strided_((2, 2), (1, 2), 1)
+    return a.sin()
+
+
+def _restride_squeeze_then_data(a):
+    a.squeeze_()
+    a.mul_(2)
+    return a.sin() * a
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [_restride_t, _restride_unsqueeze, _restride_as_strided, _restride_squeeze_then_data],
+    ids=lambda f: f.__name__.removeprefix("_restride_"),
+)
+@pytest.mark.parametrize("compile_fn", [None, dynamic], ids=["static", "dynamic"])
+def test_saved_input_restrided_in_place_keeps_the_layout_the_backward_read(fn, compile_fn):
+    """Note [Replayed metadata keeps the version]: no spurious error, no transposed gradient."""
+    a = torch.randn(3, 1, requires_grad=True) * 1
+    if fn is _restride_as_strided:
+        a = torch.randn(6, requires_grad=True) * 1
+    verify(fn, a, compile_fn=compile_fn)
+
+
+def test_saved_restrided_input_that_shares_memory_with_another():
+    def fn(a0, a1):
+        a0.t_()
+        return a0.sin(), a1.cos()
+
+    b = torch.randn(3, 3, requires_grad=True) * 1
+    verify(fn, b[1:], b)
 
 
 @unfixed("NEW F6: a no_grad view of a tensor that requires grad, expanded, gets a gradient")
