@@ -93,7 +93,6 @@ FEATURES = frozenset(
 KNOWN_BAD: dict[str, str] = {
     "requires_grad_": "issue 12 item 8: requires_grad_() inside the function",
     "nograd_view": "NEW F6: a no_grad view of a tensor that requires grad gets a gradient",
-    "inplace_overlapping": "NEW F7: in-place op through an expanded view of an input",
     "return_nograd_alias": "NEW F2: an output and a detach()/no_grad view of it",
 }
 
