@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import aotgrad
-from aotgrad.errors import AotgradError
+from aotgrad.errors import AotgradError, UnsupportedMutationError
 from aotgrad.testing import verify
 from fuzz_programs import ReturnsInput, ReturnsView
 
@@ -171,7 +171,6 @@ def test_view_returned_with_a_detach_of_its_base_keeps_requires_grad():
     verify(fn, torch.randn(3, requires_grad=True), compile_fn=dynamic)
 
 
-@unfixed("NEW F3: two inputs that are equal views of one base: the wrong one is returned")
 def test_mutated_input_returned_is_that_input_when_another_is_an_equal_view():
     def fn(a0, a1):
         a1.mul_(2)
@@ -181,12 +180,41 @@ def test_mutated_input_returned_is_that_input_when_another_is_an_equal_view():
     verify(fn, b[1:], b[1:])
 
 
-@unfixed("NEW F4: a reshape view of a strided input gets other strides on size-1 dims")
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_equal_views_passed_together_stay_distinct_inputs(requires_grad):
+    def fn(a0, a1, a2):
+        a0.add_(1)
+        return a1, a0 * a1, a0.t(), a2[1]
+
+    b = torch.randn(4, 4, requires_grad=requires_grad) * 1
+    verify(fn, b[1:], b[1:], b[1:, 1:])
+
+
 def test_reshape_view_of_a_strided_input_keeps_eagers_strides():
     verify(lambda a: a.reshape(1, 4, 1), torch.randn(1, 4, 2).permute(2, 1, 0)[1:])
 
 
-@unfixed("NEW F5: t_() of an input then an in-place op: spurious 'modified by an inplace op'")
+@pytest.mark.parametrize(
+    "make, size",
+    [
+        (lambda: torch.randn(4, 1).t(), (4, 1)),
+        (lambda: torch.randn(3, 1, 4)[:, :, ::2], (1, 3, 2)),
+        (lambda: torch.randn(2, 1, 3, 1).permute(3, 2, 1, 0), (3, 1, 2)),
+        (lambda: torch.randn(6)[1::2].unsqueeze(1), (1, 3, 1)),
+    ],
+)
+def test_view_with_size1_dims_keeps_eagers_strides(make, size):
+    """Note [Eager strides for views]: of an input, and of an intermediate returned with it."""
+
+    def of_an_intermediate(a):
+        y = (a * 2).transpose(0, -1)
+        return y, y.transpose(0, -1).view(size)
+
+    verify(lambda a: a.view(size), make())
+    verify(of_an_intermediate, make())
+    verify(lambda a: a.view(size), make().requires_grad_(), compile_fn=dynamic)
+
+
 def test_metadata_mutation_of_an_input_then_inplace_on_a_value_made_from_it():
     def fn(a):
         a.t_()
@@ -195,6 +223,50 @@ def test_metadata_mutation_of_an_input_then_inplace_on_a_value_made_from_it():
         return v
 
     verify(fn, torch.randn(2, 1, requires_grad=True) * 1)
+
+
+def _restride_t(a):
+    a.t_()
+    return a.sin()
+
+
+def _restride_unsqueeze(a):
+    a.unsqueeze_(0)
+    return a * a.exp(), a
+
+
+def _restride_as_strided(a):
+    a.as_strided_((2, 2), (1, 2), 1)
+    return a.sin()
+
+
+def _restride_squeeze_then_data(a):
+    a.squeeze_()
+    a.mul_(2)
+    return a.sin() * a
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [_restride_t, _restride_unsqueeze, _restride_as_strided, _restride_squeeze_then_data],
+    ids=lambda f: f.__name__.removeprefix("_restride_"),
+)
+@pytest.mark.parametrize("compile_fn", [None, dynamic], ids=["static", "dynamic"])
+def test_saved_input_restrided_in_place_keeps_the_layout_the_backward_read(fn, compile_fn):
+    """Note [Replayed metadata keeps the version]: no spurious error, no transposed gradient."""
+    a = torch.randn(3, 1, requires_grad=True) * 1
+    if fn is _restride_as_strided:
+        a = torch.randn(6, requires_grad=True) * 1
+    verify(fn, a, compile_fn=compile_fn)
+
+
+def test_saved_restrided_input_that_shares_memory_with_another():
+    def fn(a0, a1):
+        a0.t_()
+        return a0.sin(), a1.cos()
+
+    b = torch.randn(3, 3, requires_grad=True) * 1
+    verify(fn, b[1:], b)
 
 
 def test_no_grad_view_of_an_input_gets_no_gradient():
@@ -217,7 +289,6 @@ def test_no_grad_view_of_an_intermediate_viewed_again_gets_no_gradient():
     verify(fn, torch.randn(4, requires_grad=True), compile_fn=compiled)
 
 
-@unfixed("NEW F7: an in-place op through an expanded view of an input differs from eager")
 def test_inplace_through_an_expanded_view_of_an_input():
     def fn(a0, a1):
         v0 = a0.expand(2, *a0.shape)
@@ -225,7 +296,59 @@ def test_inplace_through_an_expanded_view_of_an_input():
         return a0 + a1.sum()
 
     b = torch.randn(3, 4)
-    verify(fn, b, b.unsqueeze(0))
+    verify_or_refuse(fn, b, b.unsqueeze(0))
+
+
+def _fill_expanded(a):
+    a.expand(2, *a.shape).zero_()
+    return a + 1
+
+
+def _fill_expanded_column(a):
+    a[:, :1].expand(3, 4).fill_(2.0)
+    return a * 2
+
+
+def _fill_expanded_intermediate(a):
+    y = a * 1
+    y.expand(2, *y.shape).masked_fill_(y > 0, 0.25)
+    return y
+
+
+def _fill_overlapping_as_strided(a):
+    a.as_strided((3, 3), (1, 1)).fill_(1.0)
+    return a.sin()
+
+
+def _fill_unfolded(a):
+    a.view(-1).unfold(0, 4, 2).fill_(0.5)
+    return a.cos()
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        _fill_expanded,
+        _fill_expanded_column,
+        _fill_expanded_intermediate,
+        _fill_overlapping_as_strided,
+        _fill_unfolded,
+    ],
+)
+def test_write_through_an_overlapping_view_is_refused(fn):
+    """Note [Writes through overlapping views]: eager allows fills; the functional graph differs."""
+    fn(torch.randn(3, 4))  # eager runs it
+    with pytest.raises(UnsupportedMutationError, match="share one memory location"):
+        aotgrad.aot_function(fn)(torch.randn(3, 4))
+
+
+def test_write_through_a_non_overlapping_strided_view_is_not_refused():
+    def fn(a):
+        a.as_strided((2, 2), (1, 4), 1).fill_(1.0)
+        a.t()[::2].unsqueeze(1).expand(2, 1, 3).zero_()
+        return a.sin()
+
+    verify(fn, torch.randn(3, 4))
 
 
 def test_mutated_input_that_no_output_uses_gets_no_gradient():
@@ -236,7 +359,6 @@ def test_mutated_input_that_no_output_uses_gets_no_gradient():
     verify(fn, torch.randn(3, requires_grad=True) * 1, torch.randn(2, requires_grad=True))
 
 
-@unfixed("NEW F9: one view of an aliased input returned twice gets a wrong gradient")
 def test_view_of_an_aliased_input_returned_twice():
     def fn(a0, a1):
         v0 = a1.t()
@@ -246,7 +368,28 @@ def test_view_of_an_aliased_input_returned_twice():
     verify(fn, b[0], b)
 
 
-@unfixed("NEW F10: in-place ops through a detach() of a mutated view input differ from eager")
+@pytest.mark.parametrize("mutate", [False, True])
+def test_view_of_the_larger_of_two_aliased_inputs_routes_its_gradient_through_it(mutate):
+    def fn(a0, a1):
+        if mutate:
+            a0.mul_(2)
+        return a1[1:].t(), a0 * 2, a1.diagonal()
+
+    b = torch.randn(3, 3, requires_grad=True)
+    verify(fn, b[0], b)
+    verify(fn, b[1:, 1], b[1:])
+
+
+def test_one_tensor_returned_twice_is_one_object():
+    def fn(a0, a1):
+        v = a1[1:]
+        return v, a0, v, a0.t(), a0.t()
+
+    b = torch.randn(3, 2, requires_grad=True)
+    verify(fn, b[0], b)
+    verify(fn, torch.randn(2, requires_grad=True), torch.randn(3, 2))
+
+
 def test_inplace_through_a_detached_alias_of_a_mutated_input():
     def fn(a0):
         a0.zero_()
@@ -266,3 +409,140 @@ def test_custom_function_returning_a_mutated_aliased_input_aliases_it():
 
     b = torch.randn(3, requires_grad=True)
     verify(fn, b, b[1:])
+
+
+# A view taken after an in-place op on an input that is itself a view: its layout is where it
+# sits in the caller's storage, not in functionalization's fresh buffer (F10's class, Note
+# [Layouts in the caller's storage]).
+
+
+def _slice_then_select(x):
+    a = x[1:]
+    a.add_(1)
+    return a[1]
+
+
+def _transpose(x):
+    x.mul_(2)
+    return x.t()
+
+
+def _select(x):
+    x.mul_(2)
+    return x[:, 1]
+
+
+def _diagonal(x):
+    x.sub_(1)
+    return x.diagonal(), x
+
+
+def _as_strided(x):
+    x.add_(1)
+    return x.as_strided((2, 2), (1, 2), x.storage_offset() + 1)
+
+
+def _unsqueeze(x):
+    x.mul_(3)
+    return x.unsqueeze(0)
+
+
+def _unflatten(x):
+    x.add_(1)
+    return x.view(2, 2, 4)
+
+
+def _transpose_in_place_then_select(x):
+    x.mul_(2)
+    x.t_()
+    return x[1]
+
+
+def _in_place_transpose_first(x):
+    x.t_()
+    x.mul_(2)
+    return x.diagonal(), x[1:]
+
+
+def _through_detach(x):
+    x.detach().add_(1)
+    return x[1:].t()
+
+
+def _two_views(x):
+    a = x[1:]
+    a.add_(1)
+    return a[1], x.t()
+
+
+VIEWS_AFTER_MUTATION = [
+    _slice_then_select,
+    _transpose,
+    _select,
+    _diagonal,
+    _as_strided,
+    _unsqueeze,
+    _unflatten,
+    _transpose_in_place_then_select,
+    _in_place_transpose_first,
+    _through_detach,
+    _two_views,
+]
+
+
+def _input_view(requires_grad, transposed):
+    """A 4x4 view at a nonzero offset: every other column (or, transposed, row) of a 5x8."""
+    base = torch.randn(5, 8, requires_grad=requires_grad) * 1
+    view = base[1:, ::2]
+    return view.t() if transposed else view
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
+@pytest.mark.parametrize("fn", VIEWS_AFTER_MUTATION, ids=lambda f: f.__name__.strip("_"))
+def test_view_after_mutating_a_view_input_sits_where_eager_puts_it(fn, transposed, requires_grad):
+    verify(fn, _input_view(requires_grad, transposed))
+
+
+@pytest.mark.parametrize("fn", [_transpose, _diagonal, _transpose_in_place_then_select])
+def test_view_after_mutating_a_view_input_under_dynamic_shapes(fn):
+    verify(fn, _input_view(True, False), compile_fn=dynamic)
+
+
+def test_view_after_mutating_an_aliased_view_input():
+    def fn(a0, a1):
+        a0.add_(1)
+        return a1[1:].t(), a0.diagonal()
+
+    b = torch.randn(6, 6, requires_grad=True) * 1
+    verify(fn, b[1:, ::2], b[2:, 1:])
+
+
+@unfixed(
+    "NEW F12: under no_grad, a custom Function's output of an aliased input that the function"
+    " then makes require grad requires grad (eager: it does not)"
+)
+def test_no_grad_custom_function_output_of_an_input_made_to_require_grad():
+    def fn(a0, a1):
+        a0 * 2
+        with torch.no_grad():
+            a1.view(-1)
+        a0.t_()
+        a0 * 2
+        with torch.no_grad():
+            v3 = ReturnsInput.apply(a0)
+        with torch.no_grad():
+            a0.requires_grad_(True)
+        return (v3,)
+
+    def under_no_grad(f):
+        def call(*args):
+            with torch.no_grad():
+                return f(*args)
+
+        return call
+
+    b0 = torch.randn(1)
+    verify(
+        under_no_grad(fn), b0, b0[1:], compile_fn=lambda f: under_no_grad(aotgrad.aot_function(fn))
+    )

@@ -142,7 +142,8 @@ def _capture(
         )
         return gm, record, inputs, recorder
 
-    traced = _trace_directly(trace) if not options.dynamic_dims and not bases else None
+    direct = not (options.dynamic_dims or bases or overlapping_groups(primals))
+    traced = _trace_directly(trace) if direct else None
     try:
         gm, record, inputs, recorder = traced or trace(leaf_primals=False)
     except RuntimeError as e:  # Note [Reentrant checkpoints]

@@ -42,6 +42,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._C import _functionalization
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from aotgrad.signature.storage import storage_key
 
@@ -96,6 +99,41 @@ class ViewMeta:
 # ``(s0*(s1 + 1),)``. The ViewMeta keeps the ``SymInt`` and the runtime
 # evaluates it at each call from the graph inputs' real sizes (the trace's
 # ShapeGuards bind ``s0``, ``s1``), then rebuilds the view with ``as_strided``.
+
+
+# Note [Layouts in the caller's storage]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An output that aliases an input is rebuilt at run time with
+# ``input.as_strided(size, stride, offset)`` on the caller's storage, so its
+# layout must be where it sits *there*. Functionalization does not keep that
+# after a data mutation: the input's wrapper now holds a fresh buffer (the
+# result of the out-of-place op), and a view taken afterwards is measured in
+# that buffer. Worked example, the input a view ``base[1:, ::2]`` of a 4x6
+# tensor (size (3, 3), stride (6, 2), offset 6)::
+#
+#     def f(x):
+#         x.mul_(2)          # x's value is now mul(x): contiguous, offset 0
+#         return x.t()       # measured: stride (1, 3), offset 0
+#                            # eager:    stride (2, 6), offset 6
+#
+# Functionalization does record every view's chain of view ops from its
+# storage's base (the graph input, as the caller passed it; ``t_()`` on an
+# input is a link of that chain too), so ``caller_layout`` replays the chain
+# on the graph input's fake as it was before the call and measures the result.
+
+
+def caller_layout(view: torch.Tensor, original: torch.Tensor) -> ViewMeta:
+    """Where ``view`` sits in its graph input's storage, as the caller passed ``original``.
+
+    ``view`` is a functional tensor over the storage of the graph input whose
+    fake, before the call, is ``original`` (Note [Layouts in the caller's storage]).
+    """
+    if not isinstance(view, FunctionalTensor):  # a direct trace: no mutation, no fresh buffer
+        return ViewMeta.of(view)
+    chain = _functionalization.get_view_meta_sequence(view.elem)
+    with _disable_current_modes():  # measure only: nothing is traced or functionalized
+        replayed = _functionalization.apply_view_meta_sequence(original, chain)
+    return ViewMeta.of(replayed)
 
 
 @dataclass(frozen=True)
@@ -198,12 +236,16 @@ def analyze_aliasing(
     tensors: Sequence[torch.Tensor],
     primals: Sequence[torch.Tensor],
     graph_primals: Sequence[torch.Tensor],
+    originals: Sequence[torch.Tensor] | None = None,
 ) -> tuple[OutputAliasing, list[torch.Tensor]]:
     """Classify traced tensor outputs; return the analysis and the base tensors to output.
 
     ``primals`` are the user's inputs, ``graph_primals`` the graph's (they
-    differ when inputs share memory, Note [Aliased inputs]).
+    differ when inputs share memory, Note [Aliased inputs]); ``originals``
+    the graph inputs' fakes before the call, where aliases of inputs are
+    measured (Note [Layouts in the caller's storage]; None: ``graph_primals``).
     """
+    originals = graph_primals if originals is None else originals
     input_ids: dict[int, int] = {}
     for i, p in enumerate(primals):
         input_ids.setdefault(id(p), i)
@@ -218,17 +260,22 @@ def analyze_aliasing(
         storage = storage_of(t)
         if id(t) in input_ids:
             aliases[k] = _alias(t, AliasSource.INPUT, input_ids[id(t)], None)
+        elif id(t) in first_index:  # one tensor returned twice: the same object twice
+            aliases[k] = _alias(t, AliasSource.OUTPUT, first_index[id(t)], None)
         elif _through_custom_function(t):
+            first_index[id(t)] = k
             # Note [Inputs returned by a custom Function]: the first is returned, others alias it
             owner = custom_owners.setdefault(storage, k)
             if owner != k:
-                view = None if tensors[owner] is t else ViewMeta.of(t)
+                view = ViewMeta.of(t)
+                if storage in input_storages:
+                    view = caller_layout(t, originals[input_storages[storage]])
                 aliases[k] = _alias(t, AliasSource.OUTPUT, owner, view)
         elif storage in input_storages and _rebuildable(t, graph_primals[input_storages[storage]]):
+            first_index[id(t)] = k
             source = input_storages[storage]
-            aliases[k] = _alias(t, AliasSource.GRAPH_INPUT, source, ViewMeta.of(t))
-        elif id(t) in first_index:
-            aliases[k] = _alias(t, AliasSource.OUTPUT, first_index[id(t)], None)
+            view = caller_layout(t, originals[source])
+            aliases[k] = _alias(t, AliasSource.GRAPH_INPUT, source, view)
         else:
             first_index[id(t)] = k
             groups.setdefault(storage, []).append(k)

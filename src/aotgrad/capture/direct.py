@@ -21,7 +21,10 @@ the function is traced again the full way (functionalization + ``make_fx``):
 a mutable op (``add_``, ``copy_``, ``out=``: only functionalization can turn
 those into values), symbolic sizes, a tensor the trace did not create (a
 constant closed over), data-dependent ops (``.item()``), or any error (the
-full trace reports it in the user's terms). On gpt4 this halves the cost
+full trace reports it in the user's terms). Inputs that share memory skip
+the direct trace: which of them an output view comes from (so where its
+gradient goes: ``fn(b[0], b)`` returning ``b.t()``) only functionalization
+tells, with one storage per input's wrapper. On gpt4 this halves the cost
 of tracing; the graphs are identical, which a test checks op by op. The
 price of stopping is that the function's Python runs twice (PyTorch's
 AOTAutograd always runs it at least twice); it stops early in practice,

@@ -49,6 +49,7 @@ from aotgrad.capture.cotangents import make_cotangent
 from aotgrad.capture.direct import DirectTracer
 from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
 from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
+from aotgrad.capture.fake import CaptureFakeMode
 from aotgrad.capture.graph import code_on_demand
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
 from aotgrad.capture.mutation import (
@@ -198,7 +199,7 @@ def trace_joint(
     """
     with_backward, where, dynamic_dims = options.with_backward, options.where, options.dynamic_dims
     shape_env = new_shape_env() if dynamic_dims else None
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=shape_env)
+    mode = CaptureFakeMode(allow_non_fake_inputs=True, shape_env=shape_env)
     inputs, tensors = GraphInputs.of(flat, primals, bases)
     fakes = fake_primals(mode, tensors, dynamic_dims)
     record = TraceRecord(leaf_primals=leaf_primals)
@@ -303,7 +304,7 @@ def _joint(
     grad_fns = [p.grad_fn for p in graph_primals]  # to tell mutations autograd saw
     needs_grad = [p.requires_grad for p in graph_primals]  # before any in-place op
     with functional_mode:
-        primals = _user_primals(graph_primals, inputs.sources)
+        primals = _user_primals(graph_primals, inputs.sources, real)
         member_grad_fns = [p.grad_fn for p in primals]
         closed_over = ClosedOver(real, primals, where)  # Note [Real tensors in a trace]
         # The backward runs inside the body's context: it may re-run the body's code. The
@@ -324,6 +325,7 @@ def _joint(
                 result,
                 primals,
                 graph_primals,
+                inner,
                 grad_fns,
                 inputs,
                 record,
@@ -426,6 +428,7 @@ def _forward_values(
     result: Any,
     primals: Sequence[torch.Tensor],
     graph_primals: Sequence[torch.Tensor],
+    originals: Sequence[torch.Tensor],
     grad_fns: Sequence[object],
     inputs: GraphInputs,
     record: TraceRecord,
@@ -441,7 +444,7 @@ def _forward_values(
     """
     traced = _is_functional if direct is None else direct.traced
     leaves, tensors = _flatten_result(result, record, where, traced)
-    aliasing, bases = analyze_aliasing(tensors, primals, graph_primals)
+    aliasing, bases = analyze_aliasing(tensors, primals, graph_primals, originals)
     record.aliasing = aliasing
     record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
     if direct is None:  # a direct trace stops at the first mutation (Note [Direct tracing])
@@ -458,19 +461,25 @@ def _forward_values(
 
 
 def _user_primals(
-    graph_primals: Sequence[torch.Tensor], sources: Sequence[tuple[int, ViewMeta | None]]
+    graph_primals: Sequence[torch.Tensor],
+    sources: Sequence[tuple[int, ViewMeta | None]],
+    real: Sequence[torch.Tensor],
 ) -> list[torch.Tensor]:
-    """The user's inputs: graph inputs, or views of a synthetic base (Note [Aliased inputs])."""
-    views: dict[tuple[int, ViewMeta], torch.Tensor] = {}
+    """The user's inputs: graph inputs, or views of a synthetic base (Note [Aliased inputs]).
+
+    One view per distinct ``real`` input: two equal views (``b[1:], b[1:]``)
+    stay two tensors, as the caller's are (the function may return either).
+    """
+    views: dict[int, torch.Tensor] = {}  # id of the real input -> its view
     primals = []
-    for j, view in sources:
+    for (j, view), p in zip(sources, real, strict=True):
         if view is None:
             primals.append(graph_primals[j])
         else:
-            if (j, view) not in views:
+            if id(p) not in views:
                 base = graph_primals[j]
-                views[(j, view)] = base.as_strided(view.size, view.stride, view.storage_offset)
-            primals.append(views[(j, view)])
+                views[id(p)] = base.as_strided(view.size, view.stride, view.storage_offset)
+            primals.append(views[id(p)])
     return primals
 
 

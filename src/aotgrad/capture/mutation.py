@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from aotgrad.capture.aliasing import ViewMeta
 from aotgrad.errors import (
@@ -204,6 +205,76 @@ def check_member_mutations(
                     " memory (clone one of them).",
                 )
             )
+
+
+# Note [Writes through overlapping views]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Functionalization writes an in-place op on a view back into the view's base
+# through the inverse of each view op. ``expand``'s inverse adds up, over the
+# expanded dimension, how much each copy changed: right for no op, since in
+# eager every copy *is* the same element. Worked example::
+#
+#     def f(a):                               # a: (3, 4)
+#         v = a.expand(2, 3, 4)               # stride 0 on dim 0
+#         v.zero_()                           # eager: a is all zeros
+#     functional:  a + sum(zero(v) - a, 0)    # = a - 2a = -a   (silently wrong)
+#
+# Eager refuses most such writes itself ("more than one element of the
+# written-to tensor refers to a single memory location"), but not fills
+# (``fill_``, ``zero_``, ``masked_fill_``), and the functional graph never runs
+# eager's check. So capture refuses every in-place op whose target may overlap
+# itself (a stride-0 dimension, or ``as_strided``/``unfold`` steps shorter than
+# what the inner dimensions span).
+
+
+def check_writable(
+    func: object,
+    args: Sequence[object],
+    kwargs: Mapping[str, object],
+    where: UserFrame | None,
+) -> None:
+    """Refuse an in-place op that writes through a self-overlapping view (Note above).
+
+    ``where``: the user's line of the first in-place op on the target.
+    """
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        target = args[position] if position < len(args) else kwargs.get(argument.name)
+        if isinstance(target, torch.Tensor) and may_overlap(target):
+            raise UnsupportedMutationError(
+                format_error(
+                    f"an in-place op ({schema.name}) writes through a view in which several"
+                    f" elements share one memory location (size {tuple(target.shape)}, stride"
+                    f" {tuple(target.stride())}: made by expand(), as_strided() or unfold());"
+                    " aotgrad's functional graph cannot replay that write faithfully",
+                    where,
+                    "Write to the tensor before expanding it, or write to a copy"
+                    " (v = a.expand(...).clone()).",
+                )
+            )
+
+
+def may_overlap(t: torch.Tensor) -> bool:
+    """Can two elements of ``t`` share a memory location? (Sorted strides must clear the span.)"""
+    if t.layout is not torch.strided:
+        return False
+    dims = [(stride, size) for size, stride in zip(t.shape, t.stride(), strict=True)]
+    if not all(isinstance(v, int) for d in dims for v in d):  # symbolic: only stride 0
+        return any(
+            statically_known_true(s == 0) and not statically_known_true(n <= 1) for s, n in dims
+        )
+    if any(size == 0 for _, size in dims):
+        return False
+    span = 0  # how far the dimensions with smaller strides reach
+    for stride, size in sorted(d for d in dims if d[1] > 1):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
 
 
 # Note [Mutations in the backward]

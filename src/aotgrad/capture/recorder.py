@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from aotgrad.capture import closed_over
+from aotgrad.capture.mutation import check_writable
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.capture.random import FILL_RANDOM, strided_fill
 from aotgrad.errors import UnsupportedOpError, UserFrame, format_error, user_frame_from_stack
@@ -99,6 +100,10 @@ class ProvenanceMode(FunctionalTensorMode):
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable and args:
             self.recorder.note_mutation(args[0])
+            where = self.recorder.mutation_sites.get(id(args[0]))
+            check_writable(
+                func, args, kwargs or {}, where
+            )  # Note [Writes through overlapping views]
         self.recorder.note_random(func, args, kwargs)
         if self.note_real_leaves:
             self.recorder.note_real_leaves(args, kwargs)

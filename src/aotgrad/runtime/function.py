@@ -69,6 +69,9 @@ class Plan:
     forward_needs_grad_mode: bool
     leaves: tuple[OutputLeaf, ...]
     out_spec: pytree.TreeSpec
+    # Graph inputs whose size/stride/offset the epilogue changes in place: saved as aliases
+    # (Note [Replayed metadata keeps the version]).
+    restrided: tuple[int, ...] = ()
     # Dynamic shapes: evaluates symbolic layouts at a call (Note [Symbolic layouts]).
     guards: ShapeGuards | None = None
     # The result holds a ``torch.Size`` (Note [Sizes in the result]).
@@ -117,6 +120,7 @@ class Plan:
             ),
             zeros=_zeros_like_cotangents(partitioned),
             made_to_require_grad=joint.made_to_require_grad,
+            restrided=tuple(m.index for m in mutations if m.metadata is not None),
         )
 
 
@@ -184,6 +188,8 @@ def make_function(
             else:
                 returned = tuple([results[i] for i in returned_positions])
             saved = results[num_forward_outputs:]
+            if plan.restrided:  # Note [Replayed metadata keeps the version]
+                saved = _aliases_of_restrided(saved, [primals[i] for i in plan.restrided])
             if plan.saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
                 ctx.sizes = [v for v in saved if not isinstance(v, torch.Tensor)]
                 saved = [v for v in saved if isinstance(v, torch.Tensor)]
@@ -282,6 +288,12 @@ def direct_apply(function: type[torch.autograd.Function]) -> Any:
         return raw(*map(unwrap, inputs))
 
     return apply
+
+
+def _aliases_of_restrided(saved: Sequence[Any], restrided: Sequence[torch.Tensor]) -> list[Any]:
+    """Each saved input the epilogue restrides in place, replaced by an alias of it."""
+    ids = {id(t) for t in restrided}
+    return [v.detach() if id(v) in ids else v for v in saved]
 
 
 def _interleave(is_size: Sequence[bool], tensors: Sequence[Any], sizes: Sequence[Any]) -> list[Any]:
@@ -402,11 +414,40 @@ def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor
         if needed > x.untyped_storage().nbytes():  # resize_ grew the tensor
             with torch.no_grad():
                 x.untyped_storage().resize_(needed)
+        version = x._version
         with torch.set_grad_enabled(mutation.with_grad):
             x.as_strided_(meta.size, meta.stride, meta.storage_offset)
+        if new is None:  # Note [Replayed metadata keeps the version]
+            torch._C._autograd._unsafe_set_version_counter((x,), (version,))
     if new is not None:
         with torch.set_grad_enabled(mutation.requires_grad):
             x.copy_(new)
+
+
+# Note [Replayed metadata keeps the version]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Autograd checks, in the backward, that a saved tensor is still at the
+# version it was saved at. In eager, ``t_()`` bumps the version *before* the
+# ops that follow save the tensor; the runtime replays it *after* the
+# Function saved the input, so the bump would fail a backward eager runs::
+#
+#     def f(a):            # a = torch.randn(2, 1, requires_grad=True) * 1
+#         a.t_()           # eager: a at version 1
+#         return a.sin()   # eager: saves a at version 1; backward checks 1
+#
+#     compiled:  Function saves a (version 0); epilogue a.as_strided_(...)
+#                -> version 1; backward: "modified by an inplace operation"
+#
+# A metadata-only replay changes no value the backward reads, so it puts the
+# version back. But it does change the metadata of the caller's tensor, and
+# ``save_for_backward(a)`` of an input keeps that very tensor: the backward
+# would read ``a`` with the new strides (the gradient comes back transposed,
+# silently). So the Function saves such an input as an alias (``a.detach()``:
+# its own size and strides, the same data and version counter). A data
+# mutation's ``copy_`` keeps its bump: when the backward needs the old value,
+# the backward raises as eager does. The price of the restored version: where
+# eager raises because ``t_()`` came *after* the save, the compiled function
+# computes the (correct) gradient.
 
 
 _SOURCES = (AliasSource.INPUT, AliasSource.GRAPH_INPUT, AliasSource.OUTPUT, AliasSource.BASE)
