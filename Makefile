@@ -50,7 +50,7 @@ fuzz: install
 # Every library model x check (tests/test_real_models.py), slow cells included; writes the
 # README's model table. `make test` runs only the fast subset.
 models: install
-	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) tests/models_table.py
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) tests/models_table.py --jobs 2
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

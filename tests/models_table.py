@@ -5,15 +5,21 @@ cell's outcome and replaces the text between ``<!-- models:begin -->`` and
 ``<!-- models:end -->`` in README.md. Exits with pytest's status, so `make models` fails when a
 claimed cell fails or a known failure starts passing (strict xfail).
 
-    python tests/models_table.py [--no-readme] [pytest args...]
+    python tests/models_table.py [--no-readme] [--jobs N] [pytest args...]
+
+``--jobs N`` splits the models among N pytest processes (one per core) and merges their outcomes.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import platform
 import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -85,22 +91,64 @@ def write_readme(text: str) -> None:
     readme.write_text(content[:start] + "\n" + text + "\n" + content[end:])
 
 
+def run(args: list[str], outcomes: Outcomes) -> int:
+    return int(
+        pytest.main(
+            [
+                str(ROOT / "tests" / "test_real_models.py"),
+                "-m",
+                "models",
+                "-p",
+                "no:cacheprovider",
+                *args,
+            ],
+            plugins=[outcomes],
+        )
+    )
+
+
+def run_split(jobs: int, args: list[str], outcomes: Outcomes) -> int:
+    """``jobs`` processes, each running every ``jobs``-th model; their outcomes merged."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_real_models import MODELS
+
+    models = list(MODELS)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for job in range(jobs):
+            ids = " or ".join(f"test_model[{m}-" for m in models[job::jobs])
+            dump = os.path.join(tmp, f"{job}.json")
+            command = [sys.executable, __file__, "--dump", dump, "-k", ids, *args]
+            procs.append((subprocess.Popen(command), dump))
+        status = 0
+        for proc, dump in procs:
+            status = max(status, proc.wait())
+            with open(dump) as f:
+                for model, check, outcome, seconds in json.load(f):
+                    outcomes.cells[model, check] = outcome
+                    outcomes.seconds[model, check] = seconds
+    return status
+
+
 def main(argv: list[str]) -> int:
     write = "--no-readme" not in argv
     args = [a for a in argv if a != "--no-readme"]
+    jobs, dump = 1, None
+    if "--jobs" in args:
+        i = args.index("--jobs")
+        jobs = int(args[i + 1])
+        del args[i : i + 2]
+    if "--dump" in args:
+        i = args.index("--dump")
+        dump = args[i + 1]
+        del args[i : i + 2]
     outcomes = Outcomes()
     start = time.perf_counter()
-    status = pytest.main(
-        [
-            str(ROOT / "tests" / "test_real_models.py"),
-            "-m",
-            "models",
-            "-p",
-            "no:cacheprovider",
-            *args,
-        ],
-        plugins=[outcomes],
-    )
+    status = run_split(jobs, args, outcomes) if jobs > 1 else run(args, outcomes)
+    if dump is not None:
+        cells = [(*key, v, outcomes.seconds.get(key, 0.0)) for key, v in outcomes.cells.items()]
+        Path(dump).write_text(json.dumps(cells))
+        return status
     text = table(outcomes, time.perf_counter() - start)
     print(text)
     if write:
