@@ -217,3 +217,35 @@ def test_backward_inside_the_function_is_refused_at_its_line():
         aotgrad.aot_function(step)(torch.randn(3))
     assert "loss.backward()  # the line the error names" in str(caught.value)
     assert w.grad is None
+
+
+@pytest.mark.parametrize("where", ["argument", "closure", "module"])
+def test_reading_grad_inside_the_function_is_refused(where):
+    """Note [Reading .grad in a trace]: a clip or an optimizer step would silently see None."""
+    lin = torch.nn.Linear(3, 1)
+    lin(torch.randn(2, 3)).sum().backward()
+
+    def clip(params):
+        torch.nn.utils.clip_grad_norm_(params, 0.01)  # reads .grad of every parameter
+
+    class Clipped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            clip(self.lin.parameters())
+            return self.lin(x)
+
+    compiled = {
+        "argument": lambda: aotgrad.aot_function(lambda w, x: (clip([w]), x * w)[1])(lin.weight, 1),
+        "closure": lambda: aotgrad.aot_function(lambda x: (clip(lin.parameters()), lin(x))[1])(
+            torch.randn(2, 3)
+        ),
+        "module": lambda: aotgrad.aot_module(Clipped())(torch.randn(2, 3)),
+    }[where]
+    before = lin.weight.grad.clone()
+    with pytest.raises(aotgrad.errors.UnsupportedOpError, match=r"reads \.grad") as caught:
+        compiled()
+    assert "clip_grad_norm_" in str(caught.value) or "clip(" in str(caught.value)
+    torch.testing.assert_close(lin.weight.grad, before)

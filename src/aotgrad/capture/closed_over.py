@@ -18,6 +18,16 @@ a primal (reached some way the frontend does not walk) stays a constant, as
 fake tensor mode makes it, unless it requires grad (its gradient would be
 dropped) or the op mutates it (the trace would write the user's data): both
 raise before the op runs.
+
+Note [Reading .grad in a trace]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The traced primals carry no ``.grad``: an optimizer step or a gradient clip
+inside the function (``if p.grad is not None: p.sub_(lr * p.grad)``) would read
+None at capture and the graph would silently skip it on every call, and a
+gradient present on a later call would not re-trace. So reading ``.grad`` of a
+primal (an argument, a parameter, a closed-over tensor) while the function runs
+is refused at that line; pass the gradient as an argument instead
+(``step(p, p.grad)``).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 from aotgrad.errors import (
     UnsupportedClosureError,
     UnsupportedMutationError,
+    UnsupportedOpError,
     UserFrame,
     format_error,
     user_frame_from_stack,
@@ -48,6 +59,9 @@ _INPLACE_DUNDERS = frozenset(
 ) | {"__setitem__"}
 
 
+_GRAD_GET = torch.Tensor.grad.__get__  # type: ignore[union-attr]  # a new method-wrapper per access: compare with ==
+
+
 class ClosedOver(TorchFunctionMode):
     """Replaces real primals by their traced values; refuses other real tensors that matter."""
 
@@ -59,6 +73,7 @@ class ClosedOver(TorchFunctionMode):
         for r, t in zip(real, traced, strict=True):
             self._traced.setdefault(id(r), t)
         self._real = list(real)  # keeps the ids valid
+        self._traced_ids = {id(t) for t in traced}
         self._where = where
         # In the backward, ops also see autograd's and functionalization's own tensors:
         # swap the primals only (Note [The swap spans the backward]).
@@ -78,6 +93,8 @@ class ClosedOver(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if getattr(func, "__name__", None) == "__get__" and func == _GRAD_GET:
+            self._check_grad_read(args[0])
         if _has_real(args) or (kwargs and _has_real(kwargs.values())):
             flat, spec = pytree.tree_flatten((args, kwargs))
             flat = [
@@ -87,12 +104,29 @@ class ClosedOver(TorchFunctionMode):
             args, kwargs = pytree.tree_unflatten(flat, spec)
         return func(*args, **kwargs)
 
+    def _check_grad_read(self, t: Any) -> None:
+        """Refuse ``t.grad`` of a primal while the function runs (Note [Reading .grad in a trace])."""
+        if self._swap_only or (id(t) not in self._traced and id(t) not in self._traced_ids):
+            return
+        raise UnsupportedOpError(
+            format_error(
+                "the function reads .grad of one of its inputs (an argument, a parameter or a"
+                " closed-over tensor): the traced tensors carry no gradient, so the graph would"
+                " see None on every call",
+                user_frame_from_stack() or self._where,
+                "Pass the gradient as an argument (step(p, p.grad)), or read .grad outside"
+                " the compiled function.",
+            )
+        )
+
     def _swap(self, func: Any, position: int, t: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         traced = self._traced.get(id(t))
-        if traced is not None or self._swap_only:
+        name = getattr(func, "__name__", str(func))
+        # A property read (``.layout``, ``.shape``; also functionalization's own reads of its
+        # wrappers' inner tensors) neither loses a gradient nor writes.
+        if traced is not None or self._swap_only or name == "__get__":
             return t if traced is None else traced
         where = user_frame_from_stack() or self._where
-        name = getattr(func, "__name__", str(func))
         if t.requires_grad:
             raise UnsupportedClosureError(
                 format_error(
