@@ -288,3 +288,19 @@ def test_a_global_module_hook_registered_after_the_first_call_runs():
     finally:
         handle.remove()
     assert aotgrad.cache_info(compiled).misses == 2
+
+
+def test_a_global_module_hook_runs_once_through_aot_module():
+    """Note [The wrapper runs no global hooks]."""
+    model = nn.Sequential(nn.Linear(3, 3))
+    compiled = aotgrad.aot_module(model)
+    x = torch.randn(2, 3)
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: out + 1)
+    try:
+        torch.testing.assert_close(compiled(x), model(x))
+        compiled.register_forward_hook(lambda module, args, out: out * 2)
+        with pytest.raises(aotgrad.errors.CallError, match="run twice"):
+            compiled(x)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(compiled(x), model(x) * 2)  # the wrapper's own hook runs

@@ -518,6 +518,31 @@ class AOTModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled(*args, **kwargs)
 
+    # Note [The wrapper runs no global hooks]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The wrapped module's hooks, and the global module hooks
+    # (``nn.modules.module.register_module_forward_hook``), run inside the graphs,
+    # where eager runs them: once per module call. Called as an ``nn.Module``,
+    # the wrapper would run the global hooks a second time, on itself::
+    #
+    #     register_module_forward_hook(lambda m, args, out: out + 1)
+    #     model(x)                -> hook on model: f(x) + 1
+    #     aot_module(model)(x)    -> hook traced in: f(x) + 1, then on the wrapper: + 1 again
+    #
+    # So the wrapper is called without ``nn.Module``'s hook machinery unless the user
+    # registered hooks on the wrapper itself; then the global hooks must be absent.
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not any(getattr(self, name) for name in _HOOK_DICTS):
+            return self.compiled(*args, **kwargs)
+        if any(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOK_DICTS):
+            raise CallError(
+                "hooks are registered both on the aot_module wrapper and globally"
+                " (register_module_forward_hook ...): the global ones would run twice, on the"
+                " wrapped module inside the graph and on the wrapper. Register the hooks on the"
+                " wrapped module instead (they run inside the graph, as in eager)."
+            )
+        return super().__call__(*args, **kwargs)
+
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles (and deep-copies) as the wrapped module plus options, compiled again on use."""
         return (_rebuild_aot_module, (self.orig_module, self.compiled._options))
@@ -527,6 +552,10 @@ class AOTModule(torch.nn.Module):
 
     def memory_report(self, by_module: bool = False) -> str:
         return self.compiled.memory_report(by_module)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOK_DICTS = tuple(f"_global{name}" for name in _HOOK_DICTS)
 
 
 def _rebuild_aot_module(module: torch.nn.Module, options: Options) -> AOTModule:
