@@ -75,6 +75,10 @@ _MODULE_FIELDS = frozenset(vars(torch.nn.Module())) - {"training"}
 
 # How a lifted tensor was reached: closure/default/self, global, or a module argument.
 Kind = type[Closure] | type[Global] | type[Input]
+# Each kind as its guards' labels start: ``closure K``, ``global K``, ``input model.training``.
+_LABELS: dict[Kind, str] = {Closure: "closure", Global: "global", Input: "input"}
+# Values keyed as themselves (``value_key``): the common module attributes, keyed inline.
+_PLAIN = (int, bool, str, type(None))
 
 
 @dataclass(frozen=True)
@@ -90,15 +94,20 @@ class Root:
 class Environment:
     """One call's reading of the roots: the tensors to lift and the keys of everything else."""
 
-    # Lifted tensors and their descriptors, in the order found (each tensor once).
+    # Lifted tensors and where each was found, in the order found (each tensor once):
+    # ``(Closure, "lin.weight")``; ``descriptors`` makes them descriptors (not every call).
     tensors: tuple[torch.Tensor, ...]
-    descriptors: tuple[PrimalDescriptor, ...]
+    sources: tuple[tuple[Kind, str], ...]
     # Guarded values: a label per value (``global K``, ``lin.training``) and its key.
     labels: tuple[str, ...]
     keys: tuple[Any, ...]
     # The traced module's parameters and buffers (``roots_of(..., skip_self=True)``).
     params: tuple[tuple[str, torch.Tensor], ...] = ()
     buffers: tuple[tuple[str, torch.Tensor], ...] = ()
+
+    @property
+    def descriptors(self) -> tuple[PrimalDescriptor, ...]:
+        return tuple(kind(name) for kind, name in self.sources)
 
 
 EMPTY = Environment((), (), (), ())
@@ -213,7 +222,7 @@ def read_environment(
         walk.visit(Input, name, module)
     return Environment(
         tuple(walk.tensors),
-        tuple(walk.descriptors),
+        tuple(walk.sources),
         tuple(walk.labels),
         tuple(walk.keys),
         tuple(walk.params),
@@ -224,7 +233,7 @@ def read_environment(
 class _Walk:
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        self.descriptors: list[PrimalDescriptor] = []
+        self.sources: list[tuple[Kind, str]] = []
         self.labels: list[str] = []
         self.keys: list[Any] = []
         self._seen: set[int] = set()  # tensors and modules already visited
@@ -247,7 +256,7 @@ class _Walk:
             return
         self._seen.add(id(t))
         self.tensors.append(t)
-        self.descriptors.append(kind(name))
+        self.sources.append((kind, name))
 
     def _module(
         self,
@@ -266,23 +275,31 @@ class _Walk:
         params: list[tuple[str, torch.Tensor]] = []
         buffers: list[tuple[str, torch.Tensor]] = []
         attributes: list[tuple[str, Any]] = []
+        labels, keys = self.labels, self.keys
         for relative, sub in module.named_modules():
             self._seen.add(id(sub))
-            prefix = f"{relative}." if relative else ""
+            prefix = f"{name}.{relative}." if relative else f"{name}."
             params += ((prefix + n, p) for n, p in sub._parameters.items() if p is not None)
             buffers += ((prefix + n, b) for n, b in sub._buffers.items() if b is not None)
-            attributes += (
-                (f"{name}.{prefix}{a}", v) for a, v in vars(sub).items() if a not in _MODULE_FIELDS
-            )
+            for a, v in vars(sub).items():
+                if a in _MODULE_FIELDS:
+                    continue
+                cls = type(v)
+                if cls in _PLAIN:  # ``training``, ``in_features``: keyed here, as ``_value`` would
+                    labels.append(f"{_LABELS[kind]} {prefix}{a}")
+                    keys.append((cls, v))
+                else:
+                    attributes.append((prefix + a, v))
+        start = len(name) + 1  # parameter and buffer names relative to the module
         for found, into in ((params, self.params), (buffers, self.buffers)):
             for qualname, t in found:
                 if id(t) in self._seen:
                     continue  # tied: one input under its first name
                 if with_state:
-                    self._tensor(kind, f"{name}.{qualname}", t)
+                    self._tensor(kind, qualname, t)
                 else:
                     self._seen.add(id(t))
-                    into.append((qualname, t))
+                    into.append((qualname[start:], t))
         for label, value in attributes:
             self.visit(kind, label, value)
 
@@ -294,7 +311,7 @@ class _Walk:
             return
         except Unkeyable:
             key = (type(value), "identity", id(value))
-        self.labels.append(f"{kind.__name__.lower()} {name}")
+        self.labels.append(f"{_LABELS[kind]} {name}")
         self.keys.append(key)
 
     def _parts(self, kind: Kind, name: str, value: Any) -> None:
