@@ -46,7 +46,7 @@ class Lifted:
 
 
 NOTHING = Lifted((), (), (), ())
-# Tensors the C++ tensor check can key (subclasses are keyed by ``call_key``).
+# Tensors the C++ tensor check can key (subclasses and sparse ones by ``call_key``).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 # Modules among a call's arguments, by argument path (Note [Module arguments]).
@@ -115,7 +115,9 @@ class State:
         if last is not None and last[0](tensors):
             return last[1]
         key = call_key(tensors)
-        plain = alias_key(tensors) is None and all(type(t) in _PLAIN for t in tensors)
+        plain = alias_key(tensors) is None and all(
+            type(t) in _PLAIN and t.layout is torch.strided for t in tensors
+        )
         self._last_tensors = (PlainTensorsGuard(tensors), key) if plain else None
         return key
 
