@@ -508,7 +508,11 @@ def _backward(
 #            reentrant: its .grad written with a FunctionalTensor
 #
 # So capture calls the engine itself, below the torch-function layer, and the
-# recompute reads the traced primals: their gradients are the graph's.
+# recompute reads the traced primals: their gradients are the graph's. In the
+# engine the mode only swaps (``ClosedOver.backward``): functionalization's own
+# C++ wrappers reach Python decompositions there as plain tensors that require
+# grad, and must pass; a real tensor the recompute reads but the forward did not
+# cannot exist, since the forward ran the same code under the refusing mode.
 
 
 def _run_engine(
