@@ -191,3 +191,25 @@ def test_the_cache_limit_warning_fires_once():
             torch.testing.assert_close(compiled(torch.ones(1), n), torch.full((1,), float(n)))
     assert len([w for w in caught if "cache_limit" in str(w.message)]) == 1
     assert aotgrad.cache_info(compiled).fallbacks == 4
+
+
+@pytest.mark.parametrize("frontend", ["closure", "aot_module", "argument"])
+def test_a_hook_registered_after_a_call_retraces(frontend):
+    # Note [Module hooks]: the trace bakes in the hooks present at capture
+    lin, x = nn.Linear(2, 2), torch.ones(1, 2)
+    compiled, args = {
+        "closure": (aotgrad.aot_function(lambda x: lin(x)), (x,)),
+        "aot_module": (aotgrad.aot_module(lin), (x,)),
+        "argument": (aotgrad.aot_function(lambda m, x: m(x)), (lin, x)),
+    }[frontend]
+    compiled(*args)
+    handle = lin.register_forward_hook(lambda m, i, o: o * 100)
+    torch.testing.assert_close(compiled(*args), lin(x))
+    pre = lin.register_forward_pre_hook(lambda m, i: (i[0] + 1,))
+    torch.testing.assert_close(compiled(*args), lin(x))
+    handle.remove()
+    pre.remove()
+    torch.testing.assert_close(compiled(*args), lin(x))
+    info = aotgrad.cache_info(compiled)
+    assert info.misses == 3 and info.hits == 1  # the last call is the first one again
+    assert "_forward_hooks" in info.reasons[1]

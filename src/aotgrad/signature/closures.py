@@ -73,6 +73,18 @@ from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
 # A module's own bookkeeping in ``__dict__``: not user attributes (``training`` is).
 _MODULE_FIELDS = frozenset(vars(torch.nn.Module())) - {"training"}
 
+# Note [Module hooks]
+# ~~~~~~~~~~~~~~~~~~~
+# A module's hooks run inside its call, so the trace bakes in the ones present
+# at capture. They are module bookkeeping (``_MODULE_FIELDS``), not attributes,
+# and guarded apart: each non-empty hook dict is a guard keyed by its hooks'
+# identities. ``lin.register_forward_hook(scale)`` after a call adds the guard
+# ``closure lin._forward_hooks`` and re-traces; removing it re-traces again:
+#
+#     f = aot_function(lambda x: lin(x));  f(x)     guards: ..., lin.training
+#     lin.register_forward_hook(scale);    f(x)     + lin._forward_hooks: ((7, scale),)
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
 # How a lifted tensor was reached: closure/default/self, global, or a module argument.
 Kind = type[Closure] | type[Global] | type[Input]
 # Each kind as its guards' labels start: ``closure K``, ``global K``, ``input model.training``.
@@ -281,7 +293,12 @@ class _Walk:
             prefix = f"{name}.{relative}." if relative else f"{name}."
             params += ((prefix + n, p) for n, p in sub._parameters.items() if p is not None)
             buffers += ((prefix + n, b) for n, b in sub._buffers.items() if b is not None)
-            for a, v in vars(sub).items():
+            state = vars(sub)
+            for hooks in _HOOKS:  # Note [Module hooks]
+                if state.get(hooks):
+                    labels.append(f"{_LABELS[kind]} {prefix}{hooks}")
+                    keys.append(tuple(state[hooks].items()))
+            for a, v in state.items():
                 if a in _MODULE_FIELDS:
                     continue
                 cls = type(v)
