@@ -213,3 +213,16 @@ def test_a_hook_registered_after_a_call_retraces(frontend):
     info = aotgrad.cache_info(compiled)
     assert info.misses == 3 and info.hits == 1  # the last call is the first one again
     assert "_forward_hooks" in info.reasons[1]
+
+
+def test_a_global_module_hook_registered_after_a_call_retraces():
+    lin, x = nn.Linear(2, 2), torch.ones(1, 2)
+    compiled = aotgrad.aot_function(lambda x: lin(x))  # (an AOTModule is a module: hooked too)
+    compiled(x)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o * 100)
+    try:
+        torch.testing.assert_close(compiled(x), lin(x))
+    finally:
+        handle.remove()
+    torch.testing.assert_close(compiled(x), lin(x))
+    assert aotgrad.cache_info(compiled).misses == 2

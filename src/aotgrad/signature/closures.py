@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.modules.module as _nn_module
 
 from aotgrad.signature.descriptors import Closure, Global, Input, PrimalDescriptor
 from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
@@ -83,6 +84,9 @@ _MODULE_FIELDS = frozenset(vars(torch.nn.Module())) - {"training"}
 #
 #     f = aot_function(lambda x: lin(x));  f(x)     guards: ..., lin.training
 #     lin.register_forward_hook(scale);    f(x)     + lin._forward_hooks: ((7, scale),)
+#
+# Global module hooks (``register_module_forward_hook``) are guarded the same
+# way, as ``global module_forward_hooks``, whenever the function reaches a module.
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 # How a lifted tensor was reached: closure/default/self, global, or a module argument.
@@ -232,6 +236,12 @@ def read_environment(
         walk.visit(root.kind, root.name, root.get())
     for name, module in arguments:
         walk.visit(Input, name, module)
+    if walk.saw_module:  # hooks every module call runs (Note [Module hooks])
+        for hooks in _HOOKS:
+            registered = getattr(_nn_module, f"_global{hooks}")
+            if registered:
+                walk.labels.append(f"global module{hooks}")
+                walk.keys.append(tuple(registered.items()))
     return Environment(
         tuple(walk.tensors),
         tuple(walk.sources),
@@ -249,6 +259,7 @@ class _Walk:
         self.labels: list[str] = []
         self.keys: list[Any] = []
         self._seen: set[int] = set()  # tensors and modules already visited
+        self.saw_module = False
         # The traced module's own parameters and buffers, by name (lifted as Param/Buffer).
         self.params: list[tuple[str, torch.Tensor]] = []
         self.buffers: list[tuple[str, torch.Tensor]] = []
@@ -284,6 +295,7 @@ class _Walk:
         """
         if id(module) in self._seen:
             return
+        self.saw_module = True
         params: list[tuple[str, torch.Tensor]] = []
         buffers: list[tuple[str, torch.Tensor]] = []
         attributes: list[tuple[str, Any]] = []
