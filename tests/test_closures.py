@@ -279,3 +279,11 @@ def test_a_library_model_passed_as_an_argument_matches_eager(name):
     report = verify(step, case.model, case.args, case.kwargs, rtol=1e-4, atol=1e-5)
     assert report.ok, str(report)
     assert report.compared_grads == sum(p.requires_grad for p in case.model.parameters())
+
+
+def test_a_traced_call_with_another_module_argument_is_refused():
+    net, x, y = _Net(), torch.randn(5, 3), torch.randn(5, 2)
+    traced = aotgrad.trace(_step, net, x, y)
+    torch.testing.assert_close(traced(net, x, y), _step(net, x, y))
+    with pytest.raises(aotgrad.CallError, match="another module object"):
+        traced(copy.deepcopy(net), x, y)

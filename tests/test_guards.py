@@ -254,7 +254,7 @@ def test_a_forward_hook_registered_after_the_first_call_runs():
     handle = model[0].register_forward_hook(lambda module, args, out: out * 2)
     torch.testing.assert_close(compiled(x), model(x))
     assert aotgrad.cache_info(compiled).reasons[-1] == (
-        "the values the function reads changed: added ['closure self.0.<hooks>'], removed []"
+        "the values the function reads changed: added ['closure self.0._forward_hooks'], removed []"
     )
     handle.remove()
     torch.testing.assert_close(compiled(x), model(x))  # the hookless entry again
@@ -277,12 +277,33 @@ def test_a_backward_hook_registered_after_the_first_call_runs():
         torch.testing.assert_close(got, want)
 
 
-def test_a_global_module_hook_registered_after_the_first_call_runs():
-    lin = nn.Linear(3, 3)
-    compiled = aotgrad.aot_function(lambda x: lin(x))
-    x = torch.randn(2, 3)
+@pytest.mark.parametrize("frontend", ["closure", "aot_module", "argument"])
+def test_a_hook_registered_after_a_call_retraces(frontend):
+    # Note [Module hooks]: the trace bakes in the hooks present at capture
+    lin, x = nn.Linear(2, 2), torch.ones(1, 2)
+    compiled, args = {
+        "closure": (aotgrad.aot_function(lambda x: lin(x)), (x,)),
+        "aot_module": (aotgrad.aot_module(lin), (x,)),
+        "argument": (aotgrad.aot_function(lambda m, x: m(x)), (lin, x)),
+    }[frontend]
+    compiled(*args)
+    handle = lin.register_forward_hook(lambda m, i, o: o * 100)
+    torch.testing.assert_close(compiled(*args), lin(x))
+    pre = lin.register_forward_pre_hook(lambda m, i: (i[0] + 1,))
+    torch.testing.assert_close(compiled(*args), lin(x))
+    handle.remove()
+    pre.remove()
+    torch.testing.assert_close(compiled(*args), lin(x))
+    info = aotgrad.cache_info(compiled)
+    assert info.misses == 3 and info.hits == 1  # the last call is the first one again
+    assert "_forward_hooks" in info.reasons[1]
+
+
+def test_a_global_module_hook_registered_after_a_call_retraces():
+    lin, x = nn.Linear(2, 2), torch.ones(1, 2)
+    compiled = aotgrad.aot_function(lambda x: lin(x))  # (an AOTModule is a module: hooked too)
     compiled(x)
-    handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: out + 1)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o * 100)
     try:
         torch.testing.assert_close(compiled(x), lin(x))
     finally:

@@ -131,3 +131,14 @@ def test_a_causal_lm_returning_its_cache_matches_eager(make, train, frontend):
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_verify_compares_the_tensors_of_a_returned_cache():
+    from aotgrad.testing import verify
+
+    torch.manual_seed(0)
+    model = _llama()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    report = verify(model, input_ids=ids, labels=ids)
+    assert report.ok, str(report)
+    assert report.compared_outputs == 2 + 2 * 2  # loss, logits, keys and values of 2 layers

@@ -115,6 +115,14 @@ class Traced:
                 f"this Traced was captured for arguments structured as {flat.spec}, got {spec};"
                 " call aotgrad.trace again (or use aotgrad.aot_function, which re-traces)"
             )
+        for leaf, constant in zip(leaves, flat.constants, strict=True):
+            if isinstance(constant, torch.nn.Module) and leaf is not constant:
+                raise CallError(  # its state was lifted at capture (Note [Module arguments])
+                    f"this Traced was captured with the module {type(constant).__name__} as an"
+                    " argument and runs on that module's parameters and buffers; got another"
+                    " module object. Call aotgrad.trace again (or use aotgrad.aot_function,"
+                    " which re-traces for another module)"
+                )
         tensors = [leaves[i] for i in flat.tensor_positions]
         return self._compiled([*self._lifted, *tensors])
 

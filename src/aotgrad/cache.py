@@ -182,7 +182,7 @@ def _leaf_difference(new: Any, old: Any) -> str:
 def show_value(key: Any) -> str:
     """A value key (Note [Keys of Python values]) as the value it stands for: ``-0.0``, ``True``."""
     if isinstance(key, tuple) and len(key) == 3 and key[0] == "module":  # ``module_key``
-        return f"<{key[1]} object at {key[2]:#x}>"
+        return f"<{key[1].__module__}.{key[1].__qualname__} object at {key[2]:#x}>"
     if isinstance(key, tuple) and len(key) == 2:
         cls, value = key
         if cls is float and isinstance(value, str):

@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad.api import aot_function, aot_module
 from aotgrad.signature import storage_key
+from aotgrad.signature.objects import objects_as_nodes
 
 
 class VerificationError(AssertionError):
@@ -117,6 +118,9 @@ def verify(
     eager_out = eager_fn(*eager.args, **eager.kwargs)
     torch.random.set_rng_state(rng)
     compiled_out = compiled_fn(*compiled.args, **compiled.kwargs)
+    # Objects holding tensors (a DynamicCache) are compared, and differentiated, by their
+    # tensors (Note [Objects among the outputs]).
+    eager_out, compiled_out = objects_as_nodes(eager_out), objects_as_nodes(compiled_out)
     checker = _Checker(report, rtol, atol)
     checker.outputs(eager_out, compiled_out, eager, compiled)
     checker.inputs_after_call(eager, compiled)

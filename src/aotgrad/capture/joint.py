@@ -588,7 +588,12 @@ def _backward(
 #            reentrant: its .grad written with a FunctionalTensor
 #
 # So capture calls the engine itself, below the torch-function layer, and the
-# recompute reads the traced primals: their gradients are the graph's.
+# recompute reads the traced primals: their gradients are the graph's. In the
+# engine the mode only swaps (``ClosedOver.backward``): functionalization's own
+# C++ wrappers reach Python decompositions there as plain tensors that require
+# grad, and must pass. A real tensor the recompute reads but the forward did not
+# is unlikely (the forward ran the same code under the refusing mode); one that
+# gets a gradient in a reentrant backward is still caught by ``_real_grads_untouched``.
 
 
 def _run_engine(

@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.modules.module as _nn_module
 
 from aotgrad.signature.descriptors import Closure, Global, Input, PrimalDescriptor
 from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
@@ -73,8 +74,27 @@ from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
 # A module's own bookkeeping in ``__dict__``: not user attributes (``training`` is).
 _MODULE_FIELDS = frozenset(vars(torch.nn.Module())) - {"training"}
 
+# Note [Module hooks]
+# ~~~~~~~~~~~~~~~~~~~
+# A module's hooks run inside its call, so the trace bakes in the ones present
+# at capture. They are module bookkeeping (``_MODULE_FIELDS``), not attributes,
+# and guarded apart: each non-empty hook dict is a guard keyed by its hooks'
+# identities. ``lin.register_forward_hook(scale)`` after a call adds the guard
+# ``closure lin._forward_hooks`` and re-traces; removing it re-traces again:
+#
+#     f = aot_function(lambda x: lin(x));  f(x)     guards: ..., lin.training
+#     lin.register_forward_hook(scale);    f(x)     + lin._forward_hooks: ((7, scale),)
+#
+# Global module hooks (``register_module_forward_hook``) are guarded the same
+# way, as ``global module_forward_hooks``, whenever the function reaches a module.
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
 # How a lifted tensor was reached: closure/default/self, global, or a module argument.
 Kind = type[Closure] | type[Global] | type[Input]
+# Each kind as its guards' labels start: ``closure K``, ``global K``, ``input model.training``.
+_LABELS: dict[Kind, str] = {Closure: "closure", Global: "global", Input: "input"}
+# Values keyed as themselves (``value_key``): the common module attributes, keyed inline.
+_PLAIN = (int, bool, str, type(None))
 
 
 @dataclass(frozen=True)
@@ -90,15 +110,20 @@ class Root:
 class Environment:
     """One call's reading of the roots: the tensors to lift and the keys of everything else."""
 
-    # Lifted tensors and their descriptors, in the order found (each tensor once).
+    # Lifted tensors and where each was found, in the order found (each tensor once):
+    # ``(Closure, "lin.weight")``; ``descriptors`` makes them descriptors (not every call).
     tensors: tuple[torch.Tensor, ...]
-    descriptors: tuple[PrimalDescriptor, ...]
+    sources: tuple[tuple[Kind, str], ...]
     # Guarded values: a label per value (``global K``, ``lin.training``) and its key.
     labels: tuple[str, ...]
     keys: tuple[Any, ...]
     # The traced module's parameters and buffers (``roots_of(..., skip_self=True)``).
     params: tuple[tuple[str, torch.Tensor], ...] = ()
     buffers: tuple[tuple[str, torch.Tensor], ...] = ()
+
+    @property
+    def descriptors(self) -> tuple[PrimalDescriptor, ...]:
+        return tuple(kind(name) for kind, name in self.sources)
 
 
 EMPTY = Environment((), (), (), ())
@@ -211,12 +236,15 @@ def read_environment(
         walk.visit(root.kind, root.name, root.get())
     for name, module in arguments:
         walk.visit(Input, name, module)
-    if hooks := _global_hooks_key():  # Note [Module hooks]
-        walk.labels.append("global module hooks")
-        walk.keys.append(hooks)
+    if walk.saw_module:  # hooks every module call runs (Note [Module hooks])
+        for hooks in _HOOKS:
+            registered = getattr(_nn_module, f"_global{hooks}")
+            if registered:
+                walk.labels.append(f"global module{hooks}")
+                walk.keys.append(tuple(registered.items()))
     return Environment(
         tuple(walk.tensors),
-        tuple(walk.descriptors),
+        tuple(walk.sources),
         tuple(walk.labels),
         tuple(walk.keys),
         tuple(walk.params),
@@ -224,51 +252,14 @@ def read_environment(
     )
 
 
-# Note [Module hooks]
-# ~~~~~~~~~~~~~~~~~~~
-# A module's forward (pre-)hooks run inside its ``__call__``, so a trace bakes
-# them in, and its backward hooks are traced as autograd Functions. Hooks live
-# in the module's bookkeeping dicts, keyed by the handle's id, so the ids of a
-# walked module's hooks are guarded (and the global module hooks, once per
-# read). Registering or removing a hook after the first call re-traces:
-#
-#     f = aot_module(lin); f(x)                  # traced without hooks
-#     lin.register_forward_hook(lambda m, i, o: o * 2)
-#     f(x)   # miss: "closure self.<hooks>" is new; the hook runs, as in eager
-#
-# The hooks' own code is not walked: a hook that reads a changed global runs
-# with the value of its trace.
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_GLOBAL_HOOK_DICTS = (
-    "_global_forward_pre_hooks",
-    "_global_forward_hooks",
-    "_global_backward_pre_hooks",
-    "_global_backward_hooks",
-)
-
-
-def _hooks_key(module: torch.nn.Module) -> tuple[tuple[int, ...], ...] | None:
-    """The ids of ``module``'s hooks, or None when it has none (the common case)."""
-    dicts = [getattr(module, d, None) for d in _HOOK_DICTS]
-    if not any(dicts):
-        return None
-    return tuple(tuple(d or ()) for d in dicts)
-
-
-def _global_hooks_key() -> tuple[tuple[int, ...], ...] | None:
-    dicts = [getattr(torch.nn.modules.module, d, None) for d in _GLOBAL_HOOK_DICTS]
-    if not any(dicts):
-        return None
-    return tuple(tuple(d or ()) for d in dicts)
-
-
 class _Walk:
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        self.descriptors: list[PrimalDescriptor] = []
+        self.sources: list[tuple[Kind, str]] = []
         self.labels: list[str] = []
         self.keys: list[Any] = []
         self._seen: set[int] = set()  # tensors and modules already visited
+        self.saw_module = False
         # The traced module's own parameters and buffers, by name (lifted as Param/Buffer).
         self.params: list[tuple[str, torch.Tensor]] = []
         self.buffers: list[tuple[str, torch.Tensor]] = []
@@ -288,7 +279,7 @@ class _Walk:
             return
         self._seen.add(id(t))
         self.tensors.append(t)
-        self.descriptors.append(kind(name))
+        self.sources.append((kind, name))
 
     def _module(
         self,
@@ -304,29 +295,40 @@ class _Walk:
         """
         if id(module) in self._seen:
             return
+        self.saw_module = True
         params: list[tuple[str, torch.Tensor]] = []
         buffers: list[tuple[str, torch.Tensor]] = []
         attributes: list[tuple[str, Any]] = []
+        labels, keys = self.labels, self.keys
         for relative, sub in module.named_modules():
             self._seen.add(id(sub))
-            prefix = f"{relative}." if relative else ""
+            prefix = f"{name}.{relative}." if relative else f"{name}."
             params += ((prefix + n, p) for n, p in sub._parameters.items() if p is not None)
             buffers += ((prefix + n, b) for n, b in sub._buffers.items() if b is not None)
-            attributes += (
-                (f"{name}.{prefix}{a}", v) for a, v in vars(sub).items() if a not in _MODULE_FIELDS
-            )
-            if hooks := _hooks_key(sub):  # Note [Module hooks]
-                self.labels.append(f"{kind.__name__.lower()} {name}.{prefix}<hooks>")
-                self.keys.append(hooks)
+            state = vars(sub)
+            for hooks in _HOOKS:  # Note [Module hooks]
+                if state.get(hooks):
+                    labels.append(f"{_LABELS[kind]} {prefix}{hooks}")
+                    keys.append(tuple(state[hooks].items()))
+            for a, v in state.items():
+                if a in _MODULE_FIELDS:
+                    continue
+                cls = type(v)
+                if cls in _PLAIN:  # ``training``, ``in_features``: keyed here, as ``_value`` would
+                    labels.append(f"{_LABELS[kind]} {prefix}{a}")
+                    keys.append((cls, v))
+                else:
+                    attributes.append((prefix + a, v))
+        start = len(name) + 1  # parameter and buffer names relative to the module
         for found, into in ((params, self.params), (buffers, self.buffers)):
             for qualname, t in found:
                 if id(t) in self._seen:
                     continue  # tied: one input under its first name
                 if with_state:
-                    self._tensor(kind, f"{name}.{qualname}", t)
+                    self._tensor(kind, qualname, t)
                 else:
                     self._seen.add(id(t))
-                    into.append((qualname, t))
+                    into.append((qualname[start:], t))
         for label, value in attributes:
             self.visit(kind, label, value)
 
@@ -338,7 +340,7 @@ class _Walk:
             return
         except Unkeyable:
             key = (type(value), "identity", id(value))
-        self.labels.append(f"{kind.__name__.lower()} {name}")
+        self.labels.append(f"{_LABELS[kind]} {name}")
         self.keys.append(key)
 
     def _parts(self, kind: Kind, name: str, value: Any) -> None:

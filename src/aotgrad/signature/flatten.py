@@ -271,7 +271,7 @@ def _value_key(value: Any) -> Any:
 
 def module_key(module: torch.nn.Module) -> tuple[Any, ...]:
     """A module argument's key: its identity (Note [Module arguments])."""
-    return ("module", _type_name(module), id(module))
+    return ("module", type(module), id(module))
 
 
 def _tensor_in_argument(value: Any, path: str) -> str:

@@ -106,7 +106,7 @@ def _convert(value: Any, seen: set[int]) -> Any:
     (unflattening would lose what pytree does not keep: a ``torch.Size`` becomes a tuple)."""
     if _is_plain_object(value):
         return _as_node(value, seen) if _holds_tensor(value, set()) else value
-    if pytree._is_leaf(value):
+    if pytree.tree_is_leaf(value):
         return value
     node = pytree.SUPPORTED_NODES[pytree._get_node_type(value)]
     children, context = node.flatten_fn(value)
