@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad.cache import CacheInfo, explain_miss
 from aotgrad.capture import Body, JointGraph, capture, capturing
+from aotgrad.capture.autocast import any_autocast, autocast_state
 from aotgrad.capture.dynamic import all_dims, has_marks, marked_dims
 from aotgrad.errors import CallError, user_frame_of_function
 from aotgrad.lifting import NOTHING, State
@@ -58,6 +59,8 @@ class Traced:
     # Runs the graphs (uncompiled) on real inputs of the same specialization.
     _compiled: CompiledGraphs
     _lifted: tuple[torch.Tensor, ...]
+    # The autocast the graphs were captured under; calls must match it (Note [Autocast]).
+    _autocast: tuple[tuple[str, torch.dtype], ...] = ()
 
     @property
     def joint(self) -> fx.GraphModule:
@@ -115,6 +118,13 @@ class Traced:
                 f"this Traced was captured for arguments structured as {flat.spec}, got {spec};"
                 " call aotgrad.trace again (or use aotgrad.aot_function, which re-traces)"
             )
+        if autocast_state() != self._autocast:
+            raise CallError(
+                f"this Traced was captured with autocast {_autocast_text(self._autocast)} and is"
+                f" called with autocast {_autocast_text(autocast_state())}: its graphs hold the"
+                " casts of the capture's autocast (Note [Autocast]); call aotgrad.trace again under"
+                " the autocast you call it with (or use aotgrad.aot_function, which re-traces)"
+            )
         tensors = [leaves[i] for i in flat.tensor_positions]
         return self._compiled([*self._lifted, *tensors])
 
@@ -163,7 +173,11 @@ def trace(
     partitioned = _capture_and_partition(
         fn, body, flat, [*state, *tensors], None, partition, False, dynamic_dims
     )
-    return Traced(partitioned, compile_partitioned(partitioned), state)
+    return Traced(partitioned, compile_partitioned(partitioned), state, autocast_state())
+
+
+def _autocast_text(state: tuple[tuple[str, torch.dtype], ...]) -> str:
+    return ", ".join(f"{device}:{dtype}" for device, dtype in state) or "off"
 
 
 def aot_function(
@@ -286,6 +300,7 @@ class AOTFunction:
             last is not None
             and not kwargs
             and torch.is_grad_enabled() is last.grad_mode
+            and not any_autocast()
             and last.guard(args)
         ):
             self.info.hits += 1
@@ -300,12 +315,19 @@ class AOTFunction:
             lifted.key,
             alias_key([*state, *leaves] if state else leaves),
             torch.is_grad_enabled(),
+            autocast_state(),  # Note [Autocast]
         )
         entry = self.cache.get(key)
         if entry is not None and dims is None:
             self.info.hits += 1
             compiled, positions = entry
-            if positions is None and key[3] is None and not kwargs and self._state.empty:
+            if (
+                positions is None
+                and key[3] is None
+                and not key[5]
+                and not kwargs
+                and self._state.empty
+            ):
                 call = compiled.direct_call() or compiled
                 self._last_entry = _LastEntry(PlainTensorsGuard(leaves), key[4], call)
             return compiled(_graph_inputs(state, leaves, positions))

@@ -68,14 +68,14 @@ def cache_info(fn: Any) -> CacheInfo:
 def explain_miss(new: tuple[Any, ...], old: tuple[Any, ...] | None, names: Sequence[str]) -> str:
     """The first guard ``new`` fails against ``old``, in the user's terms.
 
-    A key is ``(structure, leaves, state, aliases, grad mode)``; ``state`` is
+    A key is ``(structure, leaves, state, aliases, grad mode, autocast)``; ``state`` is
     ``(input names, tensor keys, value labels, value keys)`` of the lifted
     module state, closed-over tensors and guarded values (``aotgrad/lifting.py``).
     """
     if old is None:
         return "first call"
-    spec, leaves, state, aliases, grad = new
-    old_spec, old_leaves, old_state, old_aliases, old_grad = old
+    spec, leaves, state, aliases, grad, autocast = new[:6]
+    old_spec, old_leaves, old_state, old_aliases, old_grad, old_autocast = old[:6]
     if spec != old_spec:
         return f"argument structure changed: {spec} != {old_spec}"
     labels = [f"input {n}" for n in names]
@@ -88,7 +88,13 @@ def explain_miss(new: tuple[Any, ...], old: tuple[Any, ...] | None, names: Seque
         return "which inputs are the same tensor or share memory changed"
     if grad != old_grad:
         return f"grad mode {grad} != {old_grad}"
+    if autocast != old_autocast:
+        return f"autocast {_autocast(autocast)} != {_autocast(old_autocast)}"
     return "unknown"
+
+
+def _autocast(state: tuple[tuple[str, Any], ...]) -> str:
+    return ", ".join(f"{device}:{dtype}" for device, dtype in state) or "off"
 
 
 def _state_difference(new: tuple[Any, ...], old: tuple[Any, ...]) -> str:

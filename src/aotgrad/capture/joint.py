@@ -44,6 +44,7 @@ from aotgrad.capture.aliasing import (
     ViewMeta,
     analyze_aliasing,
 )
+from aotgrad.capture.autocast import autocast_off
 from aotgrad.capture.closed_over import ClosedOver
 from aotgrad.capture.cotangents import make_cotangent
 from aotgrad.capture.direct import DirectTracer
@@ -461,11 +462,12 @@ def _backward(
     recorder.backward_hooks(targets)
     computed: Sequence[torch.Tensor | None]
     if record.leaf_primals:
-        with _real_grads_untouched(recorder, where):
+        with _real_grads_untouched(recorder, where), autocast_off():  # Note [Autocast]
             torch.autograd.backward(targets, cotangents)
         computed = [primals[i].grad for i in record.grad_inputs]
     else:
-        computed = torch.autograd.grad(targets, inputs, cotangents, allow_unused=True)
+        with autocast_off():  # Note [Autocast]
+            computed = torch.autograd.grad(targets, inputs, cotangents, allow_unused=True)
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g

@@ -35,8 +35,9 @@ from aotgrad.capture import (
     TensorOutput,
     ViewMeta,
 )
-from aotgrad.errors import DoubleBackwardError
-from aotgrad.optable import needs_grad_mode
+from aotgrad.capture.autocast import any_autocast, autocast_off, autocast_state
+from aotgrad.errors import AutocastBackwardError, DoubleBackwardError
+from aotgrad.optable import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.compilers import BoxedCall
 
@@ -73,6 +74,8 @@ class Plan:
     guards: ShapeGuards | None = None
     # The result holds a ``torch.Size`` (Note [Sizes in the result]).
     has_sizes: bool = False
+    # Backward ops autocast would cast, with their input dtype (Note [Autocast]).
+    autocast_backward: tuple[tuple[torch.dtype, str], ...] = ()
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
@@ -104,7 +107,46 @@ class Plan:
             out_spec=joint.out_spec,
             guards=joint.guards,
             has_sizes=_holds_size(joint.out_spec),
+            autocast_backward=_autocast_sensitive(partitioned.backward),
         )
+
+
+def _autocast_sensitive(
+    backward: torch.fx.GraphModule | None,
+) -> tuple[tuple[torch.dtype, str], ...]:
+    """(input dtype, "op at source") of each backward op autocast would cast (Note [Autocast])."""
+    if backward is None:
+        return ()
+    found = []
+    for node in backward.graph.nodes:
+        if node.op != "call_function" or not autocast_lowers(node.target):
+            continue
+        for arg in node.args:
+            val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+            if (
+                isinstance(val, torch.Tensor)
+                and val.is_floating_point()
+                and val.dtype != torch.float64
+            ):
+                info = node.meta.get("aotgrad")
+                where = f" (the backward of {info.source})" if getattr(info, "source", None) else ""
+                found.append((val.dtype, f"{op_name(node.target)}{where}"))
+                break
+    return tuple(found)
+
+
+def _check_autocast_backward(sensitive: Sequence[tuple[torch.dtype, str]]) -> None:
+    """Refuse a backward under autocast that would cast one of its ops (Note [Autocast])."""
+    for device, dtype in autocast_state():
+        for input_dtype, what in sensitive:
+            if input_dtype != dtype:
+                raise AutocastBackwardError(
+                    f"backward() was called under torch.autocast({device!r}, dtype={dtype}), and"
+                    f" the compiled backward holds {what} on {input_dtype} inputs, which eager"
+                    " autocast would cast there; aotgrad traced the backward without autocast"
+                    " (Note [Autocast]).\nCall backward() outside the autocast region, as"
+                    " PyTorch recommends."
+                )
 
 
 def _only_fresh(leaves: Sequence[OutputLeaf], mutations: Sequence[Any], num_bases: int) -> bool:
@@ -131,8 +173,11 @@ def make_function(
         @staticmethod
         def forward(ctx: Any, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
             if plan.forward_needs_grad_mode:  # detached inputs: grad mode on, no graph built
-                with torch.enable_grad():
+                with torch.enable_grad(), autocast_off():
                     results = forward([p.detach() for p in primals])
+            elif any_autocast():  # the graph holds its casts (Note [Autocast])
+                with autocast_off():
+                    results = forward(list(primals))
             else:
                 results = forward(list(primals))
             if leading:  # the returned values are the graph's first outputs, in order
@@ -156,6 +201,10 @@ def make_function(
             saved = ctx.saved_tensors
             if plan.saved_sizes:
                 saved = _interleave(plan.saved_sizes, ctx.saved_tensors, ctx.sizes)
+            if any_autocast():  # Note [Autocast]
+                _check_autocast_backward(plan.autocast_backward)
+                with autocast_off():
+                    return tuple(backward([*saved, *cotangents]))
             return tuple(backward([*saved, *cotangents]))
 
     return CompiledFunction
