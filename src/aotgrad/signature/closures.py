@@ -34,6 +34,26 @@ names (recursively). Python modules, and functions of other modules, are
 keyed by identity and not walked: a library's globals are its own business.
 A real tensor reached some other way that requires grad or is mutated is
 refused during capture (``capture/closed_over.py``), never silently baked in.
+
+Note [Module arguments]
+~~~~~~~~~~~~~~~~~~~~~~~
+A module passed as an argument is not a pytree: it is one opaque leaf of the
+call, hiding its parameters and buffers from the graph. aotgrad reads it each
+call as it reads a closed-over module: its tensors are lifted as inputs named
+by the argument's path (``Input("model.fc.weight")``), after the closed-over
+tensors and before the user's, and its other attributes are guarded by value
+(``input model.training``). The leaf itself is keyed by identity: the trace
+ran that object's code, so another module object re-traces. For::
+
+    def step(model, x): return model(x).sum()
+    aot_function(step)(net, x)
+
+the inputs are ``model.fc.weight, model.fc.bias, model.bn.running_mean, ...,
+x``; ``net.fc.weight.grad`` accumulates as in eager, BatchNorm's running
+statistics are input mutations replayed on ``net``'s buffers, and ``net.eval()``
+re-traces (``input model.training: value True != False``). The capture runs
+the user's function on the real module; the closed-over swap (Note [Real
+tensors in a trace]) hands its ops the traced tensors.
 """
 
 from __future__ import annotations
@@ -47,18 +67,21 @@ from typing import Any
 
 import torch
 
-from aotgrad.signature.descriptors import Closure, Global, PrimalDescriptor
+from aotgrad.signature.descriptors import Closure, Global, Input, PrimalDescriptor
 from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
 
 # A module's own bookkeeping in ``__dict__``: not user attributes (``training`` is).
 _MODULE_FIELDS = frozenset(vars(torch.nn.Module())) - {"training"}
+
+# How a lifted tensor was reached: closure/default/self, global, or a module argument.
+Kind = type[Closure] | type[Global] | type[Input]
 
 
 @dataclass(frozen=True)
 class Root:
     """A place the function reads: a closure cell, a global, a default, ``self``."""
 
-    kind: type[Closure] | type[Global]
+    kind: Kind
     name: str
     get: Callable[[], Any]
 
@@ -173,13 +196,21 @@ class _Attributes:
         self.module = module
 
 
-def read_environment(roots: tuple[Root, ...]) -> Environment:
-    """Read every root now: the tensors to lift and the keys of the values to guard."""
-    if not roots:
+def read_environment(
+    roots: tuple[Root, ...], arguments: tuple[tuple[str, torch.nn.Module], ...] = ()
+) -> Environment:
+    """Read every root now: the tensors to lift and the keys of the values to guard.
+
+    ``arguments``: modules among the call's arguments, by argument path (Note
+    [Module arguments]); walked after the roots, their tensors named ``Input``.
+    """
+    if not roots and not arguments:
         return EMPTY
     walk = _Walk()
     for root in roots:
         walk.visit(root.kind, root.name, root.get())
+    for name, module in arguments:
+        walk.visit(Input, name, module)
     return Environment(
         tuple(walk.tensors),
         tuple(walk.descriptors),
@@ -201,7 +232,7 @@ class _Walk:
         self.params: list[tuple[str, torch.Tensor]] = []
         self.buffers: list[tuple[str, torch.Tensor]] = []
 
-    def visit(self, kind: type[Closure] | type[Global], name: str, value: Any) -> None:
+    def visit(self, kind: Kind, name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor):
             self._tensor(kind, name, value)
         elif isinstance(value, torch.nn.Module):
@@ -211,7 +242,7 @@ class _Walk:
         else:
             self._value(kind, name, value)
 
-    def _tensor(self, kind: type[Closure] | type[Global], name: str, t: torch.Tensor) -> None:
+    def _tensor(self, kind: Kind, name: str, t: torch.Tensor) -> None:
         if id(t) in self._seen:
             return
         self._seen.add(id(t))
@@ -220,7 +251,7 @@ class _Walk:
 
     def _module(
         self,
-        kind: type[Closure] | type[Global],
+        kind: Kind,
         name: str,
         module: torch.nn.Module,
         with_state: bool,
@@ -255,7 +286,7 @@ class _Walk:
         for label, value in attributes:
             self.visit(kind, label, value)
 
-    def _value(self, kind: type[Closure] | type[Global], name: str, value: Any) -> None:
+    def _value(self, kind: Kind, name: str, value: Any) -> None:
         try:
             key = value_key(value)
         except TensorInValue:
@@ -266,7 +297,7 @@ class _Walk:
         self.labels.append(f"{kind.__name__.lower()} {name}")
         self.keys.append(key)
 
-    def _parts(self, kind: type[Closure] | type[Global], name: str, value: Any) -> None:
+    def _parts(self, kind: Kind, name: str, value: Any) -> None:
         """A container or object holding tensors: visit its parts (tensors lifted, rest keyed)."""
         if id(value) in self._seen:
             return
