@@ -643,8 +643,14 @@ class Checkpointed(nn.Module):
 
 
 def _wrap_blocks(seq: nn.Sequential, reentrant: bool, start: int = 0) -> None:
+    """Checkpoint each composite block of ``seq`` from ``start`` on.
+
+    Single layers stay outside: an in-place ``ReLU`` checkpointed on its own modifies the
+    output of the checkpoint before it, which eager's backward refuses too.
+    """
     for i in range(start, len(seq)):
-        seq[i] = Checkpointed(seq[i], reentrant)
+        if next(seq[i].children(), None) is not None:
+            seq[i] = Checkpointed(seq[i], reentrant)
 
 
 @contextlib.contextmanager
@@ -771,6 +777,29 @@ def regnet(dropout: float = 0.0) -> Case:
         "regnety_002", num_classes=CLASSES, drop_rate=dropout, drop_path_rate=dropout
     )
     return _vision_case("regnet", "timm", model, _timm_checkpointing)
+
+
+def coat(dropout: float = 0.0) -> Case:
+    """timm CoaT-Lite: one convolutional position encoding module shared by every serial block
+    of a stage (a submodule registered under two names), conv relative position attention."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "coat_lite_tiny",
+        img_size=IMAGE,
+        embed_dims=(16, 16, 32, 32),
+        serial_depths=(1, 1, 1, 1),
+        num_heads=2,
+        mlp_ratios=(2, 2, 2, 2),
+        crpe_window={1: 1, 3: 1},
+        num_classes=CLASSES,
+        drop_rate=dropout,
+        proj_drop_rate=dropout,
+        attn_drop_rate=dropout,
+        drop_path_rate=dropout,
+    )
+    return _vision_case("coat", "timm", model, _timm_checkpointing)
 
 
 @contextlib.contextmanager
@@ -924,6 +953,7 @@ BUILDERS: dict[str, Callable[..., Case]] = {
     "deit": deit,
     "mobilevit": mobilevit,
     "regnet": regnet,
+    "coat": coat,
     "densenet": densenet,
     "squeezenet": squeezenet,
     "shufflenet": shufflenet,
