@@ -17,6 +17,7 @@ from aotgrad.capture.dynamic import dynamic
 from aotgrad.dynamo import backend
 from aotgrad.errors import (
     AotgradError,
+    AutocastBackwardError,
     CallError,
     CaptureError,
     DataDependentError,
@@ -35,6 +36,7 @@ from aotgrad.runtime import make_boxed_func, nop
 __all__ = [
     "AOTModule",
     "AotgradError",
+    "AutocastBackwardError",
     "CacheInfo",
     "CallError",
     "CaptureError",

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad.cache import CacheInfo, ambient_key, explain_miss
 from aotgrad.capture import Body, JointGraph, capture, capturing
+from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import all_dims, has_marks, marked_dims
 from aotgrad.errors import CallError, user_frame_of_function
 from aotgrad.lifting import NOTHING, Arguments, State
@@ -58,6 +59,8 @@ class Traced:
     # Runs the graphs (uncompiled) on real inputs of the same specialization.
     _compiled: CompiledGraphs
     _lifted: tuple[torch.Tensor, ...]
+    # The autocast the graphs were captured under; calls must match it (Note [Autocast]).
+    _autocast: tuple[tuple[str, torch.dtype], ...] = ()
 
     @property
     def joint(self) -> fx.GraphModule:
@@ -123,6 +126,13 @@ class Traced:
                     " module object. Call aotgrad.trace again (or use aotgrad.aot_function,"
                     " which re-traces for another module)"
                 )
+        if autocast_state() != self._autocast:
+            raise CallError(
+                f"this Traced was captured with autocast {_autocast_text(self._autocast)} and is"
+                f" called with autocast {_autocast_text(autocast_state())}: its graphs hold the"
+                " casts of the capture's autocast (Note [Autocast]); call aotgrad.trace again under"
+                " the autocast you call it with (or use aotgrad.aot_function, which re-traces)"
+            )
         tensors = [leaves[i] for i in flat.tensor_positions]
         return self._compiled([*self._lifted, *tensors])
 
@@ -172,7 +182,14 @@ def trace(
     partitioned = _capture_and_partition(
         fn, body, flat, [*state, *tensors], None, partition, False, dynamic_dims
     )
-    return Traced(partitioned, compile_partitioned(partitioned), state)
+    return Traced(partitioned, compile_partitioned(partitioned), state, autocast_state())
+
+
+def _autocast_text(state: tuple[tuple[str, torch.dtype], ...]) -> str:
+    return (
+        ", ".join(f"{device}/{str(dtype).removeprefix('torch.')}" for device, dtype in state)
+        or "off"
+    )
 
 
 def aot_function(

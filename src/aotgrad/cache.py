@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from aotgrad.capture.autocast import AutocastState, any_autocast, autocast_state
+
 _TENSOR_FIELDS = (
     "type",
     "shape",
@@ -69,30 +71,18 @@ class CacheInfo:
 #     True
 #     >>> with torch.autocast("cpu", dtype=torch.bfloat16):
 #     ...     ambient_key()
-#     (True, torch.float32, (('cpu', torch.bfloat16, True),))
-#     >>> explain_ambient((True, torch.float32, (("cpu", torch.bfloat16, True),)), True)
+#     (True, torch.float32, (('cpu', torch.bfloat16),))
+#     >>> explain_ambient((True, torch.float32, (("cpu", torch.bfloat16),)), True)
 #     'autocast cpu/bfloat16 != off'
 #
 # So a function first called under ``torch.autocast`` traces again when called
 # outside it, instead of returning bfloat16 results where eager gives float32.
-_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
-
-
 def ambient_key() -> Any:
     """The ambient torch state a trace depends on (Note [Ambient state])."""
     grad = torch.is_grad_enabled()
-    if torch.get_default_dtype() is torch.float32 and not torch._C._is_any_autocast_enabled():
+    if torch.get_default_dtype() is torch.float32 and not any_autocast():
         return grad
-    return (grad, torch.get_default_dtype(), _autocast_state())
-
-
-def _autocast_state() -> tuple[tuple[str, torch.dtype, bool], ...]:
-    cache = torch.is_autocast_cache_enabled()
-    return tuple(
-        (device, torch.get_autocast_dtype(device), cache)
-        for device in _AUTOCAST_DEVICES
-        if torch.is_autocast_enabled(device)
-    )
+    return (grad, torch.get_default_dtype(), autocast_state())
 
 
 def explain_ambient(new: Any, old: Any) -> str:
@@ -106,10 +96,10 @@ def explain_ambient(new: Any, old: Any) -> str:
     return f"autocast {_show_autocast(autocast)} != {_show_autocast(old_autocast)}"
 
 
-def _show_autocast(state: tuple[tuple[str, torch.dtype, bool], ...]) -> str:
+def _show_autocast(state: AutocastState) -> str:
     if not state:
         return "off"
-    return ", ".join(f"{device}/{str(dtype).removeprefix('torch.')}" for device, dtype, _ in state)
+    return ", ".join(f"{device}/{str(dtype).removeprefix('torch.')}" for device, dtype in state)
 
 
 def cache_info(fn: Any) -> CacheInfo:

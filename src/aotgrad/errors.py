@@ -84,6 +84,10 @@ class DoubleBackwardError(AotgradError, RuntimeError):
     """A second derivative was asked through a compiled function (``create_graph=True``)."""
 
 
+class AutocastBackwardError(AotgradError, RuntimeError):
+    """A backward called under autocast, whose graph holds ops autocast would cast (Note [Autocast])."""
+
+
 class CallError(AotgradError, TypeError):
     """A compiled function was called with arguments it cannot accept."""
 

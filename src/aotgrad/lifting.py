@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.utils.stateless import _reparametrize_module
 
 from aotgrad.capture import Body
 from aotgrad.signature import (
@@ -156,8 +155,65 @@ class State:
             if module is None:
                 yield fn(*args, **kwargs)
                 return
-            state = dict(zip(names, primals[: len(names)], strict=True))
-            with _reparametrize_module(module, state, tie_weights=True, strict=False):
+            with swapped_state(module, names, primals[: len(names)]):
                 yield module(*args, **kwargs)
 
         return body
+
+
+# Note [Swapping module state]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Capture runs the module on its primals: every attribute that holds a lifted
+# parameter or buffer is pointed at the primal, and back at the real tensor
+# afterwards. One tensor can sit in several attributes (tied weights:
+# ``lm_head.weight is wte.weight``), and one attribute can have several names,
+# when a submodule is registered in two places (timm's CoaT hands its
+# ``cpe1`` to every serial block: ``cpe1.proj.weight`` and
+# ``serial_blocks1.0.cpe.proj.weight`` are one attribute of one module).
+# Swapping by name, as ``torch.func.functional_call`` does, visits that
+# attribute twice; the second visit records the primal as the "original",
+# and the restore leaves a fake tensor in the real module:
+#
+#     swap cpe1.proj.weight          original = real,   attribute = primal
+#     swap blocks.0.cpe.proj.weight  original = primal  (the same attribute)
+#     restore in order               attribute = real, then primal  <- leaked
+#
+# The gradient then went to the fake tensor, and the real parameter got
+# none. So the swap is by attribute: each (module, attribute name) is
+# visited once, whatever the number of names it has, and every attribute
+# holding a lifted tensor gets that tensor's primal.
+
+
+@contextlib.contextmanager
+def swapped_state(
+    module: torch.nn.Module, names: tuple[str, ...], primals: list[torch.Tensor]
+) -> Iterator[None]:
+    """Inside, ``module``'s tensors ``names`` are ``primals`` (Note [Swapping module state])."""
+    real = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    primal_of = {id(real[n]): p for n, p in zip(names, primals, strict=True)}
+    slots: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.Tensor]] = {}
+    for name, tensor in (
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ):
+        if id(tensor) in primal_of:
+            path, _, attr = name.rpartition(".")
+            owner = module.get_submodule(path)
+            slots.setdefault((id(owner), attr), (owner, attr, tensor))
+    try:
+        for owner, attr, tensor in slots.values():
+            _set_tensor(owner, attr, primal_of[id(tensor)])
+        yield
+    finally:
+        for owner, attr, tensor in reversed(slots.values()):
+            _set_tensor(owner, attr, tensor)
+
+
+def _set_tensor(owner: torch.nn.Module, attr: str, value: torch.Tensor) -> None:
+    # Through the registries: ``setattr`` refuses a plain tensor for a parameter.
+    if attr in owner._parameters:
+        owner._parameters[attr] = value  # type: ignore[assignment]
+    elif attr in owner._buffers:
+        owner._buffers[attr] = value
+    else:
+        setattr(owner, attr, value)

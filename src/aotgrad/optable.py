@@ -191,3 +191,29 @@ def is_error_check(op: object) -> bool:
     True
     """
     return op in _ERROR_CHECKS
+
+
+# Ops autocast runs in its lower-precision dtype (``torch.autocast``'s CPU and CUDA
+# lists), as they appear in aten graphs: a float32 one runs differently under it.
+_AUTOCAST_LOWERS = frozenset(
+    [
+        "aten.mm.default",
+        "aten.bmm.default",
+        "aten.addmm.default",
+        "aten.baddbmm.default",
+        "aten.addbmm.default",
+        "aten.matmul.default",
+        "aten.linear.default",
+        "aten.convolution.default",
+        "aten._convolution.default",
+    ]
+)
+
+
+def autocast_lowers(op: object) -> bool:
+    """Does autocast cast this op's floating inputs to its lower-precision dtype?
+
+    >>> autocast_lowers(torch.ops.aten.mm.default), autocast_lowers(torch.ops.aten.add.Tensor)
+    (True, False)
+    """
+    return isinstance(op, torch._ops.OpOverload) and str(op) in _AUTOCAST_LOWERS

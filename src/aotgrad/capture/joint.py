@@ -44,6 +44,7 @@ from aotgrad.capture.aliasing import (
     ViewMeta,
     analyze_aliasing,
 )
+from aotgrad.capture.autocast import autocast_off
 from aotgrad.capture.closed_over import ClosedOver
 from aotgrad.capture.cotangents import make_cotangent
 from aotgrad.capture.direct import DirectTracer
@@ -561,11 +562,12 @@ def _backward(
     recorder.backward_hooks(targets)
     computed: Sequence[torch.Tensor | None]
     if record.leaf_primals:
-        with _real_grads_untouched(recorder, where):
+        with _real_grads_untouched(recorder, where), autocast_off():  # Note [Autocast]
             _run_engine(targets, cotangents, (), accumulate=True)
         computed = [primals[i].grad for i in record.grad_inputs]
     else:
-        computed = _run_engine(targets, cotangents, tuple(inputs), accumulate=False)
+        with autocast_off():  # Note [Autocast]
+            computed = _run_engine(targets, cotangents, tuple(inputs), accumulate=False)
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g

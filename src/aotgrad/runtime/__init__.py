@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from aotgrad.capture import graph_inputs
+from aotgrad.capture.autocast import autocast_off
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.compilers import Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue
@@ -64,7 +65,7 @@ class CompiledGraphs:
             primals[i].requires_grad_(True)
         inputs = graph_inputs(primals, self._bases) if self._bases else primals
         if self._apply is None:
-            with torch.no_grad():
+            with torch.no_grad(), autocast_off():  # Note [Autocast]
                 results = self._forward(list(inputs))
             returned = [results[i] for i in self.plan.returned]
         else:

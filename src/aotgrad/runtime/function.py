@@ -35,8 +35,9 @@ from aotgrad.capture import (
     TensorOutput,
     ViewMeta,
 )
-from aotgrad.errors import DoubleBackwardError
-from aotgrad.optable import needs_grad_mode
+from aotgrad.capture.autocast import any_autocast, autocast_off, autocast_state
+from aotgrad.errors import AutocastBackwardError, DoubleBackwardError
+from aotgrad.optable import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.compilers import BoxedCall
 
@@ -83,6 +84,8 @@ class Plan:
     zeros: tuple[ZerosLike, ...] = ()
     # User inputs to make require grad before the call (Note [requires_grad_() on an input]).
     made_to_require_grad: tuple[int, ...] = ()
+    # Backward ops autocast would cast, with their input dtype (Note [Autocast]).
+    autocast_backward: tuple[tuple[torch.dtype, str], ...] = ()
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
@@ -121,6 +124,7 @@ class Plan:
             zeros=_zeros_like_cotangents(partitioned),
             made_to_require_grad=joint.made_to_require_grad,
             restrided=tuple(m.index for m in mutations if m.metadata is not None),
+            autocast_backward=_autocast_sensitive(partitioned.backward),
         )
 
 
@@ -152,6 +156,44 @@ def _static_size(shape: torch.Size) -> tuple[int, ...] | None:
     return None
 
 
+def _autocast_sensitive(
+    backward: torch.fx.GraphModule | None,
+) -> tuple[tuple[torch.dtype, str], ...]:
+    """(input dtype, "op at source") of each backward op autocast would cast (Note [Autocast])."""
+    if backward is None:
+        return ()
+    found = []
+    for node in backward.graph.nodes:
+        if node.op != "call_function" or not autocast_lowers(node.target):
+            continue
+        for arg in node.args:
+            val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+            if (
+                isinstance(val, torch.Tensor)
+                and val.is_floating_point()
+                and val.dtype != torch.float64
+            ):
+                info = node.meta.get("aotgrad")
+                where = f" (the backward of {info.source})" if getattr(info, "source", None) else ""
+                found.append((val.dtype, f"{op_name(node.target)}{where}"))
+                break
+    return tuple(found)
+
+
+def _check_autocast_backward(sensitive: Sequence[tuple[torch.dtype, str]]) -> None:
+    """Refuse a backward under autocast that would cast one of its ops (Note [Autocast])."""
+    for device, dtype in autocast_state():
+        for input_dtype, what in sensitive:
+            if input_dtype != dtype:
+                raise AutocastBackwardError(
+                    f"backward() was called under torch.autocast({device!r}, dtype={dtype}), and"
+                    f" the compiled backward holds {what} on {input_dtype} inputs, which eager"
+                    " autocast would cast there; aotgrad traced the backward without autocast"
+                    " (Note [Autocast]).\nCall backward() outside the autocast region, as"
+                    " PyTorch recommends."
+                )
+
+
 def _only_fresh(leaves: Sequence[OutputLeaf], mutations: Sequence[Any], num_bases: int) -> bool:
     tensors = [leaf for leaf in leaves if isinstance(leaf, TensorOutput)]
     return (
@@ -179,8 +221,11 @@ def make_function(
         @staticmethod
         def forward(ctx: Any, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
             if plan.forward_needs_grad_mode:  # detached inputs: grad mode on, no graph built
-                with torch.enable_grad():
+                with torch.enable_grad(), autocast_off():
                     results = forward([p.detach() for p in primals])
+            elif any_autocast():  # the graph holds its casts (Note [Autocast])
+                with autocast_off():
+                    results = forward(list(primals))
             else:
                 results = forward(list(primals))
             if leading:  # the returned values are the graph's first outputs, in order
@@ -216,7 +261,12 @@ def make_function(
             saved = ctx.saved_tensors
             if plan.saved_sizes:
                 saved = _interleave(plan.saved_sizes, ctx.saved_tensors, ctx.sizes)
-            grads = backward([*saved, *cotangents])
+            if any_autocast():  # Note [Autocast]
+                _check_autocast_backward(plan.autocast_backward)
+                with autocast_off():
+                    grads = backward([*saved, *cotangents])
+            else:
+                grads = backward([*saved, *cotangents])
             if received != all_received:
                 return tuple(_reached(grads, plan.reached_by, received))
             return tuple(grads)
