@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
@@ -216,3 +217,25 @@ def test_dynamo_numbers_with_dynamic_shapes():
     for rows, n in [(3, 2), (5, 3), (4, 2)]:
         a = torch.randn(rows, 4)
         torch.testing.assert_close(compiled(a, n), (a * n).sum(0))
+
+
+def test_a_size_stored_on_the_module_is_an_int_after_a_dynamic_capture():
+    """Note [Sizes left in module attributes] (transformers' Swin stores window sizes)."""
+
+    class Windowed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.size, self.window = 4, (1, 1)
+
+        def forward(self, x):
+            self.size, self.window = x.shape[0], (x.shape[0], 2)
+            return self.lin(x) * self.size
+
+    model = Windowed()
+    compiled = aotgrad.aot_module(model, dynamic=True)
+    compiled(torch.randn(3, 4))
+    assert type(model.size) is int and model.size == 3
+    assert model.window == (3, 2) and all(type(n) is int for n in model.window)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(compiled(x), model.lin(x) * 5)

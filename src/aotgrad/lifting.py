@@ -129,6 +129,7 @@ class State:
         """
         if not self.roots and not arguments:
             return before
+        _concrete_sizes(self._modules(arguments))  # Note [Sizes left in module attributes]
         after = read_environment(self.roots, arguments)
         names, tensors, labels, keys = before.key
         now = dict(zip(after.labels, after.keys, strict=True))
@@ -139,6 +140,13 @@ class State:
         kept = [i for i, label in enumerate(labels) if label not in changed]
         key = (names, tensors, tuple(labels[i] for i in kept), tuple(keys[i] for i in kept))
         return Lifted(before.tensors, before.descriptors, before.module_names, key)
+
+    def _modules(self, arguments: Arguments) -> list[torch.nn.Module]:
+        """The modules the function reaches directly: itself, closed over, passed."""
+        found = [self.module] if self.module is not None else []
+        found += [v for v in (root.get() for root in self.roots) if isinstance(v, torch.nn.Module)]
+        found += [module for _, module in arguments]
+        return found
 
     def body(self, fn: Callable[..., Any], lifted: Lifted, flat: FlatInputs) -> Body:
         """What capture traces: ``fn`` on the graph's primals (closed-over tensors are swapped
@@ -217,3 +225,36 @@ def _set_tensor(owner: torch.nn.Module, attr: str, value: torch.Tensor) -> None:
         owner._buffers[attr] = value
     else:
         setattr(owner, attr, value)
+
+
+# Note [Sizes left in module attributes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under dynamic shapes a size is a ``SymInt`` of the capture's shape environment.
+# Code that stores one on a module (transformers' Swin: ``self.window_size =
+# min(input_resolution)``) would leave it in the user's real module after the
+# capture, where eager leaves an int::
+#
+#     def forward(self, x): self.size = x.shape[0]; ...
+#     aot_module(m, dynamic=True)(torch.randn(3, 4))   # m.size: 3, not the symbol s0
+#
+# So after a capture every module attribute (and list/tuple of them) holding a
+# symbolic number gets the number it stood for at this call.
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _concrete_sizes(modules: list[torch.nn.Module]) -> None:
+    for module in modules:
+        for sub in module.modules():
+            for name, value in list(vars(sub).items()):
+                concrete = _concrete(value)
+                if concrete is not value:
+                    object.__setattr__(sub, name, concrete)
+
+
+def _concrete(value: Any) -> Any:
+    if isinstance(value, _SYMBOLIC):
+        hint = value.node.hint
+        return value if hint is None else type(hint)(hint)
+    if type(value) in (list, tuple) and any(isinstance(v, _SYMBOLIC) for v in value):
+        return type(value)(_concrete(v) for v in value)
+    return value
