@@ -304,7 +304,9 @@ def test_write_through_a_non_overlapping_strided_view_is_not_refused():
     def fn(a):
         a.as_strided((2, 2), (1, 4), 1).fill_(1.0)
         a.t()[::2].unsqueeze(1).expand(2, 1, 3).zero_()
-        return a.sin()
+        v = a[:, :1].expand(3, 4)
+        v.t_()  # changes the view only
+        return a.sin(), v
 
     verify(fn, torch.randn(3, 4))
 

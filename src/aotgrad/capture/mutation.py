@@ -22,8 +22,11 @@ would have recorded the in-place op: gradients flow from whatever later
 uses ``x`` into the Function's new-value output, and through its cotangent
 into ``w`` and the old ``x``. The backward differentiates with respect to
 each input's value *before* the call (capture takes the inputs' gradient
-edges before running the function). A saved input that is mutated is
-saved as a clone, since the copy-back overwrites the caller's tensor.
+edges before running the function). An input the backward needs that the
+function then changes in place fails as in eager ("modified by an inplace
+operation", raised by capture's own backward); an input the backward needs
+whose size or strides the epilogue changes is saved as an alias of it
+(Note [Replayed metadata keeps the version] in ``runtime/function.py``).
 
 Eager's rules still apply: an in-place op with grad mode on, on a leaf
 that requires grad (or a view of one), raises eager's error at the
@@ -238,8 +241,8 @@ def check_writable(
     ``where``: the user's line of the first in-place op on the target.
     """
     schema = getattr(func, "_schema", None)
-    if schema is None:
-        return
+    if schema is None or torch.Tag.inplace_view in getattr(func, "tags", ()):
+        return  # t_(), unsqueeze_(), as_strided_(): they change the view, not the data
     for position, argument in enumerate(schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
