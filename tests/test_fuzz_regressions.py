@@ -467,3 +467,19 @@ def test_view_after_mutating_an_aliased_view_input():
 
     b = torch.randn(6, 6, requires_grad=True) * 1
     verify(fn, b[1:, ::2], b[2:, 1:])
+
+
+@pytest.mark.parametrize("aliased", [False, True], ids=["view_input", "aliased_inputs"])
+def test_view_of_an_input_restrided_in_place_regenerates_from_its_base(aliased):
+    """Note [Views of a restrided input]: the gradient reaches what eager's does."""
+
+    def fn(a0, *rest):
+        v0 = a0.view(-1)
+        a0.as_strided_((1, 1), (0, 0), 0)
+        return v0, a0.t()
+
+    b = torch.randn(2, requires_grad=True)
+    if aliased:
+        verify(fn, b, b[1:])
+    else:
+        verify(fn, (b * 1)[:])
