@@ -483,3 +483,26 @@ def test_view_of_an_input_restrided_in_place_regenerates_from_its_base(aliased):
         verify(fn, b, b[1:])
     else:
         verify(fn, (b * 1)[:])
+
+
+@pytest.mark.parametrize("returns", [ReturnsInput, ReturnsView], ids=["input", "view"])
+def test_custom_function_returning_a_mutated_input_is_refused(returns):
+    """Eager's output shares the caller's memory; the graph's would be the new value's copy."""
+
+    def fn(a):
+        a.add_(1.5)
+        return returns.apply(a)
+
+    with pytest.raises(UnsupportedMutationError, match=r"custom autograd\.Function returns"):
+        aotgrad.aot_function(fn)(torch.randn(3, requires_grad=True) * 1)
+    verify(fn, torch.randn(3))  # nothing requires grad: an ordinary view of the input
+
+
+def test_custom_function_returning_an_input_that_shares_memory_with_a_mutated_one():
+    def fn(a0, a1):
+        a0.add_(1.5)
+        v = ReturnsInput.apply(a0)
+        return v, v
+
+    b = torch.randn(3, requires_grad=True)
+    verify_or_refuse(fn, b, b.view(-1))

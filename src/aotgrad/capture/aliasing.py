@@ -43,6 +43,7 @@ from torch._C import _functionalization
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature.storage import storage_key
 
 
@@ -298,6 +299,30 @@ def _alias_group(
 # tensor as eager does, and the backward graph holds the Function's
 # backward. The same holds for a view of an intermediate. Other outputs of
 # that storage are rebuilt from it.
+
+
+def check_custom_views_of_mutated(
+    tensors: Sequence[torch.Tensor], mutated: Sequence[torch.Tensor], where: UserFrame | None
+) -> None:
+    """Refuse an output a custom Function made of an input the function mutates.
+
+    The forward graph can only return such an output as a view of the input's
+    *new value* (a fresh buffer), not of the caller's tensor, which eager's
+    output shares memory with (Note [Inputs returned by a custom Function]).
+    """
+    storages = {storage_of(p) for p in mutated}
+    for t in tensors:
+        if storage_of(t) in storages and _through_custom_function(t):
+            raise UnsupportedMutationError(
+                format_error(
+                    "a custom autograd.Function returns an input (or a view of it) that the"
+                    " function also changes in place; aotgrad cannot return it as a view of the"
+                    " caller's tensor, as eager does",
+                    where,
+                    "Return a clone from the Function's forward (or mark_dirty() the input),"
+                    " or pass the Function a clone of the input.",
+                )
+            )
 
 
 def _through_custom_function(t: torch.Tensor) -> bool:

@@ -43,6 +43,7 @@ from aotgrad.capture.aliasing import (
     OutputLeaf,
     ViewMeta,
     analyze_aliasing,
+    check_custom_views_of_mutated,
 )
 from aotgrad.capture.closed_over import ClosedOver
 from aotgrad.capture.cotangents import make_cotangent
@@ -381,6 +382,7 @@ def _forward_values(
             graph_primals, grad_fns, inputs.infos, inputs.descriptors, where, sites
         )
     mutated = [graph_primals[m.index] for m in record.mutations if m.data]
+    check_custom_views_of_mutated(tensors, mutated, where)
     forward = [*tensors, *bases, *mutated]
     if direct is None:
         for value in forward:
