@@ -506,3 +506,16 @@ def test_custom_function_returning_an_input_that_shares_memory_with_a_mutated_on
 
     b = torch.randn(3, requires_grad=True)
     verify_or_refuse(fn, b, b.view(-1))
+
+
+def test_detached_alias_of_an_input_changed_in_place_with_grad_is_refused():
+    """Its gradient flows through its own history in eager, not into the input as a view's."""
+
+    def fn(a):
+        v = a.detach()
+        v.copy_(v * 2 + a.sum())
+        return v
+
+    with pytest.raises(UnsupportedMutationError, match="does not see it as a view"):
+        aotgrad.aot_function(fn)(torch.randn(3, requires_grad=True))
+    verify(fn, torch.randn(3))  # without grad: an ordinary alias of the input

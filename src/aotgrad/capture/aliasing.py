@@ -325,6 +325,38 @@ def check_custom_views_of_mutated(
             )
 
 
+def check_input_aliases_are_views(
+    tensors: Sequence[torch.Tensor], aliasing: OutputAliasing, where: UserFrame | None
+) -> None:
+    """Refuse an output over an input's memory whose gradient is not a view's.
+
+    The runtime rebuilds such an output as a view of the input, so autograd
+    sends its gradient into the input. An alias made with ``detach()`` (or
+    ``.data``) and then changed in place with grad mode on has a history of
+    its own instead (``CopyBackwards``)::
+
+        v = x.detach()
+        v.copy_(v * 2 + x.sum())   # eager: v's gradient flows through x.sum()
+        return v                   # rebuilt as a view of x: it would flow into x as is
+    """
+    for out in aliasing.outputs:
+        alias, t = out.alias, tensors[out.index]
+        if alias is None or alias.source is not AliasSource.GRAPH_INPUT:
+            continue
+        if t.grad_fn is not None and t._base is None:
+            raise UnsupportedMutationError(
+                format_error(
+                    "an output shares memory with an input, but autograd does not see it as a"
+                    " view of that input: a detach() (or .data) of the input changed in place"
+                    " with grad mode on; aotgrad rebuilds such an output as a view of the"
+                    " input, and its gradient would go the wrong way",
+                    where,
+                    "Return a clone of it, or write the new values into a fresh tensor"
+                    " (v = x.detach() * 2 + y) rather than into the detached alias.",
+                )
+            )
+
+
 def _through_custom_function(t: torch.Tensor) -> bool:
     """Is ``t`` a view that a custom ``autograd.Function`` made of its base?
 

@@ -44,6 +44,7 @@ from aotgrad.capture.aliasing import (
     ViewMeta,
     analyze_aliasing,
     check_custom_views_of_mutated,
+    check_input_aliases_are_views,
 )
 from aotgrad.capture.closed_over import ClosedOver
 from aotgrad.capture.cotangents import make_cotangent
@@ -383,6 +384,7 @@ def _forward_values(
         )
     mutated = [graph_primals[m.index] for m in record.mutations if m.data]
     check_custom_views_of_mutated(tensors, mutated, where)
+    check_input_aliases_are_views(tensors, aliasing, where)
     forward = [*tensors, *bases, *mutated]
     if direct is None:
         for value in forward:
