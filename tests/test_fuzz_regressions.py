@@ -519,3 +519,18 @@ def test_detached_alias_of_an_input_changed_in_place_with_grad_is_refused():
     with pytest.raises(UnsupportedMutationError, match="does not see it as a view"):
         aotgrad.aot_function(fn)(torch.randn(3, requires_grad=True))
     verify(fn, torch.randn(3))  # without grad: an ordinary alias of the input
+
+
+@unfixed(
+    "NEW F11: an intermediate changed in place by a random op (dropout(inplace=True)) comes back"
+    " with other strides on a size-1 dim than eager (the functional op's fresh result)"
+)
+def test_intermediate_changed_in_place_by_dropout_keeps_eagers_size1_strides():
+    def fn(a):
+        a.transpose_(0, 1)
+        v = a * 3
+        F.dropout(v, 0.3, inplace=True)
+        return v, v
+
+    torch.manual_seed(0)
+    verify(fn, torch.randn(1, 3, 2))
