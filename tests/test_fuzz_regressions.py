@@ -534,3 +534,35 @@ def test_intermediate_changed_in_place_by_dropout_keeps_eagers_size1_strides():
 
     torch.manual_seed(0)
     verify(fn, torch.randn(1, 3, 2))
+
+
+def test_data_mutation_then_restride_onto_fewer_elements_is_refused():
+    """Note [Data mutation of a restrided input]: the copy-back would miss elements."""
+
+    def fn(a):
+        a.add_(1.5)
+        v = a.view(-1)
+        a.as_strided_((1, 1), (0, 0), 0)
+        return v
+
+    with pytest.raises(UnsupportedMutationError, match="no longer covers"):
+        aotgrad.aot_function(fn)(torch.randn(2))
+
+
+@pytest.mark.parametrize("compile_fn", [None, dynamic], ids=["static", "dynamic"])
+def test_data_mutation_then_restride_keeping_the_elements(compile_fn):
+    def fn(a):
+        a.add_(1.5)
+        v = a.view(-1)
+        a.t_()
+        a.unsqueeze_(0)
+        return v, a
+
+    verify(fn, torch.randn(2, 3), compile_fn=compile_fn)
+
+    def grows(a):
+        a.add_(1.5)
+        a.resize_(8)
+        return a[:6] * 2
+
+    verify_or_refuse(grows, torch.randn(6), compile_fn=compile_fn)

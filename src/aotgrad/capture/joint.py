@@ -60,6 +60,7 @@ from aotgrad.capture.mutation import (
     analyze_mutations,
     check_member_mutations,
     check_no_backward_mutation,
+    check_restrided_data,
     member_metadata_mutations,
     mutation_counts,
 )
@@ -382,6 +383,7 @@ def _forward_values(
         record.mutations = analyze_mutations(
             graph_primals, grad_fns, inputs.infos, inputs.descriptors, where, sites
         )
+        check_restrided_data(record.mutations, originals, inputs.descriptors, where)
     mutated = [graph_primals[m.index] for m in record.mutations if m.data]
     check_custom_views_of_mutated(tensors, mutated, where)
     check_input_aliases_are_views(tensors, aliasing, where)

@@ -37,8 +37,10 @@ user's line. Mutations autograd does not see — under ``torch.no_grad()``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -208,6 +210,84 @@ def check_member_mutations(
                     " memory (clone one of them).",
                 )
             )
+
+
+# Note [Data mutation of a restrided input]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The epilogue replays an input's new size and strides first, then copies the
+# new value, which has the new layout (Note [Input mutation]). That writes
+# every element the function changed only if the new layout still reaches all
+# of the old one's elements: ``t_()``, ``unsqueeze_()`` or a ``resize_()``
+# that grows keep them, an ``as_strided_()`` onto fewer elements does not
+# (functionalization does not tell which came first, so either order is refused)::
+#
+#     def f(x):                           # x: size (2,)
+#         x.add_(1.5)                     # both elements change
+#         x.as_strided_((1, 1), (0, 0), 0)
+#     epilogue: x.as_strided_(...); x.copy_(new value)   # writes element 0 only
+#
+# Capture refuses that case.
+
+
+def check_restrided_data(
+    mutations: Sequence[InputMutation],
+    originals: Sequence[torch.Tensor],
+    descriptors: Sequence[Descriptor],
+    where: UserFrame | None,
+) -> None:
+    """Refuse a data mutation the new layout cannot write back (Note above)."""
+    for m in mutations:
+        if not m.data or m.metadata is None:
+            continue
+        if not _reaches(m.metadata, ViewMeta.of(originals[m.index])):
+            raise UnsupportedMutationError(
+                format_error(
+                    f"the function changes the values of input {descriptors[m.index]} and"
+                    " its size or strides in place (as_strided_(), resize_()), so that it no"
+                    " longer covers every element it had; aotgrad writes the new values back"
+                    " through the new layout and could miss some",
+                    where,
+                    "Change the layout out of place (x = x.as_strided(...)), or return the new"
+                    " values instead of writing them into the input.",
+                )
+            )
+
+
+def _reaches(new: ViewMeta, old: ViewMeta) -> bool:
+    """Does layout ``new`` reach every storage element ``old`` does?"""
+    if new.is_symbolic or old.is_symbolic:
+        return _same_elements(new, old)
+    if _same_elements(new, old):
+        return True
+    if _contiguous(new) and _contiguous(old) and new.storage_offset == old.storage_offset:
+        return math.prod(new.size) >= math.prod(old.size)  # resize_() that grows
+    return _elements(old) <= _elements(new)
+
+
+def _contiguous(layout: ViewMeta) -> bool:
+    expected = 1
+    for size, stride in reversed(list(zip(layout.size, layout.stride, strict=True))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_elements(new: ViewMeta, old: ViewMeta) -> bool:
+    """A permutation, or size-1 dims added or dropped: the same elements (no guards needed)."""
+
+    def dims(layout: ViewMeta) -> list[tuple[Any, Any]]:
+        pairs = zip(layout.size, layout.stride, strict=True)
+        return sorted((str(n), str(s)) for n, s in pairs if str(n) != "1")
+
+    return str(new.storage_offset) == str(old.storage_offset) and dims(new) == dims(old)
+
+
+def _elements(layout: ViewMeta) -> set[int]:
+    offsets = {layout.storage_offset}
+    for size, stride in zip(layout.size, layout.stride, strict=True):
+        offsets = {o + i * stride for o in offsets for i in range(size)}
+    return offsets if all(layout.size) else set()
 
 
 # Note [Writes through overlapping views]
