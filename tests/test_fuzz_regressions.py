@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import aotgrad
 from aotgrad.errors import AotgradError, UnsupportedMutationError
 from aotgrad.testing import verify
-from fuzz_programs import ReturnsInput, ReturnsView
+from fuzz_programs import MarksDirty, ReturnsInput, ReturnsView
 
 
 def unfixed(reason):
@@ -566,3 +566,27 @@ def test_data_mutation_then_restride_keeping_the_elements(compile_fn):
         return a[:6] * 2
 
     verify_or_refuse(grows, torch.randn(6), compile_fn=compile_fn)
+
+
+def test_marks_dirty_on_an_input_that_shares_memory_with_another():
+    """Functionalization's inner tensors are not closed-over real tensors (no false refusal)."""
+
+    def fn(a0, a1):
+        v0 = MarksDirty.apply(a1)
+        v1 = a1.unsqueeze(1)
+        a1.index_put_((torch.tensor([0]),), torch.tensor(2.5))
+        return v1, v0, a0 * 2
+
+    b = torch.randn(4, 4, requires_grad=True)
+    verify(fn, b.view(-1), b)
+
+
+def test_resize_onto_other_elements_after_a_data_mutation_is_refused():
+    def fn(a):
+        v = MarksDirty.apply(a)
+        with torch.no_grad():
+            v.resize_(2)
+        return v
+
+    with pytest.raises(UnsupportedMutationError, match="no longer covers"):
+        aotgrad.aot_function(fn)(torch.randn(2, 2).permute(1, 0)[1:])

@@ -77,6 +77,8 @@ class ClosedOver(TorchFunctionMode):
         traced = self._traced.get(id(t))
         if traced is not None:
             return traced
+        if torch._is_functional_tensor(t):  # functionalization's own inner tensor, not a real one
+            return t
         where = user_frame_from_stack() or self._where
         name = getattr(func, "__name__", str(func))
         if t.requires_grad:
