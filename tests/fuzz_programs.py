@@ -95,9 +95,9 @@ KNOWN_BAD: dict[str, str] = {}
 # Known-bad *differences* no feature isolates: a failure whose signature is listed is tolerated
 # unless its name is enabled like a feature (AOTGRAD_FUZZ_FEATURES=<name>). None at present.
 KNOWN_BAD_SIGNATURES: dict[str, tuple[str, str]] = {
-    "F12": (
+    "F16": (
         "mismatch: output: requires_grad True != eager False",
-        "NEW F12: under no_grad, a custom Function's output of an aliased input that the function"
+        "NEW F16: under no_grad, a custom Function's output of an aliased input that the function"
         " then makes require grad requires grad",
     ),
 }

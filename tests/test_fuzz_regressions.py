@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import aotgrad
 from aotgrad.errors import AotgradError, UnsupportedMutationError
 from aotgrad.testing import verify
-from fuzz_programs import ReturnsInput, ReturnsView
+from fuzz_programs import MarksDirty, ReturnsInput, ReturnsView
 
 
 def unfixed(reason):
@@ -346,7 +346,9 @@ def test_write_through_a_non_overlapping_strided_view_is_not_refused():
     def fn(a):
         a.as_strided((2, 2), (1, 4), 1).fill_(1.0)
         a.t()[::2].unsqueeze(1).expand(2, 1, 3).zero_()
-        return a.sin()
+        v = a[:, :1].expand(3, 4)
+        v.t_()  # changes the view only
+        return a.sin(), v
 
     verify(fn, torch.randn(3, 4))
 
@@ -519,7 +521,7 @@ def test_view_after_mutating_an_aliased_view_input():
 
 
 @unfixed(
-    "NEW F12: under no_grad, a custom Function's output of an aliased input that the function"
+    "NEW F16: under no_grad, a custom Function's output of an aliased input that the function"
     " then makes require grad requires grad (eager: it does not)"
 )
 def test_no_grad_custom_function_output_of_an_input_made_to_require_grad():
@@ -546,3 +548,126 @@ def test_no_grad_custom_function_output_of_an_input_made_to_require_grad():
     verify(
         under_no_grad(fn), b0, b0[1:], compile_fn=lambda f: under_no_grad(aotgrad.aot_function(fn))
     )
+
+
+@pytest.mark.parametrize("aliased", [False, True], ids=["view_input", "aliased_inputs"])
+def test_view_of_an_input_restrided_in_place_regenerates_from_its_base(aliased):
+    """Note [Views of a restrided input]: the gradient reaches what eager's does."""
+
+    def fn(a0, *rest):
+        v0 = a0.view(-1)
+        a0.as_strided_((1, 1), (0, 0), 0)
+        return v0, a0.t()
+
+    b = torch.randn(2, requires_grad=True)
+    if aliased:
+        verify(fn, b, b[1:])
+    else:
+        verify(fn, (b * 1)[:])
+
+
+@pytest.mark.parametrize("returns", [ReturnsInput, ReturnsView], ids=["input", "view"])
+def test_custom_function_returning_a_mutated_input_is_refused(returns):
+    """Eager's output shares the caller's memory; the graph's would be the new value's copy."""
+
+    def fn(a):
+        a.add_(1.5)
+        return returns.apply(a)
+
+    with pytest.raises(UnsupportedMutationError, match=r"custom autograd\.Function returns"):
+        aotgrad.aot_function(fn)(torch.randn(3, requires_grad=True) * 1)
+    verify(fn, torch.randn(3))  # nothing requires grad: an ordinary view of the input
+
+
+def test_custom_function_returning_an_input_that_shares_memory_with_a_mutated_one():
+    def fn(a0, a1):
+        a0.add_(1.5)
+        v = ReturnsInput.apply(a0)
+        return v, v
+
+    b = torch.randn(3, requires_grad=True)
+    verify_or_refuse(fn, b, b.view(-1))
+
+
+def test_detached_alias_of_an_input_changed_in_place_with_grad_is_refused():
+    """Its gradient flows through its own history in eager, not into the input as a view's."""
+
+    def fn(a):
+        v = a.detach()
+        v.copy_(v * 2 + a.sum())
+        return v
+
+    with pytest.raises(UnsupportedMutationError, match="does not see it as a view"):
+        aotgrad.aot_function(fn)(torch.randn(3, requires_grad=True))
+    verify(fn, torch.randn(3))  # without grad: an ordinary alias of the input
+
+
+@unfixed(
+    "NEW F17: an intermediate changed in place by a random op (dropout(inplace=True)) comes back"
+    " with other strides on a size-1 dim than eager (the functional op's fresh result)"
+)
+def test_intermediate_changed_in_place_by_dropout_keeps_eagers_size1_strides():
+    def fn(a):
+        a.transpose_(0, 1)
+        v = a * 3
+        F.dropout(v, 0.3, inplace=True)
+        return v, v
+
+    torch.manual_seed(0)
+    verify(fn, torch.randn(1, 3, 2))
+
+
+def test_data_mutation_then_restride_onto_fewer_elements_is_refused():
+    """Note [Data mutation of a restrided input]: the copy-back would miss elements."""
+
+    def fn(a):
+        a.add_(1.5)
+        v = a.view(-1)
+        a.as_strided_((1, 1), (0, 0), 0)
+        return v
+
+    with pytest.raises(UnsupportedMutationError, match="no longer covers"):
+        aotgrad.aot_function(fn)(torch.randn(2))
+
+
+@pytest.mark.parametrize("compile_fn", [None, dynamic], ids=["static", "dynamic"])
+def test_data_mutation_then_restride_keeping_the_elements(compile_fn):
+    def fn(a):
+        a.add_(1.5)
+        v = a.view(-1)
+        a.t_()
+        a.unsqueeze_(0)
+        return v, a
+
+    verify(fn, torch.randn(2, 3), compile_fn=compile_fn)
+
+    def grows(a):
+        a.add_(1.5)
+        a.resize_(8)
+        return a[:6] * 2
+
+    verify_or_refuse(grows, torch.randn(6), compile_fn=compile_fn)
+
+
+def test_marks_dirty_on_an_input_that_shares_memory_with_another():
+    """Functionalization's inner tensors are not closed-over real tensors (no false refusal)."""
+
+    def fn(a0, a1):
+        v0 = MarksDirty.apply(a1)
+        v1 = a1.unsqueeze(1)
+        a1.index_put_((torch.tensor([0]),), torch.tensor(2.5))
+        return v1, v0, a0 * 2
+
+    b = torch.randn(4, 4, requires_grad=True)
+    verify(fn, b.view(-1), b)
+
+
+def test_resize_onto_other_elements_after_a_data_mutation_is_refused():
+    def fn(a):
+        v = MarksDirty.apply(a)
+        with torch.no_grad():
+            v.resize_(2)
+        return v
+
+    with pytest.raises(UnsupportedMutationError, match="no longer covers"):
+        aotgrad.aot_function(fn)(torch.randn(2, 2).permute(1, 0)[1:])

@@ -46,6 +46,7 @@ from torch._C import _functionalization
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature.storage import storage_key
 
 
@@ -350,6 +351,62 @@ def _group_source(
 # tensor as eager does, and the backward graph holds the Function's
 # backward. The same holds for a view of an intermediate. Other outputs of
 # that storage are rebuilt from it.
+
+
+def check_custom_views_of_mutated(
+    tensors: Sequence[torch.Tensor], mutated: Sequence[torch.Tensor], where: UserFrame | None
+) -> None:
+    """Refuse an output a custom Function made of an input the function mutates.
+
+    The forward graph can only return such an output as a view of the input's
+    *new value* (a fresh buffer), not of the caller's tensor, which eager's
+    output shares memory with (Note [Inputs returned by a custom Function]).
+    """
+    storages = {storage_of(p) for p in mutated}
+    for t in tensors:
+        if storage_of(t) in storages and _through_custom_function(t):
+            raise UnsupportedMutationError(
+                format_error(
+                    "a custom autograd.Function returns an input (or a view of it) that the"
+                    " function also changes in place; aotgrad cannot return it as a view of the"
+                    " caller's tensor, as eager does",
+                    where,
+                    "Return a clone from the Function's forward (or mark_dirty() the input),"
+                    " or pass the Function a clone of the input.",
+                )
+            )
+
+
+def check_input_aliases_are_views(
+    tensors: Sequence[torch.Tensor], aliasing: OutputAliasing, where: UserFrame | None
+) -> None:
+    """Refuse an output over an input's memory whose gradient is not a view's.
+
+    The runtime rebuilds such an output as a view of the input, so autograd
+    sends its gradient into the input. An alias made with ``detach()`` (or
+    ``.data``) and then changed in place with grad mode on has a history of
+    its own instead (``CopyBackwards``)::
+
+        v = x.detach()
+        v.copy_(v * 2 + x.sum())   # eager: v's gradient flows through x.sum()
+        return v                   # rebuilt as a view of x: it would flow into x as is
+    """
+    for out in aliasing.outputs:
+        alias, t = out.alias, tensors[out.index]
+        if alias is None or alias.source is not AliasSource.GRAPH_INPUT:
+            continue
+        if t.grad_fn is not None and t._base is None:
+            raise UnsupportedMutationError(
+                format_error(
+                    "an output shares memory with an input, but autograd does not see it as a"
+                    " view of that input: a detach() (or .data) of the input changed in place"
+                    " with grad mode on; aotgrad rebuilds such an output as a view of the"
+                    " input, and its gradient would go the wrong way",
+                    where,
+                    "Return a clone of it, or write the new values into a fresh tensor"
+                    " (v = x.detach() * 2 + y) rather than into the detached alias.",
+                )
+            )
 
 
 def _through_custom_function(t: torch.Tensor) -> bool:

@@ -121,11 +121,14 @@ class ClosedOver(TorchFunctionMode):
 
     def _swap(self, func: Any, position: int, t: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         traced = self._traced.get(id(t))
+        if traced is not None:
+            return traced
+        if torch._is_functional_tensor(t):  # functionalization's own inner tensor, not a real one
+            return t
         name = getattr(func, "__name__", str(func))
-        # A property read (``.layout``, ``.shape``; also functionalization's own reads of its
-        # wrappers' inner tensors) neither loses a gradient nor writes.
-        if traced is not None or self._swap_only or name == "__get__":
-            return t if traced is None else traced
+        # A property read (``.layout``, ``.shape``) neither loses a gradient nor writes.
+        if self._swap_only or name == "__get__":
+            return t
         where = user_frame_from_stack() or self._where
         if t.requires_grad:
             raise UnsupportedClosureError(

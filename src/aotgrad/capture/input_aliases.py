@@ -26,7 +26,9 @@ member is re-derived inside the graph::
 The members' placeholders disappear; the base takes the first member's
 place and gets one gradient, which autograd routes to the members through
 the runtime's real ``as_strided`` view. Duplicates (the same tensor passed
-twice) need no base: they share one functional wrapper.
+twice) need no base: they share one functional wrapper. Two distinct inputs
+that are equal views (``f(b[1:], b[1:])``) stay two views of the base: the
+function may return either, and the caller tells them apart.
 
 Inputs that share memory without a common ``._base`` cannot be rebuilt
 from one base; mutating one of them raises ``UnsupportedMutationError``.

@@ -43,6 +43,8 @@ from aotgrad.capture.aliasing import (
     OutputLeaf,
     ViewMeta,
     analyze_aliasing,
+    check_custom_views_of_mutated,
+    check_input_aliases_are_views,
 )
 from aotgrad.capture.autocast import autocast_off
 from aotgrad.capture.closed_over import ClosedOver
@@ -59,6 +61,7 @@ from aotgrad.capture.mutation import (
     analyze_mutations,
     check_member_mutations,
     check_no_backward_mutation,
+    check_restrided_data,
     member_metadata_mutations,
     mutation_counts,
 )
@@ -452,7 +455,10 @@ def _forward_values(
         record.mutations = analyze_mutations(
             graph_primals, grad_fns, inputs.infos, inputs.descriptors, where, sites
         )
+        check_restrided_data(record.mutations, originals, inputs.descriptors, where)
     mutated = [graph_primals[m.index] for m in record.mutations if m.data]
+    check_custom_views_of_mutated(tensors, mutated, where)
+    check_input_aliases_are_views(tensors, aliasing, where)
     forward = [*tensors, *bases, *mutated]
     if direct is None:
         for value in forward:

@@ -22,8 +22,11 @@ would have recorded the in-place op: gradients flow from whatever later
 uses ``x`` into the Function's new-value output, and through its cotangent
 into ``w`` and the old ``x``. The backward differentiates with respect to
 each input's value *before* the call (capture takes the inputs' gradient
-edges before running the function). A saved input that is mutated is
-saved as a clone, since the copy-back overwrites the caller's tensor.
+edges before running the function). An input the backward needs that the
+function then changes in place fails as in eager ("modified by an inplace
+operation", raised by capture's own backward); an input the backward needs
+whose size or strides the epilogue changes is saved as an alias of it
+(Note [Replayed metadata keeps the version] in ``runtime/function.py``).
 
 Eager's rules still apply: an in-place op with grad mode on, on a leaf
 that requires grad (or a view of one), raises eager's error at the
@@ -34,8 +37,10 @@ user's line. Mutations autograd does not see — under ``torch.no_grad()``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -207,6 +212,84 @@ def check_member_mutations(
             )
 
 
+# Note [Data mutation of a restrided input]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The epilogue replays an input's new size and strides first, then copies the
+# new value, which has the new layout (Note [Input mutation]). That writes
+# every element the function changed only if the new layout still reaches all
+# of the old one's elements: ``t_()``, ``unsqueeze_()`` or a ``resize_()``
+# that grows keep them, an ``as_strided_()`` onto fewer elements does not
+# (functionalization does not tell which came first, so either order is refused)::
+#
+#     def f(x):                           # x: size (2,)
+#         x.add_(1.5)                     # both elements change
+#         x.as_strided_((1, 1), (0, 0), 0)
+#     epilogue: x.as_strided_(...); x.copy_(new value)   # writes element 0 only
+#
+# Capture refuses that case.
+
+
+def check_restrided_data(
+    mutations: Sequence[InputMutation],
+    originals: Sequence[torch.Tensor],
+    descriptors: Sequence[Descriptor],
+    where: UserFrame | None,
+) -> None:
+    """Refuse a data mutation the new layout cannot write back (Note above)."""
+    for m in mutations:
+        if not m.data or m.metadata is None:
+            continue
+        if not _reaches(m.metadata, ViewMeta.of(originals[m.index])):
+            raise UnsupportedMutationError(
+                format_error(
+                    f"the function changes the values of input {descriptors[m.index]} and"
+                    " its size or strides in place (as_strided_(), resize_()), so that it no"
+                    " longer covers every element it had; aotgrad writes the new values back"
+                    " through the new layout and could miss some",
+                    where,
+                    "Change the layout out of place (x = x.as_strided(...)), or return the new"
+                    " values instead of writing them into the input.",
+                )
+            )
+
+
+def _reaches(new: ViewMeta, old: ViewMeta) -> bool:
+    """Does layout ``new`` reach every storage element ``old`` does?"""
+    if new.is_symbolic or old.is_symbolic:
+        return _same_elements(new, old)
+    if _same_elements(new, old):
+        return True
+    if _contiguous(new) and _contiguous(old) and new.storage_offset == old.storage_offset:
+        return math.prod(new.size) >= math.prod(old.size)  # resize_() that grows
+    return _elements(old) <= _elements(new)
+
+
+def _contiguous(layout: ViewMeta) -> bool:
+    expected = 1
+    for size, stride in reversed(list(zip(layout.size, layout.stride, strict=True))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_elements(new: ViewMeta, old: ViewMeta) -> bool:
+    """A permutation, or size-1 dims added or dropped: the same elements (no guards needed)."""
+
+    def dims(layout: ViewMeta) -> list[tuple[Any, Any]]:
+        pairs = zip(layout.size, layout.stride, strict=True)
+        return sorted((str(n), str(s)) for n, s in pairs if str(n) != "1")
+
+    return str(new.storage_offset) == str(old.storage_offset) and dims(new) == dims(old)
+
+
+def _elements(layout: ViewMeta) -> set[int]:
+    offsets = {layout.storage_offset}
+    for size, stride in zip(layout.size, layout.stride, strict=True):
+        offsets = {o + i * stride for o in offsets for i in range(size)}
+    return offsets if all(layout.size) else set()
+
+
 # Note [Writes through overlapping views]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Functionalization writes an in-place op on a view back into the view's base
@@ -238,8 +321,8 @@ def check_writable(
     ``where``: the user's line of the first in-place op on the target.
     """
     schema = getattr(func, "_schema", None)
-    if schema is None:
-        return
+    if schema is None or torch.Tag.inplace_view in getattr(func, "tags", ()):
+        return  # t_(), unsqueeze_(), as_strided_(): they change the view, not the data
     for position, argument in enumerate(schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue

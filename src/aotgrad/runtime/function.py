@@ -383,6 +383,8 @@ def run_epilogue(
         _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new)
     for mutation in plan.member_mutations:  # Note [Aliased inputs]
         _replay_mutation(primals[mutation.index], concrete.mutation(mutation), None)
+    if plan.restrided:  # Note [Views of a restrided input]
+        inputs = [_view_source(x, i in plan.restrided) for i, x in enumerate(inputs)]
     tensors: list[torch.Tensor | None] = [None] * plan.num_tensor_outputs
     for k, value in zip(plan.fresh, returned, strict=False):
         tensors[k] = value
@@ -472,6 +474,29 @@ def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor
     if new is not None:
         with torch.set_grad_enabled(mutation.requires_grad):
             x.copy_(new)
+
+
+# Note [Views of a restrided input]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# When an input that is itself a view changes its size or strides in place
+# with grad mode on, autograd regenerates every older view of it from its
+# *base*; rebuilt from the input, an output view would send its gradient
+# through the input's new, possibly smaller, geometry. Worked example::
+#
+#     def f(a):                        # a = (root * 1)[:], size (2,)
+#         v = a.view(-1)
+#         a.as_strided_((1, 1), (0, 0), 0)
+#         return v                     # eager: v's gradient reaches both elements
+#
+#     a.as_strided(v's layout)         # through a's as_strided_: element 1 gets 0
+#     a._base.as_strided(v's layout)   # as eager
+#
+# So after a metadata replay, views of such an input are rebuilt from its base.
+
+
+def _view_source(x: torch.Tensor, restrided: bool) -> torch.Tensor:
+    """What an output view of graph input ``x`` is rebuilt from (Note above)."""
+    return x._base if restrided and x._base is not None else x
 
 
 # Note [Replayed metadata keeps the version]
