@@ -114,6 +114,17 @@ def test_requires_grad_on_an_input_reaches_the_callers_tensor_on_every_call():
         torch.testing.assert_close(a.grad, torch.full((2,), 2.0))
 
 
+def test_detach_in_place_of_an_input_is_replayed_on_the_callers_tensor():
+    def fn(a, w):
+        a.mul_(w)
+        a.detach_()
+        return a.view(-1) * 2, a
+
+    for compile_fn in (None, dynamic, compiled):
+        a, w = torch.randn(3, requires_grad=True) * 1, torch.randn(3, requires_grad=True)
+        verify(fn, a, w, compile_fn=compile_fn)
+
+
 def test_enable_grad_inside_a_function_called_under_no_grad():
     def fn(a):
         with torch.enable_grad():

@@ -89,6 +89,8 @@ class TraceRecord:
     grad_inputs: list[int] = field(default_factory=list)
     # User input positions the function made require grad (Note [requires_grad_() on an input]).
     made_to_require_grad: list[int] = field(default_factory=list)
+    # User input positions the function detached in place (``a.detach_()``).
+    detached_inputs: list[int] = field(default_factory=list)
     # Per graph input: bit ``j`` set when cotangent ``j``'s output has an autograd path to it
     # (Note [Gradients no output reaches]).
     reached_by: list[int] = field(default_factory=list)
@@ -304,6 +306,11 @@ def _joint(
         with contextlib.ExitStack() as stack:
             with closed_over:
                 result = stack.enter_context(body(primals))
+            record.detached_inputs = [
+                k
+                for k, (p, (j, _)) in enumerate(zip(primals, inputs.sources, strict=True))
+                if needs_grad[j] and not p.requires_grad  # a.detach_()
+            ]
             for i in _made_to_require_grad(primals, needs_grad, inputs, record, where):
                 needs_grad[i] = True  # Note [requires_grad_() on an input]
                 edges[i] = _differentiate_at(
@@ -369,7 +376,9 @@ def _joint(
 # ``requires_grad_()`` on the caller's tensor before it runs the Function,
 # whose backward then returns ``a``'s gradient. An input traced as a view of
 # a synthetic base (Note [Aliased inputs]) is refused: its ``requires_grad``
-# is the view's, not the graph input's.
+# is the view's, not the graph input's. The converse, ``a.detach_()`` on an
+# input that requires grad, is replayed on the caller's tensor after the call
+# (after its mutations); outputs computed before it keep their gradient.
 
 
 def _made_to_require_grad(

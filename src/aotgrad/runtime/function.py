@@ -80,6 +80,8 @@ class Plan:
     zeros: tuple[ZerosLike, ...] = ()
     # User inputs to make require grad before the call (Note [requires_grad_() on an input]).
     made_to_require_grad: tuple[int, ...] = ()
+    # User inputs to detach in place after the call (``a.detach_()`` in the function).
+    detached_inputs: tuple[int, ...] = ()
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
@@ -102,7 +104,9 @@ class Plan:
             member_mutations=joint.member_mutations,
             saved_sizes=sizes if any(sizes := tuple(s.is_size for s in partitioned.saved)) else (),
             only_fresh=_only_fresh(
-                joint.leaves, (*joint.mutations, *joint.member_mutations), n_base
+                joint.leaves,
+                (*joint.mutations, *joint.member_mutations, *joint.detached_inputs),
+                n_base,
             ),
             forward_needs_grad_mode=any(
                 needs_grad_mode(n.target) for n in partitioned.forward.graph.nodes
@@ -117,6 +121,7 @@ class Plan:
             ),
             zeros=_zeros_like_cotangents(partitioned),
             made_to_require_grad=joint.made_to_require_grad,
+            detached_inputs=joint.detached_inputs,
         )
 
 
@@ -321,6 +326,8 @@ def run_epilogue(
         _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new)
     for mutation in plan.member_mutations:  # Note [Aliased inputs]
         _replay_mutation(primals[mutation.index], concrete.mutation(mutation), None)
+    for i in plan.detached_inputs:  # Note [requires_grad_() on an input]
+        primals[i].detach_()
     tensors: list[torch.Tensor | None] = [None] * plan.num_tensor_outputs
     for k, value in zip(plan.fresh, returned, strict=False):
         tensors[k] = value
