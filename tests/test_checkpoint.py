@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as cp
 
 import aotgrad
-from aotgrad.errors import UnsupportedMutationError, UnsupportedOpError
+from aotgrad.errors import UnsupportedMutationError
 
 
 def _compare_module(make, *args, **kwargs):
@@ -55,16 +55,41 @@ def test_reentrant_checkpoint_gives_module_parameters_real_grads():
     _compare_module(_Reentrant, x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (issue 12): a closed-over module under a reentrant checkpoint, now lifted as"
-    " Closure inputs, leaves a FunctionalTensor in the real .grad (loud at the next backward)",
-)
-def test_reentrant_checkpoint_never_writes_a_closed_over_tensors_grad():
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_closed_over_module_under_a_checkpoint_gets_real_grads_like_eager(use_reentrant):
+    torch.manual_seed(0)
+    lin, out = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    twin_lin, twin_out = copy.deepcopy(lin), copy.deepcopy(out)
+
+    def step(x, lin=lin, out=out):
+        return out(cp.checkpoint(lambda y: lin(y).tanh(), x, use_reentrant=use_reentrant)).sum()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    x_twin = x.detach().clone().requires_grad_()
+    compiled = aotgrad.aot_function(step)
+    for _ in range(2):  # the second call reuses the entry and accumulates like eager
+        compiled(x).backward()
+        step(x_twin, twin_lin, twin_out).backward()
+    for name in ("weight", "bias"):
+        for ours, theirs in ((lin, twin_lin), (out, twin_out)):
+            got = getattr(ours, name).grad
+            assert type(got) is torch.Tensor, name
+            torch.testing.assert_close(got, getattr(theirs, name).grad, msg=name)
+    torch.testing.assert_close(x.grad, x_twin.grad)
+    assert aotgrad.cache_info(compiled).misses == 1
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpoint_recompute_reads_closed_over_tensors_as_inputs(use_reentrant):
+    # Note [The swap spans the backward]: the recompute once read the real weight,
+    # baked into the backward graph as a constant.
     lin = torch.nn.Linear(4, 4)
-    f = aotgrad.aot_function(lambda x: cp.checkpoint(lin, x, use_reentrant=True).sum())
-    with pytest.raises(UnsupportedOpError, match="reentrant checkpoint"):
-        f(torch.randn(3, 4, requires_grad=True))
+    traced = aotgrad.trace(
+        lambda x: cp.checkpoint(lambda y: lin(y).sin(), x, use_reentrant=use_reentrant).sum(),
+        torch.randn(3, 4, requires_grad=True),
+    )
+    assert traced.backward is not None
+    assert not [n for n in traced.backward.graph.nodes if n.op == "get_attr"]
     assert lin.weight.grad is None and lin.bias.grad is None
 
 

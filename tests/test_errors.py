@@ -176,7 +176,9 @@ class BadBackward(torch.autograd.Function):
 
 
 def test_error_in_a_custom_backward_names_autograd_and_chains_the_original():
-    with pytest.raises(aotgrad.errors.OpError, match=r"torch\.autograd\.grad raised") as info:
+    with pytest.raises(
+        aotgrad.errors.OpError, match=r"backward \(torch\.autograd\.grad\) raised"
+    ) as info:
         aotgrad.aot_function(lambda x: BadBackward.apply(x).sum())(
             torch.randn(3, requires_grad=True)
         )
@@ -201,3 +203,17 @@ def test_a_user_error_during_capture_is_not_logged_by_the_fake_tensor_mode():
     assert "raised: aten.mm.default raised RuntimeError" in result.stdout
     assert "a and b must have same reduction dim" in result.stdout
     assert "failed while attempting to run meta" not in result.stderr
+
+
+def test_backward_inside_the_function_is_refused_at_its_line():
+    w = torch.randn(3, requires_grad=True)
+
+    def step(x):
+        loss = (x * w).sum()
+        loss.backward()  # the line the error names
+        return loss.detach()
+
+    with pytest.raises(aotgrad.errors.UnsupportedOpError, match=r"calls \.backward\(\)") as caught:
+        aotgrad.aot_function(step)(torch.randn(3))
+    assert "loss.backward()  # the line the error names" in str(caught.value)
+    assert w.grad is None

@@ -140,10 +140,14 @@ def test_an_object_argument_holding_a_tensor_is_refused_with_its_type():
         compiled(Holder(torch.ones(2, requires_grad=True)))
 
 
-def test_a_module_argument_is_refused():
+def test_a_module_argument_is_lifted_and_keyed_by_identity():
+    # Note [Module arguments]; more in test_closures.py
     compiled = aotgrad.aot_function(lambda x, m: m(x))
-    with pytest.raises(aotgrad.CallError, match=r"nn\.Module"):
-        compiled(torch.ones(1, 2), nn.Linear(2, 2))
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    for m in (first, second, first):
+        torch.testing.assert_close(compiled(torch.ones(1, 2), m), m(torch.ones(1, 2)))
+    info = aotgrad.cache_info(compiled)
+    assert (info.misses, info.hits) == (2, 1)
 
 
 def test_a_buffer_added_after_the_first_call_is_lifted():
@@ -187,3 +191,100 @@ def test_the_cache_limit_warning_fires_once():
             torch.testing.assert_close(compiled(torch.ones(1), n), torch.full((1,), float(n)))
     assert len([w for w in caught if "cache_limit" in str(w.message)]) == 1
     assert aotgrad.cache_info(compiled).fallbacks == 4
+
+
+# --- ambient state (Note [Ambient state]) ------------------------------------------------------
+
+
+def test_a_call_outside_autocast_after_one_inside_is_not_lower_precision():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    compiled = aotgrad.aot_function(lambda x: lin(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = compiled(x)
+        assert inside.dtype == lin(x).dtype == torch.bfloat16
+    outside = compiled(x)  # the fast path of the last entry must not serve it
+    assert outside.dtype == torch.float32
+    torch.testing.assert_close(outside, lin(x))
+    assert aotgrad.cache_info(compiled).reasons[-1] == "autocast off != cpu/bfloat16"
+
+
+def test_a_call_inside_autocast_after_one_outside_traces_again():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    compiled = aotgrad.aot_function(lambda x: lin(x))
+    compiled(x)
+    compiled(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(compiled(x), lin(x))
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert compiled(x).dtype == torch.float16
+    assert aotgrad.cache_info(compiled).misses == 3
+
+
+def test_the_default_dtype_is_guarded():
+    compiled = aotgrad.aot_function(lambda x: torch.ones(2) + x.sum())
+    x = torch.randn(2)
+    compiled(x)
+    compiled(x)
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert compiled(x).dtype == (torch.ones(2) + x.sum()).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(old)
+    assert (
+        aotgrad.cache_info(compiled).reasons[-1] == "default dtype torch.float64 != torch.float32"
+    )
+
+
+# --- module hooks (Note [Module hooks]) ---------------------------------------------------------
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_forward_hook_registered_after_the_first_call_runs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    compiled = aotgrad.aot_module(model)
+    x = torch.randn(2, 4)
+    compiled(x)
+    handle = model[0].register_forward_hook(lambda module, args, out: out * 2)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert aotgrad.cache_info(compiled).reasons[-1] == (
+        "the values the function reads changed: added ['closure self.0.<hooks>'], removed []"
+    )
+    handle.remove()
+    torch.testing.assert_close(compiled(x), model(x))  # the hookless entry again
+    assert aotgrad.cache_info(compiled).misses == 2
+
+
+def test_a_backward_hook_registered_after_the_first_call_runs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    compiled = aotgrad.aot_module(model)
+    x = torch.randn(2, 4)
+    compiled(x).sum().backward()
+    model.zero_grad()
+    model[2].register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 3,))
+    model(x).sum().backward()
+    expected = _grads(model)
+    model.zero_grad()
+    compiled(x).sum().backward()
+    for got, want in zip(_grads(model), expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_global_module_hook_registered_after_the_first_call_runs():
+    lin = nn.Linear(3, 3)
+    compiled = aotgrad.aot_function(lambda x: lin(x))
+    x = torch.randn(2, 3)
+    compiled(x)
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: out + 1)
+    try:
+        torch.testing.assert_close(compiled(x), lin(x))
+    finally:
+        handle.remove()
+    assert aotgrad.cache_info(compiled).misses == 2

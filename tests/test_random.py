@@ -109,3 +109,17 @@ def test_torchvision_vit_with_dropout():
         num_classes=3,
     ).train()
     verify(model, torch.randn(2, 3, 8, 8), rtol=1e-4, atol=1e-5)
+
+
+def test_seeding_inside_the_function_is_refused_before_the_generator_changes():
+    def f(x):
+        torch.manual_seed(0)  # the line the error names
+        return F.dropout(x, 0.5)
+
+    state = torch.get_rng_state()
+    with pytest.raises(aotgrad.errors.UnsupportedOpError, match="reseeds") as caught:
+        aotgrad.aot_function(f)(torch.ones(8))
+    assert "torch.manual_seed(0)  # the line the error names" in str(caught.value)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.manual_seed is torch.random.manual_seed  # restored after the capture
+    torch.manual_seed(0)  # and works again

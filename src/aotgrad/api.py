@@ -14,11 +14,11 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from aotgrad.cache import CacheInfo, explain_miss
+from aotgrad.cache import CacheInfo, ambient_key, explain_miss
 from aotgrad.capture import Body, JointGraph, capture, capturing
 from aotgrad.capture.dynamic import all_dims, has_marks, marked_dims
 from aotgrad.errors import CallError, user_frame_of_function
-from aotgrad.lifting import NOTHING, State
+from aotgrad.lifting import NOTHING, Arguments, State
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
@@ -154,7 +154,8 @@ def trace(
     """
     fn = _as_module(fn)
     lifting = State(fn)
-    lifted = lifting.read()
+    leaves, spec = _flatten_call(args, kwargs)
+    lifted = lifting.read(_module_arguments(fn, args, kwargs, leaves, spec, {}))
     state = lifted.tensors
     flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, lifted.descriptors)
     dims = _dynamic_dims(tensors, dynamic)
@@ -241,7 +242,7 @@ class Options:
 @dataclass(frozen=True)
 class _LastEntry:
     guard: PlainTensorsGuard
-    grad_mode: bool
+    ambient: Any  # Note [Ambient state]
     call: Callable[[Sequence[torch.Tensor]], Any]
 
 
@@ -268,6 +269,9 @@ class AOTFunction:
         # ``read_environment=False``: the caller (Dynamo) guards and lifts those itself.
         self._state = State(fn, read_environment)
         self._lifted = NOTHING
+        # The call's module arguments (Note [Module arguments]), and leaf names by structure.
+        self._arguments: Arguments = ()
+        self._names: dict[Any, list[str]] = {}
         # key -> (compiled graphs, leaf positions of the graph's inputs after the module
         # state; None when the inputs are exactly the leaves)
         self.cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...] | None]] = {}
@@ -282,24 +286,20 @@ class AOTFunction:
         if capturing():  # called by code being traced: trace through (Note [Capture sessions])
             return self._fn(*args, **kwargs)
         last = self._last_entry
-        if (
-            last is not None
-            and not kwargs
-            and torch.is_grad_enabled() is last.grad_mode
-            and last.guard(args)
-        ):
+        if last is not None and not kwargs and ambient_key() == last.ambient and last.guard(args):
             self.info.hits += 1
             return last.call(args)
         leaves, spec = _flatten_call(args, kwargs)
         dims = _dynamic_dims(leaves, self._options.dynamic)
-        self._lifted = lifted = self._state.read()
+        self._arguments = _module_arguments(self._fn, args, kwargs, leaves, spec, self._names)
+        self._lifted = lifted = self._state.read(self._arguments)
         state = lifted.tensors
         key = (
             spec,
             call_key(leaves) if dims is None else dynamic_call_key(leaves, dims),
             lifted.key,
             alias_key([*state, *leaves] if state else leaves),
-            torch.is_grad_enabled(),
+            ambient_key(),
         )
         entry = self.cache.get(key)
         if entry is not None and dims is None:
@@ -332,7 +332,8 @@ class AOTFunction:
                 len(key) :
             ]  # the n-th trace under one key (Note [Entries with shape guards])
             entry = self._specialize(state, args, kwargs, dims)
-            key = self._last_key = (*key[:2], self._state.settle(self._lifted).key, *key[3:])
+            settled = self._state.settle(self._lifted, self._arguments)
+            key = self._last_key = (*key[:2], settled.key, *key[3:])
             self.cache[(*key, *extra)] = entry
             self.info.entries = len(self.cache)
         else:
@@ -482,6 +483,28 @@ def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Sequen
     if register_dataclasses(leaves):  # Note [Dataclass arguments]
         leaves, spec = pytree.tree_flatten((args, kwargs))
     return leaves, spec
+
+
+def _module_arguments(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    leaves: Sequence[Any],
+    spec: Any,
+    names: dict[Any, list[str]],
+) -> Arguments:
+    """The modules among the call's leaves, by argument path (Note [Module arguments]).
+
+    ``names`` caches the leaf names by call structure: they are found once per structure.
+    """
+    if isinstance(spec, int):  # a flat call of tensors and scalars (``_flatten_call``)
+        return ()
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.nn.Module)]
+    if not positions:
+        return ()
+    if spec not in names:
+        names[spec] = leaf_names(_signature_target(fn), args, kwargs)
+    return tuple((names[spec][i], leaves[i]) for i in positions)
 
 
 class AOTModule(torch.nn.Module):

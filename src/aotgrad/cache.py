@@ -5,7 +5,8 @@ call's structure, every tensor's metadata (type, shape, stride, storage
 offset, dtype, device, requires_grad, layout), every non-tensor value, the
 module state's and closed-over tensors' metadata, the values of the globals,
 closure variables and module attributes the function reads (train/eval flags
-included), which inputs alias, and grad mode.
+included), which inputs alias, and the ambient torch state a trace bakes in
+(grad mode, autocast, the default dtype: Note [Ambient state]).
 A call whose key matches an entry is a hit; otherwise aotgrad traces again
 and records, for the miss, the first guard that differs from the latest entry::
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 _TENSOR_FIELDS = (
     "type",
@@ -55,6 +58,60 @@ class CacheInfo:
         return "\n".join(lines)
 
 
+# Note [Ambient state]
+# ~~~~~~~~~~~~~~~~~~~~
+# Some global torch state changes what the same call computes, and a trace bakes
+# it in: grad mode (whether a backward is built), autocast (which ops run in
+# lower precision) and the default dtype (what ``torch.ones(2)`` makes). It is
+# part of every key. The common state is cheap to key: grad mode alone.
+#
+#     >>> ambient_key()
+#     True
+#     >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+#     ...     ambient_key()
+#     (True, torch.float32, (('cpu', torch.bfloat16, True),))
+#     >>> explain_ambient((True, torch.float32, (("cpu", torch.bfloat16, True),)), True)
+#     'autocast cpu/bfloat16 != off'
+#
+# So a function first called under ``torch.autocast`` traces again when called
+# outside it, instead of returning bfloat16 results where eager gives float32.
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def ambient_key() -> Any:
+    """The ambient torch state a trace depends on (Note [Ambient state])."""
+    grad = torch.is_grad_enabled()
+    if torch.get_default_dtype() is torch.float32 and not torch._C._is_any_autocast_enabled():
+        return grad
+    return (grad, torch.get_default_dtype(), _autocast_state())
+
+
+def _autocast_state() -> tuple[tuple[str, torch.dtype, bool], ...]:
+    cache = torch.is_autocast_cache_enabled()
+    return tuple(
+        (device, torch.get_autocast_dtype(device), cache)
+        for device in _AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
+
+
+def explain_ambient(new: Any, old: Any) -> str:
+    """Which part of the ambient state differs, in the user's terms."""
+    grad, dtype, autocast = new if isinstance(new, tuple) else (new, torch.float32, ())
+    old_grad, old_dtype, old_autocast = old if isinstance(old, tuple) else (old, torch.float32, ())
+    if grad != old_grad:
+        return f"grad mode {grad} != {old_grad}"
+    if dtype != old_dtype:
+        return f"default dtype {dtype} != {old_dtype}"
+    return f"autocast {_show_autocast(autocast)} != {_show_autocast(old_autocast)}"
+
+
+def _show_autocast(state: tuple[tuple[str, torch.dtype, bool], ...]) -> str:
+    if not state:
+        return "off"
+    return ", ".join(f"{device}/{str(dtype).removeprefix('torch.')}" for device, dtype, _ in state)
+
+
 def cache_info(fn: Any) -> CacheInfo:
     """The :class:`CacheInfo` of an ``aot_function`` or ``aot_module`` result."""
     info = getattr(getattr(fn, "compiled", fn), "info", None)
@@ -68,7 +125,7 @@ def cache_info(fn: Any) -> CacheInfo:
 def explain_miss(new: tuple[Any, ...], old: tuple[Any, ...] | None, names: Sequence[str]) -> str:
     """The first guard ``new`` fails against ``old``, in the user's terms.
 
-    A key is ``(structure, leaves, state, aliases, grad mode)``; ``state`` is
+    A key is ``(structure, leaves, state, aliases, ambient state)``; ``state`` is
     ``(input names, tensor keys, value labels, value keys)`` of the lifted
     module state, closed-over tensors and guarded values (``aotgrad/lifting.py``).
     """
@@ -87,7 +144,7 @@ def explain_miss(new: tuple[Any, ...], old: tuple[Any, ...] | None, names: Seque
     if aliases != old_aliases:
         return "which inputs are the same tensor or share memory changed"
     if grad != old_grad:
-        return f"grad mode {grad} != {old_grad}"
+        return explain_ambient(grad, old_grad)
     return "unknown"
 
 
@@ -102,7 +159,9 @@ def _state_difference(new: tuple[Any, ...], old: tuple[Any, ...]) -> str:
         if a != b:
             return f"{name}: {_leaf_difference(a, b)}"
     if labels != old_labels:
-        return f"the values the function reads changed: {list(labels)} != {list(old_labels)}"
+        added = [label for label in labels if label not in old_labels]
+        removed = [label for label in old_labels if label not in labels]
+        return f"the values the function reads changed: added {added}, removed {removed}"
     for label, a, b in zip(labels, values, old_values, strict=True):
         if a != b:
             change = f"{label}: value {show_value(b)} != {show_value(a)}"
@@ -122,6 +181,8 @@ def _leaf_difference(new: Any, old: Any) -> str:
 
 def show_value(key: Any) -> str:
     """A value key (Note [Keys of Python values]) as the value it stands for: ``-0.0``, ``True``."""
+    if isinstance(key, tuple) and len(key) == 3 and key[0] == "module":  # ``module_key``
+        return f"<{key[1]} object at {key[2]:#x}>"
     if isinstance(key, tuple) and len(key) == 2:
         cls, value = key
         if cls is float and isinstance(value, str):

@@ -2,7 +2,8 @@
 
 For a module: its parameters and buffers (``Param``/``Buffer`` inputs, passed
 with ``functional_call``). For any function: the tensors it closes over
-(``Closure``/``Global`` inputs) and the Python values it reads, which key the
+(``Closure``/``Global`` inputs), those of modules passed as arguments
+(``Input`` inputs, Note [Module arguments]) and the Python values it reads, which key the
 cache (Note [Closed-over tensors] in ``signature/closures.py``). Reading again
 each call is what makes a parameter added after the first call, a global
 rebound to another tensor, or ``m.scale = 3.0`` take effect: each changes the
@@ -44,6 +45,9 @@ class Lifted:
 
 NOTHING = Lifted((), (), (), ())
 
+# Modules among a call's arguments, by argument path (Note [Module arguments]).
+Arguments = tuple[tuple[str, torch.nn.Module], ...]
+
 
 def _module_state(module: torch.nn.Module) -> Environment:
     """A module's parameters and buffers alone, when its environment is not read."""
@@ -68,10 +72,12 @@ class State:
         # Labels of values the function changes itself: side effects, never guarded.
         self._volatile: set[str] = set()
 
-    def read(self) -> Lifted:
-        if self.empty:
+    def read(self, arguments: Arguments = ()) -> Lifted:
+        """The lifted state now; ``arguments``: the call's module arguments, by path (Note
+        [Module arguments])."""
+        if self.empty and not arguments:
             return NOTHING
-        env = read_environment(self.roots) if self.roots else EMPTY
+        env = read_environment(self.roots, arguments) if self.roots or arguments else EMPTY
         if self.module is not None and not self.roots:  # Dynamo: module state only
             env = _module_state(self.module)
         module_names = (*(n for n, _ in env.params), *(n for n, _ in env.buffers))
@@ -92,16 +98,16 @@ class State:
         key = (self._labels, call_key(tensors), labels, keys)
         return Lifted(tensors, self._descriptors, module_names, key)
 
-    def settle(self, before: Lifted) -> Lifted:
+    def settle(self, before: Lifted, arguments: Arguments = ()) -> Lifted:
         """``before`` (read just before a capture), without the values the capture changed.
 
         A value the function itself changes (``calls.append(1)``, ``self.steps += 1``)
         is a Python side effect, which runs at capture only, not an input: guarding
         it would re-trace every call. It is left out of every later key.
         """
-        if not self.roots:
+        if not self.roots and not arguments:
             return before
-        after = read_environment(self.roots)
+        after = read_environment(self.roots, arguments)
         names, tensors, labels, keys = before.key
         now = dict(zip(after.labels, after.keys, strict=True))
         changed = {label for label, key in zip(labels, keys, strict=True) if now.get(label) != key}

@@ -69,8 +69,20 @@ class _Call:
 
     @property
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of the call, a module argument's parameters and buffers included."""
         leaves, _ = pytree.tree_flatten_with_path((self.args, self.kwargs))
-        return [(_input_name(p), t) for p, t in leaves if isinstance(t, torch.Tensor)]
+        tensors = []
+        for path, leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                tensors.append((_input_name(path), leaf))
+            elif isinstance(leaf, torch.nn.Module):
+                tensors += _module_tensors(_input_name(path), leaf)
+        return tensors
+
+
+def _module_tensors(name: str, module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    state = [*module.named_parameters(), *module.named_buffers()]
+    return [(f"{name}.{n}", t) for n, t in state]
 
 
 def verify(
@@ -142,6 +154,13 @@ def _copy_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
             groups.setdefault(_storage_key(leaf), []).append(i)
     copies: list[Any] = [leaf for _, leaf in leaves]
     holders: dict[str, torch.Tensor] = {}
+    memo: dict[int, Any] = {}  # a module passed twice stays one module
+    for i, (path, leaf) in enumerate(leaves):
+        if isinstance(leaf, torch.nn.Module):  # its own copy for each run
+            copies[i] = module = copy.deepcopy(leaf, memo)
+            for n, p in module.named_parameters():
+                if p.requires_grad:
+                    holders[f"{_input_name(path)}.{n}"] = p
     for members in groups.values():
         originals = [leaves[i][1] for i in members]
         for i, new in zip(

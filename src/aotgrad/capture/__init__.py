@@ -177,9 +177,10 @@ def _trace_directly(trace: Callable[..., _Traced]) -> _Traced | None:
 # again with the inputs as autograd leaves and ``.backward()``, reading each
 # input's ``.grad``. The backward runs before the body's context closes
 # (``Body``), so a region that reaches a module's parameters through
-# ``self`` re-runs on the lifted ones and their ``.grad`` is the graph's; a
-# real tensor's ``.grad`` written by that backward (a closed-over module) is
-# put back and refused. The region's forward ops then appear once in the forward
+# ``self`` re-runs on the lifted ones and their ``.grad`` is the graph's; so
+# does a closed-over module's, through the closed-over swap (Note [The swap
+# spans the backward]). A real tensor's ``.grad`` written by that backward
+# anyway is put back and refused. The region's forward ops then appear once in the forward
 # and again, as recompute, in the backward, as for the non-reentrant flavour:
 #
 #     forward:   sin, mm, cos, mm, sigmoid           saves: a, w

@@ -22,7 +22,8 @@ raise before the op runs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -59,6 +60,19 @@ class ClosedOver(TorchFunctionMode):
             self._traced.setdefault(id(r), t)
         self._real = list(real)  # keeps the ids valid
         self._where = where
+        # In the backward, ops also see autograd's and functionalization's own tensors:
+        # swap the primals only (Note [The swap spans the backward]).
+        self._swap_only = False
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Active around the autograd engine: swaps primals, refuses nothing."""
+        self._swap_only = True
+        try:
+            with self:
+                yield
+        finally:
+            self._swap_only = False
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -75,8 +89,8 @@ class ClosedOver(TorchFunctionMode):
 
     def _swap(self, func: Any, position: int, t: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         traced = self._traced.get(id(t))
-        if traced is not None:
-            return traced
+        if traced is not None or self._swap_only:
+            return t if traced is None else traced
         where = user_frame_from_stack() or self._where
         name = getattr(func, "__name__", str(func))
         if t.requires_grad:

@@ -108,6 +108,21 @@ _OP_ERRORS: dict[type[Exception], type[OpError]] = {
 }
 
 
+# Torch functions that fail inside a capture because they cannot be captured, not because
+# of the user's inputs: (what happened, what to do) instead of Note [Errors from inside torch]'s
+# "eager raises the same".
+_BACKWARD_INSIDE = (
+    "the function calls .backward() (torch.autograd.backward): a capture cannot accumulate"
+    " gradients into the .grad of tensors outside its graph",
+    "aotgrad builds the backward itself: return the loss and call .backward() on the compiled"
+    " function's result, or take gradients as values inside with torch.autograd.grad.",
+)
+_REFUSED_CALLS: dict[str, tuple[str, str]] = {
+    "torch._tensor.backward": _BACKWARD_INSIDE,
+    "torch.autograd.backward": _BACKWARD_INSIDE,
+}
+
+
 @contextlib.contextmanager
 def _ops_errors() -> Iterator[None]:
     try:
@@ -119,6 +134,10 @@ def _ops_errors() -> Iterator[None]:
             raise  # translated below, as data-dependent or as a mutation
         kind = next(k for t, k in _OP_ERRORS.items() if isinstance(e, t))
         op = _failing_op(e)
+        if op in _REFUSED_CALLS:
+            what, fix = _REFUSED_CALLS[op]
+            where = user_frame_from_traceback(e.__traceback__)
+            raise UnsupportedOpError(format_error(what, where, fix)) from e
         raise kind(
             format_error(
                 f"{op} raised {type(e).__name__} during capture: {e}",
@@ -157,7 +176,15 @@ def _failing_op(e: BaseException) -> str:
         return "an op"
     code = inside[0].f_code
     module = inside[0].f_globals.get("__name__", "")
-    return f"{module}.{code.co_name}" if module else code.co_name
+    name = f"{module}.{code.co_name}" if module else code.co_name
+    return _TORCH_FUNCTION_NAMES.get(name, name)
+
+
+# Torch functions aotgrad calls itself, by what they do for the user.
+_TORCH_FUNCTION_NAMES = {
+    # capture's backward (Note [The swap spans the backward])
+    "torch.autograd.graph._engine_run_backward": "the backward (torch.autograd.grad)",
+}
 
 
 def _is_caller(filename: str) -> bool:
@@ -210,7 +237,8 @@ def check_output_leaf(path: tuple[Any, ...], leaf: Any, where: UserFrame | None)
             f"output{pytree.keystr(path)} is a {type(leaf).__module__}.{type(leaf).__qualname__},"
             " which aotgrad cannot return from a graph",
             where,
-            "Return tensors, Python scalars, None, or lists/tuples/dicts/namedtuples of them;"
-            " register custom containers with torch.utils._pytree.register_pytree_node.",
+            "Return tensors, Python scalars, None, lists/tuples/dicts/namedtuples of them, or"
+            " plain objects holding tensors; register custom containers with"
+            " torch.utils._pytree.register_pytree_node.",
         )
     )

@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
 from torch.fx.experimental.proxy_tensor import disable_autocast_cache, make_fx
 
 from aotgrad.capture.aliasing import (
@@ -64,7 +64,8 @@ from aotgrad.capture.reachability import reaching_masks
 from aotgrad.capture.recorder import ProvenanceMode, Recorder, generator_restored
 from aotgrad.errors import UnsupportedOpError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
-from aotgrad.signature.descriptors import Closure, Global
+from aotgrad.signature.descriptors import Closure, Global, Input
+from aotgrad.signature.objects import SharedObjectError, objects_as_nodes
 
 # Runs the user's function on the primals; the result is the context's value. Capture
 # differentiates before leaving the context (Note [Reentrant checkpoints]).
@@ -100,8 +101,14 @@ class TraceRecord:
     # the only way through a reentrant checkpoint (Note [Reentrant checkpoints]).
     leaf_primals: bool = False
     # Real tensors requiring grad the function closes over (lifted as inputs): a reentrant
-    # checkpoint's backward must not write their ``.grad`` (``_real_grads_untouched``).
+    # checkpoint's backward must not write their ``.grad`` (``_real_grads_untouched``, a
+    # safety net: the closed-over swap spans the backward).
     closed_over_leaves: list[torch.Tensor] = field(default_factory=list)
+
+
+def _module_argument(i: int, d: GraphInputDescriptor, flat: FlatInputs) -> bool:
+    """Is graph input ``i`` a module argument's tensor (Note [Module arguments])?"""
+    return i < flat.num_lifted and isinstance(d, Input)
 
 
 def fake_primals(
@@ -199,8 +206,8 @@ def trace_joint(
     record = TraceRecord(leaf_primals=leaf_primals)
     record.closed_over_leaves = [
         p
-        for p, d in zip(primals, flat.descriptors, strict=True)
-        if isinstance(d, Closure | Global) and p.requires_grad
+        for i, (p, d) in enumerate(zip(primals, flat.descriptors, strict=True))
+        if p.requires_grad and (isinstance(d, Closure | Global) or _module_argument(i, d, flat))
     ]
     if shape_env is not None:
         record.guards = ShapeGuards(shape_env, fakes, names=[str(d) for d in inputs.descriptors])
@@ -302,7 +309,8 @@ def _joint(
         member_grad_fns = [p.grad_fn for p in primals]
         closed_over = ClosedOver(real, primals, where)  # Note [Real tensors in a trace]
         # The backward runs inside the body's context: it may re-run the body's code. The
-        # closed-over swap covers the user's code only (Note [Real tensors in a trace]).
+        # closed-over swap covers the user's code and, swapping only, the backward (Note
+        # [The swap spans the backward]).
         with contextlib.ExitStack() as stack:
             with closed_over:
                 result = stack.enter_context(body(primals))
@@ -352,7 +360,7 @@ def _joint(
                 if record.leaf_primals:  # a reentrant checkpoint may write closed-over .grad
                     for t in record.closed_over_leaves:
                         recorder.real_leaves.setdefault(id(t), t)
-                with closed_over:
+                with closed_over.backward():  # Note [The swap spans the backward]
                     grads = _backward(record, graph_primals, edges, returned, recorder, where)
                 if before is not None:
                     check_no_backward_mutation(graph_primals, before, inputs.descriptors, where)
@@ -499,6 +507,18 @@ def _flatten_result(
     result: Any, record: TraceRecord, where: UserFrame | None, traced: Callable[[object], bool]
 ) -> tuple[list[ConstantOutput | int], list[torch.Tensor]]:
     """Validate and flatten the user's result into constants and traced tensor positions."""
+    try:
+        result = objects_as_nodes(result)  # Note [Objects among the outputs]
+    except SharedObjectError as e:
+        raise UnsupportedOutputError(
+            format_error(
+                f"the result reaches one {e} object holding tensors twice (or in a cycle);"
+                " aotgrad rebuilds such objects from the graph's outputs and cannot make"
+                " them one object again",
+                where,
+                "Return the object once, or return its tensors.",
+            )
+        ) from None
     with_paths, record.out_spec = pytree.tree_flatten_with_path(result)
     leaves: list[ConstantOutput | int] = []
     tensors: list[torch.Tensor] = []
@@ -542,14 +562,52 @@ def _backward(
     computed: Sequence[torch.Tensor | None]
     if record.leaf_primals:
         with _real_grads_untouched(recorder, where):
-            torch.autograd.backward(targets, cotangents)
+            _run_engine(targets, cotangents, (), accumulate=True)
         computed = [primals[i].grad for i in record.grad_inputs]
     else:
-        computed = torch.autograd.grad(targets, inputs, cotangents, allow_unused=True)
+        computed = _run_engine(targets, cotangents, tuple(inputs), accumulate=False)
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g
     return grads
+
+
+# Note [The swap spans the backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A checkpoint re-runs user code during the backward: the non-reentrant kind
+# from a saved-tensor hook, the reentrant kind from its ``backward``. That code
+# reaches closed-over tensors afresh (``lin.weight``), so the closed-over swap
+# (Note [Real tensors in a trace]) must be active while the engine runs.
+# ``torch.autograd.grad``/``backward`` are torch functions: called under the
+# mode, they are handed to its handler with the mode popped, and the engine
+# would run without it::
+#
+#     grad(...) under ClosedOver -> handler (mode popped) -> engine
+#         -> recompute lin(y): reads the real lin.weight
+#            non-reentrant: a constant baked into the backward graph
+#            reentrant: its .grad written with a FunctionalTensor
+#
+# So capture calls the engine itself, below the torch-function layer, and the
+# recompute reads the traced primals: their gradients are the graph's.
+
+
+def _run_engine(
+    targets: Sequence[torch.Tensor],
+    cotangents: Sequence[torch.Tensor],
+    inputs: tuple[Any, ...],
+    accumulate: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """``autograd.grad`` (``accumulate=False``) or ``.backward()`` with the modes kept active
+    (Note [The swap spans the backward])."""
+    return _engine_run_backward(
+        tuple(targets),
+        tuple(cotangents),
+        False,  # retain_graph
+        False,  # create_graph
+        inputs,
+        allow_unreachable=True,
+        accumulate_grad=accumulate,
+    )
 
 
 @contextlib.contextmanager
@@ -560,13 +618,17 @@ def _real_grads_untouched(recorder: Recorder, where: UserFrame | None) -> Iterat
     used, including real tensors the function closes over (Note [Reentrant
     checkpoints]); capture must never change a real tensor.
     """
-    before = {i: t.grad for i, t in recorder.real_leaves.items()}
+    # ``.grad`` is a torch function: read it below the closed-over swap, which would
+    # answer with the traced primal's (Note [Real tensors in a trace]).
+    with torch._C.DisableTorchFunction():
+        before = {i: t.grad for i, t in recorder.real_leaves.items()}
     try:
         yield
     finally:
-        touched = [t for i, t in recorder.real_leaves.items() if t.grad is not before.get(i)]
-        for t in touched:
-            t.grad = before.get(id(t))
+        with torch._C.DisableTorchFunction():
+            touched = [t for i, t in recorder.real_leaves.items() if t.grad is not before.get(i)]
+            for t in touched:
+                t.grad = before.get(id(t))
     if touched:
         shapes = ", ".join(f"a tensor of shape {tuple(t.shape)}" for t in touched)
         raise UnsupportedOpError(

@@ -29,7 +29,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTens
 from aotgrad.capture import closed_over
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.capture.random import FILL_RANDOM, strided_fill
-from aotgrad.errors import UserFrame
+from aotgrad.errors import UnsupportedOpError, UserFrame, format_error, user_frame_from_stack
 from aotgrad.optable import draws_random, is_error_check
 
 aten = torch.ops.aten
@@ -277,16 +277,45 @@ def generator_restored() -> Iterator[None]:
         with _python_dispatch._disable_current_modes():
             generator.set_state(new_state)
 
-    saved = torch.get_rng_state, torch.set_rng_state
+    saved = torch.get_rng_state, torch.set_rng_state, torch.manual_seed, torch.seed
     torch.get_rng_state = torch.random.get_rng_state = get_rng_state
     torch.set_rng_state = torch.random.set_rng_state = set_rng_state
+    torch.manual_seed = torch.random.manual_seed = _refuse_seeding
+    torch.seed = torch.random.seed = _refuse_seeding
     try:
         yield
     finally:
         torch.get_rng_state = torch.random.get_rng_state = saved[0]
         torch.set_rng_state = torch.random.set_rng_state = saved[1]
+        torch.manual_seed = torch.random.manual_seed = saved[2]
+        torch.seed = torch.random.seed = saved[3]
         with _python_dispatch._disable_current_modes():
             generator.set_state(state)
+
+
+# Note [Seeding inside the function]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``torch.manual_seed(0)`` in the traced function is Python: it would run once,
+# at capture, while eager reseeds on every call, so from the second call on the
+# compiled function's random ops would draw other numbers than eager's, silently::
+#
+#     def f(x):
+#         torch.manual_seed(0)      # UnsupportedOpError at this line
+#         return F.dropout(x, 0.5)
+#
+# During a trace ``torch.manual_seed`` and ``torch.seed`` refuse (the
+# generator is untouched); seed before calling the compiled function instead.
+def _refuse_seeding(*args: Any, **kwargs: Any) -> Any:
+    raise UnsupportedOpError(
+        format_error(
+            "the function reseeds torch's default random generator (torch.manual_seed,"
+            " torch.seed): that Python call would run once, at capture, where eager runs it"
+            " on every call",
+            user_frame_from_stack(),
+            "Seed before calling the compiled function, or pass a torch.Generator made"
+            " outside the function to the random ops.",
+        )
+    )
 
 
 def _root_name(root: Any) -> str:

@@ -34,6 +34,26 @@ names (recursively). Python modules, and functions of other modules, are
 keyed by identity and not walked: a library's globals are its own business.
 A real tensor reached some other way that requires grad or is mutated is
 refused during capture (``capture/closed_over.py``), never silently baked in.
+
+Note [Module arguments]
+~~~~~~~~~~~~~~~~~~~~~~~
+A module passed as an argument is not a pytree: it is one opaque leaf of the
+call, hiding its parameters and buffers from the graph. aotgrad reads it each
+call as it reads a closed-over module: its tensors are lifted as inputs named
+by the argument's path (``Input("model.fc.weight")``), after the closed-over
+tensors and before the user's, and its other attributes are guarded by value
+(``input model.training``). The leaf itself is keyed by identity: the trace
+ran that object's code, so another module object re-traces. For::
+
+    def step(model, x): return model(x).sum()
+    aot_function(step)(net, x)
+
+the inputs are ``model.fc.weight, model.fc.bias, model.bn.running_mean, ...,
+x``; ``net.fc.weight.grad`` accumulates as in eager, BatchNorm's running
+statistics are input mutations replayed on ``net``'s buffers, and ``net.eval()``
+re-traces (``input model.training: value True != False``). The capture runs
+the user's function on the real module; the closed-over swap (Note [Real
+tensors in a trace]) hands its ops the traced tensors.
 """
 
 from __future__ import annotations
@@ -47,18 +67,21 @@ from typing import Any
 
 import torch
 
-from aotgrad.signature.descriptors import Closure, Global, PrimalDescriptor
+from aotgrad.signature.descriptors import Closure, Global, Input, PrimalDescriptor
 from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
 
 # A module's own bookkeeping in ``__dict__``: not user attributes (``training`` is).
 _MODULE_FIELDS = frozenset(vars(torch.nn.Module())) - {"training"}
+
+# How a lifted tensor was reached: closure/default/self, global, or a module argument.
+Kind = type[Closure] | type[Global] | type[Input]
 
 
 @dataclass(frozen=True)
 class Root:
     """A place the function reads: a closure cell, a global, a default, ``self``."""
 
-    kind: type[Closure] | type[Global]
+    kind: Kind
     name: str
     get: Callable[[], Any]
 
@@ -173,13 +196,24 @@ class _Attributes:
         self.module = module
 
 
-def read_environment(roots: tuple[Root, ...]) -> Environment:
-    """Read every root now: the tensors to lift and the keys of the values to guard."""
-    if not roots:
+def read_environment(
+    roots: tuple[Root, ...], arguments: tuple[tuple[str, torch.nn.Module], ...] = ()
+) -> Environment:
+    """Read every root now: the tensors to lift and the keys of the values to guard.
+
+    ``arguments``: modules among the call's arguments, by argument path (Note
+    [Module arguments]); walked after the roots, their tensors named ``Input``.
+    """
+    if not roots and not arguments:
         return EMPTY
     walk = _Walk()
     for root in roots:
         walk.visit(root.kind, root.name, root.get())
+    for name, module in arguments:
+        walk.visit(Input, name, module)
+    if hooks := _global_hooks_key():  # Note [Module hooks]
+        walk.labels.append("global module hooks")
+        walk.keys.append(hooks)
     return Environment(
         tuple(walk.tensors),
         tuple(walk.descriptors),
@@ -188,6 +222,44 @@ def read_environment(roots: tuple[Root, ...]) -> Environment:
         tuple(walk.params),
         tuple(walk.buffers),
     )
+
+
+# Note [Module hooks]
+# ~~~~~~~~~~~~~~~~~~~
+# A module's forward (pre-)hooks run inside its ``__call__``, so a trace bakes
+# them in, and its backward hooks are traced as autograd Functions. Hooks live
+# in the module's bookkeeping dicts, keyed by the handle's id, so the ids of a
+# walked module's hooks are guarded (and the global module hooks, once per
+# read). Registering or removing a hook after the first call re-traces:
+#
+#     f = aot_module(lin); f(x)                  # traced without hooks
+#     lin.register_forward_hook(lambda m, i, o: o * 2)
+#     f(x)   # miss: "closure self.<hooks>" is new; the hook runs, as in eager
+#
+# The hooks' own code is not walked: a hook that reads a changed global runs
+# with the value of its trace.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+def _hooks_key(module: torch.nn.Module) -> tuple[tuple[int, ...], ...] | None:
+    """The ids of ``module``'s hooks, or None when it has none (the common case)."""
+    dicts = [getattr(module, d, None) for d in _HOOK_DICTS]
+    if not any(dicts):
+        return None
+    return tuple(tuple(d or ()) for d in dicts)
+
+
+def _global_hooks_key() -> tuple[tuple[int, ...], ...] | None:
+    dicts = [getattr(torch.nn.modules.module, d, None) for d in _GLOBAL_HOOK_DICTS]
+    if not any(dicts):
+        return None
+    return tuple(tuple(d or ()) for d in dicts)
 
 
 class _Walk:
@@ -201,7 +273,7 @@ class _Walk:
         self.params: list[tuple[str, torch.Tensor]] = []
         self.buffers: list[tuple[str, torch.Tensor]] = []
 
-    def visit(self, kind: type[Closure] | type[Global], name: str, value: Any) -> None:
+    def visit(self, kind: Kind, name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor):
             self._tensor(kind, name, value)
         elif isinstance(value, torch.nn.Module):
@@ -211,7 +283,7 @@ class _Walk:
         else:
             self._value(kind, name, value)
 
-    def _tensor(self, kind: type[Closure] | type[Global], name: str, t: torch.Tensor) -> None:
+    def _tensor(self, kind: Kind, name: str, t: torch.Tensor) -> None:
         if id(t) in self._seen:
             return
         self._seen.add(id(t))
@@ -220,7 +292,7 @@ class _Walk:
 
     def _module(
         self,
-        kind: type[Closure] | type[Global],
+        kind: Kind,
         name: str,
         module: torch.nn.Module,
         with_state: bool,
@@ -243,6 +315,9 @@ class _Walk:
             attributes += (
                 (f"{name}.{prefix}{a}", v) for a, v in vars(sub).items() if a not in _MODULE_FIELDS
             )
+            if hooks := _hooks_key(sub):  # Note [Module hooks]
+                self.labels.append(f"{kind.__name__.lower()} {name}.{prefix}<hooks>")
+                self.keys.append(hooks)
         for found, into in ((params, self.params), (buffers, self.buffers)):
             for qualname, t in found:
                 if id(t) in self._seen:
@@ -255,7 +330,7 @@ class _Walk:
         for label, value in attributes:
             self.visit(kind, label, value)
 
-    def _value(self, kind: type[Closure] | type[Global], name: str, value: Any) -> None:
+    def _value(self, kind: Kind, name: str, value: Any) -> None:
         try:
             key = value_key(value)
         except TensorInValue:
@@ -266,7 +341,7 @@ class _Walk:
         self.labels.append(f"{kind.__name__.lower()} {name}")
         self.keys.append(key)
 
-    def _parts(self, kind: type[Closure] | type[Global], name: str, value: Any) -> None:
+    def _parts(self, kind: Kind, name: str, value: Any) -> None:
         """A container or object holding tensors: visit its parts (tensors lifted, rest keyed)."""
         if id(value) in self._seen:
             return

@@ -250,6 +250,8 @@ def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
 def _value_key(value: Any) -> Any:
     """A non-tensor argument's key, by value (Note [Keys of Python values]); refuses what
     cannot be keyed so, or holds tensors pytree does not see."""
+    if isinstance(value, torch.nn.Module):  # its state is lifted (Note [Module arguments])
+        return module_key(value)
     try:
         return value_key(value)
     except TensorInValue as e:
@@ -267,16 +269,12 @@ def _value_key(value: Any) -> Any:
         ) from None
 
 
+def module_key(module: torch.nn.Module) -> tuple[Any, ...]:
+    """A module argument's key: its identity (Note [Module arguments])."""
+    return ("module", _type_name(module), id(module))
+
+
 def _tensor_in_argument(value: Any, path: str) -> str:
-    if isinstance(value, torch.nn.Module):
-        return format_error(
-            f"an argument is an nn.Module ({_type_name(value)}); aotgrad lifts a module's"
-            " parameters and buffers only when it traces the module or the function closes"
-            " over it, so as an argument its gradients would be lost",
-            None,
-            "Close over the module (aot_function(lambda x: model(x))), or use"
-            " aotgrad.aot_module(model).",
-        )
     return format_error(
         f"an argument of type {_type_name(value)} holds a tensor (at {path or 'the top'}), but"
         " it is not a pytree container, so the tensor cannot be a graph input: it would be"
