@@ -114,6 +114,16 @@ def test_requires_grad_on_an_input_reaches_the_callers_tensor_on_every_call():
         torch.testing.assert_close(a.grad, torch.full((2,), 2.0))
 
 
+def test_view_of_an_input_taken_before_its_requires_grad_is_refused():
+    def fn(a):
+        v = a.view(-1)
+        a.requires_grad_(True)
+        return (v,)
+
+    with pytest.raises(AotgradError, match="before the function called requires_grad_"):
+        verify(fn, torch.randn(2, 1))
+
+
 def test_detach_in_place_of_an_input_is_replayed_on_the_callers_tensor():
     def fn(a, w):
         a.mul_(w)

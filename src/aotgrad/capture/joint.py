@@ -41,6 +41,7 @@ from aotgrad.capture.aliasing import (
     ConstantOutput,
     OutputAliasing,
     OutputLeaf,
+    TensorOutput,
     ViewMeta,
     analyze_aliasing,
 )
@@ -339,6 +340,7 @@ def _joint(
                 sites=recorder.mutation_sites,
             )
             check_member_mutations(record.member_mutations, record.mutations, primals, where)
+            _check_views_of_made_inputs(record, inputs, where)
             record.grad_inputs = [
                 i
                 for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
@@ -417,6 +419,37 @@ def _made_to_require_grad(
         if j not in made:
             made.append(j)
     return made
+
+
+def _check_views_of_made_inputs(
+    record: TraceRecord, inputs: GraphInputs, where: UserFrame | None
+) -> None:
+    """Refuse an output viewing an input from before its requires_grad_() (it cannot be rebuilt).
+
+    Eager's view was made, with grad mode on, of a tensor that did not require
+    grad yet; rebuilt after the call from the caller's tensor, which by then
+    requires grad, it would be a no_grad view that backward refuses.
+    """
+    made = {inputs.sources[k][0] for k in record.made_to_require_grad}
+    for leaf in record.leaves:
+        alias = leaf.alias if isinstance(leaf, TensorOutput) else None
+        if alias is None or alias.view is None or alias.with_grad or not alias.requires_grad:
+            continue
+        source = alias.index
+        if alias.source is AliasSource.INPUT:
+            source = inputs.sources[source][0]
+        elif alias.source is not AliasSource.GRAPH_INPUT:
+            continue
+        if source in made:
+            raise UnsupportedOutputError(
+                format_error(
+                    f"an output is a view of input {inputs.descriptors[source]} made before the"
+                    " function called requires_grad_() on that input, which aotgrad cannot"
+                    " rebuild after the call",
+                    where,
+                    "Call requires_grad_() before taking the view, or return a clone of it.",
+                )
+            )
 
 
 def _grad_from_inside(where: UserFrame | None) -> UnsupportedOutputError:
