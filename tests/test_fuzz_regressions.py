@@ -287,3 +287,8 @@ def test_custom_function_returning_a_mutated_aliased_input_aliases_it():
 
     b = torch.randn(3, requires_grad=True)
     verify(fn, b, b[1:])
+
+
+@unfixed("NEW F12: a custom Function returning a size-1-strided input: other strides than eager")
+def test_custom_function_returning_its_input_keeps_eagers_strides():
+    verify(lambda a: ReturnsInput.apply(a), torch.randn(2, 1).permute(1, 0))
