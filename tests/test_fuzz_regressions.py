@@ -292,3 +292,36 @@ def test_custom_function_returning_a_mutated_aliased_input_aliases_it():
 @unfixed("NEW F12: a custom Function returning a size-1-strided input: other strides than eager")
 def test_custom_function_returning_its_input_keeps_eagers_strides():
     verify(lambda a: ReturnsInput.apply(a), torch.randn(2, 1).permute(1, 0))
+
+
+@unfixed(
+    "NEW F13: torch.compile: requires_grad_() on an input mutated after a view of it was taken"
+)
+def test_compile_requires_grad_on_an_input_mutated_after_a_view():
+    def fn(a0):
+        v0 = a0.expand(2, *a0.shape)
+        a0.add_(1.5)
+        a0.requires_grad_(True)
+        return v0, v0
+
+    verify(fn, torch.randn(3, 2, 1).permute(2, 1, 0), compile_fn=compiled)
+
+
+@unfixed("NEW F14: a view of a mutated size-1-strided input gets other strides than eager")
+def test_view_of_a_mutated_size1_strided_input_keeps_eagers_strides():
+    def fn(a0):
+        a0.add_(1.5)
+        return (a0.transpose(0, 0),)
+
+    verify(fn, torch.randn(2, 1, 1).permute(2, 1, 0))
+
+
+@unfixed("NEW F15: requires_grad_() on a no_grad view of an input: backward refuses the output")
+def test_requires_grad_on_a_no_grad_view_of_an_input():
+    def fn(a0):
+        with torch.no_grad():
+            v0 = a0.view(-1)
+            v0.requires_grad_(True)
+        return (v0,)
+
+    verify(fn, torch.randn(1, requires_grad=True))
