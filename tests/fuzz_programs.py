@@ -72,6 +72,7 @@ FEATURES = frozenset(
         "function_nondiff",  # ... with a non-differentiable output
         "grad_mode",  # no_grad / enable_grad regions
         "call_under_no_grad",  # the compiled function is called under no_grad
+        "requires_grad_under_no_grad",  # ... with requires_grad_() inside the function
         "requires_grad_",  # requires_grad_() inside the function
         "random",  # dropout, rand_like, randn_like, bernoulli on contiguous tensors
         "random_strided",  # ... on non-contiguous tensors
@@ -81,16 +82,21 @@ FEATURES = frozenset(
         "inplace_overlapping",  # an in-place op through an expanded (self-overlapping) view
         "equal_view_inputs",  # two distinct input objects that are equal views of one base
         "return_nograd_alias",  # returning a value and a detach()/no_grad view of it
+        "size1_strided_input",  # a non-contiguous input with a size-1 dimension
         "dynamic",  # aot_function(dynamic=True)
         "dynamic_inplace_clamp",  # ... with clamp_/relu_ (issue item 4)
         "dynamic_resize",  # ... with resize_
         "compile",  # torch.compile(backend="aotgrad")
         "compile_grad_mode",  # ... with a no_grad/enable_grad region (Dynamo graph breaks)
+        "compile_requires_grad_",  # ... with requires_grad_() (Dynamo replays it after its graph)
     }
 )
 
 # Features that trigger known defects: not generated unless enabled (see the module docstring).
-KNOWN_BAD: dict[str, str] = {}
+KNOWN_BAD: dict[str, str] = {
+    "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
+    "requires_grad_under_no_grad": "NEW F15: requires_grad_() on a no_grad view of an input",
+}
 
 # Known-bad *differences* no feature isolates: a failure whose signature is listed is tolerated
 # unless its name is enabled like a feature (AOTGRAD_FUZZ_FEATURES=<name>). None at present.
@@ -410,6 +416,12 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
 
         reject()
     env = _Env(program_args)
+    if any(_size1_strided(t) for t in env.inputs):
+        if "size1_strided_input" not in features:
+            from hypothesis import reject
+
+            reject()
+        prog_features.add("size1_strided_input")
     steps: list[Step] = []
     for _ in range(draw(st.integers(1, max_steps))):
         step = _draw_step(draw, env, features)
@@ -427,6 +439,9 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
     for m in modes:
         prog_features |= _mode_features(m, steps)
     under_no_grad = "call_under_no_grad" in features and draw(st.integers(0, 5)) == 0
+    if under_no_grad and "requires_grad_" in prog_features:
+        under_no_grad = "requires_grad_under_no_grad" in features
+        prog_features.add("requires_grad_under_no_grad")
     if under_no_grad:
         prog_features.add("call_under_no_grad")
     return Program(
@@ -438,6 +453,11 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
         under_no_grad,
         frozenset(prog_features),
     )
+
+
+def _size1_strided(t: torch.Tensor) -> bool:
+    """Has a size-1 dimension, and other strides than ``contiguous()``'s."""
+    return 1 in t.shape and t.stride() != t.contiguous().stride()
 
 
 def _mode_features(mode: str, steps: list[Step]) -> set[str]:
@@ -452,6 +472,8 @@ def _mode_features(mode: str, steps: list[Step]) -> set[str]:
         tags.add("dynamic_resize")
     if mode == "compile" and any(step.region for step in steps):
         tags.add("compile_grad_mode")
+    if mode == "compile" and "requires_grad_(" in exprs:
+        tags.add("compile_requires_grad_")
     return tags
 
 

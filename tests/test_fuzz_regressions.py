@@ -114,6 +114,27 @@ def test_requires_grad_on_an_input_reaches_the_callers_tensor_on_every_call():
         torch.testing.assert_close(a.grad, torch.full((2,), 2.0))
 
 
+def test_view_of_an_input_taken_before_its_requires_grad_is_refused():
+    def fn(a):
+        v = a.view(-1)
+        a.requires_grad_(True)
+        return (v,)
+
+    with pytest.raises(AotgradError, match="before the function called requires_grad_"):
+        verify(fn, torch.randn(2, 1))
+
+
+def test_detach_in_place_of_an_input_is_replayed_on_the_callers_tensor():
+    def fn(a, w):
+        a.mul_(w)
+        a.detach_()
+        return a.view(-1) * 2, a
+
+    for compile_fn in (None, dynamic, compiled):
+        a, w = torch.randn(3, requires_grad=True) * 1, torch.randn(3, requires_grad=True)
+        verify(fn, a, w, compile_fn=compile_fn)
+
+
 def test_enable_grad_inside_a_function_called_under_no_grad():
     def fn(a):
         with torch.enable_grad():
@@ -671,3 +692,39 @@ def test_resize_onto_other_elements_after_a_data_mutation_is_refused():
 
     with pytest.raises(UnsupportedMutationError, match="no longer covers"):
         aotgrad.aot_function(fn)(torch.randn(2, 2).permute(1, 0)[1:])
+
+
+def test_custom_function_returning_its_input_keeps_eagers_strides():
+    verify(lambda a: ReturnsInput.apply(a), torch.randn(2, 1).permute(1, 0))
+
+
+@unfixed(
+    "NEW F13: torch.compile: requires_grad_() on an input mutated after a view of it was taken"
+)
+def test_compile_requires_grad_on_an_input_mutated_after_a_view():
+    def fn(a0):
+        v0 = a0.expand(2, *a0.shape)
+        a0.add_(1.5)
+        a0.requires_grad_(True)
+        return v0, v0
+
+    verify(fn, torch.randn(3, 2, 1).permute(2, 1, 0), compile_fn=compiled)
+
+
+def test_view_of_a_mutated_size1_strided_input_keeps_eagers_strides():
+    def fn(a0):
+        a0.add_(1.5)
+        return (a0.transpose(0, 0),)
+
+    verify(fn, torch.randn(2, 1, 1).permute(2, 1, 0))
+
+
+@unfixed("NEW F15: requires_grad_() on a no_grad view of an input: backward refuses the output")
+def test_requires_grad_on_a_no_grad_view_of_an_input():
+    def fn(a0):
+        with torch.no_grad():
+            v0 = a0.view(-1)
+            v0.requires_grad_(True)
+        return (v0,)
+
+    verify(fn, torch.randn(1, requires_grad=True))

@@ -253,6 +253,7 @@ def _assemble(
         member_mutations=tuple(record.member_mutations),
         reached_by=_reached_by(gm.graph, record, cotangents),
         made_to_require_grad=tuple(record.made_to_require_grad),
+        detached_inputs=tuple(record.detached_inputs),
     )
     _name_placeholders(gm.graph, [*inputs.descriptors, *cotangents])
     grads = [Grad(of=d) for d in inputs.descriptors] if cotangents else []

@@ -104,6 +104,9 @@ class JointGraph:
     # User input positions the function called requires_grad_() on; the runtime does the
     # same to the caller's tensors before the call (Note [requires_grad_() on an input]).
     made_to_require_grad: tuple[int, ...] = ()
+    # User input positions the function detached in place (``a.detach_()``); the runtime
+    # detaches the caller's tensors after the call (Note [requires_grad_() on an input]).
+    detached_inputs: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if sum(self.differentiable) != len(self.cotangents):

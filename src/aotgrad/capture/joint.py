@@ -41,6 +41,7 @@ from aotgrad.capture.aliasing import (
     ConstantOutput,
     OutputAliasing,
     OutputLeaf,
+    TensorOutput,
     ViewMeta,
     analyze_aliasing,
     check_custom_views_of_mutated,
@@ -95,6 +96,8 @@ class TraceRecord:
     grad_inputs: list[int] = field(default_factory=list)
     # User input positions the function made require grad (Note [requires_grad_() on an input]).
     made_to_require_grad: list[int] = field(default_factory=list)
+    # User input positions the function detached in place (``a.detach_()``).
+    detached_inputs: list[int] = field(default_factory=list)
     # Per graph input: bit ``j`` set when cotangent ``j``'s output has an autograd path to it
     # (Note [Gradients no output reaches]).
     reached_by: list[int] = field(default_factory=list)
@@ -317,6 +320,11 @@ def _joint(
         with contextlib.ExitStack() as stack:
             with closed_over:
                 result = stack.enter_context(body(primals))
+            record.detached_inputs = [
+                k
+                for k, (p, (j, _)) in enumerate(zip(primals, inputs.sources, strict=True))
+                if needs_grad[j] and not p.requires_grad  # a.detach_()
+            ]
             for i in _made_to_require_grad(primals, needs_grad, inputs, record, where):
                 needs_grad[i] = True  # Note [requires_grad_() on an input]
                 edges[i] = _differentiate_at(
@@ -338,6 +346,7 @@ def _joint(
                 sites=recorder.mutation_sites,
             )
             check_member_mutations(record.member_mutations, record.mutations, primals, where)
+            _check_views_of_made_inputs(record, inputs, where)
             record.grad_inputs = [
                 i
                 for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
@@ -383,7 +392,9 @@ def _joint(
 # ``requires_grad_()`` on the caller's tensor before it runs the Function,
 # whose backward then returns ``a``'s gradient. An input traced as a view of
 # a synthetic base (Note [Aliased inputs]) is refused: its ``requires_grad``
-# is the view's, not the graph input's.
+# is the view's, not the graph input's. The converse, ``a.detach_()`` on an
+# input that requires grad, is replayed on the caller's tensor after the call
+# (after its mutations); outputs computed before it keep their gradient.
 
 
 def _made_to_require_grad(
@@ -414,6 +425,37 @@ def _made_to_require_grad(
         if j not in made:
             made.append(j)
     return made
+
+
+def _check_views_of_made_inputs(
+    record: TraceRecord, inputs: GraphInputs, where: UserFrame | None
+) -> None:
+    """Refuse an output viewing an input from before its requires_grad_() (it cannot be rebuilt).
+
+    Eager's view was made, with grad mode on, of a tensor that did not require
+    grad yet; rebuilt after the call from the caller's tensor, which by then
+    requires grad, it would be a no_grad view that backward refuses.
+    """
+    made = {inputs.sources[k][0] for k in record.made_to_require_grad}
+    for leaf in record.leaves:
+        alias = leaf.alias if isinstance(leaf, TensorOutput) else None
+        if alias is None or alias.view is None or alias.with_grad or not alias.requires_grad:
+            continue
+        source = alias.index
+        if alias.source is AliasSource.INPUT:
+            source = inputs.sources[source][0]
+        elif alias.source is not AliasSource.GRAPH_INPUT:
+            continue
+        if source in made:
+            raise UnsupportedOutputError(
+                format_error(
+                    f"an output is a view of input {inputs.descriptors[source]} made before the"
+                    " function called requires_grad_() on that input, which aotgrad cannot"
+                    " rebuild after the call",
+                    where,
+                    "Call requires_grad_() before taking the view, or return a clone of it.",
+                )
+            )
 
 
 def _grad_from_inside(where: UserFrame | None) -> UnsupportedOutputError:

@@ -86,6 +86,8 @@ class Plan:
     made_to_require_grad: tuple[int, ...] = ()
     # Backward ops autocast would cast, with their input dtype (Note [Autocast]).
     autocast_backward: tuple[tuple[torch.dtype, str], ...] = ()
+    # User inputs to detach in place after the call (``a.detach_()`` in the function).
+    detached_inputs: tuple[int, ...] = ()
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
@@ -108,7 +110,9 @@ class Plan:
             member_mutations=joint.member_mutations,
             saved_sizes=sizes if any(sizes := tuple(s.is_size for s in partitioned.saved)) else (),
             only_fresh=_only_fresh(
-                joint.leaves, (*joint.mutations, *joint.member_mutations), n_base
+                joint.leaves,
+                (*joint.mutations, *joint.member_mutations, *joint.detached_inputs),
+                n_base,
             ),
             forward_needs_grad_mode=any(
                 needs_grad_mode(n.target) for n in partitioned.forward.graph.nodes
@@ -125,6 +129,7 @@ class Plan:
             made_to_require_grad=joint.made_to_require_grad,
             restrided=tuple(m.index for m in mutations if m.metadata is not None),
             autocast_backward=_autocast_sensitive(partitioned.backward),
+            detached_inputs=joint.detached_inputs,
         )
 
 
@@ -385,6 +390,8 @@ def run_epilogue(
         _replay_mutation(primals[mutation.index], concrete.mutation(mutation), None)
     if plan.restrided:  # Note [Views of a restrided input]
         inputs = [_view_source(x, i in plan.restrided) for i, x in enumerate(inputs)]
+    for i in plan.detached_inputs:  # Note [requires_grad_() on an input]
+        primals[i].detach_()
     tensors: list[torch.Tensor | None] = [None] * plan.num_tensor_outputs
     for k, value in zip(plan.fresh, returned, strict=False):
         tensors[k] = value
