@@ -320,16 +320,9 @@ def _joint(
         with contextlib.ExitStack() as stack:
             with closed_over:
                 result = stack.enter_context(body(primals))
-            record.detached_inputs = [
-                k
-                for k, (p, (j, _)) in enumerate(zip(primals, inputs.sources, strict=True))
-                if needs_grad[j] and not p.requires_grad  # a.detach_()
-            ]
-            for i in _made_to_require_grad(primals, needs_grad, inputs, record, where):
-                needs_grad[i] = True  # Note [requires_grad_() on an input]
-                edges[i] = _differentiate_at(
-                    graph_primals[i], record.leaf_primals, direct is not None
-                )
+            _note_grad_changes(
+                primals, graph_primals, needs_grad, edges, inputs, record, where, direct
+            )
             record.member_mutations = member_metadata_mutations(
                 primals, member_grad_fns, inputs.sources
             )
@@ -352,18 +345,9 @@ def _joint(
                 for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
                 if needs and info.duplicate_of is None
             ]
-            backward = (with_backward or bool(record.made_to_require_grad)) and bool(
-                record.grad_inputs
-            )
-            new_values = [m.requires_grad for m in record.mutations if m.data]
-            outputs = returned[: len(returned) - len(new_values)]
-            if not backward and any(_is_differentiable(t) for t in outputs):
-                raise _grad_from_inside(where)
-            record.differentiable = [backward and _is_differentiable(t) for t in outputs]
-            record.differentiable += [backward and g for g in new_values]  # Note [Input mutation]
-            differentiate = any(record.differentiable)
+            record.differentiable = _differentiable(returned, record, with_backward, where)
             grads = []
-            if differentiate:
+            if any(record.differentiable):
                 before = mutation_counts(graph_primals) if direct is None else None
                 if record.leaf_primals:  # a reentrant checkpoint may write closed-over .grad
                     for t in record.closed_over_leaves:
@@ -373,6 +357,43 @@ def _joint(
                 if before is not None:
                     check_no_backward_mutation(graph_primals, before, inputs.descriptors, where)
     return [_unwrap(v) for v in (*forward, *grads)]
+
+
+def _note_grad_changes(
+    primals: Sequence[torch.Tensor],
+    graph_primals: Sequence[torch.Tensor],
+    needs_grad: list[bool],
+    edges: list[GradientEdge | torch.Tensor | None],
+    inputs: GraphInputs,
+    record: TraceRecord,
+    where: UserFrame | None,
+    direct: DirectTracer | None,
+) -> None:
+    """After the body: inputs it detached (``a.detach_()``) or made require grad."""
+    record.detached_inputs = [
+        k
+        for k, (p, (j, _)) in enumerate(zip(primals, inputs.sources, strict=True))
+        if needs_grad[j] and not p.requires_grad  # a.detach_()
+    ]
+    for i in _made_to_require_grad(primals, needs_grad, inputs, record, where):
+        needs_grad[i] = True  # Note [requires_grad_() on an input]
+        edges[i] = _differentiate_at(graph_primals[i], record.leaf_primals, direct is not None)
+
+
+def _differentiable(
+    returned: Sequence[torch.Tensor],
+    record: TraceRecord,
+    with_backward: bool,
+    where: UserFrame | None,
+) -> list[bool]:
+    """Per returned value (outputs, then mutated inputs' new values): does it get a cotangent?"""
+    backward = (with_backward or bool(record.made_to_require_grad)) and bool(record.grad_inputs)
+    new_values = [m.requires_grad for m in record.mutations if m.data]
+    outputs = returned[: len(returned) - len(new_values)]
+    if not backward and any(_is_differentiable(t) for t in outputs):
+        raise _grad_from_inside(where)
+    differentiable = [backward and _is_differentiable(t) for t in outputs]
+    return differentiable + [backward and g for g in new_values]  # Note [Input mutation]
 
 
 # Note [requires_grad_() on an input]
