@@ -249,3 +249,17 @@ def test_reading_grad_inside_the_function_is_refused(where):
         compiled()
     assert "clip_grad_norm_" in str(caught.value) or "clip(" in str(caught.value)
     torch.testing.assert_close(lin.weight.grad, before)
+
+
+def test_an_internal_assert_in_a_kernel_is_not_blamed_on_the_users_inputs():
+    import torch.nn.functional as F
+
+    f = aotgrad.aot_function(
+        lambda x: F.interpolate(x, scale_factor=2, mode="bicubic", antialias=True), dynamic=True
+    )
+    x = torch.randn(1, 1, 4, 4, requires_grad=True)
+    F.interpolate(x, scale_factor=2, mode="bicubic", antialias=True).sum().backward()  # eager runs
+    with pytest.raises(aotgrad.errors.OpError, match="_upsample_bicubic2d_aa_backward") as caught:
+        f(x)
+    assert "torch's kernel failing on traced inputs" in str(caught.value)
+    assert "Eager PyTorch raises the same" not in str(caught.value)

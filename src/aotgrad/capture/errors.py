@@ -123,6 +123,15 @@ _REFUSED_CALLS: dict[str, tuple[str, str]] = {
 }
 
 
+# An internal assert inside a kernel is not the user's error: the kernel met what capture gives it
+# (fake tensors, symbolic sizes), e.g. ``_upsample_bicubic2d_aa_backward`` under dynamic shapes.
+_INTERNAL_TODO = (
+    "This is torch's kernel failing on traced inputs (fake tensors or symbolic sizes), not an"
+    " error eager raises: try without dynamic=True, or another op at that line; see"
+    " docs/known-limitations.md."
+)
+
+
 @contextlib.contextmanager
 def _ops_errors() -> Iterator[None]:
     try:
@@ -138,13 +147,18 @@ def _ops_errors() -> Iterator[None]:
             what, fix = _REFUSED_CALLS[op]
             where = user_frame_from_traceback(e.__traceback__)
             raise UnsupportedOpError(format_error(what, where, fix)) from e
+        todo = (
+            _INTERNAL_TODO
+            if "INTERNAL ASSERT FAILED" in str(e)
+            else "Eager PyTorch raises the same for these inputs (check the shapes, dtypes"
+            " and arguments at that line); if the function runs eagerly, please report"
+            " it as an aotgrad bug."
+        )
         raise kind(
             format_error(
                 f"{op} raised {type(e).__name__} during capture: {e}",
                 user_frame_from_traceback(e.__traceback__),
-                "Eager PyTorch raises the same for these inputs (check the shapes, dtypes"
-                " and arguments at that line); if the function runs eagerly, please report"
-                " it as an aotgrad bug.",
+                todo,
             )
         ) from e
 
