@@ -239,3 +239,16 @@ def test_a_size_stored_on_the_module_is_an_int_after_a_dynamic_capture():
     assert model.window == (3, 2) and all(type(n) is int for n in model.window)
     x = torch.randn(5, 4)
     torch.testing.assert_close(compiled(x), model.lin(x) * 5)
+
+
+def test_sizes_among_the_outputs_are_this_calls_sizes():
+    """Note [Sizes among the outputs]: a SymInt output is evaluated at each call's sizes."""
+    compiled = aotgrad.aot_function(
+        lambda x: (x * 2, x.shape[0] * 2 + x.shape[1], x.size()), dynamic=True
+    )
+    for rows in (3, 5, 5, 7, 3):
+        x = torch.randn(rows, 2)
+        out, number, size = compiled(x)
+        assert type(number) is int and number == rows * 2 + 2
+        assert size == torch.Size([rows, 2]) and all(type(n) is int for n in size)
+        torch.testing.assert_close(out, x * 2)

@@ -244,7 +244,7 @@ def check_output_leaf(path: tuple[Any, ...], leaf: Any, where: UserFrame | None)
                 "Return it densified (.to_dense()), or detached if it needs no gradient.",
             )
         )
-    if isinstance(leaf, (torch.Tensor, *_SCALARS)):
+    if isinstance(leaf, (torch.Tensor, torch.SymInt, *_SCALARS)):  # Note [Sizes among the outputs]
         return
     raise UnsupportedOutputError(
         format_error(

@@ -398,7 +398,8 @@ def run_epilogue(
     leaves = []
     for leaf in plan.leaves:
         if isinstance(leaf, ConstantOutput):
-            leaves.append(leaf.value)
+            value = leaf.value
+            leaves.append(concrete.size(value) if type(value) is torch.SymInt else value)
             continue
         if leaf.alias is not None:
             tensors[leaf.index] = _rebuild(
@@ -455,6 +456,19 @@ class _ConcreteLayouts:
         if self._value_of is None:
             self._value_of = self.guards.value_of(self.inputs)
         return layout.resolved(self._value_of)
+
+    # Note [Sizes among the outputs]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Under dynamic shapes ``return y, x.shape[0] * 2`` returns a ``SymInt`` of the
+    # trace: a constant leaf of the result whose value is an expression of the
+    # inputs' sizes, evaluated at each call's sizes (``2*s0`` -> 10 for 5 rows).
+    def size(self, value: torch.SymInt) -> int:
+        """A ``SymInt`` of the trace at this call's sizes."""
+        if self.guards is None:
+            raise AssertionError(f"expected shape guards for the symbolic output {value}")
+        if self._value_of is None:
+            self._value_of = self.guards.value_of(self.inputs)
+        return self._value_of(value)
 
     def alias(self, alias: Alias) -> Alias:
         view = self._resolve(alias.view)
