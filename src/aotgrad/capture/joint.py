@@ -41,7 +41,6 @@ from aotgrad.capture.aliasing import (
     ConstantOutput,
     OutputAliasing,
     OutputLeaf,
-    TensorOutput,
     ViewMeta,
     analyze_aliasing,
     check_custom_views_of_mutated,
@@ -68,6 +67,7 @@ from aotgrad.capture.mutation import (
 )
 from aotgrad.capture.reachability import reaching_masks
 from aotgrad.capture.recorder import ProvenanceMode, Recorder, generator_restored
+from aotgrad.capture.requires_grad import check_views_of_made_inputs, made_to_require_grad
 from aotgrad.errors import UnsupportedOpError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
 from aotgrad.signature.descriptors import Closure, Global, Input
@@ -339,7 +339,7 @@ def _joint(
                 sites=recorder.mutation_sites,
             )
             check_member_mutations(record.member_mutations, record.mutations, primals, where)
-            _check_views_of_made_inputs(record, inputs, where)
+            check_views_of_made_inputs(record, inputs, where)
             record.grad_inputs = [
                 i
                 for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
@@ -375,7 +375,7 @@ def _note_grad_changes(
         for k, (p, (j, _)) in enumerate(zip(primals, inputs.sources, strict=True))
         if needs_grad[j] and not p.requires_grad  # a.detach_()
     ]
-    for i in _made_to_require_grad(primals, needs_grad, inputs, record, where):
+    for i in made_to_require_grad(primals, needs_grad, inputs, record, where):
         needs_grad[i] = True  # Note [requires_grad_() on an input]
         edges[i] = _differentiate_at(graph_primals[i], record.leaf_primals, direct is not None)
 
@@ -394,89 +394,6 @@ def _differentiable(
         raise _grad_from_inside(where)
     differentiable = [backward and _is_differentiable(t) for t in outputs]
     return differentiable + [backward and g for g in new_values]  # Note [Input mutation]
-
-
-# Note [requires_grad_() on an input]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``a.requires_grad_()`` inside the function, on an input that does not
-# require grad, makes the caller's tensor a leaf that requires grad: outputs
-# computed from ``a`` afterwards send their gradient into ``a.grad``::
-#
-#     def fn(a):
-#         b = a * 3             # before: b does not require grad
-#         a.requires_grad_()
-#         return b, a * 2       # a.grad = 2 * cotangent of output[1]
-#
-# The trace sees the traced input become such a leaf and differentiates with
-# respect to it (only what follows the call depends on it in autograd's
-# graph, so ``b`` stays non-differentiable). The runtime calls
-# ``requires_grad_()`` on the caller's tensor before it runs the Function,
-# whose backward then returns ``a``'s gradient. An input traced as a view of
-# a synthetic base (Note [Aliased inputs]) is refused: its ``requires_grad``
-# is the view's, not the graph input's. The converse, ``a.detach_()`` on an
-# input that requires grad, is replayed on the caller's tensor after the call
-# (after its mutations); outputs computed before it keep their gradient.
-
-
-def _made_to_require_grad(
-    primals: Sequence[torch.Tensor],
-    needs_grad: Sequence[bool],
-    inputs: GraphInputs,
-    record: TraceRecord,
-    where: UserFrame | None,
-) -> list[int]:
-    """Graph inputs the function made leaves that require grad (Note [requires_grad_() on an input]).
-
-    Records the user input positions in ``record``.
-    """
-    made: list[int] = []
-    for k, (p, (j, view)) in enumerate(zip(primals, inputs.sources, strict=True)):
-        if needs_grad[j] or not (p.requires_grad and p.grad_fn is None):
-            continue
-        if view is not None:
-            raise UnsupportedOutputError(
-                format_error(
-                    "the function calls requires_grad_() on an input that shares memory with"
-                    f" another input it mutates ({inputs.descriptors[j]})",
-                    where,
-                    "Pass a tensor that already requires grad, or clone the input.",
-                )
-            )
-        record.made_to_require_grad.append(k)
-        if j not in made:
-            made.append(j)
-    return made
-
-
-def _check_views_of_made_inputs(
-    record: TraceRecord, inputs: GraphInputs, where: UserFrame | None
-) -> None:
-    """Refuse an output viewing an input from before its requires_grad_() (it cannot be rebuilt).
-
-    Eager's view was made, with grad mode on, of a tensor that did not require
-    grad yet; rebuilt after the call from the caller's tensor, which by then
-    requires grad, it would be a no_grad view that backward refuses.
-    """
-    made = {inputs.sources[k][0] for k in record.made_to_require_grad}
-    for leaf in record.leaves:
-        alias = leaf.alias if isinstance(leaf, TensorOutput) else None
-        if alias is None or alias.view is None or alias.with_grad or not alias.requires_grad:
-            continue
-        source = alias.index
-        if alias.source is AliasSource.INPUT:
-            source = inputs.sources[source][0]
-        elif alias.source is not AliasSource.GRAPH_INPUT:
-            continue
-        if source in made:
-            raise UnsupportedOutputError(
-                format_error(
-                    f"an output is a view of input {inputs.descriptors[source]} made before the"
-                    " function called requires_grad_() on that input, which aotgrad cannot"
-                    " rebuild after the call",
-                    where,
-                    "Call requires_grad_() before taking the view, or return a clone of it.",
-                )
-            )
 
 
 def _grad_from_inside(where: UserFrame | None) -> UnsupportedOutputError:
