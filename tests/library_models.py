@@ -585,48 +585,39 @@ def _timm_checkpointing(model: nn.Module, reentrant: bool) -> Iterator[None]:
         set_reentrant_ckpt(before)
 
 
-def vit(dropout: float = 0.0) -> Case:
+def _timm(name: str, dropout: float, attention: bool = False, **config: Any) -> nn.Module:
+    """A timm model from ``config``, seeded, with ``dropout`` as its drop rates (also the
+    attention and projection ones when ``attention``)."""
     import timm
 
     torch.manual_seed(0)
-    model = timm.create_model(
+    rates = {"drop_rate": dropout, "drop_path_rate": dropout}
+    if attention:
+        rates |= {"proj_drop_rate": dropout, "attn_drop_rate": dropout}
+    return timm.create_model(name, num_classes=CLASSES, **config, **rates)
+
+
+def vit(dropout: float = 0.0) -> Case:
+    model = _timm(
         "test_vit",
+        dropout,
+        attention=True,
         img_size=IMAGE,
         patch_size=8,
         embed_dim=32,
         depth=2,
         num_heads=2,
-        num_classes=CLASSES,
-        drop_rate=dropout,
-        proj_drop_rate=dropout,
-        attn_drop_rate=dropout,
-        drop_path_rate=dropout,
     )
     return _vision_case("vit", "timm", model, _timm_checkpointing)
 
 
 def convnext(dropout: float = 0.0) -> Case:
-    import timm
-
-    torch.manual_seed(0)
-    model = timm.create_model(
-        "test_convnext",
-        depths=(1, 1, 1, 1),
-        dims=(8, 16, 24, 32),
-        num_classes=CLASSES,
-        drop_rate=dropout,
-        drop_path_rate=dropout,
-    )
+    model = _timm("test_convnext", dropout, depths=(1, 1, 1, 1), dims=(8, 16, 24, 32))
     return _vision_case("convnext", "timm", model, _timm_checkpointing)
 
 
 def efficientnet(dropout: float = 0.0) -> Case:
-    import timm
-
-    torch.manual_seed(0)
-    model = timm.create_model(
-        "test_efficientnet", num_classes=CLASSES, drop_rate=dropout, drop_path_rate=dropout
-    )
+    model = _timm("test_efficientnet", dropout)
     return _vision_case("efficientnet", "timm", model, _timm_checkpointing)
 
 
@@ -710,22 +701,16 @@ def tv_vit(dropout: float = 0.0) -> Case:
 
 def swin(dropout: float = 0.0) -> Case:
     """timm Swin: shifted windows (``roll``), relative position bias index buffers, patch merging."""
-    import timm
-
-    torch.manual_seed(0)
-    model = timm.create_model(
+    model = _timm(
         "swin_tiny_patch4_window7_224",
+        dropout,
+        attention=True,
         img_size=IMAGE,
         patch_size=4,
         window_size=4,
         embed_dim=16,
         depths=(2, 2),
         num_heads=(1, 2),
-        num_classes=CLASSES,
-        drop_rate=dropout,
-        proj_drop_rate=dropout,
-        attn_drop_rate=dropout,
-        drop_path_rate=dropout,
     )
     return _vision_case("swin", "timm", model, _timm_checkpointing)
 
@@ -737,21 +722,15 @@ def _distilled_loss(out: Any) -> torch.Tensor:
 
 def deit(dropout: float = 0.0) -> Case:
     """timm DeiT with a distillation token, in distilled training (two heads, a tuple output)."""
-    import timm
-
-    torch.manual_seed(0)
-    model = timm.create_model(
+    model = _timm(
         "deit_tiny_distilled_patch16_224",
+        dropout,
+        attention=True,
         img_size=IMAGE,
         patch_size=8,
         embed_dim=32,
         depth=2,
         num_heads=2,
-        num_classes=CLASSES,
-        drop_rate=dropout,
-        proj_drop_rate=dropout,
-        attn_drop_rate=dropout,
-        drop_path_rate=dropout,
     )
     model.set_distilled_training(True)  # type: ignore[operator]
     return _vision_case("deit", "timm", model, _timm_checkpointing, loss=_distilled_loss)
@@ -759,45 +738,29 @@ def deit(dropout: float = 0.0) -> Case:
 
 def mobilevit(dropout: float = 0.0) -> Case:
     """timm MobileViT-XXS: convolutions and transformers over unfolded 2x2 patches, BatchNorm."""
-    import timm
-
-    torch.manual_seed(0)
-    model = timm.create_model(
-        "mobilevit_xxs", num_classes=CLASSES, drop_rate=dropout, drop_path_rate=dropout
-    )
+    model = _timm("mobilevit_xxs", dropout)
     return _vision_case("mobilevit", "timm", model, _timm_checkpointing)
 
 
 def regnet(dropout: float = 0.0) -> Case:
     """timm RegNetY-200MF: grouped convolutions, squeeze-excite, BatchNorm, stochastic depth."""
-    import timm
-
-    torch.manual_seed(0)
-    model = timm.create_model(
-        "regnety_002", num_classes=CLASSES, drop_rate=dropout, drop_path_rate=dropout
-    )
+    model = _timm("regnety_002", dropout)
     return _vision_case("regnet", "timm", model, _timm_checkpointing)
 
 
 def coat(dropout: float = 0.0) -> Case:
     """timm CoaT-Lite: one convolutional position encoding module shared by every serial block
     of a stage (a submodule registered under two names), conv relative position attention."""
-    import timm
-
-    torch.manual_seed(0)
-    model = timm.create_model(
+    model = _timm(
         "coat_lite_tiny",
+        dropout,
+        attention=True,
         img_size=IMAGE,
         embed_dims=(16, 16, 32, 32),
         serial_depths=(1, 1, 1, 1),
         num_heads=2,
         mlp_ratios=(2, 2, 2, 2),
         crpe_window={1: 1, 3: 1},
-        num_classes=CLASSES,
-        drop_rate=dropout,
-        proj_drop_rate=dropout,
-        attn_drop_rate=dropout,
-        drop_path_rate=dropout,
     )
     return _vision_case("coat", "timm", model, _timm_checkpointing)
 
