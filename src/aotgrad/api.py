@@ -641,7 +641,7 @@ def aot_module(
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector for one capture (Note [No garbage collection...])."""
+    """Pause the cyclic garbage collector for one capture (Note [No garbage collection during capture])."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

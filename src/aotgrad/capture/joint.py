@@ -235,8 +235,9 @@ def trace_joint(
                 tracer.input(fake)
             values = joint(*fakes)
         return tracer.finish(values, "joint"), record, inputs
-    # Note [Python dispatcher for symbolic sizes]: with symbolic sizes, C++ composite
-    # kernels (``clamp_``'s functionalization, ``constant_pad_nd``) read sizes as ints,
+    # Note [Python dispatcher for symbolic sizes]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # With symbolic sizes, C++ composite kernels (``clamp_``'s functionalization, ``constant_pad_nd``) read sizes as ints,
     # which fails or specializes; the Python dispatcher runs their symbolic-aware
     # Python kernels instead, as ``make_fx(tracing_mode="symbolic")`` does.
     dispatcher = enable_python_dispatcher() if shape_env is not None else contextlib.nullcontext()

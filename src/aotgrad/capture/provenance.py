@@ -10,9 +10,12 @@ the trace, each forward op records the number of the last autograd node
 created (ops that create none, like a buffer update under ``no_grad``,
 share the previous op's number), and each backward op records the number of
 the autograd node whose backward is running (set by a pre-hook on every
-node, reset by a post-hook). Subtracting the counter's value at the start of
-the user's function makes the numbers start at 0 and repeat exactly across
-runs and processes::
+node, reset by a post-hook). The raw numbers depend on every autograd node
+the process made before; each is replaced by its rank among the forward ops'
+numbers, in order of first appearance, so they start at 0, leave no gaps and
+repeat exactly across runs and processes (a backward op takes the rank of
+its node's number; Note [In-place ops' numbers] in ``recorder.py`` covers a
+node no forward op recorded)::
 
     seq  op                          phase     kind
     0    aten.convolution            forward   op
@@ -30,11 +33,12 @@ that a checkpointed region re-runs inside the backward have kind
 
 Note [Module paths and source lines]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-While the user's function runs, module forward hooks keep the path of the
-``nn.Module`` being run (``blocks.3.attn.qkv``; the function's name outside
-any module) and a torch-function mode notes, for every torch call the user's
-code makes, the innermost frame outside torch and aotgrad: the user's file,
-line and code. Backward ops inherit both from the forward op with their
+While the user's function runs, global module forward hooks keep the path
+of the ``nn.Module`` being run (``blocks.3.attn.qkv``; the function's name
+outside any module), and the tracer's dispatch mode (the direct tracer, or
+functionalization in the full trace: Note [Direct tracing]) notes, for every aten
+op, the innermost frame outside torch and aotgrad: the user's file, line and
+function. Backward ops inherit both from the forward op with their
 sequence number, so a fused backward kernel points at the user's line.
 """
 
@@ -70,7 +74,7 @@ class Kind(enum.StrEnum):
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """What aotgrad knows about a node (Note [Sequence numbers], Note [Module paths ...])."""
+    """What aotgrad knows about a node (Note [Sequence numbers], Note [Module paths and source lines])."""
 
     # Which pass computes the node.
     phase: Phase

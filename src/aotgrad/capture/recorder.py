@@ -413,7 +413,7 @@ def stamp(gm: fx.GraphModule, recorder: Recorder) -> None:
 
 
 def _rank_of_node(raw: int | None, ranks: dict[int, int], live: Sequence[int]) -> int | None:
-    """The rank of the forward ops autograd node ``raw`` differentiates (Note [In-place ...])."""
+    """The rank of the forward ops autograd node ``raw`` differentiates (Note [In-place ops' numbers])."""
     if raw is None or raw in ranks:
         return ranks.get(raw) if raw is not None else None
     later = [r for r in ranks if r > raw]

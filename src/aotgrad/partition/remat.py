@@ -14,9 +14,11 @@ walking back through forward ops until saved values or inputs::
     budget(0.5): the same if it fits, chosen by an integer program that
               minimizes recompute FLOPs within the byte budget
 
-Inputs are always available (saving them costs no memory); views are never
-saved (their base is, and the view is replayed); random ops are never
-recomputed (the backward must see the forward's draws).
+Inputs are always available to the backward: min-cut saves one at no cost
+(the caller holds it anyway), while a budget counts the bytes of every input
+a plan saves (Note [Budget units]). Views are never saved (their base is, and
+the view is replayed on it); random ops are never recomputed (the backward
+must see the forward's draws).
 """
 
 from __future__ import annotations
@@ -183,7 +185,6 @@ def mincut_saved(joint: JointGraph, needed: Iterable[fx.Node]) -> set[fx.Node]:
 class BudgetResult:
     # None when the solver found no plan in time (the caller falls back).
     saved: set[fx.Node] | None
-    recompute_flops: int
     note: str | None
 
 
@@ -228,7 +229,7 @@ def budget_saved(
             f"the budget solver hit its {time_limit:g} s time limit before finding a plan;"
             " falling back to save_all (raise time_limit in aotgrad.budget)"
         )
-        return BudgetResult(None, 0, fallback)
+        return BudgetResult(saved=None, note=fallback)
     if first.x is None:
         least = smallest_saved_bytes(joint, needed, free_inputs, time_limit)
         smallest = "?" if least is None else str(least)
@@ -251,7 +252,7 @@ def budget_saved(
             f"the budget solver hit its {time_limit:g} s time limit; the plan is the best found,"
             " not proven optimal (raise time_limit in aotgrad.budget)"
         )
-    return BudgetResult(chosen.saved, chosen.flops, note)
+    return BudgetResult(saved=chosen.saved, note=note)
 
 
 def smallest_saved_bytes(

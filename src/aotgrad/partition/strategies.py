@@ -107,7 +107,7 @@ def budget(limit: float, time_limit: float = 10.0) -> Budget:
 def save_all(joint: JointGraph) -> RematPlan:
     """Save what the backward reads; recompute nothing but free views and constants.
 
-    See Note [Free views are recomputed].
+    Views are replayed on their saved source (Note [Saved and recomputed] in ``remat.py``).
     """
     plan = RematPlan(saved=[], recompute=set())
     chosen: dict[fx.Node, str] = {}
