@@ -18,7 +18,18 @@ every non-tensor constant::
 
 Same kernels, same order, same frees after each value's last use (so peak
 memory matches the GraphModule's); only the Python in between is gone.
-``aotgrad.runtime.straight_line_source(gm)`` shows the code.
+:func:`straight_line_source` shows the code::
+
+    >>> import torch, aotgrad
+    >>> x = torch.randn(3, requires_grad=True)
+    >>> traced = aotgrad.trace(lambda x: x.sin().cos(), x)
+    >>> print(straight_line_source(traced.forward)[0])
+    def forward(args):
+        x, = args
+        sin = aten_sin_default(x)
+        cos = aten_cos_default(sin)
+        return (cos, x, sin)
+    <BLANKLINE>
 """
 
 from __future__ import annotations
