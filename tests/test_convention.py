@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.fx as fx
 
 import aotgrad
+from aotgrad.partition import partition
+from aotgrad.runtime.function import Plan
 from aotgrad.signature import (
     SIGNATURE_VERSION,
     Cotangent,
     Grad,
     Input,
+    MutatedInput,
     Output,
+    OutputBase,
     Saved,
+    Signature,
 )
 
 
@@ -35,6 +41,7 @@ def test_layout_of_forward_and_backward():
     assert sig.backward_inputs[: len(sig.saved)] == sig.saved
     assert sig.backward_inputs[len(sig.saved) :] == (Cotangent(Output("")),)
     assert sig.backward_outputs == (None, Grad(Input("w")))
+    assert sig.saved == (Saved("x"), Saved("mm")), "forward order: the input first"
 
 
 def test_descriptors_print_as_comments_and_sit_on_node_meta():
@@ -174,3 +181,121 @@ def test_modules_retrace_on_train_eval_and_parameter_changes():
     compiled(x, target).backward()
     assert model.fc1.weight.grad is None and model.conv1.weight.grad is not None
     assert len(compiled.compiled.cache) == 3
+
+
+def every_group(x, buf):
+    """The function of Note [Positions]: outputs, a base, a mutated input, saved values."""
+    buf.add_(1)
+    t = x.exp()
+    return x.sin(), t[0], t[1]
+
+
+def traced_every_group():
+    return aotgrad.trace(every_group, torch.randn(2, 3, requires_grad=True), torch.zeros(3))
+
+
+def test_positions_of_every_group_as_in_the_note():
+    sig = traced_every_group().signature
+    assert sig.outputs_in_forward == slice(0, 3)
+    assert sig.bases_in_forward == slice(3, 4)
+    assert sig.mutated_in_forward == slice(4, 5)
+    assert sig.saved_in_forward == slice(5, 7)
+    assert sig.results_in_forward == slice(0, 5)
+    assert sig.saved_in_backward == slice(0, 2)
+    assert sig.cotangents_in_backward == slice(2, 4)
+    outputs = sig.forward_outputs
+    assert all(isinstance(d, Output) for d in outputs[sig.outputs_in_forward])
+    assert outputs[sig.bases_in_forward] == (OutputBase((Output("[1]"), Output("[2]"))),)
+    assert outputs[sig.mutated_in_forward] == (MutatedInput(Input("buf")),)
+    assert outputs[sig.saved_in_forward] == sig.backward_inputs[sig.saved_in_backward]
+    assert sig.backward_inputs[sig.cotangents_in_backward] == sig.cotangents
+
+
+def test_the_queries_slice_the_graphs_values():
+    traced = traced_every_group()
+    sig = traced.signature
+    x, buf = torch.randn(2, 3), torch.zeros(3)
+    results = traced.forward(x, buf)
+    torch.testing.assert_close(results[sig.outputs_in_forward][0], x.sin())
+    torch.testing.assert_close(results[sig.bases_in_forward][0], x.exp())
+    torch.testing.assert_close(results[sig.mutated_in_forward][0], buf + 1)
+    cotangents = [torch.ones(2, 3), torch.ones(2, 3)]
+    grad_x, grad_buf = traced.backward(*results[sig.saved_in_forward], *cotangents)
+    torch.testing.assert_close(grad_x, x.cos() + x.exp())
+    assert grad_buf is None
+
+
+def test_empty_groups_are_empty_slices_where_they_would_sit():
+    sig = traced_f().signature
+    assert sig.bases_in_forward == sig.mutated_in_forward == slice(1, 1)
+    no_backward = aotgrad.trace(f, torch.randn(2, 3), torch.randn(3, 4)).signature
+    assert not no_backward.has_backward
+    assert no_backward.saved_in_forward == slice(1, 1)
+    assert no_backward.saved_in_backward == no_backward.cotangents_in_backward == slice(0, 0)
+
+
+def test_the_joint_signature_has_nothing_saved_and_grads_follow_the_results():
+    traced = traced_every_group()
+    joint = traced.partitioned.joint
+    assert joint.signature.saved == ()
+    assert joint.signature.grads_in_joint == slice(5, 7)
+    assert joint.signature.with_saved(traced.signature.saved) == traced.signature
+    grads = joint.results()[joint.signature.grads_in_joint]
+    assert [g is None for g in grads] == [False, True]
+    with pytest.raises(AssertionError, match="none saved"):
+        _ = traced.signature.grads_in_joint
+
+
+def test_a_joint_without_a_backward_has_no_grads():
+    joint = aotgrad.trace(f, torch.randn(2, 3), torch.randn(3, 4)).partitioned.joint
+    assert joint.signature.grads_in_joint == slice(1, 1)
+    assert joint.grad_results() == []
+
+
+def descriptors(**changes):
+    fields = {
+        "forward_inputs": (Input("x"),),
+        "forward_outputs": (Output(""), Saved("cos")),
+        "backward_inputs": (Saved("cos"), Cotangent(Output(""))),
+        "backward_outputs": (Grad(Input("x")),),
+    }
+    return {**fields, **changes}
+
+
+def test_a_well_formed_signature_is_accepted():
+    assert Signature(**descriptors()).saved_in_forward == slice(1, 2)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"forward_outputs": (Saved("cos"), Output(""))}, "forward outputs in the order"),
+        ({"backward_inputs": (Cotangent(Output("")), Saved("cos"))}, "backward inputs in the"),
+        ({"backward_inputs": (Input("x"), Saved("cos"))}, "backward inputs in the"),
+        ({"backward_inputs": (Cotangent(Output("")),)}, "receive the saved values"),
+        ({"forward_outputs": (Output(""), Saved("sin"))}, "receive the saved values"),
+        ({"backward_outputs": ()}, "expected 1 grads"),
+    ],
+)
+def test_a_signature_out_of_order_is_refused(changes, message):
+    with pytest.raises(AssertionError, match=message):
+        Signature(**descriptors(**changes))
+
+
+def test_the_runtime_plan_reads_its_positions_off_the_signature():
+    plan = Plan.of(traced_every_group().partitioned)
+    assert plan.returned == (0, 3, 4)
+    assert plan.bases_in_returned == slice(1, 2)
+    assert plan.mutated_in_returned == slice(2, 3)
+    assert plan.saved_in_forward == slice(5, 7)
+
+
+def test_mutations_kept_in_the_graph_leave_no_new_values_to_return():
+    with torch.no_grad():
+        traced = aotgrad.trace(every_group, torch.randn(2, 3), torch.zeros(3))
+    partitioned = partition(traced.partitioned.joint, keep_input_mutations=True)
+    sig = partitioned.signature
+    assert partitioned.mutations_in_graph and sig.mutated_in_forward == slice(4, 4)
+    assert "copy_" in partitioned.forward.code
+    plan = Plan.of(partitioned)
+    assert plan.returned == (0, 3) and plan.mutated_in_returned == slice(2, 2)

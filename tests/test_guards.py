@@ -74,6 +74,17 @@ def test_a_closure_variable_read_by_a_helper_is_guarded():
     torch.testing.assert_close(compiled(torch.ones(2)), torch.full((2,), 5.0))
 
 
+def test_a_global_slice_is_keyed_by_its_bounds():
+    # Slices are unhashable before Python 3.12: the key holds their bounds instead.
+    namespace = {"S": slice(0, 2)}
+    exec("def f(x):\n    return x[S] * 2", namespace)
+    compiled = aotgrad.aot_function(namespace["f"])
+    torch.testing.assert_close(compiled(torch.arange(3.0)), torch.tensor([0.0, 2.0]))
+    namespace["S"] = slice(1, None)
+    torch.testing.assert_close(compiled(torch.arange(3.0)), torch.tensor([2.0, 4.0]))
+    assert aotgrad.cache_info(compiled).misses == 2
+
+
 def test_a_mutable_argument_is_keyed_by_value_not_identity():
     class Config:
         def __init__(self):

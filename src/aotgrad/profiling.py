@@ -109,13 +109,13 @@ def _run_once(traced: Traced, primals: list[torch.Tensor]) -> None:
         results = _RangeInterpreter(traced.forward).run(*primals)
         if traced.backward is None:
             return
-        n_saved = len(traced.saved)
-        saved = list(results[len(results) - n_saved :])
+        signature = traced.signature
+        placeholders = [n for n in traced.backward.graph.nodes if n.op == "placeholder"]
         cotangents = [
             torch.ones(n.meta["val"].shape, dtype=n.meta["val"].dtype)
-            for n in traced.backward.graph.nodes
-            if n.op == "placeholder"
-        ][n_saved:]
+            for n in placeholders[signature.cotangents_in_backward]
+        ]
+        saved = results[signature.saved_in_forward]
         _RangeInterpreter(traced.backward).run(*saved, *cotangents)
 
 
@@ -154,13 +154,15 @@ def _empty_report(traced: Traced, repeats: int) -> ProfileReport:
         info = node_info(node)
         if info.kind is Kind.ACCUMULATE:
             times = report.ops.setdefault(
-                None, OpTimes(None, "(gradient accumulation)", info.module)
+                None, OpTimes(seq_nr=None, op="(gradient accumulation)", module=info.module)
             )
         else:
             times = report.ops.setdefault(
-                info.seq_nr, OpTimes(info.seq_nr, str(node.target), info.module)
+                info.seq_nr, OpTimes(seq_nr=info.seq_nr, op=str(node.target), module=info.module)
             )
-        module = report.modules.setdefault(info.module, OpTimes(None, "", info.module))
+        module = report.modules.setdefault(
+            info.module, OpTimes(seq_nr=None, op="", module=info.module)
+        )
         if info.phase.value != "forward":
             times.backward_ops += 1
             module.backward_ops += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,10 +20,12 @@ from aotgrad.capture.provenance import Phase, phase_of
 from aotgrad.signature import (
     Cotangent,
     FlatInputs,
+    Grad,
     GraphInputDescriptor,
     MutatedInput,
     Output,
     OutputBase,
+    Signature,
 )
 
 # Note [Code on demand]
@@ -65,8 +68,9 @@ class JointGraph:
     """One functional aten graph computing forward outputs and gradients.
 
     ``gm(*primals, *cotangents) -> (*outputs, *bases, *mutated, *grads)`` with
-    one grad per primal (``None`` where it needs none). Every node's
-    ``meta["aotgrad"]`` says whether it is forward or backward.
+    one grad per primal (``None`` where it needs none), as ``signature`` says
+    (Note [Calling convention]). Every node's ``meta["aotgrad"]`` says whether
+    it is forward or backward.
     """
 
     # The graph; placeholders and outputs carry descriptors.
@@ -113,19 +117,16 @@ class JointGraph:
             raise AssertionError(
                 f"expected {sum(self.differentiable)} cotangents, got {len(self.cotangents)}"
             )
-        if self.cotangents and len(self.reached_by) != self.num_primals:
+        if self.cotangents and len(self.reached_by) != len(self.graph_inputs):
             raise AssertionError(
-                f"expected reached_by for {self.num_primals} inputs, got {len(self.reached_by)}"
+                f"expected reached_by for {len(self.graph_inputs)} inputs,"
+                f" got {len(self.reached_by)}"
             )
         returned = len(self.fresh_outputs) + len(self.bases) + len(self.mutated)
         if returned != len(self.differentiable):
             raise AssertionError(
                 f"expected {returned} returned values, got {len(self.differentiable)}"
             )
-
-    @property
-    def num_primals(self) -> int:
-        return len(self.graph_inputs)
 
     @property
     def tensor_outputs(self) -> tuple[TensorOutput, ...]:
@@ -150,10 +151,21 @@ class JointGraph:
     def has_backward(self) -> bool:
         return bool(self.cotangents)
 
-    @property
-    def num_forward_results(self) -> int:
-        """Outputs, bases and mutated inputs: the graph outputs before the grads."""
-        return len(self.outputs) + len(self.bases) + len(self.mutated)
+    @functools.cached_property
+    def signature(self) -> Signature:
+        """The joint graph's calling convention: nothing saved yet (Note [Calling convention]).
+
+        The partitioner adds the saved values (``Signature.with_saved``).
+        """
+        return Signature(
+            forward_inputs=self.graph_inputs,
+            forward_outputs=(*self.outputs, *self.bases, *self.mutated_descriptors),
+            backward_inputs=self.cotangents,
+            backward_outputs=tuple(
+                Grad(of=d) if requires_grad and self.has_backward else None
+                for d, requires_grad in zip(self.graph_inputs, self.requires_grad, strict=True)
+            ),
+        )
 
     def results(self) -> list[fx.Node | None]:
         """The graph's output values: ``(*outputs, *bases, *mutated, *grads)``."""
@@ -162,11 +174,13 @@ class JointGraph:
         return [v if isinstance(v, fx.Node) else None for v in values]
 
     def forward_results(self) -> list[fx.Node]:
-        values = self.results()[: self.num_forward_results]
+        """Outputs, bases and mutated inputs' new values (``Signature.results_in_forward``)."""
+        values = self.results()[self.signature.results_in_forward]
         return [v for v in values if v is not None]
 
     def grad_results(self) -> list[fx.Node | None]:
-        return self.results()[self.num_forward_results :]
+        """One per primal, ``None`` where it gets none (``Signature.grads_in_joint``)."""
+        return self.results()[self.signature.grads_in_joint]
 
     def backward_nodes(self) -> list[fx.Node]:
         """Nodes the backward computes: its own ops and forward ops it re-runs."""

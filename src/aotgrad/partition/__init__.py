@@ -27,7 +27,7 @@ from aotgrad.partition.strategies import (
     save_all,
     with_budget,
 )
-from aotgrad.signature import Grad, MutatedInput, Saved, Signature, describe_graph
+from aotgrad.signature import MutatedInput, Saved, Signature, describe_graph
 
 __all__ = ["Budget", "Partitioned", "RecomputedOp", "SavedValue", "budget", "partition"]
 
@@ -150,14 +150,20 @@ def _split(joint: JointGraph, plan: RematPlan, strategy: str) -> Partitioned:
         [users_in_backward(p) for p in placeholders],
         [plan.save_reasons[n] for n in plan.saved],
     )
-    signature = _signature(joint, saved)
+    signature = joint.signature.with_saved(tuple(Saved(name=s.name) for s in saved))
     forward = _module(
         joint, build_forward(joint, plan.saved), signature.forward_inputs, signature.forward_outputs
     )
     backward_gm = _module(joint, backward, signature.backward_inputs, signature.backward_outputs)
-    recomputed = _recomputed(joint, plan, backward_gm)
     return Partitioned(
-        joint, forward, backward_gm, saved, signature, False, recomputed, strategy, plan.note
+        joint=joint,
+        forward=forward,
+        backward=backward_gm,
+        saved=saved,
+        signature=signature,
+        recomputed=_recomputed(joint, plan, backward_gm),
+        strategy=strategy,
+        note=plan.note,
     )
 
 
@@ -178,7 +184,12 @@ def _recomputed(
         info = node_info(node)
         ops.append(
             RecomputedOp(
-                node.name, op_name(node.target), info.module, info.source, node_flops(node), reason
+                name=node.name,
+                op=op_name(node.target),
+                module=info.module,
+                source=info.source,
+                flops=node_flops(node),
+                reason=reason,
             )
         )
     return tuple(ops)
@@ -191,15 +202,26 @@ def users_in_backward(placeholder: fx.Node) -> list[str]:
 
 def _forward_only(joint: JointGraph, keep_input_mutations: bool) -> Partitioned:
     graph = build_forward(joint, [])
-    signature = _signature(joint, ())
-    if keep_input_mutations and joint.mutated:
+    signature = joint.signature
+    in_graph = keep_input_mutations and bool(joint.mutated)
+    if in_graph:
         apply_mutations_in_graph(joint, graph)
-        kept = [d for d in signature.forward_outputs if not isinstance(d, MutatedInput)]
-        signature = replace(signature, forward_outputs=tuple(kept))
+        signature = _without_mutated(signature)
     forward = _module(joint, graph, signature.forward_inputs, signature.forward_outputs)
     return Partitioned(
-        joint, forward, None, (), signature, bool(keep_input_mutations and joint.mutated)
+        joint=joint,
+        forward=forward,
+        backward=None,
+        saved=(),
+        signature=signature,
+        mutations_in_graph=in_graph,
     )
+
+
+def _without_mutated(signature: Signature) -> Signature:
+    """No new values among the forward outputs (Note [Mutations kept in the graph])."""
+    kept = [d for d in signature.forward_outputs if not isinstance(d, MutatedInput)]
+    return replace(signature, forward_outputs=tuple(kept))
 
 
 def _module(
@@ -208,22 +230,3 @@ def _module(
     """Describe ``graph``; a module sharing the joint's constants (Note [Code on demand])."""
     describe_graph(graph, inputs, outputs)
     return lazy_module(joint.gm, graph)
-
-
-def _signature(joint: JointGraph, saved: tuple[SavedValue, ...]) -> Signature:
-    saved_descs = tuple(Saved(name=s.name) for s in saved)
-    grads = tuple(
-        Grad(of=d) if rg and joint.has_backward else None
-        for d, rg in zip(joint.graph_inputs, joint.requires_grad, strict=True)
-    )
-    return Signature(
-        forward_inputs=joint.graph_inputs,
-        forward_outputs=(
-            *joint.outputs,
-            *joint.bases,
-            *joint.mutated_descriptors,
-            *saved_descs,
-        ),
-        backward_inputs=(*saved_descs, *joint.cotangents),
-        backward_outputs=grads,
-    )

@@ -65,9 +65,9 @@ def apply_mutations_in_graph(joint: JointGraph, graph: fx.Graph) -> None:
     output = graph.output_node()
     values = list(output.args[0])  # type: ignore[arg-type]
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    start = len(joint.outputs) + len(joint.bases)
-    new_values = values[start : start + len(joint.mutated)]
+    mutated = joint.signature.mutated_in_forward
     with graph.inserting_before(output):
-        for index, new in zip(joint.mutated, new_values, strict=True):
+        for index, new in zip(joint.mutated, values[mutated], strict=True):
             graph.call_function(torch.ops.aten.copy_.default, (placeholders[index], new))
-    output.args = (tuple(values[:start] + values[start + len(joint.mutated) :]),)
+    del values[mutated]
+    output.args = (tuple(values),)

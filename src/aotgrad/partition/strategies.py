@@ -170,7 +170,12 @@ def from_saved(
         else f"{label}: recomputed from saved values"
         for node in recompute
     }
-    return RematPlan(_in_order(joint, kept), recompute, reasons, recompute_reasons)
+    return RematPlan(
+        saved=_in_order(joint, kept),
+        recompute=recompute,
+        save_reasons=reasons,
+        recompute_reasons=recompute_reasons,
+    )
 
 
 # Note [Selective checkpoint policies]

@@ -5,8 +5,16 @@ Note [What the autograd.Function returns]
 The forward graph returns ``(*outputs, *bases, *mutated, *saved)``. The
 Function returns only the values autograd must track as its own outputs:
 fresh outputs (those that alias nothing, Note [Aliased outputs]), bases and
-mutated inputs' new values. Non-differentiable ones are marked so. The
-epilogue, outside the Function, then
+mutated inputs' new values. Non-differentiable ones are marked so. Every
+position comes from the ``Signature`` (Note [Positions]); for that Note's
+``f(x, buf)``, forward outputs ``(out0, out1, out2, base, new buf, *saved)``::
+
+    returned            = (0, 3, 4)    # output[0], the base, buf's new value
+    bases_in_returned   = slice(1, 2)  # output[1], output[2] are rebuilt from it
+    mutated_in_returned = slice(2, 3)  # copied into buf by the epilogue
+    saved_in_forward    = slice(5, 7)  # to ctx.save_for_backward
+
+The epilogue, outside the Function, then
 
 1. copies each mutated input's new value into the user's tensor;
 2. rebuilds every aliased output from what it aliases (an input, a fresh
@@ -40,22 +48,26 @@ from aotgrad.errors import AutocastBackwardError, DoubleBackwardError
 from aotgrad.optable import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.compilers import BoxedCall
+from aotgrad.signature import Signature
 
 
 @dataclass(frozen=True)
 class Plan:
     """Positions the runtime needs, computed once per compiled specialization."""
 
-    # Forward-graph output positions the Function returns, in order.
+    # Forward-graph output positions the Function returns, in order: the fresh outputs,
+    # the bases, the mutated inputs' new values (read off the Signature, Note [Positions]).
     returned: tuple[int, ...]
     # Per returned value: does it get a cotangent?
     differentiable: tuple[bool, ...]
-    # Number of user-visible forward-graph outputs before the saved values.
-    num_forward_outputs: int
+    # Where the saved values sit among the forward graph's outputs.
+    saved_in_forward: slice
     # Tensor-output position of each fresh output, aligned with the head of ``returned``.
     fresh: tuple[int, ...]
-    num_bases: int
-    # Inputs mutated in place; those with ``data`` align with the tail of ``returned``.
+    # Where the bases and the mutated inputs' new values sit among the returned values.
+    bases_in_returned: slice
+    mutated_in_returned: slice
+    # Inputs mutated in place; those with ``data`` align with ``mutated_in_returned``.
     mutations: tuple[InputMutation, ...]
     num_tensor_outputs: int
     # Synthetic bases the graph takes in place of memory-sharing inputs.
@@ -91,28 +103,28 @@ class Plan:
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
-        joint = partitioned.joint
-        n_out, n_base = len(joint.outputs), len(joint.bases)
-        n_mutated = 0 if partitioned.mutations_in_graph else len(joint.mutated)
-        returned = (*joint.fresh_outputs, *range(n_out, n_out + n_base + n_mutated))
+        joint, signature = partitioned.joint, partitioned.signature
+        returned = _returned(joint.fresh_outputs, signature)
+        bases = _following(len(joint.fresh_outputs), signature.bases_in_forward)
         mutations = joint.mutations
         if partitioned.mutations_in_graph:  # the graph already wrote the data back
             mutations = tuple(replace(m, data=False) for m in mutations if m.metadata)
         return Plan(
             returned=returned,
             differentiable=joint.differentiable[: len(returned)],
-            num_forward_outputs=n_out + n_base + n_mutated,
+            saved_in_forward=signature.saved_in_forward,
             fresh=joint.fresh_outputs,
-            num_bases=n_base,
+            bases_in_returned=bases,
+            mutated_in_returned=_following(bases.stop, signature.mutated_in_forward),
             mutations=mutations,
-            num_tensor_outputs=n_out,
+            num_tensor_outputs=len(signature.outputs),
             input_bases=joint.input_bases,
             member_mutations=joint.member_mutations,
             saved_sizes=sizes if any(sizes := tuple(s.is_size for s in partitioned.saved)) else (),
             only_fresh=_only_fresh(
                 joint.leaves,
                 (*joint.mutations, *joint.member_mutations, *joint.detached_inputs),
-                n_base,
+                _width(bases),
             ),
             forward_needs_grad_mode=any(
                 needs_grad_mode(n.target) for n in partitioned.forward.graph.nodes
@@ -133,6 +145,29 @@ class Plan:
         )
 
 
+def _returned(fresh: tuple[int, ...], signature: Signature) -> tuple[int, ...]:
+    """Forward-output positions of the fresh outputs, every base and every new value."""
+    outputs, bases, mutated = (
+        signature.outputs_in_forward,
+        signature.bases_in_forward,
+        signature.mutated_in_forward,
+    )
+    return (
+        *(outputs.start + k for k in fresh),
+        *range(bases.start, bases.stop),
+        *range(mutated.start, mutated.stop),
+    )
+
+
+def _following(start: int, span: slice) -> slice:
+    """A slice as wide as ``span``, starting at ``start``."""
+    return slice(start, start + _width(span))
+
+
+def _width(span: slice) -> int:
+    return span.stop - span.start
+
+
 @dataclass(frozen=True)
 class ZerosLike:
     """Zeros standing in for a cotangent the caller did not give (Note [Missing cotangents])."""
@@ -151,8 +186,10 @@ def _zeros_like_cotangents(partitioned: Partitioned) -> tuple[ZerosLike, ...]:
     if partitioned.backward is None:
         return ()
     placeholders = [n for n in partitioned.backward.graph.nodes if n.op == "placeholder"]
-    values = [n.meta["val"] for n in placeholders[-len(partitioned.joint.cotangents) :]]
-    return tuple(ZerosLike(_static_size(v.shape), v.dtype, v.device) for v in values)
+    values = [n.meta["val"] for n in placeholders[partitioned.signature.cotangents_in_backward]]
+    return tuple(
+        ZerosLike(size=_static_size(v.shape), dtype=v.dtype, device=v.device) for v in values
+    )
 
 
 def _static_size(shape: torch.Size) -> tuple[int, ...] | None:
@@ -213,7 +250,7 @@ def make_function(
     plan: Plan, forward: BoxedCall, backward: BoxedCall
 ) -> type[torch.autograd.Function]:
     """A fresh ``autograd.Function`` class bound to one pair of compiled graphs."""
-    returned_positions, num_forward_outputs = plan.returned, plan.num_forward_outputs
+    returned_positions, saved_in_forward = plan.returned, plan.saved_in_forward
     num_returned = len(returned_positions)
     leading = returned_positions == tuple(range(num_returned))
     not_differentiable = [i for i, d in enumerate(plan.differentiable) if not d]
@@ -237,7 +274,7 @@ def make_function(
                 returned = tuple(results[:num_returned])
             else:
                 returned = tuple([results[i] for i in returned_positions])
-            saved = results[num_forward_outputs:]
+            saved = results[saved_in_forward]
             if plan.restrided:  # Note [Replayed metadata keeps the version]
                 saved = _aliases_of_restrided(saved, [primals[i] for i in plan.restrided])
             if plan.saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
@@ -379,9 +416,8 @@ def run_epilogue(
         if plan.out_spec.is_leaf():
             return returned[0]
         return unflatten_result(list(returned), plan)
-    n_fresh = len(plan.fresh)
-    bases = returned[n_fresh : n_fresh + plan.num_bases]
-    new_values = iter(returned[n_fresh + plan.num_bases :])
+    bases = returned[plan.bases_in_returned]
+    new_values = iter(returned[plan.mutated_in_returned])
     concrete = _ConcreteLayouts(plan.guards, inputs)
     for mutation in plan.mutations:
         new = next(new_values) if mutation.data else None

@@ -3,20 +3,58 @@
 Note [Calling convention]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 ``forward(*inputs) -> (*outputs, *bases, *mutated, *saved)`` and
-``backward(*saved, *cotangents) -> grads``. For ``fn(x, w) = (x @ w).sin()``
-with only ``w`` requiring grad::
-
-    forward(x, w)          -> (sin, mm)      # output[0]; saved: mm
-    backward(mm, x, cot_0) -> (None, grad_w) # grads, one per forward input
+``backward(*saved, *cotangents) -> grads``.
 
 - ``inputs``: one per tensor leaf of the user's call (Note [Input order]).
 - ``outputs``: one per tensor leaf of the user's result, duplicates and views
   included, in pytree order.
 - ``bases``: intermediates that several outputs view (Note [Aliased outputs]).
 - ``mutated``: new values of inputs the function mutated in place.
-- ``saved``: what the backward needs; the backward receives them first.
+- ``saved``: what the backward needs, in the forward graph's order (so saved
+  inputs come first); the backward receives them first, in the same order.
 - ``cotangents``: one per differentiable output the autograd machinery sees.
 - ``grads``: one per forward input, ``None`` for those that need no gradient.
+
+The joint graph is both graphs with nothing saved between them,
+``joint(*inputs, *cotangents) -> (*outputs, *bases, *mutated, *grads)``; its
+signature (``JointGraph.signature``) has no saved values.
+
+Worked example: ``fn(x, w) = (x @ w).sin()`` with only ``w`` requiring grad.
+The backward needs ``mm`` (for ``cos(mm)``) and ``x`` (for ``x.t() @ ...``);
+``x`` is a placeholder, so it comes before ``mm``::
+
+    forward(x, w)             -> (sin, x, mm)    # output; saved: x, mm
+    backward(x, mm, cotangent) -> (None, grad_w)  # one grad per forward input
+
+>>> import torch, aotgrad
+>>> def fn(x, w):
+...     return (x @ w).sin()
+>>> sig = aotgrad.trace(fn, torch.randn(2, 3), torch.randn(3, 4, requires_grad=True)).signature
+>>> print(sig)
+Signature v1
+  forward inputs:
+    0: x
+    1: w
+  forward outputs:
+    0: output
+    1: saved: x
+    2: saved: mm
+  backward inputs:
+    0: saved: x
+    1: saved: mm
+    2: cotangent of output
+  backward outputs:
+    0: None
+    1: grad of w
+
+Positions are the signature's business alone (Note [Positions]): a stage slices
+a graph's values with the signature's queries and never counts them itself.
+
+>>> sig.outputs_in_forward, sig.saved_in_forward
+(slice(0, 1, None), slice(1, 3, None))
+>>> sig.saved_in_backward, sig.cotangents_in_backward
+(slice(0, 2, None), slice(2, 3, None))
+
 ``docs/calling-convention.md`` is the user-facing statement of this Note.
 """
 
@@ -56,9 +94,13 @@ class Signature:
     version: int = field(default=SIGNATURE_VERSION)
 
     def __post_init__(self) -> None:
-        kinds = [_ORDER[type(d)] for d in self.forward_outputs]
-        if kinds != sorted(kinds):
-            raise AssertionError(f"forward outputs out of order: {self.forward_outputs}")
+        _check_order("forward outputs", self.forward_outputs, _FORWARD_ORDER)
+        _check_order("backward inputs", self.backward_inputs, _BACKWARD_ORDER)
+        if self.saved != tuple(d for d in self.backward_inputs if isinstance(d, Saved)):
+            raise AssertionError(
+                f"expected the backward to receive the saved values {self.saved} in order,"
+                f" got {self.backward_inputs}"
+            )
         if len(self.backward_outputs) != len(self.forward_inputs):
             raise AssertionError(
                 f"expected {len(self.forward_inputs)} grads, got {len(self.backward_outputs)}"
@@ -75,6 +117,122 @@ class Signature:
     @property
     def cotangents(self) -> tuple[Cotangent, ...]:
         return tuple(d for d in self.backward_inputs if isinstance(d, Cotangent))
+
+    @property
+    def has_backward(self) -> bool:
+        """Is there a backward graph? Exactly when some forward output gets a cotangent."""
+        return bool(self.cotangents)
+
+    # Note [Positions]
+    # ~~~~~~~~~~~~~~~~
+    # Each group of the convention sits in one contiguous run of its graph's
+    # inputs or outputs (``__post_init__`` checks the order), so every position
+    # query is a ``slice``: ``values[sig.saved_in_forward]`` are the saved values
+    # of a forward call. An empty group is an empty slice where it would sit.
+    # For this function, with ``x`` requiring grad (``tests/test_convention.py``
+    # checks every slice below)::
+    #
+    #     def f(x, buf):
+    #         buf.add_(1)
+    #         t = x.exp()
+    #         return x.sin(), t[0], t[1]
+    #
+    #     forward outputs:  0 output[0]   1 output[1]   2 output[2]
+    #                       3 base of output[1], output[2]
+    #                       4 new value of buf
+    #                       5 saved: x    6 saved: exp
+    #     outputs_in_forward = slice(0, 3)   bases_in_forward   = slice(3, 4)
+    #     mutated_in_forward = slice(4, 5)   saved_in_forward   = slice(5, 7)
+    #     results_in_forward = slice(0, 5)   # all but the saved: what the caller sees
+    #     backward inputs:  0 saved: x    1 saved: exp
+    #                       2 cotangent of output[0]   3 cotangent of base of ...
+    #     saved_in_backward  = slice(0, 2)   cotangents_in_backward = slice(2, 4)
+    #     grads_in_joint     = slice(5, 7)   # joint outputs: the results, then the grads
+
+    @property
+    def outputs_in_forward(self) -> slice:
+        """Where the user's tensor outputs sit among the forward outputs (Note [Positions])."""
+        return _span(self.forward_outputs, _FORWARD_ORDER, Output)
+
+    @property
+    def bases_in_forward(self) -> slice:
+        """Where the output bases sit among the forward outputs (Note [Positions])."""
+        return _span(self.forward_outputs, _FORWARD_ORDER, OutputBase)
+
+    @property
+    def mutated_in_forward(self) -> slice:
+        """Where mutated inputs' new values sit among the forward outputs (Note [Positions])."""
+        return _span(self.forward_outputs, _FORWARD_ORDER, MutatedInput)
+
+    @property
+    def saved_in_forward(self) -> slice:
+        """Where the saved values sit among the forward outputs: last (Note [Positions])."""
+        return _span(self.forward_outputs, _FORWARD_ORDER, Saved)
+
+    @property
+    def results_in_forward(self) -> slice:
+        """Outputs, bases and mutated: the forward outputs before the saved values.
+
+        Its ``stop`` is how many forward results precede the saved values.
+
+        >>> from aotgrad.signature import Input, Output, Saved
+        >>> sig = Signature(
+        ...     forward_inputs=(Input(path="x"),),
+        ...     forward_outputs=(Output(path=""), Saved(name="x")),
+        ...     backward_inputs=(Saved(name="x"), Cotangent(of=Output(path=""))),
+        ...     backward_outputs=(Grad(of=Input(path="x")),),
+        ... )
+        >>> sig.results_in_forward, sig.saved_in_forward
+        (slice(0, 1, None), slice(1, 2, None))
+        """
+        return slice(0, self.saved_in_forward.start)
+
+    @property
+    def saved_in_backward(self) -> slice:
+        """Where the saved values sit among the backward inputs: first (Note [Positions])."""
+        return _span(self.backward_inputs, _BACKWARD_ORDER, Saved)
+
+    @property
+    def cotangents_in_backward(self) -> slice:
+        """Where the cotangents sit among the backward inputs: last (Note [Positions])."""
+        return _span(self.backward_inputs, _BACKWARD_ORDER, Cotangent)
+
+    @property
+    def grads_in_joint(self) -> slice:
+        """Where the grads sit among the joint graph's outputs, after the forward results.
+
+        Only a signature without saved values describes a joint graph (Note
+        [Calling convention]); a joint graph without a backward has no grads.
+        """
+        if self.saved:
+            raise AssertionError(f"expected the joint graph's signature (none saved), got {self}")
+        start = len(self.forward_outputs)
+        return slice(start, start + len(self.backward_outputs) if self.has_backward else start)
+
+    def with_saved(self, saved: tuple[Saved, ...]) -> Signature:
+        """The convention of the forward and backward graphs split from a joint graph.
+
+        ``saved`` go last among the forward outputs and first among the backward inputs.
+
+        >>> from aotgrad.signature import Input, Output
+        >>> joint = Signature(
+        ...     forward_inputs=(Input(path="x"),),
+        ...     forward_outputs=(Output(path=""),),
+        ...     backward_inputs=(Cotangent(of=Output(path="")),),
+        ...     backward_outputs=(Grad(of=Input(path="x")),),
+        ... )
+        >>> [str(d) for d in joint.with_saved((Saved(name="cos"),)).backward_inputs]
+        ['saved: cos', 'cotangent of output']
+        """
+        if self.saved:
+            raise AssertionError(f"expected a signature with nothing saved yet, got {self}")
+        return Signature(
+            forward_inputs=self.forward_inputs,
+            forward_outputs=(*self.forward_outputs, *saved),
+            backward_inputs=(*saved, *self.backward_inputs),
+            backward_outputs=self.backward_outputs,
+            version=self.version,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; the layout is versioned by ``version``."""
@@ -98,4 +256,19 @@ class Signature:
         return "\n".join(lines)
 
 
-_ORDER = {Output: 0, OutputBase: 1, MutatedInput: 2, Saved: 3}
+# The rank of each kind of descriptor in its graph's inputs or outputs.
+_FORWARD_ORDER: dict[type, int] = {Output: 0, OutputBase: 1, MutatedInput: 2, Saved: 3}
+_BACKWARD_ORDER: dict[type, int] = {Saved: 0, Cotangent: 1}
+
+
+def _check_order(what: str, descriptors: tuple[Descriptor, ...], order: dict[type, int]) -> None:
+    kinds = [order.get(type(d), -1) for d in descriptors]
+    if -1 in kinds or kinds != sorted(kinds):
+        expected = ", ".join(f"{kind.__name__}..." for kind in order)
+        raise AssertionError(f"expected {what} in the order {expected}, got {descriptors}")
+
+
+def _span(descriptors: tuple[Descriptor, ...], order: dict[type, int], kind: type) -> slice:
+    """Where the descriptors of ``kind`` sit: after every earlier kind (Note [Positions])."""
+    start = sum(1 for d in descriptors if order[type(d)] < order[kind])
+    return slice(start, start + sum(1 for d in descriptors if type(d) is kind))

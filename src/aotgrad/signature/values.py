@@ -45,7 +45,6 @@ _ITSELF = (
     enum.Enum,
     type(Ellipsis),
     range,
-    slice,
 )
 _MAX_DEPTH = 8
 
@@ -113,6 +112,8 @@ def _fields(value: Any, path: str, depth: int, active: set[int]) -> Any:
         )
     if isinstance(value, set | frozenset):
         return frozenset(_key(v, path, depth, active) for v in value)
+    if isinstance(value, slice):  # unhashable before Python 3.12
+        return tuple(_key(v, path, depth, active) for v in (value.start, value.stop, value.step))
     if isinstance(value, functools.partial):
         parts = (value.func, value.args, value.keywords)
         return _key(parts, path, depth, active)
