@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from aotgrad._torch_compat import REENTRANT_CHECKPOINT_GRAD, rename_node
 from aotgrad.capture.aliasing import (
     Alias,
     AliasSource,
@@ -147,7 +148,7 @@ def _capture(
     try:
         gm, record, inputs, recorder = traced or trace(leaf_primals=False)
     except RuntimeError as e:  # Note [Reentrant checkpoints]
-        if "incompatible with .grad()" not in str(e):
+        if REENTRANT_CHECKPOINT_GRAD not in str(e):
             raise
         gm, record, inputs, recorder = trace(leaf_primals=True)
     split_at_cotangents(gm)
@@ -305,7 +306,7 @@ def _name_placeholders(graph: fx.Graph, descriptors: Sequence[object]) -> None:
     for node, desc in zip(placeholders, descriptors, strict=True):
         if isinstance(desc, Cotangent):
             continue  # already cotangent_<i>
-        node._rename(_identifier(str(desc)))
+        rename_node(node, _identifier(str(desc)))
         node.target = node.name
         if isinstance(desc, Param | Buffer) and "." in desc.name:
             owner = desc.name.rsplit(".", 1)[0]

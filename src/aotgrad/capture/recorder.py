@@ -22,10 +22,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-import torch.utils._python_dispatch as _python_dispatch
 import torch.utils._pytree as pytree
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
+from aotgrad._torch_compat import (
+    FunctionalTensor,
+    FunctionalTensorMode,
+    autograd_node_number,
+    disable_current_modes,
+    from_functional_tensor,
+    sync,
+)
 from aotgrad.capture import closed_over
 from aotgrad.capture.mutation import check_writable
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
@@ -125,8 +131,8 @@ def _record_error_check(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
     """
 
     def unwrap(t: FunctionalTensor) -> torch.Tensor:
-        torch._sync(t)
-        return torch._from_functional_tensor(t.elem)
+        sync(t)
+        return from_functional_tensor(t.elem)
 
     args, kwargs = pytree.tree_map_only(FunctionalTensor, unwrap, (args, kwargs or {}))
     return func(*args, **kwargs)
@@ -215,7 +221,7 @@ class Recorder:
             custom.pop(_RNG, None)
             return
         generator = torch.default_generator
-        with _python_dispatch._disable_current_modes():
+        with disable_current_modes():
             position = hash(generator.get_state().numpy().tobytes())
         custom[_RNG] = position
         generator.manual_seed(position & 0xFFFF_FFFF_FFFF)
@@ -232,7 +238,7 @@ class Recorder:
         """Hook every autograd node behind ``targets`` (Note [Sequence numbers])."""
         self.in_backward = True
         nodes = _autograd_nodes(targets)
-        self.live_numbers = sorted(node._sequence_nr() for node in nodes)
+        self.live_numbers = sorted(autograd_node_number(node) for node in nodes)
         for node in nodes:
             node.register_prehook(functools.partial(self._enter_node, node))
             node.register_hook(self._exit_node)
@@ -250,7 +256,7 @@ class Recorder:
             self.module_stack.pop().__exit__(None, None, None)
 
     def _enter_node(self, node: Any, grad_outputs: Any) -> None:
-        fx_traceback.set_grad_fn_seq_nr(node._sequence_nr())
+        fx_traceback.set_grad_fn_seq_nr(autograd_node_number(node))
         context = fx_traceback.annotate({_IN_NODE: True})
         context.__enter__()
         self.node_contexts.append(context)
@@ -271,15 +277,15 @@ def generator_restored() -> Iterator[None]:
     the real generator, outside every mode; :meth:`Recorder.note_random` steps it.
     """
     generator = torch.default_generator
-    with _python_dispatch._disable_current_modes():
+    with disable_current_modes():
         state = generator.get_state()
 
     def get_rng_state() -> torch.Tensor:
-        with _python_dispatch._disable_current_modes():
+        with disable_current_modes():
             return generator.get_state()
 
     def set_rng_state(new_state: torch.Tensor) -> None:
-        with _python_dispatch._disable_current_modes():
+        with disable_current_modes():
             generator.set_state(new_state)
 
     saved = torch.get_rng_state, torch.set_rng_state, torch.manual_seed, torch.seed
@@ -294,7 +300,7 @@ def generator_restored() -> Iterator[None]:
         torch.set_rng_state = torch.random.set_rng_state = saved[1]
         torch.manual_seed = torch.random.manual_seed = saved[2]
         torch.seed = torch.random.seed = saved[3]
-        with _python_dispatch._disable_current_modes():
+        with disable_current_modes():
             generator.set_state(state)
 
 

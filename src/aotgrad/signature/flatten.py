@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch._C._dynamo.guards import TensorGuards
 
+from aotgrad._torch_compat import TensorGuards
 from aotgrad.errors import CallError, format_error, user_frame_of_function
 from aotgrad.signature.descriptors import Input, PrimalDescriptor
 from aotgrad.signature.storage import storage_key

@@ -16,19 +16,12 @@ def forward(
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch.fx as fx
 
+from aotgrad._torch_compat import ExpandedCodeGen
+
 DESC_KEY = "desc"  # torch.fx prints node.meta["desc"] as a comment when expanding defs
-
-
-class DescribedCodeGen(fx.graph.CodeGen):
-    """fx's code generator, always in expanded form so descriptors print as comments."""
-
-    def _gen_python_code(self, *args: Any, **kwargs: Any) -> fx.graph.PythonCode:
-        kwargs["expanded_def"] = True
-        return super()._gen_python_code(*args, **kwargs)
 
 
 def describe_graph(graph: fx.Graph, inputs: Sequence[object], outputs: Sequence[object]) -> None:
@@ -45,4 +38,4 @@ def describe_graph(graph: fx.Graph, inputs: Sequence[object], outputs: Sequence[
         raise AssertionError(f"expected {len(outputs)} outputs, got {len(output.args[0])}")  # type: ignore[arg-type]
     output.meta[DESC_KEY] = [str(d) for d in outputs]
     output.meta["aotgrad_desc"] = list(outputs)
-    graph.set_codegen(DescribedCodeGen())
+    graph.set_codegen(ExpandedCodeGen())
