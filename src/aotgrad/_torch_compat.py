@@ -134,9 +134,9 @@ LazyGraphModule = _lazy_graph_module._LazyGraphModule
 use_lazy_graph_module = _lazy_graph_module._use_lazy_graph_module
 
 
-def fresh_node_name(graph: fx.Graph, candidate: str) -> str:
-    """A name for a new node of ``graph``, ``candidate`` made unique, as ``make_fx`` names them."""
-    return graph._target_to_str(candidate)
+def op_node_name(graph: fx.Graph, op_name: str) -> str:
+    """The name ``make_fx`` gives a node calling ``op_name`` (``create_node`` makes it unique)."""
+    return graph._target_to_str(op_name)
 
 
 def rename_node(node: fx.Node, name: str) -> None:
@@ -164,6 +164,9 @@ unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 functorch_transforms_active = torch._C._are_functorch_transforms_active
 # Put a tensor's version counter back (Note [Replayed metadata keeps the version]).
 set_version_counter = torch._C._autograd._unsafe_set_version_counter
+# What ``autograd.grad`` and ``.backward()`` run, called by capture with its modes kept active
+# (Note [The swap spans the backward]).
+engine_run_backward = torch.autograd.graph._engine_run_backward
 
 
 def autograd_node_number(node: Any) -> int:
@@ -252,6 +255,28 @@ def effect_token_op(message: str) -> str:
     return message.rsplit(" ", 1)[-1]
 
 
-# Torch functions as tracebacks name them (``module.function``), matched in failed captures.
-TENSOR_BACKWARD = "torch._tensor.backward"  # ``Tensor.backward``
-ENGINE_RUN_BACKWARD = "torch.autograd.graph._engine_run_backward"  # what autograd.grad runs
+def traceback_name(function: Callable[..., Any]) -> str:
+    """A Python function as a failed capture's traceback names it: ``module.function``."""
+    return f"{function.__globals__['__name__']}.{function.__code__.co_name}"
+
+
+# Torch functions a failed capture's traceback may end in, by that name.
+TENSOR_BACKWARD = traceback_name(torch.Tensor.backward)  # "torch._tensor.backward"
+ENGINE_RUN_BACKWARD = traceback_name(engine_run_backward)  # what autograd.grad runs
+
+
+# --- Compiled functions --------------------------------------------------------------------------
+
+# Marks a compiled function that takes its inputs as one list (``f(args)``, "boxed"), so it may
+# free them early: Inductor's output carries it, and torch's backends and aotgrad read it.
+BOXED_CALL = "_boxed_call"
+
+
+def mark_boxed(f: Callable[..., Any]) -> None:
+    """Mark ``f`` as taking one list argument (:data:`BOXED_CALL`)."""
+    setattr(f, BOXED_CALL, True)
+
+
+def is_boxed(f: object) -> bool:
+    """Does ``f`` take one list argument (:data:`BOXED_CALL`)?"""
+    return bool(getattr(f, BOXED_CALL, False))

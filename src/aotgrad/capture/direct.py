@@ -49,7 +49,7 @@ from aotgrad._torch_compat import (
     OpOverload,
     TorchDispatchMode,
     autograd_would_have_decomposed,
-    fresh_node_name,
+    op_node_name,
     seq_nr_of,
     tensor_metadata,
 )
@@ -122,7 +122,7 @@ class DirectTracer(TorchDispatchMode):
         self.recorder.note_source()
         self.recorder.note_random(func, args, kwargs)
         out = func(*args, **kwargs)
-        name = fresh_node_name(self.graph, func.overloadpacket.__name__)
+        name = op_node_name(self.graph, func.overloadpacket.__name__)
         node = self.graph.create_node("call_function", func, node_args, node_kwargs, name=name)
         self._copy_context(node)
         self._output(out, node)

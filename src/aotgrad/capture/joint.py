@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.fx.experimental.proxy_tensor import disable_autocast_cache, make_fx
 
 from aotgrad._torch_compat import (
@@ -39,6 +39,7 @@ from aotgrad._torch_compat import (
     FunctionalTensor,
     compiling_flag,
     enable_python_dispatcher,
+    engine_run_backward,
     set_compiling_flag,
     sync,
 )
@@ -599,7 +600,7 @@ def _run_engine(
 ) -> tuple[torch.Tensor | None, ...]:
     """``autograd.grad`` (``accumulate=False``) or ``.backward()`` with the modes kept active
     (Note [The swap spans the backward])."""
-    return _engine_run_backward(
+    return engine_run_backward(
         tuple(targets),
         tuple(cotangents),
         False,  # retain_graph

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from aotgrad._torch_compat import OpOverload, op_kernel
+from aotgrad._torch_compat import OpOverload, mark_boxed, op_kernel
 
 _LITERALS = (bool, int, str, type(None))
 
@@ -141,5 +141,5 @@ def straight_line(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), namespace)
     forward = namespace["forward"]
-    forward._boxed_call = True
+    mark_boxed(forward)
     return forward
