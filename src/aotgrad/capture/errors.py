@@ -24,7 +24,6 @@ from aotgrad._torch_compat import (
     effect_token_op,
 )
 from aotgrad.errors import (
-    _AOTGRAD_DIR,
     AotgradError,
     DataDependentError,
     OpError,
@@ -32,12 +31,14 @@ from aotgrad.errors import (
     OpRuntimeError,
     OpTypeError,
     OpValueError,
+    Origin,
     UnsupportedMutationError,
     UnsupportedOpError,
     UnsupportedOutputError,
     UserFrame,
-    _is_user_file,
     format_error,
+    frame_origin,
+    is_user_file,
     user_frame_from_traceback,
 )
 
@@ -178,7 +179,7 @@ def _frames(e: BaseException) -> list[Any]:
 def _raised_by_user(e: BaseException) -> bool:
     """The innermost frame is the user's code: the user raised it, not torch."""
     frames = _frames(e)
-    return bool(frames) and _is_user_file(frames[-1].f_code.co_filename)
+    return bool(frames) and is_user_file(frames[-1].f_code.co_filename)
 
 
 def _failing_op(e: BaseException) -> str:
@@ -210,7 +211,7 @@ _TORCH_FUNCTION_NAMES = {
 
 
 def _is_caller(filename: str) -> bool:
-    return _is_user_file(filename) or filename.startswith(_AOTGRAD_DIR)
+    return frame_origin(filename) is not Origin.LIBRARY
 
 
 def _data_dependent(e: Exception, construct: str | None = None) -> DataDependentError:

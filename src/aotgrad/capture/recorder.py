@@ -36,7 +36,14 @@ from aotgrad.capture import closed_over
 from aotgrad.capture.mutation import check_writable
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.capture.random import FILL_RANDOM, strided_fill
-from aotgrad.errors import UnsupportedOpError, UserFrame, format_error, user_frame_from_stack
+from aotgrad.errors import (
+    Origin,
+    UnsupportedOpError,
+    UserFrame,
+    format_error,
+    frame_origin,
+    user_frame_from_stack,
+)
 from aotgrad.optable import draws_random, is_error_check
 
 aten = torch.ops.aten
@@ -50,39 +57,25 @@ _RNG = "aotgrad_rng"
 # Where a random op sits in the CPU generator's stream (Note [Recomputed random ops]).
 RNG_POSITION_KEY = "aotgrad_rng_position"
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_AOTGRAD_DIR = os.path.dirname(os.path.dirname(__file__))
-_STDLIB_DIR = os.path.dirname(os.__file__)
-# Frames of the recording machinery itself (this file, the direct tracer): not the caller.
-_TRACER_FILES = (__file__, os.path.join(os.path.dirname(__file__), "direct.py"))
-
-
-@functools.cache
-def _origin(filename: str) -> str:
-    """``torch``, ``aotgrad`` or ``user``; the stdlib and the tracers' own files count as torch."""
-    if filename in _TRACER_FILES:
-        return "torch"
-    if filename.startswith(_AOTGRAD_DIR):
-        return "aotgrad"
-    if filename.startswith((_TORCH_DIR, _STDLIB_DIR)):
-        return "torch"
-    if filename.startswith("<") and filename not in ("<stdin>", "<console>"):
-        return "torch"  # generated code: "<string>", "<eval_with_key>.3", "<frozen ...>"
-    return "user"
-
-
-_CLOSED_OVER = closed_over.__file__
+# aotgrad's files that only pass the user's call on, walked past like torch's (Note [User
+# frames]): the recording machinery itself (this file, the direct tracer) and the closed-over swap.
+_FORWARDING_FILES = (
+    __file__,
+    os.path.join(os.path.dirname(__file__), "direct.py"),
+    closed_over.__file__,
+)
 
 
 def _user_frame() -> tuple[str, int, str] | None:
     """The innermost user frame calling into torch, or None if aotgrad itself is the caller."""
     frame = sys._getframe(3)
     while frame is not None:
-        origin = _origin(frame.f_code.co_filename)
-        if origin == "user":
-            return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
-        if origin == "aotgrad" and frame.f_code.co_filename != _CLOSED_OVER:
-            return None  # (the closed-over mode only forwards the user's call)
+        filename = frame.f_code.co_filename
+        origin = frame_origin(filename)
+        if origin is Origin.USER:
+            return filename, frame.f_lineno, frame.f_code.co_name
+        if origin is Origin.AOTGRAD and filename not in _FORWARDING_FILES:
+            return None
         frame = frame.f_back  # type: ignore[assignment]
     return None
 
