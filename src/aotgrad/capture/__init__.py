@@ -5,7 +5,6 @@ Entry point: :func:`capture`. See Note [One tracing pass] in ``joint.py``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -52,6 +51,7 @@ from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature import (
     Buffer,
     Cotangent,
+    Descriptor,
     FlatInputs,
     Grad,
     MutatedInput,
@@ -60,6 +60,7 @@ from aotgrad.signature import (
     Param,
     describe_graph,
 )
+from aotgrad.signature.printing import placeholder_name
 
 __all__ = [
     "META_KEY",
@@ -300,23 +301,14 @@ def _remove_detaches(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def _name_placeholders(graph: fx.Graph, descriptors: Sequence[object]) -> None:
+def _name_placeholders(graph: fx.Graph, descriptors: Sequence[Descriptor]) -> None:
     """Name each placeholder after its descriptor; a parameter belongs to its module."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, desc in zip(placeholders, descriptors, strict=True):
         if isinstance(desc, Cotangent):
             continue  # already cotangent_<i>
-        rename_node(node, _identifier(str(desc)))
+        rename_node(node, placeholder_name(desc))
         node.target = node.name
         if isinstance(desc, Param | Buffer) and "." in desc.name:
             owner = desc.name.rsplit(".", 1)[0]
             set_info(node, replace(node_info(node), module=owner))
-
-
-def _identifier(text: str) -> str:
-    """``carry['a']`` → ``carry_a``; ``param fc1.weight`` → ``fc1_weight``."""
-    for prefix in ("param ", "buffer ", "closure ", "global "):
-        text = text.removeprefix(prefix)
-    text = text.replace("base of ", "base_of_")
-    name = re.sub(r"\W+", "_", text).strip("_") or "input"
-    return name if not name[0].isdigit() else f"_{name}"
