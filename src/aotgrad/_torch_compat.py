@@ -34,6 +34,9 @@ What aotgrad uses directly, as public:
   Wrapping each of these would hide what the code does and protect nothing.
 - ``torch.fx``, ``torch.fx.traceback``, ``torch.fx.experimental``,
   ``make_fx``, ``torch.utils.checkpoint``: public modules.
+- aten operators whose names start with ``_`` (``aten._unsafe_view``,
+  ``aten._linalg_check_errors``): the dispatcher's op names, which graphs and
+  op tables hold as data, not Python internals.
 
 Inductor and Dynamo take seconds to import: their names are imported on first
 use, inside the functions below, never when aotgrad is imported.
@@ -61,7 +64,7 @@ import torch.utils._python_dispatch as _python_dispatch
 import torch.utils._pytree as pytree
 from torch._C import _functionalization
 
-# --- Operators ---------------------------------------------------------------------------------
+# --- Operators -----------------------------------------------------------------------------------
 
 # The type of ``torch.ops.aten.mm.default``: op tables and tracers tell ops from Python callables.
 OpOverload = _ops.OpOverload
@@ -110,7 +113,7 @@ mutation_counter = torch._functionalize_mutation_counter
 view_meta_sequence = _functionalization.get_view_meta_sequence
 apply_view_meta_sequence = _functionalization.apply_view_meta_sequence
 
-# --- Dispatch and torch-function modes ----------------------------------------------------------
+# --- Dispatch and torch-function modes -----------------------------------------------------------
 
 # The base class of the direct tracer (Note [Direct tracing]).
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
@@ -121,7 +124,7 @@ autograd_would_have_decomposed = _python_dispatch.autograd_would_have_decomposed
 # Step below torch-function modes (the closed-over swap) to read a real tensor's ``.grad``.
 DisableTorchFunction = torch._C.DisableTorchFunction
 
-# --- torch.fx internals ------------------------------------------------------------------------
+# --- torch.fx internals --------------------------------------------------------------------------
 
 # Node metadata ``make_fx`` copies onto each node it creates: the direct tracer copies the same.
 COPY_META_FIELDS: tuple[str, ...] = tuple(_fx_proxy._COPY_META_FIELDS)
@@ -156,7 +159,7 @@ class ExpandedCodeGen(fx.graph.CodeGen):
         return super()._gen_python_code(*args, **kwargs)
 
 
-# --- Autograd internals ------------------------------------------------------------------------
+# --- Autograd internals --------------------------------------------------------------------------
 
 # ``autograd.Function.apply`` without its Python layer (Note [Calling the Function directly]).
 FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
@@ -180,17 +183,18 @@ def compiling_flag() -> bool:
 
 
 def set_compiling_flag(value: bool) -> None:
+    """Set what :func:`compiling_flag` reads."""
     torch.compiler._is_compiling_flag = value
 
 
-# --- Autocast ----------------------------------------------------------------------------------
+# --- Autocast ------------------------------------------------------------------------------------
 
 # Is autocast on for any device? (one C call: checked on every call of a compiled function)
 any_autocast_enabled = torch._C._is_any_autocast_enabled
 # The devices autocast has a state for.
 autocast_supported_devices = torch._C._autocast_supported_devices
 
-# --- Guards, Dynamo and Inductor ---------------------------------------------------------------
+# --- Guards, Dynamo and Inductor -----------------------------------------------------------------
 
 # Dynamo's C++ tensor check: the per-call fast path of the cache (Note [The last entry]).
 TensorGuards = _guards.TensorGuards
@@ -222,7 +226,7 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], fake_mode: A
         return compile_fx_inner(gm, example_inputs)
 
 
-# --- Module hooks and pytree internals ---------------------------------------------------------
+# --- Module hooks and pytree internals -----------------------------------------------------------
 
 
 def global_module_hooks(kind: str) -> dict[int, Any]:
@@ -235,7 +239,7 @@ def pytree_node_type(value: Any) -> Any:
     return pytree._get_node_type(value)
 
 
-# --- Error messages and names aotgrad recognises by their text ---------------------------------
+# --- Error messages and names aotgrad recognises by their text -----------------------------------
 
 # Functionalization refusing to write a traced value into a real tensor: the function mutates a
 # tensor it does not take as an argument.
