@@ -116,7 +116,7 @@ def verify(
         compiled_fn = aot_module(compiled_source)
     else:
         compiled_fn = aot_function(compiled_source)
-    eager, compiled = _copy_call(fn, args, kwargs), _copy_call(fn, args, kwargs)
+    eager, compiled = _copy_call(args, kwargs, fn), _copy_call(args, kwargs, fn)
     rng = torch.random.get_rng_state()  # both runs draw the same random numbers
     eager_out = eager_fn(*eager.args, **eager.kwargs)
     torch.random.set_rng_state(rng)
@@ -146,10 +146,13 @@ def _parameters(fn: Any) -> dict[str, torch.Tensor]:
     return {str(Param(name=n)): p for n, p in fn.named_parameters() if p.requires_grad}
 
 
-def _copy_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+def _copy_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[..., Any] = lambda *args: None
+) -> _Call:
     """Copy the inputs, keeping storage sharing between them (aliasing inputs stay aliased).
 
-    Inputs are named as the signature names them (``carry['a']``, ``model.fc.weight``).
+    Inputs are named as the signature of a call of ``fn`` names them (``carry['a']``,
+    ``model.fc.weight``); the default names them by position (``args[0]``).
     """
     leaves, spec = pytree.tree_flatten((args, kwargs))
     names = leaf_names(fn, args, kwargs)
