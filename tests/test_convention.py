@@ -52,7 +52,7 @@ def test_descriptors_print_as_comments_and_sit_on_node_meta():
     assert "# grad of w" in traced.backward.code
     assert "# cotangent of output" in traced.backward.code
     placeholder = next(n for n in traced.forward.graph.nodes if n.op == "placeholder")
-    assert placeholder.meta["aotgrad_desc"] == Input("x")
+    assert placeholder.meta["desc"] == Input("x")
 
 
 def test_graphs_run_as_plain_python_with_the_convention():

@@ -32,7 +32,7 @@ def test_descriptors_name_the_users_expressions_not_dynamos_order():
     torch._dynamo.reset()
     out = torch.compile(fn, backend=aotgrad.backend(compiler, compiler))(*args)
     forward = graphs[0]
-    names = sorted(n.meta["desc"] for n in forward.graph.nodes if n.op == "placeholder")
+    names = sorted(str(n.meta["desc"]) for n in forward.graph.nodes if n.op == "placeholder")
     assert names == sorted(["carry['a']", "carry['b']", "x['weights']", "x['biases']"])
     torch.testing.assert_close(out[1], fn(*args)[1])
 
@@ -83,7 +83,7 @@ def test_module_parameters_are_named_like_the_user_wrote_them():
             return self.fc1(x).relu()
 
     torch.compile(Net(), backend=aotgrad.backend(compiler, compiler))(torch.randn(2, 3))
-    names = {n.meta["desc"] for n in graphs[0].graph.nodes if n.op == "placeholder"}
+    names = {str(n.meta["desc"]) for n in graphs[0].graph.nodes if n.op == "placeholder"}
     assert names == {"self.fc1.weight", "self.fc1.bias", "x"}
     modules = {node_info(n).module for n in graphs[0].graph.nodes if n.op == "call_function"}
     assert "fc1" in modules

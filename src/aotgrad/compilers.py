@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from aotgrad._torch_compat import FakeTensorMode, inductor_compile, inductor_decompositions
 from aotgrad.runtime import make_boxed_func, nop
 
 __all__ = ["inductor", "nop", "print_graphs"]
@@ -50,15 +51,10 @@ def inductor(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
     graphs keep ops such as ``threshold_backward`` that Inductor lowers through
     its own decompositions), on the example inputs' fake mode.
     """
-    from torch._guards import TracingContext, tracing
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     fake_mode = next(
         (t.fake_mode for t in example_inputs if hasattr(t, "fake_mode")), None
     ) or FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
-        decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
-    with tracing(TracingContext(fake_mode)), torch.no_grad():
-        return compile_fx_inner(decomposed, example_inputs)
+        decomposed = make_fx(gm, decomposition_table=inductor_decompositions())(*example_inputs)
+    with torch.no_grad():
+        return inductor_compile(decomposed, example_inputs, fake_mode)

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
+from aotgrad._torch_compat import DYNAMO_EXAMPLE_VALUE, DYNAMO_GRAPH_ARG
 from aotgrad.api import AOTFunction, Options, PartitionArg
 from aotgrad.capture.dynamic import dynamic
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
@@ -74,7 +75,7 @@ def backend(
 
 
 def _symbolic_dims(node: fx.Node) -> tuple[int, ...]:
-    value = node.meta.get("example_value")
+    value = node.meta.get(DYNAMO_EXAMPLE_VALUE)
     if not isinstance(value, torch.Tensor):
         return ()
     return tuple(d for d, n in enumerate(value.shape) if isinstance(n, torch.SymInt))
@@ -90,14 +91,14 @@ def _size_sources(placeholders: list[fx.Node]) -> dict[int, tuple[int, int]]:
     """
     owners: dict[Any, tuple[int, int]] = {}
     for i, node in enumerate(placeholders):
-        value = node.meta.get("example_value")
+        value = node.meta.get(DYNAMO_EXAMPLE_VALUE)
         if isinstance(value, torch.Tensor):
             for d, n in enumerate(value.shape):
                 if isinstance(n, torch.SymInt):
                     owners.setdefault(str(n), (i, d))
     sources = {}
     for i, node in enumerate(placeholders):
-        value = node.meta.get("example_value")
+        value = node.meta.get(DYNAMO_EXAMPLE_VALUE)
         if isinstance(value, torch.SymInt) and str(value) in owners:
             sources[i] = owners[str(value)]
     return sources
@@ -123,7 +124,7 @@ def _number_inputs(placeholders: list[fx.Node], sizes: dict[int, tuple[int, int]
     """Placeholders that stand for a Python number (Note [Dynamo's number inputs])."""
     numbers = set()
     for i, node in enumerate(placeholders):
-        value = node.meta.get("example_value")
+        value = node.meta.get(DYNAMO_EXAMPLE_VALUE)
         symbolic = isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool)
         if i not in sizes and (symbolic or _read_only_by_item(node, value)):
             numbers.add(i)
@@ -173,7 +174,7 @@ def aotgrad_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
 
 def user_expression(node: fx.Node) -> str:
     """The user's expression for a Dynamo placeholder: ``carry['a']``, ``self.fc1.weight``."""
-    source = getattr(node.meta.get("grapharg"), "source", None)
+    source = getattr(node.meta.get(DYNAMO_GRAPH_ARG), "source", None)
     name = source.name if source is not None else node.name
     name = name() if callable(name) else str(name)
     name = _ROOT.sub(r"\1", name)

@@ -10,6 +10,8 @@ callers can catch them all at once. Messages follow one shape::
 
 from __future__ import annotations
 
+import enum
+import functools
 import linecache
 import os
 import sys
@@ -19,9 +21,9 @@ from types import TracebackType
 
 import torch
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
 _AOTGRAD_DIR = os.path.dirname(__file__)
-_INTERNAL_DIRS = (_TORCH_DIR, _AOTGRAD_DIR, os.path.dirname(os.__file__))
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.__file__))  # torch, stdlib
+_INTERACTIVE = ("<stdin>", "<console>")
 
 
 class AotgradError(Exception):
@@ -105,10 +107,55 @@ class UserFrame:
         return f"{self.filename}:{self.lineno} in {self.name}: {self.line}"
 
 
-def _is_user_file(filename: str) -> bool:
+class Origin(enum.Enum):
+    """Whose code a frame runs (Note [User frames])."""
+
+    USER = "user"
+    AOTGRAD = "aotgrad"
+    LIBRARY = "library"  # torch, the standard library, generated code
+
+
+# Note [User frames]
+# ~~~~~~~~~~~~~~~~~~
+# Errors point at the user's line, and provenance records it for every op:
+# both walk the stack to the innermost frame that is neither torch's, nor the
+# standard library's, nor aotgrad's. One rule decides, by file name: code under
+# torch's directory (a prefix: ``torchvision`` counts too) or the standard
+# library's is a library's; so is code without a file (``<string>``, fx's
+# ``<eval_with_key>.3``, ``<frozen runpy>``), except what the user typed at a
+# prompt::
+#
+#     /home/me/model.py                         user
+#     <stdin>                                   user
+#     .../site-packages/torch/nn/functional.py  library
+#     .../lib/python3.11/contextlib.py          library
+#     <eval_with_key>.3                         library
+#     .../aotgrad/capture/joint.py              aotgrad
+#
+# Walks differ only in what they do on aotgrad's frames: an error skips them,
+# provenance stops there (aotgrad itself issued the op; ``capture/recorder.py``).
+
+
+@functools.cache
+def frame_origin(filename: str) -> Origin:
+    """Whose code the file ``filename`` is (Note [User frames]).
+
+    >>> [frame_origin(f).value for f in ("/home/me/model.py", os.__file__, "<string>", "<stdin>")]
+    ['user', 'library', 'library', 'user']
+    >>> frame_origin(__file__).value
+    'aotgrad'
+    """
     if filename.startswith("<"):
-        return filename in ("<stdin>", "<console>")
-    return not os.path.abspath(filename).startswith(_INTERNAL_DIRS)
+        return Origin.USER if filename in _INTERACTIVE else Origin.LIBRARY
+    path = os.path.abspath(filename)
+    if path.startswith(_AOTGRAD_DIR):
+        return Origin.AOTGRAD
+    return Origin.LIBRARY if path.startswith(_LIBRARY_DIRS) else Origin.USER
+
+
+def is_user_file(filename: str) -> bool:
+    """Is ``filename`` the user's code (Note [User frames])?"""
+    return frame_origin(filename) is Origin.USER
 
 
 def user_frame_from_traceback(tb: TracebackType | None) -> UserFrame | None:
@@ -116,7 +163,7 @@ def user_frame_from_traceback(tb: TracebackType | None) -> UserFrame | None:
     found = None
     for frame, lineno in traceback.walk_tb(tb):
         filename = frame.f_code.co_filename
-        if _is_user_file(filename):
+        if is_user_file(filename):
             line = linecache.getline(filename, lineno).strip()
             found = UserFrame(filename, lineno, frame.f_code.co_name, line)
     return found
@@ -127,7 +174,7 @@ def user_frame_from_stack() -> UserFrame | None:
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if _is_user_file(filename):
+        if is_user_file(filename):
             line = linecache.getline(filename, frame.f_lineno).strip()
             return UserFrame(filename, frame.f_lineno, frame.f_code.co_name, line)
         frame = frame.f_back  # type: ignore[assignment]

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from aotgrad._torch_compat import OpOverload
+
 
 @functools.cache
 def is_free_view(op: object) -> bool:
@@ -19,7 +21,7 @@ def is_free_view(op: object) -> bool:
     >>> is_free_view(torch.ops.aten.t.default), is_free_view(torch.ops.aten.mm.default)
     (True, False)
     """
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, OpOverload):
         return False
     returns = op._schema.returns
     return bool(op.is_view) and len(returns) == 1 and str(returns[0].type) == "Tensor"
@@ -27,7 +29,7 @@ def is_free_view(op: object) -> bool:
 
 def op_name(target: object) -> str:
     """``aten.mm.default`` for an OpOverload; the plain name for anything else."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return str(target)
     return getattr(target, "__name__", str(target))
 
@@ -39,7 +41,7 @@ def is_random(op: object) -> bool:
     >>> is_random(torch.ops.aten.bernoulli.p), is_random(torch.ops.aten.sin.default)
     (True, False)
     """
-    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+    return isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
 
 
 def draws_random(op: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -59,7 +61,7 @@ def draws_random(op: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     """
     if not is_random(op):
         return False
-    assert isinstance(op, torch._ops.OpOverload)
+    assert isinstance(op, OpOverload)
     bound = {
         a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
         for i, a in enumerate(op._schema.arguments)
@@ -76,7 +78,7 @@ def draws_random(op: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
 
 
 def is_pointwise(op: object) -> bool:
-    return isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags
+    return isinstance(op, OpOverload) and torch.Tag.pointwise in op.tags
 
 
 def cheap_to_recompute(op: object) -> bool:
@@ -152,7 +154,7 @@ def flops(op: object, args: tuple[Any, ...], out: object) -> int:
         return int(rule(args, out))
     if is_free_view(op) or getattr(op, "is_view", False) or op is operator.getitem:
         return 0
-    if isinstance(op, torch._ops.OpOverload) and torch.Tag.reduction in op.tags:
+    if isinstance(op, OpOverload) and torch.Tag.reduction in op.tags:
         return max(_numel(args[0]) if args else 0, _numel(out))
     return _numel(out)
 
@@ -173,7 +175,7 @@ def needs_grad_mode(op: object) -> bool:
     (True, False)
     """
     return (
-        isinstance(op, torch._ops.OpOverload)
+        isinstance(op, OpOverload)
         and op._schema.name.removeprefix("aten::") in _GRAD_MODE_SENSITIVE
     )
 
@@ -216,4 +218,4 @@ def autocast_lowers(op: object) -> bool:
     >>> autocast_lowers(torch.ops.aten.mm.default), autocast_lowers(torch.ops.aten.add.Tensor)
     (True, False)
     """
-    return isinstance(op, torch._ops.OpOverload) and str(op) in _AUTOCAST_LOWERS
+    return isinstance(op, OpOverload) and str(op) in _AUTOCAST_LOWERS

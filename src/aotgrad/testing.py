@@ -27,7 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from aotgrad.api import aot_function, aot_module
-from aotgrad.signature import storage_key
+from aotgrad.signature import Input, InputBase, Param, leaf_names, storage_key
 from aotgrad.signature.objects import objects_as_nodes
 
 
@@ -63,6 +63,8 @@ class Report:
 class _Call:
     """One independent copy of the user's arguments."""
 
+    # The function called: its parameters name the inputs, as the signature's descriptors do.
+    fn: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     # Tensors whose ``.grad`` holds each input's gradient, by name.
@@ -71,13 +73,14 @@ class _Call:
     @property
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every tensor of the call, a module argument's parameters and buffers included."""
-        leaves, _ = pytree.tree_flatten_with_path((self.args, self.kwargs))
+        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        names = leaf_names(self.fn, self.args, self.kwargs)
         tensors = []
-        for path, leaf in leaves:
+        for name, leaf in zip(names, leaves, strict=True):
             if isinstance(leaf, torch.Tensor):
-                tensors.append((_input_name(path), leaf))
+                tensors.append((name, leaf))
             elif isinstance(leaf, torch.nn.Module):
-                tensors += _module_tensors(_input_name(path), leaf)
+                tensors += _module_tensors(name, leaf)
         return tensors
 
 
@@ -113,7 +116,7 @@ def verify(
         compiled_fn = aot_module(compiled_source)
     else:
         compiled_fn = aot_function(compiled_source)
-    eager, compiled = _copy_call(args, kwargs), _copy_call(args, kwargs)
+    eager, compiled = _copy_call(args, kwargs, fn), _copy_call(args, kwargs, fn)
     rng = torch.random.get_rng_state()  # both runs draw the same random numbers
     eager_out = eager_fn(*eager.args, **eager.kwargs)
     torch.random.set_rng_state(rng)
@@ -137,42 +140,44 @@ def verify(
     return report
 
 
-def _input_name(path: tuple[Any, ...]) -> str:
-    in_args, key, *rest = path
-    root = f"args[{key.idx}]" if in_args.idx == 0 else str(key.key)
-    return root + pytree.keystr(tuple(rest))
-
-
 def _parameters(fn: Any) -> dict[str, torch.Tensor]:
     if not isinstance(fn, torch.nn.Module):
         return {}
-    return {f"param {n}": p for n, p in fn.named_parameters() if p.requires_grad}
+    return {str(Param(name=n)): p for n, p in fn.named_parameters() if p.requires_grad}
 
 
-def _copy_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
-    """Copy the inputs, keeping storage sharing between them (aliasing inputs stay aliased)."""
-    leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
+def _copy_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[..., Any] = lambda *args: None
+) -> _Call:
+    """Copy the inputs, keeping storage sharing between them (aliasing inputs stay aliased).
+
+    Inputs are named as the signature of a call of ``fn`` names them (``carry['a']``,
+    ``model.fc.weight``); the default names them by position (``args[0]``).
+    """
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    names = leaf_names(fn, args, kwargs)
     groups: dict[Any, list[int]] = {}
-    for i, (_, leaf) in enumerate(leaves):
+    for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             groups.setdefault(_storage_key(leaf), []).append(i)
-    copies: list[Any] = [leaf for _, leaf in leaves]
+    copies: list[Any] = list(leaves)
     holders: dict[str, torch.Tensor] = {}
     memo: dict[int, Any] = {}  # a module passed twice stays one module
-    for i, (path, leaf) in enumerate(leaves):
+    for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.nn.Module):  # its own copy for each run
             copies[i] = module = copy.deepcopy(leaf, memo)
             for n, p in module.named_parameters():
                 if p.requires_grad:
-                    holders[f"{_input_name(path)}.{n}"] = p
+                    holders[f"{names[i]}.{n}"] = p
     for members in groups.values():
-        originals = [leaves[i][1] for i in members]
+        originals = [leaves[i] for i in members]
+        group_names = [names[i] for i in members]
         for i, new in zip(
-            members, _copy_storage_group(originals, holders, leaves, members), strict=True
+            members, _copy_storage_group(originals, group_names, holders), strict=True
         ):
             copies[i] = new
     new_args, new_kwargs = pytree.tree_unflatten(copies, spec)
-    return _Call(tuple(new_args), dict(new_kwargs), holders)
+    return _Call(fn, tuple(new_args), dict(new_kwargs), holders)
 
 
 def _storage_key(t: torch.Tensor) -> Any:
@@ -182,10 +187,7 @@ def _storage_key(t: torch.Tensor) -> Any:
 
 
 def _copy_storage_group(
-    originals: list[torch.Tensor],
-    holders: dict[str, torch.Tensor],
-    leaves: list[Any],
-    members: list[int],
+    originals: list[torch.Tensor], names: list[str], holders: dict[str, torch.Tensor]
 ) -> list[torch.Tensor]:
     """Fresh tensors over one fresh storage; gradient holders registered by input name."""
     first = originals[0]
@@ -194,7 +196,7 @@ def _copy_storage_group(
     if first.layout is not torch.strided:  # sparse: no storage to share, one tensor
         new = first.detach().clone().requires_grad_(first.requires_grad)
         if first.requires_grad:
-            holders[_input_name(leaves[members[0]][0])] = new
+            holders[names[0]] = new
         return [new] * len(originals)
     buffer = torch.empty(
         first.untyped_storage().nbytes() // first.element_size(),
@@ -210,7 +212,7 @@ def _copy_storage_group(
         new.set_(buffer.untyped_storage(), t.storage_offset(), t.shape, t.stride())
         # A leaf that does not require grad holds one too: the function may call
         # requires_grad_() on it.
-        holders[_input_name(leaves[members[0]][0])] = new
+        holders[names[0]] = new
         if t.requires_grad:
             new.requires_grad_(True)
             if not t.is_leaf:
@@ -221,7 +223,7 @@ def _copy_storage_group(
     base = buffer
     if any_grad:
         root = buffer.requires_grad_(True)
-        holders["storage of " + ", ".join(_input_name(leaves[i][0]) for i in members)] = root
+        holders[str(InputBase(of=tuple(Input(path=n) for n in names)))] = root
         base = root * 1
     views: dict[int, torch.Tensor] = {}
     for t in originals:

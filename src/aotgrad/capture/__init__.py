@@ -5,7 +5,6 @@ Entry point: :func:`capture`. See Note [One tracing pass] in ``joint.py``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from aotgrad._torch_compat import REENTRANT_CHECKPOINT_GRAD, rename_node
 from aotgrad.capture.aliasing import (
     Alias,
     AliasSource,
@@ -51,6 +51,7 @@ from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature import (
     Buffer,
     Cotangent,
+    Descriptor,
     FlatInputs,
     Grad,
     MutatedInput,
@@ -59,6 +60,7 @@ from aotgrad.signature import (
     Param,
     describe_graph,
 )
+from aotgrad.signature.printing import placeholder_name
 
 __all__ = [
     "META_KEY",
@@ -147,7 +149,7 @@ def _capture(
     try:
         gm, record, inputs, recorder = traced or trace(leaf_primals=False)
     except RuntimeError as e:  # Note [Reentrant checkpoints]
-        if "incompatible with .grad()" not in str(e):
+        if REENTRANT_CHECKPOINT_GRAD not in str(e):
             raise
         gm, record, inputs, recorder = trace(leaf_primals=True)
     split_at_cotangents(gm)
@@ -299,23 +301,14 @@ def _remove_detaches(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def _name_placeholders(graph: fx.Graph, descriptors: Sequence[object]) -> None:
+def _name_placeholders(graph: fx.Graph, descriptors: Sequence[Descriptor]) -> None:
     """Name each placeholder after its descriptor; a parameter belongs to its module."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, desc in zip(placeholders, descriptors, strict=True):
         if isinstance(desc, Cotangent):
             continue  # already cotangent_<i>
-        node._rename(_identifier(str(desc)))
+        rename_node(node, placeholder_name(desc))
         node.target = node.name
         if isinstance(desc, Param | Buffer) and "." in desc.name:
             owner = desc.name.rsplit(".", 1)[0]
             set_info(node, replace(node_info(node), module=owner))
-
-
-def _identifier(text: str) -> str:
-    """``carry['a']`` → ``carry_a``; ``param fc1.weight`` → ``fc1_weight``."""
-    for prefix in ("param ", "buffer ", "closure ", "global "):
-        text = text.removeprefix(prefix)
-    text = text.replace("base of ", "base_of_")
-    name = re.sub(r"\W+", "_", text).strip("_") or "input"
-    return name if not name[0].isdigit() else f"_{name}"

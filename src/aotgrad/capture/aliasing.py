@@ -42,10 +42,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._C import _functionalization
-from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.utils._python_dispatch import _disable_current_modes
 
+from aotgrad._torch_compat import (
+    FunctionalTensor,
+    apply_view_meta_sequence,
+    disable_current_modes,
+    view_meta_sequence,
+)
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature.storage import storage_key
 
@@ -131,9 +134,9 @@ def caller_layout(view: torch.Tensor, original: torch.Tensor) -> ViewMeta:
     """
     if not isinstance(view, FunctionalTensor):  # a direct trace: no mutation, no fresh buffer
         return ViewMeta.of(view)
-    chain = _functionalization.get_view_meta_sequence(view.elem)
-    with _disable_current_modes():  # measure only: nothing is traced or functionalized
-        replayed = _functionalization.apply_view_meta_sequence(original, chain)
+    chain = view_meta_sequence(view.elem)
+    with disable_current_modes():  # measure only: nothing is traced or functionalized
+        replayed = apply_view_meta_sequence(original, chain)
     return ViewMeta.of(replayed)
 
 

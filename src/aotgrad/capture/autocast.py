@@ -7,10 +7,12 @@ from collections.abc import Iterator
 
 import torch
 
+from aotgrad._torch_compat import any_autocast_enabled, autocast_supported_devices
+
 __all__ = ["any_autocast", "autocast_off", "autocast_state"]
 
 # Is autocast on for any device? (A C call: the runtime asks it on every call.)
-any_autocast = torch._C._is_any_autocast_enabled
+any_autocast = any_autocast_enabled
 
 # Note [Autocast]
 # ~~~~~~~~~~~~~~~
@@ -53,7 +55,7 @@ def autocast_state() -> AutocastState:
         return ()
     return tuple(
         (device, torch.get_autocast_dtype(device))
-        for device in torch._C._autocast_supported_devices()
+        for device in autocast_supported_devices()
         if torch.is_autocast_enabled(device)
     )
 

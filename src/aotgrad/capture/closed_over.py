@@ -40,6 +40,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from aotgrad._torch_compat import is_functional_tensor
 from aotgrad.errors import (
     UnsupportedClosureError,
     UnsupportedMutationError,
@@ -123,7 +124,7 @@ class ClosedOver(TorchFunctionMode):
         traced = self._traced.get(id(t))
         if traced is not None:
             return traced
-        if torch._is_functional_tensor(t):  # functionalization's own inner tensor, not a real one
+        if is_functional_tensor(t):  # functionalization's own inner tensor, not a real one
             return t
         name = getattr(func, "__name__", str(func))
         # A property read (``.layout``, ``.shape``) neither loses a gradient nor writes.

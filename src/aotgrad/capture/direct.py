@@ -42,12 +42,17 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
-from torch._ops import OpOverload
 from torch.fx.experimental.proxy_tensor import set_original_aten_op
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
-from torch.fx.proxy import _COPY_META_FIELDS, _get_seq_nr
-from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed
 
+from aotgrad._torch_compat import (
+    COPY_META_FIELDS,
+    OpOverload,
+    TorchDispatchMode,
+    autograd_would_have_decomposed,
+    op_node_name,
+    seq_nr_of,
+    tensor_metadata,
+)
 from aotgrad.capture.graph import lazy_module
 from aotgrad.capture.recorder import Recorder
 
@@ -117,7 +122,7 @@ class DirectTracer(TorchDispatchMode):
         self.recorder.note_source()
         self.recorder.note_random(func, args, kwargs)
         out = func(*args, **kwargs)
-        name = self.graph._target_to_str(func.overloadpacket.__name__)
+        name = op_node_name(self.graph, func.overloadpacket.__name__)
         node = self.graph.create_node("call_function", func, node_args, node_kwargs, name=name)
         self._copy_context(node)
         self._output(out, node)
@@ -161,7 +166,7 @@ class DirectTracer(TorchDispatchMode):
 
     def _describe(self, node: fx.Node, t: torch.Tensor) -> None:
         node.meta["val"] = t
-        node.meta["tensor_meta"] = _extract_tensor_metadata(t)
+        node.meta["tensor_meta"] = tensor_metadata(t)
 
     def _track(self, t: torch.Tensor, node: fx.Node) -> None:
         self._nodes[id(t)] = node
@@ -172,10 +177,10 @@ class DirectTracer(TorchDispatchMode):
         if not fx_traceback.has_preserved_node_meta():
             return
         current = fx_traceback.get_current_meta()
-        for key in _COPY_META_FIELDS:
+        for key in COPY_META_FIELDS:
             if key in current:
                 node.meta[key] = copy.copy(current[key])
-        seq_nr = _get_seq_nr(node.name)
+        seq_nr = seq_nr_of(node.name)
         if seq_nr is not None:
             node.meta["seq_nr"] = seq_nr
 

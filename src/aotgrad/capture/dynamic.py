@@ -35,6 +35,8 @@ from torch.fx.experimental.symbolic_shapes import (
     StatelessSymbolicContext,
 )
 
+from aotgrad._torch_compat import local_source
+
 _ATTRIBUTE = "_aotgrad_dynamic_dims"
 _MARKED = [False]  # has any tensor ever been marked? (keeps unmarked calls cheap)
 
@@ -111,12 +113,10 @@ class ShapeGuards:
     def terms(self) -> list[str]:
         """Every guard, as Python over ``L['t<i>']`` (graph input ``i``)."""
         if self._terms is None:
-            from torch._dynamo.source import LocalSource
-
             symbolic = [i for i, p in enumerate(self.placeholders) if _has_symbols(p)]
             self._terms = self.shape_env.produce_guards(
                 [self.placeholders[i] for i in symbolic],
-                [LocalSource(f"t{i}") for i in symbolic],
+                [local_source(f"t{i}") for i in symbolic],
                 ignore_static=False,  # Note [Specializations are guards]
             )
         return self._terms

@@ -9,14 +9,21 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from aotgrad._torch_compat import (
+    DATA_NOT_ALLOCATED,
+    EFFECT_TOKEN_MISSING,
+    ENGINE_RUN_BACKWARD,
+    INTERNAL_ASSERT,
+    NON_FUNCTIONAL_MUTATION,
+    TENSOR_BACKWARD,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    OpOverload,
+    effect_token_op,
+)
 from aotgrad.errors import (
-    _AOTGRAD_DIR,
     AotgradError,
     DataDependentError,
     OpError,
@@ -24,12 +31,14 @@ from aotgrad.errors import (
     OpRuntimeError,
     OpTypeError,
     OpValueError,
+    Origin,
     UnsupportedMutationError,
     UnsupportedOpError,
     UnsupportedOutputError,
     UserFrame,
-    _is_user_file,
     format_error,
+    frame_origin,
+    is_user_file,
     user_frame_from_traceback,
 )
 
@@ -55,7 +64,7 @@ def translate_trace_errors(fn: Any) -> Iterator[None]:
     except _DATA_DEPENDENT as e:
         raise _data_dependent(e) from None
     except RuntimeError as e:
-        if "mutating a non-functional tensor with a functional tensor" in str(e):
+        if NON_FUNCTIONAL_MUTATION in str(e):
             raise UnsupportedMutationError(
                 format_error(
                     "the function mutates a tensor it does not take as an argument (a global,"
@@ -65,14 +74,14 @@ def translate_trace_errors(fn: Any) -> Iterator[None]:
                     " (aotgrad.aot_module(model)) so its buffers become inputs.",
                 )
             ) from None
-        if "data is not allocated yet" not in str(e):
+        if DATA_NOT_ALLOCATED not in str(e):
             raise
         raise _data_dependent(e, "an op that reads tensor values on the host") from None
     except AssertionError as e:
-        if "Could not find a token for effect" not in str(e):
+        if EFFECT_TOKEN_MISSING not in str(e):
             raise
         where = user_frame_from_traceback(e.__traceback__)
-        op = str(e).rsplit(" ", 1)[-1]
+        op = effect_token_op(str(e))
         raise UnsupportedOpError(
             format_error(
                 f"{op} has a side effect (it is ordered by an effect token, e.g. an error check"
@@ -118,7 +127,7 @@ _BACKWARD_INSIDE = (
     " function's result, or take gradients as values inside with torch.autograd.grad.",
 )
 _REFUSED_CALLS: dict[str, tuple[str, str]] = {
-    "torch._tensor.backward": _BACKWARD_INSIDE,
+    TENSOR_BACKWARD: _BACKWARD_INSIDE,
     "torch.autograd.backward": _BACKWARD_INSIDE,
 }
 
@@ -139,7 +148,7 @@ def _ops_errors() -> Iterator[None]:
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         if isinstance(e, (AotgradError, *_DATA_DEPENDENT)) or _raised_by_user(e):
             raise
-        if "data is not allocated yet" in str(e) or "non-functional tensor" in str(e):
+        if DATA_NOT_ALLOCATED in str(e) or NON_FUNCTIONAL_MUTATION in str(e):
             raise  # translated below, as data-dependent or as a mutation
         kind = next(k for t, k in _OP_ERRORS.items() if isinstance(e, t))
         op = _failing_op(e)
@@ -149,7 +158,7 @@ def _ops_errors() -> Iterator[None]:
             raise UnsupportedOpError(format_error(what, where, fix)) from e
         todo = (
             _INTERNAL_TODO
-            if "INTERNAL ASSERT FAILED" in str(e)
+            if INTERNAL_ASSERT in str(e)
             else "Eager PyTorch raises the same for these inputs (check the shapes, dtypes"
             " and arguments at that line); if the function runs eagerly, please report"
             " it as an aotgrad bug."
@@ -170,7 +179,7 @@ def _frames(e: BaseException) -> list[Any]:
 def _raised_by_user(e: BaseException) -> bool:
     """The innermost frame is the user's code: the user raised it, not torch."""
     frames = _frames(e)
-    return bool(frames) and _is_user_file(frames[-1].f_code.co_filename)
+    return bool(frames) and is_user_file(frames[-1].f_code.co_filename)
 
 
 def _failing_op(e: BaseException) -> str:
@@ -178,7 +187,7 @@ def _failing_op(e: BaseException) -> str:
     frames = _frames(e)
     for frame in frames:
         func = frame.f_locals.get("func") if frame.f_code.co_name == "__torch_dispatch__" else None
-        if isinstance(func, torch._ops.OpOverload):
+        if isinstance(func, OpOverload):
             return str(func)
     # The torch function called last from the user's code, or from aotgrad's (autograd.grad).
     caller = max(
@@ -197,12 +206,12 @@ def _failing_op(e: BaseException) -> str:
 # Torch functions aotgrad calls itself, by what they do for the user.
 _TORCH_FUNCTION_NAMES = {
     # capture's backward (Note [The swap spans the backward])
-    "torch.autograd.graph._engine_run_backward": "the backward (torch.autograd.grad)",
+    ENGINE_RUN_BACKWARD: "the backward (torch.autograd.grad)",
 }
 
 
 def _is_caller(filename: str) -> bool:
-    return _is_user_file(filename) or filename.startswith(_AOTGRAD_DIR)
+    return frame_origin(filename) is not Origin.LIBRARY
 
 
 def _data_dependent(e: Exception, construct: str | None = None) -> DataDependentError:

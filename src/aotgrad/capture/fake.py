@@ -26,10 +26,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_impls import _compute_stride
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
-from torch.utils._mode_utils import no_dispatch
+
+from aotgrad._torch_compat import FakeTensor, FakeTensorMode, no_dispatch, view_stride
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
@@ -60,7 +59,7 @@ def _eager_view_stride(source: torch.Tensor, size: torch.Size) -> tuple[Any, ...
     """``source.view(size)``'s strides as eager computes them (None: not a view)."""
     layout = (*source.shape, *source.stride(), *size)
     if not all(isinstance(n, int) for n in layout):
-        stride = _compute_stride(source.shape, source.stride(), size)
+        stride = view_stride(source.shape, source.stride(), size)
         return None if stride is None else tuple(stride)
     with no_dispatch():
         stand_in = torch.empty_strided(source.shape, source.stride(), device="meta")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
+from aotgrad._torch_compat import LazyGraphModule, use_lazy_graph_module
 from aotgrad.capture.aliasing import OutputLeaf, TensorOutput
 from aotgrad.capture.dynamic import ShapeGuards
 from aotgrad.capture.input_aliases import SyntheticBase
@@ -45,7 +45,7 @@ from aotgrad.signature import (
 @contextlib.contextmanager
 def code_on_demand() -> Iterator[None]:
     """Graph modules built inside (``make_fx``'s included) generate code on first use."""
-    with _use_lazy_graph_module(True):
+    with use_lazy_graph_module(True):
         yield
 
 
@@ -53,12 +53,12 @@ def lazy_module(
     root: torch.nn.Module, graph: fx.Graph, class_name: str = "GraphModule"
 ) -> fx.GraphModule:
     """``fx.GraphModule(root, graph)`` whose code is generated on first use (Note [Code on demand])."""
-    return _LazyGraphModule(root, graph, class_name)
+    return LazyGraphModule(root, graph, class_name)
 
 
 def ready_for_compiler(gm: fx.GraphModule) -> fx.GraphModule:
     """An ordinary ``GraphModule`` over ``gm``'s graph, for compilers (Note [Code on demand])."""
-    if isinstance(gm, _LazyGraphModule):
+    if isinstance(gm, LazyGraphModule):
         return fx.GraphModule(gm, gm.graph)
     return gm
 

@@ -30,12 +30,19 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._dispatch.python import enable_python_dispatcher
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.fx.experimental.proxy_tensor import disable_autocast_cache, make_fx
 
+from aotgrad._torch_compat import (
+    DisableTorchFunction,
+    FakeTensorMode,
+    FunctionalTensor,
+    compiling_flag,
+    enable_python_dispatcher,
+    engine_run_backward,
+    set_compiling_flag,
+    sync,
+)
 from aotgrad.capture.aliasing import (
     AliasSource,
     ConstantOutput,
@@ -276,12 +283,12 @@ def trace_joint(
 @contextlib.contextmanager
 def compiling() -> Iterator[None]:
     """``torch.compiler.is_compiling()`` is true inside (Note [Capture is compiling])."""
-    was = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
+    was = compiling_flag()
+    set_compiling_flag(True)
     try:
         yield
     finally:
-        torch.compiler._is_compiling_flag = was
+        set_compiling_flag(was)
 
 
 def _joint(
@@ -443,7 +450,7 @@ def _forward_values(
     forward = [*tensors, *bases, *mutated]
     if direct is None:
         for value in forward:
-            torch._sync(value)
+            sync(value)
     fresh = [tensors[o.index] for o in aliasing.outputs if o.alias is None]
     return forward, [*fresh, *bases, *mutated]
 
@@ -593,7 +600,7 @@ def _run_engine(
 ) -> tuple[torch.Tensor | None, ...]:
     """``autograd.grad`` (``accumulate=False``) or ``.backward()`` with the modes kept active
     (Note [The swap spans the backward])."""
-    return _engine_run_backward(
+    return engine_run_backward(
         tuple(targets),
         tuple(cotangents),
         False,  # retain_graph
@@ -614,12 +621,12 @@ def _real_grads_untouched(recorder: Recorder, where: UserFrame | None) -> Iterat
     """
     # ``.grad`` is a torch function: read it below the closed-over swap, which would
     # answer with the traced primal's (Note [Real tensors in a trace]).
-    with torch._C.DisableTorchFunction():
+    with DisableTorchFunction():
         before = {i: t.grad for i, t in recorder.real_leaves.items()}
     try:
         yield
     finally:
-        with torch._C.DisableTorchFunction():
+        with DisableTorchFunction():
             touched = [t for i, t in recorder.real_leaves.items() if t.grad is not before.get(i)]
             for t in touched:
                 t.grad = before.get(id(t))

@@ -45,6 +45,12 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from aotgrad._torch_compat import (
+    has_data_mutation,
+    has_metadata_mutation,
+    mutation_counter,
+    was_storage_changed,
+)
 from aotgrad.capture.aliasing import ViewMeta
 from aotgrad.errors import (
     InPlaceOnLeafError,
@@ -114,7 +120,7 @@ def analyze_mutations(
         if info.duplicate_of is not None:
             continue  # the first occurrence carries the mutation
         elem = p.elem  # type: ignore[attr-defined]
-        if torch._functionalize_was_storage_changed(elem):
+        if was_storage_changed(elem):
             raise UnsupportedMutationError(
                 format_error(
                     f"the function gives input {descriptors[i]} a new storage (set_), which"
@@ -123,8 +129,8 @@ def analyze_mutations(
                     "Return the new tensor instead of setting it into the input.",
                 )
             )
-        data = bool(torch._functionalize_has_data_mutation(elem))  # type: ignore[attr-defined]
-        metadata = bool(torch._functionalize_has_metadata_mutation(elem))
+        data = bool(has_data_mutation(elem))
+        metadata = bool(has_metadata_mutation(elem))
         if not (data or metadata):
             continue
         with_grad = p.grad_fn is not grad_fns_before[i]
@@ -375,7 +381,7 @@ def may_overlap(t: torch.Tensor) -> bool:
 
 def mutation_counts(primals: Sequence[torch.Tensor]) -> list[int]:
     """How many times functionalization has seen each (functional) primal mutated so far."""
-    return [torch._functionalize_mutation_counter(p.elem) for p in primals]  # type: ignore[attr-defined]
+    return [mutation_counter(p.elem) for p in primals]  # type: ignore[attr-defined]
 
 
 def check_no_backward_mutation(
@@ -388,7 +394,7 @@ def check_no_backward_mutation(
     changed = [
         str(desc)
         for p, count, desc in zip(primals, before, descriptors, strict=True)
-        if torch._functionalize_mutation_counter(p.elem) != count  # type: ignore[attr-defined]
+        if mutation_counter(p.elem) != count  # type: ignore[attr-defined]
     ]
     if not changed:
         return

@@ -37,8 +37,8 @@ While the user's function runs, global module forward hooks keep the path
 of the ``nn.Module`` being run (``blocks.3.attn.qkv``; the function's name
 outside any module), and the tracer's dispatch mode (the direct tracer, or
 functionalization in the full trace: Note [Direct tracing]) notes, for every aten
-op, the innermost frame outside torch and aotgrad: the user's file, line and
-function. Backward ops inherit both from the forward op with their
+op, the innermost user frame (Note [User frames] in ``errors.py``): the user's
+file, line and function. Backward ops inherit both from the forward op with their
 sequence number, so a fused backward kernel points at the user's line.
 """
 

@@ -22,15 +22,28 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-import torch.utils._python_dispatch as _python_dispatch
 import torch.utils._pytree as pytree
-from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
+from aotgrad._torch_compat import (
+    FunctionalTensor,
+    FunctionalTensorMode,
+    autograd_node_number,
+    disable_current_modes,
+    from_functional_tensor,
+    sync,
+)
 from aotgrad.capture import closed_over
 from aotgrad.capture.mutation import check_writable
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.capture.random import FILL_RANDOM, strided_fill
-from aotgrad.errors import UnsupportedOpError, UserFrame, format_error, user_frame_from_stack
+from aotgrad.errors import (
+    Origin,
+    UnsupportedOpError,
+    UserFrame,
+    format_error,
+    frame_origin,
+    user_frame_from_stack,
+)
 from aotgrad.optable import draws_random, is_error_check
 
 aten = torch.ops.aten
@@ -44,39 +57,25 @@ _RNG = "aotgrad_rng"
 # Where a random op sits in the CPU generator's stream (Note [Recomputed random ops]).
 RNG_POSITION_KEY = "aotgrad_rng_position"
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_AOTGRAD_DIR = os.path.dirname(os.path.dirname(__file__))
-_STDLIB_DIR = os.path.dirname(os.__file__)
-# Frames of the recording machinery itself (this file, the direct tracer): not the caller.
-_TRACER_FILES = (__file__, os.path.join(os.path.dirname(__file__), "direct.py"))
-
-
-@functools.cache
-def _origin(filename: str) -> str:
-    """``torch``, ``aotgrad`` or ``user``; the stdlib and the tracers' own files count as torch."""
-    if filename in _TRACER_FILES:
-        return "torch"
-    if filename.startswith(_AOTGRAD_DIR):
-        return "aotgrad"
-    if filename.startswith((_TORCH_DIR, _STDLIB_DIR)):
-        return "torch"
-    if filename.startswith("<") and filename not in ("<stdin>", "<console>"):
-        return "torch"  # generated code: "<string>", "<eval_with_key>.3", "<frozen ...>"
-    return "user"
-
-
-_CLOSED_OVER = closed_over.__file__
+# aotgrad's files that only pass the user's call on, walked past like torch's (Note [User
+# frames]): the recording machinery itself (this file, the direct tracer) and the closed-over swap.
+_FORWARDING_FILES = (
+    __file__,
+    os.path.join(os.path.dirname(__file__), "direct.py"),
+    closed_over.__file__,
+)
 
 
 def _user_frame() -> tuple[str, int, str] | None:
     """The innermost user frame calling into torch, or None if aotgrad itself is the caller."""
     frame = sys._getframe(3)
     while frame is not None:
-        origin = _origin(frame.f_code.co_filename)
-        if origin == "user":
-            return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
-        if origin == "aotgrad" and frame.f_code.co_filename != _CLOSED_OVER:
-            return None  # (the closed-over mode only forwards the user's call)
+        filename = frame.f_code.co_filename
+        origin = frame_origin(filename)
+        if origin is Origin.USER:
+            return filename, frame.f_lineno, frame.f_code.co_name
+        if origin is Origin.AOTGRAD and filename not in _FORWARDING_FILES:
+            return None
         frame = frame.f_back  # type: ignore[assignment]
     return None
 
@@ -125,8 +124,8 @@ def _record_error_check(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
     """
 
     def unwrap(t: FunctionalTensor) -> torch.Tensor:
-        torch._sync(t)
-        return torch._from_functional_tensor(t.elem)
+        sync(t)
+        return from_functional_tensor(t.elem)
 
     args, kwargs = pytree.tree_map_only(FunctionalTensor, unwrap, (args, kwargs or {}))
     return func(*args, **kwargs)
@@ -215,7 +214,7 @@ class Recorder:
             custom.pop(_RNG, None)
             return
         generator = torch.default_generator
-        with _python_dispatch._disable_current_modes():
+        with disable_current_modes():
             position = hash(generator.get_state().numpy().tobytes())
         custom[_RNG] = position
         generator.manual_seed(position & 0xFFFF_FFFF_FFFF)
@@ -232,7 +231,7 @@ class Recorder:
         """Hook every autograd node behind ``targets`` (Note [Sequence numbers])."""
         self.in_backward = True
         nodes = _autograd_nodes(targets)
-        self.live_numbers = sorted(node._sequence_nr() for node in nodes)
+        self.live_numbers = sorted(autograd_node_number(node) for node in nodes)
         for node in nodes:
             node.register_prehook(functools.partial(self._enter_node, node))
             node.register_hook(self._exit_node)
@@ -250,7 +249,7 @@ class Recorder:
             self.module_stack.pop().__exit__(None, None, None)
 
     def _enter_node(self, node: Any, grad_outputs: Any) -> None:
-        fx_traceback.set_grad_fn_seq_nr(node._sequence_nr())
+        fx_traceback.set_grad_fn_seq_nr(autograd_node_number(node))
         context = fx_traceback.annotate({_IN_NODE: True})
         context.__enter__()
         self.node_contexts.append(context)
@@ -271,15 +270,15 @@ def generator_restored() -> Iterator[None]:
     the real generator, outside every mode; :meth:`Recorder.note_random` steps it.
     """
     generator = torch.default_generator
-    with _python_dispatch._disable_current_modes():
+    with disable_current_modes():
         state = generator.get_state()
 
     def get_rng_state() -> torch.Tensor:
-        with _python_dispatch._disable_current_modes():
+        with disable_current_modes():
             return generator.get_state()
 
     def set_rng_state(new_state: torch.Tensor) -> None:
-        with _python_dispatch._disable_current_modes():
+        with disable_current_modes():
             generator.set_state(new_state)
 
     saved = torch.get_rng_state, torch.set_rng_state, torch.manual_seed, torch.seed
@@ -294,7 +293,7 @@ def generator_restored() -> Iterator[None]:
         torch.set_rng_state = torch.random.set_rng_state = saved[1]
         torch.manual_seed = torch.random.manual_seed = saved[2]
         torch.seed = torch.random.seed = saved[3]
-        with _python_dispatch._disable_current_modes():
+        with disable_current_modes():
             generator.set_state(state)
 
 

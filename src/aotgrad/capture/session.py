@@ -32,9 +32,11 @@ import logging
 import threading
 from collections.abc import Iterator
 
+from aotgrad._torch_compat import FAKE_TENSOR_LOGGER
+
 _LOCK = threading.RLock()
 _STATE = threading.local()
-_NOISY_LOGGERS = ("torch._subclasses.fake_tensor",)
+_NOISY_LOGGERS = (FAKE_TENSOR_LOGGER,)
 
 
 def capturing() -> bool:

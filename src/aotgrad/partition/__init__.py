@@ -27,7 +27,13 @@ from aotgrad.partition.strategies import (
     save_all,
     with_budget,
 )
-from aotgrad.signature import MutatedInput, Saved, Signature, describe_graph
+from aotgrad.signature import (
+    Descriptor,
+    MutatedInput,
+    Saved,
+    Signature,
+    describe_graph,
+)
 
 __all__ = ["Budget", "Partitioned", "RecomputedOp", "SavedValue", "budget", "partition"]
 
@@ -225,7 +231,10 @@ def _without_mutated(signature: Signature) -> Signature:
 
 
 def _module(
-    joint: JointGraph, graph: fx.Graph, inputs: Sequence[object], outputs: Sequence[object]
+    joint: JointGraph,
+    graph: fx.Graph,
+    inputs: Sequence[Descriptor],
+    outputs: Sequence[Descriptor | None],
 ) -> fx.GraphModule:
     """Describe ``graph``; a module sharing the joint's constants (Note [Code on demand])."""
     describe_graph(graph, inputs, outputs)

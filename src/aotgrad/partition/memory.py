@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.fx as fx
 
-from aotgrad.signature.storage import storage_key, storage_nbytes
+from aotgrad.partition.saved import storages
 
 
 def peak_bytes(forward: fx.GraphModule, backward: fx.GraphModule | None) -> int:
@@ -33,18 +32,12 @@ def _run(gm: fx.GraphModule, live: dict[Any, int], keep_outputs: bool) -> int:
     outputs = set(gm.graph.output_node().all_input_nodes)
     peak = sum(live.values())
     for i, node in enumerate(nodes):
-        for storage, size in _storages(node):
+        for storage, size in storages(node).items():  # Note [Counting bytes]
             live.setdefault(storage, size)
         peak = max(peak, sum(live.values()))
         for source in node.all_input_nodes:
             dead = last_use.get(source) == i and source.op != "placeholder"
             if dead and not (keep_outputs and source in outputs):
-                for storage, _ in _storages(source):
+                for storage in storages(source):
                     live.pop(storage, None)
     return peak
-
-
-def _storages(node: fx.Node) -> list[tuple[Any, int]]:
-    val = node.meta.get("val")
-    values = val if isinstance(val, list | tuple) else [val]
-    return [(storage_key(v), storage_nbytes(v)) for v in values if isinstance(v, torch.Tensor)]

@@ -18,7 +18,7 @@ Inputs are always available to the backward: min-cut saves one at no cost
 (the caller holds it anyway), while a budget counts the bytes of every input
 a plan saves (Note [Budget units]). Views are never saved (their base is, and
 the view is replayed on it); random ops are never recomputed (the backward
-must see the forward's draws).
+must see the forward's draws). Bytes are counted as Note [Counting bytes] says.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from aotgrad.capture import JointGraph, Phase, phase_of
 from aotgrad.optable import cheap_to_recompute, draws_random, flops, is_free_view
+from aotgrad.partition.saved import unique_bytes
 
 INF = math.inf
 
@@ -74,20 +75,6 @@ def is_random_node(node: fx.Node) -> bool:
 def is_tensor_node(node: fx.Node) -> bool:
     """Produces one tensor (multi-output ops are saved through their ``getitem`` nodes)."""
     return isinstance(node.meta.get("val"), torch.Tensor)
-
-
-def nbytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, list | tuple):
-        return sum(v.numel() * v.element_size() for v in val if isinstance(v, torch.Tensor))
-    return 0
-
-
-def unique_nbytes(nodes: Iterable[fx.Node]) -> int:
-    """Bytes of these nodes' values, each node counted once."""
-    return sum(nbytes(n) for n in set(nodes))
 
 
 def node_flops(node: fx.Node) -> int:
@@ -162,7 +149,8 @@ def mincut_saved(joint: JointGraph, needed: Iterable[fx.Node]) -> set[fx.Node]:
         )
         # Views are replayed rather than saved, unless they cannot be recomputed.
         savable = is_tensor_node(node) and (not is_view_node(node) or not recomputable)
-        graph.add_edge((node, "in"), (node, "out"), capacity=nbytes(node) if savable else INF)
+        capacity = unique_bytes([node]) if savable else INF  # Note [Counting bytes]
+        graph.add_edge((node, "in"), (node, "out"), capacity=capacity)
         if not recomputable:
             graph.add_edge("source", (node, "in"), capacity=INF)
         for source in node.all_input_nodes:
@@ -302,14 +290,15 @@ class _BudgetProblem:
         ]
         ops = [*inputs, *forward_ops(joint)]
         weights = np.array(
-            [0 if is_view_node(v) or v in free_inputs else nbytes(v) for v in ops], dtype=float
+            [0 if is_view_node(v) or v in free_inputs else unique_bytes([v]) for v in ops],
+            dtype=float,
         )
         return _BudgetProblem(
             ops=ops,
             index={n: i for i, n in enumerate(ops)},
             weights=weights,
             costs=np.array([node_flops(v) for v in ops], dtype=float),
-            held=unique_nbytes(free_inputs),
+            held=unique_bytes(free_inputs),
             program=_Program(len(ops), _budget_bounds(ops, reads_mutated_input(joint)), time_limit),
         )
 

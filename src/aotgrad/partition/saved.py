@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +23,10 @@ class SavedValue:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    # Bytes of the storage behind the value (a view reports its whole storage).
+    # Bytes of the storage behind the value: a view reports its whole storage (Note [Counting
+    # bytes]).
     nbytes: int
-    # Saved values over one storage share this number; count their bytes once.
+    # Saved values over one storage share this number; count their bytes once (unique_bytes).
     storage: int
     # The op that produced it: "aten.mm.default", or "input" for a forward input.
     producer: str
@@ -58,11 +59,60 @@ class SavedValue:
         return info
 
 
+# Note [Counting bytes]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Every byte count aotgrad reports or budgets (``Partitioned.saved_bytes``,
+# the saved-activation report, a memory budget's cap, the min-cut's edge
+# weights, the peak-memory estimate) counts one way: a value costs the bytes
+# of the storage behind it, and a storage counts once, however many values
+# reach it. It is what stays alive for the backward: a saved view keeps its
+# whole base, and a view saved next to its base adds nothing::
+#
+#     base = torch.empty(1000)        # a 4000-byte storage
+#     x = base[:10]                   # a 40-byte view: costs 4000
+#     saved: x and x.t()              # one storage: 4000 in all, not 80 (nor 8000)
+#
+# Counting elements instead (``numel * element_size`` per value) undercounts
+# the view and counts a base and its views twice. The budget's integer program
+# cannot deduplicate (its weights are per value), so it weighs each value by
+# its own storage and views by nothing (Note [Budget units]); the plan it
+# picks is then reported by this count.
+
+
+def storages(value: fx.Node | torch.Tensor) -> dict[Any, Any]:
+    """The storages behind a node's value (a tensor, or the tensors of a multi-output op), each
+    with its bytes (Note [Counting bytes]); an int, or a SymInt under dynamic shapes."""
+    val = value.meta.get("val") if isinstance(value, fx.Node) else value
+    tensors = val if isinstance(val, list | tuple) else [val]
+    return {storage_key(t): storage_nbytes(t) for t in tensors if isinstance(t, torch.Tensor)}
+
+
+def unique_bytes(values: Iterable[SavedValue | fx.Node]) -> int:
+    """Bytes of the distinct storages behind ``values`` (Note [Counting bytes]).
+
+    >>> import torch.fx as fx
+    >>> g = fx.Graph()
+    >>> x, t = g.placeholder("x"), g.placeholder("t")
+    >>> base = torch.empty(1000)
+    >>> x.meta["val"], t.meta["val"] = base[:10], base[:10].t()
+    >>> unique_bytes([x]), unique_bytes([x, t])
+    (4000, 4000)
+    """
+    sizes: dict[Any, Any] = {}
+    for value in values:
+        if isinstance(value, SavedValue):
+            sizes.setdefault(("saved", value.storage), value.nbytes)
+        else:
+            for key, size in storages(value).items():
+                sizes.setdefault(key, size)
+    return sum(sizes.values())
+
+
 def describe_saved(
     nodes: Sequence[fx.Node], users: Sequence[list[str]], reasons: Sequence[str]
 ) -> tuple[SavedValue, ...]:
     """One :class:`SavedValue` per saved node; views of one storage get one storage number."""
-    storages: dict[Any, int] = {}
+    numbers: dict[Any, int] = {}  # storage key -> storage number
     values: list[SavedValue] = []
     shape: tuple[int, ...]
     for node, readers, reason in zip(nodes, users, reasons, strict=True):
@@ -70,8 +120,9 @@ def describe_saved(
         if isinstance(val, torch.SymInt):  # a symbolic size the backward needs
             shape, dtype, nbytes, storage = (), torch.int64, 0, -1 - len(values)
         elif isinstance(val, torch.Tensor):
-            shape, dtype, nbytes = tuple(val.shape), val.dtype, storage_nbytes(val)
-            storage = storages.setdefault(storage_key(val), len(storages))
+            ((key, nbytes),) = storages(val).items()
+            shape, dtype = tuple(val.shape), val.dtype
+            storage = numbers.setdefault(key, len(numbers))
         else:
             raise AssertionError(
                 f"expected a tensor or size on saved node {node.name}, got {val!r}"
@@ -93,8 +144,3 @@ def describe_saved(
             )
         )
     return tuple(values)
-
-
-def unique_bytes(saved: Sequence[SavedValue]) -> int:
-    """Bytes of the distinct storages behind ``saved``."""
-    return sum({s.storage: s.nbytes for s in saved}.values())

@@ -22,8 +22,8 @@ from aotgrad.partition.remat import (
     needed_by_backward,
     recompute_closure,
     smallest_saved_bytes,
-    unique_nbytes,
 )
+from aotgrad.partition.saved import unique_bytes
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,10 @@ class Budget:
         if self.limit > 1:
             return int(self.limit)
         saved = save_all(joint).saved
-        top = unique_nbytes(saved)
+        top = unique_bytes(saved)
         inputs = {n for n in saved if n.op == "placeholder"}
         floor = smallest_saved_bytes(joint, needed_by_backward(joint), inputs, self.time_limit)
-        floor = unique_nbytes(inputs) if floor is None else min(floor, top)
+        floor = unique_bytes(inputs) if floor is None else min(floor, top)
         return floor + int(self.limit * (top - floor))
 
     def __str__(self) -> str:
@@ -59,7 +59,8 @@ class Budget:
 # Note [Budget units]
 # ~~~~~~~~~~~~~~~~~~~
 # A budget bounds the number the plan reports, ``Partitioned.saved_bytes``:
-# unique storages the backward receives, inputs included. A byte count is
+# unique storages the backward receives, inputs included (Note [Counting
+# bytes] in ``partition/saved.py``). A byte count is
 # that cap as given; a fraction x interpolates between the smallest plan
 # (x → 0: the inputs ``save_all`` saves, plus what cannot be recomputed)
 # and ``save_all`` itself (x = 1), so every fraction has a plan. On a 2-block

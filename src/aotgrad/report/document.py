@@ -21,6 +21,7 @@ import torch.fx as fx
 from aotgrad.capture import META_KEY, NodeInfo
 from aotgrad.optable import op_name
 from aotgrad.partition import Partitioned
+from aotgrad.signature.printing import DESC_KEY
 
 SCHEMA = "aotgrad.show/1"
 
@@ -50,9 +51,16 @@ def _node(node: fx.Node) -> dict[str, Any]:
         "op": node.op,
         "target": op_name(node.target) if node.op == "call_function" else str(node.target),
         "args": [str(a) for a in node.args] if node.op != "output" else None,
-        "desc": node.meta.get("desc"),
+        "desc": _desc_text(node.meta.get(DESC_KEY)),
     }
     info = node.meta.get(META_KEY)
     if isinstance(info, NodeInfo):
         entry.update(info.to_dict())
     return entry
+
+
+def _desc_text(desc: Any) -> Any:
+    """The descriptor's comment as printed: a string, a list of them on the output, or None."""
+    if desc is None:
+        return None
+    return [str(d) for d in desc] if isinstance(desc, list) else str(desc)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from aotgrad._torch_compat import is_boxed, mark_boxed
 from aotgrad.capture import ready_for_compiler
 from aotgrad.runtime.straight_line import straight_line
 
@@ -33,7 +34,7 @@ def make_boxed_func(f: Callable[..., Any]) -> Callable[[list[Any]], Any]:
     def boxed(args: list[Any]) -> Any:
         return f(*args)
 
-    boxed._boxed_call = True  # type: ignore[attr-defined]
+    mark_boxed(boxed)
     return boxed
 
 
@@ -63,6 +64,6 @@ def compile_boxed(compiler: Compiler | None, gm: fx.GraphModule, examples: list[
             f"compiler {compiler!r} returned {type(compiled).__name__}, expected a callable;"
             " return the GraphModule itself, gm.forward, or make_boxed_func(...)"
         )
-    if getattr(compiled, "_boxed_call", False):
+    if is_boxed(compiled):
         return compiled
     return make_boxed_func(compiled)

@@ -32,6 +32,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from aotgrad._torch_compat import (
+    FUNCTION_BASE_APPLY,
+    functorch_transforms_active,
+    set_version_counter,
+    unwrap_if_dead,
+)
 from aotgrad.capture import (
     Alias,
     AliasSource,
@@ -365,14 +371,13 @@ def _reached(
 #
 #     Function.apply(x, w)       ->  unwrap_dead_wrappers((x, w)); _FunctionBase.apply(x, w)
 #     direct_apply(F)(x, w)      ->  [unwrap_if_dead(x), unwrap_if_dead(w)]; _FunctionBase.apply
-_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
 
 def direct_apply(function: type[torch.autograd.Function]) -> Any:
     """``function.apply`` without its Python layer (Note [Calling the Function directly])."""
-    raw = _BASE_APPLY.__get__(None, function)
-    unwrap = torch._C._functorch.unwrap_if_dead
-    transforms_active = torch._C._are_functorch_transforms_active
+    raw = FUNCTION_BASE_APPLY.__get__(None, function)
+    unwrap = unwrap_if_dead
+    transforms_active = functorch_transforms_active
 
     def apply(*inputs: torch.Tensor) -> Any:
         if transforms_active():
@@ -527,7 +532,7 @@ def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor
         with torch.set_grad_enabled(mutation.with_grad):
             x.as_strided_(meta.size, meta.stride, meta.storage_offset)
         if new is None:  # Note [Replayed metadata keeps the version]
-            torch._C._autograd._unsafe_set_version_counter((x,), (version,))
+            set_version_counter((x,), (version,))
     if new is not None:
         with torch.set_grad_enabled(mutation.requires_grad):
             x.copy_(new)

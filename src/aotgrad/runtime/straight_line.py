@@ -40,8 +40,9 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.fx as fx
+
+from aotgrad._torch_compat import OpOverload, mark_boxed, op_kernel
 
 _LITERALS = (bool, int, str, type(None))
 
@@ -81,8 +82,8 @@ class _Emitter:
 
     def call(self, node: fx.Node) -> str:
         target = node.target
-        if isinstance(target, torch._ops.OpOverload):
-            callee = self.bind(str(target).replace(".", "_"), target._op)
+        if isinstance(target, OpOverload):
+            callee = self.bind(str(target).replace(".", "_"), op_kernel(target))
         elif target is operator.getitem:
             return f"{self.value(node.args[0])}[{self.value(node.args[1])}]"
         else:
@@ -140,5 +141,5 @@ def straight_line(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), namespace)
     forward = namespace["forward"]
-    forward._boxed_call = True
+    mark_boxed(forward)
     return forward

@@ -66,8 +66,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.modules.module as _nn_module
 
+from aotgrad._torch_compat import global_module_hooks
 from aotgrad.signature.descriptors import Closure, Global, Input, PrimalDescriptor
 from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
 
@@ -238,7 +238,7 @@ def read_environment(
         walk.visit(Input, name, module)
     if walk.saw_module:  # hooks every module call runs (Note [Module hooks])
         for hooks in _HOOKS:
-            registered = getattr(_nn_module, f"_global{hooks}")
+            registered = global_module_hooks(hooks)
             if registered:
                 walk.labels.append(f"global module{hooks}")
                 walk.keys.append(tuple(registered.items()))

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch._C._dynamo.guards import TensorGuards
 
+from aotgrad._torch_compat import TensorGuards
 from aotgrad.errors import CallError, format_error, user_frame_of_function
 from aotgrad.signature.descriptors import Input, PrimalDescriptor
 from aotgrad.signature.storage import storage_key
@@ -117,9 +117,11 @@ def leaf_names(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
 def _argument_names(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[str]:
-    """The parameter name each positional argument binds to (``args[i]`` for ``*args``)."""
+    """The parameter name each positional argument binds to (``args[i]`` for ``*args``); a
+    module's are its ``forward``'s."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     try:
-        signature = inspect.signature(fn)
+        signature = inspect.signature(target)
     except (TypeError, ValueError):  # builtins and some C functions have no signature
         return [f"args[{i}]" for i in range(len(args))]
     try:

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from aotgrad._torch_compat import pytree_node_type
+
 
 class SharedObjectError(ValueError):
     """An object holding tensors is reached twice in one result (``path`` names the second)."""
@@ -108,7 +110,7 @@ def _convert(value: Any, seen: set[int]) -> Any:
         return _as_node(value, seen) if _holds_tensor(value, set()) else value
     if pytree.tree_is_leaf(value):
         return value
-    node = pytree.SUPPORTED_NODES[pytree._get_node_type(value)]
+    node = pytree.SUPPORTED_NODES[pytree_node_type(value)]
     children, context = node.flatten_fn(value)
     converted = [_convert(c, seen) for c in children]
     if all(new is old for new, old in zip(converted, children, strict=True)):

@@ -1,0 +1,286 @@
+"""Every private torch name aotgrad relies on, in one place, grouped by what aotgrad uses it for.
+
+A torch upgrade starts here: read this file, run ``tests/test_torch_compat.py``
+(one smoke test per name: it exists and still behaves as aotgrad assumes),
+and the rest of the package needs no reading. Modules elsewhere import these
+names from here and never reach into torch's private parts themselves.
+
+What counts as private, and goes through this module:
+
+- anything reached through a ``_``-prefixed module: ``torch._C``,
+  ``torch._subclasses``, ``torch._ops``, ``torch._dispatch``, ``torch._dynamo``,
+  ``torch._guards``, ``torch._inductor``, ``torch.fx._lazy_graph_module``,
+  ``torch.utils._python_dispatch``, ``torch.utils._mode_utils``;
+- ``_``-prefixed names of public modules and classes: ``torch._sync``,
+  ``torch._functionalize_*``, ``torch.fx.proxy._COPY_META_FIELDS``,
+  ``fx.Node._rename``, ``fx.Graph._target_to_str``, ``OpOverload._op``,
+  ``torch.compiler._is_compiling_flag``, ``torch.nn.modules.module._global_*``;
+- torch's error messages that aotgrad recognises by a piece of their text,
+  the names of torch functions and loggers it compares strings with, and the
+  node metadata keys only Dynamo writes.
+
+What aotgrad uses directly, as public:
+
+- ``torch.utils._pytree``: in all but name the public pytree API. Its
+  functions (``tree_flatten_with_path``, ``keystr``, ``register_pytree_node``,
+  ``register_dataclass``, ``SUPPORTED_NODES``) are what ``torch.export`` and
+  Dynamo tell users to register containers with, and torch 2.13 has no public
+  module in its place. Its own ``_``-prefixed helpers still come from here.
+- attributes that torch's public ``Tensor``, ``nn.Module`` and operator types
+  declare and that every library of the field reads: ``Tensor._base``,
+  ``Tensor._version``, ``Tensor._is_view()``, a sparse tensor's
+  ``_indices()``/``_values()``, ``Module._parameters``/``_buffers``, and an
+  operator's ``_schema`` (there is no other way to read an op's signature).
+  Wrapping each of these would hide what the code does and protect nothing.
+- ``torch.fx``, ``torch.fx.traceback``, ``torch.fx.experimental``,
+  ``make_fx``, ``torch.utils.checkpoint``: public modules.
+- aten operators whose names start with ``_`` (``aten._unsafe_view``,
+  ``aten._linalg_check_errors``): the dispatcher's op names, which graphs and
+  op tables hold as data, not Python internals.
+
+Inductor and Dynamo take seconds to import: their names are imported on first
+use, inside the functions below, never when aotgrad is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch._C._dynamo.guards as _guards
+import torch._dispatch.python as _python_dispatcher
+import torch._ops as _ops
+import torch._subclasses.fake_impls as _fake_impls
+import torch._subclasses.fake_tensor as _fake_tensor
+import torch._subclasses.functional_tensor as _functional_tensor
+import torch.fx as fx
+import torch.fx._lazy_graph_module as _lazy_graph_module
+import torch.fx.passes.shape_prop as _shape_prop
+import torch.fx.proxy as _fx_proxy
+import torch.nn.modules.module as _nn_module
+import torch.utils._mode_utils as _mode_utils
+import torch.utils._python_dispatch as _python_dispatch
+import torch.utils._pytree as pytree
+from torch._C import _functionalization
+
+# --- Operators -----------------------------------------------------------------------------------
+
+# The type of ``torch.ops.aten.mm.default``: op tables and tracers tell ops from Python callables.
+OpOverload = _ops.OpOverload
+
+
+def op_kernel(op: OpOverload) -> Callable[..., Any]:
+    """The C++ entry point ``op(...)`` forwards to: straight-line code calls it directly."""
+    return op._op
+
+
+# --- Fake tensors (capture runs on them, never on data) ------------------------------------------
+
+# The fake mode capture runs under, and its tensors.
+FakeTensorMode = _fake_tensor.FakeTensorMode
+FakeTensor = _fake_tensor.FakeTensor
+# What the fake mode raises when Python code or an op reads tensor values: a DataDependentError.
+DataDependentOutputException = _fake_tensor.DataDependentOutputException
+DynamicOutputShapeException = _fake_tensor.DynamicOutputShapeException
+# ``view``'s output strides from symbolic sizes (Note [Eager strides for views]).
+view_stride = _fake_impls._compute_stride
+# Run a kernel on real (meta) tensors inside a trace, below every mode.
+no_dispatch = _mode_utils.no_dispatch
+# The Python dispatcher, which lets symbolic sizes through decompositions during the full trace.
+enable_python_dispatcher = _python_dispatcher.enable_python_dispatcher
+# The logger of the fake mode, which prints a traceback for every failed meta kernel: silenced
+# during capture (Note [Capture sessions]).
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+# --- Functionalization (the full trace) ----------------------------------------------------------
+
+# The functional wrapper tensors of the full trace, and the mode that makes them.
+FunctionalTensor = _functional_tensor.FunctionalTensor
+FunctionalTensorMode = _functional_tensor.FunctionalTensorMode
+# Bring a functional tensor's pending updates into its current value.
+sync = torch._sync
+# A functional tensor's current inner tensor.
+from_functional_tensor = torch._from_functional_tensor
+# Is this functionalization's own inner tensor (not a real tensor the user closed over)?
+is_functional_tensor = torch._is_functional_tensor
+# Mutation probes on an input's functional wrapper after the function ran (Note [Input mutation]).
+was_storage_changed = torch._functionalize_was_storage_changed  # ``set_`` swapped its storage
+has_data_mutation = torch._functionalize_has_data_mutation  # type: ignore[attr-defined]
+has_metadata_mutation = torch._functionalize_has_metadata_mutation  # as_strided_, t_, resize_
+mutation_counter = torch._functionalize_mutation_counter
+# The view chain from a functional view's base to it, and replaying it on another base.
+view_meta_sequence = _functionalization.get_view_meta_sequence
+apply_view_meta_sequence = _functionalization.apply_view_meta_sequence
+
+# --- Dispatch and torch-function modes -----------------------------------------------------------
+
+# The base class of the direct tracer (Note [Direct tracing]).
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+# Step below every active dispatch mode: read the real generator, measure without tracing.
+disable_current_modes = _python_dispatch._disable_current_modes
+# Would autograd decompose this op (a CompositeImplicit kernel) before the tracer sees it?
+autograd_would_have_decomposed = _python_dispatch.autograd_would_have_decomposed
+# Step below torch-function modes (the closed-over swap) to read a real tensor's ``.grad``.
+DisableTorchFunction = torch._C.DisableTorchFunction
+
+# --- torch.fx internals --------------------------------------------------------------------------
+
+# Node metadata ``make_fx`` copies onto each node it creates: the direct tracer copies the same.
+COPY_META_FIELDS: tuple[str, ...] = tuple(_fx_proxy._COPY_META_FIELDS)
+# ``make_fx``'s ``seq_nr`` for a node it creates, by the node's name.
+seq_nr_of = _fx_proxy._get_seq_nr
+# The ``tensor_meta`` that ``make_fx`` stores on a node, from its value.
+tensor_metadata = _shape_prop._extract_tensor_metadata
+# Graph modules that generate their code on first use (Note [Code on demand]).
+LazyGraphModule = _lazy_graph_module._LazyGraphModule
+use_lazy_graph_module = _lazy_graph_module._use_lazy_graph_module
+
+
+def op_node_name(graph: fx.Graph, op_name: str) -> str:
+    """The name ``make_fx`` gives a node calling ``op_name`` (``create_node`` makes it unique)."""
+    return graph._target_to_str(op_name)
+
+
+def rename_node(node: fx.Node, name: str) -> None:
+    """Rename a node in place (made unique among the graph's names)."""
+    node._rename(name)
+
+
+class ExpandedCodeGen(fx.graph.CodeGen):
+    """fx's code generator, always with one argument a line, so each carries its descriptor.
+
+    fx prints ``node.meta["desc"]`` as a comment on expanded placeholders and outputs; only
+    the private ``_gen_python_code`` takes the ``expanded_def`` switch.
+    """
+
+    def _gen_python_code(self, *args: Any, **kwargs: Any) -> fx.graph.PythonCode:
+        kwargs["expanded_def"] = True
+        return super()._gen_python_code(*args, **kwargs)
+
+
+# --- Autograd internals --------------------------------------------------------------------------
+
+# ``autograd.Function.apply`` without its Python layer (Note [Calling the Function directly]).
+FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
+unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+functorch_transforms_active = torch._C._are_functorch_transforms_active
+# Put a tensor's version counter back (Note [Replayed metadata keeps the version]).
+set_version_counter = torch._C._autograd._unsafe_set_version_counter
+# What ``autograd.grad`` and ``.backward()`` run, called by capture with its modes kept active
+# (Note [The swap spans the backward]).
+engine_run_backward = torch.autograd.graph._engine_run_backward
+
+
+def autograd_node_number(node: Any) -> int:
+    """The sequence number autograd gave a graph node (Note [Sequence numbers])."""
+    return node._sequence_nr()
+
+
+def compiling_flag() -> bool:
+    """What ``torch.compiler.is_compiling()`` answers outside Dynamo (Note [Capture is compiling])."""
+    return torch.compiler._is_compiling_flag
+
+
+def set_compiling_flag(value: bool) -> None:
+    """Set what :func:`compiling_flag` reads."""
+    torch.compiler._is_compiling_flag = value
+
+
+# --- Autocast ------------------------------------------------------------------------------------
+
+# Is autocast on for any device? (one C call: checked on every call of a compiled function)
+any_autocast_enabled = torch._C._is_any_autocast_enabled
+# The devices autocast has a state for.
+autocast_supported_devices = torch._C._autocast_supported_devices
+
+# --- Guards, Dynamo and Inductor -----------------------------------------------------------------
+
+# Dynamo's C++ tensor check: the per-call fast path of the cache (Note [The last entry]).
+TensorGuards = _guards.TensorGuards
+# Graph node metadata Dynamo writes on the graphs it hands a backend.
+DYNAMO_EXAMPLE_VALUE = "example_value"  # the placeholder's fake value
+DYNAMO_GRAPH_ARG = "grapharg"  # where the placeholder's value came from (``.source``)
+
+
+def local_source(name: str) -> Any:
+    """Dynamo's source for a local variable: shape guards are rendered over ``L[name]``."""
+    from torch._dynamo.source import LocalSource
+
+    return LocalSource(name)
+
+
+def inductor_decompositions() -> Mapping[Any, Callable[..., Any]]:
+    """Inductor's decomposition table: graphs are re-traced with it before compiling."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], fake_mode: Any) -> Any:
+    """Compile a decomposed graph with Inductor, inside the tracing context it expects."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with tracing(TracingContext(fake_mode)):
+        return compile_fx_inner(gm, example_inputs)
+
+
+# --- Module hooks and pytree internals -----------------------------------------------------------
+
+
+def global_module_hooks(kind: str) -> dict[int, Any]:
+    """The hooks every module call runs, of one kind (``"_forward_hooks"``; Note [Module hooks])."""
+    return getattr(_nn_module, f"_global{kind}")
+
+
+def pytree_node_type(value: Any) -> Any:
+    """The type pytree flattens ``value`` as (a namedtuple's is ``namedtuple``)."""
+    return pytree._get_node_type(value)
+
+
+# --- Error messages and names aotgrad recognises by their text -----------------------------------
+
+# Functionalization refusing to write a traced value into a real tensor: the function mutates a
+# tensor it does not take as an argument.
+NON_FUNCTIONAL_MUTATION = "mutating a non-functional tensor with a functional tensor"
+# A C++ kernel reading the data of a fake tensor (a host read no fake kernel covers).
+DATA_NOT_ALLOCATED = "data is not allocated yet"
+# An op ordered by an effect token (``aten._print``); the message ends with the op's name.
+EFFECT_TOKEN_MISSING = "Could not find a token for effect"
+# torch's own invariant failing (``TORCH_INTERNAL_ASSERT``), not the user's error.
+INTERNAL_ASSERT = "INTERNAL ASSERT FAILED"
+# A reentrant checkpoint refusing ``autograd.grad`` (Note [Reentrant checkpoints]).
+REENTRANT_CHECKPOINT_GRAD = "incompatible with .grad()"
+
+
+def effect_token_op(message: str) -> str:
+    """The op an :data:`EFFECT_TOKEN_MISSING` message names (its last word)."""
+    return message.rsplit(" ", 1)[-1]
+
+
+def traceback_name(function: Callable[..., Any]) -> str:
+    """A Python function as a failed capture's traceback names it: ``module.function``."""
+    return f"{function.__globals__['__name__']}.{function.__code__.co_name}"
+
+
+# Torch functions a failed capture's traceback may end in, by that name.
+TENSOR_BACKWARD = traceback_name(torch.Tensor.backward)  # "torch._tensor.backward"
+ENGINE_RUN_BACKWARD = traceback_name(engine_run_backward)  # what autograd.grad runs
+
+
+# --- Compiled functions --------------------------------------------------------------------------
+
+# Marks a compiled function that takes its inputs as one list (``f(args)``, "boxed"), so it may
+# free them early: Inductor's output carries it, and torch's backends and aotgrad read it.
+BOXED_CALL = "_boxed_call"
+
+
+def mark_boxed(f: Callable[..., Any]) -> None:
+    """Mark ``f`` as taking one list argument (:data:`BOXED_CALL`)."""
+    setattr(f, BOXED_CALL, True)
+
+
+def is_boxed(f: object) -> bool:
+    """Does ``f`` take one list argument (:data:`BOXED_CALL`)?"""
+    return bool(getattr(f, BOXED_CALL, False))

@@ -1,0 +1,494 @@
+"""One smoke test per private torch name in ``aotgrad._torch_compat``: it exists and behaves as
+aotgrad assumes. After a torch upgrade, this file says which assumption broke."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import logging
+import pathlib
+import traceback
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import checkpoint
+
+from aotgrad import _torch_compat as compat
+
+aten = torch.ops.aten
+
+
+def _defined_names() -> list[str]:
+    """The names ``_torch_compat`` defines (assignments, functions, classes), not its imports."""
+    tree = ast.parse(inspect.getsource(compat))
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names += [t.id for t in targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.append(node.name)
+    return [n for n in names if not n.startswith("_")]
+
+
+def test_every_name_has_a_smoke_test():
+    source = pathlib.Path(__file__).read_text()
+    untested = [n for n in _defined_names() if f"compat.{n}" not in source]
+    assert len(_defined_names()) > 40 and not untested, f"no smoke test uses {untested}"
+
+
+# --- Operators ---------------------------------------------------------------------------------
+
+
+def test_op_overload_is_the_type_of_aten_ops():
+    assert isinstance(aten.mm.default, compat.OpOverload)
+    assert not isinstance(torch.mm, compat.OpOverload)
+
+
+def test_op_kernel_computes_the_op():
+    a, b = torch.randn(2, 3), torch.randn(3, 4)
+    torch.testing.assert_close(compat.op_kernel(aten.mm.default)(a, b), a @ b)
+
+
+# --- Fake tensors ------------------------------------------------------------------------------
+
+
+def test_fake_mode_makes_fake_tensors():
+    with compat.FakeTensorMode():
+        t = torch.ones(2, 3)
+    assert isinstance(t, compat.FakeTensor) and t.shape == (2, 3)
+
+
+def test_fake_mode_raises_on_reading_values():
+    with compat.FakeTensorMode():
+        t = torch.ones(3)
+        with pytest.raises(compat.DataDependentOutputException):
+            t.sum().item()
+        with pytest.raises(compat.DynamicOutputShapeException):
+            t.nonzero()
+
+
+def test_view_stride_is_eagers_or_none():
+    assert list(compat.view_stride([2, 3], [3, 1], [6])) == [1]
+    assert compat.view_stride([3, 2], [1, 3], [6]) is None  # a transpose cannot be viewed flat
+
+
+def test_no_dispatch_runs_below_the_fake_mode():
+    with compat.FakeTensorMode(), compat.no_dispatch():
+        t = torch.empty(2, device="meta")
+    assert type(t) is torch.Tensor
+
+
+def test_python_dispatcher_is_a_context_manager():
+    with compat.enable_python_dispatcher():
+        assert torch.ones(2).add(1).tolist() == [2.0, 2.0]
+
+
+def test_the_fake_mode_logs_under_its_logger_name():
+    assert compat.FAKE_TENSOR_LOGGER in logging.root.manager.loggerDict
+
+
+# --- Functionalization -------------------------------------------------------------------------
+
+
+def _functional(t: torch.Tensor) -> torch.Tensor:
+    return compat.FunctionalTensor.to_functional(t)
+
+
+def test_functional_mode_wraps_and_unwraps():
+    x = torch.zeros(2)
+    with compat.FunctionalTensorMode():
+        y = _functional(x)
+        y.add_(1)
+        assert isinstance(y, compat.FunctionalTensor)
+        compat.sync(y)
+        inner = compat.from_functional_tensor(y.elem)
+    assert type(inner) is torch.Tensor and inner.tolist() == [1.0, 1.0]
+    assert compat.is_functional_tensor(y.elem) and not compat.is_functional_tensor(inner)
+
+
+def test_mutation_probes_tell_data_metadata_and_storage_changes():
+    real = [torch.zeros(2, 2) for _ in range(4)]
+    new_storage = torch.ones(4)
+    with compat.FunctionalTensorMode():
+        data, meta, storage, untouched = map(_functional, real)
+        before = compat.mutation_counter(data.elem)
+        data.add_(1)
+        meta.t_()
+        storage.set_(_functional(new_storage))
+        for t in (data, meta, storage, untouched):
+            compat.sync(t)
+        assert compat.mutation_counter(data.elem) == before + 1
+        assert compat.has_data_mutation(data.elem) and not compat.has_data_mutation(meta.elem)
+        assert compat.has_metadata_mutation(meta.elem)
+        assert not compat.has_metadata_mutation(data.elem)
+        assert compat.was_storage_changed(storage.elem)
+        assert not compat.was_storage_changed(data.elem)
+        assert not compat.has_data_mutation(untouched.elem)
+
+
+def test_view_meta_sequence_replays_on_another_base():
+    original, base = torch.zeros(3, 4), torch.zeros(3, 4)
+    with compat.FunctionalTensorMode():
+        view = _functional(base).t()[1:]
+        chain = compat.view_meta_sequence(view.elem)
+        with compat.disable_current_modes():
+            replayed = compat.apply_view_meta_sequence(original, chain)
+    expected = original.t()[1:]
+    assert (replayed.shape, replayed.stride(), replayed.storage_offset()) == (
+        expected.shape,
+        expected.stride(),
+        expected.storage_offset(),
+    )
+
+
+# --- Dispatch and torch-function modes ---------------------------------------------------------
+
+
+class _Seen(compat.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[object] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_dispatch_modes_see_ops_unless_disabled():
+    with _Seen() as seen:
+        torch.ones(2).sin()
+        with compat.disable_current_modes():
+            torch.ones(2).cos()
+    assert aten.sin.default in seen.ops and aten.cos.default not in seen.ops
+
+
+def test_autograd_would_have_decomposed_composite_ops_only():
+    x = torch.ones(2, 3, requires_grad=True)
+    w = torch.ones(4, 3, requires_grad=True)
+    assert compat.autograd_would_have_decomposed(aten.linear.default, [x, w])
+    assert not compat.autograd_would_have_decomposed(aten.mm.default, [x, w.t()])
+
+
+def test_disable_torch_function_hides_calls_from_torch_function_modes():
+    seen = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Mode(), compat.DisableTorchFunction():
+        torch.ones(2).sin()
+    assert torch.Tensor.sin not in seen
+
+
+# --- torch.fx internals ------------------------------------------------------------------------
+
+
+def test_copy_meta_fields_name_the_metadata_make_fx_copies():
+    assert {"nn_module_stack", "custom", "original_aten"} <= set(compat.COPY_META_FIELDS)
+
+
+def test_seq_nr_of_is_the_last_autograd_node_number():
+    x = torch.ones(2, requires_grad=True)
+    y = x.sin()
+    assert compat.seq_nr_of("sin") == compat.autograd_node_number(y.grad_fn)
+
+
+def test_tensor_metadata_describes_a_tensor():
+    meta = compat.tensor_metadata(torch.ones(2, 3))
+    assert meta.shape == (2, 3) and meta.dtype == torch.float32 and meta.stride == (3, 1)
+
+
+def test_lazy_graph_modules_generate_code_on_first_use():
+    with compat.use_lazy_graph_module(True):
+        gm = make_fx(torch.sin)(torch.ones(2))
+    assert isinstance(gm, compat.LazyGraphModule)
+    assert "sin" in gm.code
+
+
+def test_op_node_names_and_renaming():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    assert compat.op_node_name(graph, "LayerNorm") == "layer_norm"
+    graph.create_node("call_function", aten.sin.default, (x,), name="sin")
+    compat.rename_node(x, "sin")  # made unique among the graph's names
+    assert x.name == "sin_1"
+
+
+def test_expanded_code_gen_prints_descriptors():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["desc"] = "carry['a']"
+    graph.output((x,))
+    graph.set_codegen(compat.ExpandedCodeGen())
+    assert "x,  # carry['a']" in fx.GraphModule({}, graph).code
+
+
+# --- Autograd internals ------------------------------------------------------------------------
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_function_base_apply_runs_a_function_without_its_python_layer():
+    apply = compat.FUNCTION_BASE_APPLY.__get__(None, _Double)
+    x = torch.ones(2, requires_grad=True)
+    apply(compat.unwrap_if_dead(x)).sum().backward()
+    assert x.grad.tolist() == [2.0, 2.0]
+
+
+def test_functorch_transforms_active_only_inside_a_transform():
+    inside = []
+    torch.func.vmap(lambda t: inside.append(compat.functorch_transforms_active()) or t)(
+        torch.ones(2)
+    )
+    assert inside == [True] and not compat.functorch_transforms_active()
+
+
+def test_set_version_counter_puts_the_version_back():
+    x = torch.ones(2)
+    version = x._version
+    x.add_(1)
+    compat.set_version_counter((x,), (version,))
+    assert x._version == version
+
+
+def test_autograd_node_numbers_grow():
+    x = torch.ones(2, requires_grad=True)
+    a, b = x.sin(), x.cos()
+    assert compat.autograd_node_number(b.grad_fn) > compat.autograd_node_number(a.grad_fn)
+
+
+def test_compiling_flag_is_what_is_compiling_answers():
+    was = compat.compiling_flag()
+    compat.set_compiling_flag(True)
+    try:
+        assert torch.compiler.is_compiling()
+    finally:
+        compat.set_compiling_flag(was)
+    assert not torch.compiler.is_compiling()
+
+
+# --- Autocast ----------------------------------------------------------------------------------
+
+
+def test_autocast_probes():
+    assert not compat.any_autocast_enabled()
+    with torch.autocast("cpu"):
+        assert compat.any_autocast_enabled()
+    assert "cpu" in compat.autocast_supported_devices()
+
+
+# --- Guards, Dynamo and Inductor ---------------------------------------------------------------
+
+
+def test_tensor_guards_check_metadata():
+    x = torch.ones(2, 3)
+    guards = compat.TensorGuards(x, dynamic_dims_sizes=[[2, 3]], dynamic_dims_strides=[[3, 1]])
+    assert guards.check(torch.zeros(2, 3))
+    assert not guards.check(torch.zeros(2, 3, dtype=torch.float64))
+    assert not guards.check(torch.zeros(3, 2))
+
+
+def test_local_source_renders_as_a_local():
+    name = compat.local_source("t0").name
+    assert (name() if callable(name) else name) == "L['t0']"
+
+
+def test_dynamo_writes_example_values_and_graph_args():
+    seen = []
+
+    def backend(gm, example_inputs):
+        (x,) = (n for n in gm.graph.nodes if n.op == "placeholder")
+        name = x.meta[compat.DYNAMO_GRAPH_ARG].source.name  # Dynamo drops it after compiling
+        seen.append((x.meta[compat.DYNAMO_EXAMPLE_VALUE], name() if callable(name) else name))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: x.sin(), backend=backend)(torch.ones(2))
+    ((value, name),) = seen
+    assert isinstance(value, torch.Tensor) and name == "L['x']"
+
+
+def test_inductor_compiles_a_decomposed_graph():
+    decompositions = compat.inductor_decompositions()
+    assert aten.threshold_backward.default in decompositions  # aotgrad's graphs keep it
+    x = torch.randn(4)
+    fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
+    gm = make_fx(lambda t: (t.sin() + 1,), decomposition_table=decompositions)(x)
+    with torch.no_grad():
+        compiled = compat.inductor_compile(gm, [x], fake_mode)
+    (out,) = compiled([x]) if compat.is_boxed(compiled) else compiled(x)
+    torch.testing.assert_close(out, x.sin() + 1)
+
+
+# --- Module hooks and pytree internals ---------------------------------------------------------
+
+
+def test_global_module_hooks_hold_registered_hooks():
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert handle.id in compat.global_module_hooks("_forward_hooks")
+    finally:
+        handle.remove()
+    assert handle.id not in compat.global_module_hooks("_forward_hooks")
+
+
+def test_pytree_node_type_of_a_namedtuple():
+    from collections import namedtuple
+
+    point = namedtuple("point", "x y")(1, 2)
+    assert compat.pytree_node_type([1]) is list
+    assert compat.pytree_node_type(point) is not type(point)  # all namedtuples flatten as one
+
+
+# --- Error messages and names ------------------------------------------------------------------
+
+_global = torch.ones(2)
+
+
+def test_mutating_a_real_tensor_with_a_functional_one_says_so():
+    with pytest.raises(RuntimeError) as info:
+        torch.func.functionalize(lambda x: _global.add_(x))(torch.ones(2))
+    assert compat.NON_FUNCTIONAL_MUTATION in str(info.value)
+    assert compat.INTERNAL_ASSERT in str(info.value)
+
+
+def test_reading_fake_data_below_the_mode_says_not_allocated():
+    with compat.FakeTensorMode():
+        t = torch.ones(2)
+    with compat.no_dispatch(), pytest.raises(RuntimeError) as info:
+        t.tolist()
+    assert compat.DATA_NOT_ALLOCATED in str(info.value)
+
+
+def test_an_effectful_op_without_a_token_names_the_op_last():
+    with pytest.raises(AssertionError) as info, compat.FunctionalTensorMode():
+        aten._print.default("hi")
+    assert compat.EFFECT_TOKEN_MISSING in str(info.value)
+    assert compat.effect_token_op(str(info.value)) == "aten._print.default"
+
+
+def test_a_reentrant_checkpoint_refuses_grad():
+    x = torch.ones(2, requires_grad=True)
+    y = checkpoint(torch.sin, x, use_reentrant=True)
+    with pytest.raises(RuntimeError) as info:
+        torch.autograd.grad(y.sum(), x)
+    assert compat.REENTRANT_CHECKPOINT_GRAD in str(info.value)
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("failed in the backward")
+
+
+def test_torch_function_names_as_tracebacks_name_them():
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError) as info:
+        _FailingBackward.apply(x).sum().backward()
+    frames = [frame for frame, _ in traceback.walk_tb(info.value.__traceback__)]
+    names = [f"{f.f_globals['__name__']}.{f.f_code.co_name}" for f in frames]
+    assert names.count(compat.TENSOR_BACKWARD) == names.count(compat.ENGINE_RUN_BACKWARD) == 1
+    assert compat.traceback_name(test_torch_function_names_as_tracebacks_name_them) == (
+        f"{__name__}.test_torch_function_names_as_tracebacks_name_them"
+    )
+
+
+def test_engine_run_backward_computes_gradients():
+    x = torch.ones(2, requires_grad=True)
+    (grad,) = compat.engine_run_backward(
+        (x.sin(),),
+        (torch.ones(2),),
+        False,
+        False,
+        (x,),
+        allow_unreachable=True,
+        accumulate_grad=False,
+    )
+    torch.testing.assert_close(grad, x.detach().cos())
+    assert x.grad is None
+
+
+# --- Compiled functions ------------------------------------------------------------------------
+
+
+def test_boxed_functions_are_marked():
+    def f(args):
+        return args
+
+    assert not compat.is_boxed(f)
+    compat.mark_boxed(f)
+    assert compat.is_boxed(f) and getattr(f, compat.BOXED_CALL)
+
+
+# --- The rule ----------------------------------------------------------------------------------
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "aotgrad"
+PUBLIC_AS_USED = "torch.utils._pytree"  # see the module docstring of _torch_compat
+
+
+def _private_torch_paths(tree: ast.AST) -> list[str]:
+    """``torch`` module paths and ``torch.x`` chains with a ``_``-prefixed part (``torch._C``,
+    ``from torch.fx.proxy import _get_seq_nr``), aten op names and dunders aside."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
+            found += [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("torch")]
+        elif isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Del):
+            parts = []
+            value: ast.expr = node
+            while isinstance(value, ast.Attribute):
+                parts.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id == "torch":
+                found.append(".".join(["torch", *reversed(parts)]))
+    return [p for p in found if _is_private(p)]
+
+
+def _is_private(path: str) -> bool:
+    if path == PUBLIC_AS_USED or path.startswith(PUBLIC_AS_USED + "."):
+        return False
+    parts = path.split(".")
+    if "ops" in parts:  # torch.ops.aten._unsafe_view: an operator's name, not Python's
+        parts = parts[: parts.index("ops")]
+    return any(p.startswith("_") and not p.startswith("__") for p in parts)
+
+
+def test_no_private_torch_names_outside_this_module():
+    offenders = {}
+    for path in SRC.rglob("*.py"):
+        if path.name == "_torch_compat.py":
+            continue
+        private = _private_torch_paths(ast.parse(path.read_text()))
+        if private:
+            offenders[str(path.relative_to(SRC))] = private
+    assert not offenders, f"use aotgrad._torch_compat instead: {offenders}"
+
+
+def test_the_rule_catches_a_planted_violation():
+    planted = "import torch._C\nfrom torch.fx.proxy import _get_seq_nr\nx = torch._sync\n"
+    assert _private_torch_paths(ast.parse(planted)) == [
+        "torch._C",
+        "torch.fx.proxy._get_seq_nr",
+        "torch._sync",
+    ]
+    public = "import torch.utils._pytree as pytree\ny = torch.ops.aten._unsafe_view.default\n"
+    assert _private_torch_paths(ast.parse(public)) == []
