@@ -159,7 +159,7 @@ def _capture(
     def direct() -> _Traced:
         return attempt(DirectTracer(Recorder(root), options.decompositions))
 
-    def full(leaf_primals: bool = False) -> _Traced:
+    def full(leaf_primals: bool) -> _Traced:
         symbolic = bool(options.dynamic_dims)
         tracer = FullTracer(
             Recorder(root), options.decompositions, symbolic=symbolic, leaf_primals=leaf_primals

@@ -100,9 +100,6 @@ class TraceRecord:
     reached_by: list[int] = field(default_factory=list)
     # Symbolic sizes and their guards (Note [Dynamic shapes]); None for static traces.
     guards: ShapeGuards | None = None
-    # Differentiate with .backward() into leaf primals instead of autograd.grad on edges:
-    # the only way through a reentrant checkpoint (Note [Reentrant checkpoints]).
-    leaf_primals: bool = False
     # Real tensors requiring grad the function closes over (lifted as inputs): a reentrant
     # checkpoint's backward must not write their ``.grad`` (``_real_grads_untouched``, a
     # safety net: the closed-over swap spans the backward).
@@ -206,7 +203,7 @@ def trace_joint(
     mode = CaptureFakeMode(allow_non_fake_inputs=True, shape_env=shape_env)
     inputs, tensors = GraphInputs.of(flat, primals, bases)
     fakes = fake_primals(mode, tensors, dynamic_dims)
-    record = TraceRecord(leaf_primals=tracer.leaf_primals)
+    record = TraceRecord()
     record.closed_over_leaves = [
         p
         for i, (p, d) in enumerate(zip(primals, flat.descriptors, strict=True))
@@ -313,15 +310,14 @@ def _gradients(
     where: UserFrame | None,
 ) -> list[torch.Tensor | None]:
     """Run the backward under the checks and swaps it needs; the grads of all primals."""
-    recorder = tracer.recorder
-    if record.leaf_primals:  # a reentrant checkpoint may write closed-over .grad
+    if tracer.leaf_primals:  # a reentrant checkpoint may write closed-over .grad
         for t in record.closed_over_leaves:
-            recorder.real_leaves.setdefault(id(t), t)
+            tracer.recorder.real_leaves.setdefault(id(t), t)
     with (
         tracer.backward_checked(graph_primals, inputs.descriptors, where),
         closed_over.backward(),  # Note [The swap spans the backward]
     ):
-        return _backward(record, graph_primals, edges, returned, recorder, where)
+        return _backward(record, graph_primals, edges, returned, tracer, where)
 
 
 def _note_grad_changes(
@@ -470,7 +466,7 @@ def _backward(
     primals: Sequence[torch.Tensor],
     edges: Sequence[GradientEdge | torch.Tensor | None],
     returned: Sequence[torch.Tensor],
-    recorder: Recorder,
+    tracer: Tracer,
     where: UserFrame | None,
 ) -> list[torch.Tensor | None]:
     """Cotangents for the Function's differentiable outputs, then the grads of all primals."""
@@ -481,15 +477,15 @@ def _backward(
     sources = [
         source
         for i in record.grad_inputs
-        if (source := primals[i] if record.leaf_primals else edges[i]) is not None
+        if (source := primals[i] if tracer.leaf_primals else edges[i]) is not None
     ]
     record.reached_by = [0] * len(edges)
     for i, mask in zip(record.grad_inputs, reaching_masks(targets, sources), strict=True):
         record.reached_by[i] = mask
-    recorder.backward_hooks(targets)
+    tracer.recorder.backward_hooks(targets)
     computed: Sequence[torch.Tensor | None]
-    if record.leaf_primals:
-        with _real_grads_untouched(recorder, where), autocast_off():  # Note [Autocast]
+    if tracer.leaf_primals:
+        with _real_grads_untouched(tracer.recorder, where), autocast_off():  # Note [Autocast]
             _run_engine(targets, cotangents, (), accumulate=True)
         computed = [primals[i].grad for i in record.grad_inputs]
     else:

@@ -16,11 +16,13 @@ The joint function is the same code for both; what differs is owned by the
 
                                 direct                    full
     run(joint, fakes)           record ops as they run    make_fx(joint)(*fakes)
+    dispatch_mode()             none (run records)        functionalization
     graph_primals(fakes)        the fakes themselves      functional wrappers
     differentiate_at(primal)    the primal                its gradient edge
     traced(result leaf)         recorded by this trace    a functional tensor
     input_mutations(...)        none: it stops first      read off functionalization
     sync(forward values)        nothing to sync           torch._sync
+    backward_checked(...)       nothing to check          no input mutated by the backward
     unwrap(graph value)         itself                    from_functional
 
 Both give the same graph, node for node, for a function both can trace
