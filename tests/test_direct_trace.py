@@ -211,6 +211,8 @@ def test_the_functions_own_error_comes_from_the_full_trace_without_a_bug_report(
         chain.append(chain[-1].__context__)
     # aotgrad's error from torch's, and nothing of the direct trace's attempt behind them
     assert [type(e) for e in chain] == [aotgrad.errors.OpRuntimeError, RuntimeError]
+    with pytest.raises(aotgrad.OpError, match="must have same reduction dim"):  # the same words
+        aotgrad.trace(mismatched, torch.randn(2, 3), tracer="direct")
 
 
 def _planted_bug(self, value):
@@ -243,3 +245,18 @@ def test_a_trace_that_stops_inside_a_module_leaves_no_annotations_behind():
     traced = aotgrad.trace(lambda x: x.cos(), torch.randn(2, requires_grad=True))
     ops = [n for n in traced.forward.graph.nodes if n.op == "call_function"]
     assert ops and all(node_info(n).module == "<lambda>" for n in ops)
+
+
+def test_a_stop_is_not_swallowed_by_the_functions_own_except():
+    def guarded(x):
+        try:  # noqa: SIM105 -- the construct under test
+            x.add_(1)
+        except Exception:
+            pass
+        return x * 2
+
+    x = torch.zeros(2)
+    compiled = aotgrad.aot_function(guarded)
+    torch.testing.assert_close(compiled(x), torch.full((2,), 2.0))
+    torch.testing.assert_close(x, torch.ones(2))
+    assert compiled.partitioned.joint.tracer.name == "full"

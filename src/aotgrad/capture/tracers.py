@@ -49,8 +49,18 @@ which (``JointGraph.tracer``, shown as ``traced.tracer`` and
     a bug in direct.py      failed            "full", "the direct tracer failed: TypeError ..."
 
 "Stopped" is :class:`NeedsFullTrace`, which the direct tracer raises for
-what it knowingly does not handle, with the reason. Any other exception
-is not caught as a stop: the full trace runs next, and
+what it knowingly does not handle, with the reason. It derives from
+``BaseException``: a function that guards an in-place op with ``except
+Exception:`` would otherwise swallow the stop, and the direct trace would go
+on without the op and return a graph that never mutates::
+
+    try:                            eager: x.add_(1) runs; f returns 2 * (x + 1)
+        x.add_(1)                   a swallowed stop: no add_ in the graph,
+    except Exception:               f returns 2 * x and x is unchanged
+        pass
+    return x * 2
+
+Any other exception is not caught as a stop: the full trace runs next, and
 
 - if the full trace raises too, the exception was the function's own (a
   shape mismatch, a construct capture refuses): the caller gets the full
@@ -105,10 +115,12 @@ def check_tracer_choice(value: object) -> TracerChoice:
     return cast(TracerChoice, value)
 
 
-class NeedsFullTrace(Exception):
+class NeedsFullTrace(BaseException):
     """The direct trace stops: it met something only the full trace handles (Note [Choosing a tracer]).
 
-    ``reason`` says what, e.g. ``"aten.mul_.Tensor mutates a tensor in place"``.
+    ``reason`` says what, e.g. ``"aten.mul_.Tensor mutates a tensor (an in-place or out= op)"``.
+    A ``BaseException``, as pytest's outcomes are, so that no ``except Exception:``
+    between the op and capture (the user's, or a library's) can swallow it.
     """
 
     def __init__(self, reason: str) -> None:
