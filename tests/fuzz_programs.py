@@ -46,6 +46,7 @@ from hypothesis import strategies as st
 
 import aotgrad
 from aotgrad import testing
+from aotgrad.capture import DirectTracerBugWarning
 from aotgrad.errors import AotgradError
 
 # torch's fake-tensor logger prints every failed meta kernel (issue item 19): keep runs readable.
@@ -784,6 +785,7 @@ def _verify_once(program: Program, fn, compile_fn) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            warnings.simplefilter("error", DirectTracerBugWarning)  # Note [Choosing a tracer]
             testing.verify(called, *program.make_args(), compile_fn=_wrapped(compile_fn, program))
     except testing.VerificationError as err:
         raise FuzzFailure("", _mismatch_signature(str(err)), str(err)) from None

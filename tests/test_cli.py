@@ -68,6 +68,11 @@ def wrong_shape():
     return [torch.ones(2)]
 
 
+def mutates(x):
+    x.add_(1)  # the direct trace stops here
+    return x.sin()
+
+
 def example_inputs():
     return (torch.ones(2, 3),), {}
 """
@@ -103,3 +108,29 @@ def test_show_reports_bad_targets_in_one_line(tmp_path, capfd, argv, code, messa
     assert "Traceback" not in err, err
     # A load error is one line; a capture error is aotgrad's own: what, where, what to do.
     assert len(lines) == 1 or (code == 1 and lines[0].startswith("aotgrad: ")), err
+
+
+def test_show_says_which_tracer_made_the_graphs_and_why(tmp_path, capsys):
+    (tmp_path / "cases.py").write_text(CASES)
+    cases = str(tmp_path / "cases.py")
+    assert main(["show", f"{cases}:fn", "--no-check"]) == 0
+    assert "=== tracer ===\ndirect\n" in capsys.readouterr().out
+    assert main(["show", f"{cases}:mutates", "--no-check"]) == 0
+    line = CASES.splitlines().index("    x.add_(1)  # the direct trace stops here") + 1
+    assert (
+        f"=== tracer ===\nfull (the direct trace stopped at {cases}:{line}:"
+        " aten.add_.Tensor mutates a tensor (an in-place or out= op))\n"
+    ) in capsys.readouterr().out
+    assert main(["show", f"{cases}:fn", "--no-check", "--tracer", "full"]) == 0
+    assert "=== tracer ===\nfull (tracer='full' was asked)\n" in capsys.readouterr().out
+
+
+def test_show_with_the_direct_tracer_refuses_what_it_cannot_trace(tmp_path, capsys):
+    (tmp_path / "cases.py").write_text(CASES)
+    assert main(["show", f"{tmp_path / 'cases.py'}:mutates", "--tracer", "direct"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "aotgrad: DirectTraceError: tracer='direct' cannot capture this function:"
+        " aten.add_.Tensor mutates a tensor"
+    )
+    assert "x.add_(1)  # the direct trace stops here" in err

@@ -1,6 +1,9 @@
-"""Note [Direct tracing]: the direct trace gives the full trace's graphs, node for node."""
+"""Note [Two tracers], [Direct tracing], [Choosing a tracer]: the direct trace gives the full
+trace's graphs node for node, stops with a reason, and the ``tracer`` option chooses."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -8,8 +11,8 @@ import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint as cp
 
 import aotgrad
-import aotgrad.capture as capture
-from aotgrad.capture import node_info
+from aotgrad.capture import DirectTracerBugWarning, node_info
+from aotgrad.capture.direct import DirectTracer
 from models import GPT, DeepMLP
 
 
@@ -35,21 +38,6 @@ def _cases():
     }
 
 
-def _trace(fn, args, direct: bool, monkeypatch):
-    used = []
-    original = capture._trace_directly
-
-    def attempt(trace):
-        result = original(trace) if direct else None
-        used.append(result is not None)
-        return result
-
-    monkeypatch.setattr(capture, "_trace_directly", attempt)
-    traced = aotgrad.trace(fn, *args)
-    monkeypatch.setattr(capture, "_trace_directly", original)
-    return traced, used
-
-
 def _described(gm):
     return [
         (n.op, n.name, str(n.target), str(n.args), str(n.kwargs), _info(n), n.meta.get("desc"))
@@ -62,11 +50,13 @@ def _info(node):
 
 
 @pytest.mark.parametrize("case", list(_cases()))
-def test_direct_and_full_traces_give_the_same_graphs_and_provenance(case, monkeypatch):
+def test_direct_and_full_traces_give_the_same_graphs_and_provenance(case):
     fn, args = _cases()[case]
-    direct, used_direct = _trace(fn, args, True, monkeypatch)
-    full, used_full = _trace(fn, args, False, monkeypatch)
-    assert used_direct == [True] and used_full == [False]
+    direct = aotgrad.trace(fn, *args, tracer="direct")
+    full = aotgrad.trace(fn, *args, tracer="full")
+    assert (direct.tracer, direct.fallback_reason) == ("direct", None)
+    assert (full.tracer, full.fallback_reason) == ("full", "tracer='full' was asked")
+    assert aotgrad.trace(fn, *args).tracer == "direct"  # auto
     for mine, theirs in ((direct.joint, full.joint), (direct.forward, full.forward)):
         assert _described(mine) == _described(theirs)
     assert (direct.backward is None) == (full.backward is None)
@@ -76,17 +66,175 @@ def test_direct_and_full_traces_give_the_same_graphs_and_provenance(case, monkey
     assert [s.to_dict() for s in direct.saved] == [s.to_dict() for s in full.saved]
 
 
-def test_mutations_and_random_ops_take_the_full_trace(monkeypatch):
-    def mutates(x):
-        x.mul_(2)
+def _mutates(x):
+    x.mul_(2)  # stops here
+    return x.sin()
+
+
+def _drops(x):
+    return torch.nn.functional.dropout(x, 0.5, training=True).sum()
+
+
+def _reentrant(x, w):
+    return cp.checkpoint(lambda a, b: (a @ b).sin(), x, w, use_reentrant=True).sum()
+
+
+def _square():
+    return torch.randn(3, 3, requires_grad=True)
+
+
+# case -> (function, inputs, what the reason says)
+STOPS = {
+    "in-place op": (_mutates, lambda: (torch.randn(3),), "aten.mul_.Tensor mutates a tensor"),
+    "random op": (_drops, lambda: (torch.randn(3),), "aten.bernoulli_.float mutates a tensor"),
+    "in-place on an input needing grad": (
+        _mutates,
+        lambda: (torch.randn(3, requires_grad=True) * 1,),
+        "an in-place op on a tensor autograd sees as a leaf that requires grad",
+    ),
+    "constant made inside": (
+        lambda x: x * torch.tensor([2.0]),
+        lambda: (torch.randn(3),),
+        "aten.lift_fresh.default lifts a tensor constant",
+    ),
+    "reentrant checkpoint": (
+        _reentrant,
+        lambda: (_square(), _square()),
+        "a reentrant checkpoint refuses autograd.grad",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(STOPS))
+def test_auto_falls_back_to_the_full_trace_and_says_why(case):
+    fn, inputs, reason = STOPS[case]
+    traced = aotgrad.trace(fn, *inputs())
+    assert traced.tracer == "full"
+    assert traced.fallback_reason.startswith("the direct trace stopped")
+    assert reason in traced.fallback_reason
+    assert not traced.partitioned.joint.tracer.direct_tracer_bug
+
+
+@pytest.mark.parametrize("case", list(STOPS))
+def test_direct_refuses_what_it_does_not_handle_naming_why(case):
+    fn, inputs, reason = STOPS[case]
+    with pytest.raises(aotgrad.DirectTraceError) as info:
+        aotgrad.trace(fn, *inputs(), tracer="direct")
+    message = str(info.value)
+    assert message.startswith(f"tracer='direct' cannot capture this function: {reason}")
+    assert "tracer='auto'" in message and "tracer='full'" in message
+
+
+def test_the_stop_names_the_users_line():
+    traced = aotgrad.trace(_mutates, torch.randn(3))
+    assert f"test_direct_trace.py:{_mutates.__code__.co_firstlineno + 1}:" in (
+        traced.fallback_reason
+    )
+    with pytest.raises(aotgrad.DirectTraceError, match=r"x\.mul_\(2\)  # stops here"):
+        aotgrad.trace(_mutates, torch.randn(3), tracer="direct")
+
+
+def test_calls_the_direct_trace_does_not_try():
+    x = torch.randn(4, 3)
+    dynamic = aotgrad.trace(lambda a: a.sin(), x, dynamic=True)
+    assert dynamic.tracer == "full"
+    assert dynamic.fallback_reason == (
+        "the direct trace was not tried: dynamic shapes (it records static sizes only)"
+    )
+    shared = aotgrad.trace(lambda a, b: a + b[0], x[0], x)
+    assert shared.tracer == "full"
+    assert "not tried: inputs share memory" in shared.fallback_reason
+    with pytest.raises(aotgrad.DirectTraceError, match="cannot capture this function: dynamic"):
+        aotgrad.trace(lambda a: a.sin(), x, dynamic=True, tracer="direct")
+
+
+def _counting(calls):
+    def fn(x):
+        calls.append(1)
         return x.sin()
 
-    def drops(x):
-        return torch.nn.functional.dropout(x, 0.5, training=True).sum()
+    return fn
 
-    for fn in (mutates, drops):
-        _, used = _trace(fn, (torch.randn(3),), True, monkeypatch)
-        assert used == [False]
+
+def test_full_never_runs_the_direct_trace_and_auto_runs_it_once():
+    for tracer, expected in (("full", 1), ("auto", 1), ("direct", 1)):
+        calls = []
+        aotgrad.trace(_counting(calls), torch.randn(2), tracer=tracer)
+        assert len(calls) == expected, tracer
+    calls = []
+
+    def mutates(x):
+        calls.append(1)
+        return x.add_(1)
+
+    aotgrad.trace(mutates, torch.randn(2), tracer="full")
+    assert len(calls) == 1
+    aotgrad.trace(mutates, torch.randn(2))
+    assert len(calls) == 3  # auto: the direct trace stopped, the full one ran it again
+
+
+def test_the_option_reaches_capture_through_every_frontend():
+    model = torch.nn.Linear(3, 2)
+    module = aotgrad.aot_module(model, tracer="full")
+    module(torch.randn(2, 3)).sum().backward()
+    assert module.compiled.partitioned.joint.tracer.name == "full"
+    function = aotgrad.aot_function(lambda x: x.cos(), tracer="direct")
+    function(torch.randn(2))
+    assert function.partitioned.joint.tracer.name == "direct"
+    with pytest.raises(aotgrad.DirectTraceError):
+        aotgrad.aot_function(_mutates, tracer="direct")(torch.randn(3))
+
+
+@pytest.mark.parametrize("frontend", ["trace", "aot_function", "aot_module"])
+def test_an_unknown_tracer_is_refused_before_any_capture(frontend):
+    calls = []
+    with pytest.raises(ValueError, match="unknown tracer 'fast'; expected 'auto'"):
+        if frontend == "trace":
+            aotgrad.trace(_counting(calls), torch.randn(2), tracer="fast")
+        elif frontend == "aot_function":
+            aotgrad.aot_function(_counting(calls), tracer="fast")
+        else:
+            aotgrad.aot_module(torch.nn.Linear(2, 2), tracer="fast")
+    assert calls == []
+
+
+def test_the_functions_own_error_comes_from_the_full_trace_without_a_bug_report():
+    def mismatched(x):
+        return x @ torch.ones(5, 2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no DirectTracerBugWarning
+        with pytest.raises(aotgrad.OpError, match="must have same reduction dim") as info:
+            aotgrad.trace(mismatched, torch.randn(2, 3))
+    chain = [info.value]
+    while chain[-1].__context__ is not None:
+        chain.append(chain[-1].__context__)
+    # aotgrad's error from torch's, and nothing of the direct trace's attempt behind them
+    assert [type(e) for e in chain] == [aotgrad.errors.OpRuntimeError, RuntimeError]
+    with pytest.raises(aotgrad.OpError, match="must have same reduction dim"):  # the same words
+        aotgrad.trace(mismatched, torch.randn(2, 3), tracer="direct")
+
+
+def _planted_bug(self, value):
+    raise TypeError("planted")
+
+
+def test_a_direct_tracer_bug_falls_back_and_is_reported(monkeypatch):
+    monkeypatch.setattr(DirectTracer, "traced", _planted_bug)
+    with pytest.warns(DirectTracerBugWarning, match="direct tracer failed with TypeError: planted"):
+        traced = aotgrad.trace(lambda x: x.sin(), torch.randn(2))
+    assert traced.tracer == "full"
+    assert traced.fallback_reason == "the direct tracer failed: TypeError: planted"
+    assert traced.partitioned.joint.tracer.direct_tracer_bug
+    with pytest.raises(TypeError, match="planted"):  # asked for, the direct trace is not hidden
+        aotgrad.trace(lambda x: x.sin(), torch.randn(2), tracer="direct")
+
+
+def test_the_suite_fails_on_a_direct_tracer_bug(monkeypatch):
+    """pyproject.toml's filterwarnings makes the warning an error in every test."""
+    monkeypatch.setattr(DirectTracer, "traced", _planted_bug)
+    with pytest.raises(DirectTracerBugWarning):
+        aotgrad.trace(lambda x: x.sin(), torch.randn(2))
 
 
 def test_a_trace_that_stops_inside_a_module_leaves_no_annotations_behind():
@@ -97,3 +245,18 @@ def test_a_trace_that_stops_inside_a_module_leaves_no_annotations_behind():
     traced = aotgrad.trace(lambda x: x.cos(), torch.randn(2, requires_grad=True))
     ops = [n for n in traced.forward.graph.nodes if n.op == "call_function"]
     assert ops and all(node_info(n).module == "<lambda>" for n in ops)
+
+
+def test_a_stop_is_not_swallowed_by_the_functions_own_except():
+    def guarded(x):
+        try:  # noqa: SIM105 -- the construct under test
+            x.add_(1)
+        except Exception:
+            pass
+        return x * 2
+
+    x = torch.zeros(2)
+    compiled = aotgrad.aot_function(guarded)
+    torch.testing.assert_close(compiled(x), torch.full((2,), 2.0))
+    torch.testing.assert_close(x, torch.ones(2))
+    assert compiled.partitioned.joint.tracer.name == "full"

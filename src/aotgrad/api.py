@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad.cache import CacheInfo, ambient_key, explain_miss
-from aotgrad.capture import Body, JointGraph, capture, capturing
+from aotgrad.capture import Body, JointGraph, TracerChoice, capture, capturing, check_tracer_choice
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import all_dims, has_marks, marked_dims
 from aotgrad.errors import CallError, user_frame_of_function
@@ -83,6 +83,26 @@ class Traced:
     def saved(self) -> tuple[SavedValue, ...]:
         return self.partitioned.saved
 
+    @property
+    def tracer(self) -> str:
+        """The tracer that made the graphs: ``"direct"`` or ``"full"`` (Note [Choosing a tracer]).
+
+        >>> import torch, aotgrad
+        >>> aotgrad.trace(lambda x: x.sin(), torch.ones(2)).tracer
+        'direct'
+        """
+        return self.partitioned.joint.tracer.name
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why the full trace made the graphs; None when the direct trace did.
+
+        >>> import torch, aotgrad
+        >>> aotgrad.trace(lambda x: x.mul_(2), torch.ones(2)).fallback_reason
+        'the direct trace stopped: aten.mul_.Tensor mutates a tensor (an in-place or out= op)'
+        """
+        return self.partitioned.joint.tracer.fallback_reason
+
     def compile(
         self,
         fw_compiler: Compiler | None = None,
@@ -148,6 +168,7 @@ def trace(
     *args: Any,
     partition: PartitionArg = "save_all",
     dynamic: bool = False,
+    tracer: TracerChoice = "auto",
     **kwargs: Any,
 ) -> Traced:
     """Capture the forward and backward graphs of ``fn(*args, **kwargs)`` on fake tensors.
@@ -158,7 +179,8 @@ def trace(
     ``partition`` ("save_all", "mincut", ``aotgrad.budget(x)`` or a callable
     taking the JointGraph) chooses what the backward saves; the keyword is
     aotgrad's, not passed on to ``fn``. ``dynamic=True`` (or dimensions marked with
-    ``aotgrad.dynamic``) traces symbolic sizes (Note [Dynamic shapes]), also reserved.
+    ``aotgrad.dynamic``) traces symbolic sizes (Note [Dynamic shapes]), also reserved,
+    as is ``tracer`` ("auto", "direct" or "full": Note [Choosing a tracer]).
 
     >>> import torch, aotgrad
     >>> def fn(carry, x):
@@ -180,7 +202,7 @@ def trace(
     dynamic_dims = None if dims is None else {id(t): d for t, d in zip(tensors, dims, strict=True)}
     body = lifting.body(fn, lifted, flat)
     partitioned = _capture_and_partition(
-        fn, body, flat, [*state, *tensors], None, partition, False, dynamic_dims
+        fn, body, flat, [*state, *tensors], None, partition, False, dynamic_dims, tracer=tracer
     )
     return Traced(partitioned, compile_partitioned(partitioned), state, autocast_state())
 
@@ -204,6 +226,7 @@ def aot_function(
     partition: PartitionArg = "save_all",
     cache_limit: int = 8,
     dynamic: bool = False,
+    tracer: TracerChoice = "auto",
 ) -> AOTFunction:
     """Compile ``fn``'s forward and backward graphs with the given compilers.
 
@@ -214,7 +237,8 @@ def aot_function(
     past ``cache_limit`` specializations, new ones run eagerly with a warning. ``partition`` (or ``partition_fn``)
     chooses what the backward saves, as for :func:`trace`. With ``keep_inference_input_mutations``,
     inference graphs (no backward) write input mutations themselves with
-    ``aten.copy_`` instead of returning new values.
+    ``aten.copy_`` instead of returning new values. ``tracer`` ("auto", "direct" or
+    "full") chooses how capture traces (Note [Choosing a tracer]).
 
     >>> import torch, aotgrad
     >>> f = aotgrad.aot_function(lambda x: x.sin().sum())
@@ -231,6 +255,7 @@ def aot_function(
         keep_inference_input_mutations,
         cache_limit,
         dynamic,
+        tracer=tracer,
     )
     return AOTFunction(fn, options)
 
@@ -247,6 +272,11 @@ class Options:
     keep_inference_input_mutations: bool
     cache_limit: int
     dynamic: bool = False
+    # Which tracer captures (Note [Choosing a tracer]).
+    tracer: TracerChoice = "auto"
+
+    def __post_init__(self) -> None:
+        check_tracer_choice(self.tracer)
 
 
 # Note [The last entry]
@@ -463,6 +493,7 @@ class AOTFunction:
             options.partition,
             options.keep_inference_input_mutations,
             None if dims is None else {id(leaves[i]): dims[i] for i in flat.tensor_positions},
+            tracer=options.tracer,
         )
         compiled = compile_partitioned(
             self.partitioned, options.fw_compiler, options.bw_compiler, options.inference_compiler
@@ -599,6 +630,7 @@ def aot_module(
     partition: PartitionArg = "save_all",
     cache_limit: int = 8,
     dynamic: bool = False,
+    tracer: TracerChoice = "auto",
 ) -> AOTModule:
     """``aot_function`` for an ``nn.Module``: parameters and buffers become graph inputs.
 
@@ -623,6 +655,7 @@ def aot_module(
         partition=partition,
         cache_limit=cache_limit,
         dynamic=dynamic,
+        tracer=tracer,
     )
     return AOTModule(module, compiled)
 
@@ -661,6 +694,8 @@ def _capture_and_partition(
     strategy: Any,
     keep_input_mutations: bool = False,
     dynamic_dims: Mapping[int, Sequence[int]] | None = None,
+    *,
+    tracer: TracerChoice = "auto",
 ) -> Partitioned:
     # Under no_grad too: an enable_grad() region inside the function makes outputs that
     # require grad (Note [Grad mode regions]); the trace tells, from the outputs.
@@ -674,6 +709,7 @@ def _capture_and_partition(
         where=user_frame_of_function(fn),
         root=fn,
         dynamic_dims=dynamic_dims,
+        tracer=tracer,
     )
     return partition(joint, strategy, keep_input_mutations=keep_input_mutations)
 

@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from aotgrad.api import trace
+from aotgrad.capture import TracerChoice
 from aotgrad.errors import AotgradError, user_frame_from_traceback
 from aotgrad.report import show_document
 from aotgrad.testing import verify
@@ -32,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument(
         "--json", action="store_true", help="print one JSON document (schema aotgrad.show/1)"
     )
+    show.add_argument(
+        "--tracer",
+        choices=["auto", "direct", "full"],
+        default="auto",
+        help="how to capture (Note [Choosing a tracer]); default: auto",
+    )
     options = parser.parse_args(argv)
     try:
         fn, args, kwargs = _load(options.target, options.inputs)
@@ -40,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if options.json:
-            document = show_document(trace(fn, *args, **kwargs).partitioned)
-            print(json.dumps(document, indent=1))
+            traced = trace(fn, *args, tracer=options.tracer, **kwargs)
+            print(json.dumps(show_document(traced.partitioned), indent=1))
             return 0
-        return _show(fn, args, kwargs, check=not options.no_check)
+        return _show(fn, args, kwargs, check=not options.no_check, tracer=options.tracer)
     except AotgradError as e:  # the function cannot be captured: aotgrad's message says why
         print(f"aotgrad: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -54,8 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _show(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], check: bool) -> int:
-    traced = trace(fn, *args, **kwargs)
+def _show(
+    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], check: bool, tracer: TracerChoice
+) -> int:
+    traced = trace(fn, *args, tracer=tracer, **kwargs)
+    print("=== tracer ===")
+    print(traced.partitioned.joint.tracer, end="\n\n")
     print("=== forward graph ===")
     print(traced.forward.code.strip(), end="\n\n")
     if traced.backward is not None:

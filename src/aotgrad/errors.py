@@ -54,6 +54,10 @@ class UnsupportedClosureError(CaptureError):
     """The function reaches a tensor aotgrad can neither lift as an input nor bake in."""
 
 
+class DirectTraceError(CaptureError):
+    """``tracer="direct"`` met what only the full trace handles (Note [Choosing a tracer])."""
+
+
 class OpError(CaptureError, RuntimeError):
     """An op raised while the function was captured (a shape mismatch in ``x @ w``, a bad
     ``view``): eager raises the same. The message names the op and the user's line; the

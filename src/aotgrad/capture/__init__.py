@@ -1,6 +1,7 @@
 """Stage 2: capture. Fake tensors in, one functional joint graph of forward + backward out.
 
-Entry point: :func:`capture`. See Note [One tracing pass] in ``joint.py``.
+Entry point: :func:`capture`. See Note [One tracing pass] in ``joint.py`` and
+Note [Choosing a tracer] in ``tracers.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from aotgrad._torch_compat import REENTRANT_CHECKPOINT_GRAD, rename_node
+from aotgrad._torch_compat import rename_node
 from aotgrad.capture.aliasing import (
     Alias,
     AliasSource,
@@ -22,7 +23,9 @@ from aotgrad.capture.aliasing import (
     ViewMeta,
 )
 from aotgrad.capture.cotangents import split_at_cotangents
+from aotgrad.capture.direct import DirectTracer
 from aotgrad.capture.dynamic import ShapeGuards
+from aotgrad.capture.full import FullTracer
 from aotgrad.capture.graph import JointGraph, lazy_module, ready_for_compiler
 from aotgrad.capture.input_aliases import (
     SyntheticBase,
@@ -47,6 +50,15 @@ from aotgrad.capture.reachability import computed_from
 from aotgrad.capture.recompute import link_recompute
 from aotgrad.capture.recorder import Recorder, stamp
 from aotgrad.capture.session import capture_session, capturing
+from aotgrad.capture.tracers import (
+    DirectTracerBugWarning,
+    Tracer,
+    TracerChoice,
+    TracerReport,
+    check_tracer_choice,
+    refuses_autograd_grad,
+    trace_with,
+)
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature import (
     Buffer,
@@ -68,6 +80,7 @@ __all__ = [
     "AliasSource",
     "Body",
     "ConstantOutput",
+    "DirectTracerBugWarning",
     "InputMutation",
     "JointGraph",
     "Kind",
@@ -77,9 +90,12 @@ __all__ = [
     "ShapeGuards",
     "SyntheticBase",
     "TensorOutput",
+    "TracerChoice",
+    "TracerReport",
     "ViewMeta",
     "capture",
     "capturing",
+    "check_tracer_choice",
     "graph_inputs",
     "lazy_module",
     "node_info",
@@ -102,6 +118,7 @@ def capture(
     where: UserFrame | None = None,
     root: object = None,
     dynamic_dims: Mapping[int, Sequence[int]] | None = None,
+    tracer: TracerChoice = "auto",
 ) -> JointGraph:
     """Trace ``body(primals)`` and, if ``with_backward``, its backward, into a :class:`JointGraph`.
 
@@ -110,9 +127,16 @@ def capture(
     (the user's function or module) names the provenance: module paths are
     relative to it, and ops outside any module carry its name. ``dynamic_dims``
     (by ``id`` of a primal) makes those dimensions symbolic (Note [Dynamic shapes]).
+    ``tracer`` chooses the tracer (Note [Choosing a tracer]); the result's
+    ``tracer`` field says which one made the graph.
     """
-    decompositions = faithful_decompositions(decompositions)
-    options = TraceOptions(with_backward, decompositions, where, dynamic_dims)
+    options = TraceOptions(
+        with_backward=with_backward,
+        decompositions=faithful_decompositions(decompositions),
+        where=where,
+        dynamic_dims=dynamic_dims,
+        tracer=check_tracer_choice(tracer),
+    )
     label = root if root is not None else body
     with capture_session():  # Note [Capture sessions]
         joint = _capture(body, flat, primals, (), options, label)
@@ -130,45 +154,53 @@ def _capture(
     options: TraceOptions,
     root: object,
 ) -> JointGraph:
-    def trace(leaf_primals: bool, direct: bool = False) -> _Traced:
-        recorder = Recorder(root)
-        gm, record, inputs = trace_joint(
-            body,
-            flat,
-            primals,
-            options,
-            bases=bases,
-            recorder=recorder,
-            leaf_primals=leaf_primals,
-            direct=direct,
-        )
-        return gm, record, inputs, recorder
+    def attempt(tracer: Tracer) -> _Traced:
+        gm, record, inputs = trace_joint(body, flat, primals, options, bases=bases, tracer=tracer)
+        return gm, record, inputs, tracer.recorder
 
-    direct = not (options.dynamic_dims or bases or overlapping_groups(primals))
-    traced = _trace_directly(trace) if direct else None
-    try:
-        gm, record, inputs, recorder = traced or trace(leaf_primals=False)
-    except RuntimeError as e:  # Note [Reentrant checkpoints]
-        if REENTRANT_CHECKPOINT_GRAD not in str(e):
-            raise
-        gm, record, inputs, recorder = trace(leaf_primals=True)
+    def direct() -> _Traced:
+        return attempt(DirectTracer(Recorder(root), options.decompositions))
+
+    def full(leaf_primals: bool) -> _Traced:
+        symbolic = bool(options.dynamic_dims)
+        tracer = FullTracer(
+            Recorder(root), options.decompositions, symbolic=symbolic, leaf_primals=leaf_primals
+        )
+        return attempt(tracer)
+
+    (gm, record, inputs, recorder), report = trace_with(
+        options.tracer,
+        why_not_direct=_why_not_direct(options, bases, primals),
+        direct=direct,
+        full=lambda: _full_trace(full),
+        where=options.where,
+    )
     split_at_cotangents(gm)
     stamp(gm, recorder)
     _remove_detaches(gm.graph)  # before matching: a checkpoint recomputes from detached inputs
     link_recompute(gm)
-    return _assemble(gm, flat, inputs, bases, record)
+    return _assemble(gm, flat, inputs, bases, record, report)
 
 
-def _trace_directly(trace: Callable[..., _Traced]) -> _Traced | None:
-    """The direct trace, or None when the function needs the full one (Note [Direct tracing]).
+def _why_not_direct(
+    options: TraceOptions, bases: Sequence[SyntheticBase], primals: Sequence[torch.Tensor]
+) -> str | None:
+    """Why the direct trace cannot even be tried (Note [Direct tracing]); None when it can."""
+    if options.dynamic_dims:
+        return "dynamic shapes (it records static sizes only)"
+    if bases or overlapping_groups(primals):
+        return "inputs share memory (only functionalization tells which one a view comes from)"
+    return None
 
-    Any failure counts as "needs the full trace": that trace runs the function
-    again and reports a genuine error in the user's terms.
-    """
+
+def _full_trace(full: Callable[[bool], _Traced]) -> _Traced:
+    """The full trace, again with leaf primals if a reentrant checkpoint refuses autograd.grad."""
     try:
-        return trace(leaf_primals=False, direct=True)
-    except Exception:
-        return None
+        return full(False)
+    except RuntimeError as e:  # Note [Reentrant checkpoints]
+        if not refuses_autograd_grad(e):
+            raise
+    return full(True)
 
 
 # Note [Reentrant checkpoints]
@@ -176,14 +208,15 @@ def _trace_directly(trace: Callable[..., _Traced]) -> _Traced | None:
 # ``checkpoint(..., use_reentrant=True)`` runs its own ``autograd.backward``
 # inside the backward and refuses ``autograd.grad`` from outside. Capture
 # differentiates with ``autograd.grad`` on the inputs' gradient edges (Note
-# [Input mutation]); when a reentrant checkpoint refuses that, capture traces
-# again with the inputs as autograd leaves and ``.backward()``, reading each
-# input's ``.grad``. The backward runs before the body's context closes
-# (``Body``), so a region that reaches a module's parameters through
-# ``self`` re-runs on the lifted ones and their ``.grad`` is the graph's; so
-# does a closed-over module's, through the closed-over swap (Note [The swap
-# spans the backward]). A real tensor's ``.grad`` written by that backward
-# anyway is put back and refused. The region's forward ops then appear once in the forward
+# [Input mutation]); when a reentrant checkpoint refuses that, the full trace
+# runs again with the inputs as autograd leaves and ``.backward()``, reading
+# each input's ``.grad`` (the direct trace stops there: Note [Direct
+# tracing]). The backward runs before the body's context closes (``Body``),
+# so a region that reaches a module's parameters through ``self`` re-runs on
+# the lifted ones and their ``.grad`` is the graph's; so does a closed-over
+# module's, through the closed-over swap (Note [The swap spans the
+# backward]). A real tensor's ``.grad`` written by that backward anyway is
+# put back and refused. The region's forward ops then appear once in the forward
 # and again, as recompute, in the backward, as for the non-reentrant flavour:
 #
 #     forward:   sin, mm, cos, mm, sigmoid           saves: a, w
@@ -225,6 +258,7 @@ def _assemble(
     inputs: GraphInputs,
     input_bases: Sequence[SyntheticBase],
     record: TraceRecord,
+    report: TracerReport,
 ) -> JointGraph:
     assert record.aliasing is not None and record.out_spec is not None
     gm.graph.eliminate_dead_code()
@@ -256,6 +290,7 @@ def _assemble(
         reached_by=_reached_by(gm.graph, record, cotangents),
         made_to_require_grad=tuple(record.made_to_require_grad),
         detached_inputs=tuple(record.detached_inputs),
+        tracer=report,
     )
     _name_placeholders(gm.graph, [*inputs.descriptors, *cotangents])
     grads = [Grad(of=d) for d in inputs.descriptors] if cotangents else []

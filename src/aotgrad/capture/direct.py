@@ -1,14 +1,15 @@
-"""Record aten ops straight into a graph when the function mutates nothing.
+"""The direct tracer: record aten ops straight into a graph when the function mutates nothing.
 
 Note [Direct tracing]
 ~~~~~~~~~~~~~~~~~~~~~
-``make_fx`` with functionalization runs every op through three Python
-layers: functionalization (unwrap, redispatch, rewrap), the proxy mode
-(pytree over the arguments, a ``Proxy`` per value, a snapshot of each
-output) and the fake tensor mode. Most functions never mutate anything, and
-for them the first two layers only copy: the functional graph holds exactly
-the ops that ran. capture therefore first traces with one light mode above
-the fake tensor mode that appends each op to an ``fx.Graph`` as it runs::
+The full trace (functionalization inside ``make_fx``, Note [Two tracers])
+runs every op through three Python layers: functionalization (unwrap,
+redispatch, rewrap), the proxy mode (pytree over the arguments, a ``Proxy``
+per value, a snapshot of each output) and the fake tensor mode. Most
+functions never mutate anything, and for them the first two layers only
+copy: the functional graph holds exactly the ops that ran. The direct tracer
+therefore puts one light mode above the fake tensor mode that appends each
+op to an ``fx.Graph`` as it runs::
 
     user code:      y = (x @ w).relu()
     dispatched:     aten.mm(x, w) -> mm;  aten.relu(mm) -> relu
@@ -16,33 +17,46 @@ the fake tensor mode that appends each op to an ``fx.Graph`` as it runs::
 
 with the same node names and metadata the proxy mode gives (``val``,
 ``tensor_meta``, ``seq_nr``, ``original_aten``, the ``custom`` annotations).
-The moment anything needs more than recording, the direct trace stops and
-the function is traced again the full way (functionalization + ``make_fx``):
-a mutable op (``add_``, ``copy_``, ``out=``: only functionalization can turn
-those into values), symbolic sizes, a tensor the trace did not create (a
-constant closed over), data-dependent ops (``.item()``), or any error (the
-full trace reports it in the user's terms). Inputs that share memory skip
-the direct trace: which of them an output view comes from (so where its
+The moment anything needs more than recording, the direct trace stops with
+:class:`NeedsFullTrace` and a reason, and under ``tracer="auto"`` the full
+trace runs the function again (Note [Choosing a tracer])::
+
+    the function does                    the direct trace stops with
+    x.add_(1), out=, copy_               aten.add_.Tensor mutates a tensor (an in-place or out= op)
+    w.mul_(2), w an input needing grad   an in-place op on a tensor autograd sees as a leaf ...
+    torch.tensor([1.0]) * x              aten.lift_fresh.default lifts a tensor constant ...
+    x * t, t a tensor made elsewhere     aten.mul.Tensor reads a tensor the trace did not create ...
+    x.sum().item()                       aten._local_scalar_dense.default reads tensor data
+    checkpoint(..., use_reentrant=True)  a reentrant checkpoint refuses autograd.grad ...
+
+(The second: the direct trace's inputs are fake leaves, and autograd refuses
+an in-place op on a leaf that requires grad before any mode sees the op; the
+full trace's inputs are functional wrappers, which are not leaves.) Two kinds
+of call skip the direct trace: symbolic sizes (``dynamic=True``), and inputs
+that share memory: which of them an output view comes from (so where its
 gradient goes: ``fn(b[0], b)`` returning ``b.t()``) only functionalization
-tells, with one storage per input's wrapper. On gpt4 this halves the cost
-of tracing; the graphs are identical, which a test checks op by op. The
-price of stopping is that the function's Python runs twice (PyTorch's
-AOTAutograd always runs it at least twice); it stops early in practice,
-at the first in-place op (a BatchNorm's ``num_batches_tracked.add_``).
+tells, with one storage per input's wrapper. On gpt4 the direct trace halves
+the cost of tracing; the graphs are identical, which a test checks op by op.
+The price of stopping is that the function's Python runs twice (PyTorch's
+AOTAutograd always runs it at least twice); it stops early in practice, at
+the first in-place op (a BatchNorm's ``num_batches_tracked.add_``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
-from torch.fx.experimental.proxy_tensor import set_original_aten_op
+from torch.autograd.graph import GradientEdge
+from torch.fx.experimental.proxy_tensor import disable_autocast_cache, set_original_aten_op
 
 from aotgrad._torch_compat import (
     COPY_META_FIELDS,
@@ -54,18 +68,105 @@ from aotgrad._torch_compat import (
     tensor_metadata,
 )
 from aotgrad.capture.graph import lazy_module
+from aotgrad.capture.mutation import InputMutation, PrimalInfo
 from aotgrad.capture.recorder import Recorder
+from aotgrad.capture.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
+from aotgrad.errors import UserFrame
+from aotgrad.signature import GraphInputDescriptor
 
 _PASS_THROUGH = (torch.ops.prim.device.default,)
 _CONSTANTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+# What autograd says, before any mode sees the op, when an in-place op meets a leaf (or a
+# view of one) that requires grad: the direct trace's inputs are such leaves.
+_IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
 
 
-class NeedsFunctionalization(Exception):
-    """The direct trace met something only the full trace handles (Note [Direct tracing])."""
+class DirectTracer(Tracer):
+    """Records each op as it runs, without functionalization (Note [Direct tracing]).
+
+    Raises :class:`NeedsFullTrace` for what it does not handle.
+    """
+
+    name = "direct"
+
+    def __init__(
+        self, recorder: Recorder, decompositions: Mapping[Any, Callable[..., Any]] | None
+    ) -> None:
+        super().__init__(recorder, decompositions)
+        self._mode = _RecordingMode(recorder, decompositions)
+
+    def run(
+        self, joint: Callable[..., list[torch.Tensor | None]], fakes: Sequence[torch.Tensor]
+    ) -> fx.GraphModule:
+        with self.recorder.recording(), disable_autocast_cache(), self._mode, _stops_at_refusals():
+            for fake in fakes:
+                self._mode.input(fake)
+            values = joint(*fakes)
+        return self._mode.finish(values, "joint")
+
+    def dispatch_mode(self) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # the recording mode spans the whole run
+
+    def graph_primals(
+        self, fakes: Sequence[torch.Tensor], infos: Sequence[PrimalInfo]
+    ) -> list[torch.Tensor]:
+        return list(fakes)  # a repeated input is one fake already
+
+    def differentiate_at(self, primal: torch.Tensor) -> GradientEdge | torch.Tensor | None:
+        """The primal itself: a fake leaf no in-place op replaces (finding its edge costs a view)."""
+        return primal if primal.requires_grad else None
+
+    def traced(self, value: object) -> bool:
+        return self._mode.traced(value)
+
+    def input_mutations(
+        self,
+        graph_primals: Sequence[torch.Tensor],
+        grad_fns: Sequence[object],
+        originals: Sequence[torch.Tensor],
+        infos: Sequence[PrimalInfo],
+        descriptors: Sequence[GraphInputDescriptor],
+        where: UserFrame | None,
+        sites: Mapping[int, UserFrame | None],
+    ) -> list[InputMutation]:
+        return []  # the trace stops at the first in-place op
+
+    def sync(self, values: Sequence[torch.Tensor]) -> None:
+        pass  # each op was recorded as it ran: nothing is pending
+
+    def backward_checked(
+        self,
+        graph_primals: Sequence[torch.Tensor],
+        descriptors: Sequence[GraphInputDescriptor],
+        where: UserFrame | None,
+    ) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # an in-place op in the backward stops the trace
+
+    def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:
+        return value
 
 
-class DirectTracer(TorchDispatchMode):
+@contextlib.contextmanager
+def _stops_at_refusals() -> Iterator[None]:
+    """Autograd's refusals that only the direct trace meets become stops (Note [Direct tracing])."""
+    try:
+        yield
+    except RuntimeError as e:
+        if _IN_PLACE_ON_LEAF in str(e):
+            raise NeedsFullTrace(
+                "an in-place op on a tensor autograd sees as a leaf that requires grad"
+                " (the direct trace's inputs are such leaves)"
+            ) from e
+        if refuses_autograd_grad(e):
+            raise NeedsFullTrace(
+                "a reentrant checkpoint refuses autograd.grad (only the full trace"
+                " differentiates into leaf inputs with .backward())"
+            ) from e
+        raise
+
+
+class _RecordingMode(TorchDispatchMode):
     """Appends every aten op that runs below autograd to a graph (Note [Direct tracing])."""
 
     def __init__(
@@ -104,10 +205,7 @@ class DirectTracer(TorchDispatchMode):
             return self._record(func, args, kwargs)
 
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not isinstance(func, OpOverload) or func._schema.is_mutable or func in _CONSTANTS:
-            raise NeedsFunctionalization(f"{func} is not a functional aten op")
-        if torch.Tag.data_dependent_output in func.tags:
-            raise NeedsFunctionalization(f"{func} reads tensor data")
+        _check_recordable(func)
         if func in self.decompositions:
             with self:
                 out = self.decompositions[func](*args, **kwargs)
@@ -118,41 +216,43 @@ class DirectTracer(TorchDispatchMode):
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        node_args, node_kwargs = self._arg(args), self._arg(_without_defaults(func, kwargs))
+        node_args = self._arg(func, args)
+        node_kwargs = self._arg(func, _without_defaults(func, kwargs))
         self.recorder.note_source()
         self.recorder.note_random(func, args, kwargs)
         out = func(*args, **kwargs)
         name = op_node_name(self.graph, func.overloadpacket.__name__)
         node = self.graph.create_node("call_function", func, node_args, node_kwargs, name=name)
         self._copy_context(node)
-        self._output(out, node)
+        self._output(func, out, node)
         return out
 
-    def _arg(self, value: Any) -> Any:
+    def _arg(self, func: OpOverload, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             node = self._nodes.get(id(value))
             if node is None:
-                raise NeedsFunctionalization("a tensor the trace did not create (a constant)")
+                raise NeedsFullTrace(f"{func} reads a tensor the trace did not create (a constant)")
             return node
         if isinstance(value, list | tuple):
-            return type(value)(self._arg(v) for v in value)
+            return type(value)(self._arg(func, v) for v in value)
         if isinstance(value, dict):
-            return {k: self._arg(v) for k, v in value.items()}
+            return {k: self._arg(func, v) for k, v in value.items()}
         if isinstance(value, _SYMBOLIC):
-            raise NeedsFunctionalization("symbolic sizes")
+            raise NeedsFullTrace(f"{func} takes symbolic sizes")
         return value
 
-    def _output(self, out: Any, node: fx.Node) -> None:
+    def _output(self, func: OpOverload, out: Any, node: fx.Node) -> None:
         if isinstance(out, torch.Tensor):
             self._describe(node, out)
             self._track(out, node)
             return
-        if not isinstance(out, list | tuple):
-            if isinstance(out, _SYMBOLIC):
-                raise NeedsFunctionalization("symbolic sizes")
-            node.meta["val"] = out
-            return
+        if isinstance(out, _SYMBOLIC) or (
+            isinstance(out, list | tuple) and any(isinstance(o, _SYMBOLIC) for o in out)
+        ):
+            raise NeedsFullTrace(f"{func} returns symbolic sizes")
         node.meta["val"] = out
+        if not isinstance(out, list | tuple):
+            return
         for i, item in enumerate(out):
             if isinstance(item, torch.Tensor):
                 getitem = self.graph.create_node(
@@ -161,8 +261,6 @@ class DirectTracer(TorchDispatchMode):
                 self._copy_context(getitem)
                 self._describe(getitem, item)
                 self._track(item, getitem)
-            elif isinstance(item, _SYMBOLIC):
-                raise NeedsFunctionalization("symbolic sizes")
 
     def _describe(self, node: fx.Node, t: torch.Tensor) -> None:
         node.meta["val"] = t
@@ -183,6 +281,18 @@ class DirectTracer(TorchDispatchMode):
         seq_nr = seq_nr_of(node.name)
         if seq_nr is not None:
             node.meta["seq_nr"] = seq_nr
+
+
+def _check_recordable(func: Any) -> None:
+    """Stop the direct trace at an op only the full trace handles (Note [Direct tracing])."""
+    if not isinstance(func, OpOverload):
+        raise NeedsFullTrace(f"{func} is not an aten op overload")
+    if func._schema.is_mutable:
+        raise NeedsFullTrace(f"{func} mutates a tensor (an in-place or out= op)")
+    if func in _CONSTANTS:
+        raise NeedsFullTrace(f"{func} lifts a tensor constant the function made (torch.tensor)")
+    if torch.Tag.data_dependent_output in func.tags:
+        raise NeedsFullTrace(f"{func} reads tensor data")
 
 
 def _without_defaults(func: OpOverload, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -208,4 +318,4 @@ def _same_constant(value: Any, default: Any) -> bool:
     return type(value) in (bool, int, float, str) and value == default
 
 
-__all__ = ["DirectTracer", "NeedsFunctionalization"]
+__all__ = ["DirectTracer"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -17,6 +17,7 @@ from aotgrad.capture.dynamic import ShapeGuards
 from aotgrad.capture.input_aliases import SyntheticBase
 from aotgrad.capture.mutation import InputMutation
 from aotgrad.capture.provenance import Phase, phase_of
+from aotgrad.capture.tracers import TracerReport
 from aotgrad.signature import (
     Cotangent,
     FlatInputs,
@@ -111,6 +112,8 @@ class JointGraph:
     # User input positions the function detached in place (``a.detach_()``); the runtime
     # detaches the caller's tensors after the call (Note [requires_grad_() on an input]).
     detached_inputs: tuple[int, ...] = ()
+    # Which tracer made the graph, and why not the direct one (Note [Choosing a tracer]).
+    tracer: TracerReport = field(kw_only=True)
 
     def __post_init__(self) -> None:
         if sum(self.differentiable) != len(self.cotangents):

@@ -1,22 +1,27 @@
-"""Trace forward and backward together, once, on fake tensors.
+"""Trace forward and backward together, in one pass, on fake tensors.
 
 Note [One tracing pass]
 ~~~~~~~~~~~~~~~~~~~~~~~
 PyTorch's AOTAutograd runs the user's function several times before it has a
-joint graph (a metadata pass, then the joint trace). aotgrad runs it once.
-Inside a single ``make_fx`` trace over fake tensors, with functionalization
-on top, the joint function:
+joint graph (a metadata pass, then the joint trace). aotgrad learns the
+metadata in the same pass that records the graph. Under a tracer (Note [Two
+tracers]: the direct one or the full ``make_fx`` one), over fake tensors, the
+joint function:
 
-1. wraps the primals as functional tensors and calls the user's function;
+1. gets the tracer's graph primals (the fakes, or functional wrappers of
+   them) and calls the user's function;
 2. reads what the metadata pass would have told it off the live results:
    which outputs alias inputs or each other (``analyze_aliasing``), which
-   inputs were mutated, which outputs require grad;
+   inputs were mutated (the tracer's ``input_mutations``), which outputs
+   require grad;
 3. syncs every forward value, then creates one cotangent per differentiable
    output the runtime's ``autograd.Function`` will return (Note [Cotangents
    discovered during the trace]) and calls ``torch.autograd.grad``.
 
 Everything the tracer records before the first cotangent is forward, the
-rest is backward. The trace never reads tensor data: inputs are fake.
+rest is backward. The trace never reads tensor data: inputs are fake. Under
+``tracer="auto"`` a function the direct trace stops on runs a second time,
+under the full trace (Note [Choosing a tracer]); each pass is complete.
 """
 
 from __future__ import annotations
@@ -30,18 +35,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.fx.experimental.proxy_tensor import disable_autocast_cache, make_fx
+from torch.autograd.graph import GradientEdge
 
 from aotgrad._torch_compat import (
     DisableTorchFunction,
     FakeTensorMode,
-    FunctionalTensor,
     compiling_flag,
-    enable_python_dispatcher,
     engine_run_backward,
     set_compiling_flag,
-    sync,
 )
 from aotgrad.capture.aliasing import (
     AliasSource,
@@ -56,25 +57,20 @@ from aotgrad.capture.aliasing import (
 from aotgrad.capture.autocast import autocast_off
 from aotgrad.capture.closed_over import ClosedOver
 from aotgrad.capture.cotangents import make_cotangent
-from aotgrad.capture.direct import DirectTracer
 from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
 from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.fake import CaptureFakeMode
-from aotgrad.capture.graph import code_on_demand
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
 from aotgrad.capture.mutation import (
     InputMutation,
     PrimalInfo,
-    analyze_mutations,
     check_member_mutations,
-    check_no_backward_mutation,
-    check_restrided_data,
     member_metadata_mutations,
-    mutation_counts,
 )
 from aotgrad.capture.reachability import reaching_masks
-from aotgrad.capture.recorder import ProvenanceMode, Recorder, generator_restored
+from aotgrad.capture.recorder import Recorder, generator_restored
 from aotgrad.capture.requires_grad import check_views_of_made_inputs, made_to_require_grad
+from aotgrad.capture.tracers import Tracer, TracerChoice
 from aotgrad.errors import UnsupportedOpError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
 from aotgrad.signature.descriptors import Closure, Global, Input
@@ -110,9 +106,6 @@ class TraceRecord:
     reached_by: list[int] = field(default_factory=list)
     # Symbolic sizes and their guards (Note [Dynamic shapes]); None for static traces.
     guards: ShapeGuards | None = None
-    # Differentiate with .backward() into leaf primals instead of autograd.grad on edges:
-    # the only way through a reentrant checkpoint (Note [Reentrant checkpoints]).
-    leaf_primals: bool = False
     # Real tensors requiring grad the function closes over (lifted as inputs): a reentrant
     # checkpoint's backward must not write their ``.grad`` (``_real_grads_untouched``, a
     # safety net: the closed-over swap spans the backward).
@@ -187,12 +180,14 @@ class TraceOptions:
 
     # Trace the backward too (grad mode on and some input requires grad).
     with_backward: bool
-    # Decomposition table handed to make_fx.
+    # Decomposition table the tracer applies as ops run.
     decompositions: Mapping[Any, Callable[..., Any]] | None
     # The user's function, for error messages.
     where: UserFrame | None
     # Per primal ``id``: dimensions with symbolic sizes (Note [Dynamic shapes]).
     dynamic_dims: Mapping[int, Sequence[int]] | None
+    # Which tracer to use (Note [Choosing a tracer]).
+    tracer: TracerChoice = "auto"
 
 
 def trace_joint(
@@ -202,21 +197,19 @@ def trace_joint(
     options: TraceOptions,
     *,
     bases: Sequence[SyntheticBase],
-    recorder: Recorder,
-    leaf_primals: bool = False,
-    direct: bool = False,
+    tracer: Tracer,
 ) -> tuple[fx.GraphModule, TraceRecord, GraphInputs]:
-    """Trace ``body`` and its backward into one graph; see Note [One tracing pass].
+    """Trace ``body`` and its backward into one graph with ``tracer``; see Note [One tracing pass].
 
-    ``direct`` records ops without functionalization and raises
-    :class:`NeedsFunctionalization` when that is not enough (Note [Direct tracing]).
+    A :class:`~aotgrad.capture.direct.DirectTracer` raises
+    :class:`~aotgrad.capture.tracers.NeedsFullTrace` for what it does not handle.
     """
-    with_backward, where, dynamic_dims = options.with_backward, options.where, options.dynamic_dims
+    dynamic_dims = options.dynamic_dims
     shape_env = new_shape_env() if dynamic_dims else None
     mode = CaptureFakeMode(allow_non_fake_inputs=True, shape_env=shape_env)
     inputs, tensors = GraphInputs.of(flat, primals, bases)
     fakes = fake_primals(mode, tensors, dynamic_dims)
-    record = TraceRecord(leaf_primals=leaf_primals)
+    record = TraceRecord()
     record.closed_over_leaves = [
         p
         for i, (p, d) in enumerate(zip(primals, flat.descriptors, strict=True))
@@ -224,42 +217,12 @@ def trace_joint(
     ]
     if shape_env is not None:
         record.guards = ShapeGuards(shape_env, fakes, names=[str(d) for d in inputs.descriptors])
-    tracer = DirectTracer(recorder, options.decompositions) if direct else None
 
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
-        return _joint(body, inputs, inner, record, with_backward, where, recorder, tracer, primals)
+        return _joint(body, inputs, inner, record, options, tracer, primals)
 
-    if tracer is not None:
-        with (
-            compiling(),
-            generator_restored(),
-            mode,
-            recorder.recording(),
-            disable_autocast_cache(),
-            tracer,
-        ):
-            for fake in fakes:
-                tracer.input(fake)
-            values = joint(*fakes)
-        return tracer.finish(values, "joint"), record, inputs
-    # Note [Python dispatcher for symbolic sizes]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # With symbolic sizes, C++ composite kernels (``clamp_``'s functionalization, ``constant_pad_nd``) read sizes as ints,
-    # which fails or specializes; the Python dispatcher runs their symbolic-aware
-    # Python kernels instead, as ``make_fx(tracing_mode="symbolic")`` does.
-    dispatcher = enable_python_dispatcher() if shape_env is not None else contextlib.nullcontext()
-    with (
-        translate_trace_errors(body),
-        compiling(),
-        generator_restored(),
-        mode,
-        dispatcher,
-        recorder.recording(),
-        code_on_demand(),
-    ):
-        gm = make_fx(
-            joint, decomposition_table=options.decompositions, _disable_torch_fn_metadata_mode=True
-        )(*fakes)
+    with translate_trace_errors(body), compiling(), generator_restored(), mode:
+        gm = tracer.run(joint, fakes)
     return gm, record, inputs
 
 
@@ -296,29 +259,18 @@ def _joint(
     inputs: GraphInputs,
     inner: Sequence[torch.Tensor],
     record: TraceRecord,
-    with_backward: bool,
-    where: UserFrame | None,
-    recorder: Recorder,
-    direct: DirectTracer | None,
+    options: TraceOptions,
+    tracer: Tracer,
     real: Sequence[torch.Tensor],
 ) -> list[torch.Tensor | None]:
-    functional_mode: contextlib.AbstractContextManager[Any] = (
-        ProvenanceMode(recorder, note_real_leaves=record.leaf_primals)
-        if direct is None
-        else contextlib.nullcontext()
-    )
-    with functional_mode:
-        graph_primals = (
-            _functional_primals(inner, inputs.infos, record.leaf_primals)
-            if direct is None
-            else list(inner)
-        )
-    edges: list[GradientEdge | torch.Tensor | None] = [
-        _differentiate_at(p, record.leaf_primals, direct is not None) for p in graph_primals
-    ]
+    where = options.where
+    dispatch_mode = tracer.dispatch_mode()
+    with dispatch_mode:
+        graph_primals = tracer.graph_primals(inner, inputs.infos)
+    edges = [tracer.differentiate_at(p) for p in graph_primals]
     grad_fns = [p.grad_fn for p in graph_primals]  # to tell mutations autograd saw
     needs_grad = [p.requires_grad for p in graph_primals]  # before any in-place op
-    with functional_mode:
+    with dispatch_mode:
         primals = _user_primals(graph_primals, inputs.sources, real)
         member_grad_fns = [p.grad_fn for p in primals]
         closed_over = ClosedOver(real, primals, where)  # Note [Real tensors in a trace]
@@ -329,22 +281,13 @@ def _joint(
             with closed_over:
                 result = stack.enter_context(body(primals))
             _note_grad_changes(
-                primals, graph_primals, needs_grad, edges, inputs, record, where, direct
+                primals, graph_primals, needs_grad, edges, inputs, record, where, tracer
             )
             record.member_mutations = member_metadata_mutations(
                 primals, member_grad_fns, inputs.sources
             )
             forward, returned = _forward_values(
-                result,
-                primals,
-                graph_primals,
-                inner,
-                grad_fns,
-                inputs,
-                record,
-                where,
-                direct,
-                sites=recorder.mutation_sites,
+                result, primals, graph_primals, inner, grad_fns, inputs, record, where, tracer
             )
             check_member_mutations(record.member_mutations, record.mutations, primals, where)
             check_views_of_made_inputs(record, inputs, where)
@@ -353,18 +296,34 @@ def _joint(
                 for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
                 if needs and info.duplicate_of is None
             ]
-            record.differentiable = _differentiable(returned, record, with_backward, where)
+            record.differentiable = _differentiable(returned, record, options.with_backward, where)
             grads = []
             if any(record.differentiable):
-                before = mutation_counts(graph_primals) if direct is None else None
-                if record.leaf_primals:  # a reentrant checkpoint may write closed-over .grad
-                    for t in record.closed_over_leaves:
-                        recorder.real_leaves.setdefault(id(t), t)
-                with closed_over.backward():  # Note [The swap spans the backward]
-                    grads = _backward(record, graph_primals, edges, returned, recorder, where)
-                if before is not None:
-                    check_no_backward_mutation(graph_primals, before, inputs.descriptors, where)
-    return [_unwrap(v) for v in (*forward, *grads)]
+                grads = _gradients(
+                    record, graph_primals, edges, returned, inputs, closed_over, tracer, where
+                )
+    return [tracer.unwrap(v) for v in (*forward, *grads)]
+
+
+def _gradients(
+    record: TraceRecord,
+    graph_primals: Sequence[torch.Tensor],
+    edges: Sequence[GradientEdge | torch.Tensor | None],
+    returned: Sequence[torch.Tensor],
+    inputs: GraphInputs,
+    closed_over: ClosedOver,
+    tracer: Tracer,
+    where: UserFrame | None,
+) -> list[torch.Tensor | None]:
+    """Run the backward under the checks and swaps it needs; the grads of all primals."""
+    if tracer.leaf_primals:  # a reentrant checkpoint may write closed-over .grad
+        for t in record.closed_over_leaves:
+            tracer.recorder.real_leaves.setdefault(id(t), t)
+    with (
+        tracer.backward_checked(graph_primals, inputs.descriptors, where),
+        closed_over.backward(),  # Note [The swap spans the backward]
+    ):
+        return _backward(record, graph_primals, edges, returned, tracer, where)
 
 
 def _note_grad_changes(
@@ -375,7 +334,7 @@ def _note_grad_changes(
     inputs: GraphInputs,
     record: TraceRecord,
     where: UserFrame | None,
-    direct: DirectTracer | None,
+    tracer: Tracer,
 ) -> None:
     """After the body: inputs it detached (``a.detach_()``) or made require grad."""
     record.detached_inputs = [
@@ -385,7 +344,7 @@ def _note_grad_changes(
     ]
     for i in made_to_require_grad(primals, needs_grad, inputs, record, where):
         needs_grad[i] = True  # Note [requires_grad_() on an input]
-        edges[i] = _differentiate_at(graph_primals[i], record.leaf_primals, direct is not None)
+        edges[i] = tracer.differentiate_at(graph_primals[i])
 
 
 def _differentiable(
@@ -425,8 +384,7 @@ def _forward_values(
     inputs: GraphInputs,
     record: TraceRecord,
     where: UserFrame | None,
-    direct: DirectTracer | None,
-    sites: Mapping[int, UserFrame | None] | None = None,
+    tracer: Tracer,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Analyze the result; return the forward graph's outputs and what the Function returns.
 
@@ -434,23 +392,24 @@ def _forward_values(
     returns the fresh outputs, the bases and the new values. All are synced,
     so no forward op is recorded after the first cotangent.
     """
-    traced = _is_functional if direct is None else direct.traced
-    leaves, tensors = _flatten_result(result, record, where, traced)
+    leaves, tensors = _flatten_result(result, record, where, tracer.traced)
     aliasing, bases = analyze_aliasing(tensors, primals, graph_primals, originals)
     record.aliasing = aliasing
     record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
-    if direct is None:  # a direct trace stops at the first mutation (Note [Direct tracing])
-        record.mutations = analyze_mutations(
-            graph_primals, grad_fns, inputs.infos, inputs.descriptors, where, sites
-        )
-        check_restrided_data(record.mutations, originals, inputs.descriptors, where)
+    record.mutations = tracer.input_mutations(
+        graph_primals,
+        grad_fns,
+        originals,
+        inputs.infos,
+        inputs.descriptors,
+        where,
+        tracer.recorder.mutation_sites,
+    )
     mutated = [graph_primals[m.index] for m in record.mutations if m.data]
     check_custom_views_of_mutated(tensors, mutated, where)
     check_input_aliases_are_views(tensors, aliasing, where)
     forward = [*tensors, *bases, *mutated]
-    if direct is None:
-        for value in forward:
-            sync(value)
+    tracer.sync(forward)
     fresh = [tensors[o.index] for o in aliasing.outputs if o.alias is None]
     return forward, [*fresh, *bases, *mutated]
 
@@ -475,26 +434,6 @@ def _user_primals(
                 base = graph_primals[j]
                 views[id(p)] = base.as_strided(view.size, view.stride, view.storage_offset)
             primals.append(views[id(p)])
-    return primals
-
-
-def _functional_primals(
-    inner: Sequence[torch.Tensor], infos: Sequence[PrimalInfo], leaves: bool
-) -> list[torch.Tensor]:
-    """One functional wrapper per distinct input; a repeated input gets the same wrapper.
-
-    The wrappers are not leaves (in-place ops on non-leaf inputs are legal), unless
-    ``leaves`` asks for autograd leaves that accumulate ``.grad``.
-    """
-    primals: list[torch.Tensor] = []
-    for p, info in zip(inner, infos, strict=True):
-        if info.duplicate_of is not None:
-            primals.append(primals[info.duplicate_of])
-            continue
-        wrapped: torch.Tensor = FunctionalTensor.to_functional(p)
-        if leaves:
-            wrapped = wrapped.detach().requires_grad_(p.requires_grad)
-        primals.append(wrapped)
     return primals
 
 
@@ -528,16 +467,12 @@ def _flatten_result(
     return leaves, tensors
 
 
-def _is_functional(value: object) -> bool:
-    return isinstance(value, FunctionalTensor)
-
-
 def _backward(
     record: TraceRecord,
     primals: Sequence[torch.Tensor],
     edges: Sequence[GradientEdge | torch.Tensor | None],
     returned: Sequence[torch.Tensor],
-    recorder: Recorder,
+    tracer: Tracer,
     where: UserFrame | None,
 ) -> list[torch.Tensor | None]:
     """Cotangents for the Function's differentiable outputs, then the grads of all primals."""
@@ -548,15 +483,15 @@ def _backward(
     sources = [
         source
         for i in record.grad_inputs
-        if (source := primals[i] if record.leaf_primals else edges[i]) is not None
+        if (source := primals[i] if tracer.leaf_primals else edges[i]) is not None
     ]
     record.reached_by = [0] * len(edges)
     for i, mask in zip(record.grad_inputs, reaching_masks(targets, sources), strict=True):
         record.reached_by[i] = mask
-    recorder.backward_hooks(targets)
+    tracer.recorder.backward_hooks(targets)
     computed: Sequence[torch.Tensor | None]
-    if record.leaf_primals:
-        with _real_grads_untouched(recorder, where), autocast_off():  # Note [Autocast]
+    if tracer.leaf_primals:
+        with _real_grads_untouched(tracer.recorder, where), autocast_off():  # Note [Autocast]
             _run_engine(targets, cotangents, (), accumulate=True)
         computed = [primals[i].grad for i in record.grad_inputs]
     else:
@@ -644,30 +579,9 @@ def _real_grads_untouched(recorder: Recorder, where: UserFrame | None) -> Iterat
         )
 
 
-def _differentiate_at(
-    primal: torch.Tensor, leaf_primals: bool, direct: bool
-) -> GradientEdge | torch.Tensor | None:
-    """What ``autograd.grad`` differentiates with respect to, for one primal.
-
-    The full trace's primals are functional wrappers that an in-place op may
-    replace, so it holds on to their gradient edges (Note [Input mutation]); a
-    direct trace has no in-place ops, and its primals are autograd leaves, so
-    the tensor itself will do (finding a leaf's edge costs a throwaway view).
-    """
-    if not primal.requires_grad or leaf_primals:
-        return None
-    return primal if direct else get_gradient_edge(primal)
-
-
 def _is_differentiable(t: torch.Tensor) -> bool:
     """Gets a cotangent: requires grad and has a differentiable dtype."""
     return t.requires_grad and (t.is_floating_point() or t.is_complex())
-
-
-def _unwrap(value: torch.Tensor | None) -> torch.Tensor | None:
-    if isinstance(value, FunctionalTensor):
-        return value.from_functional()
-    return value
 
 
 __all__ = ["AliasSource", "TraceRecord", "trace_joint"]

@@ -1,0 +1,146 @@
+"""The full tracer: the joint function under functionalization, inside ``make_fx``.
+
+It handles everything capture handles: in-place ops and ``out=`` (turned into
+values by functionalization), symbolic sizes, inputs that share memory,
+reentrant checkpoints (Note [Reentrant checkpoints]). See Note [Two tracers].
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from aotgrad._torch_compat import FunctionalTensor, enable_python_dispatcher, sync
+from aotgrad.capture.graph import code_on_demand
+from aotgrad.capture.mutation import (
+    InputMutation,
+    PrimalInfo,
+    analyze_mutations,
+    check_no_backward_mutation,
+    check_restrided_data,
+    mutation_counts,
+)
+from aotgrad.capture.recorder import ProvenanceMode, Recorder
+from aotgrad.capture.tracers import Tracer
+from aotgrad.errors import UserFrame
+from aotgrad.signature import GraphInputDescriptor
+
+
+class FullTracer(Tracer):
+    """Functionalization inside ``make_fx`` (Note [Two tracers]).
+
+    ``symbolic``: the fakes have symbolic sizes (Note [Python dispatcher for
+    symbolic sizes]); ``leaf_primals``: differentiate with ``.backward()``
+    into leaf primals (Note [Reentrant checkpoints]).
+    """
+
+    name = "full"
+
+    def __init__(
+        self,
+        recorder: Recorder,
+        decompositions: Mapping[Any, Callable[..., Any]] | None,
+        *,
+        symbolic: bool,
+        leaf_primals: bool,
+    ) -> None:
+        super().__init__(recorder, decompositions, leaf_primals=leaf_primals)
+        self.symbolic = symbolic
+        # Functionalization, noting each op's source line; one mode for the whole trace.
+        self._mode = ProvenanceMode(recorder, note_real_leaves=leaf_primals)
+
+    def run(
+        self, joint: Callable[..., list[torch.Tensor | None]], fakes: Sequence[torch.Tensor]
+    ) -> fx.GraphModule:
+        # Note [Python dispatcher for symbolic sizes]
+        # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        # With symbolic sizes, C++ composite kernels (``clamp_``'s functionalization,
+        # ``constant_pad_nd``) read sizes as ints, which fails or specializes; the Python
+        # dispatcher runs their symbolic-aware Python kernels instead, as
+        # ``make_fx(tracing_mode="symbolic")`` does.
+        dispatcher = enable_python_dispatcher() if self.symbolic else contextlib.nullcontext()
+        with dispatcher, self.recorder.recording(), code_on_demand():
+            return make_fx(
+                joint,
+                decomposition_table=self.decompositions,
+                _disable_torch_fn_metadata_mode=True,
+            )(*fakes)
+
+    def dispatch_mode(self) -> AbstractContextManager[Any]:
+        return self._mode
+
+    def graph_primals(
+        self, fakes: Sequence[torch.Tensor], infos: Sequence[PrimalInfo]
+    ) -> list[torch.Tensor]:
+        """One functional wrapper per distinct input; a repeated input gets the same wrapper.
+
+        The wrappers are not leaves (in-place ops on non-leaf inputs are legal),
+        unless ``leaf_primals`` asks for autograd leaves that accumulate ``.grad``.
+        """
+        primals: list[torch.Tensor] = []
+        for p, info in zip(fakes, infos, strict=True):
+            if info.duplicate_of is not None:
+                primals.append(primals[info.duplicate_of])
+                continue
+            wrapped: torch.Tensor = FunctionalTensor.to_functional(p)
+            if self.leaf_primals:
+                wrapped = wrapped.detach().requires_grad_(p.requires_grad)
+            primals.append(wrapped)
+        return primals
+
+    def differentiate_at(self, primal: torch.Tensor) -> GradientEdge | torch.Tensor | None:
+        """The wrapper's gradient edge: an in-place op may replace the wrapper (Note [Input mutation]).
+
+        With leaf primals, nothing: ``.backward()`` accumulates into their ``.grad``.
+        """
+        if not primal.requires_grad or self.leaf_primals:
+            return None
+        return get_gradient_edge(primal)
+
+    def traced(self, value: object) -> bool:
+        return isinstance(value, FunctionalTensor)
+
+    def input_mutations(
+        self,
+        graph_primals: Sequence[torch.Tensor],
+        grad_fns: Sequence[object],
+        originals: Sequence[torch.Tensor],
+        infos: Sequence[PrimalInfo],
+        descriptors: Sequence[GraphInputDescriptor],
+        where: UserFrame | None,
+        sites: Mapping[int, UserFrame | None],
+    ) -> list[InputMutation]:
+        mutations = analyze_mutations(graph_primals, grad_fns, infos, descriptors, where, sites)
+        check_restrided_data(mutations, originals, descriptors, where)
+        return mutations
+
+    def sync(self, values: Sequence[torch.Tensor]) -> None:
+        """Apply pending in-place updates, so they are recorded as forward ops."""
+        for value in values:
+            sync(value)
+
+    @contextlib.contextmanager
+    def backward_checked(
+        self,
+        graph_primals: Sequence[torch.Tensor],
+        descriptors: Sequence[GraphInputDescriptor],
+        where: UserFrame | None,
+    ) -> Iterator[None]:
+        before = mutation_counts(graph_primals)
+        yield
+        check_no_backward_mutation(graph_primals, before, descriptors, where)
+
+    def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:
+        if isinstance(value, FunctionalTensor):
+            return value.from_functional()
+        return value
+
+
+__all__ = ["FullTracer"]
