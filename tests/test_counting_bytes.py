@@ -7,7 +7,7 @@ import torch.fx as fx
 
 import aotgrad
 from aotgrad.partition.saved import unique_bytes
-from aotgrad.report.saved import format_bytes, memory_report
+from aotgrad.report.saved_report import format_bytes, memory_report
 
 
 def f(x, w):

@@ -23,7 +23,7 @@ from aotgrad.lifting import NOTHING, Arguments, State
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
-from aotgrad.runtime.compilers import Compiler
+from aotgrad.runtime.boxing import Compiler
 from aotgrad.signature import (
     FlatInputs,
     PlainTensorsGuard,

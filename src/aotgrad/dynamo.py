@@ -28,7 +28,7 @@ from aotgrad._torch_compat import DYNAMO_EXAMPLE_VALUE, DYNAMO_GRAPH_ARG
 from aotgrad.api import AOTFunction, Options, PartitionArg
 from aotgrad.capture.dynamic import dynamic
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
-from aotgrad.runtime.compilers import Compiler
+from aotgrad.runtime.boxing import Compiler
 
 __all__ = ["aotgrad_backend", "backend", "user_expression"]
 

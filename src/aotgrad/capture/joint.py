@@ -58,7 +58,6 @@ from aotgrad.capture.autocast import autocast_off
 from aotgrad.capture.closed_over import ClosedOver
 from aotgrad.capture.cotangents import make_cotangent
 from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
-from aotgrad.capture.errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.fake import CaptureFakeMode
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
 from aotgrad.capture.mutation import (
@@ -70,6 +69,7 @@ from aotgrad.capture.mutation import (
 from aotgrad.capture.reachability import reaching_masks
 from aotgrad.capture.recorder import Recorder, generator_restored
 from aotgrad.capture.requires_grad import check_views_of_made_inputs, made_to_require_grad
+from aotgrad.capture.trace_errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.tracers import Tracer, TracerChoice
 from aotgrad.errors import UnsupportedOpError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase

@@ -1,7 +1,7 @@
 """Reports read the pipeline's results; nothing in the pipeline imports them."""
 
 from aotgrad.report.document import SCHEMA, show_document
-from aotgrad.report.saved import format_bytes, memory_report
+from aotgrad.report.saved_report import format_bytes, memory_report
 from aotgrad.report.seq_table import SeqRow, SeqTable, seq_table
 
 __all__ = [

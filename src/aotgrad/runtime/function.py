@@ -53,7 +53,7 @@ from aotgrad.capture.autocast import any_autocast, autocast_off, autocast_state
 from aotgrad.errors import AutocastBackwardError, DoubleBackwardError
 from aotgrad.optable import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned
-from aotgrad.runtime.compilers import BoxedCall
+from aotgrad.runtime.boxing import BoxedCall
 from aotgrad.signature import Signature
 
 

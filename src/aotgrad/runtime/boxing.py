@@ -1,4 +1,4 @@
-"""User compilers: what they receive, what they may return, how aotgrad calls the result.
+"""Calling what a user's compiler returns: boxed or unboxed; what it receives; ``nop``.
 
 A compiler is ``compiler(gm: fx.GraphModule, example_inputs: list[Tensor]) ->
 callable``. The callable is *unboxed* (``f(*args)``) or *boxed* (``f(args)``,
