@@ -26,7 +26,7 @@ from aotgrad.capture.cotangents import split_at_cotangents
 from aotgrad.capture.direct import DirectTracer
 from aotgrad.capture.dynamic import ShapeGuards
 from aotgrad.capture.full import FullTracer
-from aotgrad.capture.graph import JointGraph, lazy_module, ready_for_compiler
+from aotgrad.capture.graph import JointGraph, joint_signature, lazy_module, ready_for_compiler
 from aotgrad.capture.input_aliases import (
     SyntheticBase,
     graph_inputs,
@@ -65,11 +65,11 @@ from aotgrad.signature import (
     Cotangent,
     Descriptor,
     FlatInputs,
-    Grad,
     MutatedInput,
     Output,
     OutputBase,
     Param,
+    Signature,
     describe_graph,
 )
 from aotgrad.signature.printing import placeholder_name
@@ -272,12 +272,19 @@ def _assemble(
     returned: list[Output | OutputBase | MutatedInput] = [*fresh, *bases, *mutated]
     targets = [r for r, d in zip(returned, record.differentiable, strict=True) if d]
     cotangents = tuple(Cotangent(of=t) for t in targets)
+    requires_grad = tuple(info.requires_grad for info in inputs.infos)
+    signature = joint_signature(
+        graph_inputs=inputs.descriptors,
+        returned=(*outputs, *bases, *mutated),
+        cotangents=cotangents,
+        requires_grad=requires_grad,
+    )
     joint = JointGraph(
         gm=gm,
         inputs=flat,
         graph_inputs=inputs.descriptors,
         input_bases=tuple(input_bases),
-        requires_grad=tuple(info.requires_grad for info in inputs.infos),
+        requires_grad=requires_grad,
         leaves=tuple(record.leaves),
         out_spec=record.out_spec,
         outputs=tuple(outputs),
@@ -287,32 +294,30 @@ def _assemble(
         cotangents=cotangents,
         guards=record.guards,
         member_mutations=tuple(record.member_mutations),
-        reached_by=_reached_by(gm.graph, record, cotangents),
+        reached_by=_reached_by(gm.graph, record, signature),
         made_to_require_grad=tuple(record.made_to_require_grad),
         detached_inputs=tuple(record.detached_inputs),
         tracer=report,
     )
-    _name_placeholders(gm.graph, [*inputs.descriptors, *cotangents])
-    grads = [Grad(of=d) for d in inputs.descriptors] if cotangents else []
-    describe_graph(
-        gm.graph,
-        [*inputs.descriptors, *cotangents],
-        [*outputs, *bases, *joint.mutated_descriptors, *grads],
-    )
+    placeholders = [*signature.forward_inputs, *signature.backward_inputs]
+    _name_placeholders(gm.graph, placeholders)
+    grads = signature.backward_outputs if signature.has_backward else ()  # (*results, *grads)
+    describe_graph(gm.graph, placeholders, [*signature.forward_outputs, *grads])
     gm.recompile()
     return joint
 
 
 def _reached_by(
-    graph: fx.Graph, record: TraceRecord, cotangents: Sequence[Cotangent]
+    graph: fx.Graph, record: TraceRecord, signature: Signature
 ) -> tuple[tuple[Cotangent, ...], ...]:
     """Per graph input, the cotangents that reach it (Note [Gradients no output reaches])."""
+    cotangents = signature.cotangents
     if not cotangents:
         return ()
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     results = list(graph.output_node().args[0])  # type: ignore[arg-type]
-    grads = results[len(results) - len(record.reached_by) :]
-    computed = computed_from(graph, placeholders[-len(cotangents) :], grads)
+    grads = results[signature.grads_in_joint]
+    computed = computed_from(graph, placeholders[signature.cotangents_in_joint], grads)
     return tuple(
         tuple(c for j, c in enumerate(cotangents) if (path | data) >> j & 1)
         for path, data in zip(record.reached_by, computed, strict=True)

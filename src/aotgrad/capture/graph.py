@@ -64,6 +64,28 @@ def ready_for_compiler(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def joint_signature(
+    *,
+    graph_inputs: tuple[GraphInputDescriptor, ...],
+    returned: tuple[Output | OutputBase | MutatedInput, ...],  # every output, then bases, mutated
+    cotangents: tuple[Cotangent, ...],
+    requires_grad: tuple[bool, ...],
+) -> Signature:
+    """The joint graph's calling convention: nothing saved yet (Note [Calling convention]).
+
+    A grad for every input that requires one, when there is a backward at all.
+    """
+    return Signature(
+        forward_inputs=graph_inputs,
+        forward_outputs=returned,
+        backward_inputs=cotangents,
+        backward_outputs=tuple(
+            Grad(of=d) if needs and cotangents else None
+            for d, needs in zip(graph_inputs, requires_grad, strict=True)
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class JointGraph:
     """One functional aten graph computing forward outputs and gradients.
@@ -160,14 +182,11 @@ class JointGraph:
 
         The partitioner adds the saved values (``Signature.with_saved``).
         """
-        return Signature(
-            forward_inputs=self.graph_inputs,
-            forward_outputs=(*self.outputs, *self.bases, *self.mutated_descriptors),
-            backward_inputs=self.cotangents,
-            backward_outputs=tuple(
-                Grad(of=d) if requires_grad and self.has_backward else None
-                for d, requires_grad in zip(self.graph_inputs, self.requires_grad, strict=True)
-            ),
+        return joint_signature(
+            graph_inputs=self.graph_inputs,
+            returned=(*self.outputs, *self.bases, *self.mutated_descriptors),
+            cotangents=self.cotangents,
+            requires_grad=self.requires_grad,
         )
 
     def results(self) -> list[fx.Node | None]:

@@ -209,6 +209,25 @@ class Signature:
         start = len(self.forward_outputs)
         return slice(start, start + len(self.backward_outputs) if self.has_backward else start)
 
+    @property
+    def cotangents_in_joint(self) -> slice:
+        """Where the cotangents sit among the joint graph's inputs, after the primals.
+
+        >>> from aotgrad.signature import Input, Output
+        >>> joint = Signature(
+        ...     forward_inputs=(Input(path="x"), Input(path="w")),
+        ...     forward_outputs=(Output(path=""),),
+        ...     backward_inputs=(Cotangent(of=Output(path="")),),
+        ...     backward_outputs=(None, Grad(of=Input(path="w"))),
+        ... )
+        >>> joint.cotangents_in_joint, joint.grads_in_joint
+        (slice(2, 3, None), slice(1, 3, None))
+        """
+        if self.saved:
+            raise AssertionError(f"expected the joint graph's signature (none saved), got {self}")
+        start = len(self.forward_inputs)
+        return slice(start, start + len(self.cotangents))
+
     def with_saved(self, saved: tuple[Saved, ...]) -> Signature:
         """The convention of the forward and backward graphs split from a joint graph.
 
