@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import aotgrad
 from aotgrad.testing import verify
-
-
-def _mutating(fn):
-    """``fn`` behind an in-place op: takes the full (functionalizing) trace."""
-
-    def f(x):
-        y = x * 1
-        y.add_(1)
-        return fn(y)
-
-    return f
-
 
 LINALG = {
     "inv": torch.linalg.inv,
@@ -49,18 +39,21 @@ def _spd():
 def test_linalg_ops_with_error_checks_match_eager(name, path):
     if path == "dynamic" and name in DYNAMIC_SHAPE_GAPS:
         pytest.skip(DYNAMIC_SHAPE_GAPS[name])
-    fn = LINALG[name]
-    if path == "full":
-        fn = _mutating(fn)
-    compile_fn = (lambda f: aotgrad.aot_function(f, dynamic=True)) if path == "dynamic" else None
-    verify(fn, _spd(), compile_fn=compile_fn)
+    options = {
+        "dynamic": {"dynamic": True},
+        "full": {"tracer": "full"},
+        "direct": {"tracer": "direct"},
+    }
+    compile_fn = functools.partial(aotgrad.aot_function, **options[path])
+    verify(LINALG[name], _spd(), compile_fn=compile_fn)
 
 
 @pytest.mark.parametrize("path", ["direct", "full"])
 def test_error_check_raises_eagers_error_on_bad_input(path):
-    fn = torch.linalg.inv if path == "direct" else _mutating(torch.linalg.inv)
-    compiled = aotgrad.aot_function(fn)
+    compiled = aotgrad.aot_function(torch.linalg.inv, tracer=path)
     compiled(_spd())
-    singular = torch.zeros(4, 4) - (1 if path == "full" else 0)  # full: y = x + 1 = 0
+    assert compiled.partitioned is not None
+    assert compiled.partitioned.joint.tracer.name == path
+    singular = torch.zeros(4, 4)
     with pytest.raises(torch.linalg.LinAlgError, match="singular"):
         compiled(singular)

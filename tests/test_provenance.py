@@ -206,13 +206,14 @@ def test_json_document(capsys):
     example = MODELS.parents[1] / "examples" / "carry.py"
     assert main(["show", f"{example}:fn", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert document["schema"] == "aotgrad.show/1"
+    assert document["schema"] == "aotgrad.show/2"
     joint = document["graphs"]["joint"]
     ops = [n for n in joint if n["op"] == "call_function"]
     assert all("seq_nr" in n and "module" in n and "phase" in n for n in ops)
     assert document["saved_bytes"] == sum(
         {s["storage"]: s["nbytes"] for s in document["saved"]}.values()
     )
+    assert document["tracer"] == {"name": "direct", "fallback_reason": None}
 
 
 def test_profile_attributes_backward_time_to_every_module():

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     show.add_argument("--no-check", action="store_true", help="skip the comparison with eager")
     show.add_argument(
-        "--json", action="store_true", help="print one JSON document (schema aotgrad.show/1)"
+        "--json", action="store_true", help="print one JSON document (schema aotgrad.show/2)"
     )
     show.add_argument(
         "--tracer",

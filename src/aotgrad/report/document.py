@@ -2,12 +2,13 @@
 
 The document's layout is versioned by ``schema`` (``docs/provenance.md`` describes it)::
 
-    {"schema": "aotgrad.show/1",
+    {"schema": "aotgrad.show/2",
      "signature": {...Signature.to_dict()...},
      "graphs": {"joint": [node...], "forward": [node...], "backward": [node...] | null},
      "saved": [{"name", "shape", "dtype", "nbytes", "storage", "producer", "seq_nr",
                 "module", "source", "users", "reason"}...],
-     "saved_bytes": int}
+     "saved_bytes": int,
+     "tracer": {"name": "direct" | "full", "fallback_reason": str | null}}
 
     node = {"name", "op", "target", "args", "desc", "phase", "kind", "seq_nr", "module", "source"}
 """
@@ -23,7 +24,7 @@ from aotgrad.optable import op_name
 from aotgrad.partition import Partitioned
 from aotgrad.signature.printing import DESC_KEY
 
-SCHEMA = "aotgrad.show/1"
+SCHEMA = "aotgrad.show/2"
 
 
 def show_document(partitioned: Partitioned) -> dict[str, Any]:
@@ -38,6 +39,10 @@ def show_document(partitioned: Partitioned) -> dict[str, Any]:
         },
         "saved": [s.to_dict() for s in partitioned.saved],
         "saved_bytes": partitioned.saved_bytes,
+        "tracer": {  # Note [Choosing a tracer]
+            "name": partitioned.joint.tracer.name,
+            "fallback_reason": partitioned.joint.tracer.fallback_reason,
+        },
     }
 
 
