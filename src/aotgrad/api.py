@@ -39,7 +39,7 @@ PartitionFn = Callable[[JointGraph], Partitioned]
 PartitionArg = Literal["save_all", "mincut"] | Budget | PartitionFn
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Traced:
     """The forward and backward graphs of one call, with everything aotgrad decided.
 
@@ -321,7 +321,10 @@ class AOTFunction:
         key = CacheKey.of_call(structure=structure, leaves=leaves, dims=dims, lifted=lifted)
         found = self.cache.find(key, lifted.tensors, leaves)
         if isinstance(found, Miss):
-            return self._miss(found, _Call(args, kwargs, leaves, lifted, arguments))
+            call = _Call(
+                args=args, kwargs=kwargs, leaves=leaves, lifted=lifted, arguments=arguments
+            )
+            return self._miss(found, call)
         if not kwargs and self._state.empty:
             self.cache.remember(key, found, leaves)
         return found(lifted.tensors, leaves)
@@ -376,7 +379,7 @@ class AOTFunction:
         return Entry(compiled=compiled, positions=None if exact else positions)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Call:
     """One call of an ``AOTFunction`` that missed: what tracing it needs."""
 

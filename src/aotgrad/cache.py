@@ -91,7 +91,7 @@ def ambient_key() -> Any:
     return (grad, torch.get_default_dtype(), autocast_state())
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CacheKey:
     """What one call's trace is specialized on: equal keys share one compiled entry.
 
@@ -198,12 +198,29 @@ def _leaf_label(i: int, names: Sequence[str]) -> str:
     return f"input {names[i]}" if i < len(names) else f"leaf {i}"
 
 
+# The order a tensor's changed fields are told in: the one the user most likely changed
+# first (a sparse tensor has no strides either; a transposed one has other strides too).
+_FIELD_ORDER = (
+    "type",
+    "layout",
+    "device",
+    "dtype",
+    "shape",
+    "stride",
+    "contiguous",
+    "storage offset",
+    "requires_grad",
+)
+
+
 def _leaf_change(old: Any, new: Any, fields: Sequence[str]) -> str:
-    """A tensor's first changed field (``shape (4, 8) != (4, 16)``), or the values."""
+    """A tensor's changed field (``shape (4, 8) != (4, 16)``), or the values."""
     if is_tensor_key(old) and is_tensor_key(new):
-        for label, a, b in zip(fields, old, new, strict=True):
-            if a != b:
-                return f"{label} {_show(a)} != {_show(b)}"
+        changed = {f: (a, b) for f, a, b in zip(fields, old, new, strict=True) if a != b}
+        if changed:
+            label = min(changed, key=_FIELD_ORDER.index)
+            a, b = changed[label]
+            return f"{label} {_show(a)} != {_show(b)}"
     if is_tensor_key(old) or is_tensor_key(new):
         return f"{_show_leaf(old)} != {_show_leaf(new)}"
     return f"value {show_value(old)} != {show_value(new)}"
@@ -244,8 +261,20 @@ def _added_removed(old: Sequence[str], new: Sequence[str]) -> str:
 def _aliases_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
     if old.aliases == new.aliases:
         return None
-    now = "some share memory" if new.aliases is not None else "none does"
-    return f"which inputs are the same tensor or share memory changed (now {now})"
+    return f"inputs sharing memory: {_sharing(old, names)} != {_sharing(new, names)}"
+
+
+def _sharing(key: CacheKey, names: Sequence[str]) -> str:
+    """The inputs that share memory (``x and y``), from ``alias_key``'s storage groups."""
+    if key.aliases is None:
+        return "none (no views)"
+    tensor_leaves = [i for i, leaf in enumerate(key.leaves) if is_tensor_key(leaf)]
+    labels = [*key.state.names, *(_leaf_label(i, names) for i in tensor_leaves)]
+    groups: dict[int, list[str]] = {}
+    for label, group in zip(labels, key.aliases, strict=False):  # the storage half
+        groups.setdefault(group, []).append(label.removeprefix("input "))
+    shared = "; ".join(" and ".join(group) for group in groups.values() if len(group) > 1)
+    return shared or "none (some views)"
 
 
 def _ambient_changed(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
@@ -306,10 +335,12 @@ def _show(value: Any) -> str:
         return f"({sizes[0]},)" if len(sizes) == 1 else f"({', '.join(sizes)})"
     if isinstance(value, torch.Size):
         return str(tuple(value))
+    if isinstance(value, type):
+        return value.__qualname__
     return repr(value) if isinstance(value, str) else str(value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Entry:
     """One specialization's compiled graphs, and where their inputs come from in a call."""
 
@@ -330,7 +361,7 @@ class Entry:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Miss:
     """A call no entry serves: the key to store its trace under, and the guard that failed."""
 
@@ -356,7 +387,7 @@ class Miss:
 #
 # It answers exactly when the full key would find that entry; it only skips
 # the work of building and hashing the key (microseconds of a ~25 us call).
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _LastEntry:
     guard: PlainTensorsGuard
     ambient: Any  # Note [Ambient state]

@@ -35,7 +35,7 @@ from aotgrad.signature.flatten import (
 Body = Callable[[list[torch.Tensor]], AbstractContextManager[Any]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StateKey:
     """What a trace specializes on in the lifted state: one field of every ``CacheKey``.
 
@@ -56,7 +56,7 @@ class StateKey:
     values: tuple[Any, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Lifted:
     """One call's lifted state: module state first, then closed-over tensors."""
 
