@@ -309,9 +309,9 @@ class AOTFunction:
         if capturing():  # called by code being traced: trace through (Note [Capture sessions])
             return self._fn(*args, **kwargs)
         if not kwargs:
-            call = self.cache.last_entry(args)  # Note [The last entry]
-            if call is not None:
-                return call(args)
+            last = self.cache.last_entry(args)  # Note [The last entry]
+            if last is not None:
+                return last(args)
         leaves, structure = flatten_call(args, kwargs)
         arguments = module_arguments(self._target, args, kwargs, leaves, structure, self._names)
         lifted = self._state.read(arguments)
@@ -321,10 +321,10 @@ class AOTFunction:
         key = CacheKey.of_call(structure=structure, leaves=leaves, dims=dims, lifted=lifted)
         found = self.cache.find(key, lifted.tensors, leaves)
         if isinstance(found, Miss):
-            call = _Call(
+            missed = _Call(
                 args=args, kwargs=kwargs, leaves=leaves, lifted=lifted, arguments=arguments
             )
-            return self._miss(found, call)
+            return self._miss(found, missed)
         if not kwargs and self._state.empty:
             self.cache.remember(key, found, leaves)
         return found(lifted.tensors, leaves)
