@@ -180,7 +180,23 @@ def test_a_full_cache_says_why_a_repeated_call_missed():
     assert aotgrad.cache_info(f).reasons == [
         "first call",
         "input n: value 1 != 2",
-        "the cache is full (cache_limit): this key's previous call ran eagerly too",
+        "the same key as the previous miss, which ran eagerly (cache_limit)",
+    ]
+
+
+def test_a_call_after_a_failed_trace_says_so():
+    def f(x):
+        if x.sum() > 0:  # data-dependent: the trace raises
+            return x
+        return -x
+
+    compiled = aotgrad.aot_function(f)
+    for _ in range(2):
+        with pytest.raises(aotgrad.DataDependentError):
+            compiled(X)
+    assert aotgrad.cache_info(compiled).reasons == [
+        "first call",
+        "the same key as the previous miss, which raised before its entry was stored",
     ]
 
 

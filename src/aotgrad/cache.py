@@ -104,6 +104,9 @@ class CacheKey:
     >>> wider = CacheKey.of_call(structure=1, leaves=[torch.ones(4, 9)], dims=None, lifted=NOTHING)
     >>> wider.explain(key, names=["x"])
     'input x: shape (4, 8) != (4, 9)'
+    >>> batch = CacheKey.of_call(structure=1, leaves=[x], dims=((0,),), lifted=NOTHING)
+    >>> batch.explain(key, names=["x"])
+    'input x: dynamic dimensions none != (0,)'
     """
 
     # The tree structure of ``(args, kwargs)``: a ``TreeSpec``, or the argument count
@@ -458,6 +461,7 @@ class SpecializationCache:
     def _guarded(
         self, key: CacheKey, entry: Entry, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]
     ) -> Entry | Miss:
+        """The first entry under ``key`` whose shape guards pass, else a miss at the next slot."""
         first_failed = None
         found: Entry | None = entry
         while found is not None:
@@ -485,12 +489,7 @@ class SpecializationCache:
 
         ``names`` gives the call's leaf names, for the reason (found only on a miss).
         """
-        if miss.failed_guard is not None:
-            reason = f"shape guard {miss.failed_guard} failed"
-        elif miss.key == self._latest:  # that miss ran eagerly: nothing was stored
-            reason = "the cache is full (cache_limit): this key's previous call ran eagerly too"
-        else:
-            reason = miss.key.explain(self._latest, names())
+        reason = self._reason(miss, names)
         self.info.misses += 1
         self.info.reasons.append(reason)
         self._latest = miss.key
@@ -501,6 +500,15 @@ class SpecializationCache:
             self._warned_full = True
             warnings.warn(self._full_message(reason), stacklevel=4)
         return False
+
+    def _reason(self, miss: Miss, names: Callable[[], Sequence[str]]) -> str:
+        if miss.failed_guard is not None:
+            return f"shape guard {miss.failed_guard} failed"
+        if miss.key == self._latest:  # the latest miss stored no entry
+            full = len(self.entries) >= self.limit
+            why = "ran eagerly (cache_limit)" if full else "raised before its entry was stored"
+            return f"the same key as the previous miss, which {why}"
+        return miss.key.explain(self._latest, names())
 
     def _full_message(self, reason: str) -> str:
         return (
