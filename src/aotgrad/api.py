@@ -336,7 +336,7 @@ class AOTFunction:
             return self._fn(*args, **kwargs)
         entry = self._specialize(call, miss.key.dynamic_dims)
         settled = self._state.settle(call.lifted, call.arguments)
-        self.cache.add(replace(miss.key, state=settled.key), entry)
+        self.cache.add(miss.key._replace(state=settled.key), entry)
         return entry(call.lifted.tensors, call.leaves)
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -89,10 +89,6 @@ def marked_dims(x: torch.Tensor) -> tuple[int, ...]:
     return () if marked is None else tuple(sorted(marked))
 
 
-def _is_marked(leaf: Any) -> bool:
-    return isinstance(leaf, torch.Tensor) and hasattr(leaf, _ATTRIBUTE)
-
-
 def all_dims(x: torch.Tensor) -> tuple[int, ...]:
     """Every dimension that can vary: sizes 0 and 1 stay static (they change broadcasting)."""
     return tuple(d for d, n in enumerate(x.shape) if n > 1)
@@ -100,7 +96,9 @@ def all_dims(x: torch.Tensor) -> tuple[int, ...]:
 
 def requested_dims(leaves: Sequence[Any], everything: bool) -> DynamicDims | None:
     """Per leaf, its dynamic dimensions; None when none is (Note [Marking dimensions dynamic])."""
-    if not everything and not any([_is_marked(leaf) for leaf in leaves]):
+    if not everything and not any(
+        [isinstance(leaf, torch.Tensor) and hasattr(leaf, _ATTRIBUTE) for leaf in leaves]
+    ):
         return None  # the common case: one attribute read per tensor
     dims_of = all_dims if everything else marked_dims
     dims = tuple(dims_of(leaf) if isinstance(leaf, torch.Tensor) else () for leaf in leaves)

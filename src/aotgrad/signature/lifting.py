@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,9 +35,10 @@ from aotgrad.signature.flatten import (
 Body = Callable[[list[torch.Tensor]], AbstractContextManager[Any]]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StateKey:
+class StateKey(NamedTuple):
     """What a trace specializes on in the lifted state: one field of every ``CacheKey``.
+
+    A ``NamedTuple`` like ``CacheKey``, for the same reason: hashed on every call.
 
     >>> key = State(torch.nn.Linear(2, 2)).read().key
     >>> key.names
@@ -236,10 +237,8 @@ class State:
             return before
         self._volatile |= changed
         kept = [i for i, label in enumerate(labels) if label not in changed]
-        key = replace(
-            before.key,
-            labels=tuple(labels[i] for i in kept),
-            values=tuple(values[i] for i in kept),
+        key = before.key._replace(
+            labels=tuple(labels[i] for i in kept), values=tuple(values[i] for i in kept)
         )
         return replace(before, key=key)
 
