@@ -6,10 +6,9 @@ With ``dynamic=True`` (every dimension of the user's tensors but those of
 size 0 or 1) or ``aotgrad.dynamic(x, dim=0)`` (chosen dimensions; Note
 [Marking dimensions dynamic]), capture gives the fake inputs symbolic sizes
 from a ``ShapeEnv``; the graphs compute with ``sym_size`` nodes instead of
-constants, and sizes the backward needs
-are saved like tensors (``saved: sym_size_int``). Tracing records guards on
-the symbols (``s0 >= 2``, say); one compiled entry serves every call whose
-sizes satisfy them::
+constants, and sizes the backward needs are saved like tensors (``saved:
+sym_size_int``). Tracing records guards on the symbols (``s0 >= 2``, say);
+one compiled entry serves every call whose sizes satisfy them::
 
     forward(x: f32[s0, 16], w) -> (out, sym_size_int, relu)   # s0: the batch
     guards: 2 <= s0
