@@ -71,20 +71,21 @@ def cache_info(fn: Any) -> CacheInfo:
 # Some global torch state changes what the same call computes, and a trace bakes
 # it in: grad mode (whether a backward is built), autocast (which ops run in
 # lower precision) and the default dtype (what ``torch.ones(2)`` makes). It is
-# part of every key. The common state is cheap to key: grad mode alone.
-#
-#     >>> ambient_key()
-#     True
-#     >>> with torch.autocast("cpu", dtype=torch.bfloat16):
-#     ...     ambient_key()
-#     (True, torch.float32, (('cpu', torch.bfloat16),))
-#     >>> _ambient_change(True, (True, torch.float32, (("cpu", torch.bfloat16),)))
-#     'autocast off != cpu/bfloat16'
-#
-# So a function first called outside ``torch.autocast`` traces again when called
-# inside it, instead of returning float32 results where eager gives bfloat16.
+# part of every key. The common state is cheap to key: grad mode alone (examples:
+# ``ambient_key``). So a function first called outside ``torch.autocast`` traces
+# again when called inside it, instead of returning float32 results where eager
+# gives bfloat16, and the miss says ``autocast off != cpu/bfloat16``.
 def ambient_key() -> Any:
-    """The ambient torch state a trace depends on (Note [Ambient state])."""
+    """The ambient torch state a trace depends on (Note [Ambient state]).
+
+    >>> ambient_key()
+    True
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     ambient_key()
+    (True, torch.float32, (('cpu', torch.bfloat16),))
+    >>> _ambient_change(True, (True, torch.float32, (("cpu", torch.bfloat16),)))
+    'autocast off != cpu/bfloat16'
+    """
     grad = torch.is_grad_enabled()
     if torch.get_default_dtype() is torch.float32 and not any_autocast():
         return grad

@@ -53,15 +53,8 @@ DynamicDims = tuple[tuple[int, ...], ...]
 # global state records that a mark was ever made, so marks cost one attribute
 # read per tensor on calls that build a key (not on the last entry's fast path,
 # Note [The last entry]), and the Dynamo backend hands its dimensions to the
-# ``AOTFunction`` once instead of marking the caller's tensors on every call:
-#
-#     >>> x = dynamic(torch.ones(8, 4), dim=0)
-#     >>> requested_dims([x, torch.ones(3, 2), 2.0], everything=False)
-#     ((0,), (), ())
-#     >>> requested_dims([torch.ones(8, 4), torch.ones(1, 5)], everything=True)
-#     ((0, 1), (1,))
-#     >>> requested_dims([torch.ones(8, 4)], everything=False) is None
-#     True
+# ``AOTFunction`` once instead of marking the caller's tensors on every call.
+# (Examples: ``requested_dims``.)
 _ATTRIBUTE = "_aotgrad_dynamic_dims"
 
 
@@ -94,7 +87,16 @@ def all_dims(x: torch.Tensor) -> tuple[int, ...]:
 
 
 def requested_dims(leaves: Sequence[Any], everything: bool) -> DynamicDims | None:
-    """Per leaf, its dynamic dimensions; None when none is (Note [Marking dimensions dynamic])."""
+    """Per leaf, its dynamic dimensions; None when none is (Note [Marking dimensions dynamic]).
+
+    >>> x = dynamic(torch.ones(8, 4), dim=0)
+    >>> requested_dims([x, torch.ones(3, 2), 2.0], everything=False)
+    ((0,), (), ())
+    >>> requested_dims([torch.ones(8, 4), torch.ones(1, 5)], everything=True)
+    ((0, 1), (1,))
+    >>> requested_dims([torch.ones(8, 4)], everything=False) is None
+    True
+    """
     if not everything and not any(
         [isinstance(leaf, torch.Tensor) and hasattr(leaf, _ATTRIBUTE) for leaf in leaves]
     ):
