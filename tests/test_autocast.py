@@ -68,7 +68,7 @@ def test_autocast_is_part_of_the_cache_key() -> None:
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
     info = aotgrad.cache_info(compiled)
     assert info.misses == 2
-    assert info.reasons[1] == "autocast cpu/bfloat16 != off"
+    assert info.reasons[1] == "autocast off != cpu/bfloat16"
 
 
 def test_traced_refuses_another_autocast() -> None:

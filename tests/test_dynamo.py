@@ -105,5 +105,7 @@ def test_backend_honors_dynamos_dynamic_dimensions():
         reference = w.detach().requires_grad_()
         f(x, reference).backward()
         torch.testing.assert_close(w.grad, reference.grad)
+        # The backend hands its dims to aotgrad (Note [Marking dimensions dynamic]): no marks.
+        assert not hasattr(x, "_aotgrad_dynamic_dims")
     assert len(graphs) == 2, "one forward and one backward graph serve every batch size"
     assert "sym_size" in graphs[0].code

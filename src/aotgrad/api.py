@@ -5,35 +5,33 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from aotgrad.cache import CacheInfo, ambient_key, explain_miss
-from aotgrad.capture import Body, JointGraph, TracerChoice, capture, capturing, check_tracer_choice
+from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
+from aotgrad.capture import JointGraph, TracerChoice, capture, capturing, check_tracer_choice
 from aotgrad.capture.autocast import autocast_state
-from aotgrad.capture.dynamic import all_dims, has_marks, marked_dims
+from aotgrad.capture.dynamic import DynamicDims, requested_dims
 from aotgrad.errors import CallError, user_frame_of_function
-from aotgrad.lifting import NOTHING, Arguments, State
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
 from aotgrad.runtime.boxing import Compiler
-from aotgrad.signature import (
-    FlatInputs,
-    PlainTensorsGuard,
-    Signature,
-    alias_key,
-    call_key,
-    dynamic_call_key,
-    flatten_inputs,
-    leaf_names,
-    register_dataclasses,
+from aotgrad.signature import FlatInputs, Signature, flatten_inputs, leaf_names
+from aotgrad.signature.flatten import flatten_call
+from aotgrad.signature.lifting import (
+    Arguments,
+    Body,
+    Lifted,
+    State,
+    as_module,
+    call_target,
+    module_arguments,
 )
 
 Decompositions = Mapping[Any, Callable[..., Any]]
@@ -41,7 +39,7 @@ PartitionFn = Callable[[JointGraph], Partitioned]
 PartitionArg = Literal["save_all", "mincut"] | Budget | PartitionFn
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Traced:
     """The forward and backward graphs of one call, with everything aotgrad decided.
 
@@ -119,7 +117,7 @@ class Traced:
         compiled = compile_partitioned(
             self.partitioned, fw_compiler, bw_compiler, inference_compiler
         )
-        return Traced(self.partitioned, compiled, self._lifted)
+        return replace(self, _compiled=compiled)
 
     def seq_table(self) -> SeqTable:
         """Every op of the joint graph with its forward op's number and module (data; prints as a table)."""
@@ -192,19 +190,26 @@ def trace(
     >>> [str(d) for d in traced.signature.backward_outputs]
     ["grad of carry['a']", 'None']
     """
-    fn = _as_module(fn)
+    fn = as_module(fn)
     lifting = State(fn)
-    leaves, spec = _flatten_call(args, kwargs)
-    lifted = lifting.read(_module_arguments(fn, args, kwargs, leaves, spec, {}))
-    state = lifted.tensors
-    flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, lifted.descriptors)
-    dims = _dynamic_dims(tensors, dynamic)
-    dynamic_dims = None if dims is None else {id(t): d for t, d in zip(tensors, dims, strict=True)}
-    body = lifting.body(fn, lifted, flat)
+    leaves, structure = flatten_call(args, kwargs)
+    arguments = module_arguments(call_target(fn), args, kwargs, leaves, structure, {})
+    lifted = lifting.read(arguments)
+    flat, tensors = flatten_inputs(call_target(fn), args, kwargs, lifted.descriptors)
     partitioned = _capture_and_partition(
-        fn, body, flat, [*state, *tensors], None, partition, False, dynamic_dims, tracer=tracer
+        fn=fn,
+        body=lifting.body(fn, lifted, flat),
+        flat=flat,
+        primals=[*lifted.tensors, *tensors],
+        options=Options(partition=partition, dynamic=dynamic, tracer=tracer),
+        dynamic_dims=_by_tensor(tensors, requested_dims(tensors, everything=dynamic)),
     )
-    return Traced(partitioned, compile_partitioned(partitioned), state, autocast_state())
+    return Traced(
+        partitioned=partitioned,
+        _compiled=compile_partitioned(partitioned),
+        _lifted=lifted.tensors,
+        _autocast=autocast_state(),
+    )
 
 
 def _autocast_text(state: tuple[tuple[str, torch.dtype], ...]) -> str:
@@ -247,30 +252,41 @@ def aot_function(
     True
     """
     options = Options(
-        fw_compiler,
-        bw_compiler,
-        inference_compiler,
-        partition_fn or partition,
-        decompositions,
-        keep_inference_input_mutations,
-        cache_limit,
-        dynamic,
+        fw_compiler=fw_compiler,
+        bw_compiler=bw_compiler,
+        inference_compiler=inference_compiler,
+        partition=partition_fn or partition,
+        decompositions=decompositions,
+        keep_inference_input_mutations=keep_inference_input_mutations,
+        cache_limit=cache_limit,
+        dynamic=dynamic,
         tracer=tracer,
     )
     return AOTFunction(fn, options)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Options:
-    """How an ``AOTFunction`` compiles: the arguments of ``aot_function``, in one place."""
+    """How an ``AOTFunction`` compiles: the arguments of ``aot_function``, in one place.
 
-    fw_compiler: Compiler | None
-    bw_compiler: Compiler | None
-    inference_compiler: Compiler | None
-    partition: Any
-    decompositions: Decompositions | None
-    keep_inference_input_mutations: bool
-    cache_limit: int
+    >>> Options(partition="mincut", dynamic=True).cache_limit
+    8
+    """
+
+    # Compile the forward graph, the backward graph, and the graph of a call without a
+    # backward (default: ``fw_compiler``); ``nop`` when None.
+    fw_compiler: Compiler | None = None
+    bw_compiler: Compiler | None = None
+    inference_compiler: Compiler | None = None
+    # What the backward saves: "save_all", "mincut", ``aotgrad.budget(x)``, or a callable.
+    partition: PartitionArg = "save_all"
+    # Decompositions to apply while tracing, on top of aotgrad's own.
+    decompositions: Decompositions | None = None
+    # Inference graphs write input mutations themselves (Note [Mutations kept in the graph]).
+    keep_inference_input_mutations: bool = False
+    # Past this many specializations, new ones run eagerly.
+    cache_limit: int = 8
+    # Every dimension of size > 1 of the call's tensors is dynamic (Note [Dynamic shapes]).
     dynamic: bool = False
     # Which tracer captures (Note [Choosing a tracer]).
     tracer: TracerChoice = "auto"
@@ -279,33 +295,11 @@ class Options:
         check_tracer_choice(self.tracer)
 
 
-# Note [The last entry]
-# ~~~~~~~~~~~~~~~~~~~~~
-# Most callers call with the same kinds of tensors every time. After a cache
-# hit on a plain call -- positional tensors only, none a view or repeated,
-# a function rather than a module, static shapes -- the entry is remembered
-# with a guard on its tensors' fields (``PlainTensorsGuard``: Dynamo's C++
-# tensor check plus offsets and aliasing), tried before building any key:
-#
-#     f(x, w)   miss: trace, compile, cache[key] = entry
-#     f(x, w)   hit through the dict; entry remembered as the last one
-#     f(x2, w)  same fields as the last entry's keys: run it (no key, no hash)
-#     f(x3, w)  x3 is float64: the full key, the dict, maybe a miss
-#
-# It answers exactly when the full key would find that entry; it only skips
-# the work of building and hashing the key (microseconds of a ~25 us call).
-@dataclass(frozen=True)
-class _LastEntry:
-    guard: PlainTensorsGuard
-    ambient: Any  # Note [Ambient state]
-    call: Callable[[Sequence[torch.Tensor]], Any]
-
-
 class AOTFunction:
     """``aot_function``'s result: call it like the function; one compiled graph pair per specialization.
 
     ``seq_table()``, ``memory_report()`` and ``partitioned`` describe the most
-    recent specialization; ``cache`` holds them all.
+    recent specialization; ``cache`` (a :class:`SpecializationCache`) holds them all.
     """
 
     def __init__(
@@ -314,151 +308,71 @@ class AOTFunction:
         options: Options,
         input_names: Sequence[str] | None = None,
         read_environment: bool = True,
+        dynamic_dims: DynamicDims | None = None,
     ) -> None:
         functools.update_wrapper(self, fn)
-        self._fn = fn = _as_module(fn)
+        self._fn = fn = as_module(fn)
+        self._target = call_target(fn)
         self._options = options
         # Names for the tensor inputs, when the caller knows better than fn's signature.
         self._input_names = input_names
         # Module state, closed-over tensors and guarded values (Note [Closed-over tensors]).
         # ``read_environment=False``: the caller (Dynamo) guards and lifts those itself.
+        self._read_environment = read_environment
         self._state = State(fn, read_environment)
-        self._lifted = NOTHING
-        # The call's module arguments (Note [Module arguments]), and leaf names by structure.
-        self._arguments: Arguments = ()
+        # Every call's dynamic dimensions, when the caller (Dynamo) knows them once for all
+        # calls; else read from each call (Note [Marking dimensions dynamic]).
+        self._dynamic_dims = dynamic_dims
+        # Leaf names by call structure, for module arguments (Note [Module arguments]).
         self._names: dict[Any, list[str]] = {}
-        # key -> (compiled graphs, leaf positions of the graph's inputs after the module
-        # state; None when the inputs are exactly the leaves)
-        self.cache: dict[Any, tuple[CompiledGraphs, tuple[int, ...] | None]] = {}
+        self.cache = SpecializationCache(
+            limit=options.cache_limit, owner=getattr(fn, "__name__", type(fn).__name__)
+        )
         self.partitioned: Partitioned | None = None
-        self.info = CacheInfo()
-        self._last_key: tuple[Any, ...] | None = None
-        self._is_module = isinstance(fn, torch.nn.Module)
-        self._last_entry: _LastEntry | None = None
-        self._warned_full = False
+
+    @property
+    def info(self) -> CacheInfo:
+        """Hits, misses and why (``aotgrad.cache_info``)."""
+        return self.cache.info
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if capturing():  # called by code being traced: trace through (Note [Capture sessions])
             return self._fn(*args, **kwargs)
-        last = self._last_entry
-        if last is not None and not kwargs and ambient_key() == last.ambient and last.guard(args):
-            self.info.hits += 1
-            return last.call(args)
-        leaves, spec = _flatten_call(args, kwargs)
-        dims = _dynamic_dims(leaves, self._options.dynamic)
-        self._arguments = _module_arguments(self._fn, args, kwargs, leaves, spec, self._names)
-        self._lifted = lifted = self._state.read(self._arguments)
-        state = lifted.tensors
-        key = (
-            spec,
-            call_key(leaves) if dims is None else dynamic_call_key(leaves, dims),
-            lifted.key,
-            alias_key([*state, *leaves] if state else leaves),
-            ambient_key(),
-        )
-        entry = self.cache.get(key)
-        if entry is not None and dims is None:
-            self.info.hits += 1
-            compiled, positions = entry
-            if positions is None and key[3] is None and not kwargs and self._state.empty:
-                call = compiled.direct_call() or compiled
-                self._last_entry = _LastEntry(PlainTensorsGuard(leaves), key[4], call)
-            return compiled(_graph_inputs(state, leaves, positions))
-        return self._call_slow(key, entry, state, dims, args, kwargs, leaves)
+        if not kwargs:
+            last = self.cache.last_entry(args)  # Note [The last entry]
+            if last is not None:
+                return last(args)
+        leaves, structure = flatten_call(args, kwargs)
+        arguments = module_arguments(self._target, args, kwargs, leaves, structure, self._names)
+        lifted = self._state.read(arguments)
+        dims = self._dynamic_dims  # Note [Marking dimensions dynamic]
+        if dims is None:
+            dims = requested_dims(leaves, everything=self._options.dynamic)
+        key = CacheKey.of_call(structure=structure, leaves=leaves, dims=dims, lifted=lifted)
+        found = self.cache.find(key, lifted.tensors, leaves)
+        if isinstance(found, Miss):
+            missed = _Call(
+                args=args, kwargs=kwargs, leaves=leaves, lifted=lifted, arguments=arguments
+            )
+            return self._miss(found, missed)
+        if not kwargs and self._state.empty:
+            self.cache.remember(key, found, leaves)
+        return found(lifted.tensors, leaves)
 
-    def _call_slow(
-        self,
-        key: tuple[Any, ...],
-        entry: tuple[CompiledGraphs, tuple[int, ...] | None] | None,
-        state: tuple[torch.Tensor, ...],
-        dims: list[tuple[int, ...]] | None,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        leaves: Sequence[Any],
-    ) -> Any:
-        """A miss, or a dynamic entry whose shape guards must be checked."""
-        slot, failed = key, None
-        if entry is not None:  # Note [Entries with shape guards]
-            entry, slot, failed = self._guarded_entry(key, entry, state, leaves)
-        if entry is None:
-            if not self._miss(key, args, kwargs, failed):
-                return self._fn(*args, **kwargs)
-            extra = slot[
-                len(key) :
-            ]  # the n-th trace under one key (Note [Entries with shape guards])
-            entry = self._specialize(state, args, kwargs, dims)
-            settled = self._state.settle(self._lifted, self._arguments)
-            key = self._last_key = (*key[:2], settled.key, *key[3:])
-            self.cache[(*key, *extra)] = entry
-            self.info.entries = len(self.cache)
-        else:
-            self.info.hits += 1
-        compiled, positions = entry
-        return compiled(_graph_inputs(state, leaves, positions))
-
-    # Note [Entries with shape guards]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # A dynamic trace serves the sizes its shape guards allow (Note [Dynamic
-    # shapes]); calls outside them have the same key but need another trace.
-    # Those traces sit under the key extended by a count, tried in order:
-    #
-    #     f(ones(2, 4))   key K: traced, guards y.size()[1] == 4  -> cache[K]
-    #     f(ones(2, 6))   cache[K] fails y.size()[1] == 4; traced -> cache[(*K, 1)]
-    #     f(ones(2, 4))   cache[K] passes: a hit
-    def _guarded_entry(
-        self,
-        key: tuple[Any, ...],
-        entry: tuple[CompiledGraphs, tuple[int, ...] | None] | None,
-        state: tuple[torch.Tensor, ...],
-        leaves: Sequence[Any],
-    ) -> tuple[Any, tuple[Any, ...], str | None]:
-        """The first entry under ``key`` whose guards pass; else None, a free slot, the failed guard."""
-        slot, first_failed, count = key, None, 0
-        while entry is not None:
-            compiled, positions = entry
-            failed = compiled.failed_guard(_graph_inputs(state, leaves, positions))
-            if failed is None:
-                return entry, slot, None
-            first_failed = first_failed or failed
-            count += 1
-            slot = (*key, count)
-            entry = self.cache.get(slot)
-        return None, slot, f"shape guard {first_failed} failed"
-
-    def _miss(
-        self,
-        key: tuple[Any, ...],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        reason: str | None = None,
-    ) -> bool:
-        """Record the miss and its reason; False when the cache is full (run eagerly)."""
-        if reason is None:
-            names = leaf_names(_signature_target(self._fn), args, kwargs)
-            reason = explain_miss(key, self._last_key, names)
-        self.info.misses += 1
-        self.info.reasons.append(reason)
-        self._last_key = key
-        limit = self._options.cache_limit
-        if len(self.cache) < limit:
-            return True
-        self.info.fallbacks += 1
-        if self._warned_full:
-            return False
-        self._warned_full = True
-        warnings.warn(
-            f"aotgrad: {getattr(self._fn, '__name__', type(self._fn).__name__)} has {limit}"
-            f" compiled specializations (cache_limit); running this call eagerly. Last miss:"
-            f" {reason}. Pass values that change between calls as tensors (a Python number is"
-            " baked into the graph), or raise cache_limit. (Warned once; aotgrad.cache_info"
-            " counts the eager calls.)",
-            stacklevel=3,
-        )
-        return False
+    def _miss(self, miss: Miss, call: _Call) -> Any:
+        """Trace, compile and run a new entry; run eagerly when the cache is full."""
+        args, kwargs = call.args, call.kwargs
+        if not self.cache.admit(miss, lambda: leaf_names(self._target, args, kwargs)):
+            return self._fn(*args, **kwargs)
+        entry = self._specialize(call, miss.key.dynamic_dims)
+        settled = self._state.settle(call.lifted, call.arguments)
+        self.cache.add(miss.key._replace(state=settled.key), entry)
+        return entry(call.lifted.tensors, call.leaves)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles as the function and the options; compiled graphs are made again on use."""
-        return (AOTFunction, (self._fn, self._options, self._input_names))
+        arguments = (self._input_names, self._read_environment, self._dynamic_dims)
+        return (AOTFunction, (self._fn, self._options, *arguments))
 
     def seq_table(self) -> SeqTable:
         return seq_table(self._last().joint.gm)
@@ -471,96 +385,50 @@ class AOTFunction:
             raise CallError("no specialization yet: call the compiled function first")
         return self.partitioned
 
-    def _specialize(
-        self,
-        state: tuple[torch.Tensor, ...],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        dims: list[tuple[int, ...]] | None = None,
-    ) -> tuple[CompiledGraphs, tuple[int, ...] | None]:
-        fn, options = self._fn, self._options
-        lifted = self._lifted
-        flat, tensors = flatten_inputs(_signature_target(fn), args, kwargs, lifted.descriptors)
+    def _specialize(self, call: _Call, dims: DynamicDims | None) -> Entry:
+        fn, options, state = self._fn, self._options, call.lifted.tensors
+        flat, tensors = flatten_inputs(
+            self._target, call.args, call.kwargs, call.lifted.descriptors
+        )
         if self._input_names is not None:
             flat = flat.renamed(self._input_names)
-        leaves, _ = pytree.tree_flatten((args, kwargs))
+        positions = flat.tensor_positions
+        tensor_dims = None if dims is None else tuple(dims[i] for i in positions)
         self.partitioned = _capture_and_partition(
-            fn,
-            self._state.body(fn, lifted, flat),
-            flat,
-            [*state, *tensors],
-            options.decompositions,
-            options.partition,
-            options.keep_inference_input_mutations,
-            None if dims is None else {id(leaves[i]): dims[i] for i in flat.tensor_positions},
-            tracer=options.tracer,
+            fn=fn,
+            body=self._state.body(fn, call.lifted, flat),
+            flat=flat,
+            primals=[*state, *tensors],
+            options=options,
+            dynamic_dims=_by_tensor(tensors, tensor_dims),
         )
         compiled = compile_partitioned(
             self.partitioned, options.fw_compiler, options.bw_compiler, options.inference_compiler
         )
-        positions = flat.tensor_positions
-        if not state and positions == tuple(range(len(leaves))):
-            return compiled, None
-        return compiled, positions
+        exact = not state and positions == tuple(range(len(flat.constants)))
+        return Entry(compiled=compiled, positions=None if exact else positions)
 
 
-def _graph_inputs(
-    state: tuple[torch.Tensor, ...], leaves: Sequence[Any], positions: tuple[int, ...] | None
-) -> Sequence[Any]:
-    """The compiled graphs' inputs: module state, then the tensor leaves (all of them if None)."""
-    return leaves if positions is None else [*state, *map(leaves.__getitem__, positions)]
+@dataclass(frozen=True, kw_only=True)
+class _Call:
+    """One call of an ``AOTFunction`` that missed: what tracing it needs."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    # The leaves of ``(args, kwargs)`` (``flatten_call``).
+    leaves: Sequence[Any]
+    # The state the function reads, and the modules among the arguments (Note [Module arguments]).
+    lifted: Lifted
+    arguments: Arguments
 
 
-def _dynamic_dims(leaves: Sequence[Any], everything: bool) -> list[tuple[int, ...]] | None:
-    """Per leaf, its dynamic dimensions (Note [Dynamic shapes]); None when nothing is dynamic."""
-    if not everything and not has_marks():
+def _by_tensor(
+    tensors: Sequence[torch.Tensor], dims: DynamicDims | None
+) -> dict[int, tuple[int, ...]] | None:
+    """Dynamic dimensions by ``id`` of the tensor, as capture takes them; None when static."""
+    if dims is None or not any(dims):
         return None
-    dims = [
-        (all_dims(leaf) if everything else marked_dims(leaf))
-        if isinstance(leaf, torch.Tensor)
-        else ()
-        for leaf in leaves
-    ]
-    return dims if any(dims) else None
-
-
-_SCALAR_TYPES = frozenset({int, float, bool, str, type(None)})
-
-
-def _flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Sequence[Any], Any]:
-    """The call's leaves and a hashable structure key; skips pytree for flat positional calls.
-
-    A call of tensors and scalars only, without keywords, has leaves ``args``
-    in the same order ``pytree`` would give; its structure key is the count.
-    """
-    if not kwargs and all(isinstance(a, torch.Tensor) or type(a) in _SCALAR_TYPES for a in args):
-        return args, len(args)
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    if register_dataclasses(leaves):  # Note [Dataclass arguments]
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-    return leaves, spec
-
-
-def _module_arguments(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    leaves: Sequence[Any],
-    spec: Any,
-    names: dict[Any, list[str]],
-) -> Arguments:
-    """The modules among the call's leaves, by argument path (Note [Module arguments]).
-
-    ``names`` caches the leaf names by call structure: they are found once per structure.
-    """
-    if isinstance(spec, int):  # a flat call of tensors and scalars (``_flatten_call``)
-        return ()
-    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.nn.Module)]
-    if not positions:
-        return ()
-    if spec not in names:
-        names[spec] = leaf_names(_signature_target(fn), args, kwargs)
-    return tuple((names[spec][i], leaves[i]) for i in positions)
+    return {id(t): d for t, d in zip(tensors, dims, strict=True)}
 
 
 class AOTModule(torch.nn.Module):
@@ -686,17 +554,18 @@ def _collector_paused() -> Iterator[None]:
 
 @_collector_paused()
 def _capture_and_partition(
+    *,
     fn: Callable[..., Any],
     body: Body,
     flat: FlatInputs,
     primals: list[torch.Tensor],
-    decompositions: Decompositions | None,
-    strategy: Any,
-    keep_input_mutations: bool = False,
-    dynamic_dims: Mapping[int, Sequence[int]] | None = None,
-    *,
-    tracer: TracerChoice = "auto",
+    options: Options,
+    dynamic_dims: Mapping[int, Sequence[int]] | None,
 ) -> Partitioned:
+    """Capture ``body`` on ``primals`` and partition it as ``options`` say.
+
+    ``dynamic_dims``: the symbolic dimensions by ``id`` of the primal (Note [Dynamic shapes]).
+    """
     # Under no_grad too: an enable_grad() region inside the function makes outputs that
     # require grad (Note [Grad mode regions]); the trace tells, from the outputs.
     with_backward = any(p.requires_grad for p in primals)
@@ -705,22 +574,12 @@ def _capture_and_partition(
         flat,
         primals,
         with_backward=with_backward,
-        decompositions=decompositions,
+        decompositions=options.decompositions,
         where=user_frame_of_function(fn),
         root=fn,
         dynamic_dims=dynamic_dims,
-        tracer=tracer,
+        tracer=options.tracer,
     )
-    return partition(joint, strategy, keep_input_mutations=keep_input_mutations)
-
-
-def _as_module(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``model.forward`` (a bound method) is traced as ``model``: its state becomes inputs."""
-    owner = getattr(fn, "__self__", None)
-    if isinstance(owner, torch.nn.Module) and getattr(fn, "__name__", "") == "forward":
-        return owner
-    return fn
-
-
-def _signature_target(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return fn.forward if isinstance(fn, torch.nn.Module) else fn
+    return partition(
+        joint, options.partition, keep_input_mutations=options.keep_inference_input_mutations
+    )

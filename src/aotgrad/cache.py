@@ -1,14 +1,15 @@
-"""Specializations of a compiled function: hits, misses, and which guard each miss failed.
+"""Specializations of a compiled function: one cache of compiled entries, and why each call missed.
 
-An ``AOTFunction`` keeps one compiled entry per specialization key: the
-call's structure, every tensor's metadata (type, shape, stride, storage
-offset, dtype, device, requires_grad, layout), every non-tensor value, the
-module state's and closed-over tensors' metadata, the values of the globals,
-closure variables and module attributes the function reads (train/eval flags
-included), which inputs alias, and the ambient torch state a trace bakes in
-(grad mode, autocast, the default dtype: Note [Ambient state]).
+An ``AOTFunction`` keeps one compiled entry per :class:`CacheKey`: the call's
+structure, every tensor's metadata (type, shape, stride, storage offset,
+dtype, device, requires_grad, layout), every non-tensor value, the dynamic
+dimensions, the module state's and closed-over tensors' metadata, the values
+of the globals, closure variables and module attributes the function reads
+(train/eval flags included), which inputs alias, and the ambient torch state a
+trace bakes in (grad mode, autocast, the default dtype: Note [Ambient state]).
 A call whose key matches an entry is a hit; otherwise aotgrad traces again
-and records, for the miss, the first guard that differs from the latest entry::
+and records, for the miss, the first field that differs from the latest
+entry's key, as ``what: that entry's != this call's``::
 
     >>> import torch, aotgrad
     >>> f = aotgrad.aot_function(lambda x: x.sin())
@@ -20,24 +21,19 @@ and records, for the miss, the first guard that differs from the latest entry::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from aotgrad.capture.autocast import AutocastState, any_autocast, autocast_state
-
-_TENSOR_FIELDS = (
-    "type",
-    "shape",
-    "stride",
-    "storage offset",
-    "dtype",
-    "device",
-    "requires_grad",
-    "layout",
-)
+from aotgrad.capture.dynamic import DynamicDims
+from aotgrad.runtime import CompiledGraphs
+from aotgrad.signature import PlainTensorsGuard, alias_key, call_key, dynamic_call_key
+from aotgrad.signature.flatten import DYNAMIC_TENSOR_FIELDS, TENSOR_FIELDS, is_tensor_key
+from aotgrad.signature.lifting import Lifted, StateKey
 
 
 @dataclass
@@ -60,48 +56,6 @@ class CacheInfo:
         return "\n".join(lines)
 
 
-# Note [Ambient state]
-# ~~~~~~~~~~~~~~~~~~~~
-# Some global torch state changes what the same call computes, and a trace bakes
-# it in: grad mode (whether a backward is built), autocast (which ops run in
-# lower precision) and the default dtype (what ``torch.ones(2)`` makes). It is
-# part of every key. The common state is cheap to key: grad mode alone.
-#
-#     >>> ambient_key()
-#     True
-#     >>> with torch.autocast("cpu", dtype=torch.bfloat16):
-#     ...     ambient_key()
-#     (True, torch.float32, (('cpu', torch.bfloat16),))
-#     >>> explain_ambient((True, torch.float32, (("cpu", torch.bfloat16),)), True)
-#     'autocast cpu/bfloat16 != off'
-#
-# So a function first called under ``torch.autocast`` traces again when called
-# outside it, instead of returning bfloat16 results where eager gives float32.
-def ambient_key() -> Any:
-    """The ambient torch state a trace depends on (Note [Ambient state])."""
-    grad = torch.is_grad_enabled()
-    if torch.get_default_dtype() is torch.float32 and not any_autocast():
-        return grad
-    return (grad, torch.get_default_dtype(), autocast_state())
-
-
-def explain_ambient(new: Any, old: Any) -> str:
-    """Which part of the ambient state differs, in the user's terms."""
-    grad, dtype, autocast = new if isinstance(new, tuple) else (new, torch.float32, ())
-    old_grad, old_dtype, old_autocast = old if isinstance(old, tuple) else (old, torch.float32, ())
-    if grad != old_grad:
-        return f"grad mode {grad} != {old_grad}"
-    if dtype != old_dtype:
-        return f"default dtype {dtype} != {old_dtype}"
-    return f"autocast {_show_autocast(autocast)} != {_show_autocast(old_autocast)}"
-
-
-def _show_autocast(state: AutocastState) -> str:
-    if not state:
-        return "off"
-    return ", ".join(f"{device}/{str(dtype).removeprefix('torch.')}" for device, dtype in state)
-
-
 def cache_info(fn: Any) -> CacheInfo:
     """The :class:`CacheInfo` of an ``aot_function`` or ``aot_module`` result."""
     info = getattr(getattr(fn, "compiled", fn), "info", None)
@@ -112,61 +66,262 @@ def cache_info(fn: Any) -> CacheInfo:
     return info
 
 
-def explain_miss(new: tuple[Any, ...], old: tuple[Any, ...] | None, names: Sequence[str]) -> str:
-    """The first guard ``new`` fails against ``old``, in the user's terms.
+# Note [Ambient state]
+# ~~~~~~~~~~~~~~~~~~~~
+# Some global torch state changes what the same call computes, and a trace bakes
+# it in: grad mode (whether a backward is built), autocast (which ops run in
+# lower precision) and the default dtype (what ``torch.ones(2)`` makes). It is
+# part of every key. The common state is cheap to key: grad mode alone (examples:
+# ``ambient_key``). So a function first called outside ``torch.autocast`` traces
+# again when called inside it, instead of returning float32 results where eager
+# gives bfloat16, and the miss says ``autocast off != cpu/bfloat16``.
+def ambient_key() -> Any:
+    """The ambient torch state a trace depends on (Note [Ambient state]).
 
-    A key is ``(structure, leaves, state, aliases, ambient state)``; ``state`` is
-    ``(input names, tensor keys, value labels, value keys)`` of the lifted
-    module state, closed-over tensors and guarded values (``aotgrad/lifting.py``).
+    >>> ambient_key()
+    True
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     ambient_key()
+    (True, torch.float32, (('cpu', torch.bfloat16),))
+    >>> _ambient_change(True, (True, torch.float32, (("cpu", torch.bfloat16),)))
+    'autocast off != cpu/bfloat16'
     """
-    if old is None:
-        return "first call"
-    spec, leaves, state, aliases, grad = new
-    old_spec, old_leaves, old_state, old_aliases, old_grad = old
-    if spec != old_spec:
-        return f"argument structure changed: {spec} != {old_spec}"
-    labels = [f"input {n}" for n in names]
-    for label, a, b in zip(labels, leaves, old_leaves, strict=False):
-        if a != b:
-            return f"{label}: {_leaf_difference(a, b)}"
-    if state != old_state:
-        return _state_difference(state, old_state)
-    if aliases != old_aliases:
-        return "which inputs are the same tensor or share memory changed"
-    if grad != old_grad:
-        return explain_ambient(grad, old_grad)
-    return "unknown"
+    grad = torch.is_grad_enabled()
+    if torch.get_default_dtype() is torch.float32 and not any_autocast():
+        return grad
+    return (grad, torch.get_default_dtype(), autocast_state())
 
 
-def _state_difference(new: tuple[Any, ...], old: tuple[Any, ...]) -> str:
-    names, tensors, labels, values = new or ((), (), (), ())
-    old_names, old_tensors, old_labels, old_values = old or ((), (), (), ())
-    if names != old_names:
-        added = [n for n in names if n not in old_names]
-        removed = [n for n in old_names if n not in names]
-        return f"lifted tensors changed: added {added or 'none'}, removed {removed or 'none'}"
-    for name, a, b in zip(names, tensors, old_tensors, strict=True):
+class CacheKey(NamedTuple):
+    """What one call's trace is specialized on: equal keys share one compiled entry.
+
+    A ``NamedTuple`` rather than a frozen dataclass: every call that the last
+    entry does not serve (Note [The last entry]) builds one and hashes it. As
+    frozen dataclasses (``__init__`` through ``object.__setattr__``, hashing and
+    comparing in Python) this key and ``StateKey`` made such a call of a small
+    module ~3 us slower (of ~35 us). Fields are read by name only; build it with
+    :meth:`of_call`, or by keyword.
+
+    >>> import torch
+    >>> from aotgrad.signature.lifting import NOTHING
+    >>> x = torch.ones(4, 8)
+    >>> key = CacheKey.of_call(structure=1, leaves=[x], dims=None, lifted=NOTHING)
+    >>> key.leaves[0][1], key.dynamic_dims, key.aliases, key.ambient
+    (torch.Size([4, 8]), None, None, True)
+    >>> wider = CacheKey.of_call(structure=1, leaves=[torch.ones(4, 9)], dims=None, lifted=NOTHING)
+    >>> wider.explain(key, names=["x"])
+    'input x: shape (4, 8) != (4, 9)'
+    >>> batch = CacheKey.of_call(structure=1, leaves=[x], dims=((0,),), lifted=NOTHING)
+    >>> batch.explain(key, names=["x"])
+    'input x: dynamic dimensions none != (0,)'
+    """
+
+    # The tree structure of ``(args, kwargs)``: a ``TreeSpec``, or the argument count
+    # of a call of positional tensors and scalars (``flatten_call``).
+    structure: Any
+    # Per leaf: its tensor metadata (``call_key``, ``dynamic_call_key``) or value key
+    # (Note [Keys of Python values]).
+    leaves: tuple[Any, ...]
+    # Per leaf, its dynamic dimensions, left out of ``leaves`` and checked by the
+    # trace's shape guards; None when every size is static (Note [Dynamic shapes]).
+    dynamic_dims: DynamicDims | None
+    # The lifted module state, closed-over tensors and the Python values the function reads.
+    state: StateKey
+    # Which tensors (lifted, then leaves) are the same or share memory; None when none do.
+    aliases: tuple[int, ...] | None
+    # Grad mode, default dtype and autocast (Note [Ambient state]).
+    ambient: Any
+    # The n-th trace under an otherwise equal key (Note [Entries with shape guards]).
+    retrace: int = 0
+
+    @staticmethod
+    def of_call(
+        *, structure: Any, leaves: Sequence[Any], dims: DynamicDims | None, lifted: Lifted
+    ) -> CacheKey:
+        """The key of a call: its leaves (``flatten_call``), dynamic dimensions and lifted state."""
+        state = lifted.tensors
+        return CacheKey(
+            structure=structure,
+            leaves=call_key(leaves) if dims is None else dynamic_call_key(leaves, dims),
+            dynamic_dims=dims,
+            state=lifted.key,
+            aliases=alias_key([*state, *leaves] if state else leaves),
+            ambient=ambient_key(),
+        )
+
+    def explain(self, cached: CacheKey | None, names: Sequence[str] = ()) -> str:
+        """Why this key is not ``cached``: the first field that differs, in the user's terms.
+
+        Reads ``what: cached's != this key's``; ``names`` names the call's leaves
+        (``leaf_names``; ``leaf i`` without). ``retrace`` is not compared: a
+        trace under the same key is explained by the shape guard it failed.
+        """
+        if cached is None:
+            return "first call"
+        for explain in _FIELD_EXPLANATIONS:
+            reason = explain(cached, self, names)
+            if reason is not None:
+                return reason
+        return "no field of the key differs"
+
+
+def _structure_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
+    if old.structure == new.structure:
+        return None
+    return (
+        f"argument structure changed: {_show_structure(old.structure)}"
+        f" != {_show_structure(new.structure)}"
+    )
+
+
+def _show_structure(structure: Any) -> str:
+    if isinstance(structure, int):  # a flat positional call (``flatten_call``)
+        return f"{structure} positional argument{'s' * (structure != 1)}"
+    return str(structure)
+
+
+def _dims_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
+    if old.dynamic_dims == new.dynamic_dims:
+        return None
+    count = len(new.leaves)
+    before, after = old.dynamic_dims or ((),) * count, new.dynamic_dims or ((),) * count
+    for i, (a, b) in enumerate(zip(before, after, strict=True)):
         if a != b:
-            return f"{name}: {_leaf_difference(a, b)}"
-    if labels != old_labels:
-        added = [label for label in labels if label not in old_labels]
-        removed = [label for label in old_labels if label not in labels]
-        return f"the values the function reads changed: added {added}, removed {removed}"
-    for label, a, b in zip(labels, values, old_values, strict=True):
+            return f"{_leaf_label(i, names)}: dynamic dimensions {_show_dims(a)} != {_show_dims(b)}"
+    return None
+
+
+def _show_dims(dims: tuple[int, ...]) -> str:
+    return str(dims) if dims else "none"
+
+
+def _leaves_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
+    dims = new.dynamic_dims or ()
+    for i, (a, b) in enumerate(zip(old.leaves, new.leaves, strict=True)):
         if a != b:
-            change = f"{label}: value {show_value(b)} != {show_value(a)}"
+            fields = DYNAMIC_TENSOR_FIELDS if i < len(dims) and dims[i] else TENSOR_FIELDS
+            return f"{_leaf_label(i, names)}: {_leaf_change(a, b, fields)}"
+    return None
+
+
+def _leaf_label(i: int, names: Sequence[str]) -> str:
+    return f"input {names[i]}" if i < len(names) else f"leaf {i}"
+
+
+# The order a tensor's changed fields are told in: the one the user most likely changed
+# first (a sparse tensor has no strides either; a transposed one has other strides too).
+_FIELD_ORDER = (
+    "type",
+    "layout",
+    "device",
+    "dtype",
+    "shape",
+    "stride",
+    "contiguous",
+    "storage offset",
+    "requires_grad",
+)
+
+
+def _leaf_change(old: Any, new: Any, fields: Sequence[str]) -> str:
+    """A tensor's changed field (``shape (4, 8) != (4, 16)``), or the values."""
+    if is_tensor_key(old) and is_tensor_key(new):
+        changed = {f: (a, b) for f, a, b in zip(fields, old, new, strict=True) if a != b}
+        if changed:
+            label = min(changed, key=_FIELD_ORDER.index)
+            a, b = changed[label]
+            return f"{label} {_show(a)} != {_show(b)}"
+    if is_tensor_key(old) or is_tensor_key(new):
+        return f"{_show_leaf(old)} != {_show_leaf(new)}"
+    return f"value {show_value(old)} != {show_value(new)}"
+
+
+def _show_leaf(key: Any) -> str:
+    if is_tensor_key(key):
+        return f"a tensor of shape {_show(key[1])}"
+    return f"value {show_value(key)}"
+
+
+def _state_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
+    a, b = old.state, new.state
+    if a == b:
+        return None
+    if a.names != b.names:
+        return f"lifted tensors changed: {_added_removed(a.names, b.names)}"
+    for name, x, y in zip(b.names, a.tensors, b.tensors, strict=True):
+        if x != y:
+            return f"{name}: {_leaf_change(x, y, TENSOR_FIELDS)}"
+    if a.labels != b.labels:
+        return f"the values the function reads changed: {_added_removed(a.labels, b.labels)}"
+    for label, x, y in zip(b.labels, a.values, b.values, strict=True):
+        if x != y:
+            change = f"{label}: value {show_value(x)} != {show_value(y)}"
             if label.endswith(".training"):
                 return f"a module switched between train() and eval() ({change})"
             return change
-    return "unknown"
+    return None
 
 
-def _leaf_difference(new: Any, old: Any) -> str:
-    if len(new) == len(old) == len(_TENSOR_FIELDS):
-        for label, a, b in zip(_TENSOR_FIELDS, new, old, strict=True):
-            if a != b:
-                return f"{label} {_show(b)} != {_show(a)}"
-    return f"value {show_value(old)} != {show_value(new)}"
+def _added_removed(old: Sequence[str], new: Sequence[str]) -> str:
+    added = [n for n in new if n not in old]
+    removed = [n for n in old if n not in new]
+    return f"added {added or 'none'}, removed {removed or 'none'}"
+
+
+def _aliases_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
+    if old.aliases == new.aliases:
+        return None
+    return f"inputs sharing memory: {_sharing(old, names)} != {_sharing(new, names)}"
+
+
+def _sharing(key: CacheKey, names: Sequence[str]) -> str:
+    """The inputs that share memory (``x and y``), from ``alias_key``'s storage groups."""
+    if key.aliases is None:
+        return "none (no views)"
+    tensor_leaves = [i for i, leaf in enumerate(key.leaves) if is_tensor_key(leaf)]
+    labels = [*key.state.names, *(_leaf_label(i, names) for i in tensor_leaves)]
+    groups: dict[int, list[str]] = {}
+    for label, group in zip(labels, key.aliases, strict=False):  # the storage half
+        groups.setdefault(group, []).append(label.removeprefix("input "))
+    shared = "; ".join(" and ".join(group) for group in groups.values() if len(group) > 1)
+    return shared or "none (some views)"
+
+
+def _ambient_changed(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
+    return None if old.ambient == new.ambient else _ambient_change(old.ambient, new.ambient)
+
+
+def _ambient_change(old: Any, new: Any) -> str:
+    """Which part of the ambient state differs, in the user's terms."""
+    old_grad, old_dtype, old_autocast = _ambient_parts(old)
+    grad, dtype, autocast = _ambient_parts(new)
+    if grad != old_grad:
+        return f"grad mode {old_grad} != {grad}"
+    if dtype != old_dtype:
+        return f"default dtype {old_dtype} != {dtype}"
+    return f"autocast {_show_autocast(old_autocast)} != {_show_autocast(autocast)}"
+
+
+def _ambient_parts(key: Any) -> tuple[bool, torch.dtype, AutocastState]:
+    return key if isinstance(key, tuple) else (key, torch.float32, ())
+
+
+def _show_autocast(state: AutocastState) -> str:
+    if not state:
+        return "off"
+    return ", ".join(f"{device}/{str(dtype).removeprefix('torch.')}" for device, dtype in state)
+
+
+# In the order ``CacheKey.explain`` tries them: each gives a reason, or None when its
+# field is the same.
+_FIELD_EXPLANATIONS: tuple[Callable[[CacheKey, CacheKey, Sequence[str]], str | None], ...] = (
+    _structure_change,
+    _dims_change,
+    _leaves_change,
+    _state_change,
+    _aliases_change,
+    _ambient_changed,
+)
 
 
 def show_value(key: Any) -> str:
@@ -184,8 +339,194 @@ def show_value(key: Any) -> str:
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, tuple) and all(isinstance(v, int) for v in value):
+    """A tensor field: sizes as a tuple, ``*`` for a dynamic size."""
+    if isinstance(value, tuple) and all(isinstance(v, int) or v is None for v in value):
+        sizes = ["*" if v is None else str(v) for v in value]
+        return f"({sizes[0]},)" if len(sizes) == 1 else f"({', '.join(sizes)})"
+    if isinstance(value, torch.Size):
         return str(tuple(value))
-    if hasattr(value, "__len__") and type(value).__name__ == "Size":
-        return str(tuple(value))
+    if isinstance(value, type):
+        return value.__qualname__
     return repr(value) if isinstance(value, str) else str(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    """One specialization's compiled graphs, and where their inputs come from in a call."""
+
+    compiled: CompiledGraphs
+    # Leaf position of each of the graphs' user inputs, after the lifted state; None when
+    # the graphs' inputs are exactly the call's leaves (nothing lifted, every leaf a tensor).
+    positions: tuple[int, ...] | None
+
+    def inputs(self, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]) -> Sequence[Any]:
+        """The graphs' inputs for a call: the lifted state, then the tensor leaves."""
+        positions = self.positions
+        return leaves if positions is None else [*state, *map(leaves.__getitem__, positions)]
+
+    def __call__(self, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]) -> Any:
+        positions = self.positions  # ``inputs``, inlined: this runs on every call
+        return self.compiled(
+            leaves if positions is None else [*state, *map(leaves.__getitem__, positions)]
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Miss:
+    """A call no entry serves: the key to store its trace under, and the guard that failed."""
+
+    key: CacheKey
+    # The first shape guard the entries under an equal key failed (Note [Entries with
+    # shape guards]); None when no entry has an equal key.
+    failed_guard: str | None = None
+
+
+# Note [The last entry]
+# ~~~~~~~~~~~~~~~~~~~~~
+# Most callers call with the same kinds of tensors every time. After a cache
+# hit on a plain call -- positional tensors only, none a view or repeated,
+# a function that reads nothing else, static shapes -- the entry is
+# remembered with a guard on its tensors' fields (``PlainTensorsGuard``:
+# Dynamo's C++ tensor check plus offsets and aliasing), tried before building
+# any key:
+#
+#     f(x, w)   miss: trace, compile, entries[key] = entry
+#     f(x, w)   hit through the dict; entry remembered as the last one
+#     f(x2, w)  same fields as the last entry's keys: run it (no key, no hash)
+#     f(x3, w)  x3 is float64: the full key, the dict, maybe a miss
+#
+# It answers exactly when the full key would find that entry; it only skips
+# the work of building and hashing the key (microseconds of a ~25 us call).
+@dataclass(frozen=True, kw_only=True)
+class _LastEntry:
+    guard: PlainTensorsGuard
+    ambient: Any  # Note [Ambient state]
+    call: Callable[[Sequence[torch.Tensor]], Any]
+
+
+# Note [Entries with shape guards]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A dynamic trace serves the sizes its shape guards allow (Note [Dynamic
+# shapes]); calls outside them have the same key but need another trace.
+# Those traces sit under the key with ``retrace`` counting up, tried in order:
+#
+#     f(ones(2, 4))   key K: traced, guards y.size()[1] == 4  -> entries[K]
+#     f(ones(2, 6))   entries[K] fails y.size()[1] == 4; traced -> entries[K, retrace=1]
+#     f(ones(2, 4))   entries[K] passes: a hit
+
+
+class SpecializationCache:
+    """A compiled function's entries by :class:`CacheKey`, its :class:`CacheInfo`, its last entry.
+
+    >>> import torch, aotgrad
+    >>> f = aotgrad.aot_function(lambda x: x * 2)
+    >>> _ = f(torch.ones(2)); _ = f(torch.ones(3))
+    >>> cache = f.cache
+    >>> len(cache), cache.info.misses, cache.info.reasons[-1]
+    (2, 2, 'input x: shape (2,) != (3,)')
+    """
+
+    def __init__(self, limit: int, owner: str) -> None:
+        self.entries: dict[CacheKey, Entry] = {}
+        self.info = CacheInfo()
+        # Past this many entries, new specializations run eagerly.
+        self.limit = limit
+        # The compiled function's name, for the warning when the cache is full.
+        self._owner = owner
+        # The key of the latest miss: the next miss is explained against it.
+        self._latest: CacheKey | None = None
+        self._last: _LastEntry | None = None  # Note [The last entry]
+        self._warned_full = False
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def last_entry(self, args: tuple[Any, ...]) -> Callable[[Sequence[Any]], Any] | None:
+        """The last entry, as a hit, if it serves these positional ``args`` (Note [The last entry])."""
+        last = self._last
+        if last is not None and ambient_key() == last.ambient and last.guard(args):
+            self.info.hits += 1
+            return last.call
+        return None
+
+    def find(
+        self, key: CacheKey, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]
+    ) -> Entry | Miss:
+        """The entry serving this call, counted as a hit; else the :class:`Miss` to trace.
+
+        A dynamic entry serves only the sizes its shape guards allow (Note
+        [Entries with shape guards]).
+        """
+        entry = self.entries.get(key)
+        if entry is None:
+            return Miss(key=key)
+        if key.dynamic_dims is None:
+            self.info.hits += 1
+            return entry
+        return self._guarded(key, entry, state, leaves)
+
+    def _guarded(
+        self, key: CacheKey, entry: Entry, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]
+    ) -> Entry | Miss:
+        """The first entry under ``key`` whose shape guards pass, else a miss at the next slot."""
+        first_failed = None
+        found: Entry | None = entry
+        while found is not None:
+            failed = found.compiled.failed_guard(found.inputs(state, leaves))
+            if failed is None:
+                self.info.hits += 1
+                return found
+            first_failed = first_failed or failed
+            key = key._replace(retrace=key.retrace + 1)
+            found = self.entries.get(key)
+        return Miss(key=key, failed_guard=first_failed)
+
+    def remember(self, key: CacheKey, entry: Entry, leaves: Sequence[Any]) -> None:
+        """Make ``entry`` the last entry when a guard on ``leaves`` can stand for ``key``.
+
+        The caller vouches that the function reads nothing but its positional
+        arguments (Note [The last entry]).
+        """
+        if entry.positions is None and key.aliases is None and key.dynamic_dims is None:
+            call = entry.compiled.direct_call() or entry.compiled
+            self._last = _LastEntry(guard=PlainTensorsGuard(leaves), ambient=key.ambient, call=call)
+
+    def admit(self, miss: Miss, names: Callable[[], Sequence[str]]) -> bool:
+        """Record the miss and why; False when the cache is full (the call runs eagerly).
+
+        ``names`` gives the call's leaf names, for the reason (found only on a miss).
+        """
+        reason = self._reason(miss, names)
+        self.info.misses += 1
+        self.info.reasons.append(reason)
+        self._latest = miss.key
+        if len(self.entries) < self.limit:
+            return True
+        self.info.fallbacks += 1
+        if not self._warned_full:
+            self._warned_full = True
+            warnings.warn(self._full_message(reason), stacklevel=4)
+        return False
+
+    def _reason(self, miss: Miss, names: Callable[[], Sequence[str]]) -> str:
+        if miss.failed_guard is not None:
+            return f"shape guard {miss.failed_guard} failed"
+        if miss.key == self._latest:  # the latest miss stored no entry
+            full = len(self.entries) >= self.limit
+            why = "ran eagerly (cache_limit)" if full else "raised before its entry was stored"
+            return f"the same key as the previous miss, which {why}"
+        return miss.key.explain(self._latest, names())
+
+    def _full_message(self, reason: str) -> str:
+        return (
+            f"aotgrad: {self._owner} has {self.limit} compiled specializations (cache_limit);"
+            f" running this call eagerly. Last miss: {reason}. Pass values that change between"
+            " calls as tensors (a Python number is baked into the graph), or raise cache_limit."
+            " (Warned once; aotgrad.cache_info counts the eager calls.)"
+        )
+
+    def add(self, key: CacheKey, entry: Entry) -> None:
+        """Store a new trace's entry; later misses are explained against ``key``."""
+        self.entries[key] = entry
+        self._latest = key
+        self.info.entries = len(self.entries)

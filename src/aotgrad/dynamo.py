@@ -26,7 +26,6 @@ import torch.fx.traceback as fx_traceback
 
 from aotgrad._torch_compat import DYNAMO_EXAMPLE_VALUE, DYNAMO_GRAPH_ARG
 from aotgrad.api import AOTFunction, Options, PartitionArg
-from aotgrad.capture.dynamic import dynamic
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.runtime.boxing import Compiler
 
@@ -51,8 +50,6 @@ def backend(
         bw_compiler=bw_compiler,
         inference_compiler=inference_compiler,
         partition=partition,
-        decompositions=None,
-        keep_inference_input_mutations=False,
         cache_limit=cache_limit,
     )
 
@@ -64,11 +61,18 @@ def backend(
         tensors = [i for i in inputs if i not in numbers]
         names = [user_expression(placeholders[i]) for i in tensors]
         body = _Interpreted(gm, _root_name(gm), sizes, inputs)
-        # Dynamo guards and lifts what the frame reads itself: read only the arguments.
-        compiled = AOTFunction(body, options, input_names=names, read_environment=False)
-        dims = [_symbolic_dims(placeholders[i]) if i in tensors else () for i in inputs]
-        if sizes or numbers or any(dims):
-            return _DynamicCall(compiled, inputs, dims, numbers)
+        dims = tuple(_symbolic_dims(placeholders[i]) if i in tensors else () for i in inputs)
+        compiled = AOTFunction(
+            body,
+            options,
+            input_names=names,
+            # Dynamo guards and lifts what the frame reads itself: read only the arguments.
+            read_environment=False,
+            # The same every call (Note [Marking dimensions dynamic]).
+            dynamic_dims=dims if any(dims) else None,
+        )
+        if sizes or numbers:
+            return _DynamicCall(compiled, inputs, numbers)
         return compiled
 
     return compile_graph
@@ -140,25 +144,17 @@ def _read_only_by_item(node: fx.Node, value: Any) -> bool:
 
 
 class _DynamicCall:
-    """What Dynamo calls for a dynamic graph: drops size inputs, marks dynamic dims, reads numbers."""
+    """What Dynamo calls for a graph with size or number inputs: drops sizes, reads numbers."""
 
-    def __init__(
-        self,
-        compiled: AOTFunction,
-        inputs: list[int],
-        dims: list[tuple[int, ...]],
-        numbers: set[int] | None = None,
-    ) -> None:
+    def __init__(self, compiled: AOTFunction, inputs: list[int], numbers: set[int]) -> None:
         self.compiled = compiled
+        # The placeholders the AOTFunction takes: all but the sizes (Note [Dynamo's size inputs]).
         self.inputs = inputs
-        self.dims = dims
-        self.numbers = numbers or set()
+        # The placeholders read as Python numbers (Note [Dynamo's number inputs]).
+        self.numbers = numbers
 
     def __call__(self, *args: Any) -> Any:
         inputs = [_number(args[i]) if i in self.numbers else args[i] for i in self.inputs]
-        for t, dims in zip(inputs, self.dims, strict=True):
-            if dims:
-                dynamic(t, dims)
         return self.compiled(*inputs)
 
 

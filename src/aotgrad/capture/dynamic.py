@@ -3,12 +3,12 @@
 Note [Dynamic shapes]
 ~~~~~~~~~~~~~~~~~~~~~
 With ``dynamic=True`` (every dimension of the user's tensors but those of
-size 0 or 1) or ``aotgrad.dynamic(x, dim=0)`` (chosen dimensions), capture
-gives the fake inputs symbolic sizes from a ``ShapeEnv``; the graphs compute
-with ``sym_size`` nodes instead of constants, and sizes the backward needs
-are saved like tensors (``saved: sym_size_int``). Tracing records guards on
-the symbols (``s0 >= 2``, say); one compiled entry serves every call whose
-sizes satisfy them::
+size 0 or 1) or ``aotgrad.dynamic(x, dim=0)`` (chosen dimensions; Note
+[Marking dimensions dynamic]), capture gives the fake inputs symbolic sizes
+from a ``ShapeEnv``; the graphs compute with ``sym_size`` nodes instead of
+constants, and sizes the backward needs are saved like tensors (``saved:
+sym_size_int``). Tracing records guards on the symbols (``s0 >= 2``, say);
+one compiled entry serves every call whose sizes satisfy them::
 
     forward(x: f32[s0, 16], w) -> (out, sym_size_int, relu)   # s0: the batch
     guards: 2 <= s0
@@ -37,38 +37,75 @@ from torch.fx.experimental.symbolic_shapes import (
 
 from aotgrad._torch_compat import local_source
 
+# Per leaf of a call, its dimensions with symbolic sizes (``()``: static; Note [Dynamic shapes]).
+DynamicDims = tuple[tuple[int, ...], ...]
+
+# Note [Marking dimensions dynamic]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Which dimensions are dynamic is said explicitly, three ways:
+#
+#     aot_function(f, dynamic=True)      every dimension of size > 1 of the call's tensors
+#     aotgrad.dynamic(x, dim=0)          a mark on that tensor (as torch._dynamo.mark_dynamic)
+#     AOTFunction(..., dynamic_dims=d)   fixed per leaf: Dynamo's symbolic dimensions
+#
+# ``requested_dims`` reads them once per call, where the call's key is built,
+# into a per-leaf tuple that the key holds (a change of dimensions is a miss
+# that says so) and capture receives. ``aotgrad.dynamic`` stays public: the mark
+# is the user's own statement about that tensor, kept on it, like Dynamo's. No
+# global state records that a mark was ever made, so marks cost one attribute
+# read per tensor on calls that build a key (not on the last entry's fast path,
+# Note [The last entry]), and the Dynamo backend hands its dimensions to the
+# ``AOTFunction`` once instead of marking the caller's tensors on every call.
+# (Examples: ``requested_dims``.)
 _ATTRIBUTE = "_aotgrad_dynamic_dims"
-_MARKED = [False]  # has any tensor ever been marked? (keeps unmarked calls cheap)
 
 
 def dynamic(x: torch.Tensor, dim: int | Sequence[int] = 0) -> torch.Tensor:
     """Mark ``x``'s dimension(s) ``dim`` dynamic for aotgrad's traces; returns ``x``.
 
+    The mark stays on ``x`` (Note [Marking dimensions dynamic]).
+
     >>> import torch, aotgrad
-    >>> x = aotgrad.dynamic(torch.ones(8, 4), dim=0)
+    >>> x = aotgrad.dynamic(torch.ones(8, 4), dim=-1)
     >>> aotgrad.capture.dynamic.marked_dims(x)
-    (0,)
+    (1,)
     """
     dims = [dim] if isinstance(dim, int) else list(dim)
     marked = set(getattr(x, _ATTRIBUTE, ()))
     marked.update(d % x.dim() for d in dims)
     setattr(x, _ATTRIBUTE, frozenset(marked))
-    _MARKED[0] = True
     return x
 
 
-def has_marks() -> bool:
-    """Has any live tensor been marked with :func:`dynamic`? (Cheap: checked on every call.)"""
-    return _MARKED[0]
-
-
 def marked_dims(x: torch.Tensor) -> tuple[int, ...]:
-    return tuple(sorted(getattr(x, _ATTRIBUTE, ())))
+    """The dimensions :func:`dynamic` marked on ``x``, in order."""
+    marked = getattr(x, _ATTRIBUTE, None)
+    return () if marked is None else tuple(sorted(marked))
 
 
 def all_dims(x: torch.Tensor) -> tuple[int, ...]:
     """Every dimension that can vary: sizes 0 and 1 stay static (they change broadcasting)."""
     return tuple(d for d, n in enumerate(x.shape) if n > 1)
+
+
+def requested_dims(leaves: Sequence[Any], everything: bool) -> DynamicDims | None:
+    """Per leaf, its dynamic dimensions; None when none is (Note [Marking dimensions dynamic]).
+
+    >>> x = dynamic(torch.ones(8, 4), dim=0)
+    >>> requested_dims([x, torch.ones(3, 2), 2.0], everything=False)
+    ((0,), (), ())
+    >>> requested_dims([torch.ones(8, 4), torch.ones(1, 5)], everything=True)
+    ((0, 1), (1,))
+    >>> requested_dims([torch.ones(8, 4)], everything=False) is None
+    True
+    """
+    if not everything and not any(
+        [isinstance(leaf, torch.Tensor) and hasattr(leaf, _ATTRIBUTE) for leaf in leaves]
+    ):
+        return None  # the common case: one attribute read per tensor
+    dims_of = all_dims if everything else marked_dims
+    dims = tuple(dims_of(leaf) if isinstance(leaf, torch.Tensor) else () for leaf in leaves)
+    return dims if any(dims) else None
 
 
 def symbolic_context(x: torch.Tensor, dims: Sequence[int]) -> StatelessSymbolicContext:
@@ -173,7 +210,3 @@ def _has_symbols(value: Any) -> bool:
         return False
     sizes = [*value.shape, *value.stride(), value.storage_offset()]
     return any(isinstance(n, torch.SymInt) for n in sizes)
-
-
-def is_symbolic(values: Sequence[Any]) -> bool:
-    return any(isinstance(v, torch.SymInt) for v in values)

@@ -1,7 +1,9 @@
 """Stage 1: the calling convention. Flatten the user's call into described graph inputs.
 
 Entry point: :func:`flatten_inputs`. The descriptors and the :class:`Signature`
-built from them are shared vocabulary for every later stage.
+built from them are shared vocabulary for every later stage. What the function
+reads besides its arguments (module state, closed-over tensors, module
+arguments) is lifted to leading inputs by ``lifting.py``.
 """
 
 from aotgrad.signature.convention import SIGNATURE_VERSION, Signature

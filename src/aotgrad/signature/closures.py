@@ -26,7 +26,7 @@ the roots are ``lin`` (closure cell) and ``helper`` (global), and through
 ``helper`` (a function of the same module, walked too) ``K``; the inputs are
 ``closure lin.weight, closure lin.bias, x``, and the guards ``helper`` (itself),
 ``lin.training`` (False/True), ``K`` ((int, 2)). ``K = 3`` re-traces, with the
-miss reason ``global K: value (int, 2) != (int, 3)``.
+miss reason ``global K: value 2 != 3``.
 
 What is walked: the function's closure cells, defaults, globals named by its
 code (nested code objects included), and functions of its own module that it

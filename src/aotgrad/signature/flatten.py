@@ -153,6 +153,29 @@ def _leaf_name(path: tuple[Any, ...], names: Sequence[str]) -> str:
     return root + pytree.keystr(tuple(rest))
 
 
+_SCALAR_TYPES = frozenset({int, float, bool, str, type(None)})
+
+
+def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Sequence[Any], Any]:
+    """The call's leaves and a hashable structure key; skips pytree for flat positional calls.
+
+    A call of tensors and scalars only, without keywords, has leaves ``args``
+    in the same order ``pytree`` would give; its structure key is the count.
+
+    >>> flatten_call((torch.ones(1), 2.0), {})[1]
+    2
+    >>> leaves, structure = flatten_call(({"a": 1},), {"b": 2})
+    >>> leaves, structure == pytree.tree_flatten((({"a": 1},), {"b": 2}))[1]
+    ([1, 2], True)
+    """
+    if not kwargs and all(isinstance(a, torch.Tensor) or type(a) in _SCALAR_TYPES for a in args):
+        return args, len(args)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if register_dataclasses(leaves):  # Note [Dataclass arguments]
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+    return leaves, spec
+
+
 def call_key(leaves: Sequence[Any]) -> tuple[Any, ...]:
     """What a traced graph is specialized on: tensor metadata and non-tensor values.
 
@@ -165,6 +188,13 @@ def dynamic_call_key(leaves: Sequence[Any], dims: Sequence[Sequence[int]]) -> tu
     """``call_key`` with the dynamic dimensions (``dims[i]`` for leaf ``i``) left out.
 
     Their sizes are checked by the trace's shape guards instead (Note [Dynamic shapes]).
+    A leaf with dynamic dimensions has the fields of ``DYNAMIC_TENSOR_FIELDS``:
+    its shape holds ``None`` at each dynamic dimension, and contiguity stands for
+    the strides.
+
+    >>> key = dynamic_call_key([torch.ones(8, 4), 2.0], [(0,), ()])
+    >>> key[0][1:3], key[1]
+    (((None, 4), True), (<class 'float'>, '0x1.0000000000000p+1'))
     """
     keys = []
     for leaf, leaf_dims in zip(leaves, dims, strict=True):
@@ -235,8 +265,33 @@ def _leaf_key(leaf: Any) -> Any:
     return _tensor_key(leaf) if isinstance(leaf, torch.Tensor) else _value_key(leaf)
 
 
+# The fields of a tensor's key (``call_key``), in order; and of a tensor with dynamic
+# dimensions (``dynamic_call_key``), whose strides are left to the shape guards.
+TENSOR_FIELDS = (
+    "type",
+    "shape",
+    "stride",
+    "storage offset",
+    "dtype",
+    "device",
+    "requires_grad",
+    "layout",
+)
+DYNAMIC_TENSOR_FIELDS = tuple("contiguous" if f == "stride" else f for f in TENSOR_FIELDS)
+
+
+def is_tensor_key(key: Any) -> bool:
+    """Is ``key`` a tensor's key (``call_key``, ``dynamic_call_key``), not a value's?"""
+    return (
+        type(key) is tuple
+        and len(key) == len(TENSOR_FIELDS)
+        and isinstance(key[0], type)
+        and issubclass(key[0], torch.Tensor)
+    )
+
+
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """Fields, in order: type, shape, stride, storage offset, dtype, device, requires_grad, layout."""
+    """The metadata a trace specializes on, in the order of ``TENSOR_FIELDS``."""
     return (
         type(t),
         t.shape,

@@ -13,26 +13,51 @@ key, so the call re-traces, and ``cache_info`` says what changed.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import torch
 
-from aotgrad.capture import Body
-from aotgrad.signature import (
-    Buffer,
+from aotgrad.signature.closures import EMPTY, Environment, Root, read_environment, roots_of
+from aotgrad.signature.descriptors import Buffer, Param, PrimalDescriptor
+from aotgrad.signature.flatten import (
     FlatInputs,
-    Param,
     PlainTensorsGuard,
-    PrimalDescriptor,
     alias_key,
     call_key,
+    leaf_names,
 )
-from aotgrad.signature.closures import EMPTY, Environment, Root, read_environment, roots_of
+
+# What capture traces (capture's ``Body``): the function on the graph's primals, as a
+# context manager yielding its result (Note [Reentrant checkpoints] needs it kept open).
+Body = Callable[[list[torch.Tensor]], AbstractContextManager[Any]]
 
 
-@dataclass(frozen=True)
+class StateKey(NamedTuple):
+    """What a trace specializes on in the lifted state: one field of every ``CacheKey``.
+
+    A ``NamedTuple`` like ``CacheKey``, for the same reason: hashed on every call.
+
+    >>> key = State(torch.nn.Linear(2, 2)).read().key
+    >>> key.names
+    ('param weight', 'param bias')
+    >>> key.labels[:2], key.values[:2]
+    (('closure self.training', 'closure self.in_features'), ((<class 'bool'>, True), (<class 'int'>, 2)))
+    """
+
+    # The lifted tensors' descriptors, printed: ``param fc1.weight``, ``closure lin.bias``.
+    names: tuple[str, ...] = ()
+    # Per lifted tensor, its metadata (``call_key``).
+    tensors: tuple[Any, ...] = ()
+    # The Python values the function reads, by label (``global K``, ``closure lin.training``) ...
+    labels: tuple[str, ...] = ()
+    # ... and their keys (Note [Keys of Python values]), in the same order.
+    values: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
 class Lifted:
     """One call's lifted state: module state first, then closed-over tensors."""
 
@@ -40,11 +65,11 @@ class Lifted:
     descriptors: tuple[PrimalDescriptor, ...]
     # Qualified names of the module's parameters and buffers (the leading tensors).
     module_names: tuple[str, ...]
-    # (input names, tensor keys, value labels, value keys): what the trace specializes on.
-    key: tuple[Any, ...]
+    # What the trace specializes on.
+    key: StateKey
 
 
-NOTHING = Lifted((), (), (), ())
+NOTHING = Lifted(tensors=(), descriptors=(), module_names=(), key=StateKey())
 # Tensors the C++ tensor check can key (subclasses and sparse ones by ``call_key``).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -52,10 +77,64 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 Arguments = tuple[tuple[str, torch.nn.Module], ...]
 
 
+def module_arguments(
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    leaves: Sequence[Any],
+    structure: Any,
+    names: dict[Any, list[str]],
+) -> Arguments:
+    """The modules among the call's leaves, by argument path (Note [Module arguments]).
+
+    ``target`` is the function whose parameters name the arguments
+    (``call_target``); ``structure`` the call's structure key (``flatten_call``).
+    ``names`` caches the leaf names by structure: they are found once per structure.
+
+    >>> net = torch.nn.Linear(2, 2)
+    >>> args = (net, torch.ones(2))
+    >>> from aotgrad.signature.flatten import flatten_call
+    >>> leaves, structure = flatten_call(args, {})
+    >>> module_arguments(lambda model, x: None, args, {}, leaves, structure, {})
+    (('model', Linear(in_features=2, out_features=2, bias=True)),)
+    """
+    if isinstance(structure, int):  # a flat call of tensors and scalars (``flatten_call``)
+        return ()
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.nn.Module)]
+    if not positions:
+        return ()
+    if structure not in names:
+        names[structure] = leaf_names(target, args, kwargs)
+    return tuple((names[structure][i], leaves[i]) for i in positions)
+
+
+def as_module(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``model.forward`` (a bound method) is traced as ``model``: its state becomes inputs.
+
+    >>> net = torch.nn.Linear(2, 2)
+    >>> as_module(net.forward) is net
+    True
+    """
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module) and getattr(fn, "__name__", "") == "forward":
+        return owner
+    return fn
+
+
+def call_target(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function whose parameters name a call's arguments: a module's ``forward``."""
+    return fn.forward if isinstance(fn, torch.nn.Module) else fn
+
+
 def _module_state(module: torch.nn.Module) -> Environment:
     """A module's parameters and buffers alone, when its environment is not read."""
     return Environment(
-        (), (), (), (), tuple(module.named_parameters()), tuple(module.named_buffers())
+        tensors=(),
+        sources=(),
+        labels=(),
+        keys=(),
+        params=tuple(module.named_parameters()),
+        buffers=tuple(module.named_buffers()),
     )
 
 
@@ -76,6 +155,8 @@ class State:
         self._volatile: set[str] = set()
         # The lifted tensors' last key, with a guard passing exactly when it still holds.
         self._last_tensors: tuple[PlainTensorsGuard, tuple[Any, ...]] | None = None
+        # The last key read: read again while nothing changed (equal keys compare by identity).
+        self._last_key = StateKey()
 
     def read(self, arguments: Arguments = ()) -> Lifted:
         """The lifted state now; ``arguments``: the call's module arguments, by path (Note
@@ -91,8 +172,8 @@ class State:
         if (module_names, num_params, env.sources) != self._read_as:
             self._read_as = (module_names, num_params, env.sources)
             self._descriptors = (
-                *(Param(n) for n in module_names[:num_params]),
-                *(Buffer(n) for n in module_names[num_params:]),
+                *(Param(name=n) for n in module_names[:num_params]),
+                *(Buffer(name=n) for n in module_names[num_params:]),
                 *env.descriptors,
             )
             self._labels = tuple(str(d) for d in self._descriptors)
@@ -100,8 +181,26 @@ class State:
         if self._volatile:
             kept = [i for i, label in enumerate(labels) if label not in self._volatile]
             labels, keys = tuple(labels[i] for i in kept), tuple(keys[i] for i in kept)
-        key = (self._labels, self._tensor_keys(tensors), labels, keys)
-        return Lifted(tensors, self._descriptors, module_names, key)
+        key = self._key(self._tensor_keys(tensors), labels, keys)
+        return Lifted(
+            tensors=tensors, descriptors=self._descriptors, module_names=module_names, key=key
+        )
+
+    def _key(
+        self, tensors: tuple[Any, ...], labels: tuple[str, ...], values: tuple[Any, ...]
+    ) -> StateKey:
+        """The state's key; the last one again when nothing changed."""
+        last = self._last_key
+        if (
+            last.names is self._labels
+            and last.tensors is tensors
+            and last.labels == labels
+            and last.values == values
+        ):
+            return last
+        key = StateKey(names=self._labels, tensors=tensors, labels=labels, values=values)
+        self._last_key = key
+        return key
 
     def _tensor_keys(self, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
         """``call_key(tensors)``: the last one again when Dynamo's C++ tensor check passes.
@@ -131,15 +230,17 @@ class State:
             return before
         _concrete_sizes(self._modules(arguments))  # Note [Sizes left in module attributes]
         after = read_environment(self.roots, arguments)
-        names, tensors, labels, keys = before.key
+        labels, values = before.key.labels, before.key.values
         now = dict(zip(after.labels, after.keys, strict=True))
-        changed = {label for label, key in zip(labels, keys, strict=True) if now.get(label) != key}
+        changed = {label for label, v in zip(labels, values, strict=True) if now.get(label) != v}
         if not changed:
             return before
         self._volatile |= changed
         kept = [i for i, label in enumerate(labels) if label not in changed]
-        key = (names, tensors, tuple(labels[i] for i in kept), tuple(keys[i] for i in kept))
-        return Lifted(before.tensors, before.descriptors, before.module_names, key)
+        key = before.key._replace(
+            labels=tuple(labels[i] for i in kept), values=tuple(values[i] for i in kept)
+        )
+        return replace(before, key=key)
 
     def _modules(self, arguments: Arguments) -> list[torch.nn.Module]:
         """The modules the function reaches directly: itself, closed over, passed."""
