@@ -25,6 +25,7 @@ from aotgrad.errors import (
     DoubleBackwardError,
     InPlaceOnLeafError,
     OpError,
+    ScanError,
     UnsupportedClosureError,
     UnsupportedMutationError,
     UnsupportedOpError,
@@ -33,6 +34,7 @@ from aotgrad.errors import (
 from aotgrad.partition import budget
 from aotgrad.profiling import ProfileReport, profile
 from aotgrad.runtime import make_boxed_func, nop
+from aotgrad.scan import ScanFunction, scan, scan_function
 
 __all__ = [
     "AOTModule",
@@ -47,6 +49,8 @@ __all__ = [
     "InPlaceOnLeafError",
     "OpError",
     "ProfileReport",
+    "ScanError",
+    "ScanFunction",
     "Traced",
     "UnsupportedClosureError",
     "UnsupportedMutationError",
@@ -62,5 +66,7 @@ __all__ = [
     "make_boxed_func",
     "nop",
     "profile",
+    "scan",
+    "scan_function",
     "trace",
 ]

@@ -98,6 +98,11 @@ class CallError(AotgradError, TypeError):
     """A compiled function was called with arguments it cannot accept."""
 
 
+class ScanError(AotgradError, ValueError):
+    """A scan's body or arguments break its rules: a carry that changes shape, dtype or
+    structure, ``xs`` leaves of different lengths, a body that mutates its inputs."""
+
+
 @dataclass(frozen=True)
 class UserFrame:
     """A location in the user's source: file, line and the code on that line."""

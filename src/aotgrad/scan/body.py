@@ -1,0 +1,356 @@
+"""One capture of a scan's body ``fn(carry, x) -> (carry, y)``, and its positions.
+
+Note [Scan's calling convention]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The body is traced once, as ``aotgrad.trace`` would trace ``fn(carry, x)``
+on one iteration's values: ``x`` is one row of ``xs``. Its graphs follow the
+calling convention of ``docs/calling-convention.md``, with the inputs named
+``carry...`` and ``x...`` whatever ``fn``'s parameters are called, after the
+tensors ``fn`` closes over (``closure lin.weight``)::
+
+    def fn(carry, x):                      # carry {'a', 'b'}, x {'weights', 'biases'}
+        ...
+        return {"a": a, "b": b}, y
+
+    forward(closure..., carry['a'], carry['b'], x['weights'], x['biases'])
+        -> (output[0]['a'], output[0]['b'], output[1], *saved)
+    backward(*saved, cotangent of output[0]['a'], ..., cotangent of output[1])
+        -> (grad of closure..., grad of carry['a'], ..., grad of x['biases'])
+
+The loop reads every position off the ``Signature``: the carry's new values
+are the first tensor outputs (the carry's leaves are all tensors), ``y``'s
+follow; cotangent ``k`` belongs to the output its descriptor names. The
+carry is traced as requiring grad whenever anything does (from the second
+iteration on, it depends on whatever required grad), so one backward graph
+serves every iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from aotgrad.api import Options, Traced, _capture_and_partition
+from aotgrad.capture import TensorOutput
+from aotgrad.capture.autocast import autocast_state
+from aotgrad.errors import ScanError, format_error, user_frame_of_function
+from aotgrad.optable import is_random
+from aotgrad.partition import Partitioned
+from aotgrad.runtime import compile_partitioned
+from aotgrad.runtime.boxing import BoxedCall, Compiler, compile_boxed
+from aotgrad.runtime.function import Plan
+from aotgrad.signature import flatten_inputs
+from aotgrad.signature.lifting import Body, Lifted, State
+
+
+def carry_and_x(carry: Any, x: Any) -> None:
+    """Names the body's inputs ``carry...`` and ``x...`` (Note [Scan's calling convention])."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScanBody:
+    """The body's graphs, compiled, and where the loop finds each of its values."""
+
+    # The body's graphs and convention, as ``aotgrad.trace`` gives them.
+    traced: Traced
+    # The forward and backward graphs, compiled with the user's compilers.
+    forward: BoxedCall
+    backward: BoxedCall | None
+    # Facts the runtime reads off the graphs (grad mode, zeros for missing cotangents).
+    plan: Plan
+    # How many inputs are closed-over tensors, carry leaves and x leaves, in that order.
+    num_lifted: int
+    num_carry: int
+    num_x: int
+    # Forward-output positions of the carry's new leaves and of y's tensor leaves.
+    carry_in_forward: tuple[int, ...]
+    y_in_forward: tuple[int, ...]
+    # The structure of ``y``; per leaf of it, is it a tensor (else None, returned as is)?
+    y_spec: pytree.TreeSpec
+    y_is_tensor: tuple[bool, ...]
+    # Each y tensor's (shape, dtype, device), for an empty scan.
+    y_examples: tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
+    # Per cotangent of the backward: ("carry", j) or ("y", j), the output it belongs to.
+    cotangent_of: tuple[tuple[str, int], ...]
+    # Does the forward draw random numbers (Note [Random ops in a scan])?
+    random: bool
+
+    @property
+    def saved_in_forward(self) -> slice:
+        return self.traced.signature.saved_in_forward
+
+    def y_of(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """``y`` (or ``ys``) from its tensor leaves: None leaves put back."""
+        found = iter(tensors)
+        leaves = [next(found) if is_tensor else None for is_tensor in self.y_is_tensor]
+        return pytree.tree_unflatten(leaves, self.y_spec)
+
+
+def capture_body(
+    *,
+    fn: Callable[..., Any],
+    state: State,
+    lifted: Lifted,
+    init: Sequence[torch.Tensor],
+    carry_spec: pytree.TreeSpec,
+    x: Sequence[torch.Tensor],
+    x_spec: pytree.TreeSpec,
+    options: Options,
+    with_grad: bool,
+) -> ScanBody:
+    """Trace ``fn`` on one iteration's values; trace again cloning outputs that alias."""
+    partitioned, lifted_tensors = _capture(
+        fn=fn,
+        state=state,
+        lifted=lifted,
+        init=init,
+        carry_spec=carry_spec,
+        x=x,
+        x_spec=x_spec,
+        options=options,
+        with_grad=with_grad,
+        clone=frozenset(),
+    )
+    aliasing = _aliasing_outputs(partitioned)
+    if aliasing:  # Note [Outputs that alias]
+        partitioned, lifted_tensors = _capture(
+            fn=fn,
+            state=state,
+            lifted=lifted,
+            init=init,
+            carry_spec=carry_spec,
+            x=x,
+            x_spec=x_spec,
+            options=options,
+            with_grad=with_grad,
+            clone=aliasing,
+        )
+    _check_no_mutation(fn, partitioned)
+    return _body_of(partitioned, lifted_tensors, len(init), len(x), options)
+
+
+def _capture(
+    *,
+    fn: Callable[..., Any],
+    state: State,
+    lifted: Lifted,
+    init: Sequence[torch.Tensor],
+    carry_spec: pytree.TreeSpec,
+    x: Sequence[torch.Tensor],
+    x_spec: pytree.TreeSpec,
+    options: Options,
+    with_grad: bool,
+    clone: frozenset[int],
+) -> tuple[Partitioned, tuple[torch.Tensor, ...]]:
+    carry = [_example(t, with_grad and _differentiable(t)) for t in init]
+    row = [_example(t, with_grad and t.requires_grad) for t in x]
+    args = (pytree.tree_unflatten(carry, carry_spec), pytree.tree_unflatten(row, x_spec))
+    flat, tensors = flatten_inputs(carry_and_x, args, {}, lifted.descriptors)
+    inner = state.body(fn, lifted, flat)
+    body = _checked(inner, fn=fn, carry_spec=carry_spec, carry=carry, clone=clone)
+    with torch.set_grad_enabled(with_grad):
+        partitioned = _capture_and_partition(
+            fn=fn,
+            body=body,
+            flat=flat,
+            primals=[*lifted.tensors, *tensors],
+            options=options,
+            dynamic_dims=None,
+        )
+    return partitioned, lifted.tensors
+
+
+def _example(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    return t.detach().contiguous().requires_grad_(requires_grad)
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _checked(
+    inner: Body,
+    *,
+    fn: Callable[..., Any],
+    carry_spec: pytree.TreeSpec,
+    carry: Sequence[torch.Tensor],
+    clone: frozenset[int],
+) -> Body:
+    """``inner`` whose result is checked to be ``(carry, y)`` and has ``clone``'s leaves cloned."""
+
+    @contextlib.contextmanager
+    def body(primals: list[torch.Tensor]) -> Iterator[Any]:
+        with inner(primals) as result:
+            yield _checked_result(result, fn, carry_spec, carry, clone)
+
+    return body
+
+
+def _checked_result(
+    result: Any,
+    fn: Callable[..., Any],
+    carry_spec: pytree.TreeSpec,
+    carry: Sequence[torch.Tensor],
+    clone: frozenset[int],
+) -> Any:
+    where = user_frame_of_function(fn)
+    if not isinstance(result, tuple | list) or len(result) != 2:
+        raise ScanError(
+            format_error(
+                f"a scan body must return (carry, y), got {type(result).__name__}",
+                where,
+                "return a pair: the new carry and this iteration's output (None for no output)",
+            )
+        )
+    new_carry, spec = pytree.tree_flatten(result[0])
+    if spec != carry_spec:
+        raise ScanError(
+            format_error(
+                f"the scan body changed the carry's structure: init is {carry_spec}, the body"
+                f" returned {spec}",
+                where,
+                "return a carry with the same structure as init",
+            )
+        )
+    for k, (old, new) in enumerate(zip(carry, new_carry, strict=True)):
+        _check_carry_leaf(k, old, new, fn)
+    leaves, spec = pytree.tree_flatten(tuple(result))
+    for leaf in leaves:
+        if leaf is not None and not isinstance(leaf, torch.Tensor):
+            raise ScanError(
+                format_error(
+                    f"the scan body returned {type(leaf).__name__} {leaf!r}; scan stacks"
+                    " tensors only",
+                    where,
+                    "return tensors (or None) in y, and tensors in the carry",
+                )
+            )
+    leaves = [t.clone() if k in clone and t is not None else t for k, t in enumerate(leaves)]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _check_carry_leaf(k: int, old: Any, new: Any, fn: Callable[..., Any]) -> None:
+    if (
+        isinstance(new, torch.Tensor)
+        and new.shape == old.shape
+        and new.dtype == old.dtype
+        and new.device == old.device
+    ):
+        return
+    got = (
+        f"shape {tuple(new.shape)}, dtype {new.dtype}, device {new.device}"
+        if isinstance(new, torch.Tensor)
+        else type(new).__name__
+    )
+    raise ScanError(
+        format_error(
+            f"the scan body changed carry leaf {k}: init has shape {tuple(old.shape)}, dtype"
+            f" {old.dtype}, device {old.device}; the body returned {got}",
+            user_frame_of_function(fn),
+            "the carry must keep its shapes and dtypes across iterations (cast or reshape it"
+            " back before returning it)",
+        )
+    )
+
+
+# Note [Outputs that alias]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A body that returns its carry unchanged (``return carry, y``) or a view of it
+# returns an output that aliases an input. Under ``aotgrad.trace`` such an output
+# gets no cotangent of its own (autograd routes it through the view), but the
+# loop feeds each iteration's carry cotangent straight into the backward graph.
+# So when the first trace finds aliasing outputs, the body is traced again with
+# those outputs cloned: every output is then fresh and has its own cotangent::
+#
+#     def fn(carry, x): return carry, carry * x      # output[0] aliases carry
+#     traced again as:  return carry.clone(), carry * x
+def _aliasing_outputs(partitioned: Partitioned) -> frozenset[int]:
+    """Positions, among the result's leaves, of outputs that alias an input or another output."""
+    joint = partitioned.joint
+    return frozenset(
+        k
+        for k, leaf in enumerate(joint.leaves)
+        if isinstance(leaf, TensorOutput) and (leaf.alias is not None or joint.bases)
+    )
+
+
+def _check_no_mutation(fn: Callable[..., Any], partitioned: Partitioned) -> None:
+    joint = partitioned.joint
+    if joint.mutations or joint.member_mutations or joint.input_bases:
+        names = (
+            ", ".join(str(joint.graph_inputs[m.index]) for m in joint.mutations)
+            or "inputs that share memory"
+        )
+        raise ScanError(
+            format_error(
+                f"the scan body mutates {names} in place; a scan cannot replay that mutation"
+                " once per iteration",
+                user_frame_of_function(fn),
+                "compute new values out of place and return them in the carry",
+            )
+        )
+
+
+def _body_of(
+    partitioned: Partitioned,
+    lifted: tuple[torch.Tensor, ...],
+    num_carry: int,
+    num_x: int,
+    options: Options,
+) -> ScanBody:
+    signature = partitioned.signature
+    outputs = signature.outputs_in_forward
+    tensor_outputs = range(outputs.start, outputs.stop)
+    forward_outputs = next(iter(reversed(partitioned.forward.graph.nodes))).args[0]
+    y_positions = tuple(tensor_outputs[num_carry:])
+    compiled = compile_partitioned(partitioned)
+    traced = Traced(
+        partitioned=partitioned, _compiled=compiled, _lifted=lifted, _autocast=autocast_state()
+    )
+    return ScanBody(
+        traced=traced,
+        forward=_compiled_forward(partitioned, options.fw_compiler),
+        backward=_compiled_backward(partitioned, options.bw_compiler or options.fw_compiler),
+        plan=compiled.plan,
+        num_lifted=len(lifted),
+        num_carry=num_carry,
+        num_x=num_x,
+        carry_in_forward=tuple(tensor_outputs[:num_carry]),
+        y_in_forward=y_positions,
+        y_spec=partitioned.joint.out_spec.children()[1],
+        y_is_tensor=tuple(
+            isinstance(leaf, TensorOutput) for leaf in partitioned.joint.leaves[num_carry:]
+        ),
+        y_examples=tuple(_meta(forward_outputs[p].meta["val"]) for p in y_positions),
+        cotangent_of=tuple(
+            _owner(signature.outputs.index(c.of), num_carry) for c in signature.cotangents
+        ),
+        random=any(is_random(n.target) for n in partitioned.forward.graph.nodes),
+    )
+
+
+def _meta(val: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
+    return val.shape, val.dtype, val.device
+
+
+def _owner(output: int, num_carry: int) -> tuple[str, int]:
+    return ("carry", output) if output < num_carry else ("y", output - num_carry)
+
+
+def _compiled_forward(partitioned: Partitioned, compiler: Compiler | None) -> BoxedCall:
+    return compile_boxed(compiler, partitioned.forward, _examples(partitioned.forward))
+
+
+def _compiled_backward(partitioned: Partitioned, compiler: Compiler | None) -> BoxedCall | None:
+    if partitioned.backward is None:
+        return None
+    return compile_boxed(compiler, partitioned.backward, _examples(partitioned.backward))
+
+
+def _examples(gm: torch.fx.GraphModule) -> list[Any]:
+    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]

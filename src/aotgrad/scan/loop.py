@@ -1,0 +1,513 @@
+"""``scan``: run a body captured once over the rows of ``xs``, with autograd through the loop.
+
+Note [Random ops in a scan]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The compiled forward draws from the global generator exactly as the body's
+eager code does (Note [Random fills keep their layout]), and the loop runs it
+once per iteration, in order: iteration ``i`` draws what the ``i``-th body
+call of the unrolled eager loop draws, from the same generator state. The
+backward graph never draws (random ops are saved, never recomputed). With
+``checkpoint=True`` the backward runs each body's forward again; so that it
+sees its forward's draws, the loop keeps the CPU generator's state from
+before each iteration and restores it around the recompute, as
+``torch.utils.checkpoint`` does, then puts the generator back::
+
+    forward:   state_0 -> body(c_0, x_0) draws m_0 -> state_1 -> body(c_1, x_1) draws m_1
+    backward:  set state_1, recompute body(c_1, x_1): draws m_1 again; backward 1
+               set state_0, recompute body(c_0, x_0): draws m_0 again; backward 0
+               restore the state the backward started with
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from aotgrad.api import Options, PartitionArg, Traced
+from aotgrad.cache import ambient_key
+from aotgrad.capture import capturing
+from aotgrad.capture.autocast import any_autocast, autocast_off
+from aotgrad.errors import ScanError
+from aotgrad.runtime.boxing import Compiler
+from aotgrad.scan.body import ScanBody, capture_body
+from aotgrad.signature.lifting import NOTHING, Lifted, State, as_module
+
+
+class ScanFunction:
+    """``fn(carry, x) -> (carry, y)`` made a scan: call it as ``(init, xs) -> (carry, ys)``.
+
+    The body is captured once per structure, shapes and dtypes of ``init`` and of
+    one row of ``xs`` (whatever the length), and kept; ``traced`` is the last
+    capture's :class:`aotgrad.Traced` (Note [Scan's calling convention]) and
+    ``captures`` counts them.
+
+    >>> import torch, aotgrad
+    >>> def step(h, x):
+    ...     h = torch.tanh(h + x)
+    ...     return h, h * 2
+    >>> run = aotgrad.scan_function(step)
+    >>> h, ys = run(torch.zeros(3), torch.ones(5, 3))
+    >>> ys.shape, run.captures
+    (torch.Size([5, 3]), 1)
+    >>> _ = run(torch.zeros(3), torch.ones(7, 3))  # another length: no new capture
+    >>> run.captures
+    1
+    >>> [str(d) for d in run.traced.signature.forward_inputs]
+    ['carry', 'x']
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        partition: PartitionArg = "save_all",
+        checkpoint: bool = False,
+        fw_compiler: Compiler | None = None,
+        bw_compiler: Compiler | None = None,
+        read_environment: bool = True,
+    ) -> None:
+        self._fn = as_module(fn)
+        self._state = State(self._fn, read_environment)
+        self._options = Options(
+            partition=partition, fw_compiler=fw_compiler, bw_compiler=bw_compiler
+        )
+        self.checkpoint = checkpoint
+        self._bodies: dict[Any, ScanBody] = {}
+        self._last: ScanBody | None = None
+        # How many times the body was captured.
+        self.captures = 0
+
+    @property
+    def traced(self) -> Traced:
+        """The body's graphs and convention, from the last capture."""
+        if self._last is None:
+            raise ScanError("the body is captured at the first call: call the scan first")
+        return self._last.traced
+
+    @torch.compiler.disable
+    def __call__(self, init: Any, xs: Any) -> tuple[Any, Any]:
+        if capturing():  # inside an aotgrad capture: the loop is traced, unrolled
+            return unrolled(self._fn, init, xs)
+        init_leaves, carry_spec = pytree.tree_flatten(init)
+        xs_leaves, xs_spec = pytree.tree_flatten(xs)
+        _check_init(init_leaves)
+        length = _length(xs_leaves)
+        lifted = self._state.read()
+        with_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (*lifted.tensors, *init_leaves, *xs_leaves)
+        )
+        call = _Call(init=init_leaves, carry_spec=carry_spec, xs=xs_leaves, xs_spec=xs_spec)
+        body = self._body(call, lifted, with_grad)
+        if length == 0:  # as jax.lax.scan: init back, and empty ys
+            return init, _empty_ys(body)
+        tensors = (*lifted.tensors, *init_leaves, *xs_leaves)
+        if with_grad and body.backward is not None:
+            results = ScanLoop.apply(body, self.checkpoint, length, *tensors)
+        else:
+            with torch.no_grad():
+                results = _run_forward_only(body, tensors, length)
+        carry = pytree.tree_unflatten(list(results[: body.num_carry]), carry_spec)
+        ys = body.y_of(results[body.num_carry :])
+        return carry, ys
+
+    def _body(self, call: _Call, lifted: Lifted, with_grad: bool) -> ScanBody:
+        key = (
+            call.carry_spec,
+            call.xs_spec,
+            tuple(_tensor_key(t) for t in call.init),
+            tuple(_row_key(t) for t in call.xs),
+            lifted.key,
+            with_grad,
+            ambient_key(),
+        )
+        body = self._bodies.get(key)
+        if body is None:
+            body = capture_body(
+                fn=self._fn,
+                state=self._state,
+                lifted=lifted,
+                init=call.init,
+                carry_spec=call.carry_spec,
+                x=[_row(t) for t in call.xs],
+                x_spec=call.xs_spec,
+                options=self._options,
+                with_grad=with_grad,
+            )
+            self.captures += 1
+            settled = self._state.settle(lifted) if lifted is not NOTHING else lifted
+            self._bodies[(*key[:4], settled.key, *key[5:])] = body
+        self._last = body
+        return body
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Call:
+    """One call's flat arguments."""
+
+    init: list[torch.Tensor]
+    carry_spec: pytree.TreeSpec
+    xs: list[torch.Tensor]
+    xs_spec: pytree.TreeSpec
+
+
+def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.shape, t.dtype, t.device, t.requires_grad, t.layout)
+
+
+def _row_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """An ``xs`` leaf's key: its row's metadata, not its length."""
+    return (t.shape[1:], t.dtype, t.device, t.requires_grad, t.layout)
+
+
+def _row(t: torch.Tensor) -> torch.Tensor:
+    """One row of an ``xs`` leaf, for the capture (data never read; an empty leaf works)."""
+    return torch.empty(t.shape[1:], dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
+
+
+def _check_init(leaves: Sequence[Any]) -> None:
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise ScanError(
+                f"scan's init holds {type(leaf).__name__} {leaf!r}; every leaf of the carry must"
+                " be a tensor\nwrap numbers in tensors (torch.tensor(n)), or close over constants"
+            )
+
+
+def _length(leaves: Sequence[Any]) -> int:
+    """The common leading size of the ``xs`` leaves."""
+    if not leaves:
+        raise ScanError(
+            "scan's xs has no tensor leaves, so its length is unknown\npass xs with at least one"
+            " tensor (torch.arange(n) for a plain loop of n iterations)"
+        )
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise ScanError(
+                f"scan's xs holds {type(leaf).__name__} {leaf!r}; every leaf of xs must be a"
+                " tensor with the scan's length as its first dimension\nclose over constants"
+                " instead of passing them in xs"
+            )
+        if leaf.dim() == 0:
+            raise ScanError("scan's xs holds a 0-d tensor; every leaf needs a leading dimension")
+    sizes = [leaf.shape[0] for leaf in leaves]
+    if len(set(sizes)) > 1:
+        raise ScanError(
+            f"scan's xs leaves have different leading sizes {sizes}; scan takes row i of every"
+            " leaf at iteration i\ngive every xs leaf the same first dimension"
+        )
+    return int(sizes[0])
+
+
+def _empty_ys(body: ScanBody) -> Any:
+    return body.y_of([torch.empty((0, *s), dtype=d, device=v) for s, d, v in body.y_examples])
+
+
+def unrolled(fn: Callable[..., Any], init: Any, xs: Any) -> tuple[Any, Any]:
+    """The scan as a Python loop: what the compiled loop computes, and its reference.
+
+    >>> import torch
+    >>> carry, ys = unrolled(lambda c, x: (c + x, c * x), torch.zeros(2), torch.ones(3, 2))
+    >>> carry, ys.shape
+    (tensor([3., 3.]), torch.Size([3, 2]))
+    """
+    leaves, spec = pytree.tree_flatten(xs)
+    carry, ys = init, []
+    for i in range(_length(leaves)):
+        carry, y = fn(carry, pytree.tree_unflatten([t[i] for t in leaves], spec))
+        ys.append(y)
+    if not ys:
+        raise ScanError("unrolled() needs at least one iteration to know y's structure")
+    y_leaves, y_spec = zip(*(pytree.tree_flatten(y) for y in ys), strict=True)
+    stacked = [
+        None if column[0] is None else torch.stack(column) for column in zip(*y_leaves, strict=True)
+    ]
+    return carry, pytree.tree_unflatten(stacked, y_spec[0])
+
+
+@contextmanager
+def _graph_mode(body: ScanBody) -> Iterator[None]:
+    """Grad mode and autocast as the graphs need them (Note [Autocast])."""
+    if body.plan.forward_needs_grad_mode:
+        with torch.enable_grad(), autocast_off():
+            yield
+    elif any_autocast():
+        with autocast_off():
+            yield
+    else:
+        yield
+
+
+def _step(body: ScanBody, inputs: list[torch.Tensor]) -> Sequence[Any]:
+    if body.plan.forward_needs_grad_mode:
+        inputs = [t.detach() for t in inputs]
+    with _graph_mode(body):
+        return body.forward(inputs)
+
+
+def _run_forward_only(
+    body: ScanBody, tensors: Sequence[torch.Tensor], length: int
+) -> list[torch.Tensor]:
+    lifted, carry, xs = _split(body, tensors)
+    ys: list[list[torch.Tensor]] = []
+    for i in range(length):
+        results = _step(body, [*lifted, *carry, *(t[i] for t in xs)])
+        carry = [results[p] for p in body.carry_in_forward]
+        ys.append([results[p] for p in body.y_in_forward])
+    return [*carry, *_stacked(ys, body.y_in_forward)]
+
+
+def _split(
+    body: ScanBody, tensors: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The Function's inputs as (closed-over, init, xs)."""
+    carry_start = body.num_lifted
+    x_start = carry_start + body.num_carry
+    return list(tensors[:carry_start]), list(tensors[carry_start:x_start]), list(tensors[x_start:])
+
+
+def _stacked(ys: list[list[torch.Tensor]], positions: Sequence[int]) -> list[torch.Tensor]:
+    return [torch.stack([y[j] for y in ys]) for j in range(len(positions))]
+
+
+class ScanLoop(torch.autograd.Function):
+    """The loop under autograd: N forwards, then N backwards in reverse (Note [Saved per iteration]).
+
+    Inputs: the body, checkpoint, the length, then (closed-over, init, xs) tensors;
+    outputs: the final carry's leaves, then the stacked ys.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, body: ScanBody, checkpoint: bool, length: int, *tensors: Any) -> Any:
+        lifted, carry, xs = _split(body, tensors)
+        kept: list[torch.Tensor] = []  # per iteration: its saved values, or its carry
+        rng_states: list[torch.Tensor] = []
+        ys: list[list[torch.Tensor]] = []
+        for i in range(length):
+            if checkpoint:
+                kept.extend(carry)
+                if body.random:
+                    rng_states.append(torch.get_rng_state())
+            results = _step(body, [*lifted, *carry, *(t[i] for t in xs)])
+            if not checkpoint:
+                kept.extend(results[body.saved_in_forward])
+            carry = [results[p] for p in body.carry_in_forward]
+            ys.append([results[p] for p in body.y_in_forward])
+        outputs = (*carry, *_stacked(ys, body.y_in_forward))
+        ctx.save_for_backward(*lifted, *xs, *kept)
+        ctx.body, ctx.checkpoint, ctx.length, ctx.rng_states = body, checkpoint, length, rng_states
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*[t for t in outputs if not _differentiable(t)])
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor | None) -> tuple[Any, ...]:
+        body: ScanBody = ctx.body
+        if body.backward is None:
+            raise AssertionError("expected a backward graph: the body was traced with grad")
+        saved = ctx.saved_tensors
+        lifted = list(saved[: body.num_lifted])
+        xs = list(saved[body.num_lifted : body.num_lifted + body.num_x])
+        kept = saved[body.num_lifted + body.num_x :]
+        grads = _Grads(body, ctx.length)
+        carry_cotangent = list(cotangents[: body.num_carry])
+        ys_cotangent = cotangents[body.num_carry :]
+        with _rng_restored(ctx.checkpoint and body.random):
+            for i in reversed(range(ctx.length)):
+                x = [t[i] for t in xs]
+                values = _saved_of(ctx, body, i, kept, lifted, x)
+                given = [
+                    carry_cotangent[j] if kind == "carry" else _row_of(ys_cotangent[j], i)
+                    for kind, j in body.cotangent_of
+                ]
+                incoming = [
+                    g.contiguous() if g is not None else like.make(ctx, k)
+                    for k, (g, like) in enumerate(zip(given, body.plan.zeros, strict=True))
+                ]
+                carry_cotangent = grads.add(i, body.backward([*values, *incoming]))
+        return (None, None, None, *grads.lifted, *carry_cotangent, *grads.stacked_xs())
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _row_of(t: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    return None if t is None else t[i]
+
+
+def _saved_of(
+    ctx: Any,
+    body: ScanBody,
+    i: int,
+    kept: Sequence[torch.Tensor],
+    lifted: list[torch.Tensor],
+    x: list[torch.Tensor],
+) -> list[Any]:
+    """Iteration ``i``'s saved values: kept by the forward, or recomputed from its carry."""
+    if not ctx.checkpoint:
+        width = body.saved_in_forward.stop - body.saved_in_forward.start
+        return list(kept[i * width : (i + 1) * width])
+    carry = list(kept[i * body.num_carry : (i + 1) * body.num_carry])
+    if body.random:  # Note [Random ops in a scan]
+        torch.set_rng_state(ctx.rng_states[i])
+    with torch.no_grad():
+        results = _step(body, [*lifted, *carry, *x])
+    return list(results[body.saved_in_forward])
+
+
+@contextmanager
+def _rng_restored(active: bool) -> Iterator[None]:
+    if not active:
+        yield
+        return
+    state = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
+
+
+class _Grads:
+    """The backward's sums over iterations: closed-over tensors summed, x rows stacked."""
+
+    def __init__(self, body: ScanBody, length: int) -> None:
+        self.body = body
+        self.lifted: list[torch.Tensor | None] = [None] * body.num_lifted
+        self.xs: list[list[torch.Tensor | None]] = [[None] * length for _ in range(body.num_x)]
+
+    def add(self, i: int, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Take iteration ``i``'s grads; return the cotangent of the carry before it."""
+        body = self.body
+        carry_start = body.num_lifted
+        x_start = carry_start + body.num_carry
+        for k, g in enumerate(grads[:carry_start]):
+            if g is not None:
+                total = self.lifted[k]
+                self.lifted[k] = g if total is None else total + g
+        for k, g in enumerate(grads[x_start:]):
+            self.xs[k][i] = g
+        return list(grads[carry_start:x_start])
+
+    def stacked_xs(self) -> list[torch.Tensor | None]:
+        return [_stack_rows(rows) for rows in self.xs]
+
+
+def _stack_rows(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
+    present = next((r for r in rows if r is not None), None)
+    if present is None:
+        return None
+    return torch.stack([torch.zeros_like(present) if r is None else r for r in rows])
+
+
+# Note [Saved per iteration]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The forward keeps, per iteration, the body's saved values (``saved_in_forward``
+# of its outputs), one after another in one list given to ``save_for_backward``;
+# iteration ``i``'s are ``kept[i * width : (i + 1) * width]``. With
+# ``checkpoint=True`` it keeps each iteration's incoming carry instead, and the
+# backward runs that iteration's forward again to get them. For a body saving
+# ``(x, tanh)`` over three iterations::
+#
+#     save_all:    kept = [x_0, tanh_0, x_1, tanh_1, x_2, tanh_2]
+#     checkpoint:  kept = [c_0, c_1, c_2]     # recompute body(c_i, x_i) in backward i
+#
+# The backward walks ``i = N-1 .. 0``: the carry's cotangent enters iteration
+# ``i`` and the grads of its carry inputs become iteration ``i-1``'s; closed-over
+# tensors' grads are summed, x's are stacked row by row.
+
+_FUNCTIONS: weakref.WeakKeyDictionary[Any, dict[Any, ScanFunction]] = weakref.WeakKeyDictionary()
+
+
+def scan_function(
+    fn: Callable[..., Any],
+    *,
+    partition: PartitionArg = "save_all",
+    checkpoint: bool = False,
+    fw_compiler: Compiler | None = None,
+    bw_compiler: Compiler | None = None,
+) -> ScanFunction:
+    """A reusable scan of ``fn(carry, x) -> (carry, y)``; see :class:`ScanFunction`.
+
+    >>> import torch, aotgrad
+    >>> run = aotgrad.scan_function(lambda c, x: (c * x, None), checkpoint=True)
+    >>> c, ys = run(torch.ones(2, requires_grad=True), torch.full((3, 2), 2.0))
+    >>> c, ys
+    (tensor([8., 8.], grad_fn=<ScanLoopBackward>), None)
+    """
+    return ScanFunction(
+        fn,
+        partition=partition,
+        checkpoint=checkpoint,
+        fw_compiler=fw_compiler,
+        bw_compiler=bw_compiler,
+    )
+
+
+@torch.compiler.disable
+def scan(
+    fn: Callable[..., Any],
+    init: Any,
+    xs: Any,
+    *,
+    partition: PartitionArg = "save_all",
+    checkpoint: bool = False,
+    fw_compiler: Compiler | None = None,
+    bw_compiler: Compiler | None = None,
+) -> tuple[Any, Any]:
+    """``jax.lax.scan`` for PyTorch: ``(carry, ys)`` of ``fn(carry, x) -> (carry, y)`` over ``xs``.
+
+    ``init``, ``xs``, ``carry`` and ``y`` are pytrees of tensors (``y`` may be None);
+    ``ys`` stacks each ``y`` leaf on a new dim 0. Gradients reach ``init``, ``xs`` and
+    every tensor ``fn`` closes over or reads from a module, summed over iterations,
+    as through the unrolled loop. The body is captured once per function, options,
+    structure, shapes and dtypes, whatever the length (kept per ``fn`` object:
+    a new lambda each call captures again; :func:`scan_function` keeps it explicitly).
+    ``checkpoint=True`` saves only each iteration's carry and recomputes the body in
+    the backward; ``partition`` ("save_all", "mincut", ``aotgrad.budget(x)``) applies
+    to the body.
+
+    >>> import torch, aotgrad
+    >>> w = torch.ones(3, 3, requires_grad=True)
+    >>> def rnn(h, x):
+    ...     h = torch.tanh(h @ w + x)
+    ...     return h, h.sum()
+    >>> h, ys = aotgrad.scan(rnn, torch.zeros(3), torch.randn(4, 3))
+    >>> ys.shape
+    torch.Size([4])
+    >>> ys.sum().backward(); w.grad.shape
+    torch.Size([3, 3])
+    """
+    options = (partition, checkpoint, fw_compiler, bw_compiler)
+    run = _function_for(fn, options)
+    return run(init, xs)
+
+
+def _function_for(fn: Callable[..., Any], options: tuple[Any, ...]) -> ScanFunction:
+    partition, checkpoint, fw_compiler, bw_compiler = options
+
+    def make() -> ScanFunction:
+        return ScanFunction(
+            fn,
+            partition=partition,
+            checkpoint=checkpoint,
+            fw_compiler=fw_compiler,
+            bw_compiler=bw_compiler,
+        )
+
+    try:
+        by_options = _FUNCTIONS.setdefault(fn, {})
+    except TypeError:  # not weakly referenceable: nothing to keep it under
+        return make()
+    try:
+        run = by_options.get(options)
+    except TypeError:  # unhashable options: no reuse
+        return make()
+    if run is None:
+        run = by_options[options] = make()
+    return run
