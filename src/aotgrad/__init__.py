@@ -34,7 +34,7 @@ from aotgrad.errors import (
 from aotgrad.partition import budget
 from aotgrad.profiling import ProfileReport, profile
 from aotgrad.runtime import make_boxed_func, nop
-from aotgrad.scan import ScanFunction, scan, scan_function
+from aotgrad.scan import ScanFunction, scan, scan_function, scan_layers
 
 __all__ = [
     "AOTModule",
@@ -68,5 +68,6 @@ __all__ = [
     "profile",
     "scan",
     "scan_function",
+    "scan_layers",
     "trace",
 ]
