@@ -105,6 +105,21 @@ def test_the_seed_notebook_body():
     run(carry, xs)
     names = [str(d) for d in run.traced.signature.forward_inputs]
     assert names == ["carry['a']", "carry['b']", "x['weights']", "x['biases']"]
+    signature = run.traced.signature  # as docs/scan.md shows it
+    assert [str(d) for d in signature.forward_outputs[signature.results_in_forward]] == [
+        "output[0]['a']",
+        "output[0]['b']",
+        "output[1]",
+    ]
+    assert [d.name for d in signature.saved] == [
+        "carry_a",
+        "carry_b",
+        "x_weights",
+        "add",
+        "add_1",
+        "sigmoid",
+    ]
+    assert [str(d) for d in signature.backward_outputs] == [f"grad of {n}" for n in names]
 
 
 def nested_step(carry, x):

@@ -196,7 +196,7 @@ def trace(
     arguments = module_arguments(call_target(fn), args, kwargs, leaves, structure, {})
     lifted = lifting.read(arguments)
     flat, tensors = flatten_inputs(call_target(fn), args, kwargs, lifted.descriptors)
-    partitioned = _capture_and_partition(
+    partitioned = capture_and_partition(
         fn=fn,
         body=lifting.body(fn, lifted, flat),
         flat=flat,
@@ -394,7 +394,7 @@ class AOTFunction:
             flat = flat.renamed(self._input_names)
         positions = flat.tensor_positions
         tensor_dims = None if dims is None else tuple(dims[i] for i in positions)
-        self.partitioned = _capture_and_partition(
+        self.partitioned = capture_and_partition(
             fn=fn,
             body=self._state.body(fn, call.lifted, flat),
             flat=flat,
@@ -553,7 +553,7 @@ def _collector_paused() -> Iterator[None]:
 
 
 @_collector_paused()
-def _capture_and_partition(
+def capture_and_partition(
     *,
     fn: Callable[..., Any],
     body: Body,

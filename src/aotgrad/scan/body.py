@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from aotgrad.api import Options, Traced, _capture_and_partition
+from aotgrad.api import Options, Traced, capture_and_partition
 from aotgrad.capture import TensorOutput
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.errors import ScanError, format_error, user_frame_of_function
@@ -154,7 +154,7 @@ def _capture(
     inner = state.body(fn, lifted, flat)
     body = _checked(inner, fn=fn, carry_spec=carry_spec, carry=carry, clone=clone)
     with torch.set_grad_enabled(with_grad):
-        partitioned = _capture_and_partition(
+        partitioned = capture_and_partition(
             fn=fn,
             body=body,
             flat=flat,
