@@ -385,3 +385,31 @@ def test_fuzz_lengths_and_shapes(length, width, checkpoint):
     init = {"h": torch.randn(2, width, requires_grad=True)}
     xs = (torch.randn(length, 2, width, requires_grad=True), torch.randn(length, 1, width))
     check_against_unrolled(step, init, xs, [w], checkpoint=checkpoint)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_over_rows_gives_each_row_its_own_grads(checkpoint):
+    """Rows are inputs of their own: the same result and grads as the stacked rows."""
+    rows = [{"w": torch.randn(3, 3, requires_grad=True), "b": torch.randn(3)} for _ in range(4)]
+    rows[2]["w"].requires_grad_(False)  # a frozen row gets no grad
+
+    def step(h, p):
+        h = torch.tanh(h @ p["w"] + p["b"])
+        return h, h.sum()
+
+    h0 = torch.randn(2, 3, requires_grad=True)
+    run = aotgrad.scan_function(step, checkpoint=checkpoint)
+    h, ys = run.over_rows(h0, rows)
+    want_h, want_ys = unrolled(step, h0, {k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+    torch.testing.assert_close(h, want_h)
+    torch.testing.assert_close(ys, want_ys)
+    tensors = [h0, *(r["w"] for r in rows)]
+    (want_h.sum() + want_ys.sum()).backward()
+    want = _grads(tensors)
+    (h.sum() + ys.sum()).backward()
+    got = _grads(tensors)
+    assert got[3] is None and want[3] is None
+    for g, w in zip(got, want, strict=True):
+        if w is not None:
+            torch.testing.assert_close(g, w)
+    assert run.captures == 1

@@ -85,7 +85,7 @@ def test_a_training_step_of_a_gpt():
     torch.testing.assert_close(scanned(idx, targets), plain(idx, targets))
 
 
-def test_buffers_are_stacked():
+def test_buffers_are_rows_too():
     class Scaled(nn.Module):
         def __init__(self, scale):
             super().__init__()

@@ -1,18 +1,21 @@
-"""``scan_layers``: a stack of identical layers run as one scan over their stacked parameters.
+"""``scan_layers``: a stack of identical layers run as one scan over their parameters, as rows.
 
-Note [Stacked layer parameters]
+Note [Layer parameters as rows]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Each parameter of the layers is stacked across them (``torch.stack``, an
-autograd op), and the stack is the scan's ``xs``; the body runs layer 0's code
-on row ``i`` with ``torch.func.functional_call``. The gradient of the stack
-comes back per row, and ``stack``'s backward hands row ``i`` to layer ``i``'s
-own parameter, so every ``.grad`` lands where the unrolled loop puts it::
+The layers' parameters and buffers are the scan's ``xs``, given as rows
+(``ScanFunction.over_rows``): iteration ``i``'s ``x`` is layer ``i``'s own
+tensors, by name, and the body runs layer 0's code on them with
+``torch.func.functional_call``. Each layer's tensors are inputs of the loop's
+``autograd.Function`` in their own right, so the backward of iteration ``i``
+returns its grads to layer ``i``'s parameters directly, where the unrolled
+loop puts them, with no ``torch.stack`` (a copy of every parameter per step,
+then a ``cat`` of their grads and an ``unbind``) in between::
 
-    layers = [L0, L1, L2]                xs = {"fc.weight": stack([L0.fc.weight, L1..., L2...])}
-    h = L2(L1(L0(x)))                    h, _ = scan(lambda h, p: (call(L0, p, h), None), x, xs)
-    L1.fc.weight.grad                    = grad of xs["fc.weight"][1]
+    layers = [L0, L1, L2]              rows = [{"fc.weight": L0.fc.weight, ...}, {L1's}, {L2's}]
+    h = L2(L1(L0(x)))                  h = scan over rows of lambda h, p: (call(L0, p, h), None)
+    L1.fc.weight.grad                  = the grad of x['fc.weight'] at iteration 1
 
-Buffers are stacked too (they get no gradient); a layer that updates a buffer
+Buffers are rows too (they get no gradient); a layer that updates a buffer
 in place (BatchNorm's running statistics in training) is refused, as any scan
 body that mutates its inputs. Layer 0's other attributes (``training``, ``eps``)
 are the body's: the layers must agree on them (the structure check compares
@@ -43,12 +46,12 @@ def scan_layers(
     fw_compiler: Compiler | None = None,
     bw_compiler: Compiler | None = None,
 ) -> Any:
-    """``x`` through every layer in turn, as one scan over the layers' stacked parameters.
+    """``x`` through every layer in turn, as one scan over the layers' parameters.
 
     The layers (an ``nn.ModuleList``) must have layer 0's structure: module types,
     parameter and buffer names, shapes and dtypes; each is called as ``layer(x)`` and
     returns the next ``x`` (same shape and dtype). Gradients land in each layer's
-    own ``.grad`` (Note [Stacked layer parameters]). The body is captured once, for
+    own ``.grad`` (Note [Layer parameters as rows]). The body is captured once, for
     any number of layers.
 
     >>> import torch, aotgrad
@@ -65,23 +68,15 @@ def scan_layers(
         raise ScanError("scan_layers got no layers\npass at least one layer")
     first = layers[0]
     _check_alike(layers)
-    xs = {name: torch.stack([_tensor(layer, name) for layer in layers]) for name in _names(first)}
+    rows = [_tensors(layer) for layer in layers]
     options = (partition, checkpoint, fw_compiler, bw_compiler)
-    run = _runner(first, options)
-    carry, _ = run(x, xs)
+    carry, _ = _runner(first, options).over_rows(x, rows)
     return carry
 
 
-def _names(module: nn.Module) -> list[str]:
-    return [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
-
-
-def _tensor(module: nn.Module, name: str) -> torch.Tensor:
-    return module.get_parameter(name) if _is_parameter(module, name) else module.get_buffer(name)
-
-
-def _is_parameter(module: nn.Module, name: str) -> bool:
-    return name in dict(module.named_parameters())
+def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's parameters, then its buffers, by name: one row of the scan."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
 
 def _structure(module: nn.Module) -> list[tuple[str, Any]]:

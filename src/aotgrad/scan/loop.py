@@ -94,34 +94,89 @@ class ScanFunction:
     def __call__(self, init: Any, xs: Any) -> tuple[Any, Any]:
         if capturing():  # inside an aotgrad capture: the loop is traced, unrolled
             return unrolled(self._fn, init, xs)
-        init_leaves, carry_spec = pytree.tree_flatten(init)
         xs_leaves, xs_spec = pytree.tree_flatten(xs)
-        _check_init(init_leaves)
         length = _length(xs_leaves)
+        call = _Call(
+            xs_spec=xs_spec,
+            x_keys=tuple(_row_key(t) for t in xs_leaves),
+            x_example=lambda: [_row(t) for t in xs_leaves],
+            stacked=True,
+        )
+        return self._run(init, xs_leaves, length, call)
+
+    def over_rows(self, init: Any, rows: Sequence[Any]) -> tuple[Any, Any]:
+        """The scan over ``xs`` given as its rows, one pytree per iteration, never stacked.
+
+        Each row's leaves are inputs of their own and get gradients of their own: no
+        ``torch.stack`` in the forward, no ``cat`` or ``unbind`` in the backward
+        (``scan_layers`` passes each layer's parameters so). Rows must agree in
+        structure, shapes and dtypes.
+
+        >>> import torch, aotgrad
+        >>> run = aotgrad.scan_function(lambda c, w: (c * w, None))
+        >>> ws = [torch.full((2,), 2.0, requires_grad=True), torch.full((2,), 3.0)]
+        >>> c, _ = run.over_rows(torch.ones(2), ws)
+        >>> c.sum().backward(); c, ws[0].grad
+        (tensor([6., 6.], grad_fn=<ScanLoopBackward>), tensor([3., 3.]))
+        """
+        if capturing():
+            return _unrolled_rows(self._fn, init, rows)
+        flat = [pytree.tree_flatten(row) for row in rows]
+        if not flat:
+            raise ScanError("over_rows got no rows\npass at least one row")
+        first, xs_spec = flat[0]
+        grads = [
+            any(t.requires_grad for t in column)
+            for column in zip(*(f[0] for f in flat), strict=True)
+        ]
+        call = _Call(
+            xs_spec=xs_spec,
+            x_keys=tuple(
+                (t.shape, t.dtype, t.device, g, t.layout) for t, g in zip(first, grads, strict=True)
+            ),
+            x_example=lambda: [
+                t.detach().requires_grad_(g) for t, g in zip(first, grads, strict=True)
+            ],
+            stacked=False,
+        )
+        leaves = [t for row, _ in flat for t in row]
+        return self._run(init, leaves, len(rows), call)
+
+    def _run(
+        self, init: Any, xs_leaves: list[torch.Tensor], length: int, call: _Call
+    ) -> tuple[Any, Any]:
+        init_leaves, carry_spec = pytree.tree_flatten(init)
+        _check_init(init_leaves)
         lifted = self._state.read()
         with_grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in (*lifted.tensors, *init_leaves, *xs_leaves)
         )
-        call = _Call(init=init_leaves, carry_spec=carry_spec, xs=xs_leaves, xs_spec=xs_spec)
-        body = self._body(call, lifted, with_grad)
+        body = self._body(call, init_leaves, carry_spec, lifted, with_grad)
         if length == 0:  # as jax.lax.scan: init back, and empty ys
             return init, _empty_ys(body)
         tensors = (*lifted.tensors, *init_leaves, *xs_leaves)
         if with_grad and body.backward is not None:
-            results = ScanLoop.apply(body, self.checkpoint, length, *tensors)
+            results = ScanLoop.apply(body, self.checkpoint, length, call.stacked, *tensors)
         else:
             with torch.no_grad():
-                results = _run_forward_only(body, tensors, length)
+                results = _run_forward_only(body, tensors, length, call.stacked)
         carry = pytree.tree_unflatten(list(results[: body.num_carry]), carry_spec)
         ys = body.y_of(results[body.num_carry :])
         return carry, ys
 
-    def _body(self, call: _Call, lifted: Lifted, with_grad: bool) -> ScanBody:
+    def _body(
+        self,
+        call: _Call,
+        init: list[torch.Tensor],
+        carry_spec: pytree.TreeSpec,
+        lifted: Lifted,
+        with_grad: bool,
+    ) -> ScanBody:
         key = (
-            call.carry_spec,
+            carry_spec,
             call.xs_spec,
-            tuple(_tensor_key(t) for t in call.init),
-            tuple(_row_key(t) for t in call.xs),
+            tuple(_tensor_key(t) for t in init),
+            call.x_keys,
             lifted.key,
             with_grad,
             ambient_key(),
@@ -132,9 +187,9 @@ class ScanFunction:
                 fn=self._fn,
                 state=self._state,
                 lifted=lifted,
-                init=call.init,
-                carry_spec=call.carry_spec,
-                x=[_row(t) for t in call.xs],
+                init=init,
+                carry_spec=carry_spec,
+                x=call.x_example(),
                 x_spec=call.xs_spec,
                 options=self._options,
                 with_grad=with_grad,
@@ -148,12 +203,15 @@ class ScanFunction:
 
 @dataclass(frozen=True, kw_only=True)
 class _Call:
-    """One call's flat arguments."""
+    """How one call gives ``xs``: stacked leaves, or rows (``ScanFunction.over_rows``)."""
 
-    init: list[torch.Tensor]
-    carry_spec: pytree.TreeSpec
-    xs: list[torch.Tensor]
     xs_spec: pytree.TreeSpec
+    # Per x leaf: its row's metadata, the key of the capture.
+    x_keys: tuple[Any, ...]
+    # Makes one row's leaves, for a capture.
+    x_example: Callable[[], list[torch.Tensor]]
+    # Leaves stacked on dim 0 (row i is ``t[i]``), or rows one after another.
+    stacked: bool
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -230,6 +288,18 @@ def unrolled(fn: Callable[..., Any], init: Any, xs: Any) -> tuple[Any, Any]:
     return carry, pytree.tree_unflatten(stacked, y_spec[0])
 
 
+def _unrolled_rows(fn: Callable[..., Any], init: Any, rows: Sequence[Any]) -> tuple[Any, Any]:
+    carry, ys = init, []
+    for row in rows:
+        carry, y = fn(carry, row)
+        ys.append(y)
+    y_leaves, y_spec = zip(*(pytree.tree_flatten(y) for y in ys), strict=True)
+    stacked = [
+        None if column[0] is None else torch.stack(column) for column in zip(*y_leaves, strict=True)
+    ]
+    return carry, pytree.tree_unflatten(stacked, y_spec[0])
+
+
 @contextmanager
 def _graph_mode(body: ScanBody) -> Iterator[None]:
     """Grad mode and autocast as the graphs need them (Note [Autocast])."""
@@ -251,12 +321,12 @@ def _step(body: ScanBody, inputs: list[torch.Tensor]) -> Sequence[Any]:
 
 
 def _run_forward_only(
-    body: ScanBody, tensors: Sequence[torch.Tensor], length: int
+    body: ScanBody, tensors: Sequence[torch.Tensor], length: int, stacked: bool
 ) -> list[torch.Tensor]:
     lifted, carry, xs = _split(body, tensors)
     ys: list[list[torch.Tensor]] = []
     for i in range(length):
-        results = _step(body, [*lifted, *carry, *(t[i] for t in xs)])
+        results = _step(body, [*lifted, *carry, *_x_row(body, xs, i, stacked)])
         carry = [results[p] for p in body.carry_in_forward]
         ys.append([results[p] for p in body.y_in_forward])
     return [*carry, *_stacked(ys, body.y_in_forward)]
@@ -271,6 +341,13 @@ def _split(
     return list(tensors[:carry_start]), list(tensors[carry_start:x_start]), list(tensors[x_start:])
 
 
+def _x_row(body: ScanBody, xs: Sequence[torch.Tensor], i: int, stacked: bool) -> list[torch.Tensor]:
+    """Iteration ``i``'s x leaves: row ``i`` of each stacked leaf, or the ``i``-th row given."""
+    if stacked:
+        return [t[i] for t in xs]
+    return list(xs[i * body.num_x : (i + 1) * body.num_x])
+
+
 def _stacked(ys: list[list[torch.Tensor]], positions: Sequence[int]) -> list[torch.Tensor]:
     return [torch.stack([y[j] for y in ys]) for j in range(len(positions))]
 
@@ -278,12 +355,15 @@ def _stacked(ys: list[list[torch.Tensor]], positions: Sequence[int]) -> list[tor
 class ScanLoop(torch.autograd.Function):
     """The loop under autograd: N forwards, then N backwards in reverse (Note [Saved per iteration]).
 
-    Inputs: the body, checkpoint, the length, then (closed-over, init, xs) tensors;
+    Inputs: the body, checkpoint, the length, whether xs is stacked (else given as rows),
+    then (closed-over, init, xs) tensors;
     outputs: the final carry's leaves, then the stacked ys.
     """
 
     @staticmethod
-    def forward(ctx: Any, body: ScanBody, checkpoint: bool, length: int, *tensors: Any) -> Any:
+    def forward(
+        ctx: Any, body: ScanBody, checkpoint: bool, length: int, stacked: bool, *tensors: Any
+    ) -> Any:
         lifted, carry, xs = _split(body, tensors)
         kept: list[torch.Tensor] = []  # per iteration: its saved values, or its carry
         rng_states: list[torch.Tensor] = []
@@ -293,7 +373,7 @@ class ScanLoop(torch.autograd.Function):
                 kept.extend(carry)
                 if body.random:
                     rng_states.append(torch.get_rng_state())
-            results = _step(body, [*lifted, *carry, *(t[i] for t in xs)])
+            results = _step(body, [*lifted, *carry, *_x_row(body, xs, i, stacked)])
             if not checkpoint:
                 kept.extend(results[body.saved_in_forward])
             carry = [results[p] for p in body.carry_in_forward]
@@ -301,6 +381,7 @@ class ScanLoop(torch.autograd.Function):
         outputs = (*carry, *_stacked(ys, body.y_in_forward))
         ctx.save_for_backward(*lifted, *xs, *kept)
         ctx.body, ctx.checkpoint, ctx.length, ctx.rng_states = body, checkpoint, length, rng_states
+        ctx.stacked, ctx.num_xs = stacked, len(xs)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*[t for t in outputs if not _differentiable(t)])
         return outputs
@@ -312,14 +393,14 @@ class ScanLoop(torch.autograd.Function):
             raise AssertionError("expected a backward graph: the body was traced with grad")
         saved = ctx.saved_tensors
         lifted = list(saved[: body.num_lifted])
-        xs = list(saved[body.num_lifted : body.num_lifted + body.num_x])
-        kept = saved[body.num_lifted + body.num_x :]
+        xs = list(saved[body.num_lifted : body.num_lifted + ctx.num_xs])
+        kept = saved[body.num_lifted + ctx.num_xs :]
         grads = _Grads(body, ctx.length)
         carry_cotangent = list(cotangents[: body.num_carry])
         ys_cotangent = cotangents[body.num_carry :]
         with _rng_restored(ctx.checkpoint and body.random):
             for i in reversed(range(ctx.length)):
-                x = [t[i] for t in xs]
+                x = _x_row(body, xs, i, ctx.stacked)
                 values = _saved_of(ctx, body, i, kept, lifted, x)
                 given = [
                     carry_cotangent[j] if kind == "carry" else _row_of(ys_cotangent[j], i)
@@ -330,7 +411,8 @@ class ScanLoop(torch.autograd.Function):
                     for k, (g, like) in enumerate(zip(given, body.plan.zeros, strict=True))
                 ]
                 carry_cotangent = grads.add(i, body.backward([*values, *incoming]))
-        return (None, None, None, *grads.lifted, *carry_cotangent, *grads.stacked_xs())
+        x_grads = grads.stacked_xs() if ctx.stacked else grads.rows()
+        return (None, None, None, None, *grads.lifted, *carry_cotangent, *x_grads)
 
 
 def _differentiable(t: torch.Tensor) -> bool:
@@ -396,6 +478,10 @@ class _Grads:
 
     def stacked_xs(self) -> list[torch.Tensor | None]:
         return [_stack_rows(rows) for rows in self.xs]
+
+    def rows(self) -> list[torch.Tensor | None]:
+        """Each row's grads, rows one after another (``ScanFunction.over_rows``)."""
+        return [column[i] for i in range(len(self.xs[0]) if self.xs else 0) for column in self.xs]
 
 
 def _stack_rows(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
