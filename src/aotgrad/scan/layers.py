@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,48 +68,59 @@ def scan_layers(
     if not layers:
         raise ScanError("scan_layers got no layers\npass at least one layer")
     first = layers[0]
-    _check_alike(layers)
-    rows = [_tensors(layer) for layer in layers]
+    read = [_Layer.of(layer) for layer in layers]
+    _check_alike(layers, read)
+    rows = [layer.row for layer in read]
     options = (partition, checkpoint, fw_compiler, bw_compiler)
     carry, _ = _runner(first, options).over_rows(x, rows)
     return carry
 
 
-def _tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The layer's parameters, then its buffers, by name: one row of the scan."""
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+@dataclass(frozen=True, kw_only=True)
+class _Layer:
+    """One layer, read in one walk: its row of tensors and what must agree across layers."""
 
+    # The layer's parameters, then its buffers, by qualified name: one row of the scan.
+    row: dict[str, torch.Tensor]
+    # What must agree with layer 0, in the order a difference is reported.
+    structure: list[tuple[str, Any]]
 
-def _structure(module: nn.Module) -> list[tuple[str, Any]]:
-    """What must agree across layers, in the order a difference is reported."""
-    modules = [
-        (f"module {name or '(root)'}", type(m).__name__) for name, m in module.named_modules()
-    ]
-    tensors = [
-        (f"{kind} {name}", (tuple(t.shape), t.dtype, t.device))
-        for kind, items in (
-            ("parameter", module.named_parameters()),
-            ("buffer", module.named_buffers()),
+    @staticmethod
+    def of(layer: nn.Module) -> _Layer:
+        modules, params, buffers = [], [], []
+        for prefix, m in layer.named_modules():
+            modules.append((f"module {prefix or '(root)'}", type(m).__name__))
+            params += [
+                (f"{prefix}.{n}" if prefix else n, t) for n, t in m.named_parameters(recurse=False)
+            ]
+            buffers += [
+                (f"{prefix}.{n}" if prefix else n, t) for n, t in m.named_buffers(recurse=False)
+            ]
+        tensors = [(f"parameter {n}", _meta(t)) for n, t in params]
+        tensors += [(f"buffer {n}", _meta(t)) for n, t in buffers]
+        return _Layer(
+            row=dict([*params, *buffers]),
+            structure=[*modules, *tensors, ("training", layer.training)],
         )
-        for name, t in items
-    ]
-    return [*modules, *tensors, ("training", module.training)]
 
 
-def _check_alike(layers: list[nn.Module]) -> None:
+def _meta(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), t.dtype, t.device)
+
+
+def _check_alike(layers: list[nn.Module], read: list[_Layer]) -> None:
     """Every layer has layer 0's structure; else name the first layer and difference."""
-    expected = _structure(layers[0])
-    for i, layer in enumerate(layers[1:], start=1):
-        got = _structure(layer)
-        if got == expected:
+    expected = read[0].structure
+    for i, (layer, got) in enumerate(zip(layers, read, strict=True)):
+        if got.structure == expected:
             continue
         where = next(
             (
                 f"{a[0]}: layer 0 has {a[1]}, layer {i} has {b[1]}"
-                for a, b in zip(expected, got, strict=False)
+                for a, b in zip(expected, got.structure, strict=False)
                 if a != b
             ),
-            f"layer 0 has {len(expected)} modules and tensors, layer {i} has {len(got)}",
+            f"layer 0 has {len(expected)} modules and tensors, layer {i} has {len(got.structure)}",
         )
         raise ScanError(
             f"scan_layers needs layers with identical structure; layer {i}"
