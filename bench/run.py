@@ -21,6 +21,7 @@ import capture  # noqa: E402
 import compiled  # noqa: E402
 import overhead  # noqa: E402
 import remat  # noqa: E402
+import scan  # noqa: E402
 from bench_models import make  # noqa: E402
 
 README = HERE.parent / "README.md"
@@ -77,6 +78,7 @@ def main() -> None:
         rows.extend(remat_rows(name, found))
         if name == "gpt4":
             plot_budgets(found, remat.frontier(model, args))
+    rows.extend(scan_rows(scan.measure()))
     speed = compiled.measure()
     rows.append(
         row(
@@ -89,6 +91,36 @@ def main() -> None:
     (HERE / "results.json").write_text(json.dumps(results, indent=1))
     print(table(results))
     update_readme(results)
+
+
+def scan_rows(found: dict[str, float]) -> list[dict[str, Any]]:
+    """Issue 14: scan_layers over gpt12's blocks against the unrolled blocks."""
+    capture = found["capture scan_layers"]
+    return [
+        row(
+            "capture scan_layers gpt12 vs aot_module (s)",
+            capture,
+            found["capture aot_module"],
+            "<= 0.15",
+        ),
+        row(
+            "capture scan_layers gpt12 vs PyTorch (s)", capture, found["capture pytorch"], "<= 0.15"
+        ),
+        row(
+            "training step scan_layers gpt12 blocks (s)",
+            found["step scan_layers"],
+            found["step unrolled"],
+            "<= 1.10",
+            "vs aot_module of the unrolled blocks",
+        ),
+        row(
+            "scan_layers checkpoint=True saved bytes",
+            found["saved checkpoint"],
+            found["saved carries + one body"],
+            "<= 1.00",
+            "vs the carries plus one body's saved values",
+        ),
+    ]
 
 
 def remat_rows(name: str, found: dict[str, tuple[int, int]]) -> list[dict[str, Any]]:

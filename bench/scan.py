@@ -1,0 +1,117 @@
+"""``scan_layers`` over the 12 blocks of gpt12 against the unrolled blocks (issue 14).
+
+Capture: the first call (forward and backward, on a 1 x 8 activation, so that the
+step itself costs ~ms) of ``scan_layers`` against
+``aot_module`` of the unrolled blocks and PyTorch's ``aot_function`` over
+``functional_call`` of them, each on fresh modules, the best of ``repeats``.
+Training step: forward and backward of the blocks, interleaved, best of rounds.
+Saved bytes: what ``checkpoint=True`` keeps (the inputs, parameters, cost nothing
+new) against the carries plus one body's saved values.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from bench_models import make
+from functorch.compile import aot_function, default_partition
+
+import aotgrad
+from aotgrad.scan.layers import _RUNNERS
+
+
+class Unrolled(nn.Module):
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _blocks(batch: int = 4, length: int = 128) -> tuple[nn.ModuleList, torch.Tensor]:
+    """gpt12's blocks and an activation; capture is timed on a small one (its step is ~ms)."""
+    model, _ = make("gpt12")
+    x = torch.randn(batch, length, 256, requires_grad=True)
+    return model.blocks, x  # type: ignore[return-value]
+
+
+def _step(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    run(x).pow(2).mean().backward()
+
+
+def _pytorch(blocks: nn.ModuleList) -> Callable[[torch.Tensor], torch.Tensor]:
+    model = Unrolled(blocks)
+    params = dict(model.named_parameters())
+    compiled = aot_function(
+        lambda state, x: torch.func.functional_call(model, state, (x,)),
+        fw_compiler=aotgrad.nop,
+        partition_fn=default_partition,
+    )
+    return lambda x: compiled(params, x)
+
+
+def _capture_seconds(
+    make_run: Callable[[nn.ModuleList], Callable[..., Any]], repeats: int
+) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        blocks, x = _blocks(batch=1, length=8)
+        start = time.perf_counter()
+        _step(make_run(blocks), x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(repeats: int = 3, rounds: int = 5, steps: int = 3) -> dict[str, float]:
+    _step(lambda x: aotgrad.scan_layers(_blocks()[0], x), _blocks()[1])  # import and warm up
+    found = {
+        "capture scan_layers": _capture_seconds(
+            lambda b: lambda x: aotgrad.scan_layers(b, x), repeats
+        ),
+        "capture aot_module": _capture_seconds(lambda b: aotgrad.aot_module(Unrolled(b)), repeats),
+        "capture pytorch": _capture_seconds(_pytorch, repeats),
+    }
+    blocks, x = _blocks()
+    unrolled = aotgrad.aot_module(Unrolled(blocks))
+    runs = {"step scan_layers": lambda x: aotgrad.scan_layers(blocks, x), "step unrolled": unrolled}
+    for name, run in runs.items():
+        _step(run, x)
+        found[name] = float("inf")
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                _step(run, x)
+            found[name] = min(found[name], (time.perf_counter() - start) / steps)
+    found.update(_saved_bytes(blocks, x))
+    return found
+
+
+def _saved_bytes(blocks: nn.ModuleList, x: torch.Tensor) -> dict[str, float]:
+    inputs = {t.data_ptr() for t in blocks.parameters()} | {x.data_ptr()}
+    new: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in inputs:
+            new.append(t.untyped_storage().nbytes())
+        return t
+
+    aotgrad.scan_layers(blocks, x, checkpoint=True)  # capture outside the hooks
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        aotgrad.scan_layers(blocks, x, checkpoint=True)
+    traced = next(iter(_RUNNERS[blocks[0]].values())).traced
+    body = sum(s.nbytes for s in traced.saved if not s.is_input)
+    carries = len(blocks) * x.numel() * x.element_size()
+    return {"saved checkpoint": float(sum(new)), "saved carries + one body": float(carries + body)}
+
+
+if __name__ == "__main__":
+    for key, value in measure().items():
+        print(f"{key}: {value:.4g}")
