@@ -413,3 +413,24 @@ def test_over_rows_gives_each_row_its_own_grads(checkpoint):
         if w is not None:
             torch.testing.assert_close(g, w)
     assert run.captures == 1
+
+
+def test_integer_carry_and_xs():
+    """An int counter in the carry and int indices in xs: no grads for them, right values."""
+    table = torch.randn(5, 3, requires_grad=True)
+
+    def step(carry, i):
+        h, n = carry
+        h = torch.tanh(h + table.index_select(0, i.reshape(1))[0])
+        return (h, n + 1), h[0]
+
+    init = (torch.zeros(3, requires_grad=True), torch.tensor(0))
+    (_, n), _ = check_against_unrolled(step, init, torch.tensor([4, 0, 2]), [table])
+    assert n.item() == 3 and not n.requires_grad
+
+
+def test_double_backward_is_refused():
+    h0 = torch.randn(2, 4, requires_grad=True)
+    h, _ = aotgrad.scan(rnn_step, h0, torch.randn(3, 2, 3))
+    with pytest.raises(aotgrad.DoubleBackwardError, match=r"aotgrad\.scan"):
+        torch.autograd.grad(h.sum(), h0, create_graph=True)

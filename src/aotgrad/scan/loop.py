@@ -33,7 +33,7 @@ from aotgrad.api import Options, PartitionArg, Traced
 from aotgrad.cache import ambient_key
 from aotgrad.capture import capturing
 from aotgrad.capture.autocast import any_autocast, autocast_off
-from aotgrad.errors import ScanError
+from aotgrad.errors import DoubleBackwardError, ScanError
 from aotgrad.runtime.boxing import Compiler
 from aotgrad.scan.body import ScanBody, capture_body
 from aotgrad.signature.lifting import NOTHING, Lifted, State, as_module
@@ -389,6 +389,8 @@ class ScanLoop(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor | None) -> tuple[Any, ...]:
         body: ScanBody = ctx.body
+        if torch.is_grad_enabled():
+            raise DoubleBackwardError(_DOUBLE_BACKWARD)
         if body.backward is None:
             raise AssertionError("expected a backward graph: the body was traced with grad")
         saved = ctx.saved_tensors
@@ -413,6 +415,14 @@ class ScanLoop(torch.autograd.Function):
                 carry_cotangent = grads.add(i, body.backward([*values, *incoming]))
         x_grads = grads.stacked_xs() if ctx.stacked else grads.rows()
         return (None, None, None, None, *grads.lifted, *carry_cotangent, *x_grads)
+
+
+_DOUBLE_BACKWARD = (
+    "create_graph=True (double backward) through aotgrad.scan is not supported: the body's"
+    " backward graph runs as a black box, so a second derivative would miss the paths through"
+    " the values each iteration saved.\nCompute higher-order gradients through the unrolled"
+    " loop (aotgrad.scan.unrolled) instead."
+)
 
 
 def _differentiable(t: torch.Tensor) -> bool:
