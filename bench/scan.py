@@ -21,7 +21,7 @@ from bench_models import make
 from functorch.compile import aot_function, default_partition
 
 import aotgrad
-from aotgrad.scan.layers import _RUNNERS
+from aotgrad.loops.layers import _RUNNERS
 
 
 class Unrolled(nn.Module):

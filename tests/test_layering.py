@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("report",),  # tables and reports over the graphs
     ("cache", "compilers"),  # specializations and their keys; compilers users pass
     ("api",),  # the frontends: trace, aot_function, aot_module
-    ("dynamo", "profiling", "testing", "scan"),  # built on the frontends
+    ("dynamo", "profiling", "testing", "loops"),  # built on the frontends
     ("cli",),
     ("aotgrad",),  # the package's public face (__init__.py)
 ]

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aotgrad
-from aotgrad.scan import unrolled
+from aotgrad.loops import unrolled
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -183,7 +183,7 @@ def test_scan_reuses_its_capture_per_function():
 
     aotgrad.scan(step, torch.zeros(2), torch.ones(3, 2))
     aotgrad.scan(step, torch.zeros(2), torch.ones(6, 2))
-    from aotgrad.scan.loop import _FUNCTIONS
+    from aotgrad.loops.loop import _FUNCTIONS
 
     assert next(iter(_FUNCTIONS[step].values())).captures == 1
 
@@ -315,7 +315,7 @@ def test_through_torch_compile():
         torch.testing.assert_close(got, expected)
         for g, w in zip(_grads([h0, *CELL.parameters()]), want, strict=True):
             torch.testing.assert_close(g, w)
-    from aotgrad.scan.loop import _FUNCTIONS
+    from aotgrad.loops.loop import _FUNCTIONS
 
     assert sum(f.captures for f in _FUNCTIONS[step].values()) == 1
 
@@ -434,3 +434,34 @@ def test_double_backward_is_refused():
     h, _ = aotgrad.scan(rnn_step, h0, torch.randn(3, 2, 3))
     with pytest.raises(aotgrad.DoubleBackwardError, match=r"aotgrad\.scan"):
         torch.autograd.grad(h.sum(), h0, create_graph=True)
+
+
+HEAD = nn.Linear(4, 2)
+
+
+def step_with_head(h, x):
+    h = torch.tanh(CELL.lin(h) + CELL.inp(x))
+    return h, HEAD(h)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("use", ["carry", "ys"])
+def test_grads_no_used_output_reaches_are_none_as_in_eager(checkpoint, use):
+    """A loss of the carry alone leaves the head's grads None (not zeros), as the eager loop."""
+    h0 = torch.randn(2, 4, requires_grad=True)
+    xs = torch.randn(3, 2, 3, requires_grad=True)
+    params = [h0, xs, *CELL.parameters(), *HEAD.parameters()]
+
+    def loss(result):
+        carry, ys = result
+        return carry.sum() if use == "carry" else ys.pow(2).sum()
+
+    loss(unrolled(step_with_head, h0, xs)).backward()
+    expected = _grads(params)
+    loss(aotgrad.scan(step_with_head, h0, xs, checkpoint=checkpoint)).backward()
+    got = _grads(params)
+    assert [g is None for g in got] == [g is None for g in expected]
+    assert any(g is None for g in expected) == (use == "carry")
+    for g, want in zip(got, expected, strict=True):
+        if want is not None:
+            torch.testing.assert_close(g, want)

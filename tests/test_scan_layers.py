@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aotgrad
-from aotgrad.scan.layers import _RUNNERS
+from aotgrad.loops.layers import _RUNNERS
 from models import GPT, Block
 
 

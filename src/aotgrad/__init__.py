@@ -31,10 +31,10 @@ from aotgrad.errors import (
     UnsupportedOpError,
     UnsupportedOutputError,
 )
+from aotgrad.loops import ScanFunction, scan, scan_function, scan_layers
 from aotgrad.partition import budget
 from aotgrad.profiling import ProfileReport, profile
 from aotgrad.runtime import make_boxed_func, nop
-from aotgrad.scan import ScanFunction, scan, scan_function, scan_layers
 
 __all__ = [
     "AOTModule",

@@ -303,7 +303,7 @@ def make_function(
                 cotangents = [grad_outputs[i].contiguous() for i in differentiable]  # type: ignore[union-attr]
             except AttributeError:  # one is None (Note [Missing cotangents])
                 given = [grad_outputs[i] for i in differentiable]
-                cotangents, received = _with_zeros(ctx, given, plan.zeros)
+                cotangents, received = with_zeros(ctx, given, plan.zeros)
                 if not received:
                     return no_grads
             saved = ctx.saved_tensors
@@ -316,7 +316,7 @@ def make_function(
             else:
                 grads = backward([*saved, *cotangents])
             if received != all_received:
-                return tuple(_reached(grads, plan.reached_by, received))
+                return tuple(reached_grads(grads, plan.reached_by, received))
             return tuple(grads)
 
     return CompiledFunction
@@ -339,7 +339,7 @@ def make_function(
 # the forward saw at this call (kept on ``ctx`` only then).
 
 
-def _with_zeros(
+def with_zeros(
     ctx: Any, given: Sequence[torch.Tensor | None], zeros: Sequence[ZerosLike]
 ) -> tuple[list[torch.Tensor], int]:
     """Zeros in place of missing cotangents, and the bitmask of those given."""
@@ -353,7 +353,7 @@ def _with_zeros(
     return cotangents, received
 
 
-def _reached(
+def reached_grads(
     grads: Sequence[torch.Tensor | None], reached_by: Sequence[int], received: int
 ) -> list[torch.Tensor | None]:
     """``grads`` with None for inputs no received cotangent reaches (Note [Missing cotangents])."""

@@ -34,8 +34,8 @@ import torch.nn as nn
 
 from aotgrad.api import PartitionArg
 from aotgrad.errors import ScanError
+from aotgrad.loops.loop import ScanFunction
 from aotgrad.runtime.boxing import Compiler
-from aotgrad.scan.loop import ScanFunction
 
 
 def scan_layers(

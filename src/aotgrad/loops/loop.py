@@ -34,8 +34,9 @@ from aotgrad.cache import ambient_key
 from aotgrad.capture import capturing
 from aotgrad.capture.autocast import any_autocast, autocast_off
 from aotgrad.errors import DoubleBackwardError, ScanError
+from aotgrad.loops.body import ScanBody, capture_body
 from aotgrad.runtime.boxing import Compiler
-from aotgrad.scan.body import ScanBody, capture_body
+from aotgrad.runtime.function import reached_grads, with_zeros
 from aotgrad.signature.lifting import NOTHING, Lifted, State, as_module
 
 
@@ -402,17 +403,12 @@ class ScanLoop(torch.autograd.Function):
         ys_cotangent = cotangents[body.num_carry :]
         with _rng_restored(ctx.checkpoint and body.random):
             for i in reversed(range(ctx.length)):
-                x = _x_row(body, xs, i, ctx.stacked)
-                values = _saved_of(ctx, body, i, kept, lifted, x)
                 given = [
                     carry_cotangent[j] if kind == "carry" else _row_of(ys_cotangent[j], i)
                     for kind, j in body.cotangent_of
                 ]
-                incoming = [
-                    g.contiguous() if g is not None else like.make(ctx, k)
-                    for k, (g, like) in enumerate(zip(given, body.plan.zeros, strict=True))
-                ]
-                carry_cotangent = grads.add(i, body.backward([*values, *incoming]))
+                iteration = _iteration_grads(ctx, body, i, given, (lifted, kept, xs))
+                carry_cotangent = grads.add(i, iteration)
         x_grads = grads.stacked_xs() if ctx.stacked else grads.rows()
         return (None, None, None, None, *grads.lifted, *carry_cotangent, *x_grads)
 
@@ -421,8 +417,30 @@ _DOUBLE_BACKWARD = (
     "create_graph=True (double backward) through aotgrad.scan is not supported: the body's"
     " backward graph runs as a black box, so a second derivative would miss the paths through"
     " the values each iteration saved.\nCompute higher-order gradients through the unrolled"
-    " loop (aotgrad.scan.unrolled) instead."
+    " loop (from aotgrad.loops import unrolled) instead."
 )
+
+
+def _iteration_grads(
+    ctx: Any,
+    body: ScanBody,
+    i: int,
+    given: list[torch.Tensor | None],
+    saved: tuple[list[torch.Tensor], Sequence[torch.Tensor], list[torch.Tensor]],
+) -> Sequence[torch.Tensor | None]:
+    """Iteration ``i``'s backward: None for inputs no given cotangent reaches, as eager.
+
+    The body's backward graph takes zeros for the missing cotangents (Note [Missing
+    cotangents]); an input only they reach gets None, not zeros, so a parameter the
+    loss never reaches keeps ``.grad is None`` as in the unrolled loop.
+    """
+    incoming, received = with_zeros(ctx, given, body.plan.zeros)
+    if not received:
+        return [None] * len(body.plan.reached_by)
+    assert body.backward is not None, "a scan body traced with grad has a backward graph"
+    lifted, kept, xs = saved  # (closed-over, kept per iteration, xs)
+    values = _saved_of(ctx, body, i, kept, lifted, _x_row(body, xs, i, ctx.stacked))
+    return reached_grads(body.backward([*values, *incoming]), body.plan.reached_by, received)
 
 
 def _differentiable(t: torch.Tensor) -> bool:

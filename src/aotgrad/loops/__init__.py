@@ -1,0 +1,11 @@
+"""Frontend for loops: ``scan`` and ``scan_layers``, one body captured once and run in a loop.
+
+(The package is not named ``scan``: ``aotgrad.scan`` is the function.)
+
+See ``docs/scan.md`` and Note [Scan's calling convention].
+"""
+
+from aotgrad.loops.layers import scan_layers
+from aotgrad.loops.loop import ScanFunction, scan, scan_function, unrolled
+
+__all__ = ["ScanFunction", "scan", "scan_function", "scan_layers", "unrolled"]
