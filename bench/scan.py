@@ -21,7 +21,6 @@ from bench_models import make
 from functorch.compile import aot_function, default_partition
 
 import aotgrad
-from aotgrad.loops.layers import _RUNNERS
 
 
 class Unrolled(nn.Module):
@@ -106,7 +105,7 @@ def _saved_bytes(blocks: nn.ModuleList, x: torch.Tensor) -> dict[str, float]:
     aotgrad.scan_layers(blocks, x, checkpoint=True)  # capture outside the hooks
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         aotgrad.scan_layers(blocks, x, checkpoint=True)
-    traced = next(iter(_RUNNERS[blocks[0]].values())).traced
+    traced = aotgrad.scan_layers_function(blocks, checkpoint=True).traced
     body = sum(s.nbytes for s in traced.saved if not s.is_input)
     carries = len(blocks) * x.numel() * x.element_size()
     return {"saved checkpoint": float(sum(new)), "saved carries + one body": float(carries + body)}

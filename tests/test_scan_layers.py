@@ -10,7 +10,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aotgrad
-from aotgrad.loops.layers import _RUNNERS
 from models import GPT, Block
 
 
@@ -54,10 +53,10 @@ def test_one_capture_for_any_depth():
     x = torch.randn(2, 5, 16)
     aotgrad.scan_layers(blocks, x)
     aotgrad.scan_layers(blocks[:2], x)  # same layer 0, two layers
-    assert sum(r.captures for r in _RUNNERS[blocks[0]].values()) == 1
-    names = [
-        str(d) for d in next(iter(_RUNNERS[blocks[0]].values())).traced.signature.forward_inputs
-    ]
+    run = aotgrad.scan_layers_function(blocks)
+    assert run is aotgrad.scan_layers_function(blocks[:2])  # keyed by layer 0 and options
+    assert run.captures == 1
+    names = [str(d) for d in run.traced.signature.forward_inputs]
     assert names[:2] == ["carry", "x['ln1.weight']"]
 
 

@@ -31,7 +31,7 @@ from aotgrad.errors import (
     UnsupportedOpError,
     UnsupportedOutputError,
 )
-from aotgrad.loops import ScanFunction, scan, scan_function, scan_layers
+from aotgrad.loops import ScanFunction, scan, scan_function, scan_layers, scan_layers_function
 from aotgrad.partition import budget
 from aotgrad.profiling import ProfileReport, profile
 from aotgrad.runtime import make_boxed_func, nop
@@ -69,5 +69,6 @@ __all__ = [
     "scan",
     "scan_function",
     "scan_layers",
+    "scan_layers_function",
     "trace",
 ]

@@ -5,7 +5,14 @@
 See ``docs/scan.md`` and Note [Scan's calling convention].
 """
 
-from aotgrad.loops.layers import scan_layers
+from aotgrad.loops.layers import scan_layers, scan_layers_function
 from aotgrad.loops.loop import ScanFunction, scan, scan_function, unrolled
 
-__all__ = ["ScanFunction", "scan", "scan_function", "scan_layers", "unrolled"]
+__all__ = [
+    "ScanFunction",
+    "scan",
+    "scan_function",
+    "scan_layers",
+    "scan_layers_function",
+    "unrolled",
+]

@@ -65,15 +65,43 @@ def scan_layers(
     torch.Size([4, 4])
     """
     layers = list(layers)
-    if not layers:
-        raise ScanError("scan_layers got no layers\npass at least one layer")
-    first = layers[0]
+    run = scan_layers_function(
+        layers,
+        partition=partition,
+        checkpoint=checkpoint,
+        fw_compiler=fw_compiler,
+        bw_compiler=bw_compiler,
+    )
     read = [_Layer.of(layer) for layer in layers]
     _check_alike(layers, read)
-    rows = [layer.row for layer in read]
-    options = (partition, checkpoint, fw_compiler, bw_compiler)
-    carry, _ = _runner(first, options).over_rows(x, rows)
+    carry, _ = run.over_rows(x, [layer.row for layer in read])
     return carry
+
+
+def scan_layers_function(
+    layers: Sequence[nn.Module],
+    *,
+    partition: PartitionArg = "save_all",
+    checkpoint: bool = False,
+    fw_compiler: Compiler | None = None,
+    bw_compiler: Compiler | None = None,
+) -> ScanFunction:
+    """The :class:`ScanFunction` :func:`scan_layers` runs for ``layers`` with these options.
+
+    Its ``traced`` is one layer's graphs, captured once for every layer; its inputs are
+    the carry, then the layer's parameters and buffers as that iteration's ``x``.
+
+    >>> import torch, aotgrad
+    >>> layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    >>> _ = aotgrad.scan_layers(layers, torch.randn(2, 4))
+    >>> body = aotgrad.scan_layers_function(layers)
+    >>> body.captures, [str(d) for d in body.traced.signature.forward_inputs]
+    (1, ['carry', "x['weight']", "x['bias']"])
+    """
+    layers = list(layers)
+    if not layers:
+        raise ScanError("scan_layers got no layers\npass at least one layer")
+    return _runner(layers[0], (partition, checkpoint, fw_compiler, bw_compiler))
 
 
 @dataclass(frozen=True, kw_only=True)

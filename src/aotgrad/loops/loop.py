@@ -548,19 +548,21 @@ def scan_function(
 ) -> ScanFunction:
     """A reusable scan of ``fn(carry, x) -> (carry, y)``; see :class:`ScanFunction`.
 
+    The same object :func:`scan` runs for ``fn`` with these options, so after
+    ``aotgrad.scan(fn, ...)``, ``aotgrad.scan_function(fn).traced`` is the body it captured.
+
     >>> import torch, aotgrad
-    >>> run = aotgrad.scan_function(lambda c, x: (c * x, None), checkpoint=True)
+    >>> def step(c, x):
+    ...     return c * x, None
+    >>> run = aotgrad.scan_function(step, checkpoint=True)
     >>> c, ys = run(torch.ones(2, requires_grad=True), torch.full((3, 2), 2.0))
     >>> c, ys
     (tensor([8., 8.], grad_fn=<ScanLoopBackward>), None)
+    >>> _ = aotgrad.scan(step, torch.ones(2, requires_grad=True), torch.ones(5, 2), checkpoint=True)
+    >>> run.captures, aotgrad.scan_function(step, checkpoint=True) is run
+    (1, True)
     """
-    return ScanFunction(
-        fn,
-        partition=partition,
-        checkpoint=checkpoint,
-        fw_compiler=fw_compiler,
-        bw_compiler=bw_compiler,
-    )
+    return _function_for(fn, (partition, checkpoint, fw_compiler, bw_compiler))
 
 
 @torch.compiler.disable
