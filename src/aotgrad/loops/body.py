@@ -28,6 +28,7 @@ serves every iteration.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +105,8 @@ def capture_body(
     with_grad: bool,
 ) -> ScanBody:
     """Trace ``fn`` on one iteration's values; trace again cloning outputs that alias."""
-    partitioned, lifted_tensors = _capture(
+    capture = functools.partial(
+        _capture,
         fn=fn,
         state=state,
         lifted=lifted,
@@ -114,22 +116,11 @@ def capture_body(
         x_spec=x_spec,
         options=options,
         with_grad=with_grad,
-        clone=frozenset(),
     )
+    partitioned, lifted_tensors = capture(clone=frozenset())
     aliasing = _aliasing_outputs(partitioned)
     if aliasing:  # Note [Outputs that alias]
-        partitioned, lifted_tensors = _capture(
-            fn=fn,
-            state=state,
-            lifted=lifted,
-            init=init,
-            carry_spec=carry_spec,
-            x=x,
-            x_spec=x_spec,
-            options=options,
-            with_grad=with_grad,
-            clone=aliasing,
-        )
+        partitioned, lifted_tensors = capture(clone=aliasing)
     _check_no_mutation(fn, partitioned)
     return _body_of(partitioned, lifted_tensors, len(init), len(x), options)
 
