@@ -492,3 +492,14 @@ def test_the_rule_catches_a_planted_violation():
     ]
     public = "import torch.utils._pytree as pytree\ny = torch.ops.aten._unsafe_view.default\n"
     assert _private_torch_paths(ast.parse(public)) == []
+
+
+def test_saved_tensors_hooks_stack_can_be_taken_off_and_put_back():
+    pack, unpack = (lambda t: t), (lambda t: t)
+    assert compat.top_saved_tensors_hooks(True) is None
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert compat.top_saved_tensors_hooks(True) == (pack, unpack)
+        compat.pop_saved_tensors_hooks()
+        assert compat.top_saved_tensors_hooks(True) is None
+        compat.push_saved_tensors_hooks(pack, unpack)
+    assert compat.top_saved_tensors_hooks(True) is None

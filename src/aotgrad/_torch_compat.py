@@ -172,6 +172,13 @@ set_version_counter = torch._C._autograd._unsafe_set_version_counter
 engine_run_backward = torch.autograd.graph._engine_run_backward
 
 
+# The caller's saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``), taken off the
+# stack while a capture runs and put back after (Note [The caller's saved-tensor hooks]).
+top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+pop_saved_tensors_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+push_saved_tensors_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+
+
 def autograd_node_number(node: Any) -> int:
     """The sequence number autograd gave a graph node (Note [Sequence numbers])."""
     return node._sequence_nr()
