@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import os
+import pathlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -20,6 +22,7 @@ from aotgrad.capture.dynamic import DynamicDims, requested_dims
 from aotgrad.errors import CallError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
+from aotgrad.report.html import render_html
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
 from aotgrad.runtime.boxing import Compiler
 from aotgrad.signature import FlatInputs, Signature, flatten_inputs, leaf_names
@@ -127,6 +130,18 @@ class Traced:
         """The saved values, largest first, with the total of unique storages."""
         return memory_report(self.saved, by_module=by_module)
 
+    def to_html(self, path: str | os.PathLike[str], profile: Any = None) -> None:
+        """Write the graphs, saved values and calling convention as one self-contained HTML page.
+
+        >>> import torch, aotgrad, tempfile, pathlib
+        >>> t = aotgrad.trace(lambda x: x.sin(), torch.ones(2, requires_grad=True))
+        >>> out = pathlib.Path(tempfile.mkdtemp()) / "report.html"
+        >>> t.to_html(out)
+        >>> out.read_text().startswith("<!DOCTYPE html>")
+        True
+        """
+        _write_html(self.partitioned, path, profile)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the traced graphs on new inputs of the same structure and metadata."""
         flat = self.partitioned.joint.inputs
@@ -159,6 +174,10 @@ class Traced:
         if self.backward is not None:
             parts += ["# backward", self.backward.code.strip()]
         return "\n\n".join(parts)
+
+
+def _write_html(partitioned: Partitioned, path: str | os.PathLike[str], profile: Any) -> None:
+    pathlib.Path(path).write_text(render_html(partitioned, profile), encoding="utf-8")
 
 
 def trace(
@@ -380,6 +399,19 @@ class AOTFunction:
     def memory_report(self, by_module: bool = False) -> str:
         return memory_report(self._last().saved, by_module=by_module)
 
+    def to_html(self, path: str | os.PathLike[str], profile: Any = None) -> None:
+        """The last specialization's report page, as ``Traced.to_html`` (after the first call).
+
+        >>> import torch, aotgrad, tempfile, pathlib
+        >>> f = aotgrad.aot_function(lambda x: x.cos())
+        >>> _ = f(torch.ones(2, requires_grad=True))
+        >>> out = pathlib.Path(tempfile.mkdtemp()) / "report.html"
+        >>> f.to_html(out)
+        >>> "cos" in out.read_text()
+        True
+        """
+        _write_html(self._last(), path, profile)
+
     def _last(self) -> Partitioned:
         if self.partitioned is None:
             raise CallError("no specialization yet: call the compiled function first")
@@ -476,6 +508,19 @@ class AOTModule(torch.nn.Module):
 
     def memory_report(self, by_module: bool = False) -> str:
         return self.compiled.memory_report(by_module)
+
+    def to_html(self, path: str | os.PathLike[str], profile: Any = None) -> None:
+        """The last specialization's report page, as ``Traced.to_html`` (after the first call).
+
+        >>> import torch, aotgrad, tempfile, pathlib
+        >>> m = aotgrad.aot_module(torch.nn.Linear(2, 3))
+        >>> _ = m(torch.ones(1, 2))
+        >>> out = pathlib.Path(tempfile.mkdtemp()) / "report.html"
+        >>> m.to_html(out)
+        >>> "addmm" in out.read_text()
+        True
+        """
+        self.compiled.to_html(path, profile)
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

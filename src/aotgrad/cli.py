@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         "--json", action="store_true", help="print one JSON document (schema aotgrad.show/2)"
     )
     show.add_argument(
+        "--html", metavar="OUT.html", help="write one self-contained HTML report to this file"
+    )
+    show.add_argument(
         "--tracer",
         choices=["auto", "direct", "full"],
         default="auto",
@@ -49,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         if options.json:
             traced = trace(fn, *args, tracer=options.tracer, **kwargs)
             print(json.dumps(show_document(traced.partitioned), indent=1))
+            return 0
+        if options.html:
+            trace(fn, *args, tracer=options.tracer, **kwargs).to_html(options.html)
+            print(f"wrote {options.html}")
             return 0
         return _show(fn, args, kwargs, check=not options.no_check, tracer=options.tracer)
     except AotgradError as e:  # the function cannot be captured: aotgrad's message says why

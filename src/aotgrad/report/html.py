@@ -58,12 +58,17 @@ def report_document(partitioned: Partitioned, profile: Any = None) -> dict[str, 
 
 
 def embed_json(value: Any) -> str:
-    """JSON safe inside a ``<script>`` element: ``</`` can never close the tag.
+    """JSON safe inside a ``<script>`` element: no ``<``, ``>`` or ``&`` is left in it, so no
+    string can close the tag (``</script>``) or open a comment; ``JSON.parse`` reads the
+    ``\\u`` escapes back as the same characters.
 
-    >>> embed_json({"module": "</script><b>"})
-    '{"module": "<\\\\/script><b>"}'
+    >>> embed_json({"module": "</script><b>&"})
+    '{"module": "\\\\u003c/script\\\\u003e\\\\u003cb\\\\u003e\\\\u0026"}'
+    >>> json.loads(embed_json({"module": "</script>"}))
+    {'module': '</script>'}
     """
-    return json.dumps(value).replace("</", "<\\/")
+    text = json.dumps(value)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def embedded_document(page: str) -> Any:
@@ -178,15 +183,22 @@ function shapeText(n) {
   return n.shape ? "[" + n.shape.join(", ") + "] " + (n.dtype || "") : "";
 }
 
+function sourceText(s) {
+  if (!s) return "";
+  if (typeof s === "string") return s;
+  return String(s.file).split("/").pop() + ":" + s.line + "  " + (s.code ?? "");
+}
+
 function nodeTable(phase) {
   const table = document.getElementById(phase);
   const nodes = doc.graphs[phase];
   if (!nodes) { table.appendChild(row(["(no backward graph)"])); return; }
   header(table, ["#", "name", "op", "shape", "module", "source"]);
   for (const n of nodes) {
-    const tr = row([n.seq_nr ?? "", n.name, n.target, shapeText(n), n.module ?? "",
-                    n.source ?? ""], "node");
-    tr.dataset.search = [n.target, n.module, n.source, n.name].join(" ").toLowerCase();
+    const source = sourceText(n.source);
+    const tr = row([n.seq_nr ?? "", n.name, n.target, shapeText(n), n.module ?? "", source],
+                   "node");
+    tr.dataset.search = [n.target, n.module, source, n.name].join(" ").toLowerCase();
     tr.addEventListener("click", () => select(phase, n));
     rows.set(phase + ":" + n.name, tr);
     table.appendChild(tr);
@@ -220,7 +232,7 @@ function select(phase, node) {
 const savedColumns = [
   ["name", s => s.name], ["bytes", s => s.nbytes], ["shape", s => shapeText(s)],
   ["producer", s => s.producer], ["module", s => s.module ?? ""],
-  ["source", s => s.source ?? ""], ["reason", s => s.reason ?? ""],
+  ["source", s => sourceText(s.source)], ["reason", s => s.reason ?? ""],
 ];
 let savedOrder = { column: 1, descending: true };
 
@@ -236,7 +248,7 @@ function savedTable() {
   });
   for (const s of sorted) {
     const tr = row(savedColumns.map(c => c[1](s)));
-    tr.dataset.search = [s.name, s.module, s.source, s.producer].join(" ").toLowerCase();
+    tr.dataset.search = [s.name, s.module, sourceText(s.source), s.producer].join(" ").toLowerCase();
     rows.set("saved:" + s.name, tr);
     table.appendChild(tr);
   }

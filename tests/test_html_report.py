@@ -1,0 +1,97 @@
+"""``render_html`` / ``to_html`` / ``aotgrad show --html``: one self-contained page, strings as data.
+
+No browser here: these read the page as text (its links, its escaping, its embedded JSON).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+import aotgrad
+from aotgrad.cli import main
+from aotgrad.report import show_document
+from aotgrad.report.html import embedded_document, render_html
+
+XSS = "<img src=x onerror=alert(1)>"
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_module(XSS, torch.nn.Conv2d(1, 2, 3))
+
+    def forward(self, x):
+        return getattr(self, XSS)(x).relu()  # </script><script>alert(2)</script>
+
+
+def _page() -> tuple[aotgrad.Traced, str]:
+    traced = aotgrad.trace(Block(), torch.randn(1, 1, 5, 5))
+    return traced, render_html(traced.partitioned)
+
+
+def test_page_links_to_nothing():
+    _, page = _page()
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page)
+    assert "http://" not in page and "https://" not in page
+    assert "<link" not in page and "@import" not in page
+
+
+def test_user_strings_appear_only_escaped():
+    traced, page = _page()
+    modules = {n.get("module") for n in show_document(traced.partitioned)["graphs"]["forward"]}
+    assert XSS in modules  # the page really carries the hostile name...
+    assert XSS not in page  # ...but never as markup
+    assert "alert(2)" in page and "</script><script>alert(2)" not in page
+    assert page.count("</script>") == 2  # the data tag's and the code tag's, nothing else
+
+
+def test_embedded_json_round_trips():
+    traced, page = _page()
+    document = embedded_document(page)
+    expected = show_document(traced.partitioned)
+    assert document["signature"] == expected["signature"]
+    assert document["saved"] == expected["saved"]
+    for phase in ("forward", "backward"):
+        without_meta = [_drop(n, "shape", "dtype") for n in document["graphs"][phase]]
+        assert without_meta == expected["graphs"][phase]
+    conv = next(n for n in document["graphs"]["forward"] if "convolution" in n["target"])
+    assert conv["shape"] == [1, 2, 3, 3] and conv["dtype"] == "float32"
+
+
+def _drop(entry: dict, *keys: str) -> dict:
+    return {k: v for k, v in entry.items() if k not in keys}
+
+
+def test_backward_nodes_share_seq_nr_with_their_forward_op():
+    _, page = _page()
+    graphs = embedded_document(page)["graphs"]
+    backward = next(n for n in graphs["backward"] if "convolution_backward" in n["target"])
+    forward = [
+        n["target"]
+        for n in graphs["forward"]
+        if n["op"] == "call_function" and n.get("seq_nr") == backward["seq_nr"]
+    ]
+    assert forward == ["aten.convolution.default"]
+
+
+def test_to_html_on_aot_module_after_first_call(tmp_path):
+    model = aotgrad.aot_module(Block())
+    model(torch.randn(1, 1, 5, 5))
+    model.to_html(tmp_path / "report.html")
+    assert embedded_document((tmp_path / "report.html").read_text())["saved"]
+
+
+def test_cli_writes_html(tmp_path, capsys):
+    example = tmp_path / "example.py"
+    example.write_text(
+        "import torch\n\n"
+        "def fn(x):\n    return x.sin()\n\n"
+        "def example_inputs():\n    return (torch.ones(2, requires_grad=True),), {}\n"
+    )
+    out = tmp_path / "out.html"
+    assert main(["show", f"{example}:fn", "--html", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    page = out.read_text()
+    assert embedded_document(page)["graphs"]["forward"][1]["source"]["code"] == "return x.sin()"
