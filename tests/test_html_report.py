@@ -5,8 +5,13 @@ No browser here: these read the page as text (its links, its escaping, its embed
 
 from __future__ import annotations
 
+import json
+import pathlib
 import re
+import shutil
+import subprocess
 
+import pytest
 import torch
 
 import aotgrad
@@ -95,3 +100,23 @@ def test_cli_writes_html(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     page = out.read_text()
     assert embedded_document(page)["graphs"]["forward"][1]["source"]["code"] == "return x.sin()"
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script")
+def test_page_script_links_backward_to_forward_and_saved_in_a_fake_dom():
+    """Not a browser: tests/html_smoke.js runs the inline script on a stub DOM that fails on
+    any innerHTML, clicks ``convolution_backward`` and searches for ``relu``."""
+    _, page = _page()
+    smoke = pathlib.Path(__file__).with_name("html_smoke.js")
+    result = subprocess.run(
+        ["node", str(smoke), "convolution_backward", "relu"],
+        input=page,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    seen = json.loads(result.stdout)
+    assert [row[2] for row in seen["forward"]] == ["aten.convolution.default"]
+    assert seen["forward"][0][4] == XSS  # the module name, as text
+    assert {row[0] for row in seen["saved"]} == {"x", "img_src_x_onerror_alert_1_weight"}
+    assert seen["summary"].endswith("rows match") and seen["hidden"] > 0
