@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import aotgrad
 from aotgrad.cli import main
@@ -120,3 +121,14 @@ def test_page_script_links_backward_to_forward_and_saved_in_a_fake_dom():
     assert seen["forward"][0][4] == XSS  # the module name, as text
     assert {row[0] for row in seen["saved"]} == {"x", "img_src_x_onerror_alert_1_weight"}
     assert seen["summary"].endswith("rows match") and seen["hidden"] > 0
+
+
+def test_recomputed_backward_nodes_carry_reason_and_flops():
+    def fn(x, w):
+        return torch.utils.checkpoint.checkpoint(lambda a: (a @ w).sin(), x, use_reentrant=False)
+
+    traced = aotgrad.trace(fn, torch.randn(4, 4, requires_grad=True), torch.randn(4, 4))
+    backward = embedded_document(render_html(traced.partitioned))["graphs"]["backward"]
+    recomputed = {n["target"]: n["recomputed"] for n in backward if "recomputed" in n}
+    assert "checkpoint" in recomputed["aten.mm.default"]["reason"]
+    assert recomputed["aten.mm.default"]["flops"] == 2 * 4 * 4 * 4

@@ -53,6 +53,11 @@ def report_document(partitioned: Partitioned, profile: Any = None) -> dict[str, 
     for phase, gm in graphs.items():
         for entry, node in zip(document["graphs"][phase], gm.graph.nodes, strict=True):
             entry.update(_tensor_meta(node))
+    recomputed = {r.name: r for r in partitioned.recomputed}
+    for entry in document["graphs"]["backward"] or []:
+        if entry["name"] in recomputed:
+            op = recomputed[entry["name"]]
+            entry["recomputed"] = {"reason": op.reason, "flops": op.flops}
     document["profile"] = _profile_dict(profile)
     return document
 
@@ -83,13 +88,24 @@ def embedded_document(page: str) -> Any:
 
 
 def _tensor_meta(node: fx.Node) -> dict[str, Any]:
+    """``shape`` and ``dtype`` of the node's value; a multi-output op gets a list of shapes."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return {
-            "shape": [_dim(d) for d in val.shape],
-            "dtype": str(val.dtype).removeprefix("torch."),
-        }
-    return {"shape": None, "dtype": None}
+        return {"shape": _shape(val), "dtype": _dtype(val)}
+    tensors = (
+        [v for v in val if isinstance(v, torch.Tensor)] if isinstance(val, list | tuple) else []
+    )
+    if not tensors:
+        return {"shape": None, "dtype": None}
+    return {"shape": [_shape(t) for t in tensors], "dtype": _dtype(tensors[0])}
+
+
+def _shape(t: torch.Tensor) -> list[int | str]:
+    return [_dim(d) for d in t.shape]
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def _dim(d: Any) -> int | str:
@@ -146,6 +162,7 @@ td, th { border-bottom: 1px solid #eee; padding: 2px 6px; text-align: left;
   font-family: ui-monospace, monospace; white-space: nowrap; }
 th { cursor: pointer; background: #fafafa; }
 tr.node { cursor: pointer; }
+tr.recomputed td:first-child { border-left: 3px solid #c0392b; }
 tr.selected { background: #ffd966; } tr.linked { background: #c9e7ff; }
 tr.hidden { display: none; } tr.total td { font-weight: bold; }
 .muted { color: #888; } ul { margin: 0; padding-left: 18px; }
@@ -180,7 +197,14 @@ function header(table, names, onClick) {
 }
 
 function shapeText(n) {
-  return n.shape ? "[" + n.shape.join(", ") + "] " + (n.dtype || "") : "";
+  if (!n.shape) return "";
+  const one = s => "[" + s.join(", ") + "]";
+  const shapes = Array.isArray(n.shape[0]) ? n.shape.map(one).join(" ") : one(n.shape);
+  return shapes + " " + (n.dtype || "");
+}
+
+function recomputeText(n) {
+  return n.recomputed ? n.recomputed.reason + " (" + n.recomputed.flops + " FLOPs)" : "";
 }
 
 function sourceText(s) {
@@ -193,11 +217,13 @@ function nodeTable(phase) {
   const table = document.getElementById(phase);
   const nodes = doc.graphs[phase];
   if (!nodes) { table.appendChild(row(["(no backward graph)"])); return; }
-  header(table, ["#", "name", "op", "shape", "module", "source"]);
+  const columns = ["#", "name", "op", "shape", "module", "source"];
+  header(table, phase === "backward" ? [...columns, "recomputed"] : columns);
   for (const n of nodes) {
     const source = sourceText(n.source);
-    const tr = row([n.seq_nr ?? "", n.name, n.target, shapeText(n), n.module ?? "", source],
-                   "node");
+    const cells = [n.seq_nr ?? "", n.name, n.target, shapeText(n), n.module ?? "", source];
+    if (phase === "backward") cells.push(recomputeText(n));
+    const tr = row(cells, n.recomputed ? "node recomputed" : "node");
     tr.dataset.search = [n.target, n.module, source, n.name].join(" ").toLowerCase();
     tr.addEventListener("click", () => select(phase, n));
     rows.set(phase + ":" + n.name, tr);
