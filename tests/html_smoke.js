@@ -27,7 +27,7 @@ class Element {
 }
 
 const body = new Element("body");
-for (const id of ["forward", "backward", "saved", "signature", "profile", "profile-section",
+for (const id of ["forward", "backward", "saved", "signature", "modules",
                   "search", "summary"]) byId.set(id, body.appendChild(new Element(id)));
 byId.set("aotgrad-data", { textContent: data });
 global.document = {
@@ -49,4 +49,5 @@ console.log(JSON.stringify({
   selected: marked("backward", "selected"), forward: marked("forward", "linked"),
   saved: marked("saved", "linked"), hidden: marked("forward", "hidden").length,
   summary: byId.get("summary").textContent, signature: byId.get("signature").children.length,
+  modules: byId.get("modules").children.slice(1).map(texts),
 }));

@@ -103,20 +103,20 @@ def test_cli_writes_html(tmp_path, capsys):
     assert embedded_document(page)["graphs"]["forward"][1]["source"]["code"] == "return x.sin()"
 
 
+def _run_smoke(page: str, click: str, query: str) -> dict:
+    smoke = pathlib.Path(__file__).with_name("html_smoke.js")
+    result = subprocess.run(
+        ["node", str(smoke), click, query], input=page, capture_output=True, text=True, check=True
+    )
+    return json.loads(result.stdout)
+
+
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script")
 def test_page_script_links_backward_to_forward_and_saved_in_a_fake_dom():
     """Not a browser: tests/html_smoke.js runs the inline script on a stub DOM that fails on
     any innerHTML, clicks ``convolution_backward`` and searches for ``relu``."""
     _, page = _page()
-    smoke = pathlib.Path(__file__).with_name("html_smoke.js")
-    result = subprocess.run(
-        ["node", str(smoke), "convolution_backward", "relu"],
-        input=page,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    seen = json.loads(result.stdout)
+    seen = _run_smoke(page, "convolution_backward", "relu")
     assert [row[2] for row in seen["forward"]] == ["aten.convolution.default"]
     assert seen["forward"][0][4] == XSS  # the module name, as text
     assert {row[0] for row in seen["saved"]} == {"x", "img_src_x_onerror_alert_1_weight"}
@@ -132,3 +132,19 @@ def test_recomputed_backward_nodes_carry_reason_and_flops():
     recomputed = {n["target"]: n["recomputed"] for n in backward if "recomputed" in n}
     assert "checkpoint" in recomputed["aten.mm.default"]["reason"]
     assert recomputed["aten.mm.default"]["flops"] == 2 * 4 * 4 * 4
+
+
+def test_profile_times_reach_the_module_panel(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Sequential(torch.nn.ReLU()))
+    x = torch.randn(2, 3)
+    profile = aotgrad.profile(model, x, repeats=1)
+    aotgrad.trace(model, x).to_html(tmp_path / "report.html", profile)
+    page = (tmp_path / "report.html").read_text()
+    document = embedded_document(page)
+    assert {m["module"] for m in document["profile"]["modules"]} == {"0", "1.0"}
+    if shutil.which("node") is None:
+        return
+    seen = _run_smoke(page, "threshold_backward", "relu")
+    modules = {row[0].strip(): row[1:] for row in seen["modules"]}
+    assert set(modules) == {"0", "1", "1.0"} and modules["1"][:2] == ["1", "1"]
+    assert seen["forward"][0][-1] != ""  # relu's forward time

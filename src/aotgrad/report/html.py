@@ -142,8 +142,7 @@ style-src 'unsafe-inline'; script-src 'unsafe-inline'">
 <section><h2>backward</h2><table id="backward"></table></section>
 <section><h2>saved for backward</h2><table id="saved"></table></section>
 <section><h2>calling convention</h2><div id="signature"></div></section>
-<section id="profile-section" hidden><h2>profile (per module)</h2><table id="profile"></table>
-</section>
+<section><h2>modules</h2><table id="modules"></table></section>
 </main>
 <script type="application/json" id="{data_id}">{data}</script>
 <script>{script}</script>
@@ -203,6 +202,11 @@ function shapeText(n) {
   return shapes + " " + (n.dtype || "");
 }
 
+function opTime(n) {
+  const t = doc.profile.ops.find(o => o.seq_nr === n.seq_nr && o.op === n.target);
+  return t ? t.forward_us.toFixed(1) : "";
+}
+
 function recomputeText(n) {
   return n.recomputed ? n.recomputed.reason + " (" + n.recomputed.flops + " FLOPs)" : "";
 }
@@ -218,11 +222,14 @@ function nodeTable(phase) {
   const nodes = doc.graphs[phase];
   if (!nodes) { table.appendChild(row(["(no backward graph)"])); return; }
   const columns = ["#", "name", "op", "shape", "module", "source"];
-  header(table, phase === "backward" ? [...columns, "recomputed"] : columns);
+  if (phase === "backward") columns.push("recomputed");
+  if (phase === "forward" && doc.profile) columns.push("forward us");
+  header(table, columns);
   for (const n of nodes) {
     const source = sourceText(n.source);
     const cells = [n.seq_nr ?? "", n.name, n.target, shapeText(n), n.module ?? "", source];
     if (phase === "backward") cells.push(recomputeText(n));
+    if (phase === "forward" && doc.profile) cells.push(opTime(n));
     const tr = row(cells, n.recomputed ? "node recomputed" : "node");
     tr.dataset.search = [n.target, n.module, source, n.name].join(" ").toLowerCase();
     tr.addEventListener("click", () => select(phase, n));
@@ -308,13 +315,45 @@ function signaturePanel() {
   panel.appendChild(el("p", "tracer: " + t.name + (t.fallback_reason ? " (" + t.fallback_reason + ")" : ""), "muted"));
 }
 
-function profilePanel() {
-  if (!doc.profile) return;
-  document.getElementById("profile-section").hidden = false;
-  const table = document.getElementById("profile");
-  header(table, ["module", "forward us", "backward us"]);
-  for (const m of doc.profile.modules) {
-    table.appendChild(row([m.module, m.forward_us.toFixed(1), m.backward_us.toFixed(1)]));
+function moduleStats() {
+  const stats = new Map();  // module path -> {forward, backward, forward_us, backward_us}
+  const entry = path => {
+    if (!stats.has(path)) stats.set(path, { forward: 0, backward: 0, forward_us: 0, backward_us: 0 });
+    return stats.get(path);
+  };
+  const ancestors = path => String(path).split(".").map((_, i, parts) => parts.slice(0, i + 1).join("."));
+  for (const phase of ["forward", "backward"]) {
+    for (const n of doc.graphs[phase] || []) {
+      if (n.op !== "call_function" || n.module === undefined || n.module === null) continue;
+      for (const path of ancestors(n.module)) entry(path)[phase] += 1;
+    }
+  }
+  for (const m of (doc.profile && doc.profile.modules) || []) {
+    for (const path of ancestors(m.module)) {
+      entry(path).forward_us += m.forward_us;
+      entry(path).backward_us += m.backward_us;
+    }
+  }
+  return stats;
+}
+
+function modulePanel() {
+  const table = document.getElementById("modules");
+  const timed = Boolean(doc.profile);
+  header(table, ["module", "forward ops", "backward ops",
+                 ...(timed ? ["forward us", "backward us"] : [])]);
+  const stats = moduleStats();
+  for (const path of [...stats.keys()].sort()) {
+    const s = stats.get(path);
+    const depth = path.split(".").length - 1;
+    const cells = ["\u00a0\u00a0".repeat(depth) + path, s.forward, s.backward];
+    if (timed) cells.push(s.forward_us.toFixed(1), s.backward_us.toFixed(1));
+    const tr = row(cells, "node");
+    tr.addEventListener("click", () => {
+      document.getElementById("search").value = path;
+      search();
+    });
+    table.appendChild(tr);
   }
 }
 
@@ -333,6 +372,6 @@ nodeTable("forward");
 nodeTable("backward");
 savedTable();
 signaturePanel();
-profilePanel();
+modulePanel();
 document.getElementById("search").addEventListener("input", search);
 """
