@@ -39,27 +39,39 @@ def render_html(partitioned: Partitioned, profile: Any = None) -> str:
 
 
 def report_document(partitioned: Partitioned, profile: Any = None) -> dict[str, Any]:
-    """``show_document`` with each node's ``shape`` and ``dtype`` and the profile's times.
+    """``show_document`` without the joint graph (the page shows forward and backward), each
+    node with its ``shape`` and ``dtype``, recomputed backward ops with ``recomputed`` (reason
+    and FLOPs), and the profile's times.
 
     >>> import torch, aotgrad
     >>> t = aotgrad.trace(lambda x: x.sin(), torch.ones(2, requires_grad=True))
-    >>> [(n["shape"], n["dtype"]) for n in report_document(t.partitioned)["graphs"]["forward"]]
+    >>> document = report_document(t.partitioned)
+    >>> [(n["shape"], n["dtype"]) for n in document["graphs"]["forward"]]
     [([2], 'float32'), ([2], 'float32'), (None, None)]
+    >>> sorted(document["graphs"])
+    ['backward', 'forward']
     """
     document = show_document(partitioned)
-    graphs = {"joint": partitioned.joint.gm, "forward": partitioned.forward}
+    del document["graphs"]["joint"]
+    _add_tensor_meta(document["graphs"]["forward"], partitioned.forward)
     if partitioned.backward is not None:
-        graphs["backward"] = partitioned.backward
-    for phase, gm in graphs.items():
-        for entry, node in zip(document["graphs"][phase], gm.graph.nodes, strict=True):
-            entry.update(_tensor_meta(node))
-    recomputed = {r.name: r for r in partitioned.recomputed}
-    for entry in document["graphs"]["backward"] or []:
-        if entry["name"] in recomputed:
-            op = recomputed[entry["name"]]
-            entry["recomputed"] = {"reason": op.reason, "flops": op.flops}
+        _add_tensor_meta(document["graphs"]["backward"], partitioned.backward)
+        _mark_recomputed(document["graphs"]["backward"], partitioned)
     document["profile"] = _profile_dict(profile)
     return document
+
+
+def _add_tensor_meta(entries: list[dict[str, Any]], gm: fx.GraphModule) -> None:
+    for entry, node in zip(entries, gm.graph.nodes, strict=True):
+        entry.update(_tensor_meta(node))
+
+
+def _mark_recomputed(entries: list[dict[str, Any]], partitioned: Partitioned) -> None:
+    recomputed = {r.name: r for r in partitioned.recomputed}
+    for entry in entries:
+        op = recomputed.get(entry["name"])
+        if op is not None:
+            entry["recomputed"] = {"reason": op.reason, "flops": op.flops}
 
 
 def embed_json(value: Any) -> str:
