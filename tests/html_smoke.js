@@ -43,11 +43,13 @@ const marked = (table, cls) =>
 const target = byId.get("backward").children.find(r => texts(r)[1] === process.argv[2]);
 target.listeners.click();
 const search = byId.get("search");
+const clicked = byId.get("summary").textContent;
 search.value = process.argv[3] || "";
 search.listeners.input();
 console.log(JSON.stringify({
   selected: marked("backward", "selected"), forward: marked("forward", "linked"),
   saved: marked("saved", "linked"), hidden: marked("forward", "hidden").length,
   summary: byId.get("summary").textContent, signature: byId.get("signature").children.length,
+  clicked,
   modules: byId.get("modules").children.slice(1).map(texts),
 }));

@@ -121,6 +121,10 @@ def test_page_script_links_backward_to_forward_and_saved_in_a_fake_dom():
     assert seen["forward"][0][4] == XSS  # the module name, as text
     assert {row[0] for row in seen["saved"]} == {"x", "img_src_x_onerror_alert_1_weight"}
     assert seen["summary"].endswith("rows match") and seen["hidden"] > 0
+    assert (
+        seen["clicked"]
+        == "convolution_backward: 1 forward op(s) with seq_nr 0, reads 2 saved value(s)"
+    )
 
 
 def test_recomputed_backward_nodes_carry_reason_and_flops():

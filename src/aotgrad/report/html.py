@@ -260,18 +260,16 @@ function select(phase, node) {
   clearMarks();
   rows.get(phase + ":" + node.name).classList.add("selected");
   const other = phase === "forward" ? "backward" : "forward";
-  if (node.seq_nr !== null && node.seq_nr !== undefined) {
-    for (const n of doc.graphs[other] || []) {
-      if (n.seq_nr === node.seq_nr && n.op === "call_function") {
-        rows.get(other + ":" + n.name).classList.add("linked");
-      }
-    }
-  }
-  if (phase === "backward") {
-    for (const s of doc.saved) {
-      if (s.users.includes(node.name)) rows.get("saved:" + s.name).classList.add("linked");
-    }
-  }
+  const linked = (doc.graphs[other] || []).filter(n => n.op === "call_function" &&
+    node.seq_nr !== null && node.seq_nr !== undefined && n.seq_nr === node.seq_nr);
+  const reads = phase === "backward" ? doc.saved.filter(s => s.users.includes(node.name)) : [];
+  const marked = [...linked.map(n => rows.get(other + ":" + n.name)),
+                  ...reads.map(s => rows.get("saved:" + s.name))];
+  for (const tr of marked) tr.classList.add("linked");
+  if (marked.length && marked[0].scrollIntoView) marked[0].scrollIntoView({ block: "nearest" });
+  document.getElementById("summary").textContent = node.name + ": " + linked.length + " " +
+    other + " op(s) with seq_nr " + (node.seq_nr ?? "-") +
+    (phase === "backward" ? ", reads " + reads.length + " saved value(s)" : "");
 }
 
 const savedColumns = [
