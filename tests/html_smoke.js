@@ -49,7 +49,8 @@ search.listeners.input();
 console.log(JSON.stringify({
   selected: marked("backward", "selected"), forward: marked("forward", "linked"),
   saved: marked("saved", "linked"), hidden: marked("forward", "hidden").length,
-  summary: byId.get("summary").textContent, signature: byId.get("signature").children.length,
+  summary: byId.get("summary").textContent, 
+  signature: byId.get("signature").all().filter(e => e.tagName === "li").map(e => e.textContent),
   clicked,
   modules: byId.get("modules").children.slice(1).map(texts),
 }));
