@@ -1,6 +1,7 @@
 """Reports read the pipeline's results; nothing in the pipeline imports them."""
 
 from aotgrad.report.document import SCHEMA, show_document
+from aotgrad.report.html import render_html
 from aotgrad.report.saved_report import format_bytes, memory_report
 from aotgrad.report.seq_table import SeqRow, SeqTable, seq_table
 
@@ -10,6 +11,7 @@ __all__ = [
     "SeqTable",
     "format_bytes",
     "memory_report",
+    "render_html",
     "seq_table",
     "show_document",
 ]
