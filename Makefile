@@ -3,10 +3,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTHON ?= python3.11
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo test lint typecheck pytest bench sweep fuzz models clean
+.PHONY: install browser chromium vendor demo test lint typecheck pytest bench sweep fuzz models clean
 
-install: $(STAMP)
+install: $(STAMP) browser
 
 # The stamp depends on pyproject.toml, so a second `make install` does nothing
 # until the dependencies change. torch goes first and by exact version: the CPU
@@ -16,6 +17,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# Debian's chromium, for the HTML report's browser tests (Playwright's own download is not used).
+browser:
+	@command -v chromium >/dev/null || $(MAKE) chromium
+
+chromium:
+	$(SUDO) apt-get install -y --no-install-recommends chromium || \
+	  { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium; }
+
+# Fetches the vendored JavaScript again from the npm registry and checks its pinned hash.
+vendor:
+	rm -rf build/vendor && mkdir -p build/vendor
+	cd build/vendor && npm pack --silent @dagrejs/dagre@1.1.4 && tar xzf dagrejs-dagre-1.1.4.tgz
+	echo "2cde82baf0b9232c00aa13932945ff92a17fb08c6885a635592330a4c2c567c5  build/vendor/package/dist/dagre.min.js" | sha256sum -c
+	cp build/vendor/package/dist/dagre.min.js src/aotgrad/report/vendor/dagre.min.js
+	cp build/vendor/package/LICENSE src/aotgrad/report/vendor/dagre.LICENSE
 
 demo: install
 	$(VENV)/bin/aotgrad show examples/carry.py:fn
