@@ -48,7 +48,7 @@ def render_html(partitioned: Partitioned, profile: Any = None) -> str:
 
 def report_document(partitioned: Partitioned, profile: Any = None) -> dict[str, Any]:
     """``show_document`` without the joint graph (the page shows forward and backward), each
-    node with its ``shape`` and ``dtype``, recomputed backward ops with ``recomputed`` (reason
+    node with its ``shape``, ``dtype`` and ``inputs``, recomputed backward ops with ``recomputed`` (reason
     and FLOPs), and the profile's times.
 
     >>> import torch, aotgrad
@@ -70,8 +70,11 @@ def report_document(partitioned: Partitioned, profile: Any = None) -> dict[str, 
 
 
 def _add_tensor_meta(entries: list[dict[str, Any]], gm: fx.GraphModule) -> None:
+    """Each entry's ``shape``, ``dtype`` and ``inputs`` (the names of the nodes its args read:
+    the drawings' edges)."""
     for entry, node in zip(entries, gm.graph.nodes, strict=True):
         entry.update(_tensor_meta(node))
+        entry["inputs"] = [i.name for i in node.all_input_nodes]
 
 
 def _mark_recomputed(entries: list[dict[str, Any]], partitioned: Partitioned) -> None:
@@ -177,8 +180,10 @@ style-src 'unsafe-inline'; script-src 'unsafe-inline'">
 <input id="search" type="search" placeholder="search op, module, source">
 <span id="summary"></span></header>
 <main>
-<section><h2>forward graph</h2><div class="graphbox"><svg id="forward-graph"></svg></div></section>
-<section><h2>backward graph</h2><div class="graphbox"><svg id="backward-graph"></svg></div></section>
+<section><h2>forward graph</h2><div class="graphbar" id="forward-graph-bar"></div>
+<div class="graphbox"><svg id="forward-graph"></svg></div></section>
+<section><h2>backward graph</h2><div class="graphbar" id="backward-graph-bar"></div>
+<div class="graphbox"><svg id="backward-graph"></svg></div></section>
 <section><h2>forward</h2><table id="forward"></table></section>
 <section><h2>backward</h2><table id="backward"></table></section>
 <section><h2>saved for backward</h2><table id="saved"></table></section>
