@@ -95,7 +95,9 @@ function paintMarks() {
   }
 }
 
-function select(phase, node) {
+// Marks `node` and what it links to. A click in a table scrolls the first linked row into view;
+// a click in a drawing (`fromDrawing`) leaves the page where it is.
+function select(phase, node, fromDrawing) {
   const other = phase === "forward" ? "backward" : "forward";
   const linked = (doc.graphs[other] || []).filter(n => n.op === "call_function" &&
     node.seq_nr !== null && node.seq_nr !== undefined && n.seq_nr === node.seq_nr);
@@ -105,7 +107,7 @@ function select(phase, node) {
            ...reads.map(s => ["saved", s.name, "linked"])];
   paintMarks();
   const first = marks.slice(1).map(([kind, name]) => rows.get(kind + ":" + name)).find(Boolean);
-  if (first && first.scrollIntoView) first.scrollIntoView({ block: "nearest" });
+  if (first && first.scrollIntoView && !fromDrawing) first.scrollIntoView({ block: "nearest" });
   for (const p of ["forward", "backward"]) scrollGraphTo(p, p === phase ? node.name : null);
   document.getElementById("summary").textContent = node.name + ": " + linked.length + " " +
     other + " op(s) with seq_nr " + (node.seq_nr ?? "-") +
@@ -315,7 +317,8 @@ function collectUnits(state) {
     units.get(key).members.push(n);
   }
   for (const u of units.values()) {
-    u.lines = u.node ? [opLabel(u.node), shapeText(u.node)]
+    const mark = u.node && u.node.recomputed ? "\u21bb " : "";  // a recomputed backward op
+    u.lines = u.node ? [mark + opLabel(u.node), shapeText(u.node)]
                      : [u.path, u.members.length + " nodes"];
     u.lines = u.lines.map(t => clip(t, 40));
   }
@@ -407,7 +410,7 @@ function drawNode(phase, unit, box) {
   g.dataset.name = n.name;
   g.appendChild(svgEl("title", {}, [n.name, n.target, n.module ?? "", recomputeText(n)]
     .filter(Boolean).join("\n")));
-  g.addEventListener("click", () => select(phase, n));
+  g.addEventListener("click", () => select(phase, n, true));
   return g;
 }
 
