@@ -1,10 +1,21 @@
 """``aotgrad show --html``: one self-contained HTML page over the ``show --json`` document.
 
-The page holds no markup built from user strings: the document (plus each node's shape
-and dtype) is embedded as JSON in a ``<script type="application/json">`` tag, with
-``</`` escaped so no string can close the tag, and the inline script renders every
-string with ``textContent``. Module names, source lines and op names are data, never HTML.
-Nothing is fetched: the CSS and JS are inline and the page links to nothing.
+The page holds no markup built from user strings: the document (plus each node's shape,
+dtype and input names) is embedded as JSON in a ``<script type="application/json">`` tag,
+with ``<``, ``>`` and ``&`` escaped so no string can close the tag, and the script renders
+every string with ``textContent``. Module names, source lines and op names are data, never HTML.
+
+Nothing is fetched: ``static/report.css``, the vendored ``vendor/dagre.min.js`` (graph layout,
+pinned by hash in ``vendor/README.md``) and ``static/report.js`` are read with
+``importlib.resources`` and inlined, the report's script last (``tests/html_smoke.js`` runs
+it); a Content-Security-Policy forbids any fetch, and the page names no URL.
+
+``report.js`` draws the forward and backward graphs as SVG laid out by ``dagre.layout``. A
+graph of more than 150 nodes is drawn collapsed by module (the deepest module level that
+keeps it under 150 boxes); a group expands on click and collapses from the bar above the
+drawing. Test hooks: rows and drawn boxes carry ``data-phase`` and ``data-name`` (groups
+``data-module``), drawn boxes are ``g.gnode`` / ``g.ggroup`` in ``svg#forward-graph`` /
+``svg#backward-graph``, and a selection marks items ``selected`` and ``linked``.
 """
 
 from __future__ import annotations

@@ -67,6 +67,8 @@ function nodeTable(phase) {
     if (phase === "forward" && doc.profile) cells.push(opTime(n));
     const tr = row(cells, n.recomputed ? "node recomputed" : "node");
     tr.dataset.search = searchText(n);
+    tr.dataset.phase = phase;  // test hooks, as on the drawn boxes
+    tr.dataset.name = n.name;
     tr.addEventListener("click", () => select(phase, n));
     rows.set(phase + ":" + n.name, tr);
     table.appendChild(tr);
@@ -134,6 +136,8 @@ function savedTable() {
   for (const s of sorted) {
     const tr = row(savedColumns.map(c => c[1](s)));
     tr.dataset.search = [s.name, s.module, sourceText(s.source), s.producer].join(" ").toLowerCase();
+    tr.dataset.phase = "saved";
+    tr.dataset.name = s.name;
     rows.set("saved:" + s.name, tr);
     table.appendChild(tr);
   }
@@ -201,6 +205,7 @@ function modulePanel() {
     const cells = ["\u00a0\u00a0".repeat(depth) + path, s.forward, s.backward];
     if (timed) cells.push(s.forward_us.toFixed(1), s.backward_us.toFixed(1));
     const tr = row(cells, "node");
+    tr.dataset.module = path;
     tr.addEventListener("click", () => {
       document.getElementById("search").value = path;
       search();
