@@ -220,12 +220,12 @@ function modulePanel() {
 // module path starts with the group's path. `state.expanded` holds the module paths that are
 // open; a node's unit is the shortest prefix of its module path that is not open (or the node
 // itself when all are). The bar above a grouped drawing has a button per open module with no
-// open submodule, to collapse it again.
+// open submodule, to collapse it again. (dagre's compound layout could draw open modules as
+// boxes around their units, but takes ~0.5 s on gpt12 where the flat layout takes ~0.05 s.)
 //
 // The output node is not drawn: edges from everything it returns (in the forward, every saved
 // value) to one box would cross the whole drawing, and make dagre ~8x slower on gpt12. Units
-// holding a value the graph returns get a dot instead (class `gout`). (dagre's compound layout could draw open modules as
-// boxes, but takes ~0.5 s on gpt12 where the flat layout takes ~0.05 s.)
+// holding a value the graph returns get a dot instead (class `gout`).
 
 const SVG_NS = "http://www.w3.org/2000/svg";
 const GRAPH_LIMIT = 150;  // most units drawn before a drawing is collapsed by module
@@ -290,6 +290,8 @@ function initialExpansion(state) {
 function initGraph(phase) {
   const svg = document.getElementById(phase + "-graph");
   const nodes = doc.graphs[phase];
+  const bar = document.getElementById(phase + "-graph-bar");
+  if (!nodes && bar) bar.appendChild(el("span", "(no " + phase + " graph)", "muted"));
   if (!svg || !nodes || typeof dagre === "undefined") return;
   const drawn = nodes.filter(n => n.op !== "output");
   const returned = nodes.filter(n => n.op === "output").flatMap(n => n.inputs || []);
