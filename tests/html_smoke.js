@@ -72,5 +72,6 @@ console.log(JSON.stringify({
   graphMarks: { forward: graphMarks("forward"), backward: graphMarks("backward") },
   graphMatches: drawn("forward", "match").map(g => g.dataset.name),
   groups: drawn("forward", "ggroup").map(g => g.dataset.module),
+  fanout: drawn("forward", "gfanout").map(drawnName),
   modules: byId.get("modules").children.slice(1).map(texts),
 }));

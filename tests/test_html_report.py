@@ -202,3 +202,15 @@ def test_profile_times_reach_the_module_panel(tmp_path):
     modules = {row[0].strip(): row[1:] for row in seen["modules"]}
     assert set(modules) == {"0", "1", "1.0"} and modules["1"][:2] == ["1", "1"]
     assert seen["forward"][0][-1] != ""  # relu's forward time
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script")
+def test_a_value_read_by_many_ops_is_drawn_without_edges():
+    def fn(x, w):
+        for _ in range(12):
+            x = (x @ w).sin()
+        return x.sum()
+
+    traced = aotgrad.trace(fn, torch.randn(2, 2, requires_grad=True), torch.randn(2, 2))
+    seen = _run_smoke(render_html(traced.partitioned), "cos", "")
+    assert seen["fanout"] == ["w"]

@@ -229,6 +229,7 @@ function modulePanel() {
 
 const SVG_NS = "http://www.w3.org/2000/svg";
 const GRAPH_LIMIT = 150;  // most units drawn before a drawing is collapsed by module
+const FANOUT_LIMIT = 8;   // most units one unit has edges to (see unitEdges)
 const CHAR_W = 6.7;       // width of one character of the 11px monospace labels
 const UNIT_H = 34;
 const graphs = {};        // phase -> drawing state (see initGraph)
@@ -323,16 +324,44 @@ function collectUnits(state) {
     }
     units.get(key).members.push(n);
   }
-  for (const u of units.values()) {
-    const mark = u.node && u.node.recomputed ? "\u21bb " : "";  // a recomputed backward op
-    u.lines = u.node ? [mark + opLabel(u.node), shapeText(u.node)]
-                     : [u.path, u.members.length + " nodes"];
-    u.lines = u.lines.map(t => clip(t, 40));
-  }
   return units;
 }
 
-function layoutGraph(state) {
+// Edges from fx args, one per pair of units (none inside a group): unit key -> Set of unit
+// keys. A unit read by more than FANOUT_LIMIT others (a weight every layer reads, say) keeps
+// no edges: they would span the whole drawing, and their dummy nodes make dagre take seconds
+// (13 s for a 100-step loop reading one weight). Its label says how many units read it.
+function unitEdges(state) {
+  const edges = new Map();
+  for (const n of state.nodes) {
+    const to = unitKey(state, n);
+    for (const input of n.inputs || []) {
+      const source = state.byName.get(input);
+      if (!source) continue;
+      const from = unitKey(state, source);
+      if (from === to) continue;
+      if (!edges.has(from)) edges.set(from, new Set());
+      edges.get(from).add(to);
+    }
+  }
+  for (const [from, targets] of edges) {
+    if (targets.size > FANOUT_LIMIT) {
+      state.units.get(from).readers = targets.size;
+      edges.delete(from);
+    }
+  }
+  return edges;
+}
+
+function unitLines(u) {
+  const mark = u.node && u.node.recomputed ? "\u21bb " : "";  // a recomputed backward op
+  const lines = u.node ? [mark + opLabel(u.node), shapeText(u.node)]
+                       : [u.path, u.members.length + " nodes"];
+  if (u.readers) lines[1] += " \u2192 " + u.readers + " readers";
+  return lines.map(t => clip(t, 44));
+}
+
+function layoutGraph(state, edges) {
   const g = new dagre.graphlib.Graph();
   g.setGraph({ rankdir: "TB", nodesep: 14, ranksep: 26, marginx: 10, marginy: 10 });
   g.setDefaultEdgeLabel(() => ({}));
@@ -340,15 +369,8 @@ function layoutGraph(state) {
     const chars = Math.max(...u.lines.map(t => t.length));
     g.setNode(u.key, { width: Math.max(60, chars * CHAR_W + 14), height: UNIT_H });
   }
-  // Edges from fx args; between groups one edge per pair, none inside a group.
-  for (const n of state.nodes) {
-    const to = unitKey(state, n);
-    for (const input of n.inputs || []) {
-      const source = state.byName.get(input);
-      if (!source) continue;
-      const from = unitKey(state, source);
-      if (from !== to) g.setEdge(from, to);
-    }
+  for (const [from, targets] of edges) {
+    for (const to of targets) g.setEdge(from, to);
   }
   dagre.layout(g);
   return g;
@@ -356,7 +378,9 @@ function layoutGraph(state) {
 
 function drawGraph(state) {
   state.units = collectUnits(state);
-  const g = layoutGraph(state);
+  const edges = unitEdges(state);
+  for (const u of state.units.values()) u.lines = unitLines(u);
+  const g = layoutGraph(state, edges);
   const svg = state.svg;
   svg.replaceChildren();
   const size = g.graph();
@@ -411,7 +435,8 @@ function returnsValue(phase, unit) {
 
 function drawNode(phase, unit, box) {
   const n = unit.node;
-  const cls = "gnode" + (n.recomputed ? " recomputed" : "") + (n.op !== "call_function" ? " gio" : "");
+  const cls = "gnode" + (n.recomputed ? " recomputed" : "") +
+              (n.op !== "call_function" ? " gio" : "") + (unit.readers ? " gfanout" : "");
   const g = boxed(cls, box, unit.lines, returnsValue(phase, unit));
   g.dataset.phase = phase;
   g.dataset.name = n.name;
