@@ -440,7 +440,8 @@ function drawNode(phase, unit, box) {
   const g = boxed(cls, box, unit.lines, returnsValue(phase, unit));
   g.dataset.phase = phase;
   g.dataset.name = n.name;
-  g.appendChild(svgEl("title", {}, [n.name, n.target, n.module ?? "", recomputeText(n)]
+  const readers = unit.readers ? "read by " + unit.readers + " boxes (edges not drawn)" : "";
+  g.appendChild(svgEl("title", {}, [n.name, n.target, n.module ?? "", recomputeText(n), readers]
     .filter(Boolean).join("\n")));
   g.addEventListener("click", () => select(phase, n, true));
   return g;
