@@ -5,6 +5,7 @@ No browser here: these read the page as text (its links, its escaping, its embed
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 import re
@@ -18,7 +19,7 @@ import torch.utils.checkpoint
 import aotgrad
 from aotgrad.cli import main
 from aotgrad.report import show_document
-from aotgrad.report.html import embedded_document, render_html
+from aotgrad.report.html import embedded_document, inline_script, render_html
 
 XSS = "<img src=x onerror=alert(1)>"
 
@@ -44,13 +45,33 @@ def test_page_links_to_nothing():
     assert "<link" not in page and "@import" not in page
 
 
+VENDOR = pathlib.Path(aotgrad.__file__).parent / "report" / "vendor"
+
+
+def test_vendored_dagre_is_the_pinned_file():
+    readme = (VENDOR / "README.md").read_text()
+    pinned = re.search(r"\| dagre\.min\.js \|.*\| ([0-9a-f]{64}) \|", readme)
+    assert pinned is not None
+    assert hashlib.sha256((VENDOR / "dagre.min.js").read_bytes()).hexdigest() == pinned.group(1)
+
+
+def test_page_inlines_dagre_then_the_report_script():
+    _, page = _page()
+    dagre = inline_script((VENDOR / "dagre.min.js").read_text())
+    assert "://" in (VENDOR / "dagre.min.js").read_text() and "://" not in dagre
+    assert dagre in page
+    assert page.index(dagre) < page.rindex("<script>")  # the report's script comes last
+    for hook in ('id="forward-graph"', 'id="backward-graph"', 'id="search"', 'id="modules"'):
+        assert hook in page
+
+
 def test_user_strings_appear_only_escaped():
     traced, page = _page()
     modules = {n.get("module") for n in show_document(traced.partitioned)["graphs"]["forward"]}
     assert XSS in modules  # the page really carries the hostile name...
     assert XSS not in page  # ...but never as markup
     assert "alert(2)" in page and "</script><script>alert(2)" not in page
-    assert page.count("</script>") == 2  # the data tag's and the code tag's, nothing else
+    assert page.count("</script>") == 3  # the data tag, dagre and the report script, nothing else
 
 
 def test_embedded_json_round_trips():
@@ -60,7 +81,7 @@ def test_embedded_json_round_trips():
     assert document["signature"] == expected["signature"]
     assert document["saved"] == expected["saved"]
     for phase in ("forward", "backward"):
-        without_meta = [_drop(n, "shape", "dtype") for n in document["graphs"][phase]]
+        without_meta = [_drop(n, "shape", "dtype", "inputs") for n in document["graphs"][phase]]
         assert without_meta == expected["graphs"][phase]
     conv = next(n for n in document["graphs"]["forward"] if "convolution" in n["target"])
     assert conv["shape"] == [1, 2, 3, 3] and conv["dtype"] == "float32"
@@ -125,6 +146,35 @@ def test_page_script_links_backward_to_forward_and_saved_in_a_fake_dom():
         seen["clicked"]
         == "convolution_backward: 1 forward op(s) with seq_nr 0, reads 2 saved value(s)"
     )
+    # the drawings: small, so every node but the output is drawn; a click there marks the same
+    assert seen["clickedInDrawing"] == seen["clicked"]
+    assert seen["drawn"] == [len(embedded_document(page)["graphs"][p]) - 1 for p in PHASES]
+    assert seen["graphMarks"]["backward"][0] == ["convolution_backward"]
+    assert "convolution" in seen["graphMarks"]["forward"][1]
+    assert set(seen["graphMarks"]["forward"][1]) - {"convolution"} == {
+        row[0] for row in seen["saved"]
+    }
+    assert seen["graphMatches"] == ["relu"] or "relu" in seen["graphMatches"]
+    assert seen["groups"] == []
+
+
+PHASES = ("forward", "backward")
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script")
+def test_big_drawings_are_collapsed_by_module():
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(60)]
+    )
+    traced = aotgrad.trace(model, torch.randn(2, 4))
+    page = render_html(traced.partitioned)
+    assert len(embedded_document(page)["graphs"]["forward"]) > 150
+    seen = _run_smoke(page, "threshold_backward", "relu")
+    assert all(0 < count <= 150 for count in seen["drawn"])
+    assert "0.0" in seen["groups"]  # Linear 0.0 collapsed (its Sequential 0 is open)
+    # the clicked node sits in a collapsed group, which is marked in its stead
+    assert seen["clickedInDrawing"] is None
+    assert seen["graphMarks"]["backward"][0] == ["module 59.1"]
 
 
 def test_recomputed_backward_nodes_carry_reason_and_flops():
@@ -152,3 +202,15 @@ def test_profile_times_reach_the_module_panel(tmp_path):
     modules = {row[0].strip(): row[1:] for row in seen["modules"]}
     assert set(modules) == {"0", "1", "1.0"} and modules["1"][:2] == ["1", "1"]
     assert seen["forward"][0][-1] != ""  # relu's forward time
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script")
+def test_a_value_read_by_many_ops_is_drawn_without_edges():
+    def fn(x, w):
+        for _ in range(12):
+            x = (x @ w).sin()
+        return x.sum()
+
+    traced = aotgrad.trace(fn, torch.randn(2, 2, requires_grad=True), torch.randn(2, 2))
+    seen = _run_smoke(render_html(traced.partitioned), "cos", "")
+    assert seen["fanout"] == ["w"]

@@ -1,15 +1,28 @@
 """``aotgrad show --html``: one self-contained HTML page over the ``show --json`` document.
 
-The page holds no markup built from user strings: the document (plus each node's shape
-and dtype) is embedded as JSON in a ``<script type="application/json">`` tag, with
-``</`` escaped so no string can close the tag, and the inline script renders every
-string with ``textContent``. Module names, source lines and op names are data, never HTML.
-Nothing is fetched: the CSS and JS are inline and the page links to nothing.
+The page holds no markup built from user strings: the document (plus each node's shape,
+dtype and input names) is embedded as JSON in a ``<script type="application/json">`` tag,
+with ``<``, ``>`` and ``&`` escaped so no string can close the tag, and the script renders
+every string with ``textContent``. Module names, source lines and op names are data, never HTML.
+
+Nothing is fetched: ``static/report.css``, the vendored ``vendor/dagre.min.js`` (graph layout,
+pinned by hash in ``vendor/README.md``) and ``static/report.js`` are read with
+``importlib.resources`` and inlined, the report's script last (``tests/html_smoke.js`` runs
+it); a Content-Security-Policy forbids any fetch, and the page names no URL.
+
+``report.js`` draws the forward and backward graphs as SVG laid out by ``dagre.layout``. A
+graph of more than 150 nodes is drawn collapsed by module (the deepest module level that
+keeps it under 150 boxes); a group expands on click and collapses from the bar above the
+drawing. Test hooks: rows and drawn boxes carry ``data-phase`` and ``data-name`` (groups
+``data-module``), drawn boxes are ``g.gnode`` / ``g.ggroup`` in ``svg#forward-graph`` /
+``svg#backward-graph``, and a selection marks items ``selected`` and ``linked``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.resources
 import json
 from typing import Any
 
@@ -35,12 +48,18 @@ def render_html(partitioned: Partitioned, profile: Any = None) -> str:
     ['x', 'aten.sin.default', 'output']
     """
     document = report_document(partitioned, profile)
-    return _PAGE.format(data_id=DATA_ID, data=embed_json(document), style=_STYLE, script=_SCRIPT)
+    return _PAGE.format(
+        data_id=DATA_ID,
+        data=embed_json(document),
+        style=_asset("static/report.css"),
+        library=inline_script(_asset("vendor/dagre.min.js")),
+        script=inline_script(_asset("static/report.js")),
+    )
 
 
 def report_document(partitioned: Partitioned, profile: Any = None) -> dict[str, Any]:
     """``show_document`` without the joint graph (the page shows forward and backward), each
-    node with its ``shape`` and ``dtype``, recomputed backward ops with ``recomputed`` (reason
+    node with its ``shape``, ``dtype`` and ``inputs``, recomputed backward ops with ``recomputed`` (reason
     and FLOPs), and the profile's times.
 
     >>> import torch, aotgrad
@@ -62,8 +81,11 @@ def report_document(partitioned: Partitioned, profile: Any = None) -> dict[str, 
 
 
 def _add_tensor_meta(entries: list[dict[str, Any]], gm: fx.GraphModule) -> None:
+    """Each entry's ``shape``, ``dtype`` and ``inputs`` (the names of the nodes its args read:
+    the drawings' edges)."""
     for entry, node in zip(entries, gm.graph.nodes, strict=True):
         entry.update(_tensor_meta(node))
+        entry["inputs"] = [i.name for i in node.all_input_nodes]
 
 
 def _mark_recomputed(entries: list[dict[str, Any]], partitioned: Partitioned) -> None:
@@ -91,12 +113,31 @@ def embed_json(value: Any) -> str:
 def embedded_document(page: str) -> Any:
     """The JSON document a page made by ``render_html`` carries (for tests and tools).
 
-    >>> embedded_document(_PAGE.format(data_id=DATA_ID, data='[1]', style="", script=""))
+    >>> embedded_document(_PAGE.format(data_id=DATA_ID, data="[1]", style="", library="", script=""))
     [1]
     """
     opening = f'<script type="application/json" id="{DATA_ID}">'
     start = page.index(opening) + len(opening)
     return json.loads(page[start : page.index("</script>", start)])
+
+
+def inline_script(code: str) -> str:
+    """``code`` as the text of an inline ``<script>``: a ``</`` could end the element, and the
+    page names no URL, so ``://`` becomes ``:\\/\\/`` (the same characters in a JS string,
+    regex or comment; dagre.min.js has one URL, in a comment).
+
+    >>> inline_script('// see http://example.org')
+    '// see http:\\\\/\\\\/example.org'
+    """
+    if "</" in code or "<!--" in code:
+        raise ValueError("an inline script must not contain '</' or '<!--'")
+    return code.replace("://", ":\\/\\/")
+
+
+@functools.cache
+def _asset(name: str) -> str:
+    """A file shipped in ``aotgrad/report`` (``static/`` or ``vendor/``), as text."""
+    return importlib.resources.files("aotgrad.report").joinpath(name).read_text(encoding="utf-8")
 
 
 def _tensor_meta(node: fx.Node) -> dict[str, Any]:
@@ -150,6 +191,10 @@ style-src 'unsafe-inline'; script-src 'unsafe-inline'">
 <input id="search" type="search" placeholder="search op, module, source">
 <span id="summary"></span></header>
 <main>
+<section><h2>forward graph</h2><div class="graphbar" id="forward-graph-bar"></div>
+<div class="graphbox"><svg id="forward-graph"></svg></div></section>
+<section><h2>backward graph</h2><div class="graphbar" id="backward-graph-bar"></div>
+<div class="graphbox"><svg id="backward-graph"></svg></div></section>
 <section><h2>forward</h2><table id="forward"></table></section>
 <section><h2>backward</h2><table id="backward"></table></section>
 <section><h2>saved for backward</h2><table id="saved"></table></section>
@@ -157,231 +202,8 @@ style-src 'unsafe-inline'; script-src 'unsafe-inline'">
 <section><h2>modules</h2><table id="modules"></table></section>
 </main>
 <script type="application/json" id="{data_id}">{data}</script>
+<script>{library}</script>
 <script>{script}</script>
 </body>
 </html>
-"""
-
-_STYLE = """
-body { font: 13px system-ui, sans-serif; margin: 0; }
-header { position: sticky; top: 0; background: #f4f4f4; padding: 6px 12px;
-  border-bottom: 1px solid #ccc; display: flex; gap: 12px; align-items: center; }
-h1 { font-size: 16px; margin: 0; } h2 { font-size: 14px; }
-main { display: grid; grid-template-columns: 1fr 1fr; gap: 0 16px; padding: 0 12px; }
-table { border-collapse: collapse; width: 100%; }
-td, th { border-bottom: 1px solid #eee; padding: 2px 6px; text-align: left;
-  font-family: ui-monospace, monospace; white-space: nowrap; }
-th { cursor: pointer; background: #fafafa; }
-tr.node { cursor: pointer; }
-tr.recomputed td:first-child { border-left: 3px solid #c0392b; }
-tr.selected { background: #ffd966; } tr.linked { background: #c9e7ff; }
-tr.hidden { display: none; } tr.total td { font-weight: bold; }
-.muted { color: #888; } ul { margin: 0; padding-left: 18px; }
-"""
-
-_SCRIPT = r"""
-"use strict";
-const doc = JSON.parse(document.getElementById("aotgrad-data").textContent);
-const rows = new Map();  // "phase:name" -> <tr>
-
-function el(tag, text, cls) {
-  const e = document.createElement(tag);
-  if (text !== undefined && text !== null) e.textContent = String(text);
-  if (cls) e.className = cls;
-  return e;
-}
-
-function row(cells, cls) {
-  const tr = el("tr", null, cls);
-  for (const c of cells) tr.appendChild(el("td", c));
-  return tr;
-}
-
-function header(table, names, onClick) {
-  const tr = el("tr");
-  names.forEach((n, i) => {
-    const th = el("th", n);
-    if (onClick) th.addEventListener("click", () => onClick(i));
-    tr.appendChild(th);
-  });
-  table.appendChild(tr);
-}
-
-function shapeText(n) {
-  if (!n.shape) return "";
-  const one = s => "[" + s.join(", ") + "]";
-  const shapes = Array.isArray(n.shape[0]) ? n.shape.map(one).join(" ") : one(n.shape);
-  return shapes + " " + (n.dtype || "");
-}
-
-function opTime(n) {
-  const t = doc.profile.ops.find(o => o.seq_nr === n.seq_nr && o.op === n.target);
-  return t ? t.forward_us.toFixed(1) : "";
-}
-
-function recomputeText(n) {
-  return n.recomputed ? n.recomputed.reason + " (" + n.recomputed.flops + " FLOPs)" : "";
-}
-
-function sourceText(s) {
-  if (!s) return "";
-  if (typeof s === "string") return s;
-  return String(s.file).split("/").pop() + ":" + s.line + "  " + (s.code ?? "");
-}
-
-function nodeTable(phase) {
-  const table = document.getElementById(phase);
-  const nodes = doc.graphs[phase];
-  if (!nodes) { table.appendChild(row(["(no backward graph)"])); return; }
-  const columns = ["#", "name", "op", "shape", "module", "source"];
-  if (phase === "backward") columns.push("recomputed");
-  if (phase === "forward" && doc.profile) columns.push("forward us");
-  header(table, columns);
-  for (const n of nodes) {
-    const source = sourceText(n.source);
-    const cells = [n.seq_nr ?? "", n.name, n.target, shapeText(n), n.module ?? "", source];
-    if (phase === "backward") cells.push(recomputeText(n));
-    if (phase === "forward" && doc.profile) cells.push(opTime(n));
-    const tr = row(cells, n.recomputed ? "node recomputed" : "node");
-    tr.dataset.search = [n.target, n.module, source, n.name].join(" ").toLowerCase();
-    tr.addEventListener("click", () => select(phase, n));
-    rows.set(phase + ":" + n.name, tr);
-    table.appendChild(tr);
-  }
-}
-
-function clearMarks() {
-  for (const tr of document.querySelectorAll(".selected, .linked")) {
-    tr.classList.remove("selected", "linked");
-  }
-}
-
-function select(phase, node) {
-  clearMarks();
-  rows.get(phase + ":" + node.name).classList.add("selected");
-  const other = phase === "forward" ? "backward" : "forward";
-  const linked = (doc.graphs[other] || []).filter(n => n.op === "call_function" &&
-    node.seq_nr !== null && node.seq_nr !== undefined && n.seq_nr === node.seq_nr);
-  const reads = phase === "backward" ? doc.saved.filter(s => s.users.includes(node.name)) : [];
-  const marked = [...linked.map(n => rows.get(other + ":" + n.name)),
-                  ...reads.map(s => rows.get("saved:" + s.name))];
-  for (const tr of marked) tr.classList.add("linked");
-  if (marked.length && marked[0].scrollIntoView) marked[0].scrollIntoView({ block: "nearest" });
-  document.getElementById("summary").textContent = node.name + ": " + linked.length + " " +
-    other + " op(s) with seq_nr " + (node.seq_nr ?? "-") +
-    (phase === "backward" ? ", reads " + reads.length + " saved value(s)" : "");
-}
-
-const savedColumns = [
-  ["name", s => s.name], ["bytes", s => s.nbytes], ["shape", s => shapeText(s)],
-  ["producer", s => s.producer], ["module", s => s.module ?? ""],
-  ["source", s => sourceText(s.source)], ["reason", s => s.reason ?? ""],
-];
-let savedOrder = { column: 1, descending: true };
-
-function savedTable() {
-  const table = document.getElementById("saved");
-  table.replaceChildren();
-  header(table, savedColumns.map(c => c[0]), sortSaved);
-  const key = savedColumns[savedOrder.column][1];
-  const sorted = [...doc.saved].sort((a, b) => {
-    const x = key(a), y = key(b);
-    const order = x < y ? -1 : x > y ? 1 : 0;
-    return savedOrder.descending ? -order : order;
-  });
-  for (const s of sorted) {
-    const tr = row(savedColumns.map(c => c[1](s)));
-    tr.dataset.search = [s.name, s.module, sourceText(s.source), s.producer].join(" ").toLowerCase();
-    rows.set("saved:" + s.name, tr);
-    table.appendChild(tr);
-  }
-  table.appendChild(row(["total (unique storages)", doc.saved_bytes], "total"));
-}
-
-function sortSaved(column) {
-  const same = savedOrder.column === column;
-  savedOrder = { column, descending: same ? !savedOrder.descending : true };
-  savedTable();
-  search();
-}
-
-function descText(d) {
-  if (d === null || d === undefined) return "None";
-  const inner = d.of ? " of " + descText(d.of) : "";
-  const name = d.name ?? d.path ?? d.index ?? "";
-  return d.kind + (name !== "" ? " " + name : "") + inner;
-}
-
-function signaturePanel() {
-  const panel = document.getElementById("signature");
-  for (const [key, descs] of Object.entries(doc.signature)) {
-    if (!Array.isArray(descs)) continue;
-    panel.appendChild(el("h3", key.replace("_", " ")));
-    const list = el("ol");
-    for (const d of descs) list.appendChild(el("li", descText(d)));
-    panel.appendChild(list);
-  }
-  const t = doc.tracer;
-  panel.appendChild(el("p", "tracer: " + t.name + (t.fallback_reason ? " (" + t.fallback_reason + ")" : ""), "muted"));
-}
-
-function moduleStats() {
-  const stats = new Map();  // module path -> {forward, backward, forward_us, backward_us}
-  const entry = path => {
-    if (!stats.has(path)) stats.set(path, { forward: 0, backward: 0, forward_us: 0, backward_us: 0 });
-    return stats.get(path);
-  };
-  const ancestors = path => String(path).split(".").map((_, i, parts) => parts.slice(0, i + 1).join("."));
-  for (const phase of ["forward", "backward"]) {
-    for (const n of doc.graphs[phase] || []) {
-      if (n.op !== "call_function" || n.module === undefined || n.module === null) continue;
-      for (const path of ancestors(n.module)) entry(path)[phase] += 1;
-    }
-  }
-  for (const m of (doc.profile && doc.profile.modules) || []) {
-    for (const path of ancestors(m.module)) {
-      entry(path).forward_us += m.forward_us;
-      entry(path).backward_us += m.backward_us;
-    }
-  }
-  return stats;
-}
-
-function modulePanel() {
-  const table = document.getElementById("modules");
-  const timed = Boolean(doc.profile);
-  header(table, ["module", "forward ops", "backward ops",
-                 ...(timed ? ["forward us", "backward us"] : [])]);
-  const stats = moduleStats();
-  for (const path of [...stats.keys()].sort()) {
-    const s = stats.get(path);
-    const depth = path.split(".").length - 1;
-    const cells = ["\u00a0\u00a0".repeat(depth) + path, s.forward, s.backward];
-    if (timed) cells.push(s.forward_us.toFixed(1), s.backward_us.toFixed(1));
-    const tr = row(cells, "node");
-    tr.addEventListener("click", () => {
-      document.getElementById("search").value = path;
-      search();
-    });
-    table.appendChild(tr);
-  }
-}
-
-function search() {
-  const q = document.getElementById("search").value.trim().toLowerCase();
-  let shown = 0;
-  for (const tr of rows.values()) {
-    const hit = !q || tr.dataset.search.includes(q);
-    tr.classList.toggle("hidden", !hit);
-    if (hit) shown++;
-  }
-  document.getElementById("summary").textContent = q ? shown + " rows match" : "";
-}
-
-nodeTable("forward");
-nodeTable("backward");
-savedTable();
-signaturePanel();
-modulePanel();
-document.getElementById("search").addEventListener("input", search);
 """
