@@ -91,18 +91,24 @@ def gpt12(tmp_path_factory) -> tuple[aotgrad.Traced, pathlib.Path]:
     return traced, report_of(traced, tmp_path_factory.mktemp("gpt12"), "gpt12")
 
 
-def forward_ops_with_seq_nr(traced: aotgrad.Traced, seq_nr: int) -> set[str]:
+def entries(traced: aotgrad.Traced, phase: str) -> list[dict]:
+    """The graph's nodes as the page has them (``show --json`` entries: seq_nr, module, ...)."""
+    return show_document(traced.partitioned)["graphs"][phase]
+
+
+def ops_with_seq_nr(traced: aotgrad.Traced, phase: str, seq_nr: int) -> set[str]:
     return {
-        n.name
-        for n in traced.partitioned.forward.graph.nodes
-        if n.op == "call_function" and n.meta.get("seq_nr") == seq_nr
+        n["name"]
+        for n in entries(traced, phase)
+        if n["op"] == "call_function" and n["seq_nr"] == seq_nr
     }
 
 
-def backward_node(traced: aotgrad.Traced, target: str):
-    assert traced.partitioned.backward is not None
+def first(traced: aotgrad.Traced, phase: str, target: str, module: str = "") -> dict:
     return next(
-        n for n in traced.partitioned.backward.graph.nodes if str(n.target).startswith(target)
+        n
+        for n in entries(traced, phase)
+        if n["target"].startswith(target) and (n.get("module") or "").startswith(module)
     )
 
 
@@ -114,16 +120,38 @@ def test_clicking_convolution_backward_highlights_its_convolution(browser, conv)
     traced, path = conv
     opened = open_report(browser, path)
     page = opened.page
-    node = backward_node(traced, "aten.convolution_backward")
-    page.click(f'#backward tr[data-name="{node.name}"]')
+    node = first(traced, "backward", "aten.convolution_backward")
+    page.click(f'#backward tr[data-name="{node["name"]}"]')
     linked = names(page, "#forward tr.linked")
-    assert linked == forward_ops_with_seq_nr(traced, node.meta["seq_nr"])
-    targets = {str(n.target) for n in traced.partitioned.forward.graph.nodes if n.name in linked}
-    assert targets == {"aten.convolution.default"}
+    assert linked == ops_with_seq_nr(traced, "forward", node["seq_nr"])
+    targets = {n["target"] for n in entries(traced, "forward") if n["name"] in linked}
+    # As in the seed's table: BatchNorm's num_batches_tracked += 1 (no autograd node) shares
+    # seq_nr 0 with the convolution.
+    assert targets == {"aten.convolution.default", "aten.add.Tensor"}
     saved = {s["name"] for s in show_document(traced.partitioned)["saved"]}
-    reads = {a.name for a in node.all_input_nodes} & saved
+    reads = set(node["args"]) & saved
     assert reads and names(page, "#saved tr.linked") == reads
-    assert page.text_content("#summary").startswith(node.name + ": 1 forward op(s)")
+    assert page.text_content("#summary") == (
+        f"{node['name']}: {len(linked)} forward op(s) with seq_nr {node['seq_nr']}, "
+        f"reads {len(reads)} saved value(s)"
+    )
+    opened.check_clean()
+
+
+def test_clicking_in_the_drawing_marks_the_forward_drawing(browser, conv):
+    traced, path = conv
+    opened = open_report(browser, path)
+    page = opened.page
+    assert page.locator("#forward-graph g.ggroup").count() == 0  # small: drawn whole
+    node = first(traced, "backward", "aten.convolution_backward")
+    page.click(f'#backward-graph g.gnode[data-name="{node["name"]}"]')
+    expected = ops_with_seq_nr(traced, "forward", node["seq_nr"])
+    assert names(page, "#forward tr.linked") == expected
+    # The drawing marks the saved values it reads too (forward placeholders / ops).
+    assert names(page, "#forward-graph g.gnode.linked") == expected | names(
+        page, "#saved tr.linked"
+    )
+    assert names(page, "#backward-graph g.gnode.selected") == {node["name"]}
     opened.check_clean()
 
 
@@ -131,17 +159,12 @@ def test_clicking_a_forward_op_lists_its_backward_ops(browser, conv):
     traced, path = conv
     opened = open_report(browser, path)
     page = opened.page
-    forward = next(
-        n for n in traced.partitioned.forward.graph.nodes if "convolution" in str(n.target)
-    )
-    page.click(f'#forward tr[data-name="{forward.name}"]')
-    assert traced.partitioned.backward is not None
-    expected = {
-        n.name
-        for n in traced.partitioned.backward.graph.nodes
-        if n.op == "call_function" and n.meta.get("seq_nr") == forward.meta["seq_nr"]
-    }
+    forward = first(traced, "forward", "aten.convolution")
+    page.click(f'#forward tr[data-name="{forward["name"]}"]')
+    expected = ops_with_seq_nr(traced, "backward", forward["seq_nr"])
+    assert "convolution_backward" in expected
     assert names(page, "#backward tr.linked") == expected
+    assert names(page, "#backward-graph g.gnode.linked") == expected
     opened.check_clean()
 
 
@@ -226,9 +249,27 @@ def test_gpt12_opens_and_links_in_the_browser(browser, gpt12):
     print(f"gpt12 report: {path.stat().st_size} bytes, interactive in {opened.seconds:.2f} s")
     forward_rows = page.eval_on_selector_all("#forward tr[data-name]", "r => r.length")
     assert forward_rows == len(traced.partitioned.forward.graph.nodes)
-    node = backward_node(traced, "aten.mm")
-    page.click(f'#backward tr[data-name="{node.name}"]')
-    assert names(page, "#forward tr.linked") == forward_ops_with_seq_nr(traced, node.meta["seq_nr"])
+    # A backward op of an op inside blocks.5's MLP: the drawing starts collapsed by module
+    # (1,600+ forward nodes), so the forward op is inside a group, and the group is marked.
+    forward = first(traced, "forward", "aten.addmm", module="blocks.5.mlp")
+    node = next(
+        n
+        for n in entries(traced, "backward")
+        if n["op"] == "call_function" and n["seq_nr"] == forward["seq_nr"]
+    )
+    page.click(f'#backward tr[data-name="{node["name"]}"]')
+    assert forward["name"] in names(page, "#forward tr.linked")
+    assert names(page, "#forward tr.linked") == ops_with_seq_nr(traced, "forward", node["seq_nr"])
+    groups = page.locator("#forward-graph g.ggroup.linked")
+    assert groups.count() == 1
+    module = groups.first.get_attribute("data-module")
+    assert module is not None and "blocks.5.mlp".startswith(module)
+    count = "document.querySelectorAll('#forward-graph g.gnode, #forward-graph g.ggroup').length"
+    collapsed = page.evaluate(f"() => {count}")
+    groups.first.click()  # expands one level
+    page.wait_for_function(f"() => {count} > {collapsed}")
+    page.click(f'button.gcollapse[data-phase="forward"][data-module="{module}"]')
+    page.wait_for_function(f"() => {count} === {collapsed}")
     page.fill("#search", "blocks.11.mlp")
     hits = visible_rows(page, "forward")
     assert hits and all("blocks.11.mlp" in h for h in hits)
