@@ -121,6 +121,8 @@ TorchDispatchMode = _python_dispatch.TorchDispatchMode
 disable_current_modes = _python_dispatch._disable_current_modes
 # Would autograd decompose this op (a CompositeImplicit kernel) before the tracer sees it?
 autograd_would_have_decomposed = _python_dispatch.autograd_would_have_decomposed
+# A tensor subclass with ``__tensor_flatten__``/``__tensor_unflatten__`` (Note [Tensor subclasses]).
+is_traceable_wrapper_subclass = _python_dispatch.is_traceable_wrapper_subclass
 # Step below torch-function modes (the closed-over swap) to read a real tensor's ``.grad``.
 DisableTorchFunction = torch._C.DisableTorchFunction
 
