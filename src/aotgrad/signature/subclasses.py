@@ -189,11 +189,13 @@ class _Wrap(torch.autograd.Function):
         meta: SubclassMeta = ctx.meta
         if grad is None:
             return (None, None, *([None] * meta.width))
-        grad = _conformed(grad, meta)
+        if ctx.grad_meta is None:  # a run's output: its cotangent as the trace's
+            grad = _coerced(grad, tangent_meta(meta))
+            return (None, None, *inner_tensors(grad, meta))
+        grad = _conformed(grad, meta)  # the trace's input: record its gradient's layout
         grad_meta = meta_of(grad)
         assert grad_meta is not None
-        if ctx.grad_meta is not None:
-            ctx.grad_meta.meta = grad_meta
+        ctx.grad_meta.meta = grad_meta
         return (None, None, *inner_tensors(grad, grad_meta))
 
 
@@ -216,7 +218,7 @@ class _Unwrap(torch.autograd.Function):
             for g, (shape, dtype, device) in zip(grads, ctx.shapes, strict=True)
         ]
         recorded = ctx.grad_meta.meta if ctx.grad_meta is not None else None
-        built = rebuild(recorded or ctx.meta, filled)
+        built = rebuild(recorded or tangent_meta(ctx.meta), filled)
         return None, None, built.detach() if built.requires_grad else built
 
 
@@ -238,6 +240,64 @@ def _conformed(grad: torch.Tensor, meta: SubclassMeta) -> torch.Tensor:
             " layout.",
         )
     )
+
+
+def _coerced(grad: torch.Tensor, meta: SubclassMeta) -> torch.Tensor:
+    """A run's cotangent of a subclass output, with the layout the trace gave it.
+
+    The backward graph was traced with the output's own layout (a DTensor's placements);
+    a caller's cotangent in another one (``out.full_tensor().sum().backward()`` sends a
+    ``Replicate`` cotangent to a ``Partial`` output) is redistributed to it through the
+    subclass's ``__coerce_same_metadata_as_tangent__``, as torch.compile does.
+    """
+    coerce = getattr(grad, "__coerce_same_metadata_as_tangent__", None)
+    if coerce is not None:
+        coerced = coerce(meta.context)
+        grad = grad if coerced is None else coerced
+    grad_meta = meta_of(grad)
+    if grad_meta is None or not grad_meta.same_structure(meta) or grad_meta.shapes != meta.shapes:
+        raise UnsupportedSubclassError(
+            format_error(
+                f"the cotangent of a {_type_name(meta.cls)} output is a"
+                f" {_type_name(type(grad))} whose inner tensors do not match the output's;"
+                " the backward graph was traced for cotangents of the output's own layout",
+                None,
+                "Send a cotangent of the output's subclass and layout.",
+            )
+        )
+    return grad
+
+
+# Note [Cotangents of partial DTensors]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The backward graph is traced for one layout of each subclass output's
+# cotangent, and a run's cotangent is brought to it. That layout is the
+# output's own, except that a ``DTensor`` output with a ``Partial`` placement
+# (each rank holds a summand) gets a ``Replicate`` cotangent: the gradient of
+# a sum with respect to each summand is the whole cotangent, on every rank,
+# and it is what callers send (``out.full_tensor().sum().backward()``);
+# DTensor refuses redistributing to ``Partial`` outside its own internals::
+#
+#     out = (x @ w).sum(0)        x Shard(0), w Replicate -> out Partial(sum)
+#     cotangent traced as         Replicate: local = the full cotangent
+#     a run's Replicate cotangent used as is; a Partial one is all-reduced first
+
+
+def tangent_meta(meta: SubclassMeta) -> SubclassMeta:
+    """The layout the trace gives a subclass output's cotangent (Note [Cotangents of partial
+    DTensors])."""
+    placements = _placements(meta)
+    if placements is None or not any(_is_partial(p) for p in placements):
+        return meta
+    from torch.distributed.tensor import Replicate
+
+    replicated = tuple(Replicate() if _is_partial(p) else p for p in placements)
+    return replace(meta, context=(replicated, *meta.context[1:]))
+
+
+def _is_partial(placement: Any) -> bool:
+    is_partial = getattr(placement, "is_partial", None)
+    return bool(is_partial()) if callable(is_partial) else False
 
 
 def _placements(meta: SubclassMeta) -> Any:
