@@ -85,6 +85,14 @@ def test_traceable_wrapper_subclass_has_flatten_and_unflatten():
     assert attrs == ["a", "b"]
 
 
+def test_device_mesh_is_an_opaque_reference():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert not compat.is_opaque_reference(3) and not compat.is_opaque_reference(torch.ones(1))
+    mesh = object.__new__(DeviceMesh)  # no process group needed to ask about the type
+    assert compat.is_opaque_reference(mesh)
+
+
 def test_no_dispatch_runs_below_the_fake_mode():
     with compat.FakeTensorMode(), compat.no_dispatch():
         t = torch.empty(2, device="meta")

@@ -31,7 +31,11 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from aotgrad._torch_compat import TensorGuards, is_traceable_wrapper_subclass
+from aotgrad._torch_compat import (
+    TensorGuards,
+    is_opaque_reference,
+    is_traceable_wrapper_subclass,
+)
 from aotgrad.errors import CallError, format_error, user_frame_of_function
 from aotgrad.signature.descriptors import Input, PrimalDescriptor
 from aotgrad.signature.storage import storage_key
@@ -328,8 +332,12 @@ def _value_key(value: Any) -> Any:
     try:
         return value_key(value)
     except TensorInValue as e:
+        if is_opaque_reference(value):  # a DeviceMesh Dynamo passes: by identity
+            return ("opaque", type(value), id(value))
         raise CallError(_tensor_in_argument(value, e.path)) from None
     except Unkeyable as e:
+        if is_opaque_reference(value):
+            return ("opaque", type(value), id(value))
         raise CallError(
             format_error(
                 f"an argument of type {_type_name(value)} holds a {e}, which aotgrad cannot"
