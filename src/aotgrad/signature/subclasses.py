@@ -182,6 +182,7 @@ class _Wrap(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, meta: SubclassMeta, grad: GradMeta | None, *leaves: torch.Tensor) -> Any:
         ctx.meta, ctx.grad_meta = meta, grad
+        ctx.set_materialize_grads(False)
         return rebuild(meta, [t.detach() for t in leaves])
 
     @staticmethod
@@ -205,6 +206,7 @@ class _Unwrap(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, meta: SubclassMeta, grad: GradMeta | None, outer: torch.Tensor) -> Any:
         ctx.meta, ctx.grad_meta = meta, grad
+        ctx.set_materialize_grads(False)  # no gradient reaches x.a, x.b: x.grad stays None
         leaves = [t.view_as(t) for t in inner_tensors(outer, meta)]
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in leaves]
         return tuple(leaves)
