@@ -36,6 +36,11 @@ class CompiledGraphs:
         self._subclasses = partitioned.joint.inputs.subclasses
         self._subclass_outputs = holds_flat_outputs(self.plan.out_spec)
 
+    @property
+    def takes_subclasses(self) -> bool:
+        """Are some inputs tensor subclasses, taken apart at each call (Note [Tensor subclasses])?"""
+        return self._subclasses is not None
+
     def direct_call(self) -> Callable[[Sequence[torch.Tensor]], Any] | None:
         """``self.__call__`` for the common case, with nothing to rebuild around the Function.
 

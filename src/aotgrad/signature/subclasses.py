@@ -27,9 +27,14 @@ graph's grads are the inner tensors of its gradient; at run time the caller's
 subclass (same type, context and size as the trace's), and the caller's
 ``x.grad`` is rebuilt from the inner grads with the context the gradient had
 in the trace (a ``DTensor`` parameter gets a ``DTensor`` grad with eager's
-placements). A gradient whose inner tensors do not match the input's (a
-``DTensor`` gradient sharded differently) is redistributed to the input's
-placements in the trace, as ``DTensor.from_local``'s backward does. The
+placements). One exception: a gradient whose inner tensors have other shapes
+than the input's is redistributed to the input's placements in the trace, as
+``DTensor.from_local``'s backward does, because the backward graph returns one
+gradient per inner tensor, of that tensor's shape::
+
+    x Shard(0) @ w Shard(1)      eager: w.grad Partial(sum), local 6x4 (w's local: 6x2)
+                                 aotgrad: w.grad Shard(1), reduce-scattered in the backward
+                                 (the same values; an optimizer step reads either alike) The
 context and the inner tensors' metadata are part of the cache key: another
 placement traces again. Non-tensor attributes the flattening names (a
 ``DTensor``'s ``device_mesh``) are kept as they are, by identity.
