@@ -72,9 +72,7 @@ class TwoTensor(torch.Tensor):
         return TwoTensor(inner["a"], inner["b"], outer_size, outer_stride)
 
     @classmethod
-    def __torch_dispatch__(
-        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         on_a = pytree.tree_map_only(TwoTensor, lambda t: t.a, (args, kwargs))
         on_b = pytree.tree_map_only(TwoTensor, lambda t: t.b, (args, kwargs))

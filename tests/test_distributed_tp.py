@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from multiproc import run_ranks
 
 import aotgrad
 from aotgrad.report import show_document
+from multiproc import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is missing")
 
@@ -162,8 +162,10 @@ def _train(frontend: str) -> dict[str, Any]:
         loss = run(x).pow(2).sum()
         loss.backward()
         grads.append(
-            [(n, str(p.grad.placements), p.grad.full_tensor().tolist())
-             for n, p in model.named_parameters()]
+            [
+                (n, str(p.grad.placements), p.grad.full_tensor().tolist())
+                for n, p in model.named_parameters()
+            ]
         )
         opt.step()
         opt.zero_grad()
@@ -202,14 +204,19 @@ def test_tensor_parallel_mlp_trains_like_eager_through_every_frontend():
         for frontend in ("aot_module", "trace", "torch.compile"):
             got = result[frontend]
             assert _close(got["losses"], eager["losses"]), (frontend, got["losses"])
-            for step, (grads, grads_e) in enumerate(zip(got["grads"], eager["grads"])):
-                for (name, placement, g), (_, placement_e, g_e) in zip(grads, grads_e):
+            for step, (grads, grads_e) in enumerate(zip(got["grads"], eager["grads"], strict=True)):
+                for (name, placement, g), (_, placement_e, g_e) in zip(grads, grads_e, strict=True):
                     assert placement == placement_e, (frontend, step, name)
                     assert _close(g, g_e), (frontend, step, name)
-            for (name, placement, p), (_, placement_e, p_e) in zip(got["params"], eager["params"]):
+            for (name, placement, p), (_, placement_e, p_e) in zip(
+                got["params"], eager["params"], strict=True
+            ):
                 assert placement == placement_e and _close(p, p_e), (frontend, name)
         reports = result["aot_module"]["reports"]
-        assert reports["inputs"][:2] == ["param fc1.weight._local_tensor", "param fc1.bias._local_tensor"]
+        assert reports["inputs"][:2] == [
+            "param fc1.weight._local_tensor",
+            "param fc1.bias._local_tensor",
+        ]
         assert "aten.mm.default" in reports["seq ops"] or "aten.addmm.default" in reports["seq ops"]
         # RowwiseParallel sums the partial products of the ranks: an all_reduce in the forward.
         assert any(op.startswith("_c10d_functional.all_reduce") for op in reports["seq ops"])

@@ -7,10 +7,10 @@ import copy
 
 import pytest
 import torch
-from subclasses import Tagged, TwoTensor, two
 
 import aotgrad
 from aotgrad.errors import DirectTraceError, UnsupportedSubclassError
+from subclasses import Tagged, TwoTensor, two
 
 
 def _fn(x, w):

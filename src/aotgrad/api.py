@@ -27,7 +27,6 @@ from aotgrad.runtime import CompiledGraphs, compile_partitioned
 from aotgrad.runtime.boxing import Compiler
 from aotgrad.signature import FlatInputs, Signature, flatten_inputs, leaf_names
 from aotgrad.signature.flatten import flatten_call
-from aotgrad.signature.subclasses import desugar
 from aotgrad.signature.lifting import (
     Arguments,
     Body,
@@ -37,6 +36,7 @@ from aotgrad.signature.lifting import (
     call_target,
     module_arguments,
 )
+from aotgrad.signature.subclasses import desugar
 
 Decompositions = Mapping[Any, Callable[..., Any]]
 PartitionFn = Callable[[JointGraph], Partitioned]

@@ -33,8 +33,8 @@ from aotgrad.signature.descriptors import (
     Closure,
     Descriptor,
     Global,
-    Input,
     Inner,
+    Input,
     InputBase,
     Param,
 )

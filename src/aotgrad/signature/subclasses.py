@@ -236,15 +236,14 @@ def _conformed(grad: torch.Tensor, meta: SubclassMeta) -> torch.Tensor:
         return grad
     placements = _placements(meta)
     if placements is not None and hasattr(grad, "redistribute"):
-        return grad.redistribute(placements=placements)  # type: ignore[no-any-return]
+        return grad.redistribute(placements=placements)
     raise UnsupportedSubclassError(
         format_error(
             f"the gradient of a {_type_name(meta.cls)} input is a {_type_name(type(grad))} whose"
             " inner tensors do not match the input's; aotgrad's backward graph returns one"
             " gradient per inner tensor of the input",
             None,
-            "Make the subclass's backward return gradients of the input's own subclass and"
-            " layout.",
+            "Make the subclass's backward return gradients of the input's own subclass and layout.",
         )
     )
 
@@ -349,9 +348,9 @@ def _unflatten_output(tensors: Any, meta: SubclassMeta) -> FlatOutput:
 
 pytree.register_pytree_node(
     FlatOutput,
-    _flatten_output,  # type: ignore[arg-type]
+    _flatten_output,
     _unflatten_output,
-    flatten_with_keys_fn=_flatten_output_with_keys,  # type: ignore[arg-type]
+    flatten_with_keys_fn=_flatten_output_with_keys,
 )
 
 
