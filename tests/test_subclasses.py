@@ -173,3 +173,20 @@ def test_the_direct_tracer_refuses_subclass_inputs():
 def test_dynamic_shapes_refuse_subclass_inputs():
     with pytest.raises(UnsupportedSubclassError, match="dynamic dimensions"):
         aotgrad.trace(lambda x: x * 2, _pair(9)[0], dynamic=True)
+
+
+def test_an_in_place_change_of_a_subclass_input_reaches_the_caller_and_gradients_flow():
+    def fn(x, y):
+        x.mul_(2)
+        return x * y
+
+    x0, y = _pair(10)
+    x0e, ye = copy.deepcopy((x0, y))
+    x, xe = x0 * 1, x0e * 1  # non-leaf: eager refuses in-place ops on leaves requiring grad
+    out, out_e = aotgrad.aot_function(fn)(x, y), fn(xe, ye)
+    _assert_two_equal(out, out_e)
+    _assert_two_equal(x, xe)
+    (out * out).sum().backward(torch.ones(()))
+    (out_e * out_e).sum().backward(torch.ones(()))
+    _assert_two_equal(y.grad, ye.grad)
+    _assert_two_equal(x0.grad, x0e.grad)
