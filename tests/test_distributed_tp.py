@@ -126,7 +126,26 @@ class MLP(nn.Module):
         return self.fc2(self.fc1(x).relu())
 
 
-def _tp_mlp() -> nn.Module:
+class Attention(nn.Module):
+    """Causal self-attention; each rank holds half the heads of q, k, v (local head count)."""
+
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (
+            proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q, self.k, self.v)
+        )
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def _tp_model(kind: str) -> nn.Module:
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -134,19 +153,23 @@ def _tp_mlp() -> nn.Module:
     )
 
     torch.manual_seed(0)
-    plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
-    return parallelize_module(MLP(), _mesh(), plan)
+    if kind == "mlp":
+        return parallelize_module(
+            MLP(), _mesh(), {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        )
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel()}
+    return parallelize_module(Attention(), _mesh(), {**plan, "o": RowwiseParallel()})
 
 
-def _batches() -> list[torch.Tensor]:
+def _batches(kind: str) -> list[torch.Tensor]:
     torch.manual_seed(1)  # the same batch on both ranks: TP replicates the input
-    return [torch.randn(4, 8) for _ in range(3)]
+    return [torch.randn(4, 8) if kind == "mlp" else torch.randn(2, 5, 16) for _ in range(3)]
 
 
-def _train(frontend: str) -> dict[str, Any]:
-    """Three SGD steps of the TP MLP through ``frontend``: losses, grads, parameters."""
-    model = _tp_mlp()
-    batches = _batches()
+def _train(frontend: str, kind: str = "mlp") -> dict[str, Any]:
+    """Three SGD steps of a TP model through ``frontend``: losses, grads, parameters."""
+    model = _tp_model(kind)
+    batches = _batches(kind)
     if frontend == "aot_module":
         run: Any = aotgrad.aot_module(model)
     elif frontend == "trace":
@@ -172,7 +195,7 @@ def _train(frontend: str) -> dict[str, Any]:
         losses.append(loss.item())
     params = [(n, str(p.placements), p.full_tensor().tolist()) for n, p in model.named_parameters()]
     out = {"losses": losses, "grads": grads, "params": params}
-    if frontend == "aot_module":
+    if frontend == "aot_module" and kind == "mlp":
         out["reports"] = _reports(run)
     return out
 
@@ -190,29 +213,36 @@ def _reports(run: Any) -> dict[str, Any]:
 
 
 def _tp_checks() -> dict[str, Any]:
-    return {f: _train(f) for f in ("eager", "aot_module", "trace", "torch.compile")}
+    mlp = {f: _train(f) for f in ("eager", "aot_module", "trace", "torch.compile")}
+    attention = {f: _train(f, "attention") for f in ("eager", "aot_module", "torch.compile")}
+    return {"mlp": mlp, "attention": attention}
 
 
 def _close(a: Any, b: Any) -> bool:
     return torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
 
 
-def test_tensor_parallel_mlp_trains_like_eager_through_every_frontend():
+def _check_like_eager(results: dict[str, Any], frontends: tuple[str, ...]) -> None:
+    eager = results["eager"]
+    for frontend in frontends:
+        got = results[frontend]
+        assert _close(got["losses"], eager["losses"]), (frontend, got["losses"])
+        for step, (grads, grads_e) in enumerate(zip(got["grads"], eager["grads"], strict=True)):
+            for (name, placement, g), (_, placement_e, g_e) in zip(grads, grads_e, strict=True):
+                assert placement == placement_e, (frontend, step, name)
+                assert _close(g, g_e), (frontend, step, name)
+        for (name, placement, p), (_, placement_e, p_e) in zip(
+            got["params"], eager["params"], strict=True
+        ):
+            assert placement == placement_e and _close(p, p_e), (frontend, name)
+
+
+def test_tensor_parallel_mlp_and_attention_train_like_eager_through_every_frontend():
     ranks = run_ranks(_tp_checks, timeout=TIMEOUT)
     for result in ranks:
-        eager = result["eager"]
-        for frontend in ("aot_module", "trace", "torch.compile"):
-            got = result[frontend]
-            assert _close(got["losses"], eager["losses"]), (frontend, got["losses"])
-            for step, (grads, grads_e) in enumerate(zip(got["grads"], eager["grads"], strict=True)):
-                for (name, placement, g), (_, placement_e, g_e) in zip(grads, grads_e, strict=True):
-                    assert placement == placement_e, (frontend, step, name)
-                    assert _close(g, g_e), (frontend, step, name)
-            for (name, placement, p), (_, placement_e, p_e) in zip(
-                got["params"], eager["params"], strict=True
-            ):
-                assert placement == placement_e and _close(p, p_e), (frontend, name)
-        reports = result["aot_module"]["reports"]
+        _check_like_eager(result["mlp"], ("aot_module", "trace", "torch.compile"))
+        _check_like_eager(result["attention"], ("aot_module", "torch.compile"))
+        reports = result["mlp"]["aot_module"]["reports"]
         assert reports["inputs"][:2] == [
             "param fc1.weight._local_tensor",
             "param fc1.bias._local_tensor",
@@ -221,4 +251,4 @@ def test_tensor_parallel_mlp_trains_like_eager_through_every_frontend():
         # RowwiseParallel sums the partial products of the ranks: an all_reduce in the forward.
         assert any(op.startswith("_c10d_functional.all_reduce") for op in reports["seq ops"])
         assert reports["saved"] and "total" in reports["memory"].lower()
-    assert ranks[0]["eager"]["losses"] == ranks[1]["eager"]["losses"]
+    assert ranks[0]["mlp"]["eager"]["losses"] == ranks[1]["mlp"]["eager"]["losses"]

@@ -363,6 +363,8 @@ def flatten_outputs(result: Any) -> Any:
             return t
         return FlatOutput(meta, _Unwrap.apply(meta, None, t))
 
+    if not any(is_wrapper(leaf) for leaf in pytree.tree_leaves(result)):
+        return result  # untouched: mapping would rebuild containers (a torch.Size as a tuple)
     return pytree.tree_map(take_apart, result)
 
 
