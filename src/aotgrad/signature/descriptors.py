@@ -97,7 +97,7 @@ class Inner(Descriptor):
     'param fc.weight._local_tensor'
     """
 
-    of: Input | Param | Buffer | Closure | Global
+    of: Input | Param | Buffer | Closure | Global | Inner
     attr: str
 
     def __str__(self) -> str:

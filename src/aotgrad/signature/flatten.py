@@ -39,7 +39,7 @@ from aotgrad._torch_compat import (
 from aotgrad.errors import CallError, format_error, user_frame_of_function
 from aotgrad.signature.descriptors import Input, PrimalDescriptor
 from aotgrad.signature.storage import storage_key
-from aotgrad.signature.subclasses import subclass_key
+from aotgrad.signature.subclasses import Subclasses, subclass_key
 from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
 
 
@@ -61,7 +61,7 @@ class FlatInputs:
     # How tensor subclass inputs are taken apart into plain graph inputs (Note [Tensor
     # subclasses]); None when every input is plain. With it, ``descriptors`` and
     # ``num_lifted`` count plain graph inputs, ``tensor_positions`` the user's tensors.
-    subclasses: Any = None
+    subclasses: Subclasses | None = None
 
     def __post_init__(self) -> None:
         expected = self.num_lifted + len(self.tensor_positions)

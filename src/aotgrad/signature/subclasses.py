@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -56,6 +56,9 @@ import torch.utils._pytree as pytree
 from aotgrad._torch_compat import FakeTensor, FunctionalTensor, is_traceable_wrapper_subclass
 from aotgrad.errors import UnsupportedSubclassError, UserFrame, format_error
 from aotgrad.signature.descriptors import Inner, PrimalDescriptor
+
+if TYPE_CHECKING:
+    from aotgrad.signature.flatten import FlatInputs
 
 # Tensor types that are plain for aotgrad: no subclass behaviour to keep.
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, FakeTensor, FunctionalTensor)
@@ -399,7 +402,7 @@ class Subclasses:
     # Per outer graph input (lifted state, then the user's tensors): None when plain.
     metas: tuple[SubclassMeta | None, ...]
     # Per outer graph input: where the trace writes its gradient's layout (None when plain).
-    grads: tuple[GradMeta | None, ...] = field(default_factory=tuple)
+    grads: tuple[GradMeta | None, ...]
 
     def take_apart(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The plain graph inputs of a call: each subclass replaced by its inner tensors.
@@ -477,11 +480,11 @@ Body = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager[Any]]
 
 
 def desugar(
-    flat: Any,
+    flat: FlatInputs,
     primals: Sequence[torch.Tensor],
     body: Body,
     dynamic_dims: Mapping[int, Sequence[int]] | None,
-) -> tuple[Any, list[torch.Tensor], Body]:
+) -> tuple[FlatInputs, list[torch.Tensor], Body]:
     """The call with every subclass input taken apart, and a body that builds them again.
 
     ``flat`` is the call's ``FlatInputs``; the result's descriptors name inner tensors
