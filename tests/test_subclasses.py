@@ -190,3 +190,12 @@ def test_an_in_place_change_of_a_subclass_input_reaches_the_caller_and_gradients
     (out_e * out_e).sum().backward(torch.ones(()))
     _assert_two_equal(y.grad, ye.grad)
     _assert_two_equal(x0.grad, x0e.grad)
+
+
+def test_a_parameter_without_tensor_flatten_is_refused_naming_it():
+    model = torch.nn.Linear(2, 2)
+    model.weight = torch.nn.Parameter(Tagged(torch.ones(2, 2)))
+    with pytest.raises(
+        UnsupportedSubclassError, match=r"input param weight is a subclasses\.Tagged"
+    ):
+        aotgrad.aot_module(model)(torch.ones(1, 2))

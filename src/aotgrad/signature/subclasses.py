@@ -442,7 +442,7 @@ def check_plain_or_wrapper(
 ) -> None:
     """Refuse a tensor subclass aotgrad cannot take apart (no ``__tensor_flatten__``)."""
     for t, d in zip(primals, descriptors, strict=True):
-        if type(t) in _PLAIN_TYPES or is_wrapper(t) or isinstance(t, torch.nn.Parameter):
+        if type(t) in _PLAIN_TYPES or is_wrapper(t) or issubclass(type(t), torch.nn.Parameter):
             continue
         raise UnsupportedSubclassError(
             format_error(
