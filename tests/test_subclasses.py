@@ -199,3 +199,22 @@ def test_a_parameter_without_tensor_flatten_is_refused_naming_it():
         UnsupportedSubclassError, match=r"input param weight is a subclasses\.Tagged"
     ):
         aotgrad.aot_module(model)(torch.ones(1, 2))
+
+
+def test_torch_compile_with_the_aotgrad_backend_takes_subclass_inputs():
+    torch._dynamo.reset()
+    x, w = _pair(11)
+    xe, we = copy.deepcopy((x, w))
+    out = torch.compile(_fn, backend="aotgrad")(x, w)[0]
+    out_e = _fn(xe, we)[0]
+    _assert_two_equal(out, out_e)
+    out.sum().backward()  # a TwoTensor cotangent: ones_like(the TwoTensor loss)
+    out_e.sum().backward()
+    _assert_two_equal(x.grad, xe.grad)
+    _assert_two_equal(w.grad, we.grad)
+
+
+def test_a_plain_cotangent_for_a_subclass_output_is_refused():
+    out, _ = aotgrad.aot_function(_fn)(*_pair(12))
+    with pytest.raises(UnsupportedSubclassError, match=r"cotangent of a subclasses\.TwoTensor"):
+        out.backward(torch.ones(3, 4))

@@ -271,7 +271,8 @@ def _coerced(grad: torch.Tensor, meta: SubclassMeta) -> torch.Tensor:
                 f" {_type_name(type(grad))} whose inner tensors do not match the output's;"
                 " the backward graph was traced for cotangents of the output's own layout",
                 None,
-                "Send a cotangent of the output's subclass and layout.",
+                "Send a cotangent of the output's subclass and layout (loss.backward() on a"
+                " subclass loss sends ones of the loss's subclass).",
             )
         )
     return grad
