@@ -75,6 +75,24 @@ def test_view_stride_is_eagers_or_none():
     assert compat.view_stride([3, 2], [1, 3], [6]) is None  # a transpose cannot be viewed flat
 
 
+def test_traceable_wrapper_subclass_has_flatten_and_unflatten():
+    from subclasses import TwoTensor
+
+    t = TwoTensor(torch.ones(2), torch.zeros(2))
+    assert compat.is_traceable_wrapper_subclass(t)
+    assert not compat.is_traceable_wrapper_subclass(torch.nn.Parameter(torch.ones(2)))
+    attrs, _ = t.__tensor_flatten__()
+    assert attrs == ["a", "b"]
+
+
+def test_device_mesh_is_an_opaque_reference():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert not compat.is_opaque_reference(3) and not compat.is_opaque_reference(torch.ones(1))
+    mesh = object.__new__(DeviceMesh)  # no process group needed to ask about the type
+    assert compat.is_opaque_reference(mesh)
+
+
 def test_no_dispatch_runs_below_the_fake_mode():
     with compat.FakeTensorMode(), compat.no_dispatch():
         t = torch.empty(2, device="meta")

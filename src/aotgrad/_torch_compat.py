@@ -121,6 +121,18 @@ TorchDispatchMode = _python_dispatch.TorchDispatchMode
 disable_current_modes = _python_dispatch._disable_current_modes
 # Would autograd decompose this op (a CompositeImplicit kernel) before the tracer sees it?
 autograd_would_have_decomposed = _python_dispatch.autograd_would_have_decomposed
+
+
+def is_opaque_reference(value: object) -> bool:
+    """Is ``value`` of a registered opaque reference type (a ``DeviceMesh``, a ``ProcessGroup``):
+    an object Dynamo passes to its graph as an input, compared by identity?"""
+    import torch._library.opaque_object as _opaque
+
+    return _opaque.is_opaque_value(value) and not _opaque.is_opaque_value_type(type(value))
+
+
+# A tensor subclass with ``__tensor_flatten__``/``__tensor_unflatten__`` (Note [Tensor subclasses]).
+is_traceable_wrapper_subclass = _python_dispatch.is_traceable_wrapper_subclass
 # Step below torch-function modes (the closed-over swap) to read a real tensor's ``.grad``.
 DisableTorchFunction = torch._C.DisableTorchFunction
 

@@ -36,6 +36,7 @@ from aotgrad.signature.lifting import (
     call_target,
     module_arguments,
 )
+from aotgrad.signature.subclasses import desugar
 
 Decompositions = Mapping[Any, Callable[..., Any]]
 PartitionFn = Callable[[JointGraph], Partitioned]
@@ -610,7 +611,9 @@ def capture_and_partition(
     """Capture ``body`` on ``primals`` and partition it as ``options`` say.
 
     ``dynamic_dims``: the symbolic dimensions by ``id`` of the primal (Note [Dynamic shapes]).
+    Tensor subclass primals are taken apart first (Note [Tensor subclasses]).
     """
+    flat, primals, body = desugar(flat, primals, body, dynamic_dims)
     # Under no_grad too: an enable_grad() region inside the function makes outputs that
     # require grad (Note [Grad mode regions]); the trace tells, from the outputs.
     with_backward = any(p.requires_grad for p in primals)

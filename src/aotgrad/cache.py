@@ -487,6 +487,8 @@ class SpecializationCache:
         The caller vouches that the function reads nothing but its positional
         arguments (Note [The last entry]).
         """
+        if entry.compiled.takes_subclasses:  # a guard sees no placement: Note [Tensor subclasses]
+            return
         if entry.positions is None and key.aliases is None and key.dynamic_dims is None:
             call = entry.compiled.direct_call() or entry.compiled
             self._last = _LastEntry(guard=PlainTensorsGuard(leaves), ambient=key.ambient, call=call)

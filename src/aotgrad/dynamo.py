@@ -58,7 +58,9 @@ def backend(
         sizes = _size_sources(placeholders)
         numbers = _number_inputs(placeholders, sizes)
         inputs = [i for i in range(len(placeholders)) if i not in sizes]
-        tensors = [i for i in inputs if i not in numbers]
+        tensors = [  # not an opaque object (a DeviceMesh DTensor code reads): a constant
+            i for i in inputs if i not in numbers and isinstance(example_inputs[i], torch.Tensor)
+        ]
         names = [user_expression(placeholders[i]) for i in tensors]
         body = _Interpreted(gm, _root_name(gm), sizes, inputs)
         dims = tuple(_symbolic_dims(placeholders[i]) if i in tensors else () for i in inputs)

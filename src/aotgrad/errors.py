@@ -54,6 +54,10 @@ class UnsupportedClosureError(CaptureError):
     """The function reaches a tensor aotgrad can neither lift as an input nor bake in."""
 
 
+class UnsupportedSubclassError(CaptureError, TypeError):
+    """A tensor subclass aotgrad cannot take apart (Note [Tensor subclasses])."""
+
+
 class DirectTraceError(CaptureError):
     """``tracer="direct"`` met what only the full trace handles (Note [Choosing a tracer])."""
 

@@ -65,6 +65,7 @@ from aotgrad.signature import (
     Cotangent,
     Descriptor,
     FlatInputs,
+    Inner,
     MutatedInput,
     Output,
     OutputBase,
@@ -170,7 +171,7 @@ def _capture(
 
     (gm, record, inputs, recorder), report = trace_with(
         options.tracer,
-        why_not_direct=_why_not_direct(options, bases, primals),
+        why_not_direct=_why_not_direct(options, bases, primals, flat),
         direct=direct,
         full=lambda: _full_trace(full),
         where=options.where,
@@ -183,9 +184,14 @@ def _capture(
 
 
 def _why_not_direct(
-    options: TraceOptions, bases: Sequence[SyntheticBase], primals: Sequence[torch.Tensor]
+    options: TraceOptions,
+    bases: Sequence[SyntheticBase],
+    primals: Sequence[torch.Tensor],
+    flat: FlatInputs,
 ) -> str | None:
     """Why the direct trace cannot even be tried (Note [Direct tracing]); None when it can."""
+    if flat.subclasses is not None:  # its mode would see the subclass, not its inner tensors
+        return "tensor subclass inputs (Note [Tensor subclasses])"
     if options.dynamic_dims:
         return "dynamic shapes (it records static sizes only)"
     if bases or overlapping_groups(primals):
@@ -349,6 +355,7 @@ def _name_placeholders(graph: fx.Graph, descriptors: Sequence[Descriptor]) -> No
             continue  # already cotangent_<i>
         rename_node(node, placeholder_name(desc))
         node.target = node.name
-        if isinstance(desc, Param | Buffer) and "." in desc.name:
-            owner = desc.name.rsplit(".", 1)[0]
+        param = desc.of if isinstance(desc, Inner) else desc  # Note [Tensor subclasses]
+        if isinstance(param, Param | Buffer) and "." in param.name:
+            owner = param.name.rsplit(".", 1)[0]
             set_info(node, replace(node_info(node), module=owner))

@@ -31,11 +31,13 @@ trace runs the function again (Note [Choosing a tracer])::
 
 (The second: the direct trace's inputs are fake leaves, and autograd refuses
 an in-place op on a leaf that requires grad before any mode sees the op; the
-full trace's inputs are functional wrappers, which are not leaves.) Two kinds
-of call skip the direct trace: symbolic sizes (``dynamic=True``), and inputs
+full trace's inputs are functional wrappers, which are not leaves.) Three kinds
+of call skip the direct trace: symbolic sizes (``dynamic=True``); inputs
 that share memory: which of them an output view comes from (so where its
 gradient goes: ``fn(b[0], b)`` returning ``b.t()``) only functionalization
-tells, with one storage per input's wrapper. On gpt4 the direct trace halves
+tells, with one storage per input's wrapper; and tensor subclass inputs: the
+recording mode would see the subclass's op before its ``__torch_dispatch__``
+runs (Note [Tensor subclasses]). On gpt4 the direct trace halves
 the cost of tracing; the graphs are identical, which a test checks op by op.
 The price of stopping is that the function's Python runs twice (PyTorch's
 AOTAutograd always runs it at least twice); it stops early in practice, at

@@ -75,6 +75,7 @@ from aotgrad.errors import UnsupportedOpError, UnsupportedOutputError, UserFrame
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
 from aotgrad.signature.descriptors import Closure, Global, Input
 from aotgrad.signature.objects import SharedObjectError, objects_as_nodes
+from aotgrad.signature.subclasses import check_plain_grads
 
 # Runs the user's function on the primals; the result is the context's value. Capture
 # differentiates before leaving the context (Note [Reentrant checkpoints]).
@@ -323,7 +324,9 @@ def _gradients(
         tracer.backward_checked(graph_primals, inputs.descriptors, where),
         closed_over.backward(),  # Note [The swap spans the backward]
     ):
-        return _backward(record, graph_primals, edges, returned, tracer, where)
+        grads = _backward(record, graph_primals, edges, returned, tracer, where)
+    check_plain_grads(grads, inputs.descriptors, where)  # Note [Tensor subclasses]
+    return grads
 
 
 def _note_grad_changes(

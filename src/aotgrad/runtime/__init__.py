@@ -16,6 +16,7 @@ from aotgrad.capture.autocast import autocast_off
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue
+from aotgrad.signature.subclasses import holds_flat_outputs, rebuild_outputs
 
 __all__ = ["CompiledGraphs", "compile_partitioned", "make_boxed_func", "nop"]
 
@@ -30,6 +31,15 @@ class CompiledGraphs:
         self._function = make_function(self.plan, forward, backward) if backward else None
         self._apply = direct_apply(self._function) if self._function else None
         self._bases = self.plan.input_bases
+        # Tensor subclass inputs to take apart, subclass outputs to build (Note [Tensor
+        # subclasses]).
+        self._subclasses = partitioned.joint.inputs.subclasses
+        self._subclass_outputs = holds_flat_outputs(self.plan.out_spec)
+
+    @property
+    def takes_subclasses(self) -> bool:
+        """Are some inputs tensor subclasses, taken apart at each call (Note [Tensor subclasses])?"""
+        return self._subclasses is not None
 
     def direct_call(self) -> Callable[[Sequence[torch.Tensor]], Any] | None:
         """``self.__call__`` for the common case, with nothing to rebuild around the Function.
@@ -39,6 +49,8 @@ class CompiledGraphs:
         """
         apply, plan = self._apply, self.plan
         if apply is None or self._bases or not plan.only_fresh or plan.has_sizes:
+            return None
+        if self._subclasses is not None or self._subclass_outputs:
             return None
         if plan.made_to_require_grad:
             return None
@@ -61,6 +73,13 @@ class CompiledGraphs:
         return None if guards.check(inputs) else guards.failed(inputs) or "the shape guards"
 
     def __call__(self, primals: Sequence[torch.Tensor]) -> Any:
+        if self._subclasses is None and not self._subclass_outputs:
+            return self._call(primals)
+        if self._subclasses is not None:  # Note [Tensor subclasses]
+            primals = self._subclasses.take_apart(primals)
+        return rebuild_outputs(self._call(primals))
+
+    def _call(self, primals: Sequence[torch.Tensor]) -> Any:
         for i in self.plan.made_to_require_grad:  # Note [requires_grad_() on an input]
             primals[i].requires_grad_(True)
         inputs = graph_inputs(primals, self._bases) if self._bases else primals

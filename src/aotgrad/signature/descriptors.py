@@ -88,7 +88,23 @@ class Global(Descriptor):
         return f"global {self.name}"
 
 
-PrimalDescriptor = Input | Param | Buffer | Closure | Global
+@dataclass(frozen=True)
+class Inner(Descriptor):
+    """A plain tensor inside a tensor subclass input, by the input and its attribute path:
+    ``x.a``, ``param fc.weight._local_tensor`` (Note [Tensor subclasses]).
+
+    >>> str(Inner(of=Param(name="fc.weight"), attr="_local_tensor"))
+    'param fc.weight._local_tensor'
+    """
+
+    of: Input | Param | Buffer | Closure | Global | Inner
+    attr: str
+
+    def __str__(self) -> str:
+        return f"{self.of}.{self.attr}"
+
+
+PrimalDescriptor = Input | Param | Buffer | Closure | Global | Inner
 
 
 @dataclass(frozen=True)
@@ -98,13 +114,13 @@ class InputBase(Descriptor):
     See Note [Aliased inputs] in ``capture/input_aliases.py``.
     """
 
-    of: tuple[Input | Param | Buffer | Closure | Global, ...]
+    of: tuple[Input | Param | Buffer | Closure | Global | Inner, ...]
 
     def __str__(self) -> str:
         return "base of " + ", ".join(str(d) for d in self.of)
 
 
-GraphInputDescriptor = Input | Param | Buffer | Closure | Global | InputBase
+GraphInputDescriptor = Input | Param | Buffer | Closure | Global | Inner | InputBase
 
 
 @dataclass(frozen=True)
@@ -134,7 +150,7 @@ class OutputBase(Descriptor):
 class MutatedInput(Descriptor):
     """The new value of an input the function mutated in place; copied back after the call."""
 
-    of: Input | Param | Buffer | Closure | Global | InputBase
+    of: Input | Param | Buffer | Closure | Global | Inner | InputBase
 
     def __str__(self) -> str:
         return f"new value of {self.of}"
@@ -164,7 +180,7 @@ class Cotangent(Descriptor):
 class Grad(Descriptor):
     """The gradient of the loss with respect to a forward input."""
 
-    of: Input | Param | Buffer | Closure | Global | InputBase
+    of: Input | Param | Buffer | Closure | Global | Inner | InputBase
 
     def __str__(self) -> str:
         return f"grad of {self.of}"

@@ -31,10 +31,15 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from aotgrad._torch_compat import TensorGuards
+from aotgrad._torch_compat import (
+    TensorGuards,
+    is_opaque_reference,
+    is_traceable_wrapper_subclass,
+)
 from aotgrad.errors import CallError, format_error, user_frame_of_function
 from aotgrad.signature.descriptors import Input, PrimalDescriptor
 from aotgrad.signature.storage import storage_key
+from aotgrad.signature.subclasses import Subclasses, subclass_key
 from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
 
 
@@ -53,10 +58,14 @@ class FlatInputs:
     descriptors: tuple[PrimalDescriptor, ...]
     # How many leading graph inputs are lifted module state (parameters and buffers).
     num_lifted: int
+    # How tensor subclass inputs are taken apart into plain graph inputs (Note [Tensor
+    # subclasses]); None when every input is plain. With it, ``descriptors`` and
+    # ``num_lifted`` count plain graph inputs, ``tensor_positions`` the user's tensors.
+    subclasses: Subclasses | None = None
 
     def __post_init__(self) -> None:
         expected = self.num_lifted + len(self.tensor_positions)
-        if len(self.descriptors) != expected:
+        if self.subclasses is None and len(self.descriptors) != expected:
             raise AssertionError(f"expected {expected} descriptors, got {len(self.descriptors)}")
 
     def renamed(self, names: Sequence[str]) -> FlatInputs:
@@ -291,7 +300,18 @@ def is_tensor_key(key: Any) -> bool:
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """The metadata a trace specializes on, in the order of ``TENSOR_FIELDS``."""
+    """The metadata a trace specializes on, in the order of ``TENSOR_FIELDS``.
+
+    A tensor subclass's layout field holds its flatten context and inner tensors' metadata
+    too (Note [Tensor subclasses]): another DTensor placement traces again.
+    """
+    if is_traceable_wrapper_subclass(t):
+        key = _plain_tensor_key(t)
+        return (*key[:-1], (key[-1], subclass_key(t)))
+    return _plain_tensor_key(t)
+
+
+def _plain_tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (
         type(t),
         t.shape,
@@ -312,8 +332,12 @@ def _value_key(value: Any) -> Any:
     try:
         return value_key(value)
     except TensorInValue as e:
+        if is_opaque_reference(value):  # a DeviceMesh Dynamo passes: by identity
+            return ("opaque", type(value), id(value))
         raise CallError(_tensor_in_argument(value, e.path)) from None
     except Unkeyable as e:
+        if is_opaque_reference(value):
+            return ("opaque", type(value), id(value))
         raise CallError(
             format_error(
                 f"an argument of type {_type_name(value)} holds a {e}, which aotgrad cannot"

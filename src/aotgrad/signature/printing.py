@@ -33,6 +33,7 @@ from aotgrad.signature.descriptors import (
     Closure,
     Descriptor,
     Global,
+    Inner,
     Input,
     InputBase,
     Param,
@@ -72,6 +73,8 @@ def placeholder_name(desc: Descriptor) -> str:
         text = desc.path
     elif isinstance(desc, Param | Buffer | Closure | Global):
         text = desc.name
+    elif isinstance(desc, Inner):  # Note [Tensor subclasses]
+        text = f"{placeholder_name(desc.of)}_{desc.attr}"
     elif isinstance(desc, InputBase):
         text = "base_of_" + "_".join(str(d) for d in desc.of)
     else:

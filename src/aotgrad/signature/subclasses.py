@@ -1,0 +1,576 @@
+"""Tensor subclasses desugared into their inner tensors before capture, and rebuilt after it.
+
+Note [Tensor subclasses]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A traceable wrapper subclass (``DTensor``, or a test's ``TwoTensor`` holding
+``a`` and ``b``) says how to take it apart: ``__tensor_flatten__`` names its
+inner tensors and gives a context (a ``DTensor``'s placements), and
+``__tensor_unflatten__`` builds it again from inner tensors, the context and
+the outer size and stride. The graphs hold only plain tensors: each inner
+tensor (recursively, for a subclass holding subclasses) is its own graph
+input, named by its place, and the graph records the ops the subclass's
+``__torch_dispatch__`` runs on the inner tensors. For ``f(x) = x * 2`` with
+``x = TwoTensor(a, b)`` requiring grad::
+
+    graph inputs:   x.a, x.b                      (Inner(of=Input("x"), attr="a"), ...)
+    the trace:      x = TwoTensor(x.a, x.b)       rebuilt from the fake inner tensors
+                    out = x * 2                   TwoTensor.__torch_dispatch__ runs:
+                                                  mul(x.a, 2), mul(x.b, 2) reach the graph
+    graph outputs:  output.a, output.b            the result taken apart again
+    backward:       grad of x.a, grad of x.b
+
+The rebuilding and taking apart are autograd functions (``_Wrap``,
+``_Unwrap``), at trace time and at run time alike, so gradients cross them:
+at trace time the function differentiates the rebuilt subclass and the
+graph's grads are the inner tensors of its gradient; at run time the caller's
+``x`` is taken apart for the compiled graphs, the outputs are rebuilt as the
+subclass (same type, context and size as the trace's), and the caller's
+``x.grad`` is rebuilt from the inner grads with the context the gradient had
+in the trace (a ``DTensor`` parameter gets a ``DTensor`` grad with eager's
+placements). One exception: a gradient whose inner tensors have other shapes
+than the input's is redistributed to the input's placements in the trace, as
+``DTensor.from_local``'s backward does, because the backward graph returns one
+gradient per inner tensor, of that tensor's shape::
+
+    x Shard(0) @ w Shard(1)      eager: w.grad Partial(sum), local 6x4 (w's local: 6x2)
+                                 aotgrad: w.grad Shard(1), reduce-scattered in the backward
+                                 (the same values; an optimizer step reads either alike) The
+context and the inner tensors' metadata are part of the cache key: another
+placement traces again. Non-tensor attributes the flattening names (a
+``DTensor``'s ``device_mesh``) are kept as they are, by identity.
+
+A subclass without ``__tensor_flatten__`` cannot be taken apart: aotgrad
+refuses it as an input (``UnsupportedSubclassError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from aotgrad._torch_compat import FakeTensor, FunctionalTensor, is_traceable_wrapper_subclass
+from aotgrad.errors import UnsupportedSubclassError, UserFrame, format_error
+from aotgrad.signature.descriptors import Inner, PrimalDescriptor
+
+if TYPE_CHECKING:
+    from aotgrad.signature.flatten import FlatInputs
+
+# Tensor types that are plain for aotgrad: no subclass behaviour to keep.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, FakeTensor, FunctionalTensor)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubclassMeta:
+    """How one subclass tensor is taken apart and built again (Note [Tensor subclasses])."""
+
+    cls: type
+    # The context ``__tensor_flatten__`` returned (a DTensor's placements, ...).
+    context: Any
+    size: tuple[Any, ...]
+    stride: tuple[Any, ...]
+    # The tensor attributes ``__tensor_flatten__`` named, in order, and, per attribute, how
+    # that attribute is taken apart in turn (None: it is a plain tensor).
+    attrs: tuple[str, ...]
+    inner: tuple[SubclassMeta | None, ...]
+    # Attributes that are not tensors (a DTensor's device_mesh), kept by identity.
+    opaque: tuple[tuple[str, Any], ...] = ()
+    # The shape of each plain inner tensor, in the order of ``paths()``.
+    shapes: tuple[torch.Size, ...] = ()
+
+    @property
+    def width(self) -> int:
+        """How many plain tensors the subclass stands for."""
+        return sum(1 if m is None else m.width for m in self.inner)
+
+    def paths(self) -> list[str]:
+        """The attribute path of each plain inner tensor: ``["a", "b"]``, ``["_local_tensor"]``."""
+        out: list[str] = []
+        for attr, meta in zip(self.attrs, self.inner, strict=True):
+            out += [attr] if meta is None else [f"{attr}.{p}" for p in meta.paths()]
+        return out
+
+    def key(self) -> tuple[Any, ...]:
+        """What a trace specializes on: type, context, structure, opaque attributes."""
+        return (
+            self.cls,
+            _hashable(self.context),
+            self.attrs,
+            tuple(None if m is None else m.key() for m in self.inner),
+            tuple((name, _hashable(value)) for name, value in self.opaque),
+        )
+
+    def same_structure(self, other: SubclassMeta) -> bool:
+        return self.cls is other.cls and self.paths() == other.paths()
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+def is_wrapper(t: object) -> bool:
+    """Is ``t`` a traceable wrapper subclass (``__tensor_flatten__``)?
+
+    >>> is_wrapper(torch.ones(1)), is_wrapper(torch.nn.Parameter(torch.ones(1)))
+    (False, False)
+    """
+    return isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t)
+
+
+def meta_of(t: torch.Tensor) -> SubclassMeta | None:
+    """How ``t`` is taken apart; None for a plain tensor."""
+    if not is_wrapper(t):
+        return None
+    attrs, context = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    tensors, inner, opaque = [], [], []
+    for attr in attrs:
+        value = getattr(t, attr)
+        if isinstance(value, torch.Tensor):
+            tensors.append(attr)
+            inner.append(meta_of(value))
+        else:
+            opaque.append((attr, value))
+    meta = SubclassMeta(
+        cls=type(t),
+        context=context,
+        size=tuple(t.size()),
+        stride=tuple(t.stride()),
+        attrs=tuple(tensors),
+        inner=tuple(inner),
+        opaque=tuple(opaque),
+    )
+    return replace(meta, shapes=tuple(x.shape for x in inner_tensors(t, meta)))
+
+
+def inner_tensors(t: torch.Tensor, meta: SubclassMeta) -> list[torch.Tensor]:
+    """The plain tensors ``t`` holds, in the order of ``meta.paths()``."""
+    out: list[torch.Tensor] = []
+    for attr, m in zip(meta.attrs, meta.inner, strict=True):
+        value = getattr(t, attr)
+        out += [value] if m is None else inner_tensors(value, m)
+    return out
+
+
+def rebuild(meta: SubclassMeta, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The subclass ``meta`` describes, built from its plain inner tensors (no autograd link)."""
+    inner: dict[str, Any] = dict(meta.opaque)
+    start = 0
+    for attr, m in zip(meta.attrs, meta.inner, strict=True):
+        width = 1 if m is None else m.width
+        part = leaves[start : start + width]
+        inner[attr] = part[0] if m is None else rebuild(m, part)
+        start += width
+    out: torch.Tensor = meta.cls.__tensor_unflatten__(  # type: ignore[attr-defined]
+        inner, meta.context, torch.Size(meta.size), meta.stride
+    )
+    return out
+
+
+class GradMeta:
+    """The layout of a subclass input's gradient, as the trace found it (Note [Tensor subclasses]).
+
+    Written once, by the trace's backward; read by every run's backward.
+    """
+
+    def __init__(self) -> None:
+        self.meta: SubclassMeta | None = None
+
+
+class _Wrap(torch.autograd.Function):
+    """Plain inner tensors -> the subclass; the backward takes the gradient apart."""
+
+    @staticmethod
+    def forward(ctx: Any, meta: SubclassMeta, grad: GradMeta | None, *leaves: torch.Tensor) -> Any:
+        ctx.meta, ctx.grad_meta = meta, grad
+        ctx.set_materialize_grads(False)
+        return rebuild(meta, [t.detach() for t in leaves])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
+        meta: SubclassMeta = ctx.meta
+        if grad is None:
+            return (None, None, *([None] * meta.width))
+        if ctx.grad_meta is None:  # a run's output: its cotangent as the trace's
+            grad = _coerced(grad, tangent_meta(meta))
+            return (None, None, *inner_tensors(grad, meta))
+        grad = _conformed(grad, meta)  # the trace's input: record its gradient's layout
+        grad_meta = meta_of(grad)
+        assert grad_meta is not None
+        ctx.grad_meta.meta = grad_meta
+        return (None, None, *inner_tensors(grad, grad_meta))
+
+
+class _Unwrap(torch.autograd.Function):
+    """The subclass -> its plain inner tensors (views); the backward builds the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, meta: SubclassMeta, grad: GradMeta | None, outer: torch.Tensor) -> Any:
+        ctx.meta, ctx.grad_meta = meta, grad
+        ctx.set_materialize_grads(False)  # no gradient reaches x.a, x.b: x.grad stays None
+        leaves = [t.view_as(t) for t in inner_tensors(outer, meta)]
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in leaves]
+        return tuple(leaves)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        if all(g is None for g in grads):
+            return None, None, None
+        filled = [
+            torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+            for g, (shape, dtype, device) in zip(grads, ctx.shapes, strict=True)
+        ]
+        recorded = ctx.grad_meta.meta if ctx.grad_meta is not None else None
+        built = rebuild(recorded or tangent_meta(ctx.meta), filled)
+        return None, None, built.detach() if built.requires_grad else built
+
+
+def _conformed(grad: torch.Tensor, meta: SubclassMeta) -> torch.Tensor:
+    """``grad`` with the input's inner structure: a DTensor is redistributed to its placements."""
+    grad_meta = meta_of(grad)
+    if grad_meta is not None and grad_meta.same_structure(meta) and grad_meta.shapes == meta.shapes:
+        return grad
+    placements = _placements(meta)
+    if placements is not None and hasattr(grad, "redistribute"):
+        return grad.redistribute(placements=placements)
+    raise UnsupportedSubclassError(
+        format_error(
+            f"the gradient of a {_type_name(meta.cls)} input is a {_type_name(type(grad))} whose"
+            " inner tensors do not match the input's; aotgrad's backward graph returns one"
+            " gradient per inner tensor of the input",
+            None,
+            "Make the subclass's backward return gradients of the input's own subclass and layout.",
+        )
+    )
+
+
+def _coerced(grad: torch.Tensor, meta: SubclassMeta) -> torch.Tensor:
+    """A run's cotangent of a subclass output, with the layout the trace gave it.
+
+    The backward graph was traced with the output's own layout (a DTensor's placements);
+    a caller's cotangent in another one (``out.full_tensor().sum().backward()`` sends a
+    ``Replicate`` cotangent to a ``Partial`` output) is redistributed to it through the
+    subclass's ``__coerce_same_metadata_as_tangent__``, as torch.compile does.
+    """
+    coerce = getattr(grad, "__coerce_same_metadata_as_tangent__", None)
+    if coerce is not None:
+        coerced = coerce(meta.context)
+        grad = grad if coerced is None else coerced
+    grad_meta = meta_of(grad)
+    if grad_meta is None or not grad_meta.same_structure(meta) or grad_meta.shapes != meta.shapes:
+        raise UnsupportedSubclassError(
+            format_error(
+                f"the cotangent of a {_type_name(meta.cls)} output is a"
+                f" {_type_name(type(grad))} whose inner tensors do not match the output's;"
+                " the backward graph was traced for cotangents of the output's own layout",
+                None,
+                "Send a cotangent of the output's subclass and layout (loss.backward() on a"
+                " subclass loss sends ones of the loss's subclass).",
+            )
+        )
+    return grad
+
+
+# Note [Cotangents of partial DTensors]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The backward graph is traced for one layout of each subclass output's
+# cotangent, and a run's cotangent is brought to it. That layout is the
+# output's own, except that a ``DTensor`` output with a ``Partial`` placement
+# (each rank holds a summand) gets a ``Replicate`` cotangent: the gradient of
+# a sum with respect to each summand is the whole cotangent, on every rank,
+# and it is what callers send (``out.full_tensor().sum().backward()``);
+# DTensor refuses redistributing to ``Partial`` outside its own internals::
+#
+#     out = (x @ w).sum(0)        x Shard(0), w Replicate -> out Partial(sum)
+#     cotangent traced as         Replicate: local = the full cotangent
+#     a run's Replicate cotangent used as is; a Partial one is all-reduced first
+
+
+def tangent_meta(meta: SubclassMeta) -> SubclassMeta:
+    """The layout the trace gives a subclass output's cotangent (Note [Cotangents of partial
+    DTensors])."""
+    placements = _placements(meta)
+    if placements is None or not any(_is_partial(p) for p in placements):
+        return meta
+    from torch.distributed.tensor import Replicate
+
+    replicated = tuple(Replicate() if _is_partial(p) else p for p in placements)
+    return replace(meta, context=(replicated, *meta.context[1:]))
+
+
+def _is_partial(placement: Any) -> bool:
+    is_partial = getattr(placement, "is_partial", None)
+    return bool(is_partial()) if callable(is_partial) else False
+
+
+def _placements(meta: SubclassMeta) -> Any:
+    """A DTensor's placements, the first item of its flatten context; None for other types."""
+    first = meta.context[0] if isinstance(meta.context, tuple) and meta.context else None
+    return first if isinstance(first, tuple) else None
+
+
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# --- Outputs ------------------------------------------------------------------------------------
+
+
+class FlatOutput:
+    """A subclass output taken apart: a pytree node whose children are its plain inner tensors.
+
+    Its key paths are the inner tensors' places (``output.a``); the runtime builds the
+    subclass again from it (``rebuild_outputs``).
+    """
+
+    def __init__(self, meta: SubclassMeta, tensors: Sequence[torch.Tensor]) -> None:
+        self.meta = meta
+        self.tensors = list(tensors)
+
+
+def _flatten_output(node: FlatOutput) -> tuple[list[torch.Tensor], SubclassMeta]:
+    return node.tensors, node.meta
+
+
+def _flatten_output_with_keys(
+    node: FlatOutput,
+) -> tuple[list[tuple[pytree.KeyEntry, torch.Tensor]], SubclassMeta]:
+    keys = [pytree.GetAttrKey(p) for p in node.meta.paths()]
+    return list(zip(keys, node.tensors, strict=True)), node.meta
+
+
+def _unflatten_output(tensors: Any, meta: SubclassMeta) -> FlatOutput:
+    return FlatOutput(meta, list(tensors))
+
+
+pytree.register_pytree_node(
+    FlatOutput,
+    _flatten_output,
+    _unflatten_output,
+    flatten_with_keys_fn=_flatten_output_with_keys,
+)
+
+
+def flatten_outputs(result: Any) -> Any:
+    """``result`` with every subclass leaf taken apart into a :class:`FlatOutput` (at trace time)."""
+
+    def take_apart(t: Any) -> Any:
+        meta = meta_of(t) if isinstance(t, torch.Tensor) else None
+        if meta is None:
+            return t
+        return FlatOutput(meta, _Unwrap.apply(meta, None, t))
+
+    if not any(is_wrapper(leaf) for leaf in pytree.tree_leaves(result)):
+        return result  # untouched: mapping would rebuild containers (a torch.Size as a tuple)
+    return pytree.tree_map(take_apart, result)
+
+
+def rebuild_outputs(result: Any) -> Any:
+    """``result`` with every :class:`FlatOutput` built again as its subclass (at run time)."""
+
+    def build(node: Any) -> Any:
+        if not isinstance(node, FlatOutput):
+            return node
+        return _Wrap.apply(node.meta, None, *node.tensors)
+
+    return pytree.tree_map(build, result, is_leaf=lambda x: isinstance(x, FlatOutput))
+
+
+def holds_flat_outputs(spec: pytree.TreeSpec) -> bool:
+    """Does a result of this structure hold a subclass output (a :class:`FlatOutput`)?"""
+    if spec.type is FlatOutput:
+        return True
+    return any(holds_flat_outputs(child) for child in spec.children())
+
+
+# --- Inputs -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Subclasses:
+    """The subclass inputs of one call, taken apart (Note [Tensor subclasses]).
+
+    Built by :func:`desugar`; held by ``FlatInputs.subclasses`` for the runtime.
+    """
+
+    # Per outer graph input (lifted state, then the user's tensors): None when plain.
+    metas: tuple[SubclassMeta | None, ...]
+    # Per outer graph input: where the trace writes its gradient's layout (None when plain).
+    grads: tuple[GradMeta | None, ...]
+
+    def take_apart(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The plain graph inputs of a call: each subclass replaced by its inner tensors.
+
+        Differentiable: gradients of the inner tensors come back as the subclass's.
+        """
+        out: list[torch.Tensor] = []
+        for p, meta, grad in zip(primals, self.metas, self.grads, strict=True):
+            if meta is None:
+                out.append(p)
+            elif p.requires_grad and torch.is_grad_enabled():
+                out += _Unwrap.apply(meta, grad, p)
+            else:
+                out += inner_tensors(p, meta)
+        return out
+
+    def build(self, inner: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The outer inputs, built from the plain graph inputs (at trace time, differentiable)."""
+        out: list[torch.Tensor] = []
+        start = 0
+        for meta, grad in zip(self.metas, self.grads, strict=True):
+            if meta is None:
+                out.append(inner[start])
+                start += 1
+                continue
+            leaves = inner[start : start + meta.width]
+            start += meta.width
+            if any(t.requires_grad for t in leaves):
+                out.append(_Wrap.apply(meta, grad, *leaves))
+            else:
+                out.append(rebuild(meta, leaves))
+        return out
+
+
+def check_plain_or_wrapper(
+    primals: Sequence[torch.Tensor], descriptors: Sequence[PrimalDescriptor]
+) -> None:
+    """Refuse a tensor subclass aotgrad cannot take apart (no ``__tensor_flatten__``)."""
+    for t, d in zip(primals, descriptors, strict=True):
+        if type(t) in _PLAIN_TYPES or is_wrapper(t) or issubclass(type(t), torch.nn.Parameter):
+            continue
+        raise UnsupportedSubclassError(
+            format_error(
+                f"input {d} is a {_type_name(type(t))}, a tensor subclass without"
+                " __tensor_flatten__/__tensor_unflatten__: aotgrad's graphs hold plain tensors"
+                " and cannot keep what the subclass adds",
+                None,
+                "Pass a plain tensor (t.as_subclass(torch.Tensor)), or make the subclass a"
+                " traceable wrapper (__tensor_flatten__ and __tensor_unflatten__, like"
+                " DTensor); see Note [Tensor subclasses].",
+            )
+        )
+
+
+def check_plain_grads(
+    grads: Sequence[torch.Tensor | None], descriptors: Sequence[Any], where: UserFrame | None
+) -> None:
+    """Refuse a tensor subclass gradient of a plain graph input: the graph returns plain ones."""
+    for g, d in zip(grads, descriptors, strict=True):
+        if g is not None and is_wrapper(g):
+            raise UnsupportedSubclassError(
+                format_error(
+                    f"the gradient of the plain tensor input {d} is a {_type_name(type(g))}:"
+                    " a tensor subclass made from it inside the function (or mixed with a"
+                    " subclass input) sends a subclass gradient into a plain tensor, which"
+                    " the backward graph, holding plain tensors only, cannot return",
+                    where,
+                    "Pass that input as the subclass itself (e.g. a DTensor, or"
+                    " TwoTensor(w, w)), or detach it inside the function.",
+                )
+            )
+
+
+Body = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager[Any]]
+
+
+def desugar(
+    flat: FlatInputs,
+    primals: Sequence[torch.Tensor],
+    body: Body,
+    dynamic_dims: Mapping[int, Sequence[int]] | None,
+) -> tuple[FlatInputs, list[torch.Tensor], Body]:
+    """The call with every subclass input taken apart, and a body that builds them again.
+
+    ``flat`` is the call's ``FlatInputs``; the result's descriptors name inner tensors
+    (``Inner``), its ``subclasses`` says how to take a call's inputs apart. A call
+    without subclass inputs is returned unchanged, its body only taking subclass
+    outputs apart.
+    """
+    check_plain_or_wrapper(primals, flat.descriptors)
+    metas = tuple(meta_of(p) for p in primals)
+    if not any(metas):
+        return flat, list(primals), _outputs_taken_apart(body)
+    _refuse_dynamic(primals, metas, flat.descriptors, dynamic_dims)
+    subclasses = Subclasses(
+        metas=metas, grads=tuple(None if m is None else GradMeta() for m in metas)
+    )
+    descriptors: list[PrimalDescriptor] = []
+    num_lifted = 0
+    for i, (d, meta) in enumerate(zip(flat.descriptors, metas, strict=True)):
+        names = [d] if meta is None else [Inner(of=d, attr=p) for p in meta.paths()]
+        descriptors += names
+        num_lifted += len(names) if i < flat.num_lifted else 0
+    desugared = replace(
+        flat, descriptors=tuple(descriptors), num_lifted=num_lifted, subclasses=subclasses
+    )
+    inner = _plain_inner(primals, metas)
+    return desugared, inner, _outputs_taken_apart(_inputs_built(body, subclasses))
+
+
+def _plain_inner(
+    primals: Sequence[torch.Tensor], metas: Sequence[SubclassMeta | None]
+) -> list[torch.Tensor]:
+    """The plain graph inputs: inner tensors detached, requiring grad as their subclass does."""
+    out: list[torch.Tensor] = []
+    for p, meta in zip(primals, metas, strict=True):
+        if meta is None:
+            out.append(p)
+            continue
+        out += [t.detach().requires_grad_(p.requires_grad) for t in inner_tensors(p, meta)]
+    return out
+
+
+def _refuse_dynamic(
+    primals: Sequence[torch.Tensor],
+    metas: Sequence[SubclassMeta | None],
+    descriptors: Sequence[PrimalDescriptor],
+    dynamic_dims: Mapping[int, Sequence[int]] | None,
+) -> None:
+    for p, meta, d in zip(primals, metas, descriptors, strict=True):
+        if meta is not None and dynamic_dims and dynamic_dims.get(id(p)):
+            raise UnsupportedSubclassError(
+                format_error(
+                    f"input {d} is a {_type_name(meta.cls)} with dynamic dimensions; aotgrad"
+                    " traces tensor subclasses with static sizes only",
+                    None,
+                    "Call without dynamic=True (and without aotgrad.dynamic marks on it).",
+                )
+            )
+
+
+def _inputs_built(body: Body, subclasses: Subclasses) -> Body:
+    @contextlib.contextmanager
+    def built(inner: list[torch.Tensor]) -> Iterator[Any]:
+        with body(subclasses.build(inner)) as result:
+            yield result
+
+    return built
+
+
+def _outputs_taken_apart(body: Body) -> Body:
+    @contextlib.contextmanager
+    def taken_apart(inner: list[torch.Tensor]) -> Iterator[Any]:
+        with body(inner) as result:
+            yield flatten_outputs(result)
+
+    return taken_apart
+
+
+def subclass_key(t: torch.Tensor) -> Any:
+    """What a call's key holds of a subclass tensor beyond its outer metadata: its context and
+    its inner tensors' metadata (Note [Tensor subclasses]); None for a plain tensor."""
+    meta = meta_of(t)
+    if meta is None:
+        return None
+    inner = tuple(
+        (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, x.requires_grad)
+        for x in inner_tensors(t, meta)
+    )
+    return (meta.key(), inner)
