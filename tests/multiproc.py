@@ -6,11 +6,12 @@ The port is a free one chosen at run time on 127.0.0.1; the whole run is bounded
 name (a module-level function), and what it returns must pickle (tensors, numbers, lists).
 
 >>> run_ranks(_world_size_and_rank)
-[(2, 0), (2, 1)]
+[(2, 0, tensor([0.])), (2, 1, tensor([1.]))]
 """
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import sys
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -86,7 +88,7 @@ def _collect(results: Any, procs: list[Any], world_size: int, timeout: float) ->
             continue
         if not ok:
             raise RuntimeError(f"distributed run: rank {rank} failed:\n{value}")
-        found[rank] = value
+        found[rank] = torch.load(io.BytesIO(value), weights_only=False)
     return found
 
 
@@ -98,12 +100,20 @@ def _rank_main(
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:
-            results.put((rank, True, fn(*args)))
+            results.put((rank, True, _to_bytes(fn(*args))))
         finally:
             dist.destroy_process_group()
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
 
-def _world_size_and_rank() -> tuple[int, int]:
-    return dist.get_world_size(), dist.get_rank()
+def _to_bytes(value: Any) -> bytes:
+    """A rank's result as bytes: a tensor put on a Queue as itself travels as shared memory that
+    the rank's exit can tear down before the parent reads it (the parent then waits forever)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _world_size_and_rank() -> tuple[int, int, torch.Tensor]:
+    return dist.get_world_size(), dist.get_rank(), torch.tensor([float(dist.get_rank())])
