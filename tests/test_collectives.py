@@ -223,11 +223,13 @@ def errors():
         except (CollectiveGradError, CollectiveMismatchError) as e:
             result[name] = f"{type(e).__name__}: {e}"
     # The check waits a bounded time for a rank that does not capture, then warns.
-    with mock.patch.object(collectives_module, "CHECK_TIMEOUT_S", 1.0):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if dist.get_rank() == 0:
-                aotgrad.trace(_only_rank_0, x)
+    with (
+        mock.patch.object(collectives_module, "CHECK_TIMEOUT_S", 1.0),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        if dist.get_rank() == 0:
+            aotgrad.trace(_only_rank_0, x)
     result["timeout"] = [str(c.message) for c in caught if c.category is CollectiveCheckWarning]
     return result
 
@@ -273,10 +275,15 @@ def test_training_reports_and_the_recompute_ban():
     for rank, result in enumerate((rank0, rank1)):
         for label in PARTITIONS:
             eager, aot = result[label]["eager"], result[label]["aot"]
-            assert eager[0] == aot[0] or torch.allclose(torch.tensor(eager[0]), torch.tensor(aot[0]))
+            assert eager[0] == aot[0] or torch.allclose(
+                torch.tensor(eager[0]), torch.tensor(aot[0])
+            )
             for a, b in zip(eager[1:], aot[1:], strict=True):
                 assert torch.allclose(torch.tensor(a), torch.tensor(b)), (rank, label)
-        assert "_c10d_functional.all_reduce.default [sum over group '0', ranks 0, 1]" in result["seq_table"]
+        assert (
+            "_c10d_functional.all_reduce.default [sum over group '0', ranks 0, 1]"
+            in result["seq_table"]
+        )
         assert "wait_tensor.default [of all_reduce sum over group '0'" in result["memory_report"]
         assert any("of all_reduce sum" in p for p in result["saved_producers"])
         assert "aotgrad bug" in result["unbanned"] and "Note [Collectives]" in result["unbanned"]
