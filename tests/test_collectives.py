@@ -21,7 +21,7 @@ from torch.utils.checkpoint import (
 import aotgrad
 from aotgrad.capture import COLLECTIVE_KEY, CollectiveCheckWarning, Phase, node_info
 from aotgrad.capture import collectives as collectives_module
-from aotgrad.errors import CollectiveGradError, CollectiveMismatchError
+from aotgrad.errors import CollectiveGradError, CollectiveMismatchError, UnsupportedOpError
 from multiproc import run_ranks
 
 TIMEOUT = 120
@@ -207,6 +207,12 @@ def _only_rank_0(x):
     return fc.all_reduce(x, "sum", world())
 
 
+def _in_place(x):
+    y = x * 2
+    dist.all_reduce(y)
+    return y
+
+
 def errors():
     """The errors: a gradient through broadcast, groups and sequences that differ per rank."""
     x, w = _inputs()
@@ -216,11 +222,12 @@ def errors():
         "broadcast_grad": lambda: aotgrad.trace(broadcast_fn, x, w),
         "group": lambda: aotgrad.trace(_mismatched_group, x),
         "sequence": lambda: aotgrad.trace(_rank_dependent, x),
+        "in_place": lambda: aotgrad.aot_function(_in_place)(x),
     }.items():
         try:
             call()
             result[name] = "no error"
-        except (CollectiveGradError, CollectiveMismatchError) as e:
+        except (CollectiveGradError, CollectiveMismatchError, UnsupportedOpError) as e:
             result[name] = f"{type(e).__name__}: {e}"
     # The check waits a bounded time for a rank that does not capture, then warns.
     with (
@@ -301,6 +308,8 @@ def test_errors_name_the_collective_and_the_groups():
         assert "group '0'" in result["group"] and "group '1'" in result["group"]
         assert "all_reduce(sum)" in result["group"]
         assert "collective #2 is" in result["sequence"]
+        assert result["in_place"].startswith("UnsupportedOpError: c10d.allreduce_.default is one")
+        assert "_functional_collectives.all_reduce(t, 'sum', group) instead" in result["in_place"]
     assert "collective #2 is none on rank 0 but all_reduce(max)" in rank0["sequence"]
     assert "rank 1 captured no such function" in rank0["timeout"][0]
     assert rank1["timeout"] == []

@@ -64,7 +64,13 @@ the ``_c10d_functional``, ``_c10d_functional_autograd`` and ``c10d`` ops,
    point-to-point ops (``isend``/``irecv``), which differ per rank by design,
    are left out of the comparison.
 
-4. No silent zero gradient. A collective with no autograd formula in torch
+4. Only functional collectives. ``dist.all_reduce(t)`` and the other
+   in-place collectives (``c10d.allreduce_``) write into their argument
+   through a process-group object; capture refuses them
+   (``UnsupportedOpError``, naming the functional collective to call instead)
+   rather than record a graph that runs without them.
+
+5. No silent wrong gradient. A collective with no autograd formula in torch
    (``broadcast``) passes a gradient on as autograd's fallback does: with a
    warning that the result may be wrong. Capture turns that warning into a
    ``CollectiveGradError`` naming the op; ``detach()`` its input, or use the
@@ -100,8 +106,10 @@ from aotgrad._torch_compat import (
 from aotgrad.errors import (
     CollectiveGradError,
     CollectiveMismatchError,
+    UnsupportedOpError,
     UserFrame,
     format_error,
+    user_frame_from_stack,
 )
 from aotgrad.optable import COLLECTIVE_NAMESPACES, is_collective, is_point_to_point, op_name
 
@@ -324,12 +332,46 @@ def _compare(
             )
 
 
+# What to call instead of each in-place collective of ``torch.distributed``.
+_FUNCTIONAL_FORM = {
+    "allreduce_": "all_reduce(t, 'sum', group)",
+    "allgather_": "all_gather_tensor(t, 0, group)",
+    "_allgather_base_": "all_gather_tensor(t, 0, group)",
+    "reduce_scatter_": "reduce_scatter_tensor(t, 'sum', 0, group)",
+    "_reduce_scatter_base_": "reduce_scatter_tensor(t, 'sum', 0, group)",
+    "broadcast_": "broadcast(t, src, group)",
+}
+
+
+def refuse_in_place_collective(op: object) -> None:
+    """Raise for ``torch.distributed``'s in-place collectives (``dist.all_reduce(t)``).
+
+    They write into their argument through a process group object and return a
+    ``Work`` handle: a functional graph cannot hold them, and one that dropped or
+    misplaced them would compute without them (Note [Collectives]).
+    """
+    if not (isinstance(op, OpOverload) and op.namespace == "c10d"):
+        return
+    name = op._schema.name.split("::")[-1]
+    functional = _FUNCTIONAL_FORM.get(name, "the function of the same name")
+    raise UnsupportedOpError(
+        format_error(
+            f"{op} is one of torch.distributed's in-place collectives (dist.all_reduce,"
+            " dist.all_gather_into_tensor, ...): aotgrad's graphs hold only functional"
+            " collectives",
+            user_frame_from_stack(),
+            f"Call torch.distributed._functional_collectives.{functional} instead (it returns"
+            " a new tensor), or run the collective outside the compiled function.",
+        )
+    )
+
+
 _NO_FORMULA = re.compile(rf"(\w+)::(\w+): {NO_AUTOGRAD_KERNEL}")
 
 
 @contextlib.contextmanager
 def collective_grads_checked(where: UserFrame | None) -> Iterator[None]:
-    """Around the backward: a gradient through a collective with no formula raises (rule 4)."""
+    """Around the backward: a gradient through a collective with no formula raises (rule 5)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=_NO_FORMULA.pattern, category=UserWarning)
         try:
@@ -362,4 +404,5 @@ __all__ = [
     "collective_grads_checked",
     "describe_collectives",
     "op_text",
+    "refuse_in_place_collective",
 ]
