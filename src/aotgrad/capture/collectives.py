@@ -15,7 +15,7 @@ registers for them, in the backward::
     forward:    mm = mm(x, w); r = all_reduce(mm, 'sum', '0'); y = wait_tensor(r)
     backward:   r_1 = all_reduce(cotangent, 'sum', '0'); g = wait_tensor(r_1); ...
 
-aotgrad keeps four rules (``optable.is_collective`` says which ops they cover:
+aotgrad keeps five rules (``optable.is_collective`` says which ops they cover:
 the ``_c10d_functional``, ``_c10d_functional_autograd`` and ``c10d`` ops,
 ``wait_tensor`` included):
 
@@ -23,24 +23,33 @@ the ``_c10d_functional``, ``_c10d_functional_autograd`` and ``c10d`` ops,
    min-cut hangs them off the source, the budget program fixes their
    recompute variable at 0, a selective checkpoint's ``MUST_RECOMPUTE`` tag
    is ignored on them, and walking back from what the backward needs stops at
-   them (their result is saved). A checkpointed region
-   (``torch.utils.checkpoint``) re-runs its collectives in eager's backward;
-   capture links each re-run collective to its forward twin (Note [Recomputed
-   random ops]) and the backward reads the twin's saved result instead::
+   them (their result is saved)::
 
-       mincut, x -> mm -> all_reduce -> wait -> sin -> out, needed: cos(wait)
-       without the rule: save mm, recompute all_reduce + wait in the backward
-                         (one all_reduce more per step, on every rank)
-       with it:          save wait; the backward has no all_reduce of its own
-                         but the gradient's
+       x -> mm -> sin -> all_reduce -> wait -> sin -> out; the backward reads wait
+       budget(0.01) without the rule: save x, w; the backward re-runs mm, sin,
+                         all_reduce, wait (one all_reduce more per step)
+       with it:          save wait; the backward's only all_reduce is the
+                         gradient's (its input is a cotangent, not a forward value)
+
+   A checkpointed region (``torch.utils.checkpoint``) re-runs its collectives
+   in eager's backward; capture links each re-run collective to its forward
+   twin (the same op on the same, linked, inputs: Note [Recomputed random
+   ops]) and the backward reads the twin's result instead, which the forward
+   saves. A re-run collective with no twin is refused.
 
 2. Never reordered. The forward and backward graphs copy the joint graph's
    nodes in its order, and ``partition`` checks that the collectives of the
    two graphs are the joint graph's, each once, in the same order
-   (``check_order``). The joint graph's order is the order the function called
-   them, the same on every rank for the same code and shapes. A compiler given
-   the graphs sees the same graph on every rank, and its scheduling is a
-   function of the graph, so whatever order it picks, every rank picks it.
+   (``check_order``; it raises if a strategy recomputed or moved one). The
+   joint graph's order is the order the function called them, the same on
+   every rank for the same code and shapes. A compiler may still schedule two
+   independent collectives either way::
+
+       a = all_reduce(x); b = all_reduce(y)    # no data dependency between them
+
+   but every rank hands the same graph to the same compiler, whose schedule
+   is a function of the graph: whichever order it picks, every rank picks it.
+   (aotgrad adds no artificial dependency between collectives.)
 
 3. Checked across ranks. After capture, when ``torch.distributed`` is
    initialized and the graph holds collectives, each rank publishes the
