@@ -235,6 +235,8 @@ def errors():
             result[name] = "no error"
         except (CollectiveGradError, CollectiveMismatchError, UnsupportedOpError) as e:
             result[name] = f"{type(e).__name__}: {e}"
+    with mock.patch.object(collectives_module, "CHECK_TIMEOUT_S", 0):  # the check turned off
+        result["check_off"] = str(aotgrad.trace(_mismatched_group, x).tracer)
     # The check waits a bounded time for a rank that does not capture, then warns.
     with (
         mock.patch.object(collectives_module, "CHECK_TIMEOUT_S", 1.0),
@@ -315,6 +317,7 @@ def test_errors_name_the_collective_and_the_groups():
         assert "group '0'" in result["group"] and "group '1'" in result["group"]
         assert "all_reduce(sum)" in result["group"]
         assert "collective #2 is" in result["sequence"]
+        assert result["check_off"] == "direct"  # captured: nothing compared
         assert result["in_place"].startswith("UnsupportedOpError: c10d.allreduce_.default is one")
         assert "_functional_collectives.all_reduce(t, 'sum', group) instead" in result["in_place"]
     assert "collective #2 is none on rank 0 but all_reduce(max)" in rank0["sequence"]

@@ -66,7 +66,10 @@ the ``_c10d_functional``, ``_c10d_functional_autograd`` and ``c10d`` ops,
    ``CHECK_TIMEOUT_S``. A rank that publishes nothing in that time (it did not
    capture this function, e.g. its call hit the cache while this rank's
    missed) is not proof of a mismatch: the check warns
-   (``CollectiveCheckWarning``) and the capture goes on. Ranks pair their
+   (``CollectiveCheckWarning``) and the capture goes on. (A capture on one
+   rank only, say ``aotgrad.trace`` under ``if rank == 0`` to print a report,
+   waits that long: set ``aotgrad.capture.collectives.CHECK_TIMEOUT_S = 0``
+   to turn the check off.) Ranks pair their
    captures by function name and count (the 3rd capture of ``f`` over ranks
    0, 1), as SPMD code makes them. Shapes are compared for the ops that
    require the same shape on every rank (not ``all_to_all_single``), and
@@ -124,8 +127,9 @@ from aotgrad.optable import COLLECTIVE_NAMESPACES, is_collective, is_point_to_po
 
 # node.meta key of a collective's CollectiveCall.
 COLLECTIVE_KEY = "aotgrad_collective"
-# How long the cross-rank check waits for another rank's sequence (Note [Collectives], rule 3).
-CHECK_TIMEOUT_S = 60.0
+# How long the cross-rank check waits for another rank's sequence (Note [Collectives], rule 3);
+# 0 turns the check off.
+CHECK_TIMEOUT_S = 30.0
 # Ops whose input must have the same shape on every rank of the group.
 _SAME_SHAPE = frozenset(
     ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"]
@@ -272,7 +276,7 @@ def check_same_on_ranks(graph: fx.Graph, function: str, where: UserFrame | None)
     (:class:`CollectiveCheckWarning`) when another rank publishes none in time.
     """
     calls = [c for n in graph.nodes if (c := _compared(n)) is not None]
-    if not calls or not (dist.is_available() and dist.is_initialized()):
+    if not calls or CHECK_TIMEOUT_S <= 0 or not (dist.is_available() and dist.is_initialized()):
         return
     ranks = sorted({r for c in calls for r in c.ranks})
     me = dist.get_rank()
