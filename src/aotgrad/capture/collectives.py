@@ -255,14 +255,19 @@ def check_order(joint: fx.Graph, graphs: Sequence[fx.Graph | None]) -> None:
 
     Raises AssertionError otherwise: the partitioner recomputed or reordered one (a bug).
     """
-    order = {n.name: i for i, n in enumerate(joint.nodes) if COLLECTIVE_KEY in n.meta}
-    names = [n.name for g in graphs if g is not None for n in g.nodes if COLLECTIVE_KEY in n.meta]
+    order = {n.name: i for i, n in enumerate(joint.nodes) if _runs_collective(n)}
+    names = [n.name for g in graphs if g is not None for n in g.nodes if _runs_collective(n)]
     positions = [order.get(name, -1) for name in names]
     if -1 in positions or positions != sorted(set(positions)):
         raise AssertionError(
             f"aotgrad bug: the graphs run the collectives {names}, not the joint graph's"
             f" {list(order)} once each in order (Note [Collectives]); please report it"
         )
+
+
+def _runs_collective(node: fx.Node) -> bool:
+    """An op node that runs a collective (a saved result's placeholder keeps the meta only)."""
+    return node.op == "call_function" and COLLECTIVE_KEY in node.meta
 
 
 # Captures with collectives so far, by (function, ranks): pairs each rank's n-th capture.
