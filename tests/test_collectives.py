@@ -19,7 +19,13 @@ from torch.utils.checkpoint import (
 )
 
 import aotgrad
-from aotgrad.capture import COLLECTIVE_KEY, CollectiveCheckWarning, Phase, node_info
+from aotgrad.capture import (
+    COLLECTIVE_KEY,
+    CollectiveCheckWarning,
+    Phase,
+    collective_calls,
+    node_info,
+)
 from aotgrad.capture import collectives as collectives_module
 from aotgrad.errors import CollectiveGradError, CollectiveMismatchError, UnsupportedOpError
 from multiproc import run_ranks
@@ -113,7 +119,7 @@ def _eager(fn, x, w):
 
 def _collectives(gm):
     """The graph's collectives as every rank must agree on them, with the graph they are in."""
-    return [str(n.meta[COLLECTIVE_KEY]) for n in gm.graph.nodes if COLLECTIVE_KEY in n.meta]
+    return [str(call) for call in collective_calls(gm.graph)]
 
 
 # --- rank functions ----------------------------------------------------------------------------

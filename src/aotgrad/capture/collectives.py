@@ -190,7 +190,7 @@ def describe_collectives(gm: fx.GraphModule) -> None:
 
 def collective_calls(graph: fx.Graph) -> list[CollectiveCall]:
     """The collectives of ``graph`` in its order (waits aside)."""
-    return [c for n in graph.nodes if (c := n.meta.get(COLLECTIVE_KEY)) is not None]
+    return [n.meta[COLLECTIVE_KEY] for n in graph.nodes if _runs_collective(n)]
 
 
 def op_text(node: fx.Node) -> str:
