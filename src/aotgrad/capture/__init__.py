@@ -201,7 +201,7 @@ def _capture(
     split_at_cotangents(gm)
     stamp(gm, recorder)
     _remove_detaches(gm.graph)  # before matching: a checkpoint recomputes from detached inputs
-    describe_collectives(gm)  # before matching: a re-run collective is matched by its call
+    describe_collectives(gm)  # op, group, shape of each collective (Note [Collectives])
     link_recompute(gm)
     return _assemble(gm, flat, inputs, bases, record, report)
 

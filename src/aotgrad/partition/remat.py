@@ -18,7 +18,8 @@ Inputs are always available to the backward: min-cut saves one at no cost
 (the caller holds it anyway), while a budget counts the bytes of every input
 a plan saves (Note [Budget units]). Views are never saved (their base is, and
 the view is replayed on it); random ops are never recomputed (the backward
-must see the forward's draws), nor are collectives (Note [Collectives]). Bytes are counted as Note [Counting bytes] says.
+must see the forward's draws), nor are collectives (Note [Collectives]).
+Bytes are counted as Note [Counting bytes] says.
 """
 
 from __future__ import annotations
