@@ -329,3 +329,19 @@ def test_errors_name_the_collective_and_the_groups():
     assert "collective #2 is none on rank 0 but all_reduce(max)" in rank0["sequence"]
     assert "rank 1 captured no such function" in rank0["timeout"][0]
     assert rank1["timeout"] == []
+
+
+_LIB = torch.library.Library("aotgrad_collectives_test", "DEF")
+_LIB.define("twice(Tensor x) -> Tensor")
+_LIB.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")  # no autograd kernel
+torch.library.register_fake("aotgrad_collectives_test::twice", lambda x: torch.empty_like(x))
+
+
+def test_an_op_without_autograd_kernel_outside_torch_distributed_still_only_warns():
+    """Only collectives' "no autograd kernel" warnings become errors (Note [Collectives])."""
+    twice = torch.ops.aotgrad_collectives_test.twice
+    x = torch.ones(3, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        aotgrad.trace(lambda x: twice(x.sin()), x)
+    assert any("twice: an autograd kernel was not registered" in str(c.message) for c in caught)

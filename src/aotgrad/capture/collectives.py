@@ -384,7 +384,9 @@ def refuse_in_place_collective(op: object) -> None:
     )
 
 
-_NO_FORMULA = re.compile(rf"(\w+)::(\w+): {NO_AUTOGRAD_KERNEL}")
+# Autograd's warning for a collective with no formula (only collectives' warnings become errors).
+_NAMESPACES = "|".join(sorted(COLLECTIVE_NAMESPACES, key=len, reverse=True))
+_NO_FORMULA = re.compile(rf"({_NAMESPACES})::(\w+): {NO_AUTOGRAD_KERNEL}")
 
 
 @contextlib.contextmanager
@@ -396,7 +398,7 @@ def collective_grads_checked(where: UserFrame | None) -> Iterator[None]:
             yield
         except UserWarning as e:
             found = _NO_FORMULA.match(str(e))
-            if found is None or found[1] not in COLLECTIVE_NAMESPACES:
+            if found is None:
                 raise
             raise CollectiveGradError(
                 format_error(
