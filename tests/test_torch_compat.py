@@ -521,3 +521,29 @@ def test_saved_tensors_hooks_stack_can_be_taken_off_and_put_back():
         assert compat.top_saved_tensors_hooks(True) is None
         compat.push_saved_tensors_hooks(pack, unpack)
     assert compat.top_saved_tensors_hooks(True) is None
+
+
+def test_process_group_by_name_store_and_the_no_autograd_kernel_warning():
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        world = dist.group.WORLD
+        assert compat.resolve_process_group(world.group_name) is world
+        store = compat.default_store()
+        store.set("aotgrad/smoke", "1")
+        assert store.get("aotgrad/smoke") == b"1"
+        w = torch.ones(2, requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fc.broadcast(w * 2, 0, world).sum().backward()  # broadcast has no autograd kernel
+        messages = [str(c.message) for c in caught]
+        assert any(
+            m.startswith("_c10d_functional::broadcast: ") and compat.NO_AUTOGRAD_KERNEL in m
+            for m in messages
+        ), messages
+    finally:
+        dist.destroy_process_group()

@@ -288,6 +288,28 @@ TENSOR_BACKWARD = traceback_name(torch.Tensor.backward)  # "torch._tensor.backwa
 ENGINE_RUN_BACKWARD = traceback_name(engine_run_backward)  # what autograd.grad runs
 
 
+# --- torch.distributed ---------------------------------------------------------------------------
+
+
+def resolve_process_group(group_name: str) -> Any:
+    """The ``ProcessGroup`` a functional collective's ``group_name`` argument names."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)  # type: ignore[arg-type]
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (``init_process_group``'s rendezvous)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+# How autograd's fallback names an op with no autograd kernel that a gradient flows through
+# (a warning: "may lead to silently incorrect behavior"); the op's name comes first.
+NO_AUTOGRAD_KERNEL = "an autograd kernel was not registered to the Autograd key"
+
+
 # --- Compiled functions --------------------------------------------------------------------------
 
 # Marks a compiled function that takes its inputs as one list (``f(args)``, "boxed"), so it may

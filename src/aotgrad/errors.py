@@ -90,6 +90,16 @@ class InPlaceOnLeafError(CaptureError, RuntimeError):
     """An in-place op on a leaf that requires grad: eager refuses it, and so does aotgrad."""
 
 
+class CollectiveGradError(CaptureError, RuntimeError):
+    """A gradient flows through a collective torch has no gradient formula for
+    (Note [Collectives] in ``capture/collectives.py``)."""
+
+
+class CollectiveMismatchError(CaptureError, RuntimeError):
+    """The ranks would run different collectives: another op, group, reduction or shape, or
+    another order (Note [Collectives] in ``capture/collectives.py``)."""
+
+
 class DoubleBackwardError(AotgradError, RuntimeError):
     """A second derivative was asked through a compiled function (``create_graph=True``)."""
 

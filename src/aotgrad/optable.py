@@ -219,3 +219,38 @@ def autocast_lowers(op: object) -> bool:
     (True, False)
     """
     return isinstance(op, OpOverload) and str(op) in _AUTOCAST_LOWERS
+
+
+# The operator namespaces of torch.distributed's collectives: the functional ones
+# (``torch.distributed._functional_collectives``), their autograd forms, and c10d's own.
+COLLECTIVE_NAMESPACES = frozenset(["_c10d_functional", "_c10d_functional_autograd", "c10d"])
+# Point-to-point ops: each rank of a pair runs a different one (send here, receive there).
+_POINT_TO_POINT = frozenset(["isend", "irecv", "batch_p2p_ops", "send", "recv_"])
+
+
+def is_collective(op: object) -> bool:
+    """A torch.distributed communication op, or the wait that completes one: never recomputed,
+    never reordered (Note [Collectives] in ``capture/collectives.py``).
+
+    >>> is_collective(torch.ops._c10d_functional.all_reduce.default)
+    True
+    >>> is_collective(torch.ops._c10d_functional.wait_tensor.default)
+    True
+    >>> is_collective(torch.ops.aten.mm.default)
+    False
+    """
+    return isinstance(op, OpOverload) and op.namespace in COLLECTIVE_NAMESPACES
+
+
+def is_point_to_point(op: object) -> bool:
+    """A send or receive: the ranks of a pair run different ops by design.
+
+    >>> is_point_to_point(torch.ops._c10d_functional.isend.default)
+    True
+    >>> is_point_to_point(torch.ops._c10d_functional.all_reduce.default)
+    False
+    """
+    if not is_collective(op):
+        return False
+    assert isinstance(op, OpOverload)
+    return op._schema.name.split("::")[-1] in _POINT_TO_POINT

@@ -22,6 +22,16 @@ from aotgrad.capture.aliasing import (
     TensorOutput,
     ViewMeta,
 )
+from aotgrad.capture.collectives import (
+    COLLECTIVE_KEY,
+    CollectiveCall,
+    CollectiveCheckWarning,
+    check_order,
+    check_same_on_ranks,
+    collective_calls,
+    describe_collectives,
+    op_text,
+)
 from aotgrad.capture.cotangents import split_at_cotangents
 from aotgrad.capture.direct import DirectTracer
 from aotgrad.capture.dynamic import ShapeGuards
@@ -76,10 +86,13 @@ from aotgrad.signature import (
 from aotgrad.signature.printing import placeholder_name
 
 __all__ = [
+    "COLLECTIVE_KEY",
     "META_KEY",
     "Alias",
     "AliasSource",
     "Body",
+    "CollectiveCall",
+    "CollectiveCheckWarning",
     "ConstantOutput",
     "DirectTracerBugWarning",
     "InputMutation",
@@ -96,10 +109,13 @@ __all__ = [
     "ViewMeta",
     "capture",
     "capturing",
+    "check_order",
     "check_tracer_choice",
+    "collective_calls",
     "graph_inputs",
     "lazy_module",
     "node_info",
+    "op_text",
     "phase_of",
     "ready_for_compiler",
     "set_phase",
@@ -144,7 +160,14 @@ def capture(
         bases = _synthetic_bases(joint, primals, where)
         if bases:  # Note [Aliased inputs]: trace again, the members re-derived from their bases
             joint = _capture(body, flat, primals, bases, options, label)
+    check_same_on_ranks(joint.gm.graph, _function_name(label), where)  # Note [Collectives]
     return joint
+
+
+def _function_name(label: object) -> str:
+    """What the cross-rank check of collectives calls the captured function."""
+    named = label if hasattr(label, "__qualname__") else type(label)
+    return f"{getattr(named, '__module__', '')}.{getattr(named, '__qualname__', repr(named))}"
 
 
 def _capture(
@@ -179,6 +202,7 @@ def _capture(
     split_at_cotangents(gm)
     stamp(gm, recorder)
     _remove_detaches(gm.graph)  # before matching: a checkpoint recomputes from detached inputs
+    describe_collectives(gm)  # op, group, shape of each collective (Note [Collectives])
     link_recompute(gm)
     return _assemble(gm, flat, inputs, bases, record, report)
 

@@ -69,6 +69,7 @@ from aotgrad._torch_compat import (
     seq_nr_of,
     tensor_metadata,
 )
+from aotgrad.capture.collectives import refuse_in_place_collective
 from aotgrad.capture.graph import lazy_module
 from aotgrad.capture.mutation import InputMutation, PrimalInfo
 from aotgrad.capture.recorder import Recorder
@@ -289,6 +290,7 @@ def _check_recordable(func: Any) -> None:
     """Stop the direct trace at an op only the full trace handles (Note [Direct tracing])."""
     if not isinstance(func, OpOverload):
         raise NeedsFullTrace(f"{func} is not an aten op overload")
+    refuse_in_place_collective(func)  # Note [Collectives]: the full trace would refuse it too
     if func._schema.is_mutable:
         raise NeedsFullTrace(f"{func} mutates a tensor (an in-place or out= op)")
     if func in _CONSTANTS:

@@ -56,6 +56,7 @@ from aotgrad.capture.aliasing import (
 )
 from aotgrad.capture.autocast import autocast_off
 from aotgrad.capture.closed_over import ClosedOver
+from aotgrad.capture.collectives import collective_grads_checked
 from aotgrad.capture.cotangents import make_cotangent
 from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
 from aotgrad.capture.fake import CaptureFakeMode
@@ -494,11 +495,15 @@ def _backward(
     tracer.recorder.backward_hooks(targets)
     computed: Sequence[torch.Tensor | None]
     if tracer.leaf_primals:
-        with _real_grads_untouched(tracer.recorder, where), autocast_off():  # Note [Autocast]
+        with (
+            _real_grads_untouched(tracer.recorder, where),
+            autocast_off(),  # Note [Autocast]
+            collective_grads_checked(where),  # Note [Collectives]
+        ):
             _run_engine(targets, cotangents, (), accumulate=True)
         computed = [primals[i].grad for i in record.grad_inputs]
     else:
-        with autocast_off():  # Note [Autocast]
+        with autocast_off(), collective_grads_checked(where):  # Notes [Autocast], [Collectives]
             computed = _run_engine(targets, cotangents, tuple(inputs), accumulate=False)
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):

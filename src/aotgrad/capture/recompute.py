@@ -39,14 +39,14 @@ import torch.fx as fx
 
 from aotgrad.capture.provenance import Phase, node_info, set_info
 from aotgrad.capture.recorder import RNG_POSITION_KEY
-from aotgrad.optable import draws_random
+from aotgrad.errors import UnsupportedOpError, format_error
+from aotgrad.optable import draws_random, is_collective
 
 
 def link_recompute(gm: fx.GraphModule) -> None:
-    """Match recomputed nodes with forward twins; random ones reuse the twin's value."""
-    if not any(
-        n.op == "call_function" and node_info(n).phase is Phase.RECOMPUTE for n in gm.graph.nodes
-    ):
+    """Match recomputed nodes with forward twins; random ones and collectives reuse the twin's
+    value."""
+    if not any(_may_repeat(n) for n in gm.graph.nodes):
         return  # no checkpointed region: nothing to match (and no pass over the graph)
     forward: dict[Any, fx.Node] = {}
     drawn: dict[int, fx.Node] = {}  # forward random nodes by position in the stream
@@ -60,7 +60,7 @@ def link_recompute(gm: fx.GraphModule) -> None:
             forward.setdefault(_key(node, lambda n: n), node)
             if position is not None:
                 drawn.setdefault(position, node)
-        elif phase is Phase.RECOMPUTE:
+        elif _may_repeat(node):
             if position is not None:
                 twin = _same_draw(node, drawn.get(position))
             else:
@@ -69,10 +69,44 @@ def link_recompute(gm: fx.GraphModule) -> None:
                 twins[node] = twin
     for node, twin in twins.items():
         set_info(node, replace(node_info(node), seq_nr=node_info(twin).seq_nr))
-        if draws_random(node.target, node.args, node.kwargs):
-            node.replace_all_uses_with(twin)
+        if draws_random(node.target, node.args, node.kwargs) or is_collective(node.target):
+            node.replace_all_uses_with(twin)  # Note [Collectives], rule 1
             gm.graph.erase_node(node)  # DCE keeps random ops: they look side-effecting
     gm.graph.eliminate_dead_code()
+    _no_collective_rerun(gm)
+
+
+def _may_repeat(node: fx.Node) -> bool:
+    """A node that may repeat a forward op: a recomputed one, or a collective in the backward.
+
+    A checkpoint re-runs a collective inside torch's autograd kernel of the op,
+    where grad mode is off, so the recorder sees a backward op, not a
+    recomputed one; it repeats a forward collective when its inputs are that
+    collective's (through their own twins). A gradient's collective reads a
+    cotangent and has no twin. (Note [Collectives], rule 1.)
+    """
+    if node.op != "call_function":
+        return False
+    phase = node_info(node).phase
+    return phase is Phase.RECOMPUTE or (phase is Phase.BACKWARD and is_collective(node.target))
+
+
+def _no_collective_rerun(gm: fx.GraphModule) -> None:
+    """A collective a checkpoint re-runs must have been linked to its forward twin (rule 1 of
+    Note [Collectives]): aotgrad never runs a collective again in the backward."""
+    for node in gm.graph.nodes:
+        info = node_info(node) if node.op == "call_function" else None
+        if info is not None and info.phase is Phase.RECOMPUTE and is_collective(node.target):
+            raise UnsupportedOpError(
+                format_error(
+                    f"a checkpointed region re-runs the collective {node.target} in the backward"
+                    " on other inputs than the forward's call, and aotgrad never re-runs a"
+                    " collective (Note [Collectives])",
+                    info.source,
+                    "Move the collective out of the checkpointed region, or make the region"
+                    " compute the same inputs when it is re-run.",
+                )
+            )
 
 
 def _same_draw(node: fx.Node, twin: fx.Node | None) -> fx.Node | None:

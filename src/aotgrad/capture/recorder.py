@@ -33,6 +33,7 @@ from aotgrad._torch_compat import (
     sync,
 )
 from aotgrad.capture import closed_over
+from aotgrad.capture.collectives import refuse_in_place_collective
 from aotgrad.capture.mutation import check_writable
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.capture.random import FILL_RANDOM, strided_fill
@@ -95,6 +96,7 @@ class ProvenanceMode(FunctionalTensorMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        refuse_in_place_collective(func)  # Note [Collectives]
         self.recorder.note_source()
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable and args:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch.fx as fx
 
-from aotgrad.capture import JointGraph, Phase, lazy_module, node_info
+from aotgrad.capture import JointGraph, Phase, check_order, lazy_module, node_info
 from aotgrad.errors import UserFrame
 from aotgrad.optable import op_name
 from aotgrad.partition.memory import peak_bytes
@@ -161,6 +161,7 @@ def _split(joint: JointGraph, plan: RematPlan, strategy: str) -> Partitioned:
         joint, build_forward(joint, plan.saved), signature.forward_inputs, signature.forward_outputs
     )
     backward_gm = _module(joint, backward, signature.backward_inputs, signature.backward_outputs)
+    check_order(joint.gm.graph, [forward.graph, backward_gm.graph])  # Note [Collectives]
     return Partitioned(
         joint=joint,
         forward=forward,

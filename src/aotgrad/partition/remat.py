@@ -18,7 +18,8 @@ Inputs are always available to the backward: min-cut saves one at no cost
 (the caller holds it anyway), while a budget counts the bytes of every input
 a plan saves (Note [Budget units]). Views are never saved (their base is, and
 the view is replayed on it); random ops are never recomputed (the backward
-must see the forward's draws). Bytes are counted as Note [Counting bytes] says.
+must see the forward's draws), nor are collectives (Note [Collectives]).
+Bytes are counted as Note [Counting bytes] says.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.fx as fx
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from aotgrad.capture import JointGraph, Phase, phase_of
-from aotgrad.optable import cheap_to_recompute, draws_random, flops, is_free_view
+from aotgrad.optable import cheap_to_recompute, draws_random, flops, is_collective, is_free_view
 from aotgrad.partition.saved import unique_bytes
 
 INF = math.inf
@@ -72,6 +73,12 @@ def is_random_node(node: fx.Node) -> bool:
     return node.op == "call_function" and draws_random(node.target, node.args, node.kwargs)
 
 
+def never_recomputed(node: fx.Node) -> bool:
+    """A random op (the backward must see the forward's draws) or a collective (every rank
+    must run the same ones, once: Note [Collectives]): saved, whatever the strategy."""
+    return is_random_node(node) or (node.op == "call_function" and is_collective(node.target))
+
+
 def is_tensor_node(node: fx.Node) -> bool:
     """Produces one tensor (multi-output ops are saved through their ``getitem`` nodes)."""
     return isinstance(node.meta.get("val"), torch.Tensor)
@@ -99,7 +106,8 @@ def is_view_node(node: fx.Node) -> bool:
 def recompute_closure(
     needed: Iterable[fx.Node], saved: set[fx.Node]
 ) -> tuple[set[fx.Node], set[fx.Node]]:
-    """Everything to re-run so the backward has ``needed`` from ``saved``; plus inputs to save."""
+    """Everything to re-run so the backward has ``needed`` from ``saved``; plus what else to
+    save: the inputs and collectives the re-run reads."""
     recompute: set[fx.Node] = set()
     inputs: set[fx.Node] = set()
     stack = [n for n in needed if n not in saved]
@@ -107,8 +115,8 @@ def recompute_closure(
         node = stack.pop()
         if node in recompute or node in saved or node in inputs:
             continue
-        if node.op == "placeholder":
-            inputs.add(node)
+        if node.op == "placeholder" or never_recomputed(node):
+            inputs.add(node)  # saved: an input, or a collective (Note [Collectives])
             continue
         recompute.add(node)
         stack.extend(node.all_input_nodes)
@@ -144,8 +152,10 @@ def mincut_saved(joint: JointGraph, needed: Iterable[fx.Node]) -> set[fx.Node]:
     graph = nx.DiGraph()
     pinned = reads_mutated_input(joint)
     for node in forward_ops(joint):
-        recomputable = node not in pinned and (
-            cheap_to_recompute(node.target) or is_view_node(node)
+        recomputable = (
+            node not in pinned
+            and not never_recomputed(node)
+            and (cheap_to_recompute(node.target) or is_view_node(node))
         )
         # Views are replayed rather than saved, unless they cannot be recomputed.
         savable = is_tensor_node(node) and (not is_view_node(node) or not recomputable)
@@ -394,9 +404,11 @@ def _budget_bounds(ops: list[fx.Node], pinned: set[fx.Node]) -> Bounds:
     n = len(ops)
     upper = np.ones(2 * n)
     for i, v in enumerate(ops):
-        fixed = v.op == "placeholder" or is_random_node(v) or v in pinned
+        fixed = v.op == "placeholder" or never_recomputed(v) or v in pinned
         if fixed:
-            upper[n + i] = 0  # never recompute a random op, or one reading a mutated input
+            upper[n + i] = (
+                0  # never recompute a random op, a collective, or one reading a mutated input
+            )
         if not is_tensor_node(v) or (is_view_node(v) and not fixed):
             upper[i] = 0  # never save a tuple (its getitems are saved), nor a replayable view
     return Bounds(np.zeros(2 * n), upper)

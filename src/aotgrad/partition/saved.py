@@ -9,9 +9,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from aotgrad.capture import node_info
+from aotgrad.capture import node_info, op_text
 from aotgrad.errors import UserFrame
-from aotgrad.optable import op_name
 from aotgrad.signature.storage import storage_key, storage_nbytes
 
 
@@ -135,7 +134,7 @@ def describe_saved(
                 dtype=dtype,
                 nbytes=nbytes,
                 storage=storage,
-                producer="input" if node.op == "placeholder" else op_name(node.target),
+                producer="input" if node.op == "placeholder" else op_text(node),
                 seq_nr=info.seq_nr,
                 module=info.module,
                 source=info.source,

@@ -17,9 +17,9 @@ from aotgrad.optable import is_free_view
 from aotgrad.partition.remat import (
     RematPlan,
     budget_saved,
-    is_random_node,
     mincut_saved,
     needed_by_backward,
+    never_recomputed,
     recompute_closure,
     smallest_saved_bytes,
 )
@@ -164,6 +164,8 @@ def from_saved(
     reasons = {}
     for node in kept:
         why = needed.get(node) or "input of a recomputed op"
+        if node in inputs and node.op != "placeholder":
+            why += "; a collective is never recomputed (Note [Collectives])"
         reasons[node] = why if node.op == "placeholder" else f"{label}: {why}"
     recompute_reasons = {
         node: "graph constant"
@@ -190,7 +192,8 @@ def from_saved(
 #     sin MUST_RECOMPUTE   -> not saved; re-run in the backward from the saved mm
 #
 # ``PREFER_*`` tags are followed as if they were ``MUST_*``; random ops are
-# saved whatever their tag (the backward must see the forward's draws).
+# saved whatever their tag (the backward must see the forward's draws), and so
+# are collectives (Note [Collectives]).
 _RECOMPUTE_POLICIES = {CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE}
 
 
@@ -199,7 +202,7 @@ def apply_checkpoint_policy(joint: JointGraph, plan: RematPlan) -> RematPlan:
     tagged = {
         n
         for n in joint.nodes(Phase.FORWARD)
-        if n.meta.get("recompute") in _RECOMPUTE_POLICIES and not is_random_node(n)
+        if n.meta.get("recompute") in _RECOMPUTE_POLICIES and not never_recomputed(n)
     }
     if not tagged:
         return plan

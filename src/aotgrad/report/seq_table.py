@@ -19,8 +19,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from aotgrad.capture import Kind, node_info
-from aotgrad.optable import op_name
+from aotgrad.capture import Kind, node_info, op_text
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,7 @@ class SeqRow:
     """One op of the joint graph and the forward op it belongs to."""
 
     seq_nr: int | None
-    op: str  # "aten.mm.default"
+    op: str  # "aten.mm.default"; a collective with its group (Note [Collectives])
     module: str  # "blocks.3.attn.qkv", or the traced function's name
     phase: str  # forward | backward | recompute
     kind: str  # op | accumulate | recompute
@@ -61,7 +60,7 @@ def seq_table(gm: fx.GraphModule) -> SeqTable:
         rows.append(
             SeqRow(
                 seq_nr=info.seq_nr,
-                op=op_name(node.target),
+                op=op_text(node),
                 module=info.module,
                 phase=info.phase.value,
                 kind=info.kind.value,
