@@ -44,6 +44,7 @@ use, inside the functions below, never when aotgrad is imported.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -365,3 +366,13 @@ def fsdp_resume_hooks(states: list[Any], before: list[Any]) -> None:
     """Undo ``fsdp_pause_hooks``."""
     for state, training_state in zip(states, before, strict=True):
         state._training_state = training_state
+
+
+def is_fsdp_bookkeeping(value: Any) -> bool:
+    """Is this module attribute FSDP2's per-module state (``{fully_shard: FSDPState}``, stored
+    under a generated ``__composable_api_state_key_...`` name)?"""
+    if not isinstance(value, dict) or not value or "torch.distributed.fsdp" not in sys.modules:
+        return False
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return all(isinstance(state, FSDPState) for state in value.values())
