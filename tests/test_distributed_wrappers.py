@@ -29,13 +29,27 @@ def _mlp() -> nn.Module:
 
 
 def _wrap(kind: str, model: nn.Module) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if kind == "ddp":
         return DDP(model)
     if kind == "ddp_static":
         return DDP(model, static_graph=True)
+    if kind == "ddp_find_unused":
+        return DDP(model, find_unused_parameters=True)
+    if kind == "ddp_inside":
+        return nn.Sequential(DDP(model))
+    if kind == "fsdp_grouped":
+        fully_shard([model[0], model[2]])
+        return fully_shard(model)
+    if kind == "fsdp_bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        fully_shard(model[0], mp_policy=policy)
+        return fully_shard(model, mp_policy=policy)
+    if kind == "fsdp_not_root":
+        fully_shard(model[2])
+        return model
     fully_shard(model[0])
     fully_shard(model[2])
     return fully_shard(model)
@@ -113,3 +127,45 @@ def _close(got: Any, expected: Any, where: str) -> None:
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_three_sgd_steps_equal_eager_on_every_rank(kind):
     _assert_same_as_eager(run_ranks(every_way, kind, timeout=TIMEOUT))
+
+
+# What each refused configuration's error must say: the configuration, and what to do.
+REFUSED = {
+    "ddp_find_unused": ["find_unused_parameters=True", "find_unused_parameters=False"],
+    "ddp_inside": ["DDP module at 0", "aotgrad.aot_module(DDP(model))"],
+    "fsdp_grouped": ["module '0'", "grouped fully_shard", "Call fully_shard on each module"],
+    "fsdp_bf16": ["param_dtype=torch.bfloat16", "Leave param_dtype and output_dtype unset"],
+    "fsdp_not_root": ["fully_shard module at 2", "fully_shard(model)"],
+}
+
+
+def refusals_and_static_graph() -> dict[str, Any]:
+    """Every refused configuration's error, by frontend; DDP(static_graph=True) trained by
+    aot_module and eagerly (one spawn for all of it)."""
+    errors: dict[str, list[str]] = {}
+    for kind in REFUSED:
+        for frontend in (aotgrad.aot_module, lambda m: aotgrad.trace(m, torch.ones(4, 8))):
+            try:
+                frontend(_wrap(kind, _mlp()))
+                errors.setdefault(kind, []).append("no error")
+            except aotgrad.UnsupportedWrapperError as e:
+                errors.setdefault(kind, []).append(str(e))
+    static = {way: train("ddp_static", way) for way in ("eager", "aot_module")}
+    return {"errors": errors, "static": static}
+
+
+def test_refusals_say_what_to_do_and_static_graph_equals_eager():
+    """Note [Wrappers run around the graphs]: what aotgrad cannot run faithfully, it refuses."""
+    ranks = run_ranks(refusals_and_static_graph, timeout=TIMEOUT)
+    for result in ranks:
+        for kind, needles in REFUSED.items():
+            for message in result["errors"][kind]:
+                for needle in [*needles, 'torch.compile(model, backend="aotgrad")']:
+                    assert needle in message, f"{kind}: {needle!r} not in {message!r}"
+    static = [
+        {"eager": r["static"]["eager"], "aot_module": r["static"]["aot_module"]} for r in ranks
+    ]
+    for rank, ways in enumerate(static):
+        torch.testing.assert_close(ways["aot_module"]["losses"], ways["eager"]["losses"])
+        for name, p in ways["eager"]["params"].items():
+            _close(ways["aot_module"]["params"][name], p, f"rank {rank}: static_graph {name}")

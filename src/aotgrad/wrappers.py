@@ -184,7 +184,7 @@ def _fsdp_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 def _check_fsdp(units: list[tuple[str, torch.nn.Module]]) -> None:
     for path, module in units:
         state = compat.fsdp_state(module)
-        where = f"the fully_shard module {path or 'at the root'} ({type(module).__name__})"
+        where = f"the fully_shard module {repr(path) if path else 'at the root'} ({type(module).__name__})"
         if len(compat.fsdp_state_modules(state)) > 1:
             raise UnsupportedWrapperError(
                 f"aotgrad cannot run {where}: it was sharded with others in one grouped"
