@@ -407,9 +407,9 @@ class AOTFunction:
         if capturing():
             raise CallError(
                 "an aot_module of a DDP or fully_shard module was called by code aotgrad is"
-                " capturing: the wrapper's hooks cannot run inside a graph (Note [Wrappers run"
-                " around the graphs]). Compile the outer function without it, or compile only"
-                " the wrapped model."
+                " capturing: the wrapper's hooks cannot run inside a graph (see Note"
+                " [Wrappers run around the graphs]). Compile the outer function without it,"
+                " or compile only the wrapped model."
             )
         return self._wrapping.call(self._call, args, kwargs)
 

@@ -7,7 +7,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -51,8 +51,10 @@ _COMPILE_INSTEAD = 'torch.compile(model, backend="aotgrad") supports it (it spli
 class Wrapping(Protocol):
     """A wrapper (DDP, an FSDP2 root) whose logic runs around the captured ``inner`` module."""
 
-    # The module aotgrad captures: its parameters are the graphs' ``Param`` inputs.
-    inner: torch.nn.Module
+    @property
+    def inner(self) -> torch.nn.Module:
+        """The module aotgrad captures: its parameters are the graphs' ``Param`` inputs."""
+        ...
 
     def call(self, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The wrapper's forward, with ``run`` (the graphs) in place of the wrapped module."""
@@ -117,13 +119,13 @@ class FSDPWrapping:
     def capturing(self) -> Iterator[None]:
         units = _fsdp_units(self.inner)
         for _, module in units:
-            module.unshard()  # FSDPModule's public all-gather
+            cast(Any, module).unshard()  # FSDPModule's public all-gather
         try:
             with _hooks_paused([compat.fsdp_state(m) for _, m in units]):
                 yield
         finally:
             for _, module in reversed(units):
-                module.reshard()
+                cast(Any, module).reshard()
 
 
 @contextlib.contextmanager
