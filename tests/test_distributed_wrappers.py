@@ -7,6 +7,9 @@ what each way saw; the comparisons run in the parent.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -169,3 +172,20 @@ def test_refusals_say_what_to_do_and_static_graph_equals_eager():
         torch.testing.assert_close(ways["aot_module"]["losses"], ways["eager"]["losses"])
         for name, p in ways["eager"]["params"].items():
             _close(ways["aot_module"]["params"][name], p, f"rank {rank}: static_graph {name}")
+
+
+def test_the_example_training_script_runs_as_documented():
+    """examples/distributed.py (docs/distributed.md): 2 processes, aotgrad equals eager."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "distributed.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "ddp", "fsdp"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for kind in ("ddp", "fsdp"):
+        assert sorted(line.split(":")[0] for line in done.stdout.splitlines() if kind in line) == [
+            f"rank 0 {kind}",
+            f"rank 1 {kind}",
+        ]
