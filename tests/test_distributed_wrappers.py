@@ -7,6 +7,7 @@ what each way saw; the comparisons run in the parent.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -142,9 +143,10 @@ REFUSED = {
 }
 
 
-def refusals_and_static_graph() -> dict[str, Any]:
-    """Every refused configuration's error, by frontend; DDP(static_graph=True) trained by
-    aot_module and eagerly (one spawn for all of it)."""
+def refusals_and_what_works() -> dict[str, Any]:
+    """Every refused configuration's error, by frontend, and its training eagerly and through
+    torch.compile (which the errors recommend); DDP(static_graph=True) and DDP's no_sync()
+    through aot_module and eagerly (one spawn for all of it)."""
     errors: dict[str, list[str]] = {}
     for kind in REFUSED:
         for frontend in (aotgrad.aot_module, lambda m: aotgrad.trace(m, torch.ones(4, 8))):
@@ -153,25 +155,48 @@ def refusals_and_static_graph() -> dict[str, Any]:
                 errors.setdefault(kind, []).append("no error")
             except aotgrad.UnsupportedWrapperError as e:
                 errors.setdefault(kind, []).append(str(e))
+    compiled = {
+        kind: {way: train(kind, way)["losses"] for way in ("eager", "compile")}
+        for kind in ("ddp_find_unused", "fsdp_grouped", "fsdp_bf16")
+    }
     static = {way: train("ddp_static", way) for way in ("eager", "aot_module")}
-    return {"errors": errors, "static": static}
+    no_sync = {way: accumulate_without_sync(way) for way in ("eager", "aot_module")}
+    return {"errors": errors, "compiled": compiled, "static": static, "no_sync": no_sync}
 
 
-def test_refusals_say_what_to_do_and_static_graph_equals_eager():
+def accumulate_without_sync(way: str) -> list[Any]:
+    """Two backwards under DDP's no_sync(), then one synchronized: the gradients after each."""
+    model = _wrap("ddp", _mlp())
+    torch.manual_seed(1 + dist.get_rank())
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    run = _runner(way, model, xs[0])
+    grads = []
+    for i, x in enumerate(xs):
+        with model.no_sync() if i < 2 else contextlib.nullcontext():
+            run(x).pow(2).sum().backward()
+        grads.append(_full(model.module[0].weight.grad))
+    return grads
+
+
+def test_refusals_say_what_to_do_and_what_works_equals_eager():
     """Note [Wrappers run around the graphs]: what aotgrad cannot run faithfully, it refuses."""
-    ranks = run_ranks(refusals_and_static_graph, timeout=TIMEOUT)
-    for result in ranks:
+    ranks = run_ranks(refusals_and_what_works, timeout=TIMEOUT)
+    for rank, result in enumerate(ranks):
         for kind, needles in REFUSED.items():
             for message in result["errors"][kind]:
                 for needle in [*needles, 'torch.compile(model, backend="aotgrad")']:
                     assert needle in message, f"{kind}: {needle!r} not in {message!r}"
-    static = [
-        {"eager": r["static"]["eager"], "aot_module": r["static"]["aot_module"]} for r in ranks
-    ]
-    for rank, ways in enumerate(static):
-        torch.testing.assert_close(ways["aot_module"]["losses"], ways["eager"]["losses"])
-        for name, p in ways["eager"]["params"].items():
-            _close(ways["aot_module"]["params"][name], p, f"rank {rank}: static_graph {name}")
+        for kind, ways in result["compiled"].items():
+            _close(ways["compile"], ways["eager"], f"rank {rank}: {kind} through torch.compile")
+        static = result["static"]
+        _close(static["aot_module"]["losses"], static["eager"]["losses"], "static_graph")
+        for name, p in static["eager"]["params"].items():
+            _close(static["aot_module"]["params"][name], p, f"rank {rank}: static_graph {name}")
+        no_sync = result["no_sync"]
+        _close(no_sync["aot_module"], no_sync["eager"], f"rank {rank}: no_sync grads")
+    # Under no_sync the ranks' gradients differ; the synchronized backward makes them equal.
+    assert ranks[0]["no_sync"]["eager"][0] != ranks[1]["no_sync"]["eager"][0]
+    _close(ranks[0]["no_sync"]["eager"][2], ranks[1]["no_sync"]["eager"][2], "synchronized")
 
 
 def test_the_example_training_script_runs_as_documented():

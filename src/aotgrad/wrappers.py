@@ -46,6 +46,7 @@ from aotgrad.errors import UnsupportedWrapperError
 # outputs, grouped units) are refused with what to use instead.
 
 _COMPILE_INSTEAD = 'torch.compile(model, backend="aotgrad") supports it (it splits the graph)'
+_COMPILE_TRY = 'torch.compile(model, backend="aotgrad")'
 
 
 class Wrapping(Protocol):
@@ -172,7 +173,7 @@ def _check_ddp(ddp: Any) -> None:
             raise UnsupportedWrapperError(
                 f"aotgrad cannot run DDP with {mode}: its forward works differently from the"
                 " pre-forward / module / post-forward that aotgrad runs around its graphs"
-                f" (Note [Wrappers run around the graphs]). Use plain DDP, or {_COMPILE_INSTEAD}."
+                f" (Note [Wrappers run around the graphs]). Use plain DDP, or try {_COMPILE_TRY}."
             )
 
 
