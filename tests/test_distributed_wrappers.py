@@ -97,7 +97,18 @@ def train(kind: str, way: str, steps: int = 3) -> dict[str, Any]:
     params = {n: _full(p) for n, p in model.named_parameters()}
     # aot_module traces once: the wrapper's bookkeeping is neither an input nor guarded.
     misses = run.compiled.info.misses if way == "aot_module" else None
-    return {"losses": losses, "grads": grads, "params": params, "misses": misses}
+    # The graphs' inputs: the captured module's parameters, by the wrapper's names, as plain
+    # tensors (FSDP2's unsharded ones); reports work on every rank.
+    graph = None
+    if way == "trace":
+        placeholders = [n for n in run.forward.graph.nodes if n.op == "placeholder"]
+        graph = {
+            "inputs": [str(d) for d in run.signature.forward_inputs],
+            "types": sorted({type(n.meta["val"]).__name__ for n in placeholders}),
+            "report": run.memory_report(),
+            "seq_table": str(run.seq_table()),
+        }
+    return {"losses": losses, "grads": grads, "params": params, "misses": misses, "graph": graph}
 
 
 def every_way(kind: str) -> dict[str, dict[str, Any]]:
@@ -130,7 +141,22 @@ def _close(got: Any, expected: Any, where: str) -> None:
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_three_sgd_steps_equal_eager_on_every_rank(kind):
-    _assert_same_as_eager(run_ranks(every_way, kind, timeout=TIMEOUT))
+    ranks = run_ranks(every_way, kind, timeout=TIMEOUT)
+    _assert_same_as_eager(ranks)
+    prefix = "module." if kind == "ddp" else ""
+    for ways in ranks:
+        graph = ways["trace"]["graph"]
+        assert graph["inputs"][:2] == [f"param {prefix}0.weight", f"param {prefix}0.bias"]
+        assert graph["inputs"][-1] == "input" and len(graph["inputs"]) == 7
+        assert graph["types"] == ["FakeTensor"]  # plain tensors only, no DTensor
+        assert f"|{prefix}4" in graph["seq_table"] and "total:" in graph["report"]
+
+
+def test_the_documented_script_is_the_example():
+    """docs/distributed.md shows examples/distributed.py as it is."""
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "examples" / "distributed.py").read_text()
+    assert f"```python\n{script}```" in (root / "docs" / "distributed.md").read_text()
 
 
 # What each refused configuration's error must say: the configuration, and what to do.

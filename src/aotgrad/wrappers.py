@@ -4,6 +4,7 @@ call, and the module it wraps is what aotgrad captures (Note [Wrappers run aroun
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -67,19 +68,24 @@ class Wrapping(Protocol):
 
 
 class _Inner(torch.nn.Module):
-    """The module DDP wraps, under DDP's name for it: parameters keep DDP's names.
+    """The module DDP wraps, under DDP's name for it: parameters keep DDP's names, and the
+    arguments the wrapped module's ``forward`` names.
 
     >>> inner = _Inner(torch.nn.Linear(2, 2))
-    >>> [name for name, _ in inner.named_parameters()]
-    ['module.weight', 'module.bias']
+    >>> [name for name, _ in inner.named_parameters()], str(inspect.signature(inner.forward))
+    (['module.weight', 'module.bias'], '(input: torch.Tensor) -> torch.Tensor')
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
         self.module = module
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self.module(*args, **kwargs)
+
+        with contextlib.suppress(TypeError, ValueError):  # without one: named args[i]
+            forward.__signature__ = inspect.signature(module.forward)  # type: ignore[attr-defined]
+        self.forward = forward
 
 
 @dataclass(frozen=True, kw_only=True)
