@@ -226,17 +226,15 @@ def test_refusals_say_what_to_do_and_what_works_equals_eager():
 
 
 def test_the_example_training_script_runs_as_documented():
-    """examples/distributed.py (docs/distributed.md): 2 processes, aotgrad equals eager."""
+    """examples/distributed.py (docs/distributed.md): 2 processes, aotgrad equals eager (its FSDP2
+    part; DDP's is the same code path, trained above)."""
     script = Path(__file__).resolve().parents[1] / "examples" / "distributed.py"
     done = subprocess.run(
-        [sys.executable, str(script), "ddp", "fsdp"],
+        [sys.executable, str(script), "fsdp"],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    for kind in ("ddp", "fsdp"):
-        assert sorted(line.split(":")[0] for line in done.stdout.splitlines() if kind in line) == [
-            f"rank 0 {kind}",
-            f"rank 1 {kind}",
-        ]
+    ranks = sorted(line.split(":")[0] for line in done.stdout.splitlines() if "fsdp" in line)
+    assert ranks == ["rank 0 fsdp", "rank 1 fsdp"], done.stdout
