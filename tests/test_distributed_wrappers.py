@@ -166,6 +166,7 @@ REFUSED = {
     "fsdp_grouped": ["module '0'", "grouped fully_shard", "Call fully_shard on each module"],
     "fsdp_bf16": ["param_dtype=torch.bfloat16", "Leave param_dtype and output_dtype unset"],
     "fsdp_not_root": ["fully_shard module at 2", "fully_shard(model)"],
+    "ddp_read_by_function": ["closure ddp holds a DDP module", "aot_module(DDP(model))"],
 }
 
 
@@ -174,10 +175,11 @@ def refusals_and_what_works() -> dict[str, Any]:
     torch.compile (which the errors recommend); DDP(static_graph=True) and DDP's no_sync()
     through aot_module and eagerly (one spawn for all of it)."""
     errors: dict[str, list[str]] = {}
+    x = torch.ones(4, 8)
     for kind in REFUSED:
-        for frontend in (aotgrad.aot_module, lambda m: aotgrad.trace(m, torch.ones(4, 8))):
+        for frontend in (lambda m: aotgrad.aot_module(m)(x), lambda m: aotgrad.trace(m, x)):
             try:
-                frontend(_wrap(kind, _mlp()))
+                frontend(_wrapped_or_read(kind))
                 errors.setdefault(kind, []).append("no error")
             except aotgrad.UnsupportedWrapperError as e:
                 errors.setdefault(kind, []).append(str(e))
@@ -188,6 +190,19 @@ def refusals_and_what_works() -> dict[str, Any]:
     static = {way: train("ddp_static", way) for way in ("eager", "aot_module")}
     no_sync = {way: accumulate_without_sync(way) for way in ("eager", "aot_module")}
     return {"errors": errors, "compiled": compiled, "static": static, "no_sync": no_sync}
+
+
+def _wrapped_or_read(kind: str) -> Any:
+    """The wrapped model, or for "ddp_read_by_function" a module whose forward reads a DDP."""
+    if kind != "ddp_read_by_function":
+        return _wrap(kind, _mlp())
+    ddp = _wrap("ddp", _mlp())
+
+    class Reads(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return ddp(x)
+
+    return Reads()
 
 
 def accumulate_without_sync(way: str) -> list[Any]:

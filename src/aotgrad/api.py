@@ -36,7 +36,7 @@ from aotgrad.signature.lifting import (
     call_target,
     module_arguments,
 )
-from aotgrad.wrappers import Wrapping, wrapping_of
+from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
 
 Decompositions = Mapping[Any, Callable[..., Any]]
 PartitionFn = Callable[[JointGraph], Partitioned]
@@ -255,6 +255,7 @@ def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: O
     leaves, structure = flatten_call(args, kwargs)
     arguments = module_arguments(call_target(fn), args, kwargs, leaves, structure, {})
     lifted = lifting.read(arguments)
+    refuse_reached_wrappers(_reached(lifting, arguments))
     flat, tensors = flatten_inputs(call_target(fn), args, kwargs, lifted.descriptors)
     partitioned = capture_and_partition(
         fn=fn,
@@ -377,6 +378,7 @@ class AOTFunction:
         self._wrapping = _wrapping(fn) if read_environment else None
         if self._wrapping is not None:
             fn = self._wrapping.inner
+        self._in_wrapper = False  # inside the wrapper's call: run the graphs
         self._fn = fn
         self._target = call_target(fn)
         self._options = options
@@ -402,18 +404,8 @@ class AOTFunction:
         return self.cache.info
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._wrapping is None:
-            return self._call(*args, **kwargs)
-        if capturing():
-            raise CallError(
-                "an aot_module of a DDP or fully_shard module was called by code aotgrad is"
-                " capturing: the wrapper's hooks cannot run inside a graph (see Note"
-                " [Wrappers run around the graphs]). Compile the outer function without it,"
-                " or compile only the wrapped model."
-            )
-        return self._wrapping.call(self._call, args, kwargs)
-
-    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if self._wrapping is not None and not self._in_wrapper:
+            return self._wrapped(args, kwargs)
         if capturing():  # called by code being traced: trace through (Note [Capture sessions])
             return self._fn(*args, **kwargs)
         if not kwargs:
@@ -436,6 +428,23 @@ class AOTFunction:
         if not kwargs and self._state.empty:
             self.cache.remember(key, found, leaves)
         return found(lifted.tensors, leaves)
+
+    def _wrapped(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call of a DDP or FSDP2 module: its logic around ``self`` (Note [Wrappers run
+        around the graphs])."""
+        assert self._wrapping is not None
+        if capturing():
+            raise CallError(
+                "an aot_module of a DDP or fully_shard module was called by code aotgrad is"
+                " capturing: the wrapper's hooks cannot run inside a graph (see Note"
+                " [Wrappers run around the graphs]). Compile the outer function without it,"
+                " or compile only the wrapped model."
+            )
+        self._in_wrapper = True
+        try:
+            return self._wrapping.call(self, args, kwargs)
+        finally:
+            self._in_wrapper = False
 
     def _miss(self, miss: Miss, call: _Call) -> Any:
         """Trace, compile and run a new entry; run eagerly when the cache is full."""
@@ -478,6 +487,7 @@ class AOTFunction:
 
     def _specialize(self, call: _Call, dims: DynamicDims | None) -> Entry:
         fn, options, state = self._fn, self._options, call.lifted.tensors
+        refuse_reached_wrappers(_reached(self._state, call.arguments))
         flat, tensors = flatten_inputs(
             self._target, call.args, call.kwargs, call.lifted.descriptors
         )
@@ -511,6 +521,12 @@ class _Call:
     # The state the function reads, and the modules among the arguments (Note [Module arguments]).
     lifted: Lifted
     arguments: Arguments
+
+
+def _reached(state: State, arguments: Arguments) -> list[tuple[str, Any]]:
+    """The values a function reads besides its own module: closures, globals, module arguments."""
+    roots = [(f"{root.kind.__name__.lower()} {root.name}", root.get()) for root in state.roots]
+    return [*roots, *arguments]
 
 
 def _wrapping(fn: Callable[..., Any]) -> Wrapping | None:

@@ -166,13 +166,13 @@ def wrapping_of(module: torch.nn.Module) -> Wrapping | None:
 
 
 def _check_ddp(ddp: Any) -> None:
-    if ddp.find_unused_parameters and not ddp.static_graph:
+    if ddp.find_unused_parameters:
         raise UnsupportedWrapperError(
             "aotgrad cannot run DDP(find_unused_parameters=True): DDP finds the unused"
             " parameters by walking the autograd graph of each output, and aotgrad's compiled"
             " function reaches every parameter, so the reducer would wait for gradients that"
-            " never come. Construct DDP with find_unused_parameters=False (or static_graph=True)"
-            f" when every parameter is used, or {_COMPILE_INSTEAD}."
+            " never come. Construct DDP with find_unused_parameters=False when every parameter is"
+            f" used, or {_COMPILE_INSTEAD}."
         )
     for mode, used in compat.ddp_modes(ddp).items():
         if used:
@@ -224,7 +224,7 @@ def _check_no_wrappers_inside(
             kind = "DDP" if is_ddp else "fully_shard"
             raise UnsupportedWrapperError(
                 f"aotgrad runs DDP and fully_shard only as the module it is given: {outer} holds"
-                f" a {kind} module at {prefix}{path}, whose hooks would run inside the graph,"
+                f" a {kind} module at {(prefix + path).rstrip('.')}, whose hooks would run inside the graph,"
                 " once, at capture. Pass the wrapper itself (aotgrad.aot_module(DDP(model)), or"
                 " fully_shard the root too: fully_shard(model.layer); fully_shard(model)), or"
                 f" {_COMPILE_INSTEAD}."
@@ -233,3 +233,14 @@ def _check_no_wrappers_inside(
 
 def _fsdp_loaded() -> bool:
     return "torch.distributed.fsdp" in sys.modules
+
+
+def refuse_reached_wrappers(reached: list[tuple[str, Any]]) -> None:
+    """Refuse a DDP or FSDP2 module that a function reads (a closure, a global, an argument):
+    aotgrad would trace through its hooks once, at capture.
+
+    >>> refuse_reached_wrappers([("closure model", torch.nn.Linear(2, 2))])
+    """
+    for where, value in reached:
+        if isinstance(value, torch.nn.Module):
+            _check_no_wrappers_inside(value, f"{where}.", where)
