@@ -19,6 +19,7 @@ sys.path.insert(0, str(HERE))
 
 import capture  # noqa: E402
 import compiled  # noqa: E402
+import distributed  # noqa: E402
 import overhead  # noqa: E402
 import remat  # noqa: E402
 import report_page  # noqa: E402
@@ -87,6 +88,16 @@ def main() -> None:
             speed["aotgrad_inductor"],
             speed["torch_compile"],
             "<= 1.05",
+        )
+    )
+    fsdp = distributed.measure()
+    rows.append(
+        row(
+            "training step FSDP2 MLP, 2 gloo ranks, inductor (s)",
+            fsdp["aotgrad_inductor"],
+            fsdp["torch_compile"],
+            "<= 1.05",
+            "rank 0; aotgrad runs every unit's hooks around one graph pair",
         )
     )
     rows.extend(report_rows(report_page.measure()))

@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("partition",),  # stage 3: forward and backward graphs
     ("runtime",),  # stage 4: the autograd.Function
     ("report",),  # tables and reports over the graphs
-    ("cache", "compilers"),  # specializations and their keys; compilers users pass
+    ("cache", "compilers", "wrappers"),  # specializations and their keys; compilers users
+    # pass; DDP and FSDP2 run around the graphs
     ("api",),  # the frontends: trace, aot_function, aot_module
     ("dynamo", "profiling", "testing", "loops"),  # built on the frontends
     ("cli",),

@@ -547,3 +547,61 @@ def test_process_group_by_name_store_and_the_no_autograd_kernel_warning():
         ), messages
     finally:
         dist.destroy_process_group()
+
+
+# --- Distributed wrappers (one spawn of 2 gloo ranks for all of them) -----------------------------
+
+
+def _ddp_and_fsdp_hooks() -> dict[str, object]:
+    """DDP's pre/post-forward and FSDP2's forward hooks called as aotgrad calls them."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(3, 2))
+    x = torch.randn(4, 3) + dist.get_rank()  # different on each rank
+    modes = compat.ddp_modes(ddp)
+    args, kwargs = compat.ddp_pre_forward(ddp, (x,), {})
+    compat.ddp_post_forward(ddp, ddp.module(*args, **kwargs)).sum().backward()
+    ddp_grad = ddp.module.weight.grad.tolist()  # all-reduced: the same on both ranks
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    root = compat.fsdp_state(model)
+    bookkeeping = [a for a, v in vars(model).items() if compat.is_fsdp_bookkeeping(v)]
+    args, kwargs = compat.fsdp_pre_forward(root, model, (x,), {})
+    states = compat.fsdp_all_states(root)
+    child = states[1]
+    compat.fsdp_pre_forward(child, compat.fsdp_state_modules(child)[0], (), {})
+    unsharded = type(model[0].weight).__name__
+    before = compat.fsdp_pause_hooks(states)
+    out = model(*args, **kwargs)  # the hooks run and do nothing: still unsharded after
+    still_unsharded = type(model[0].weight).__name__
+    compat.fsdp_resume_hooks(states, before)
+    out = compat.fsdp_post_forward(child, model[0], out)
+    out = compat.fsdp_post_forward(root, model, out)
+    resharded = type(model[0].weight).__name__
+    out.sum().backward()
+    return {
+        "modes": modes,
+        "ddp_grad": ddp_grad,
+        "not_fsdp": compat.fsdp_state(torch.nn.Linear(1, 1)),
+        "states": [states[0] is root, compat.fsdp_state_modules(child) == (model[0],)],
+        "bookkeeping": len(bookkeeping) == 1 and not compat.is_fsdp_bookkeeping({}),
+        "param_dtype": compat.fsdp_mixed_precision(root).param_dtype,
+        "types": [unsharded, still_unsharded, resharded, type(model[0].weight.grad).__name__],
+    }
+
+
+def test_ddp_and_fsdp_hooks_run_as_aotgrad_runs_them():
+    from multiproc import run_ranks
+
+    ranks = run_ranks(_ddp_and_fsdp_hooks, timeout=120)
+    for result in ranks:
+        assert not any(result["modes"].values())
+        assert result["not_fsdp"] is None and all(result["states"]) and result["bookkeeping"]
+        assert result["param_dtype"] is None
+        assert result["types"] == ["Parameter", "Parameter", "DTensor", "DTensor"]
+    assert ranks[0]["ddp_grad"] == ranks[1]["ddp_grad"]

@@ -30,6 +30,7 @@ from aotgrad.errors import (
     UnsupportedMutationError,
     UnsupportedOpError,
     UnsupportedOutputError,
+    UnsupportedWrapperError,
 )
 from aotgrad.loops import ScanFunction, scan, scan_function, scan_layers, scan_layers_function
 from aotgrad.partition import budget
@@ -56,6 +57,7 @@ __all__ = [
     "UnsupportedMutationError",
     "UnsupportedOpError",
     "UnsupportedOutputError",
+    "UnsupportedWrapperError",
     "aot_function",
     "aot_module",
     "backend",

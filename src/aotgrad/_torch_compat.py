@@ -44,6 +44,7 @@ use, inside the functions below, never when aotgrad is imported.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -325,3 +326,87 @@ def mark_boxed(f: Callable[..., Any]) -> None:
 def is_boxed(f: object) -> bool:
     """Does ``f`` take one list argument (:data:`BOXED_CALL`)?"""
     return bool(getattr(f, BOXED_CALL, False))
+
+
+# --- Distributed wrappers: DDP and FSDP2 (Note [Wrappers run around the graphs]) ----------------
+
+# DDP's forward is ``_pre_forward`` (prepare the reducer, sync buffers, move inputs), the wrapped
+# module, then ``_post_forward`` (``prepare_for_backward``): aotgrad runs both around its graphs.
+
+
+def ddp_pre_forward(ddp: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What DDP's forward runs before the wrapped module: ``(args, kwargs)`` for it."""
+    return ddp._pre_forward(*args, **kwargs)
+
+
+def ddp_post_forward(ddp: Any, output: Any) -> Any:
+    """What DDP's forward runs after the wrapped module, on its output."""
+    return ddp._post_forward(output)
+
+
+def ddp_modes(ddp: Any) -> dict[str, bool]:
+    """The DDP configurations that change what its forward does, by aotgrad's name for them."""
+    return {
+        "the Python reducer (compiled autograd)": bool(ddp._use_python_reducer),
+        "delayed all-reduce of all parameters": bool(ddp._delay_all_reduce_all_params),
+        "DDP mixed precision": ddp.mixed_precision is not None,
+    }
+
+
+def fsdp_state(module: Any) -> Any:
+    """The ``FSDPState`` of a ``fully_shard`` module (None for other modules)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    return _get_module_fsdp_state(module)
+
+
+def fsdp_state_modules(state: Any) -> tuple[Any, ...]:
+    """The modules one ``fully_shard`` call made into a unit (two or more: a grouped call)."""
+    return tuple(state._modules)
+
+
+def fsdp_all_states(root_state: Any) -> list[Any]:
+    """Every unit's state under the root, root first (filled by the root's first forward)."""
+    return list(root_state._state_ctx.all_states)
+
+
+def fsdp_pre_forward(state: Any, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A unit's forward pre-hook: all-gather its parameters; the root's lazy init on first use."""
+    return state._pre_forward(module, args, kwargs)
+
+
+def fsdp_post_forward(state: Any, module: Any, output: Any) -> Any:
+    """A unit's forward hook: reshard, and register its pre-backward hook on ``output``."""
+    return state._post_forward(module, (), output)
+
+
+def fsdp_mixed_precision(state: Any) -> Any:
+    """The unit's ``MixedPrecisionPolicy``."""
+    return state._mp_policy
+
+
+def fsdp_pause_hooks(states: list[Any]) -> list[Any]:
+    """Make the units' forward hooks no-ops (they see the state activation checkpointing's
+    recompute sets: parameters already unsharded); returns what ``fsdp_resume_hooks`` takes."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    before = [state._training_state for state in states]
+    for state in states:
+        state._training_state = TrainingState.PRE_BACKWARD
+    return before
+
+
+def fsdp_resume_hooks(states: list[Any], before: list[Any]) -> None:
+    """Undo ``fsdp_pause_hooks``."""
+    for state, training_state in zip(states, before, strict=True):
+        state._training_state = training_state
+
+
+def is_fsdp_bookkeeping(value: Any) -> bool:
+    """Is this module attribute FSDP2's per-module state (``{fully_shard: FSDPState}``, stored
+    under a generated ``__composable_api_state_key_...`` name)?"""
+    if not isinstance(value, dict) or not value or "torch.distributed.fsdp" not in sys.modules:
+        return False
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return all(isinstance(state, FSDPState) for state in value.values())

@@ -37,6 +37,7 @@ from aotgrad.signature.lifting import (
     module_arguments,
 )
 from aotgrad.signature.subclasses import desugar
+from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
 
 Decompositions = Mapping[Any, Callable[..., Any]]
 PartitionFn = Callable[[JointGraph], Partitioned]
@@ -63,6 +64,10 @@ class Traced:
     _lifted: tuple[torch.Tensor, ...]
     # The autocast the graphs were captured under; calls must match it (Note [Autocast]).
     _autocast: tuple[tuple[str, torch.dtype], ...] = ()
+    # A DDP or FSDP2 wrapper run around every call, and the captured module's state, read
+    # again on each call (Note [Wrappers run around the graphs]).
+    _wrapping: Wrapping | None = None
+    _state: State | None = None
 
     @property
     def joint(self) -> fx.GraphModule:
@@ -145,6 +150,11 @@ class Traced:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the traced graphs on new inputs of the same structure and metadata."""
+        if self._wrapping is not None:
+            return self._wrapping.call(self._run, args, kwargs)
+        return self._run(*args, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
         flat = self.partitioned.joint.inputs
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != flat.spec:
@@ -168,7 +178,22 @@ class Traced:
                 " the autocast you call it with (or use aotgrad.aot_function, which re-traces)"
             )
         tensors = [leaves[i] for i in flat.tensor_positions]
-        return self._compiled([*self._lifted, *tensors])
+        return self._compiled([*self._lifted_now(), *tensors])
+
+    def _lifted_now(self) -> tuple[torch.Tensor, ...]:
+        """The lifted tensors: a wrapper's module state must still be the traced tensors."""
+        if self._state is None:
+            return self._lifted
+        now = self._state.read().tensors
+        if len(now) != len(self._lifted) or any(
+            a is not b for a, b in zip(now, self._lifted, strict=True)
+        ):
+            raise CallError(
+                "this Traced was captured on the parameters and buffers its DDP or fully_shard"
+                " module held at trace time, and the module now holds other tensors; call"
+                " aotgrad.trace again (or use aotgrad.aot_module, which re-traces)"
+            )
+        return self._lifted
 
     def __str__(self) -> str:
         parts = [str(self.signature), "# forward", self.forward.code.strip()]
@@ -211,18 +236,35 @@ def trace(
     ["grad of carry['a']", 'None']
     """
     fn = as_module(fn)
+    wrapping = wrapping_of(fn) if isinstance(fn, torch.nn.Module) else None
+    if wrapping is None:
+        return _trace(
+            fn, args, kwargs, Options(partition=partition, dynamic=dynamic, tracer=tracer)
+        )
+    with wrapping.capturing():  # Note [Wrappers run around the graphs]
+        traced = _trace(
+            wrapping.inner,
+            args,
+            kwargs,
+            Options(partition=partition, dynamic=dynamic, tracer=tracer),
+        )
+    return replace(traced, _wrapping=wrapping, _state=State(wrapping.inner))
+
+
+def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: Options) -> Traced:
     lifting = State(fn)
     leaves, structure = flatten_call(args, kwargs)
     arguments = module_arguments(call_target(fn), args, kwargs, leaves, structure, {})
     lifted = lifting.read(arguments)
+    refuse_reached_wrappers(_reached(lifting, arguments))
     flat, tensors = flatten_inputs(call_target(fn), args, kwargs, lifted.descriptors)
     partitioned = capture_and_partition(
         fn=fn,
         body=lifting.body(fn, lifted, flat),
         flat=flat,
         primals=[*lifted.tensors, *tensors],
-        options=Options(partition=partition, dynamic=dynamic, tracer=tracer),
-        dynamic_dims=_by_tensor(tensors, requested_dims(tensors, everything=dynamic)),
+        options=options,
+        dynamic_dims=_by_tensor(tensors, requested_dims(tensors, everything=options.dynamic)),
     )
     return Traced(
         partitioned=partitioned,
@@ -331,7 +373,14 @@ class AOTFunction:
         dynamic_dims: DynamicDims | None = None,
     ) -> None:
         functools.update_wrapper(self, fn)
-        self._fn = fn = as_module(fn)
+        fn = self._given = as_module(fn)
+        # A DDP or FSDP2 wrapper runs around the graphs of its inner module (Note [Wrappers
+        # run around the graphs]); Dynamo's graphs never hold one.
+        self._wrapping = _wrapping(fn) if read_environment else None
+        if self._wrapping is not None:
+            fn = self._wrapping.inner
+        self._in_wrapper = False  # inside the wrapper's call: run the graphs
+        self._fn = fn
         self._target = call_target(fn)
         self._options = options
         # Names for the tensor inputs, when the caller knows better than fn's signature.
@@ -356,6 +405,8 @@ class AOTFunction:
         return self.cache.info
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._wrapping is not None and not self._in_wrapper:
+            return self._wrapped(args, kwargs)
         if capturing():  # called by code being traced: trace through (Note [Capture sessions])
             return self._fn(*args, **kwargs)
         if not kwargs:
@@ -379,6 +430,23 @@ class AOTFunction:
             self.cache.remember(key, found, leaves)
         return found(lifted.tensors, leaves)
 
+    def _wrapped(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call of a DDP or FSDP2 module: its logic around ``self`` (Note [Wrappers run
+        around the graphs])."""
+        assert self._wrapping is not None
+        if capturing():
+            raise CallError(
+                "an aot_module of a DDP or fully_shard module was called by code aotgrad is"
+                " capturing: the wrapper's hooks cannot run inside a graph (see Note"
+                " [Wrappers run around the graphs]). Compile the outer function without it,"
+                " or compile only the wrapped model."
+            )
+        self._in_wrapper = True
+        try:
+            return self._wrapping.call(self, args, kwargs)
+        finally:
+            self._in_wrapper = False
+
     def _miss(self, miss: Miss, call: _Call) -> Any:
         """Trace, compile and run a new entry; run eagerly when the cache is full."""
         args, kwargs = call.args, call.kwargs
@@ -392,7 +460,7 @@ class AOTFunction:
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles as the function and the options; compiled graphs are made again on use."""
         arguments = (self._input_names, self._read_environment, self._dynamic_dims)
-        return (AOTFunction, (self._fn, self._options, *arguments))
+        return (AOTFunction, (self._given, self._options, *arguments))
 
     def seq_table(self) -> SeqTable:
         return seq_table(self._last().joint.gm)
@@ -420,6 +488,7 @@ class AOTFunction:
 
     def _specialize(self, call: _Call, dims: DynamicDims | None) -> Entry:
         fn, options, state = self._fn, self._options, call.lifted.tensors
+        refuse_reached_wrappers(_reached(self._state, call.arguments))
         flat, tensors = flatten_inputs(
             self._target, call.args, call.kwargs, call.lifted.descriptors
         )
@@ -453,6 +522,16 @@ class _Call:
     # The state the function reads, and the modules among the arguments (Note [Module arguments]).
     lifted: Lifted
     arguments: Arguments
+
+
+def _reached(state: State, arguments: Arguments) -> list[tuple[str, Any]]:
+    """The values a function reads besides its own module: closures, globals, module arguments."""
+    roots = [(f"{root.kind.__name__.lower()} {root.name}", root.get()) for root in state.roots]
+    return [*roots, *arguments]
+
+
+def _wrapping(fn: Callable[..., Any]) -> Wrapping | None:
+    return wrapping_of(fn) if isinstance(fn, torch.nn.Module) else None
 
 
 def _by_tensor(

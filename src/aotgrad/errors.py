@@ -112,6 +112,11 @@ class CallError(AotgradError, TypeError):
     """A compiled function was called with arguments it cannot accept."""
 
 
+class UnsupportedWrapperError(AotgradError, ValueError):
+    """A DDP or FSDP2 configuration aotgrad cannot run around its graphs (Note [Wrappers run
+    around the graphs]): the message says what to use instead."""
+
+
 class ScanError(AotgradError, ValueError):
     """A scan's body or arguments break its rules: a carry that changes shape, dtype or
     structure, ``xs`` leaves of different lengths, a body that mutates its inputs."""

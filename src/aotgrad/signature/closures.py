@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from aotgrad._torch_compat import global_module_hooks
+from aotgrad._torch_compat import global_module_hooks, is_fsdp_bookkeeping
 from aotgrad.signature.descriptors import Closure, Global, Input, PrimalDescriptor
 from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
 
@@ -311,8 +311,8 @@ class _Walk:
                     labels.append(f"{_LABELS[kind]} {prefix}{hooks}")
                     keys.append(tuple(state[hooks].items()))
             for a, v in state.items():
-                if a in _MODULE_FIELDS:
-                    continue
+                if a in _MODULE_FIELDS or is_fsdp_bookkeeping(v):
+                    continue  # FSDP2's state runs around the graphs (Note [Wrappers run around the graphs])
                 cls = type(v)
                 if cls in _PLAIN:  # ``training``, ``in_features``: keyed here, as ``_value`` would
                     labels.append(f"{_LABELS[kind]} {prefix}{a}")
