@@ -13,7 +13,7 @@ import torch.utils.checkpoint as cp
 import aotgrad
 from aotgrad.capture import DirectTracerBugWarning, node_info
 from aotgrad.capture.direct import DirectTracer
-from models import GPT, DeepMLP
+from models import GPT, ConvBN, DeepMLP
 
 
 def _checkpointed(x, w):
@@ -23,6 +23,24 @@ def _checkpointed(x, w):
 def _returns_views_and_constants(x, w):
     y = (x @ w).relu()
     return {"y": y, "t": y.t(), "x_view": x.view(-1), "scale": 2.0}
+
+
+def _in_place_on_intermediates(x, w):
+    h = x @ w
+    h.add_(1).mul_(w.sum())
+    h.masked_fill_(h > 2, 0.0)
+    h.relu_()
+    return torch.nn.functional.silu(h * 1, inplace=True).sum()
+
+
+def _updates_a_buffer(x, count, w):
+    count.add_(1)
+    return (x * w).sum()
+
+
+def _updates_through_a_view(x):
+    x.view(-1).mul_(2)
+    return x.sin()
 
 
 def _cases():
@@ -35,6 +53,9 @@ def _cases():
         "checkpoint": (_checkpointed, (x, w)),
         "views and constants": (_returns_views_and_constants, (x, w)),
         "no grad inputs": (lambda a: a.sin().sum(), (torch.randn(3),)),
+        "in-place ops on intermediates": (_in_place_on_intermediates, (x, w)),
+        "an input updated under no grad": (_updates_a_buffer, (x, torch.zeros(()), w)),
+        "batchnorm running statistics": (ConvBN(), (torch.randn(2, 1, 8, 8), torch.randn(2, 10))),
     }
 
 
@@ -67,7 +88,12 @@ def test_direct_and_full_traces_give_the_same_graphs_and_provenance(case):
 
 
 def _mutates(x):
-    x.mul_(2)  # stops here
+    x.t_()  # stops here
+    return x.sin()
+
+
+def _scales(x):
+    x.mul_(2)
     return x.sin()
 
 
@@ -85,10 +111,15 @@ def _square():
 
 # case -> (function, inputs, what the reason says)
 STOPS = {
-    "in-place op": (_mutates, lambda: (torch.randn(3),), "aten.mul_.Tensor mutates a tensor"),
+    "in-place op on a view": (
+        _updates_through_a_view,
+        lambda: (torch.randn(3),),
+        "aten.mul_.Tensor mutates a tensor that shares memory with another (a view)",
+    ),
+    "metadata mutation": (_mutates, lambda: (torch.randn(3),), "aten.t_.default mutates a tensor"),
     "random op": (_drops, lambda: (torch.randn(3),), "aten.bernoulli_.float mutates a tensor"),
     "in-place on an input needing grad": (
-        _mutates,
+        _scales,
         lambda: (torch.randn(3, requires_grad=True) * 1,),
         "an in-place op on a tensor autograd sees as a leaf that requires grad",
     ),
@@ -130,7 +161,7 @@ def test_the_stop_names_the_users_line():
     assert f"test_direct_trace.py:{_mutates.__code__.co_firstlineno + 1}:" in (
         traced.fallback_reason
     )
-    with pytest.raises(aotgrad.DirectTraceError, match=r"x\.mul_\(2\)  # stops here"):
+    with pytest.raises(aotgrad.DirectTraceError, match=r"x\.t_\(\)  # stops here"):
         aotgrad.trace(_mutates, torch.randn(3), tracer="direct")
 
 
@@ -165,7 +196,7 @@ def test_full_never_runs_the_direct_trace_and_auto_runs_it_once():
 
     def mutates(x):
         calls.append(1)
-        return x.add_(1)
+        return x.t_()  # a metadata mutation: the direct trace stops
 
     aotgrad.trace(mutates, torch.randn(2), tracer="full")
     assert len(calls) == 1
@@ -250,7 +281,7 @@ def test_a_trace_that_stops_inside_a_module_leaves_no_annotations_behind():
 def test_a_stop_is_not_swallowed_by_the_functions_own_except():
     def guarded(x):
         try:  # noqa: SIM105 -- the construct under test
-            x.add_(1)
+            x.view(-1).add_(1)  # through a view: the direct trace stops
         except Exception:
             pass
         return x * 2

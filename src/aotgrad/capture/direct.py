@@ -71,11 +71,11 @@ from aotgrad._torch_compat import (
 )
 from aotgrad.capture.collectives import refuse_in_place_collective
 from aotgrad.capture.graph import lazy_module
-from aotgrad.capture.mutation import InputMutation, PrimalInfo
+from aotgrad.capture.mutation import InputMutation, PrimalInfo, may_overlap
 from aotgrad.capture.recorder import Recorder
 from aotgrad.capture.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
 from aotgrad.errors import UserFrame
-from aotgrad.signature import GraphInputDescriptor
+from aotgrad.signature import GraphInputDescriptor, storage_key
 
 _PASS_THROUGH = (torch.ops.prim.device.default,)
 _CONSTANTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
@@ -133,7 +133,21 @@ class DirectTracer(Tracer):
         where: UserFrame | None,
         sites: Mapping[int, UserFrame | None],
     ) -> list[InputMutation]:
-        return []  # the trace stops at the first in-place op
+        """Inputs whose values an in-place op replaced, out of autograd's sight (Note [In-place ops, directly])."""
+        mutations = []
+        for i, (p, info) in enumerate(zip(graph_primals, infos, strict=True)):
+            if info.duplicate_of is not None or id(p) not in self._mode.mutated:
+                continue
+            if p.requires_grad or p.grad_fn is not grad_fns[i]:
+                raise NeedsFullTrace(
+                    f"input {descriptors[i]} is changed in place where autograd records it"
+                )
+            mutations.append(
+                InputMutation(
+                    index=i, data=True, metadata=None, with_grad=False, requires_grad=False
+                )
+            )
+        return mutations
 
     def sync(self, values: Sequence[torch.Tensor]) -> None:
         pass  # each op was recorded as it ran: nothing is pending
@@ -183,6 +197,11 @@ class _RecordingMode(TorchDispatchMode):
         self.decompositions = decompositions or {}
         self._nodes: dict[int, fx.Node] = {}
         self._alive: list[torch.Tensor] = []  # keeps every traced tensor's id unique
+        # How many traced tensors share each storage: an in-place op on one of several would
+        # change the others too (Note [In-place ops, directly]).
+        self._storages: dict[Any, int] = {}
+        # ids of the tensors an in-place op gave a new value (their node is the new value's).
+        self.mutated: set[int] = set()
 
     def input(self, t: torch.Tensor) -> None:
         node = self.graph.placeholder(f"arg{len(self._alive)}_1")
@@ -205,7 +224,45 @@ class _RecordingMode(TorchDispatchMode):
         if func in _PASS_THROUGH:
             return func(*args, **kwargs)
         with set_original_aten_op(func):
+            if isinstance(func, OpOverload) and (
+                func._schema.is_mutable or _writes_unannotated(func, args, kwargs)
+            ):
+                return self._functionalize(func, args, kwargs)
             return self._record(func, args, kwargs)
+
+    def _functionalize(
+        self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Record an in-place op as its functional variant (Note [In-place ops, directly])."""
+        refuse_in_place_collective(func)  # Note [Collectives]: the full trace would refuse it too
+        functional, targets = _functional_variant(func, args, kwargs, self.recorder.in_backward)
+        for target in targets:
+            self._check_target(func, target)
+        with self:
+            out = functional(*args, **kwargs)
+        if functional.overloadpacket.__name__.endswith("_functional"):
+            results = out[: len(out) - len(targets)]
+            new_values = out[len(out) - len(targets) :]
+        else:
+            results, new_values = args[0], (out,)
+        for target, new in zip(targets, new_values, strict=True):
+            if target is None:
+                continue
+            _check_same_layout(func, target, new)
+            self._nodes[id(target)] = self._nodes[id(new)]
+            self.mutated.add(id(target))
+        return tuple(results) if isinstance(results, list | tuple) else results
+
+    def _check_target(self, func: OpOverload, target: torch.Tensor | None) -> None:
+        """Stop unless ``target`` is a tensor of this trace that no other tensor views."""
+        if target is None:
+            return
+        if id(target) not in self._nodes:
+            raise NeedsFullTrace(f"{func} mutates a tensor the trace did not create")
+        if self._storages.get(storage_key(target), 0) != 1 or may_overlap(target):
+            raise NeedsFullTrace(
+                f"{func} mutates a tensor that shares memory with another (a view)"
+            )
 
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         _check_recordable(func)
@@ -257,6 +314,12 @@ class _RecordingMode(TorchDispatchMode):
         if not isinstance(out, list | tuple):
             return
         for i, item in enumerate(out):
+            if item is None:  # make_fx names a getitem for it too, then drops it: same names
+                self.graph.erase_node(
+                    self.graph.create_node(
+                        "call_function", operator.getitem, (node, i), {}, name="getitem"
+                    )
+                )
             if isinstance(item, torch.Tensor):
                 getitem = self.graph.create_node(
                     "call_function", operator.getitem, (node, i), {}, name="getitem"
@@ -272,6 +335,8 @@ class _RecordingMode(TorchDispatchMode):
     def _track(self, t: torch.Tensor, node: fx.Node) -> None:
         self._nodes[id(t)] = node
         self._alive.append(t)
+        key = storage_key(t)
+        self._storages[key] = self._storages.get(key, 0) + 1
 
     def _copy_context(self, node: fx.Node) -> None:
         """The metadata ``torch.fx``'s tracer copies from the current node context."""
@@ -297,6 +362,111 @@ def _check_recordable(func: Any) -> None:
         raise NeedsFullTrace(f"{func} lifts a tensor constant the function made (torch.tensor)")
     if torch.Tag.data_dependent_output in func.tags:
         raise NeedsFullTrace(f"{func} reads tensor data")
+
+
+# Note [Writes a schema does not declare]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``aten.native_batch_norm``'s schema declares no write, yet in training mode it
+# updates ``running_mean`` and ``running_var`` in place. Recorded as it runs, the
+# graph would not be functional (the epilogue would not copy anything back, and a
+# compiler that trusts the schema would drop the update). Functionalization knows
+# better and records ``_native_batch_norm_legit_functional``, which returns the new
+# statistics after its own three results; the direct trace does the same, from this
+# table (op -> functional variant, positions of the tensors it writes)::
+#
+#     F.batch_norm(x, rm, rv, training=True)
+#     recorded:  bn = _native_batch_norm_legit_functional(x, w, b, rm, rv, True, 0.1, 1e-05)
+#                out, mean, rstd = bn[0], bn[1], bn[2]; rm, rv now read bn[3], bn[4]
+_UNANNOTATED_WRITES: dict[Any, tuple[OpOverload, tuple[int, ...]]] = {
+    torch.ops.aten.native_batch_norm.default: (
+        torch.ops.aten._native_batch_norm_legit_functional.default,
+        (3, 4),
+    ),
+}
+
+
+def _writes_unannotated(func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Does ``func`` write a tensor its schema does not mark (Note [Writes a schema does not declare])?"""
+    if func not in _UNANNOTATED_WRITES:
+        return False
+    if kwargs or len(args) != len(func._schema.arguments):
+        return True  # not the positional call this check reads: _functional_variant stops
+    training, running = args[5], (args[3], args[4])
+    return bool(training) and all(isinstance(t, torch.Tensor) for t in running)
+
+
+def _functional_variant(
+    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], in_backward: bool
+) -> tuple[OpOverload, list[torch.Tensor | None]]:
+    """The functional op recording ``func`` and the tensors ``func`` writes, or a stop.
+
+    ``add_.Tensor`` -> ``add.Tensor`` (writes ``self``); ``_native_batch_norm_legit`` ->
+    ``_native_batch_norm_legit_functional`` (writes the running stats, whose new values
+    it returns after its own results). Note [In-place ops, directly].
+    """
+    stop = NeedsFullTrace(f"{func} mutates a tensor (an in-place or out= op)")
+    schema = func._schema
+    if func in _UNANNOTATED_WRITES:
+        if in_backward or kwargs or len(args) != len(schema.arguments):
+            raise stop
+        functional, positions = _UNANNOTATED_WRITES[func]
+        return functional, [args[i] for i in positions]
+    if in_backward or torch.Tag.inplace_view in func.tags:
+        raise stop
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        raise stop  # random fills keep their layout in the full trace (Note [Random fills keep their layout])
+    written = [
+        (i, a)
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+    if any(a.kwarg_only for _, a in written):
+        raise stop  # out= ops
+    targets = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in written]
+    name = func.overloadpacket.__name__
+    if name.endswith("_") and [i for i, _ in written] == [0]:
+        functional = _overload(name[:-1], func._overloadname)
+        if functional is not None and _same_arguments(functional, func) and _returns_self(func):
+            return functional, targets
+        raise stop
+    functional = _overload(f"{name}_functional", func._overloadname)
+    if functional is None or any(r.alias_info is not None for r in schema.returns):
+        raise stop
+    if len(functional._schema.returns) != len(schema.returns) + len(written):
+        raise stop
+    return functional, targets
+
+
+def _overload(packet: str, overload: str) -> OpOverload | None:
+    found = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+    if not isinstance(found, OpOverload) or found._schema.is_mutable:
+        return None
+    return found
+
+
+def _same_arguments(functional: OpOverload, func: OpOverload) -> bool:
+    names = [(a.name, a.kwarg_only) for a in functional._schema.arguments]
+    return names == [(a.name, a.kwarg_only) for a in func._schema.arguments]
+
+
+def _returns_self(func: OpOverload) -> bool:
+    returns = func._schema.returns
+    return (
+        len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write
+    )
+
+
+def _check_same_layout(func: OpOverload, target: torch.Tensor, new: torch.Tensor) -> None:
+    """The new value must be what the target now holds: same size, strides, dtype, device."""
+    same = (
+        isinstance(new, torch.Tensor)
+        and new.shape == target.shape
+        and new.stride() == target.stride()
+        and new.dtype == target.dtype
+        and new.device == target.device
+    )
+    if not same:
+        raise NeedsFullTrace(f"{func} writes a value of another layout or dtype than its target's")
 
 
 def _without_defaults(func: OpOverload, kwargs: dict[str, Any]) -> dict[str, Any]:
