@@ -69,7 +69,7 @@ def wrong_shape():
 
 
 def mutates(x):
-    x.add_(1)  # the direct trace stops here
+    x.t_()  # the direct trace stops here
     return x.sin()
 
 
@@ -116,10 +116,10 @@ def test_show_says_which_tracer_made_the_graphs_and_why(tmp_path, capsys):
     assert main(["show", f"{cases}:fn", "--no-check"]) == 0
     assert "=== tracer ===\ndirect\n" in capsys.readouterr().out
     assert main(["show", f"{cases}:mutates", "--no-check"]) == 0
-    line = CASES.splitlines().index("    x.add_(1)  # the direct trace stops here") + 1
+    line = CASES.splitlines().index("    x.t_()  # the direct trace stops here") + 1
     assert (
         f"=== tracer ===\nfull (the direct trace stopped at {cases}:{line}:"
-        " aten.add_.Tensor mutates a tensor (an in-place or out= op))\n"
+        " aten.t_.default mutates an input's size or strides)\n"
     ) in capsys.readouterr().out
     assert main(["show", f"{cases}:fn", "--no-check", "--tracer", "full"]) == 0
     assert "=== tracer ===\nfull (tracer='full' was asked)\n" in capsys.readouterr().out
@@ -131,6 +131,6 @@ def test_show_with_the_direct_tracer_refuses_what_it_cannot_trace(tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith(
         "aotgrad: DirectTraceError: tracer='direct' cannot capture this function:"
-        " aten.add_.Tensor mutates a tensor"
+        " aten.t_.default mutates an input's size or strides"
     )
-    assert "x.add_(1)  # the direct trace stops here" in err
+    assert "x.t_()  # the direct trace stops here" in err

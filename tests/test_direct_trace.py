@@ -38,6 +38,12 @@ def _updates_a_buffer(x, count, w):
     return (x * w).sum()
 
 
+def _pools_channels_last(x):
+    # adaptive_avg_pool2d restrides its fresh result in place (as_strided_) on channels_last
+    x = x.contiguous(memory_format=torch.channels_last).sin()
+    return torch.nn.functional.adaptive_avg_pool2d(x, 1).flatten(1)
+
+
 def _updates_through_a_view(x):
     x.view(-1).mul_(2)
     return x.sin()
@@ -55,6 +61,7 @@ def _cases():
         "no grad inputs": (lambda a: a.sin().sum(), (torch.randn(3),)),
         "in-place ops on intermediates": (_in_place_on_intermediates, (x, w)),
         "an input updated under no grad": (_updates_a_buffer, (x, torch.zeros(()), w)),
+        "an intermediate restrided in place": (_pools_channels_last, (torch.randn(2, 3, 4, 4),)),
         "batchnorm running statistics": (ConvBN(), (torch.randn(2, 1, 8, 8), torch.randn(2, 10))),
     }
 
@@ -116,7 +123,9 @@ STOPS = {
         lambda: (torch.randn(3),),
         "aten.mul_.Tensor mutates a tensor that shares memory with another (a view)",
     ),
-    "metadata mutation": (_mutates, lambda: (torch.randn(3),), "aten.t_.default mutates a tensor"),
+    "metadata mutation of an input": (
+        _mutates, lambda: (torch.randn(3),), "aten.t_.default mutates an input's size or strides"
+    ),
     "random op": (_drops, lambda: (torch.randn(3),), "aten.bernoulli_.float mutates a tensor"),
     "in-place on an input needing grad": (
         _scales,

@@ -17,12 +17,15 @@ op to an ``fx.Graph`` as it runs::
 
 with the same node names and metadata the proxy mode gives (``val``,
 ``tensor_meta``, ``seq_nr``, ``original_aten``, the ``custom`` annotations).
-The moment anything needs more than recording, the direct trace stops with
-:class:`NeedsFullTrace` and a reason, and under ``tracer="auto"`` the full
-trace runs the function again (Note [Choosing a tracer])::
+In-place ops are recorded as their functional variants when nothing else
+views their target (Note [In-place ops, directly]). The moment anything needs
+more than recording, the direct trace stops with :class:`NeedsFullTrace` and
+a reason, and under ``tracer="auto"`` the full trace runs the function again
+(Note [Choosing a tracer])::
 
     the function does                    the direct trace stops with
-    x.add_(1), out=, copy_               aten.add_.Tensor mutates a tensor (an in-place or out= op)
+    x.view(-1).add_(1), on a view        aten.add_.Tensor mutates a tensor that shares memory ...
+    x.t_(), out=, bernoulli_             aten.t_.default mutates a tensor (an in-place or out= op)
     w.mul_(2), w an input needing grad   an in-place op on a tensor autograd sees as a leaf ...
     torch.tensor([1.0]) * x              aten.lift_fresh.default lifts a tensor constant ...
     x * t, t a tensor made elsewhere     aten.mul.Tensor reads a tensor the trace did not create ...
@@ -40,8 +43,50 @@ recording mode would see the subclass's op before its ``__torch_dispatch__``
 runs (Note [Tensor subclasses]). On gpt4 the direct trace halves
 the cost of tracing; the graphs are identical, which a test checks op by op.
 The price of stopping is that the function's Python runs twice (PyTorch's
-AOTAutograd always runs it at least twice); it stops early in practice, at
-the first in-place op (a BatchNorm's ``num_batches_tracked.add_``).
+AOTAutograd always runs it at least twice).
+
+Note [In-place ops, directly]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Real models mutate: a BatchNorm in training adds 1 to ``num_batches_tracked``
+and updates its running statistics, torchvision's ``ReLU(inplace=True)`` and
+``Hardswish(inplace=True)`` overwrite the conv/BN output, a ResNet block does
+``out += identity``. Stopping at the first of these sent every convnet down
+the full trace. Profiling the capture of torchvision's resnet18 (cProfile,
+``bench/library_capture.py``) showed where the time went: 3.37 s of 3.66 s in
+the full trace (functionalization, ``make_fx``'s proxy mode), after a direct
+trace that had stopped at the first BatchNorm within 0.1 s.
+
+Functionalization turns an in-place op into its functional variant, whose
+result is the target's new value. Where nothing else sees the target's
+memory, that is all it does, and the direct trace does the same: it records
+the functional op and from then on reads the target as that node::
+
+    user code:   h = conv(x); h.relu_(); h.add_(identity)
+    recorded:    relu = aten.relu.default(convolution)
+                 add = aten.add.Tensor(relu, identity)       # reads h: relu, not convolution
+    variants:    relu_ -> relu (same arguments); _native_batch_norm_legit ->
+                 _native_batch_norm_legit_functional (new values returned last)
+
+The target must be a tensor this trace made or an input, and the only traced
+tensor over its storage (a view, or a tensor viewed, stops: the write would
+change the other one too, which only functionalization replays); it must not
+overlap itself (Note [Writes through overlapping views]); the new value must
+have the target's size, strides, dtype and device (``x.add_(y)`` with a
+wider ``y``: stop). Metadata mutations (``t_``, ``as_strided_``), ``out=``
+ops, random fills (Note [Random fills keep their layout]) and any in-place
+op in the backward (Note [Mutations in the backward]) stop as before. An
+input whose value changed is an input mutation (Note [Input mutation]) the
+runtime copies back; the direct trace takes only those autograd did not see
+(the input does not require grad and kept its ``grad_fn``: running
+statistics, counters), and stops for the others. Autograd's own checks still
+run above the recording mode: an in-place op on a value the backward needs
+raises eager's "modified by an inplace operation", as eager would.
+
+Measured with ``python bench/library_capture.py all`` (capture aotgrad /
+PyTorch, median of fresh processes, 2 shared cores; numbers in the README's
+table): resnet18 0.73x -> see the README; the direct trace now makes the
+graph of resnet18, mobilenet_v3 and efficientnet. convnext still stops at
+timm's pooling (``as_strided_``, a metadata mutation).
 """
 
 from __future__ import annotations
@@ -202,12 +247,14 @@ class _RecordingMode(TorchDispatchMode):
         self._storages: dict[Any, int] = {}
         # ids of the tensors an in-place op gave a new value (their node is the new value's).
         self.mutated: set[int] = set()
+        self._inputs: set[int] = set()  # ids of the graph inputs
 
     def input(self, t: torch.Tensor) -> None:
         node = self.graph.placeholder(f"arg{len(self._alive)}_1")
         self._copy_context(node)
         self._describe(node, t)
         self._track(t, node)
+        self._inputs.add(id(t))
 
     def traced(self, t: object) -> bool:
         return isinstance(t, torch.Tensor) and id(t) in self._nodes
@@ -235,9 +282,14 @@ class _RecordingMode(TorchDispatchMode):
     ) -> Any:
         """Record an in-place op as its functional variant (Note [In-place ops, directly])."""
         refuse_in_place_collective(func)  # Note [Collectives]: the full trace would refuse it too
-        functional, targets = _functional_variant(func, args, kwargs, self.recorder.in_backward)
+        functional, targets = _functional_variant(func, args, kwargs)
         for target in targets:
             self._check_target(func, target)
+        if self.recorder.in_backward and any(id(t) in self._inputs for t in targets):
+            # Note [Mutations in the backward]: the full trace refuses it, naming the input
+            raise NeedsFullTrace(f"{func} mutates an input in the backward")
+        if torch.Tag.inplace_view in func.tags:
+            return self._restride(func, functional, args, kwargs)
         with self:
             out = functional(*args, **kwargs)
         if functional.overloadpacket.__name__.endswith("_functional"):
@@ -252,6 +304,25 @@ class _RecordingMode(TorchDispatchMode):
             self._nodes[id(target)] = self._nodes[id(new)]
             self.mutated.add(id(target))
         return tuple(results) if isinstance(results, list | tuple) else results
+
+    def _restride(
+        self,
+        func: OpOverload,
+        view_op: OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """A metadata mutation (``as_strided_``, ``t_``) of an intermediate, recorded as the view
+        op it amounts to (Note [In-place ops, directly]); of an input: a stop."""
+        target = args[0]
+        if id(target) in self._inputs:
+            raise NeedsFullTrace(f"{func} mutates an input's size or strides")
+        with self:
+            view = view_op(*args, **kwargs)
+        func(*args, **kwargs)  # the target's own size and strides change, as in eager
+        _check_same_layout(func, target, view)
+        self._nodes[id(target)] = self._nodes[id(view)]
+        return target
 
     def _check_target(self, func: OpOverload, target: torch.Tensor | None) -> None:
         """Stop unless ``target`` is a tensor of this trace that no other tensor views."""
@@ -396,7 +467,7 @@ def _writes_unannotated(func: OpOverload, args: tuple[Any, ...], kwargs: dict[st
 
 
 def _functional_variant(
-    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], in_backward: bool
+    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[OpOverload, list[torch.Tensor | None]]:
     """The functional op recording ``func`` and the tensors ``func`` writes, or a stop.
 
@@ -407,12 +478,10 @@ def _functional_variant(
     stop = NeedsFullTrace(f"{func} mutates a tensor (an in-place or out= op)")
     schema = func._schema
     if func in _UNANNOTATED_WRITES:
-        if in_backward or kwargs or len(args) != len(schema.arguments):
+        if kwargs or len(args) != len(schema.arguments):
             raise stop
         functional, positions = _UNANNOTATED_WRITES[func]
         return functional, [args[i] for i in positions]
-    if in_backward or torch.Tag.inplace_view in func.tags:
-        raise stop
     if torch.Tag.nondeterministic_seeded in func.tags:
         raise stop  # random fills keep their layout in the full trace (Note [Random fills keep their layout])
     written = [

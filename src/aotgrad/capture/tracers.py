@@ -7,7 +7,8 @@ Capture runs one joint function, forward then backward, on fake tensors
 
 - :class:`~aotgrad.capture.direct.DirectTracer` appends each aten op to a
   graph as it runs (Note [Direct tracing]): cheap, but it handles only
-  functions that mutate nothing, on static sizes;
+  static sizes and in-place ops on tensors nothing else views (Note
+  [In-place ops, directly]);
 - :class:`~aotgrad.capture.full.FullTracer` runs the function under
   functionalization inside ``make_fx``: it handles everything capture does.
 
@@ -20,9 +21,9 @@ The joint function is the same code for both; what differs is owned by the
     graph_primals(fakes)        the fakes themselves      functional wrappers
     differentiate_at(primal)    the primal                its gradient edge
     traced(result leaf)         recorded by this trace    a functional tensor
-    input_mutations(...)        none: it stops first      read off functionalization
+    input_mutations(...)        inputs it gave new values read off functionalization
     sync(forward values)        nothing to sync           torch._sync
-    backward_checked(...)       nothing to check          no input mutated by the backward
+    backward_checked(...)       it stops first            no input mutated by the backward
     unwrap(graph value)         itself                    from_functional
 
 Both give the same graph, node for node, for a function both can trace
@@ -42,8 +43,8 @@ which (``JointGraph.tracer``, shown as ``traced.tracer`` and
 ``traced.fallback_reason``, and by ``aotgrad show``)::
 
     f(x) = x.sin()          made the graph    tracer "direct", fallback_reason None
-    f(x) = x.mul_(2).sin()  stopped           "full", "the direct trace stopped:
-                                              aten.mul_.Tensor mutates a tensor in place"
+    f(x) = x.t_().sin()     stopped           "full", "the direct trace stopped:
+                                              aten.t_.default mutates a tensor ..."
     dynamic=True            not tried         "full", "the direct trace was not tried:
                                               dynamic shapes"
     a bug in direct.py      failed            "full", "the direct tracer failed: TypeError ..."
