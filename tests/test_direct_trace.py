@@ -124,7 +124,9 @@ STOPS = {
         "aten.mul_.Tensor mutates a tensor that shares memory with another (a view)",
     ),
     "metadata mutation of an input": (
-        _mutates, lambda: (torch.randn(3),), "aten.t_.default mutates an input's size or strides"
+        _mutates,
+        lambda: (torch.randn(3),),
+        "aten.t_.default mutates an input's size or strides",
     ),
     "random op": (_drops, lambda: (torch.randn(3),), "aten.bernoulli_.float mutates a tensor"),
     "in-place on an input needing grad": (
