@@ -480,8 +480,8 @@ def _functional_variant(
     if func in _UNANNOTATED_WRITES:
         if kwargs or len(args) != len(schema.arguments):
             raise stop
-        functional, positions = _UNANNOTATED_WRITES[func]
-        return functional, [args[i] for i in positions]
+        table_variant, positions = _UNANNOTATED_WRITES[func]
+        return table_variant, [args[i] for i in positions]
     if torch.Tag.nondeterministic_seeded in func.tags:
         raise stop  # random fills keep their layout in the full trace (Note [Random fills keep their layout])
     written = [
@@ -494,9 +494,9 @@ def _functional_variant(
     targets = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in written]
     name = func.overloadpacket.__name__
     if name.endswith("_") and [i for i, _ in written] == [0]:
-        functional = _overload(name[:-1], func._overloadname)
-        if functional is not None and _same_arguments(functional, func) and _returns_self(func):
-            return functional, targets
+        variant = _overload(name[:-1], func._overloadname)
+        if variant is not None and _same_arguments(variant, func) and _returns_self(func):
+            return variant, targets
         raise stop
     functional = _overload(f"{name}_functional", func._overloadname)
     if functional is None or any(r.alias_info is not None for r in schema.returns):
