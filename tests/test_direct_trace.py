@@ -112,6 +112,23 @@ def _reentrant(x, w):
     return cp.checkpoint(lambda a, b: (a @ b).sin(), x, w, use_reentrant=True).sum()
 
 
+class _ZeroesInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.zero_()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0
+
+
+def _marks_dirty(x):
+    with torch.no_grad():
+        x.mul_(2)  # recorded directly: no grad mode
+    return _ZeroesInPlace.apply(x).sum()  # autograd's refusal on the leaf: a stop
+
+
 def _square():
     return torch.randn(3, 3, requires_grad=True)
 
@@ -131,6 +148,11 @@ STOPS = {
     "random op": (_drops, lambda: (torch.randn(3),), "aten.bernoulli_.float mutates a tensor"),
     "in-place on an input needing grad": (
         _scales,
+        lambda: (torch.randn(3, requires_grad=True) * 1,),
+        "an in-place op on a tensor autograd sees as a leaf that requires grad",
+    ),
+    "mark_dirty on an input needing grad": (
+        _marks_dirty,
         lambda: (torch.randn(3, requires_grad=True) * 1,),
         "an in-place op on a tensor autograd sees as a leaf that requires grad",
     ),

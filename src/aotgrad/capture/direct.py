@@ -126,8 +126,12 @@ _PASS_THROUGH = (torch.ops.prim.device.default,)
 _CONSTANTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 # What autograd says, before any mode sees the op, when an in-place op meets a leaf (or a
-# view of one) that requires grad: the direct trace's inputs are such leaves.
-_IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
+# view of one) that requires grad: the direct trace's inputs are such leaves. The second:
+# a custom Function's ctx.mark_dirty() on one.
+_IN_PLACE_ON_LEAF = (
+    "leaf Variable that requires grad is being used in an in-place operation",
+    "leaf Variable that requires grad has been used in an in-place operation",
+)
 
 
 class DirectTracer(Tracer):
@@ -215,7 +219,7 @@ def _stops_at_refusals() -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
-        if _IN_PLACE_ON_LEAF in str(e):
+        if any(message in str(e) for message in _IN_PLACE_ON_LEAF):
             raise NeedsFullTrace(
                 "an in-place op on a tensor autograd sees as a leaf that requires grad"
                 " (the direct trace's inputs are such leaves)"
