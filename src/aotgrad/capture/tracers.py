@@ -27,7 +27,18 @@ The joint function is the same code for both; what differs is owned by the
     unwrap(graph value)         itself                    from_functional
 
 Both give the same graph, node for node, for a function both can trace
-(``tests/test_direct_trace.py`` checks it).
+(``tests/test_direct_trace.py`` checks it), with one known exception: under a
+*selective* checkpoint policy (``create_selective_checkpoint_contexts``), the
+checkpoint's recompute of a ``PREFER_RECOMPUTE`` op is recorded by the direct
+tracer as a new node and reaches the full tracer's graph as the forward's node
+(the policy's dispatch mode sits at another place in the full tracer's mode
+stack)::
+
+    body(a) = (a @ w).sin().cos(), mm MUST_SAVE, the rest PREFER_RECOMPUTE
+    direct:  sin = sin(mm); cos = cos(sin); sin_1 = sin(mm); sin_2 = sin(sin_1) ...
+    full:    sin = sin(mm); cos = cos(sin);                  sin_1 = sin(sin) ...
+
+Values are equal either way; the partitioner then decides what is saved.
 
 Note [Choosing a tracer]
 ~~~~~~~~~~~~~~~~~~~~~~~~
