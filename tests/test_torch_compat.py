@@ -42,6 +42,24 @@ def test_every_name_has_a_smoke_test():
 # --- Operators ---------------------------------------------------------------------------------
 
 
+def test_in_autograd_engine_is_true_only_inside_a_backward():
+    seen = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(compat.in_autograd_engine())
+            return grad
+
+    assert not compat.in_autograd_engine()
+    Spy.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen == [True]
+
+
 def test_op_overload_is_the_type_of_aten_ops():
     assert isinstance(aten.mm.default, compat.OpOverload)
     assert not isinstance(torch.mm, compat.OpOverload)

@@ -197,6 +197,11 @@ def autograd_node_number(node: Any) -> int:
     return node._sequence_nr()
 
 
+def in_autograd_engine() -> bool:
+    """Is autograd's engine running a backward (the capture's, or one the function started)?"""
+    return torch._C._current_graph_task_id() != -1
+
+
 def compiling_flag() -> bool:
     """What ``torch.compiler.is_compiling()`` answers outside Dynamo (Note [Capture is compiling])."""
     return torch.compiler._is_compiling_flag

@@ -74,7 +74,9 @@ overlap itself (Note [Writes through overlapping views]); the new value must
 have the target's size, strides, dtype and device (``x.add_(y)`` with a
 wider ``y``: stop). Metadata mutations (``t_``, ``as_strided_``), ``out=``
 ops, random fills (Note [Random fills keep their layout]) and any in-place
-op in the backward (Note [Mutations in the backward]) stop as before. An
+op in the backward (Note [Mutations in the backward]; a ``.backward()``
+inside the function accumulates ``.grad`` in place, which only the full
+trace refuses) stop as before. An
 input whose value changed is an input mutation (Note [Input mutation]) the
 runtime copies back; the direct trace takes only those autograd did not see
 (the input does not require grad and kept its ``grad_fn``: running
@@ -110,6 +112,7 @@ from aotgrad._torch_compat import (
     OpOverload,
     TorchDispatchMode,
     autograd_would_have_decomposed,
+    in_autograd_engine,
     op_node_name,
     seq_nr_of,
     tensor_metadata,
@@ -286,12 +289,13 @@ class _RecordingMode(TorchDispatchMode):
     ) -> Any:
         """Record an in-place op as its functional variant (Note [In-place ops, directly])."""
         refuse_in_place_collective(func)  # Note [Collectives]: the full trace would refuse it too
+        if self.recorder.in_backward or in_autograd_engine():
+            # Note [Mutations in the backward]; and a .backward() inside the function, which
+            # the full trace refuses, accumulates .grad with in-place ops
+            raise NeedsFullTrace(f"{func} mutates a tensor in a backward")
         functional, targets = _functional_variant(func, args, kwargs)
         for target in targets:
             self._check_target(func, target)
-        if self.recorder.in_backward and any(id(t) in self._inputs for t in targets):
-            # Note [Mutations in the backward]: the full trace refuses it, naming the input
-            raise NeedsFullTrace(f"{func} mutates an input in the backward")
         if torch.Tag.inplace_view in func.tags:
             return self._restride(func, functional, args, kwargs)
         with self:
