@@ -105,8 +105,8 @@ class Traced:
         """Why the full trace made the graphs; None when the direct trace did.
 
         >>> import torch, aotgrad
-        >>> aotgrad.trace(lambda x: x.mul_(2), torch.ones(2)).fallback_reason
-        'the direct trace stopped: aten.mul_.Tensor mutates a tensor (an in-place or out= op)'
+        >>> aotgrad.trace(lambda x: x.view(-1).mul_(2), torch.ones(2)).fallback_reason
+        'the direct trace stopped: aten.mul_.Tensor mutates a tensor that shares memory with another (a view)'
         """
         return self.partitioned.joint.tracer.fallback_reason
 

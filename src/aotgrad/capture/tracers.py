@@ -131,7 +131,7 @@ def check_tracer_choice(value: object) -> TracerChoice:
 class NeedsFullTrace(BaseException):
     """The direct trace stops: it met something only the full trace handles (Note [Choosing a tracer]).
 
-    ``reason`` says what, e.g. ``"aten.mul_.Tensor mutates a tensor (an in-place or out= op)"``.
+    ``reason`` says what, e.g. ``"aten.t_.default mutates an input's size or strides"``.
     A ``BaseException``, as pytest's outcomes are, so that no ``except Exception:``
     between the op and capture (the user's, or a library's) can swallow it.
     """
