@@ -253,6 +253,7 @@ class _RecordingMode(TorchDispatchMode):
         # How many traced tensors share each storage: an in-place op on one of several would
         # change the others too (Note [In-place ops, directly]).
         self._storages: dict[Any, int] = {}
+        self._counted = 0  # how many tensors of _alive _storages has counted
         # ids of the tensors an in-place op gave a new value (their node is the new value's).
         self.mutated: set[int] = set()
         self._inputs: set[int] = set()  # ids of the graph inputs
@@ -333,13 +334,22 @@ class _RecordingMode(TorchDispatchMode):
         self._nodes[id(target)] = self._nodes[id(view)]
         return target
 
+    def _sharing(self, t: torch.Tensor) -> int:
+        """How many traced tensors share ``t``'s storage (counted lazily: only models with
+        in-place ops pay for it)."""
+        for seen in self._alive[self._counted :]:
+            key = storage_key(seen)
+            self._storages[key] = self._storages.get(key, 0) + 1
+        self._counted = len(self._alive)
+        return self._storages.get(storage_key(t), 0)
+
     def _check_target(self, func: OpOverload, target: torch.Tensor | None) -> None:
         """Stop unless ``target`` is a tensor of this trace that no other tensor views."""
         if target is None:
             return
         if id(target) not in self._nodes:
             raise NeedsFullTrace(f"{func} mutates a tensor the trace did not create")
-        if self._storages.get(storage_key(target), 0) != 1 or may_overlap(target):
+        if self._sharing(target) != 1 or may_overlap(target):
             raise NeedsFullTrace(
                 f"{func} mutates a tensor that shares memory with another (a view)"
             )
@@ -415,8 +425,6 @@ class _RecordingMode(TorchDispatchMode):
     def _track(self, t: torch.Tensor, node: fx.Node) -> None:
         self._nodes[id(t)] = node
         self._alive.append(t)
-        key = storage_key(t)
-        self._storages[key] = self._storages.get(key, 0) + 1
 
     def _copy_context(self, node: fx.Node) -> None:
         """The metadata ``torch.fx``'s tracer copies from the current node context."""
