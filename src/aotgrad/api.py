@@ -19,7 +19,7 @@ from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
 from aotgrad.capture import JointGraph, TracerChoice, capture, capturing, check_tracer_choice
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
-from aotgrad.errors import CallError, user_frame_of_function
+from aotgrad.errors import CallError, StoreError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.report.html import render_html
@@ -37,6 +37,7 @@ from aotgrad.signature.lifting import (
     module_arguments,
 )
 from aotgrad.signature.subclasses import desugar
+from aotgrad.store.loaded import save_traced
 from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
 
 Decompositions = Mapping[Any, Callable[..., Any]]
@@ -147,6 +148,24 @@ class Traced:
         True
         """
         _write_html(self.partitioned, path, profile)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the graphs, signature, provenance and saved plan to ``path``, for :func:`aotgrad.load`.
+
+        The file is checked JSON that runs no code when read (Note [Files run no code]);
+        a module's parameters and buffers are not in it (Note [Loaded module state]).
+
+        >>> import torch, aotgrad, tempfile, pathlib
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "sin.aotgrad"
+        >>> aotgrad.trace(lambda x: x.sin(), torch.ones(2, requires_grad=True)).save(path)
+        >>> aotgrad.load(path)(torch.zeros(2, requires_grad=True)).tolist()
+        [0.0, 0.0]
+        """
+        if self._wrapping is not None:
+            raise StoreError("a trace of a DDP or fully_shard module cannot be saved")
+        save_traced(
+            path, partitioned=self.partitioned, plan=self._compiled.plan, autocast=self._autocast
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the traced graphs on new inputs of the same structure and metadata."""
