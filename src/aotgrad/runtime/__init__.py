@@ -18,7 +18,14 @@ from aotgrad.runtime.boxing import Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue
 from aotgrad.signature.subclasses import holds_flat_outputs, rebuild_outputs
 
-__all__ = ["CompiledGraphs", "Plan", "compile_graphs", "compile_partitioned", "make_boxed_func", "nop"]
+__all__ = [
+    "CompiledGraphs",
+    "Plan",
+    "compile_graphs",
+    "compile_partitioned",
+    "make_boxed_func",
+    "nop",
+]
 
 
 class CompiledGraphs:

@@ -242,36 +242,80 @@ def _encode_arg(arg: Any) -> Any:
 
 
 def _encode_val(val: Any) -> Any:
+    return encode(_val_data(val))
+
+
+def _val_data(val: Any) -> Any:
+    """A node's value as ``[size, stride, offset, dtype, device, requires_grad]`` (a tensor),
+    a tuple of such, or a number (Note [Values on demand])."""
     if isinstance(val, torch.Tensor):
         if any(isinstance(n, torch.SymInt) for n in (*val.shape, *val.stride())):
             raise StoreError("cannot store a tensor of symbolic size (dynamic shapes)")
-        layout = (tuple(val.shape), val.stride(), val.storage_offset())
-        return {"tensor": encode((*layout, val.dtype, val.device, val.requires_grad))}
+        layout = [list(val.shape), list(val.stride()), val.storage_offset()]
+        return [*layout, val.dtype, val.device, val.requires_grad]
     if isinstance(val, list | tuple):
-        return {"tuple": [_encode_val(v) for v in val]}
+        return tuple(_val_data(v) for v in val)
     if val is None or isinstance(val, bool | int | float):
-        return encode(val)
+        return val
     return None  # metadata the runtime does not read (opaque objects): left out
 
 
 def decode_graph(data: Any) -> fx.GraphModule:
-    """The graph module ``encode_graph`` made ``data`` from, checked node by node."""
+    """The graph module ``encode_graph`` made ``data`` from, checked node by node.
+
+    Value metadata (``node.meta["val"]``) is made on demand: :func:`with_values` (Note
+    [Values on demand]); until then each node keeps its checked, encoded form.
+    """
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     nodes = data["nodes"]
     if not isinstance(nodes, list) or not nodes or nodes[-1].get("op") != "output":
         raise StoreError("a stored graph must end with its output node")
-    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        for item in nodes:
-            node = _decode_node(graph, item, env)
-            val = _decode_val(item.get("val"), mode)
-            if val is not None:
-                node.meta["val"] = val
-            if item.get("info") is not None:
-                node.meta[META_KEY] = _typed(decode(item["info"]), NodeInfo)
-            if item.get("desc") is not None:
-                node.meta[DESC_KEY] = decode(item["desc"])
+    for item in nodes:
+        node = _decode_node(graph, item, env)
+        node.meta[VALUE_KEY] = decode(item.get("val"))
+        if item.get("info") is not None:
+            node.meta[META_KEY] = _typed(decode(item["info"]), NodeInfo)
+        if item.get("desc") is not None:
+            node.meta[DESC_KEY] = decode(item["desc"])
     return lazy_module(torch.nn.Module(), graph)
+
+
+# Note [Values on demand]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A compiler may read every node's fake value (``node.meta["val"]``); aotgrad's
+# own ``nop`` reads none, and the runtime's plan is stored whole. Making a fake
+# tensor costs ~0.7 ms, so for gpt4's 450 nodes, making them all was 0.3 s of
+# a 0.5 s load. A loaded graph keeps each value's stored metadata, ``(size,
+# stride, offset, dtype, device)``, and fake tensors are made only when a user's
+# compiler is about to receive the graph (``with_values``).
+VALUE_KEY = "aotgrad_stored_val"
+
+
+def stored_value(node: fx.Node) -> Any:
+    """A loaded node's value metadata: ``(size, stride, offset, dtype, device, requires_grad)``."""
+    return node.meta.get(VALUE_KEY)
+
+
+def with_values(gm: fx.GraphModule) -> fx.GraphModule:
+    """Give every loaded node its fake ``meta["val"]`` (Note [Values on demand])."""
+    with FakeTensorMode() as mode:
+        for node in gm.graph.nodes:
+            if "val" not in node.meta and node.meta.get(VALUE_KEY) is not None:
+                node.meta["val"] = _fake(node.meta[VALUE_KEY], mode)
+    return gm
+
+
+def _fake(value: Any, mode: FakeTensorMode) -> Any:
+    if isinstance(value, list):  # a tensor: [size, stride, offset, dtype, device, requires_grad]
+        size, stride, offset, dtype, device, requires_grad = value
+        t = torch.empty_strided(size, stride, dtype=dtype, device=device)
+        if offset:
+            t = t.as_strided(size, stride, offset)
+        return t.requires_grad_(True) if requires_grad else t
+    if isinstance(value, tuple):
+        return tuple(_fake(v, mode) for v in value)
+    return value
 
 
 def _decode_node(graph: fx.Graph, item: dict[str, Any], env: dict[str, fx.Node]) -> fx.Node:
@@ -289,7 +333,9 @@ def _decode_node(graph: fx.Graph, item: dict[str, Any], env: dict[str, fx.Node])
             raise StoreError("the output node takes one argument")
         node = graph.output(args[0])
     else:
-        raise StoreError(f"node {name!r} has op {op!r}: expected placeholder, call_function or output")
+        raise StoreError(
+            f"node {name!r} has op {op!r}: expected placeholder, call_function or output"
+        )
     env[name] = node
     return node
 
@@ -331,18 +377,6 @@ def _decode_arg(data: Any, env: dict[str, fx.Node], node: str) -> Any:
         return env[name]
     if isinstance(data, dict) and "tuple" in data:
         return tuple(_decode_arg(a, env, node) for a in data["tuple"])
-    return decode(data)
-
-
-def _decode_val(data: Any, mode: FakeTensorMode) -> Any:
-    if isinstance(data, dict) and "tensor" in data:
-        size, stride, offset, dtype, device, requires_grad = decode(data["tensor"])
-        t = torch.empty_strided(size, stride, dtype=dtype, device=device)
-        if offset:
-            t = t.as_strided(size, stride, offset)
-        return t.requires_grad_(True) if requires_grad else t
-    if isinstance(data, dict) and "tuple" in data:
-        return tuple(_decode_val(v, mode) for v in data["tuple"])
     return decode(data)
 
 

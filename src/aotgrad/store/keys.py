@@ -47,9 +47,7 @@ import torch.utils._pytree as pytree
 _MAX_MODULES = 4000
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _SKIPPED_PREFIXES = ("torch", "aotgrad", "functorch", "builtins")
-_STDLIB = tuple(
-    os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")
-)
+_STDLIB = tuple(os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib"))
 
 
 class Unkeyable(Exception):
@@ -95,7 +93,10 @@ def _stable_object(value: Any, modules: set[str]) -> Any:
         modules.add(value.__name__)
         return f"module {value.__name__}"
     if isinstance(value, dict):
-        return ["dict", *([stable_text(k, modules), stable_text(v, modules)] for k, v in value.items())]
+        return [
+            "dict",
+            *([stable_text(k, modules), stable_text(v, modules)] for k, v in value.items()),
+        ]
     raise Unkeyable(f"a {type(value).__qualname__} has no stable key")
 
 
@@ -112,7 +113,9 @@ def function_text(fn: types.FunctionType, modules: set[str]) -> str:
 def _code_bytes(code: types.CodeType) -> bytes:
     parts = [code.co_code, repr(code.co_names).encode()]
     for const in code.co_consts:
-        parts.append(_code_bytes(const) if isinstance(const, types.CodeType) else repr(const).encode())
+        parts.append(
+            _code_bytes(const) if isinstance(const, types.CodeType) else repr(const).encode()
+        )
     return b"".join(parts)
 
 
@@ -125,7 +128,9 @@ def module_code(module: torch.nn.Module, modules: set[str]) -> list[str]:
         if any(getattr(sub, h) for h in _HOOKS):
             raise Unkeyable(f"module {name or type(sub).__name__} has hooks")
         if "forward" in vars(sub):
-            raise Unkeyable(f"module {name or type(sub).__name__} has a forward set on the instance")
+            raise Unkeyable(
+                f"module {name or type(sub).__name__} has a forward set on the instance"
+            )
         classes.append(f"{name}: {stable_text(type(sub), modules)}")
     return classes
 

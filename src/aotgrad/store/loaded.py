@@ -36,11 +36,11 @@ from aotgrad.errors import CallError, StoreError
 from aotgrad.partition import Partitioned
 from aotgrad.partition.saved import SavedValue
 from aotgrad.runtime import CompiledGraphs, compile_graphs
-from aotgrad.runtime.boxing import Compiler
+from aotgrad.runtime.boxing import Compiler, nop
 from aotgrad.runtime.function import Plan
 from aotgrad.signature import FlatInputs, Signature
 from aotgrad.signature.descriptors import Buffer, Param
-from aotgrad.store.format import Stored, dumps, loads, write_atomically
+from aotgrad.store.format import Stored, dumps, loads, stored_value, with_values, write_atomically
 from aotgrad.store.values import decode, encode
 
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
@@ -92,7 +92,9 @@ def _refuse_unloadable(flat: FlatInputs, signature: Signature) -> None:
                 " (Note [Loaded module state]); pass that tensor as an argument to save it"
             )
     if len(signature.forward_inputs) != len(flat.descriptors):
-        raise StoreError("a trace whose graph takes extra inputs (random state) cannot be saved yet")
+        raise StoreError(
+            "a trace whose graph takes extra inputs (random state) cannot be saved yet"
+        )
 
 
 def load(
@@ -154,7 +156,7 @@ class Loaded:
         self._expected = _expected(stored.forward, call.get("requires_grad"))
         if len(self._expected) != num_lifted + len(self._tensor_positions):
             raise StoreError("the graph file's forward graph takes another number of inputs")
-        forward, backward = compile_graphs(stored.forward, stored.backward, *compilers)
+        forward, backward = compile_stored(stored, compilers)
         self._compiled = CompiledGraphs(None, forward, backward, plan=stored.plan)
 
     @property
@@ -186,7 +188,9 @@ class Loaded:
                     " a value they hold as a constant: trace again for another value"
                 )
         if autocast_state() != self._autocast:
-            raise CallError("these graphs were saved under another autocast state (Note [Autocast])")
+            raise CallError(
+                "these graphs were saved under another autocast state (Note [Autocast])"
+            )
         inputs = [*self._state(), *(leaves[i] for i in self._tensor_positions)]
         self._check(inputs)
         return self._compiled(inputs)
@@ -227,7 +231,7 @@ def _state_names(signature: Signature, num_lifted: int) -> list[tuple[type, str]
 
 def _expected(forward: fx.GraphModule, requires_grad: Any) -> list[TensorMeta | None]:
     """Each graph input's metadata; the graph's values hold no ``requires_grad``: the call's."""
-    metas = [_meta(n.meta.get("val")) for n in forward.graph.nodes if n.op == "placeholder"]
+    metas = [_stored_meta(n) for n in forward.graph.nodes if n.op == "placeholder"]
     if not isinstance(requires_grad, list) or len(requires_grad) != len(metas):
         raise StoreError("the graph file does not say which inputs require grad")
     return [
@@ -236,7 +240,27 @@ def _expected(forward: fx.GraphModule, requires_grad: Any) -> list[TensorMeta | 
     ]
 
 
+def _stored_meta(node: fx.Node) -> TensorMeta | None:
+    value = stored_value(node)
+    if not isinstance(value, list) or len(value) != 6:
+        return None
+    size, stride, _, dtype, device, requires_grad = value
+    return (tuple(size), tuple(stride), dtype, device, requires_grad)
+
+
 def _meta(t: Any) -> TensorMeta | None:
     if not isinstance(t, torch.Tensor):
         return None
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+
+
+def compile_stored(
+    stored: Stored, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
+) -> tuple[Any, Any | None]:
+    """Hand loaded graphs to the compilers; fake values first, for a user's compiler
+    (Note [Values on demand])."""
+    if any(c is not None and c is not nop for c in compilers):
+        with_values(stored.forward)
+        if stored.backward is not None:
+            with_values(stored.backward)
+    return compile_graphs(stored.forward, stored.backward, *compilers)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from aotgrad.errors import StoreError
-from aotgrad.runtime import CompiledGraphs, compile_graphs
+from aotgrad.runtime import CompiledGraphs
 from aotgrad.runtime.boxing import Compiler
 from aotgrad.store.disk import DiskCache, disk_cache
 from aotgrad.store.format import Stored, aotgrad_version
@@ -28,6 +28,7 @@ from aotgrad.store.keys import (
     source_files,
     stable_text,
 )
+from aotgrad.store.loaded import compile_stored
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +98,7 @@ def load_graphs(
     positions = stored.call.get("positions")
     if positions is not None and not all(isinstance(p, int) for p in positions):
         return None
-    forward, backward = compile_graphs(stored.forward, stored.backward, *compilers)
+    forward, backward = compile_stored(stored, compilers)
     compiled = CompiledGraphs(None, forward, backward, plan=stored.plan)
     return compiled, None if positions is None else tuple(positions)
 
