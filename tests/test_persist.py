@@ -13,11 +13,11 @@ import textwrap
 
 import pytest
 import torch
-from models import GPT
 
 import aotgrad
 from aotgrad.errors import CallError, StoreError
 from aotgrad.store.format import FORMAT_VERSION
+from models import GPT
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aotgrad.errors import StoreError
@@ -79,21 +80,20 @@ class DiskCache:
                 total -= size
 
 
-def disk_cache() -> DiskCache | None:
+def disk_cache(environ: Mapping[str, str] = os.environ) -> DiskCache | None:
     """The cache the environment asks for; None when ``AOTGRAD_CACHE=0`` (Note [The disk cache]).
 
-    >>> import os
-    >>> os.environ["AOTGRAD_CACHE_DIR"] = "/tmp/aotgrad-example"
-    >>> disk_cache().directory
-    PosixPath('/tmp/aotgrad-example')
-    >>> del os.environ["AOTGRAD_CACHE_DIR"]
+    >>> disk_cache({"AOTGRAD_CACHE_DIR": "/tmp/ag", "AOTGRAD_CACHE_SIZE_MB": "1"})
+    DiskCache(directory=PosixPath('/tmp/ag'), max_bytes=1048576)
+    >>> disk_cache({"AOTGRAD_CACHE": "0"}) is None
+    True
     """
-    if os.environ.get("AOTGRAD_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):
+    if environ.get("AOTGRAD_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):
         return None
-    default = pathlib.Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "aotgrad"
-    directory = pathlib.Path(os.environ.get("AOTGRAD_CACHE_DIR") or default).expanduser()
+    default = pathlib.Path(environ.get("XDG_CACHE_HOME", "~/.cache")) / "aotgrad"
+    directory = pathlib.Path(environ.get("AOTGRAD_CACHE_DIR") or default).expanduser()
     try:
-        megabytes = float(os.environ.get("AOTGRAD_CACHE_SIZE_MB", "1024"))
+        megabytes = float(environ.get("AOTGRAD_CACHE_SIZE_MB", "1024"))
     except ValueError:
         megabytes = 1024.0
     return DiskCache(directory=directory, max_bytes=int(megabytes * 2**20))

@@ -364,7 +364,7 @@ def resolve_target(name: Any, node: str) -> Callable[..., Any]:
         raise StoreError(
             f"unknown target {name!r} in node {node!r}: not a registered torch operator overload"
         )
-    return found  # type: ignore[no-any-return]
+    return found
 
 
 def _decode_arg(data: Any, env: dict[str, fx.Node], node: str) -> Any:

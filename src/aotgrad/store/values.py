@@ -95,7 +95,7 @@ def _encode_object(value: Any) -> Any:
         raise StoreError(f"cannot store a value of type {type(value).__qualname__}: {value!r:.80}")
     if isinstance(value, enum.Enum):
         return {"enum": name, "value": value.value}
-    fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}  # type: ignore[arg-type]
     return {"type": name, "fields": fields}
 
 
