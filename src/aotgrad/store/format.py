@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import hashlib
 import importlib.metadata
 import json
@@ -120,7 +121,22 @@ def dumps(stored: Stored) -> bytes:
 
 
 def loads(data: bytes, where: str = "the file") -> Stored:
-    """The graphs and plan in ``data``; a ``StoreError`` saying what is wrong with it."""
+    """The graphs and plan in ``data``; a ``StoreError`` saying what is wrong with it.
+
+    The cyclic collector is paused meanwhile, as during a capture (Note [No garbage
+    collection during capture]): decoding gpt4's file makes ~10^5 objects, and the
+    collector's full passes over the process took 0.18 s of a 0.31 s load.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _loads(data, where)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _loads(data: bytes, where: str) -> Stored:
     head, _, payload = data.partition(b"\n")
     header = _json(head, where)
     _check_header(header, payload, where)
