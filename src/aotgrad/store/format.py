@@ -50,8 +50,8 @@ import torch.fx as fx
 
 from aotgrad._torch_compat import FakeTensorMode
 from aotgrad.capture import lazy_module
-from aotgrad.capture.provenance import META_KEY, NodeInfo
-from aotgrad.errors import StoreError
+from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase
+from aotgrad.errors import StoreError, UserFrame
 from aotgrad.partition.saved import SavedValue
 from aotgrad.runtime.function import Plan
 from aotgrad.signature.convention import Signature
@@ -208,11 +208,47 @@ def refuse_unstorable(plan: Plan) -> None:
 
 
 def encode_graph(gm: fx.GraphModule) -> dict[str, Any]:
-    """A graph's nodes as JSON data: op, target name, arguments, value metadata, provenance."""
-    return {"nodes": [_encode_node(node) for node in gm.graph.nodes]}
+    """A graph's nodes as JSON data: op, target name, arguments, value metadata, provenance.
+
+    Provenance is ``[phase, kind, seq_nr, module, source]``, ``source`` an index into the
+    graph's table of user frames (most nodes share a few lines).
+    """
+    sources: dict[UserFrame, int] = {}
+    nodes = [_encode_node(node, sources) for node in gm.graph.nodes]
+    table = [[f.filename, f.lineno, f.name, f.line] for f in sources]
+    return {"nodes": nodes, "sources": table}
 
 
-def _encode_node(node: fx.Node) -> dict[str, Any]:
+def _encode_info(info: Any, sources: dict[UserFrame, int]) -> Any:
+    if not isinstance(info, NodeInfo):
+        return None
+    source = None if info.source is None else sources.setdefault(info.source, len(sources))
+    return [info.phase.value, info.kind.value, info.seq_nr, info.module, source]
+
+
+def _decode_info(
+    data: Any, sources: list[UserFrame | None], cache: dict[str, NodeInfo]
+) -> NodeInfo:
+    phase, kind, seq_nr, module, source = data
+    key = json.dumps(data)
+    if key not in cache:
+        if not (seq_nr is None or type(seq_nr) is int) or not isinstance(module, str):
+            raise StoreError(f"malformed provenance {data!r:.80}")
+        frame = None if source is None else sources[int(source)]
+        cache[key] = NodeInfo(Phase(phase), Kind(kind), seq_nr, module, frame)
+    return cache[key]
+
+
+def _decode_sources(table: Any) -> list[UserFrame | None]:
+    frames: list[UserFrame | None] = []
+    for filename, lineno, name, line in table:
+        if not (isinstance(filename, str) and type(lineno) is int):
+            raise StoreError("malformed source table")
+        frames.append(UserFrame(filename=filename, lineno=lineno, name=str(name), line=str(line)))
+    return frames
+
+
+def _encode_node(node: fx.Node, sources: dict[UserFrame, int]) -> dict[str, Any]:
     if node.op not in ("placeholder", "call_function", "output"):
         raise StoreError(
             f"node {node.name} is a {node.op} node: a graph file holds only placeholders,"
@@ -227,7 +263,7 @@ def _encode_node(node: fx.Node) -> dict[str, Any]:
         "args": _encode_arg(node.args),
         "kwargs": {k: _encode_arg(v) for k, v in node.kwargs.items()},
         "val": _encode_val(node.meta.get("val")),
-        "info": None if info is None else encode(info),
+        "info": _encode_info(info, sources),
         "desc": None if desc is None else encode(desc),
     }
 
@@ -287,11 +323,13 @@ def decode_graph(data: Any) -> fx.GraphModule:
     nodes = data["nodes"]
     if not isinstance(nodes, list) or not nodes or nodes[-1].get("op") != "output":
         raise StoreError("a stored graph must end with its output node")
+    sources = _decode_sources(data.get("sources", []))
+    infos: dict[str, NodeInfo] = {}
     for item in nodes:
         node = _decode_node(graph, item, env)
-        node.meta[VALUE_KEY] = decode(item.get("val"))
+        node.meta[VALUE_KEY] = item.get("val")  # decoded when read (Note [Values on demand])
         if item.get("info") is not None:
-            node.meta[META_KEY] = _typed(decode(item["info"]), NodeInfo)
+            node.meta[META_KEY] = _decode_info(item["info"], sources, infos)
         if item.get("desc") is not None:
             node.meta[DESC_KEY] = decode(item["desc"])
     return lazy_module(torch.nn.Module(), graph)
@@ -309,8 +347,9 @@ VALUE_KEY = "aotgrad_stored_val"
 
 
 def stored_value(node: fx.Node) -> Any:
-    """A loaded node's value metadata: ``(size, stride, offset, dtype, device, requires_grad)``."""
-    return node.meta.get(VALUE_KEY)
+    """A loaded node's value metadata: ``[size, stride, offset, dtype, device, requires_grad]``."""
+    data = node.meta.get(VALUE_KEY)
+    return None if data is None else decode(data)
 
 
 def with_values(gm: fx.GraphModule) -> fx.GraphModule:
@@ -318,7 +357,7 @@ def with_values(gm: fx.GraphModule) -> fx.GraphModule:
     with FakeTensorMode() as mode:
         for node in gm.graph.nodes:
             if "val" not in node.meta and node.meta.get(VALUE_KEY) is not None:
-                node.meta["val"] = _fake(node.meta[VALUE_KEY], mode)
+                node.meta["val"] = _fake(stored_value(node), mode)
     return gm
 
 
