@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-# The disk cache (docs/caching.md) is off for the suite, and in the processes it starts:
-# a test traces, and counts traces, as if no earlier run left graphs behind.
-# tests/test_persist.py turns it on, each test in a directory of its own.
-os.environ["AOTGRAD_CACHE"] = "0"
 import torch.utils._pytree as pytree
 
 
