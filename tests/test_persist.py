@@ -356,3 +356,30 @@ def test_two_processes_writing_one_key_both_succeed(tmp_path):
     assert not list((tmp_path / "cache").glob("*/*.tmp"))
     third = _result(_run(script, tmp_path / "cache", "aot_module"))
     assert (third["captures"], third["disk_hits"]) == (0, 1)
+
+
+def _mutates(x, y):
+    x.add_(1)
+    return x * y, y.view(-1)
+
+
+def test_disk_hit_keeps_mutations_and_aliases(cache_dir):
+    for expected_hits in (0, 1):
+        f = aotgrad.aot_function(_mutates)
+        x, y = torch.zeros(2, 2), torch.ones(2, 2, requires_grad=True)
+        out, view = f(x, y)
+        assert x.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+        assert view._base is y and out.requires_grad
+        assert aotgrad.cache_info(f).disk_hits == expected_hits
+
+
+def test_save_load_inference_graph(tmp_path):
+    path = tmp_path / "inference.aotgrad"
+    aotgrad.trace(lambda x, n: x.cos() * n, torch.ones(3), 2).save(path)
+    loaded = aotgrad.load(path)
+    assert loaded.backward is None
+    torch.testing.assert_close(loaded(torch.zeros(3), 2), torch.full((3,), 2.0))
+    with pytest.raises(CallError, match="hold as a constant"):
+        loaded(torch.zeros(3), 3)
+    with pytest.raises(CallError, match="hold as a constant"):
+        loaded(torch.zeros(3), 2.0)  # equal, but another type: the graph may differ

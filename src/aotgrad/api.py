@@ -579,6 +579,12 @@ class AOTFunction:
 
     def _last(self) -> Partitioned:
         if self.partitioned is None:
+            if len(self.cache):
+                raise CallError(
+                    "the specializations so far were loaded from the disk cache, which keeps"
+                    " graphs, not the joint graph reports read; pass disk_cache=False for"
+                    " reports (docs/caching.md)"
+                )
             raise CallError("no specialization yet: call the compiled function first")
         return self.partitioned
 

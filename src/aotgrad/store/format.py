@@ -271,6 +271,11 @@ def _encode_node(node: fx.Node, sources: dict[UserFrame, int]) -> dict[str, Any]
 def _target_name(node: fx.Node) -> str:
     target = node.target
     if isinstance(target, _OVERLOAD):
+        if "c10d" in target.namespace:
+            raise StoreError(
+                f"node {node.name} runs the collective {target}: its process group is named by"
+                " this run's ranks and is not stored; graphs with collectives are not saved"
+            )
         return str(target)  # "aten.mm.default"
     for name, builtin in BUILTINS.items():
         if target is builtin:

@@ -182,7 +182,7 @@ class Loaded:
                 f"these graphs were saved for arguments structured as {self._spec}, got {spec}"
             )
         for i, (leaf, constant) in enumerate(zip(leaves, self._constants, strict=True)):
-            if i not in self._tensor_positions and leaf != constant:
+            if i not in self._tensor_positions and not _same_value(leaf, constant):
                 raise CallError(
                     f"argument leaf {i} is {leaf!r}; the graphs were traced with {constant!r},"
                     " a value they hold as a constant: trace again for another value"
@@ -218,6 +218,13 @@ class Loaded:
                     f"{d}: the graphs were traced for a tensor (shape, stride, dtype, device,"
                     f" requires_grad) {expected}, got {got}; trace again for these inputs"
                 )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal and of one type, floats bit for bit (Note [Keys of Python values]: ``-0.0``, ``True``)."""
+    if type(a) is not type(b):
+        return False
+    return a.hex() == b.hex() if isinstance(a, float) else bool(a == b)
 
 
 def _state_names(signature: Signature, num_lifted: int) -> list[tuple[type, str]]:
