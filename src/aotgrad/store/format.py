@@ -227,10 +227,12 @@ def _encode_info(info: Any, sources: dict[UserFrame, int]) -> Any:
 
 
 def _decode_info(
-    data: Any, sources: list[UserFrame | None], cache: dict[str, NodeInfo]
+    data: Any, sources: list[UserFrame | None], cache: dict[Any, NodeInfo]
 ) -> NodeInfo:
     phase, kind, seq_nr, module, source = data
-    key = json.dumps(data)
+    key = (phase, kind, seq_nr, module, source)
+    if not all(v is None or isinstance(v, str | int) for v in key):
+        raise StoreError(f"malformed provenance {data!r:.80}")
     if key not in cache:
         if not (seq_nr is None or type(seq_nr) is int) or not isinstance(module, str):
             raise StoreError(f"malformed provenance {data!r:.80}")
@@ -329,7 +331,7 @@ def decode_graph(data: Any) -> fx.GraphModule:
     if not isinstance(nodes, list) or not nodes or nodes[-1].get("op") != "output":
         raise StoreError("a stored graph must end with its output node")
     sources = _decode_sources(data.get("sources", []))
-    infos: dict[str, NodeInfo] = {}
+    infos: dict[Any, NodeInfo] = {}
     for item in nodes:
         node = _decode_node(graph, item, env)
         node.meta[VALUE_KEY] = item.get("val")  # decoded when read (Note [Values on demand])
@@ -387,7 +389,7 @@ def _decode_node(graph: fx.Graph, item: dict[str, Any], env: dict[str, fx.Node])
     if op == "placeholder":
         node = graph.placeholder(name)
     elif op == "call_function":
-        node = graph.create_node(op, resolve_target(item["target"], name), args, kwargs, name)
+        node = graph.create_node(op, _resolved(item["target"], name), args, kwargs, name)
     elif op == "output":
         if len(args) != 1:
             raise StoreError("the output node takes one argument")
@@ -398,6 +400,19 @@ def _decode_node(graph: fx.Graph, item: dict[str, Any], env: dict[str, fx.Node])
         )
     env[name] = node
     return node
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolved_name(name: str) -> Callable[..., Any] | None:
+    try:
+        return resolve_target(name, "")
+    except StoreError:
+        return None
+
+
+def _resolved(name: Any, node: str) -> Callable[..., Any]:
+    found = _resolved_name(name) if isinstance(name, str) else None
+    return found if found is not None else resolve_target(name, node)
 
 
 def resolve_target(name: Any, node: str) -> Callable[..., Any]:
