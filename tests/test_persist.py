@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -383,3 +384,22 @@ def test_save_load_inference_graph(tmp_path):
         loaded(torch.zeros(3), 3)
     with pytest.raises(CallError, match="hold as a constant"):
         loaded(torch.zeros(3), 2.0)  # equal, but another type: the graph may differ
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def _pair(p):
+    return Pair(p.a.sin(), p.b * 2)
+
+
+def test_what_a_file_cannot_hold_is_traced_not_cached(cache_dir, tmp_path):
+    args = Pair(torch.ones(2, requires_grad=True), torch.ones(2))
+    with pytest.raises(StoreError, match="cannot store the structure"):
+        aotgrad.trace(_pair, args).save(tmp_path / "pair.aotgrad")
+    f = aotgrad.aot_function(_pair)
+    assert f(args).b.tolist() == [2.0, 2.0]
+    assert "cannot store the structure" in aotgrad.cache_info(f).disk_skipped
+    assert not _entries(cache_dir)

@@ -29,7 +29,6 @@ import pathlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from aotgrad.errors import StoreError
 from aotgrad.store.format import Stored, dumps, loads, write_atomically
 
 SUFFIX = ".aotgrad"
@@ -50,7 +49,7 @@ class DiskCache:
         path = self.path(key)
         try:
             stored = loads(path.read_bytes(), str(path))
-        except (OSError, StoreError):
+        except Exception:  # OSError, StoreError, or anything a crafted file provokes: a miss
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # recently used

@@ -59,6 +59,16 @@ from aotgrad.signature.printing import DESC_KEY
 from aotgrad.store.values import decode, encode
 
 FORMAT = "aotgrad-graphs"
+# What decoding malformed data can raise besides StoreError: each becomes a StoreError.
+_MALFORMED = (
+    KeyError,
+    TypeError,
+    ValueError,
+    IndexError,
+    AttributeError,
+    AssertionError,
+    NotImplementedError,
+)
 FORMAT_VERSION = 1
 
 # Python callables a graph node may target besides torch operator overloads.
@@ -152,7 +162,7 @@ def _loads(data: bytes, where: str) -> Stored:
         )
     except StoreError as e:
         raise StoreError(f"{where}: {e}") from None
-    except (KeyError, TypeError, AssertionError) as e:
+    except _MALFORMED as e:
         raise StoreError(f"{where}: malformed graph file ({type(e).__name__}: {e})") from None
 
 

@@ -41,7 +41,7 @@ from aotgrad.runtime.function import Plan
 from aotgrad.signature import FlatInputs, Signature
 from aotgrad.signature.descriptors import Buffer, Param
 from aotgrad.store.format import Stored, dumps, loads, stored_value, with_values, write_atomically
-from aotgrad.store.values import decode, encode
+from aotgrad.store.values import decode, dump_treespec, encode
 
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
 
@@ -64,7 +64,7 @@ def save_traced(
             " numbers, strings, None and containers of them can be saved"
         ) from None
     call = {
-        "spec": pytree.treespec_dumps(flat.spec),
+        "spec": dump_treespec(flat.spec),
         "constants": constants,
         "tensor_positions": list(flat.tensor_positions),
         "num_lifted": flat.num_lifted,
@@ -143,7 +143,7 @@ class Loaded:
             self._tensor_positions = tuple(int(i) for i in call["tensor_positions"])
             self._autocast = decode(call["autocast"])
             num_lifted = int(call["num_lifted"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, NotImplementedError, StoreError) as e:
             raise StoreError(f"malformed call description in the graph file: {e}") from None
         self._state_names = _state_names(stored.signature, num_lifted)
         if self._state_names and module is None:

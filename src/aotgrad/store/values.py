@@ -89,7 +89,7 @@ def _encode_object(value: Any) -> Any:
         if isinstance(value, cls):
             return {kind: str(value).removeprefix("torch.")}
     if isinstance(value, pytree.TreeSpec):
-        return {"treespec": pytree.treespec_dumps(value)}
+        return {"treespec": dump_treespec(value)}
     name = type(value).__name__
     if TYPES.get(name) is not type(value):
         raise StoreError(f"cannot store a value of type {type(value).__qualname__}: {value!r:.80}")
@@ -109,7 +109,15 @@ def decode(data: Any) -> Any:
         raise StoreError(f"unexpected stored value {data!r:.80}")
     try:
         return _decode_object(data)
-    except (TypeError, ValueError, AttributeError, KeyError, AssertionError) as e:
+    except (
+        TypeError,
+        ValueError,
+        AttributeError,
+        KeyError,
+        IndexError,
+        AssertionError,
+        NotImplementedError,
+    ) as e:
         if isinstance(e, StoreError):
             raise
         raise StoreError(f"malformed stored value {data!r:.80}: {e}") from None
@@ -153,3 +161,12 @@ def _int(value: Any) -> int | None:
     if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
     raise StoreError(f"expected an int or null, got {value!r:.40}")
+
+
+def dump_treespec(spec: pytree.TreeSpec) -> str:
+    """``pytree.treespec_dumps``; a ``StoreError`` for a structure it cannot write (a
+    container type registered without a serialized name, such as a user's NamedTuple)."""
+    try:
+        return pytree.treespec_dumps(spec)
+    except Exception as e:  # torch raises several types here
+        raise StoreError(f"cannot store the structure {spec}: {e}") from None
