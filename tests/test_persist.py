@@ -67,6 +67,16 @@ def test_save_load_gpt_round_trip(tmp_path):
     assert loaded.saved and all(s.module is not None for s in loaded.saved)
 
 
+def test_save_load_keeps_what_mincut_recomputes(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    traced = aotgrad.trace(model, torch.randn(4, 8), partition="mincut")
+    traced.save(tmp_path / "mincut.aotgrad")
+    loaded = aotgrad.load(tmp_path / "mincut.aotgrad", module=model)
+    assert loaded.recomputed == traced.partitioned.recomputed
+    assert loaded.saved == traced.saved
+
+
 def test_save_load_batchnorm_updates_the_modules_buffers(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -52,6 +52,7 @@ from aotgrad._torch_compat import FakeTensorMode
 from aotgrad.capture import lazy_module
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase
 from aotgrad.errors import StoreError, UserFrame
+from aotgrad.partition import RecomputedOp
 from aotgrad.partition.saved import SavedValue
 from aotgrad.runtime.function import Plan
 from aotgrad.signature.convention import Signature
@@ -85,6 +86,8 @@ class Stored:
     plan: Plan
     signature: Signature
     saved: tuple[SavedValue, ...]
+    # The forward ops the backward runs again, and why (a partition's choice, as data).
+    recomputed: tuple[RecomputedOp, ...] = ()
     # The call the graphs were captured for (``Traced.save``), or where a cache entry's
     # graph inputs come from: JSON data, read by whoever wrote it.
     call: dict[str, Any]
@@ -115,6 +118,7 @@ def dumps(stored: Stored) -> bytes:
             "plan": encode(stored.plan),
             "signature": encode(stored.signature),
             "saved": encode(stored.saved),
+            "recomputed": encode(stored.recomputed),
             "call": stored.call,
         },
         separators=(",", ":"),
@@ -158,6 +162,7 @@ def _loads(data: bytes, where: str) -> Stored:
             plan=_typed(decode(body["plan"]), Plan),
             signature=_typed(decode(body["signature"]), Signature),
             saved=tuple(_typed(s, SavedValue) for s in decode(body["saved"])),
+            recomputed=tuple(_typed(r, RecomputedOp) for r in decode(body["recomputed"])),
             call=_typed(body["call"], dict),
         )
     except StoreError as e:

@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.errors import CallError, StoreError
-from aotgrad.partition import Partitioned
+from aotgrad.partition import Partitioned, RecomputedOp
 from aotgrad.partition.saved import SavedValue
 from aotgrad.runtime import CompiledGraphs, compile_graphs
 from aotgrad.runtime.boxing import Compiler, nop
@@ -77,6 +77,7 @@ def save_traced(
         plan=plan,
         signature=partitioned.signature,
         saved=partitioned.saved,
+        recomputed=partitioned.recomputed,
         call=call,
     )
     write_atomically(path, dumps(stored))
@@ -174,6 +175,10 @@ class Loaded:
     @property
     def saved(self) -> tuple[SavedValue, ...]:
         return self._stored.saved
+
+    @property
+    def recomputed(self) -> tuple[RecomputedOp, ...]:
+        return self._stored.recomputed
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))

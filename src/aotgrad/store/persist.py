@@ -118,6 +118,7 @@ def store_graphs(
         plan=compiled.plan,
         signature=partitioned.signature,
         saved=partitioned.saved,
+        recomputed=partitioned.recomputed,
         call={"positions": None if positions is None else list(positions)},
     )
     try:

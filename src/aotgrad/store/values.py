@@ -26,6 +26,7 @@ from aotgrad.capture.aliasing import Alias, AliasSource, ConstantOutput, TensorO
 from aotgrad.capture.mutation import InputMutation
 from aotgrad.capture.provenance import Kind, NodeInfo, Phase
 from aotgrad.errors import StoreError, UserFrame
+from aotgrad.partition import RecomputedOp
 from aotgrad.partition.saved import SavedValue
 from aotgrad.runtime.function import Plan, ZerosLike
 from aotgrad.signature import descriptors
@@ -44,6 +45,7 @@ TYPES: dict[str, type] = {
         NodeInfo,
         Phase,
         Plan,
+        RecomputedOp,
         SavedValue,
         Signature,
         TensorOutput,
