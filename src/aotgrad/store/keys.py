@@ -67,12 +67,20 @@ def stable_text(value: Any, modules: set[str]) -> Any:
     if isinstance(value, torch.Size):
         return ["size", *value]
     if isinstance(value, tuple | list):
-        if len(value) == 3 and value[0] == "module":  # a module argument, by address
-            raise Unkeyable("a module argument is keyed by its address")
+        if _by_address(value):
+            raise Unkeyable("a value the function reads is keyed by its address in memory")
         return [stable_text(v, modules) for v in value]
     if isinstance(value, bytes):
         return ["bytes", value.hex()]
     return _stable_object(value, modules)
+
+
+def _by_address(key: tuple[Any, ...] | list[Any]) -> bool:
+    """A value key holding an address (Note [Keys of Python values]): a module argument,
+    a cycle, a weak reference's referent. Equal only within one process."""
+    if len(key) == 3 and (key[0] == "module" or key[1] == "cycle"):
+        return True
+    return len(key) == 2 and key[0] == "referent"
 
 
 def _stable_object(value: Any, modules: set[str]) -> Any:
