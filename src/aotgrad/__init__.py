@@ -26,6 +26,7 @@ from aotgrad.errors import (
     InPlaceOnLeafError,
     OpError,
     ScanError,
+    StoreError,
     UnsupportedClosureError,
     UnsupportedMutationError,
     UnsupportedOpError,
@@ -36,6 +37,7 @@ from aotgrad.loops import ScanFunction, scan, scan_function, scan_layers, scan_l
 from aotgrad.partition import budget
 from aotgrad.profiling import ProfileReport, profile
 from aotgrad.runtime import make_boxed_func, nop
+from aotgrad.store.loaded import Loaded, load
 
 __all__ = [
     "AOTModule",
@@ -48,10 +50,12 @@ __all__ = [
     "DirectTraceError",
     "DoubleBackwardError",
     "InPlaceOnLeafError",
+    "Loaded",
     "OpError",
     "ProfileReport",
     "ScanError",
     "ScanFunction",
+    "StoreError",
     "Traced",
     "UnsupportedClosureError",
     "UnsupportedMutationError",
@@ -65,6 +69,7 @@ __all__ = [
     "cache_info",
     "compilers",
     "dynamic",
+    "load",
     "make_boxed_func",
     "nop",
     "profile",

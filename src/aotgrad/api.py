@@ -19,7 +19,7 @@ from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
 from aotgrad.capture import JointGraph, TracerChoice, capture, capturing, check_tracer_choice
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
-from aotgrad.errors import CallError, user_frame_of_function
+from aotgrad.errors import CallError, StoreError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.report.html import render_html
@@ -37,6 +37,16 @@ from aotgrad.signature.lifting import (
     module_arguments,
 )
 from aotgrad.signature.subclasses import desugar
+from aotgrad.store.keys import Unkeyable
+from aotgrad.store.loaded import save_traced
+from aotgrad.store.persist import (
+    EntryKey,
+    code_text,
+    entry_key,
+    load_graphs,
+    options_text,
+    store_graphs,
+)
 from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
 
 Decompositions = Mapping[Any, Callable[..., Any]]
@@ -147,6 +157,24 @@ class Traced:
         True
         """
         _write_html(self.partitioned, path, profile)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the graphs, signature, provenance and saved plan to ``path``, for :func:`aotgrad.load`.
+
+        The file is checked JSON that runs no code when read (Note [Files run no code]);
+        a module's parameters and buffers are not in it (Note [Loaded module state]).
+
+        >>> import torch, aotgrad, tempfile, pathlib
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "sin.aotgrad"
+        >>> aotgrad.trace(lambda x: x.sin(), torch.ones(2, requires_grad=True)).save(path)
+        >>> aotgrad.load(path)(torch.zeros(2, requires_grad=True)).tolist()
+        [0.0, 0.0]
+        """
+        if self._wrapping is not None:
+            raise StoreError("a trace of a DDP or fully_shard module cannot be saved")
+        save_traced(
+            path, partitioned=self.partitioned, plan=self._compiled.plan, autocast=self._autocast
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the traced graphs on new inputs of the same structure and metadata."""
@@ -294,6 +322,7 @@ def aot_function(
     cache_limit: int = 8,
     dynamic: bool = False,
     tracer: TracerChoice = "auto",
+    disk_cache: bool = True,
 ) -> AOTFunction:
     """Compile ``fn``'s forward and backward graphs with the given compilers.
 
@@ -305,7 +334,9 @@ def aot_function(
     chooses what the backward saves, as for :func:`trace`. With ``keep_inference_input_mutations``,
     inference graphs (no backward) write input mutations themselves with
     ``aten.copy_`` instead of returning new values. ``tracer`` ("auto", "direct" or
-    "full") chooses how capture traces (Note [Choosing a tracer]).
+    "full") chooses how capture traces (Note [Choosing a tracer]). Specializations are
+    also kept on disk across processes where a stable key exists (``disk_cache=False``
+    or ``AOTGRAD_CACHE=0`` turns it off; Note [The disk cache], docs/caching.md).
 
     >>> import torch, aotgrad
     >>> f = aotgrad.aot_function(lambda x: x.sin().sum())
@@ -323,6 +354,7 @@ def aot_function(
         cache_limit=cache_limit,
         dynamic=dynamic,
         tracer=tracer,
+        disk_cache=disk_cache,
     )
     return AOTFunction(fn, options)
 
@@ -352,6 +384,8 @@ class Options:
     dynamic: bool = False
     # Which tracer captures (Note [Choosing a tracer]).
     tracer: TracerChoice = "auto"
+    # Look specializations up in, and write them to, the disk cache (Note [The disk cache]).
+    disk_cache: bool = True
 
     def __post_init__(self) -> None:
         check_tracer_choice(self.tracer)
@@ -371,6 +405,7 @@ class AOTFunction:
         input_names: Sequence[str] | None = None,
         read_environment: bool = True,
         dynamic_dims: DynamicDims | None = None,
+        code_key: tuple[Any, set[str]] | None = None,
     ) -> None:
         functools.update_wrapper(self, fn)
         fn = self._given = as_module(fn)
@@ -397,6 +432,10 @@ class AOTFunction:
         self.cache = SpecializationCache(
             limit=options.cache_limit, owner=getattr(fn, "__name__", type(fn).__name__)
         )
+        # The code a trace runs, as the disk cache keys it (Note [Disk cache keys]): given by
+        # the caller (Dynamo's graph), else read from ``fn`` on the first miss.
+        self._code_key = code_key
+        self._code: tuple[Any, set[str]] | None = None
         self.partitioned: Partitioned | None = None
 
     @property
@@ -448,18 +487,75 @@ class AOTFunction:
             self._in_wrapper = False
 
     def _miss(self, miss: Miss, call: _Call) -> Any:
-        """Trace, compile and run a new entry; run eagerly when the cache is full."""
+        """Trace, compile and run a new entry (or load it from disk); run eagerly when the cache is full."""
         args, kwargs = call.args, call.kwargs
         if not self.cache.admit(miss, lambda: leaf_names(self._target, args, kwargs)):
             return self._fn(*args, **kwargs)
+        disk = self._disk_entry(miss.key)
+        entry = self._from_disk(disk) if disk is not None else None
+        if entry is not None:
+            self.cache.add(miss.key, entry)
+            return entry(call.lifted.tensors, call.leaves)
         entry = self._specialize(call, miss.key.dynamic_dims)
         settled = self._state.settle(call.lifted, call.arguments)
+        if disk is not None:
+            self._to_disk(disk, entry, same_key=settled.key == call.lifted.key)
         self.cache.add(miss.key._replace(state=settled.key), entry)
         return entry(call.lifted.tensors, call.leaves)
 
+    def _disk_entry(self, key: CacheKey) -> EntryKey | None:
+        """Where this miss's graphs sit on disk; None (and why, in ``cache_info``) when not cached."""
+        info, options = self.cache.info, self._options
+        info.disk_skipped = None
+        if not options.disk_cache:
+            info.disk_skipped = "disk_cache=False"
+            return None
+        if key.dynamic_dims is not None or key.retrace or self._wrapping is not None:
+            info.disk_skipped = "dynamic shapes and DDP/FSDP2 wrappers are not cached on disk"
+            return None
+        try:
+            if self._code is None:
+                self._code = self._code_key or code_text(self._fn)
+            entry = entry_key(
+                code=self._code,
+                call=key,
+                names=list(self._input_names or ()),
+                options=options_text(
+                    partition=options.partition,
+                    decompositions=options.decompositions,
+                    tracer=options.tracer,
+                    dynamic=options.dynamic,
+                    keep_mutations=options.keep_inference_input_mutations,
+                ),
+            )
+        except (Unkeyable, OSError) as e:
+            info.disk_skipped = str(e)
+            return None
+        if entry is None:
+            info.disk_skipped = "AOTGRAD_CACHE=0"
+        return entry
+
+    def _from_disk(self, disk: EntryKey) -> Entry | None:
+        options = self._options
+        found = load_graphs(
+            disk, (options.fw_compiler, options.bw_compiler, options.inference_compiler)
+        )
+        if found is None:
+            self.cache.info.disk_misses += 1
+            return None
+        self.cache.info.disk_hits += 1
+        compiled, positions = found
+        return Entry(compiled=compiled, positions=positions)
+
+    def _to_disk(self, disk: EntryKey, entry: Entry, same_key: bool) -> None:
+        if not same_key:  # Note [Disk cache keys]: a value the function changes
+            self.cache.info.disk_skipped = "the function changes a value it reads"
+            return
+        self.cache.info.disk_skipped = store_graphs(disk, entry.compiled, entry.positions)
+
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles as the function and the options; compiled graphs are made again on use."""
-        arguments = (self._input_names, self._read_environment, self._dynamic_dims)
+        arguments = (self._input_names, self._read_environment, self._dynamic_dims, self._code_key)
         return (AOTFunction, (self._given, self._options, *arguments))
 
     def seq_table(self) -> SeqTable:
@@ -483,6 +579,12 @@ class AOTFunction:
 
     def _last(self) -> Partitioned:
         if self.partitioned is None:
+            if len(self.cache):
+                raise CallError(
+                    "the specializations so far were loaded from the disk cache, which keeps"
+                    " graphs, not the joint graph reports read; pass disk_cache=False for"
+                    " reports (docs/caching.md)"
+                )
             raise CallError("no specialization yet: call the compiled function first")
         return self.partitioned
 
@@ -624,6 +726,7 @@ def aot_module(
     cache_limit: int = 8,
     dynamic: bool = False,
     tracer: TracerChoice = "auto",
+    disk_cache: bool = True,
 ) -> AOTModule:
     """``aot_function`` for an ``nn.Module``: parameters and buffers become graph inputs.
 
@@ -649,6 +752,7 @@ def aot_module(
         cache_limit=cache_limit,
         dynamic=dynamic,
         tracer=tracer,
+        disk_cache=disk_cache,
     )
     return AOTModule(module, compiled)
 

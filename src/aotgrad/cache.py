@@ -47,10 +47,19 @@ class CacheInfo:
     # Calls that ran eagerly because the cache was full.
     fallbacks: int = 0
     entries: int = 0
+    # Misses the disk cache served (no trace), and misses it did not (traced, then written:
+    # Note [The disk cache]).
+    disk_hits: int = 0
+    disk_misses: int = 0
+    # Why the latest miss was not looked up or written on disk ("the cache is off", "a
+    # functools.partial has no stable key": Note [Disk cache keys]); None when it was.
+    disk_skipped: str | None = None
 
     def __str__(self) -> str:
         lines = [
-            f"{self.hits} hits, {self.misses} misses, {self.entries} entries, {self.fallbacks} eager fallbacks"
+            f"{self.hits} hits, {self.misses} misses, {self.entries} entries, {self.fallbacks} eager fallbacks",
+            f"disk: {self.disk_hits} hits, {self.disk_misses} misses"
+            + (f" (not cached: {self.disk_skipped})" if self.disk_skipped else ""),
         ]
         lines += [f"  miss {i}: {reason}" for i, reason in enumerate(self.reasons)]
         return "\n".join(lines)

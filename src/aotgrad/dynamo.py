@@ -28,6 +28,7 @@ from aotgrad._torch_compat import DYNAMO_EXAMPLE_VALUE, DYNAMO_GRAPH_ARG
 from aotgrad.api import AOTFunction, Options, PartitionArg
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.runtime.boxing import Compiler
+from aotgrad.store.keys import Unkeyable, stable_text
 
 __all__ = ["aotgrad_backend", "backend", "user_expression"]
 
@@ -72,12 +73,35 @@ def backend(
             read_environment=False,
             # The same every call (Note [Marking dimensions dynamic]).
             dynamic_dims=dims if any(dims) else None,
+            code_key=graph_key(gm),
         )
         if sizes or numbers:
             return _DynamicCall(compiled, inputs, numbers)
         return compiled
 
     return compile_graph
+
+
+def graph_key(gm: fx.GraphModule) -> tuple[Any, set[str]] | None:
+    """Dynamo's graph as the disk cache keys it: its code and every call's target (Note
+    [Disk cache keys]); None (not cached) for a graph holding submodules or attributes.
+
+    >>> import operator
+    >>> gm = fx.symbolic_trace(lambda x: operator.mul(x, 2))
+    >>> graph_key(gm)[0][1:]
+    ['builtin _operator.mul']
+    """
+    modules: set[str] = set()
+    parts: list[Any] = [gm.code]
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "get_attr"):
+            return None
+        if node.op == "call_function":
+            try:
+                parts.append(stable_text(node.target, modules))
+            except Unkeyable:
+                return None
+    return parts, modules
 
 
 def _symbolic_dims(node: fx.Node) -> tuple[int, ...]:

@@ -112,6 +112,10 @@ class CallError(AotgradError, TypeError):
     """A compiled function was called with arguments it cannot accept."""
 
 
+class StoreError(AotgradError, ValueError):
+    """A graph file or cache entry aotgrad cannot write or read (Note [Files run no code])."""
+
+
 class UnsupportedWrapperError(AotgradError, ValueError):
     """A DDP or FSDP2 configuration aotgrad cannot run around its graphs (Note [Wrappers run
     around the graphs]): the message says what to use instead."""

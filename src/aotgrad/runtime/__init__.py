@@ -18,22 +18,40 @@ from aotgrad.runtime.boxing import Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue
 from aotgrad.signature.subclasses import holds_flat_outputs, rebuild_outputs
 
-__all__ = ["CompiledGraphs", "compile_partitioned", "make_boxed_func", "nop"]
+__all__ = [
+    "CompiledGraphs",
+    "Plan",
+    "compile_graphs",
+    "compile_partitioned",
+    "make_boxed_func",
+    "nop",
+]
 
 
 class CompiledGraphs:
     """One specialization, compiled: call it with the flat primals, get the user's result."""
 
-    def __init__(self, partitioned: Partitioned, forward: Any, backward: Any | None) -> None:
+    def __init__(
+        self,
+        partitioned: Partitioned | None,
+        forward: Any,
+        backward: Any | None,
+        plan: Plan | None = None,
+    ) -> None:
+        # ``partitioned`` is None for graphs loaded from a file (``aotgrad.load``), which
+        # bring their ``plan`` and hold no tensor subclass inputs.
         self.partitioned = partitioned
-        self.plan = Plan.of(partitioned)
+        if plan is None:
+            assert partitioned is not None
+            plan = Plan.of(partitioned)
+        self.plan = plan
         self._forward = forward
         self._function = make_function(self.plan, forward, backward) if backward else None
         self._apply = direct_apply(self._function) if self._function else None
         self._bases = self.plan.input_bases
         # Tensor subclass inputs to take apart, subclass outputs to build (Note [Tensor
         # subclasses]).
-        self._subclasses = partitioned.joint.inputs.subclasses
+        self._subclasses = None if partitioned is None else partitioned.joint.inputs.subclasses
         self._subclass_outputs = holds_flat_outputs(self.plan.out_spec)
 
     @property
@@ -61,12 +79,12 @@ class CompiledGraphs:
 
     def accepts(self, primals: Sequence[torch.Tensor]) -> bool:
         """Do these inputs satisfy the trace's shape guards? (Always, for static traces.)"""
-        guards = self.partitioned.joint.guards
+        guards = self.plan.guards
         return guards is None or guards.check(graph_inputs(primals, self.plan.input_bases))
 
     def failed_guard(self, primals: Sequence[torch.Tensor]) -> str | None:
         """The first shape guard these inputs fail, in the user's names; None when they pass."""
-        guards = self.partitioned.joint.guards
+        guards = self.plan.guards
         if guards is None:
             return None
         inputs = graph_inputs(primals, self.plan.input_bases)
@@ -134,17 +152,27 @@ def compile_partitioned(
 
     Compilers receive ``(gm, example_inputs)`` with fake example inputs.
     """
-    forward_examples = _examples(partitioned.forward)
-    if partitioned.backward is None:
-        compiler = inference_compiler or fw_compiler
-        return CompiledGraphs(
-            partitioned, compile_boxed(compiler, partitioned.forward, forward_examples), None
-        )
-    forward = compile_boxed(fw_compiler, partitioned.forward, forward_examples)
-    backward = compile_boxed(
-        bw_compiler or fw_compiler, partitioned.backward, _examples(partitioned.backward)
+    forward, backward = compile_graphs(
+        partitioned.forward, partitioned.backward, fw_compiler, bw_compiler, inference_compiler
     )
     return CompiledGraphs(partitioned, forward, backward)
+
+
+def compile_graphs(
+    forward: torch.fx.GraphModule,
+    backward: torch.fx.GraphModule | None,
+    fw_compiler: Compiler | None = None,
+    bw_compiler: Compiler | None = None,
+    inference_compiler: Compiler | None = None,
+) -> tuple[Any, Any | None]:
+    """The forward and backward graphs, each handed to its compiler with its fake examples."""
+    if backward is None:
+        compiler = inference_compiler or fw_compiler
+        return compile_boxed(compiler, forward, _examples(forward)), None
+    return (
+        compile_boxed(fw_compiler, forward, _examples(forward)),
+        compile_boxed(bw_compiler or fw_compiler, backward, _examples(backward)),
+    )
 
 
 def _examples(gm: torch.fx.GraphModule) -> list[Any]:

@@ -1,0 +1,8 @@
+"""Graphs in files: the graph file format (``format``) and the disk cache built on it (``disk``).
+
+See ``docs/caching.md`` and Note [Files run no code].
+"""
+
+from aotgrad.store.format import Stored, dumps, loads
+
+__all__ = ["Stored", "dumps", "loads"]

@@ -1,0 +1,278 @@
+"""``Traced.save`` and ``aotgrad.load``: one call's graphs in a file, run again without tracing.
+
+Note [Loaded module state]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+A file holds graphs, never tensors' values: a module's parameters and buffers
+are graph inputs named by their descriptors (``Param("0.weight")``,
+``Buffer("1.running_mean")``). ``aotgrad.load(path, module=model)`` reads them
+from ``model`` by those names at every call, as the traced module itself would,
+so an optimizer step or a ``load_state_dict`` between calls is seen, and an
+in-place buffer update (BatchNorm's running statistics) lands in ``model``::
+
+    t = aotgrad.trace(model, x); t.save("m.aotgrad")
+    f = aotgrad.load("m.aotgrad", module=model)   # another process: a model built alike
+    f(x)          # reads model.get_parameter("0.weight") ... now, not at load time
+
+A file of a module loaded without one, a module missing a name, or a tensor
+whose shape, stride, dtype, device or requires_grad differs from the traced
+one's is a ``CallError``, never a call on other tensors than the graphs expect.
+Closed-over tensors and globals cannot be read back by name: such a trace is
+not saved (``StoreError``); pass the tensor as an argument instead.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from aotgrad.capture.autocast import autocast_state
+from aotgrad.errors import CallError, StoreError
+from aotgrad.partition import Partitioned, RecomputedOp
+from aotgrad.partition.saved import SavedValue
+from aotgrad.runtime import CompiledGraphs, compile_graphs
+from aotgrad.runtime.boxing import Compiler, nop
+from aotgrad.runtime.function import Plan
+from aotgrad.signature import FlatInputs, Signature
+from aotgrad.signature.descriptors import Buffer, Param
+from aotgrad.store.format import Stored, dumps, loads, stored_value, with_values, write_atomically
+from aotgrad.store.values import decode, dump_treespec, encode
+
+TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
+
+
+def save_traced(
+    path: str | os.PathLike[str],
+    *,
+    partitioned: Partitioned,
+    plan: Plan,
+    autocast: Any,
+) -> None:
+    """Write one trace's graphs to ``path`` (Note [Files run no code], Note [Loaded module state])."""
+    flat = partitioned.joint.inputs
+    _refuse_unloadable(flat, partitioned.signature)
+    try:
+        constants = encode(list(flat.constants))
+    except StoreError as e:
+        raise StoreError(
+            f"the traced call has an argument a graph file cannot hold ({e}); only tensors,"
+            " numbers, strings, None and containers of them can be saved"
+        ) from None
+    call = {
+        "spec": dump_treespec(flat.spec),
+        "constants": constants,
+        "tensor_positions": list(flat.tensor_positions),
+        "num_lifted": flat.num_lifted,
+        "autocast": encode(autocast),
+        "requires_grad": list(partitioned.joint.requires_grad),
+    }
+    stored = Stored(
+        forward=partitioned.forward,
+        backward=partitioned.backward,
+        plan=plan,
+        signature=partitioned.signature,
+        saved=partitioned.saved,
+        recomputed=partitioned.recomputed,
+        call=call,
+    )
+    write_atomically(path, dumps(stored))
+
+
+def _refuse_unloadable(flat: FlatInputs, signature: Signature) -> None:
+    if flat.subclasses is not None:
+        raise StoreError("a trace with tensor subclass inputs cannot be saved yet")
+    for d in flat.descriptors[: flat.num_lifted]:
+        if not isinstance(d, Param | Buffer):
+            raise StoreError(
+                f"the trace reads {d}, which a loaded file could not find again by name"
+                " (Note [Loaded module state]); pass that tensor as an argument to save it"
+            )
+    if len(signature.forward_inputs) != len(flat.descriptors):
+        raise StoreError(
+            "a trace whose graph takes extra inputs (random state) cannot be saved yet"
+        )
+
+
+def load(
+    path: str | os.PathLike[str],
+    module: torch.nn.Module | None = None,
+    fw_compiler: Compiler | None = None,
+    bw_compiler: Compiler | None = None,
+    inference_compiler: Compiler | None = None,
+) -> Loaded:
+    """Read graphs ``Traced.save`` wrote; call the result as the ``Traced`` that saved them.
+
+    No tracing, and no code from the file runs (Note [Files run no code]). A module's
+    parameters and buffers are read from ``module`` at every call (Note [Loaded module
+    state]); the compilers run now, on the loaded graphs.
+
+    >>> import torch, aotgrad, tempfile, pathlib
+    >>> model = torch.nn.Linear(3, 2)
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "linear.aotgrad"
+    >>> aotgrad.trace(model, torch.ones(4, 3)).save(path)
+    >>> loaded = aotgrad.load(path, module=model)
+    >>> torch.allclose(loaded(torch.ones(4, 3)), model(torch.ones(4, 3)))
+    True
+    """
+    where = str(path)
+    try:
+        data = pathlib.Path(path).read_bytes()
+    except OSError as e:
+        raise StoreError(f"cannot read {where}: {e}") from None
+    return Loaded(loads(data, where), module, (fw_compiler, bw_compiler, inference_compiler))
+
+
+class Loaded:
+    """Graphs read from a file: call it like the ``Traced`` that saved them."""
+
+    def __init__(
+        self,
+        stored: Stored,
+        module: torch.nn.Module | None,
+        compilers: tuple[Compiler | None, Compiler | None, Compiler | None] = (None, None, None),
+    ) -> None:
+        self._stored = stored
+        call = stored.call
+        try:
+            self._spec = pytree.treespec_loads(call["spec"])
+            self._constants = tuple(decode(call["constants"]))
+            self._tensor_positions = tuple(int(i) for i in call["tensor_positions"])
+            self._autocast = decode(call["autocast"])
+            num_lifted = int(call["num_lifted"])
+        except (KeyError, TypeError, ValueError, NotImplementedError, StoreError) as e:
+            raise StoreError(f"malformed call description in the graph file: {e}") from None
+        self._state_names = _state_names(stored.signature, num_lifted)
+        if self._state_names and module is None:
+            raise CallError(
+                f"these graphs read the parameters and buffers of a module ({num_lifted} tensors,"
+                f" first {self._state_names[0][1]!r}): pass it, aotgrad.load(path, module=model)"
+                " (Note [Loaded module state])"
+            )
+        self._module = module
+        self._expected = _expected(stored.forward, call.get("requires_grad"))
+        if len(self._expected) != num_lifted + len(self._tensor_positions):
+            raise StoreError("the graph file's forward graph takes another number of inputs")
+        forward, backward = compile_stored(stored, compilers)
+        self._compiled = CompiledGraphs(None, forward, backward, plan=stored.plan)
+
+    @property
+    def forward(self) -> fx.GraphModule:
+        return self._stored.forward
+
+    @property
+    def backward(self) -> fx.GraphModule | None:
+        return self._stored.backward
+
+    @property
+    def signature(self) -> Signature:
+        return self._stored.signature
+
+    @property
+    def saved(self) -> tuple[SavedValue, ...]:
+        return self._stored.saved
+
+    @property
+    def recomputed(self) -> tuple[RecomputedOp, ...]:
+        return self._stored.recomputed
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._spec:
+            raise CallError(
+                f"these graphs were saved for arguments structured as {self._spec}, got {spec}"
+            )
+        for i, (leaf, constant) in enumerate(zip(leaves, self._constants, strict=True)):
+            if i not in self._tensor_positions and not _same_value(leaf, constant):
+                raise CallError(
+                    f"argument leaf {i} is {leaf!r}; the graphs were traced with {constant!r},"
+                    " a value they hold as a constant: trace again for another value"
+                )
+        if autocast_state() != self._autocast:
+            raise CallError(
+                "these graphs were saved under another autocast state (Note [Autocast])"
+            )
+        inputs = [*self._state(), *(leaves[i] for i in self._tensor_positions)]
+        self._check(inputs)
+        return self._compiled(inputs)
+
+    def _state(self) -> list[torch.Tensor]:
+        module = self._module
+        if module is None:
+            return []
+        try:
+            return [
+                module.get_parameter(name) if kind is Param else module.get_buffer(name)
+                for kind, name in self._state_names
+            ]
+        except AttributeError as e:
+            raise CallError(
+                f"the module passed to aotgrad.load lacks a tensor the graphs read: {e}"
+            ) from None
+
+    def _check(self, inputs: Sequence[Any]) -> None:
+        descriptors = self.signature.forward_inputs
+        for d, x, expected in zip(descriptors, inputs, self._expected, strict=True):
+            got = _meta(x) if isinstance(x, torch.Tensor) else None
+            if got != expected:
+                raise CallError(
+                    f"{d}: the graphs were traced for a tensor (shape, stride, dtype, device,"
+                    f" requires_grad) {expected}, got {got}; trace again for these inputs"
+                )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal and of one type, floats bit for bit (Note [Keys of Python values]: ``-0.0``, ``True``)."""
+    if type(a) is not type(b):
+        return False
+    return a.hex() == b.hex() if isinstance(a, float) else bool(a == b)
+
+
+def _state_names(signature: Signature, num_lifted: int) -> list[tuple[type, str]]:
+    names = []
+    for d in signature.forward_inputs[:num_lifted]:
+        if not isinstance(d, Param | Buffer):
+            raise StoreError(f"a graph file's lifted input {d} is not a parameter or buffer")
+        names.append((type(d), d.name))
+    return names
+
+
+def _expected(forward: fx.GraphModule, requires_grad: Any) -> list[TensorMeta | None]:
+    """Each graph input's metadata; the graph's values hold no ``requires_grad``: the call's."""
+    metas = [_stored_meta(n) for n in forward.graph.nodes if n.op == "placeholder"]
+    if not isinstance(requires_grad, list) or len(requires_grad) != len(metas):
+        raise StoreError("the graph file does not say which inputs require grad")
+    return [
+        None if m is None else (*m[:4], bool(needs))
+        for m, needs in zip(metas, requires_grad, strict=True)
+    ]
+
+
+def _stored_meta(node: fx.Node) -> TensorMeta | None:
+    value = stored_value(node)
+    if not isinstance(value, list) or len(value) != 6:
+        return None
+    size, stride, _, dtype, device, requires_grad = value
+    return (tuple(size), tuple(stride), dtype, device, requires_grad)
+
+
+def _meta(t: Any) -> TensorMeta | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+
+
+def compile_stored(
+    stored: Stored, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
+) -> tuple[Any, Any | None]:
+    """Hand loaded graphs to the compilers; fake values first, for a user's compiler
+    (Note [Values on demand])."""
+    if any(c is not None and c is not nop for c in compilers):
+        with_values(stored.forward)
+        if stored.backward is not None:
+            with_values(stored.backward)
+    return compile_graphs(stored.forward, stored.backward, *compilers)

@@ -1,0 +1,128 @@
+"""The disk cache behind ``aot_function``, ``aot_module`` and the Dynamo backend.
+
+The frontends call :func:`entry_key` on a miss, :func:`load_graphs` before tracing
+and :func:`store_graphs` after (Note [The disk cache], Note [Disk cache keys]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aotgrad.errors import StoreError
+from aotgrad.runtime import CompiledGraphs
+from aotgrad.runtime.boxing import Compiler
+from aotgrad.store.disk import DiskCache, disk_cache
+from aotgrad.store.format import Stored, aotgrad_version
+from aotgrad.store.keys import (
+    Unkeyable,
+    digest,
+    function_text,
+    module_code,
+    source_files,
+    stable_text,
+)
+from aotgrad.store.loaded import compile_stored
+
+
+@dataclass(frozen=True, kw_only=True)
+class EntryKey:
+    """Where one specialization's graphs sit in the disk cache."""
+
+    cache: DiskCache
+    key: str
+
+
+def code_text(fn: Any) -> tuple[Any, set[str]]:
+    """The code a trace of ``fn`` runs, as stable text, and the modules it names.
+
+    Raises :class:`Unkeyable` for a callable without a stable key (Note [Disk cache keys]).
+    """
+    modules: set[str] = set()
+    if isinstance(fn, torch.nn.Module):
+        return module_code(fn, modules), modules
+    if isinstance(fn, types.FunctionType):
+        return function_text(fn, modules), modules
+    raise Unkeyable(f"a {type(fn).__qualname__} has no stable key (pass a function or a module)")
+
+
+def options_text(
+    *, partition: Any, decompositions: Any, tracer: str, dynamic: bool, keep_mutations: bool
+) -> Any:
+    """The options that change the graphs; compilers are not among them (they run on load)."""
+    if decompositions is not None:
+        raise Unkeyable("custom decompositions have no stable key")
+    if not isinstance(partition, str):
+        if not dataclasses.is_dataclass(partition):
+            raise Unkeyable("a partition function has no stable key")
+        partition = repr(partition)
+    return [partition, tracer, dynamic, keep_mutations]
+
+
+def entry_key(
+    *, code: tuple[Any, set[str]], call: Sequence[Any], names: Any, options: Any
+) -> EntryKey | None:
+    """The disk entry for one call's key; None when the cache is off.
+
+    Raises :class:`Unkeyable` when some part has no stable text.
+    """
+    cache = disk_cache()
+    if cache is None:
+        return None
+    text, modules = code
+    called = stable_text(list(call), modules)
+    parts = {
+        "versions": [torch.__version__, aotgrad_version(), sys.version],
+        "code": text,
+        "files": source_files(sorted(modules)),
+        "call": called,
+        "names": names,
+        "options": options,
+    }
+    return EntryKey(cache=cache, key=digest(parts))
+
+
+def load_graphs(
+    entry: EntryKey, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
+) -> tuple[CompiledGraphs, tuple[int, ...] | None] | None:
+    """The compiled graphs and input positions stored under ``entry``; None on a miss."""
+    stored = entry.cache.get(entry.key)
+    if stored is None:
+        return None
+    positions = stored.call.get("positions")
+    if positions is not None and not all(isinstance(p, int) for p in positions):
+        return None
+    forward, backward = compile_stored(stored, compilers)
+    compiled = CompiledGraphs(None, forward, backward, plan=stored.plan)
+    return compiled, None if positions is None else tuple(positions)
+
+
+def store_graphs(
+    entry: EntryKey, compiled: CompiledGraphs, positions: tuple[int, ...] | None
+) -> str | None:
+    """Write one specialization's graphs; the reason when they cannot be stored, else None."""
+    partitioned = compiled.partitioned
+    if partitioned is None:
+        return "the graphs came from the disk cache"
+    if partitioned.joint.inputs.subclasses is not None:
+        return "tensor subclass inputs are not stored"
+    stored = Stored(
+        forward=partitioned.forward,
+        backward=partitioned.backward,
+        plan=compiled.plan,
+        signature=partitioned.signature,
+        saved=partitioned.saved,
+        recomputed=partitioned.recomputed,
+        call={"positions": None if positions is None else list(positions)},
+    )
+    try:
+        entry.cache.put(entry.key, stored)
+    except StoreError as e:
+        return str(e)
+    return None
