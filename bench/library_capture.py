@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -27,6 +28,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 TOOLS = ("aotgrad", "pytorch")
+# The disk cache off: every process captures (bench/persist.py measures the cache).
+FIRST_CAPTURE = {**os.environ, "AOTGRAD_CACHE": "0"}
 MODELS = (
     "gpt2",
     "llama",
@@ -156,6 +159,7 @@ def measure_in_fresh_processes(
                     capture_output=True,
                     text=True,
                     check=True,
+                    env=FIRST_CAPTURE,
                 ).stdout
                 runs[name][tool].append(json.loads(out.strip().splitlines()[-1]))
     return {
