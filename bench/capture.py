@@ -11,6 +11,7 @@ model in this process: ``python bench/capture.py gpt4 aotgrad``.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -27,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_models import make
 
 TOOLS = ("aotgrad", "pytorch", "floor", "eager")
+# Capture measures a first process: aotgrad's disk cache (on by default) stays off here.
+FIRST_CAPTURE = {**os.environ, "AOTGRAD_CACHE": "0"}
 
 
 def _loss(out: Any) -> torch.Tensor:
@@ -104,7 +107,11 @@ def measure_in_fresh_processes(name: str, repeats: int) -> dict[str, dict[str, f
     for _ in range(repeats):
         for tool in TOOLS:
             out = subprocess.run(
-                [sys.executable, __file__, name, tool], capture_output=True, text=True, check=True
+                [sys.executable, __file__, name, tool],
+                capture_output=True,
+                text=True,
+                check=True,
+                env=FIRST_CAPTURE,
             ).stdout
             runs[tool].append(json.loads(out.strip().splitlines()[-1]))
     return {

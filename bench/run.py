@@ -6,6 +6,7 @@ Writes ``bench/results.json`` and regenerates the README's performance table fro
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -15,6 +16,9 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
+# Every benchmark measures first-process work: the disk cache (on by default for users) is off in
+# this process and the ones it starts; bench/persist.py turns it on in its own subprocesses.
+os.environ["AOTGRAD_CACHE"] = "0"
 sys.path.insert(0, str(HERE))
 
 import capture  # noqa: E402
