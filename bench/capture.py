@@ -32,6 +32,19 @@ TOOLS = ("aotgrad", "pytorch", "floor", "eager")
 FIRST_CAPTURE = {**os.environ, "AOTGRAD_CACHE": "0"}
 
 
+def run_fresh(script: str, *argv: str) -> Any:
+    """``python script *argv`` in a fresh process with the disk cache off; the JSON value of the
+    last line it prints."""
+    out = subprocess.run(
+        [sys.executable, script, *argv],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=FIRST_CAPTURE,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def _loss(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
@@ -106,14 +119,7 @@ def measure_in_fresh_processes(name: str, repeats: int) -> dict[str, dict[str, f
     runs: dict[str, list[dict[str, float]]] = {tool: [] for tool in TOOLS}
     for _ in range(repeats):
         for tool in TOOLS:
-            out = subprocess.run(
-                [sys.executable, __file__, name, tool],
-                capture_output=True,
-                text=True,
-                check=True,
-                env=FIRST_CAPTURE,
-            ).stdout
-            runs[tool].append(json.loads(out.strip().splitlines()[-1]))
+            runs[tool].append(run_fresh(__file__, name, tool))
     return {
         tool: {k: sorted(r[k] for r in rs)[len(rs) // 2] for k in ("cold", "warm")}
         for tool, rs in runs.items()

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,10 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from capture import run_fresh  # fresh processes, the disk cache off
 
 TOOLS = ("aotgrad", "pytorch")
-# The disk cache off: every process captures (bench/persist.py measures the cache).
-FIRST_CAPTURE = {**os.environ, "AOTGRAD_CACHE": "0"}
 MODELS = (
     "gpt2",
     "llama",
@@ -154,14 +152,7 @@ def measure_in_fresh_processes(
     for _ in range(repeats):
         for name in names:
             for tool in TOOLS:
-                out = subprocess.run(
-                    [sys.executable, __file__, name, tool],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                    env=FIRST_CAPTURE,
-                ).stdout
-                runs[name][tool].append(json.loads(out.strip().splitlines()[-1]))
+                runs[name][tool].append(run_fresh(__file__, name, tool))
     return {
         name: {tool: sorted(ts)[len(ts) // 2] for tool, ts in per_tool.items()}
         for name, per_tool in runs.items()
