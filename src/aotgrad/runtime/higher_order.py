@@ -1,0 +1,422 @@
+"""Higher-order gradients: the backward of a compiled function, itself compiled and differentiable.
+
+Note [Differentiable backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The Function's backward graph reads the saved values as constants: run
+as is under ``create_graph=True``, its result would have no path back
+through them to the primals, and a second derivative would be silently
+wrong. So when the backward runs with grad mode on, the gradients come
+from a *differentiable backward function* built from the two graphs::
+
+    G(primals, saved constants, cotangents)
+        = backward_graph(*recompute(primals), *saved constants, *cotangents)
+
+``recompute`` is the forward graph sliced to the saved values that depend
+on a primal that requires grad (dead code removed); every other saved value
+is a constant for any derivative taken here, so ``G`` takes it as it was
+saved. ``G`` is captured with aotgrad's own pipeline (capture, partition,
+the user's compilers) on demand, at the first ``create_graph`` backward of
+a specialization with these input kinds, and cached. Applying ``G``
+(itself a compiled autograd.Function) to the primals and cotangents
+connects the gradients to autograd; its own backward, under
+``create_graph``, builds the next ``G`` the same way: any order. For
+``f(x) = x.sin()`` (save_all saves ``x``)::
+
+    first order      backward(saved=(x,), g)         = g * cos(x)
+    G                G(x, g)                         = g * cos(x)   # x recomputed: itself
+    second order     backward of G (a compiled graph) = (-g * sin(x) * gg, cos(x) * gg)
+
+Why not run the forward again inside the backward (eager's way)? Eager's
+backward formulas are differentiable ops on saved tensors that remember their
+history; the compiled forward's saved values have none (the forward runs
+with no graph). Recomputing only the dependent slice keeps the first-order
+path as it was, and ``G`` costs one capture per specialization.
+
+The primals ``G`` reads must still hold their values at the call:
+Note [Primals in the backward].
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from aotgrad.capture import capture
+from aotgrad.capture.provenance import META_KEY
+from aotgrad.errors import AotgradError, DoubleBackwardError, UserFrame, format_error
+from aotgrad.optable import draws_random, op_name
+from aotgrad.partition import Partitioned, partition
+from aotgrad.runtime.boxing import Compiler
+from aotgrad.signature import FlatInputs, Signature
+from aotgrad.signature.descriptors import Input
+
+
+@dataclass
+class Orders:
+    """How many ``create_graph`` backward captures happened (Note [Differentiable backward]).
+
+    Shared by every order of one compiled function: ``G``'s own captures count here too.
+    """
+
+    captures: int = 0
+    # Calls that took another path than a captured G (there is none today: kept at 0).
+    fallbacks: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slice:
+    """What ``G`` reads for one set of primals requiring grad."""
+
+    # Forward-input positions ``G`` takes, in order.
+    primals: tuple[int, ...]
+    # Saved positions ``G`` recomputes from the primals; the others it takes as saved.
+    recomputed: tuple[int, ...]
+    constants: tuple[int, ...]
+    graph: fx.GraphModule
+
+
+@dataclass(kw_only=True)
+class HigherOrder:
+    """The ``create_graph`` backward of one compiled specialization (Note [Differentiable backward])."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    signature: Signature
+    fw_compiler: Compiler | None = None
+    bw_compiler: Compiler | None = None
+    # Forward inputs the epilogue changes in place (data, metadata or ``detach_()``).
+    changed: frozenset[int] = frozenset()
+    order: int = 1
+    orders: Orders = field(default_factory=Orders)
+    # Forward inputs saved besides the saved values (Note [Primals in the backward]).
+    extra: tuple[int, ...] = ()
+    # Saved position of each forward input the forward graph saves as is.
+    saved_as_is: dict[int, int] = field(default_factory=dict)
+    _slices: dict[tuple[bool, ...], Slice] = field(default_factory=dict)
+    _compiled: dict[Any, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        placeholders = _placeholders(self.forward)
+        saved = _outputs(self.forward)[self.signature.saved_in_forward]
+        index = {node: i for i, node in enumerate(placeholders)}
+        for j, node in enumerate(saved):
+            if node in index:
+                self.saved_as_is.setdefault(index[node], j)
+        read = _primals_read(self.forward, saved)
+        self.extra = tuple(
+            i for i in sorted(read) if i not in self.saved_as_is and i not in self.changed
+        )
+
+    def gradients(
+        self,
+        needs_grad: Sequence[bool],
+        saved: Sequence[Any],
+        kept: Sequence[torch.Tensor],
+        cotangents: Sequence[torch.Tensor],
+    ) -> Sequence[torch.Tensor | None]:
+        """The gradients as differentiable functions of the primals and cotangents.
+
+        ``kept``: the forward inputs in ``extra`` (Note [Primals in the backward]).
+        """
+        piece = self._slice(tuple(needs_grad))
+        values = [
+            *(self._primal(i, saved, kept) for i in piece.primals),
+            *(saved[j] for j in piece.constants),
+            *cotangents,
+        ]
+        return self._compiled_for(piece, values)(values)
+
+    def _primal(self, i: int, saved: Sequence[Any], kept: Sequence[torch.Tensor]) -> torch.Tensor:
+        if i in self.saved_as_is:
+            return saved[self.saved_as_is[i]]  # type: ignore[no-any-return]
+        if i in self.extra:
+            return kept[self.extra.index(i)]
+        what = self.signature.forward_inputs[i]
+        raise DoubleBackwardError(
+            format_error(
+                f"create_graph=True needs the value input {what} had when the compiled function"
+                " was called, to differentiate its gradient again, but the function changed"
+                " that input in place (Note [Primals in the backward]).",
+                None,
+                f"Clone {what} before changing it inside the function, or change it outside the"
+                " compiled function, after the backward.",
+            )
+        )
+
+    def _slice(self, needs_grad: tuple[bool, ...]) -> Slice:
+        piece = self._slices.get(needs_grad)
+        if piece is None:
+            piece = self._slices[needs_grad] = build_slice(
+                self.forward, self.backward, self.signature, needs_grad
+            )
+        return piece
+
+    def _compiled_for(self, piece: Slice, values: Sequence[Any]) -> Callable[[list[Any]], Any]:
+        key = (id(piece), *(_meta(v) for v in values))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = self._capture(piece, values)
+        return compiled  # type: ignore[no-any-return]
+
+    def _capture(self, piece: Slice, values: Sequence[Any]) -> Callable[[list[Any]], Any]:
+        from aotgrad.runtime import compile_partitioned  # the package imports this module
+
+        partitioned = capture_backward(piece.graph, values, self.order + 1)
+        compiled = compile_partitioned(partitioned, self.fw_compiler, self.bw_compiler)
+        if compiled.higher_order is not None:
+            compiled.higher_order.orders = self.orders
+        self.orders.captures += 1
+        return compiled  # type: ignore[return-value]
+
+
+def _meta(v: Any) -> Any:
+    if not isinstance(v, torch.Tensor):
+        return v
+    return (tuple(v.shape), tuple(v.stride()), v.dtype, v.device, v.requires_grad)
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _outputs(gm: fx.GraphModule) -> list[Any]:
+    return list(gm.graph.output_node().args[0])  # type: ignore[arg-type]
+
+
+def _primals_read(forward: fx.GraphModule, targets: Sequence[Any]) -> set[int]:
+    """Forward-input positions the ``targets`` are computed from."""
+    index = {node: i for i, node in enumerate(_placeholders(forward))}
+    return {index[n] for n in _ancestors(targets) if n in index}
+
+
+def _ancestors(targets: Sequence[Any]) -> list[fx.Node]:
+    """Every node the targets need, themselves included, in no set order."""
+    seen: dict[fx.Node, None] = {}
+    stack = [t for t in targets if isinstance(t, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen[node] = None
+        stack.extend(node.all_input_nodes)
+    return list(seen)
+
+
+# Note [Primals in the backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``G`` recomputes dependent saved values from the primals, so the forward
+# keeps the primals the saved values are computed from. Most are saved
+# already (a matmul saves its weight): those are not saved twice, and the
+# others ride along in ``save_for_backward`` (``extra``), so autograd checks
+# their version as for any saved tensor. For ``f(x) = (x * 2).sin()`` the
+# forward saves ``mul``; ``extra = (x,)``. A first-order backward ignores
+# them.
+#
+# An input the function changes in place is not kept: the epilogue's
+# ``copy_`` would fail the version check of every backward. ``G`` needs one
+# only when a saved value that depends on a primal requiring grad is computed
+# from it; then there is no faithful value to recompute from, and the
+# backward raises ``DoubleBackwardError`` naming the input. For
+# ``f(x, n) = x * n.add_(1)`` (``n`` a counter), the saved ``n + 1`` depends
+# on no primal requiring grad: ``G`` takes it as saved, and nothing is needed.
+# BatchNorm's running statistics are the same: the saved mean and inverse
+# standard deviation are computed from the input, not from them.
+
+
+def build_slice(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    signature: Signature,
+    needs_grad: Sequence[bool],
+) -> Slice:
+    """``G``'s graph for these primals requiring grad (Note [Differentiable backward])."""
+    placeholders = _placeholders(forward)
+    saved = _outputs(forward)[signature.saved_in_forward]
+    depends = _depends_on(forward, [p for p, needed in zip(placeholders, needs_grad) if needed])
+    recomputed = tuple(
+        j for j, node in enumerate(saved) if node in depends or not _is_tensor(node)
+    )
+    constants = tuple(j for j in range(len(saved)) if j not in recomputed)
+    needed = _ancestors([saved[j] for j in recomputed])
+    _refuse_random(needed)
+    primals = tuple(i for i, p in enumerate(placeholders) if p in needed)
+    graph = fx.Graph()
+    root = torch.nn.Module()
+    env: dict[fx.Node, fx.Node] = {}
+    for i in primals:
+        env[placeholders[i]] = _placeholder(graph, f"primal_{placeholders[i].name}", placeholders[i])
+    bw_placeholders = _placeholders(backward)
+    saved_nodes: list[fx.Node | None] = [None] * len(saved)
+    for j in constants:
+        saved_nodes[j] = _placeholder(graph, f"saved_{bw_placeholders[j].name}", bw_placeholders[j])
+    cotangents = [
+        _placeholder(graph, f"cotangent_{n.name}", n)
+        for n in bw_placeholders[signature.cotangents_in_backward]
+    ]
+    wanted = set(needed)
+    for node in forward.graph.nodes:
+        if node in wanted and node.op != "placeholder":
+            env[node] = _copy(graph, root, forward, node, env)
+    for j in recomputed:
+        saved_nodes[j] = env[saved[j]]
+    for node, value in zip(bw_placeholders[signature.saved_in_backward], saved_nodes, strict=True):
+        env[node] = value  # type: ignore[assignment]
+    for node, value in zip(bw_placeholders[signature.cotangents_in_backward], cotangents, strict=True):
+        env[node] = value
+    for node in backward.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            graph.output(fx.map_arg(node.args[0], lambda n: env[n]))
+            break
+        env[node] = _copy(graph, root, backward, node, env)
+    return Slice(
+        primals=primals,
+        recomputed=recomputed,
+        constants=constants,
+        graph=fx.GraphModule(root, graph, "differentiable_backward"),
+    )
+
+
+def _is_tensor(node: Any) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _depends_on(forward: fx.GraphModule, sources: Sequence[fx.Node]) -> set[fx.Node]:
+    """Forward nodes computed from one of ``sources`` (themselves included)."""
+    found = set(sources)
+    for node in forward.graph.nodes:
+        if node.op != "placeholder" and any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:
+    node = graph.placeholder(name)
+    node.meta = dict(like.meta)
+    return node
+
+
+def _copy(
+    graph: fx.Graph,
+    root: torch.nn.Module,
+    source: fx.GraphModule,
+    node: fx.Node,
+    env: dict[fx.Node, fx.Node],
+) -> fx.Node:
+    if node.op == "get_attr":  # a constant of the graph: the new root holds it too
+        name = f"{source.__class__.__name__}_{node.target}".replace(".", "_")
+        if not hasattr(root, name):
+            setattr(root, name, getattr(source, node.target))  # type: ignore[arg-type]
+        copied = graph.get_attr(name)
+        copied.meta = dict(node.meta)
+        return copied
+    return graph.node_copy(node, lambda n: env[n])
+
+
+def _refuse_random(nodes: Sequence[fx.Node]) -> None:
+    """A random op recomputed in ``G`` would draw other numbers: refuse it."""
+    for node in nodes:
+        if node.op == "call_function" and draws_random(node.target, node.args, node.kwargs):
+            raise DoubleBackwardError(
+                format_error(
+                    f"create_graph=True through a compiled function would recompute the random"
+                    f" op {op_name(node.target)}, whose result the gradient depends on through"
+                    " a primal requiring grad; it would draw other numbers than the forward"
+                    " did (Note [Differentiable backward]).",
+                    _source(node),
+                    "Make the random draw outside the compiled function and pass its result in"
+                    " (a dropout mask), or compute these gradients eagerly.",
+                )
+            )
+
+
+def _source(node: fx.Node) -> UserFrame | None:
+    return getattr(node.meta.get(META_KEY), "source", None)
+
+
+def capture_backward(graph: fx.GraphModule, values: Sequence[Any], order: int) -> Partitioned:
+    """Capture ``G`` on these values (fake tensors, as every capture) and partition it."""
+    names = [n.name for n in _placeholders(graph)]
+    flat = FlatInputs(
+        spec=_spec(len(values)),
+        constants=(None,) * len(values),
+        tensor_positions=tuple(range(len(values))),
+        descriptors=tuple(Input(path=name) for name in names),
+        num_lifted=0,
+    )
+
+    @contextmanager
+    def body(primals: list[torch.Tensor]) -> Iterator[Any]:
+        yield tuple(graph(*primals))
+
+    try:
+        joint = capture(
+            body,
+            flat,
+            list(values),
+            with_backward=any(isinstance(v, torch.Tensor) and v.requires_grad for v in values),
+            root=graph,
+        )
+    except (AotgradError, RuntimeError) as error:
+        raise _no_derivative(error, graph, order) from error
+    _mark_order(joint.gm, order)
+    return partition(joint, "save_all")
+
+
+def _spec(n: int) -> Any:
+    return pytree.tree_flatten(((0,) * n, {}))[1]
+
+
+_NO_DERIVATIVE = re.compile(r"derivative for (?:aten::)?([\w.]+) is not implemented")
+
+
+def _no_derivative(error: Exception, graph: fx.GraphModule, order: int) -> DoubleBackwardError:
+    """The capture of ``G`` failed: name the op with no derivative and the user's line."""
+    found = _NO_DERIVATIVE.search(str(error))
+    node = None
+    if found is not None:
+        name = found.group(1)
+        node = next(
+            (
+                n
+                for n in graph.graph.nodes
+                if n.op == "call_function" and name in str(n.target)
+            ),
+            None,
+        )
+        what = (
+            f"create_graph=True: the backward of a compiled function calls {name}, which has"
+            f" no derivative in PyTorch, so its gradient cannot be differentiated again"
+            f" (order {order}); eager PyTorch fails there too."
+        )
+    else:
+        what = (
+            f"create_graph=True: capturing the differentiable backward (order {order}) of a"
+            f" compiled function failed: {error}"
+        )
+    return DoubleBackwardError(
+        format_error(
+            what,
+            None if node is None else _source(node),
+            "Compute this derivative without create_graph=True, or use an op with a"
+            " derivative (for attention on CPU: the math backend,"
+            " torch.nn.attention.sdpa_kernel(SDPBackend.MATH)).",
+        )
+    )
+
+
+def _mark_order(gm: fx.GraphModule, order: int) -> None:
+    """Note on every node of ``G``'s joint graph which derivative it computes."""
+    for node in gm.graph.nodes:
+        node.meta["aotgrad_order"] = order
+
+
+__all__ = ["HigherOrder", "Orders", "build_slice", "capture_backward"]
