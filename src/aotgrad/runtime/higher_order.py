@@ -38,6 +38,7 @@ Note [Primals in the backward].
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -51,7 +52,7 @@ import torch.utils._pytree as pytree
 from aotgrad.capture import capture
 from aotgrad.capture.provenance import META_KEY
 from aotgrad.errors import AotgradError, DoubleBackwardError, UserFrame, format_error
-from aotgrad.optable import draws_random, op_name
+from aotgrad.optable import draws_random, op_name, outputs_reached
 from aotgrad.partition import Partitioned, partition
 from aotgrad.runtime.boxing import Compiler
 from aotgrad.signature import FlatInputs, Signature
@@ -79,7 +80,16 @@ class Slice:
     # Saved positions ``G`` recomputes from the primals; the others it takes as saved.
     recomputed: tuple[int, ...]
     constants: tuple[int, ...]
+    # Forward inputs changed in place that ``G`` reads but whose value reaches none of its
+    # outputs: zeros stand in for them (Note [Primals in the backward]).
+    stand_ins: tuple[int, ...]
     graph: fx.GraphModule
+
+    def zeros(self, i: int) -> torch.Tensor:
+        """The stand-in for forward input ``i``."""
+        node = _placeholders(self.graph)[self.primals.index(i)]
+        val = node.meta["val"]
+        return torch.zeros(tuple(val.shape), dtype=val.dtype, device=val.device)
 
 
 @dataclass(kw_only=True)
@@ -127,7 +137,10 @@ class HigherOrder:
         """
         piece = self._slice(tuple(needs_grad))
         values = [
-            *(self._primal(i, saved, kept) for i in piece.primals),
+            *(
+                piece.zeros(i) if i in piece.stand_ins else self._primal(i, saved, kept)
+                for i in piece.primals
+            ),
             *(saved[j] for j in piece.constants),
             *cotangents,
         ]
@@ -138,23 +151,13 @@ class HigherOrder:
             return saved[self.saved_as_is[i]]  # type: ignore[no-any-return]
         if i in self.extra:
             return kept[self.extra.index(i)]
-        what = self.signature.forward_inputs[i]
-        raise DoubleBackwardError(
-            format_error(
-                f"create_graph=True needs the value input {what} had when the compiled function"
-                " was called, to differentiate its gradient again, but the function changed"
-                " that input in place (Note [Primals in the backward]).",
-                None,
-                f"Clone {what} before changing it inside the function, or change it outside the"
-                " compiled function, after the backward.",
-            )
-        )
+        raise _changed_input(str(self.signature.forward_inputs[i]))
 
     def _slice(self, needs_grad: tuple[bool, ...]) -> Slice:
         piece = self._slices.get(needs_grad)
         if piece is None:
             piece = self._slices[needs_grad] = build_slice(
-                self.forward, self.backward, self.signature, needs_grad
+                self.forward, self.backward, self.signature, needs_grad, self.changed
             )
         return piece
 
@@ -174,6 +177,19 @@ class HigherOrder:
             compiled.higher_order.orders = self.orders
         self.orders.captures += 1
         return compiled  # type: ignore[return-value]
+
+
+def _changed_input(what: str) -> DoubleBackwardError:
+    return DoubleBackwardError(
+        format_error(
+            f"create_graph=True needs the value input {what} had when the compiled function"
+            " was called, to differentiate its gradient again, but the function changed that"
+            " input in place (Note [Primals in the backward]).",
+            None,
+            f"Clone {what} before changing it inside the function first, or change"
+            " it outside the compiled function, after the backward.",
+        )
+    )
 
 
 def _meta(v: Any) -> Any:
@@ -235,8 +251,12 @@ def build_slice(
     backward: fx.GraphModule,
     signature: Signature,
     needs_grad: Sequence[bool],
+    changed: frozenset[int] = frozenset(),
 ) -> Slice:
-    """``G``'s graph for these primals requiring grad (Note [Differentiable backward])."""
+    """``G``'s graph for these primals requiring grad (Note [Differentiable backward]).
+
+    ``changed``: forward inputs the function changes in place (Note [Primals in the backward]).
+    """
     placeholders = _placeholders(forward)
     saved = _outputs(forward)[signature.saved_in_forward]
     depends = _depends_on(forward, [p for p, needed in zip(placeholders, needs_grad) if needed])
@@ -277,12 +297,55 @@ def build_slice(
             graph.output(fx.map_arg(node.args[0], lambda n: env[n]))
             break
         env[node] = _copy(graph, root, backward, node, env)
+    gm = fx.GraphModule(root, graph, "differentiable_backward")
+    stand_ins = tuple(i for i in primals if i in changed)
+    for i in stand_ins:
+        if needs_grad[i] or _reaches_outputs(gm, primals.index(i)):
+            raise _changed_input(str(signature.forward_inputs[i]))
     return Slice(
         primals=primals,
         recomputed=recomputed,
         constants=constants,
-        graph=fx.GraphModule(root, graph, "differentiable_backward"),
+        stand_ins=stand_ins,
+        graph=gm,
     )
+
+
+def _reaches_outputs(gm: fx.GraphModule, position: int) -> bool:
+    """Does placeholder ``position``'s value reach an output (Note [Inputs only some outputs read])?"""
+    reached: dict[fx.Node, tuple[int, ...] | None] = {_placeholders(gm)[position]: None}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            return any(n in reached for n in node.all_input_nodes)
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem and node.args[0] in reached:
+            outputs = reached[node.args[0]]  # type: ignore[index]
+            if outputs is None or node.args[1] in outputs:
+                reached[node] = None
+            continue
+        positions = [k for k, a in enumerate(node.args) if _reads(a, reached)]
+        if any(_reads(v, reached) for v in node.kwargs.values()):
+            reached[node] = None
+        elif positions:
+            reached[node] = _outputs_of(node, positions)
+    return False
+
+
+def _reads(arg: Any, reached: dict[fx.Node, Any]) -> bool:
+    found: list[fx.Node] = []
+    fx.node.map_arg(arg, found.append)
+    return any(n in reached for n in found)
+
+
+def _outputs_of(node: fx.Node, positions: Sequence[int]) -> tuple[int, ...] | None:
+    found: set[int] = set()
+    for k in positions:
+        outputs = outputs_reached(node.target, node.args, k)
+        if outputs is None:
+            return None
+        found.update(outputs)
+    return tuple(sorted(found))
 
 
 def _is_tensor(node: Any) -> bool:
