@@ -17,13 +17,16 @@ from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue
 from aotgrad.runtime.higher_order import HigherOrder
+from aotgrad.signature import Signature
 from aotgrad.signature.subclasses import holds_flat_outputs, rebuild_outputs
 
 __all__ = [
     "CompiledGraphs",
+    "HigherOrder",
     "Plan",
     "compile_graphs",
     "compile_partitioned",
+    "higher_order_of",
     "make_boxed_func",
     "nop",
 ]
@@ -177,19 +180,40 @@ def _higher_order(
     fw_compiler: Compiler | None,
     bw_compiler: Compiler | None,
 ) -> HigherOrder | None:
-    """What computes this specialization's ``create_graph`` backward (Note [Differentiable backward])."""
     if partitioned.backward is None:
         return None
+    return higher_order_of(
+        partitioned.forward,
+        partitioned.backward,
+        partitioned.signature,
+        plan,
+        (fw_compiler, bw_compiler),
+    )
+
+
+def higher_order_of(
+    forward: torch.fx.GraphModule,
+    backward: torch.fx.GraphModule,
+    signature: Signature,
+    plan: Plan,
+    compilers: tuple[Compiler | None, Compiler | None],
+    prepare: Callable[[], None] | None = None,
+) -> HigherOrder:
+    """What computes a specialization's ``create_graph`` backward (Note [Differentiable backward]).
+
+    ``prepare`` runs before ``G`` is first built (loaded graphs get their values then).
+    """
     changed = {m.index for m in plan.mutations} | set(plan.detached_inputs)
     if plan.input_bases:  # the graph inputs stand for several user inputs: keep none
-        changed |= set(range(len(partitioned.signature.forward_inputs)))
+        changed |= set(range(len(signature.forward_inputs)))
     return HigherOrder(
-        forward=partitioned.forward,
-        backward=partitioned.backward,
-        signature=partitioned.signature,
-        fw_compiler=fw_compiler,
-        bw_compiler=bw_compiler,
+        forward=forward,
+        backward=backward,
+        signature=signature,
+        fw_compiler=compilers[0],
+        bw_compiler=compilers[1],
         changed=frozenset(changed),
+        prepare=prepare,
     )
 
 

@@ -64,11 +64,12 @@ class Orders:
     """How many ``create_graph`` backward captures happened (Note [Differentiable backward]).
 
     Shared by every order of one compiled function: ``G``'s own captures count here too.
+    ``aot_function`` hands its ``CacheInfo``, which has the same fields.
     """
 
-    captures: int = 0
-    # Calls that took another path than a captured G (there is none today: kept at 0).
-    fallbacks: int = 0
+    create_graph_captures: int = 0
+    # Backwards that took another path than a captured G (there is none: kept at 0).
+    create_graph_fallbacks: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,8 +104,10 @@ class HigherOrder:
     bw_compiler: Compiler | None = None
     # Forward inputs the epilogue changes in place (data, metadata or ``detach_()``).
     changed: frozenset[int] = frozenset()
+    # Runs once before the first ``G`` is built (loaded graphs compute their values then).
+    prepare: Callable[[], None] | None = None
     order: int = 1
-    orders: Orders = field(default_factory=Orders)
+    orders: Any = field(default_factory=Orders)  # an Orders, or what has its fields
     # Forward inputs saved besides the saved values (Note [Primals in the backward]).
     extra: tuple[int, ...] = ()
     # Saved position of each forward input the forward graph saves as is.
@@ -156,6 +159,9 @@ class HigherOrder:
     def _slice(self, needs_grad: tuple[bool, ...]) -> Slice:
         piece = self._slices.get(needs_grad)
         if piece is None:
+            if self.prepare is not None:
+                self.prepare()
+                self.prepare = None
             piece = self._slices[needs_grad] = build_slice(
                 self.forward, self.backward, self.signature, needs_grad, self.changed
             )
@@ -175,7 +181,8 @@ class HigherOrder:
         compiled = compile_partitioned(partitioned, self.fw_compiler, self.bw_compiler)
         if compiled.higher_order is not None:
             compiled.higher_order.orders = self.orders
-        self.orders.captures += 1
+            compiled.higher_order.order = self.order + 1
+        self.orders.create_graph_captures += 1
         return compiled  # type: ignore[return-value]
 
 

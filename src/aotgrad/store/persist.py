@@ -28,7 +28,7 @@ from aotgrad.store.keys import (
     source_files,
     stable_text,
 )
-from aotgrad.store.loaded import compile_stored
+from aotgrad.store.loaded import compile_stored, stored_higher_order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +99,9 @@ def load_graphs(
     if positions is not None and not all(isinstance(p, int) for p in positions):
         return None
     forward, backward = compile_stored(stored, compilers)
-    compiled = CompiledGraphs(None, forward, backward, plan=stored.plan)
+    compiled = CompiledGraphs(
+        None, forward, backward, plan=stored.plan, higher_order=stored_higher_order(stored, compilers)
+    )
     return compiled, None if positions is None else tuple(positions)
 
 
