@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -138,15 +137,24 @@ class _Critic(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(4, 32), nn.LeakyReLU(0.2), nn.Linear(32, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1)
+            nn.Linear(4, 32),
+            nn.LeakyReLU(0.2),
+            nn.Linear(32, 32),
+            nn.LeakyReLU(0.2),
+            nn.Linear(32, 1),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 
-def wgan_gp_step(critic: nn.Module, opt: torch.optim.Optimizer, real: torch.Tensor, fake: torch.Tensor,
-                 alpha: torch.Tensor) -> torch.Tensor:
+def wgan_gp_step(
+    critic: nn.Module,
+    opt: torch.optim.Optimizer,
+    real: torch.Tensor,
+    fake: torch.Tensor,
+    alpha: torch.Tensor,
+) -> torch.Tensor:
     """One critic step of WGAN-GP: the Wasserstein loss plus the gradient penalty."""
     mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
     (grad,) = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
@@ -215,9 +223,13 @@ def _in_place_on_a_copy(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     "make",
     [
-        pytest.param(lambda: (_counter, torch.randn(3, requires_grad=True), torch.zeros(3)), id="counter"),
+        pytest.param(
+            lambda: (_counter, torch.randn(3, requires_grad=True), torch.zeros(3)), id="counter"
+        ),
         pytest.param(lambda: (_views, torch.randn(2, 3, requires_grad=True)), id="view-outputs"),
-        pytest.param(lambda: (_in_place_on_a_copy, torch.randn(3, requires_grad=True)), id="in-place"),
+        pytest.param(
+            lambda: (_in_place_on_a_copy, torch.randn(3, requires_grad=True)), id="in-place"
+        ),
         pytest.param(
             lambda: (
                 nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Softplus()).train(),
@@ -252,7 +264,12 @@ def test_verify_create_graph_catches_a_wrong_second_derivative():
         return Detached.apply
 
     with pytest.raises(VerificationError, match="second-order grad of x"):
-        verify(lambda x: x.sin(), torch.randn(3, requires_grad=True), create_graph=True, compile_fn=wrong)
+        verify(
+            lambda x: x.sin(),
+            torch.randn(3, requires_grad=True),
+            create_graph=True,
+            compile_fn=wrong,
+        )
 
 
 def test_an_input_changed_in_place_that_the_second_derivative_reads_is_refused():
@@ -301,7 +318,9 @@ def test_through_torch_compile_and_a_trace_callable():
     model = _Critic().double()
     x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
 
-    def penalty_grads(run: Callable[[torch.Tensor], torch.Tensor], params: list[torch.Tensor]) -> Any:
+    def penalty_grads(
+        run: Callable[[torch.Tensor], torch.Tensor], params: list[torch.Tensor]
+    ) -> Any:
         (g,) = torch.autograd.grad(run(x).sum(), x, create_graph=True)
         return torch.autograd.grad(g.pow(2).sum(), [x, *params], allow_unused=True)
 
@@ -332,10 +351,12 @@ def test_a_library_models_gradient_penalty():
     compiled_model = copy.deepcopy(eager)
     compiled = aotgrad.aot_module(compiled_model)
     (images, *_), kwargs = case.args, case.kwargs
-    for model, run in ((eager, eager), (compiled_model, compiled)):
+    for run in (eager, compiled):
         torch.manual_seed(0)
         x = images.double().requires_grad_(True)
-        (g,) = torch.autograd.grad(case.loss(run(x, *case.args[1:], **kwargs)), x, create_graph=True)
+        (g,) = torch.autograd.grad(
+            case.loss(run(x, *case.args[1:], **kwargs)), x, create_graph=True
+        )
         g.pow(2).sum().backward()
     for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters(), strict=True):
         scale = float(q.grad.abs().max())  # entries near zero are rounding noise at 1e8

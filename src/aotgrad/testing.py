@@ -138,7 +138,9 @@ def verify(
     eager.grad_holders.update(_parameters(eager_fn))
     compiled.grad_holders.update(_parameters(compiled_source))
     if create_graph:
-        _second_order(checker, (eager_out, eager.grad_holders), (compiled_out, compiled.grad_holders))
+        _second_order(
+            checker, (eager_out, eager.grad_holders), (compiled_out, compiled.grad_holders)
+        )
         if check and not report.ok:
             raise VerificationError(str(report))
         return report
@@ -381,9 +383,7 @@ def _differentiable_pairs(eager: Any, compiled: Any) -> list[tuple[torch.Tensor,
 
 def _cotangents(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return [
-        torch.randn(e.shape, generator=generator, dtype=e.dtype).to(e.device) for e, _ in pairs
-    ]
+    return [torch.randn(e.shape, generator=generator, dtype=e.dtype).to(e.device) for e, _ in pairs]
 
 
 Run = tuple[Any, dict[str, torch.Tensor]]  # a run's result and its gradient holders by name
@@ -443,4 +443,7 @@ def _weighted_grads(
     ]
     if not terms:
         return [None] * len(wrt)
-    return list(torch.autograd.grad(sum(terms), wrt, allow_unused=True))
+    total = terms[0]
+    for term in terms[1:]:  # dtypes may differ: no stack
+        total = total + term
+    return list(torch.autograd.grad(total, wrt, allow_unused=True))

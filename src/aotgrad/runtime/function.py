@@ -319,7 +319,9 @@ def make_function(
             if plan.saved_sizes:
                 saved = _interleave(plan.saved_sizes, saved, ctx.sizes)
             if torch.is_grad_enabled():  # create_graph=True (Note [Differentiable backward])
-                grads = _differentiable(higher_order, ctx, (saved, kept if extra else ()), cotangents)
+                grads = _differentiable(
+                    higher_order, ctx, (saved, kept if extra else ()), cotangents
+                )
             elif any_autocast():  # Note [Autocast]
                 _check_autocast_backward(plan.autocast_backward)
                 with autocast_off():

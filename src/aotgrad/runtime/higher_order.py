@@ -151,7 +151,7 @@ class HigherOrder:
 
     def _primal(self, i: int, saved: Sequence[Any], kept: Sequence[torch.Tensor]) -> torch.Tensor:
         if i in self.saved_as_is:
-            return saved[self.saved_as_is[i]]  # type: ignore[no-any-return]
+            return saved[self.saved_as_is[i]]
         if i in self.extra:
             return kept[self.extra.index(i)]
         raise _changed_input(str(self.signature.forward_inputs[i]))
@@ -172,7 +172,7 @@ class HigherOrder:
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compiled[key] = self._capture(piece, values)
-        return compiled  # type: ignore[no-any-return]
+        return compiled
 
     def _capture(self, piece: Slice, values: Sequence[Any]) -> Callable[[list[Any]], Any]:
         from aotgrad.runtime import compile_partitioned  # the package imports this module
@@ -183,7 +183,7 @@ class HigherOrder:
             compiled.higher_order.orders = self.orders
             compiled.higher_order.order = self.order + 1
         self.orders.create_graph_captures += 1
-        return compiled  # type: ignore[return-value]
+        return compiled
 
 
 def _changed_input(what: str) -> DoubleBackwardError:
@@ -266,10 +266,10 @@ def build_slice(
     """
     placeholders = _placeholders(forward)
     saved = _outputs(forward)[signature.saved_in_forward]
-    depends = _depends_on(forward, [p for p, needed in zip(placeholders, needs_grad) if needed])
-    recomputed = tuple(
-        j for j, node in enumerate(saved) if node in depends or not _is_tensor(node)
+    depends = _depends_on(
+        forward, [p for p, needed in zip(placeholders, needs_grad, strict=True) if needed]
     )
+    recomputed = tuple(j for j, node in enumerate(saved) if node in depends or not _is_tensor(node))
     constants = tuple(j for j in range(len(saved)) if j not in recomputed)
     needed = _ancestors([saved[j] for j in recomputed])
     _refuse_random(needed)
@@ -278,7 +278,9 @@ def build_slice(
     root = torch.nn.Module()
     env: dict[fx.Node, fx.Node] = {}
     for i in primals:
-        env[placeholders[i]] = _placeholder(graph, f"primal_{placeholders[i].name}", placeholders[i])
+        env[placeholders[i]] = _placeholder(
+            graph, f"primal_{placeholders[i].name}", placeholders[i]
+        )
     bw_placeholders = _placeholders(backward)
     saved_nodes: list[fx.Node | None] = [None] * len(saved)
     for j in constants:
@@ -295,7 +297,9 @@ def build_slice(
         saved_nodes[j] = env[saved[j]]
     for node, value in zip(bw_placeholders[signature.saved_in_backward], saved_nodes, strict=True):
         env[node] = value  # type: ignore[assignment]
-    for node, value in zip(bw_placeholders[signature.cotangents_in_backward], cotangents, strict=True):
+    for node, value in zip(
+        bw_placeholders[signature.cotangents_in_backward], cotangents, strict=True
+    ):
         env[node] = value
     for node in backward.graph.nodes:
         if node.op == "placeholder":
@@ -327,7 +331,7 @@ def _reaches_outputs(gm: fx.GraphModule, position: int) -> bool:
         if node.op != "call_function":
             continue
         if node.target is operator.getitem and node.args[0] in reached:
-            outputs = reached[node.args[0]]  # type: ignore[index]
+            outputs = reached[node.args[0]]
             if outputs is None or node.args[1] in outputs:
                 reached[node] = None
             continue
@@ -455,11 +459,7 @@ def _no_derivative(error: Exception, graph: fx.GraphModule, order: int) -> Doubl
     if found is not None:
         name = found.group(1)
         node = next(
-            (
-                n
-                for n in graph.graph.nodes
-                if n.op == "call_function" and name in str(n.target)
-            ),
+            (n for n in graph.graph.nodes if n.op == "call_function" and name in str(n.target)),
             None,
         )
         what = (

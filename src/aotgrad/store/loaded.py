@@ -159,8 +159,12 @@ class Loaded:
             raise StoreError("the graph file's forward graph takes another number of inputs")
         forward, backward = compile_stored(stored, compilers)
         self._compiled = CompiledGraphs(
-        None, forward, backward, plan=stored.plan, higher_order=stored_higher_order(stored, compilers)
-    )
+            None,
+            forward,
+            backward,
+            plan=stored.plan,
+            higher_order=stored_higher_order(stored, compilers),
+        )
 
     @property
     def forward(self) -> fx.GraphModule:

@@ -100,7 +100,11 @@ def load_graphs(
         return None
     forward, backward = compile_stored(stored, compilers)
     compiled = CompiledGraphs(
-        None, forward, backward, plan=stored.plan, higher_order=stored_higher_order(stored, compilers)
+        None,
+        forward,
+        backward,
+        plan=stored.plan,
+        higher_order=stored_higher_order(stored, compilers),
     )
     return compiled, None if positions is None else tuple(positions)
 
