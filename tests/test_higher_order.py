@@ -381,3 +381,18 @@ def test_the_disk_cache_keeps_higher_order_gradients(tmp_path, monkeypatch):
         (h,) = torch.autograd.grad(g.sum(), x)
         _close(h, want)
         assert aotgrad.cache_info(f).disk_hits == disk_hits
+
+
+def test_a_kept_input_changed_after_the_call_is_refused():
+    """``x`` is not saved (the product is), so it is kept with its version (Note [Primals in
+    the backward]); changed before the create_graph backward, it no longer holds the value."""
+    f = aotgrad.aot_function(lambda x: (x * 2).sin())
+    root = torch.randn(3, requires_grad=True)
+    x = root * 1
+    out = f(x)
+    with torch.no_grad():
+        x.add_(1)
+    with pytest.raises(aotgrad.DoubleBackwardError, match=r"input x .*changed in place since"):
+        torch.autograd.grad(out.sum(), root, create_graph=True)
+    (g,) = torch.autograd.grad(f(x).sum(), root)  # first order never reads it
+    _close(g, 2 * (2 * x).cos().detach())

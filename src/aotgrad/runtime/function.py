@@ -292,10 +292,10 @@ def make_function(
             if plan.saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
                 ctx.sizes = [v for v in saved if not isinstance(v, torch.Tensor)]
                 saved = [v for v in saved if isinstance(v, torch.Tensor)]
-            if extra:
-                ctx.save_for_backward(*saved, *[primals[i] for i in extra])
-            else:
-                ctx.save_for_backward(*saved)
+            ctx.save_for_backward(*saved)
+            if extra:  # Note [Primals in the backward]
+                ctx.kept = kept = [primals[i] for i in extra]
+                ctx.kept_versions = [t._version for t in kept]
             ctx.set_materialize_grads(False)  # Note [Missing cotangents]
             if symbolic_sizes:
                 ctx.cotangent_sizes = [returned[i].shape for i in differentiable]
@@ -314,14 +314,10 @@ def make_function(
                 if not received:
                     return no_grads
             saved = ctx.saved_tensors
-            if extra:  # Note [Primals in the backward]
-                kept, saved = saved[len(saved) - len(extra) :], saved[: len(saved) - len(extra)]
             if plan.saved_sizes:
                 saved = _interleave(plan.saved_sizes, saved, ctx.sizes)
             if torch.is_grad_enabled():  # create_graph=True (Note [Differentiable backward])
-                grads = _differentiable(
-                    higher_order, ctx, (saved, kept if extra else ()), cotangents
-                )
+                grads = _differentiable(higher_order, ctx, saved, cotangents)
             elif any_autocast():  # Note [Autocast]
                 _check_autocast_backward(plan.autocast_backward)
                 with autocast_off():
@@ -414,7 +410,7 @@ def _interleave(is_size: Sequence[bool], tensors: Sequence[Any], sizes: Sequence
 def _differentiable(
     higher_order: HigherOrder | None,
     ctx: Any,
-    saved: tuple[Sequence[Any], Sequence[torch.Tensor]],
+    saved: Sequence[Any],
     cotangents: Sequence[Any],
 ) -> Sequence[torch.Tensor | None]:
     """The gradients under ``create_graph=True`` (Note [Differentiable backward])."""
@@ -424,10 +420,11 @@ def _differentiable(
             " no forward graph to differentiate the backward with.\nCompile the function"
             " with aot_function or trace() for higher-order gradients."
         )
+    kept = (ctx.kept, ctx.kept_versions) if higher_order.extra else ((), ())
     if any_autocast():  # Note [Autocast]
         with autocast_off():
-            return higher_order.gradients(ctx.needs_input_grad, *saved, cotangents)
-    return higher_order.gradients(ctx.needs_input_grad, *saved, cotangents)
+            return higher_order.gradients(ctx.needs_input_grad, saved, kept, cotangents)
+    return higher_order.gradients(ctx.needs_input_grad, saved, kept, cotangents)
 
 
 def run_epilogue(

@@ -42,15 +42,17 @@ import operator
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
 from aotgrad.capture import capture
-from aotgrad.capture.provenance import META_KEY
+from aotgrad.capture.provenance import META_KEY, NodeInfo, set_info
+from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.errors import AotgradError, DoubleBackwardError, UserFrame, format_error
 from aotgrad.optable import draws_random, op_name, outputs_reached
 from aotgrad.partition import Partitioned, partition
@@ -131,12 +133,13 @@ class HigherOrder:
         self,
         needs_grad: Sequence[bool],
         saved: Sequence[Any],
-        kept: Sequence[torch.Tensor],
+        kept: tuple[Sequence[torch.Tensor], Sequence[int]],
         cotangents: Sequence[torch.Tensor],
     ) -> Sequence[torch.Tensor | None]:
         """The gradients as differentiable functions of the primals and cotangents.
 
-        ``kept``: the forward inputs in ``extra`` (Note [Primals in the backward]).
+        ``kept``: the forward inputs in ``extra`` and their versions at the call (Note
+        [Primals in the backward]).
         """
         piece = self._slice(tuple(needs_grad))
         values = [
@@ -149,11 +152,17 @@ class HigherOrder:
         ]
         return self._compiled_for(piece, values)(values)
 
-    def _primal(self, i: int, saved: Sequence[Any], kept: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _primal(
+        self, i: int, saved: Sequence[Any], kept: tuple[Sequence[torch.Tensor], Sequence[int]]
+    ) -> torch.Tensor:
         if i in self.saved_as_is:
             return saved[self.saved_as_is[i]]
         if i in self.extra:
-            return kept[self.extra.index(i)]
+            k = self.extra.index(i)
+            tensor, version = kept[0][k], kept[1][k]
+            if tensor._version != version:
+                raise _changed_after(str(self.signature.forward_inputs[i]), version, tensor)
+            return tensor
         raise _changed_input(str(self.signature.forward_inputs[i]))
 
     def _slice(self, needs_grad: tuple[bool, ...]) -> Slice:
@@ -199,6 +208,19 @@ def _changed_input(what: str) -> DoubleBackwardError:
     )
 
 
+def _changed_after(what: str, version: int, tensor: torch.Tensor) -> DoubleBackwardError:
+    return DoubleBackwardError(
+        format_error(
+            f"create_graph=True needs the value input {what} had when the compiled function"
+            f" was called (version {version}), but it was changed in place since (version"
+            f" {tensor._version}): an optimizer step, an in-place op"
+            " (Note [Primals in the backward]). Eager PyTorch raises too when it saved it.",
+            None,
+            "Take the gradients before changing the input, or change a copy.",
+        )
+    )
+
+
 def _meta(v: Any) -> Any:
     if not isinstance(v, torch.Tensor):
         return v
@@ -236,11 +258,15 @@ def _ancestors(targets: Sequence[Any]) -> list[fx.Node]:
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``G`` recomputes dependent saved values from the primals, so the forward
 # keeps the primals the saved values are computed from. Most are saved
-# already (a matmul saves its weight): those are not saved twice, and the
-# others ride along in ``save_for_backward`` (``extra``), so autograd checks
-# their version as for any saved tensor. For ``f(x) = (x * 2).sin()`` the
-# forward saves ``mul``; ``extra = (x,)``. A first-order backward ignores
-# them.
+# already (a matmul saves its weight): those are not kept twice. The others
+# (``extra``) are kept on ``ctx`` with their version counters, not saved:
+# a first-order backward never unpacks them, ``saved_tensors_hooks`` (offloading)
+# never move them, and the memory report, which counts the saved values, does
+# not count them: they are the caller's own tensors (mostly parameters, kept
+# alive by the module anyway; an input activation lives until the backward).
+# ``G`` checks their versions, as autograd checks saved tensors, and refuses an
+# input changed in place since the call. For ``f(x) = (x * 2).sin()`` the
+# forward saves ``mul``; ``extra = (x,)``.
 #
 # An input the function changes in place is not kept: the epilogue's
 # ``copy_`` would fail the version check of every backward. ``G`` needs one
@@ -429,7 +455,7 @@ def capture_backward(graph: fx.GraphModule, values: Sequence[Any], order: int) -
 
     @contextmanager
     def body(primals: list[torch.Tensor]) -> Iterator[Any]:
-        yield tuple(graph(*primals))
+        yield tuple(_run_with_provenance(graph, primals))
 
     try:
         joint = capture(
@@ -483,10 +509,46 @@ def _no_derivative(error: Exception, graph: fx.GraphModule, order: int) -> Doubl
     )
 
 
+def _run_with_provenance(graph: fx.GraphModule, values: Sequence[Any]) -> Any:
+    """Run ``G`` node by node, each op under the module and user line of the node it copies.
+
+    So every node of ``G``'s graphs points at the user's line its first-order node came from
+    (Note [Module paths and source lines]); not ``fx.Interpreter``, which would replace the
+    tracer's own notes with the copied node's metadata.
+    """
+    env: dict[fx.Node, Any] = {}
+    inputs = iter(values)
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(inputs)
+        elif node.op == "output":
+            return fx.node.map_arg(node.args[0], env.__getitem__)
+        elif node.op == "get_attr":
+            env[node] = getattr(graph, str(node.target))
+        else:
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            with fx_traceback.annotate(_note(node)):
+                env[node] = node.target(*args, **kwargs)
+    raise AssertionError("expected the graph to end with an output node")
+
+
+def _note(node: fx.Node) -> dict[str, Any]:
+    info = node.meta.get(META_KEY)
+    source = getattr(info, "source", None)
+    where = None if source is None else (source.filename, source.lineno, source.name)
+    note: dict[str, Any] = {SOURCE_KEY: where, SOURCE_FIXED_KEY: True}
+    if getattr(info, "module", ""):
+        note[MODULE_KEY] = info.module  # type: ignore[union-attr]
+    return note
+
+
 def _mark_order(gm: fx.GraphModule, order: int) -> None:
     """Note on every node of ``G``'s joint graph which derivative it computes."""
     for node in gm.graph.nodes:
-        node.meta["aotgrad_order"] = order
+        info = node.meta.get(META_KEY)
+        if isinstance(info, NodeInfo):
+            set_info(node, replace(info, order=order))
 
 
 __all__ = ["HigherOrder", "Orders", "build_slice", "capture_backward"]
