@@ -433,7 +433,7 @@ def _refuse_random(nodes: Sequence[fx.Node]) -> None:
                     " did (Note [Differentiable backward]).",
                     _source(node),
                     "Make the random draw outside the compiled function and pass its result in"
-                    " (a dropout mask), or compute these gradients eagerly.",
+                    " (a dropout mask).",
                 )
             )
 
