@@ -396,3 +396,20 @@ def test_a_kept_input_changed_after_the_call_is_refused():
         torch.autograd.grad(out.sum(), root, create_graph=True)
     (g,) = torch.autograd.grad(f(x).sum(), root)  # first order never reads it
     _close(g, 2 * (2 * x).cos().detach())
+
+
+def test_one_cotangent_for_two_outputs_then_two_cotangents():
+    """The capture of G specializes on which inputs are one tensor: so does its cache."""
+
+    def two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sin(), x.cos()
+
+    f = aotgrad.aot_function(two)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    g1, g2 = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    for cotangents in ((g1, g1), (g1, g2), (g2, g2)):
+        runs = []
+        for run in (two, f):
+            (gx,) = torch.autograd.grad(run(x), x, cotangents, create_graph=True)
+            runs.append((gx, *torch.autograd.grad(gx.sum(), x)))
+        _close(runs[1], runs[0])

@@ -57,7 +57,7 @@ from aotgrad.errors import AotgradError, DoubleBackwardError, UserFrame, format_
 from aotgrad.optable import draws_random, op_name, outputs_reached
 from aotgrad.partition import Partitioned, partition
 from aotgrad.runtime.boxing import Compiler
-from aotgrad.signature import FlatInputs, Signature
+from aotgrad.signature import FlatInputs, Signature, storage_key
 from aotgrad.signature.descriptors import Input
 
 
@@ -177,7 +177,7 @@ class HigherOrder:
         return piece
 
     def _compiled_for(self, piece: Slice, values: Sequence[Any]) -> Callable[[list[Any]], Any]:
-        key = (id(piece), *(_meta(v) for v in values))
+        key = (id(piece), *(_meta(v) for v in values), _sharing(values))
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compiled[key] = self._capture(piece, values)
@@ -224,7 +224,29 @@ def _changed_after(what: str, version: int, tensor: torch.Tensor) -> DoubleBackw
 def _meta(v: Any) -> Any:
     if not isinstance(v, torch.Tensor):
         return v
-    return (tuple(v.shape), tuple(v.stride()), v.dtype, v.device, v.requires_grad)
+    return (
+        tuple(v.shape),
+        tuple(v.stride()),
+        v.storage_offset(),
+        v.dtype,
+        v.device,
+        v.requires_grad,
+        v.is_leaf,
+    )
+
+
+def _sharing(values: Sequence[Any]) -> tuple[tuple[int, int], ...]:
+    """Per value, the first value that is it and the first sharing its memory: a capture
+    specializes on both (one cotangent passed for two outputs, a saved view of a primal)."""
+    same: dict[int, int] = {}
+    storages: dict[Any, int] = {}
+    found = []
+    for k, v in enumerate(values):
+        if not isinstance(v, torch.Tensor):
+            found.append((k, k))
+            continue
+        found.append((same.setdefault(id(v), k), storages.setdefault(storage_key(v), k)))
+    return tuple(found)
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
