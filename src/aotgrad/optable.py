@@ -287,3 +287,37 @@ def outputs_reached(op: object, args: tuple[Any, ...], position: int) -> tuple[i
         return None
     mode, reached = entry
     return reached[position] if len(args) > mode and args[mode] is True else None
+
+
+# Ops whose outputs carry no gradient back to their tensor inputs: factories shaped like an
+# input, and draws whose derivative PyTorch defines as zero (``bernoulli``). A value made by
+# one is a constant for every derivative (Note [Differentiable backward]).
+_NO_GRADIENT_TO_INPUTS = frozenset(
+    [
+        "bernoulli",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+    ]
+)
+
+
+def passes_no_gradient(op: object) -> bool:
+    """Do this op's outputs carry no gradient to its tensor inputs?
+
+    >>> passes_no_gradient(torch.ops.aten.bernoulli.p), passes_no_gradient(torch.ops.aten.mul.Tensor)
+    (True, False)
+    """
+    return (
+        isinstance(op, OpOverload)
+        and op._schema.name.removeprefix("aten::") in _NO_GRADIENT_TO_INPUTS
+    )

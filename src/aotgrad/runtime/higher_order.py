@@ -14,7 +14,14 @@ from a *differentiable backward function* built from the two graphs::
 ``recompute`` is the forward graph sliced to the saved values that depend
 on a primal that requires grad (dead code removed); every other saved value
 is a constant for any derivative taken here, so ``G`` takes it as it was
-saved. ``G`` is captured with aotgrad's own pipeline (capture, partition,
+saved. Dependence follows gradients: it stops at values holding no floating
+point (a mask, indices) and at ops that pass none back (``empty_like``,
+``bernoulli``); and the recompute stops at saved constants. So dropout's
+mask is read as saved, never drawn again::
+
+    forward:  mask = bernoulli(empty_like(h)) / 0.7   # saved, a constant
+              out  = tanh(h * mask)                   # saved, depends on h
+    G:        out  = tanh(h * saved mask)             # recomputed from h ``G`` is captured with aotgrad's own pipeline (capture, partition,
 the user's compilers) on demand, at the first ``create_graph`` backward of
 a specialization with these input kinds, and cached. Applying ``G``
 (itself a compiled autograd.Function) to the primals and cotangents
@@ -40,7 +47,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -54,7 +61,7 @@ from aotgrad.capture import capture
 from aotgrad.capture.provenance import META_KEY, NodeInfo, set_info
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.errors import AotgradError, DoubleBackwardError, UserFrame, format_error
-from aotgrad.optable import draws_random, op_name, outputs_reached
+from aotgrad.optable import draws_random, op_name, outputs_reached, passes_no_gradient
 from aotgrad.partition import Partitioned, partition
 from aotgrad.runtime.boxing import Compiler
 from aotgrad.signature import FlatInputs, Signature, storage_key
@@ -263,13 +270,14 @@ def _primals_read(forward: fx.GraphModule, targets: Sequence[Any]) -> set[int]:
     return {index[n] for n in _ancestors(targets) if n in index}
 
 
-def _ancestors(targets: Sequence[Any]) -> list[fx.Node]:
-    """Every node the targets need, themselves included, in no set order."""
+def _ancestors(targets: Sequence[Any], stop: Container[fx.Node] = ()) -> list[fx.Node]:
+    """Every node the targets need, themselves included, in no set order; ``stop`` nodes
+    and what only they need are left out."""
     seen: dict[fx.Node, None] = {}
     stack = [t for t in targets if isinstance(t, fx.Node)]
     while stack:
         node = stack.pop()
-        if node in seen:
+        if node in seen or node in stop:
             continue
         seen[node] = None
         stack.extend(node.all_input_nodes)
@@ -319,7 +327,9 @@ def build_slice(
     )
     recomputed = tuple(j for j, node in enumerate(saved) if node in depends or not _is_tensor(node))
     constants = tuple(j for j in range(len(saved)) if j not in recomputed)
-    needed = _ancestors([saved[j] for j in recomputed])
+    # The recompute stops at saved constants: ``G`` takes them as saved (a dropout mask).
+    boundary = {saved[j]: j for j in reversed(constants) if isinstance(saved[j], fx.Node)}
+    needed = _ancestors([saved[j] for j in recomputed], stop=boundary)
     _refuse_random(needed)
     primals = tuple(i for i, p in enumerate(placeholders) if p in needed)
     graph = fx.Graph()
@@ -333,6 +343,8 @@ def build_slice(
     saved_nodes: list[fx.Node | None] = [None] * len(saved)
     for j in constants:
         saved_nodes[j] = _placeholder(graph, f"saved_{bw_placeholders[j].name}", bw_placeholders[j])
+    for node, j in boundary.items():
+        env[node] = saved_nodes[j]  # type: ignore[assignment]
     cotangents = [
         _placeholder(graph, f"cotangent_{n.name}", n)
         for n in bw_placeholders[signature.cotangents_in_backward]
@@ -412,12 +424,25 @@ def _is_tensor(node: Any) -> bool:
 
 
 def _depends_on(forward: fx.GraphModule, sources: Sequence[fx.Node]) -> set[fx.Node]:
-    """Forward nodes computed from one of ``sources`` (themselves included)."""
+    """Forward nodes a gradient can flow from to one of ``sources`` (themselves included).
+
+    Not through values that hold no floating point (a mask, indices) nor through ops that
+    pass no gradient (``empty_like``, ``bernoulli``): for ``dropout``, the mask is a constant.
+    """
     found = set(sources)
     for node in forward.graph.nodes:
-        if node.op != "placeholder" and any(a in found for a in node.all_input_nodes):
+        if node.op != "call_function" or passes_no_gradient(node.target):
+            continue
+        if _can_hold_gradient(node) and any(a in found for a in node.all_input_nodes):
             found.add(node)
     return found
+
+
+def _can_hold_gradient(node: fx.Node) -> bool:
+    values = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    if not values:  # sizes (a recompute reads them), or no value known: assume it can
+        return True
+    return any(v.is_floating_point() or v.is_complex() for v in values)
 
 
 def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:
