@@ -434,3 +434,17 @@ def test_one_cotangent_for_two_outputs_then_two_cotangents():
             (gx,) = torch.autograd.grad(run(x), x, cotangents, create_graph=True)
             runs.append((gx, *torch.autograd.grad(gx.sum(), x)))
         _close(runs[1], runs[0])
+
+
+def test_a_forward_under_autocast():
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w).float()
+
+    x, w = torch.randn(4, 3, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+    runs = []
+    for run in (f, aotgrad.aot_function(f)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = run(x, w)
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        runs.append((g, *torch.autograd.grad(g.pow(2).sum(), (x, w))))
+    _close(runs[1], runs[0])

@@ -317,6 +317,8 @@ def make_function(
             if plan.saved_sizes:
                 saved = _interleave(plan.saved_sizes, saved, ctx.sizes)
             if torch.is_grad_enabled():  # create_graph=True (Note [Differentiable backward])
+                if any_autocast():  # Note [Autocast]
+                    _check_autocast_backward(plan.autocast_backward)
                 grads = _differentiable(higher_order, ctx, saved, cotangents)
             elif any_autocast():  # Note [Autocast]
                 _check_autocast_backward(plan.autocast_backward)
@@ -416,9 +418,10 @@ def _differentiable(
     """The gradients under ``create_graph=True`` (Note [Differentiable backward])."""
     if higher_order is None:
         raise DoubleBackwardError(
-            "create_graph=True (double backward) through graphs loaded with aotgrad.load has"
-            " no forward graph to differentiate the backward with.\nCompile the function"
-            " with aot_function or trace() for higher-order gradients."
+            "create_graph=True (double backward): these compiled graphs were wired up without"
+            " their forward graph (CompiledGraphs(..., higher_order=None)), which the"
+            " differentiable backward recomputes from.\nBuild them with compile_partitioned,"
+            " or call aot_function / trace()."
         )
     kept = (ctx.kept, ctx.kept_versions) if higher_order.extra else ((), ())
     if any_autocast():  # Note [Autocast]
