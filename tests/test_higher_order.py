@@ -448,3 +448,45 @@ def test_a_forward_under_autocast():
         (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
         runs.append((g, *torch.autograd.grad(g.pow(2).sum(), (x, w))))
     _close(runs[1], runs[0])
+
+
+def _traced(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``trace`` on the call's own arguments, then the ``Traced`` callable."""
+
+    def run(*args: Any) -> Any:
+        return aotgrad.trace(fn, *args)(*args)
+
+    return run
+
+
+def _dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="aotgrad")
+
+
+@pytest.mark.parametrize("frontend", [_traced, _dynamo], ids=["trace", "torch.compile"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(
+            lambda: (_counter, torch.randn(3, requires_grad=True), torch.zeros(3)), id="counter"
+        ),
+        pytest.param(lambda: (_views, torch.randn(2, 3, requires_grad=True)), id="view-outputs"),
+        pytest.param(
+            lambda: (_scaled_in_place, torch.randn(3, requires_grad=True), torch.randn(3)),
+            id="in-place-on-an-input",
+        ),
+        pytest.param(
+            lambda: (
+                nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Softplus()).train(),
+                torch.randn(5, 3, requires_grad=True),
+            ),
+            id="batchnorm-train",
+        ),
+    ],
+)
+def test_mutation_and_aliasing_through_other_frontends(make, frontend):
+    torch.manual_seed(0)
+    fn, *args = make()
+    report = verify(fn, *args, create_graph=True, compile_fn=frontend)
+    assert report.compared_grads >= 2

@@ -293,7 +293,8 @@ def _ancestors(targets: Sequence[Any], stop: Container[fx.Node] = ()) -> list[fx
 # a first-order backward never unpacks them, ``saved_tensors_hooks`` (offloading)
 # never move them, and the memory report, which counts the saved values, does
 # not count them: they are the caller's own tensors (mostly parameters, kept
-# alive by the module anyway; an input activation lives until the backward).
+# alive by the module anyway; an input activation lives as long as the
+# outputs' ``grad_fn``).
 # ``G`` checks their versions, as autograd checks saved tensors, and refuses an
 # input changed in place since the call. For ``f(x) = (x * 2).sin()`` the
 # forward saves ``mul``; ``extra = (x,)``.
