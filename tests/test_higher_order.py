@@ -490,3 +490,17 @@ def test_mutation_and_aliasing_through_other_frontends(make, frontend):
     fn, *args = make()
     report = verify(fn, *args, create_graph=True, compile_fn=frontend)
     assert report.compared_grads >= 2
+
+
+def test_a_missing_cotangent_becomes_zeros_under_create_graph():
+    def two(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x @ w).sin(), (x * 3).cos()
+
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    runs = []
+    for run in (two, aotgrad.aot_function(two)):
+        first, _ = run(x, w)  # the second output gets no cotangent
+        (gx,) = torch.autograd.grad(first.sum(), x, create_graph=True)
+        runs.append((gx, *torch.autograd.grad(gx.pow(2).sum(), (x, w))))
+    _close(runs[1], runs[0])
