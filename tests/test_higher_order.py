@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import aotgrad
 from aotgrad.testing import VerificationError, verify
@@ -322,6 +323,65 @@ def test_a_backward_op_with_no_derivative_names_the_op_and_the_line():
         r"test_higher_order.py:\d+ in attention: return F.scaled_dot_product_attention",
     ):
         torch.autograd.grad(f(q, k, v).sum(), q, create_graph=True)
+
+
+def _copied_into_a_transpose(x: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros(4, 3).t()  # a non-contiguous intermediate written by copy_
+    y.copy_(x.sin())
+    return (y * x).exp()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: (nn.SiLU(), torch.randn(5, requires_grad=True)), id="silu"),
+        pytest.param(lambda: (nn.Mish(), torch.randn(5, requires_grad=True)), id="mish"),
+        pytest.param(
+            lambda: (
+                nn.Sequential(nn.Linear(3, 4), nn.SiLU(inplace=True), nn.Linear(4, 2)),
+                torch.randn(2, 3, requires_grad=True),
+            ),
+            id="silu-inplace-mlp",
+        ),
+        pytest.param(
+            lambda: (_copied_into_a_transpose, torch.randn(3, 4, requires_grad=True)),
+            id="copy-into-a-transpose",
+        ),
+    ],
+)
+def test_backward_ops_without_a_derivative_are_decomposed(make):
+    # Note [Backward ops without a derivative]: eager differentiates these under create_graph
+    torch.manual_seed(0)
+    fn, *args = make()
+    report = verify(fn, *args, create_graph=True)
+    assert report.compared_grads >= 1
+
+
+def test_third_derivative_through_silu():
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    f = aotgrad.aot_function(F.silu)
+    for got, want in zip(_derivatives(f, x, 3), _derivatives(F.silu, x, 3), strict=True):
+        _close(got, want)
+
+
+@pytest.mark.parametrize("name", ["llama", "convnext"])
+def test_gradient_penalty_of_models_with_silu_and_copies(name):
+    library_models = pytest.importorskip("library_models")
+    case = library_models.build(name)
+    eager = case.model.double()
+    compiled_model = copy.deepcopy(eager)
+    compiled = aotgrad.aot_module(compiled_model)
+    args = tuple(a.double() if a.is_floating_point() else a for a in case.args)
+    for run, model in ((eager, eager), (compiled, compiled_model)):
+        torch.manual_seed(0)
+        params = [p for p in model.parameters() if p.requires_grad]
+        with sdpa_kernel(SDPBackend.MATH):  # CPU flash attention has no second derivative
+            loss = case.loss(run(*args, **case.kwargs))
+            grads = torch.autograd.grad(loss, params, create_graph=True)
+            sum(g.pow(2).sum() for g in grads).backward()
+    for (name_, p), q in zip(compiled_model.named_parameters(), eager.parameters(), strict=True):
+        scale = float(q.grad.abs().max())
+        _close(p.grad, q.grad, rtol=1e-6, atol=1e-9 * scale + 1e-12, msg=name_)
 
 
 def test_a_random_op_the_second_derivative_would_recompute_is_refused():

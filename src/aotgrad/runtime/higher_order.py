@@ -57,6 +57,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
+from aotgrad._torch_compat import decomposition
 from aotgrad.capture import capture
 from aotgrad.capture.provenance import META_KEY, NodeInfo, set_info
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
@@ -491,7 +492,29 @@ def _source(node: fx.Node) -> UserFrame | None:
 
 
 def capture_backward(graph: fx.GraphModule, values: Sequence[Any], order: int) -> Partitioned:
-    """Capture ``G`` on these values (fake tensors, as every capture) and partition it."""
+    """Capture ``G`` on these values (fake tensors, as every capture) and partition it.
+
+    An op of ``graph`` autograd has no derivative for is run through its decomposition and the
+    capture tried again (Note [Backward ops without a derivative]).
+    """
+    decomposed: dict[Any, Callable[..., Any]] = {}
+    while True:
+        try:
+            joint = _capture_once(graph, values, decomposed)
+        except (AotgradError, RuntimeError) as error:
+            op = _op_without_derivative(error, graph)
+            rule = None if op is None or op in decomposed else _decomposition(op)
+            if rule is None:
+                raise _no_derivative(error, graph, order) from error
+            decomposed[op] = rule
+            continue
+        _mark_order(joint.gm, order)
+        return partition(joint, "save_all")
+
+
+def _capture_once(
+    graph: fx.GraphModule, values: Sequence[Any], decomposed: dict[Any, Callable[..., Any]]
+) -> Any:
     names = [n.name for n in _placeholders(graph)]
     flat = FlatInputs(
         spec=_spec(len(values)),
@@ -503,27 +526,90 @@ def capture_backward(graph: fx.GraphModule, values: Sequence[Any], order: int) -
 
     @contextmanager
     def body(primals: list[torch.Tensor]) -> Iterator[Any]:
-        yield tuple(_run_with_provenance(graph, primals))
+        yield tuple(_run_with_provenance(graph, primals, decomposed))
 
-    try:
-        joint = capture(
-            body,
-            flat,
-            list(values),
-            with_backward=any(isinstance(v, torch.Tensor) and v.requires_grad for v in values),
-            root=graph,
-        )
-    except (AotgradError, RuntimeError) as error:
-        raise _no_derivative(error, graph, order) from error
-    _mark_order(joint.gm, order)
-    return partition(joint, "save_all")
+    return capture(
+        body,
+        flat,
+        list(values),
+        with_backward=any(isinstance(v, torch.Tensor) and v.requires_grad for v in values),
+        root=graph,
+    )
+
+
+# Note [Backward ops without a derivative]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some ops the first-order backward graph holds have no derivative of their own:
+# eager never differentiates them, because under ``create_graph=True`` its
+# formulas pick another, differentiable form (SiLU's backward is
+# ``silu_backward`` with grad mode off, a product of sigmoids with it on), and
+# the functional ``copy`` only exists in functionalized graphs. Capturing ``G``
+# through such an op fails with "derivative for aten::silu_backward is not
+# implemented"; the capture then runs that op through its decomposition into
+# ops that have derivatives, and tries again, once per op:
+#
+#     G's graph                      captured as
+#     silu_backward(g, x)      ->    g * sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+#     copy(self, src)          ->    src cast to self's dtype, expanded to its shape,
+#                                    in self's layout (_functional_copy below)
+#
+# An op with neither a derivative nor a decomposition (CPU flash attention's
+# backward, which eager cannot differentiate either) raises DoubleBackwardError.
+
+_NO_DERIVATIVE = re.compile(r"derivative for (?:aten::)?([\w.]+) is not implemented")
+
+
+def _op_without_derivative(error: Exception, graph: fx.GraphModule) -> Any:
+    """The op of ``graph`` the error says has no derivative, or None."""
+    found = _NO_DERIVATIVE.search(str(error))
+    if found is None:
+        return None
+    return next((n.target for n in graph.graph.nodes if _is_op_named(n, found.group(1))), None)
+
+
+def _is_op_named(node: fx.Node, name: str) -> bool:
+    return node.op == "call_function" and getattr(node.target, "_opname", None) == name
+
+
+def _decomposition(op: Any) -> Callable[..., Any] | None:
+    if op is torch.ops.aten.copy.default:
+        return _functional_copy
+    return decomposition(op)
+
+
+def _functional_copy(
+    self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
+) -> torch.Tensor:
+    """``aten.copy`` from differentiable ops (Note [Backward ops without a derivative]).
+
+    The result has ``self``'s strides when they are a permutation of a contiguous layout (a
+    transpose): the value is laid out contiguously in that permuted order and permuted back.
+    """
+    value = src.to(dtype=self.dtype, device=self.device).expand(self.shape)
+    strides = self.stride()
+    order = sorted(range(self.dim()), key=lambda d: (-strides[d], d))
+    if self.is_contiguous() or not _dense(self):
+        return value.clone(memory_format=torch.contiguous_format)
+    back = sorted(range(self.dim()), key=order.__getitem__)
+    laid_out = value.permute(order).clone(memory_format=torch.contiguous_format)
+    return laid_out.permute(back)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Does ``t``'s layout cover its elements once each, in some order of its dimensions?"""
+    expected = 1
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride(), strict=True))
+    for stride, size in dims:
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _spec(n: int) -> Any:
     return pytree.tree_flatten(((0,) * n, {}))[1]
-
-
-_NO_DERIVATIVE = re.compile(r"derivative for (?:aten::)?([\w.]+) is not implemented")
 
 
 def _no_derivative(error: Exception, graph: fx.GraphModule, order: int) -> DoubleBackwardError:
@@ -532,14 +618,11 @@ def _no_derivative(error: Exception, graph: fx.GraphModule, order: int) -> Doubl
     node = None
     if found is not None:
         name = found.group(1)
-        node = next(
-            (n for n in graph.graph.nodes if n.op == "call_function" and name in str(n.target)),
-            None,
-        )
+        node = next((n for n in graph.graph.nodes if _is_op_named(n, name)), None)
         what = (
             f"create_graph=True: the backward of a compiled function calls {name}, which has"
-            f" no derivative in PyTorch, so its gradient cannot be differentiated again"
-            f" (order {order}); eager PyTorch fails there too."
+            f" neither a derivative nor a decomposition in PyTorch, so its gradient cannot be"
+            f" differentiated again (order {order})."
         )
     else:
         what = (
@@ -557,12 +640,15 @@ def _no_derivative(error: Exception, graph: fx.GraphModule, order: int) -> Doubl
     )
 
 
-def _run_with_provenance(graph: fx.GraphModule, values: Sequence[Any]) -> Any:
+def _run_with_provenance(
+    graph: fx.GraphModule, values: Sequence[Any], decomposed: dict[Any, Callable[..., Any]]
+) -> Any:
     """Run ``G`` node by node, each op under the module and user line of the node it copies.
 
     So every node of ``G``'s graphs points at the user's line its first-order node came from
     (Note [Module paths and source lines]); not ``fx.Interpreter``, which would replace the
-    tracer's own notes with the copied node's metadata.
+    tracer's own notes with the copied node's metadata. Ops in ``decomposed`` run through
+    their decomposition (Note [Backward ops without a derivative]).
     """
     env: dict[fx.Node, Any] = {}
     inputs = iter(values)
@@ -576,8 +662,9 @@ def _run_with_provenance(graph: fx.GraphModule, values: Sequence[Any]) -> Any:
         else:
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            run = decomposed.get(node.target, node.target)
             with fx_traceback.annotate(_note(node)):
-                env[node] = node.target(*args, **kwargs)
+                env[node] = run(*args, **kwargs)
     raise AssertionError("expected the graph to end with an output node")
 
 
