@@ -178,6 +178,16 @@ class ExpandedCodeGen(fx.graph.CodeGen):
 FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
 unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 functorch_transforms_active = torch._C._are_functorch_transforms_active
+# The innermost active torch.func transform (its ``key()``: ``TransformType.Grad``, ``Vmap``,
+# ``Jvp``, ``Functionalize``), named in errors (Note [Transforms run the function]).
+peek_functorch_interpreter = torch._C._functorch.peek_interpreter_stack
+
+
+def forward_ad_level() -> int:
+    """The innermost ``torch.autograd.forward_ad.dual_level`` entered; -1 outside any."""
+    return torch.autograd.forward_ad._current_level
+
+
 # Put a tensor's version counter back (Note [Replayed metadata keeps the version]).
 set_version_counter = torch._C._autograd._unsafe_set_version_counter
 # What ``autograd.grad`` and ``.backward()`` run, called by capture with its modes kept active

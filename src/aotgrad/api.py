@@ -8,7 +8,7 @@ import gc
 import os
 import pathlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -25,6 +25,7 @@ from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.report.html import render_html
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
 from aotgrad.runtime.boxing import Compiler
+from aotgrad.runtime.transforms import transform_active
 from aotgrad.signature import FlatInputs, Signature, flatten_inputs, leaf_names
 from aotgrad.signature.flatten import flatten_call
 from aotgrad.signature.lifting import (
@@ -78,6 +79,23 @@ class Traced:
     # again on each call (Note [Wrappers run around the graphs]).
     _wrapping: Wrapping | None = None
     _state: State | None = None
+    # The traced function, run under torch.func transforms and forward-mode AD, and how
+    # many calls ran it (Note [Transforms run the function]).
+    _fn: Callable[..., Any] | None = None
+    _transform_runs: list[int] = field(default_factory=lambda: [0])
+
+    @property
+    def transform_runs(self) -> int:
+        """Calls that ran the function itself under a transform (Note [Transforms run the function]).
+
+        >>> import torch, aotgrad
+        >>> traced = aotgrad.trace(lambda x: x.sin(), torch.ones(2))
+        >>> torch.func.grad(lambda x: traced(x).sum())(torch.zeros(2)).tolist()
+        [1.0, 1.0]
+        >>> traced.transform_runs
+        1
+        """
+        return self._transform_runs[0]
 
     @property
     def joint(self) -> fx.GraphModule:
@@ -178,6 +196,9 @@ class Traced:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the traced graphs on new inputs of the same structure and metadata."""
+        if self._fn is not None and transform_active():  # Note [Transforms run the function]
+            self._transform_runs[0] += 1
+            return self._fn(*args, **kwargs)
         if self._wrapping is not None:
             return self._wrapping.call(self._run, args, kwargs)
         return self._run(*args, **kwargs)
@@ -266,9 +287,10 @@ def trace(
     fn = as_module(fn)
     wrapping = wrapping_of(fn) if isinstance(fn, torch.nn.Module) else None
     if wrapping is None:
-        return _trace(
+        traced = _trace(
             fn, args, kwargs, Options(partition=partition, dynamic=dynamic, tracer=tracer)
         )
+        return replace(traced, _fn=fn)
     with wrapping.capturing():  # Note [Wrappers run around the graphs]
         traced = _trace(
             wrapping.inner,
@@ -276,7 +298,7 @@ def trace(
             kwargs,
             Options(partition=partition, dynamic=dynamic, tracer=tracer),
         )
-    return replace(traced, _wrapping=wrapping, _state=State(wrapping.inner))
+    return replace(traced, _wrapping=wrapping, _state=State(wrapping.inner), _fn=fn)
 
 
 def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: Options) -> Traced:
@@ -447,6 +469,9 @@ class AOTFunction:
         if self._wrapping is not None and not self._in_wrapper:
             return self._wrapped(args, kwargs)
         if capturing():  # called by code being traced: trace through (Note [Capture sessions])
+            return self._fn(*args, **kwargs)
+        if transform_active():  # Note [Transforms run the function]
+            self.cache.info.transform_runs += 1
             return self._fn(*args, **kwargs)
         if not kwargs:
             last = self.cache.last_entry(args)  # Note [The last entry]

@@ -46,6 +46,9 @@ class CacheInfo:
     reasons: list[str] = field(default_factory=list)
     # Calls that ran eagerly because the cache was full.
     fallbacks: int = 0
+    # Calls that ran the function itself under a torch.func transform or forward-mode AD
+    # (Note [Transforms run the function]).
+    transform_runs: int = 0
     entries: int = 0
     # Misses the disk cache served (no trace), and misses it did not (traced, then written:
     # Note [The disk cache]).
@@ -58,6 +61,7 @@ class CacheInfo:
     def __str__(self) -> str:
         lines = [
             f"{self.hits} hits, {self.misses} misses, {self.entries} entries, {self.fallbacks} eager fallbacks",
+            f"{self.transform_runs} calls under torch.func transforms or forward-mode AD",
             f"disk: {self.disk_hits} hits, {self.disk_misses} misses"
             + (f" (not cached: {self.disk_skipped})" if self.disk_skipped else ""),
         ]

@@ -1,0 +1,131 @@
+"""Compiled functions under ``torch.func`` transforms and forward-mode AD.
+
+Note [Transforms run the function]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under ``torch.func.grad``/``vjp``/``jacrev``/``jvp``/``jacfwd``/``vmap`` the
+tensors a compiled function receives are functorch wrappers (``TensorWrapper``,
+``BatchedTensor``): a user compiler's kernels cannot read them, and the key of
+the call cannot be read off their storage. Running the *captured forward
+graph* op by op on the wrappers (functorch's per-op rules then give every
+derivative, any order) looks like the answer, but the forward graph is not a
+differentiable description of the function: it holds the values, not the
+autograd structure. ``detach()``, a custom ``autograd.Function``'s backward
+and tensor hooks leave no trace in it::
+
+    def f(x):                              # forward graph:
+        return x.sin() * x.cos().detach()  #   mul(sin(x), cos(x))
+
+    eager:             grad(f)(x) = cos(x) * cos(x)
+    the graph, per op: grad(f)(x) = cos(x) * cos(x) - sin(x) * sin(x)   # wrong
+
+The same holds for forward mode (a JVP of the forward graph would push a
+tangent through the ``detach``). So while a transform is active, or a
+forward-AD level (``torch.autograd.forward_ad.dual_level``) is open, the
+compiled function runs the *user's function* on the transform's tensors: the
+transform then sees exactly the ops eager runs, mutations and views
+included, to any order and nesting. It is a slower path, not a silent one:
+``aotgrad.cache_info(f).transform_runs`` counts such calls (``Traced``:
+``traced.transform_runs``). Where no function is at hand (a graph loaded from
+a file, a scan body's graphs) the runtime raises :class:`TransformError`
+naming the transform instead of handing wrappers to the graphs::
+
+    g = aotgrad.aot_function(f)
+    torch.func.grad(g)(x)         # f(x) under grad: eager's gradient
+    aotgrad.cache_info(g).transform_runs        # 1
+    torch.func.grad(aotgrad.load(path))(x)      # TransformError: ... torch.func.grad ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from aotgrad._torch_compat import (
+    forward_ad_level,
+    functorch_transforms_active,
+    peek_functorch_interpreter,
+)
+from aotgrad.errors import TransformError
+
+# What each functorch interpreter is, in the names users call.
+_TRANSFORMS = {
+    "Grad": "torch.func.grad (or vjp, jacrev)",
+    "Jvp": "torch.func.jvp (or jacfwd)",
+    "Vmap": "torch.func.vmap",
+    "Functionalize": "torch.func.functionalize",
+}
+
+
+# Who refuses, in TransformError's message, when no function is at hand.
+GRAPH_PAIR = "a compiled graph pair with no function to run instead (aotgrad.load, a scan body)"
+
+
+def transform_active() -> bool:
+    """Is a ``torch.func`` transform or a forward-AD level active (Note [Transforms run the function])?
+
+    >>> transform_active()
+    False
+    >>> torch.func.vmap(lambda x: torch.tensor(transform_active()))(torch.ones(2)).tolist()
+    [True, True]
+    """
+    return functorch_transforms_active() or forward_ad_level() >= 0
+
+
+def active_transform() -> str:
+    """The innermost active transform, as users call it.
+
+    >>> torch.func.grad(lambda x: print(active_transform()) or x.sum())(torch.ones(2))
+    torch.func.grad (or vjp, jacrev)
+    tensor([1., 1.])
+    >>> import torch.autograd.forward_ad as fwAD
+    >>> with fwAD.dual_level():
+    ...     active_transform()
+    'torch.autograd.forward_ad'
+    """
+    if functorch_transforms_active():
+        name = peek_functorch_interpreter().key().name
+        return _TRANSFORMS.get(name, f"the torch.func transform {name}")
+    return "torch.autograd.forward_ad"
+
+
+def has_tangent(tensors: Sequence[object]) -> bool:
+    """Does one of these tensors carry a forward-mode tangent (a dual tensor)?"""
+    if forward_ad_level() < 0:
+        return False
+    return any(
+        isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent is not None
+        for t in tensors
+    )
+
+
+def refuse_transforms_on(inputs: Sequence[object], what: str = GRAPH_PAIR) -> None:
+    """Raise :class:`TransformError` if a transform is active or one of ``inputs`` is dual.
+
+    For graphs with no function behind them; a forward-AD level alone does not
+    stop them: tensors without a tangent run as usual.
+    """
+    if transform_active() and (functorch_transforms_active() or has_tangent(inputs)):
+        refuse_transform(what)
+
+
+def refuse_transform(what: str) -> None:
+    """Raise the :class:`TransformError` for graphs with no function to run instead."""
+    raise TransformError(
+        f"{what} was called under {active_transform()}, and it holds compiled graphs only: its"
+        " kernels cannot run on the transform's tensors, and differentiating the forward graph"
+        " would miss detach(), custom autograd.Function backwards and hooks (Note"
+        " [Transforms run the function]).\nCompile the function with aotgrad.aot_function or"
+        " aotgrad.aot_module (they run the function itself under a transform), or call it"
+        " outside the transform."
+    )
+
+
+__all__ = [
+    "GRAPH_PAIR",
+    "active_transform",
+    "has_tangent",
+    "refuse_transform",
+    "refuse_transforms_on",
+    "transform_active",
+]
