@@ -233,18 +233,117 @@ def test_jacfwd_matches_jacrev_of_a_view_returning_function() -> None:
     assert_close(jacfwd(compiled)(x), jacfwd(lambda x: x.view(-1)[1:].exp())(x))
 
 
+def dual_call(fn: Callable[..., Any], *args: Any, tangent: torch.Tensor) -> Any:
+    """``fn(make_dual(args[0], tangent), *args[1:])``: the result's (primal, tangent) pairs."""
+    with fwAD.dual_level():
+        out = fn(fwAD.make_dual(args[0], tangent), *args[1:])
+        return pytree.tree_map_only(torch.Tensor, lambda t: tuple(fwAD.unpack_dual(t)), out)
+
+
 @pytest.mark.parametrize("make", [mlp, bn_model], ids=["mlp", "batchnorm_train"])
 def test_forward_ad_dual_tensors(make: Callable[[], nn.Module]) -> None:
+    """The MLP runs a captured JVP graph; BatchNorm's capture refuses, so it runs the module."""
     eager = make()
     compiled = aotgrad.aot_module(copy.deepcopy(eager))
     x, tangent = torch.randn(5, 3), torch.randn(5, 3)
-    results = []
+    for _ in range(2):
+        want = dual_call(eager, x, tangent=tangent)
+        assert_close(dual_call(compiled, x, tangent=tangent), want)
+    assert_close(unprefixed(dict(compiled.named_buffers())), dict(eager.named_buffers()))
+    info = aotgrad.cache_info(compiled)
+    if make is mlp:
+        assert (info.jvp_runs, info.transform_runs, info.jvp_skipped) == (2, 0, None)
+        (jvp,) = compiled.compiled._jvps.values()
+        assert aotgrad.cache_info(jvp).misses == 1  # traced once, then a hit
+    else:
+        assert (info.jvp_runs, info.transform_runs) == (0, 2)
+        assert "UnsupportedMutationError" in str(info.jvp_skipped)
+
+
+def test_the_jvp_graph_keeps_detach_and_runs_the_users_compiler() -> None:
+    """Note [Forward mode captures a JVP graph]: its example, through a counting compiler."""
+    graphs = []
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() * x.cos().detach()
+
+    compiled = aotgrad.aot_function(f, compiler)
+    x, tangent = torch.randn(4), torch.randn(4)
+    got = dual_call(compiled, x, tangent=tangent)
+    assert_close(got, dual_call(f, x, tangent=tangent))
+    assert_close(got[1], x.cos() * tangent * x.cos())
+    assert graphs  # the JVP graph went through the user's compiler
+    assert aotgrad.cache_info(compiled).jvp_runs == 1
+
+
+def test_reverse_mode_over_a_dual_call() -> None:
+    eager = mlp()
+    compiled = aotgrad.aot_module(copy.deepcopy(eager))
+    tangent = torch.randn(5, 3)
+    grads = []
     for model in (eager, compiled):
+        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0), requires_grad=True)
         with fwAD.dual_level():
-            out = fwAD.unpack_dual(model(fwAD.make_dual(x, tangent)))
-            results.append((out.primal, out.tangent))
-    assert_close(results[1], results[0])
-    assert runs(compiled) == 1
+            primal, out_tangent = fwAD.unpack_dual(model(fwAD.make_dual(x, tangent)))
+            (primal.sum() + out_tangent.sum()).backward()
+        grads.append((x.grad, [p.grad for p in model.parameters()]))
+    assert_close(grads[1], grads[0])
+    assert aotgrad.cache_info(compiled).jvp_runs == 1
+
+
+def test_forward_ad_with_non_tensor_outputs_and_arguments() -> None:
+    def f(x: torch.Tensor, scale: float, w: torch.Tensor) -> tuple[Any, ...]:
+        return (x * scale).tanh() @ w, x.shape[0], None, w * 2
+
+    compiled = aotgrad.aot_function(f)
+    x, w, tangent = torch.randn(2, 3), torch.randn(3, 3), torch.randn(2, 3)
+    assert_close(
+        dual_call(compiled, x, 0.5, w, tangent=tangent), dual_call(f, x, 0.5, w, tangent=tangent)
+    )
+    assert aotgrad.cache_info(compiled).jvp_runs == 1
+
+
+def test_forward_ad_through_custom_functions() -> None:
+    class WithJvp(torch.autograd.Function):
+        @staticmethod
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return x.exp()
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+            ctx.save_for_forward(output)
+
+        @staticmethod
+        def jvp(ctx: Any, tangent: torch.Tensor) -> torch.Tensor:
+            return 3 * tangent  # not exp's derivative: the rule must come from here
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g
+
+    class WithoutJvp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g * 2
+
+    x, tangent = torch.randn(3), torch.randn(3)
+    with_jvp = aotgrad.aot_function(lambda x: WithJvp.apply(x).sin())
+    got = dual_call(with_jvp, x, tangent=tangent)
+    assert_close(got, dual_call(lambda x: WithJvp.apply(x).sin(), x, tangent=tangent))
+    without = aotgrad.aot_function(lambda x: WithoutJvp.apply(x))
+    with pytest.raises(RuntimeError, match="jvp") as eager_error:
+        dual_call(lambda x: WithoutJvp.apply(x), x, tangent=tangent)
+    with pytest.raises(RuntimeError) as compiled_error:
+        dual_call(without, x, tangent=tangent)
+    assert str(compiled_error.value) == str(eager_error.value)
 
 
 def test_forward_ad_through_a_view_and_an_input_mutation() -> None:
@@ -263,7 +362,26 @@ def test_forward_ad_through_a_view_and_an_input_mutation() -> None:
             results.append((tuple(fwAD.unpack_dual(out)), tuple(fwAD.unpack_dual(dual_acc))))
     assert_close(results[1], results[0])
     assert results[1][1][0].tolist() == [2.0, 20.0, 20.0]  # acc, changed through the view
-    assert runs(compiled) == 1
+    assert results[1][1][1].tolist() == [0.0, 20.0, 40.0]  # and its tangent
+    assert aotgrad.cache_info(compiled).jvp_runs == 1
+
+
+def test_dual_parameters_run_the_module() -> None:
+    """functional_call with dual parameters: capture would drop their tangents."""
+    eager = mlp()
+    compiled = aotgrad.aot_module(copy.deepcopy(eager))
+    x = torch.randn(5, 3)
+    results = []
+    for model, prefix in ((eager, ""), (compiled, "orig_module.")):
+        with fwAD.dual_level():
+            params = {
+                prefix + k: fwAD.make_dual(v.detach(), torch.ones_like(v))
+                for k, v in eager.named_parameters()
+            }
+            out = functional_call(model, params, (fwAD.make_dual(x, torch.ones_like(x)),))
+            results.append(tuple(fwAD.unpack_dual(out)))
+    assert_close(results[1], results[0])
+    assert aotgrad.cache_info(compiled).transform_runs == 1
 
 
 def test_a_dual_level_with_no_dual_input_still_matches_eager() -> None:

@@ -15,17 +15,25 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from aotgrad._torch_compat import functorch_transforms_active
 from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
 from aotgrad.capture import JointGraph, TracerChoice, capture, capturing, check_tracer_choice
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
-from aotgrad.errors import CallError, StoreError, user_frame_of_function
+from aotgrad.errors import CallError, CaptureError, StoreError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.report.html import render_html
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
 from aotgrad.runtime.boxing import Compiler
-from aotgrad.runtime.transforms import transform_active
+from aotgrad.runtime.transforms import (
+    dual_positions,
+    has_tangent,
+    join_duals,
+    jvp_body,
+    split_duals,
+    transform_active,
+)
 from aotgrad.signature import FlatInputs, Signature, flatten_inputs, leaf_names
 from aotgrad.signature.flatten import flatten_call
 from aotgrad.signature.lifting import (
@@ -459,6 +467,11 @@ class AOTFunction:
         self._code_key = code_key
         self._code: tuple[Any, set[str]] | None = None
         self.partitioned: Partitioned | None = None
+        # Compiled JVP bodies for dual calls, by structure and dual positions; set on such a
+        # body itself, which runs under the forward-AD level (Note [Forward mode captures a
+        # JVP graph]).
+        self._jvps: dict[tuple[Any, tuple[int, ...]], AOTFunction | None] = {}
+        self._jvps_for_parent = False
 
     @property
     def info(self) -> CacheInfo:
@@ -470,9 +483,8 @@ class AOTFunction:
             return self._wrapped(args, kwargs)
         if capturing():  # called by code being traced: trace through (Note [Capture sessions])
             return self._fn(*args, **kwargs)
-        if transform_active():  # Note [Transforms run the function]
-            self.cache.info.transform_runs += 1
-            return self._fn(*args, **kwargs)
+        if transform_active() and not self._jvps_for_parent:
+            return self._under_transform(args, kwargs)
         if not kwargs:
             last = self.cache.last_entry(args)  # Note [The last entry]
             if last is not None:
@@ -493,6 +505,45 @@ class AOTFunction:
         if not kwargs and self._state.empty:
             self.cache.remember(key, found, leaves)
         return found(lifted.tensors, leaves)
+
+    def _under_transform(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call under a torch.func transform or a forward-AD level.
+
+        Dual arguments go through a compiled JVP body (Note [Forward mode captures a JVP
+        graph]); everything else runs the function (Note [Transforms run the function]).
+        """
+        if not functorch_transforms_active() and self._wrapping is None:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            positions = dual_positions(leaves)
+            jvp = self._jvp(spec, positions) if positions else None
+            if jvp is not None and not self._dual_state(args, kwargs):
+                primals, tangents = split_duals(leaves, positions)
+                try:
+                    out = jvp(primals, tangents)
+                except CaptureError as e:  # eager may run what capture refuses
+                    self._jvps[spec, positions] = None
+                    self.cache.info.jvp_skipped = f"{type(e).__name__}: {e}"
+                else:
+                    self.cache.info.jvp_runs += 1
+                    return join_duals(*out)
+        self.cache.info.transform_runs += 1
+        return self._fn(*args, **kwargs)
+
+    def _dual_state(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Does the module state or a closed-over tensor carry a tangent?"""
+        leaves, structure = flatten_call(args, kwargs)
+        arguments = module_arguments(self._target, args, kwargs, leaves, structure, self._names)
+        return has_tangent(self._state.read(arguments).tensors)
+
+    def _jvp(self, spec: pytree.TreeSpec, positions: tuple[int, ...]) -> AOTFunction | None:
+        """The compiled JVP body for duals at ``positions`` (Note [Forward mode captures a JVP
+        graph]); None once its capture failed (``cache_info(f).jvp_skipped`` says why)."""
+        if (spec, positions) not in self._jvps:
+            body = jvp_body(self._fn, spec, positions)
+            options = replace(self._options, disk_cache=False)
+            found = self._jvps[spec, positions] = AOTFunction(body, options)
+            found._jvps_for_parent = True
+        return self._jvps[spec, positions]
 
     def _wrapped(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call of a DDP or FSDP2 module: its logic around ``self`` (Note [Wrappers run

@@ -37,9 +37,11 @@ naming the transform instead of handing wrappers to the graphs::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import (
     forward_ad_level,
@@ -99,6 +101,93 @@ def has_tangent(tensors: Sequence[object]) -> bool:
     )
 
 
+# Note [Forward mode captures a JVP graph]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Dual tensors (``torch.autograd.forward_ad``) need no functorch wrapper: the
+# tangent rides on a plain tensor. So a call with dual arguments is split into
+# primals and tangents, and a second function, the *JVP body*, is compiled
+# like any other: it makes the duals again on capture's fake tensors, calls
+# the user's function and unpacks the result. Capture records the
+# forward-mode formulas autograd runs (``detach()`` cuts the tangent there as
+# in eager), so the graph holds outputs and their tangents; it is cached per
+# specialization, compiled with the user's compilers, and has a backward like
+# any graph (reverse mode over the primals still works). For
+# ``f(x) = x.sin() * x.cos().detach()`` called on ``make_dual(x, t)``::
+#
+#     jvp body (leaves=[x], tangents=[t]):  out = sin(x) * cos(x)
+#                                           out_tangent = (cos(x) * t) * cos(x)
+#     result:                               make_dual(out, out_tangent)
+#
+# Only a level open *at capture* can be used (torch supports one forward
+# level), which is why this works for ``dual_level`` and not for
+# ``torch.func.jvp``, whose wrappers run the function instead (Note
+# [Transforms run the function]). Dual module state (``functional_call`` with
+# dual parameters) also runs the function: capture would drop its tangents.
+
+
+def dual_positions(leaves: Sequence[object]) -> tuple[int, ...]:
+    """Positions of the leaves that carry a tangent.
+
+    >>> import torch.autograd.forward_ad as fwAD
+    >>> with fwAD.dual_level():
+    ...     dual_positions([torch.ones(1), 2, fwAD.make_dual(torch.ones(1), torch.ones(1))])
+    (2,)
+    """
+    unpack = torch.autograd.forward_ad.unpack_dual
+    return tuple(
+        i
+        for i, leaf in enumerate(leaves)
+        if isinstance(leaf, torch.Tensor) and unpack(leaf).tangent is not None
+    )
+
+
+def split_duals(
+    leaves: Sequence[Any], positions: Sequence[int]
+) -> tuple[list[Any], list[torch.Tensor]]:
+    """The leaves with each dual replaced by its primal, and the tangents (at ``positions``)."""
+    unpack = torch.autograd.forward_ad.unpack_dual
+    primals, tangents = list(leaves), []
+    for i in positions:
+        primals[i], tangent = unpack(leaves[i])
+        tangents.append(tangent)
+    return primals, tangents
+
+
+def jvp_body(
+    fn: Callable[..., Any], spec: pytree.TreeSpec, positions: tuple[int, ...]
+) -> Callable[[list[Any], list[torch.Tensor]], tuple[Any, list[torch.Tensor | None]]]:
+    """The function a dual call compiles (Note [Forward mode captures a JVP graph]).
+
+    >>> import torch.autograd.forward_ad as fwAD
+    >>> leaves, spec = pytree.tree_flatten(((torch.zeros(1),), {}))
+    >>> with fwAD.dual_level():
+    ...     jvp_body(torch.sin, spec, (0,))(leaves, [torch.ones(1)])
+    (tensor([0.]), [tensor([1.])])
+    """
+    make_dual, unpack = torch.autograd.forward_ad.make_dual, torch.autograd.forward_ad.unpack_dual
+
+    def jvp(leaves: list[Any], tangents: list[torch.Tensor]) -> Any:
+        duals = list(leaves)
+        for i, tangent in zip(positions, tangents, strict=True):
+            duals[i] = make_dual(duals[i], tangent)
+        args, kwargs = pytree.tree_unflatten(duals, spec)
+        flat, out_spec = pytree.tree_flatten(fn(*args, **kwargs))
+        unpacked = [unpack(v) if isinstance(v, torch.Tensor) else None for v in flat]
+        primals = [v if u is None else u.primal for u, v in zip(unpacked, flat, strict=True)]
+        out_tangents = [None if u is None else u.tangent for u in unpacked]
+        return pytree.tree_unflatten(primals, out_spec), out_tangents
+
+    return jvp
+
+
+def join_duals(out: Any, tangents: Sequence[torch.Tensor | None]) -> Any:
+    """``out`` with each tensor leaf that has a tangent made dual again."""
+    make_dual = torch.autograd.forward_ad.make_dual
+    flat, spec = pytree.tree_flatten(out)
+    joined = [v if t is None else make_dual(v, t) for v, t in zip(flat, tangents, strict=True)]
+    return pytree.tree_unflatten(joined, spec)
+
+
 def refuse_transforms_on(inputs: Sequence[object], what: str = GRAPH_PAIR) -> None:
     """Raise :class:`TransformError` if a transform is active or one of ``inputs`` is dual.
 
@@ -124,8 +213,12 @@ def refuse_transform(what: str) -> None:
 __all__ = [
     "GRAPH_PAIR",
     "active_transform",
+    "dual_positions",
     "has_tangent",
+    "join_duals",
+    "jvp_body",
     "refuse_transform",
     "refuse_transforms_on",
+    "split_duals",
     "transform_active",
 ]
