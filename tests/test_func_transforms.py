@@ -473,3 +473,21 @@ def test_loaded_graphs_refuse_dual_tensors(loaded: Any) -> None:
         assert_close(loaded(x), x.sin())  # no tangent: the graphs run
         with pytest.raises(aotgrad.TransformError, match="forward_ad"):
             loaded(fwAD.make_dual(x, torch.ones(3)))
+
+
+def test_scan_under_grad_and_vmap_runs_unrolled() -> None:
+    def body(c: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return c * x.sin(), c.sum()
+
+    xs = torch.randn(4, 3)
+
+    def loss(scan: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda c: scan(body, c, xs)[0].sum() + scan(body, c, xs)[1].sum()
+
+    c0 = torch.randn(3)
+    assert_close(grad(loss(aotgrad.scan))(c0), grad(loss(aotgrad.loops.loop.unrolled))(c0))
+    batched = torch.randn(2, 3)
+    assert_close(
+        vmap(lambda c: aotgrad.scan(body, c, xs))(batched),
+        vmap(lambda c: aotgrad.loops.loop.unrolled(body, c, xs))(batched),
+    )

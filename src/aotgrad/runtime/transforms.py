@@ -23,11 +23,14 @@ tangent through the ``detach``). So while a transform is active, or a
 forward-AD level (``torch.autograd.forward_ad.dual_level``) is open, the
 compiled function runs the *user's function* on the transform's tensors: the
 transform then sees exactly the ops eager runs, mutations and views
-included, to any order and nesting. It is a slower path, not a silent one:
+included, to any order and nesting. (Dual arguments under a forward-AD level
+alone take a compiled path instead: Note [Forward mode captures a JVP
+graph].) It is a slower path, not a silent one:
 ``aotgrad.cache_info(f).transform_runs`` counts such calls (``Traced``:
-``traced.transform_runs``). Where no function is at hand (a graph loaded from
-a file, a scan body's graphs) the runtime raises :class:`TransformError`
-naming the transform instead of handing wrappers to the graphs::
+``traced.transform_runs``; ``aotgrad.scan`` runs its loop unrolled). Where no
+function is at hand (graphs loaded from a file) the runtime raises
+:class:`TransformError` naming the transform instead of handing wrappers to
+the graphs::
 
     g = aotgrad.aot_function(f)
     torch.func.grad(g)(x)         # f(x) under grad: eager's gradient
@@ -60,7 +63,7 @@ _TRANSFORMS = {
 
 
 # Who refuses, in TransformError's message, when no function is at hand.
-GRAPH_PAIR = "a compiled graph pair with no function to run instead (aotgrad.load, a scan body)"
+GRAPH_PAIR = "a compiled graph pair with no function to run instead (aotgrad.load's result)"
 
 
 def transform_active() -> bool:
