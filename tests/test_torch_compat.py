@@ -305,9 +305,16 @@ def test_peek_functorch_interpreter_names_the_innermost_transform():
 
 def test_forward_ad_level_is_the_open_dual_level():
     assert compat.forward_ad_level() == -1
+    assert not compat.functorch_or_forward_ad_active()
     with torch.autograd.forward_ad.dual_level():
         assert compat.forward_ad_level() == 0
+        assert compat.functorch_or_forward_ad_active()
     assert compat.forward_ad_level() == -1
+    inside = []
+    torch.func.vmap(lambda t: inside.append(compat.functorch_or_forward_ad_active()) or t)(
+        torch.ones(2)
+    )
+    assert inside == [True]
 
 
 def test_set_version_counter_puts_the_version_back():

@@ -183,9 +183,17 @@ functorch_transforms_active = torch._C._are_functorch_transforms_active
 peek_functorch_interpreter = torch._C._functorch.peek_interpreter_stack
 
 
+_forward_ad = torch.autograd.forward_ad
+
+
 def forward_ad_level() -> int:
     """The innermost ``torch.autograd.forward_ad.dual_level`` entered; -1 outside any."""
-    return torch.autograd.forward_ad._current_level
+    return _forward_ad._current_level
+
+
+def functorch_or_forward_ad_active() -> bool:
+    """A torch.func transform active, or a dual level open: one frame, on every call."""
+    return functorch_transforms_active() or _forward_ad._current_level >= 0
 
 
 # Put a tensor's version counter back (Note [Replayed metadata keeps the version]).

@@ -48,6 +48,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import (
     forward_ad_level,
+    functorch_or_forward_ad_active,
     functorch_transforms_active,
     peek_functorch_interpreter,
 )
@@ -66,15 +67,9 @@ _TRANSFORMS = {
 GRAPH_PAIR = "a compiled graph pair with no function to run instead (aotgrad.load's result)"
 
 
-def transform_active() -> bool:
-    """Is a ``torch.func`` transform or a forward-AD level active (Note [Transforms run the function])?
-
-    >>> transform_active()
-    False
-    >>> torch.func.vmap(lambda x: torch.tensor(transform_active()))(torch.ones(2)).tolist()
-    [True, True]
-    """
-    return functorch_transforms_active() or forward_ad_level() >= 0
+# Is a ``torch.func`` transform or a forward-AD level active (Note [Transforms run the
+# function])? Checked on every call of a compiled function, so it is compat's one frame.
+transform_active = functorch_or_forward_ad_active
 
 
 def active_transform() -> str:
