@@ -366,6 +366,27 @@ def test_forward_ad_through_a_view_and_an_input_mutation() -> None:
     assert aotgrad.cache_info(compiled).jvp_runs == 1
 
 
+@pytest.mark.parametrize("mode", [torch.enable_grad, torch.no_grad])
+def test_forward_ad_mutating_a_plain_input_and_outputs_without_tangents(mode: Any) -> None:
+    """``no_grad`` does not stop forward mode; argmax and detach() outputs get no tangent."""
+
+    def f(x: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        buf.add_(1)
+        return x.sin() * buf, x.argmax(), x.detach() * 2
+
+    compiled = aotgrad.aot_function(f)
+    x, tangent = torch.randn(4), torch.randn(4)
+    results = []
+    for fn in (f, compiled):
+        buf = torch.ones(4)
+        with mode():
+            results.append((dual_call(fn, x, buf, tangent=tangent), buf))
+    assert_close(results[1], results[0])
+    assert results[1][0][1][1] is None and results[1][0][2][1] is None
+    assert results[1][1].tolist() == [2.0] * 4
+    assert aotgrad.cache_info(compiled).jvp_runs == 1
+
+
 def test_dual_parameters_run_the_module() -> None:
     """functional_call with dual parameters: capture would drop their tangents."""
     eager = mlp()
