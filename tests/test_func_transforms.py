@@ -414,6 +414,41 @@ def test_a_dual_level_with_no_dual_input_still_matches_eager() -> None:
     assert_close(x.grad, -x.detach().sin())
 
 
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "trainable"])
+def test_forward_ad_through_a_transformers_model(frozen: bool) -> None:
+    """Frozen: a JVP graph. Trainable: capture of the JVP graph's backward may refuse (the
+    function runs; docs/known-limitations.md)."""
+    library_models = pytest.importorskip("library_models")
+    case = library_models.build("bert")
+    eager = case.model.eval().requires_grad_(not frozen)
+    eager.set_attn_implementation("eager")  # torch has no forward-mode rule for CPU SDPA
+    compiled = aotgrad.aot_module(copy.deepcopy(eager))
+    kwargs = {k: v for k, v in case.kwargs.items() if k not in ("input_ids", "labels")}
+    embeds = eager.get_input_embeddings()(case.kwargs["input_ids"]).detach()
+    tangent = torch.randn_like(embeds)
+
+    def logits(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda e: model(inputs_embeds=e, **kwargs).logits
+
+    assert_close(
+        dual_call(logits(compiled), embeds, tangent=tangent),
+        dual_call(logits(eager), embeds, tangent=tangent),
+    )
+    info = aotgrad.cache_info(compiled)
+    assert info.jvp_runs + info.transform_runs == 1
+    if frozen:
+        assert info.jvp_runs == 1
+
+
+def test_forward_ad_and_vmap_through_the_torch_compile_backend() -> None:
+    model = mlp()
+    compiled = torch.compile(copy.deepcopy(model), backend="aotgrad")
+    x, tangent = torch.randn(4, 3), torch.randn(4, 3)
+    assert_close(dual_call(compiled, x, tangent=tangent), dual_call(model, x, tangent=tangent))
+    assert_close(vmap(compiled)(x.unsqueeze(1)), vmap(model)(x.unsqueeze(1)))
+    assert_close(jacfwd(compiled)(x), jacfwd(model)(x))
+
+
 # --------------------------------------------------------------------------- vmap
 
 
