@@ -72,6 +72,8 @@ class CacheInfo:
             f"disk: {self.disk_hits} hits, {self.disk_misses} misses"
             + (f" (not cached: {self.disk_skipped})" if self.disk_skipped else ""),
         ]
+        if self.jvp_skipped:
+            lines.append(f"last JVP graph not captured: {self.jvp_skipped.splitlines()[0]}")
         lines += [f"  miss {i}: {reason}" for i, reason in enumerate(self.reasons)]
         return "\n".join(lines)
 
