@@ -442,9 +442,18 @@ def test_forward_ad_through_a_transformers_model(frozen: bool) -> None:
 
 def test_forward_ad_and_vmap_through_the_torch_compile_backend() -> None:
     model = mlp()
-    compiled = torch.compile(copy.deepcopy(model), backend="aotgrad")
+    inputs_seen = []
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        inputs_seen.append(len(example_inputs))
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(model), backend=aotgrad.backend(compiler, compiler))
     x, tangent = torch.randn(4, 3), torch.randn(4, 3)
+    compiled(x)
     assert_close(dual_call(compiled, x, tangent=tangent), dual_call(model, x, tangent=tangent))
+    assert inputs_seen[2] == inputs_seen[0] + 1  # the JVP graph: the tangent is one more input
     assert_close(vmap(compiled)(x.unsqueeze(1)), vmap(model)(x.unsqueeze(1)))
     assert_close(jacfwd(compiled)(x), jacfwd(model)(x))
 

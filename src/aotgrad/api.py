@@ -467,11 +467,11 @@ class AOTFunction:
         self._code_key = code_key
         self._code: tuple[Any, set[str]] | None = None
         self.partitioned: Partitioned | None = None
-        # Compiled JVP bodies for dual calls, by structure and dual positions; set on such a
-        # body itself, which runs under the forward-AD level (Note [Forward mode captures a
-        # JVP graph]).
+        # Compiled JVP bodies for dual calls, by structure and dual positions (None: capture
+        # refused); a JVP body itself runs under the forward-AD level like any call (Note
+        # [Forward mode captures a JVP graph]).
         self._jvps: dict[tuple[Any, tuple[int, ...]], AOTFunction | None] = {}
-        self._jvps_for_parent = False
+        self._is_jvp_body = False
 
     @property
     def info(self) -> CacheInfo:
@@ -483,7 +483,7 @@ class AOTFunction:
             return self._wrapped(args, kwargs)
         if capturing():  # called by code being traced: trace through (Note [Capture sessions])
             return self._fn(*args, **kwargs)
-        if transform_active() and not self._jvps_for_parent:
+        if transform_active() and not self._is_jvp_body:
             return self._under_transform(args, kwargs)
         if not kwargs:
             last = self.cache.last_entry(args)  # Note [The last entry]
@@ -542,7 +542,7 @@ class AOTFunction:
             body = jvp_body(self._fn, spec, positions)
             options = replace(self._options, disk_cache=False)
             found = self._jvps[spec, positions] = AOTFunction(body, options)
-            found._jvps_for_parent = True
+            found._is_jvp_body = True
         return self._jvps[spec, positions]
 
     def _wrapped(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
