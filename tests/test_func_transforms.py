@@ -136,6 +136,23 @@ def test_nested_grad_of_an_mlp_loss() -> None:
     assert runs(compiled) == 1
 
 
+def test_hessian_of_an_mlp_loss_over_its_parameters() -> None:
+    eager = mlp()
+    compiled = aotgrad.aot_module(copy.deepcopy(eager))
+    x = torch.randn(4, 3)
+
+    def hessian(model: nn.Module, prefix: str) -> Any:
+        weight = dict(model.named_parameters())[prefix + "2.weight"].detach()
+
+        def loss(w: torch.Tensor) -> torch.Tensor:
+            return functional_call(model, {prefix + "2.weight": w}, (x,)).tanh().sum()
+
+        return torch.func.hessian(loss)(weight)
+
+    assert_close(hessian(compiled, "orig_module."), hessian(eager, ""))
+    assert runs(compiled) == 1
+
+
 def test_grad_of_a_function_mutating_an_input_it_is_not_differentiated_for() -> None:
     def f(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         scale.mul_(2)
