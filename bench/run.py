@@ -31,6 +31,7 @@ import persist  # noqa: E402
 import remat  # noqa: E402
 import report_page  # noqa: E402
 import scan  # noqa: E402
+import transforms  # noqa: E402
 from bench_models import make  # noqa: E402
 
 README = HERE.parent / "README.md"
@@ -89,6 +90,7 @@ def main() -> None:
         if name == "gpt4":
             plot_budgets(found, remat.frontier(model, args))
     rows.extend(scan_rows(scan.measure()))
+    rows.extend(transform_rows(transforms.measure()))
     speed = compiled.measure()
     rows.append(
         row(
@@ -153,6 +155,27 @@ def scan_rows(found: dict[str, float]) -> list[dict[str, Any]]:
             found["saved carries + one body"],
             "<= 1.00",
             "vs the carries plus one body's saved values",
+        ),
+    ]
+
+
+def transform_rows(found: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """Issue 18: forward mode through a captured JVP graph; torch.func.grad (runs the function)."""
+    jvp, grad = found["jvp"], found["grad"]
+    return [
+        row(
+            "forward-mode JVP mlp8 (dual tensors), inductor vs eager (s)",
+            jvp["aotgrad_inductor"],
+            jvp["eager"],
+            "<= 1.00",
+            "a captured JVP graph",
+        ),
+        row(
+            "torch.func.grad mlp8 through aot_module vs eager (s)",
+            grad["aotgrad"],
+            grad["eager"],
+            "<= 1.10",
+            "runs the function under the transform",
         ),
     ]
 

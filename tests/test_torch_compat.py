@@ -292,6 +292,31 @@ def test_functorch_transforms_active_only_inside_a_transform():
     assert inside == [True] and not compat.functorch_transforms_active()
 
 
+def test_peek_functorch_interpreter_names_the_innermost_transform():
+    keys = []
+    torch.func.grad(
+        lambda t: keys.append(compat.peek_functorch_interpreter().key().name) or t.sum()
+    )(torch.ones(2))
+    torch.func.vmap(lambda t: keys.append(compat.peek_functorch_interpreter().key().name) or t)(
+        torch.ones(2)
+    )
+    assert keys == ["Grad", "Vmap"]
+
+
+def test_forward_ad_level_is_the_open_dual_level():
+    assert compat.forward_ad_level() == -1
+    assert not compat.functorch_or_forward_ad_active()
+    with torch.autograd.forward_ad.dual_level():
+        assert compat.forward_ad_level() == 0
+        assert compat.functorch_or_forward_ad_active()
+    assert compat.forward_ad_level() == -1
+    inside = []
+    torch.func.vmap(lambda t: inside.append(compat.functorch_or_forward_ad_active()) or t)(
+        torch.ones(2)
+    )
+    assert inside == [True]
+
+
 def test_set_version_counter_puts_the_version_back():
     x = torch.ones(2)
     version = x._version

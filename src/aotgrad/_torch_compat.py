@@ -178,6 +178,24 @@ class ExpandedCodeGen(fx.graph.CodeGen):
 FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
 unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 functorch_transforms_active = torch._C._are_functorch_transforms_active
+# The innermost active torch.func transform (its ``key()``: ``TransformType.Grad``, ``Vmap``,
+# ``Jvp``, ``Functionalize``), named in errors (Note [Transforms run the function]).
+peek_functorch_interpreter = torch._C._functorch.peek_interpreter_stack
+
+
+_forward_ad = torch.autograd.forward_ad
+
+
+def forward_ad_level() -> int:
+    """The innermost ``torch.autograd.forward_ad.dual_level`` entered; -1 outside any."""
+    return _forward_ad._current_level
+
+
+def functorch_or_forward_ad_active() -> bool:
+    """A torch.func transform active, or a dual level open: one frame, on every call."""
+    return functorch_transforms_active() or _forward_ad._current_level >= 0
+
+
 # Put a tensor's version counter back (Note [Replayed metadata keeps the version]).
 set_version_counter = torch._C._autograd._unsafe_set_version_counter
 # What ``autograd.grad`` and ``.backward()`` run, called by capture with its modes kept active

@@ -8,23 +8,32 @@ import gc
 import os
 import pathlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from aotgrad._torch_compat import functorch_transforms_active
 from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
 from aotgrad.capture import JointGraph, TracerChoice, capture, capturing, check_tracer_choice
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
-from aotgrad.errors import CallError, StoreError, user_frame_of_function
+from aotgrad.errors import CallError, CaptureError, StoreError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.report.html import render_html
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
 from aotgrad.runtime.boxing import Compiler
+from aotgrad.runtime.transforms import (
+    dual_positions,
+    has_tangent,
+    join_duals,
+    jvp_body,
+    split_duals,
+    transform_active,
+)
 from aotgrad.signature import FlatInputs, Signature, flatten_inputs, leaf_names
 from aotgrad.signature.flatten import flatten_call
 from aotgrad.signature.lifting import (
@@ -78,6 +87,23 @@ class Traced:
     # again on each call (Note [Wrappers run around the graphs]).
     _wrapping: Wrapping | None = None
     _state: State | None = None
+    # The traced function, run under torch.func transforms and forward-mode AD, and how
+    # many calls ran it (Note [Transforms run the function]).
+    _fn: Callable[..., Any] | None = None
+    _transform_runs: list[int] = field(default_factory=lambda: [0])
+
+    @property
+    def transform_runs(self) -> int:
+        """Calls that ran the function itself under a transform (Note [Transforms run the function]).
+
+        >>> import torch, aotgrad
+        >>> traced = aotgrad.trace(lambda x: x.sin(), torch.ones(2))
+        >>> torch.func.grad(lambda x: traced(x).sum())(torch.zeros(2)).tolist()
+        [1.0, 1.0]
+        >>> traced.transform_runs
+        1
+        """
+        return self._transform_runs[0]
 
     @property
     def joint(self) -> fx.GraphModule:
@@ -178,6 +204,9 @@ class Traced:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the traced graphs on new inputs of the same structure and metadata."""
+        if self._fn is not None and transform_active():  # Note [Transforms run the function]
+            self._transform_runs[0] += 1
+            return self._fn(*args, **kwargs)
         if self._wrapping is not None:
             return self._wrapping.call(self._run, args, kwargs)
         return self._run(*args, **kwargs)
@@ -266,9 +295,10 @@ def trace(
     fn = as_module(fn)
     wrapping = wrapping_of(fn) if isinstance(fn, torch.nn.Module) else None
     if wrapping is None:
-        return _trace(
+        traced = _trace(
             fn, args, kwargs, Options(partition=partition, dynamic=dynamic, tracer=tracer)
         )
+        return replace(traced, _fn=fn)
     with wrapping.capturing():  # Note [Wrappers run around the graphs]
         traced = _trace(
             wrapping.inner,
@@ -276,7 +306,7 @@ def trace(
             kwargs,
             Options(partition=partition, dynamic=dynamic, tracer=tracer),
         )
-    return replace(traced, _wrapping=wrapping, _state=State(wrapping.inner))
+    return replace(traced, _wrapping=wrapping, _state=State(wrapping.inner), _fn=fn)
 
 
 def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: Options) -> Traced:
@@ -437,6 +467,11 @@ class AOTFunction:
         self._code_key = code_key
         self._code: tuple[Any, set[str]] | None = None
         self.partitioned: Partitioned | None = None
+        # Compiled JVP bodies for dual calls, by structure and dual positions (None: capture
+        # refused); a JVP body itself runs under the forward-AD level like any call (Note
+        # [Forward mode captures a JVP graph]).
+        self._jvps: dict[tuple[Any, tuple[int, ...]], AOTFunction | None] = {}
+        self._is_jvp_body = False
 
     @property
     def info(self) -> CacheInfo:
@@ -448,6 +483,8 @@ class AOTFunction:
             return self._wrapped(args, kwargs)
         if capturing():  # called by code being traced: trace through (Note [Capture sessions])
             return self._fn(*args, **kwargs)
+        if transform_active() and not self._is_jvp_body:
+            return self._under_transform(args, kwargs)
         if not kwargs:
             last = self.cache.last_entry(args)  # Note [The last entry]
             if last is not None:
@@ -468,6 +505,45 @@ class AOTFunction:
         if not kwargs and self._state.empty:
             self.cache.remember(key, found, leaves)
         return found(lifted.tensors, leaves)
+
+    def _under_transform(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call under a torch.func transform or a forward-AD level.
+
+        Dual arguments go through a compiled JVP body (Note [Forward mode captures a JVP
+        graph]); everything else runs the function (Note [Transforms run the function]).
+        """
+        if not functorch_transforms_active() and self._wrapping is None:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            positions = dual_positions(leaves)
+            jvp = self._jvp(spec, positions) if positions else None
+            if jvp is not None and not self._dual_state(args, kwargs):
+                primals, tangents = split_duals(leaves, positions)
+                try:
+                    out = jvp(primals, tangents)
+                except CaptureError as e:  # eager may run what capture refuses
+                    self._jvps[spec, positions] = None
+                    self.cache.info.jvp_skipped = f"{type(e).__name__}: {e}"
+                else:
+                    self.cache.info.jvp_runs += 1
+                    return join_duals(*out)
+        self.cache.info.transform_runs += 1
+        return self._fn(*args, **kwargs)
+
+    def _dual_state(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Does the module state or a closed-over tensor carry a tangent?"""
+        leaves, structure = flatten_call(args, kwargs)
+        arguments = module_arguments(self._target, args, kwargs, leaves, structure, self._names)
+        return has_tangent(self._state.read(arguments).tensors)
+
+    def _jvp(self, spec: pytree.TreeSpec, positions: tuple[int, ...]) -> AOTFunction | None:
+        """The compiled JVP body for duals at ``positions`` (Note [Forward mode captures a JVP
+        graph]); None once its capture failed (``cache_info(f).jvp_skipped`` says why)."""
+        if (spec, positions) not in self._jvps:
+            body = jvp_body(self._fn, spec, positions)
+            options = replace(self._options, disk_cache=False)
+            found = self._jvps[spec, positions] = AOTFunction(body, options)
+            found._is_jvp_body = True
+        return self._jvps[spec, positions]
 
     def _wrapped(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call of a DDP or FSDP2 module: its logic around ``self`` (Note [Wrappers run

@@ -46,6 +46,15 @@ class CacheInfo:
     reasons: list[str] = field(default_factory=list)
     # Calls that ran eagerly because the cache was full.
     fallbacks: int = 0
+    # Calls that ran the function itself under a torch.func transform or forward-mode AD
+    # (Note [Transforms run the function]).
+    transform_runs: int = 0
+    # Calls with dual arguments, run through a compiled JVP body (Note [Forward mode captures
+    # a JVP graph]).
+    jvp_runs: int = 0
+    # Why the latest dual call's JVP body could not be captured (it ran the function); None
+    # when it could.
+    jvp_skipped: str | None = None
     entries: int = 0
     # Misses the disk cache served (no trace), and misses it did not (traced, then written:
     # Note [The disk cache]).
@@ -62,6 +71,8 @@ class CacheInfo:
     def __str__(self) -> str:
         lines = [
             f"{self.hits} hits, {self.misses} misses, {self.entries} entries, {self.fallbacks} eager fallbacks",
+            f"{self.transform_runs} calls under torch.func transforms or forward-mode AD,"
+            f" {self.jvp_runs} through a JVP graph",
             f"disk: {self.disk_hits} hits, {self.disk_misses} misses"
             + (f" (not cached: {self.disk_skipped})" if self.disk_skipped else ""),
         ]
@@ -70,6 +81,8 @@ class CacheInfo:
                 f"create_graph: {self.create_graph_captures} backward captures,"
                 f" {self.create_graph_fallbacks} fallbacks"
             )
+        if self.jvp_skipped:
+            lines.append(f"last JVP graph not captured: {self.jvp_skipped.splitlines()[0]}")
         lines += [f"  miss {i}: {reason}" for i, reason in enumerate(self.reasons)]
         return "\n".join(lines)
 

@@ -104,6 +104,11 @@ class DoubleBackwardError(AotgradError, RuntimeError):
     """A second derivative was asked through a compiled function (``create_graph=True``)."""
 
 
+class TransformError(AotgradError, RuntimeError):
+    """Compiled graphs reached under a ``torch.func`` transform or forward-mode AD, where
+    no function is at hand to run instead (Note [Transforms run the function])."""
+
+
 class AutocastBackwardError(AotgradError, RuntimeError):
     """A backward called under autocast, whose graph holds ops autocast would cast (Note [Autocast])."""
 

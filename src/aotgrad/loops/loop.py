@@ -37,6 +37,7 @@ from aotgrad.errors import DoubleBackwardError, ScanError
 from aotgrad.loops.body import ScanBody, capture_body
 from aotgrad.runtime.boxing import Compiler
 from aotgrad.runtime.function import reached_grads, with_zeros
+from aotgrad.runtime.transforms import transform_active
 from aotgrad.signature.lifting import NOTHING, Lifted, State, as_module
 
 
@@ -93,7 +94,9 @@ class ScanFunction:
 
     @torch.compiler.disable
     def __call__(self, init: Any, xs: Any) -> tuple[Any, Any]:
-        if capturing():  # inside an aotgrad capture: the loop is traced, unrolled
+        # Inside an aotgrad capture the loop is traced, unrolled; under a torch.func
+        # transform it runs unrolled (Note [Transforms run the function]).
+        if capturing() or transform_active():
             return unrolled(self._fn, init, xs)
         xs_leaves, xs_spec = pytree.tree_flatten(xs)
         length = _length(xs_leaves)
@@ -120,7 +123,7 @@ class ScanFunction:
         >>> c.sum().backward(); c, ws[0].grad
         (tensor([6., 6.], grad_fn=<ScanLoopBackward>), tensor([3., 3.]))
         """
-        if capturing():
+        if capturing() or transform_active():  # Note [Transforms run the function]
             return _unrolled_rows(self._fn, init, rows)
         flat = [pytree.tree_flatten(row) for row in rows]
         if not flat:

@@ -17,6 +17,7 @@ from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue
 from aotgrad.runtime.higher_order import HigherOrder
+from aotgrad.runtime.transforms import refuse_transforms_on
 from aotgrad.signature import Signature
 from aotgrad.signature.subclasses import holds_flat_outputs, rebuild_outputs
 
@@ -100,6 +101,7 @@ class CompiledGraphs:
         return None if guards.check(inputs) else guards.failed(inputs) or "the shape guards"
 
     def __call__(self, primals: Sequence[torch.Tensor]) -> Any:
+        refuse_transforms_on(primals)  # Note [Transforms run the function]
         if self._subclasses is None and not self._subclass_outputs:
             return self._call(primals)
         if self._subclasses is not None:  # Note [Tensor subclasses]

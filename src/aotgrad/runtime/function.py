@@ -55,6 +55,7 @@ from aotgrad.optable import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import BoxedCall
 from aotgrad.runtime.higher_order import HigherOrder
+from aotgrad.runtime.transforms import GRAPH_PAIR, refuse_transform
 from aotgrad.signature import Signature
 
 
@@ -304,6 +305,10 @@ def make_function(
             return returned
 
         @staticmethod
+        def jvp(ctx: Any, *tangents: Any) -> Any:  # a dual tensor reached the graphs
+            refuse_transform(GRAPH_PAIR)  # Note [Transforms run the function]
+
+        @staticmethod
         def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
             received = all_received
             try:  # the usual call: every differentiable output got a gradient
@@ -377,8 +382,9 @@ def reached_grads(
 # transforms, unwraps dead functorch wrappers (pytree over the arguments) and
 # calls the C++ ``_FunctionBase.apply``. That Python layer costs ~2 us of a
 # ~25 us call on small graphs. ``direct_apply`` does the same two steps
-# itself on the flat tensor list, and defers to ``apply`` whenever a
-# transform is active (vmap/grad need ``custom_function_call``):
+# itself on the flat tensor list. Under an active transform the graphs cannot
+# run at all: it raises (Note [Transforms run the function]; the frontends run
+# the user's function instead and never get here):
 #
 #     Function.apply(x, w)       ->  unwrap_dead_wrappers((x, w)); _FunctionBase.apply(x, w)
 #     direct_apply(F)(x, w)      ->  [unwrap_if_dead(x), unwrap_if_dead(w)]; _FunctionBase.apply
@@ -392,7 +398,7 @@ def direct_apply(function: type[torch.autograd.Function]) -> Any:
 
     def apply(*inputs: torch.Tensor) -> Any:
         if transforms_active():
-            return function.apply(*inputs)
+            refuse_transform(GRAPH_PAIR)
         return raw(*map(unwrap, inputs))
 
     return apply

@@ -38,6 +38,7 @@ from aotgrad.partition.saved import SavedValue
 from aotgrad.runtime import CompiledGraphs, HigherOrder, compile_graphs, higher_order_of
 from aotgrad.runtime.boxing import Compiler, nop
 from aotgrad.runtime.function import Plan
+from aotgrad.runtime.transforms import refuse_transforms_on
 from aotgrad.signature import FlatInputs, Signature
 from aotgrad.signature.descriptors import Buffer, Param
 from aotgrad.store.format import Stored, dumps, loads, stored_value, with_values, write_atomically
@@ -188,6 +189,7 @@ class Loaded:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        refuse_transforms_on(leaves)  # Note [Transforms run the function]
         if spec != self._spec:
             raise CallError(
                 f"these graphs were saved for arguments structured as {self._spec}, got {spec}"
