@@ -555,6 +555,15 @@ def _capture_once(
 #
 # An op with neither a derivative nor a decomposition (CPU flash attention's
 # backward, which eager cannot differentiate either) raises DoubleBackwardError.
+#
+# One op has a derivative that is wrong: ``as_strided_scatter``'s gradient with
+# respect to the tensor written into keeps the positions the write replaced
+# (for ``as_strided_scatter(a, s, [2], [1], 3)`` on a 1-D ``a``, d out / d a[3]
+# should be 0; torch 2.13 gives 1). Functionalized graphs write every change to
+# a base through it, so ``G`` always runs it as an ``index_put`` at the storage
+# positions the strided view covers (_as_strided_scatter below):
+#
+#     as_strided_scatter(a, s, [2], [1], 3)   ->   a.index_put(([3, 4],), s)
 
 _NO_DERIVATIVE = re.compile(r"derivative for (?:aten::)?([\w.]+) is not implemented")
 
@@ -593,6 +602,46 @@ def _functional_copy(
     back = sorted(range(self.dim()), key=order.__getitem__)
     laid_out = value.permute(order).clone(memory_format=torch.contiguous_format)
     return laid_out.permute(back)
+
+
+def _as_strided_scatter(
+    self: torch.Tensor,
+    src: torch.Tensor,
+    size: Sequence[int],
+    stride: Sequence[int],
+    storage_offset: int | None = None,
+) -> torch.Tensor:
+    """``aten.as_strided_scatter`` from ops whose derivatives are right (Note [Backward ops
+    without a derivative]): the value laid out in storage order, ``src`` put at the positions
+    the strided view covers, laid back out in ``self``'s strides."""
+    if not _dense(self):
+        raise DoubleBackwardError(
+            "create_graph=True: the backward of a compiled function writes through an"
+            f" as_strided view of a tensor whose layout (size {tuple(self.shape)}, stride"
+            f" {self.stride()}) has gaps or overlaps; aotgrad cannot differentiate that write"
+            " again.\nCompute this derivative without create_graph=True."
+        )
+    strides = self.stride()
+    order = sorted(range(self.dim()), key=lambda d: (-strides[d], d))
+    back = sorted(range(self.dim()), key=order.__getitem__)
+    storage = self.permute(order).reshape(-1)
+    positions = torch.full((), storage_offset or 0, dtype=torch.long, device=self.device)
+    for d, (n, step) in enumerate(zip(size, stride, strict=True)):
+        shape = [1] * len(size)
+        shape[d] = n
+        steps = torch.arange(n, dtype=torch.long, device=self.device) * step
+        positions = positions + steps.reshape(shape)
+    values = src.to(self.dtype).expand(tuple(size)).reshape(-1)
+    written = storage.index_put((positions.reshape(-1),), values)
+    return written.reshape([self.shape[d] for d in order]).permute(back)
+
+
+# Ops replaced in every capture of ``G``: PyTorch's derivative of ``as_strided_scatter`` with
+# respect to ``self`` does not zero the positions the write covers (torch 2.13: gradcheck fails
+# even for a 1-D ``self``), so differentiating a graph through it would be silently wrong.
+_REPLACED: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.as_strided_scatter.default: _as_strided_scatter,
+}
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -662,7 +711,7 @@ def _run_with_provenance(
         else:
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-            run = decomposed.get(node.target, node.target)
+            run = decomposed.get(node.target) or _REPLACED.get(node.target, node.target)
             with fx_traceback.annotate(_note(node)):
                 env[node] = run(*args, **kwargs)
     raise AssertionError("expected the graph to end with an output node")
