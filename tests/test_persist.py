@@ -135,37 +135,53 @@ def test_save_refuses_closed_over_tensors(tmp_path):
 
 
 def _rewrite(path, edit, fix_checksum=True):
-    """Edit the payload of a graph file (and, as a careful attacker would, its checksum)."""
+    """Edit the payload of a graph file (and, as a careful attacker would, its checksum).
+
+    ``edit(header, run, about)`` changes the three lines' data in place.
+    """
     import hashlib
 
-    head, payload = path.read_bytes().split(b"\n", 1)
-    header, body = json.loads(head), json.loads(payload)
-    edit(header, body)
-    payload = json.dumps(body).encode()
+    head, run, about = path.read_bytes().split(b"\n")
+    header, run, about = json.loads(head), json.loads(run), json.loads(about)
+    edit(header, run, about)
+    payload = json.dumps(run).encode() + b"\n" + json.dumps(about).encode()
     if fix_checksum:
         header["bytes"], header["sha256"] = len(payload), hashlib.sha256(payload).hexdigest()
     path.write_bytes(json.dumps(header).encode() + b"\n" + payload)
 
 
-def _first_op(body):
-    return next(n for n in body["forward"]["nodes"] if n["op"] == "call_function")
+def _first_op(run):
+    return next(n for n in run["forward"]["nodes"] if n[1] == "call_function")
+
+
+def _set(item, index, value):
+    item[index] = value
 
 
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda h, b: _first_op(b).update(target="os.system"), "unknown target 'os.system'"),
         (
-            lambda h, b: _first_op(b).update(target="builtins.eval.x"),
+            lambda h, r, a: _set(r["forward"]["targets"], 0, "os.system"),
+            "unknown target 'os.system'",
+        ),
+        (
+            lambda h, r, a: _set(r["forward"]["targets"], 0, "builtins.eval.x"),
             "not a registered torch operator overload",
         ),
+        (lambda h, r, a: _set(_first_op(r), 2, 99), "malformed target 99"),
         (
-            lambda h, b: _first_op(b).update(args=[{"node": "nowhere"}]),
+            lambda h, r, a: _set(_first_op(r), 3, {"tuple": [{"node": "nowhere"}]}),
             "refers to 'nowhere', not defined before it",
         ),
-        (lambda h, b: b["plan"].update(type="Popen"), "unknown stored type 'Popen'"),
-        (lambda h, b: h.update(torch="1.0.0"), "written by torch 1.0.0"),
-        (lambda h, b: h.update(version=FORMAT_VERSION + 1), "written by version"),
+        (lambda h, r, a: _set(_first_op(r), 0, "x; import os"), "is not a Python identifier"),
+        (lambda h, r, a: _set(_first_op(r), 0, "__import__"), "keyword or builtin name"),
+        (lambda h, r, a: _set(_first_op(r), 0, "x"), "defined twice"),
+        (lambda h, r, a: r["plan"].update(type="Popen"), "unknown stored type 'Popen'"),
+        (lambda h, r, a: a["signature"].update(type="Popen"), "unknown stored type 'Popen'"),
+        (lambda h, r, a: a["forward"]["values"].pop(), "does not match its nodes"),
+        (lambda h, r, a: h.update(torch="1.0.0"), "written by torch 1.0.0"),
+        (lambda h, r, a: h.update(version=FORMAT_VERSION + 1), "written by version"),
     ],
 )
 def test_load_of_a_tampered_file_raises(tmp_path, edit, message):
@@ -235,7 +251,7 @@ def test_a_damaged_entry_is_a_miss_and_is_rewritten(cache_dir, damage):
     elif damage == "garbage":
         entry.write_bytes(b"\x00" * 64)
     else:
-        _rewrite(entry, lambda h, b: h.update(aotgrad="0.0.0+old"))
+        _rewrite(entry, lambda h, r, a: h.update(aotgrad="0.0.0+old"))
     model = Small()
     again = aotgrad.aot_module(model)
     torch.testing.assert_close(again(x), model(x))

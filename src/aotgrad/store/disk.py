@@ -29,7 +29,7 @@ import pathlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from aotgrad.store.format import Stored, dumps, loads, write_atomically
+from aotgrad.store.format import Read, Stored, dumps, loads, write_atomically
 
 SUFFIX = ".aotgrad"
 
@@ -44,11 +44,14 @@ class DiskCache:
     def path(self, key: str) -> pathlib.Path:
         return self.directory / key[:2] / f"{key}{SUFFIX}"
 
-    def get(self, key: str) -> Stored | None:
-        """The entry under ``key``; None when missing or unreadable (a miss, never an error)."""
+    def get(self, key: str, lazy: bool = False) -> Read | None:
+        """The entry under ``key``; None when missing or unreadable (a miss, never an error).
+
+        ``lazy``: read what running the graphs needs (Note [Graphs read from a file]).
+        """
         path = self.path(key)
         try:
-            stored = loads(path.read_bytes(), str(path))
+            stored = loads(path.read_bytes(), str(path), lazy=lazy)
         except Exception:  # OSError, StoreError, or anything a crafted file provokes: a miss
             return None
         with contextlib.suppress(OSError):

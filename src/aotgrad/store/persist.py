@@ -17,7 +17,7 @@ import torch
 
 from aotgrad.errors import StoreError
 from aotgrad.runtime import CompiledGraphs
-from aotgrad.runtime.boxing import Compiler
+from aotgrad.runtime.boxing import Compiler, nop
 from aotgrad.store.disk import DiskCache, disk_cache
 from aotgrad.store.format import Stored, aotgrad_version
 from aotgrad.store.keys import (
@@ -92,7 +92,9 @@ def load_graphs(
     entry: EntryKey, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
 ) -> tuple[CompiledGraphs, tuple[int, ...] | None] | None:
     """The compiled graphs and input positions stored under ``entry``; None on a miss."""
-    stored = entry.cache.get(entry.key)
+    # A user's compiler receives fx modules: read all now, so a bad file is a miss here.
+    lazy = all(c is None or c is nop for c in compilers)
+    stored = entry.cache.get(entry.key, lazy=lazy)
     if stored is None:
         return None
     positions = stored.call.get("positions")
