@@ -319,6 +319,10 @@ from models import GPT
 captures = []
 original = api.capture_and_partition
 api.capture_and_partition = lambda **kw: captures.append(1) or original(**kw)
+import aotgrad.runtime.straight_line as straight
+sources = []
+source_of = straight.straight_line_source
+straight.straight_line_source = lambda g: sources.append(source_of(g)[0]) or source_of(g)
 torch.manual_seed(0)
 model = GPT()
 idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
@@ -334,6 +338,7 @@ print(json.dumps({{
     "loss": loss.item(),
     "grads": {{n: p.grad.tolist() for n, p in model.named_parameters() if p.grad is not None}},
     "captures": len(captures),
+    "sources": sources,
     "disk_hits": None if info is None else info.disk_hits,
 }}))
 """
@@ -366,6 +371,9 @@ def test_a_fresh_process_loads_from_disk_and_matches(tmp_path, frontend):
     assert first["captures"] == 1 and second["captures"] == 0
     if frontend == "aot_module":
         assert second["disk_hits"] == 1
+    # The code the second process runs is the code of the graphs the first one traced
+    # (Note [Graphs read from a file]).
+    assert len(second["sources"]) == 2 and second["sources"] == first["sources"]
     assert second["loss"] == pytest.approx(first["loss"], rel=1e-6)
     assert second["grads"].keys() == first["grads"].keys()
     for name, grad in first["grads"].items():
@@ -429,3 +437,102 @@ def test_what_a_file_cannot_hold_is_traced_not_cached(cache_dir, tmp_path):
     assert f(args).b.tolist() == [2.0, 2.0]
     assert "cannot store the structure" in aotgrad.cache_info(f).disk_skipped
     assert not _entries(cache_dir)
+
+
+# -- graphs read from a file are the graphs written (Note [Graphs read from a file]) -------
+
+
+def test_loaded_graphs_are_the_traced_graphs(tmp_path):
+    from aotgrad.runtime.straight_line import straight_line_source
+    from aotgrad.store.format import stored_value
+
+    torch.manual_seed(0)
+    model = GPT()
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    traced = aotgrad.trace(model, idx, targets, partition="mincut")
+    traced.save(tmp_path / "gpt.aotgrad")
+    read = aotgrad.store.loads((tmp_path / "gpt.aotgrad").read_bytes(), lazy=True)
+    loaded = aotgrad.load(tmp_path / "gpt.aotgrad", module=model)
+    for got, steps, expected in (
+        (loaded.forward, read.forward.steps, traced.forward),
+        (loaded.backward, read.backward.steps, traced.backward),
+    ):
+        assert got.code == expected.code
+        assert straight_line_source(steps)[0] == straight_line_source(expected)[0]
+        for a, b in zip(got.graph.nodes, expected.graph.nodes, strict=True):
+            assert (a.name, a.op, a.target) == (b.name, b.op, b.target)
+            assert a.meta.get("aotgrad") == b.meta.get("aotgrad"), a.name
+            value = b.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                size, stride, offset, dtype, device, _ = stored_value(a)
+                assert (tuple(size), tuple(stride), offset, dtype, device) == (
+                    tuple(value.shape),
+                    value.stride(),
+                    value.storage_offset(),
+                    value.dtype,
+                    value.device,
+                )
+    assert loaded.recomputed == traced.partitioned.recomputed
+
+
+def test_a_disk_hit_gives_a_users_compiler_the_traced_graphs(cache_dir):
+    seen = []
+
+    def compiler(gm, examples):
+        seen.append((gm.code, [(tuple(e.shape), e.dtype) for e in examples]))
+        return gm
+
+    x = torch.randn(3, 4)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Small()
+        compiled = aotgrad.aot_module(model, fw_compiler=compiler)
+        out = compiled(x)
+        out.sum().backward()
+        runs.append((out, _grads(model), aotgrad.cache_info(compiled).disk_hits))
+    assert [hits for _, _, hits in runs] == [0, 1]
+    assert len(seen) == 4 and seen[:2] == seen[2:]
+    torch.testing.assert_close(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1])
+
+
+def _tamper_entry(directory, edit):
+    (entry,) = _entries(directory)
+    _rewrite(entry, edit)
+    return entry
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h, r, a: _set(r["forward"]["targets"], 0, "os.system"),
+        lambda h, r, a: _set(_first_op(r), 3, {"tuple": [{"node": "nowhere"}]}),
+        lambda h, r, a: h.update(version=FORMAT_VERSION - 1),
+    ],
+)
+def test_a_tampered_or_old_entry_is_a_miss_and_is_rewritten(cache_dir, edit):
+    x = torch.randn(3, 4)
+    aotgrad.aot_module(Small())(x)
+    entry = _tamper_entry(cache_dir, edit)
+    model = Small()
+    again = aotgrad.aot_module(model)
+    torch.testing.assert_close(again(x), model(x))
+    assert (aotgrad.cache_info(again).disk_hits, aotgrad.cache_info(again).disk_misses) == (0, 1)
+    assert aotgrad.store.loads(entry.read_bytes()) is not None  # rewritten whole
+
+
+def test_a_bad_description_is_read_only_when_needed(cache_dir):
+    """``nop`` runs a hit from the checked run line alone; a user's compiler, which gets
+    the description too, finds it bad: a miss (Note [Graphs read from a file])."""
+    x = torch.randn(3, 4)
+    aotgrad.aot_module(Small())(x)
+    _tamper_entry(cache_dir, lambda h, r, a: a["signature"].update(type="Popen"))
+    model = Small()
+    nop_hit = aotgrad.aot_module(model)
+    torch.testing.assert_close(nop_hit(x), model(x))
+    assert aotgrad.cache_info(nop_hit).disk_hits == 1
+    _tamper_entry(cache_dir, lambda h, r, a: a["signature"].update(type="Popen"))
+    compiled = aotgrad.aot_module(model, fw_compiler=lambda gm, _: gm)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert aotgrad.cache_info(compiled).disk_misses == 1

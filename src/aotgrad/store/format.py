@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from aotgrad._torch_compat import FakeTensorMode
+from aotgrad._torch_compat import ExpandedCodeGen, FakeTensorMode
 from aotgrad.capture import lazy_module
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase
 from aotgrad.errors import StoreError, UserFrame
@@ -583,6 +583,8 @@ def _module_of(steps: list[Step], about: list[tuple[Any, NodeInfo | None, Any]])
         if desc is not None:
             node.meta[DESC_KEY] = desc
         env[step] = node
+    if DESC_KEY in node.meta:  # the output's descriptors, printed as ``describe_graph`` does
+        graph.set_codegen(ExpandedCodeGen())
     return lazy_module(torch.nn.Module(), graph)
 
 
