@@ -14,6 +14,11 @@ never trusted::
                                           over the entry: both succeed, readers see one
                                           whole file or the other
 
+A hit for ``nop`` reads only the checked line of what runs (Note [Graphs read
+from a file]); the description line, unused, is then read by no one, and a bad
+one costs nothing. A hit for a user's compiler reads and checks both lines, so
+a bad description is a miss like the rest.
+
 A hit touches the file's modification time; after each write, while the
 directory holds more than the cap (``AOTGRAD_CACHE_SIZE_MB``, 1024 by
 default), the entry used least recently is deleted. ``AOTGRAD_CACHE=0`` (or

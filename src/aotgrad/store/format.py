@@ -321,10 +321,12 @@ def refuse_unstorable(plan: Plan) -> None:
 # ``fx.Graph``, not the fake values, provenance, descriptors, signature or
 # saved values, which describe the graphs to people and to compilers. Version 1
 # of the file built all of it, and ``nop`` then turned the ``fx`` graphs into
-# straight-line code (Note [Straight-line graphs]): 38 ms of the 56 ms a hit
-# spent reading (JSON of every node's value and provenance 8 ms, 700
-# ``fx.Node`` s 14-24 ms, decoding descriptions 5 ms). So a file keeps the two
-# apart, one JSON line each::
+# straight-line code (Note [Straight-line graphs]). Measured in a fresh process
+# (``bench/persist.py``), loading an entry took 33-36 ms: 22-25 ms reading it
+# (13-15 ms of it building 700 ``fx.Node`` s, the rest JSON of every node's
+# value and provenance, and decoding descriptions) and 10 ms making and
+# compiling the straight-line code. So a file keeps the two apart, one JSON
+# line each::
 #
 #     run:    {"forward": {"targets": ["aten.mm.default", ...],
 #                          "nodes": [["x", "placeholder", null, {"tuple": []}, {}],
@@ -340,6 +342,8 @@ def refuse_unstorable(plan: Plan) -> None:
 # whole file at once, and for a user's compiler, which receives an ``fx`` module
 # with fake values. A graph built from steps is the graph that was written: the
 # same nodes, names, targets and arguments, and so the same straight-line code.
+# Reading now takes 6-7 ms; the straight-line code's 10 ms remain (7 of them
+# Python's ``compile`` of the source, which a file must never hold).
 
 _NOT_NAMES = frozenset(
     [*keyword.kwlist, *vars(builtins), "inf", "nan", "NoneType", "torch", "device", "pytree"]
