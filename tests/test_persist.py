@@ -177,6 +177,10 @@ def _set(item, index, value):
         (lambda h, r, a: _set(_first_op(r), 0, "x; import os"), "is not a Python identifier"),
         (lambda h, r, a: _set(_first_op(r), 0, "__import__"), "keyword or builtin name"),
         (lambda h, r, a: _set(_first_op(r), 0, "x"), "defined twice"),
+        (
+            lambda h, r, a: _set(_first_op(r), 4, {"x=__import__('os').getpid()) or (1": 1}),
+            "has a keyword argument",
+        ),
         (lambda h, r, a: r["plan"].update(type="Popen"), "unknown stored type 'Popen'"),
         (lambda h, r, a: a["signature"].update(type="Popen"), "unknown stored type 'Popen'"),
         (lambda h, r, a: a["forward"]["values"].pop(), "does not match its nodes"),

@@ -494,7 +494,9 @@ def decode_steps(data: Any) -> list[Step]:
         name, op, target, args, kwargs = item
         name = _checked_name(name, env)
         args = _decode_arg(args, env, name)
-        kwargs = {str(k): _decode_arg(v, env, name) for k, v in _typed(kwargs, dict).items()}
+        kwargs = {
+            _keyword(k, name): _decode_arg(v, env, name) for k, v in _typed(kwargs, dict).items()
+        }
         if not isinstance(args, tuple):
             raise StoreError(f"node {name!r}: malformed arguments")
         if op == "call_function":
@@ -528,6 +530,13 @@ def _checked_name(name: Any, env: dict[str, Step]) -> str:
     if name in env:
         raise StoreError(f"node name {name!r} is defined twice")
     return name
+
+
+def _keyword(key: str, node: str) -> str:
+    """A keyword argument's name, which the generated code writes as ``key=value``."""
+    if not (key.isidentifier() and key.isascii()) or keyword.iskeyword(key):
+        raise StoreError(f"node {node!r} has a keyword argument {key!r:.60}, not a name")
+    return key
 
 
 def _inputs(args: Any, kwargs: dict[str, Any]) -> list[Step]:
