@@ -182,6 +182,10 @@ def _set(item, index, value):
             "has a keyword argument",
         ),
         (lambda h, r, a: r["plan"].update(type="Popen"), "unknown stored type 'Popen'"),
+        (
+            lambda h, r, a: r["plan"]["fields"].update(returned={"tuple": [99]}),
+            "names forward outputs",
+        ),
         (lambda h, r, a: a["signature"].update(type="Popen"), "unknown stored type 'Popen'"),
         (lambda h, r, a: a["forward"]["values"].pop(), "does not match its nodes"),
         (lambda h, r, a: h.update(torch="1.0.0"), "written by torch 1.0.0"),
@@ -513,6 +517,7 @@ def _tamper_entry(directory, edit):
         lambda h, r, a: _set(r["forward"]["targets"], 0, "os.system"),
         lambda h, r, a: _set(_first_op(r), 3, {"tuple": [{"node": "nowhere"}]}),
         lambda h, r, a: h.update(version=FORMAT_VERSION - 1),
+        lambda h, r, a: r["plan"]["fields"].update(returned={"tuple": [99]}),
     ],
 )
 def test_a_tampered_or_old_entry_is_a_miss_and_is_rewritten(cache_dir, edit):

@@ -212,6 +212,7 @@ class Read:
             if run["backward"] is None
             else StoredGraph(decode_steps(run["backward"]), "backward", self.about)
         )
+        _check_plan(self.plan, self.forward.steps)
 
     def about(self) -> _About:
         """The description line, decoded and checked (once)."""
@@ -235,6 +236,22 @@ class Read:
     @property
     def recomputed(self) -> tuple[RecomputedOp, ...]:
         return self.about().recomputed
+
+
+def _check_plan(plan: Plan, forward: list[Step]) -> None:
+    """The plan's positions among the forward graph's outputs exist.
+
+    (Its other fields are trusted as aotgrad wrote them: a crafted one can make a call
+    fail, never run code.)
+    """
+    outputs = forward[-1].args[0]
+    count = len(outputs) if isinstance(outputs, list | tuple) else 1
+    saved = plan.saved_in_forward
+    positions = [*plan.returned, *range(count)[saved]]
+    if not all(type(i) is int and 0 <= i < count for i in positions):
+        raise StoreError(f"the plan names forward outputs the forward graph (of {count}) lacks")
+    if len(plan.differentiable) != len(plan.returned):
+        raise StoreError("the plan's differentiable flags do not match its returned values")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -504,6 +521,8 @@ def decode_steps(data: Any) -> list[Step]:
                 raise StoreError(f"node {name!r}: malformed target {target!r:.40}")
             if target not in targets:
                 targets[target] = _resolved(names[target], name)
+            if targets[target] is operator.getitem and (len(args) != 2 or kwargs):
+                raise StoreError(f"node {name!r}: operator.getitem takes two arguments")
             step = Step(name, op, targets[target], args, kwargs, _inputs(args, kwargs))
         elif op == "placeholder" and not args and not kwargs:
             step = Step(name, op, None, (), {}, [])

@@ -19,7 +19,7 @@ from aotgrad.errors import StoreError
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.runtime.boxing import Compiler, nop
 from aotgrad.store.disk import DiskCache, disk_cache
-from aotgrad.store.format import Stored, aotgrad_version
+from aotgrad.store.format import Read, Stored, aotgrad_version
 from aotgrad.store.keys import (
     Unkeyable,
     digest,
@@ -100,9 +100,20 @@ def load_graphs(
     positions = stored.call.get("positions")
     if positions is not None and not all(isinstance(p, int) for p in positions):
         return None
-    forward, backward = compile_stored(stored, compilers)
-    compiled = CompiledGraphs(None, forward, backward, plan=stored.plan)
+    if not lazy:  # a user's compiler: its errors are the user's to see
+        return _compiled(stored, compilers), None if positions is None else tuple(positions)
+    try:
+        compiled = _compiled(stored, compilers)
+    except Exception:  # anything a crafted file provokes while aotgrad compiles: a miss
+        return None
     return compiled, None if positions is None else tuple(positions)
+
+
+def _compiled(
+    stored: Read, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
+) -> CompiledGraphs:
+    forward, backward = compile_stored(stored, compilers)
+    return CompiledGraphs(None, forward, backward, plan=stored.plan)
 
 
 def store_graphs(
