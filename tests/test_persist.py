@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import types
 from typing import NamedTuple
 
 import pytest
@@ -545,3 +546,19 @@ def test_a_bad_description_is_read_only_when_needed(cache_dir):
     compiled = aotgrad.aot_module(model, fw_compiler=lambda gm, _: gm)
     torch.testing.assert_close(compiled(x), model(x))
     assert aotgrad.cache_info(compiled).disk_misses == 1
+
+
+def test_dynamo_graph_keys_tell_graphs_apart():
+    from aotgrad.dynamo import graph_key
+
+    def key(fn):
+        return graph_key(torch.fx.symbolic_trace(fn))[0]
+
+    assert key(lambda x: x[1:, ...] * 2) == key(lambda x: x[1:, ...] * 2)
+    assert key(lambda x: x[1:] * 2) != key(lambda x: x[2:] * 2)
+    assert key(lambda x: x * 2) != key(lambda x: x * 2.0)
+    assert key(lambda x: x.view((2, 3))) != key(lambda x: x.view([2, 3]))
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(torch.mul, (graph.placeholder("x"), object())))
+    unkeyable = types.SimpleNamespace(graph=graph)  # (an fx module could not print it)
+    assert graph_key(unkeyable) is None  # the object has no stable text
