@@ -247,8 +247,12 @@ def _check_plan(plan: Plan, forward: list[Step]) -> None:
     outputs = forward[-1].args[0]
     count = len(outputs) if isinstance(outputs, list | tuple) else 1
     saved = plan.saved_in_forward
-    positions = [*plan.returned, *range(count)[saved]]
-    if not all(type(i) is int and 0 <= i < count for i in positions):
+    bounds = [i for i in (saved.start, saved.stop) if i is not None]
+    if (
+        not all(type(i) is int and 0 <= i < count for i in plan.returned)
+        or not all(0 <= i <= count for i in bounds)
+        or saved.step is not None
+    ):
         raise StoreError(f"the plan names forward outputs the forward graph (of {count}) lacks")
     if len(plan.differentiable) != len(plan.returned):
         raise StoreError("the plan's differentiable flags do not match its returned values")
