@@ -532,20 +532,28 @@ def test_a_tampered_or_old_entry_is_a_miss_and_is_rewritten(cache_dir, edit):
     assert aotgrad.store.loads(entry.read_bytes()) is not None  # rewritten whole
 
 
-def test_a_bad_description_is_read_only_when_needed(cache_dir):
-    """``nop`` runs a hit from the checked run line alone; a user's compiler, which gets
-    the description too, finds it bad: a miss (Note [Graphs read from a file])."""
+def test_a_bad_description_is_a_miss(cache_dir):
+    """Graphs with a backward read their description on a hit (the create_graph backward
+    needs the signature and fx graphs): a bad one is a miss, for nop and a user's compiler."""
     x = torch.randn(3, 4)
     aotgrad.aot_module(Small())(x)
-    _tamper_entry(cache_dir, lambda h, r, a: a["signature"].update(type="Popen"))
     model = Small()
-    nop_hit = aotgrad.aot_module(model)
-    torch.testing.assert_close(nop_hit(x), model(x))
-    assert aotgrad.cache_info(nop_hit).disk_hits == 1
+    for compiler in (None, lambda gm, _: gm):
+        _tamper_entry(cache_dir, lambda h, r, a: a["signature"].update(type="Popen"))
+        compiled = aotgrad.aot_module(model, fw_compiler=compiler)
+        torch.testing.assert_close(compiled(x), model(x))
+        assert aotgrad.cache_info(compiled).disk_misses == 1
+
+
+def test_an_inference_hit_reads_no_description(cache_dir):
+    """Without a backward, a nop hit runs from the checked run line alone (Note [Graphs
+    read from a file]): the description, unused, is not read."""
+    x = torch.randn(3, 4)
+    aotgrad.aot_function(_scaled)(x)
     _tamper_entry(cache_dir, lambda h, r, a: a["signature"].update(type="Popen"))
-    compiled = aotgrad.aot_module(model, fw_compiler=lambda gm, _: gm)
-    torch.testing.assert_close(compiled(x), model(x))
-    assert aotgrad.cache_info(compiled).disk_misses == 1
+    again = aotgrad.aot_function(_scaled)
+    torch.testing.assert_close(again(x), x * SCALE)
+    assert aotgrad.cache_info(again).disk_hits == 1
 
 
 def test_dynamo_graph_keys_tell_graphs_apart():

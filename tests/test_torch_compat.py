@@ -623,3 +623,11 @@ def test_ddp_and_fsdp_hooks_run_as_aotgrad_runs_them():
         assert result["param_dtype"] is None
         assert result["types"] == ["Parameter", "Parameter", "DTensor", "DTensor"]
     assert ranks[0]["ddp_grad"] == ranks[1]["ddp_grad"]
+
+
+def test_decomposition_computes_the_op():
+    silu_backward = compat.decomposition(torch.ops.aten.silu_backward.default)
+    g, x = torch.randn(4), torch.randn(4)
+    assert silu_backward is not None
+    torch.testing.assert_close(silu_backward(g, x), torch.ops.aten.silu_backward(g, x))
+    assert compat.decomposition(torch.ops.aten.copy.default) is None

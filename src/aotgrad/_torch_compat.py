@@ -235,6 +235,13 @@ def local_source(name: str) -> Any:
     return LocalSource(name)
 
 
+def decomposition(op: Any) -> Callable[..., Any] | None:
+    """PyTorch's Python decomposition of ``op`` into other aten ops, if it has one."""
+    from torch._decomp import decomposition_table
+
+    return decomposition_table.get(op)
+
+
 def inductor_decompositions() -> Mapping[Any, Callable[..., Any]]:
     """Inductor's decomposition table: graphs are re-traced with it before compiling."""
     from torch._inductor.decomposition import select_decomp_table

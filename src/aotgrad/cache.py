@@ -54,6 +54,10 @@ class CacheInfo:
     # Why the latest miss was not looked up or written on disk ("the cache is off", "a
     # functools.partial has no stable key": Note [Disk cache keys]); None when it was.
     disk_skipped: str | None = None
+    # Differentiable backwards captured for create_graph=True, every order counted, and
+    # backwards that ran another way (none do: Note [Differentiable backward]).
+    create_graph_captures: int = 0
+    create_graph_fallbacks: int = 0
 
     def __str__(self) -> str:
         lines = [
@@ -61,6 +65,11 @@ class CacheInfo:
             f"disk: {self.disk_hits} hits, {self.disk_misses} misses"
             + (f" (not cached: {self.disk_skipped})" if self.disk_skipped else ""),
         ]
+        if self.create_graph_captures or self.create_graph_fallbacks:
+            lines.append(
+                f"create_graph: {self.create_graph_captures} backward captures,"
+                f" {self.create_graph_fallbacks} fallbacks"
+            )
         lines += [f"  miss {i}: {reason}" for i, reason in enumerate(self.reasons)]
         return "\n".join(lines)
 
@@ -543,3 +552,5 @@ class SpecializationCache:
         self.entries[key] = entry
         self._latest = key
         self.info.entries = len(self.entries)
+        if entry.compiled.higher_order is not None:  # its create_graph captures count here
+            entry.compiled.higher_order.orders = self.info

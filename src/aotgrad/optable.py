@@ -254,3 +254,70 @@ def is_point_to_point(op: object) -> bool:
         return False
     assert isinstance(op, OpOverload)
     return op._schema.name.split("::")[-1] in _POINT_TO_POINT
+
+
+# Note [Inputs only some outputs read]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some ops take an input that, in one mode, only some of their outputs
+# depend on: batch norm in training reads its running statistics only to
+# return their new values, and its backward in training ignores them. The
+# create_graph backward (Note [Differentiable backward]) asks this to know
+# that a saved value does not depend on a buffer the function changed in
+# place. Keyed by op: (the argument holding the mode, {input: outputs it reaches}).
+#
+#     _native_batch_norm_legit_functional(x, w, b, running_mean, running_var, True, ...)
+#         -> (out, mean, rstd, new running_mean, new running_var)
+#     outputs_reached(op, args, 3) == (3,)    # out, mean and rstd do not read running_mean
+_READ_BY_SOME_OUTPUTS: dict[Any, tuple[int, dict[int, tuple[int, ...]]]] = {
+    torch.ops.aten._native_batch_norm_legit_functional.default: (5, {3: (3,), 4: (4,)}),
+    torch.ops.aten.native_batch_norm_backward.default: (7, {3: (), 4: ()}),
+}
+
+
+def outputs_reached(op: object, args: tuple[Any, ...], position: int) -> tuple[int, ...] | None:
+    """The outputs whose values input ``position`` changes; None when it may change them all
+    (Note [Inputs only some outputs read]).
+
+    >>> bn = torch.ops.aten._native_batch_norm_legit_functional.default
+    >>> outputs_reached(bn, (None,) * 5 + (True, 0.1, 1e-5), 3), outputs_reached(bn, (None,) * 5 + (False, 0.1, 1e-5), 3)
+    ((3,), None)
+    """
+    entry = _READ_BY_SOME_OUTPUTS.get(op)
+    if entry is None or position not in entry[1]:
+        return None
+    mode, reached = entry
+    return reached[position] if len(args) > mode and args[mode] is True else None
+
+
+# Ops whose outputs carry no gradient back to their tensor inputs: factories shaped like an
+# input, and draws whose derivative PyTorch defines as zero (``bernoulli``). A value made by
+# one is a constant for every derivative (Note [Differentiable backward]).
+_NO_GRADIENT_TO_INPUTS = frozenset(
+    [
+        "bernoulli",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+    ]
+)
+
+
+def passes_no_gradient(op: object) -> bool:
+    """Do this op's outputs carry no gradient to its tensor inputs?
+
+    >>> passes_no_gradient(torch.ops.aten.bernoulli.p), passes_no_gradient(torch.ops.aten.mul.Tensor)
+    (True, False)
+    """
+    return (
+        isinstance(op, OpOverload)
+        and op._schema.name.removeprefix("aten::") in _NO_GRADIENT_TO_INPUTS
+    )

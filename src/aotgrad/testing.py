@@ -96,6 +96,7 @@ def verify(
     atol: float = 1e-5,
     check: bool = True,
     compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+    create_graph: bool = False,
     **kwargs: Any,
 ) -> Report:
     """Run ``fn`` eagerly and through ``aot_function`` (``aot_module`` for modules) and compare.
@@ -103,8 +104,15 @@ def verify(
     Inputs are copied twice, keeping their values, strides, storage sharing,
     ``requires_grad`` and leafness. Gradients are taken for seeded random
     cotangents on every differentiable output. ``compile_fn`` replaces aotgrad
-    with another compiler of functions (to check PyTorch's own, say). Raises
-    :class:`VerificationError` listing every mismatch unless ``check=False``.
+    with another compiler of functions (to check PyTorch's own, say). With
+    ``create_graph=True`` the gradients are taken with ``create_graph=True``
+    and differentiated again: the second-order gradients of a random weighted
+    sum of them, with respect to every input, parameter and cotangent, are
+    compared too (docs/higher-order.md). Raises :class:`VerificationError`
+    listing every mismatch unless ``check=False``.
+
+    >>> verify(lambda x: x.sin() * x, torch.randn(3, requires_grad=True), create_graph=True).ok
+    True
     """
     report = Report()
     # Modules are copied for both runs: gradients must not pile up across calls of verify.
@@ -127,9 +135,16 @@ def verify(
     checker = _Checker(report, rtol, atol)
     checker.outputs(eager_out, compiled_out, eager, compiled)
     checker.inputs_after_call(eager, compiled)
-    _backward(eager_out, compiled_out)
     eager.grad_holders.update(_parameters(eager_fn))
     compiled.grad_holders.update(_parameters(compiled_source))
+    if create_graph:
+        _second_order(
+            checker, (eager_out, eager.grad_holders), (compiled_out, compiled.grad_holders)
+        )
+        if check and not report.ok:
+            raise VerificationError(str(report))
+        return report
+    _backward(eager_out, compiled_out)
     for name, holder in eager.grad_holders.items():
         if not holder.requires_grad:  # an input the function did not make require grad
             continue
@@ -346,7 +361,16 @@ def _aliases(outputs: list[Any], call: _Call) -> list[tuple[str, Any, bool] | No
 
 
 def _backward(eager: Any, compiled: Any) -> None:
-    pairs = [
+    pairs = _differentiable_pairs(eager, compiled)
+    if not pairs:
+        return
+    cotangents = _cotangents(pairs)
+    torch.autograd.backward([e for e, _ in pairs], cotangents)
+    torch.autograd.backward([c for _, c in pairs], cotangents)
+
+
+def _differentiable_pairs(eager: Any, compiled: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [
         (e, c)
         for e, c in zip(pytree.tree_leaves(eager), pytree.tree_leaves(compiled), strict=False)
         if isinstance(e, torch.Tensor)
@@ -355,11 +379,71 @@ def _backward(eager: Any, compiled: Any) -> None:
         and isinstance(c, torch.Tensor)
         and c.requires_grad
     ]
-    if not pairs:
-        return
+
+
+def _cotangents(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    cotangents = [
-        torch.randn(e.shape, generator=generator, dtype=e.dtype).to(e.device) for e, _ in pairs
+    return [torch.randn(e.shape, generator=generator, dtype=e.dtype).to(e.device) for e, _ in pairs]
+
+
+Run = tuple[Any, dict[str, torch.Tensor]]  # a run's result and its gradient holders by name
+
+
+def _second_order(checker: _Checker, eager: Run, compiled: Run) -> None:
+    """First and second-order gradients of both runs, compared (``create_graph=True``).
+
+    The cotangents require grad, so the second-order gradients with respect to them (the
+    Hessian-vector-product trick of ``torch.autograd.functional.hvp``) are compared too.
+    """
+    pairs = _differentiable_pairs(eager[0], compiled[0])
+    names = [n for n, t in eager[1].items() if t.requires_grad]
+    if not pairs or not names:
+        return
+    cotangents = _cotangents(pairs)
+    firsts = [
+        _grads(
+            [p[side] for p in pairs],
+            [run[1][n] for n in names],
+            [c.clone().requires_grad_(True) for c in cotangents],
+        )
+        for side, run in enumerate((eager, compiled))
     ]
-    torch.autograd.backward([e for e, _ in pairs], cotangents)
-    torch.autograd.backward([c for _, c in pairs], cotangents)
+    for name, e, c in zip(names, firsts[0][0], firsts[1][0], strict=True):
+        checker.report.compared_grads += 1
+        checker.grad(f"grad of {name}", e, c)
+        if e is not None and c is not None:
+            checker.autograd_meta(f"grad of {name}", e, c)
+    generator = torch.Generator().manual_seed(1)
+    weights = [
+        None if g is None else torch.randn(g.shape, generator=generator, dtype=g.dtype)
+        for g in firsts[0][0]
+    ]
+    seconds = [_weighted_grads(grads, weights, wrt) for grads, wrt in firsts]
+    wrt_names = [*names, *(f"cotangent {k}" for k in range(len(cotangents)))]
+    for name, e, c in zip(wrt_names, seconds[0], seconds[1], strict=True):
+        checker.report.compared_grads += 1
+        checker.grad(f"second-order grad of {name}", e, c)
+
+
+def _grads(
+    outputs: list[torch.Tensor], wrt: list[torch.Tensor], cotangents: list[torch.Tensor]
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+    """First-order gradients with ``create_graph=True``, and what to differentiate them by."""
+    grads = torch.autograd.grad(outputs, wrt, cotangents, create_graph=True, allow_unused=True)
+    return list(grads), [*wrt, *cotangents]
+
+
+def _weighted_grads(
+    grads: list[torch.Tensor | None], weights: list[torch.Tensor | None], wrt: list[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    terms = [
+        (w.to(g.device) * g).sum()
+        for g, w in zip(grads, weights, strict=True)
+        if g is not None and w is not None and g.requires_grad
+    ]
+    if not terms:
+        return [None] * len(wrt)
+    total = terms[0]
+    for term in terms[1:]:  # dtypes may differ: no stack
+        total = total + term
+    return list(torch.autograd.grad(total, wrt, allow_unused=True))

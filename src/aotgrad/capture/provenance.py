@@ -85,6 +85,10 @@ class NodeInfo:
     module: str = ""
     # The user's line that produced the (forward) op.
     source: UserFrame | None = None
+    # Which derivative the node's graph computes: 1 for a function and its gradient, 2 for
+    # the differentiable backward create_graph=True captures, and so on (Note
+    # [Differentiable backward] in ``runtime/higher_order.py``).
+    order: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +96,7 @@ class NodeInfo:
             "kind": self.kind.value,
             "seq_nr": self.seq_nr,
             "module": self.module,
+            "order": self.order,
             "source": None
             if self.source is None
             else {

@@ -414,10 +414,11 @@ class ScanLoop(torch.autograd.Function):
 
 
 _DOUBLE_BACKWARD = (
-    "create_graph=True (double backward) through aotgrad.scan is not supported: the body's"
-    " backward graph runs as a black box, so a second derivative would miss the paths through"
-    " the values each iteration saved.\nCompute higher-order gradients through the unrolled"
-    " loop (from aotgrad.loops import unrolled) instead."
+    "create_graph=True (double backward) through aotgrad.scan is not supported yet: the loop's"
+    " backward runs each iteration's backward graph, which has no differentiable form here"
+    " (aot_function, aot_module and torch.compile have one: docs/higher-order.md).\nCompute"
+    " higher-order gradients through the unrolled loop (from aotgrad.loops import unrolled),"
+    " or compile the whole loop with aot_function."
 )
 
 

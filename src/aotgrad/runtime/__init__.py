@@ -16,13 +16,17 @@ from aotgrad.capture.autocast import autocast_off
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue
+from aotgrad.runtime.higher_order import HigherOrder
+from aotgrad.signature import Signature
 from aotgrad.signature.subclasses import holds_flat_outputs, rebuild_outputs
 
 __all__ = [
     "CompiledGraphs",
+    "HigherOrder",
     "Plan",
     "compile_graphs",
     "compile_partitioned",
+    "higher_order_of",
     "make_boxed_func",
     "nop",
 ]
@@ -37,6 +41,7 @@ class CompiledGraphs:
         forward: Any,
         backward: Any | None,
         plan: Plan | None = None,
+        higher_order: HigherOrder | None = None,
     ) -> None:
         # ``partitioned`` is None for graphs loaded from a file (``aotgrad.load``), which
         # bring their ``plan`` and hold no tensor subclass inputs.
@@ -46,7 +51,11 @@ class CompiledGraphs:
             plan = Plan.of(partitioned)
         self.plan = plan
         self._forward = forward
-        self._function = make_function(self.plan, forward, backward) if backward else None
+        # The create_graph backward (Note [Differentiable backward]); None for loaded graphs.
+        self.higher_order = higher_order if backward else None
+        self._function = (
+            make_function(self.plan, forward, backward, self.higher_order) if backward else None
+        )
         self._apply = direct_apply(self._function) if self._function else None
         self._bases = self.plan.input_bases
         # Tensor subclass inputs to take apart, subclass outputs to build (Note [Tensor
@@ -155,7 +164,57 @@ def compile_partitioned(
     forward, backward = compile_graphs(
         partitioned.forward, partitioned.backward, fw_compiler, bw_compiler, inference_compiler
     )
-    return CompiledGraphs(partitioned, forward, backward)
+    plan = Plan.of(partitioned)
+    return CompiledGraphs(
+        partitioned,
+        forward,
+        backward,
+        plan,
+        higher_order=_higher_order(partitioned, plan, fw_compiler, bw_compiler),
+    )
+
+
+def _higher_order(
+    partitioned: Partitioned,
+    plan: Plan,
+    fw_compiler: Compiler | None,
+    bw_compiler: Compiler | None,
+) -> HigherOrder | None:
+    if partitioned.backward is None:
+        return None
+    return higher_order_of(
+        partitioned.forward,
+        partitioned.backward,
+        partitioned.signature,
+        plan,
+        (fw_compiler, bw_compiler),
+    )
+
+
+def higher_order_of(
+    forward: torch.fx.GraphModule,
+    backward: torch.fx.GraphModule,
+    signature: Signature,
+    plan: Plan,
+    compilers: tuple[Compiler | None, Compiler | None],
+    prepare: Callable[[], None] | None = None,
+) -> HigherOrder:
+    """What computes a specialization's ``create_graph`` backward (Note [Differentiable backward]).
+
+    ``prepare`` runs before ``G`` is first built (loaded graphs get their values then).
+    """
+    changed = {m.index for m in plan.mutations} | set(plan.detached_inputs)
+    if plan.input_bases:  # the graph inputs stand for several user inputs: keep none
+        changed |= set(range(len(signature.forward_inputs)))
+    return HigherOrder(
+        forward=forward,
+        backward=backward,
+        signature=signature,
+        fw_compiler=compilers[0],
+        bw_compiler=compilers[1],
+        changed=frozenset(changed),
+        prepare=prepare,
+    )
 
 
 def compile_graphs(

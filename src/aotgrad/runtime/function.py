@@ -54,6 +54,7 @@ from aotgrad.errors import AutocastBackwardError, DoubleBackwardError
 from aotgrad.optable import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import BoxedCall
+from aotgrad.runtime.higher_order import HigherOrder
 from aotgrad.signature import Signature
 
 
@@ -253,9 +254,13 @@ def _only_fresh(leaves: Sequence[OutputLeaf], mutations: Sequence[Any], num_base
 
 
 def make_function(
-    plan: Plan, forward: BoxedCall, backward: BoxedCall
+    plan: Plan, forward: BoxedCall, backward: BoxedCall, higher_order: HigherOrder | None = None
 ) -> type[torch.autograd.Function]:
-    """A fresh ``autograd.Function`` class bound to one pair of compiled graphs."""
+    """A fresh ``autograd.Function`` class bound to one pair of compiled graphs.
+
+    ``higher_order`` computes the gradients under ``create_graph=True`` (Note
+    [Differentiable backward]); without it, such a backward raises.
+    """
     returned_positions, saved_in_forward = plan.returned, plan.saved_in_forward
     num_returned = len(returned_positions)
     leading = returned_positions == tuple(range(num_returned))
@@ -264,6 +269,7 @@ def make_function(
     symbolic_sizes = any(z.size is None for z in plan.zeros)
     all_received = (1 << len(differentiable)) - 1
     no_grads = (None,) * len(plan.reached_by)
+    extra = () if higher_order is None else higher_order.extra  # Note [Primals in the backward]
 
     class CompiledFunction(torch.autograd.Function):
         @staticmethod
@@ -287,6 +293,9 @@ def make_function(
                 ctx.sizes = [v for v in saved if not isinstance(v, torch.Tensor)]
                 saved = [v for v in saved if isinstance(v, torch.Tensor)]
             ctx.save_for_backward(*saved)
+            if extra:  # Note [Primals in the backward]
+                ctx.kept = kept = [primals[i] for i in extra]
+                ctx.kept_versions = [t._version for t in kept]
             ctx.set_materialize_grads(False)  # Note [Missing cotangents]
             if symbolic_sizes:
                 ctx.cotangent_sizes = [returned[i].shape for i in differentiable]
@@ -296,8 +305,6 @@ def make_function(
 
         @staticmethod
         def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
-            if torch.is_grad_enabled():
-                raise DoubleBackwardError(_DOUBLE_BACKWARD)
             received = all_received
             try:  # the usual call: every differentiable output got a gradient
                 cotangents = [grad_outputs[i].contiguous() for i in differentiable]  # type: ignore[union-attr]
@@ -308,8 +315,12 @@ def make_function(
                     return no_grads
             saved = ctx.saved_tensors
             if plan.saved_sizes:
-                saved = _interleave(plan.saved_sizes, ctx.saved_tensors, ctx.sizes)
-            if any_autocast():  # Note [Autocast]
+                saved = _interleave(plan.saved_sizes, saved, ctx.sizes)
+            if torch.is_grad_enabled():  # create_graph=True (Note [Differentiable backward])
+                if any_autocast():  # Note [Autocast]
+                    _check_autocast_backward(plan.autocast_backward)
+                grads = _differentiable(higher_order, ctx, saved, cotangents)
+            elif any_autocast():  # Note [Autocast]
                 _check_autocast_backward(plan.autocast_backward)
                 with autocast_off():
                     grads = backward([*saved, *cotangents])
@@ -398,13 +409,25 @@ def _interleave(is_size: Sequence[bool], tensors: Sequence[Any], sizes: Sequence
     return [next(size_iter) if flag else next(tensor_iter) for flag in is_size]
 
 
-_DOUBLE_BACKWARD = (
-    "create_graph=True (double backward) through an aotgrad-compiled function is not supported:"
-    " its backward graph runs as a black box, so a second derivative would miss the paths"
-    " through the values the forward saved.\nCompute higher-order gradients eagerly, or trace"
-    " the first-order gradient itself: aotgrad.trace(lambda x: torch.autograd.grad(f(x).sum(),"
-    " x, create_graph=True)[0], x)."
-)
+def _differentiable(
+    higher_order: HigherOrder | None,
+    ctx: Any,
+    saved: Sequence[Any],
+    cotangents: Sequence[Any],
+) -> Sequence[torch.Tensor | None]:
+    """The gradients under ``create_graph=True`` (Note [Differentiable backward])."""
+    if higher_order is None:
+        raise DoubleBackwardError(
+            "create_graph=True (double backward): these compiled graphs were wired up without"
+            " their forward graph (CompiledGraphs(..., higher_order=None)), which the"
+            " differentiable backward recomputes from.\nBuild them with compile_partitioned,"
+            " or call aot_function / trace()."
+        )
+    kept = (ctx.kept, ctx.kept_versions) if higher_order.extra else ((), ())
+    if any_autocast():  # Note [Autocast]
+        with autocast_off():
+            return higher_order.gradients(ctx.needs_input_grad, saved, kept, cotangents)
+    return higher_order.gradients(ctx.needs_input_grad, saved, kept, cotangents)
 
 
 def run_epilogue(

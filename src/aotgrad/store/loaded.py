@@ -35,7 +35,7 @@ from aotgrad.capture.autocast import autocast_state
 from aotgrad.errors import CallError, StoreError
 from aotgrad.partition import Partitioned, RecomputedOp
 from aotgrad.partition.saved import SavedValue
-from aotgrad.runtime import CompiledGraphs, compile_graphs
+from aotgrad.runtime import CompiledGraphs, HigherOrder, compile_graphs, higher_order_of
 from aotgrad.runtime.boxing import Compiler, nop
 from aotgrad.runtime.function import Plan
 from aotgrad.runtime.straight_line import Step, straight_line
@@ -159,7 +159,13 @@ class Loaded:
         if len(self._expected) != num_lifted + len(self._tensor_positions):
             raise StoreError("the graph file's forward graph takes another number of inputs")
         forward, backward = compile_stored(stored, compilers)
-        self._compiled = CompiledGraphs(None, forward, backward, plan=stored.plan)
+        self._compiled = CompiledGraphs(
+            None,
+            forward,
+            backward,
+            plan=stored.plan,
+            higher_order=stored_higher_order(stored, compilers),
+        )
 
     @property
     def forward(self) -> fx.GraphModule:
@@ -272,6 +278,26 @@ def _meta(t: Any) -> TensorMeta | None:
     if not isinstance(t, torch.Tensor):
         return None
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
+
+
+def stored_higher_order(
+    stored: Read, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
+) -> HigherOrder | None:
+    """The ``create_graph`` backward of loaded graphs (Note [Differentiable backward]); their
+    fake values are computed when it is first needed (Note [Values on demand]).
+
+    It reads the ``fx`` modules and the signature: a hit builds them (Note [Graphs read
+    from a file]).
+    """
+    if stored.backward is None:
+        return None
+    forward, backward = stored.forward.module(), stored.backward.module()
+
+    def prepare() -> None:
+        with_values(forward)
+        with_values(backward)
+
+    return higher_order_of(forward, backward, stored.signature, stored.plan, compilers[:2], prepare)
 
 
 def compile_stored(

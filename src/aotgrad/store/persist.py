@@ -28,7 +28,7 @@ from aotgrad.store.keys import (
     source_files,
     stable_text,
 )
-from aotgrad.store.loaded import compile_stored
+from aotgrad.store.loaded import compile_stored, stored_higher_order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,7 +113,13 @@ def _compiled(
     stored: Read, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
 ) -> CompiledGraphs:
     forward, backward = compile_stored(stored, compilers)
-    return CompiledGraphs(None, forward, backward, plan=stored.plan)
+    return CompiledGraphs(
+        None,
+        forward,
+        backward,
+        plan=stored.plan,
+        higher_order=stored_higher_order(stored, compilers),
+    )
 
 
 def store_graphs(

@@ -1,0 +1,689 @@
+"""Higher-order gradients: the backward of a compiled function, itself compiled and differentiable.
+
+Note [Differentiable backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The Function's backward graph reads the saved values as constants: run
+as is under ``create_graph=True``, its result would have no path back
+through them to the primals, and a second derivative would be silently
+wrong. So when the backward runs with grad mode on, the gradients come
+from a *differentiable backward function* built from the two graphs::
+
+    G(primals, saved constants, cotangents)
+        = backward_graph(*recompute(primals), *saved constants, *cotangents)
+
+``recompute`` is the forward graph sliced to the saved values that depend
+on a primal that requires grad (dead code removed); every other saved value
+is a constant for any derivative taken here, so ``G`` takes it as it was
+saved. Dependence follows gradients: it stops at values holding no floating
+point (a mask, indices) and at ops that pass none back (``empty_like``,
+``bernoulli``); and the recompute stops at saved constants. So dropout's
+mask is read as saved, never drawn again::
+
+    forward:  mask = bernoulli(empty_like(h)) / 0.7   # saved, a constant
+              out  = tanh(h * mask)                   # saved, depends on h
+    G:        out  = tanh(h * saved mask)             # recomputed from h ``G`` is captured with aotgrad's own pipeline (capture, partition,
+the user's compilers) on demand, at the first ``create_graph`` backward of
+a specialization with these input kinds, and cached. Applying ``G``
+(itself a compiled autograd.Function) to the primals and cotangents
+connects the gradients to autograd; its own backward, under
+``create_graph``, builds the next ``G`` the same way: any order. For
+``f(x) = x.sin()`` (save_all saves ``x``)::
+
+    first order      backward(saved=(x,), g)         = g * cos(x)
+    G                G(x, g)                         = g * cos(x)   # x recomputed: itself
+    second order     backward of G (a compiled graph) = (-g * sin(x) * gg, cos(x) * gg)
+
+Why not run the forward again inside the backward (eager's way)? Eager's
+backward formulas are differentiable ops on saved tensors that remember their
+history; the compiled forward's saved values have none (the forward runs
+with no graph). Recomputing only the dependent slice keeps the first-order
+path as it was, and ``G`` costs one capture per specialization.
+
+The primals ``G`` reads must still hold their values at the call:
+Note [Primals in the backward].
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable, Container, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+
+from aotgrad._torch_compat import decomposition
+from aotgrad.capture import capture
+from aotgrad.capture.provenance import META_KEY, NodeInfo, set_info
+from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
+from aotgrad.errors import AotgradError, DoubleBackwardError, UserFrame, format_error
+from aotgrad.optable import draws_random, op_name, outputs_reached, passes_no_gradient
+from aotgrad.partition import Partitioned, partition
+from aotgrad.runtime.boxing import Compiler
+from aotgrad.signature import FlatInputs, Signature, storage_key
+from aotgrad.signature.descriptors import Input
+
+
+@dataclass
+class Orders:
+    """How many ``create_graph`` backward captures happened (Note [Differentiable backward]).
+
+    Shared by every order of one compiled function: ``G``'s own captures count here too.
+    ``aot_function`` hands its ``CacheInfo``, which has the same fields.
+    """
+
+    create_graph_captures: int = 0
+    # Backwards that took another path than a captured G (there is none: kept at 0).
+    create_graph_fallbacks: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Slice:
+    """What ``G`` reads for one set of primals requiring grad."""
+
+    # Forward-input positions ``G`` takes, in order.
+    primals: tuple[int, ...]
+    # Saved positions ``G`` recomputes from the primals; the others it takes as saved.
+    recomputed: tuple[int, ...]
+    constants: tuple[int, ...]
+    # Forward inputs changed in place that ``G`` reads but whose value reaches none of its
+    # outputs: zeros stand in for them (Note [Primals in the backward]).
+    stand_ins: tuple[int, ...]
+    graph: fx.GraphModule
+
+    def zeros(self, i: int) -> torch.Tensor:
+        """The stand-in for forward input ``i``."""
+        node = _placeholders(self.graph)[self.primals.index(i)]
+        val = node.meta["val"]
+        return torch.zeros(tuple(val.shape), dtype=val.dtype, device=val.device)
+
+
+@dataclass(kw_only=True)
+class HigherOrder:
+    """The ``create_graph`` backward of one compiled specialization (Note [Differentiable backward])."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    signature: Signature
+    fw_compiler: Compiler | None = None
+    bw_compiler: Compiler | None = None
+    # Forward inputs the epilogue changes in place (data, metadata or ``detach_()``).
+    changed: frozenset[int] = frozenset()
+    # Runs once before the first ``G`` is built (loaded graphs compute their values then).
+    prepare: Callable[[], None] | None = None
+    order: int = 1
+    orders: Any = field(default_factory=Orders)  # an Orders, or what has its fields
+    # Forward inputs saved besides the saved values (Note [Primals in the backward]).
+    extra: tuple[int, ...] = ()
+    # Saved position of each forward input the forward graph saves as is.
+    saved_as_is: dict[int, int] = field(default_factory=dict)
+    _slices: dict[tuple[bool, ...], Slice] = field(default_factory=dict)
+    _compiled: dict[Any, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        placeholders = _placeholders(self.forward)
+        saved = _outputs(self.forward)[self.signature.saved_in_forward]
+        index = {node: i for i, node in enumerate(placeholders)}
+        for j, node in enumerate(saved):
+            if node in index:
+                self.saved_as_is.setdefault(index[node], j)
+        read = _primals_read(self.forward, saved)
+        self.extra = tuple(
+            i for i in sorted(read) if i not in self.saved_as_is and i not in self.changed
+        )
+
+    def gradients(
+        self,
+        needs_grad: Sequence[bool],
+        saved: Sequence[Any],
+        kept: tuple[Sequence[torch.Tensor], Sequence[int]],
+        cotangents: Sequence[torch.Tensor],
+    ) -> Sequence[torch.Tensor | None]:
+        """The gradients as differentiable functions of the primals and cotangents.
+
+        ``kept``: the forward inputs in ``extra`` and their versions at the call (Note
+        [Primals in the backward]).
+        """
+        piece = self._slice(tuple(needs_grad))
+        values = [
+            *(
+                piece.zeros(i) if i in piece.stand_ins else self._primal(i, saved, kept)
+                for i in piece.primals
+            ),
+            *(saved[j] for j in piece.constants),
+            *cotangents,
+        ]
+        return self._compiled_for(piece, values)(values)
+
+    def _primal(
+        self, i: int, saved: Sequence[Any], kept: tuple[Sequence[torch.Tensor], Sequence[int]]
+    ) -> torch.Tensor:
+        if i in self.saved_as_is:
+            return saved[self.saved_as_is[i]]
+        if i in self.extra:
+            k = self.extra.index(i)
+            tensor, version = kept[0][k], kept[1][k]
+            if tensor._version != version:
+                raise _changed_after(str(self.signature.forward_inputs[i]), version, tensor)
+            return tensor
+        raise _changed_input(str(self.signature.forward_inputs[i]))
+
+    def _slice(self, needs_grad: tuple[bool, ...]) -> Slice:
+        piece = self._slices.get(needs_grad)
+        if piece is None:
+            if self.prepare is not None:
+                self.prepare()
+                self.prepare = None
+            piece = self._slices[needs_grad] = build_slice(
+                self.forward, self.backward, self.signature, needs_grad, self.changed
+            )
+        return piece
+
+    def _compiled_for(self, piece: Slice, values: Sequence[Any]) -> Callable[[list[Any]], Any]:
+        key = (id(piece), *(_meta(v) for v in values), _sharing(values))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = self._capture(piece, values)
+        return compiled
+
+    def _capture(self, piece: Slice, values: Sequence[Any]) -> Callable[[list[Any]], Any]:
+        from aotgrad.runtime import compile_partitioned  # the package imports this module
+
+        partitioned = capture_backward(piece.graph, values, self.order + 1)
+        compiled = compile_partitioned(partitioned, self.fw_compiler, self.bw_compiler)
+        if compiled.higher_order is not None:
+            compiled.higher_order.orders = self.orders
+            compiled.higher_order.order = self.order + 1
+        self.orders.create_graph_captures += 1
+        return compiled
+
+
+def _changed_input(what: str) -> DoubleBackwardError:
+    return DoubleBackwardError(
+        format_error(
+            f"create_graph=True needs the value input {what} had when the compiled function"
+            " was called, to differentiate its gradient again, but the function changed that"
+            " input in place (Note [Primals in the backward]).",
+            None,
+            f"Clone {what} before changing it inside the function first, or change"
+            " it outside the compiled function, after the backward.",
+        )
+    )
+
+
+def _changed_after(what: str, version: int, tensor: torch.Tensor) -> DoubleBackwardError:
+    return DoubleBackwardError(
+        format_error(
+            f"create_graph=True needs the value input {what} had when the compiled function"
+            f" was called (version {version}), but it was changed in place since (version"
+            f" {tensor._version}): an optimizer step, an in-place op"
+            " (Note [Primals in the backward]). Eager PyTorch raises too when it saved it.",
+            None,
+            "Take the gradients before changing the input, or change a copy.",
+        )
+    )
+
+
+def _meta(v: Any) -> Any:
+    if not isinstance(v, torch.Tensor):
+        return v
+    return (
+        tuple(v.shape),
+        tuple(v.stride()),
+        v.storage_offset(),
+        v.dtype,
+        v.device,
+        v.requires_grad,
+        v.is_leaf,
+    )
+
+
+def _sharing(values: Sequence[Any]) -> tuple[tuple[int, int], ...]:
+    """Per value, the first value that is it and the first sharing its memory: a capture
+    specializes on both (one cotangent passed for two outputs, a saved view of a primal)."""
+    same: dict[int, int] = {}
+    storages: dict[Any, int] = {}
+    found = []
+    for k, v in enumerate(values):
+        if not isinstance(v, torch.Tensor):
+            found.append((k, k))
+            continue
+        found.append((same.setdefault(id(v), k), storages.setdefault(storage_key(v), k)))
+    return tuple(found)
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _outputs(gm: fx.GraphModule) -> list[Any]:
+    return list(gm.graph.output_node().args[0])  # type: ignore[arg-type]
+
+
+def _primals_read(forward: fx.GraphModule, targets: Sequence[Any]) -> set[int]:
+    """Forward-input positions the ``targets`` are computed from."""
+    index = {node: i for i, node in enumerate(_placeholders(forward))}
+    return {index[n] for n in _ancestors(targets) if n in index}
+
+
+def _ancestors(targets: Sequence[Any], stop: Container[fx.Node] = ()) -> list[fx.Node]:
+    """Every node the targets need, themselves included, in no set order; ``stop`` nodes
+    and what only they need are left out."""
+    seen: dict[fx.Node, None] = {}
+    stack = [t for t in targets if isinstance(t, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stop:
+            continue
+        seen[node] = None
+        stack.extend(node.all_input_nodes)
+    return list(seen)
+
+
+# Note [Primals in the backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``G`` recomputes dependent saved values from the primals, so the forward
+# keeps the primals the saved values are computed from. Most are saved
+# already (a matmul saves its weight): those are not kept twice. The others
+# (``extra``) are kept on ``ctx`` with their version counters, not saved:
+# a first-order backward never unpacks them, ``saved_tensors_hooks`` (offloading)
+# never move them, and the memory report, which counts the saved values, does
+# not count them: they are the caller's own tensors (mostly parameters, kept
+# alive by the module anyway; an input activation lives as long as the
+# outputs' ``grad_fn``).
+# ``G`` checks their versions, as autograd checks saved tensors, and refuses an
+# input changed in place since the call. For ``f(x) = (x * 2).sin()`` the
+# forward saves ``mul``; ``extra = (x,)``.
+#
+# An input the function changes in place is not kept: the epilogue's
+# ``copy_`` would fail the version check of every backward. ``G`` needs one
+# only when a saved value that depends on a primal requiring grad is computed
+# from it; then there is no faithful value to recompute from, and the
+# backward raises ``DoubleBackwardError`` naming the input. For
+# ``f(x, n) = x * n.add_(1)`` (``n`` a counter), the saved ``n + 1`` depends
+# on no primal requiring grad: ``G`` takes it as saved, and nothing is needed.
+# BatchNorm's running statistics are the same: the saved mean and inverse
+# standard deviation are computed from the input, not from them.
+
+
+def build_slice(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    signature: Signature,
+    needs_grad: Sequence[bool],
+    changed: frozenset[int] = frozenset(),
+) -> Slice:
+    """``G``'s graph for these primals requiring grad (Note [Differentiable backward]).
+
+    ``changed``: forward inputs the function changes in place (Note [Primals in the backward]).
+    """
+    placeholders = _placeholders(forward)
+    saved = _outputs(forward)[signature.saved_in_forward]
+    depends = _depends_on(
+        forward, [p for p, needed in zip(placeholders, needs_grad, strict=True) if needed]
+    )
+    recomputed = tuple(j for j, node in enumerate(saved) if node in depends or not _is_tensor(node))
+    constants = tuple(j for j in range(len(saved)) if j not in recomputed)
+    # The recompute stops at saved constants: ``G`` takes them as saved (a dropout mask).
+    boundary = {saved[j]: j for j in reversed(constants) if isinstance(saved[j], fx.Node)}
+    needed = _ancestors([saved[j] for j in recomputed], stop=boundary)
+    _refuse_random(needed)
+    primals = tuple(i for i, p in enumerate(placeholders) if p in needed)
+    graph = fx.Graph()
+    root = torch.nn.Module()
+    env: dict[fx.Node, fx.Node] = {}
+    for i in primals:
+        env[placeholders[i]] = _placeholder(
+            graph, f"primal_{placeholders[i].name}", placeholders[i]
+        )
+    bw_placeholders = _placeholders(backward)
+    saved_nodes: list[fx.Node | None] = [None] * len(saved)
+    for j in constants:
+        saved_nodes[j] = _placeholder(graph, f"saved_{bw_placeholders[j].name}", bw_placeholders[j])
+    for node, j in boundary.items():
+        env[node] = saved_nodes[j]  # type: ignore[assignment]
+    cotangents = [
+        _placeholder(graph, f"cotangent_{n.name}", n)
+        for n in bw_placeholders[signature.cotangents_in_backward]
+    ]
+    wanted = set(needed)
+    for node in forward.graph.nodes:
+        if node in wanted and node.op != "placeholder":
+            env[node] = _copy(graph, root, forward, node, env)
+    for j in recomputed:
+        saved_nodes[j] = env[saved[j]]
+    for node, value in zip(bw_placeholders[signature.saved_in_backward], saved_nodes, strict=True):
+        env[node] = value  # type: ignore[assignment]
+    for node, value in zip(
+        bw_placeholders[signature.cotangents_in_backward], cotangents, strict=True
+    ):
+        env[node] = value
+    for node in backward.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            graph.output(fx.map_arg(node.args[0], lambda n: env[n]))
+            break
+        env[node] = _copy(graph, root, backward, node, env)
+    gm = fx.GraphModule(root, graph, "differentiable_backward")
+    stand_ins = tuple(i for i in primals if i in changed)
+    for i in stand_ins:
+        if needs_grad[i] or _reaches_outputs(gm, primals.index(i)):
+            raise _changed_input(str(signature.forward_inputs[i]))
+    return Slice(
+        primals=primals,
+        recomputed=recomputed,
+        constants=constants,
+        stand_ins=stand_ins,
+        graph=gm,
+    )
+
+
+def _reaches_outputs(gm: fx.GraphModule, position: int) -> bool:
+    """Does placeholder ``position``'s value reach an output (Note [Inputs only some outputs read])?"""
+    reached: dict[fx.Node, tuple[int, ...] | None] = {_placeholders(gm)[position]: None}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            return any(n in reached for n in node.all_input_nodes)
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem and node.args[0] in reached:
+            outputs = reached[node.args[0]]
+            if outputs is None or node.args[1] in outputs:
+                reached[node] = None
+            continue
+        positions = [k for k, a in enumerate(node.args) if _reads(a, reached)]
+        if any(_reads(v, reached) for v in node.kwargs.values()):
+            reached[node] = None
+        elif positions:
+            reached[node] = _outputs_of(node, positions)
+    return False
+
+
+def _reads(arg: Any, reached: dict[fx.Node, Any]) -> bool:
+    found: list[fx.Node] = []
+    fx.node.map_arg(arg, found.append)
+    return any(n in reached for n in found)
+
+
+def _outputs_of(node: fx.Node, positions: Sequence[int]) -> tuple[int, ...] | None:
+    found: set[int] = set()
+    for k in positions:
+        outputs = outputs_reached(node.target, node.args, k)
+        if outputs is None:
+            return None
+        found.update(outputs)
+    return tuple(sorted(found))
+
+
+def _is_tensor(node: Any) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _depends_on(forward: fx.GraphModule, sources: Sequence[fx.Node]) -> set[fx.Node]:
+    """Forward nodes a gradient can flow from to one of ``sources`` (themselves included).
+
+    Not through values that hold no floating point (a mask, indices) nor through ops that
+    pass no gradient (``empty_like``, ``bernoulli``): for ``dropout``, the mask is a constant.
+    """
+    found = set(sources)
+    for node in forward.graph.nodes:
+        if node.op != "call_function" or passes_no_gradient(node.target):
+            continue
+        if _can_hold_gradient(node) and any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _can_hold_gradient(node: fx.Node) -> bool:
+    values = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    if not values:  # sizes (a recompute reads them), or no value known: assume it can
+        return True
+    return any(v.is_floating_point() or v.is_complex() for v in values)
+
+
+def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:
+    node = graph.placeholder(name)
+    node.meta = dict(like.meta)
+    return node
+
+
+def _copy(
+    graph: fx.Graph,
+    root: torch.nn.Module,
+    source: fx.GraphModule,
+    node: fx.Node,
+    env: dict[fx.Node, fx.Node],
+) -> fx.Node:
+    if node.op == "get_attr":  # a constant of the graph: the new root holds it too
+        name = f"{source.__class__.__name__}_{node.target}".replace(".", "_")
+        if not hasattr(root, name):
+            setattr(root, name, getattr(source, node.target))  # type: ignore[arg-type]
+        copied = graph.get_attr(name)
+        copied.meta = dict(node.meta)
+        return copied
+    return graph.node_copy(node, lambda n: env[n])
+
+
+def _refuse_random(nodes: Sequence[fx.Node]) -> None:
+    """A random op recomputed in ``G`` would draw other numbers: refuse it."""
+    for node in nodes:
+        if node.op == "call_function" and draws_random(node.target, node.args, node.kwargs):
+            raise DoubleBackwardError(
+                format_error(
+                    f"create_graph=True through a compiled function would recompute the random"
+                    f" op {op_name(node.target)}, whose result the gradient depends on through"
+                    " a primal requiring grad; it would draw other numbers than the forward"
+                    " did (Note [Differentiable backward]).",
+                    _source(node),
+                    "Make the random draw outside the compiled function and pass its result in"
+                    " (a dropout mask).",
+                )
+            )
+
+
+def _source(node: fx.Node) -> UserFrame | None:
+    return getattr(node.meta.get(META_KEY), "source", None)
+
+
+def capture_backward(graph: fx.GraphModule, values: Sequence[Any], order: int) -> Partitioned:
+    """Capture ``G`` on these values (fake tensors, as every capture) and partition it.
+
+    An op of ``graph`` autograd has no derivative for is run through its decomposition and the
+    capture tried again (Note [Backward ops without a derivative]).
+    """
+    decomposed: dict[Any, Callable[..., Any]] = {}
+    while True:
+        try:
+            joint = _capture_once(graph, values, decomposed)
+        except (AotgradError, RuntimeError) as error:
+            op = _op_without_derivative(error, graph)
+            rule = None if op is None or op in decomposed else _decomposition(op)
+            if rule is None:
+                raise _no_derivative(error, graph, order) from error
+            decomposed[op] = rule
+            continue
+        _mark_order(joint.gm, order)
+        return partition(joint, "save_all")
+
+
+def _capture_once(
+    graph: fx.GraphModule, values: Sequence[Any], decomposed: dict[Any, Callable[..., Any]]
+) -> Any:
+    names = [n.name for n in _placeholders(graph)]
+    flat = FlatInputs(
+        spec=_spec(len(values)),
+        constants=(None,) * len(values),
+        tensor_positions=tuple(range(len(values))),
+        descriptors=tuple(Input(path=name) for name in names),
+        num_lifted=0,
+    )
+
+    @contextmanager
+    def body(primals: list[torch.Tensor]) -> Iterator[Any]:
+        yield tuple(_run_with_provenance(graph, primals, decomposed))
+
+    return capture(
+        body,
+        flat,
+        list(values),
+        with_backward=any(isinstance(v, torch.Tensor) and v.requires_grad for v in values),
+        root=graph,
+    )
+
+
+# Note [Backward ops without a derivative]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some ops the first-order backward graph holds have no derivative of their own:
+# eager never differentiates them, because under ``create_graph=True`` its
+# formulas pick another, differentiable form (SiLU's backward is
+# ``silu_backward`` with grad mode off, a product of sigmoids with it on), and
+# the functional ``copy`` only exists in functionalized graphs. Capturing ``G``
+# through such an op fails with "derivative for aten::silu_backward is not
+# implemented"; the capture then runs that op through its decomposition into
+# ops that have derivatives, and tries again, once per op:
+#
+#     G's graph                      captured as
+#     silu_backward(g, x)      ->    g * sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+#     copy(self, src)          ->    src cast to self's dtype, expanded to its shape,
+#                                    in self's layout (_functional_copy below)
+#
+# An op with neither a derivative nor a decomposition (CPU flash attention's
+# backward, which eager cannot differentiate either) raises DoubleBackwardError.
+
+_NO_DERIVATIVE = re.compile(r"derivative for (?:aten::)?([\w.]+) is not implemented")
+
+
+def _op_without_derivative(error: Exception, graph: fx.GraphModule) -> Any:
+    """The op of ``graph`` the error says has no derivative, or None."""
+    found = _NO_DERIVATIVE.search(str(error))
+    if found is None:
+        return None
+    return next((n.target for n in graph.graph.nodes if _is_op_named(n, found.group(1))), None)
+
+
+def _is_op_named(node: fx.Node, name: str) -> bool:
+    return node.op == "call_function" and getattr(node.target, "_opname", None) == name
+
+
+def _decomposition(op: Any) -> Callable[..., Any] | None:
+    if op is torch.ops.aten.copy.default:
+        return _functional_copy
+    return decomposition(op)
+
+
+def _functional_copy(
+    self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
+) -> torch.Tensor:
+    """``aten.copy`` from differentiable ops (Note [Backward ops without a derivative]).
+
+    The result has ``self``'s strides when they are a permutation of a contiguous layout (a
+    transpose): the value is laid out contiguously in that permuted order and permuted back.
+    """
+    value = src.to(dtype=self.dtype, device=self.device).expand(self.shape)
+    strides = self.stride()
+    order = sorted(range(self.dim()), key=lambda d: (-strides[d], d))
+    if self.is_contiguous() or not _dense(self):
+        return value.clone(memory_format=torch.contiguous_format)
+    back = sorted(range(self.dim()), key=order.__getitem__)
+    laid_out = value.permute(order).clone(memory_format=torch.contiguous_format)
+    return laid_out.permute(back)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Does ``t``'s layout cover its elements once each, in some order of its dimensions?"""
+    expected = 1
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride(), strict=True))
+    for stride, size in dims:
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _spec(n: int) -> Any:
+    return pytree.tree_flatten(((0,) * n, {}))[1]
+
+
+def _no_derivative(error: Exception, graph: fx.GraphModule, order: int) -> DoubleBackwardError:
+    """The capture of ``G`` failed: name the op with no derivative and the user's line."""
+    found = _NO_DERIVATIVE.search(str(error))
+    node = None
+    if found is not None:
+        name = found.group(1)
+        node = next((n for n in graph.graph.nodes if _is_op_named(n, name)), None)
+        what = (
+            f"create_graph=True: the backward of a compiled function calls {name}, which has"
+            f" neither a derivative nor a decomposition in PyTorch, so its gradient cannot be"
+            f" differentiated again (order {order})."
+        )
+    else:
+        what = (
+            f"create_graph=True: capturing the differentiable backward (order {order}) of a"
+            f" compiled function failed: {error}"
+        )
+    return DoubleBackwardError(
+        format_error(
+            what,
+            None if node is None else _source(node),
+            "Compute this derivative without create_graph=True, or use an op with a"
+            " derivative (for attention on CPU: the math backend,"
+            " torch.nn.attention.sdpa_kernel(SDPBackend.MATH)).",
+        )
+    )
+
+
+def _run_with_provenance(
+    graph: fx.GraphModule, values: Sequence[Any], decomposed: dict[Any, Callable[..., Any]]
+) -> Any:
+    """Run ``G`` node by node, each op under the module and user line of the node it copies.
+
+    So every node of ``G``'s graphs points at the user's line its first-order node came from
+    (Note [Module paths and source lines]); not ``fx.Interpreter``, which would replace the
+    tracer's own notes with the copied node's metadata. Ops in ``decomposed`` run through
+    their decomposition (Note [Backward ops without a derivative]).
+    """
+    env: dict[fx.Node, Any] = {}
+    inputs = iter(values)
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(inputs)
+        elif node.op == "output":
+            return fx.node.map_arg(node.args[0], env.__getitem__)
+        elif node.op == "get_attr":
+            env[node] = getattr(graph, str(node.target))
+        else:
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            run = decomposed.get(node.target, node.target)
+            with fx_traceback.annotate(_note(node)):
+                env[node] = run(*args, **kwargs)
+    raise AssertionError("expected the graph to end with an output node")
+
+
+def _note(node: fx.Node) -> dict[str, Any]:
+    info = node.meta.get(META_KEY)
+    source = getattr(info, "source", None)
+    where = None if source is None else (source.filename, source.lineno, source.name)
+    note: dict[str, Any] = {SOURCE_KEY: where, SOURCE_FIXED_KEY: True}
+    if getattr(info, "module", ""):
+        note[MODULE_KEY] = info.module  # type: ignore[union-attr]
+    return note
+
+
+def _mark_order(gm: fx.GraphModule, order: int) -> None:
+    """Note on every node of ``G``'s joint graph which derivative it computes."""
+    for node in gm.graph.nodes:
+        info = node.meta.get(META_KEY)
+        if isinstance(info, NodeInfo):
+            set_info(node, replace(info, order=order))
+
+
+__all__ = ["HigherOrder", "Orders", "build_slice", "capture_backward"]

@@ -1,0 +1,566 @@
+"""create_graph=True through compiled functions, against eager (docs/higher-order.md).
+
+Every test runs the same computation eagerly and through aotgrad and compares values and
+gradients of every order; float64 where the comparison is tight.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import aotgrad
+from aotgrad.testing import VerificationError, verify
+
+torch.set_default_dtype(torch.float32)
+
+
+def _close(a: Any, b: Any, **kw: Any) -> None:
+    torch.testing.assert_close(a, b, **kw)
+
+
+def _derivatives(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, n: int) -> list[Any]:
+    """d^k/dx^k of sum(f(x)) for k = 1..n, each with create_graph=True."""
+    out, found = f(x).sum(), []
+    for _ in range(n):
+        (out,) = torch.autograd.grad(out, x, create_graph=True)
+        found.append(out)
+        out = out.sum()
+    return found
+
+
+def test_third_and_fourth_derivatives_of_sin():
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    f = aotgrad.aot_function(torch.sin)
+    got = _derivatives(f, x, 4)
+    want = [x.cos(), -x.sin(), -x.cos(), x.sin()]
+    for g, w in zip(got, want, strict=True):
+        _close(g, w.detach())
+        assert g.requires_grad
+    info = aotgrad.cache_info(f)
+    assert (info.create_graph_captures, info.create_graph_fallbacks) == (4, 0)
+    _derivatives(f, x, 4)  # the captures are cached
+    assert aotgrad.cache_info(f).create_graph_captures == 4
+
+
+def test_the_cached_differentiable_backward_stays_right_on_new_values():
+    f = aotgrad.aot_function(lambda x, w: torch.tanh(x @ w))
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+        (gx,) = torch.autograd.grad(f(x, w).sum(), x, create_graph=True)
+        got = torch.autograd.grad(gx.pow(2).sum(), (x, w))
+        (ex,) = torch.autograd.grad(torch.tanh(x @ w).sum(), x, create_graph=True)
+        _close(got, torch.autograd.grad(ex.pow(2).sum(), (x, w)))
+    assert aotgrad.cache_info(f).create_graph_captures == 1
+
+
+def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return F.gelu(torch.tanh(x @ w1)) @ w2
+
+
+def _mlp_inputs() -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    return (
+        torch.randn(6, 3, dtype=torch.float64),
+        torch.randn(3, 5, dtype=torch.float64),
+        torch.randn(5, 2, dtype=torch.float64),
+    )
+
+
+def test_hvp_and_hessian_of_an_mlp_loss():
+    x, w1, w2 = _mlp_inputs()
+    f = aotgrad.aot_function(_mlp)
+
+    def loss(w: torch.Tensor, run: Callable[..., torch.Tensor]) -> torch.Tensor:
+        return run(x, w, w2).pow(2).sum()
+
+    v = torch.randn_like(w1)
+    got = torch.autograd.functional.hvp(lambda w: loss(w, f), w1, v)
+    want = torch.autograd.functional.hvp(lambda w: loss(w, _mlp), w1, v)
+    _close(got, want)
+    _close(
+        torch.autograd.functional.hessian(lambda w: loss(w, f), w1),
+        torch.autograd.functional.hessian(lambda w: loss(w, _mlp), w1),
+    )
+    # by hand: the gradient, then the gradient of its dot product with v
+    w = w1.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(loss(w, f), w, create_graph=True)
+    (manual,) = torch.autograd.grad((g * v).sum(), w)
+    _close(manual, want[1])
+
+
+def test_cotangents_that_require_grad_are_differentiated():
+    """``torch.autograd.functional.vhp``/``hvp`` differentiate the gradient by its cotangent."""
+    x, w1, w2 = _mlp_inputs()
+    x.requires_grad_(True)
+    f = aotgrad.aot_function(_mlp)
+    runs = []
+    for run in (_mlp, f):
+        u = torch.ones(6, 2, dtype=torch.float64, requires_grad=True)
+        (g,) = torch.autograd.grad(run(x, w1, w2), x, u, create_graph=True)
+        runs.append(torch.autograd.grad(g.pow(2).sum(), (x, u)))
+    _close(runs[1], runs[0])
+
+
+def test_pinn_second_derivative_of_the_output_by_the_input():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    net = net.double()
+    eager, compiled = net, aotgrad.aot_module(copy.deepcopy(net))
+    x = torch.linspace(0, 1, 11, dtype=torch.float64).unsqueeze(1)
+
+    def residual(model: nn.Module) -> torch.Tensor:
+        xs = x.clone().requires_grad_(True)
+        u = model(xs)
+        (du,) = torch.autograd.grad(u.sum(), xs, create_graph=True)
+        (d2u,) = torch.autograd.grad(du.sum(), xs, create_graph=True)
+        loss = (d2u + torch.pi**2 * torch.sin(torch.pi * xs)).pow(2).mean()
+        loss.backward()
+        return d2u
+
+    _close(residual(compiled), residual(eager))
+    for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
+        _close(p.grad, q.grad)
+
+
+class _Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(4, 32),
+            nn.LeakyReLU(0.2),
+            nn.Linear(32, 32),
+            nn.LeakyReLU(0.2),
+            nn.Linear(32, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def wgan_gp_step(
+    critic: nn.Module,
+    opt: torch.optim.Optimizer,
+    real: torch.Tensor,
+    fake: torch.Tensor,
+    alpha: torch.Tensor,
+) -> torch.Tensor:
+    """One critic step of WGAN-GP: the Wasserstein loss plus the gradient penalty."""
+    mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+    (grad,) = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
+    penalty = (grad.norm(2, dim=1) - 1).pow(2).mean()
+    loss = critic(fake).mean() - critic(real).mean() + 10 * penalty
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_wgan_gp_steps_match_eager():
+    torch.manual_seed(0)
+    eager = _Critic().double()
+    compiled_model = copy.deepcopy(eager)
+    compiled = aotgrad.aot_module(compiled_model)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (eager, compiled_model)]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        real, fake = (torch.randn(8, 4, generator=g, dtype=torch.float64) for _ in range(2))
+        alpha = torch.rand(8, 1, generator=g, dtype=torch.float64)
+        want = wgan_gp_step(eager, opts[0], real, fake, alpha)
+        got = wgan_gp_step(compiled, opts[1], real, fake, alpha)
+        _close(got, want)
+    for p, q in zip(compiled_model.parameters(), eager.parameters(), strict=True):
+        _close(p, q)
+    assert aotgrad.cache_info(compiled).create_graph_captures == 1
+
+
+def test_maml_inner_step_over_an_aot_module_with_functional_call():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    eager, compiled = model, aotgrad.aot_module(copy.deepcopy(model))
+    x, y, xq, yq = (torch.randn(5, k, dtype=torch.float64) for k in (3, 1, 3, 1))
+
+    def meta_loss(m: nn.Module) -> torch.Tensor:
+        params = dict(m.named_parameters())
+        inner = (functional_call(m, params, (x,)) - y).pow(2).mean()
+        grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+        fast = {n: p - 0.1 * g for (n, p), g in zip(params.items(), grads, strict=True)}
+        outer = (functional_call(m, fast, (xq,)) - yq).pow(2).mean()
+        outer.backward()
+        return outer.detach()
+
+    _close(meta_loss(compiled), meta_loss(eager))
+    for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
+        assert p.grad is not None
+        _close(p.grad, q.grad)
+
+
+def _counter(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    n.add_(1)  # a counter: the saved n + 1 depends on no input requiring grad
+    return x.sin() * n
+
+
+def _scaled_in_place(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    y.mul_(2)  # the saved 2 * y is a constant: G reads it, not y
+    return (y * x).sin()
+
+
+def _views(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return x.view(-1), x.t(), (x * 2).exp()[0]
+
+
+def _in_place_on_a_copy(x: torch.Tensor) -> torch.Tensor:
+    y = x * 1
+    y.mul_(2)
+    return y.sin()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(
+            lambda: (_counter, torch.randn(3, requires_grad=True), torch.zeros(3)), id="counter"
+        ),
+        pytest.param(lambda: (_views, torch.randn(2, 3, requires_grad=True)), id="view-outputs"),
+        pytest.param(
+            lambda: (_scaled_in_place, torch.randn(3, requires_grad=True), torch.randn(3)),
+            id="in-place-on-an-input",
+        ),
+        pytest.param(
+            lambda: (_in_place_on_a_copy, torch.randn(3, requires_grad=True)), id="in-place"
+        ),
+        pytest.param(
+            lambda: (
+                nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Softplus()).train(),
+                torch.randn(5, 3, requires_grad=True),
+            ),
+            id="batchnorm-train",
+        ),
+        pytest.param(
+            lambda: (
+                nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 1)),
+                torch.randn(5, 4, requires_grad=True),
+            ),
+            id="dropout-mask-saved",
+        ),
+        pytest.param(
+            lambda: (lambda x: (x * torch.rand(3)).sin(), torch.randn(3, requires_grad=True)),
+            id="random-draw-saved",
+        ),
+    ],
+)
+def test_mutation_aliasing_and_dropout_under_create_graph_match_eager(make):
+    torch.manual_seed(0)
+    fn, *args = make()
+    report = verify(fn, *args, create_graph=True)
+    assert report.compared_grads >= 2
+
+
+def test_verify_create_graph_catches_a_wrong_second_derivative():
+    """A compiler whose second derivative is wrong must fail verify (the check can fail)."""
+
+    def wrong(fn: Callable[..., Any]) -> Callable[..., Any]:
+        class Detached(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+                ctx.save_for_backward(x)
+                return x.sin()
+
+            @staticmethod
+            def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+                (x,) = ctx.saved_tensors
+                return g * x.detach().cos()  # no path to x: second derivative lost
+
+        return Detached.apply
+
+    with pytest.raises(VerificationError, match="second-order grad of x"):
+        verify(
+            lambda x: x.sin(),
+            torch.randn(3, requires_grad=True),
+            create_graph=True,
+            compile_fn=wrong,
+        )
+
+
+def test_an_input_changed_in_place_that_the_second_derivative_reads_is_refused():
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = (x + y).sin()  # saves x + y: recomputing it needs y's old value
+        y.add_(1)
+        return out
+
+    compiled = aotgrad.aot_function(f)
+    x = torch.randn(3, requires_grad=True)
+    out = compiled(x, torch.randn(3))
+    with pytest.raises(aotgrad.DoubleBackwardError, match=r"input y .*changed that input in place"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad(compiled(x, torch.zeros(3)).sum(), x)  # first order still works
+    _close(g, x.cos().detach())
+
+
+def test_a_backward_op_with_no_derivative_names_the_op_and_the_line():
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    with pytest.raises(RuntimeError, match="flash_attention_for_cpu_backward"):  # eager too
+        (g,) = torch.autograd.grad(attention(q, k, v).sum(), q, create_graph=True)
+        g.sum().backward()
+    f = aotgrad.aot_function(attention)
+    with pytest.raises(
+        aotgrad.DoubleBackwardError,
+        match=r"(?s)_scaled_dot_product_flash_attention_for_cpu_backward.*"
+        r"test_higher_order.py:\d+ in attention: return F.scaled_dot_product_attention",
+    ):
+        torch.autograd.grad(f(q, k, v).sum(), q, create_graph=True)
+
+
+def _copied_into_a_transpose(x: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros(4, 3).t()  # a non-contiguous intermediate written by copy_
+    y.copy_(x.sin())
+    return (y * x).exp()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: (nn.SiLU(), torch.randn(5, requires_grad=True)), id="silu"),
+        pytest.param(lambda: (nn.Mish(), torch.randn(5, requires_grad=True)), id="mish"),
+        pytest.param(
+            lambda: (
+                nn.Sequential(nn.Linear(3, 4), nn.SiLU(inplace=True), nn.Linear(4, 2)),
+                torch.randn(2, 3, requires_grad=True),
+            ),
+            id="silu-inplace-mlp",
+        ),
+        pytest.param(
+            lambda: (_copied_into_a_transpose, torch.randn(3, 4, requires_grad=True)),
+            id="copy-into-a-transpose",
+        ),
+    ],
+)
+def test_backward_ops_without_a_derivative_are_decomposed(make):
+    # Note [Backward ops without a derivative]: eager differentiates these under create_graph
+    torch.manual_seed(0)
+    fn, *args = make()
+    report = verify(fn, *args, create_graph=True)
+    assert report.compared_grads >= 1
+
+
+def test_third_derivative_through_silu():
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    f = aotgrad.aot_function(F.silu)
+    for got, want in zip(_derivatives(f, x, 3), _derivatives(F.silu, x, 3), strict=True):
+        _close(got, want)
+
+
+@pytest.mark.parametrize("name", ["llama", "convnext"])
+def test_gradient_penalty_of_models_with_silu_and_copies(name):
+    library_models = pytest.importorskip("library_models")
+    case = library_models.build(name)
+    eager = case.model.double()
+    compiled_model = copy.deepcopy(eager)
+    compiled = aotgrad.aot_module(compiled_model)
+    args = tuple(a.double() if a.is_floating_point() else a for a in case.args)
+    for run, model in ((eager, eager), (compiled, compiled_model)):
+        torch.manual_seed(0)
+        params = [p for p in model.parameters() if p.requires_grad]
+        with sdpa_kernel(SDPBackend.MATH):  # CPU flash attention has no second derivative
+            loss = case.loss(run(*args, **case.kwargs))
+            grads = torch.autograd.grad(loss, params, create_graph=True)
+            sum(g.pow(2).sum() for g in grads).backward()
+    for (name_, p), q in zip(compiled_model.named_parameters(), eager.parameters(), strict=True):
+        scale = float(q.grad.abs().max())
+        _close(p.grad, q.grad, rtol=1e-6, atol=1e-9 * scale + 1e-12, msg=name_)
+
+
+def test_a_random_op_the_second_derivative_would_recompute_is_refused():
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x + torch.rand(3)).sin()  # the sum is saved, not the draw: recomputing redraws
+
+    compiled = aotgrad.aot_function(f)
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(aotgrad.DoubleBackwardError, match=r"random op aten\.rand"):
+        torch.autograd.grad(compiled(x).sum(), x, create_graph=True)
+
+
+def test_through_torch_compile_and_a_trace_callable():
+    torch.manual_seed(0)
+    model = _Critic().double()
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+
+    def penalty_grads(
+        run: Callable[[torch.Tensor], torch.Tensor], params: list[torch.Tensor]
+    ) -> Any:
+        (g,) = torch.autograd.grad(run(x).sum(), x, create_graph=True)
+        return torch.autograd.grad(g.pow(2).sum(), [x, *params], allow_unused=True)
+
+    params = list(model.parameters())
+    want = penalty_grads(model, params)
+    got = penalty_grads(torch.compile(model, backend="aotgrad"), params)
+    _close(got, want)
+    traced = aotgrad.trace(model, x)
+    _close(penalty_grads(traced, params), want)
+
+
+@pytest.mark.parametrize("partition", ["save_all", "mincut", aotgrad.budget(0.5)], ids=str)
+def test_partitions(partition):
+    torch.manual_seed(0)
+    x, w1, w2 = (t.requires_grad_(True) for t in _mlp_inputs())
+    f = aotgrad.aot_function(_mlp, partition=partition)
+    runs = []
+    for run in (_mlp, f):
+        (gx, gw) = torch.autograd.grad(run(x, w1, w2).pow(2).sum(), (x, w1), create_graph=True)
+        runs.append(torch.autograd.grad((gx.sum() + gw.pow(3).sum()), (x, w1, w2)))
+    _close(runs[1], runs[0])
+
+
+def test_a_library_models_gradient_penalty():
+    library_models = pytest.importorskip("library_models")
+    case = library_models.build("resnet18")
+    eager = case.model.double()  # float64: the penalty's gradients reach 1e10
+    compiled_model = copy.deepcopy(eager)
+    compiled = aotgrad.aot_module(compiled_model)
+    (images, *_), kwargs = case.args, case.kwargs
+    for run in (eager, compiled):
+        torch.manual_seed(0)
+        x = images.double().requires_grad_(True)
+        (g,) = torch.autograd.grad(
+            case.loss(run(x, *case.args[1:], **kwargs)), x, create_graph=True
+        )
+        g.pow(2).sum().backward()
+    for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters(), strict=True):
+        scale = float(q.grad.abs().max())  # entries near zero are rounding noise at 1e8
+        _close(p.grad, q.grad, rtol=1e-7, atol=1e-10 * scale, msg=name)
+    for p, q in zip(compiled_model.buffers(), eager.buffers(), strict=True):
+        _close(p, q)
+
+
+def _sin_times_x(x: torch.Tensor) -> torch.Tensor:
+    return x.sin() * x
+
+
+def test_the_disk_cache_keeps_higher_order_gradients(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTGRAD_CACHE", "1")
+    monkeypatch.setenv("AOTGRAD_CACHE_DIR", os.fspath(tmp_path))
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    (eg,) = torch.autograd.grad(_sin_times_x(x).sum(), x, create_graph=True)
+    (want,) = torch.autograd.grad(eg.sum(), x)
+    for disk_hits in (0, 1):
+        f = aotgrad.aot_function(_sin_times_x)
+        (g,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+        (h,) = torch.autograd.grad(g.sum(), x)
+        _close(h, want)
+        assert aotgrad.cache_info(f).disk_hits == disk_hits
+
+
+def test_a_kept_input_changed_after_the_call_is_refused():
+    """``x`` is not saved (the product is), so it is kept with its version (Note [Primals in
+    the backward]); changed before the create_graph backward, it no longer holds the value."""
+    f = aotgrad.aot_function(lambda x: (x * 2).sin())
+    root = torch.randn(3, requires_grad=True)
+    x = root * 1
+    out = f(x)
+    with torch.no_grad():
+        x.add_(1)
+    with pytest.raises(aotgrad.DoubleBackwardError, match=r"input x .*changed in place since"):
+        torch.autograd.grad(out.sum(), root, create_graph=True)
+    (g,) = torch.autograd.grad(f(x).sum(), root)  # first order never reads it
+    _close(g, 2 * (2 * x).cos().detach())
+
+
+def test_one_cotangent_for_two_outputs_then_two_cotangents():
+    """The capture of G specializes on which inputs are one tensor: so does its cache."""
+
+    def two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sin(), x.cos()
+
+    f = aotgrad.aot_function(two)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    g1, g2 = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    for cotangents in ((g1, g1), (g1, g2), (g2, g2)):
+        runs = []
+        for run in (two, f):
+            (gx,) = torch.autograd.grad(run(x), x, cotangents, create_graph=True)
+            runs.append((gx, *torch.autograd.grad(gx.sum(), x)))
+        _close(runs[1], runs[0])
+
+
+def test_a_forward_under_autocast():
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w).float()
+
+    x, w = torch.randn(4, 3, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+    runs = []
+    for run in (f, aotgrad.aot_function(f)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = run(x, w)
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        runs.append((g, *torch.autograd.grad(g.pow(2).sum(), (x, w))))
+    _close(runs[1], runs[0])
+
+
+def _traced(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``trace`` on the call's own arguments, then the ``Traced`` callable."""
+
+    def run(*args: Any) -> Any:
+        return aotgrad.trace(fn, *args)(*args)
+
+    return run
+
+
+def _dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="aotgrad")
+
+
+@pytest.mark.parametrize("frontend", [_traced, _dynamo], ids=["trace", "torch.compile"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(
+            lambda: (_counter, torch.randn(3, requires_grad=True), torch.zeros(3)), id="counter"
+        ),
+        pytest.param(lambda: (_views, torch.randn(2, 3, requires_grad=True)), id="view-outputs"),
+        pytest.param(
+            lambda: (_scaled_in_place, torch.randn(3, requires_grad=True), torch.randn(3)),
+            id="in-place-on-an-input",
+        ),
+        pytest.param(
+            lambda: (
+                nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Softplus()).train(),
+                torch.randn(5, 3, requires_grad=True),
+            ),
+            id="batchnorm-train",
+        ),
+    ],
+)
+def test_mutation_and_aliasing_through_other_frontends(make, frontend):
+    torch.manual_seed(0)
+    fn, *args = make()
+    report = verify(fn, *args, create_graph=True, compile_fn=frontend)
+    assert report.compared_grads >= 2
+
+
+def test_a_missing_cotangent_becomes_zeros_under_create_graph():
+    def two(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x @ w).sin(), (x * 3).cos()
+
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    runs = []
+    for run in (two, aotgrad.aot_function(two)):
+        first, _ = run(x, w)  # the second output gets no cotangent
+        (gx,) = torch.autograd.grad(first.sum(), x, create_graph=True)
+        runs.append((gx, *torch.autograd.grad(gx.pow(2).sum(), (x, w))))
+    _close(runs[1], runs[0])
