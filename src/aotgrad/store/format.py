@@ -218,7 +218,8 @@ class Read:
         """The description line, decoded and checked (once)."""
         if self._about is None:
             try:
-                self._about = _About.of(_json(self._about_line, self._where), self)
+                with _collector_paused():  # as for the run line: 160 ms of passes otherwise
+                    self._about = _About.of(_json(self._about_line, self._where), self)
             except StoreError as e:
                 raise StoreError(f"{self._where}: {e}") from None
             except _MALFORMED as e:
@@ -595,7 +596,9 @@ class StoredGraph:
     def module(self) -> fx.GraphModule:
         """The ``fx`` graph module of these steps, with each node's description."""
         if self._module is None:
-            self._module = _module_of(self.steps, self._about().nodes[self._part])
+            nodes = self._about().nodes[self._part]
+            with _collector_paused():
+                self._module = _module_of(self.steps, nodes)
         return self._module
 
 
