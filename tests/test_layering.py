@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("store",),  # graphs in files and the disk cache (docs/caching.md)
     ("cache", "compilers", "wrappers"),  # specializations and their keys; compilers users
     # pass; DDP and FSDP2 run around the graphs
+    ("disk_cache",),  # the disk cache as the frontends use it
     ("api",),  # the frontends: trace, aot_function, aot_module
     ("dynamo", "profiling", "testing", "loops"),  # built on the frontends
     ("cli",),

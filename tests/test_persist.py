@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import types
 from typing import NamedTuple
 
 import pytest
@@ -135,37 +136,61 @@ def test_save_refuses_closed_over_tensors(tmp_path):
 
 
 def _rewrite(path, edit, fix_checksum=True):
-    """Edit the payload of a graph file (and, as a careful attacker would, its checksum)."""
+    """Edit the payload of a graph file (and, as a careful attacker would, its checksum).
+
+    ``edit(header, run, about)`` changes the three lines' data in place.
+    """
     import hashlib
 
-    head, payload = path.read_bytes().split(b"\n", 1)
-    header, body = json.loads(head), json.loads(payload)
-    edit(header, body)
-    payload = json.dumps(body).encode()
+    head, run, about = path.read_bytes().split(b"\n")
+    header, run, about = json.loads(head), json.loads(run), json.loads(about)
+    edit(header, run, about)
+    payload = json.dumps(run).encode() + b"\n" + json.dumps(about).encode()
     if fix_checksum:
         header["bytes"], header["sha256"] = len(payload), hashlib.sha256(payload).hexdigest()
     path.write_bytes(json.dumps(header).encode() + b"\n" + payload)
 
 
-def _first_op(body):
-    return next(n for n in body["forward"]["nodes"] if n["op"] == "call_function")
+def _first_op(run):
+    return next(n for n in run["forward"]["nodes"] if n[1] == "call_function")
+
+
+def _set(item, index, value):
+    item[index] = value
 
 
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda h, b: _first_op(b).update(target="os.system"), "unknown target 'os.system'"),
         (
-            lambda h, b: _first_op(b).update(target="builtins.eval.x"),
+            lambda h, r, a: _set(r["forward"]["targets"], 0, "os.system"),
+            "unknown target 'os.system'",
+        ),
+        (
+            lambda h, r, a: _set(r["forward"]["targets"], 0, "builtins.eval.x"),
             "not a registered torch operator overload",
         ),
+        (lambda h, r, a: _set(_first_op(r), 2, 99), "malformed target 99"),
         (
-            lambda h, b: _first_op(b).update(args=[{"node": "nowhere"}]),
+            lambda h, r, a: _set(_first_op(r), 3, {"tuple": [{"node": "nowhere"}]}),
             "refers to 'nowhere', not defined before it",
         ),
-        (lambda h, b: b["plan"].update(type="Popen"), "unknown stored type 'Popen'"),
-        (lambda h, b: h.update(torch="1.0.0"), "written by torch 1.0.0"),
-        (lambda h, b: h.update(version=FORMAT_VERSION + 1), "written by version"),
+        (lambda h, r, a: _set(_first_op(r), 0, "x; import os"), "is not a Python identifier"),
+        (lambda h, r, a: _set(_first_op(r), 0, "__import__"), "keyword or builtin name"),
+        (lambda h, r, a: _set(_first_op(r), 0, "x"), "defined twice"),
+        (
+            lambda h, r, a: _set(_first_op(r), 4, {"x=__import__('os').getpid()) or (1": 1}),
+            "has a keyword argument",
+        ),
+        (lambda h, r, a: r["plan"].update(type="Popen"), "unknown stored type 'Popen'"),
+        (
+            lambda h, r, a: r["plan"]["fields"].update(returned={"tuple": [99]}),
+            "names forward outputs",
+        ),
+        (lambda h, r, a: a["signature"].update(type="Popen"), "unknown stored type 'Popen'"),
+        (lambda h, r, a: a["forward"]["values"].pop(), "does not match its nodes"),
+        (lambda h, r, a: h.update(torch="1.0.0"), "written by torch 1.0.0"),
+        (lambda h, r, a: h.update(version=FORMAT_VERSION + 1), "written by version"),
     ],
 )
 def test_load_of_a_tampered_file_raises(tmp_path, edit, message):
@@ -235,7 +260,7 @@ def test_a_damaged_entry_is_a_miss_and_is_rewritten(cache_dir, damage):
     elif damage == "garbage":
         entry.write_bytes(b"\x00" * 64)
     else:
-        _rewrite(entry, lambda h, b: h.update(aotgrad="0.0.0+old"))
+        _rewrite(entry, lambda h, r, a: h.update(aotgrad="0.0.0+old"))
     model = Small()
     again = aotgrad.aot_module(model)
     torch.testing.assert_close(again(x), model(x))
@@ -303,6 +328,10 @@ from models import GPT
 captures = []
 original = api.capture_and_partition
 api.capture_and_partition = lambda **kw: captures.append(1) or original(**kw)
+import aotgrad.runtime.straight_line as straight
+sources = []
+source_of = straight.straight_line_source
+straight.straight_line_source = lambda g: sources.append(source_of(g)[0]) or source_of(g)
 torch.manual_seed(0)
 model = GPT()
 idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
@@ -318,6 +347,7 @@ print(json.dumps({{
     "loss": loss.item(),
     "grads": {{n: p.grad.tolist() for n, p in model.named_parameters() if p.grad is not None}},
     "captures": len(captures),
+    "sources": sources,
     "disk_hits": None if info is None else info.disk_hits,
 }}))
 """
@@ -350,6 +380,9 @@ def test_a_fresh_process_loads_from_disk_and_matches(tmp_path, frontend):
     assert first["captures"] == 1 and second["captures"] == 0
     if frontend == "aot_module":
         assert second["disk_hits"] == 1
+    # The code the second process runs is the code of the graphs the first one traced
+    # (Note [Graphs read from a file]).
+    assert len(second["sources"]) == 2 and second["sources"] == first["sources"]
     assert second["loss"] == pytest.approx(first["loss"], rel=1e-6)
     assert second["grads"].keys() == first["grads"].keys()
     for name, grad in first["grads"].items():
@@ -413,3 +446,127 @@ def test_what_a_file_cannot_hold_is_traced_not_cached(cache_dir, tmp_path):
     assert f(args).b.tolist() == [2.0, 2.0]
     assert "cannot store the structure" in aotgrad.cache_info(f).disk_skipped
     assert not _entries(cache_dir)
+
+
+# -- graphs read from a file are the graphs written (Note [Graphs read from a file]) -------
+
+
+def test_loaded_graphs_are_the_traced_graphs(tmp_path):
+    from aotgrad.runtime.straight_line import straight_line_source
+    from aotgrad.store.format import stored_value
+
+    torch.manual_seed(0)
+    model = GPT()
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    traced = aotgrad.trace(model, idx, targets, partition="mincut")
+    traced.save(tmp_path / "gpt.aotgrad")
+    read = aotgrad.store.loads((tmp_path / "gpt.aotgrad").read_bytes(), lazy=True)
+    loaded = aotgrad.load(tmp_path / "gpt.aotgrad", module=model)
+    for got, steps, expected in (
+        (loaded.forward, read.forward.steps, traced.forward),
+        (loaded.backward, read.backward.steps, traced.backward),
+    ):
+        assert got.code == expected.code
+        assert straight_line_source(steps)[0] == straight_line_source(expected)[0]
+        for a, b in zip(got.graph.nodes, expected.graph.nodes, strict=True):
+            assert (a.name, a.op, a.target) == (b.name, b.op, b.target)
+            assert a.meta.get("aotgrad") == b.meta.get("aotgrad"), a.name
+            value = b.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                size, stride, offset, dtype, device, _ = stored_value(a)
+                assert (tuple(size), tuple(stride), offset, dtype, device) == (
+                    tuple(value.shape),
+                    value.stride(),
+                    value.storage_offset(),
+                    value.dtype,
+                    value.device,
+                )
+    assert loaded.recomputed == traced.partitioned.recomputed
+
+
+def test_a_disk_hit_gives_a_users_compiler_the_traced_graphs(cache_dir):
+    seen = []
+
+    def compiler(gm, examples):
+        seen.append((gm.code, [(tuple(e.shape), e.dtype) for e in examples]))
+        return gm
+
+    x = torch.randn(3, 4)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Small()
+        compiled = aotgrad.aot_module(model, fw_compiler=compiler)
+        out = compiled(x)
+        out.sum().backward()
+        runs.append((out, _grads(model), aotgrad.cache_info(compiled).disk_hits))
+    assert [hits for _, _, hits in runs] == [0, 1]
+    assert len(seen) == 4 and seen[:2] == seen[2:]
+    torch.testing.assert_close(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1])
+
+
+def _tamper_entry(directory, edit):
+    (entry,) = _entries(directory)
+    _rewrite(entry, edit)
+    return entry
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h, r, a: _set(r["forward"]["targets"], 0, "os.system"),
+        lambda h, r, a: _set(_first_op(r), 3, {"tuple": [{"node": "nowhere"}]}),
+        lambda h, r, a: h.update(version=FORMAT_VERSION - 1),
+        lambda h, r, a: r["plan"]["fields"].update(returned={"tuple": [99]}),
+    ],
+)
+def test_a_tampered_or_old_entry_is_a_miss_and_is_rewritten(cache_dir, edit):
+    x = torch.randn(3, 4)
+    aotgrad.aot_module(Small())(x)
+    entry = _tamper_entry(cache_dir, edit)
+    model = Small()
+    again = aotgrad.aot_module(model)
+    torch.testing.assert_close(again(x), model(x))
+    assert (aotgrad.cache_info(again).disk_hits, aotgrad.cache_info(again).disk_misses) == (0, 1)
+    assert aotgrad.store.loads(entry.read_bytes()) is not None  # rewritten whole
+
+
+def test_a_bad_description_is_a_miss(cache_dir):
+    """Graphs with a backward read their description on a hit (the create_graph backward
+    needs the signature and fx graphs): a bad one is a miss, for nop and a user's compiler."""
+    x = torch.randn(3, 4)
+    aotgrad.aot_module(Small())(x)
+    model = Small()
+    for compiler in (None, lambda gm, _: gm):
+        _tamper_entry(cache_dir, lambda h, r, a: a["signature"].update(type="Popen"))
+        compiled = aotgrad.aot_module(model, fw_compiler=compiler)
+        torch.testing.assert_close(compiled(x), model(x))
+        assert aotgrad.cache_info(compiled).disk_misses == 1
+
+
+def test_an_inference_hit_reads_no_description(cache_dir):
+    """Without a backward, a nop hit runs from the checked run line alone (Note [Graphs
+    read from a file]): the description, unused, is not read."""
+    x = torch.randn(3, 4)
+    aotgrad.aot_function(_scaled)(x)
+    _tamper_entry(cache_dir, lambda h, r, a: a["signature"].update(type="Popen"))
+    again = aotgrad.aot_function(_scaled)
+    torch.testing.assert_close(again(x), x * SCALE)
+    assert aotgrad.cache_info(again).disk_hits == 1
+
+
+def test_dynamo_graph_keys_tell_graphs_apart():
+    from aotgrad.dynamo import graph_key
+
+    def key(fn):
+        return graph_key(torch.fx.symbolic_trace(fn))[0]
+
+    assert key(lambda x: x[1:, ...] * 2) == key(lambda x: x[1:, ...] * 2)
+    assert key(lambda x: x[1:] * 2) != key(lambda x: x[2:] * 2)
+    assert key(lambda x: x * 2) != key(lambda x: x * 2.0)
+    assert key(lambda x: x.view((2, 3))) != key(lambda x: x.view([2, 3]))
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(torch.mul, (graph.placeholder("x"), object())))
+    unkeyable = types.SimpleNamespace(graph=graph)  # (an fx module could not print it)
+    assert graph_key(unkeyable) is None  # the object has no stable text

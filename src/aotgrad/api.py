@@ -20,6 +20,7 @@ from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
 from aotgrad.capture import JointGraph, TracerChoice, capture, capturing, check_tracer_choice
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
+from aotgrad.disk_cache import DiskCacheUse, GraphOptions
 from aotgrad.errors import CallError, CaptureError, StoreError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
@@ -46,16 +47,7 @@ from aotgrad.signature.lifting import (
     module_arguments,
 )
 from aotgrad.signature.subclasses import desugar
-from aotgrad.store.keys import Unkeyable
 from aotgrad.store.loaded import save_traced
-from aotgrad.store.persist import (
-    EntryKey,
-    code_text,
-    entry_key,
-    load_graphs,
-    options_text,
-    store_graphs,
-)
 from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
 
 Decompositions = Mapping[Any, Callable[..., Any]]
@@ -462,10 +454,22 @@ class AOTFunction:
         self.cache = SpecializationCache(
             limit=options.cache_limit, owner=getattr(fn, "__name__", type(fn).__name__)
         )
-        # The code a trace runs, as the disk cache keys it (Note [Disk cache keys]): given by
-        # the caller (Dynamo's graph), else read from ``fn`` on the first miss.
+        # The code a trace runs, as the disk cache keys it, when the caller (Dynamo) gives it.
         self._code_key = code_key
-        self._code: tuple[Any, set[str]] | None = None
+        self._disk = DiskCacheUse(
+            fn=fn,
+            code_key=code_key,
+            input_names=input_names,
+            enabled=options.disk_cache,
+            options=GraphOptions(
+                partition=options.partition,
+                decompositions=options.decompositions,
+                tracer=options.tracer,
+                dynamic=options.dynamic,
+                keep_inference_input_mutations=options.keep_inference_input_mutations,
+            ),
+            compilers=(options.fw_compiler, options.bw_compiler, options.inference_compiler),
+        )
         self.partitioned: Partitioned | None = None
         # Compiled JVP bodies for dual calls, by structure and dual positions (None: capture
         # refused); a JVP body itself runs under the forward-AD level like any call (Note
@@ -567,67 +571,18 @@ class AOTFunction:
         args, kwargs = call.args, call.kwargs
         if not self.cache.admit(miss, lambda: leaf_names(self._target, args, kwargs)):
             return self._fn(*args, **kwargs)
-        disk = self._disk_entry(miss.key)
-        entry = self._from_disk(disk) if disk is not None else None
+        info = self.cache.info
+        slot = self._disk.slot(miss.key, info, wrapped=self._wrapping is not None)
+        entry = self._disk.load(slot, info) if slot is not None else None
         if entry is not None:
             self.cache.add(miss.key, entry)
             return entry(call.lifted.tensors, call.leaves)
         entry = self._specialize(call, miss.key.dynamic_dims)
         settled = self._state.settle(call.lifted, call.arguments)
-        if disk is not None:
-            self._to_disk(disk, entry, same_key=settled.key == call.lifted.key)
+        if slot is not None:
+            self._disk.store(slot, entry, same_key=settled.key == call.lifted.key, info=info)
         self.cache.add(miss.key._replace(state=settled.key), entry)
         return entry(call.lifted.tensors, call.leaves)
-
-    def _disk_entry(self, key: CacheKey) -> EntryKey | None:
-        """Where this miss's graphs sit on disk; None (and why, in ``cache_info``) when not cached."""
-        info, options = self.cache.info, self._options
-        info.disk_skipped = None
-        if not options.disk_cache:
-            info.disk_skipped = "disk_cache=False"
-            return None
-        if key.dynamic_dims is not None or key.retrace or self._wrapping is not None:
-            info.disk_skipped = "dynamic shapes and DDP/FSDP2 wrappers are not cached on disk"
-            return None
-        try:
-            if self._code is None:
-                self._code = self._code_key or code_text(self._fn)
-            entry = entry_key(
-                code=self._code,
-                call=key,
-                names=list(self._input_names or ()),
-                options=options_text(
-                    partition=options.partition,
-                    decompositions=options.decompositions,
-                    tracer=options.tracer,
-                    dynamic=options.dynamic,
-                    keep_mutations=options.keep_inference_input_mutations,
-                ),
-            )
-        except (Unkeyable, OSError) as e:
-            info.disk_skipped = str(e)
-            return None
-        if entry is None:
-            info.disk_skipped = "AOTGRAD_CACHE=0"
-        return entry
-
-    def _from_disk(self, disk: EntryKey) -> Entry | None:
-        options = self._options
-        found = load_graphs(
-            disk, (options.fw_compiler, options.bw_compiler, options.inference_compiler)
-        )
-        if found is None:
-            self.cache.info.disk_misses += 1
-            return None
-        self.cache.info.disk_hits += 1
-        compiled, positions = found
-        return Entry(compiled=compiled, positions=positions)
-
-    def _to_disk(self, disk: EntryKey, entry: Entry, same_key: bool) -> None:
-        if not same_key:  # Note [Disk cache keys]: a value the function changes
-            self.cache.info.disk_skipped = "the function changes a value it reads"
-            return
-        self.cache.info.disk_skipped = store_graphs(disk, entry.compiled, entry.positions)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles as the function and the options; compiled graphs are made again on use."""

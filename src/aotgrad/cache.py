@@ -548,6 +548,8 @@ class SpecializationCache:
             full = len(self.entries) >= self.limit
             why = "ran eagerly (cache_limit)" if full else "raised before its entry was stored"
             return f"the same key as the previous miss, which {why}"
+        if self._latest is None:
+            return "first call"  # no names needed (finding them took ~2 ms for Dynamo's gpt4)
         return miss.key.explain(self._latest, names())
 
     def _full_message(self, reason: str) -> str:

@@ -83,25 +83,60 @@ def backend(
 
 
 def graph_key(gm: fx.GraphModule) -> tuple[Any, set[str]] | None:
-    """Dynamo's graph as the disk cache keys it: its code and every call's target (Note
-    [Disk cache keys]); None (not cached) for a graph holding submodules or attributes.
+    """Dynamo's graph as the disk cache keys it: every node's op, name, target, arguments
+    and provenance (Note [Disk cache keys]); None (not cached) for a graph holding
+    submodules or attributes, or a value without a stable text.
+
+    (Not ``gm.code``: Dynamo's module is lazy, and its code took 3-6 ms to generate, for a
+    text that says less -- no source lines.)
 
     >>> import operator
     >>> gm = fx.symbolic_trace(lambda x: operator.mul(x, 2))
-    >>> graph_key(gm)[0][1:]
-    ['builtin _operator.mul']
+    >>> graph_key(gm)[0][1][:3]
+    ['call_function', 'mul', 'builtin _operator.mul']
     """
     modules: set[str] = set()
-    parts: list[Any] = [gm.code]
-    for node in gm.graph.nodes:
-        if node.op in ("call_module", "get_attr"):
-            return None
-        if node.op == "call_function":
-            try:
-                parts.append(stable_text(node.target, modules))
-            except Unkeyable:
+    parts: list[Any] = []
+    try:
+        for node in gm.graph.nodes:
+            if node.op in ("call_module", "get_attr"):
                 return None
+            target = node.target
+            parts.append(
+                [
+                    node.op,
+                    node.name,
+                    stable_text(target, modules) if callable(target) else str(target),
+                    _arg_text((node.args, node.kwargs), modules),
+                    None if node.type is None else stable_text(node.type, modules),
+                    node.meta.get("stack_trace"),
+                    _module_key(node),
+                ]
+            )
+    except Unkeyable:
+        return None
     return parts, modules
+
+
+def _module_key(node: fx.Node) -> str | None:
+    """The module path ``_module_path`` reads, as Dynamo wrote it (no need to tidy a key)."""
+    stack = node.meta.get("nn_module_stack")
+    return str(list(stack.values())[-1][0]) if stack else None
+
+
+def _arg_text(value: Any, modules: set[str]) -> Any:
+    """A node's arguments as stable text: nodes by name, containers by kind."""
+    if isinstance(value, fx.Node):
+        return ["node", value.name]
+    if isinstance(value, tuple | list):
+        return [type(value).__name__, *(_arg_text(v, modules) for v in value)]
+    if isinstance(value, dict):
+        return ["dict", *([str(k), _arg_text(v, modules)] for k, v in value.items())]
+    if isinstance(value, slice):
+        return ["slice", *(_arg_text(v, modules) for v in (value.start, value.stop, value.step))]
+    if value is Ellipsis:
+        return ["..."]
+    return stable_text(value, modules)
 
 
 def _symbolic_dims(node: fx.Node) -> tuple[int, ...]:

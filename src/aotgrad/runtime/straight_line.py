@@ -37,7 +37,8 @@ from __future__ import annotations
 import linecache
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
@@ -45,6 +46,28 @@ import torch.fx as fx
 from aotgrad._torch_compat import OpOverload, mark_boxed, op_kernel
 
 _LITERALS = (bool, int, str, type(None))
+
+
+@dataclass(eq=False, slots=True)
+class Step:
+    """One node of an aten graph as straight-line code reads it, without an ``fx.Graph``.
+
+    A graph read from a file becomes steps, cheap to build, and its code is made from
+    them directly (Note [Graphs read from a file] in ``store/format.py``); the same
+    code :func:`straight_line_source` makes from the ``fx`` graph of those nodes.
+    """
+
+    name: str
+    op: str  # "placeholder", "call_function" or "output"
+    target: Any
+    # Arguments as ``fx.Node.args`` / ``kwargs`` hold them, with steps for nodes.
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    # The steps the arguments name, in the order ``fx.Node.all_input_nodes`` has them.
+    all_input_nodes: list[Step]
+
+
+Graph = fx.GraphModule | Sequence[Step]
 
 
 class _Emitter:
@@ -69,7 +92,7 @@ class _Emitter:
         return name
 
     def value(self, arg: Any) -> str:
-        if isinstance(arg, fx.Node):
+        if isinstance(arg, fx.Node | Step):
             return arg.name
         if isinstance(arg, list) or (isinstance(arg, tuple) and not hasattr(arg, "_fields")):
             items = ", ".join(self.value(a) for a in arg)
@@ -80,7 +103,7 @@ class _Emitter:
             return repr(arg)
         return self.bind("_const", arg)
 
-    def call(self, node: fx.Node) -> str:
+    def call(self, node: fx.Node | Step) -> str:
         target = node.target
         if isinstance(target, OpOverload):
             callee = self.bind(str(target).replace(".", "_"), op_kernel(target))
@@ -93,15 +116,20 @@ class _Emitter:
         return f"{callee}({', '.join(args)})"
 
 
-def straight_line_source(gm: fx.GraphModule) -> tuple[str, dict[str, Any]]:
-    """The source of ``gm`` as a straight-line function ``forward(args)``, and its globals."""
-    nodes = list(gm.graph.nodes)
+def straight_line_source(graph: Graph) -> tuple[str, dict[str, Any]]:
+    """The source of ``graph`` (a GraphModule, or its :class:`Step` s) as a straight-line
+    function ``forward(args)``, and its globals."""
+    gm, nodes = (
+        (graph, list(graph.graph.nodes))
+        if isinstance(graph, fx.GraphModule)
+        else (None, list(graph))
+    )
     emit = _Emitter({n.name for n in nodes} | {"forward", "args"})
-    last_use: dict[fx.Node, fx.Node] = {}
+    last_use: dict[Any, Any] = {}
     for node in nodes:
         for source in node.all_input_nodes:
             last_use[source] = node
-    freed_at: dict[fx.Node, list[str]] = {}
+    freed_at: dict[Any, list[str]] = {}
     for value, user in last_use.items():
         freed_at.setdefault(user, []).append(value.name)
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
@@ -111,7 +139,7 @@ def straight_line_source(gm: fx.GraphModule) -> tuple[str, dict[str, Any]]:
     for node in nodes:
         if node.op == "call_function":
             line = f"    {node.name} = {emit.call(node)}"
-        elif node.op == "get_attr":
+        elif node.op == "get_attr" and gm is not None:
             attr = operator.attrgetter(str(node.target))(gm)
             line = f"    {node.name} = {emit.bind('_attr', attr)}"
         elif node.op == "output":
@@ -126,8 +154,8 @@ def straight_line_source(gm: fx.GraphModule) -> tuple[str, dict[str, Any]]:
     return "\n".join(lines) + "\n", emit.globals
 
 
-def straight_line(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
-    """Compile ``gm`` to a boxed call (Note [Straight-line graphs]).
+def straight_line(graph: Graph) -> Callable[[list[Any]], Any]:
+    """Compile ``graph`` (a GraphModule, or its steps) to a boxed call (Note [Straight-line graphs]).
 
     >>> import torch
     >>> from torch.fx.experimental.proxy_tensor import make_fx
@@ -136,8 +164,8 @@ def straight_line(gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
     tensor([[0., 0.],
             [0., 0.]])
     """
-    source, namespace = straight_line_source(gm)
-    filename = f"<aotgrad straight-line {id(gm):#x}>"
+    source, namespace = straight_line_source(graph)
+    filename = f"<aotgrad straight-line {id(graph):#x}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), namespace)
     forward = namespace["forward"]

@@ -3,6 +3,6 @@
 See ``docs/caching.md`` and Note [Files run no code].
 """
 
-from aotgrad.store.format import Stored, dumps, loads
+from aotgrad.store.format import Read, Stored, dumps, loads
 
-__all__ = ["Stored", "dumps", "loads"]
+__all__ = ["Read", "Stored", "dumps", "loads"]

@@ -14,6 +14,11 @@ never trusted::
                                           over the entry: both succeed, readers see one
                                           whole file or the other
 
+A hit for ``nop`` reads only the checked line of what runs (Note [Graphs read
+from a file]); the description line, unused, is then read by no one, and a bad
+one costs nothing. A hit for a user's compiler reads and checks both lines, so
+a bad description is a miss like the rest.
+
 A hit touches the file's modification time; after each write, while the
 directory holds more than the cap (``AOTGRAD_CACHE_SIZE_MB``, 1024 by
 default), the entry used least recently is deleted. ``AOTGRAD_CACHE=0`` (or
@@ -29,7 +34,7 @@ import pathlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from aotgrad.store.format import Stored, dumps, loads, write_atomically
+from aotgrad.store.format import Read, Stored, dumps, loads, write_atomically
 
 SUFFIX = ".aotgrad"
 
@@ -44,11 +49,14 @@ class DiskCache:
     def path(self, key: str) -> pathlib.Path:
         return self.directory / key[:2] / f"{key}{SUFFIX}"
 
-    def get(self, key: str) -> Stored | None:
-        """The entry under ``key``; None when missing or unreadable (a miss, never an error)."""
+    def get(self, key: str, lazy: bool = False) -> Read | None:
+        """The entry under ``key``; None when missing or unreadable (a miss, never an error).
+
+        ``lazy``: read what running the graphs needs (Note [Graphs read from a file]).
+        """
         path = self.path(key)
         try:
-            stored = loads(path.read_bytes(), str(path))
+            stored = loads(path.read_bytes(), str(path), lazy=lazy)
         except Exception:  # OSError, StoreError, or anything a crafted file provokes: a miss
             return None
         with contextlib.suppress(OSError):

@@ -38,10 +38,11 @@ from aotgrad.partition.saved import SavedValue
 from aotgrad.runtime import CompiledGraphs, HigherOrder, compile_graphs, higher_order_of
 from aotgrad.runtime.boxing import Compiler, nop
 from aotgrad.runtime.function import Plan
+from aotgrad.runtime.straight_line import Step, straight_line
 from aotgrad.runtime.transforms import refuse_transforms_on
 from aotgrad.signature import FlatInputs, Signature
 from aotgrad.signature.descriptors import Buffer, Param
-from aotgrad.store.format import Stored, dumps, loads, stored_value, with_values, write_atomically
+from aotgrad.store.format import Read, Stored, dumps, loads, with_values, write_atomically
 from aotgrad.store.values import decode, dump_treespec, encode
 
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
@@ -133,7 +134,7 @@ class Loaded:
 
     def __init__(
         self,
-        stored: Stored,
+        stored: Read,
         module: torch.nn.Module | None,
         compilers: tuple[Compiler | None, Compiler | None, Compiler | None] = (None, None, None),
     ) -> None:
@@ -155,7 +156,7 @@ class Loaded:
                 " (Note [Loaded module state])"
             )
         self._module = module
-        self._expected = _expected(stored.forward, call.get("requires_grad"))
+        self._expected = _expected(stored.forward.values(), stored.forward.steps, call)
         if len(self._expected) != num_lifted + len(self._tensor_positions):
             raise StoreError("the graph file's forward graph takes another number of inputs")
         forward, backward = compile_stored(stored, compilers)
@@ -169,11 +170,12 @@ class Loaded:
 
     @property
     def forward(self) -> fx.GraphModule:
-        return self._stored.forward
+        return self._stored.forward.module()
 
     @property
     def backward(self) -> fx.GraphModule | None:
-        return self._stored.backward
+        backward = self._stored.backward
+        return None if backward is None else backward.module()
 
     @property
     def signature(self) -> Signature:
@@ -249,9 +251,16 @@ def _state_names(signature: Signature, num_lifted: int) -> list[tuple[type, str]
     return names
 
 
-def _expected(forward: fx.GraphModule, requires_grad: Any) -> list[TensorMeta | None]:
+def _expected(
+    values: list[Any], steps: list[Step], call: dict[str, Any]
+) -> list[TensorMeta | None]:
     """Each graph input's metadata; the graph's values hold no ``requires_grad``: the call's."""
-    metas = [_stored_meta(n) for n in forward.graph.nodes if n.op == "placeholder"]
+    metas = [
+        _stored_meta(decode(value))
+        for value, step in zip(values, steps, strict=True)
+        if step.op == "placeholder"
+    ]
+    requires_grad = call.get("requires_grad")
     if not isinstance(requires_grad, list) or len(requires_grad) != len(metas):
         raise StoreError("the graph file does not say which inputs require grad")
     return [
@@ -260,8 +269,7 @@ def _expected(forward: fx.GraphModule, requires_grad: Any) -> list[TensorMeta | 
     ]
 
 
-def _stored_meta(node: fx.Node) -> TensorMeta | None:
-    value = stored_value(node)
+def _stored_meta(value: Any) -> TensorMeta | None:
     if not isinstance(value, list) or len(value) != 6:
         return None
     size, stride, _, dtype, device, requires_grad = value
@@ -275,30 +283,38 @@ def _meta(t: Any) -> TensorMeta | None:
 
 
 def stored_higher_order(
-    stored: Stored, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
+    stored: Read, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
 ) -> HigherOrder | None:
     """The ``create_graph`` backward of loaded graphs (Note [Differentiable backward]); their
-    fake values are computed when it is first needed (Note [Values on demand])."""
+    fake values are computed when it is first needed (Note [Values on demand]).
+
+    It reads the ``fx`` modules and the signature: a hit builds them (Note [Graphs read
+    from a file]).
+    """
     if stored.backward is None:
         return None
-    backward = stored.backward
+    forward, backward = stored.forward.module(), stored.backward.module()
 
     def prepare() -> None:
-        with_values(stored.forward)
+        with_values(forward)
         with_values(backward)
 
-    return higher_order_of(
-        stored.forward, backward, stored.signature, stored.plan, compilers[:2], prepare
-    )
+    return higher_order_of(forward, backward, stored.signature, stored.plan, compilers[:2], prepare)
 
 
 def compile_stored(
-    stored: Stored, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
+    stored: Read, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
 ) -> tuple[Any, Any | None]:
-    """Hand loaded graphs to the compilers; fake values first, for a user's compiler
-    (Note [Values on demand])."""
-    if any(c is not None and c is not nop for c in compilers):
-        with_values(stored.forward)
-        if stored.backward is not None:
-            with_values(stored.backward)
-    return compile_graphs(stored.forward, stored.backward, *compilers)
+    """Hand loaded graphs to the compilers. ``nop`` makes its straight-line code from the
+    steps, with no ``fx`` module (Note [Graphs read from a file]); a user's compiler gets
+    the module, with fake values (Note [Values on demand])."""
+    forward, backward = stored.forward, stored.backward
+    if all(c is None or c is nop for c in compilers):
+        return straight_line(forward.steps), None if backward is None else straight_line(
+            backward.steps
+        )
+    return compile_graphs(
+        with_values(forward.module()),
+        None if backward is None else with_values(backward.module()),
+        *compilers,
+    )

@@ -17,9 +17,9 @@ import torch
 
 from aotgrad.errors import StoreError
 from aotgrad.runtime import CompiledGraphs
-from aotgrad.runtime.boxing import Compiler
+from aotgrad.runtime.boxing import Compiler, nop
 from aotgrad.store.disk import DiskCache, disk_cache
-from aotgrad.store.format import Stored, aotgrad_version
+from aotgrad.store.format import Read, Stored, aotgrad_version
 from aotgrad.store.keys import (
     Unkeyable,
     digest,
@@ -92,21 +92,34 @@ def load_graphs(
     entry: EntryKey, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
 ) -> tuple[CompiledGraphs, tuple[int, ...] | None] | None:
     """The compiled graphs and input positions stored under ``entry``; None on a miss."""
-    stored = entry.cache.get(entry.key)
+    # A user's compiler receives fx modules: read all now, so a bad file is a miss here.
+    lazy = all(c is None or c is nop for c in compilers)
+    stored = entry.cache.get(entry.key, lazy=lazy)
     if stored is None:
         return None
     positions = stored.call.get("positions")
     if positions is not None and not all(isinstance(p, int) for p in positions):
         return None
+    if not lazy:  # a user's compiler: its errors are the user's to see
+        return _compiled(stored, compilers), None if positions is None else tuple(positions)
+    try:
+        compiled = _compiled(stored, compilers)
+    except Exception:  # anything a crafted file provokes while aotgrad compiles: a miss
+        return None
+    return compiled, None if positions is None else tuple(positions)
+
+
+def _compiled(
+    stored: Read, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
+) -> CompiledGraphs:
     forward, backward = compile_stored(stored, compilers)
-    compiled = CompiledGraphs(
+    return CompiledGraphs(
         None,
         forward,
         backward,
         plan=stored.plan,
         higher_order=stored_higher_order(stored, compilers),
     )
-    return compiled, None if positions is None else tuple(positions)
 
 
 def store_graphs(

@@ -1,0 +1,121 @@
+"""The disk cache as the frontends use it: one ``AOTFunction``'s lookups and writes.
+
+``api.AOTFunction`` asks a :class:`DiskCacheUse` where a miss's graphs sit on disk
+(:meth:`~DiskCacheUse.slot`), loads them from there (:meth:`~DiskCacheUse.load`)
+or, after tracing, writes them (:meth:`~DiskCacheUse.store`). The file format, the
+keys and the directory live in ``store/`` (Note [The disk cache], Note [Disk cache
+keys], docs/caching.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aotgrad.cache import CacheInfo, CacheKey, Entry
+from aotgrad.runtime.boxing import Compiler
+from aotgrad.store.keys import Unkeyable
+from aotgrad.store.persist import (
+    EntryKey,
+    code_text,
+    entry_key,
+    load_graphs,
+    options_text,
+    store_graphs,
+)
+
+Compilers = tuple[Compiler | None, Compiler | None, Compiler | None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphOptions:
+    """The options of an ``AOTFunction`` that change its graphs (the compilers do not)."""
+
+    partition: Any
+    decompositions: Any
+    tracer: str
+    dynamic: bool
+    keep_inference_input_mutations: bool
+
+
+class DiskCacheUse:
+    """Where one compiled function's specializations sit in the disk cache.
+
+    >>> use = DiskCacheUse(
+    ...     fn=lambda x: x, code_key=None, input_names=None, enabled=False,
+    ...     options=GraphOptions(partition="save_all", decompositions=None, tracer="auto",
+    ...                          dynamic=False, keep_inference_input_mutations=False),
+    ...     compilers=(None, None, None))
+    >>> info = CacheInfo()
+    >>> use.slot(None, info, wrapped=False) is None, info.disk_skipped
+    (True, 'disk_cache=False')
+    """
+
+    def __init__(
+        self,
+        *,
+        fn: Callable[..., Any],
+        code_key: tuple[Any, set[str]] | None,
+        input_names: Sequence[str] | None,
+        enabled: bool,
+        options: GraphOptions,
+        compilers: Compilers,
+    ) -> None:
+        self._fn = fn
+        # The code a trace runs, as the key holds it (Note [Disk cache keys]): given by the
+        # caller (Dynamo's graph), else read from ``fn`` on the first miss.
+        self._code = code_key
+        self._names = list(input_names or ())
+        self._enabled = enabled
+        self._options = options
+        self._compilers = compilers
+
+    def slot(self, key: CacheKey, info: CacheInfo, *, wrapped: bool) -> EntryKey | None:
+        """Where this miss's graphs sit on disk; None (and why, in ``info``) when not cached."""
+        info.disk_skipped = None
+        if not self._enabled:
+            info.disk_skipped = "disk_cache=False"
+            return None
+        if key.dynamic_dims is not None or key.retrace or wrapped:
+            info.disk_skipped = "dynamic shapes and DDP/FSDP2 wrappers are not cached on disk"
+            return None
+        try:
+            if self._code is None:
+                self._code = code_text(self._fn)
+            slot = entry_key(
+                code=self._code, call=key, names=self._names, options=self._options_text()
+            )
+        except (Unkeyable, OSError) as e:
+            info.disk_skipped = str(e)
+            return None
+        if slot is None:
+            info.disk_skipped = "AOTGRAD_CACHE=0"
+        return slot
+
+    def _options_text(self) -> Any:
+        options = self._options
+        return options_text(
+            partition=options.partition,
+            decompositions=options.decompositions,
+            tracer=options.tracer,
+            dynamic=options.dynamic,
+            keep_mutations=options.keep_inference_input_mutations,
+        )
+
+    def load(self, slot: EntryKey, info: CacheInfo) -> Entry | None:
+        """The entry stored at ``slot``, compiled; None (a disk miss) when absent or unreadable."""
+        found = load_graphs(slot, self._compilers)
+        if found is None:
+            info.disk_misses += 1
+            return None
+        info.disk_hits += 1
+        compiled, positions = found
+        return Entry(compiled=compiled, positions=positions)
+
+    def store(self, slot: EntryKey, entry: Entry, *, same_key: bool, info: CacheInfo) -> None:
+        """Write a traced entry at ``slot``, unless the trace changed a value its key read."""
+        if not same_key:  # Note [Disk cache keys]: a value the function changes
+            info.disk_skipped = "the function changes a value it reads"
+            return
+        info.disk_skipped = store_graphs(slot, entry.compiled, entry.positions)
