@@ -63,6 +63,7 @@ FUZZ_EXAMPLES ?= 5000
 FUZZ_SEED     ?= 0
 fuzz: install
 	OMP_NUM_THREADS=1 $(PY) tests/fuzz_programs.py --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED)
+	OMP_NUM_THREADS=1 $(PY) tests/fuzz_programs.py --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED) --create-graph
 
 # Every library model x check (tests/test_real_models.py), slow cells included; writes the
 # README's model table. `make test` runs only the fast subset.

@@ -711,8 +711,12 @@ class Outcome:
     compiled: int = 0
 
 
-def _eager_reference(program: Program, fn: Callable[..., Any]) -> None:
-    """Run forward and backward eagerly, as verify will; raise EagerRejected if eager fails."""
+def _eager_reference(program: Program, fn: Callable[..., Any], create_graph: bool = False) -> None:
+    """Run forward and backward eagerly, as verify will; raise EagerRejected if eager fails.
+
+    With ``create_graph`` the gradients are differentiated once more, as
+    ``verify(..., create_graph=True)`` does.
+    """
     call = testing._copy_call(program.make_args(), {})
     try:
         with _fork_rng(), warnings.catch_warnings():
@@ -723,8 +727,21 @@ def _eager_reference(program: Program, fn: Callable[..., Any]) -> None:
                 for t in torch.utils._pytree.tree_leaves(out)
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
             ]
-            if leaves:
-                torch.autograd.backward(leaves, [torch.randn_like(t) for t in leaves])
+            if not leaves:
+                return
+            cotangents = [torch.randn_like(t) for t in leaves]
+            if not create_graph:
+                torch.autograd.backward(leaves, cotangents)
+                return
+            inputs = [t for t in call.args if isinstance(t, torch.Tensor) and t.requires_grad]
+            grads = torch.autograd.grad(
+                leaves, inputs, cotangents, create_graph=True, allow_unused=True
+            )
+            again = [
+                (g * torch.randn_like(g)).sum() for g in grads if g is not None and g.requires_grad
+            ]
+            if again:
+                torch.autograd.grad(sum(again), inputs, allow_unused=True)
     except Exception as err:
         raise EagerRejected(repr(err)) from err
 
@@ -758,15 +775,18 @@ def _fresh_compile(f):
     return torch.compile(f, backend="aotgrad")
 
 
-def check(program: Program) -> Outcome:
-    """Verify ``program`` in every mode; raise FuzzFailure, or EagerRejected when eager fails."""
+def check(program: Program, create_graph: bool = False) -> Outcome:
+    """Verify ``program`` in every mode; raise FuzzFailure, or EagerRejected when eager fails.
+
+    ``create_graph``: second-order gradients too (``verify(..., create_graph=True)``).
+    """
     fn = program.make_function()
-    _eager_reference(program, fn)
+    _eager_reference(program, fn, create_graph)
     outcome = Outcome()
     for mode, compile_fns in _compilers(program, fn):
         for compile_fn in compile_fns:
             try:
-                _verify_once(program, fn, compile_fn)
+                _verify_once(program, fn, compile_fn, create_graph)
             except AotgradError as err:
                 outcome.refusals.append(f"{type(err).__name__}: {str(err).splitlines()[0]}")
                 break
@@ -780,13 +800,18 @@ def check(program: Program) -> Outcome:
     return outcome
 
 
-def _verify_once(program: Program, fn, compile_fn) -> None:
+def _verify_once(program: Program, fn, compile_fn, create_graph: bool = False) -> None:
     called = _called(fn, program)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             warnings.simplefilter("error", DirectTracerBugWarning)  # Note [Choosing a tracer]
-            testing.verify(called, *program.make_args(), compile_fn=_wrapped(compile_fn, program))
+            testing.verify(
+                called,
+                *program.make_args(),
+                compile_fn=_wrapped(compile_fn, program),
+                create_graph=create_graph,
+            )
     except testing.VerificationError as err:
         raise FuzzFailure("", _mismatch_signature(str(err)), str(err)) from None
     except AotgradError:
@@ -864,6 +889,9 @@ def _main() -> None:  # pragma: no cover - run by `make fuzz`
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--features", default=os.environ.get("AOTGRAD_FUZZ_FEATURES", "all"))
     parser.add_argument("--no-shrink", action="store_true")
+    parser.add_argument(
+        "--create-graph", action="store_true", help="check second-order gradients too"
+    )
     parser.add_argument("--shrink-key", help="skip exploring: replay the seed and shrink this key")
     opts = parser.parse_args()
     os.environ["AOTGRAD_FUZZ_FEATURES"] = opts.features
@@ -887,7 +915,7 @@ def _main() -> None:  # pragma: no cover - run by `make fuzz`
     @given(programs(features))
     def explore(program: Program) -> None:
         try:
-            outcome = check(program)
+            outcome = check(program, opts.create_graph)
         except EagerRejected:
             stats["rejected"] += 1
             return
@@ -916,7 +944,7 @@ def _main() -> None:  # pragma: no cover - run by `make fuzz`
             program = _shrink(opts, features, key, program)
         print(f"\n{'=' * 100}\n{key}  (seen {counts[key]} times)\n{program!r}")
         try:
-            check(program)
+            check(program, opts.create_graph)
         except FuzzFailure as failure:
             print("# " + "\n# ".join(failure.detail.splitlines()[:14]))
         except Exception as err:
@@ -941,7 +969,7 @@ def _shrink(opts, features, key: str, program: Program | None) -> Program | None
     @given(programs(features))
     def reproduce(p: Program) -> None:
         try:
-            check(p)
+            check(p, opts.create_graph)
         except FuzzFailure as failure:
             if f"[{failure.mode}] {failure.signature}" == key:
                 last.append(p)

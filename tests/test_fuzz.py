@@ -7,7 +7,7 @@ fuzz`` runs the long profile over every feature.
 
 from __future__ import annotations
 
-from hypothesis import given, reject
+from hypothesis import given, reject, settings
 
 import fuzz_programs as fp
 
@@ -17,5 +17,15 @@ import fuzz_programs as fp
 def test_random_programs_match_eager(program):
     try:
         fp.check(program)
+    except fp.EagerRejected:
+        reject()
+
+
+@settings(parent=fp.fuzz_settings(), max_examples=40)
+@given(fp.programs())
+def test_random_programs_match_eager_under_create_graph(program):
+    # Second-order gradients of the same programs (verify(..., create_graph=True)).
+    try:
+        fp.check(program, create_graph=True)
     except fp.EagerRejected:
         reject()
