@@ -29,12 +29,15 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from aotgrad._torch_compat import FakeTensor, FakeTensorMode, no_dispatch, view_stride
+from aotgrad.capture.layouts import Layouts, fast_layouts
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 class CaptureFakeMode(FakeTensorMode):
-    """A ``FakeTensorMode`` whose ``view`` strides are eager's (Note [Eager strides for views])."""
+    """A ``FakeTensorMode`` whose ``view`` strides are eager's (Note [Eager strides for views]),
+    and which lays out some outputs without running decompositions (Note [Layouts without
+    decompositions])."""
 
     def dispatch(
         self,
@@ -43,6 +46,9 @@ class CaptureFakeMode(FakeTensorMode):
         args: Sequence[object] = (),
         kwargs: Mapping[str, object] | None = None,
     ) -> object:
+        layouts = fast_layouts(func, args, kwargs)
+        if layouts is not None:
+            return self._empty(types, layouts)
         out = super().dispatch(func, types, args, kwargs or {})
         if func not in _VIEWS or not isinstance(out, FakeTensor):
             return out
@@ -53,6 +59,21 @@ class CaptureFakeMode(FakeTensorMode):
             return out
         restrided = (source, out.shape, stride, source.storage_offset())
         return super().dispatch(torch.ops.aten.as_strided.default, types, restrided, {})
+
+    def _empty(self, types: Sequence[type], layouts: Layouts) -> object:
+        """Fresh fake tensors of the given layouts (None stays None)."""
+        made = [
+            None
+            if layout is None
+            else super(CaptureFakeMode, self).dispatch(
+                torch.ops.aten.empty_strided.default,
+                types,
+                (layout.shape, layout.strides),
+                {"dtype": layout.dtype, "device": layout.device},
+            )
+            for layout in layouts.tensors
+        ]
+        return tuple(made) if layouts.as_tuple else made[0]
 
 
 def _eager_view_stride(source: torch.Tensor, size: torch.Size) -> tuple[Any, ...] | None:
