@@ -16,7 +16,9 @@ the caller would see other strides than eager's. Worked example::
 So capture's fake mode asks the meta device, whose ``view`` is eager's C++
 kernel, for the strides of each ``view`` (and ``_unsafe_view``, which
 shares its kernel), and when they differ returns the fake result restrided
-to eager's. Symbolic layouts go through fake tensors' own Python port of
+to eager's. For a ``view`` of static sizes it skips the fake mode's own
+``view`` (a Python reference kernel: 3 ms a call, 0.17 s of convnext's capture)
+and returns the meta device's layout as an ``as_strided`` of the source. Symbolic layouts go through fake tensors' own Python port of
 that C++ kernel (``_compute_stride``) instead: the meta device takes ints.
 """
 
@@ -49,6 +51,9 @@ class CaptureFakeMode(FakeTensorMode):
         layouts = fast_layouts(func, args, kwargs)
         if layouts is not None:
             return self._empty(types, layouts)
+        viewed = _static_view(func, args, kwargs)
+        if viewed is not None:  # Note [Eager strides for views]: eager's, straight away
+            return super().dispatch(torch.ops.aten.as_strided.default, types, viewed, {})
         out = super().dispatch(func, types, args, kwargs or {})
         if func not in _VIEWS or not isinstance(out, FakeTensor):
             return out
@@ -74,6 +79,28 @@ class CaptureFakeMode(FakeTensorMode):
             for layout in layouts.tensors
         ]
         return tuple(made) if layouts.as_tuple else made[0]
+
+
+def _static_view(
+    func: Any, args: Sequence[object], kwargs: Mapping[str, object] | None
+) -> tuple[Any, ...] | None:
+    """``view(source, size)`` of static sizes as ``as_strided`` arguments, laid out by the meta
+    device's (eager's) kernel; None for anything else, or a view eager refuses (the fake
+    mode then raises its error)."""
+    if func is not torch.ops.aten.view.default or kwargs or len(args) != 2:
+        return None
+    source, size = args
+    if not isinstance(source, FakeTensor) or not isinstance(size, list | tuple):
+        return None
+    if not all(isinstance(n, int) for n in (*source.shape, *source.stride(), *size)):
+        return None
+    with no_dispatch():
+        stand_in = torch.empty_strided(source.shape, source.stride(), device="meta")
+        try:
+            view = stand_in.view(size)
+        except RuntimeError:
+            return None
+        return (source, tuple(view.shape), tuple(view.stride()), source.storage_offset())
 
 
 def _eager_view_stride(source: torch.Tensor, size: torch.Size) -> tuple[Any, ...] | None:
