@@ -54,6 +54,50 @@ def _calls(x):
     }
 
 
+def _layer_norm_calls(x):
+    n = list(x.shape[-1:])
+    v = lambda: torch.empty(n, dtype=x.dtype)  # noqa: E731
+    out, mean, rstd = aten.native_layer_norm.default(x, n, v(), v(), 1e-5)
+    g = torch.empty_like(out)
+    return {
+        "layer norm": (aten.native_layer_norm.default, (x, n, v(), v(), 1e-5)),
+        "layer norm backward": (
+            aten.native_layer_norm_backward.default,
+            (g, x, n, mean, rstd, v(), v(), [True, True, True]),
+        ),
+        "layer norm backward, input only": (
+            aten.native_layer_norm_backward.default,
+            (g, x, n, mean, rstd, v(), v(), [True, False, False]),
+        ),
+    }
+
+
+# (shape, permutation): layer norm normalizes the last dimension of x.permute(...)
+LAYER_NORM_INPUTS = [((2, 8, 4, 4), (0, 2, 3, 1)), ((2, 4, 8), None), ((3, 5, 8), (1, 0, 2))]
+
+
+@pytest.mark.parametrize(("shape", "perm"), LAYER_NORM_INPUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_shortcuts_give_the_decompositions_layouts(shape, perm, dtype):
+    mode = FakeTensorMode()
+    mode.cache_enabled = False
+    with mode:
+        x = torch.empty(shape, dtype=dtype)
+        x = x.permute(*perm) if perm else x
+        for name, (op, args) in _layer_norm_calls(x).items():
+            found = fast_layouts(op, args, {})
+            assert found is not None, name
+            assert found.tensors == tuple(_layouts(op(*args))), name
+
+
+def test_layer_norm_over_size_one_dimensions_takes_the_decomposition():
+    # the decomposition lays out (2, 1, 1, 8) otherwise than eager does; kept as it is
+    with FakeTensorMode():
+        x = torch.empty(2, 8, 1, 1).permute(0, 2, 3, 1)
+        op, args = _layer_norm_calls(x)["layer norm"]
+        assert fast_layouts(op, args, {}) is None
+
+
 def _layouts(out):
     outs = out if isinstance(out, tuple | list) else (out,)
     return [None if o is None else Layout.like(o) for o in outs]

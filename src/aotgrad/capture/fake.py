@@ -16,9 +16,10 @@ the caller would see other strides than eager's. Worked example::
 So capture's fake mode asks the meta device, whose ``view`` is eager's C++
 kernel, for the strides of each ``view`` (and ``_unsafe_view``, which
 shares its kernel), and when they differ returns the fake result restrided
-to eager's. For a ``view`` of static sizes it skips the fake mode's own
-``view`` (a Python reference kernel: 3 ms a call, 0.17 s of convnext's capture)
-and returns the meta device's layout as an ``as_strided`` of the source. Symbolic layouts go through fake tensors' own Python port of
+to eager's. For ``view`` and the common view ops (``t``, ``permute``,
+``select``, ``slice`` ...) of static sizes it skips the fake mode's own kernels
+(Python reference kernels: ``view`` took 3 ms a call, 0.17 s of convnext's
+capture) and returns the meta device's layout as an ``as_strided`` of the source. Symbolic layouts go through fake tensors' own Python port of
 that C++ kernel (``_compute_stride``) instead: the meta device takes ints.
 """
 
@@ -34,6 +35,21 @@ from aotgrad._torch_compat import FakeTensor, FakeTensorMode, no_dispatch, view_
 from aotgrad.capture.layouts import Layouts, fast_layouts
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+aten = torch.ops.aten
+# Views the meta device lays out for the fake mode (Note [Eager strides for views]).
+_META_VIEWS = frozenset(
+    {
+        aten.view.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.select.int,
+        aten.slice.Tensor,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.expand.default,
+    }
+)
 
 
 class CaptureFakeMode(FakeTensorMode):
@@ -84,23 +100,33 @@ class CaptureFakeMode(FakeTensorMode):
 def _static_view(
     func: Any, args: Sequence[object], kwargs: Mapping[str, object] | None
 ) -> tuple[Any, ...] | None:
-    """``view(source, size)`` of static sizes as ``as_strided`` arguments, laid out by the meta
-    device's (eager's) kernel; None for anything else, or a view eager refuses (the fake
-    mode then raises its error)."""
-    if func is not torch.ops.aten.view.default or kwargs or len(args) != 2:
+    """A view op of static sizes (``view``, ``t``, ``select`` ...) as ``as_strided`` arguments,
+    laid out by the meta device's (eager's) kernel; None for anything else, or a view eager
+    refuses (the fake mode then raises its error)."""
+    if func not in _META_VIEWS or kwargs or not args:
         return None
-    source, size = args
-    if not isinstance(source, FakeTensor) or not isinstance(size, list | tuple):
-        return None
-    if not all(isinstance(n, int) for n in (*source.shape, *source.stride(), *size)):
+    source, rest = args[0], args[1:]
+    if not isinstance(source, FakeTensor) or not _static(source, rest) or source.numel() == 0:
         return None
     with no_dispatch():
-        stand_in = torch.empty_strided(source.shape, source.stride(), device="meta")
+        extent = sum((n - 1) * st for n, st in zip(source.shape, source.stride(), strict=True))
+        memory = torch.empty(source.storage_offset() + extent + 1, device="meta")
+        stand_in = memory.as_strided(source.shape, source.stride(), source.storage_offset())
         try:
-            view = stand_in.view(size)
-        except RuntimeError:
+            view = func(stand_in, *rest)
+        except (RuntimeError, IndexError):
             return None
-        return (source, tuple(view.shape), tuple(view.stride()), source.storage_offset())
+        return (source, tuple(view.shape), tuple(view.stride()), view.storage_offset())
+
+
+def _static(source: torch.Tensor, rest: Sequence[object]) -> bool:
+    """No symbolic size anywhere, no tensor among the other arguments."""
+    flat = [*source.shape, *source.stride(), source.storage_offset()]
+    for a in rest:
+        flat.extend(a if isinstance(a, list | tuple) else [a])
+    return all(not isinstance(n, torch.Tensor | torch.SymInt) for n in flat) and all(
+        isinstance(n, int) for n in flat[: 2 * source.dim() + 1]
+    )
 
 
 def _eager_view_stride(source: torch.Tensor, size: torch.Size) -> tuple[Any, ...] | None:

@@ -187,6 +187,75 @@ def _batch_norm_backward(args: Sequence[object], kwargs: Mapping[str, object]) -
     )
 
 
+def _layer_norm_input(x: object, normalized: object) -> tuple[torch.Tensor, int] | None:
+    """``x`` and where its normalized dimensions start, when the shortcut covers it: a fake
+    tensor of one float dtype, no size-1 dimension (the decomposition lays those out
+    otherwise than eager; it keeps them), normalizing its trailing dimensions."""
+    if not isinstance(x, FakeTensor) or x.dtype not in (torch.float32, torch.float64):
+        return None
+    if not isinstance(normalized, list | tuple) or not normalized:
+        return None
+    shape = tuple(x.shape)
+    if not all(isinstance(n, int) and n > 1 for n in shape) or not all(
+        isinstance(n, int) for n in x.stride()
+    ):
+        return None
+    axis = len(shape) - len(normalized)
+    if axis < 0 or tuple(shape[axis:]) != tuple(normalized):
+        return None
+    return x, axis
+
+
+def _contiguous_layout(shape: Sequence[int], like: torch.Tensor) -> Layout:
+    return Layout(tuple(shape), _contiguous(shape), like.dtype, like.device)
+
+
+def _layer_norm(args: Sequence[object], kwargs: Mapping[str, object]) -> Layouts | None:
+    """``native_layer_norm``: out (contiguous, whatever the input's order), mean, rstd."""
+    if kwargs or len(args) != 5:
+        return None
+    found = _layer_norm_input(args[0], args[1])
+    if found is None:
+        return None
+    x, axis = found
+    if not _affine(args[2:4], tuple(x.shape[axis:]), x):
+        return None
+    stats = _contiguous_layout((*x.shape[:axis], *[1] * (x.dim() - axis)), x)
+    return Layouts(tensors=(_contiguous_layout(x.shape, x), stats, stats), as_tuple=True)
+
+
+def _layer_norm_backward(args: Sequence[object], kwargs: Mapping[str, object]) -> Layouts | None:
+    """``native_layer_norm_backward``: grads of input (contiguous), weight, bias (by mask)."""
+    if kwargs or len(args) != 8:
+        return None
+    grad, x, normalized, mean, rstd, weight, bias, mask = args
+    found = _layer_norm_input(x, normalized)
+    if found is None or not isinstance(mask, list | tuple) or len(mask) != 3:
+        return None
+    x, axis = found
+    stats = _contiguous_layout((*x.shape[:axis], *[1] * (x.dim() - axis)), x)
+    if not (
+        isinstance(grad, FakeTensor)
+        and Layout.like(grad) == _contiguous_layout(x.shape, x)
+        and all(isinstance(t, FakeTensor) and Layout.like(t) == stats for t in (mean, rstd))
+        and _affine((weight, bias), tuple(x.shape[axis:]), x)
+    ):
+        return None
+    params = _contiguous_layout(x.shape[axis:], x)
+    wanted = (_contiguous_layout(x.shape, x), params, params)
+    return Layouts(
+        tensors=tuple(w if m else None for w, m in zip(wanted, mask, strict=True)), as_tuple=True
+    )
+
+
+def _affine(tensors: Sequence[object], shape: tuple[int, ...], like: torch.Tensor) -> bool:
+    """Weight and bias both given, contiguous, of the normalized shape, ``like``'s dtype."""
+    return all(
+        isinstance(t, FakeTensor) and Layout.like(t) == _contiguous_layout(shape, like)
+        for t in tensors
+    )
+
+
 _RULES: dict[Any, Callable[[Sequence[object], Mapping[str, object]], Layouts | None]] = {
     aten._native_batch_norm_legit_functional.default: _batch_norm,
     aten.native_batch_norm_backward.default: _batch_norm_backward,
@@ -197,6 +266,8 @@ _RULES: dict[Any, Callable[[Sequence[object], Mapping[str, object]], Layouts | N
     aten.silu_backward.default: _pointwise(2),
     aten.gelu_backward.default: _pointwise(2),
     aten.threshold_backward.default: _pointwise(2),
+    aten.native_layer_norm.default: _layer_norm,
+    aten.native_layer_norm_backward.default: _layer_norm_backward,
 }
 
 
