@@ -24,7 +24,7 @@ a reason, and under ``tracer="auto"`` the full trace runs the function again
 (Note [Choosing a tracer])::
 
     the function does                    the direct trace stops with
-    x.view(-1).add_(1), on a view        aten.add_.Tensor mutates a tensor that shares memory ...
+    x.split(2)[0].add_(1)                aten.add_.Tensor: a write through a view made by ...
     x.t_(), x an input                   aten.t_.default mutates an input's size or strides
     out=, bernoulli_ (dropout)           aten.bernoulli_.float mutates a tensor (an in-place ...)
     w.mul_(2), w an input needing grad   an in-place op on a tensor autograd sees as a leaf ...
@@ -68,16 +68,17 @@ the functional op and from then on reads the target as that node::
     variants:    relu_ -> relu (same arguments); _native_batch_norm_legit ->
                  _native_batch_norm_legit_functional (new values returned last)
 
-The target must be a tensor this trace made or an input, and the only traced
-tensor over its storage (a view, or a tensor viewed, stops: the write would
-change the other one too, which only functionalization replays); it must not
-overlap itself (Note [Writes through overlapping views]); the new value must
-have the target's size, strides, dtype and device (``x.add_(y)`` with a
-wider ``y``: stop). Metadata mutations (``t_``, ``as_strided_``), ``out=``
-ops, random fills (Note [Random fills keep their layout]) and any in-place
-op in the backward (Note [Mutations in the backward]; a ``.backward()``
-inside the function accumulates ``.grad`` in place, which only the full
-trace refuses) stop as before. An
+The target must be a tensor this trace made or an input; where other
+traced tensors share its memory (it is a view, or is viewed), the write is
+scattered into their base and they read it from there (Note [Writes through
+views, directly]); it must not overlap itself (Note [Writes through
+overlapping views]); the new value must have the target's size, strides,
+dtype and device (``x.add_(y)`` with a wider ``y``: stop; a view's strides
+come back when it is replayed). Metadata mutations of inputs (``t_``),
+``out=`` ops, random fills (Note [Random fills keep their layout]), in-place
+ops on inputs in the backward (Note [Mutations in the backward]) and any
+in-place op of a ``.backward()`` inside the function (it accumulates
+``.grad`` in place, which only the full trace refuses) stop. An
 input whose value changed is an input mutation (Note [Input mutation]) the
 runtime copies back; the direct trace takes only those autograd did not see
 (the input does not require grad and kept its ``grad_fn``: running
@@ -97,7 +98,12 @@ before = this change's parent)::
     gpt2/llama/bert, explicit-attention GPT: 0.32-0.42x both (direct already)
 
 After the change, profiling resnet18 again puts 0.98 s of 1.13 s in the direct
-trace, 0.68 s of it in the fake tensor mode itself: the floor of any tracer.
+trace, 0.68 s of it in the fake tensor mode itself. convnext now takes the
+direct trace too (Note [Writes through views, directly]), and timing the fake
+mode per op showed where its time goes: batch norm's and the activations'
+decompositions (half of efficientnet's capture), which capture's fake mode now
+skips (Note [Layouts without decompositions]), and Python view kernels (Note
+[Eager strides for views]).
 """
 
 from __future__ import annotations
