@@ -138,6 +138,13 @@ def test_shortcuts_decline_other_layouts_and_dtypes():
         args = (x, short, v, v, v, True, 0.1, 1e-5)  # a weight of the wrong size: eager's error
         assert fast_layouts(aten._native_batch_norm_legit_functional.default, args, {}) is None
     assert fast_layouts(aten.hardswish.default, (torch.empty(2),), {}) is None  # not fake
+    with FakeTensorMode() as mode:
+        sparse = mode.from_tensor(torch.eye(3).to_sparse())
+        vector = mode.from_tensor(torch.ones(3).to_sparse())
+        assert fast_layouts(aten.hardswish.default, (sparse,), {}) is None
+        x, v = torch.empty(2, 3, 4, 4), torch.empty(3)
+        args = (x, vector, v, v, v, True, 0.1, 1e-5)
+        assert fast_layouts(aten._native_batch_norm_legit_functional.default, args, {}) is None
 
 
 def test_a_convnet_captures_the_same_graph_with_and_without_shortcuts(monkeypatch):

@@ -106,7 +106,9 @@ def _static_view(
     if func not in _META_VIEWS or kwargs or not args:
         return None
     source, rest = args[0], args[1:]
-    if not isinstance(source, FakeTensor) or not _static(source, rest) or source.numel() == 0:
+    if not isinstance(source, FakeTensor) or source.layout is not torch.strided:
+        return None
+    if not _static(source, rest) or source.numel() == 0:
         return None
     with no_dispatch():
         extent = sum((n - 1) * st for n, st in zip(source.shape, source.stride(), strict=True))

@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -112,7 +112,7 @@ def fast_layouts(
 
 def _simple(t: object) -> bool:
     """A fake tensor of a floating dtype, dense in the standard or channels-last order."""
-    if not isinstance(t, FakeTensor) or t.dtype not in _FLOATS:
+    if not isinstance(t, FakeTensor) or t.dtype not in _FLOATS or t.layout is not torch.strided:
         return False
     if not all(isinstance(n, int) for n in (*t.shape, *t.stride())):
         return False
@@ -143,7 +143,7 @@ def _alike(tensors: Sequence[object]) -> bool:
 def _vectors(tensors: Sequence[object], n: int, like: torch.Tensor) -> bool:
     """All fake vectors of length ``n`` with ``like``'s dtype and device."""
     return all(
-        isinstance(t, FakeTensor)
+        _strided(t)
         and Layout.like(t) == Layout.vector(n, like)
         and t.fake_mode is getattr(like, "fake_mode", None)
         for t in tensors
@@ -211,6 +211,8 @@ def _layer_norm_input(x: object, normalized: object) -> tuple[torch.Tensor, int]
     otherwise than eager; it keeps them), normalizing its trailing dimensions."""
     if not isinstance(x, FakeTensor) or x.dtype not in (torch.float32, torch.float64):
         return None
+    if x.layout is not torch.strided:
+        return None
     if not isinstance(normalized, list | tuple) or not normalized:
         return None
     shape = tuple(x.shape)
@@ -253,9 +255,9 @@ def _layer_norm_backward(args: Sequence[object], kwargs: Mapping[str, object]) -
     x, axis = found
     stats = _contiguous_layout((*x.shape[:axis], *[1] * (x.dim() - axis)), x)
     if not (
-        isinstance(grad, FakeTensor)
+        _strided(grad)
         and Layout.like(grad) == _contiguous_layout(x.shape, x)
-        and all(isinstance(t, FakeTensor) and Layout.like(t) == stats for t in (mean, rstd))
+        and all(_strided(t) and Layout.like(t) == stats for t in (mean, rstd))
         and _affine((weight, bias), tuple(x.shape[axis:]), x)
     ):
         return None
@@ -268,10 +270,12 @@ def _layer_norm_backward(args: Sequence[object], kwargs: Mapping[str, object]) -
 
 def _affine(tensors: Sequence[object], shape: tuple[int, ...], like: torch.Tensor) -> bool:
     """Weight and bias both given, contiguous, of the normalized shape, ``like``'s dtype."""
-    return all(
-        isinstance(t, FakeTensor) and Layout.like(t) == _contiguous_layout(shape, like)
-        for t in tensors
-    )
+    return all(_strided(t) and Layout.like(t) == _contiguous_layout(shape, like) for t in tensors)
+
+
+def _strided(t: object) -> TypeGuard[FakeTensor]:
+    """A fake tensor with strides (not sparse)."""
+    return isinstance(t, FakeTensor) and t.layout is torch.strided
 
 
 _RULES: dict[Any, Callable[[Sequence[object], Mapping[str, object]], Layouts | None]] = {
