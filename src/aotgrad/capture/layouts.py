@@ -39,15 +39,15 @@ directly]) and the meta device's views (Note [Eager strides for views]),
 capture aotgrad / PyTorch (``bench/library_capture.py all 3``: median of 3
 fresh processes per tool, 2 cores shared with other work, so +-0.05)::
 
-    model          before (main)   after
-    gpt2           0.39x           0.38x
-    llama          0.23x           0.35x
-    bert           0.39x           0.32x
-    resnet18       0.46x           0.26x
-    mobilenet_v3   0.61x           0.26x
-    efficientnet   0.64x           0.31x
-    convnext       1.02x           0.34x
-    gpt_explicit   0.43x           0.28x
+    model          before (main)   after (two runs)
+    gpt2           0.39x           0.38x  0.36x
+    llama          0.23x           0.35x  0.34x
+    bert           0.39x           0.32x  0.30x
+    resnet18       0.46x           0.26x  0.37x
+    mobilenet_v3   0.61x           0.26x  0.26x
+    efficientnet   0.64x           0.31x  0.25x
+    convnext       1.02x           0.34x  0.38x
+    gpt_explicit   0.43x           0.28x  0.37x
 """
 
 from __future__ import annotations
