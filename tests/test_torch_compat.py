@@ -201,6 +201,13 @@ def test_dispatch_modes_see_ops_unless_disabled():
     assert aten.sin.default in seen.ops and aten.cos.default not in seen.ops
 
 
+def test_below_autograd_runs_ops_without_recording_them_for_autograd():
+    x = torch.ones(2, requires_grad=True)
+    with compat.below_autograd():
+        y = x.sin()
+    assert y.grad_fn is None and x.sin().grad_fn is not None
+
+
 def test_autograd_would_have_decomposed_composite_ops_only():
     x = torch.ones(2, 3, requires_grad=True)
     w = torch.ones(4, 3, requires_grad=True)

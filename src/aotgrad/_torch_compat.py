@@ -122,6 +122,10 @@ TorchDispatchMode = _python_dispatch.TorchDispatchMode
 disable_current_modes = _python_dispatch._disable_current_modes
 # Would autograd decompose this op (a CompositeImplicit kernel) before the tracer sees it?
 autograd_would_have_decomposed = _python_dispatch.autograd_would_have_decomposed
+# Run ops below autograd (no grad_fn, no sequence number taken), as a dispatch mode's
+# handler does: the direct trace's replays of views outside an op (Note [Writes through
+# views, directly]).
+below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 def is_opaque_reference(value: object) -> bool:

@@ -133,8 +133,8 @@ class Traced:
         """Why the full trace made the graphs; None when the direct trace did.
 
         >>> import torch, aotgrad
-        >>> aotgrad.trace(lambda x: x.view(-1).mul_(2), torch.ones(2)).fallback_reason
-        'the direct trace stopped: aten.mul_.Tensor mutates a tensor that shares memory with another (a view)'
+        >>> aotgrad.trace(lambda x: x.split(1)[0].mul_(2), torch.ones(2)).fallback_reason
+        'the direct trace stopped: aten.mul_.Tensor: a write through a view made by aten.split.Tensor (no scatter for it)'
         """
         return self.partitioned.joint.tracer.fallback_reason
 

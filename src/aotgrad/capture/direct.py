@@ -24,7 +24,7 @@ a reason, and under ``tracer="auto"`` the full trace runs the function again
 (Note [Choosing a tracer])::
 
     the function does                    the direct trace stops with
-    x.view(-1).add_(1), on a view        aten.add_.Tensor mutates a tensor that shares memory ...
+    x.split(2)[0].add_(1)                aten.add_.Tensor: a write through a view made by ...
     x.t_(), x an input                   aten.t_.default mutates an input's size or strides
     out=, bernoulli_ (dropout)           aten.bernoulli_.float mutates a tensor (an in-place ...)
     w.mul_(2), w an input needing grad   an in-place op on a tensor autograd sees as a leaf ...
@@ -68,16 +68,17 @@ the functional op and from then on reads the target as that node::
     variants:    relu_ -> relu (same arguments); _native_batch_norm_legit ->
                  _native_batch_norm_legit_functional (new values returned last)
 
-The target must be a tensor this trace made or an input, and the only traced
-tensor over its storage (a view, or a tensor viewed, stops: the write would
-change the other one too, which only functionalization replays); it must not
-overlap itself (Note [Writes through overlapping views]); the new value must
-have the target's size, strides, dtype and device (``x.add_(y)`` with a
-wider ``y``: stop). Metadata mutations (``t_``, ``as_strided_``), ``out=``
-ops, random fills (Note [Random fills keep their layout]) and any in-place
-op in the backward (Note [Mutations in the backward]; a ``.backward()``
-inside the function accumulates ``.grad`` in place, which only the full
-trace refuses) stop as before. An
+The target must be a tensor this trace made or an input; where other
+traced tensors share its memory (it is a view, or is viewed), the write is
+scattered into their base and they read it from there (Note [Writes through
+views, directly]); it must not overlap itself (Note [Writes through
+overlapping views]); the new value must have the target's size, strides,
+dtype and device (``x.add_(y)`` with a wider ``y``: stop; a view's strides
+come back when it is replayed). Metadata mutations of inputs (``t_``),
+``out=`` ops, random fills (Note [Random fills keep their layout]), in-place
+ops on inputs in the backward (Note [Mutations in the backward]) and any
+in-place op of a ``.backward()`` inside the function (it accumulates
+``.grad`` in place, which only the full trace refuses) stop. An
 input whose value changed is an input mutation (Note [Input mutation]) the
 runtime copies back; the direct trace takes only those autograd did not see
 (the input does not require grad and kept its ``grad_fn``: running
@@ -97,7 +98,12 @@ before = this change's parent)::
     gpt2/llama/bert, explicit-attention GPT: 0.32-0.42x both (direct already)
 
 After the change, profiling resnet18 again puts 0.98 s of 1.13 s in the direct
-trace, 0.68 s of it in the fake tensor mode itself: the floor of any tracer.
+trace, 0.68 s of it in the fake tensor mode itself. convnext now takes the
+direct trace too (Note [Writes through views, directly]), and timing the fake
+mode per op showed where its time goes: batch norm's and the activations'
+decompositions (half of efficientnet's capture), which capture's fake mode now
+skips (Note [Layouts without decompositions]), and Python view kernels (Note
+[Eager strides for views]).
 """
 
 from __future__ import annotations
@@ -121,6 +127,7 @@ from aotgrad._torch_compat import (
     OpOverload,
     TorchDispatchMode,
     autograd_would_have_decomposed,
+    below_autograd,
     in_autograd_engine,
     op_node_name,
     seq_nr_of,
@@ -131,6 +138,7 @@ from aotgrad.capture.graph import lazy_module
 from aotgrad.capture.mutation import InputMutation, PrimalInfo, may_overlap
 from aotgrad.capture.recorder import Recorder
 from aotgrad.capture.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
+from aotgrad.capture.view_writes import Alias, Step, Storage, chain_of, invertible, scatter
 from aotgrad.errors import UserFrame
 from aotgrad.signature import GraphInputDescriptor, storage_key
 
@@ -211,7 +219,8 @@ class DirectTracer(Tracer):
         return mutations
 
     def sync(self, values: Sequence[torch.Tensor]) -> None:
-        pass  # each op was recorded as it ran: nothing is pending
+        """Scatter pending writes through views into the values (Note [Writes through views, directly])."""
+        self._mode.sync_values(values)
 
     def backward_checked(
         self,
@@ -222,6 +231,8 @@ class DirectTracer(Tracer):
         return contextlib.nullcontext()  # an in-place op in the backward stops the trace
 
     def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:
+        if value is not None:
+            self._mode.sync_values([value])
         return value
 
 
@@ -265,6 +276,9 @@ class _RecordingMode(TorchDispatchMode):
         # ids of the tensors an in-place op gave a new value (their node is the new value's).
         self.mutated: set[int] = set()
         self._inputs: set[int] = set()  # ids of the graph inputs
+        # Tensors over a base written through a view (Note [Writes through views, directly]).
+        self._aliases: dict[int, Alias] = {}
+        self._stand_ins: list[torch.Tensor] = []  # the first values of those bases
 
     def input(self, t: torch.Tensor) -> None:
         node = self.graph.placeholder(f"arg{len(self._alive)}_1")
@@ -287,6 +301,9 @@ class _RecordingMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _PASS_THROUGH:
             return func(*args, **kwargs)
+        if self._aliases:
+            with self:
+                self.sync_values(pytree.arg_tree_leaves(*args, **kwargs), replay=True)
         with set_original_aten_op(func):
             if isinstance(func, OpOverload) and (
                 func._schema.is_mutable or _writes_unannotated(func, args, kwargs)
@@ -299,14 +316,15 @@ class _RecordingMode(TorchDispatchMode):
     ) -> Any:
         """Record an in-place op as its functional variant (Note [In-place ops, directly])."""
         refuse_in_place_collective(func)  # Note [Collectives]: the full trace would refuse it too
-        if self.recorder.in_backward or in_autograd_engine():
-            # Note [Mutations in the backward]; and a .backward() inside the function, which
-            # the full trace refuses, accumulates .grad with in-place ops
-            raise NeedsFullTrace(f"{func} mutates a tensor in a backward")
+        if in_autograd_engine() and not self.recorder.in_backward:
+            # a .backward() inside the function, which the full trace refuses, accumulates
+            # .grad with in-place ops
+            raise NeedsFullTrace(f"{func} mutates a tensor in a backward the function runs")
         functional, targets = _functional_variant(func, args, kwargs)
-        for target in targets:
-            self._check_target(func, target)
+        through_views = [self._check_target(func, target) for target in targets]
         if torch.Tag.inplace_view in func.tags:
+            if any(through_views):
+                raise NeedsFullTrace(f"{func} restrides a tensor that shares memory (a view)")
             return self._restride(func, functional, args, kwargs)
         with self:
             out = functional(*args, **kwargs)
@@ -315,12 +333,18 @@ class _RecordingMode(TorchDispatchMode):
             new_values = out[len(out) - len(targets) :]
         else:
             results, new_values = args[0], (out,)
-        for target, new in zip(targets, new_values, strict=True):
+        for target, new, shared in zip(targets, new_values, through_views, strict=True):
             if target is None:
                 continue
-            _check_same_layout(func, target, new)
+            _check_same_layout(func, target, new, strides=not shared)  # a view: replayed next
             self._nodes[id(target)] = self._nodes[id(new)]
-            self.mutated.add(id(target))
+            if shared:
+                self._write_through(target, new)
+            else:
+                self.mutated.add(id(target))
+        if any(through_views):
+            with self:  # as functionalization does after a write: the target reads its base
+                self.sync_values(targets)
         return tuple(results) if isinstance(results, list | tuple) else results
 
     def _restride(
@@ -351,16 +375,85 @@ class _RecordingMode(TorchDispatchMode):
         self._counted = len(self._alive)
         return self._storages.get(storage_key(t), 0)
 
-    def _check_target(self, func: OpOverload, target: torch.Tensor | None) -> None:
-        """Stop unless ``target`` is a tensor of this trace that no other tensor views."""
+    def _check_target(self, func: OpOverload, target: torch.Tensor | None) -> bool:
+        """Stop unless ``func`` may write ``target``; is the write one through views?
+
+        (Notes [In-place ops, directly], [Writes through views, directly].)
+        """
         if target is None:
-            return
+            return False
         if id(target) not in self._nodes:
             raise NeedsFullTrace(f"{func} mutates a tensor the trace did not create")
-        if self._sharing(target) != 1 or may_overlap(target):
-            raise NeedsFullTrace(
-                f"{func} mutates a tensor that shares memory with another (a view)"
-            )
+        if may_overlap(target):
+            raise NeedsFullTrace(f"{func} mutates a tensor whose elements overlap")
+        shared = id(target) in self._aliases or self._sharing(target) != 1
+        if shared:
+            self._check_view_write(func, target)
+        elif self.recorder.in_backward and id(target) in self._inputs:
+            raise NeedsFullTrace(f"{func} mutates an input in the backward")
+        return shared
+
+    def _check_view_write(self, func: OpOverload, target: torch.Tensor) -> None:
+        """Stop unless the write into ``target`` can be scattered into its base."""
+        alias = self._aliases.get(id(target)) or self._new_storage(func, target)
+        why = invertible(alias.chain)
+        if why is not None:
+            raise NeedsFullTrace(f"{func}: {why}")
+        if alias.storage.members != self._sharing(target):
+            raise NeedsFullTrace(f"{func} writes a base some tensor aliases without a view op")
+        if self.recorder.in_backward and alias.storage.root in self._inputs:
+            raise NeedsFullTrace(f"{func} mutates an input in the backward")
+
+    def _new_storage(self, func: OpOverload, target: torch.Tensor) -> Alias:
+        """Start keeping the views of ``target``'s base (Note [Writes through views, directly])."""
+        key = storage_key(target)
+        members = [t for t in self._alive if storage_key(t) == key]
+        chains = [chain_of(self._nodes[id(t)]) for t in members]
+        roots = {id(c[0]) if c is not None else None for c in chains}
+        bases = [t for t, c in zip(members, chains, strict=True) if c is not None and not c[1]]
+        if len(roots) != 1 or None in roots or not bases:
+            raise NeedsFullTrace(f"{func} writes a view whose base the direct trace cannot tell")
+        if bases[0].storage_offset() != 0:
+            raise NeedsFullTrace(f"{func} writes a view of a base that is itself a view")
+        stand_in = _like(bases[0])  # the base's value: its own memory, not recorded
+        self._nodes[id(stand_in)] = self._nodes[id(bases[0])]
+        self._stand_ins.append(stand_in)
+        storage = Storage(base=stand_in, root=id(bases[0]), members=len(members))
+        for t, c in zip(members, chains, strict=True):
+            assert c is not None
+            self._aliases[id(t)] = Alias(storage, c[1], storage.generation)
+        return self._aliases[id(target)]
+
+    def _write_through(self, target: torch.Tensor, new: torch.Tensor) -> None:
+        """``target`` now holds ``new``; its base and other views see it when next read."""
+        alias = self._aliases[id(target)]
+        storage = alias.storage
+        storage.pending.append((new, alias.chain))
+        storage.generation += 1  # ``target`` too reads the base again (it is stale)
+        if storage.root in self._inputs:
+            self.mutated.add(storage.root)
+
+    def sync_values(self, values: Sequence[object], *, replay: bool = False) -> None:
+        """Bring each value over a base written through a view up to date, recording the
+        scatters and replays (Note [Writes through views, directly]).
+
+        ``replay``: the values are an op's arguments; what their sync records has the
+        provenance of their nodes until then, as functionalization's replays have.
+        """
+        for value in values:
+            alias = self._aliases.get(id(value))
+            if alias is None or not alias.stale:
+                continue
+            assert isinstance(value, torch.Tensor)
+            node = self._nodes[id(value)] if replay else None
+            with below_autograd(), fx_traceback.set_current_replay_node(node):
+                self._scatter_pending(alias.storage)
+                fresh = alias.storage.base
+                for step in alias.chain:
+                    fresh = step.replay(fresh)
+            _check_same_layout(torch.ops.aten.alias.default, value, fresh)
+            self._nodes[id(value)] = self._nodes[id(fresh)]
+            alias.generation = alias.storage.generation
 
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         _check_recordable(func)
@@ -383,7 +476,23 @@ class _RecordingMode(TorchDispatchMode):
         node = self.graph.create_node("call_function", func, node_args, node_kwargs, name=name)
         self._copy_context(node)
         self._output(func, out, node)
+        if self._aliases and func.is_view and id(args[0]) in self._aliases:
+            self._enroll_views(func, args, kwargs, out)
         return out
+
+    def _enroll_views(
+        self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        """A view of a tensor over a written base is over that base too."""
+        parent = self._aliases[id(args[0])]
+        outs = out if isinstance(out, list | tuple) else [out]
+        for i, view in enumerate(outs):
+            index = i if isinstance(out, list | tuple) else None
+            step = Step(func, tuple(args[1:]), dict(kwargs), index, self._nodes[id(view)])
+            self._aliases[id(view)] = Alias(
+                parent.storage, (*parent.chain, step), parent.generation
+            )
+            parent.storage.members += 1
 
     def _arg(self, func: OpOverload, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -434,17 +543,35 @@ class _RecordingMode(TorchDispatchMode):
         self._nodes[id(t)] = node
         self._alive.append(t)
 
+    def _scatter_pending(self, storage: Storage) -> None:
+        """The base's value after its pending writes, recorded as scatters in write order."""
+        for new, chain in storage.pending:
+            storage.base = scatter(storage.base, new, chain) if chain else new
+        storage.pending.clear()
+
     def _copy_context(self, node: fx.Node) -> None:
-        """The metadata ``torch.fx``'s tracer copies from the current node context."""
+        """The metadata ``torch.fx``'s tracer copies from the current node context; a replayed
+        view's provenance is its original's (Note [Writes through views, directly])."""
         if not fx_traceback.has_preserved_node_meta():
             return
         current = fx_traceback.get_current_meta()
         for key in COPY_META_FIELDS:
             if key in current:
                 node.meta[key] = copy.copy(current[key])
-        seq_nr = seq_nr_of(node.name)
+        seq_nr = seq_nr_of(node.name)  # a replay's: its original's
         if seq_nr is not None:
             node.meta["seq_nr"] = seq_nr
+        replayed = fx_traceback.get_current_replay_node()
+        if replayed is not None:
+            node.meta["is_functional_regenerated"] = True
+            for key in ("custom", "stack_trace"):
+                if key in replayed.meta:
+                    node.meta[key] = replayed.meta[key]
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s layout over memory of its own (called with the recording mode off)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
 
 def _check_recordable(func: Any) -> None:
@@ -550,12 +677,17 @@ def _returns_self(func: OpOverload) -> bool:
     )
 
 
-def _check_same_layout(func: OpOverload, target: torch.Tensor, new: torch.Tensor) -> None:
-    """The new value must be what the target now holds: same size, strides, dtype, device."""
+def _check_same_layout(
+    func: OpOverload, target: torch.Tensor, new: torch.Tensor, *, strides: bool = True
+) -> None:
+    """The new value must be what the target now holds: same size, strides, dtype, device.
+
+    (A view written through is replayed from its base right after: its strides come back.)
+    """
     same = (
         isinstance(new, torch.Tensor)
         and new.shape == target.shape
-        and new.stride() == target.stride()
+        and (not strides or new.stride() == target.stride())
         and new.dtype == target.dtype
         and new.device == target.device
     )

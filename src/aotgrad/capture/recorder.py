@@ -59,10 +59,12 @@ _RNG = "aotgrad_rng"
 RNG_POSITION_KEY = "aotgrad_rng_position"
 
 # aotgrad's files that only pass the user's call on, walked past like torch's (Note [User
-# frames]): the recording machinery itself (this file, the direct tracer) and the closed-over swap.
+# frames]): the recording machinery itself (this file, the direct tracer and its replays of views)
+# and the closed-over swap.
 _FORWARDING_FILES = (
     __file__,
     os.path.join(os.path.dirname(__file__), "direct.py"),
+    os.path.join(os.path.dirname(__file__), "view_writes.py"),
     closed_over.__file__,
 )
 

@@ -7,8 +7,9 @@ Capture runs one joint function, forward then backward, on fake tensors
 
 - :class:`~aotgrad.capture.direct.DirectTracer` appends each aten op to a
   graph as it runs (Note [Direct tracing]): cheap, but it handles only
-  static sizes and in-place ops on tensors nothing else views (Note
-  [In-place ops, directly]);
+  static sizes, in-place ops recorded functionally (Note [In-place ops,
+  directly]) and writes through the view ops it can scatter back (Note
+  [Writes through views, directly]);
 - :class:`~aotgrad.capture.full.FullTracer` runs the function under
   functionalization inside ``make_fx``: it handles everything capture does.
 
