@@ -532,17 +532,32 @@ def test_a_tampered_or_old_entry_is_a_miss_and_is_rewritten(cache_dir, edit):
     assert aotgrad.store.loads(entry.read_bytes()) is not None  # rewritten whole
 
 
-def test_a_bad_description_is_a_miss(cache_dir):
-    """Graphs with a backward read their description on a hit (the create_graph backward
-    needs the signature and fx graphs): a bad one is a miss, for nop and a user's compiler."""
+def test_a_bad_description_is_a_miss_for_a_users_compiler(cache_dir):
+    """A user's compiler gets the fx graphs, built from the description: a bad one is a miss."""
     x = torch.randn(3, 4)
     aotgrad.aot_module(Small())(x)
     model = Small()
-    for compiler in (None, lambda gm, _: gm):
-        _tamper_entry(cache_dir, lambda h, r, a: a["signature"].update(type="Popen"))
-        compiled = aotgrad.aot_module(model, fw_compiler=compiler)
-        torch.testing.assert_close(compiled(x), model(x))
-        assert aotgrad.cache_info(compiled).disk_misses == 1
+    _tamper_entry(cache_dir, lambda h, r, a: a["signature"].update(type="Popen"))
+    compiled = aotgrad.aot_module(model, fw_compiler=lambda gm, _: gm)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert aotgrad.cache_info(compiled).disk_misses == 1
+
+
+def test_a_bad_description_is_read_at_the_first_create_graph_backward(cache_dir):
+    """A nop hit with a backward runs from the run line; the description (signature, fx
+    graphs) is read when the create_graph backward first needs it, and a bad one raises
+    StoreError there, running nothing from the file."""
+    x = torch.randn(3, 4, requires_grad=True)
+    aotgrad.aot_module(Small())(x)
+    model = Small()
+    _tamper_entry(cache_dir, lambda h, r, a: a["signature"].update(type="Popen"))
+    compiled = aotgrad.aot_module(model)
+    out = compiled(x)
+    assert aotgrad.cache_info(compiled).disk_hits == 1
+    (g,) = torch.autograd.grad(out.sum(), x)  # first order: no description needed
+    torch.testing.assert_close(g, torch.autograd.grad(model(x).sum(), x)[0])
+    with pytest.raises(aotgrad.StoreError):
+        torch.autograd.grad(compiled(x).sum(), x, create_graph=True)
 
 
 def test_an_inference_hit_reads_no_description(cache_dir):

@@ -16,7 +16,8 @@ from aotgrad.capture.autocast import autocast_off
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue
-from aotgrad.runtime.higher_order import HigherOrder
+from aotgrad.runtime.higher_order import HigherOrder, num_forward_inputs
+from aotgrad.runtime.straight_line import Step
 from aotgrad.runtime.transforms import refuse_transforms_on
 from aotgrad.signature import Signature
 from aotgrad.signature.subclasses import holds_flat_outputs, rebuild_outputs
@@ -194,24 +195,27 @@ def _higher_order(
 
 
 def higher_order_of(
-    forward: torch.fx.GraphModule,
-    backward: torch.fx.GraphModule,
-    signature: Signature,
+    forward: torch.fx.GraphModule | Sequence[Step],
+    backward: torch.fx.GraphModule | None,
+    signature: Signature | None,
     plan: Plan,
     compilers: tuple[Compiler | None, Compiler | None],
-    prepare: Callable[[], None] | None = None,
+    prepare: Callable[[], tuple[torch.fx.GraphModule, torch.fx.GraphModule, Signature]]
+    | None = None,
 ) -> HigherOrder:
     """What computes a specialization's ``create_graph`` backward (Note [Differentiable backward]).
 
-    ``prepare`` runs before ``G`` is first built (loaded graphs get their values then).
+    Graphs read from a file give the forward's steps, no backward and no signature, and a
+    ``prepare`` that builds them before ``G`` is first built.
     """
     changed = {m.index for m in plan.mutations} | set(plan.detached_inputs)
     if plan.input_bases:  # the graph inputs stand for several user inputs: keep none
-        changed |= set(range(len(signature.forward_inputs)))
+        changed |= set(range(num_forward_inputs(forward)))
     return HigherOrder(
         forward=forward,
         backward=backward,
         signature=signature,
+        saved_in_forward=plan.saved_in_forward,
         fw_compiler=compilers[0],
         bw_compiler=compilers[1],
         changed=frozenset(changed),

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -65,6 +65,7 @@ from aotgrad.errors import AotgradError, DoubleBackwardError, UserFrame, format_
 from aotgrad.optable import draws_random, op_name, outputs_reached, passes_no_gradient
 from aotgrad.partition import Partitioned, partition
 from aotgrad.runtime.boxing import Compiler
+from aotgrad.runtime.straight_line import Step
 from aotgrad.signature import FlatInputs, Signature, storage_key
 from aotgrad.signature.descriptors import Input
 
@@ -107,15 +108,20 @@ class Slice:
 class HigherOrder:
     """The ``create_graph`` backward of one compiled specialization (Note [Differentiable backward])."""
 
-    forward: fx.GraphModule
-    backward: fx.GraphModule
-    signature: Signature
+    # The two graphs and their signature. Graphs read from a file give the forward's steps
+    # and None until ``prepare`` builds them, at the first ``G`` (a cache hit that never
+    # differentiates twice builds no fx graph: Note [Graphs read from a file]).
+    forward: fx.GraphModule | Sequence[Step]
+    backward: fx.GraphModule | None
+    signature: Signature | None
+    # Where the saved values sit among the forward graph's outputs (Note [Positions]).
+    saved_in_forward: slice
     fw_compiler: Compiler | None = None
     bw_compiler: Compiler | None = None
     # Forward inputs the epilogue changes in place (data, metadata or ``detach_()``).
     changed: frozenset[int] = frozenset()
-    # Runs once before the first ``G`` is built (loaded graphs compute their values then).
-    prepare: Callable[[], None] | None = None
+    # Builds the graphs and signature above, once, before the first ``G``.
+    prepare: Callable[[], tuple[fx.GraphModule, fx.GraphModule, Signature]] | None = None
     order: int = 1
     orders: Any = field(default_factory=Orders)  # an Orders, or what has its fields
     # Forward inputs saved besides the saved values (Note [Primals in the backward]).
@@ -127,7 +133,7 @@ class HigherOrder:
 
     def __post_init__(self) -> None:
         placeholders = _placeholders(self.forward)
-        saved = _outputs(self.forward)[self.signature.saved_in_forward]
+        saved = _outputs(self.forward)[self.saved_in_forward]
         index = {node: i for i, node in enumerate(placeholders)}
         for j, node in enumerate(saved):
             if node in index:
@@ -169,16 +175,22 @@ class HigherOrder:
             k = self.extra.index(i)
             tensor, version = kept[0][k], kept[1][k]
             if tensor._version != version:
-                raise _changed_after(str(self.signature.forward_inputs[i]), version, tensor)
+                raise _changed_after(self._input_name(i), version, tensor)
             return tensor
-        raise _changed_input(str(self.signature.forward_inputs[i]))
+        raise _changed_input(self._input_name(i))
+
+    def _input_name(self, i: int) -> str:
+        assert self.signature is not None, "expected the signature built with the first slice"
+        return str(self.signature.forward_inputs[i])
 
     def _slice(self, needs_grad: tuple[bool, ...]) -> Slice:
         piece = self._slices.get(needs_grad)
         if piece is None:
             if self.prepare is not None:
-                self.prepare()
+                self.forward, self.backward, self.signature = self.prepare()
                 self.prepare = None
+            assert isinstance(self.forward, fx.GraphModule), "expected the graphs built"
+            assert self.backward is not None and self.signature is not None
             piece = self._slices[needs_grad] = build_slice(
                 self.forward, self.backward, self.signature, needs_grad, self.changed
             )
@@ -257,25 +269,36 @@ def _sharing(values: Sequence[Any]) -> tuple[tuple[int, int], ...]:
     return tuple(found)
 
 
-def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+def _nodes(graph: fx.GraphModule | Sequence[Step]) -> Iterable[Any]:
+    """An fx module's nodes, or the steps of a graph read from a file (the same fields)."""
+    return graph.graph.nodes if isinstance(graph, fx.GraphModule) else graph
 
 
-def _outputs(gm: fx.GraphModule) -> list[Any]:
-    return list(gm.graph.output_node().args[0])  # type: ignore[arg-type]
+def _placeholders(graph: fx.GraphModule | Sequence[Step]) -> list[Any]:
+    return [n for n in _nodes(graph) if n.op == "placeholder"]
 
 
-def _primals_read(forward: fx.GraphModule, targets: Sequence[Any]) -> set[int]:
+def num_forward_inputs(forward: fx.GraphModule | Sequence[Step]) -> int:
+    """How many inputs the forward graph takes."""
+    return len(_placeholders(forward))
+
+
+def _outputs(graph: fx.GraphModule | Sequence[Step]) -> list[Any]:
+    (output,) = [n for n in _nodes(graph) if n.op == "output"]
+    return list(output.args[0])
+
+
+def _primals_read(forward: fx.GraphModule | Sequence[Step], targets: Sequence[Any]) -> set[int]:
     """Forward-input positions the ``targets`` are computed from."""
     index = {node: i for i, node in enumerate(_placeholders(forward))}
     return {index[n] for n in _ancestors(targets) if n in index}
 
 
-def _ancestors(targets: Sequence[Any], stop: Container[fx.Node] = ()) -> list[fx.Node]:
+def _ancestors(targets: Sequence[Any], stop: Container[Any] = ()) -> list[Any]:
     """Every node the targets need, themselves included, in no set order; ``stop`` nodes
     and what only they need are left out."""
-    seen: dict[fx.Node, None] = {}
-    stack = [t for t in targets if isinstance(t, fx.Node)]
+    seen: dict[Any, None] = {}
+    stack = [t for t in targets if isinstance(t, fx.Node | Step)]
     while stack:
         node = stack.pop()
         if node in seen or node in stop:

@@ -285,21 +285,23 @@ def _meta(t: Any) -> TensorMeta | None:
 def stored_higher_order(
     stored: Read, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
 ) -> HigherOrder | None:
-    """The ``create_graph`` backward of loaded graphs (Note [Differentiable backward]); their
-    fake values are computed when it is first needed (Note [Values on demand]).
+    """The ``create_graph`` backward of loaded graphs (Note [Differentiable backward]).
 
-    It reads the ``fx`` modules and the signature: a hit builds them (Note [Graphs read
-    from a file]).
+    It reads the forward's steps only; the ``fx`` modules, their fake values (Note [Values
+    on demand]) and the signature are built at the first ``create_graph`` backward, so a
+    hit that never differentiates twice builds none (Note [Graphs read from a file]).
     """
     if stored.backward is None:
         return None
-    forward, backward = stored.forward.module(), stored.backward.module()
+    forward, backward = stored.forward, stored.backward
 
-    def prepare() -> None:
-        with_values(forward)
-        with_values(backward)
+    def prepare() -> tuple[fx.GraphModule, fx.GraphModule, Signature]:
+        modules = forward.module(), backward.module()
+        for module in modules:
+            with_values(module)
+        return (*modules, stored.signature)
 
-    return higher_order_of(forward, backward, stored.signature, stored.plan, compilers[:2], prepare)
+    return higher_order_of(forward.steps, None, None, stored.plan, compilers[:2], prepare)
 
 
 def compile_stored(
