@@ -226,40 +226,36 @@ def _in_place_on_a_copy(x: torch.Tensor) -> torch.Tensor:
     return y.sin()
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        pytest.param(
-            lambda: (_counter, torch.randn(3, requires_grad=True), torch.zeros(3)), id="counter"
-        ),
-        pytest.param(lambda: (_views, torch.randn(2, 3, requires_grad=True)), id="view-outputs"),
-        pytest.param(
-            lambda: (_scaled_in_place, torch.randn(3, requires_grad=True), torch.randn(3)),
-            id="in-place-on-an-input",
-        ),
-        pytest.param(
-            lambda: (_in_place_on_a_copy, torch.randn(3, requires_grad=True)), id="in-place"
-        ),
-        pytest.param(
-            lambda: (
-                nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Softplus()).train(),
-                torch.randn(5, 3, requires_grad=True),
-            ),
-            id="batchnorm-train",
-        ),
-        pytest.param(
-            lambda: (
-                nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 1)),
-                torch.randn(5, 4, requires_grad=True),
-            ),
-            id="dropout-mask-saved",
-        ),
-        pytest.param(
-            lambda: (lambda x: (x * torch.rand(3)).sin(), torch.randn(3, requires_grad=True)),
-            id="random-draw-saved",
-        ),
-    ],
-)
+# Mutation, aliasing and saved random values under create_graph (checked by verify).
+_CREATE_GRAPH_CASES: dict[str, Callable[[], tuple[Any, ...]]] = {
+    "counter": lambda: (_counter, torch.randn(3, requires_grad=True), torch.zeros(3)),
+    "view-outputs": lambda: (_views, torch.randn(2, 3, requires_grad=True)),
+    "in-place-on-an-input": lambda: (
+        _scaled_in_place,
+        torch.randn(3, requires_grad=True),
+        torch.randn(3),
+    ),
+    "in-place": lambda: (_in_place_on_a_copy, torch.randn(3, requires_grad=True)),
+    "batchnorm-train": lambda: (
+        nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Softplus()).train(),
+        torch.randn(5, 3, requires_grad=True),
+    ),
+    "dropout-mask-saved": lambda: (
+        nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 1)),
+        torch.randn(5, 4, requires_grad=True),
+    ),
+    "random-draw-saved": lambda: (
+        lambda x: (x * torch.rand(3)).sin(),
+        torch.randn(3, requires_grad=True),
+    ),
+}
+
+
+def _cases(*names: str) -> Any:
+    return pytest.mark.parametrize("make", [_CREATE_GRAPH_CASES[n] for n in names], ids=names)
+
+
+@_cases(*_CREATE_GRAPH_CASES)
 def test_mutation_aliasing_and_dropout_under_create_graph_match_eager(make):
     torch.manual_seed(0)
     fn, *args = make()
@@ -578,26 +574,7 @@ def _dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @pytest.mark.parametrize("frontend", [_traced, _dynamo], ids=["trace", "torch.compile"])
-@pytest.mark.parametrize(
-    "make",
-    [
-        pytest.param(
-            lambda: (_counter, torch.randn(3, requires_grad=True), torch.zeros(3)), id="counter"
-        ),
-        pytest.param(lambda: (_views, torch.randn(2, 3, requires_grad=True)), id="view-outputs"),
-        pytest.param(
-            lambda: (_scaled_in_place, torch.randn(3, requires_grad=True), torch.randn(3)),
-            id="in-place-on-an-input",
-        ),
-        pytest.param(
-            lambda: (
-                nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Softplus()).train(),
-                torch.randn(5, 3, requires_grad=True),
-            ),
-            id="batchnorm-train",
-        ),
-    ],
-)
+@_cases("counter", "view-outputs", "in-place-on-an-input", "batchnorm-train")
 def test_mutation_and_aliasing_through_other_frontends(make, frontend):
     torch.manual_seed(0)
     fn, *args = make()
