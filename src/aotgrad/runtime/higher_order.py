@@ -46,7 +46,6 @@ Note [Primals in the backward].
 from __future__ import annotations
 
 import operator
-import re
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -57,7 +56,6 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
-from aotgrad._torch_compat import decomposition
 from aotgrad.capture import capture
 from aotgrad.capture.provenance import META_KEY, NodeInfo, set_info
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
@@ -65,6 +63,13 @@ from aotgrad.errors import AotgradError, DoubleBackwardError, UserFrame, format_
 from aotgrad.optable import draws_random, op_name, outputs_reached, passes_no_gradient
 from aotgrad.partition import Partitioned, partition
 from aotgrad.runtime.boxing import Compiler
+from aotgrad.runtime.differentiable_ops import (
+    NO_DERIVATIVE,
+    REPLACED,
+    decomposition_of,
+    is_op_named,
+    op_without_derivative,
+)
 from aotgrad.runtime.straight_line import Step
 from aotgrad.signature import FlatInputs, Signature, storage_key
 from aotgrad.signature.descriptors import Input
@@ -525,8 +530,8 @@ def capture_backward(graph: fx.GraphModule, values: Sequence[Any], order: int) -
         try:
             joint = _capture_once(graph, values, decomposed)
         except (AotgradError, RuntimeError) as error:
-            op = _op_without_derivative(error, graph)
-            rule = None if op is None or op in decomposed else _decomposition(op)
+            op = op_without_derivative(error, graph)
+            rule = None if op is None or op in decomposed else decomposition_of(op)
             if rule is None:
                 raise _no_derivative(error, graph, order) from error
             decomposed[op] = rule
@@ -560,137 +565,17 @@ def _capture_once(
     )
 
 
-# Note [Backward ops without a derivative]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Some ops the first-order backward graph holds have no derivative of their own:
-# eager never differentiates them, because under ``create_graph=True`` its
-# formulas pick another, differentiable form (SiLU's backward is
-# ``silu_backward`` with grad mode off, a product of sigmoids with it on), and
-# the functional ``copy`` only exists in functionalized graphs. Capturing ``G``
-# through such an op fails with "derivative for aten::silu_backward is not
-# implemented"; the capture then runs that op through its decomposition into
-# ops that have derivatives, and tries again, once per op:
-#
-#     G's graph                      captured as
-#     silu_backward(g, x)      ->    g * sigmoid(x) * (1 + x * (1 - sigmoid(x)))
-#     copy(self, src)          ->    src cast to self's dtype, expanded to its shape,
-#                                    in self's layout (_functional_copy below)
-#
-# An op with neither a derivative nor a decomposition (CPU flash attention's
-# backward, which eager cannot differentiate either) raises DoubleBackwardError.
-#
-# One op has a derivative that is wrong: ``as_strided_scatter``'s gradient with
-# respect to the tensor written into keeps the positions the write replaced
-# (for ``as_strided_scatter(a, s, [2], [1], 3)`` on a 1-D ``a``, d out / d a[3]
-# should be 0; torch 2.13 gives 1). Functionalized graphs write every change to
-# a base through it, so ``G`` always runs it as an ``index_put`` at the storage
-# positions the strided view covers (_as_strided_scatter below):
-#
-#     as_strided_scatter(a, s, [2], [1], 3)   ->   a.index_put(([3, 4],), s)
-
-_NO_DERIVATIVE = re.compile(r"derivative for (?:aten::)?([\w.]+) is not implemented")
-
-
-def _op_without_derivative(error: Exception, graph: fx.GraphModule) -> Any:
-    """The op of ``graph`` the error says has no derivative, or None."""
-    found = _NO_DERIVATIVE.search(str(error))
-    if found is None:
-        return None
-    return next((n.target for n in graph.graph.nodes if _is_op_named(n, found.group(1))), None)
-
-
-def _is_op_named(node: fx.Node, name: str) -> bool:
-    return node.op == "call_function" and getattr(node.target, "_opname", None) == name
-
-
-def _decomposition(op: Any) -> Callable[..., Any] | None:
-    if op is torch.ops.aten.copy.default:
-        return _functional_copy
-    return decomposition(op)
-
-
-def _functional_copy(
-    self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
-) -> torch.Tensor:
-    """``aten.copy`` from differentiable ops (Note [Backward ops without a derivative]).
-
-    The result has ``self``'s strides when they are a permutation of a contiguous layout (a
-    transpose): the value is laid out contiguously in that permuted order and permuted back.
-    """
-    value = src.to(dtype=self.dtype, device=self.device).expand(self.shape)
-    strides = self.stride()
-    order = sorted(range(self.dim()), key=lambda d: (-strides[d], d))
-    if self.is_contiguous() or not _dense(self):
-        return value.clone(memory_format=torch.contiguous_format)
-    back = sorted(range(self.dim()), key=order.__getitem__)
-    laid_out = value.permute(order).clone(memory_format=torch.contiguous_format)
-    return laid_out.permute(back)
-
-
-def _as_strided_scatter(
-    self: torch.Tensor,
-    src: torch.Tensor,
-    size: Sequence[int],
-    stride: Sequence[int],
-    storage_offset: int | None = None,
-) -> torch.Tensor:
-    """``aten.as_strided_scatter`` from ops whose derivatives are right (Note [Backward ops
-    without a derivative]): the value laid out in storage order, ``src`` put at the positions
-    the strided view covers, laid back out in ``self``'s strides."""
-    if not _dense(self):
-        raise DoubleBackwardError(
-            "create_graph=True: the backward of a compiled function writes through an"
-            f" as_strided view of a tensor whose layout (size {tuple(self.shape)}, stride"
-            f" {self.stride()}) has gaps or overlaps; aotgrad cannot differentiate that write"
-            " again.\nCompute this derivative without create_graph=True."
-        )
-    strides = self.stride()
-    order = sorted(range(self.dim()), key=lambda d: (-strides[d], d))
-    back = sorted(range(self.dim()), key=order.__getitem__)
-    storage = self.permute(order).reshape(-1)
-    positions = torch.full((), storage_offset or 0, dtype=torch.long, device=self.device)
-    for d, (n, step) in enumerate(zip(size, stride, strict=True)):
-        shape = [1] * len(size)
-        shape[d] = n
-        steps = torch.arange(n, dtype=torch.long, device=self.device) * step
-        positions = positions + steps.reshape(shape)
-    values = src.to(self.dtype).expand(tuple(size)).reshape(-1)
-    written = storage.index_put((positions.reshape(-1),), values)
-    return written.reshape([self.shape[d] for d in order]).permute(back)
-
-
-# Ops replaced in every capture of ``G``: PyTorch's derivative of ``as_strided_scatter`` with
-# respect to ``self`` does not zero the positions the write covers (torch 2.13: gradcheck fails
-# even for a 1-D ``self``), so differentiating a graph through it would be silently wrong.
-_REPLACED: dict[Any, Callable[..., Any]] = {
-    torch.ops.aten.as_strided_scatter.default: _as_strided_scatter,
-}
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Does ``t``'s layout cover its elements once each, in some order of its dimensions?"""
-    expected = 1
-    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride(), strict=True))
-    for stride, size in dims:
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _spec(n: int) -> Any:
     return pytree.tree_flatten(((0,) * n, {}))[1]
 
 
 def _no_derivative(error: Exception, graph: fx.GraphModule, order: int) -> DoubleBackwardError:
     """The capture of ``G`` failed: name the op with no derivative and the user's line."""
-    found = _NO_DERIVATIVE.search(str(error))
+    found = NO_DERIVATIVE.search(str(error))
     node = None
     if found is not None:
         name = found.group(1)
-        node = next((n for n in graph.graph.nodes if _is_op_named(n, name)), None)
+        node = next((n for n in graph.graph.nodes if is_op_named(n, name)), None)
         what = (
             f"create_graph=True: the backward of a compiled function calls {name}, which has"
             f" neither a derivative nor a decomposition in PyTorch, so its gradient cannot be"
@@ -734,7 +619,7 @@ def _run_with_provenance(
         else:
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-            run = decomposed.get(node.target) or _REPLACED.get(node.target, node.target)
+            run = decomposed.get(node.target) or REPLACED.get(node.target, node.target)
             with fx_traceback.annotate(_note(node)):
                 env[node] = run(*args, **kwargs)
     raise AssertionError("expected the graph to end with an output node")
