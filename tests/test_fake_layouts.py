@@ -51,7 +51,52 @@ def _calls(x):
         "gelu_backward": (aten.gelu_backward.default, (g, x)),
         "gelu_backward tanh": (aten.gelu_backward.default, (g, x), {"approximate": "tanh"}),
         "threshold_backward": (aten.threshold_backward.default, (g, x, 0.0)),
+        **{str(op): (op, (x,)) for op in UNARY},
+        **{str(op): (op, (x, 0.5)) for op in SCALAR},
+        **{str(op): (op, (g, x)) for op in BINARY},
+        "gelu tanh": (aten.gelu.default, (x,), {"approximate": "tanh"}),
+        "add alpha": (aten.add.Tensor, (g, x), {"alpha": 2}),
+        "div floor": (aten.div.Tensor_mode, (g, x), {"rounding_mode": "floor"}),
+        "pow int": (aten.pow.Tensor_Scalar, (x, 2)),
+        "leaky_relu slope": (aten.leaky_relu.default, (x, 0.2)),
     }
+
+
+UNARY = [
+    aten.relu.default,
+    aten.gelu.default,
+    aten.silu.default,
+    aten.sigmoid.default,
+    aten.tanh.default,
+    aten.neg.default,
+    aten.exp.default,
+    aten.log.default,
+    aten.sqrt.default,
+    aten.rsqrt.default,
+    aten.reciprocal.default,
+    aten.erf.default,
+    aten.hardtanh.default,
+    aten.leaky_relu.default,
+    aten.elu.default,
+]
+SCALAR = [
+    aten.add.Scalar,
+    aten.sub.Scalar,
+    aten.mul.Scalar,
+    aten.div.Scalar,
+    aten.rsub.Scalar,
+    aten.pow.Tensor_Scalar,
+]
+BINARY = [
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.div.Tensor,
+    aten.maximum.default,
+    aten.minimum.default,
+    aten.sigmoid_backward.default,
+    aten.tanh_backward.default,
+]
 
 
 def _layer_norm_calls(x):
@@ -174,3 +219,29 @@ def test_a_convnet_captures_the_same_graph_with_and_without_shortcuts(monkeypatc
         for n in slow.joint.graph.nodes
         if "val" in n.meta and isinstance(n.meta["val"], torch.Tensor)
     ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("memory_format", FORMATS)
+def test_pointwise_shortcuts_keep_half_precision(dtype, memory_format):
+    mode = FakeTensorMode()
+    mode.cache_enabled = False
+    with mode:
+        x = _inputs((2, 8, 4, 4), memory_format, dtype)
+        g = torch.empty_like(x)
+        calls = [(op, (x,)) for op in UNARY] + [(op, (x, 0.5)) for op in SCALAR]
+        for op, args in calls + [(op, (g, x)) for op in BINARY]:
+            found = fast_layouts(op, args, {})
+            assert found is not None, op
+            assert found.tensors == tuple(_layouts(op(*args))), op
+
+
+def test_pointwise_shortcuts_decline_what_could_change_the_dtype():
+    with FakeTensorMode():
+        x = torch.empty(2, 3)
+        assert fast_layouts(aten.mul.Scalar, (x, 1j), {}) is None  # complex result
+        assert (
+            fast_layouts(aten.add.Tensor, (x, torch.empty(2, 3, dtype=torch.float64)), {}) is None
+        )
+        assert fast_layouts(aten.add.Tensor, (x, torch.empty(3)), {}) is None  # broadcasts
+        assert fast_layouts(aten.relu.default, (torch.empty(2, 3, dtype=torch.int64),), {}) is None

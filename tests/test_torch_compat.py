@@ -93,6 +93,30 @@ def test_view_stride_is_eagers_or_none():
     assert compat.view_stride([3, 2], [1, 3], [6]) is None  # a transpose cannot be viewed flat
 
 
+def test_in_kernel_invocation_shows_fake_tensors_as_meta_tensors():
+    mode = compat.FakeTensorMode()
+    with mode:
+        x = torch.empty(2, 3)
+    with compat.in_kernel_invocation(mode):
+        assert x.device.type == "meta"
+        out = torch.ops.aten.mm.default(x, x.t())
+    assert out.shape == (2, 2) and not isinstance(out, compat.FakeTensor)
+    assert x.device.type == "cpu"
+
+
+def test_meta_kernels_and_the_fake_modes_own_rules_are_told_apart():
+    aten = torch.ops.aten
+    assert compat.has_meta_kernel(aten.mm.default)
+    assert compat.fake_mode_has_own_rule(aten.view.default)  # a fake_impls rule
+    assert compat.fake_mode_has_own_rule(aten.empty_strided.default)  # a constructor
+    assert compat.fake_mode_has_own_rule(torch.ops.prim.device.default)  # a metadata query
+    assert not compat.fake_mode_has_own_rule(aten.mm.default)
+    assert compat.fake_mode_decomposes(aten.addmm.default)  # torch._decomp's decomposition
+    assert compat.fake_mode_decomposes(aten.native_batch_norm.default)
+    assert not compat.fake_mode_decomposes(aten.mm.default)  # a Python meta kernel
+    assert not compat.fake_mode_decomposes(aten.permute.default)  # a torch._refs entry only
+
+
 def test_traceable_wrapper_subclass_has_flatten_and_unflatten():
     from subclasses import TwoTensor
 

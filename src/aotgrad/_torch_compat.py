@@ -86,6 +86,40 @@ DataDependentOutputException = _fake_tensor.DataDependentOutputException
 DynamicOutputShapeException = _fake_tensor.DynamicOutputShapeException
 # ``view``'s output strides from symbolic sizes (Note [Eager strides for views]).
 view_stride = _fake_impls._compute_stride
+# Run an op's meta kernel on fake tensors seen as meta tensors, as the fake mode's last step
+# does (Note [Straight to the meta kernel]).
+in_kernel_invocation = _fake_tensor.in_kernel_invocation_manager
+
+
+def has_meta_kernel(op: OpOverload) -> bool:
+    """Does ``op`` have a kernel for the meta device (C++ or registered from Python)?"""
+    return bool(_fake_impls.has_meta(op))
+
+
+def fake_mode_decomposes(op: OpOverload) -> bool:
+    """Does the fake mode run ``op`` as Python code (a decomposition or a CompositeImplicit
+    kernel) rather than its meta kernel, for static sizes? Such code may read the device,
+    which a meta kernel sees as ``meta`` (batch norm's saved statistics are empty on CPU)."""
+    from torch._decomp import decomposition_table, meta_table
+
+    cpp_meta = _fake_tensor.FakeTensorMode._cpp_meta_supports_symint
+    if op in meta_table or op in cpp_meta or torch.Tag.view_copy in op.tags:
+        return False
+    if op in decomposition_table and _fake_tensor.torch_decomp_decompositions(op):
+        return True  # the fake mode runs the decompositions of torch._decomp, not torch._refs
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
+def fake_mode_has_own_rule(op: OpOverload) -> bool:
+    """Does the fake mode treat ``op`` otherwise than by running its meta kernel: a metadata
+    query, a rule of its own (views, constructors, convolution ...), a registered fake kernel?"""
+    if op in _fake_tensor._DISPATCH_META_HANDLERS or op in _fake_tensor._DISPATCH_HANDLE_DIRECTLY:
+        return True
+    if any(check(op) for check, _ in _fake_impls.op_implementations_checks):
+        return True
+    return torch._library.simple_registry.singleton.find(op.name()).fake_impl.kernel is not None
+
+
 # Run a kernel on real (meta) tensors inside a trace, below every mode.
 no_dispatch = _mode_utils.no_dispatch
 # The Python dispatcher, which lets symbolic sizes through decompositions during the full trace.

@@ -32,7 +32,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from aotgrad._torch_compat import FakeTensor, FakeTensorMode, no_dispatch, view_stride
-from aotgrad.capture.layouts import Layouts, fast_layouts
+from aotgrad.capture.layouts import Layout, Layouts, fast_layouts
+from aotgrad.capture.meta_kernels import run_meta
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 aten = torch.ops.aten
@@ -64,13 +65,17 @@ class CaptureFakeMode(FakeTensorMode):
         args: Sequence[object] = (),
         kwargs: Mapping[str, object] | None = None,
     ) -> object:
+        kwargs = kwargs or {}
         layouts = fast_layouts(func, args, kwargs)
         if layouts is not None:
-            return self._empty(types, layouts)
+            return self._empty(layouts)
         viewed = _static_view(func, args, kwargs)
         if viewed is not None:  # Note [Eager strides for views]: eager's, straight away
-            return super().dispatch(torch.ops.aten.as_strided.default, types, viewed, {})
-        out = super().dispatch(func, types, args, kwargs or {})
+            func, args, kwargs = torch.ops.aten.as_strided.default, viewed, {}
+        out = run_meta(self, func, args, kwargs)  # Note [Straight to the meta kernel]
+        if out is not None:
+            return out
+        out = super().dispatch(func, types, args, kwargs)
         if func not in _VIEWS or not isinstance(out, FakeTensor):
             return out
         source = args[0]
@@ -81,20 +86,17 @@ class CaptureFakeMode(FakeTensorMode):
         restrided = (source, out.shape, stride, source.storage_offset())
         return super().dispatch(torch.ops.aten.as_strided.default, types, restrided, {})
 
-    def _empty(self, types: Sequence[type], layouts: Layouts) -> object:
+    def _empty(self, layouts: Layouts) -> object:
         """Fresh fake tensors of the given layouts (None stays None)."""
-        made = [
-            None
-            if layout is None
-            else super(CaptureFakeMode, self).dispatch(
-                torch.ops.aten.empty_strided.default,
-                types,
-                (layout.shape, layout.strides),
-                {"dtype": layout.dtype, "device": layout.device},
-            )
-            for layout in layouts.tensors
-        ]
+        made = [None if layout is None else self._fresh(layout) for layout in layouts.tensors]
         return tuple(made) if layouts.as_tuple else made[0]
+
+    def _fresh(self, layout: Layout) -> FakeTensor:
+        with no_dispatch():
+            meta = torch.empty_strided(
+                layout.shape, layout.strides, dtype=layout.dtype, device="meta"
+            )
+        return self.fake_tensor_converter.from_meta_and_device(self, meta, layout.device)
 
 
 def _static_view(

@@ -27,6 +27,12 @@ takes the decomposition as before::
         -> out like x; save_mean, save_rstd, new rm, new rv: (32,) float32
     silu_backward(grad, x), grad and x alike -> like x
 
+The same rule covers the common pointwise ops whose meta kernels are Python
+references of many small ops (``relu``, ``gelu``, ``add``, ``mul`` ... with
+alike tensors and plain numbers: ``gelu`` cost 2.6 ms a call, ``relu`` 0.7 ms,
+``add`` 0.3 ms); a complex number, a dtype or a second layout among the
+arguments declines.
+
 ``tests/test_fake_layouts.py`` checks every rule against the decomposition's
 own result on a grid of shapes and layouts (size-1 dimensions included), and
 the graphs do not change (both tracers use this mode). Layer norm and its
@@ -64,6 +70,8 @@ from aotgrad._torch_compat import FakeTensor
 aten = torch.ops.aten
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# Other arguments of a pointwise op that leave a floating result's dtype as its inputs'.
+_PLAIN = (bool, int, float, str, type(None))
 
 
 @dataclass(frozen=True)
@@ -156,7 +164,8 @@ def _pointwise(arity: int) -> Callable[[Sequence[object], Mapping[str, object]],
     def rule(args: Sequence[object], kwargs: Mapping[str, object]) -> Layouts | None:
         tensors = args[:arity]
         rest = [*args[arity:], *kwargs.values()]
-        if len(tensors) != arity or any(isinstance(a, torch.Tensor) for a in rest):
+        # a tensor, a complex number or a dtype among the others could change the result's type
+        if len(tensors) != arity or not all(isinstance(a, _PLAIN) for a in rest):
             return None
         if not _alike(tensors) or not _same_mode(tensors):
             return None
@@ -278,9 +287,48 @@ def _strided(t: object) -> TypeGuard[FakeTensor]:
     return isinstance(t, FakeTensor) and t.layout is torch.strided
 
 
+# Pointwise ops whose result has the dtype of their floating inputs; their meta kernels are
+# Python references of a dozen small ops each (``gelu`` 2.6 ms a call in the fake mode).
+_UNARY = (
+    aten.relu.default,
+    aten.gelu.default,
+    aten.silu.default,
+    aten.sigmoid.default,
+    aten.tanh.default,
+    aten.neg.default,
+    aten.exp.default,
+    aten.log.default,
+    aten.sqrt.default,
+    aten.rsqrt.default,
+    aten.reciprocal.default,
+    aten.erf.default,
+    aten.hardtanh.default,
+    aten.leaky_relu.default,
+    aten.elu.default,
+    aten.add.Scalar,
+    aten.sub.Scalar,
+    aten.mul.Scalar,
+    aten.div.Scalar,
+    aten.rsub.Scalar,
+    aten.pow.Tensor_Scalar,
+)
+_BINARY = (
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.div.Tensor,
+    aten.div.Tensor_mode,
+    aten.maximum.default,
+    aten.minimum.default,
+    aten.sigmoid_backward.default,
+    aten.tanh_backward.default,
+)
+
 _RULES: dict[Any, Callable[[Sequence[object], Mapping[str, object]], Layouts | None]] = {
     aten._native_batch_norm_legit_functional.default: _batch_norm,
     aten.native_batch_norm_backward.default: _batch_norm_backward,
+    **{op: _pointwise(1) for op in _UNARY},
+    **{op: _pointwise(2) for op in _BINARY},
     aten.hardswish.default: _pointwise(1),
     aten.hardsigmoid.default: _pointwise(1),
     aten.hardswish_backward.default: _pointwise(2),
