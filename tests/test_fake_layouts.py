@@ -245,3 +245,13 @@ def test_pointwise_shortcuts_decline_what_could_change_the_dtype():
         )
         assert fast_layouts(aten.add.Tensor, (x, torch.empty(3)), {}) is None  # broadcasts
         assert fast_layouts(aten.relu.default, (torch.empty(2, 3, dtype=torch.int64),), {}) is None
+
+
+def test_a_tensor_of_known_value_keeps_the_fake_modes_path():
+    mode = FakeTensorMode()
+    known = mode.fake_tensor_converter.from_real_tensor(
+        mode, torch.tensor([2.0]), make_constant=True
+    )
+    assert fast_layouts(aten.add.Tensor, (known, known), {}) is None
+    with mode:
+        assert (known + known).constant is not None  # the fake mode computes the value

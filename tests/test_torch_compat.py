@@ -104,6 +104,15 @@ def test_in_kernel_invocation_shows_fake_tensors_as_meta_tensors():
     assert x.device.type == "cpu"
 
 
+def test_fake_device_is_the_fake_modes_answer():
+    mode = compat.FakeTensorMode()
+    with mode:
+        x = torch.empty(2)
+    assert compat.fake_device(x) == x.device == torch.device("cpu")
+    with compat.in_kernel_invocation(mode):
+        assert compat.fake_device(x) == torch.device("meta")
+
+
 def test_meta_kernels_and_the_fake_modes_own_rules_are_told_apart():
     aten = torch.ops.aten
     assert compat.has_meta_kernel(aten.mm.default)

@@ -120,6 +120,11 @@ def fake_mode_has_own_rule(op: OpOverload) -> bool:
     return torch._library.simple_registry.singleton.find(op.name()).fake_impl.kernel is not None
 
 
+# ``t.device`` of a fake tensor as the fake mode answers the query (``meta`` inside a kernel).
+def fake_device(t: FakeTensor) -> torch.device:
+    return _fake_tensor._device_handler((t,))
+
+
 # Run a kernel on real (meta) tensors inside a trace, below every mode.
 no_dispatch = _mode_utils.no_dispatch
 # The Python dispatcher, which lets symbolic sizes through decompositions during the full trace.

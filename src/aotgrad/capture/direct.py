@@ -124,10 +124,12 @@ from torch.fx.experimental.proxy_tensor import disable_autocast_cache, set_origi
 
 from aotgrad._torch_compat import (
     COPY_META_FIELDS,
+    FakeTensor,
     OpOverload,
     TorchDispatchMode,
     autograd_would_have_decomposed,
     below_autograd,
+    fake_device,
     in_autograd_engine,
     op_node_name,
     seq_nr_of,
@@ -300,6 +302,8 @@ class _RecordingMode(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func in _PASS_THROUGH:
+            if len(args) == 1 and type(args[0]) is FakeTensor:  # the fake mode's own answer,
+                return fake_device(args[0])  # without two modes' dispatch (a query per op)
             return func(*args, **kwargs)
         if self._aliases:
             with self:

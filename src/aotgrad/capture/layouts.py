@@ -119,8 +119,11 @@ def fast_layouts(
 
 
 def _simple(t: object) -> bool:
-    """A fake tensor of a floating dtype, dense in the standard or channels-last order."""
+    """A fake tensor of a floating dtype, dense in the standard or channels-last order, whose
+    value the fake mode does not know (it propagates known values through ops)."""
     if not isinstance(t, FakeTensor) or t.dtype not in _FLOATS or t.layout is not torch.strided:
+        return False
+    if t.constant is not None:
         return False
     if not all(isinstance(n, int) for n in (*t.shape, *t.stride())):
         return False

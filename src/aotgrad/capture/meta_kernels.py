@@ -57,7 +57,6 @@ from aotgrad._torch_compat import (
     fake_mode_has_own_rule,
     has_meta_kernel,
     in_kernel_invocation,
-    pytree,
 )
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -94,7 +93,7 @@ def run_meta(
     when the arguments are not all plain static fake tensors of ``mode`` (ask the fake mode)."""
     if not straight_to_meta(func):
         return None
-    flat = pytree.arg_tree_leaves(*args, **kwargs)
+    flat = _leaves([*args, *kwargs.values()])
     if not any(isinstance(a, torch.Tensor) for a in flat) or not all(_plain(a, mode) for a in flat):
         return None
     with in_kernel_invocation(mode):
@@ -106,6 +105,17 @@ def run_meta(
         flat,
         device=None,  # type: ignore[arg-type]
     )
+
+
+def _leaves(values: Sequence[object]) -> list[object]:
+    """The arguments with lists opened: an aten op nests them one level (``Tensor[]``, ``int[]``)."""
+    flat: list[object] = []
+    for v in values:
+        if isinstance(v, list | tuple):
+            flat.extend(v)
+        else:
+            flat.append(v)
+    return flat
 
 
 def _plain(a: object, mode: FakeTensorMode) -> bool:
