@@ -38,7 +38,18 @@ process meets most shapes once)::
 
 Pointwise ops whose meta kernels are Python references of many small ops
 (``gelu`` 2.6 ms a call) get their layout by rule instead (Note [Layouts
-without decompositions]).
+without decompositions]). Both together, capture aotgrad / PyTorch
+(``make bench`` rows, median of 3 fresh processes; +-0.05 on this machine)::
+
+    model          before   after
+    gpt2           0.30x    0.29x
+    llama          0.26x    0.27x
+    bert           0.31x    0.24x
+    resnet18       0.42x    0.33x
+    mobilenet_v3   0.20x    0.20x
+    efficientnet   0.31x    0.21x
+    convnext       0.44x    0.30x
+    gpt_explicit   0.44x    0.29x
 """
 
 from __future__ import annotations
