@@ -728,3 +728,15 @@ def test_requires_grad_on_a_no_grad_view_of_an_input():
         return (v0,)
 
     verify(fn, torch.randn(1, requires_grad=True))
+
+
+def test_alias_output_after_an_input_drops_a_dimension_in_place_under_dynamic_shapes():
+    # the output's symbolic layout was resolved from the inputs after squeeze_() had run:
+    # IndexError inside torch; the sizes are now read before the replays
+    def fn(a0, a1):
+        a1.squeeze_()
+        return a0.view(-1), a1
+
+    base = torch.randn(2)
+    verify(fn, base, base[1:], compile_fn=dynamic)
+    verify(fn, torch.randn(3, 2), torch.randn(1, 4), compile_fn=dynamic)

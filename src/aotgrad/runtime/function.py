@@ -453,6 +453,8 @@ def run_epilogue(
     bases = returned[plan.bases_in_returned]
     new_values = iter(returned[plan.mutated_in_returned])
     concrete = _ConcreteLayouts(plan.guards, inputs)
+    if any(m.metadata is not None for m in (*plan.mutations, *plan.member_mutations)):
+        concrete.bind()  # before the replays below restride the inputs the sizes are read from
     for mutation in plan.mutations:
         new = next(new_values) if mutation.data else None
         _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new)
@@ -520,11 +522,17 @@ class _ConcreteLayouts:
         self.guards, self.inputs = guards, inputs
         self._value_of: Callable[[Any], int] | None = None
 
+    def bind(self) -> None:
+        """Read this call's values of the trace's symbolic sizes from the inputs as they are now
+        (an input restrided in place, ``a.squeeze_()``, would give other sizes afterwards)."""
+        if self._value_of is None and self.guards is not None:
+            self._value_of = self.guards.value_of(self.inputs)
+
     def _resolve(self, layout: ViewMeta | None) -> ViewMeta | None:
         if layout is None or self.guards is None or not layout.is_symbolic:
             return None
-        if self._value_of is None:
-            self._value_of = self.guards.value_of(self.inputs)
+        self.bind()
+        assert self._value_of is not None
         return layout.resolved(self._value_of)
 
     # Note [Sizes among the outputs]
@@ -536,8 +544,8 @@ class _ConcreteLayouts:
         """A ``SymInt`` of the trace at this call's sizes."""
         if self.guards is None:
             raise AssertionError(f"expected shape guards for the symbolic output {value}")
-        if self._value_of is None:
-            self._value_of = self.guards.value_of(self.inputs)
+        self.bind()
+        assert self._value_of is not None
         return self._value_of(value)
 
     def alias(self, alias: Alias) -> Alias:
