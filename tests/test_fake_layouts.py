@@ -10,13 +10,21 @@ import torch
 
 import aotgrad
 from aotgrad._torch_compat import FakeTensorMode
-from aotgrad.capture.layouts import Layout, fast_layouts
+from aotgrad.capture.layouts import POINTWISE_BINARY, POINTWISE_UNARY, Layout, fast_layouts
 
 aten = torch.ops.aten
 
 SHAPES = [(2, 8, 4, 4), (2, 8, 1, 1), (2, 1, 3, 5), (3, 8), (2, 4, 6)]
 FORMATS = [torch.contiguous_format, torch.channels_last]
 DTYPES = [torch.float32, torch.float64]
+
+
+def _required(op):
+    return [a for a in op._schema.arguments if not a.kwarg_only and not a.has_default_value()]
+
+
+def _keywords(op):
+    return [a for a in op._schema.arguments if a.kwarg_only]
 
 
 def _inputs(shape, memory_format, dtype):
@@ -62,41 +70,10 @@ def _calls(x):
     }
 
 
-UNARY = [
-    aten.relu.default,
-    aten.gelu.default,
-    aten.silu.default,
-    aten.sigmoid.default,
-    aten.tanh.default,
-    aten.neg.default,
-    aten.exp.default,
-    aten.log.default,
-    aten.sqrt.default,
-    aten.rsqrt.default,
-    aten.reciprocal.default,
-    aten.erf.default,
-    aten.hardtanh.default,
-    aten.leaky_relu.default,
-    aten.elu.default,
-]
-SCALAR = [
-    aten.add.Scalar,
-    aten.sub.Scalar,
-    aten.mul.Scalar,
-    aten.div.Scalar,
-    aten.rsub.Scalar,
-    aten.pow.Tensor_Scalar,
-]
-BINARY = [
-    aten.add.Tensor,
-    aten.sub.Tensor,
-    aten.mul.Tensor,
-    aten.div.Tensor,
-    aten.maximum.default,
-    aten.minimum.default,
-    aten.sigmoid_backward.default,
-    aten.tanh_backward.default,
-]
+UNARY = [op for op in POINTWISE_UNARY if len(_required(op)) == 1]
+SCALAR = [op for op in POINTWISE_UNARY if len(_required(op)) == 2]  # a tensor and a number
+# div.Tensor_mode takes a rounding mode by keyword: its own entry in _calls
+BINARY = [op for op in POINTWISE_BINARY if all(a.has_default_value() for a in _keywords(op))]
 
 
 def _layer_norm_calls(x):
@@ -255,3 +232,9 @@ def test_a_tensor_of_known_value_keeps_the_fake_modes_path():
     assert fast_layouts(aten.add.Tensor, (known, known), {}) is None
     with mode:
         assert (known + known).constant is not None  # the fake mode computes the value
+
+
+def test_every_pointwise_rule_is_checked():
+    with FakeTensorMode():
+        checked = {call[0] for call in _calls(torch.empty(2, 3, 4, 5)).values()}
+    assert set(POINTWISE_UNARY) | set(POINTWISE_BINARY) <= checked

@@ -290,9 +290,10 @@ def _strided(t: object) -> TypeGuard[FakeTensor]:
     return isinstance(t, FakeTensor) and t.layout is torch.strided
 
 
-# Pointwise ops whose result has the dtype of their floating inputs; their meta kernels are
-# Python references of a dozen small ops each (``gelu`` 2.6 ms a call in the fake mode).
-_UNARY = (
+# Pointwise ops whose result has the dtype of their floating inputs (one tensor and maybe a
+# number; two tensors); their meta kernels are Python references of a dozen small ops each
+# (``gelu`` 2.6 ms a call in the fake mode).
+POINTWISE_UNARY = (
     aten.relu.default,
     aten.gelu.default,
     aten.silu.default,
@@ -315,7 +316,7 @@ _UNARY = (
     aten.rsub.Scalar,
     aten.pow.Tensor_Scalar,
 )
-_BINARY = (
+POINTWISE_BINARY = (
     aten.add.Tensor,
     aten.sub.Tensor,
     aten.mul.Tensor,
@@ -330,8 +331,8 @@ _BINARY = (
 _RULES: dict[Any, Callable[[Sequence[object], Mapping[str, object]], Layouts | None]] = {
     aten._native_batch_norm_legit_functional.default: _batch_norm,
     aten.native_batch_norm_backward.default: _batch_norm_backward,
-    **{op: _pointwise(1) for op in _UNARY},
-    **{op: _pointwise(2) for op in _BINARY},
+    **{op: _pointwise(1) for op in POINTWISE_UNARY},
+    **{op: _pointwise(2) for op in POINTWISE_BINARY},
     aten.hardswish.default: _pointwise(1),
     aten.hardsigmoid.default: _pointwise(1),
     aten.hardswish_backward.default: _pointwise(2),
@@ -344,4 +345,4 @@ _RULES: dict[Any, Callable[[Sequence[object], Mapping[str, object]], Layouts | N
 }
 
 
-__all__ = ["Layout", "Layouts", "fast_layouts"]
+__all__ = ["POINTWISE_BINARY", "POINTWISE_UNARY", "Layout", "Layouts", "fast_layouts"]
