@@ -204,6 +204,8 @@ class _Places:
         self.places: list[_Place] = []
         # Per place index: the hook whose closure reached it (for the error's line).
         self.owners: dict[int, object] = {}
+        # Backward hooks of the modules reached (for the line of a backward-time store).
+        self.backward_hooks: list[object] = []
         self._seen: set[int] = set()
         self._owner: object = None
 
@@ -284,8 +286,11 @@ class _Places:
     ) -> None:
         place = _Place("vars", base, root, steps)
         self._add(place)
+        self.function(type(module).forward, "")  # the globals its forward names
         for hooks in _HOOKS:
             for hook in list(vars(module).get(hooks, {}).values()):
+                if hooks.startswith("_backward"):
+                    self.backward_hooks.append(hook)
                 name = getattr(hook, "__qualname__", type(hook).__name__)
                 owner, self._owner = self._owner, hook
                 self.function(hook, f"(hook {name} on {place.label}) ")
@@ -403,6 +408,7 @@ class Watch:
         self._where = where
         self._snapshots: list[_Snapshot] = []
         self._owners: dict[int, object] = {}
+        self._backward_hooks: list[object] = []
         self._forward: list[_Store] = []
         self._forward_values: set[int] = set()
         self.replay: Replay | None = None
@@ -412,7 +418,6 @@ class Watch:
         for label, root in self._roots:
             if isinstance(root, torch.nn.Module):
                 found.value(root, root, (), label, _DEPTH)
-                found.function(type(root).forward, "")  # the globals its forward names
             else:
                 found.function(root, "")
         for hooks in _HOOKS:  # register_module_forward_hook ...
@@ -425,6 +430,7 @@ class Watch:
         """Around one attempt's body and backward: copy, then restore and check the places."""
         found = self._places()
         self._owners = found.owners
+        self._backward_hooks = found.backward_hooks
         self._snapshots = []
         for i, place in enumerate(found.places):
             try:
@@ -511,6 +517,7 @@ class Watch:
                 continue
             snap = next(s for s in self._snapshots if s.place is store.place)
             label = store.place.label if store.how == "append" else store.place.entry_label(store.key)
+            hooks = [h for h in self._backward_hooks if user_frame_of_function(h) is not None]
             self._refuse(
                 snap,
                 f"a tensor of the backward was stored in {label} while the backward was"
@@ -519,10 +526,11 @@ class Watch:
                 " later calls",
                 "Remove the hook from the compiled model, or return the activation from the"
                 " function and record its gradient outside (out.register_hook(...)).",
+                hooks[0] if hooks else None,
             )
 
-    def _refuse(self, snap: _Snapshot, what: str, todo: str) -> None:
-        owner = self._owners.get(snap.index)
+    def _refuse(self, snap: _Snapshot, what: str, todo: str, owner: object = None) -> None:
+        owner = owner if owner is not None else self._owners.get(snap.index)
         where = user_frame_of_function(owner) if owner is not None else None
         raise UnsupportedSideEffectError(format_error(what, where or self._where, todo))
 
