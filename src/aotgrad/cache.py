@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 import torch
 
 from aotgrad.capture.autocast import AutocastState, any_autocast, autocast_state
-from aotgrad.capture.side_effects import Replay
 from aotgrad.capture.dynamic import DynamicDims
+from aotgrad.capture.side_effects import Replay
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.signature import PlainTensorsGuard, alias_key, call_key, dynamic_call_key
 from aotgrad.signature.flatten import DYNAMIC_TENSOR_FIELDS, TENSOR_FIELDS, is_tensor_key

@@ -69,8 +69,8 @@ from aotgrad.capture.mutation import (
 )
 from aotgrad.capture.reachability import reaching_masks
 from aotgrad.capture.recorder import Recorder, generator_restored
-from aotgrad.capture.side_effects import Watch
 from aotgrad.capture.requires_grad import check_views_of_made_inputs, made_to_require_grad
+from aotgrad.capture.side_effects import Watch
 from aotgrad.capture.trace_errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.tracers import Tracer, TracerChoice
 from aotgrad.errors import (
@@ -307,7 +307,16 @@ def _joint(
                 primals, member_grad_fns, inputs.sources
             )
             forward, returned = _forward_values(
-                result, stored, primals, graph_primals, inner, grad_fns, inputs, record, where, tracer
+                result,
+                stored,
+                primals,
+                graph_primals,
+                inner,
+                grad_fns,
+                inputs,
+                record,
+                where,
+                tracer,
             )
             check_member_mutations(record.member_mutations, record.mutations, primals, where)
             check_views_of_made_inputs(record, inputs, where)

@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,7 +229,7 @@ class _Places:
                 self._plain_function(fn, prefix)
         elif callable(fn) and not isinstance(fn, type | types.BuiltinFunctionType):
             self.value(fn, fn, (), prefix + "self", _DEPTH)
-            self.function(getattr(type(fn), "__call__", None), prefix)
+            self.function(vars(type(fn)).get("__call__"), prefix)
 
     def _plain_function(self, fn: types.FunctionType, prefix: str) -> None:
         code = fn.__code__
@@ -330,7 +330,9 @@ class _Store:
     fake_paths: tuple[str, ...]
 
     def descriptors(self) -> list[SideEffect]:
-        path = _printable(self.place.label if self.how == "append" else self.place.entry_label(self.key))
+        path = _printable(
+            self.place.label if self.how == "append" else self.place.entry_label(self.key)
+        )
         return [SideEffect(path=path, how=self.how, leaf=_printable(p)) for p in self.fake_paths]
 
     def apply(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -516,7 +518,9 @@ class Watch:
             if all(id(t) in self._forward_values for t in _fakes_of(store)):
                 continue
             snap = next(s for s in self._snapshots if s.place is store.place)
-            label = store.place.label if store.how == "append" else store.place.entry_label(store.key)
+            label = (
+                store.place.label if store.how == "append" else store.place.entry_label(store.key)
+            )
             hooks = [h for h in self._backward_hooks if user_frame_of_function(h) is not None]
             self._refuse(
                 snap,

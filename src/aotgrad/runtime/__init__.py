@@ -147,9 +147,7 @@ def _unreached_inputs(plan: Plan) -> tuple[int, ...]:
     """Graph inputs no cotangent reaches and the epilogue does not write (Note [Inputs no
     gradient reaches])."""
     written = {m.index for m in plan.mutations}
-    return tuple(
-        i for i, mask in enumerate(plan.reached_by) if mask == 0 and i not in written
-    )
+    return tuple(i for i, mask in enumerate(plan.reached_by) if mask == 0 and i not in written)
 
 
 def _cut(inputs: Sequence[torch.Tensor], positions: tuple[int, ...]) -> list[torch.Tensor]:

@@ -70,9 +70,9 @@ from aotgrad.signature.descriptors import (
     GraphInputDescriptor,
     MutatedInput,
     Output,
-    SideEffect,
     OutputBase,
     Saved,
+    SideEffect,
 )
 
 SIGNATURE_VERSION = 1
