@@ -29,15 +29,20 @@ with the real output: a detached value (``out.detach()``) arrives detached,
 a differentiable one (``weight_norm``'s weight) as an output of the compiled
 autograd Function, so gradients flow through it as through eager's. For::
 
+    feats = []
     model.fc.register_forward_hook(lambda m, i, out: feats.append(out.detach()))
-    model.fc.weight_norm = ...                 # torch.nn.utils.weight_norm(model.fc)
+    torch.nn.utils.weight_norm(model.fc)     # a pre-hook: model.fc.weight = g * v / |v|
     f = aot_module(model)
 
-the forward graph's outputs are ``output, side effect closure feats.append(·)
-(hook on self.fc), side effect self.fc.weight = ·, saved: ...``; each call
-appends the call's real activation to ``feats`` and sets ``model.fc.weight``
-to the call's real weight, as eager does. Replays resolve their place again
-at each call (``model.acts = []`` between calls is honoured).
+the forward graph returns ``output``, ``side effect self.fc.weight = ·``,
+``side effect (hook <lambda> on self.fc) global feats.append(·)`` (a script's
+global; ``closure feats`` when the hook is made in a function), then the
+saved values; after each call ``feats`` holds one more real activation and
+``model.fc.weight`` is that call's weight, as in eager (the previous call's
+weight, lifted as ``closure self.fc.weight`` and never read, reaches the
+Function detached: Note [Inputs no gradient reaches] in ``runtime/__init__.py``).
+Replays find their place again at each call from the module, cell or
+globals it hangs from (``model.acts = []`` between calls is honoured).
 
 What cannot be stored again faithfully is refused, naming the place and the
 user's code (the hook's or function's line): a fake stored while the backward
@@ -225,8 +230,7 @@ class _Places:
             self.value(fn.keywords, fn.keywords, (), prefix + "partial keywords", _DEPTH)
             self.function(fn.func, prefix)
         elif isinstance(fn, types.FunctionType):
-            if is_user_file(fn.__code__.co_filename):  # a library's globals are its own
-                self._plain_function(fn, prefix)
+            self._plain_function(fn, prefix)
         elif callable(fn) and not isinstance(fn, type | types.BuiltinFunctionType):
             self.value(fn, fn, (), prefix + "self", _DEPTH)
             self.function(vars(type(fn)).get("__call__"), prefix)
@@ -243,6 +247,8 @@ class _Places:
             self.value(contents, cell, (("cell", None),), label, _DEPTH)
             if isinstance(contents, types.FunctionType | functools.partial | types.MethodType):
                 self.function(contents, prefix)
+        if not is_user_file(code.co_filename):
+            return  # a library's defaults and globals are its own (its closure may hold the user's)
         for default in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()):
             self.value(default, default, (), f"{prefix}default of {fn.__name__}", _DEPTH)
         namespace = fn.__globals__
@@ -445,15 +451,12 @@ class Watch:
         failed = True
         try:
             yield
+            self._check_backward()
             failed = False
         finally:
-            try:
-                if not failed:
-                    self._check_backward()
-            finally:
-                self._restore()
-                if not failed:
-                    self._check_clean()
+            self._restore()
+            if not failed:
+                self._check_clean()
 
     def stored(self) -> tuple[list[SideEffect], list[torch.Tensor]]:
         """After the body: the stores it did, as descriptors and the traced tensors stored."""
