@@ -303,3 +303,16 @@ def test_python_side_effects_without_tensors_run_at_capture_only():
     compiled(torch.ones(2))
     compiled(torch.ones(2))
     assert calls == [1]  # as before: a Python side effect runs at capture
+
+
+def test_scan_body_storing_tensors_is_refused():
+    seen: list[torch.Tensor] = []
+
+    def body(carry, x):
+        y = carry + x
+        seen.append(y.detach())
+        return y, y * 2
+
+    with pytest.raises(UnsupportedSideEffectError, match="scan body stores tensors"):
+        aotgrad.scan(body, torch.zeros(3), torch.randn(4, 3))
+    assert seen == []
