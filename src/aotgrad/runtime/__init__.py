@@ -60,7 +60,7 @@ class CompiledGraphs:
         )
         self._apply = direct_apply(self._function) if self._function else None
         self._bases = self.plan.input_bases
-        self._unreached = _unreached_inputs(self.plan) if self._function else ()
+        self._unreached = _unreached_inputs(self.plan, partitioned) if self._function else ()
         # Tensor subclass inputs to take apart, subclass outputs to build (Note [Tensor
         # subclasses]).
         self._subclasses = None if partitioned is None else partitioned.joint.inputs.subclasses
@@ -143,11 +143,16 @@ class CompiledGraphs:
 # So such inputs reach the Function detached (the same data, no edge).
 
 
-def _unreached_inputs(plan: Plan) -> tuple[int, ...]:
-    """Graph inputs no cotangent reaches and the epilogue does not write (Note [Inputs no
-    gradient reaches])."""
+def _unreached_inputs(plan: Plan, partitioned: Partitioned | None) -> tuple[int, ...]:
+    """Graph inputs that require grad, that no cotangent reaches and that the epilogue does
+    not write (Note [Inputs no gradient reaches]); ``requires_grad`` is in every call's key."""
     written = {m.index for m in plan.mutations}
-    return tuple(i for i, mask in enumerate(plan.reached_by) if mask == 0 and i not in written)
+    needs = None if partitioned is None else partitioned.joint.requires_grad
+    return tuple(
+        i
+        for i, mask in enumerate(plan.reached_by)
+        if mask == 0 and i not in written and (needs is None or needs[i])
+    )
 
 
 def _cut(inputs: Sequence[torch.Tensor], positions: tuple[int, ...]) -> list[torch.Tensor]:
