@@ -316,3 +316,36 @@ def test_scan_body_storing_tensors_is_refused():
     with pytest.raises(UnsupportedSideEffectError, match="scan body stores tensors"):
         aotgrad.scan(body, torch.zeros(3), torch.randn(4, 3))
     assert seen == []
+
+
+def test_grad_cam_tensor_hook_is_refused_and_torch_compile_records():
+    """Grad-CAM: a forward hook keeps the activation and registers a tensor hook for its
+    gradient. The activation could be stored again, the gradient (recorded in the backward)
+    cannot: refused at the hook's line. torch.compile(backend="aotgrad") records both."""
+
+    def model_and_records():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        records: dict[str, torch.Tensor] = {}
+
+        def keep(module, inputs, out):
+            records["act"] = out.detach()
+            out.register_hook(lambda g: records.__setitem__("grad", g))  # GRAD LINE
+
+        model[1].register_forward_hook(keep)
+        return model, records
+
+    model, records = model_and_records()
+    with pytest.raises(UnsupportedSideEffectError, match="while the backward was traced") as e:
+        aotgrad.aot_module(model)(torch.randn(2, 3))
+    assert "keep" in str(e.value) or "GRAD LINE" in str(e.value)
+    assert records == {}
+
+    eager_model, eager_records = model_and_records()
+    compiled_model, compiled_records = model_and_records()
+    compiled = torch.compile(compiled_model, backend="aotgrad")
+    for _ in range(2):
+        x = torch.randn(2, 3)
+        eager_model(x).sum().backward()
+        compiled(x).sum().backward()
+        _assert_same(eager_records, compiled_records)

@@ -120,6 +120,14 @@ def _printable(text: str) -> str:
     return text if text.isprintable() else repr(text)[1:-1]
 
 
+def _attribute_text(name: object) -> str:
+    """``.name``; ``[1]`` for a ``Sequential``'s child ``"1"``; else quoted."""
+    text = str(name)
+    if text.isidentifier():
+        return f".{text}"
+    return f"[{text}]" if text.isdigit() else f".<attribute {text!r}>"
+
+
 def _key_text(key: object) -> str:
     if isinstance(key, str | int | float | bool | type(None)):
         return repr(key)
@@ -146,14 +154,14 @@ class _Place:
         text = self.base
         for how, key in self.steps:
             if how == "attr":
-                text += f".{key}" if key.isidentifier() else f".<attribute {key!r}>"
+                text += _attribute_text(key)
             elif how == "item":
                 text += f"[{_key_text(key)}]"
         return text
 
     def entry_label(self, key: object) -> str:
         if self.kind == "vars":
-            return self.label + (f".{key}" if str(key).isidentifier() else f".<{key!r}>")
+            return self.label + _attribute_text(key)
         if self.kind == "dict":
             return f"{self.label}[{_key_text(key)}]"
         if self.kind == "globals":
