@@ -539,8 +539,9 @@ class Watch:
                 " traced (a full backward hook or a tensor hook recording gradients): the"
                 " compiled backward runs no Python code, so it would hold a stale value on"
                 " later calls",
-                "Remove the hook from the compiled model, or return the activation from the"
-                " function and record its gradient outside (out.register_hook(...)).",
+                "Remove the hook from the compiled model, return the activation from the"
+                " function and record its gradient outside (out.register_hook(...)), or use"
+                ' torch.compile(model, backend="aotgrad"), which runs such hooks in Python.',
                 hooks[0] if hooks else None,
             )
 
