@@ -65,7 +65,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from aotgrad._torch_compat import FakeTensor, FunctionalTensor, global_module_hooks
+from aotgrad._torch_compat import (
+    FakeTensor,
+    FunctionalTensor,
+    global_module_hooks,
+    is_traceable_wrapper_subclass,
+)
 from aotgrad.errors import (
     CallError,
     UnsupportedSideEffectError,
@@ -95,6 +100,9 @@ def holds_fake(value: object, depth: int = _DEPTH + 1) -> bool:
     """Is a fake tensor ``value``, or in its lists, tuples, dicts, sets or attributes?"""
     if is_fake(value):
         return True
+    if is_traceable_wrapper_subclass(value):  # a DTensor around a fake local tensor
+        attrs, _ = value.__tensor_flatten__()
+        return any(is_fake(getattr(value, a)) for a in attrs)
     if depth <= 0 or isinstance(value, torch.Tensor | str | bytes | int | float | type):
         return False
     if isinstance(value, list | tuple | set | frozenset):
@@ -112,7 +120,10 @@ def _walkable_object(value: object) -> bool:
         return False
     if isinstance(value, torch.Tensor | torch.nn.Module):
         return False
-    return isinstance(getattr(value, "__dict__", None), dict)
+    try:
+        return isinstance(getattr(value, "__dict__", None), dict)
+    except Exception:  # a proxy whose __getattr__ raises: not walked
+        return False
 
 
 def _printable(text: str) -> str:
