@@ -349,3 +349,37 @@ def test_grad_cam_tensor_hook_is_refused_and_torch_compile_records():
         eager_model(x).sum().backward()
         compiled(x).sum().backward()
         _assert_same(eager_records, compiled_records)
+
+
+class _EMA(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+        self.register_buffer("avg", torch.zeros(3))
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.avg = 0.9 * self.avg + 0.1 * y.detach().mean(0)  # rebinds the buffer
+        return y.sum()
+
+
+@pytest.mark.parametrize("tracer", ["auto", "full"])
+def test_buffer_rebound_in_forward_matches_eager(tracer):
+    """``self.avg = ...`` on a registered buffer: eager's running average on every call
+    (it was dropped: the capture's swap put the old buffer back)."""
+
+    def run(compile_fn):
+        torch.manual_seed(0)
+        model = _EMA()
+        f = compile_fn(model)
+        seen = []
+        for k in range(3):
+            f(torch.randn(2, 3) + k).backward()
+            assert "avg" in model._buffers and not _fake(model.avg)
+            seen.append((model.avg.clone(), model.fc.weight.grad.clone()))
+        return seen
+
+    expected = run(lambda m: m)
+    got = run(lambda m: aotgrad.aot_module(m, tracer=tracer))
+    for e, g in zip(expected, got, strict=True):
+        _assert_same(list(e), list(g))

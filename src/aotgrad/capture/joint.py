@@ -299,7 +299,7 @@ def _joint(
                 result = stack.enter_context(body(primals))
             stored: list[torch.Tensor] = []
             if options.effects is not None:
-                record.effects, stored = options.effects.stored()
+                record.effects, stored = options.effects.stored(primals)
             _note_grad_changes(
                 primals, graph_primals, needs_grad, edges, inputs, record, where, tracer
             )

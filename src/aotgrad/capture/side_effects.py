@@ -13,8 +13,10 @@ cells, defaults and the globals its code names, one or two containers deep):
 
 1. before the body runs, each place's entries are copied (``Watch.watching``);
 2. when the body returns, every entry that now holds a fake tensor is a side
-   effect: an attribute, dict key, variable or global *set*, or an item
-   *appended* to a list (the old items unchanged, by identity). Each such
+   effect: an attribute, buffer (``self.avg = 0.9 * self.avg + ...`` rebinds a
+   registered buffer; capture's own swap of buffers for primals is not one),
+   dict key, variable or global *set*, or an item *appended* to a list (the old
+   items unchanged, by identity). Each such
    tensor becomes an extra forward output of the graph, described by a
    ``SideEffect`` descriptor, and the store becomes a replay action;
 3. when the capture leaves the body (after the backward), the fakes are taken
@@ -149,8 +151,9 @@ def _key_text(key: object) -> str:
 class _Place:
     """A container the function reaches: ``kind`` says how its entries are read and written.
 
-    ``vars``: an object's attributes; ``dict``: a dict; ``globals``: the names
-    ``keys`` of a module's globals; ``cell``: a closure variable; ``list``: a list.
+    ``vars``: an object's attributes; ``buffers``: a module's buffers (``self.avg =
+    ...`` on a registered buffer); ``dict``: a dict; ``globals``: the names ``keys`` of
+    a module's globals; ``cell``: a closure variable; ``list``: a list.
     """
 
     kind: str
@@ -171,7 +174,7 @@ class _Place:
         return text
 
     def entry_label(self, key: object) -> str:
-        if self.kind == "vars":
+        if self.kind in ("vars", "buffers"):
             return self.label + _attribute_text(key)
         if self.kind == "dict":
             return f"{self.label}[{_key_text(key)}]"
@@ -202,6 +205,8 @@ class _Place:
                 return {}
         if self.kind == "globals":
             return {k: container[k] for k in self.keys or () if k in container}
+        if self.kind == "buffers":
+            return dict(container._buffers)
         items = vars(container) if self.kind == "vars" else container
         skip = _MODULE_FIELDS if isinstance(container, torch.nn.Module) else ()
         return {k: v for k, v in items.items() if k not in skip}
@@ -215,6 +220,8 @@ class _Place:
                 container.cell_contents = value
             return
         target = vars(container) if self.kind == "vars" else container
+        if self.kind == "buffers":
+            target = container._buffers
         if value is _MISSING:
             target.pop(key, None)
         else:
@@ -311,6 +318,7 @@ class _Places:
     ) -> None:
         place = _Place("vars", base, root, steps)
         self._add(place)
+        self._add(_Place("buffers", base, root, steps))
         self.function(type(module).forward, "")  # the globals its forward names
         for hooks in _HOOKS:
             for hook in list(vars(module).get(hooks, {}).values()):
@@ -438,6 +446,8 @@ class Watch:
         self._backward_hooks: list[object] = []
         self._forward: list[_Store] = []
         self._forward_values: set[int] = set()
+        # The traced inputs of the latest attempt (a module's buffers are swapped for them).
+        self._primals: set[int] = set()
         self.replay: Replay | None = None
 
     def _places(self) -> _Places:
@@ -477,8 +487,15 @@ class Watch:
             if not failed:
                 self._check_clean()
 
-    def stored(self) -> tuple[list[SideEffect], list[torch.Tensor]]:
-        """After the body: the stores it did, as descriptors and the traced tensors stored."""
+    def stored(
+        self, primals: Sequence[torch.Tensor]
+    ) -> tuple[list[SideEffect], list[torch.Tensor]]:
+        """After the body: the stores it did, as descriptors and the traced tensors stored.
+
+        ``primals``: the traced inputs; capture swaps a module's buffers for them, which is
+        no store of the function's.
+        """
+        self._primals = {id(p) for p in primals}
         stores = self._stores()
         self._forward = stores
         self._forward_values = {id(t) for s in stores for t in _fakes_of(s)}
@@ -494,8 +511,11 @@ class Watch:
             if snap.place.kind == "list":
                 stores += self._appended(snap, now)
                 continue
+            swapped = self._primals if snap.place.kind == "buffers" else ()
             for key, value in now.items():
-                if snap.before.get(key, _MISSING) is not value and holds_fake(value):
+                if snap.before.get(key, _MISSING) is value or id(value) in swapped:
+                    continue
+                if holds_fake(value):
                     stores.append(self._store(snap, "set", key, value))
         return stores
 
