@@ -383,3 +383,26 @@ def test_buffer_rebound_in_forward_matches_eager(tracer):
     got = run(lambda m: aotgrad.aot_module(m, tracer=tracer))
     for e, g in zip(expected, got, strict=True):
         _assert_same(list(e), list(g))
+
+
+def test_global_module_hook_and_dynamic_shapes():
+    """A global forward hook (register_module_forward_hook) recording outputs, under
+    dynamic shapes: each call's real output, of each call's size."""
+    seen: list[torch.Tensor] = []
+
+    def record(module, inputs, out):
+        if isinstance(module, torch.nn.Linear):
+            seen.append(out.detach())
+
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        lin = torch.nn.Linear(3, 2)
+        f = aotgrad.aot_module(lin, dynamic=True)
+        xs = [torch.randn(n, 3) for n in (2, 5, 7)]
+        for x in xs:
+            f(x)
+    finally:
+        handle.remove()
+    assert [t.shape[0] for t in seen] == [2, 5, 7]
+    for x, t in zip(xs, seen, strict=True):
+        torch.testing.assert_close(t, torch.nn.functional.linear(x, lin.weight, lin.bias))
