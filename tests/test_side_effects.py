@@ -406,3 +406,47 @@ def test_global_module_hook_and_dynamic_shapes():
     assert [t.shape[0] for t in seen] == [2, 5, 7]
     for x, t in zip(xs, seen, strict=True):
         torch.testing.assert_close(t, torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+def test_defaultdict_of_lists_is_appended_to():
+    """``feats[name].append(out)`` on a ``defaultdict(list)``: eager's lists over calls."""
+    import collections
+
+    def run(compile_fn):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+        feats: collections.defaultdict[str, list[torch.Tensor]] = collections.defaultdict(list)
+        model[0].register_forward_hook(lambda m, i, out: feats["fc"].append(out.detach()))
+        f = compile_fn(model)
+        for k in range(3):
+            f(torch.randn(2, 3) + k)
+        return dict(feats)
+
+    expected = run(lambda m: m)
+    got = run(aotgrad.aot_module)
+    _assert_same(expected, got)
+    assert len(got["fc"]) == 3
+
+
+def test_new_list_under_a_new_key_is_refused():
+    """``feats.setdefault(k, []).append(out)`` and ``feats[k] = [out]`` look alike at the
+    first capture and differ from the second call on: refused, nothing left behind."""
+    lin = torch.nn.Linear(3, 3)
+    feats: dict[str, list[torch.Tensor]] = {}
+    lin.register_forward_hook(lambda m, i, out: feats.setdefault("fc", []).append(out))
+    with pytest.raises(UnsupportedSideEffectError, match="cannot tell whether later calls"):
+        aotgrad.aot_module(lin)(torch.randn(2, 3))
+    assert feats == {}
+
+
+def test_container_mixing_old_and_traced_tensors_is_refused():
+    history: dict[str, list[torch.Tensor]] = {"h": [torch.zeros(3)]}
+
+    def f(x):
+        y = x.sin()
+        history["h"] = [*history["h"], y]  # a new list with the old items
+        return y.sum()
+
+    with pytest.raises(UnsupportedSideEffectError, match="tensors from before the call"):
+        aotgrad.aot_function(f)(torch.randn(3))
+    assert len(history["h"]) == 1 and not _fake(history["h"][0])

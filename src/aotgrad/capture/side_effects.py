@@ -50,13 +50,23 @@ What cannot be stored again faithfully is refused, naming the place and the
 user's code (the hook's or function's line): a fake stored while the backward
 was traced (a full backward hook recording ``grad_output``: the compiled
 backward runs no Python), a list holding a fake after a change other than an
-append, a fake inside an object that is not a list, tuple or dict. Entries
+append, a fake inside an object that is not a list, tuple or dict, a
+container mixing fakes with tensors from before the call. So is a new list,
+dict or set stored under a new key or attribute: on later calls eager may
+replace it or add to it, and one capture cannot tell which::
+
+    feats[name] = [out]                      # eager, call 2: [out2]
+    feats.setdefault(name, []).append(out)   # eager, call 2: [out1, out2]
+
+(a list that a ``defaultdict(list)`` makes for a new key is appended to; a
+list that exists before the first call is appended to). Entries
 with replays are kept in memory only: the disk cache and ``Traced.save``
 cannot hold the user's objects they write to.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import types
@@ -296,10 +306,10 @@ class _Places:
         if isinstance(value, torch.nn.Module):
             self._seen.add(id(value))
             self._module(value, root, steps, base, depth)
-        elif type(value) is list:
+        elif isinstance(value, list):
             self._seen.add(id(value))
             self._add(_Place("list", base, root, steps))
-        elif type(value) is dict:
+        elif isinstance(value, dict):
             self._seen.add(id(value))
             self._add(_Place("dict", base, root, steps))
             for key, item in list(value.items()):
@@ -516,8 +526,30 @@ class Watch:
                 if snap.before.get(key, _MISSING) is value or id(value) in swapped:
                     continue
                 if holds_fake(value):
-                    stores.append(self._store(snap, "set", key, value))
+                    stores += self._set(snap, key, value)
         return stores
+
+    def _set(self, snap: _Snapshot, key: Any, value: Any) -> list[_Store]:
+        """The stores of ``place[key] = value``; a new container is ambiguous (Note [Side
+        effects replayed])."""
+        if key in snap.before or not isinstance(value, list | dict | set):
+            return [self._store(snap, "set", key, value)]
+        factory = getattr(snap.container, "default_factory", None)
+        if isinstance(snap.container, collections.defaultdict) and factory is list:
+            place = snap.place
+            items = _Place("list", place.base, place.root, (*place.steps, ("item", key)))
+            at = _Snapshot(items, snap.index, value, [])
+            return [self._store(at, "append", None, v) for v in value if holds_fake(v)]
+        self._refuse(
+            snap,
+            f"{snap.place.entry_label(key)} was given a new {type(value).__name__} holding"
+            " traced tensors; aotgrad cannot tell whether later calls replace it"
+            " (d[k] = [t]) or add to it (d.setdefault(k, []).append(t)), which eager runs"
+            " differently from the second call on",
+            "Create the container before the first call (it is then appended to), store a"
+            " tuple, or return the tensors from the function.",
+        )
+        return []
 
     def _appended(self, snap: _Snapshot, now: list[Any]) -> list[_Store]:
         before: list[Any] = snap.before
@@ -551,6 +583,15 @@ class Watch:
                 "Store the tensors themselves (or a tuple of them), or return them from the"
                 " function and store them after the call.",
             )
+        if any(isinstance(leaf, torch.Tensor) and not is_fake(leaf) for leaf in leaves):
+            where = snap.place.label if how == "append" else snap.place.entry_label(key)
+            self._refuse(
+                snap,
+                f"{where} was given a {type(value).__name__} holding both traced tensors and"
+                " tensors from before the call, which every later call would store again"
+                " unchanged",
+                "Store the traced tensors apart, or return them from the function.",
+            )
         paths = tuple(pytree.keystr(with_paths[i][0]) for i in fakes)
         return _Store(snap.place, how, key, spec, leaves, fakes, paths)
 
@@ -559,7 +600,7 @@ class Watch:
         for store in self._stores():
             if all(id(t) in self._forward_values for t in _fakes_of(store)):
                 continue
-            snap = next(s for s in self._snapshots if s.place is store.place)
+            snap = next(s for s in self._snapshots if s.place.root is store.place.root)
             label = (
                 store.place.label if store.how == "append" else store.place.entry_label(store.key)
             )
