@@ -17,7 +17,15 @@ import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import functorch_transforms_active
 from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
-from aotgrad.capture import JointGraph, TracerChoice, capture, capturing, check_tracer_choice
+from aotgrad.capture import (
+    JointGraph,
+    Replay,
+    TracerChoice,
+    Watch,
+    capture,
+    capturing,
+    check_tracer_choice,
+)
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
 from aotgrad.disk_cache import DiskCacheUse, GraphOptions
@@ -83,6 +91,8 @@ class Traced:
     # many calls ran it (Note [Transforms run the function]).
     _fn: Callable[..., Any] | None = None
     _transform_runs: list[int] = field(default_factory=lambda: [0])
+    # The stores in the user's objects done at every call (Note [Side effects replayed]).
+    _replay: Replay | None = None
 
     @property
     def transform_runs(self) -> int:
@@ -190,6 +200,13 @@ class Traced:
         """
         if self._wrapping is not None:
             raise StoreError("a trace of a DDP or fully_shard module cannot be saved")
+        if self._replay is not None:
+            stores = ", ".join(str(d) for d in self._replay.descriptors)
+            raise StoreError(
+                f"this trace stores tensors in the user's objects at every call ({stores}:"
+                " Note [Side effects replayed]); a file cannot hold those objects. Return the"
+                " tensors from the function instead to save it"
+            )
         save_traced(
             path, partitioned=self.partitioned, plan=self._compiled.plan, autocast=self._autocast
         )
@@ -227,7 +244,8 @@ class Traced:
                 " the autocast you call it with (or use aotgrad.aot_function, which re-traces)"
             )
         tensors = [leaves[i] for i in flat.tensor_positions]
-        return self._compiled([*self._lifted_now(), *tensors])
+        out = self._compiled([*self._lifted_now(), *tensors])
+        return out if self._replay is None else self._replay(out)
 
     def _lifted_now(self) -> tuple[torch.Tensor, ...]:
         """The lifted tensors: a wrapper's module state must still be the traced tensors."""
@@ -308,6 +326,7 @@ def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: O
     lifted = lifting.read(arguments)
     refuse_reached_wrappers(_reached(lifting, arguments))
     flat, tensors = flatten_inputs(call_target(fn), args, kwargs, lifted.descriptors)
+    watch = _watch(fn, arguments)
     partitioned = capture_and_partition(
         fn=fn,
         body=lifting.body(fn, lifted, flat),
@@ -315,13 +334,22 @@ def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: O
         primals=[*lifted.tensors, *tensors],
         options=options,
         dynamic_dims=_by_tensor(tensors, requested_dims(tensors, everything=options.dynamic)),
+        effects=watch,
     )
     return Traced(
         partitioned=partitioned,
         _compiled=compile_partitioned(partitioned),
         _lifted=lifted.tensors,
         _autocast=autocast_state(),
+        _replay=watch.replay,
     )
+
+
+def _watch(fn: Callable[..., Any], arguments: Arguments) -> Watch:
+    """What watches the user's objects while ``fn`` is captured (Note [Side effects replayed]):
+    the function (or module) and the modules among its arguments."""
+    root = "self" if isinstance(fn, torch.nn.Module) else "function"
+    return Watch([(root, fn), *arguments], where=user_frame_of_function(fn))
 
 
 def _autocast_text(state: tuple[tuple[str, torch.dtype], ...]) -> str:
@@ -629,6 +657,8 @@ class AOTFunction:
             flat = flat.renamed(self._input_names)
         positions = flat.tensor_positions
         tensor_dims = None if dims is None else tuple(dims[i] for i in positions)
+        # Dynamo's graphs store nothing: it replays side effects itself.
+        watch = _watch(fn, call.arguments) if self._read_environment else None
         self.partitioned = capture_and_partition(
             fn=fn,
             body=self._state.body(fn, call.lifted, flat),
@@ -636,12 +666,14 @@ class AOTFunction:
             primals=[*state, *tensors],
             options=options,
             dynamic_dims=_by_tensor(tensors, tensor_dims),
+            effects=watch,
         )
         compiled = compile_partitioned(
             self.partitioned, options.fw_compiler, options.bw_compiler, options.inference_compiler
         )
         exact = not state and positions == tuple(range(len(flat.constants)))
-        return Entry(compiled=compiled, positions=None if exact else positions)
+        replay = watch.replay if watch is not None else None
+        return Entry(compiled=compiled, positions=None if exact else positions, replay=replay)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -821,10 +853,12 @@ def capture_and_partition(
     primals: list[torch.Tensor],
     options: Options,
     dynamic_dims: Mapping[int, Sequence[int]] | None,
+    effects: Watch | None = None,
 ) -> Partitioned:
     """Capture ``body`` on ``primals`` and partition it as ``options`` say.
 
     ``dynamic_dims``: the symbolic dimensions by ``id`` of the primal (Note [Dynamic shapes]).
+    ``effects``: watches the user's objects (Note [Side effects replayed]).
     Tensor subclass primals are taken apart first (Note [Tensor subclasses]).
     """
     flat, primals, body = desugar(flat, primals, body, dynamic_dims)
@@ -841,6 +875,7 @@ def capture_and_partition(
         root=fn,
         dynamic_dims=dynamic_dims,
         tracer=options.tracer,
+        effects=effects,
     )
     return partition(
         joint, options.partition, keep_input_mutations=options.keep_inference_input_mutations

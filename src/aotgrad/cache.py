@@ -30,6 +30,7 @@ import torch
 
 from aotgrad.capture.autocast import AutocastState, any_autocast, autocast_state
 from aotgrad.capture.dynamic import DynamicDims
+from aotgrad.capture.side_effects import Replay
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.signature import PlainTensorsGuard, alias_key, call_key, dynamic_call_key
 from aotgrad.signature.flatten import DYNAMIC_TENSOR_FIELDS, TENSOR_FIELDS, is_tensor_key
@@ -389,6 +390,9 @@ class Entry:
     # Leaf position of each of the graphs' user inputs, after the lifted state; None when
     # the graphs' inputs are exactly the call's leaves (nothing lifted, every leaf a tensor).
     positions: tuple[int, ...] | None
+    # The stores in the user's objects done after every call; the graphs return
+    # ``(result, stored tensors)`` (Note [Side effects replayed]). None: none.
+    replay: Replay | None = None
 
     def inputs(self, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]) -> Sequence[Any]:
         """The graphs' inputs for a call: the lifted state, then the tensor leaves."""
@@ -397,9 +401,10 @@ class Entry:
 
     def __call__(self, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]) -> Any:
         positions = self.positions  # ``inputs``, inlined: this runs on every call
-        return self.compiled(
+        out = self.compiled(
             leaves if positions is None else [*state, *map(leaves.__getitem__, positions)]
         )
+        return out if self.replay is None else self.replay(out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -519,6 +524,8 @@ class SpecializationCache:
         arguments (Note [The last entry]).
         """
         if entry.compiled.takes_subclasses:  # a guard sees no placement: Note [Tensor subclasses]
+            return
+        if entry.replay is not None:  # the last entry calls the graphs only
             return
         if entry.positions is None and key.aliases is None and key.dynamic_dims is None:
             call = entry.compiled.direct_call() or entry.compiled

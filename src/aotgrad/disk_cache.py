@@ -118,4 +118,7 @@ class DiskCacheUse:
         if not same_key:  # Note [Disk cache keys]: a value the function changes
             info.disk_skipped = "the function changes a value it reads"
             return
+        if entry.replay is not None:  # Note [Side effects replayed]
+            info.disk_skipped = "the function stores tensors in the user's objects"
+            return
         info.disk_skipped = store_graphs(slot, entry.compiled, entry.positions)

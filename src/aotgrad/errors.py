@@ -54,6 +54,11 @@ class UnsupportedClosureError(CaptureError):
     """The function reaches a tensor aotgrad can neither lift as an input nor bake in."""
 
 
+class UnsupportedSideEffectError(CaptureError):
+    """The function stores a traced tensor in the user's objects in a way aotgrad cannot
+    store again at every call (Note [Side effects replayed])."""
+
+
 class UnsupportedSubclassError(CaptureError, TypeError):
     """A tensor subclass aotgrad cannot take apart (Note [Tensor subclasses])."""
 

@@ -60,6 +60,7 @@ from aotgrad.capture.reachability import computed_from
 from aotgrad.capture.recompute import link_recompute
 from aotgrad.capture.recorder import Recorder, stamp
 from aotgrad.capture.session import capture_session, capturing
+from aotgrad.capture.side_effects import Replay, Watch
 from aotgrad.capture.tracers import (
     DirectTracerBugWarning,
     Tracer,
@@ -101,12 +102,14 @@ __all__ = [
     "NodeInfo",
     "OutputLeaf",
     "Phase",
+    "Replay",
     "ShapeGuards",
     "SyntheticBase",
     "TensorOutput",
     "TracerChoice",
     "TracerReport",
     "ViewMeta",
+    "Watch",
     "capture",
     "capturing",
     "check_order",
@@ -136,6 +139,7 @@ def capture(
     root: object = None,
     dynamic_dims: Mapping[int, Sequence[int]] | None = None,
     tracer: TracerChoice = "auto",
+    effects: Watch | None = None,
 ) -> JointGraph:
     """Trace ``body(primals)`` and, if ``with_backward``, its backward, into a :class:`JointGraph`.
 
@@ -145,7 +149,8 @@ def capture(
     relative to it, and ops outside any module carry its name. ``dynamic_dims``
     (by ``id`` of a primal) makes those dimensions symbolic (Note [Dynamic shapes]).
     ``tracer`` chooses the tracer (Note [Choosing a tracer]); the result's
-    ``tracer`` field says which one made the graph.
+    ``tracer`` field says which one made the graph. ``effects`` watches the user's
+    objects for tensors the function stores there (Note [Side effects replayed]).
     """
     options = TraceOptions(
         with_backward=with_backward,
@@ -153,6 +158,7 @@ def capture(
         where=where,
         dynamic_dims=dynamic_dims,
         tracer=check_tracer_choice(tracer),
+        effects=effects,
     )
     label = root if root is not None else body
     with capture_session():  # Note [Capture sessions]
@@ -355,11 +361,16 @@ def _reached_by(
 
 
 def _output_descriptors(record: TraceRecord) -> list[Output]:
-    """One Output per tensor output, named by its key path in the user's result."""
+    """One Output per tensor output, named by its key path in the user's result; then one
+    SideEffect per tensor stored in the user's objects (Note [Side effects replayed])."""
+    user = record.leaves[: len(record.out_paths)]
     return [
-        Output(path=path)
-        for path, leaf in zip(record.out_paths, record.leaves, strict=True)
-        if isinstance(leaf, TensorOutput)
+        *(
+            Output(path=path)
+            for path, leaf in zip(record.out_paths, user, strict=True)
+            if isinstance(leaf, TensorOutput)
+        ),
+        *record.effects,
     ]
 
 

@@ -70,11 +70,18 @@ from aotgrad.capture.mutation import (
 from aotgrad.capture.reachability import reaching_masks
 from aotgrad.capture.recorder import Recorder, generator_restored
 from aotgrad.capture.requires_grad import check_views_of_made_inputs, made_to_require_grad
+from aotgrad.capture.side_effects import Watch
 from aotgrad.capture.trace_errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.tracers import Tracer, TracerChoice
-from aotgrad.errors import UnsupportedOpError, UnsupportedOutputError, UserFrame, format_error
+from aotgrad.errors import (
+    UnsupportedOpError,
+    UnsupportedOutputError,
+    UnsupportedSideEffectError,
+    UserFrame,
+    format_error,
+)
 from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
-from aotgrad.signature.descriptors import Closure, Global, Input
+from aotgrad.signature.descriptors import Closure, Global, Input, SideEffect
 from aotgrad.signature.objects import SharedObjectError, objects_as_nodes
 from aotgrad.signature.subclasses import check_plain_grads
 
@@ -92,6 +99,9 @@ class TraceRecord:
     out_spec: pytree.TreeSpec | None = None
     # Key path of every leaf of the user's result: "[0]['a']".
     out_paths: list[str] = field(default_factory=list)
+    # The tensors the function stored in the user's objects, described; they follow the
+    # result's tensors among the outputs (Note [Side effects replayed]).
+    effects: list[SideEffect] = field(default_factory=list)
     aliasing: OutputAliasing | None = None
     mutations: list[InputMutation] = field(default_factory=list)
     # Metadata mutations of inputs re-derived from a synthetic base, by user input position.
@@ -190,6 +200,9 @@ class TraceOptions:
     dynamic_dims: Mapping[int, Sequence[int]] | None
     # Which tracer to use (Note [Choosing a tracer]).
     tracer: TracerChoice = "auto"
+    # Watches the user's objects for traced tensors stored in them (Note [Side effects
+    # replayed]); None: nothing to watch.
+    effects: Watch | None = None
 
 
 def trace_joint(
@@ -280,8 +293,13 @@ def _joint(
         # closed-over swap covers the user's code and, swapping only, the backward (Note
         # [The swap spans the backward]).
         with contextlib.ExitStack() as stack:
+            if options.effects is not None:  # Note [Side effects replayed]
+                stack.enter_context(options.effects.watching())
             with closed_over:
                 result = stack.enter_context(body(primals))
+            stored: list[torch.Tensor] = []
+            if options.effects is not None:
+                record.effects, stored = options.effects.stored(primals)
             _note_grad_changes(
                 primals, graph_primals, needs_grad, edges, inputs, record, where, tracer
             )
@@ -289,7 +307,16 @@ def _joint(
                 primals, member_grad_fns, inputs.sources
             )
             forward, returned = _forward_values(
-                result, primals, graph_primals, inner, grad_fns, inputs, record, where, tracer
+                result,
+                stored,
+                primals,
+                graph_primals,
+                inner,
+                grad_fns,
+                inputs,
+                record,
+                where,
+                tracer,
             )
             check_member_mutations(record.member_mutations, record.mutations, primals, where)
             check_views_of_made_inputs(record, inputs, where)
@@ -381,6 +408,7 @@ def _grad_from_inside(where: UserFrame | None) -> UnsupportedOutputError:
 
 def _forward_values(
     result: Any,
+    stored: Sequence[torch.Tensor],
     primals: Sequence[torch.Tensor],
     graph_primals: Sequence[torch.Tensor],
     originals: Sequence[torch.Tensor],
@@ -396,7 +424,7 @@ def _forward_values(
     returns the fresh outputs, the bases and the new values. All are synced,
     so no forward op is recorded after the first cotangent.
     """
-    leaves, tensors = _flatten_result(result, record, where, tracer.traced)
+    leaves, tensors = _flatten_result(result, stored, record, where, tracer.traced)
     aliasing, bases = analyze_aliasing(tensors, primals, graph_primals, originals)
     record.aliasing = aliasing
     record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
@@ -442,9 +470,17 @@ def _user_primals(
 
 
 def _flatten_result(
-    result: Any, record: TraceRecord, where: UserFrame | None, traced: Callable[[object], bool]
+    result: Any,
+    stored: Sequence[torch.Tensor],
+    record: TraceRecord,
+    where: UserFrame | None,
+    traced: Callable[[object], bool],
 ) -> tuple[list[ConstantOutput | int], list[torch.Tensor]]:
-    """Validate and flatten the user's result into constants and traced tensor positions."""
+    """Validate and flatten the user's result into constants and traced tensor positions.
+
+    ``stored``: tensors the function stored in the user's objects; the result becomes
+    ``(result, stored)`` (Note [Side effects replayed]).
+    """
     try:
         result = objects_as_nodes(result)  # Note [Objects among the outputs]
     except SharedObjectError as e:
@@ -457,10 +493,25 @@ def _flatten_result(
                 "Return the object once, or return its tensors.",
             )
         ) from None
+    for t in stored:
+        if not traced(t):
+            raise UnsupportedSideEffectError(
+                format_error(
+                    "the function stored a fake tensor that is not a value of its graph in the"
+                    " user's objects",
+                    where,
+                    "Store only tensors the function computes, or return them.",
+                )
+            )
+    if stored:
+        result = (result, list(stored))
     with_paths, record.out_spec = pytree.tree_flatten_with_path(result)
     leaves: list[ConstantOutput | int] = []
     tensors: list[torch.Tensor] = []
-    record.out_paths = [pytree.keystr(path) for path, _ in with_paths]
+    user = len(with_paths) - len(stored)
+    record.out_paths = [
+        pytree.keystr(path[1:] if stored else path) for path, _ in with_paths[:user]
+    ]
     for path, leaf in with_paths:
         check_output_leaf(path, leaf, where)
         if traced(leaf):

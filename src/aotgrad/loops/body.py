@@ -37,9 +37,14 @@ import torch
 import torch.utils._pytree as pytree
 
 from aotgrad.api import Options, Traced, capture_and_partition
-from aotgrad.capture import TensorOutput
+from aotgrad.capture import TensorOutput, Watch
 from aotgrad.capture.autocast import autocast_state
-from aotgrad.errors import ScanError, format_error, user_frame_of_function
+from aotgrad.errors import (
+    ScanError,
+    UnsupportedSideEffectError,
+    format_error,
+    user_frame_of_function,
+)
 from aotgrad.optable import is_random
 from aotgrad.partition import Partitioned
 from aotgrad.runtime import compile_partitioned
@@ -144,6 +149,9 @@ def _capture(
     flat, tensors = flatten_inputs(carry_and_x, args, {}, lifted.descriptors)
     inner = state.body(fn, lifted, flat)
     body = _checked(inner, fn=fn, carry_spec=carry_spec, carry=carry, clone=clone)
+    where = user_frame_of_function(fn)
+    root = "self" if isinstance(fn, torch.nn.Module) else "function"
+    watch = Watch([(root, fn)], where=where)  # Note [Side effects replayed]
     with torch.set_grad_enabled(with_grad):
         partitioned = capture_and_partition(
             fn=fn,
@@ -152,6 +160,18 @@ def _capture(
             primals=[*lifted.tensors, *tensors],
             options=options,
             dynamic_dims=None,
+            effects=watch,
+        )
+    if watch.replay is not None:
+        stores = ", ".join(str(d) for d in watch.replay.descriptors)
+        raise UnsupportedSideEffectError(
+            format_error(
+                f"the scan body stores tensors in the user's objects ({stores}); a scan runs"
+                " its graphs once per step and cannot store each step's value there",
+                where,
+                "Return those tensors among the body's ys (scan stacks them), or store them"
+                " outside the body.",
+            )
         )
     return partitioned, lifted.tensors
 

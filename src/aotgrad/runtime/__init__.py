@@ -60,6 +60,7 @@ class CompiledGraphs:
         )
         self._apply = direct_apply(self._function) if self._function else None
         self._bases = self.plan.input_bases
+        self._unreached = _unreached_inputs(self.plan, partitioned) if self._function else ()
         # Tensor subclass inputs to take apart, subclass outputs to build (Note [Tensor
         # subclasses]).
         self._subclasses = None if partitioned is None else partitioned.joint.inputs.subclasses
@@ -81,7 +82,7 @@ class CompiledGraphs:
             return None
         if self._subclasses is not None or self._subclass_outputs:
             return None
-        if plan.made_to_require_grad:
+        if plan.made_to_require_grad or self._unreached:
             return None
         if plan.out_spec.is_leaf():
             return lambda primals: _apply_with_grad(apply, primals)[0]
@@ -117,9 +118,50 @@ class CompiledGraphs:
             with torch.no_grad(), autocast_off():  # Note [Autocast]
                 results = self._forward(list(inputs))
             returned = [results[i] for i in self.plan.returned]
+        elif self._unreached:  # Note [Inputs no gradient reaches]
+            returned = _apply_with_grad(self._apply, _cut(inputs, self._unreached))
         else:
             returned = _apply_with_grad(self._apply, inputs)
         return run_epilogue(self.plan, primals, inputs, returned)
+
+
+# Note [Inputs no gradient reaches]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every graph input is an input of the autograd Function, so a non-leaf input
+# that requires grad gets an autograd edge into the graph that made it, even
+# when no output of this call reaches it (``reached_by`` 0: Note [Gradients no
+# output reaches]). The backward returns None for it, but the engine still
+# walks that edge, and if the other graph's backward already ran, raises
+# "backward through the graph a second time", where eager, which never used
+# the tensor, runs. The legacy ``weight_norm`` makes one every call: its
+# pre-hook sets ``module.weight`` from the parameters, the previous call's
+# weight is lifted as ``closure self.weight`` and overwritten before any read::
+#
+#     call 1: weight = W1 (an output of call 1's Function); loss1.backward()
+#     call 2: inputs (..., W1, x) -> W1 unread; loss2.backward() walks W1's grad_fn
+#
+# So such inputs reach the Function detached (the same data, no edge).
+
+
+def _unreached_inputs(plan: Plan, partitioned: Partitioned | None) -> tuple[int, ...]:
+    """Graph inputs that require grad, that no cotangent reaches and that the epilogue does
+    not write (Note [Inputs no gradient reaches]); ``requires_grad`` is in every call's key."""
+    written = {m.index for m in plan.mutations}
+    needs = None if partitioned is None else partitioned.joint.requires_grad
+    return tuple(
+        i
+        for i, mask in enumerate(plan.reached_by)
+        if mask == 0 and i not in written and (needs is None or needs[i])
+    )
+
+
+def _cut(inputs: Sequence[torch.Tensor], positions: tuple[int, ...]) -> list[torch.Tensor]:
+    """``inputs``, those at ``positions`` that have an autograd history detached."""
+    cut = list(inputs)
+    for i in positions:
+        if cut[i].grad_fn is not None:
+            cut[i] = cut[i].detach()
+    return cut
 
 
 # Note [Grad mode regions]

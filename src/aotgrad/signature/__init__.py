@@ -22,6 +22,7 @@ from aotgrad.signature.descriptors import (
     Param,
     PrimalDescriptor,
     Saved,
+    SideEffect,
 )
 from aotgrad.signature.flatten import (
     FlatInputs,
@@ -54,6 +55,7 @@ __all__ = [
     "PlainTensorsGuard",
     "PrimalDescriptor",
     "Saved",
+    "SideEffect",
     "Signature",
     "alias_key",
     "call_key",

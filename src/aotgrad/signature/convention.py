@@ -72,6 +72,7 @@ from aotgrad.signature.descriptors import (
     Output,
     OutputBase,
     Saved,
+    SideEffect,
 )
 
 SIGNATURE_VERSION = 1
@@ -276,7 +277,14 @@ class Signature:
 
 
 # The rank of each kind of descriptor in its graph's inputs or outputs.
-_FORWARD_ORDER: dict[type, int] = {Output: 0, OutputBase: 1, MutatedInput: 2, Saved: 3}
+# A SideEffect is an output stored in the user's objects (Note [Side effects replayed]).
+_FORWARD_ORDER: dict[type, int] = {
+    Output: 0,
+    SideEffect: 0,
+    OutputBase: 1,
+    MutatedInput: 2,
+    Saved: 3,
+}
 _BACKWARD_ORDER: dict[type, int] = {Saved: 0, Cotangent: 1}
 
 
@@ -290,4 +298,4 @@ def _check_order(what: str, descriptors: tuple[Descriptor, ...], order: dict[typ
 def _span(descriptors: tuple[Descriptor, ...], order: dict[type, int], kind: type) -> slice:
     """Where the descriptors of ``kind`` sit: after every earlier kind (Note [Positions])."""
     start = sum(1 for d in descriptors if order[type(d)] < order[kind])
-    return slice(start, start + sum(1 for d in descriptors if type(d) is kind))
+    return slice(start, start + sum(1 for d in descriptors if order[type(d)] == order[kind]))

@@ -134,6 +134,34 @@ class Output(Descriptor):
 
 
 @dataclass(frozen=True)
+class SideEffect(Output):
+    """A traced value the function stored in the user's state, stored again at every call.
+
+    ``path`` is the place (``self.acts``, ``closure feats``, ``global CACHE``),
+    ``how`` is ``"append"`` (to a list) or ``"set"`` (an attribute, a dict key, a
+    variable), ``leaf`` the tensor's key path inside the stored value (``[1]`` of
+    ``("name", t)``). See Note [Side effects replayed] in ``capture/side_effects.py``.
+
+    >>> str(SideEffect(path="self.acts", how="append"))
+    'side effect self.acts.append(·)'
+    >>> str(SideEffect(path="self.stats['k']", how="set", leaf="[0]"))
+    "side effect self.stats['k'] = ·[0]"
+    """
+
+    how: str = "set"
+    leaf: str = ""
+
+    def __post_init__(self) -> None:
+        if self.how not in ("append", "set"):
+            raise ValueError(f"expected how 'append' or 'set', got {self.how!r}")
+
+    def __str__(self) -> str:
+        if self.how == "append":
+            return f"side effect {self.path}.append(·{self.leaf})"
+        return f"side effect {self.path} = ·{self.leaf}"
+
+
+@dataclass(frozen=True)
 class OutputBase(Descriptor):
     """An intermediate that several outputs are views of; the runtime rebuilds them from it.
 
