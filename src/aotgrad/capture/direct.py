@@ -137,7 +137,12 @@ from aotgrad._torch_compat import (
 )
 from aotgrad.capture.collectives import refuse_in_place_collective
 from aotgrad.capture.graph import lazy_module
-from aotgrad.capture.mutation import InputMutation, PrimalInfo, may_overlap
+from aotgrad.capture.mutation import (
+    InputMutation,
+    PrimalInfo,
+    check_no_partial_overlap,
+    may_overlap,
+)
 from aotgrad.capture.recorder import Recorder
 from aotgrad.capture.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
 from aotgrad.capture.view_writes import Alias, Step, Storage, chain_of, invertible, scatter
@@ -326,6 +331,7 @@ class _RecordingMode(TorchDispatchMode):
             raise NeedsFullTrace(f"{func} mutates a tensor in a backward the function runs")
         functional, targets = _functional_variant(func, args, kwargs)
         through_views = [self._check_target(func, target) for target in targets]
+        check_no_partial_overlap(func, args, kwargs)  # Note [Writes that read overlapping memory]
         if torch.Tag.inplace_view in func.tags:
             if any(through_views):
                 raise NeedsFullTrace(f"{func} restrides a tensor that shares memory (a view)")

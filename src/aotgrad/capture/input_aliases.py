@@ -12,9 +12,9 @@ harmless until the function mutates one of them::
 
 When, after a first trace, an input that shares its storage with another
 input turns out to be mutated, capture traces again with a *synthetic
-base*: one graph input covering the whole storage (``x.as_strided((4,),
-(1,), 0)`` built from the inputs' common ``._base``), from which every
-member is re-derived inside the graph::
+base*: one graph input covering the storage up to the farthest member's end
+(``x.as_strided((4,), (1,), 0)`` built from the inputs' common ``._base``),
+from which every member is re-derived inside the graph::
 
     forward(base_of_x_v):
         x = as_strided(base_of_x_v, (4,), (1,), 0)
@@ -66,7 +66,9 @@ class SyntheticBase:
     members: tuple[int, ...]
     # The member whose ``._base`` (or itself, if it has none) the base is cut from.
     anchor: int
-    # Elements in the storage: the base is ``source.as_strided((numel,), (1,), 0)``.
+    # Elements of the storage up to the end of the farthest member: the base is
+    # ``source.as_strided((numel,), (1,), 0)``. Not the whole storage, whose size is in no
+    # key: a later call's storage may be shorter (or longer) around the same members.
     numel: int
     # Where each member sits in the storage.
     views: tuple[ViewMeta, ...]
@@ -95,12 +97,12 @@ def synthetic_base(primals: Sequence[torch.Tensor], members: Sequence[int]) -> S
     roots = {id(primals[i]._base if primals[i]._base is not None else primals[i]) for i in members}
     if len(roots) != 1:
         return None
-    first = primals[members[0]]
+    views = tuple(ViewMeta.of(primals[i]) for i in members)
     return SyntheticBase(
         members=tuple(members),
         anchor=members[0],
-        numel=first.untyped_storage().nbytes() // first.element_size(),
-        views=tuple(ViewMeta.of(primals[i]) for i in members),
+        numel=max(view.extent for view in views),
+        views=views,
     )
 
 

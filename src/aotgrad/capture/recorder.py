@@ -34,7 +34,7 @@ from aotgrad._torch_compat import (
 )
 from aotgrad.capture import closed_over
 from aotgrad.capture.collectives import refuse_in_place_collective
-from aotgrad.capture.mutation import check_writable
+from aotgrad.capture.mutation import check_no_partial_overlap, check_writable
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.capture.random import FILL_RANDOM, strided_fill
 from aotgrad.errors import (
@@ -107,6 +107,7 @@ class ProvenanceMode(FunctionalTensorMode):
             check_writable(
                 func, args, kwargs or {}, where
             )  # Note [Writes through overlapping views]
+            check_no_partial_overlap(func, args, kwargs or {})  # Note [Writes that read ...]
         self.recorder.note_random(func, args, kwargs)
         if self.note_real_leaves:
             self.recorder.note_real_leaves(args, kwargs)
