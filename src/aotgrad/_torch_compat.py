@@ -84,6 +84,7 @@ FakeTensor = _fake_tensor.FakeTensor
 # What the fake mode raises when Python code or an op reads tensor values: a DataDependentError.
 DataDependentOutputException = _fake_tensor.DataDependentOutputException
 DynamicOutputShapeException = _fake_tensor.DynamicOutputShapeException
+UnsupportedOperatorException = _fake_tensor.UnsupportedOperatorException
 # ``view``'s output strides from symbolic sizes (Note [Eager strides for views]).
 view_stride = _fake_impls._compute_stride
 # Run an op's meta kernel on fake tensors seen as meta tensors, as the fake mode's last step

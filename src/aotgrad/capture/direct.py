@@ -318,7 +318,14 @@ class _RecordingMode(TorchDispatchMode):
                 func._schema.is_mutable or _writes_unannotated(func, args, kwargs)
             ):
                 return self._functionalize(func, args, kwargs)
-            return self._record(func, args, kwargs)
+            answer = self.recorder.host_checks.answer(  # Note [Host checks]
+                func, args, lambda op, *a: self._record(op, a, {})
+            )
+            if answer is not None:
+                return answer
+            out = self._record(func, args, kwargs)
+            self.recorder.host_checks.note(func, out)
+            return out
 
     def _functionalize(
         self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]

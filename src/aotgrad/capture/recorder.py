@@ -34,6 +34,7 @@ from aotgrad._torch_compat import (
 )
 from aotgrad.capture import closed_over
 from aotgrad.capture.collectives import refuse_in_place_collective
+from aotgrad.capture.host_checks import HostChecks
 from aotgrad.capture.mutation import check_no_partial_overlap, check_writable
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.capture.random import FILL_RANDOM, strided_fill
@@ -100,6 +101,11 @@ class ProvenanceMode(FunctionalTensorMode):
     ) -> Any:
         refuse_in_place_collective(func)  # Note [Collectives]
         self.recorder.note_source()
+        answer = self.recorder.host_checks.answer(  # Note [Host checks]
+            func, args, lambda op, *a: super(ProvenanceMode, self).__torch_dispatch__(op, types, a)
+        )
+        if answer is not None:
+            return answer
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable and args:
             self.recorder.note_mutation(args[0])
@@ -117,7 +123,9 @@ class ProvenanceMode(FunctionalTensorMode):
         if fill is not None:  # Note [Random fills keep their layout]
             value = super().__torch_dispatch__(FILL_RANDOM, types, (args[0], *fill), {})
             return super().__torch_dispatch__(aten.copy_.default, types, (args[0], value), {})
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.recorder.host_checks.note(func, out)
+        return out
 
 
 def _record_error_check(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -154,6 +162,7 @@ class Recorder:
         self.live_numbers: list[int] = []
         # Real tensors requiring grad that ops read (closed over, not inputs), by id.
         self.real_leaves: dict[int, torch.Tensor] = {}
+        self.host_checks = HostChecks()  # Note [Host checks]
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:

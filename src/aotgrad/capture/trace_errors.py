@@ -21,6 +21,7 @@ from aotgrad._torch_compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     OpOverload,
+    UnsupportedOperatorException,
     effect_token_op,
 )
 from aotgrad.errors import (
@@ -156,6 +157,8 @@ def _ops_errors() -> Iterator[None]:
             what, fix = _REFUSED_CALLS[op]
             where = user_frame_from_traceback(e.__traceback__)
             raise UnsupportedOpError(format_error(what, where, fix)) from e
+        if isinstance(e, NotImplementedError | UnsupportedOperatorException):
+            raise _no_fake_kernel(op, e) from e  # Note [Ops without a meta kernel]
         todo = (
             _INTERNAL_TODO
             if INTERNAL_ASSERT in str(e)
@@ -170,6 +173,38 @@ def _ops_errors() -> Iterator[None]:
                 todo,
             )
         ) from e
+
+
+# Note [Ops without a meta kernel]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Capture runs every op on fake tensors, which needs the op's meta kernel or fake
+# implementation. A few of torch's own ops have none (``multi_margin_loss_backward``,
+# ``_sample_dirichlet`` behind ``Beta.rsample``/``Dirichlet.rsample``): the fake mode
+# raises ``NotImplementedError`` (or ``UnsupportedOperatorException``) where eager runs
+# the op on real tensors. That is no error of the user's inputs, so it is refused as
+# what it is -- the op and the line that called it -- never as "eager raises the same"::
+#
+#     aten.multi_margin_loss_backward.default has no meta kernel or fake implementation in
+#     this PyTorch, so aotgrad cannot run it on the fake tensors it captures with (eager
+#     runs it on real tensors)
+#       at train.py:12 in loss: return F.multi_margin_loss(x, y)
+#     Compute that op outside the compiled function and pass its result in, ...
+
+
+def _no_fake_kernel(op: str, e: BaseException) -> UnsupportedOpError:
+    backward = "_backward" in op
+    where = "its forward op" if backward else "it"
+    return UnsupportedOpError(
+        format_error(
+            f"{op} has no meta kernel or fake implementation in this PyTorch"
+            f" ({torch.__version__}), so aotgrad cannot run it on the fake tensors it captures"
+            " with (eager runs it on real tensors, and so does this function uncompiled)",
+            user_frame_from_traceback(e.__traceback__),
+            f"Call {where} outside the compiled function and pass the result in (or return"
+            " its inputs and finish eagerly), use an equivalent made of other ops, or give the"
+            " op a fake implementation (torch.library.register_fake) if it is your own.",
+        )
+    )
 
 
 def _frames(e: BaseException) -> list[Any]:
