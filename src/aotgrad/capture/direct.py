@@ -143,6 +143,7 @@ from aotgrad.capture.mutation import (
     check_no_partial_overlap,
     may_overlap,
 )
+from aotgrad.capture.random import MANUAL_SEED
 from aotgrad.capture.recorder import Recorder
 from aotgrad.capture.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
 from aotgrad.capture.view_writes import Alias, Step, Storage, chain_of, invertible, scatter
@@ -318,6 +319,8 @@ class _RecordingMode(TorchDispatchMode):
                 func._schema.is_mutable or _writes_unannotated(func, args, kwargs)
             ):
                 return self._functionalize(func, args, kwargs)
+            if func is MANUAL_SEED:
+                self.recorder.check_reseed()  # Note [Reseeding inside the function]
             answer = self.recorder.host_checks.answer(  # Note [Host checks]
                 func, args, lambda op, *a: self._record(op, a, {})
             )
