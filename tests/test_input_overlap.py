@@ -159,8 +159,19 @@ def test_strided_views_that_share_elements_are_refused():
         t[0:8:2].add_(t[2:10:2])
         return t
 
-    with pytest.raises(UnsupportedMutationError, match="shares some memory locations"):
+    with pytest.raises(UnsupportedMutationError, match="shares some memory locations") as caught:
         aotgrad.aot_function(f)(torch.arange(10.0))
+    assert "t[0:8:2].add_(t[2:10:2])" in str(caught.value)  # the user's line
+
+
+def test_strided_views_that_share_no_element_are_written_as_eager():
+    def f(x):
+        t = x.clone()
+        t[0:8:2].add_(t[1:9:2])  # interleaved: the ranges cross, the elements do not
+        return t
+
+    x = torch.arange(10.0)
+    torch.testing.assert_close(aotgrad.aot_function(f)(x), f(x))
 
 
 def test_copy_between_partially_overlapping_inputs_is_refused():

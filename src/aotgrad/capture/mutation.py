@@ -57,6 +57,7 @@ from aotgrad.errors import (
     UnsupportedMutationError,
     UserFrame,
     format_error,
+    user_frame_from_stack,
 )
 from aotgrad.signature import Descriptor
 from aotgrad.signature.storage import storage_key
@@ -368,7 +369,9 @@ def check_writable(
 # line. Eager skips the check when a tensor is not dense ("too hard") and then runs
 # the kernel over the shared elements in its own order of reads and writes, which the
 # functional graph cannot promise to match: capture compares the elements themselves
-# there, and refuses when some are shared. It runs on whatever tensors the op gets:
+# there, and refuses when some are shared. Under dynamic shapes the comparisons of
+# sizes are guards (the element comparison specializes them): a later call whose
+# overlap differs fails them and is traced again. It runs on whatever tensors the op gets:
 # inputs that overlap (traced over one synthetic base, Note [Aliased inputs]) and views
 # of the function's own intermediates alike. Two calls whose inputs overlap differently
 # have different storage offsets, hence different cache keys (``cache.py``): each call's
@@ -415,7 +418,7 @@ def check_no_partial_overlap(
                     f" {why} a tensor it reads (size {tuple(other.shape)}, stride"
                     f" {tuple(other.stride())}, offset {other.storage_offset()}); aotgrad's"
                     " functional graph cannot promise eager's result for such a write",
-                    None,
+                    user_frame_from_stack(),
                     "Write to a copy, or read from one (a.add_(b.clone())).",
                 )
             )
@@ -450,15 +453,15 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> str | None:
     if same_layout:
         return None  # the same elements, one for one
     # Eager finds this "too hard" and runs the kernel over any shared elements in its own
-    # order of reads and writes: refused where elements are shared, or cannot be compared.
-    layout = [*a.shape, *a.stride(), *b.shape, *b.stride(), a.storage_offset(), b.storage_offset()]
-    if not all(isinstance(v, int) for v in layout):
-        return "may share memory locations (symbolic sizes: dynamic shapes) with"
+    # order of reads and writes: refused where elements are shared, or too many to compare.
+    # Symbolic sizes are specialized here (``int()`` records the guards): rare enough.
     if max(a.numel(), b.numel()) > _ELEMENTS_COMPARED:
         return f"may share memory locations (over {_ELEMENTS_COMPARED} elements to compare) with"
-    if _byte_elements(a) & _byte_elements(b):
-        return "shares some memory locations (not all) with"
-    return None
+    if a.element_size() == b.element_size():  # the same unit: compare element offsets
+        shared = bool(_elements(_static(a)) & _elements(_static(b)))
+    else:
+        shared = bool(_byte_elements(a) & _byte_elements(b))
+    return "shares some memory locations (not all) with" if shared else None
 
 
 def _same(x: Sequence[Any], y: Sequence[Any]) -> bool:
@@ -487,9 +490,16 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _static(t: torch.Tensor) -> ViewMeta:
+    """``t``'s layout in ints (a symbolic size is specialized: ``int()`` records its guard)."""
+    return ViewMeta(
+        tuple(int(n) for n in t.shape), tuple(int(s) for s in t.stride()), int(t.storage_offset())
+    )
+
+
 def _byte_elements(t: torch.Tensor) -> set[int]:
-    offsets = _elements(ViewMeta.of(t))  # static: checked by the caller
-    return {o * t.element_size() + i for o in offsets for i in range(t.element_size())}
+    size = t.element_size()
+    return {o * size + i for o in _elements(_static(t)) for i in range(size)}
 
 
 def may_overlap(t: torch.Tensor) -> bool:
