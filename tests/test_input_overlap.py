@@ -182,3 +182,29 @@ def test_copy_between_partially_overlapping_inputs_is_refused():
     compiled = aotgrad.aot_function(f)
     for slices in (DISJOINT, PARTIAL):
         _assert_as_eager(f, compiled, slices)
+
+
+def test_a_traced_refuses_inputs_that_share_memory_otherwise_than_at_capture():
+    base = torch.arange(10.0)
+    traced = aotgrad.trace(add_to_a, base[0:4], base[4:8])
+    again = torch.arange(10.0)
+    torch.testing.assert_close(traced(again[0:4], again[4:8]), add_to_a(base[0:4], base[4:8]))
+    for args in (
+        (again[0:4], again[2:6]),  # overlapping: eager refuses
+        (torch.zeros(4), torch.ones(4)),  # two storages: the graph re-derives b from a's base
+    ):
+        before = [a.clone() for a in args]
+        with pytest.raises(aotgrad.errors.CallError, match="share memory"):
+            traced(*args)
+        assert all(torch.equal(a, b) for a, b in zip(args, before, strict=True))
+
+
+def test_a_traced_refuses_a_tensor_passed_twice_when_captured_with_two():
+    def f(a, b):
+        return a * 2 + b
+
+    x, y = torch.ones(3), torch.zeros(3)
+    traced = aotgrad.trace(f, x, x)  # the second placeholder is read through the first
+    with pytest.raises(aotgrad.errors.CallError, match="the same tensor as a"):
+        traced(x, y)
+    torch.testing.assert_close(traced(y, y), f(y, y))

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from aotgrad.capture.aliasing import ViewMeta
 from aotgrad.signature.storage import storage_key
@@ -152,3 +153,35 @@ def graph_inputs(
             placed.add(b)
             out.append(built[b])
     return out
+
+
+def memory_sharing(primals: Sequence[Any]) -> tuple[Any, ...]:
+    """Which inputs are one tensor or share a storage, and where each sharing one sits in it.
+
+    A graph is captured for one such structure (Note [Aliased inputs]): a synthetic base
+    re-derives its members from their captured places, and a tensor passed twice is read
+    through its first placeholder. A ``Traced``, which does not re-trace, compares this
+    for every call (Note [Inputs that share memory]).
+
+    >>> x = torch.arange(10.0)
+    >>> memory_sharing([x[0:4], x[4:8]]) == memory_sharing([x[0:4], x[2:6]])
+    False
+    >>> memory_sharing([x, torch.ones(2)]), memory_sharing([x, x])
+    ((), (((0, 1), ((0, 0, (10,), (1,), 0), (1, 0, (10,), (1,), 0))),))
+    """
+    groups: dict[Any, list[int]] = {}
+    for i, p in enumerate(primals):
+        if isinstance(p, torch.Tensor) and not is_traceable_wrapper_subclass(p):
+            groups.setdefault(storage_key(p), []).append(i)  # (a subclass: its own storages)
+    shared = []
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        first: dict[int, int] = {}  # id -> the first position holding that tensor
+        members = []
+        for i in group:
+            p = primals[i]
+            same = first.setdefault(id(p), i)
+            members.append((i, same, tuple(p.shape), tuple(p.stride()), p.storage_offset()))
+        shared.append((tuple(group), tuple(members)))
+    return tuple(shared)
