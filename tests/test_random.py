@@ -254,3 +254,25 @@ def test_reseeding_inside_fork_rng_is_refused():
 
     with pytest.raises(aotgrad.errors.UnsupportedOpError, match="fork_rng"):
         aotgrad.aot_function(f)(torch.ones(8))
+
+
+def test_another_thread_seeding_during_a_capture_seeds_as_eager():
+    import threading
+
+    seeded = []
+
+    def other_thread():
+        seeded.append(torch.seed())  # not the traced function: must work as in eager
+        torch.manual_seed(3)
+        seeded.append(torch.rand(2))
+
+    def f(x):
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        return x * 2
+
+    aotgrad.aot_function(f)(torch.ones(2))
+    assert len(seeded) == 2 and isinstance(seeded[0], int)
+    torch.manual_seed(3)
+    assert torch.equal(seeded[1], torch.rand(2))

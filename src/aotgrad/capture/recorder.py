@@ -351,19 +351,25 @@ def generator_restored() -> Iterator[None]:
         with disable_current_modes():
             generator.set_state(new_state)
 
-    patched = {
+    seeders = {
+        (torch, "manual_seed"): "default",
+        (torch.random, "manual_seed"): "default",
+        (torch.cuda, "manual_seed"): "cuda",
+        (torch.cuda, "manual_seed_all"): "cuda_all",
+    }
+    fresh_seeds = [
+        (torch, "seed"),
+        (torch.random, "seed"),
+        (torch.cuda, "seed"),
+        (torch.cuda, "seed_all"),
+    ]
+    patched: dict[tuple[Any, str], Callable[..., Any]] = {
         (torch, "get_rng_state"): get_rng_state,
         (torch.random, "get_rng_state"): get_rng_state,
         (torch, "set_rng_state"): set_rng_state,
         (torch.random, "set_rng_state"): set_rng_state,
-        (torch, "manual_seed"): _reseeding("default"),
-        (torch.random, "manual_seed"): _reseeding("default"),
-        (torch, "seed"): _refuse_seeding,
-        (torch.random, "seed"): _refuse_seeding,
-        (torch.cuda, "manual_seed"): _reseeding("cuda"),
-        (torch.cuda, "manual_seed_all"): _reseeding("cuda_all"),
-        (torch.cuda, "seed"): _refuse_seeding,
-        (torch.cuda, "seed_all"): _refuse_seeding,
+        **{place: _reseeding(which, getattr(*place)) for place, which in seeders.items()},
+        **{place: _refusing_fresh_seeds(getattr(*place)) for place in fresh_seeds},
     }
     saved = {place: getattr(*place) for place in patched}
     for (owner, name), value in patched.items():
@@ -377,15 +383,29 @@ def generator_restored() -> Iterator[None]:
             generator.set_state(state)
 
 
-def _reseeding(which: str) -> Callable[..., Any]:
+def _reseeding(which: str, original: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.manual_seed`` during a trace: records the reseed as an op (Note [Reseeding
-    inside the function]); the recorder refuses it where it cannot be replayed."""
+    inside the function]); the recorder refuses it where it cannot be replayed. Another
+    thread, not tracing, gets the original."""
 
     def manual_seed(seed: Any) -> Any:
+        if not _RESTORE.recorders:
+            return original(seed)
         MANUAL_SEED(seed_as_int64(seed), which)
         return torch.default_generator if which == "default" else None
 
     return manual_seed
+
+
+def _refusing_fresh_seeds(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.seed`` during a trace: refused (another thread, not tracing, gets the original)."""
+
+    def seed(*args: Any, **kwargs: Any) -> Any:
+        if not _RESTORE.recorders:
+            return original(*args, **kwargs)
+        return _refuse_seeding()
+
+    return seed
 
 
 class _Restores(threading.local):
@@ -403,7 +423,7 @@ class _Restores(threading.local):
 _RESTORE = _Restores()
 
 
-def _refuse_seeding(*args: Any, **kwargs: Any) -> Any:
+def _refuse_seeding() -> Any:
     """``torch.seed()`` during a trace (Note [Reseeding inside the function])."""
     raise UnsupportedOpError(
         format_error(
