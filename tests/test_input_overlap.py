@@ -208,3 +208,22 @@ def test_a_traced_refuses_a_tensor_passed_twice_when_captured_with_two():
     with pytest.raises(aotgrad.errors.CallError, match="the same tensor as a"):
         traced(x, y)
     torch.testing.assert_close(traced(y, y), f(y, y))
+
+
+@pytest.mark.parametrize("share", ["detach", "data"])
+def test_inputs_sharing_a_storage_without_a_view_are_told_apart_from_distinct_ones(share):
+    # x and x.detach() share memory, yet neither is a view: the key (and the last entry's
+    # guard) must not take them for two distinct tensors of a disjoint capture.
+    def f(a, b):
+        b.mul_(2)
+        return a + 1
+
+    compiled = aotgrad.aot_function(f)
+    x, y = torch.ones(3), torch.ones(3)
+    torch.testing.assert_close(compiled(x, y), f(torch.ones(3), torch.ones(3)))
+    compiled(torch.ones(3), torch.ones(3))  # the last entry, remembered
+    x = torch.ones(3)
+    other = x.detach() if share == "detach" else x.data
+    with pytest.raises(UnsupportedMutationError, match="share memory without a common base"):
+        compiled(x, other)
+    assert torch.equal(x, torch.ones(3))
