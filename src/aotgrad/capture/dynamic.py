@@ -123,7 +123,10 @@ def requested_dims(leaves: Sequence[Any], everything: bool) -> DynamicDims | Non
 #     f(x[0:3], x[6:9])    another key: traced again (was served the 4-element graph)
 #     f(x[0:6], x[4:10])   another key: overlapping, eager's RuntimeError at capture
 #
-# Inputs that share memory with no other input keep their dynamic dimensions.
+# Inputs that share memory with no other input keep their dynamic dimensions. The key
+# finds sharing through views, repeats and storage addresses (``x`` and ``x.detach()``
+# share memory without a view: ``alias_key``). A ``Traced``, which never re-traces,
+# compares the call's ``memory_sharing`` with the capture's and refuses a difference.
 
 
 def static_where_shared(
