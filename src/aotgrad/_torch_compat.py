@@ -344,6 +344,8 @@ DATA_NOT_ALLOCATED = "data is not allocated yet"
 EFFECT_TOKEN_MISSING = "Could not find a token for effect"
 # torch's own invariant failing (``TORCH_INTERNAL_ASSERT``), not the user's error.
 INTERNAL_ASSERT = "INTERNAL ASSERT FAILED"
+# An op with no meta kernel or fake implementation run on fake tensors (NotImplementedError).
+NO_META_KERNEL = "attempted to run this operator with Meta tensors"
 # A reentrant checkpoint refusing ``autograd.grad`` (Note [Reentrant checkpoints]).
 REENTRANT_CHECKPOINT_GRAD = "incompatible with .grad()"
 

@@ -16,6 +16,7 @@ from aotgrad._torch_compat import (
     EFFECT_TOKEN_MISSING,
     ENGINE_RUN_BACKWARD,
     INTERNAL_ASSERT,
+    NO_META_KERNEL,
     NON_FUNCTIONAL_MUTATION,
     TENSOR_BACKWARD,
     DataDependentOutputException,
@@ -157,7 +158,9 @@ def _ops_errors() -> Iterator[None]:
             what, fix = _REFUSED_CALLS[op]
             where = user_frame_from_traceback(e.__traceback__)
             raise UnsupportedOpError(format_error(what, where, fix)) from e
-        if isinstance(e, NotImplementedError | UnsupportedOperatorException):
+        if isinstance(e, UnsupportedOperatorException) or (
+            isinstance(e, NotImplementedError) and NO_META_KERNEL in str(e)
+        ):
             raise _no_fake_kernel(op, e) from e  # Note [Ops without a meta kernel]
         todo = (
             _INTERNAL_TODO
@@ -180,7 +183,8 @@ def _ops_errors() -> Iterator[None]:
 # Capture runs every op on fake tensors, which needs the op's meta kernel or fake
 # implementation. A few of torch's own ops have none (``multi_margin_loss_backward``,
 # ``_sample_dirichlet`` behind ``Beta.rsample``/``Dirichlet.rsample``): the fake mode
-# raises ``NotImplementedError`` (or ``UnsupportedOperatorException``) where eager runs
+# raises ``NotImplementedError`` ("attempted to run this operator with Meta tensors") or
+# ``UnsupportedOperatorException`` where eager runs
 # the op on real tensors. That is no error of the user's inputs, so it is refused as
 # what it is -- the op and the line that called it -- never as "eager raises the same"::
 #
