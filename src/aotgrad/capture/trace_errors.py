@@ -54,14 +54,15 @@ _DATA_DEPENDENT = (
 
 
 @contextlib.contextmanager
-def translate_trace_errors(fn: Any) -> Iterator[None]:
+def translate_trace_errors(fn: Any, where: UserFrame | None = None) -> Iterator[None]:
     """Re-raise failures inside torch as aotgrad errors at the user's line.
 
     Data-dependent code becomes :class:`DataDependentError`; any other error an op
-    raised (Note [Errors from inside torch]) an :class:`OpError`.
+    raised (Note [Errors from inside torch]) an :class:`OpError`. ``where``: the traced
+    function's ``def``, named when no user line is on the stack (an op of the backward).
     """
     try:
-        with _ops_errors():
+        with _ops_errors(where):
             yield
     except _DATA_DEPENDENT as e:
         raise _data_dependent(e) from None
@@ -144,7 +145,7 @@ _INTERNAL_TODO = (
 
 
 @contextlib.contextmanager
-def _ops_errors() -> Iterator[None]:
+def _ops_errors(function: UserFrame | None) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
@@ -161,7 +162,7 @@ def _ops_errors() -> Iterator[None]:
         if isinstance(e, UnsupportedOperatorException) or (
             isinstance(e, NotImplementedError) and NO_META_KERNEL in str(e)
         ):
-            raise _no_fake_kernel(op, e) from e  # Note [Ops without a meta kernel]
+            raise _no_fake_kernel(op, e, function) from e  # Note [Ops without a meta kernel]
         todo = (
             _INTERNAL_TODO
             if INTERNAL_ASSERT in str(e)
@@ -195,7 +196,8 @@ def _ops_errors() -> Iterator[None]:
 #     Compute that op outside the compiled function and pass its result in, ...
 
 
-def _no_fake_kernel(op: str, e: BaseException) -> UnsupportedOpError:
+def _no_fake_kernel(op: str, e: BaseException, function: UserFrame | None) -> UnsupportedOpError:
+    """``function``: the traced function's ``def``, for an op the backward runs (no user line)."""
     backward = "_backward" in op
     where = "its forward op" if backward else "it"
     return UnsupportedOpError(
@@ -203,7 +205,7 @@ def _no_fake_kernel(op: str, e: BaseException) -> UnsupportedOpError:
             f"{op} has no meta kernel or fake implementation in this PyTorch"
             f" ({torch.__version__}), so aotgrad cannot run it on the fake tensors it captures"
             " with (eager runs it on real tensors, and so does this function uncompiled)",
-            user_frame_from_traceback(e.__traceback__),
+            user_frame_from_traceback(e.__traceback__) or function,
             f"Call {where} outside the compiled function and pass the result in (or return"
             " its inputs and finish eagerly), use an equivalent made of other ops, or give the"
             " op a fake implementation (torch.library.register_fake) if it is your own.",
