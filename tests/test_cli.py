@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -134,3 +135,108 @@ def test_show_with_the_direct_tracer_refuses_what_it_cannot_trace(tmp_path, caps
         " aten.t_.default mutates an input's size or strides"
     )
     assert "x.t_()  # the direct trace stops here" in err
+
+
+# Note [Importing the user's file]: the file runs as a script would, under a private name.
+
+SCRIPT_BODY = """
+import torch
+
+
+def fn(x):
+    return x.sin()
+
+
+def example_inputs():
+    return (torch.ones(2, 3),), {}
+"""
+
+
+@pytest.mark.parametrize("stem", ["copy", "typing", "json", "aotgrad", "torch"])
+def test_show_imports_a_file_named_like_a_library_under_a_private_name(tmp_path, capsys, stem):
+    import copy
+    import typing
+
+    before = {name: sys.modules.get(name) for name in ("copy", "typing", "json", stem)}
+    target = tmp_path / f"{stem}.py"
+    target.write_text(SCRIPT_BODY)
+    assert main(["show", f"{target}:fn"]) == 0, capsys.readouterr().err
+    assert "match: 1 outputs" in capsys.readouterr().out
+    after = {name: sys.modules.get(name) for name in before}
+    assert after == before
+    assert sys.modules["copy"] is copy and sys.modules["typing"] is typing
+    assert sys.path.index(str(tmp_path)) > 0  # appended, never first
+
+
+def test_show_runs_a_file_whose_sibling_modules_import(tmp_path, capsys):
+    (tmp_path / "helpers_for_show.py").write_text("SCALE = 3.0\n")
+    (tmp_path / "main_file.py").write_text(
+        "from helpers_for_show import SCALE\n" + SCRIPT_BODY.replace("x.sin()", "x.sin() * SCALE")
+    )
+    assert main(["show", f"{tmp_path / 'main_file.py'}:fn", "--no-check"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("top_level", "message"),
+    [
+        ("import sys\nsys.exit(0)\n", "called sys.exit(0) at "),
+        ("import sys\nsys.exit()\n", "called sys.exit(None (0)) at "),
+        ("raise SystemExit('bye')\n", "called sys.exit('bye') at "),
+        (
+            "import argparse\np = argparse.ArgumentParser()\np.add_argument('--lr', required=True)\n"
+            "p.parse_args()\n",
+            "called sys.exit(2) at ",
+        ),
+    ],
+    ids=["exit-0", "exit-none", "exit-text", "argparse-required"],
+)
+def test_show_reports_a_file_that_exits_at_import(tmp_path, capsys, top_level, message):
+    target = tmp_path / "script.py"
+    target.write_text(SCRIPT_BODY + top_level)
+    assert main(["show", f"{target}:fn", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"importing {target} {message}{target}:" in captured.err
+    assert 'if __name__ == "__main__":' in captured.err
+    assert "Traceback" not in captured.err
+    assert "_aotgrad_show_script" not in sys.modules
+
+
+def test_show_gives_the_file_the_argv_of_a_script(tmp_path, capsys):
+    target = tmp_path / "script.py"
+    target.write_text(
+        SCRIPT_BODY
+        + "import argparse, sys\nSEEN = list(sys.argv)\n"
+        + "OPTIONS = argparse.ArgumentParser().parse_args()\n"
+        + "if __name__ == '__main__':\n    raise SystemExit(5)\n"
+    )
+    assert main(["show", f"{target}:fn", "--no-check", "--tracer", "full"]) == 0
+    assert [str(target)] == sys.modules["_aotgrad_show_script"].SEEN
+    assert sys.argv[0] != str(target)  # restored after the run
+
+
+def test_show_reports_a_function_that_exits(tmp_path, capsys):
+    target = tmp_path / "script.py"
+    target.write_text(SCRIPT_BODY + "\ndef quits(x):\n    raise SystemExit(3)\n")
+    assert main(["show", f"{target}:quits"]) == 1
+    err = capsys.readouterr().err
+    assert "quits raised SystemExit: 3 at " in err
+
+
+def test_show_into_a_closed_pipe_exits_quietly():
+    # Note [A closed stdout]: `aotgrad show ... --json | head -1`, with the reader gone
+    # before the first write (a pipe buffer would otherwise take the whole document).
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "aotgrad.cli", "show", f"{EXAMPLE}:fn", "--json"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 141

@@ -111,15 +111,168 @@ def test_torchvision_vit_with_dropout():
     verify(model, torch.randn(2, 3, 8, 8), rtol=1e-4, atol=1e-5)
 
 
-def test_seeding_inside_the_function_is_refused_before_the_generator_changes():
+# Note [Reseeding inside the function]
+
+
+def _reseeded(x, seed=0):
+    torch.manual_seed(seed)
+    return F.dropout(x, 0.5) * torch.rand(x.shape) + torch.randn(x.shape)
+
+
+def _run_as_eager(fn, compiled, *args, calls=3):
+    """Each call from a different caller's stream: values, grads and the stream after it."""
+    for call in range(calls):
+        outcomes = []
+        for f in (fn, compiled):
+            torch.manual_seed(1000 + call)  # the same caller's stream for both
+            x = torch.randn(4, 6, requires_grad=True)
+            torch.manual_seed(77 * call)  # a different state before each call: reseeded inside
+            out = f(x, *args)
+            (grad,) = torch.autograd.grad(out.square().sum(), x)
+            outcomes.append((out, grad, torch.get_rng_state(), torch.rand(3)))
+        torch.testing.assert_close(outcomes[1][:2], outcomes[0][:2])
+        assert torch.equal(outcomes[1][2], outcomes[0][2]), "the generator state after the call"
+        assert torch.equal(outcomes[1][3], outcomes[0][3]), "the draws after the call"
+
+
+@pytest.mark.parametrize("tracer", ["auto", "full"])
+def test_a_reseed_before_every_random_op_runs_at_every_call(tracer):
+    _run_as_eager(_reseeded, aotgrad.aot_function(_reseeded, tracer=tracer))
+
+
+def test_the_reseed_is_an_op_of_the_forward_graph():
+    traced = aotgrad.trace(_reseeded, torch.ones(2, 3))
+    code = traced.forward.code
+    assert "torch.ops.aotgrad.manual_seed.default(0, 'default')" in code
+    assert code.index("manual_seed") < code.index("bernoulli")
+
+
+@pytest.mark.parametrize("seeds", [(3, 3, 4, 3), (0, 2**64 - 1, 2**63, -5)])
+def test_a_seed_passed_as_a_python_argument_is_part_of_the_key(seeds):
+    compiled = aotgrad.aot_function(_reseeded)
+    for seed in seeds:
+        _run_as_eager(_reseeded, compiled, seed, calls=1)
+
+
+SEED = 11
+
+
+def _reseeded_from_a_global(x):
+    torch.manual_seed(SEED)
+    return F.dropout(x, 0.5)
+
+
+def test_a_seed_read_from_a_global_is_part_of_the_key():
+    global SEED
+    compiled = aotgrad.aot_function(_reseeded_from_a_global)
+    for value in (11, 12, 11):
+        SEED = value
+        _run_as_eager(_reseeded_from_a_global, compiled, calls=1)
+
+
+def test_a_reseed_with_no_random_op_leaves_the_generator_as_eager():
     def f(x):
-        torch.manual_seed(0)  # the line the error names
+        torch.manual_seed(5)
+        return x * 2
+
+    _run_as_eager(f, aotgrad.aot_function(f))
+
+
+def test_a_module_that_reseeds_in_forward():
+    class Seeded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+            self.drop = torch.nn.Dropout(0.3)
+
+        def forward(self, x):
+            torch.random.manual_seed(123)
+            return self.drop(self.lin(x))
+
+    model = Seeded()
+    compiled = aotgrad.aot_module(model)
+    _run_as_eager(model, compiled)
+
+
+def test_cuda_manual_seed_is_replayed_too():
+    def f(x):
+        torch.cuda.manual_seed(4)  # CPU draws are not changed by it, in eager as compiled
+        torch.cuda.manual_seed_all(4)
+        torch.manual_seed(4)
         return F.dropout(x, 0.5)
 
+    _run_as_eager(f, aotgrad.aot_function(f))
+
+
+def test_reseeding_after_a_random_op_is_refused_before_the_generator_changes():
+    def f(x):
+        y = F.dropout(x, 0.5)
+        torch.manual_seed(0)  # the line the error names
+        return F.dropout(y, 0.5)
+
     state = torch.get_rng_state()
-    with pytest.raises(aotgrad.errors.UnsupportedOpError, match="reseeds") as caught:
+    seeders = (torch.manual_seed, torch.random.manual_seed, torch.cuda.manual_seed)
+    with pytest.raises(aotgrad.errors.UnsupportedOpError, match="after 1 random op") as caught:
         aotgrad.aot_function(f)(torch.ones(8))
     assert "torch.manual_seed(0)  # the line the error names" in str(caught.value)
     assert torch.equal(torch.get_rng_state(), state)
-    assert torch.manual_seed is torch.random.manual_seed  # restored after the capture
+    restored = (torch.manual_seed, torch.random.manual_seed, torch.cuda.manual_seed)
+    assert all(a is b for a, b in zip(restored, seeders, strict=True))  # after the capture
     torch.manual_seed(0)  # and works again
+
+
+def test_reseeding_inside_a_checkpointed_region_is_refused():
+    def region(x):
+        torch.manual_seed(0)
+        return F.dropout(x, 0.5).sin()
+
+    def f(x):
+        return checkpoint(region, x, use_reentrant=False)
+
+    with pytest.raises(aotgrad.errors.UnsupportedOpError, match="checkpointed region"):
+        aotgrad.aot_function(f)(torch.ones(8, requires_grad=True))
+
+
+@pytest.mark.parametrize("seed", ["torch", "torch.random", "torch.cuda"])
+def test_a_fresh_seed_is_refused(seed):
+    owner = {"torch": torch, "torch.random": torch.random, "torch.cuda": torch.cuda}[seed]
+
+    def f(x):
+        owner.seed()
+        return F.dropout(x, 0.5)
+
+    with pytest.raises(aotgrad.errors.UnsupportedOpError, match="non-deterministic seed"):
+        aotgrad.aot_function(f)(torch.ones(8))
+
+
+def test_reseeding_inside_fork_rng_is_refused():
+    def f(x):
+        with torch.random.fork_rng():  # eager: the caller's stream comes back at the exit
+            torch.manual_seed(0)
+            y = F.dropout(x, 0.5)
+        return y
+
+    with pytest.raises(aotgrad.errors.UnsupportedOpError, match="fork_rng"):
+        aotgrad.aot_function(f)(torch.ones(8))
+
+
+def test_another_thread_seeding_during_a_capture_seeds_as_eager():
+    import threading
+
+    seeded = []
+
+    def other_thread():
+        seeded.append(torch.seed())  # not the traced function: must work as in eager
+        torch.manual_seed(3)
+        seeded.append(torch.rand(2))
+
+    def f(x):
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        return x * 2
+
+    aotgrad.aot_function(f)(torch.ones(2))
+    assert len(seeded) == 2 and isinstance(seeded[0], int)
+    torch.manual_seed(3)
+    assert torch.equal(seeded[1], torch.rand(2))

@@ -84,6 +84,7 @@ FakeTensor = _fake_tensor.FakeTensor
 # What the fake mode raises when Python code or an op reads tensor values: a DataDependentError.
 DataDependentOutputException = _fake_tensor.DataDependentOutputException
 DynamicOutputShapeException = _fake_tensor.DynamicOutputShapeException
+UnsupportedOperatorException = _fake_tensor.UnsupportedOperatorException
 # ``view``'s output strides from symbolic sizes (Note [Eager strides for views]).
 view_stride = _fake_impls._compute_stride
 # Run an op's meta kernel on fake tensors seen as meta tensors, as the fake mode's last step
@@ -343,6 +344,8 @@ DATA_NOT_ALLOCATED = "data is not allocated yet"
 EFFECT_TOKEN_MISSING = "Could not find a token for effect"
 # torch's own invariant failing (``TORCH_INTERNAL_ASSERT``), not the user's error.
 INTERNAL_ASSERT = "INTERNAL ASSERT FAILED"
+# An op with no meta kernel or fake implementation run on fake tensors (NotImplementedError).
+NO_META_KERNEL = "attempted to run this operator with Meta tensors"
 # A reentrant checkpoint refusing ``autograd.grad`` (Note [Reentrant checkpoints]).
 REENTRANT_CHECKPOINT_GRAD = "incompatible with .grad()"
 

@@ -28,6 +28,7 @@ from aotgrad.capture import (
 )
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
+from aotgrad.capture.input_aliases import memory_sharing
 from aotgrad.disk_cache import DiskCacheUse, GraphOptions
 from aotgrad.errors import CallError, CaptureError, StoreError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
@@ -89,6 +90,9 @@ class Traced:
     _state: State | None = None
     # The traced function, run under torch.func transforms and forward-mode AD, and how
     # many calls ran it (Note [Transforms run the function]).
+    # Which inputs were one tensor or shared memory at capture, and where (``memory_sharing``):
+    # calls must match it; None for a body run by aotgrad's own loops.
+    _sharing: tuple[Any, ...] | None = None
     _fn: Callable[..., Any] | None = None
     _transform_runs: list[int] = field(default_factory=lambda: [0])
     # The stores in the user's objects done at every call (Note [Side effects replayed]).
@@ -244,7 +248,18 @@ class Traced:
                 " the autocast you call it with (or use aotgrad.aot_function, which re-traces)"
             )
         tensors = [leaves[i] for i in flat.tensor_positions]
-        out = self._compiled([*self._lifted_now(), *tensors])
+        primals = [*self._lifted_now(), *tensors]
+        if self._sharing is not None and memory_sharing(primals) != self._sharing:
+            names = flat.descriptors
+            raise CallError(  # Note [Inputs that share memory]
+                "this Traced was captured for inputs that share memory"
+                f" {_sharing_text(self._sharing, names)}, and is called with inputs that share"
+                f" memory {_sharing_text(memory_sharing(primals), names)}: its graphs hold the"
+                " capture's aliasing (a tensor passed twice, views of one storage and their places in it)."
+                " Call aotgrad.trace again with these inputs (or use aotgrad.aot_function,"
+                " which re-traces)"
+            )
+        out = self._compiled(primals)
         return out if self._replay is None else self._replay(out)
 
     def _lifted_now(self) -> tuple[torch.Tensor, ...]:
@@ -341,6 +356,7 @@ def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: O
         _compiled=compile_partitioned(partitioned),
         _lifted=lifted.tensors,
         _autocast=autocast_state(),
+        _sharing=memory_sharing([*lifted.tensors, *tensors]),
         _replay=watch.replay,
     )
 
@@ -350,6 +366,26 @@ def _watch(fn: Callable[..., Any], arguments: Arguments) -> Watch:
     the function (or module) and the modules among its arguments."""
     root = "self" if isinstance(fn, torch.nn.Module) else "function"
     return Watch([(root, fn), *arguments], where=user_frame_of_function(fn))
+
+
+def _sharing_text(sharing: tuple[Any, ...], descriptors: Sequence[Any]) -> str:
+    if not sharing:
+        return "(none)"
+
+    def name(i: int) -> str:
+        return str(descriptors[i]) if i < len(descriptors) else f"input {i}"
+
+    groups = []
+    for _, members in sharing:
+        groups.append(
+            " and ".join(
+                name(i)
+                + (f" (the same tensor as {name(same)})" if same != i else "")
+                + f" [size {tuple(size)}, stride {tuple(stride)}, offset {offset}]"
+                for i, same, size, stride, offset in members
+            )
+        )
+    return "; ".join(groups)
 
 
 def _autocast_text(state: tuple[tuple[str, torch.dtype], ...]) -> str:

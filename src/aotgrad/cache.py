@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from aotgrad.capture.autocast import AutocastState, any_autocast, autocast_state
-from aotgrad.capture.dynamic import DynamicDims
+from aotgrad.capture.dynamic import DynamicDims, static_where_shared
 from aotgrad.capture.side_effects import Replay
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.signature import PlainTensorsGuard, alias_key, call_key, dynamic_call_key
@@ -172,12 +172,15 @@ class CacheKey(NamedTuple):
     ) -> CacheKey:
         """The key of a call: its leaves (``flatten_call``), dynamic dimensions and lifted state."""
         state = lifted.tensors
+        aliases = alias_key([*state, *leaves] if state else leaves)
+        if dims is not None and aliases is not None:
+            dims = static_where_shared(leaves, dims, state)  # Note [Inputs that share memory]
         return CacheKey(
             structure=structure,
             leaves=call_key(leaves) if dims is None else dynamic_call_key(leaves, dims),
             dynamic_dims=dims,
             state=lifted.key,
-            aliases=alias_key([*state, *leaves] if state else leaves),
+            aliases=aliases,
             ambient=ambient_key(),
         )
 

@@ -7,9 +7,13 @@ returning ``(args, kwargs)`` for the function.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import os
+import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -44,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     options = parser.parse_args(argv)
     try:
+        with _argv_of_a_script(options.target.rpartition(":")[0]):
+            return _run(options)
+    except _StdoutClosed:
+        return _quiet_exit_on_closed_stdout()
+
+
+def _run(options: argparse.Namespace) -> int:
+    try:
         fn, args, kwargs = _load(options.target, options.inputs)
     except LoadError as e:
         print(f"aotgrad: {e}", file=sys.stderr)
@@ -51,45 +63,80 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if options.json:
             traced = trace(fn, *args, tracer=options.tracer, **kwargs)
-            print(json.dumps(show_document(traced.partitioned), indent=1))
+            _emit(json.dumps(show_document(traced.partitioned), indent=1))
             return 0
         if options.html:
             trace(fn, *args, tracer=options.tracer, **kwargs).to_html(options.html)
-            print(f"wrote {options.html}")
+            _emit(f"wrote {options.html}")
             return 0
         return _show(fn, args, kwargs, check=not options.no_check, tracer=options.tracer)
     except AotgradError as e:  # the function cannot be captured: aotgrad's message says why
         print(f"aotgrad: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    except Exception as e:  # the user's function raised: its line, not a traceback
+    except (Exception, SystemExit) as e:  # the user's function raised: its line, not a traceback
         where = user_frame_from_traceback(e.__traceback__)
         location = f" at {where}" if where is not None else ""
         print(f"aotgrad: {options.target} raised {_one_line(e)}{location}", file=sys.stderr)
         return 1
 
 
+# Note [A closed stdout]
+# ``aotgrad show f.py:fn --json | head`` closes the pipe after ten lines; the next write
+# raises BrokenPipeError. That is the reader's choice, not the user's function failing:
+# like ``cat`` and as Python's docs on SIGPIPE recommend, aotgrad stops quietly, points
+# stdout at /dev/null so the interpreter's final flush cannot raise again, and exits with
+# 141 (128 + SIGPIPE), what a shell reports for a writer killed by a closed pipe. Only
+# aotgrad's own writes are treated so (``_emit``); a BrokenPipeError the user's function
+# raises is reported as its error, at its line.
+
+
+class _StdoutClosed(BaseException):
+    """The reader of stdout went away (Note [A closed stdout]). Not an ``Exception``: the
+    handler that reports the user's function raising must let it through."""
+
+
+_SIGPIPE_EXIT = 141
+
+
+def _emit(text: str = "", end: str = "\n") -> None:
+    """Print ``text`` to stdout and flush, turning a closed pipe into ``_StdoutClosed``."""
+    try:
+        sys.stdout.write(text + end)
+        sys.stdout.flush()
+    except BrokenPipeError as e:
+        raise _StdoutClosed from e
+
+
+def _quiet_exit_on_closed_stdout() -> int:
+    with contextlib.suppress(OSError, ValueError):  # stdout may be no real file (a test's)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return _SIGPIPE_EXIT
+
+
 def _show(
     fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], check: bool, tracer: TracerChoice
 ) -> int:
     traced = trace(fn, *args, tracer=tracer, **kwargs)
-    print("=== tracer ===")
-    print(traced.partitioned.joint.tracer, end="\n\n")
-    print("=== forward graph ===")
-    print(traced.forward.code.strip(), end="\n\n")
+    _emit("=== tracer ===")
+    _emit(str(traced.partitioned.joint.tracer), end="\n\n")
+    _emit("=== forward graph ===")
+    _emit(traced.forward.code.strip(), end="\n\n")
     if traced.backward is not None:
-        print("=== backward graph ===")
-        print(traced.backward.code.strip(), end="\n\n")
-    print("=== calling convention ===")
-    print(traced.signature, end="\n\n")
-    print("=== saved for backward ===")
-    print(traced.memory_report(), end="\n\n")
-    print("=== sequence numbers ===")
-    print(traced.seq_table(), end="\n\n")
+        _emit("=== backward graph ===")
+        _emit(traced.backward.code.strip(), end="\n\n")
+    _emit("=== calling convention ===")
+    _emit(str(traced.signature), end="\n\n")
+    _emit("=== saved for backward ===")
+    _emit(str(traced.memory_report()), end="\n\n")
+    _emit("=== sequence numbers ===")
+    _emit(str(traced.seq_table()), end="\n\n")
     if not check:
         return 0
-    print("=== check against eager ===")
+    _emit("=== check against eager ===")
     report = verify(fn, *args, check=False, **kwargs)
-    print(report)
+    _emit(str(report))
     return 0 if report.ok else 1
 
 
@@ -101,7 +148,8 @@ def _load(target: str, inputs_name: str) -> tuple[Any, tuple[Any, ...], dict[str
     path_text, sep, name = target.rpartition(":")
     if not sep or not name:
         raise LoadError(f"expected FILE.py:FUNCTION, got {target!r}")
-    module = _import_file(Path(path_text))
+    path = Path(path_text)
+    module = _import_file(path)
     fn = getattr(module, name, None)
     if fn is None:
         raise LoadError(f"{path_text} defines no {name!r}")
@@ -116,6 +164,8 @@ def _load(target: str, inputs_name: str) -> tuple[Any, tuple[Any, ...], dict[str
         )
     try:
         inputs = make_inputs()
+    except SystemExit as e:
+        raise LoadError(f"{path_text}:{inputs_name}() {_exited(e)}") from e
     except Exception as e:
         raise LoadError(f"{path_text}:{inputs_name}() raised {_one_line(e)}") from e
     return (fn, *_split_inputs(inputs, f"{path_text}:{inputs_name}()"))
@@ -139,19 +189,70 @@ def _split_inputs(inputs: Any, source: str) -> tuple[tuple[Any, ...], dict[str, 
     return tuple(inputs[0]), dict(inputs[1])
 
 
+# Note [Importing the user's file]
+# ``aotgrad show tools/copy.py:fn`` must import the file without letting it change aotgrad
+# or the interpreter it runs in:
+# - under a private module name (``_aotgrad_show_copy``), never its stem: registered as
+#   ``sys.modules["copy"]`` it replaced the standard library's ``copy`` for aotgrad and torch;
+# - its folder is appended to ``sys.path``, not put first, so that its sibling modules import
+#   but a sibling ``typing.py`` cannot shadow the standard library;
+# - with ``sys.argv == [FILE]`` while its code runs (import, inputs, capture, check), as
+#   ``python FILE`` would give it: an ``argparse`` at import sees no aotgrad options (it
+#   printed its own usage and exited);
+# - a ``sys.exit`` at import (a script without an ``if __name__ == "__main__":`` guard) is
+#   a LoadError naming the file, the line and the exit code; ``show`` exits 2, never 0 with
+#   nothing printed. ``__name__`` is the private name, so such a guard keeps the script's
+#   main part from running.
+
+
+def _module_name(path: Path) -> str:
+    return "_aotgrad_show_" + re.sub(r"\W", "_", path.stem)
+
+
+@contextlib.contextmanager
+def _argv_of_a_script(path: str) -> Iterator[None]:
+    """``sys.argv`` as ``python FILE`` gives it, while the file's code runs."""
+    saved = sys.argv
+    sys.argv = [path]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def _exited(e: SystemExit) -> str:
+    where = user_frame_from_traceback(e.__traceback__)
+    location = f" at {where.filename}:{where.lineno}" if where is not None else ""
+    code = "None (0)" if e.code is None else repr(e.code)
+    return (
+        f"called sys.exit({code}){location}: a file for `aotgrad show` must not exit while it"
+        " is imported; put the script's own main part under"
+        ' `if __name__ == "__main__":`'
+    )
+
+
 def _import_file(path: Path) -> ModuleType:
     if not path.is_file():
         raise LoadError(f"no such file: {path}")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    name = _module_name(path)
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise LoadError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
+    sys.modules[name] = module  # dataclasses and pickle look the module up by name
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:
+        del sys.modules[name]
         raise LoadError(f"{e.filename or path}:{e.lineno}: syntax error: {e.msg}") from e
+    except SystemExit as e:
+        del sys.modules[name]
+        raise LoadError(f"importing {path} {_exited(e)}") from e
     except Exception as e:
+        del sys.modules[name]
         raise LoadError(f"importing {path} raised {_one_line(e)}") from e
     return module
 

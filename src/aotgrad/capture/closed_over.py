@@ -41,6 +41,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from aotgrad._torch_compat import is_functional_tensor
+from aotgrad.capture.host_checks import checked_function, is_checked_function
 from aotgrad.errors import (
     UnsupportedClosureError,
     UnsupportedMutationError,
@@ -103,6 +104,9 @@ class ClosedOver(TorchFunctionMode):
                 for i, x in enumerate(flat)
             ]
             args, kwargs = pytree.tree_unflatten(flat, spec)
+        if is_checked_function(func):  # Note [Host checks]
+            with checked_function(func):
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
     def _check_grad_read(self, t: Any) -> None:

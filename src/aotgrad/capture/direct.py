@@ -137,7 +137,13 @@ from aotgrad._torch_compat import (
 )
 from aotgrad.capture.collectives import refuse_in_place_collective
 from aotgrad.capture.graph import lazy_module
-from aotgrad.capture.mutation import InputMutation, PrimalInfo, may_overlap
+from aotgrad.capture.mutation import (
+    InputMutation,
+    PrimalInfo,
+    check_no_partial_overlap,
+    may_overlap,
+)
+from aotgrad.capture.random import MANUAL_SEED
 from aotgrad.capture.recorder import Recorder
 from aotgrad.capture.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
 from aotgrad.capture.view_writes import Alias, Step, Storage, chain_of, invertible, scatter
@@ -313,7 +319,16 @@ class _RecordingMode(TorchDispatchMode):
                 func._schema.is_mutable or _writes_unannotated(func, args, kwargs)
             ):
                 return self._functionalize(func, args, kwargs)
-            return self._record(func, args, kwargs)
+            if func is MANUAL_SEED:
+                self.recorder.check_reseed()  # Note [Reseeding inside the function]
+            answer = self.recorder.host_checks.answer(  # Note [Host checks]
+                func, args, lambda op, *a: self._record(op, a, {})
+            )
+            if answer is not None:
+                return answer
+            out = self._record(func, args, kwargs)
+            self.recorder.host_checks.note(func, out)
+            return out
 
     def _functionalize(
         self, func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -326,6 +341,7 @@ class _RecordingMode(TorchDispatchMode):
             raise NeedsFullTrace(f"{func} mutates a tensor in a backward the function runs")
         functional, targets = _functional_variant(func, args, kwargs)
         through_views = [self._check_target(func, target) for target in targets]
+        check_no_partial_overlap(func, args, kwargs)  # Note [Writes that read overlapping memory]
         if torch.Tag.inplace_view in func.tags:
             if any(through_views):
                 raise NeedsFullTrace(f"{func} restrides a tensor that shares memory (a view)")

@@ -36,6 +36,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from aotgrad._torch_compat import local_source
+from aotgrad.signature.storage import storage_key
 
 # Per leaf of a call, its dimensions with symbolic sizes (``()``: static; Note [Dynamic shapes]).
 DynamicDims = tuple[tuple[int, ...], ...]
@@ -106,6 +107,44 @@ def requested_dims(leaves: Sequence[Any], everything: bool) -> DynamicDims | Non
     dims_of = all_dims if everything else marked_dims
     dims = tuple(dims_of(leaf) if isinstance(leaf, torch.Tensor) else () for leaf in leaves)
     return dims if any(dims) else None
+
+
+# Note [Inputs that share memory]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inputs over one storage are traced as views of one synthetic base (Note [Aliased
+# inputs]) whose places in it -- sizes, strides, offsets -- the graph holds as
+# constants, and whether their memory overlaps decides whether eager even runs the
+# function (Note [Writes that read overlapping memory]). Neither may change between
+# calls an entry serves, so such inputs are static even when dimensions are asked to
+# be dynamic: their exact layout is in the call key::
+#
+#     f = aot_function(lambda a, b: a.add_(b), dynamic=True)
+#     f(x[0:4], x[6:10])   a, b share x: static; traced for a 4-element a
+#     f(x[0:3], x[6:9])    another key: traced again (was served the 4-element graph)
+#     f(x[0:6], x[4:10])   another key: overlapping, eager's RuntimeError at capture
+#
+# Inputs that share memory with no other input keep their dynamic dimensions. The key
+# finds sharing through views, repeats and storage addresses (``x`` and ``x.detach()``
+# share memory without a view: ``alias_key``). A ``Traced``, which never re-traces,
+# compares the call's ``memory_sharing`` with the capture's and refuses a difference.
+
+
+def static_where_shared(
+    leaves: Sequence[Any], dims: DynamicDims, others: Sequence[torch.Tensor] = ()
+) -> DynamicDims | None:
+    """``dims`` without the dimensions of tensor leaves that share their storage with
+    another distinct tensor (a leaf or one of ``others``); None when none is left
+    (Note [Inputs that share memory])."""
+    tensors = {id(t): t for t in [*others, *leaves] if isinstance(t, torch.Tensor)}
+    sharing: dict[Any, int] = {}
+    for t in tensors.values():
+        key = storage_key(t)
+        sharing[key] = sharing.get(key, 0) + 1
+    kept = tuple(
+        () if isinstance(leaf, torch.Tensor) and sharing[storage_key(leaf)] > 1 else leaf_dims
+        for leaf, leaf_dims in zip(leaves, dims, strict=True)
+    )
+    return kept if any(kept) else None
 
 
 def symbolic_context(x: torch.Tensor, dims: Sequence[int]) -> StatelessSymbolicContext:

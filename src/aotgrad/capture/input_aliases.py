@@ -12,9 +12,9 @@ harmless until the function mutates one of them::
 
 When, after a first trace, an input that shares its storage with another
 input turns out to be mutated, capture traces again with a *synthetic
-base*: one graph input covering the whole storage (``x.as_strided((4,),
-(1,), 0)`` built from the inputs' common ``._base``), from which every
-member is re-derived inside the graph::
+base*: one graph input covering the storage up to the farthest member's end
+(``x.as_strided((4,), (1,), 0)`` built from the inputs' common ``._base``),
+from which every member is re-derived inside the graph::
 
     forward(base_of_x_v):
         x = as_strided(base_of_x_v, (4,), (1,), 0)
@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from aotgrad.capture.aliasing import ViewMeta
 from aotgrad.signature.storage import storage_key
@@ -66,7 +67,9 @@ class SyntheticBase:
     members: tuple[int, ...]
     # The member whose ``._base`` (or itself, if it has none) the base is cut from.
     anchor: int
-    # Elements in the storage: the base is ``source.as_strided((numel,), (1,), 0)``.
+    # Elements of the storage up to the end of the farthest member: the base is
+    # ``source.as_strided((numel,), (1,), 0)``. Not the whole storage, whose size is in no
+    # key: a later call's storage may be shorter (or longer) around the same members.
     numel: int
     # Where each member sits in the storage.
     views: tuple[ViewMeta, ...]
@@ -95,12 +98,12 @@ def synthetic_base(primals: Sequence[torch.Tensor], members: Sequence[int]) -> S
     roots = {id(primals[i]._base if primals[i]._base is not None else primals[i]) for i in members}
     if len(roots) != 1:
         return None
-    first = primals[members[0]]
+    views = tuple(ViewMeta.of(primals[i]) for i in members)
     return SyntheticBase(
         members=tuple(members),
         anchor=members[0],
-        numel=first.untyped_storage().nbytes() // first.element_size(),
-        views=tuple(ViewMeta.of(primals[i]) for i in members),
+        numel=max(view.extent for view in views),
+        views=views,
     )
 
 
@@ -150,3 +153,35 @@ def graph_inputs(
             placed.add(b)
             out.append(built[b])
     return out
+
+
+def memory_sharing(primals: Sequence[Any]) -> tuple[Any, ...]:
+    """Which inputs are one tensor or share a storage, and where each sharing one sits in it.
+
+    A graph is captured for one such structure (Note [Aliased inputs]): a synthetic base
+    re-derives its members from their captured places, and a tensor passed twice is read
+    through its first placeholder. A ``Traced``, which does not re-trace, compares this
+    for every call (Note [Inputs that share memory]).
+
+    >>> x = torch.arange(10.0)
+    >>> memory_sharing([x[0:4], x[4:8]]) == memory_sharing([x[0:4], x[2:6]])
+    False
+    >>> memory_sharing([x, torch.ones(2)]), memory_sharing([x, x])
+    ((), (((0, 1), ((0, 0, (10,), (1,), 0), (1, 0, (10,), (1,), 0))),))
+    """
+    groups: dict[Any, list[int]] = {}
+    for i, p in enumerate(primals):
+        if isinstance(p, torch.Tensor) and not is_traceable_wrapper_subclass(p):
+            groups.setdefault(storage_key(p), []).append(i)  # (a subclass: its own storages)
+    shared = []
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        first: dict[int, int] = {}  # id -> the first position holding that tensor
+        members = []
+        for i in group:
+            p = primals[i]
+            same = first.setdefault(id(p), i)
+            members.append((i, same, tuple(p.shape), tuple(p.stride()), p.storage_offset()))
+        shared.append((tuple(group), tuple(members)))
+    return tuple(shared)

@@ -236,7 +236,7 @@ def trace_joint(
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
         return _joint(body, inputs, inner, record, options, tracer, primals)
 
-    with translate_trace_errors(body), compiling(), generator_restored(), mode:
+    with translate_trace_errors(body, options.where), compiling(), generator_restored(), mode:
         gm = tracer.run(joint, fakes)
     return gm, record, inputs
 

@@ -57,8 +57,10 @@ from aotgrad.errors import (
     UnsupportedMutationError,
     UserFrame,
     format_error,
+    user_frame_from_stack,
 )
 from aotgrad.signature import Descriptor
+from aotgrad.signature.storage import storage_key
 
 
 @dataclass(frozen=True)
@@ -345,6 +347,159 @@ def check_writable(
                     " (v = a.expand(...).clone()).",
                 )
             )
+
+
+# Note [Writes that read overlapping memory]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An in-place op whose written-to tensor shares some, but not all, of its memory
+# with a tensor the op reads is refused by eager before it runs::
+#
+#     base = torch.arange(10.)
+#     a, b = base[0:4], base[2:6]         # elements 2 and 3 are in both
+#     a.add_(b)   # eager: RuntimeError: unsupported operation: some elements of the
+#                 # input tensor and the written-to tensor refer to a single memory location
+#
+# The functional graph computes ``a + b`` from the values before the write and writes
+# it back into ``base``: a result (``[2, 4, 6, 8, 4, ...]``) where eager has none.
+# Neither the fake tensors' meta kernels nor functionalization run eager's check, so
+# capture runs it on every mutable op, with eager's rule (``get_overlap_status``): a
+# read tensor over the written one's exact memory (``x.mul_(x)``) or over disjoint
+# memory (``x[:, 0].add_(x[:, 1])``) is fine; two dense tensors over intersecting,
+# unequal memory raise eager's RuntimeError, as an ``OpRuntimeError`` at the user's
+# line. Eager skips the check when a tensor is not dense ("too hard") and then runs
+# the kernel over the shared elements in its own order of reads and writes, which the
+# functional graph cannot promise to match: capture compares the elements themselves
+# there, and refuses when some are shared. Under dynamic shapes the comparisons of
+# sizes are guards (the element comparison specializes them): a later call whose
+# overlap differs fails them and is traced again. It runs on whatever tensors the op gets:
+# inputs that overlap (traced over one synthetic base, Note [Aliased inputs]) and views
+# of the function's own intermediates alike. Two calls whose inputs overlap differently
+# have different storage offsets, hence different cache keys (``cache.py``): each call's
+# overlap is the one its graph was checked for.
+
+EAGER_PARTIAL_OVERLAP = (
+    "unsupported operation: some elements of the input tensor and the written-to tensor"
+    " refer to a single memory location. Please clone() the tensor before performing"
+    " the operation."
+)
+_ELEMENTS_COMPARED = 1 << 20  # elements per tensor compared one by one, at most
+
+
+def check_no_partial_overlap(
+    func: object, args: Sequence[object], kwargs: Mapping[str, object]
+) -> None:
+    """Raise eager's error for a write that reads partially overlapping memory (Note above)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or torch.Tag.inplace_view in getattr(func, "tags", ()):
+        return
+    written: list[torch.Tensor] = []
+    tensors: list[torch.Tensor] = []
+    for position, argument in enumerate(schema.arguments):
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        found = [
+            v
+            for v in (value if isinstance(value, list | tuple) else [value])
+            if isinstance(v, torch.Tensor) and v.layout is torch.strided
+        ]
+        tensors.extend(found)
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written.extend(found)
+    for target in written:
+        for other in tensors:
+            why = None if other is target else _overlap(target, other)
+            if why is None:
+                continue
+            if why == _PARTIAL:
+                raise RuntimeError(EAGER_PARTIAL_OVERLAP)
+            raise UnsupportedMutationError(
+                format_error(
+                    f"an in-place op ({schema.name}) writes a tensor (size {tuple(target.shape)},"
+                    f" stride {tuple(target.stride())}, offset {target.storage_offset()}) that"
+                    f" {why} a tensor it reads (size {tuple(other.shape)}, stride"
+                    f" {tuple(other.stride())}, offset {other.storage_offset()}); aotgrad's"
+                    " functional graph cannot promise eager's result for such a write",
+                    user_frame_from_stack(),
+                    "Write to a copy, or read from one (a.add_(b.clone())).",
+                )
+            )
+
+
+_PARTIAL = "partially overlaps"
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Eager's ``get_overlap_status`` of a written ``a`` and a read ``b``: None when they
+    share no memory or exactly the same memory, else why the write is refused.
+
+    Under dynamic shapes the comparisons of symbolic sizes are guards: a later call
+    whose sizes make the answer differ fails them and is traced again.
+    """
+    if storage_key(a) != storage_key(b):
+        return None
+    if a.numel() == 0 or b.numel() == 0:
+        return None
+    (a_begin, a_end), (b_begin, b_end) = _byte_range(a), _byte_range(b)
+    if a_end <= b_begin or b_end <= a_begin:
+        return None
+    if _dense(a) and _dense(b):
+        same = a_begin == b_begin and a_end == b_end and _same(a.stride(), b.stride())
+        return None if same else _PARTIAL
+    same_layout = (
+        a.element_size() == b.element_size()
+        and a.storage_offset() == b.storage_offset()
+        and _same(a.shape, b.shape)
+        and _same(a.stride(), b.stride())
+    )
+    if same_layout:
+        return None  # the same elements, one for one
+    # Eager finds this "too hard" and runs the kernel over any shared elements in its own
+    # order of reads and writes: refused where elements are shared, or too many to compare.
+    # Symbolic sizes are specialized here (``int()`` records the guards): rare enough.
+    if max(a.numel(), b.numel()) > _ELEMENTS_COMPARED:
+        return f"may share memory locations (over {_ELEMENTS_COMPARED} elements to compare) with"
+    if a.element_size() == b.element_size():  # the same unit: compare element offsets
+        shared = bool(_elements(_static(a)) & _elements(_static(b)))
+    else:
+        shared = bool(_byte_elements(a) & _byte_elements(b))
+    return "shares some memory locations (not all) with" if shared else None
+
+
+def _same(x: Sequence[Any], y: Sequence[Any]) -> bool:
+    return len(x) == len(y) and all(m == n for m, n in zip(x, y, strict=True))
+
+
+def _byte_range(t: torch.Tensor) -> tuple[Any, Any]:
+    """First and one-past-last byte ``t`` touches in its storage (``t`` has elements)."""
+    low = high = t.storage_offset()
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        if stride >= 0:
+            high += (size - 1) * stride
+        else:
+            low += (size - 1) * stride
+    return low * t.element_size(), (high + 1) * t.element_size()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Eager's ``is_non_overlapping_and_dense``: some order of the dims is contiguous."""
+    dims = [(stride, size) for size, stride in zip(t.shape, t.stride(), strict=True) if size != 1]
+    expected = 1
+    for stride, size in sorted(dims, key=lambda d: d[0]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _static(t: torch.Tensor) -> ViewMeta:
+    """``t``'s layout in ints (a symbolic size is specialized: ``int()`` records its guard)."""
+    return ViewMeta(
+        tuple(int(n) for n in t.shape), tuple(int(s) for s in t.stride()), int(t.storage_offset())
+    )
+
+
+def _byte_elements(t: torch.Tensor) -> set[int]:
+    size = t.element_size()
+    return {o * size + i for o in _elements(_static(t)) for i in range(size)}
 
 
 def may_overlap(t: torch.Tensor) -> bool:

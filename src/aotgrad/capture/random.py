@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.fx
 
 from aotgrad.optable import draws_random, is_random
 
@@ -104,3 +105,65 @@ def _unless_drawing(op: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(*args, **kwargs)
 
     return decompose
+
+
+# Note [Reseeding inside the function]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``torch.manual_seed(0)`` in the traced function is Python: it would run once, at
+# capture, while eager reseeds on every call. When it comes before every random op of
+# the function (OpInfo's sample inputs, test harnesses), the numbers each call draws
+# depend on that seed alone, so capture records the reseed as an op of the forward
+# graph, where it was called, and every call runs it before its random ops::
+#
+#     def f(x):
+#         torch.manual_seed(0)            # -> aotgrad.manual_seed(0, 'default')
+#         return F.dropout(x, 0.5)        # draws what eager draws after manual_seed(0)
+#
+#     forward(x):
+#         manual_seed = torch.ops.aotgrad.manual_seed.default(0, 'default')
+#         native_dropout = torch.ops.aten.native_dropout.default(x, 0.5, True)
+#
+# The generator is left as eager leaves it: reseeded, then stepped by the same draws.
+# The seed is a Python int of the trace, like any other (an argument or a global the
+# function reads is part of the cache key: another seed traces again). The op runs
+# the real ``torch.manual_seed`` (``torch.cuda.manual_seed``, ``..._all`` for those),
+# which seeds every device, as eager's call does; it is side-effectful, so dead-code
+# elimination keeps it even though nothing uses its (absent) result.
+#
+# Refused, at the user's line, as before: a reseed after a random op (the draws before
+# it come from the caller's stream, the ones after from the seed: no single op at the
+# start replays that), a reseed the backward runs (inside a checkpointed region,
+# re-run by the recompute), ``torch.seed()`` and ``torch.cuda.seed()`` (a fresh seed
+# each call, which Python at capture cannot replay), and a ``torch.set_rng_state`` in
+# the forward after a reseed (``torch.random.fork_rng`` restoring the caller's stream
+# at its exit would run once, at capture).
+
+torch.library.define("aotgrad::manual_seed", "(int seed, str generator) -> ()")
+
+# The real seeding functions, taken before any trace replaces them (``generator_restored``).
+_SEEDERS: dict[str, Callable[[int], Any]] = {
+    "default": torch.random.manual_seed,
+    "cuda": torch.cuda.manual_seed,
+    "cuda_all": torch.cuda.manual_seed_all,
+}
+
+
+@torch.library.impl("aotgrad::manual_seed", "CompositeExplicitAutograd")
+def _manual_seed(seed: int, generator: str) -> None:
+    _SEEDERS[generator](seed)
+
+
+@torch.library.register_fake("aotgrad::manual_seed")
+def _manual_seed_fake(seed: int, generator: str) -> None:
+    return None  # at capture the generator is left alone: the op is recorded, not run
+
+
+MANUAL_SEED = torch.ops.aotgrad.manual_seed.default
+torch.fx.node.has_side_effect(MANUAL_SEED)
+
+
+def seed_as_int64(seed: Any) -> int:
+    """``seed`` as the op's ``int`` (int64): the generators take ``[-2**63, 2**64)``,
+    a negative seed standing for its two's complement; the same bits, the same state."""
+    value = int(seed)
+    return value - (1 << 64) if value >= (1 << 63) else value

@@ -14,6 +14,7 @@ import functools
 import linecache
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
@@ -34,9 +35,10 @@ from aotgrad._torch_compat import (
 )
 from aotgrad.capture import closed_over
 from aotgrad.capture.collectives import refuse_in_place_collective
-from aotgrad.capture.mutation import check_writable
+from aotgrad.capture.host_checks import HostChecks
+from aotgrad.capture.mutation import check_no_partial_overlap, check_writable
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
-from aotgrad.capture.random import FILL_RANDOM, strided_fill
+from aotgrad.capture.random import FILL_RANDOM, MANUAL_SEED, seed_as_int64, strided_fill
 from aotgrad.errors import (
     Origin,
     UnsupportedOpError,
@@ -100,6 +102,13 @@ class ProvenanceMode(FunctionalTensorMode):
     ) -> Any:
         refuse_in_place_collective(func)  # Note [Collectives]
         self.recorder.note_source()
+        if func is MANUAL_SEED:
+            self.recorder.check_reseed()  # Note [Reseeding inside the function]
+        answer = self.recorder.host_checks.answer(  # Note [Host checks]
+            func, args, lambda op, *a: super(ProvenanceMode, self).__torch_dispatch__(op, types, a)
+        )
+        if answer is not None:
+            return answer
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable and args:
             self.recorder.note_mutation(args[0])
@@ -107,6 +116,7 @@ class ProvenanceMode(FunctionalTensorMode):
             check_writable(
                 func, args, kwargs or {}, where
             )  # Note [Writes through overlapping views]
+            check_no_partial_overlap(func, args, kwargs or {})  # Note [Writes that read ...]
         self.recorder.note_random(func, args, kwargs)
         if self.note_real_leaves:
             self.recorder.note_real_leaves(args, kwargs)
@@ -116,7 +126,9 @@ class ProvenanceMode(FunctionalTensorMode):
         if fill is not None:  # Note [Random fills keep their layout]
             value = super().__torch_dispatch__(FILL_RANDOM, types, (args[0], *fill), {})
             return super().__torch_dispatch__(aten.copy_.default, types, (args[0], value), {})
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.recorder.host_checks.note(func, out)
+        return out
 
 
 def _record_error_check(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
@@ -153,12 +165,18 @@ class Recorder:
         self.live_numbers: list[int] = []
         # Real tensors requiring grad that ops read (closed over, not inputs), by id.
         self.real_leaves: dict[int, torch.Tensor] = {}
+        # Random ops the forward has drawn so far, and whether it reseeded (Note [Reseeding
+        # inside the function]).
+        self.random_draws = 0
+        self.reseeded = False
+        self.host_checks = HostChecks()  # Note [Host checks]
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
         """Around the whole trace: node metadata on, module hooks in."""
         pre = torch.nn.modules.module.register_module_forward_pre_hook(self._enter_module)
         post = torch.nn.modules.module.register_module_forward_hook(self._exit_module)
+        _RESTORE.recorders.append(self)
         try:
             with (
                 fx_traceback.preserve_node_meta(),
@@ -169,6 +187,7 @@ class Recorder:
                 finally:
                     self._close_open_contexts()
         finally:
+            _RESTORE.recorders.remove(self)
             pre.remove()
             post.remove()
 
@@ -211,10 +230,13 @@ class Recorder:
         generator state replays (Note [Recomputed random ops]). The trace
         restores the generator when it ends (:func:`generator_restored`).
         """
+        drawing = draws_random(func, args, kwargs or {})
+        if drawing and not self.in_backward:
+            self.random_draws += 1  # Note [Reseeding inside the function]
         custom = fx_traceback.current_meta.get("custom")
         if custom is None:
             return
-        if not draws_random(func, args, kwargs or {}):
+        if not drawing:
             custom.pop(_RNG, None)
             return
         generator = torch.default_generator
@@ -222,6 +244,48 @@ class Recorder:
             position = hash(generator.get_state().numpy().tobytes())
         custom[_RNG] = position
         generator.manual_seed(position & 0xFFFF_FFFF_FFFF)
+
+    def check_reseed(self) -> None:
+        """Refuse a reseed that one op at its place in the forward cannot replay (Note
+        [Reseeding inside the function])."""
+        why = None
+        if self.in_backward:
+            why = (
+                "inside a checkpointed region, which the backward runs again: the"
+                " recompute would reseed in the middle of the backward"
+            )
+        elif self.random_draws:
+            why = (
+                f"after {self.random_draws} random op(s) of the function: their numbers come"
+                " from the caller's stream, the later ones from the seed; only a reseed before"
+                " every random op can be replayed at each call"
+            )
+        if why is not None:
+            raise UnsupportedOpError(
+                format_error(
+                    f"the function reseeds torch's random generator (torch.manual_seed) {why}",
+                    user_frame_from_stack(),
+                    "Reseed at the start of the function (before its first random op), seed"
+                    " before calling the compiled function, or pass a torch.Generator made"
+                    " outside the function to the random ops.",
+                )
+            )
+        self.reseeded = True
+
+    def check_rng_restore(self) -> None:
+        """Refuse ``torch.set_rng_state`` in a forward that reseeded (``fork_rng``'s exit)."""
+        if not self.reseeded or self.in_backward:
+            return
+        raise UnsupportedOpError(
+            format_error(
+                "the function sets torch's random generator state (torch.set_rng_state, or"
+                " torch.random.fork_rng restoring it) after reseeding it: the reseed runs at"
+                " every call, but restoring a state read at capture would not",
+                user_frame_from_stack(),
+                "Reseed outside torch.random.fork_rng, or seed before calling the compiled"
+                " function.",
+            )
+        )
 
     def note_real_leaves(self, args: tuple[Any, ...], kwargs: Any) -> None:
         """Remember real tensors that require grad among an op's arguments."""
@@ -272,6 +336,7 @@ def generator_restored() -> Iterator[None]:
     ``torch.utils.checkpoint``'s save and restore around a recompute would not
     replay the stream (Note [Recomputed random ops]). Here both read and write
     the real generator, outside every mode; :meth:`Recorder.note_random` steps it.
+    Reseeding records an op (Note [Reseeding inside the function]).
     """
     generator = torch.default_generator
     with disable_current_modes():
@@ -282,46 +347,92 @@ def generator_restored() -> Iterator[None]:
             return generator.get_state()
 
     def set_rng_state(new_state: torch.Tensor) -> None:
+        _RESTORE.run(new_state)  # the trace's recorder may refuse it
         with disable_current_modes():
             generator.set_state(new_state)
 
-    saved = torch.get_rng_state, torch.set_rng_state, torch.manual_seed, torch.seed
-    torch.get_rng_state = torch.random.get_rng_state = get_rng_state
-    torch.set_rng_state = torch.random.set_rng_state = set_rng_state
-    torch.manual_seed = torch.random.manual_seed = _refuse_seeding
-    torch.seed = torch.random.seed = _refuse_seeding
+    seeders = {
+        (torch, "manual_seed"): "default",
+        (torch.random, "manual_seed"): "default",
+        (torch.cuda, "manual_seed"): "cuda",
+        (torch.cuda, "manual_seed_all"): "cuda_all",
+    }
+    fresh_seeds = [
+        (torch, "seed"),
+        (torch.random, "seed"),
+        (torch.cuda, "seed"),
+        (torch.cuda, "seed_all"),
+    ]
+    patched: dict[tuple[Any, str], Callable[..., Any]] = {
+        (torch, "get_rng_state"): get_rng_state,
+        (torch.random, "get_rng_state"): get_rng_state,
+        (torch, "set_rng_state"): set_rng_state,
+        (torch.random, "set_rng_state"): set_rng_state,
+        **{place: _reseeding(which, getattr(*place)) for place, which in seeders.items()},
+        **{place: _refusing_fresh_seeds(getattr(*place)) for place in fresh_seeds},
+    }
+    saved = {place: getattr(*place) for place in patched}
+    for (owner, name), value in patched.items():
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        torch.get_rng_state = torch.random.get_rng_state = saved[0]
-        torch.set_rng_state = torch.random.set_rng_state = saved[1]
-        torch.manual_seed = torch.random.manual_seed = saved[2]
-        torch.seed = torch.random.seed = saved[3]
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
         with disable_current_modes():
             generator.set_state(state)
 
 
-# Note [Seeding inside the function]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``torch.manual_seed(0)`` in the traced function is Python: it would run once,
-# at capture, while eager reseeds on every call, so from the second call on the
-# compiled function's random ops would draw other numbers than eager's, silently::
-#
-#     def f(x):
-#         torch.manual_seed(0)      # UnsupportedOpError at this line
-#         return F.dropout(x, 0.5)
-#
-# During a trace ``torch.manual_seed`` and ``torch.seed`` refuse (the
-# generator is untouched); seed before calling the compiled function instead.
-def _refuse_seeding(*args: Any, **kwargs: Any) -> Any:
+def _reseeding(which: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.manual_seed`` during a trace: records the reseed as an op (Note [Reseeding
+    inside the function]); the recorder refuses it where it cannot be replayed. Another
+    thread, not tracing, gets the original."""
+
+    def manual_seed(seed: Any) -> Any:
+        if not _RESTORE.recorders:
+            return original(seed)
+        MANUAL_SEED(seed_as_int64(seed), which)
+        return torch.default_generator if which == "default" else None
+
+    return manual_seed
+
+
+def _refusing_fresh_seeds(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.seed`` during a trace: refused (another thread, not tracing, gets the original)."""
+
+    def seed(*args: Any, **kwargs: Any) -> Any:
+        if not _RESTORE.recorders:
+            return original(*args, **kwargs)
+        return _refuse_seeding()
+
+    return seed
+
+
+class _Restores(threading.local):
+    """The recorders of the traces running now in this thread, asked about
+    ``torch.set_rng_state`` (Note [Reseeding inside the function])."""
+
+    def __init__(self) -> None:
+        self.recorders: list[Recorder] = []
+
+    def run(self, new_state: torch.Tensor) -> None:
+        if self.recorders:
+            self.recorders[-1].check_rng_restore()
+
+
+_RESTORE = _Restores()
+
+
+def _refuse_seeding() -> Any:
+    """``torch.seed()`` during a trace (Note [Reseeding inside the function])."""
     raise UnsupportedOpError(
         format_error(
-            "the function reseeds torch's default random generator (torch.manual_seed,"
-            " torch.seed): that Python call would run once, at capture, where eager runs it"
-            " on every call",
+            "the function reseeds a random generator with a fresh, non-deterministic seed"
+            " (torch.seed, torch.cuda.seed): that Python call would run once, at capture, where"
+            " eager draws a new seed on every call",
             user_frame_from_stack(),
-            "Seed before calling the compiled function, or pass a torch.Generator made"
-            " outside the function to the random ops.",
+            "Seed before calling the compiled function, or reseed with a fixed seed"
+            " (torch.manual_seed(s)) before every random op of the function.",
         )
     )
 

@@ -16,11 +16,13 @@ from aotgrad._torch_compat import (
     EFFECT_TOKEN_MISSING,
     ENGINE_RUN_BACKWARD,
     INTERNAL_ASSERT,
+    NO_META_KERNEL,
     NON_FUNCTIONAL_MUTATION,
     TENSOR_BACKWARD,
     DataDependentOutputException,
     DynamicOutputShapeException,
     OpOverload,
+    UnsupportedOperatorException,
     effect_token_op,
 )
 from aotgrad.errors import (
@@ -52,14 +54,15 @@ _DATA_DEPENDENT = (
 
 
 @contextlib.contextmanager
-def translate_trace_errors(fn: Any) -> Iterator[None]:
+def translate_trace_errors(fn: Any, where: UserFrame | None = None) -> Iterator[None]:
     """Re-raise failures inside torch as aotgrad errors at the user's line.
 
     Data-dependent code becomes :class:`DataDependentError`; any other error an op
-    raised (Note [Errors from inside torch]) an :class:`OpError`.
+    raised (Note [Errors from inside torch]) an :class:`OpError`. ``where``: the traced
+    function's ``def``, named when no user line is on the stack (an op of the backward).
     """
     try:
-        with _ops_errors():
+        with _ops_errors(where):
             yield
     except _DATA_DEPENDENT as e:
         raise _data_dependent(e) from None
@@ -142,7 +145,7 @@ _INTERNAL_TODO = (
 
 
 @contextlib.contextmanager
-def _ops_errors() -> Iterator[None]:
+def _ops_errors(function: UserFrame | None) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
@@ -156,6 +159,10 @@ def _ops_errors() -> Iterator[None]:
             what, fix = _REFUSED_CALLS[op]
             where = user_frame_from_traceback(e.__traceback__)
             raise UnsupportedOpError(format_error(what, where, fix)) from e
+        if isinstance(e, UnsupportedOperatorException) or (
+            isinstance(e, NotImplementedError) and NO_META_KERNEL in str(e)
+        ):
+            raise _no_fake_kernel(op, e, function) from e  # Note [Ops without a meta kernel]
         todo = (
             _INTERNAL_TODO
             if INTERNAL_ASSERT in str(e)
@@ -170,6 +177,40 @@ def _ops_errors() -> Iterator[None]:
                 todo,
             )
         ) from e
+
+
+# Note [Ops without a meta kernel]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Capture runs every op on fake tensors, which needs the op's meta kernel or fake
+# implementation. A few of torch's own ops have none (``multi_margin_loss_backward``,
+# ``_sample_dirichlet`` behind ``Beta.rsample``/``Dirichlet.rsample``): the fake mode
+# raises ``NotImplementedError`` ("attempted to run this operator with Meta tensors") or
+# ``UnsupportedOperatorException`` where eager runs
+# the op on real tensors. That is no error of the user's inputs, so it is refused as
+# what it is -- the op and the line that called it -- never as "eager raises the same"::
+#
+#     aten.multi_margin_loss_backward.default has no meta kernel or fake implementation in
+#     this PyTorch, so aotgrad cannot run it on the fake tensors it captures with (eager
+#     runs it on real tensors)
+#       at train.py:12 in loss: return F.multi_margin_loss(x, y)
+#     Compute that op outside the compiled function and pass its result in, ...
+
+
+def _no_fake_kernel(op: str, e: BaseException, function: UserFrame | None) -> UnsupportedOpError:
+    """``function``: the traced function's ``def``, for an op the backward runs (no user line)."""
+    backward = "_backward" in op
+    where = "its forward op" if backward else "it"
+    return UnsupportedOpError(
+        format_error(
+            f"{op} has no meta kernel or fake implementation in this PyTorch"
+            f" ({torch.__version__}), so aotgrad cannot run it on the fake tensors it captures"
+            " with (eager runs it on real tensors, and so does this function uncompiled)",
+            user_frame_from_traceback(e.__traceback__) or function,
+            f"Call {where} outside the compiled function and pass the result in (or return"
+            " its inputs and finish eagerly), use an equivalent made of other ops, or give the"
+            " op a fake implementation (torch.library.register_fake) if it is your own.",
+        )
+    )
 
 
 def _frames(e: BaseException) -> list[Any]:

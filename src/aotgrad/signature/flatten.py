@@ -218,21 +218,36 @@ def dynamic_call_key(leaves: Sequence[Any], dims: Sequence[Sequence[int]]) -> tu
 def alias_key(leaves: Sequence[Any]) -> tuple[int, ...] | None:
     """Which tensor leaves are the same tensor or share memory: part of the specialization.
 
-    Cheap when no leaf is a view and none repeats (the common case): ``None``.
-    Leaves sharing memory without being views (``set_``) are not detected.
+    Cheap when no leaf is a view, none repeats and no two share a storage (the common
+    case): ``None``. Leaves that share a storage without being views (``x`` and
+    ``x.detach()``, ``.data``, ``set_``) are found by their storages' addresses.
     """
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if not _distinct_memory(tensors):
+        groups: dict[Any, int] = {}
+        return tuple(groups.setdefault(storage_key(t), len(groups)) for t in tensors) + tuple(
+            groups.setdefault(("id", id(t)), len(groups)) for t in tensors
+        )
+    return None
+
+
+def _distinct_memory(tensors: Sequence[torch.Tensor]) -> bool:
+    """No tensor is a view, none repeats, no two plain strided ones share a storage."""
     seen = set()
+    storages = set()
     for t in tensors:
         if t._is_view() or id(t) in seen:
-            break
+            return False
         seen.add(id(t))
-    else:
-        return None
-    groups: dict[Any, int] = {}
-    return tuple(groups.setdefault(storage_key(t), len(groups)) for t in tensors) + tuple(
-        groups.setdefault(("id", id(t)), len(groups)) for t in tensors
-    )
+        if t.layout is torch.strided and type(t) in _PLAIN:
+            address = t.untyped_storage().data_ptr()  # 0: no memory (empty, meta)
+            if address and address in storages:
+                return False
+            storages.add(address)
+    return True
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # subclasses: their own storages
 
 
 class PlainTensorsGuard:
@@ -263,11 +278,11 @@ class PlainTensorsGuard:
         if len(leaves) != len(self._offsets) or not self._check(*leaves):
             return False
         for t, offset in zip(leaves, self._offsets):  # noqa: B905 -- lengths checked above
-            if t.storage_offset() != offset or t._is_view():
+            if t.storage_offset() != offset:
                 return False
-        if len(leaves) == 2:
-            return leaves[0] is not leaves[1]
-        return len(leaves) < 2 or len({id(t) for t in leaves}) == len(leaves)
+        if len(leaves) == 1:
+            return not leaves[0]._is_view()
+        return _distinct_memory(leaves)
 
 
 def _leaf_key(leaf: Any) -> Any:
