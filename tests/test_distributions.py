@@ -12,6 +12,17 @@ import aotgrad
 TRACERS = ["auto", "full"]
 
 
+@pytest.fixture(autouse=True)
+def _validation_on():
+    """The default ``validate_args`` is on, as in a fresh process: the first
+    ``torch.compile`` of a process turns it off for good (Dynamo's ``TorchPatcher``),
+    and another test of the suite may have compiled before these run."""
+    before = D.Distribution._validate_args
+    D.Distribution.set_default_validate_args(True)
+    yield
+    D.Distribution.set_default_validate_args(before)
+
+
 def _normal(loc, scale, value):
     d = D.Normal(loc, scale)
     return d.log_prob(value).sum() + d.entropy().sum(), d.rsample((2,))
