@@ -275,8 +275,9 @@ def _dump_node(spec: pytree.TreeSpec, match_only: bool, depth: int) -> Any:
         cls = context
     raise StoreError(
         f"cannot store the structure of a result holding a {_qualified(cls)}: a graph file"
-        f" names only the containers {sorted(STRUCTURES)} and torch.return_types (Note [Tree"
-        " structure in a file]); return a tuple, list or dict of tensors to store these graphs"
+        f" names only the containers {sorted(STRUCTURES)} and torch.return_types"
+        " (Note [Tree structure in a file]); return a tuple, list or dict of tensors to"
+        " store these graphs"
     )
 
 
