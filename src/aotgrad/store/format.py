@@ -45,6 +45,7 @@ import gc
 import hashlib
 import json
 import keyword
+import math
 import operator
 import os
 import pathlib
@@ -530,6 +531,9 @@ def decode_steps(data: Any) -> list[Step]:
                 targets[target] = _resolved(names[target], name)
             if targets[target] is operator.getitem and (len(args) != 2 or kwargs):
                 raise StoreError(f"node {name!r}: operator.getitem takes two arguments")
+            overload = targets[target]
+            if isinstance(overload, torch._ops.OpOverload):
+                _check_arguments(overload, args, kwargs, name)
             step = Step(name, op, targets[target], args, kwargs, _inputs(args, kwargs))
         elif op == "placeholder" and not args and not kwargs:
             step = Step(name, op, None, (), {}, [])
@@ -546,6 +550,78 @@ def decode_steps(data: Any) -> list[Step]:
         raise StoreError("a stored graph must end with its output node")
     _check_input_mutations(steps)
     return steps
+
+
+# Note [Arguments checked against the schema]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A node's arguments are bound to its op's schema as the dispatcher would bind
+# them, and each constant is checked against the argument's type, so a crafted
+# node is a StoreError at load, not a TypeError from inside a kernel at a call::
+#
+#     aten.mul.Tensor(x, "3")         -> node 'mul': argument 'other' of aten.mul.Tensor
+#                                        is a Tensor, got '3'
+#     aten.sum.dim_IntList(x, [0], keepdim=True, bogus=1)
+#                                     -> node 'sum': aten.sum.dim_IntList has no argument 'bogus'
+#
+# A node reference may stand for any type (a graph's values are read only when
+# a compiler asks for them, Note [Values on demand]): only constants are typed.
+
+_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
+    "Tensor": (int, float, complex),  # a graph's node, or a number aten wraps as a tensor
+    "int": (int, torch.dtype, torch.layout, torch.memory_format),  # enums print as "int"
+    "float": (int, float),
+    "complex": (int, float, complex),
+    "number": (int, float, complex),
+    "bool": (bool,),
+    "str": (str,),
+    "Device": (torch.device,),
+    "Generator": (),
+}
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(op: torch._ops.OpOverload) -> tuple[list[Any], dict[str, Any]]:
+    arguments = op._schema.arguments
+    positional = [a for a in arguments if not a.kwarg_only]
+    return positional, {a.name: a for a in arguments}
+
+
+def _check_arguments(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], node: str
+) -> None:
+    """``args`` and ``kwargs`` bind to ``op``'s schema, each constant of its argument's
+    type (Note [Arguments checked against the schema])."""
+    positional, by_name = _signature(op)
+    if len(args) > len(positional):
+        raise StoreError(f"node {node!r}: {op} takes {len(positional)} positional arguments")
+    bound = dict(zip((a.name for a in positional), args, strict=False))
+    for key, value in kwargs.items():
+        if key not in by_name or key in bound:
+            raise StoreError(f"node {node!r}: {op} has no argument {key!r} to pass by name")
+        bound[key] = value
+    for name, argument in by_name.items():
+        if name not in bound:
+            if not argument.has_default_value():
+                raise StoreError(f"node {node!r}: {op} needs its argument {name!r}")
+        elif not _typed_as(bound[name], str(argument.type)):
+            raise StoreError(
+                f"node {node!r}: argument {name!r} of {op} is a {argument.type},"
+                f" got {bound[name]!r:.60}"
+            )
+
+
+def _typed_as(value: Any, kind: str) -> bool:
+    if isinstance(value, Step):
+        return True
+    if kind.startswith("Optional["):
+        return value is None or _typed_as(value, kind[len("Optional[") : -1])
+    if kind.startswith("List["):
+        item = kind[len("List[") : -1]
+        return isinstance(value, list | tuple) and all(_typed_as(v, item) for v in value)
+    allowed = _SCALAR_TYPES.get(kind)
+    if allowed is None:
+        return True  # a type aotgrad's graphs do not pass constants of: left to the kernel
+    return isinstance(value, allowed)
 
 
 def _check_input_mutations(steps: list[Step]) -> None:
@@ -683,17 +759,41 @@ def stored_value(node: fx.Node) -> Any:
 
 
 def with_values(gm: fx.GraphModule) -> fx.GraphModule:
-    """Give every loaded node its fake ``meta["val"]`` (Note [Values on demand])."""
+    """Give every loaded node its fake ``meta["val"]`` (Note [Values on demand]); a
+    ``StoreError`` for a stored value no tensor can have."""
     with FakeTensorMode() as mode:
         for node in gm.graph.nodes:
             if "val" not in node.meta and node.meta.get(VALUE_KEY) is not None:
-                node.meta["val"] = _fake(stored_value(node), mode)
+                try:
+                    node.meta["val"] = _fake(stored_value(node), mode)
+                except (*_MALFORMED, RuntimeError) as e:
+                    raise StoreError(
+                        f"node {node.name!r} has a stored value no tensor can have: {e}"
+                    ) from None
     return gm
+
+
+_MAX_ELEMENTS = 2**62
+
+
+def _sane_layout(size: Any, stride: Any, offset: Any) -> bool:
+    """Sizes, strides and offset a tensor can have: non-negative ints, as many strides as
+    sizes, and an extent a 64-bit index reaches."""
+    if not (isinstance(size, list) and isinstance(stride, list) and len(size) == len(stride)):
+        return False
+    numbers = [*size, *stride, offset]
+    if not all(type(n) is int and 0 <= n < _MAX_ELEMENTS for n in numbers):
+        return False
+    if math.prod(size) >= _MAX_ELEMENTS:
+        return False
+    return offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) < _MAX_ELEMENTS
 
 
 def _fake(value: Any, mode: FakeTensorMode) -> Any:
     if isinstance(value, list):  # a tensor: [size, stride, offset, dtype, device, requires_grad]
         size, stride, offset, dtype, device, requires_grad = value
+        if not _sane_layout(size, stride, offset):
+            raise StoreError(f"malformed tensor layout {value!r:.80}")
         t = torch.empty_strided(size, stride, dtype=dtype, device=device)
         if offset:
             t = t.as_strided(size, stride, offset)

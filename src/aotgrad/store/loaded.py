@@ -148,6 +148,7 @@ class Loaded:
             self._tensor_positions = tuple(int(i) for i in call["tensor_positions"])
             self._autocast = decode(call["autocast"])
             num_lifted = int(call["num_lifted"])
+            _check_call(self._spec, self._constants, self._tensor_positions)
         except (*MALFORMED, StoreError) as e:
             raise StoreError(f"malformed call description in the graph file: {e}") from None
         self._state_names = _state_names(stored.signature, num_lifted)
@@ -255,6 +256,25 @@ class Loaded:
                     f"{d}: the graphs were traced for a tensor (shape, stride, dtype, device,"
                     f" requires_grad) {expected}, got {got}; trace again for these inputs"
                 )
+
+
+def _check_call(spec: Any, constants: tuple[Any, ...], positions: tuple[int, ...]) -> None:
+    """The call's structure has one leaf per constant; the tensors' positions are leaves."""
+    if _leaves(spec, 0) != len(constants):
+        raise StoreError("the call's structure and its constants do not match")
+    if len(set(positions)) != len(positions) or not all(0 <= i < len(constants) for i in positions):
+        raise StoreError("the call's tensor positions are not leaves of its structure")
+
+
+def _leaves(structure: Any, depth: int) -> int:
+    """How many leaves a stored structure has (Note [Tree structure in a file])."""
+    if structure is None:
+        return 1
+    if depth > 200 or not (
+        isinstance(structure, list) and len(structure) == 3 and isinstance(structure[2], list)
+    ):
+        raise StoreError(f"malformed stored structure {structure!r:.80}")
+    return sum(_leaves(child, depth + 1) for child in structure[2])
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -17,7 +17,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
 import math
+import types
+import typing
 from typing import Any
 
 import torch
@@ -141,7 +144,10 @@ def _decode_object(data: dict[str, Any]) -> Any:
         start, stop, step = data["slice"]
         return slice(_int(start), _int(stop), _int(step))
     if "device" in data:
-        return torch.device(str(data["device"]))
+        try:
+            return torch.device(str(data["device"]))
+        except RuntimeError:  # torch's error for a string that names no device
+            raise StoreError(f"unknown torch device {data['device']!r:.40}") from None
     for kind, cls in _TORCH_ENUMS.items():
         if kind in data:
             found = getattr(torch, str(data[kind]), None)
@@ -163,7 +169,51 @@ def _decode_type(data: dict[str, Any]) -> Any:
     fields = data["fields"]
     if not isinstance(fields, dict):
         raise StoreError(f"malformed fields of {name}")
-    return cls(**{str(k): decode(v) for k, v in fields.items()})
+    values = {str(k): decode(v) for k, v in fields.items()}
+    hints = _field_types(cls)
+    for key, value in values.items():
+        if key in hints and not _conforms(value, hints[key]):
+            raise StoreError(
+                f"stored {name}.{key} is {value!r:.60}, not a {hints[key]}"
+                " (Note [Files run no code]: every field is checked against its type)"
+            )
+    return cls(**values)
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Is ``value`` of the declared type ``hint`` (the forms aotgrad's data classes use)?
+
+    >>> _conforms((1, 2), tuple[int, ...]), _conforms((1, None), tuple[int, ...])
+    (True, False)
+    """
+    if hint is Any:
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_conforms(value, a) for a in args)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_conforms(v, args[0]) for v in value)
+        return len(args) == len(value) and all(map(_conforms, value, args))
+    if origin in (list, dict):
+        return isinstance(value, origin)
+    if hint is int:
+        return type(value) is int
+    if hint is float:
+        return type(value) in (int, float)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True  # a form these classes do not use: left to the class
 
 
 def _int(value: Any) -> int | None:
