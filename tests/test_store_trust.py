@@ -387,3 +387,57 @@ def test_deeply_nested_data_is_a_store_error(tmp_path, depth):
     path.write_bytes(b"[" * depth + b"]" * depth)
     with pytest.raises(StoreError):
         aotgrad.load(path)
+
+
+# -- every malformed part of a file is a StoreError at load, not an error at a call ----------
+
+
+def _first_op(run):
+    return next(n for n in run["forward"]["nodes"] if n[1] == "call_function")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda r, a: _first_op(r)[3]["tuple"].append("3"), "takes 1 positional"),
+        (lambda r, a: _first_op(r).__setitem__(3, {"tuple": ["3"]}), "argument 'self'"),
+        (lambda r, a: _first_op(r)[4].update(bogus=1), "no argument 'bogus'"),
+        (lambda r, a: _first_op(r).__setitem__(3, {"tuple": []}), "needs its argument 'self'"),
+        (lambda r, a: r["plan"]["fields"].update(returned=None), "Plan.returned"),
+        (lambda r, a: r["plan"]["fields"].update(mutations={"tuple": [1]}), "Plan.mutations"),
+        (lambda r, a: r["call"].update(constants=[]), "structure and its constants"),
+        (lambda r, a: r["call"].update(tensor_positions=[5]), "tensor positions"),
+        (lambda r, a: r["call"].update(spec=["tuple", None, "x"]), "malformed stored structure"),
+        (
+            lambda r, a: a["forward"]["values"].__setitem__(0, [[2**70], [1], 0, None, None, 0]),
+            "malformed",
+        ),
+        (lambda r, a: a["signature"]["fields"].update(version="1"), "Signature.version"),
+        (lambda r, a: a["forward"]["values"][0].__setitem__(4, {"device": "nowhere"}), "device"),
+    ],
+)
+def test_a_malformed_file_is_a_store_error_at_load(tmp_path, edit, message):
+    path = _saved(tmp_path)
+    _rewrite(path, lambda h, r, a: edit(r, a))
+    with pytest.raises(StoreError, match=message):
+        aotgrad.load(path, fw_compiler=lambda gm, example_inputs: gm)
+
+
+def test_a_cache_entry_of_impossible_sizes_is_a_miss_for_a_users_compiler(cache_dir):
+    def f(x):
+        return x.exp() * 2
+
+    x = torch.randn(3, requires_grad=True)
+    aotgrad.aot_function(f)(x)
+    (entry,) = sorted(cache_dir.glob("*/*.aotgrad"))
+    huge = [[2**40, 2**40], [0, 0], 0, {"dtype": "float32"}, {"device": "cpu"}, False]
+    _rewrite(entry, lambda h, r, a: a["forward"]["values"].__setitem__(1, huge))
+    seen = []
+
+    def compiler(gm, example_inputs):
+        seen.append(gm)
+        return gm
+
+    again = aotgrad.aot_function(f, fw_compiler=compiler, bw_compiler=compiler)
+    torch.testing.assert_close(again(x), f(x))
+    assert aotgrad.cache_info(again).disk_hits == 0
