@@ -210,6 +210,12 @@ class Read:
             else StoredGraph(decode_steps(run["backward"]), "backward", self.about)
         )
         _check_plan(self.plan, self.forward.steps)
+        if self.backward is not None:
+            grads = self.backward.steps[-1].args[0]
+            if not (
+                isinstance(grads, tuple) and all(g is None or _tensor_valued(g) for g in grads)
+            ):
+                raise StoreError("the backward graph's outputs are not all gradients or None")
 
     def about(self) -> _About:
         """The description line, decoded and checked (once)."""
@@ -243,7 +249,12 @@ def _check_plan(plan: Plan, forward: list[Step]) -> None:
     fail, never run code.)
     """
     outputs = forward[-1].args[0]
-    count = len(outputs) if isinstance(outputs, list | tuple) else 1
+    if not (isinstance(outputs, tuple) and all(_tensor_valued(o) for o in outputs)):
+        raise StoreError(
+            "the forward graph's outputs are not all tensors computed by the graph"
+            f" ({outputs!r:.80})"
+        )
+    count = len(outputs)
     saved = plan.saved_in_forward
     bounds = [i for i in (saved.start, saved.stop) if i is not None]
     if (
@@ -254,6 +265,17 @@ def _check_plan(plan: Plan, forward: list[Step]) -> None:
         raise StoreError(f"the plan names forward outputs the forward graph (of {count}) lacks")
     if len(plan.differentiable) != len(plan.returned):
         raise StoreError("the plan's differentiable flags do not match its returned values")
+
+
+def _tensor_valued(value: Any) -> bool:
+    """A graph value that is a tensor: an input, an element of an op's tuple of tensors, or
+    the result of an op whose schema returns one tensor."""
+    if not isinstance(value, Step):
+        return False
+    if value.op == "placeholder" or value.target is operator.getitem:
+        return True
+    returns = getattr(value.target, "_schema", None)
+    return returns is not None and [str(r.type) for r in returns.returns] == ["Tensor"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -529,8 +551,15 @@ def decode_steps(data: Any) -> list[Step]:
                 raise StoreError(f"node {name!r}: malformed target {target!r:.40}")
             if target not in targets:
                 targets[target] = _resolved(names[target], name)
-            if targets[target] is operator.getitem and (len(args) != 2 or kwargs):
-                raise StoreError(f"node {name!r}: operator.getitem takes two arguments")
+            if targets[target] is operator.getitem and (
+                len(args) != 2
+                or kwargs
+                or not isinstance(args[0], Step)
+                or type(args[1]) is not int
+            ):
+                raise StoreError(
+                    f"node {name!r}: operator.getitem takes a node and an int, as fx writes it"
+                )
             overload = targets[target]
             if isinstance(overload, torch._ops.OpOverload):
                 _check_arguments(overload, args, kwargs, name)
@@ -567,7 +596,9 @@ def decode_steps(data: Any) -> list[Step]:
 # a compiler asks for them, Note [Values on demand]): only constants are typed.
 
 _SCALAR_TYPES: dict[str, tuple[type, ...]] = {
-    "Tensor": (int, float, complex),  # a graph's node, or a number aten wraps as a tensor
+    # A graph's node, a number aten wraps as a tensor, or None (an undefined tensor: the
+    # flash attention backward's ``Tensor cum_seq_q``).
+    "Tensor": (int, float, complex, type(None)),
     "int": (int, torch.dtype, torch.layout, torch.memory_format),  # enums print as "int"
     "float": (int, float),
     "complex": (int, float, complex),
