@@ -9,7 +9,7 @@ import store_fuzz
 
 
 def test_crafted_files_are_refused_or_run_as_checked():
-    store_fuzz.fuzz(examples=150)
+    store_fuzz.fuzz(examples=500)
 
 
 def test_an_unchanged_file_of_each_seed_loads_and_matches():

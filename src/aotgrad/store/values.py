@@ -21,6 +21,7 @@ import functools
 import math
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -191,29 +192,39 @@ def _conforms(value: Any, hint: Any) -> bool:
     >>> _conforms((1, 2), tuple[int, ...]), _conforms((1, None), tuple[int, ...])
     (True, False)
     """
+    return _checker(hint)(value)
+
+
+@functools.cache
+def _checker(hint: Any) -> Callable[[Any], bool]:
+    """A test of ``hint``, made once per type (a load checks ~10^4 fields)."""
     if hint is Any:
-        return True
+        return lambda value: True
     if hint is None or hint is type(None):
-        return value is None
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
+        return lambda value: value is None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Union or origin is types.UnionType:
-        return any(_conforms(value, a) for a in args)
+        tests = [_checker(a) for a in args]
+        return lambda value: any(test(value) for test in tests)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _checker(args[0])
+        return lambda value: isinstance(value, tuple) and all(map(item, value))
     if origin is tuple:
-        if not isinstance(value, tuple):
-            return False
-        if len(args) == 2 and args[1] is Ellipsis:
-            return all(_conforms(v, args[0]) for v in value)
-        return len(args) == len(value) and all(map(_conforms, value, args))
+        items = [_checker(a) for a in args]
+        return lambda value: (
+            isinstance(value, tuple)
+            and len(value) == len(items)
+            and all(test(v) for test, v in zip(items, value, strict=True))
+        )
     if origin in (list, dict):
-        return isinstance(value, origin)
+        return lambda value: isinstance(value, origin)
     if hint is int:
-        return type(value) is int
+        return lambda value: type(value) is int
     if hint is float:
-        return type(value) in (int, float)
+        return lambda value: type(value) in (int, float)
     if isinstance(hint, type):
-        return isinstance(value, hint)
-    return True  # a form these classes do not use: left to the class
+        return lambda value: isinstance(value, hint)
+    return lambda value: True  # a form these classes do not use: left to the class
 
 
 def _int(value: Any) -> int | None:
