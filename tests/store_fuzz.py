@@ -252,6 +252,12 @@ def _paths(data: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return found
 
 
+def _get_at(data: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        data = data[key]
+    return data
+
+
 def _set(data: Any, path: tuple[Any, ...], value: Any) -> Any:
     if not path:
         return value
@@ -268,7 +274,9 @@ def mutations(draw: st.DrawFn, lines: list[Any]) -> tuple[str, list[Any], bytes 
     """(what was done, the three lines mutated, raw payload bytes to splice in or None)."""
     lines = copy.deepcopy(lines)
     kind = draw(
-        st.sampled_from(["none", "target", "value", "name", "structure", "deep", "size", "text"])
+        st.sampled_from(
+            ["none", "target", "value", "number", "name", "structure", "deep", "size", "text"]
+        )
     )
     _, run, about = lines
     if kind == "none":
@@ -340,6 +348,13 @@ def mutations(draw: st.DrawFn, lines: list[Any]) -> tuple[str, list[Any], bytes 
         for field in ('"path": "', '"name": "'):
             text = text.replace(field, field + json.dumps(payload)[1:-1], 1)
         lines[2] = json.loads(text)
+        return kind, lines, None
+    if kind == "number":  # an int anywhere (positions, counts, sizes) made another int
+        which = draw(st.sampled_from([1, 2]))
+        places = [p for p in _paths(lines[which]) if type(_get_at(lines[which], p)) is int]
+        if places:
+            value = draw(st.sampled_from([0, 1, -1, 2, 7, 2**31, 2**63, -(2**63)]))
+            _set(lines[which], draw(st.sampled_from(places)), value)
         return kind, lines, None
     # "value": any value anywhere in the run or about line
     which = draw(st.sampled_from([1, 2]))
@@ -465,7 +480,7 @@ def _raised_by_a_kernel(e: BaseException) -> bool:
     """Did ``e`` come out of an op's kernel, called by the graph's code (not aotgrad's own)?"""
     frames = traceback.extract_tb(e.__traceback__)
     return bool(frames) and (
-        frames[-1].filename.startswith("<aotgrad straight-line")
+        frames[-1].filename.startswith(("<aotgrad straight-line", "<eval_with_key>"))
         or frames[-1].filename.endswith(os.path.join("torch", "_ops.py"))
     )
 

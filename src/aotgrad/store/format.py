@@ -62,6 +62,7 @@ import torch.fx as fx
 
 from aotgrad._torch_compat import ExpandedCodeGen, FakeTensorMode
 from aotgrad.capture import lazy_module
+from aotgrad.capture.aliasing import TensorOutput
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase
 from aotgrad.errors import StoreError, UserFrame
 from aotgrad.partition import RecomputedOp
@@ -268,6 +269,37 @@ def _check_plan(plan: Plan, forward: list[Step]) -> None:
         raise StoreError(f"the plan names forward outputs the forward graph (of {count}) lacks")
     if len(plan.differentiable) != len(plan.returned):
         raise StoreError("the plan's differentiable flags do not match its returned values")
+    _check_plan_leaves(plan, sum(s.op == "placeholder" for s in forward))
+
+
+def _check_plan_leaves(plan: Plan, num_inputs: int) -> None:
+    """The plan's result leaves, tensor positions and mutations agree with each other and
+    with the graph's inputs, so a call can only index what exists."""
+    tensors = plan.num_tensor_outputs
+    returned = range(len(plan.returned))
+    indices = [leaf.index for leaf in plan.leaves if isinstance(leaf, TensorOutput)]
+    checks = {
+        "its result structure has another number of leaves": (
+            plan.out_spec.num_leaves == len(plan.leaves)
+        ),
+        "it names tensor outputs it does not make": (
+            0 <= tensors <= len(plan.leaves)
+            and all(0 <= i < tensors for i in (*indices, *plan.fresh))
+            and len(plan.fresh) <= len(plan.returned)
+        ),
+        "it returns other values than its result's fresh tensors": (
+            not plan.only_fresh or len(plan.returned) == len(plan.leaves)
+        ),
+        "it mutates inputs the graphs do not take": all(
+            0 <= i < num_inputs for i in (*(m.index for m in plan.mutations), *plan.restrided)
+        ),
+        "its mutated inputs' new values do not match its returned values": (
+            sum(m.data for m in plan.mutations) == len(returned[plan.mutated_in_returned])
+        ),
+    }
+    for what, holds in checks.items():
+        if not holds:
+            raise StoreError(f"the plan in the file is inconsistent: {what}")
 
 
 def _tensor_valued(value: Any) -> bool:
