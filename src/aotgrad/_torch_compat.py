@@ -215,6 +215,21 @@ class ExpandedCodeGen(fx.graph.CodeGen):
         kwargs["expanded_def"] = True
         return super()._gen_python_code(*args, **kwargs)
 
+    # The comments fx writes from descriptors: escaped once more, whatever the descriptor
+    # (Note [User text in code] in signature/descriptors.py).
+    def _format_single_arg(self, arg: str) -> str:
+        name, sep, comment = arg.partition("#")
+        return super()._format_single_arg(name + sep + _printable(comment))
+
+    def _get_desc_trailers(self, items: Any, descs: Any) -> list[str]:
+        if descs is None:
+            return super()._get_desc_trailers(items, descs)
+        return super()._get_desc_trailers(items, [_printable(str(d)) for d in descs])
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
 
 # --- Autograd internals --------------------------------------------------------------------------
 

@@ -17,6 +17,36 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def printable(text: str) -> str:
+    r"""``text`` with each character that is not printable (a line break of any kind, a
+    control character) written as its Python escape, so that a descriptor printed in a
+    graph's code, as a comment, can never end that line (Note [User text in code]).
+
+    >>> printable("a\n):\n    pass\nopen('x', 'w')\u2028b")
+    "a\\n):\\n    pass\\nopen('x', 'w')\\u2028b"
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+# Note [User text in code]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# Descriptors hold the user's own names, and a graph file's: a key path, a module's
+# qualified name (an ``nn.ModuleDict`` key may be any string), an attribute. They are
+# printed in the graphs' generated Python as comments (``x,  # param blocks.a.weight``),
+# which Python compiles when ``gm.code`` is read; a key ``"a\n):\n    pass\nopen(...)"``
+# once ended the comment and ran as code. Every text field is printed through
+# :func:`printable`, which writes ``\n``, ``\r``, ``\x85``, ``\u2028`` and every other
+# unprintable character as its escape::
+#
+#     nn.ModuleDict({"a\nb": lin})   ->   d_a_b_weight,  # param d.a\nb.weight
+#
+# and ``ExpandedCodeGen`` escapes whatever comment text reaches it again. Node names
+# are identifiers (``placeholder_name``, checked ``isidentifier`` in a file); string
+# constants in code are ``repr`` s.
+
+
 @dataclass(frozen=True)
 class Descriptor:
     """Base class of all descriptors."""
@@ -41,7 +71,7 @@ class Input(Descriptor):
     path: str
 
     def __str__(self) -> str:
-        return self.path
+        return printable(self.path)
 
 
 @dataclass(frozen=True)
@@ -51,7 +81,7 @@ class Param(Descriptor):
     name: str
 
     def __str__(self) -> str:
-        return f"param {self.name}"
+        return f"param {printable(self.name)}"
 
 
 @dataclass(frozen=True)
@@ -61,7 +91,7 @@ class Buffer(Descriptor):
     name: str
 
     def __str__(self) -> str:
-        return f"buffer {self.name}"
+        return f"buffer {printable(self.name)}"
 
 
 @dataclass(frozen=True)
@@ -75,7 +105,7 @@ class Closure(Descriptor):
     name: str
 
     def __str__(self) -> str:
-        return f"closure {self.name}"
+        return f"closure {printable(self.name)}"
 
 
 @dataclass(frozen=True)
@@ -85,7 +115,7 @@ class Global(Descriptor):
     name: str
 
     def __str__(self) -> str:
-        return f"global {self.name}"
+        return f"global {printable(self.name)}"
 
 
 @dataclass(frozen=True)
@@ -101,7 +131,7 @@ class Inner(Descriptor):
     attr: str
 
     def __str__(self) -> str:
-        return f"{self.of}.{self.attr}"
+        return f"{self.of}.{printable(self.attr)}"
 
 
 PrimalDescriptor = Input | Param | Buffer | Closure | Global | Inner
@@ -130,7 +160,7 @@ class Output(Descriptor):
     path: str
 
     def __str__(self) -> str:
-        return f"output{self.path}"
+        return f"output{printable(self.path)}"
 
 
 @dataclass(frozen=True)
@@ -191,7 +221,7 @@ class Saved(Descriptor):
     name: str
 
     def __str__(self) -> str:
-        return f"saved: {self.name}"
+        return f"saved: {printable(self.name)}"
 
 
 @dataclass(frozen=True)

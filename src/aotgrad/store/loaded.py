@@ -43,7 +43,7 @@ from aotgrad.runtime.transforms import refuse_transforms_on
 from aotgrad.signature import FlatInputs, Signature
 from aotgrad.signature.descriptors import Buffer, Param
 from aotgrad.store.format import Read, Stored, dumps, loads, with_values, write_atomically
-from aotgrad.store.values import decode, dump_treespec, encode
+from aotgrad.store.values import MALFORMED, decode, dump_structure, encode
 
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
 
@@ -66,7 +66,7 @@ def save_traced(
             " numbers, strings, None and containers of them can be saved"
         ) from None
     call = {
-        "spec": dump_treespec(flat.spec),
+        "spec": dump_structure(flat.spec, match_only=True),
         "constants": constants,
         "tensor_positions": list(flat.tensor_positions),
         "num_lifted": flat.num_lifted,
@@ -141,12 +141,15 @@ class Loaded:
         self._stored = stored
         call = stored.call
         try:
-            self._spec = pytree.treespec_loads(call["spec"])
+            # Only ever compared with the caller's (Note [Tree structure in a file]).
+            self._spec: Any = call["spec"]
+            self._matched: pytree.TreeSpec | None = None
             self._constants = tuple(decode(call["constants"]))
             self._tensor_positions = tuple(int(i) for i in call["tensor_positions"])
             self._autocast = decode(call["autocast"])
             num_lifted = int(call["num_lifted"])
-        except (KeyError, TypeError, ValueError, NotImplementedError, StoreError) as e:
+            _check_call(self._spec, self._constants, self._tensor_positions)
+        except (*MALFORMED, StoreError) as e:
             raise StoreError(f"malformed call description in the graph file: {e}") from None
         self._state_names = _state_names(stored.signature, num_lifted)
         if self._state_names and module is None:
@@ -156,16 +159,23 @@ class Loaded:
                 " (Note [Loaded module state])"
             )
         self._module = module
-        self._expected = _expected(stored.forward.values(), stored.forward.steps, call)
+        try:
+            self._expected = _expected(stored.forward.values(), stored.forward.steps, call)
+        except MALFORMED as e:
+            raise StoreError(f"malformed input description in the graph file: {e}") from None
         if len(self._expected) != num_lifted + len(self._tensor_positions):
             raise StoreError("the graph file's forward graph takes another number of inputs")
-        forward, backward = compile_stored(stored, compilers)
+        if all(c is None or c is nop for c in compilers):
+            try:  # aotgrad's own code made from the file's checked steps
+                forward, backward = compile_stored(stored, compilers)
+                higher_order = stored_higher_order(stored, compilers)
+            except (*MALFORMED, SyntaxError, MemoryError) as e:
+                raise StoreError(f"the graph file's graphs cannot be run: {e}") from None
+        else:  # a user's compiler: its errors are the user's to see
+            forward, backward = compile_stored(stored, compilers)
+            higher_order = stored_higher_order(stored, compilers)
         self._compiled = CompiledGraphs(
-            None,
-            forward,
-            backward,
-            plan=stored.plan,
-            higher_order=stored_higher_order(stored, compilers),
+            None, forward, backward, plan=stored.plan, higher_order=higher_order
         )
 
     @property
@@ -192,10 +202,8 @@ class Loaded:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         refuse_transforms_on(leaves)  # Note [Transforms run the function]
-        if spec != self._spec:
-            raise CallError(
-                f"these graphs were saved for arguments structured as {self._spec}, got {spec}"
-            )
+        if spec != self._matched:
+            self._match(spec)
         for i, (leaf, constant) in enumerate(zip(leaves, self._constants, strict=True)):
             if i not in self._tensor_positions and not _same_value(leaf, constant):
                 raise CallError(
@@ -209,6 +217,21 @@ class Loaded:
         inputs = [*self._state(), *(leaves[i] for i in self._tensor_positions)]
         self._check(inputs)
         return self._compiled(inputs)
+
+    def _match(self, spec: pytree.TreeSpec) -> None:
+        """The arguments are structured as those the graphs were saved for (compared as
+        data, Note [Tree structure in a file]); remembered, so the next call compares
+        ``TreeSpec`` s only."""
+        try:
+            same = dump_structure(spec, match_only=True) == self._spec
+        except StoreError:
+            same = False
+        if not same:
+            raise CallError(
+                f"these graphs were saved for arguments structured as {self._spec!r:.200},"
+                f" got {spec}"
+            )
+        self._matched = spec
 
     def _state(self) -> list[torch.Tensor]:
         module = self._module
@@ -233,6 +256,25 @@ class Loaded:
                     f"{d}: the graphs were traced for a tensor (shape, stride, dtype, device,"
                     f" requires_grad) {expected}, got {got}; trace again for these inputs"
                 )
+
+
+def _check_call(spec: Any, constants: tuple[Any, ...], positions: tuple[int, ...]) -> None:
+    """The call's structure has one leaf per constant; the tensors' positions are leaves."""
+    if _leaves(spec, 0) != len(constants):
+        raise StoreError("the call's structure and its constants do not match")
+    if len(set(positions)) != len(positions) or not all(0 <= i < len(constants) for i in positions):
+        raise StoreError("the call's tensor positions are not leaves of its structure")
+
+
+def _leaves(structure: Any, depth: int) -> int:
+    """How many leaves a stored structure has (Note [Tree structure in a file])."""
+    if structure is None:
+        return 1
+    if depth > 200 or not (
+        isinstance(structure, list) and len(structure) == 3 and isinstance(structure[2], list)
+    ):
+        raise StoreError(f"malformed stored structure {structure!r:.80}")
+    return sum(_leaves(child, depth + 1) for child in structure[2])
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -273,6 +315,8 @@ def _stored_meta(value: Any) -> TensorMeta | None:
     if not isinstance(value, list) or len(value) != 6:
         return None
     size, stride, _, dtype, device, requires_grad = value
+    if not all(isinstance(x, list) and all(type(n) is int for n in x) for x in (size, stride)):
+        raise StoreError(f"malformed tensor description {value!r:.80}")
     return (tuple(size), tuple(stride), dtype, device, requires_grad)
 
 

@@ -100,8 +100,12 @@ def load_graphs(
     positions = stored.call.get("positions")
     if positions is not None and not all(isinstance(p, int) for p in positions):
         return None
-    if not lazy:  # a user's compiler: its errors are the user's to see
-        return _compiled(stored, compilers), None if positions is None else tuple(positions)
+    if not lazy:  # a user's compiler: its errors are the user's to see, a bad entry a miss
+        try:
+            compiled = _compiled(stored, compilers)
+        except StoreError:
+            return None
+        return compiled, None if positions is None else tuple(positions)
     try:
         compiled = _compiled(stored, compilers)
     except Exception:  # anything a crafted file provokes while aotgrad compiles: a miss
