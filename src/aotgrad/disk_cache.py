@@ -15,6 +15,7 @@ from typing import Any
 
 from aotgrad.cache import CacheInfo, CacheKey, Entry
 from aotgrad.runtime.boxing import Compiler
+from aotgrad.store.disk import disk_cache
 from aotgrad.store.keys import Unkeyable
 from aotgrad.store.persist import (
     EntryKey,
@@ -80,18 +81,27 @@ class DiskCacheUse:
         if key.dynamic_dims is not None or key.retrace or wrapped:
             info.disk_skipped = "dynamic shapes and DDP/FSDP2 wrappers are not cached on disk"
             return None
+        cache = disk_cache()  # a ConfigError for a bad AOTGRAD_CACHE_SIZE_MB
+        if cache is None:
+            info.disk_skipped = "AOTGRAD_CACHE=0"
+            return None
+        refused = cache.refused()  # Note [Who may write the cache]
+        if refused is not None:
+            info.disk_skipped = refused
+            return None
         try:
             if self._code is None:
                 self._code = code_text(self._fn)
-            slot = entry_key(
-                code=self._code, call=key, names=self._names, options=self._options_text()
+            return entry_key(
+                cache=cache,
+                code=self._code,
+                call=key,
+                names=self._names,
+                options=self._options_text(),
             )
         except (Unkeyable, OSError) as e:
             info.disk_skipped = str(e)
             return None
-        if slot is None:
-            info.disk_skipped = "AOTGRAD_CACHE=0"
-        return slot
 
     def _options_text(self) -> Any:
         options = self._options
