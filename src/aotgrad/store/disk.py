@@ -239,11 +239,7 @@ def _read_entry(shard: int, name: str, max_bytes: int) -> bytes | None:
 
 
 def _own_regular_file(info: os.stat_result, max_bytes: int) -> bool:
-    return (
-        stat.S_ISREG(info.st_mode)
-        and info.st_uid == os.geteuid()
-        and info.st_size <= max_bytes
-    )
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_size <= max_bytes
 
 
 def _own_files(
