@@ -11,6 +11,7 @@ import pathlib
 import subprocess
 import sys
 import time
+import types
 import warnings
 
 import pytest
@@ -476,3 +477,16 @@ def test_a_report_after_the_key_changed_is_refused(cache_dir, monkeypatch):
     monkeypatch.setitem(globals(), "GLOBAL_SCALE", 3.0)
     with pytest.raises(aotgrad.CallError, match=r"GLOBAL_SCALE.*2\.0 != 3\.0"):
         second.memory_report()
+
+
+def test_a_function_patched_into_a_module_is_part_of_the_key(cache_dir, monkeypatch):
+    """``helpers.act`` replaced at run time: the module's file is unchanged."""
+    helpers = types.ModuleType("trust_helpers")
+    helpers.__file__ = __file__
+    monkeypatch.setitem(sys.modules, "trust_helpers", helpers)
+    fn = _compiled_here("def f(x):\n    return trust_helpers.act(x)\n", trust_helpers=helpers)
+    x = torch.ones(3)
+    for act in ("lambda x: x * 2", "lambda x: x * -100"):
+        helpers.act = _compiled_here(f"f = {act}")
+        torch.testing.assert_close(aotgrad.aot_function(fn)(x), fn(x))
+    assert len(_entries(cache_dir)) == 2

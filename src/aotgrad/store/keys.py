@@ -145,10 +145,12 @@ def code_is_keyable(code: types.CodeType) -> bool:
 #                    hashed the same way, recursively
 #     values         the defaults and keyword-only defaults, as stable text
 #     reached code   the same hash of every function the code can call by a global
-#                    name (its ``co_names`` in ``__globals__``, in nested code too),
-#                    of its closure's functions, and of the methods of the classes it
-#                    reaches that way, transitively (torch's and aotgrad's own are
-#                    covered by their versions)
+#                    name (its ``co_names`` in ``__globals__``, in nested code too)
+#                    or as an attribute of a module it names (``utils.act``), of its
+#                    closure's functions, and of the methods of the classes it reaches
+#                    that way, transitively (torch's, aotgrad's, the standard
+#                    library's and installed packages' are covered by their versions
+#                    and files)
 #
 # The source files that define them are keyed as well (their path, size and
 # modification time: Note [Disk cache keys]).
@@ -214,13 +216,17 @@ def _functions_of(member: Any) -> list[types.FunctionType]:
 
 
 def _reached_values(fn: types.FunctionType) -> list[Any]:
-    """The global values ``fn``'s code names and its closure's values."""
+    """The global values ``fn``'s code names, its closure's values, and the attributes its
+    code names of the modules among them (``utils.act(x)``: ``utils.act``)."""
     found = []
-    names = _global_names(fn.__code__)
-    found += [fn.__globals__[n] for n in sorted(names) if n in fn.__globals__]
+    names = sorted(_global_names(fn.__code__))
+    found += [fn.__globals__[n] for n in names if n in fn.__globals__]
     for cell in fn.__closure__ or ():
         with contextlib.suppress(ValueError):  # an empty cell
             found.append(cell.cell_contents)
+    for module in [v for v in found if isinstance(v, types.ModuleType)]:
+        if not _skipped(module.__name__):
+            found += [vars(module)[n] for n in names if n in vars(module)]
     return found
 
 
