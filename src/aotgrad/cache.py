@@ -141,6 +141,16 @@ def cache_info(fn: Any) -> CacheInfo:
 #     opt_einsum         torch.backends.opt_einsum.enabled        einsum's contraction order
 #     opt_einsum_strategy torch.backends.opt_einsum.strategy        (which bmm s, in what order)
 #
+# On CUDA (seen on an H200, torch 2.11, float16 attention): the defaults traced
+# ``_scaled_dot_product_cudnn_attention``; FLASH_ATTENTION, EFFICIENT_ATTENTION and
+# MATH each traced their own op, MATH with an upcast that ``math_sdp_reduction``
+# drops; a priority of EFFICIENT before FLASH traced the efficient op;
+# ``cudnn.enabled = False`` traced ``native_batch_norm`` for ``cudnn_batch_norm``;
+# deterministic mode traced bilinear ``interpolate`` as its decomposition. On CPU
+# the defaults trace ``_scaled_dot_product_flash_attention_for_cpu`` and MATH the
+# decomposition. Where ``opt_einsum`` is installed its default is ``(True, "auto")``,
+# not ``DEFAULT_SETTINGS``'s: such a process keys every call with the full tuple.
+#
 # Not in the key, because the traced op is the same and torch picks the kernel
 # when the graph runs, reading the setting then, as eager does: TF32
 # (``backends.cuda.matmul.allow_tf32``, ``backends.cudnn.allow_tf32``),

@@ -209,8 +209,8 @@ class HitCall:
 
 
 def _described(leaf: Any) -> Any:
-    if type(leaf) not in (torch.Tensor, torch.nn.Parameter):
-        return leaf  # a value, or a tensor subclass (its entries are not stored on disk)
+    if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf.layout != torch.strided:
+        return leaf  # a value, a tensor subclass or a sparse tensor (kept as it is)
     return _TensorLike(
         parameter=type(leaf) is torch.nn.Parameter,
         size=tuple(leaf.shape),

@@ -118,10 +118,13 @@ def function_text(fn: types.FunctionType, modules: set[str]) -> Any:
     of code]): its code object, defaults, and the code of the functions it reaches."""
     module = fn.__module__
     if not code_is_keyable(fn.__code__) or not isinstance(module, str):
-        raise Unkeyable(f"{fn.__qualname__} has no source file")
+        raise Unkeyable(f"{fn.__qualname__} has no source file (or no module)")
     modules.add(module)
     digest = hashlib.sha256()
-    _hash_reached(fn, digest, modules, {})
+    try:
+        _hash_reached(fn, digest, modules, {})
+    except RecursionError:
+        raise Unkeyable(f"{fn.__qualname__} reaches functions nested too deeply") from None
     return ["function", f"{module}.{fn.__qualname__}", digest.hexdigest()[:32]]
 
 
@@ -307,7 +310,10 @@ def module_code(module: torch.nn.Module, modules: set[str]) -> list[str]:
     seen: dict[int, Any] = {}
     for sub in module.modules():
         if not _skipped(type(sub).__module__):
-            _hash_class(type(sub), digest, modules, seen)
+            try:
+                _hash_class(type(sub), digest, modules, seen)
+            except RecursionError:
+                raise Unkeyable(f"{type(sub).__name__} reaches code nested too deeply") from None
     return [*classes, f"code {digest.hexdigest()[:32]}"]
 
 
