@@ -164,6 +164,7 @@ FLIPS = {
     ),
     "opt_einsum": lambda: _opt_einsum("enabled", not torch.backends.opt_einsum._get_enabled()),
     "opt_einsum_strategy": lambda: _opt_einsum("strategy", "greedy"),
+    "default_device": lambda: torch.device("meta"),
 }
 
 
@@ -225,6 +226,20 @@ def test_mha_fastpath_follows_eager():
         with torch.no_grad(), FLIPS["mha_fastpath"]() if not enabled else contextlib.nullcontext():
             torch.testing.assert_close(compiled(x, x, x)[0], mha(x, x, x)[0])
     assert aotgrad.cache_info(compiled).misses == 2
+
+
+def _ramp(x):
+    return torch.arange(3.0) + x
+
+
+def test_the_default_device_follows_eager(cache_dir):
+    x = torch.tensor(1.0)
+    compiled = aotgrad.aot_function(_ramp)
+    assert compiled(x).device.type == "cpu"
+    with torch.device("meta"):
+        assert _ramp(x).device.type == "meta"
+        assert compiled(x).device.type == "meta"
+        assert aotgrad.aot_function(_ramp)(x).device.type == "meta"  # not the cpu entry
 
 
 # -- 6. who may write the cache (Note [Who may write the cache]) ------------------------------
