@@ -403,6 +403,14 @@ def test_a_bad_cache_size_is_a_clear_error(cache_dir, monkeypatch, value):
         f(torch.ones(2))
 
 
+@pytest.mark.parametrize("value", ["flase", "2", "enabled"])
+def test_a_bad_cache_switch_is_a_clear_error(cache_dir, monkeypatch, value):
+    monkeypatch.setenv("AOTGRAD_CACHE", value)
+    f = aotgrad.aot_function(_double)
+    with pytest.raises(ConfigError, match=r"AOTGRAD_CACHE=.*expected one of 1, true, on, yes"):
+        f(torch.ones(2))
+
+
 @pytest.mark.parametrize(("value", "expected"), [("0", 0), ("1.5", 3 << 19), (" 2 ", 2 << 20)])
 def test_good_cache_sizes(value, expected):
     assert disk.disk_cache({"AOTGRAD_CACHE_SIZE_MB": value}).max_bytes == expected
@@ -464,6 +472,7 @@ def test_reports_after_a_hit_trace_once_and_compile_nothing(cache_dir, tmp_path)
     second.to_html(tmp_path / "report.html")
     assert "tanh" in (tmp_path / "report.html").read_text()
     assert len(compiled_graphs) == loaded  # traced for the report, not compiled
+    assert second.partitioned.forward.code == first.partitioned.forward.code
 
 
 def test_reports_after_a_hit_under_no_grad(cache_dir):

@@ -470,7 +470,7 @@ class AOTFunction:
             ),
             compilers=(options.fw_compiler, options.bw_compiler, options.inference_compiler),
         )
-        self.partitioned: Partitioned | None = None
+        self._partitioned: Partitioned | None = None
         # The last call, when a disk hit served it: what its reports trace (Note [Reports
         # after a disk hit]).
         self._hit: HitCall | None = None
@@ -580,7 +580,7 @@ class AOTFunction:
         if entry is not None:
             self.cache.add(miss.key, entry)
             # Traced again when a report asks (Note [Reports after a disk hit]).
-            self.partitioned = None
+            self._partitioned = None
             self._hit = HitCall.of(call.args, call.kwargs, miss.key)
             return entry(call.lifted.tensors, call.leaves)
         entry = self._specialize(call, miss.key.dynamic_dims)
@@ -614,12 +614,19 @@ class AOTFunction:
         """
         _write_html(self._last(), path, profile)
 
+    @property
+    def partitioned(self) -> Partitioned | None:
+        """The last specialization's graphs and what aotgrad decided; None before the first
+        call. After a disk hit, traced again on first use (Note [Reports after a disk hit])."""
+        if self._partitioned is None and self._hit is not None:
+            self._partitioned = self._describe(self._hit)
+        return self._partitioned
+
     def _last(self) -> Partitioned:
-        if self.partitioned is None and self._hit is not None:
-            self.partitioned = self._describe(self._hit)
-        if self.partitioned is None:
+        partitioned = self.partitioned
+        if partitioned is None:
             raise CallError("no specialization yet: call the compiled function first")
-        return self.partitioned
+        return partitioned
 
     def _describe(self, hit: HitCall) -> Partitioned:
         """The graphs of a disk hit, traced again for the reports (Note [Reports after a disk
@@ -646,10 +653,10 @@ class AOTFunction:
 
     def _specialize(self, call: _Call, dims: DynamicDims | None) -> Entry:
         options = self._options
-        self.partitioned, positions = self._capture(call, dims)
-        self._hit = None
+        partitioned, positions = self._capture(call, dims)
+        self._partitioned, self._hit = partitioned, None
         compiled = compile_partitioned(
-            self.partitioned, options.fw_compiler, options.bw_compiler, options.inference_compiler
+            partitioned, options.fw_compiler, options.bw_compiler, options.inference_compiler
         )
         return Entry(compiled=compiled, positions=positions)
 

@@ -80,6 +80,9 @@ from aotgrad.store.format import Read, Stored, dumps, loads, write_atomically
 
 SUFFIX = ".aotgrad"
 DEFAULT_SIZE_MB = 1024
+# AOTGRAD_CACHE's values, lower-cased.
+_ON = ("", "1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
 # Temporary files untouched this long are a killed writer's (Note [What eviction deletes]).
 _STALE_TEMPORARY_S = 600.0
 _SHARD = re.compile(r"[0-9a-f]{2}")
@@ -277,8 +280,14 @@ def disk_cache(environ: Mapping[str, str] = os.environ) -> DiskCache | None:
     ...
     aotgrad.errors.ConfigError: AOTGRAD_CACHE_SIZE_MB='inf' is not a size: expected a finite number of megabytes >= 0 (1024 by default; 0 keeps no entry), or AOTGRAD_CACHE=0 to turn the disk cache off
     """
-    if environ.get("AOTGRAD_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):
+    flag = environ.get("AOTGRAD_CACHE", "1").strip().lower()
+    if flag in _OFF:
         return None
+    if flag not in _ON:
+        raise ConfigError(
+            f"AOTGRAD_CACHE={environ['AOTGRAD_CACHE']!r} is neither on nor off: expected one of"
+            f" {', '.join(_ON[1:])} (on, the default) or {', '.join(_OFF)} (off)"
+        )
     default = pathlib.Path(environ.get("XDG_CACHE_HOME", "~/.cache")) / "aotgrad"
     directory = pathlib.Path(environ.get("AOTGRAD_CACHE_DIR") or default).expanduser()
     megabytes = cache_size_mb(environ.get("AOTGRAD_CACHE_SIZE_MB"))
