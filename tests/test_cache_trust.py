@@ -514,3 +514,35 @@ def test_a_function_patched_into_a_module_is_part_of_the_key(cache_dir, monkeypa
         helpers.act = _compiled_here(f"f = {act}")
         torch.testing.assert_close(aotgrad.aot_function(fn)(x), fn(x))
     assert len(_entries(cache_dir)) == 2
+
+
+class _Config:
+    """An object without a stable text."""
+
+
+class _Built(torch.nn.Module):
+    def __init__(self, config=_Config()):  # noqa: B008 (the case: a default object)
+        super().__init__()
+        self.scale = 2.0
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_a_modules_init_defaults_do_not_stop_caching(cache_dir):
+    x = torch.ones(2)
+    for hits in (0, 1):
+        compiled = aotgrad.aot_module(_Built())
+        assert compiled(x).tolist() == [2.0, 2.0]
+        info = aotgrad.cache_info(compiled)
+        assert (info.disk_hits, info.disk_skipped) == (hits, None)
+
+
+def _with_default(x, config=_Config()):  # noqa: B008 (the case: a default object)
+    return x * 2
+
+
+def test_a_default_without_stable_text_is_not_cached(cache_dir):
+    compiled = aotgrad.aot_function(_with_default)
+    assert compiled(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert "_Config has no stable key" in aotgrad.cache_info(compiled).disk_skipped

@@ -146,7 +146,10 @@ def code_is_keyable(code: types.CodeType) -> bool:
 #                    cell variables, first line and line table, and every constant,
 #                    nested code objects (lambdas, comprehensions, inner functions)
 #                    hashed the same way, recursively
-#     values         the defaults and keyword-only defaults, as stable text
+#     values         the defaults and keyword-only defaults, as stable text (a
+#                    function whose default has none is not cached; a class's
+#                    ``__init__``, which runs when a module is built, not traced,
+#                    keys such a default by its type: ``field(default_factory=...)``)
 #     reached code   the same hash of every function the code can call by a global
 #                    name (its ``co_names`` in ``__globals__``, in nested code too)
 #                    or as an attribute of a module it names (``utils.act``), of its
@@ -161,9 +164,16 @@ _MAX_REACHED = 2000
 
 
 def _hash_reached(
-    fn: types.FunctionType, digest: Any, modules: set[str], seen: dict[int, Any]
+    fn: types.FunctionType,
+    digest: Any,
+    modules: set[str],
+    seen: dict[int, Any],
+    building: bool = False,
 ) -> None:
-    """Hash ``fn`` and, depth first, every function and class it reaches (Note [Keys of code])."""
+    """Hash ``fn`` and, depth first, every function and class it reaches (Note [Keys of code]).
+
+    ``building``: ``fn`` is a class's ``__init__``, which runs when an object is built, not
+    while a module is traced: a default without a stable text is keyed by its type."""
     if id(fn) in seen:
         digest.update(b"seen %d" % list(seen).index(id(fn)))
         return
@@ -175,7 +185,7 @@ def _hash_reached(
     code = fn.__code__  # with or without a file (a dataclass's __init__): by content
     digest.update(f"function {fn.__module__}.{fn.__qualname__}\n".encode())
     digest.update(code_digest(code))
-    defaults = stable_text([fn.__defaults__, fn.__kwdefaults__], modules)
+    defaults = _defaults_text(fn, modules, building)
     digest.update(json.dumps(defaults, sort_keys=True).encode())
     for value in _reached_values(fn):
         if isinstance(value, types.FunctionType) and _users_code(value):
@@ -193,6 +203,23 @@ def _users_code(fn: types.FunctionType) -> bool:
     return "site-packages" not in filename and not os.path.realpath(filename).startswith(_STDLIB)
 
 
+def _defaults_text(fn: types.FunctionType, modules: set[str], building: bool) -> Any:
+    values = [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).items()]
+    try:
+        return stable_text([fn.__defaults__, fn.__kwdefaults__], modules)
+    except Unkeyable:
+        if not building:
+            raise
+    return [_stable_or_type(v, modules) for v in values]
+
+
+def _stable_or_type(value: Any, modules: set[str]) -> Any:
+    try:
+        return stable_text(value, modules)
+    except Unkeyable:
+        return f"an object of {type(value).__module__}.{type(value).__qualname__}"
+
+
 def _hash_class(cls: type, digest: Any, modules: set[str], seen: dict[int, Any]) -> None:
     """Hash the functions defined in ``cls`` and its bases outside torch (Note [Keys of code])."""
     if id(cls) in seen:
@@ -207,7 +234,7 @@ def _hash_class(cls: type, digest: Any, modules: set[str], seen: dict[int, Any])
             for fn in _functions_of(member):
                 if _users_code(fn):
                     digest.update(f"{base.__qualname__}.{name}\n".encode())
-                    _hash_reached(fn, digest, modules, seen)
+                    _hash_reached(fn, digest, modules, seen, building=name == "__init__")
 
 
 def _functions_of(member: Any) -> list[types.FunctionType]:
