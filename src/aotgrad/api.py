@@ -29,7 +29,7 @@ from aotgrad.capture import (
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
 from aotgrad.capture.input_aliases import memory_sharing
-from aotgrad.disk_cache import DiskCacheUse, GraphOptions
+from aotgrad.disk_cache import DiskCacheUse, GraphOptions, HitCall
 from aotgrad.errors import CallError, CaptureError, StoreError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
 from aotgrad.report import SeqTable, memory_report, seq_table
@@ -534,7 +534,10 @@ class AOTFunction:
             ),
             compilers=(options.fw_compiler, options.bw_compiler, options.inference_compiler),
         )
-        self.partitioned: Partitioned | None = None
+        self._partitioned: Partitioned | None = None
+        # The last call, when a disk hit served it: what its reports trace (Note [Reports
+        # after a disk hit]).
+        self._hit: HitCall | None = None
         # Compiled JVP bodies for dual calls, by structure and dual positions (None: capture
         # refused); a JVP body itself runs under the forward-AD level like any call (Note
         # [Forward mode captures a JVP graph]).
@@ -640,6 +643,9 @@ class AOTFunction:
         entry = self._disk.load(slot, info) if slot is not None else None
         if entry is not None:
             self.cache.add(miss.key, entry)
+            # Traced again when a report asks (Note [Reports after a disk hit]).
+            self._partitioned = None
+            self._hit = HitCall.of(call.args, call.kwargs, miss.key)
             return entry(call.lifted.tensors, call.leaves)
         entry = self._specialize(call, miss.key.dynamic_dims)
         settled = self._state.settle(call.lifted, call.arguments)
@@ -672,19 +678,58 @@ class AOTFunction:
         """
         _write_html(self._last(), path, profile)
 
+    @property
+    def partitioned(self) -> Partitioned | None:
+        """The last specialization's graphs and what aotgrad decided; None before the first
+        call. After a disk hit, traced again on first use (Note [Reports after a disk hit])."""
+        if self._partitioned is None and self._hit is not None:
+            self._partitioned = self._describe(self._hit)
+        return self._partitioned
+
     def _last(self) -> Partitioned:
-        if self.partitioned is None:
-            if len(self.cache):
-                raise CallError(
-                    "the specializations so far were loaded from the disk cache, which keeps"
-                    " graphs, not the joint graph reports read; pass disk_cache=False for"
-                    " reports (docs/caching.md)"
-                )
+        partitioned = self.partitioned
+        if partitioned is None:
             raise CallError("no specialization yet: call the compiled function first")
-        return self.partitioned
+        return partitioned
+
+    def _describe(self, hit: HitCall) -> Partitioned:
+        """The graphs of a disk hit, traced again for the reports (Note [Reports after a disk
+        hit]): on tensors of the hit's metadata, under its grad mode; nothing is compiled."""
+        args, kwargs = hit.call()
+        with torch.set_grad_enabled(hit.grad_mode):
+            leaves, structure = flatten_call(args, kwargs)
+            arguments = module_arguments(self._target, args, kwargs, leaves, structure, self._names)
+            lifted = self._state.read(arguments)
+            key = CacheKey.of_call(structure=structure, leaves=leaves, dims=None, lifted=lifted)
+            if key != hit.key:
+                names = leaf_names(self._target, args, kwargs)
+                raise CallError(
+                    "the last call's graphs came from the disk cache, and the reports trace"
+                    " them again to describe them; now the call's key differs"
+                    f" ({key.explain(hit.key, names)}). Ask for the report under the torch"
+                    " state of that call, or compile with disk_cache=False (docs/caching.md)"
+                )
+            call = _Call(
+                args=args, kwargs=kwargs, leaves=leaves, lifted=lifted, arguments=arguments
+            )
+            partitioned, _, _ = self._capture(call, None)
+        return partitioned
 
     def _specialize(self, call: _Call, dims: DynamicDims | None) -> Entry:
-        fn, options, state = self._fn, self._options, call.lifted.tensors
+        options = self._options
+        partitioned, positions, replay = self._capture(call, dims)
+        self._partitioned, self._hit = partitioned, None
+        compiled = compile_partitioned(
+            partitioned, options.fw_compiler, options.bw_compiler, options.inference_compiler
+        )
+        return Entry(compiled=compiled, positions=positions, replay=replay)
+
+    def _capture(
+        self, call: _Call, dims: DynamicDims | None
+    ) -> tuple[Partitioned, tuple[int, ...] | None, Replay | None]:
+        """Trace and partition one call: its graphs, its graph inputs' leaf positions
+        (``Entry.positions``) and the stores it replays (Note [Side effects replayed])."""
+        fn, state = self._fn, call.lifted.tensors
         refuse_reached_wrappers(_reached(self._state, call.arguments))
         flat, tensors = flatten_inputs(
             self._target, call.args, call.kwargs, call.lifted.descriptors
@@ -695,21 +740,18 @@ class AOTFunction:
         tensor_dims = None if dims is None else tuple(dims[i] for i in positions)
         # Dynamo's graphs store nothing: it replays side effects itself.
         watch = _watch(fn, call.arguments) if self._read_environment else None
-        self.partitioned = capture_and_partition(
+        partitioned = capture_and_partition(
             fn=fn,
             body=self._state.body(fn, call.lifted, flat),
             flat=flat,
             primals=[*state, *tensors],
-            options=options,
+            options=self._options,
             dynamic_dims=_by_tensor(tensors, tensor_dims),
             effects=watch,
         )
-        compiled = compile_partitioned(
-            self.partitioned, options.fw_compiler, options.bw_compiler, options.inference_compiler
-        )
         exact = not state and positions == tuple(range(len(flat.constants)))
         replay = watch.replay if watch is not None else None
-        return Entry(compiled=compiled, positions=None if exact else positions, replay=replay)
+        return partitioned, None if exact else positions, replay
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,12 +21,14 @@ entry's key, as ``what: that entry's != this call's``::
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils._device import DeviceContext
 
 from aotgrad.capture.autocast import AutocastState, any_autocast, autocast_state
 from aotgrad.capture.dynamic import DynamicDims, static_where_shared
@@ -102,26 +104,138 @@ def cache_info(fn: Any) -> CacheInfo:
 # ~~~~~~~~~~~~~~~~~~~~
 # Some global torch state changes what the same call computes, and a trace bakes
 # it in: grad mode (whether a backward is built), autocast (which ops run in
-# lower precision) and the default dtype (what ``torch.ones(2)`` makes). It is
-# part of every key. The common state is cheap to key: grad mode alone (examples:
+# lower precision), the default dtype (what ``torch.ones(2)`` makes) and the
+# torch settings that choose which ops are traced (Note [Torch settings in the
+# key]). It is part of every key, in memory and on disk (the disk key holds the
+# ``CacheKey``). The common state is cheap to key: grad mode alone (examples:
 # ``ambient_key``). So a function first called outside ``torch.autocast`` traces
 # again when called inside it, instead of returning float32 results where eager
 # gives bfloat16, and the miss says ``autocast off != cpu/bfloat16``.
+
+
+# Note [Torch settings in the key]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some global torch settings are read while the function runs, by torch's
+# Python or by composite (decomposed at trace) C++ ops, and choose which aten
+# ops the trace records: the graph then holds that choice for every later call.
+# Those are part of the key; ``SETTINGS`` is the one list the in-memory key and
+# the disk key both read (``ambient_key``). Under ``sdpa_kernel(SDPBackend.MATH)``
+# a function first traced with the defaults traces again, and its graph holds
+# the math decomposition (``bmm``, ``_safe_softmax``) instead of
+# ``_scaled_dot_product_flash_attention_for_cpu``, as eager runs::
+#
+#     name               set by                                   what it chooses at trace
+#     flash_sdp          enable_flash_sdp, sdpa_kernel            scaled_dot_product_attention's
+#     mem_efficient_sdp  enable_mem_efficient_sdp, sdpa_kernel      fused kernel, or its math
+#     math_sdp           enable_math_sdp, sdpa_kernel               decomposition
+#     cudnn_sdp          enable_cudnn_sdp, sdpa_kernel              (aten::_fused_sdp_choice,
+#     overrideable_sdp   sdpa_kernel(SDPBackend.OVERRIDEABLE)        CPU and CUDA)
+#     sdp_priority       sdpa_kernel(..., set_priority=True)      the order the above are tried
+#     math_sdp_reduction allow_fp16_bf16_reduction_math_sdp       the math decomposition's upcast
+#     deterministic      torch.use_deterministic_algorithms       decompositions (max-pool backward)
+#                                                                 and F.* paths (CUDA pooling,
+#                                                                 interpolate) taken at trace
+#     cudnn              torch.backends.cudnn.enabled             F.batch_norm / layer_norm /
+#                                                                 group_norm's cudnn ops, RNNs (CUDA)
+#     mkldnn             torch.backends.mkldnn.enabled            the LSTM decomposition's
+#                                                                 mkldnn_rnn_layer (CPU)
+#     mha_fastpath       torch.backends.mha.set_fastpath_enabled  nn.MultiheadAttention and
+#                                                                 TransformerEncoderLayer's fused op
+#     opt_einsum         torch.backends.opt_einsum.enabled        einsum's contraction order
+#     opt_einsum_strategy torch.backends.opt_einsum.strategy        (which bmm s, in what order)
+#     default_device     with torch.device(d), set_default_device   the device of factory ops'
+#                                                                 results (torch.arange(3))
+#
+# On CUDA (seen on an H200, torch 2.11, float16 attention): the defaults traced
+# ``_scaled_dot_product_cudnn_attention``; FLASH_ATTENTION, EFFICIENT_ATTENTION and
+# MATH each traced their own op, MATH with an upcast that ``math_sdp_reduction``
+# drops; a priority of EFFICIENT before FLASH traced the efficient op;
+# ``cudnn.enabled = False`` traced ``native_batch_norm`` for ``cudnn_batch_norm``;
+# deterministic mode traced bilinear ``interpolate`` as its decomposition. On CPU
+# the defaults trace ``_scaled_dot_product_flash_attention_for_cpu`` and MATH the
+# decomposition. Where ``opt_einsum`` is installed its default is ``(True, "auto")``,
+# not ``DEFAULT_SETTINGS``'s: such a process keys every call with the full tuple.
+#
+# Not in the key, because the traced op is the same and torch picks the kernel
+# when the graph runs, reading the setting then, as eager does: TF32
+# (``backends.cuda.matmul.allow_tf32``, ``backends.cudnn.allow_tf32``),
+# ``set_float32_matmul_precision``, reduced-precision reductions,
+# ``cudnn.benchmark`` and ``cudnn.deterministic``, nnpack, the preferred BLAS
+# and linalg libraries, ``fill_uninitialized_memory``; and anomaly mode, which
+# checks values when the backward runs and records no op.
+_function_modes = torch._C._len_torch_function_stack
+
+
+def _default_device() -> torch.device | None:
+    """The device ``with torch.device(d)`` or ``torch.set_default_device(d)`` set; None when
+    neither did. Both push a ``DeviceContext`` mode (only the second sets
+    ``torch.utils._device.CURRENT_DEVICE``); ``torch.get_default_device()`` finds it too,
+    in 6 us."""
+    count = _function_modes()
+    if not count:
+        return None
+    for i in range(count):
+        mode = torch._C._get_function_stack_at(i)
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    return None
+
+
+SETTINGS: tuple[tuple[str, Callable[[], Any]], ...] = (
+    ("flash_sdp", torch._C._get_flash_sdp_enabled),
+    ("mem_efficient_sdp", torch._C._get_mem_efficient_sdp_enabled),
+    ("math_sdp", torch._C._get_math_sdp_enabled),
+    ("cudnn_sdp", torch._C._get_cudnn_sdp_enabled),
+    ("overrideable_sdp", torch._C._get_overrideable_sdp_enabled),
+    ("sdp_priority", lambda: tuple(torch._C._get_sdp_priority_order())),
+    ("math_sdp_reduction", torch._C._get_math_sdp_allow_fp16_bf16_reduction),
+    ("deterministic", torch._C._get_deterministic_algorithms),
+    ("cudnn", torch._C._get_cudnn_enabled),
+    ("mkldnn", torch._C._get_mkldnn_enabled),
+    ("mha_fastpath", torch.backends.mha.get_fastpath_enabled),
+    # The module's own readers: its attributes, read through torch's ``PropModule``, took
+    # 1.4 us each, of every call's key.
+    ("opt_einsum", torch.backends.opt_einsum._get_enabled),
+    ("opt_einsum_strategy", torch.backends.opt_einsum._get_strategy),
+    ("default_device", _default_device),
+)
+_READ_SETTINGS = tuple(read for _, read in SETTINGS)
+# torch's defaults: a constant, not what this process saw at import, so one state has
+# one key in every process (the disk key).
+DEFAULT_SETTINGS: tuple[Any, ...] = (
+    *(True, True, True, True, True),
+    (1, 2, 0, 3, 4),
+    *(False, False, True, True, True, False, None),
+    None,
+)
+
+
+def torch_settings() -> tuple[Any, ...]:
+    """The values of ``SETTINGS`` (Note [Torch settings in the key])."""
+    return tuple(map(operator.call, _READ_SETTINGS))  # no Python loop: ~0.2 us less
+
+
 def ambient_key() -> Any:
     """The ambient torch state a trace depends on (Note [Ambient state]).
 
     >>> ambient_key()
     True
     >>> with torch.autocast("cpu", dtype=torch.bfloat16):
-    ...     ambient_key()
+    ...     ambient_key()[:3]
     (True, torch.float32, (('cpu', torch.bfloat16),))
-    >>> _ambient_change(True, (True, torch.float32, (("cpu", torch.bfloat16),)))
+    >>> _ambient_change(True, (True, torch.float32, (("cpu", torch.bfloat16),), DEFAULT_SETTINGS))
     'autocast off != cpu/bfloat16'
+    >>> from torch.nn.attention import sdpa_kernel, SDPBackend
+    >>> with sdpa_kernel(SDPBackend.MATH):
+    ...     _ambient_change(True, ambient_key())
+    'torch setting flash_sdp True != False'
     """
     grad = torch.is_grad_enabled()
-    if torch.get_default_dtype() is torch.float32 and not any_autocast():
+    settings = torch_settings()
+    dtype = torch.get_default_dtype()
+    if dtype is torch.float32 and not any_autocast() and settings == DEFAULT_SETTINGS:
         return grad
-    return (grad, torch.get_default_dtype(), autocast_state())
+    return (grad, dtype, autocast_state(), settings)
 
 
 class CacheKey(NamedTuple):
@@ -161,7 +275,7 @@ class CacheKey(NamedTuple):
     state: StateKey
     # Which tensors (lifted, then leaves) are the same or share memory; None when none do.
     aliases: tuple[int, ...] | None
-    # Grad mode, default dtype and autocast (Note [Ambient state]).
+    # Grad mode, default dtype, autocast and torch settings (Note [Ambient state]).
     ambient: Any
     # The n-th trace under an otherwise equal key (Note [Entries with shape guards]).
     retrace: int = 0
@@ -328,17 +442,22 @@ def _ambient_changed(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str 
 
 def _ambient_change(old: Any, new: Any) -> str:
     """Which part of the ambient state differs, in the user's terms."""
-    old_grad, old_dtype, old_autocast = _ambient_parts(old)
-    grad, dtype, autocast = _ambient_parts(new)
+    old_grad, old_dtype, old_autocast, old_settings = _ambient_parts(old)
+    grad, dtype, autocast, settings = _ambient_parts(new)
     if grad != old_grad:
         return f"grad mode {old_grad} != {grad}"
     if dtype != old_dtype:
         return f"default dtype {old_dtype} != {dtype}"
-    return f"autocast {_show_autocast(old_autocast)} != {_show_autocast(autocast)}"
+    if autocast != old_autocast:
+        return f"autocast {_show_autocast(old_autocast)} != {_show_autocast(autocast)}"
+    for (name, _), a, b in zip(SETTINGS, old_settings, settings, strict=True):
+        if a != b:  # Note [Torch settings in the key]
+            return f"torch setting {name} {a} != {b}"
+    return "no part of the ambient state differs"
 
 
-def _ambient_parts(key: Any) -> tuple[bool, torch.dtype, AutocastState]:
-    return key if isinstance(key, tuple) else (key, torch.float32, ())
+def _ambient_parts(key: Any) -> tuple[bool, torch.dtype, AutocastState, tuple[Any, ...]]:
+    return key if isinstance(key, tuple) else (key, torch.float32, (), DEFAULT_SETTINGS)
 
 
 def _show_autocast(state: AutocastState) -> str:

@@ -13,8 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.utils._pytree as pytree
+
 from aotgrad.cache import CacheInfo, CacheKey, Entry
 from aotgrad.runtime.boxing import Compiler
+from aotgrad.store.disk import disk_cache
 from aotgrad.store.keys import Unkeyable
 from aotgrad.store.persist import (
     EntryKey,
@@ -80,18 +84,27 @@ class DiskCacheUse:
         if key.dynamic_dims is not None or key.retrace or wrapped:
             info.disk_skipped = "dynamic shapes and DDP/FSDP2 wrappers are not cached on disk"
             return None
+        cache = disk_cache()  # a ConfigError for a bad AOTGRAD_CACHE_SIZE_MB
+        if cache is None:
+            info.disk_skipped = "AOTGRAD_CACHE=0"
+            return None
+        refused = cache.refused()  # Note [Who may write the cache]
+        if refused is not None:
+            info.disk_skipped = refused
+            return None
         try:
             if self._code is None:
                 self._code = code_text(self._fn)
-            slot = entry_key(
-                code=self._code, call=key, names=self._names, options=self._options_text()
+            return entry_key(
+                cache=cache,
+                code=self._code,
+                call=key,
+                names=self._names,
+                options=self._options_text(),
             )
         except (Unkeyable, OSError) as e:
             info.disk_skipped = str(e)
             return None
-        if slot is None:
-            info.disk_skipped = "AOTGRAD_CACHE=0"
-        return slot
 
     def _options_text(self) -> Any:
         options = self._options
@@ -122,3 +135,91 @@ class DiskCacheUse:
             info.disk_skipped = "the function stores tensors in the user's objects"
             return
         info.disk_skipped = store_graphs(slot, entry.compiled, entry.positions)
+
+
+# Note [Reports after a disk hit]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``memory_report()``, ``seq_table()`` and ``to_html()`` describe the joint graph,
+# which a cache entry does not hold (it holds the forward and backward graphs).
+# After a hit they read the same description a miss gives by tracing the call
+# again, once, when a report is first asked for: the call is kept as its
+# structure, its non-tensor leaves and each tensor's metadata (no tensor is kept
+# alive), and the trace runs on new tensors of that metadata, under the hit's
+# grad mode. Nothing is compiled or written. A script that prints its memory
+# report prints the same text on the miss that wrote the entry and on every hit::
+#
+#     f(x)                       disk hit: the graphs run, no trace
+#     f.memory_report()          traced once now, on a tensor like x; same text
+#     f.seq_table()              the same trace, no other
+#
+# If the call's key then differs (a value the function reads changed, autocast
+# is on now), the report is a ``CallError`` saying so, never another call's graphs.
+
+
+@dataclass(frozen=True)
+class _TensorLike:
+    """A tensor leaf as its metadata (Note [Reports after a disk hit])."""
+
+    parameter: bool
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    def make(self) -> torch.Tensor:
+        """A new tensor of this metadata (its values unset: a trace reads none)."""
+        extent = self.offset + (
+            1 + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
+            if all(self.size)
+            else 0
+        )
+        storage = torch.empty(extent, dtype=self.dtype, device=self.device).untyped_storage()
+        t = torch.empty(0, dtype=self.dtype, device=self.device)
+        t.set_(storage, self.offset, self.size, self.stride)
+        if self.parameter:
+            return torch.nn.Parameter(t, requires_grad=self.requires_grad)
+        return t.requires_grad_(self.requires_grad)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HitCall:
+    """A call a disk hit served, kept to trace again for reports (Note [Reports after a disk
+    hit])."""
+
+    spec: pytree.TreeSpec
+    # Each leaf: a ``_TensorLike`` for a plain tensor or parameter, else the value itself.
+    leaves: tuple[Any, ...]
+    key: CacheKey
+    grad_mode: bool
+
+    @staticmethod
+    def of(args: tuple[Any, ...], kwargs: dict[str, Any], key: CacheKey) -> HitCall:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        return HitCall(
+            spec=spec,
+            leaves=tuple(_described(leaf) for leaf in leaves),
+            key=key,
+            grad_mode=torch.is_grad_enabled(),
+        )
+
+    def call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Arguments like the hit's: new tensors of its tensors' metadata."""
+        leaves = [leaf.make() if isinstance(leaf, _TensorLike) else leaf for leaf in self.leaves]
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return args, kwargs
+
+
+def _described(leaf: Any) -> Any:
+    if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf.layout != torch.strided:
+        return leaf  # a value, a tensor subclass or a sparse tensor (kept as it is)
+    return _TensorLike(
+        parameter=type(leaf) is torch.nn.Parameter,
+        size=tuple(leaf.shape),
+        stride=tuple(leaf.stride()),
+        offset=leaf.storage_offset(),
+        dtype=leaf.dtype,
+        device=leaf.device,
+        requires_grad=leaf.requires_grad,
+    )

@@ -126,6 +126,11 @@ class StoreError(AotgradError, ValueError):
     """A graph file or cache entry aotgrad cannot write or read (Note [Files run no code])."""
 
 
+class ConfigError(AotgradError, ValueError):
+    """An ``AOTGRAD_*`` environment variable holds a value aotgrad does not accept; the
+    message names the variable and the values it takes."""
+
+
 class UnsupportedWrapperError(AotgradError, ValueError):
     """A DDP or FSDP2 configuration aotgrad cannot run around its graphs (Note [Wrappers run
     around the graphs]): the message says what to use instead."""

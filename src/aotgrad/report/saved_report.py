@@ -28,7 +28,11 @@ def memory_report(saved: Sequence[SavedValue], by_module: bool = False) -> str:
     if not by_module:
         return "\n".join([*_rows(saved), _total(saved)])
     lines = []
-    modules = sorted({s.module for s in saved}, key=lambda m: -unique_bytes(_of(saved, m)))
+    # In the order first saved among ties: the same text in every process (a set's order
+    # follows the hash seed).
+    modules = sorted(
+        dict.fromkeys(s.module for s in saved), key=lambda m: -unique_bytes(_of(saved, m))
+    )
     for module in modules:
         group = _of(saved, module)
         lines.append(f"[{module}] {format_bytes(unique_bytes(group))}")

@@ -7,14 +7,18 @@ only within one process; the disk cache needs the same facts as stable text,
 plus the code that the trace ran, which a process-local key never needed:
 
     what                        how it is keyed
-    the function's code         the function's module and qualified name, its first line, a
-                                hash of its bytecode; and every Python source file reachable
-                                from it (path, size, modification time): its module, the
-                                modules of every module class in the tree, and, transitively,
-                                of every function, class and module their globals name
+    the function's code         the function's module and qualified name, a hash of its
+                                whole code object, defaults and the code it reaches (of a
+                                module: of its classes' methods) (Note [Keys of code]); and
+                                every Python source file reachable from it (path, size,
+                                modification time): its module, the modules of every module
+                                class in the tree, and, transitively, of every function,
+                                class and module their globals name
     torch, Python, aotgrad      exact versions (aotgrad's with a hash of its sources)
     the call                    every field of the ``CacheKey`` (shapes, strides, dtypes,
-                                requires_grad, values read, ambient state), as text
+                                requires_grad, values read, ambient state and the torch
+                                settings that choose traced ops: Note [Torch settings in
+                                the key]), as text
     options                     partition, tracer, dynamic, keep_inference_input_mutations
 
 Files of torch and of the standard library are covered by the versions and not
@@ -31,6 +35,7 @@ module hooks, a value whose key holds a module object by address, a
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import json
@@ -108,23 +113,211 @@ def _stable_object(value: Any, modules: set[str]) -> Any:
     raise Unkeyable(f"a {type(value).__qualname__} has no stable key")
 
 
-def function_text(fn: types.FunctionType, modules: set[str]) -> str:
-    """A function by module, qualified name, first line and a hash of its bytecode."""
-    code = fn.__code__
-    if not code.co_filename or code.co_filename.startswith("<"):
-        raise Unkeyable(f"{fn.__qualname__} has no source file")
-    modules.add(fn.__module__)
-    digest = hashlib.sha256(_code_bytes(code)).hexdigest()[:16]
-    return f"function {fn.__module__}.{fn.__qualname__}:{code.co_firstlineno}:{digest}"
+def function_text(fn: types.FunctionType, modules: set[str]) -> Any:
+    """A function by module, qualified name and the hash of everything it runs (Note [Keys
+    of code]): its code object, defaults, and the code of the functions it reaches."""
+    module = fn.__module__
+    if not code_is_keyable(fn.__code__) or not isinstance(module, str):
+        raise Unkeyable(f"{fn.__qualname__} has no source file (or no module)")
+    modules.add(module)
+    digest = hashlib.sha256()
+    try:
+        _hash_reached(fn, digest, modules, {})
+    except RecursionError:
+        raise Unkeyable(f"{fn.__qualname__} reaches functions nested too deeply") from None
+    return ["function", f"{module}.{fn.__qualname__}", digest.hexdigest()[:32]]
 
 
-def _code_bytes(code: types.CodeType) -> bytes:
-    parts = [code.co_code, repr(code.co_names).encode()]
+def code_is_keyable(code: types.CodeType) -> bool:
+    return bool(code.co_filename) and not code.co_filename.startswith("<")
+
+
+# Note [Keys of code]
+# ~~~~~~~~~~~~~~~~~~~
+# Two functions whose traces may differ must never share a key, even when
+# their source files, names and lines are the same: ``lambda a, b: b - a`` and
+# ``lambda b, a: a - b`` on one line have the same bytecode, but called as
+# ``f(a=1, b=2)`` one gives 1 and the other -1; code made by ``exec`` under a
+# real file's name has no text in that file at all. So a function is keyed by
+# the content of its code object, not by where its text is:
+#
+#     code           co_code, argument counts (positional-only, keyword-only),
+#                    flags, names, local and argument names (in order), free and
+#                    cell variables, first line and line table, and every constant,
+#                    nested code objects (lambdas, comprehensions, inner functions)
+#                    hashed the same way, recursively
+#     values         the defaults and keyword-only defaults, as stable text (a
+#                    function whose default has none is not cached; a class's
+#                    ``__init__``, which runs when a module is built, not traced,
+#                    keys such a default by its type: ``field(default_factory=...)``)
+#     reached code   the same hash of every function the code can call by a global
+#                    name (its ``co_names`` in ``__globals__``, in nested code too)
+#                    or as an attribute of a module it names (``utils.act``), of its
+#                    closure's functions, and of the methods of the classes it reaches
+#                    that way, transitively (torch's, aotgrad's, the standard
+#                    library's and installed packages' are covered by their versions
+#                    and files)
+#
+# The source files that define them are keyed as well (their path, size and
+# modification time: Note [Disk cache keys]).
+_MAX_REACHED = 2000
+
+
+def _hash_reached(
+    fn: types.FunctionType,
+    digest: Any,
+    modules: set[str],
+    seen: dict[int, Any],
+    building: bool = False,
+) -> None:
+    """Hash ``fn`` and, depth first, every function and class it reaches (Note [Keys of code]).
+
+    ``building``: ``fn`` is a class's ``__init__``, which runs when an object is built, not
+    while a module is traced: a default without a stable text is keyed by its type."""
+    if id(fn) in seen:
+        digest.update(b"seen %d" % list(seen).index(id(fn)))
+        return
+    seen[id(fn)] = fn
+    if isinstance(fn.__module__, str) and code_is_keyable(fn.__code__):
+        modules.add(fn.__module__)  # its file, too
+    if len(seen) > _MAX_REACHED:
+        raise Unkeyable(f"the code reaches more than {_MAX_REACHED} functions")
+    code = fn.__code__  # with or without a file (a dataclass's __init__): by content
+    digest.update(f"function {fn.__module__}.{fn.__qualname__}\n".encode())
+    digest.update(code_digest(code))
+    defaults = _defaults_text(fn, modules, building)
+    digest.update(json.dumps(defaults, sort_keys=True).encode())
+    for value in _reached_values(fn):
+        if isinstance(value, types.FunctionType) and _users_code(value):
+            _hash_reached(value, digest, modules, seen)
+        elif isinstance(value, type) and not _skipped(value.__module__):
+            _hash_class(value, digest, modules, seen)
+
+
+def _users_code(fn: types.FunctionType) -> bool:
+    """A function outside torch, aotgrad, the standard library and installed packages,
+    whose files the versions and file stats key (Note [Keys of code])."""
+    if _skipped(fn.__module__ or ""):
+        return False
+    filename = fn.__code__.co_filename
+    return "site-packages" not in filename and not os.path.realpath(filename).startswith(_STDLIB)
+
+
+def _defaults_text(fn: types.FunctionType, modules: set[str], building: bool) -> Any:
+    values = [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).items()]
+    try:
+        return stable_text([fn.__defaults__, fn.__kwdefaults__], modules)
+    except Unkeyable:
+        if not building:
+            raise
+    return [_stable_or_type(v, modules) for v in values]
+
+
+def _stable_or_type(value: Any, modules: set[str]) -> Any:
+    try:
+        return stable_text(value, modules)
+    except Unkeyable:
+        return f"an object of {type(value).__module__}.{type(value).__qualname__}"
+
+
+def _hash_class(cls: type, digest: Any, modules: set[str], seen: dict[int, Any]) -> None:
+    """Hash the functions defined in ``cls`` and its bases outside torch (Note [Keys of code])."""
+    if id(cls) in seen:
+        return
+    seen[id(cls)] = cls
+    modules.add(cls.__module__)
+    digest.update(f"class {cls.__module__}.{cls.__qualname__}\n".encode())
+    for base in cls.__mro__:
+        if _skipped(base.__module__):
+            continue
+        for name, member in sorted(vars(base).items(), key=lambda item: item[0]):
+            for fn in _functions_of(member):
+                if _users_code(fn):
+                    digest.update(f"{base.__qualname__}.{name}\n".encode())
+                    _hash_reached(fn, digest, modules, seen, building=name == "__init__")
+
+
+def _functions_of(member: Any) -> list[types.FunctionType]:
+    if isinstance(member, staticmethod | classmethod):
+        member = member.__func__
+    if isinstance(member, property):
+        return [f for f in (member.fget, member.fset) if isinstance(f, types.FunctionType)]
+    return [member] if isinstance(member, types.FunctionType) else []
+
+
+def _reached_values(fn: types.FunctionType) -> list[Any]:
+    """The global values ``fn``'s code names, its closure's values, and the attributes its
+    code names of the modules among them (``utils.act(x)``: ``utils.act``)."""
+    found = []
+    names = sorted(_global_names(fn.__code__))
+    found += [fn.__globals__[n] for n in names if n in fn.__globals__]
+    for cell in fn.__closure__ or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            found.append(cell.cell_contents)
+    for module in [v for v in found if isinstance(v, types.ModuleType)]:
+        if not _skipped(module.__name__):
+            found += [vars(module)[n] for n in names if n in vars(module)]
+    return found
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
     for const in code.co_consts:
-        parts.append(
-            _code_bytes(const) if isinstance(const, types.CodeType) else repr(const).encode()
-        )
-    return b"".join(parts)
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def code_digest(code: types.CodeType) -> bytes:
+    """A hash of everything in ``code`` that decides what it does (Note [Keys of code])."""
+    digest = hashlib.sha256()
+    _hash_code(code, digest)
+    return digest.digest()
+
+
+def _hash_code(code: types.CodeType, digest: Any) -> None:
+    digest.update(code.co_code)
+    fields = [
+        code.co_argcount,
+        code.co_posonlyargcount,
+        code.co_kwonlyargcount,
+        code.co_flags,
+        code.co_nlocals,
+        code.co_firstlineno,
+        code.co_name,
+        list(code.co_names),
+        list(code.co_varnames),
+        list(code.co_freevars),
+        list(code.co_cellvars),
+        code.co_linetable.hex(),
+        len(code.co_consts),
+    ]
+    digest.update(json.dumps(fields).encode())
+    for const in code.co_consts:
+        _hash_const(const, digest)
+
+
+def _hash_const(const: Any, digest: Any) -> None:
+    """A constant by type and value: ``1``, ``1.0``, ``True`` and ``-0.0`` all differ; a
+    frozenset in an order independent of the hash seed."""
+    if isinstance(const, types.CodeType):
+        digest.update(b"code(")
+        _hash_code(const, digest)
+        digest.update(b")")
+    elif isinstance(const, tuple | frozenset):
+        items = list(const)
+        if isinstance(const, frozenset):
+            items.sort(key=lambda c: (type(c).__name__, repr(c)))
+        digest.update(f"{type(const).__name__}({len(items)}:".encode())
+        for item in items:
+            _hash_const(item, digest)
+        digest.update(b")")
+    elif isinstance(const, float | complex):
+        text = const.hex() if isinstance(const, float) else f"{const.real.hex()},{const.imag.hex()}"
+        digest.update(f"{type(const).__name__}:{text};".encode())
+    else:  # None, bool, int, str, bytes, Ellipsis
+        text = repr(const)
+        digest.update(f"{type(const).__name__}:{len(text)}:{text};".encode())
 
 
 def module_code(module: torch.nn.Module, modules: set[str]) -> list[str]:
@@ -140,7 +333,15 @@ def module_code(module: torch.nn.Module, modules: set[str]) -> list[str]:
                 f"module {name or type(sub).__name__} has a forward set on the instance"
             )
         classes.append(f"{name}: {stable_text(type(sub), modules)}")
-    return classes
+    digest = hashlib.sha256()
+    seen: dict[int, Any] = {}
+    for sub in module.modules():
+        if not _skipped(type(sub).__module__):
+            try:
+                _hash_class(type(sub), digest, modules, seen)
+            except RecursionError:
+                raise Unkeyable(f"{type(sub).__name__} reaches code nested too deeply") from None
+    return [*classes, f"code {digest.hexdigest()[:32]}"]
 
 
 def source_files(roots: Iterable[str]) -> list[tuple[str, int, int]]:

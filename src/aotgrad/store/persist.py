@@ -18,7 +18,7 @@ import torch
 from aotgrad.errors import StoreError
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.runtime.boxing import Compiler, nop
-from aotgrad.store.disk import DiskCache, disk_cache
+from aotgrad.store.disk import DiskCache
 from aotgrad.store.format import Read, Stored, aotgrad_version
 from aotgrad.store.keys import (
     Unkeyable,
@@ -66,15 +66,17 @@ def options_text(
 
 
 def entry_key(
-    *, code: tuple[Any, set[str]], call: Sequence[Any], names: Any, options: Any
-) -> EntryKey | None:
-    """The disk entry for one call's key; None when the cache is off.
+    *,
+    cache: DiskCache,
+    code: tuple[Any, set[str]],
+    call: Sequence[Any],
+    names: Any,
+    options: Any,
+) -> EntryKey:
+    """The disk entry for one call's key in ``cache``.
 
     Raises :class:`Unkeyable` when some part has no stable text.
     """
-    cache = disk_cache()
-    if cache is None:
-        return None
     text, modules = code
     called = stable_text(list(call), modules)
     parts = {
