@@ -1,4 +1,4 @@
-"""A module's parameters and buffers as lifted inputs (Note [Swapping module state])."""
+"""A module's parameters and buffers as lifted inputs (Note [Module state in a trace])."""
 
 from __future__ import annotations
 
