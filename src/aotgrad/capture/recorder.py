@@ -241,6 +241,9 @@ class Recorder:
             node.register_hook(self._exit_node)
 
     def _enter_module(self, module: torch.nn.Module, args: Any) -> None:
+        # Not another thread's module call (Note [Captures and other threads]).
+        if not closed_over.in_capture():
+            return
         name = self.module_names.get(id(module))
         if name is None:
             name = type(module).__name__
@@ -249,7 +252,7 @@ class Recorder:
         self.module_stack.append(context)
 
     def _exit_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.module_stack:
+        if self.module_stack and closed_over.in_capture():
             self.module_stack.pop().__exit__(None, None, None)
 
     def _enter_node(self, node: Any, grad_outputs: Any) -> None:
@@ -286,10 +289,11 @@ def generator_restored() -> Iterator[None]:
             generator.set_state(new_state)
 
     saved = torch.get_rng_state, torch.set_rng_state, torch.manual_seed, torch.seed
-    torch.get_rng_state = torch.random.get_rng_state = get_rng_state
-    torch.set_rng_state = torch.random.set_rng_state = set_rng_state
-    torch.manual_seed = torch.random.manual_seed = _refuse_seeding
-    torch.seed = torch.random.seed = _refuse_seeding
+    # Other threads keep torch's own functions (Note [Captures and other threads]).
+    torch.get_rng_state = torch.random.get_rng_state = _in_capture(get_rng_state, saved[0])
+    torch.set_rng_state = torch.random.set_rng_state = _in_capture(set_rng_state, saved[1])
+    torch.manual_seed = torch.random.manual_seed = _in_capture(_refuse_seeding, saved[2])
+    torch.seed = torch.random.seed = _in_capture(_refuse_seeding, saved[3])
     try:
         yield
     finally:
@@ -299,6 +303,16 @@ def generator_restored() -> Iterator[None]:
         torch.seed = torch.random.seed = saved[3]
         with disable_current_modes():
             generator.set_state(state)
+
+
+def _in_capture(patched: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    """``patched`` where the capture's code runs, ``original`` in every other thread."""
+
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return (patched if closed_over.in_capture() else original)(*args, **kwargs)
+
+    return call
 
 
 # Note [Seeding inside the function]

@@ -46,7 +46,6 @@ refuses it as an input (``UnsupportedSubclassError``).
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -552,7 +551,11 @@ def _inputs_built(body: Body, subclasses: Subclasses, real: Sequence[torch.Tenso
     @contextlib.contextmanager
     def built(inner: list[torch.Tensor]) -> Iterator[Any]:
         outer = subclasses.build(inner)
-        pairs = [(r, t) for r, t, meta in zip(real, outer, subclasses.metas, strict=True) if meta]
+        pairs = [
+            (r, t)
+            for r, t, meta in zip(real, outer, subclasses.metas, strict=True)
+            if meta is not None
+        ]
         with _rebuilt(pairs), body(outer) as result:
             yield result
 
@@ -564,20 +567,22 @@ def _inputs_built(body: Body, subclasses: Subclasses, real: Sequence[torch.Tenso
 # Capture swaps every real primal the function reaches for its traced value
 # (Note [Real tensors in a trace]); a subclass primal's graph inputs are its
 # inner tensors, and its traced value is the subclass rebuilt from them inside
-# the body. So the body records, for its thread and while it runs (the backward
-# included), which rebuilt tensor stands for which real one, and the swap reads
-# it: a closed-over ``TwoTensor`` parameter, or a module's, reached as
+# the body. So the body records, while it runs (the backward included), which
+# rebuilt tensor stands for which real one, and the swap reads it: a
+# closed-over ``TwoTensor`` parameter, or a module's, reached as
 # ``self.weight``, is swapped like a plain one::
 #
 #     self.weight = Parameter(TwoTensor(a, b))   graph inputs: param weight.a, weight.b
 #     x * self.weight                            x' * TwoTensor(weight.a', weight.b')
 #
 # Without it the real parameter was a constant of the graph and its gradient
-# was lost. The record is per thread, as the swap is: another thread's eager
-# call of the same module reads the real parameter.
+# was lost. The record belongs to the running capture (captures take turns:
+# Note [Capture sessions]), not to a thread: autograd's worker running the
+# capture's backward reads it too. Only the capture's swap reads it; another
+# thread's eager call of the same module reads the real parameter.
 @dataclass(frozen=True)
 class Rebuilt:
-    """The rebuilt subclass tensors standing for real ones in this thread's trace."""
+    """The rebuilt subclass tensors standing for real ones in the running capture."""
 
     # Traced tensor by ``id`` of the real one, and the real ones' types.
     traced: dict[int, torch.Tensor]
@@ -590,13 +595,14 @@ class Rebuilt:
         return id(t) in self.traced or any(t is v for v in self.traced.values())
 
 
-_REBUILT = threading.local()
+# The running capture's record; written only under the capture lock.
+_REBUILT: list[Rebuilt | None] = [None]
 
 
 def rebuilt_in_trace() -> Rebuilt | None:
-    """The rebuilt subclass tensors of this thread's trace (Note [Real subclass tensors in a
+    """The rebuilt subclass tensors of the running capture (Note [Real subclass tensors in a
     trace]); None outside one, or when it has none."""
-    return getattr(_REBUILT, "current", None)
+    return _REBUILT[0]
 
 
 @contextlib.contextmanager
@@ -608,11 +614,11 @@ def _rebuilt(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[Non
     traced = {} if outer is None else dict(outer.traced)
     traced.update((id(r), t) for r, t in pairs)
     real = (*(outer.real if outer else ()), *(r for r, _ in pairs))
-    _REBUILT.current = Rebuilt(traced=traced, kinds=frozenset(type(r) for r in real), real=real)
+    _REBUILT[0] = Rebuilt(traced=traced, kinds=frozenset(type(r) for r in real), real=real)
     try:
         yield
     finally:
-        _REBUILT.current = outer
+        _REBUILT[0] = outer
 
 
 def _outputs_taken_apart(body: Body) -> Body:
