@@ -267,3 +267,23 @@ def test_only_aotgrads_errors_reach_a_thread() -> None:
 
     _run_in_threads([lambda n=n: call(n) for n in range(4)])
     assert len(errors) == 4 and all(isinstance(e, AotgradError) for e in errors), errors
+
+
+def test_code_under_a_captures_swap_counts_as_capturing() -> None:
+    """Note [Captures and other threads]: autograd's worker running a capture's backward
+    (a CUDA one) inherits the capture's torch-function modes, not its Python thread-locals; a
+    compiled function called there is traced through, not captured on its own (which
+    waited for the capture lock the capture holds)."""
+    from aotgrad.capture import capturing
+    from aotgrad.capture.closed_over import ClosedOver
+
+    seen: list[bool] = []
+
+    def worker() -> None:
+        seen.append(capturing())
+        with ClosedOver([], [], None):  # what the engine hands its worker during a capture
+            seen.append(capturing())
+        seen.append(capturing())
+
+    _run_in_threads([worker])
+    assert seen == [False, True, False]

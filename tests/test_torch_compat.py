@@ -271,6 +271,7 @@ def test_function_modes_lists_this_threads_torch_function_modes():
 
     with Mode() as mode:
         assert compat.function_modes()[-1] is mode
+        assert compat.function_mode_count() == len(compat.function_modes()) >= 1
         seen = []
         thread = threading.Thread(target=lambda: seen.append(compat.function_modes()))
         thread.start()

@@ -176,6 +176,10 @@ def is_opaque_reference(value: object) -> bool:
     return _opaque.is_opaque_value(value) and not _opaque.is_opaque_value_type(type(value))
 
 
+# How many torch-function modes this thread has (one C call: ``function_modes`` builds a list).
+function_mode_count = torch._C._len_torch_function_stack
+
+
 def function_modes() -> list[Any]:
     """This thread's torch-function modes, outermost first (autograd's workers inherit them)."""
     return torch.overrides._get_current_function_mode_stack()

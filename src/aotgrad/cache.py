@@ -558,7 +558,7 @@ class SpecializationCache:
         self.info.fallbacks += 1
         if not self._warned_full:
             self._warned_full = True
-            warnings.warn(self._full_message(reason), stacklevel=4)
+            warnings.warn(self._full_message(reason), stacklevel=5)
         return False
 
     def _reason(self, miss: Miss, names: Callable[[], Sequence[str]]) -> str:

@@ -40,7 +40,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from aotgrad._torch_compat import function_modes, is_functional_tensor
+from aotgrad._torch_compat import function_mode_count, function_modes, is_functional_tensor
 from aotgrad.errors import (
     UnsupportedClosureError,
     UnsupportedMutationError,
@@ -180,7 +180,7 @@ def in_capture() -> bool:
     """Does this thread run code a capture traces: the capturing thread inside the function
     or its backward, or an autograd worker running that backward (Note [Captures and other
     threads])? Another thread calling the same code eagerly meanwhile does not."""
-    return any(isinstance(mode, ClosedOver) for mode in function_modes())
+    return function_mode_count() > 0 and any(isinstance(m, ClosedOver) for m in function_modes())
 
 
 def _has_real(values: Any, kinds: frozenset[type]) -> bool:

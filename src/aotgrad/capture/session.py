@@ -34,8 +34,11 @@ it:
   stand-ins: Note [Seeding inside the function]) acts only where that mode is
   active: in the capturing thread while it runs the function or its backward,
   and in an autograd worker running that backward (the engine hands its
-  workers the caller's modes, not its Python thread-locals). Elsewhere the
-  hooks do nothing and the stand-ins call torch's own functions;
+  workers the caller's modes, not its Python thread-locals: on CUDA a
+  checkpoint's recompute runs there). Elsewhere the hooks do nothing and the
+  stand-ins call torch's own functions. :func:`capturing` is true there too,
+  so a compiled function called by the recompute is traced through, as in the
+  forward, instead of waiting for the capture lock its own capture holds;
 - Dynamo, compiling a frame in another thread meanwhile, would read the
   global hook dicts while the capture adds and removes its hooks (it raised a
   ``KeyError`` building a guard on one that was gone): a capture also holds
@@ -88,6 +91,7 @@ from aotgrad._torch_compat import (
     push_saved_tensors_hooks,
     top_saved_tensors_hooks,
 )
+from aotgrad.capture.closed_over import in_capture
 
 _LOCK = threading.RLock()
 _STATE = threading.local()
@@ -95,8 +99,9 @@ _NOISY_LOGGERS = (FAKE_TENSOR_LOGGER,)
 
 
 def capturing() -> bool:
-    """Is a capture running in this thread (Note [Capture sessions])?"""
-    return getattr(_STATE, "depth", 0) > 0
+    """Is a capture running in this thread (Note [Capture sessions])? Also in autograd's
+    worker running the capture's backward (Note [Captures and other threads])."""
+    return getattr(_STATE, "depth", 0) > 0 or in_capture()
 
 
 @contextlib.contextmanager
