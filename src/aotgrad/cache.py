@@ -460,8 +460,10 @@ class _LastEntry:
 #     thread 2: f(ones(2))  miss  -> waits for the lock; find: K (a hit), unlock, run
 #     thread 3: f(ones(3))  miss  -> waits; find: none; trace K', store K', unlock, run
 #
-# Captures in different functions take turns too (Note [Capture sessions]);
-# running the entries, the graphs, takes no lock. The hit and miss counts of
+# Captures in different functions take turns too (Note [Capture sessions]), and
+# so do the builds of a specialization's graphs for a first ``create_graph``
+# backward (``runtime/higher_order.py``); running the entries, the graphs, takes
+# no lock. The hit and miss counts of
 # ``cache_info`` are counters bumped without a lock: under threads they may
 # count a few calls short.
 
