@@ -287,3 +287,23 @@ def test_code_under_a_captures_swap_counts_as_capturing() -> None:
 
     _run_in_threads([worker])
     assert seen == [False, True, False]
+
+
+def test_first_double_backwards_from_many_threads_get_eagers_results() -> None:
+    f = aotgrad.aot_function(lambda x: (x.sin() * x).sum(), disk_cache=False)
+    barrier = threading.Barrier(4, timeout=JOIN_S)
+    xs = [torch.randn(5, requires_grad=True) for _ in range(4)]
+    outs: list[Any] = [None] * 4
+
+    def call(i: int) -> None:
+        out = f(xs[i])
+        barrier.wait()  # every thread's first create_graph backward at once
+        (g,) = torch.autograd.grad(out, xs[i], create_graph=True)
+        outs[i] = (g, torch.autograd.grad(g.sum(), xs[i])[0])
+
+    _run_in_threads([lambda i=i: call(i) for i in range(4)])
+    for x, (g, gg) in zip(xs, outs, strict=True):
+        xe = x.detach().requires_grad_()
+        (ge,) = torch.autograd.grad((xe.sin() * xe).sum(), xe, create_graph=True)
+        torch.testing.assert_close(g, ge)
+        torch.testing.assert_close(gg, torch.autograd.grad(ge.sum(), xe)[0])
