@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import io
+import linecache
+import traceback
 import warnings
 
 import pytest
@@ -113,6 +116,42 @@ def test_straight_line_code_calls_kernels_and_frees_values():
     source, _ = aotgrad.runtime.straight_line.straight_line_source(traced.forward)
     assert "aten_mm_default(x, w)" in source and "torch.ops" not in source
     assert "mm = None" in source  # freed after its last use, like the GraphModule
+
+
+def _straight_line_sources() -> int:
+    return sum(name.startswith("<aotgrad straight-line") for name in linecache.cache)
+
+
+def test_dropped_compiled_functions_leave_no_source_lines():
+    """Note [Source lines of generated code]: 400 dropped functions once left 779 entries."""
+
+    def compile_and_drop(i: int) -> None:
+        f = aotgrad.aot_function(lambda x: (x * (i + 1)).sin(), disk_cache=False)
+        f(torch.ones(3, requires_grad=True)).sum().backward()
+        assert _straight_line_sources() >= 2  # forward and backward, while f lives
+
+    compile_and_drop(0)
+    gc.collect()
+    before = _straight_line_sources()
+    for i in range(20):
+        compile_and_drop(i)
+    gc.collect()
+    assert _straight_line_sources() == before
+
+
+def test_a_straight_line_graph_shows_its_source_while_its_code_lives():
+    traced = aotgrad.trace(lambda x: x.sin(), torch.ones(2))
+    forward = aotgrad.runtime.straight_line.straight_line(traced.forward)
+    with pytest.raises(ValueError) as raised:
+        forward([])  # its first line unpacks the inputs
+    frames = traceback.extract_tb(raised.value.__traceback__)
+    assert [t.line for t in frames if t.filename.startswith("<aotgrad straight-line")] == [
+        "x, = args"
+    ]
+    (name,) = {t.filename for t in frames if t.filename.startswith("<aotgrad straight-line")}
+    del forward, raised, frames
+    gc.collect()
+    assert name not in linecache.cache
 
 
 def test_cache_info_on_modules_names_parameters_and_modes():

@@ -1,4 +1,4 @@
-"""A module's parameters and buffers as lifted inputs (Note [Swapping module state])."""
+"""A module's parameters and buffers as lifted inputs (Note [Module state in a trace])."""
 
 from __future__ import annotations
 
@@ -55,3 +55,39 @@ def test_tied_and_shared_together() -> None:
     model = SharedSubmodule()
     model.blocks[1].fc.weight = model.blocks[0].fc.weight  # tied across two modules
     verify(model, torch.randn(3, 4))
+
+
+class _Scaled(nn.Parameter):
+    """A parameter subclass of the kind libraries tag their parameters with."""
+
+
+class ReadsItsParameters(nn.Module):
+    """Code that looks at its parameters as Python objects, not only through ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4)
+        self.head.weight = self.fc.weight  # tied
+        self.scale = _Scaled(torch.full((4,), 0.5))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Each branch is Python: the trace records the one it takes.
+        y = self.fc(x) * self.scale if isinstance(self.scale, _Scaled) else self.fc(x)
+        if self.head.weight is self.fc.weight:
+            y = y + self.head(y)
+        self.calls.add_(1)
+        return y + torch.nn.functional.linear(y, self.fc.weight.data)
+
+
+def test_parameters_are_the_users_own_objects_during_the_capture() -> None:
+    # The capture put fake primals in the module's attributes: ``isinstance(self.scale,
+    # _Scaled)`` was False in the trace, and the graph silently dropped the scale.
+    torch.manual_seed(0)
+    verify(ReadsItsParameters(), torch.randn(3, 4))
+    model = ReadsItsParameters()
+    seen = []
+    model.register_forward_pre_hook(lambda m, args: seen.append(m.scale))
+    aotgrad.aot_module(model)(torch.randn(3, 4))
+    assert seen == [model.scale]  # the real parameter, also inside the capture

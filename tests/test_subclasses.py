@@ -218,3 +218,24 @@ def test_a_plain_cotangent_for_a_subclass_output_is_refused():
     out, _ = aotgrad.aot_function(_fn)(*_pair(12))
     with pytest.raises(UnsupportedSubclassError, match=r"cotangent of a subclasses\.TwoTensor"):
         out.backward(torch.ones(3, 4))
+
+
+@pytest.mark.parametrize("frontend", ["closure", "module argument"])
+def test_a_subclass_parameter_reached_through_a_closure_or_argument_gets_its_gradient(frontend):
+    """Note [Real subclass tensors in a trace]: the real parameter was a constant of the
+    graph, and its gradient was lost (silently)."""
+    model = _Scaled()
+    eager = copy.deepcopy(model)
+    if frontend == "closure":
+        compiled = aotgrad.aot_function(lambda x: model(x))
+        run = compiled
+    else:
+        compiled = aotgrad.aot_function(lambda m, x: m(x))
+        run = lambda x: compiled(model, x)  # noqa: E731
+    x = two(torch.full((2, 4), 1.0), torch.full((2, 4), -1.0))
+    loss = run(x).pow(2).sum()
+    loss_e = eager(copy.deepcopy(x)).pow(2).sum()
+    _assert_two_equal(loss, loss_e)
+    loss.backward(torch.ones_like(loss))
+    loss_e.backward(torch.ones_like(loss_e))
+    _assert_two_equal(model.weight.grad, eager.weight.grad)

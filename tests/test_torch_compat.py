@@ -7,6 +7,7 @@ import ast
 import inspect
 import logging
 import pathlib
+import threading
 import traceback
 
 import pytest
@@ -262,6 +263,46 @@ def test_disable_torch_function_hides_calls_from_torch_function_modes():
 
 
 # --- torch.fx internals ------------------------------------------------------------------------
+
+
+def test_function_modes_lists_this_threads_torch_function_modes():
+    class Mode(torch.overrides.TorchFunctionMode):
+        pass
+
+    with Mode() as mode:
+        assert compat.function_modes()[-1] is mode
+        assert compat.function_mode_count() == len(compat.function_modes()) >= 1
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(compat.function_modes()))
+        thread.start()
+        thread.join(10)
+        assert seen == [[]]  # another thread's stack
+    assert mode not in compat.function_modes()
+
+
+def test_dynamo_compile_lock_is_held_while_dynamo_compiles():
+    import torch._dynamo  # loads the lock
+
+    held = []
+
+    def backend(gm, example_inputs):
+        lock = compat.dynamo_compile_lock()
+        held.append(lock.acquire(blocking=False))  # re-entrant: this thread holds it
+        lock.release()
+
+        def probe_lock() -> None:
+            got = lock.acquire(blocking=False)
+            held.append(got)
+            if got:
+                lock.release()
+
+        probe = threading.Thread(target=probe_lock)
+        probe.start()
+        probe.join(10)
+        return gm
+
+    torch.compile(lambda x: x.sin(), backend=backend)(torch.ones(2))
+    assert held == [True, False]
 
 
 def test_copy_meta_fields_name_the_metadata_make_fx_copies():

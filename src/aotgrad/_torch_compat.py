@@ -44,6 +44,7 @@ use, inside the functions below, never when aotgrad is imported.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -176,6 +177,15 @@ def is_opaque_reference(value: object) -> bool:
     return _opaque.is_opaque_value(value) and not _opaque.is_opaque_value_type(type(value))
 
 
+# How many torch-function modes this thread has (one C call: ``function_modes`` builds a list).
+function_mode_count = torch._C._len_torch_function_stack
+
+
+def function_modes() -> list[Any]:
+    """This thread's torch-function modes, outermost first (autograd's workers inherit them)."""
+    return torch.overrides._get_current_function_mode_stack()
+
+
 # A tensor subclass with ``__tensor_flatten__``/``__tensor_unflatten__`` (Note [Tensor subclasses]).
 is_traceable_wrapper_subclass = _python_dispatch.is_traceable_wrapper_subclass
 # Step below torch-function modes (the closed-over swap) to read a real tensor's ``.grad``.
@@ -303,6 +313,15 @@ TensorGuards = _guards.TensorGuards
 # Graph node metadata Dynamo writes on the graphs it hands a backend.
 DYNAMO_EXAMPLE_VALUE = "example_value"  # the placeholder's fake value
 DYNAMO_GRAPH_ARG = "grapharg"  # where the placeholder's value came from (``.source``)
+
+
+def dynamo_compile_lock() -> Any:
+    """The lock Dynamo holds while it compiles a frame (a re-entrant lock); a null context
+    when Dynamo was never imported: then nothing compiles (Note [Captures and other threads])."""
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    if convert_frame is None:
+        return contextlib.nullcontext()
+    return convert_frame.compile_lock
 
 
 def local_source(name: str) -> Any:

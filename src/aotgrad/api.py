@@ -7,6 +7,7 @@ import functools
 import gc
 import os
 import pathlib
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -500,7 +501,8 @@ class AOTFunction:
         self._wrapping = _wrapping(fn) if read_environment else None
         if self._wrapping is not None:
             fn = self._wrapping.inner
-        self._in_wrapper = False  # inside the wrapper's call: run the graphs
+        # Per thread, inside the wrapper's call: run the graphs.
+        self._in_wrapper = threading.local()
         self._fn = fn
         self._target = call_target(fn)
         self._options = options
@@ -543,6 +545,8 @@ class AOTFunction:
         # [Forward mode captures a JVP graph]).
         self._jvps: dict[tuple[Any, tuple[int, ...]], AOTFunction | None] = {}
         self._is_jvp_body = False
+        # Held from a miss to its entry's storing (Note [Concurrent calls]).
+        self._missing = threading.RLock()
 
     @property
     def info(self) -> CacheInfo:
@@ -550,7 +554,7 @@ class AOTFunction:
         return self.cache.info
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._wrapping is not None and not self._in_wrapper:
+        if self._wrapping is not None and not getattr(self._in_wrapper, "active", False):
             return self._wrapped(args, kwargs)
         if capturing():  # called by code being traced: trace through (Note [Capture sessions])
             return self._fn(*args, **kwargs)
@@ -627,17 +631,30 @@ class AOTFunction:
                 " [Wrappers run around the graphs]). Compile the outer function without it,"
                 " or compile only the wrapped model."
             )
-        self._in_wrapper = True
+        self._in_wrapper.active = True
         try:
             return self._wrapping.call(self, args, kwargs)
         finally:
-            self._in_wrapper = False
+            self._in_wrapper.active = False
 
     def _miss(self, miss: Miss, call: _Call) -> Any:
         """Trace, compile and run a new entry (or load it from disk); run eagerly when the cache is full."""
+        with self._missing:  # Note [Concurrent calls]
+            entry = self._entry_for(miss, call)
+        if entry is None:
+            return self._fn(*call.args, **call.kwargs)
+        return entry(call.lifted.tensors, call.leaves)
+
+    def _entry_for(self, miss: Miss, call: _Call) -> Entry | None:
+        """The entry serving a call that missed: stored meanwhile by another thread, loaded from
+        disk, or traced now; None when the cache is full (the call runs eagerly)."""
+        found = self.cache.find(miss.key._replace(retrace=0), call.lifted.tensors, call.leaves)
+        if isinstance(found, Entry):
+            return found
+        miss = found
         args, kwargs = call.args, call.kwargs
         if not self.cache.admit(miss, lambda: leaf_names(self._target, args, kwargs)):
-            return self._fn(*args, **kwargs)
+            return None
         info = self.cache.info
         slot = self._disk.slot(miss.key, info, wrapped=self._wrapping is not None)
         entry = self._disk.load(slot, info) if slot is not None else None
@@ -646,13 +663,13 @@ class AOTFunction:
             # Traced again when a report asks (Note [Reports after a disk hit]).
             self._partitioned = None
             self._hit = HitCall.of(call.args, call.kwargs, miss.key)
-            return entry(call.lifted.tensors, call.leaves)
+            return entry
         entry = self._specialize(call, miss.key.dynamic_dims)
         settled = self._state.settle(call.lifted, call.arguments)
         if slot is not None:
             self._disk.store(slot, entry, same_key=settled.key == call.lifted.key, info=info)
         self.cache.add(miss.key._replace(state=settled.key), entry)
-        return entry(call.lifted.tensors, call.leaves)
+        return entry
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles as the function and the options; compiled graphs are made again on use."""

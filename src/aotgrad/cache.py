@@ -573,6 +573,28 @@ class _LastEntry:
 #     f(ones(2, 4))   entries[K] passes: a hit
 
 
+# Note [Concurrent calls]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# One compiled function may be called from several threads at once. Hits take
+# no lock: they read the entries dict, the last entry and the lifted state's
+# caches, each of which is one value written whole (a dict item, an
+# attribute), so a reader sees an old value or the new one, never half of
+# one. A miss holds the function's own lock until its entry is stored, and
+# looks the key up again first: threads that missed on the same key together
+# get the entry the first one traced, instead of each tracing it again::
+#
+#     thread 1: f(ones(2))  miss  -> lock, find: none; trace K, store K, unlock, run
+#     thread 2: f(ones(2))  miss  -> waits for the lock; find: K (a hit), unlock, run
+#     thread 3: f(ones(3))  miss  -> waits; find: none; trace K', store K', unlock, run
+#
+# Captures in different functions take turns too (Note [Capture sessions]), and
+# so do the builds of a specialization's graphs for a first ``create_graph``
+# backward (``runtime/higher_order.py``); running the entries, the graphs, takes
+# no lock. The hit and miss counts of
+# ``cache_info`` are counters bumped without a lock: under threads they may
+# count a few calls short.
+
+
 class SpecializationCache:
     """A compiled function's entries by :class:`CacheKey`, its :class:`CacheInfo`, its last entry.
 
@@ -667,7 +689,7 @@ class SpecializationCache:
         self.info.fallbacks += 1
         if not self._warned_full:
             self._warned_full = True
-            warnings.warn(self._full_message(reason), stacklevel=4)
+            warnings.warn(self._full_message(reason), stacklevel=5)
         return False
 
     def _reason(self, miss: Miss, names: Callable[[], Sequence[str]]) -> str:

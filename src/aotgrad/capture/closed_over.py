@@ -40,7 +40,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from aotgrad._torch_compat import is_functional_tensor
+from aotgrad._torch_compat import function_mode_count, function_modes, is_functional_tensor
 from aotgrad.capture.host_checks import checked_function, is_checked_function
 from aotgrad.errors import (
     UnsupportedClosureError,
@@ -50,6 +50,7 @@ from aotgrad.errors import (
     format_error,
     user_frame_from_stack,
 )
+from aotgrad.signature.subclasses import Rebuilt, rebuilt_in_trace
 
 _REAL = (torch.Tensor, torch.nn.Parameter)
 _INPLACE_DUNDERS = frozenset(
@@ -76,6 +77,9 @@ class ClosedOver(TorchFunctionMode):
             self._traced.setdefault(id(r), t)
         self._real = list(real)  # keeps the ids valid
         self._traced_ids = {id(t) for t in traced}
+        # The types of tensor an op argument may be swapped from: plain tensors and
+        # parameters, and the primals' own types (a subclass of ``nn.Parameter``).
+        self._kinds: frozenset[type] = frozenset({*_REAL, *(type(r) for r in real)})
         self._where = where
         # In the backward, ops also see autograd's and functionalization's own tensors:
         # swap the primals only (Note [The swap spans the backward]).
@@ -95,12 +99,14 @@ class ClosedOver(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        rebuilt = rebuilt_in_trace()  # Note [Real subclass tensors in a trace]
+        kinds = self._kinds if rebuilt is None else self._kinds | rebuilt.kinds
         if getattr(func, "__name__", None) == "__get__" and func == _GRAD_GET:
-            self._check_grad_read(args[0])
-        if _has_real(args) or (kwargs and _has_real(kwargs.values())):
+            self._check_grad_read(args[0], rebuilt)
+        if _has_real(args, kinds) or (kwargs and _has_real(kwargs.values(), kinds)):
             flat, spec = pytree.tree_flatten((args, kwargs))
             flat = [
-                self._swap(func, i, x, kwargs) if type(x) in _REAL else x
+                self._swap(func, i, x, kwargs, rebuilt) if type(x) in kinds else x
                 for i, x in enumerate(flat)
             ]
             args, kwargs = pytree.tree_unflatten(flat, spec)
@@ -109,9 +115,12 @@ class ClosedOver(TorchFunctionMode):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
 
-    def _check_grad_read(self, t: Any) -> None:
+    def _check_grad_read(self, t: Any, rebuilt: Rebuilt | None) -> None:
         """Refuse ``t.grad`` of a primal while the function runs (Note [Reading .grad in a trace])."""
-        if self._swap_only or (id(t) not in self._traced and id(t) not in self._traced_ids):
+        if self._swap_only:
+            return
+        primal = id(t) in self._traced or id(t) in self._traced_ids
+        if not primal and (rebuilt is None or not rebuilt.holds(t)):
             return
         raise UnsupportedOpError(
             format_error(
@@ -124,11 +133,22 @@ class ClosedOver(TorchFunctionMode):
             )
         )
 
-    def _swap(self, func: Any, position: int, t: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    def _swap(
+        self,
+        func: Any,
+        position: int,
+        t: torch.Tensor,
+        kwargs: dict[str, Any],
+        rebuilt: Rebuilt | None,
+    ) -> Any:
         traced = self._traced.get(id(t))
+        if traced is None and rebuilt is not None:
+            traced = rebuilt.traced.get(id(t))
         if traced is not None:
             return traced
-        if is_functional_tensor(t):  # functionalization's own inner tensor, not a real one
+        if type(t) not in _REAL or is_functional_tensor(t):
+            # A subclass tensor the trace made (a rebuilt one), or functionalization's own
+            # inner tensor: not a real one.
             return t
         name = getattr(func, "__name__", str(func))
         # A property read (``.layout``, ``.shape``) neither loses a gradient nor writes.
@@ -160,12 +180,19 @@ class ClosedOver(TorchFunctionMode):
         return t
 
 
-def _has_real(values: Any) -> bool:
-    """Is a real tensor among ``values`` or the lists and tuples in them (op arguments)?"""
+def in_capture() -> bool:
+    """Does this thread run code a capture traces: the capturing thread inside the function
+    or its backward, or an autograd worker running that backward (Note [Captures and other
+    threads])? Another thread calling the same code eagerly meanwhile does not."""
+    return function_mode_count() > 0 and any(isinstance(m, ClosedOver) for m in function_modes())
+
+
+def _has_real(values: Any, kinds: frozenset[type]) -> bool:
+    """Is a tensor of ``kinds`` among ``values`` or the lists and tuples in them (op arguments)?"""
     for v in values:
-        if type(v) in _REAL:
+        if type(v) in kinds:
             return True
-        if type(v) in (list, tuple) and any(type(x) in _REAL for x in v):
+        if type(v) in (list, tuple) and any(type(x) in kinds for x in v):
             return True
     return False
 

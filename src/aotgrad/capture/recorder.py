@@ -305,6 +305,9 @@ class Recorder:
             node.register_hook(self._exit_node)
 
     def _enter_module(self, module: torch.nn.Module, args: Any) -> None:
+        # Not another thread's module call (Note [Captures and other threads]).
+        if not closed_over.in_capture():
+            return
         name = self.module_names.get(id(module))
         if name is None:
             name = type(module).__name__
@@ -313,7 +316,7 @@ class Recorder:
         self.module_stack.append(context)
 
     def _exit_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.module_stack:
+        if self.module_stack and closed_over.in_capture():
             self.module_stack.pop().__exit__(None, None, None)
 
     def _enter_node(self, node: Any, grad_outputs: Any) -> None:
@@ -372,8 +375,9 @@ def generator_restored() -> Iterator[None]:
         **{place: _refusing_fresh_seeds(getattr(*place)) for place in fresh_seeds},
     }
     saved = {place: getattr(*place) for place in patched}
+    # Other threads keep torch's own functions (Note [Captures and other threads]).
     for (owner, name), value in patched.items():
-        setattr(owner, name, value)
+        setattr(owner, name, _in_capture(value, saved[owner, name]))
     try:
         yield
     finally:
@@ -381,6 +385,16 @@ def generator_restored() -> Iterator[None]:
             setattr(owner, name, value)
         with disable_current_modes():
             generator.set_state(state)
+
+
+def _in_capture(patched: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    """``patched`` where the capture's code runs, ``original`` in every other thread."""
+
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return (patched if closed_over.in_capture() else original)(*args, **kwargs)
+
+    return call
 
 
 def _reseeding(which: str, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -20,6 +20,40 @@ Python code::
     outer(x)   capture of the lambda: inner(fake x) runs g(fake x) -> sin, mul
                outer graph: sin, mul, cos (one graph pair; inner is not compiled)
 
+Note [Captures and other threads]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Another thread may call the same model eagerly, or through its compiled
+function, while one thread captures. What the capture changes must not reach
+it:
+
+- the module's parameters and buffers stay in place; the swap for the traced
+  primals is a torch-function mode, which is per thread (Note [Module state in
+  a trace]);
+- what the capture must install process-wide (the global module hooks that
+  record module paths, and its ``torch.manual_seed`` / ``get_rng_state``
+  stand-ins: Note [Reseeding inside the function]) acts only where that mode is
+  active: in the capturing thread while it runs the function or its backward,
+  and in an autograd worker running that backward (the engine hands its
+  workers the caller's modes, not its Python thread-locals: on CUDA a
+  checkpoint's recompute runs there). Elsewhere the hooks do nothing and the
+  stand-ins call torch's own functions. :func:`capturing` is true there too,
+  so a compiled function called by the recompute is traced through, as in the
+  forward, instead of waiting for the capture lock its own capture holds;
+- Dynamo, compiling a frame in another thread meanwhile, would read the
+  global hook dicts while the capture adds and removes its hooks (it raised a
+  ``KeyError`` building a guard on one that was gone): a capture also holds
+  Dynamo's compile lock, when Dynamo is loaded. Every thread takes Dynamo's
+  lock first, then the capture lock. (A ``torch.compile``'d module called
+  meanwhile still sees the hooks, and warns about global hooks);
+- concurrent first calls of one compiled function trace one specialization
+  once (Note [Concurrent calls]).
+
+Left shared, as torch's own compilers leave them: ``torch.compiler.is_compiling()``
+is true in every thread while a capture runs (Note [Capture is compiling]),
+and the CPU generator is stepped by the capture and put back after it (Note
+[Recomputed random ops]): another thread drawing meanwhile draws from the
+stepped stream.
+
 Note [The caller's saved-tensor hooks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Hooks the caller set with ``torch.autograd.graph.saved_tensors_hooks`` around
@@ -52,10 +86,12 @@ from collections.abc import Iterator
 
 from aotgrad._torch_compat import (
     FAKE_TENSOR_LOGGER,
+    dynamo_compile_lock,
     pop_saved_tensors_hooks,
     push_saved_tensors_hooks,
     top_saved_tensors_hooks,
 )
+from aotgrad.capture.closed_over import in_capture
 
 _LOCK = threading.RLock()
 _STATE = threading.local()
@@ -63,15 +99,17 @@ _NOISY_LOGGERS = (FAKE_TENSOR_LOGGER,)
 
 
 def capturing() -> bool:
-    """Is a capture running in this thread (Note [Capture sessions])?"""
-    return getattr(_STATE, "depth", 0) > 0
+    """Is a capture running in this thread (Note [Capture sessions])? Also in autograd's
+    worker running the capture's backward (Note [Captures and other threads])."""
+    return getattr(_STATE, "depth", 0) > 0 or in_capture()
 
 
 @contextlib.contextmanager
 def capture_session() -> Iterator[None]:
     """Hold the capture lock and mark this thread as capturing (Note [Capture sessions])."""
     outermost = not capturing()
-    with _LOCK, _loggers_silenced(_NOISY_LOGGERS):
+    # Dynamo's lock first, then ours, in every thread (Note [Captures and other threads]).
+    with dynamo_compile_lock(), _LOCK, _loggers_silenced(_NOISY_LOGGERS):
         hooks = _callers_hooks_suspended() if outermost else contextlib.nullcontext()
         with hooks:  # Note [The caller's saved-tensor hooks]
             _STATE.depth = getattr(_STATE, "depth", 0) + 1

@@ -46,6 +46,7 @@ Note [Primals in the backward].
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -73,6 +74,10 @@ from aotgrad.runtime.differentiable_ops import (
 from aotgrad.runtime.straight_line import Step
 from aotgrad.signature import FlatInputs, Signature, storage_key
 from aotgrad.signature.descriptors import Input
+
+# Held while a slice or its graphs are built for a first create_graph backward (Note
+# [Concurrent calls]); a module lock, taken before the capture lock.
+_BUILDING = threading.RLock()
 
 
 @dataclass
@@ -190,22 +195,30 @@ class HigherOrder:
 
     def _slice(self, needs_grad: tuple[bool, ...]) -> Slice:
         piece = self._slices.get(needs_grad)
-        if piece is None:
-            if self.prepare is not None:
-                self.forward, self.backward, self.signature = self.prepare()
-                self.prepare = None
-            assert isinstance(self.forward, fx.GraphModule), "expected the graphs built"
-            assert self.backward is not None and self.signature is not None
-            piece = self._slices[needs_grad] = build_slice(
-                self.forward, self.backward, self.signature, needs_grad, self.changed
-            )
+        if piece is not None:
+            return piece
+        with _BUILDING:  # Note [Concurrent calls]: built once, by one thread
+            piece = self._slices.get(needs_grad)
+            if piece is None:
+                if self.prepare is not None:
+                    self.forward, self.backward, self.signature = self.prepare()
+                    self.prepare = None
+                assert isinstance(self.forward, fx.GraphModule), "expected the graphs built"
+                assert self.backward is not None and self.signature is not None
+                piece = self._slices[needs_grad] = build_slice(
+                    self.forward, self.backward, self.signature, needs_grad, self.changed
+                )
         return piece
 
     def _compiled_for(self, piece: Slice, values: Sequence[Any]) -> Callable[[list[Any]], Any]:
         key = (id(piece), *(_meta(v) for v in values), _sharing(values))
         compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._compiled[key] = self._capture(piece, values)
+        if compiled is not None:
+            return compiled
+        with _BUILDING:
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                compiled = self._compiled[key] = self._capture(piece, values)
         return compiled
 
     def _capture(self, piece: Slice, values: Sequence[Any]) -> Callable[[list[Any]], Any]:

@@ -138,6 +138,14 @@ def _module_state(module: torch.nn.Module) -> Environment:
     )
 
 
+class _Names(NamedTuple):
+    """The lifted names as last read, and the descriptors and labels built from them."""
+
+    read_as: tuple[Any, ...]
+    descriptors: tuple[PrimalDescriptor, ...]
+    labels: tuple[str, ...]
+
+
 class State:
     """Reads a function's lifted state; ``empty`` when it reads nothing (the fast path)."""
 
@@ -147,12 +155,12 @@ class State:
             roots_of(fn, skip_self=self.module is not None) if read_environment else ()
         )
         self.empty = self.module is None and not self.roots
-        # The lifted names last read, and their descriptors and labels (built once per change).
-        self._read_as: tuple[Any, ...] = ()
-        self._descriptors: tuple[PrimalDescriptor, ...] = ()
-        self._labels: tuple[str, ...] = ()
+        # The lifted names last read, with their descriptors and labels (built once per
+        # change). Each cache below is one value, replaced whole: calls in several threads
+        # read and refill them (Note [Concurrent calls]).
+        self._names = _Names(read_as=(), descriptors=(), labels=())
         # Labels of values the function changes itself: side effects, never guarded.
-        self._volatile: set[str] = set()
+        self._volatile: frozenset[str] = frozenset()
         # The lifted tensors' last key, with a guard passing exactly when it still holds.
         self._last_tensors: tuple[PlainTensorsGuard, tuple[Any, ...]] | None = None
         # The last key read: read again while nothing changed (equal keys compare by identity).
@@ -169,36 +177,43 @@ class State:
         module_names = (*(n for n, _ in env.params), *(n for n, _ in env.buffers))
         num_params = len(env.params)
         tensors = (*(p for _, p in env.params), *(b for _, b in env.buffers), *env.tensors)
-        if (module_names, num_params, env.sources) != self._read_as:
-            self._read_as = (module_names, num_params, env.sources)
-            self._descriptors = (
+        names = self._names
+        read_as = (module_names, num_params, env.sources)
+        if read_as != names.read_as:
+            descriptors = (
                 *(Param(name=n) for n in module_names[:num_params]),
                 *(Buffer(name=n) for n in module_names[num_params:]),
                 *env.descriptors,
             )
-            self._labels = tuple(str(d) for d in self._descriptors)
+            names = _Names(read_as, descriptors, tuple(str(d) for d in descriptors))
+            self._names = names
         labels, keys = env.labels, env.keys
-        if self._volatile:
-            kept = [i for i, label in enumerate(labels) if label not in self._volatile]
+        volatile = self._volatile
+        if volatile:
+            kept = [i for i, label in enumerate(labels) if label not in volatile]
             labels, keys = tuple(labels[i] for i in kept), tuple(keys[i] for i in kept)
-        key = self._key(self._tensor_keys(tensors), labels, keys)
+        key = self._key(names.labels, self._tensor_keys(tensors), labels, keys)
         return Lifted(
-            tensors=tensors, descriptors=self._descriptors, module_names=module_names, key=key
+            tensors=tensors, descriptors=names.descriptors, module_names=module_names, key=key
         )
 
     def _key(
-        self, tensors: tuple[Any, ...], labels: tuple[str, ...], values: tuple[Any, ...]
+        self,
+        names: tuple[str, ...],
+        tensors: tuple[Any, ...],
+        labels: tuple[str, ...],
+        values: tuple[Any, ...],
     ) -> StateKey:
         """The state's key; the last one again when nothing changed."""
         last = self._last_key
         if (
-            last.names is self._labels
+            last.names is names
             and last.tensors is tensors
             and last.labels == labels
             and last.values == values
         ):
             return last
-        key = StateKey(names=self._labels, tensors=tensors, labels=labels, values=values)
+        key = StateKey(names=names, tensors=tensors, labels=labels, values=values)
         self._last_key = key
         return key
 
@@ -235,7 +250,7 @@ class State:
         changed = {label for label, v in zip(labels, values, strict=True) if now.get(label) != v}
         if not changed:
             return before
-        self._volatile |= changed
+        self._volatile = self._volatile | changed
         kept = [i for i, label in enumerate(labels) if label not in changed]
         key = before.key._replace(
             labels=tuple(labels[i] for i in kept), values=tuple(values[i] for i in kept)
@@ -250,82 +265,44 @@ class State:
         return found
 
     def body(self, fn: Callable[..., Any], lifted: Lifted, flat: FlatInputs) -> Body:
-        """What capture traces: ``fn`` on the graph's primals (closed-over tensors are swapped
-        in by capture itself, Note [Real tensors in a trace])."""
-        module, names = self.module, lifted.module_names
+        """What capture traces: ``fn`` on the graph's primals. The lifted state stays in the
+        user's objects; capture swaps it for the primals wherever an op reaches it (Note
+        [Module state in a trace])."""
+        target = fn if self.module is None else self.module
 
         @contextlib.contextmanager
         def body(primals: list[torch.Tensor]) -> Iterator[Any]:
-            # The lifted state stays in place until capture leaves the body: capture
-            # differentiates inside it, and a reentrant checkpoint re-runs its region during
-            # the backward on the lifted parameters, not the real ones (Note [Reentrant
-            # checkpoints]).
             args, kwargs = flat.unflatten(primals[flat.num_lifted :])
-            if module is None:
-                yield fn(*args, **kwargs)
-                return
-            with swapped_state(module, names, primals[: len(names)]):
-                yield module(*args, **kwargs)
+            yield target(*args, **kwargs)
 
         return body
 
 
-# Note [Swapping module state]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Capture runs the module on its primals: every attribute that holds a lifted
-# parameter or buffer is pointed at the primal, and back at the real tensor
-# afterwards. One tensor can sit in several attributes (tied weights:
-# ``lm_head.weight is wte.weight``), and one attribute can have several names,
-# when a submodule is registered in two places (timm's CoaT hands its
-# ``cpe1`` to every serial block: ``cpe1.proj.weight`` and
-# ``serial_blocks1.0.cpe.proj.weight`` are one attribute of one module).
-# Swapping by name, as ``torch.func.functional_call`` does, visits that
-# attribute twice; the second visit records the primal as the "original",
-# and the restore leaves a fake tensor in the real module:
+# Note [Module state in a trace]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A module's parameters and buffers are primals of its trace, and the trace
+# runs the user's own module: nothing is written into it. ``self.fc.weight``
+# still reads the real parameter; the capture's torch-function mode (Note
+# [Real tensors in a trace]) swaps it for its traced primal where an op
+# receives it, as it does for a closed-over tensor, for as long as the trace
+# runs, the backward's recompute of a checkpointed region included::
 #
-#     swap cpe1.proj.weight          original = real,   attribute = primal
-#     swap blocks.0.cpe.proj.weight  original = primal  (the same attribute)
-#     restore in order               attribute = real, then primal  <- leaked
+#     F.linear(x', self.fc.weight, self.fc.bias)  ->  F.linear(x', weight', bias')
+#     batch_norm(..., self.bn.running_mean, ...)  ->  running_mean' updated in place: an
+#                                                     input mutation, applied to the real
+#                                                     buffer at each call
 #
-# The gradient then went to the fake tensor, and the real parameter got
-# none. So the swap is by attribute: each (module, attribute name) is
-# visited once, whatever the number of names it has, and every attribute
-# holding a lifted tensor gets that tensor's primal.
-
-
-@contextlib.contextmanager
-def swapped_state(
-    module: torch.nn.Module, names: tuple[str, ...], primals: list[torch.Tensor]
-) -> Iterator[None]:
-    """Inside, ``module``'s tensors ``names`` are ``primals`` (Note [Swapping module state])."""
-    real = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    primal_of = {id(real[n]): p for n, p in zip(names, primals, strict=True)}
-    slots: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.Tensor]] = {}
-    for name, tensor in (
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ):
-        if id(tensor) in primal_of:
-            path, _, attr = name.rpartition(".")
-            owner = module.get_submodule(path)
-            slots.setdefault((id(owner), attr), (owner, attr, tensor))
-    try:
-        for owner, attr, tensor in slots.values():
-            _set_tensor(owner, attr, primal_of[id(tensor)])
-        yield
-    finally:
-        for owner, attr, tensor in reversed(slots.values()):
-            _set_tensor(owner, attr, tensor)
-
-
-def _set_tensor(owner: torch.nn.Module, attr: str, value: torch.Tensor) -> None:
-    # Through the registries: ``setattr`` refuses a plain tensor for a parameter.
-    if attr in owner._parameters:
-        owner._parameters[attr] = value  # type: ignore[assignment]
-    elif attr in owner._buffers:
-        owner._buffers[attr] = value
-    else:
-        setattr(owner, attr, value)
+# The mode is per thread. The capture used to point the module's attributes at
+# the primals for its duration, and another thread calling the same module
+# eagerly meanwhile computed on fake tensors: it got FakeTensors back, or an
+# error from inside torch. Pointing attributes elsewhere and back also had to
+# visit each attribute once however many names it has (a submodule registered
+# in two places, timm's CoaT), or the restore left a fake tensor in the real
+# module. Swapping values has neither problem: tied weights are one tensor, one
+# primal, one summed gradient; ``self.a.weight is self.b.weight`` and
+# ``isinstance(self.weight, nn.Parameter)`` answer as in eager; a subclass
+# parameter is swapped for the subclass rebuilt from its inner primals (Note
+# [Real subclass tensors in a trace]).
 
 
 # Note [Sizes left in module attributes]

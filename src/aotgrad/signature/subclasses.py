@@ -511,7 +511,7 @@ def desugar(
         flat, descriptors=tuple(descriptors), num_lifted=num_lifted, subclasses=subclasses
     )
     inner = _plain_inner(primals, metas)
-    return desugared, inner, _outputs_taken_apart(_inputs_built(body, subclasses))
+    return desugared, inner, _outputs_taken_apart(_inputs_built(body, subclasses, primals))
 
 
 def _plain_inner(
@@ -545,13 +545,80 @@ def _refuse_dynamic(
             )
 
 
-def _inputs_built(body: Body, subclasses: Subclasses) -> Body:
+def _inputs_built(body: Body, subclasses: Subclasses, real: Sequence[torch.Tensor]) -> Body:
+    real = list(real)
+
     @contextlib.contextmanager
     def built(inner: list[torch.Tensor]) -> Iterator[Any]:
-        with body(subclasses.build(inner)) as result:
+        outer = subclasses.build(inner)
+        pairs = [
+            (r, t)
+            for r, t, meta in zip(real, outer, subclasses.metas, strict=True)
+            if meta is not None
+        ]
+        with _rebuilt(pairs), body(outer) as result:
             yield result
 
     return built
+
+
+# Note [Real subclass tensors in a trace]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Capture swaps every real primal the function reaches for its traced value
+# (Note [Real tensors in a trace]); a subclass primal's graph inputs are its
+# inner tensors, and its traced value is the subclass rebuilt from them inside
+# the body. So the body records, while it runs (the backward included), which
+# rebuilt tensor stands for which real one, and the swap reads it: a
+# closed-over ``TwoTensor`` parameter, or a module's, reached as
+# ``self.weight``, is swapped like a plain one::
+#
+#     self.weight = Parameter(TwoTensor(a, b))   graph inputs: param weight.a, weight.b
+#     x * self.weight                            x' * TwoTensor(weight.a', weight.b')
+#
+# Without it the real parameter was a constant of the graph and its gradient
+# was lost. The record belongs to the running capture (captures take turns:
+# Note [Capture sessions]), not to a thread: autograd's worker running the
+# capture's backward reads it too. Only the capture's swap reads it; another
+# thread's eager call of the same module reads the real parameter.
+@dataclass(frozen=True)
+class Rebuilt:
+    """The rebuilt subclass tensors standing for real ones in the running capture."""
+
+    # Traced tensor by ``id`` of the real one, and the real ones' types.
+    traced: dict[int, torch.Tensor]
+    kinds: frozenset[type]
+    # The real tensors, keeping their ids valid.
+    real: tuple[torch.Tensor, ...]
+
+    def holds(self, t: object) -> bool:
+        """Is ``t`` a real tensor or its rebuilt stand-in?"""
+        return id(t) in self.traced or any(t is v for v in self.traced.values())
+
+
+# The running capture's record; written only under the capture lock.
+_REBUILT: list[Rebuilt | None] = [None]
+
+
+def rebuilt_in_trace() -> Rebuilt | None:
+    """The rebuilt subclass tensors of the running capture (Note [Real subclass tensors in a
+    trace]); None outside one, or when it has none."""
+    return _REBUILT[0]
+
+
+@contextlib.contextmanager
+def _rebuilt(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    outer = rebuilt_in_trace()
+    if not pairs:
+        yield
+        return
+    traced = {} if outer is None else dict(outer.traced)
+    traced.update((id(r), t) for r, t in pairs)
+    real = (*(outer.real if outer else ()), *(r for r, _ in pairs))
+    _REBUILT[0] = Rebuilt(traced=traced, kinds=frozenset(type(r) for r in real), real=real)
+    try:
+        yield
+    finally:
+        _REBUILT[0] = outer
 
 
 def _outputs_taken_apart(body: Body) -> Body:
