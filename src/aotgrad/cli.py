@@ -81,6 +81,7 @@ def _run(options: argparse.Namespace) -> int:
 
 
 # Note [A closed stdout]
+# ~~~~~~~~~~~~~~~~~~~~~~
 # ``aotgrad show f.py:fn --json | head`` closes the pipe after ten lines; the next write
 # raises BrokenPipeError. That is the reader's choice, not the user's function failing:
 # like ``cat`` and as Python's docs on SIGPIPE recommend, aotgrad stops quietly, points
@@ -190,6 +191,7 @@ def _split_inputs(inputs: Any, source: str) -> tuple[tuple[Any, ...], dict[str, 
 
 
 # Note [Importing the user's file]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``aotgrad show tools/copy.py:fn`` must import the file without letting it change aotgrad
 # or the interpreter it runs in:
 # - under a private module name (``_aotgrad_show_copy``), never its stem: registered as

@@ -116,7 +116,9 @@ class ProvenanceMode(FunctionalTensorMode):
             check_writable(
                 func, args, kwargs or {}, where
             )  # Note [Writes through overlapping views]
-            check_no_partial_overlap(func, args, kwargs or {})  # Note [Writes that read ...]
+            check_no_partial_overlap(
+                func, args, kwargs or {}
+            )  # Note [Writes that read overlapping memory]
         self.recorder.note_random(func, args, kwargs)
         if self.note_real_leaves:
             self.recorder.note_real_leaves(args, kwargs)
@@ -243,7 +245,7 @@ class Recorder:
         with disable_current_modes():
             position = hash(generator.get_state().numpy().tobytes())
         custom[_RNG] = position
-        generator.manual_seed(position & 0xFFFF_FFFF_FFFF)
+        _SEEDS.step(generator, position & 0xFFFF_FFFF_FFFF)
 
     def check_reseed(self) -> None:
         """Refuse a reseed that one op at its place in the forward cannot replay (Note
@@ -344,6 +346,8 @@ def generator_restored() -> Iterator[None]:
     generator = torch.default_generator
     with disable_current_modes():
         state = generator.get_state()
+    seeds = _SEEDS.begin(generator)  # Note [Reseeds the trace cannot see]
+    outside = _OUTSIDE_RESEEDS.count
 
     def get_rng_state() -> torch.Tensor:
         with disable_current_modes():
@@ -377,14 +381,129 @@ def generator_restored() -> Iterator[None]:
     saved = {place: getattr(*place) for place in patched}
     # Other threads keep torch's own functions (Note [Captures and other threads]).
     for (owner, name), value in patched.items():
-        setattr(owner, name, _in_capture(value, saved[owner, name]))
+        original = saved[owner, name]
+        if (owner, name) in seeders:
+            original = _counted(original)
+        setattr(owner, name, _in_capture(value, original))
     try:
         yield
+        if not seeds.kept(generator) and _OUTSIDE_RESEEDS.count == outside:
+            _refuse_direct_reseed()
     finally:
+        _SEEDS.end()
         for (owner, name), value in saved.items():
             setattr(owner, name, value)
         with disable_current_modes():
             generator.set_state(state)
+
+
+# Note [Reseeds the trace cannot see]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``torch.manual_seed`` is replaced during a trace (Note [Reseeding inside the
+# function]), but a generator's own method is not replaceable (a C type), and it
+# would run once, at capture, silently::
+#
+#     def f(x):
+#         torch.default_generator.manual_seed(0)   # not seen: eager reseeds every call
+#         return F.dropout(x, 0.5)
+#
+# The trace draws no real numbers, so the generator's seed during it is free: the
+# trace seeds it itself, with a fixed sentinel at the start and with each random
+# op's stream position when it steps the stream (``Recorder.note_random``), and it
+# remembers every seed it set. A seed it did not set, found before a step or at the
+# end, means the function reseeded the generator some way the trace did not record,
+# and the capture is refused::
+#
+#     trace seeds         0x5EEDA076AD                (sentinel)
+#     user code           default_generator.manual_seed(0)   -> seed 0: not the trace's
+#     dropout's step      finds seed 0 -> refused
+#
+# ``set_state`` restores the seed with the state, so the ``get_rng_state`` /
+# ``set_rng_state`` pairs of a checkpoint or ``fork_rng`` bring back a seed the trace
+# set. A reseed by another thread (torch's own function there, Note [Captures and
+# other threads]) is counted, and the check is then left out: which thread reseeded
+# cannot be told. The generator is restored when the trace ends, as before.
+_SENTINEL_SEED = 0x5EED_A076AD
+
+
+class _TraceSeeds:
+    """The seeds the current trace set on the default generator, and whether it found
+    another one (Note [Reseeds the trace cannot see])."""
+
+    def __init__(self) -> None:
+        self.set: set[int] = set()
+        self.foreign = False
+
+    def step(self, generator: torch.Generator, seed: int) -> None:
+        self.check(generator)
+        generator.manual_seed(seed)
+        self.set.add(generator.initial_seed())
+
+    def check(self, generator: torch.Generator) -> None:
+        self.foreign = self.foreign or generator.initial_seed() not in self.set
+
+    def kept(self, generator: torch.Generator) -> bool:
+        self.check(generator)
+        return not self.foreign
+
+
+class _SeedStack(threading.local):
+    """The traces running in this thread, innermost last."""
+
+    def __init__(self) -> None:
+        self.traces: list[_TraceSeeds] = []
+
+    def begin(self, generator: torch.Generator) -> _TraceSeeds:
+        seeds = _TraceSeeds()
+        with disable_current_modes():
+            generator.manual_seed(_SENTINEL_SEED)
+        seeds.set.add(generator.initial_seed())
+        self.traces.append(seeds)
+        return seeds
+
+    def step(self, generator: torch.Generator, seed: int) -> None:
+        if self.traces:
+            self.traces[-1].step(generator, seed)
+        else:
+            generator.manual_seed(seed)
+
+    def end(self) -> None:
+        self.traces.pop()
+
+
+_SEEDS = _SeedStack()
+
+
+class _OutsideReseeds:
+    """How often a thread outside a capture reseeded through ``torch.manual_seed``."""
+
+    count = 0
+
+
+_OUTSIDE_RESEEDS = _OutsideReseeds()
+
+
+def _counted(seed: Callable[..., Any]) -> Callable[..., Any]:
+    """``seed``, counted in ``_OUTSIDE_RESEEDS``."""
+
+    @functools.wraps(seed)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _OUTSIDE_RESEEDS.count += 1
+        return seed(*args, **kwargs)
+
+    return call
+
+
+def _refuse_direct_reseed() -> None:
+    raise UnsupportedOpError(
+        "aotgrad: the function reseeded torch's default random generator directly"
+        " (torch.default_generator.manual_seed, or a generator's manual_seed/set_state"
+        " outside torch.manual_seed): that Python call ran once, at capture, where eager"
+        " runs it on every call, so later calls would draw other numbers than eager's."
+        " Reseed with torch.manual_seed(s) before every random op of the function (recorded"
+        " and replayed at every call), or seed before calling the compiled function"
+        " (Note [Reseeds the trace cannot see])."
+    )
 
 
 def _in_capture(patched: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
