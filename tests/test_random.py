@@ -276,3 +276,38 @@ def test_another_thread_seeding_during_a_capture_seeds_as_eager():
     assert len(seeded) == 2 and isinstance(seeded[0], int)
     torch.manual_seed(3)
     assert torch.equal(seeded[1], torch.rand(2))
+
+
+def test_a_reseed_the_trace_cannot_see_is_refused():
+    """Note [Reseeds the trace cannot see]: a generator's own manual_seed (not replaceable)
+    would run once, at capture; eager reseeds on every call."""
+
+    def direct(x):
+        torch.default_generator.manual_seed(0)
+        return F.dropout(x, 0.5)
+
+    outside = torch.get_rng_state()
+
+    def restores_a_foreign_state(x):
+        torch.default_generator.set_state(outside)
+        return F.dropout(x, 0.5)
+
+    for fn in (direct, restores_a_foreign_state):
+        with pytest.raises(aotgrad.errors.UnsupportedOpError, match="reseeded torch's default"):
+            aotgrad.aot_function(fn)(torch.ones(8))
+
+
+def test_the_traces_own_stream_steps_are_not_reseeds():
+    """Dropout twice, a checkpointed dropout (its recompute restores the generator state)
+    and torch.manual_seed before the random ops: all captured, eager's numbers."""
+
+    def f(x):
+        torch.manual_seed(5)
+        y = F.dropout(x, 0.5)
+        y = checkpoint(lambda t: F.dropout(t.sin(), 0.3), y, use_reentrant=False)
+        return F.dropout(y, 0.2)
+
+    x = torch.ones(16, requires_grad=True)
+    compiled = aotgrad.aot_function(f)
+    for _ in range(2):
+        assert torch.equal(compiled(x), f(x))

@@ -382,7 +382,7 @@ def generator_restored() -> Iterator[None]:
     # Other threads keep torch's own functions (Note [Captures and other threads]).
     for (owner, name), value in patched.items():
         original = saved[owner, name]
-        if (owner, name) in seeders:
+        if (owner, name) in seeders or (owner, name) in fresh_seeds:
             original = _counted(original)
         setattr(owner, name, _in_capture(value, original))
     try:
