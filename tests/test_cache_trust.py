@@ -366,6 +366,22 @@ def test_a_fifo_planted_as_an_entry_is_a_miss_not_a_hang(cache_dir):
     assert time.monotonic() - start < 60
 
 
+def test_load_of_a_fifo_or_a_directory_is_a_store_error_not_a_hang(tmp_path):
+    fifo = tmp_path / "planted.aotgrad"
+    os.mkfifo(fifo)
+    script = (
+        "import aotgrad, sys\n"
+        "try:\n"
+        f"    aotgrad.load({str(fifo)!r})\n"
+        "except aotgrad.StoreError as e:\n"
+        "    print('StoreError', 'not a regular file' in str(e))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["StoreError", "True"], out.stderr
+    with pytest.raises(aotgrad.StoreError, match="cannot read"):
+        aotgrad.load(tmp_path)
+
+
 # -- 8. eviction deletes only aotgrad's own files ----------------------------------------------
 
 

@@ -241,6 +241,20 @@ def _read_entry(shard: int, name: str, max_bytes: int) -> bytes | None:
         os.close(fd)
 
 
+def read_regular_file(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the regular file at ``path`` (``aotgrad.load``): a FIFO, a device or a
+    directory there is an ``OSError`` at once, never a read that waits or acts."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"not a regular file (mode {stat.filemode(info.st_mode)})")
+        with os.fdopen(os.dup(fd), "rb") as file:
+            return file.read()
+    finally:
+        os.close(fd)
+
+
 def _own_regular_file(info: os.stat_result, max_bytes: int) -> bool:
     return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_size <= max_bytes
 

@@ -23,7 +23,6 @@ not saved (``StoreError``); pass the tensor as an argument instead.
 from __future__ import annotations
 
 import os
-import pathlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +41,7 @@ from aotgrad.runtime.straight_line import Step, straight_line
 from aotgrad.runtime.transforms import refuse_transforms_on
 from aotgrad.signature import FlatInputs, Signature
 from aotgrad.signature.descriptors import Buffer, Param
+from aotgrad.store.disk import read_regular_file
 from aotgrad.store.format import Read, Stored, dumps, loads, with_values, write_atomically
 from aotgrad.store.values import MALFORMED, decode, dump_structure, encode
 
@@ -123,7 +123,7 @@ def load(
     """
     where = str(path)
     try:
-        data = pathlib.Path(path).read_bytes()
+        data = read_regular_file(path)
     except OSError as e:
         raise StoreError(f"cannot read {where}: {e}") from None
     return Loaded(loads(data, where), module, (fw_compiler, bw_compiler, inference_compiler))
