@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.utils._pytree as pytree
+
+from aotgrad.store import disk
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """The disk cache on, in a directory of this test's own (the suite turns it off), with
+    its warnings not yet given."""
+    directory = tmp_path / "cache"
+    monkeypatch.setenv("AOTGRAD_CACHE", "1")
+    monkeypatch.setenv("AOTGRAD_CACHE_DIR", str(directory))
+    monkeypatch.setattr(disk, "_warned", set())
+    return directory
 
 
 def clone_inputs(tree):

@@ -27,16 +27,6 @@ from aotgrad.store import disk
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """The disk cache on, in a directory of this test's own (the suite turns it off)."""
-    directory = tmp_path / "cache"
-    monkeypatch.setenv("AOTGRAD_CACHE", "1")
-    monkeypatch.setenv("AOTGRAD_CACHE_DIR", str(directory))
-    monkeypatch.setattr(disk, "_warned", set())
-    return directory
-
-
 def _entries(directory):
     return sorted(directory.glob("*/*.aotgrad"))
 

@@ -24,15 +24,6 @@ from models import GPT
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """The disk cache on, in a directory of this test's own (the suite turns it off)."""
-    directory = tmp_path / "cache"
-    monkeypatch.setenv("AOTGRAD_CACHE", "1")
-    monkeypatch.setenv("AOTGRAD_CACHE_DIR", str(directory))
-    return directory
-
-
 def _grads(module):
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 

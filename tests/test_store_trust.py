@@ -42,14 +42,6 @@ def _saved(tmp_path, fn=lambda x: x.sin() * 2, *args):
     return path
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    directory = tmp_path / "cache"
-    monkeypatch.setenv("AOTGRAD_CACHE", "1")
-    monkeypatch.setenv("AOTGRAD_CACHE_DIR", str(directory))
-    return directory
-
-
 # -- 1. tree structure: no type is ever imported by name -----------------------------------
 
 _IMPORTING_SPECS = [
