@@ -322,7 +322,7 @@ class _RecordingMode(TorchDispatchMode):
             if func is MANUAL_SEED:
                 self.recorder.check_reseed()  # Note [Reseeding inside the function]
             answer = self.recorder.host_checks.answer(  # Note [Host checks]
-                func, args, lambda op, *a: self._record(op, a, {})
+                func, args, lambda op, *a, **k: self._record(op, a, k)
             )
             if answer is not None:
                 return answer

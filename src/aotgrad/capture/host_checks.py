@@ -23,7 +23,10 @@ on the real value (``aten._assert_async.msg``)::
     ge = aten.gt.Scalar(scale, 0.0);  valid = aten._is_all_true(ge)
     aten._assert_async.msg(valid, "aotgrad: a check failed ... at vae.py:12 ...")
 
-So every call checks what eager checks, and a call with invalid values raises a
+The value is copied to the CPU first when it lives on a device (eager's read syncs
+there too; an assert failing on a CUDA tensor would be a device-side assert, which
+leaves the CUDA context unusable). So every call checks what eager checks, and a
+call with invalid values raises a
 ``RuntimeError`` naming the check and the user's line, from the forward graph,
 before any input is written back (eager raises ``ValueError`` for distributions,
 after the writes the function made before the check). Validation is never skipped.
@@ -125,7 +128,7 @@ class HostChecks:
                 " validate_args: a parameter or value outside the distribution's"
                 " constraint or support; or torch._check_tensor_all) where eager raises"
             )
-            run(ASSERT, args[0], _message(what))
+            _assert_on_host(run, args[0], _message(what))
             return True
         inside = _running.stack
         if inside and func is inside[-1].op:
@@ -135,9 +138,18 @@ class HostChecks:
                 return False  # equal() is False for these shapes on every call
             same = run(aten.all.default, run(aten.eq.Tensor, a, b))
             passed = same if check.passes else run(aten.logical_not.default, same)
-            run(ASSERT, passed, _message(check.what))
+            _assert_on_host(run, passed, _message(check.what))
             return check.passes
         return None
+
+
+def _assert_on_host(run: Run, valid: torch.Tensor, message: str) -> None:
+    """Record the check's assert, on the host as eager reads it: a device's bool is copied
+    to the CPU first (Note [Host checks]: a failed assert on a CUDA tensor is a device-side
+    assert, which leaves the process's CUDA context unusable; eager raises and goes on)."""
+    if valid.device.type != "cpu":
+        valid = run(aten._to_copy.default, valid, device=torch.device("cpu"))
+    run(ASSERT, valid, message)
 
 
 def _message(what: str) -> str:

@@ -105,7 +105,9 @@ class ProvenanceMode(FunctionalTensorMode):
         if func is MANUAL_SEED:
             self.recorder.check_reseed()  # Note [Reseeding inside the function]
         answer = self.recorder.host_checks.answer(  # Note [Host checks]
-            func, args, lambda op, *a: super(ProvenanceMode, self).__torch_dispatch__(op, types, a)
+            func,
+            args,
+            lambda op, *a, **k: super(ProvenanceMode, self).__torch_dispatch__(op, types, a, k),
         )
         if answer is not None:
             return answer
@@ -346,7 +348,11 @@ def generator_restored() -> Iterator[None]:
     generator = torch.default_generator
     with disable_current_modes():
         state = generator.get_state()
+    devices = _device_generators()
+    device_states = [g.get_state() for g in devices]
     seeds = _SEEDS.begin(generator)  # Note [Reseeds the trace cannot see]
+    for device in devices:
+        device.manual_seed(_SENTINEL_SEED)
     outside = _OUTSIDE_RESEEDS.count
 
     def get_rng_state() -> torch.Tensor:
@@ -387,10 +393,13 @@ def generator_restored() -> Iterator[None]:
         setattr(owner, name, _in_capture(value, original))
     try:
         yield
-        if not seeds.kept(generator) and _OUTSIDE_RESEEDS.count == outside:
+        kept = seeds.kept(generator) and all(g.initial_seed() == _SENTINEL_SEED for g in devices)
+        if not kept and _OUTSIDE_RESEEDS.count == outside:
             _refuse_direct_reseed()
     finally:
         _SEEDS.end()
+        for device, device_state in zip(devices, device_states, strict=True):
+            device.set_state(device_state)
         for (owner, name), value in saved.items():
             setattr(owner, name, value)
         with disable_current_modes():
@@ -420,7 +429,9 @@ def generator_restored() -> Iterator[None]:
 #
 # ``set_state`` restores the seed with the state, so the ``get_rng_state`` /
 # ``set_rng_state`` pairs of a checkpoint or ``fork_rng`` bring back a seed the trace
-# set. A reseed by another thread (torch's own function there, Note [Captures and
+# set. The CUDA devices' default generators (once CUDA is initialized) are seeded
+# with the sentinel too, checked and restored the same way
+# (``torch.cuda.default_generators[0].manual_seed(0)`` is refused as well). A reseed by another thread (torch's own function there, Note [Captures and
 # other threads]) is counted, and the check is then left out: which thread reseeded
 # cannot be told. The generator is restored when the trace ends, as before.
 _SENTINEL_SEED = 0x5EED_A076AD
@@ -481,6 +492,14 @@ class _OutsideReseeds:
 
 
 _OUTSIDE_RESEEDS = _OutsideReseeds()
+
+
+def _device_generators() -> list[torch.Generator]:
+    """The default generators of the CUDA devices, once CUDA is initialized (the trace
+    neither draws from nor steps them: a seed of theirs it did not set is a reseed)."""
+    if not torch.cuda.is_initialized():
+        return []
+    return list(torch.cuda.default_generators)
 
 
 def _counted(seed: Callable[..., Any]) -> Callable[..., Any]:
