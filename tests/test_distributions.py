@@ -213,3 +213,24 @@ def test_an_op_without_a_meta_kernel_is_refused_in_its_own_words(fn, op):
     assert "test_distributions.py" in message  # the user's line, or the function's def
     assert "Eager PyTorch raises the same" not in message
     assert "aotgrad bug" not in message
+
+
+def test_a_check_on_a_device_tensor_is_asserted_on_the_cpu():
+    """A failed assert on a CUDA tensor is a device-side assert, which leaves the CUDA
+    context unusable (tests/gpu_checks.py shows it); eager reads the value on the host and
+    raises. Traced on meta tensors: the check's bool is copied to the CPU first."""
+    for tracer in TRACERS:
+        traced = aotgrad.trace(
+            _bernoulli,
+            torch.full((3,), 0.5, device="meta"),
+            torch.ones(3, device="meta"),
+            tracer=tracer,
+        )
+        asserts = [
+            n for n in traced.forward.graph.nodes if n.target is torch.ops.aten._assert_async.msg
+        ]
+        assert asserts
+        for node in asserts:
+            (flag, _) = node.args
+            assert flag.target is torch.ops.aten._to_copy.default
+            assert flag.kwargs["device"] == torch.device("cpu")
