@@ -367,8 +367,18 @@ def test_show_prints_names_with_line_breaks_as_escapes(tmp_path, capsys):
 # -- 4. malformed data is a StoreError --------------------------------------------------------
 
 
+@pytest.fixture(params=[1000, 20_000], ids=["default-limit", "raised-limit"])
+def recursion_limit(request):
+    """Python's default recursion limit, and one raised as libraries do (Dynamo: 2000):
+    how deep a file may nest must not depend on it (Note [Nesting in a file])."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(request.param)
+    yield
+    sys.setrecursionlimit(before)
+
+
 @pytest.mark.parametrize("depth", [900, 5000, 100_000])
-def test_deeply_nested_data_is_a_store_error(tmp_path, depth):
+def test_deeply_nested_data_is_a_store_error(tmp_path, depth, recursion_limit):
     path = _saved(tmp_path)
     _rewrite(path, lambda h, r, a: r["call"].update(constants="DEEP"))
     head, payload = path.read_bytes().split(b"\n", 1)

@@ -340,10 +340,51 @@ class _About:
 
 
 def _json(data: bytes, where: str) -> Any:
+    if not _nested_within(data, _MAX_NESTING):
+        raise StoreError(
+            f"{where} is not an aotgrad graph file: its data is nested deeper than"
+            f" {_MAX_NESTING} levels (or its brackets do not match)"
+        )
     try:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise StoreError(f"{where} is not an aotgrad graph file (or is cut short): {e}") from None
+
+
+# Note [Nesting in a file]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# JSON's parser and every decoder of a file's parts recurse once per level of nesting,
+# so how deep a file may nest must not depend on the process's recursion limit (which
+# libraries raise: Dynamo sets it to 2000, and a limit high enough lets a parser run
+# off the C stack). Before parsing, a line's brackets outside strings are matched
+# innermost pair first, one level per pass; a line with brackets left after
+# ``_MAX_NESTING`` passes is refused::
+#
+#     {"a": "[[", "b": [[1]]}   strings and escapes out  ->  {[[]]}
+#     pass 1 -> {[]}   pass 2 -> {}   pass 3 -> (empty): 3 levels
+#
+# aotgrad's own files nest a few levels per level of the user's argument structure
+# (at most 200 of those, Note [Tree structure in a file]).
+_MAX_NESTING = 512
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _nested_within(data: bytes, levels: int) -> bool:
+    """Do the brackets of ``data`` (outside its strings) match, at most ``levels`` deep?
+
+    >>> _nested_within(b'{"a": "[[", "b": [[1]]}', 3), _nested_within(b"[[[]]]", 2)
+    (True, False)
+    """
+    unescaped = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = b"".join(unescaped.split(b'"')[::2]).translate(None, _NOT_BRACKETS)
+    for _ in range(levels):
+        if not brackets:
+            return True
+        before = len(brackets)
+        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        if len(brackets) == before:
+            return False
+    return not brackets
 
 
 def _check_header(header: Any, payload: bytes, where: str) -> None:
