@@ -737,3 +737,50 @@ def test_decomposition_computes_the_op():
     assert silu_backward is not None
     torch.testing.assert_close(silu_backward(g, x), torch.ops.aten.silu_backward(g, x))
     assert compat.decomposition(torch.ops.aten.copy.default) is None
+
+
+# --- Global settings in the cache key, modes, errors for ops without meta kernels ---------------
+
+
+def test_settings_readers_follow_their_switches():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    assert compat.math_sdp_enabled() and compat.flash_sdp_enabled()
+    with sdpa_kernel(SDPBackend.MATH):
+        assert compat.math_sdp_enabled() and not compat.flash_sdp_enabled()
+        assert not compat.mem_efficient_sdp_enabled() and not compat.cudnn_sdp_enabled()
+        assert not compat.overrideable_sdp_enabled()
+    assert len(tuple(compat.sdp_priority_order())) == 5
+    assert isinstance(compat.math_sdp_allows_reduction(), bool)
+    before = compat.deterministic_algorithms()
+    torch.use_deterministic_algorithms(not before)
+    try:
+        assert compat.deterministic_algorithms() is (not before)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    with torch.backends.cudnn.flags(enabled=False):
+        assert compat.cudnn_enabled() is False
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert compat.mkldnn_enabled() is False
+    assert compat.opt_einsum_enabled() == torch.backends.opt_einsum.enabled
+    assert compat.opt_einsum_strategy() == torch.backends.opt_einsum.strategy
+
+
+def test_a_device_context_is_a_function_mode_found_by_its_place():
+    assert compat.function_mode_count() == 0
+    with torch.device("meta"):
+        assert compat.function_mode_count() == 1
+        mode = compat.function_mode_at(0)
+        assert isinstance(mode, compat.DeviceContext) and mode.device == torch.device("meta")
+
+
+def test_an_op_without_a_meta_kernel_says_so_under_fake_tensors():
+    mode = compat.FakeTensorMode(allow_fallback_kernels=False)  # as capture's
+    with mode:
+        x = torch.randn(3)
+    errors = (NotImplementedError, compat.UnsupportedOperatorException)
+    with pytest.raises(errors) as e, mode:
+        torch.ops.aten._sample_dirichlet(x)
+    assert isinstance(e.value, compat.UnsupportedOperatorException) or (
+        compat.NO_META_KERNEL in str(e.value)
+    )

@@ -61,6 +61,7 @@ import torch.fx._lazy_graph_module as _lazy_graph_module
 import torch.fx.passes.shape_prop as _shape_prop
 import torch.fx.proxy as _fx_proxy
 import torch.nn.modules.module as _nn_module
+import torch.utils._device as _device
 import torch.utils._mode_utils as _mode_utils
 import torch.utils._python_dispatch as _python_dispatch
 import torch.utils._pytree as pytree
@@ -190,6 +191,28 @@ def function_modes() -> list[Any]:
 is_traceable_wrapper_subclass = _python_dispatch.is_traceable_wrapper_subclass
 # Step below torch-function modes (the closed-over swap) to read a real tensor's ``.grad``.
 DisableTorchFunction = torch._C.DisableTorchFunction
+
+# A torch-function mode of this thread, by its place in the stack (0: outermost).
+function_mode_at = torch._C._get_function_stack_at
+# The mode ``with torch.device(d)`` and ``torch.set_default_device(d)`` push.
+DeviceContext = _device.DeviceContext
+
+# --- Global settings that choose the traced ops (Note [Torch settings in the key]) -------------
+
+flash_sdp_enabled = torch._C._get_flash_sdp_enabled
+mem_efficient_sdp_enabled = torch._C._get_mem_efficient_sdp_enabled
+math_sdp_enabled = torch._C._get_math_sdp_enabled
+cudnn_sdp_enabled = torch._C._get_cudnn_sdp_enabled
+overrideable_sdp_enabled = torch._C._get_overrideable_sdp_enabled
+sdp_priority_order = torch._C._get_sdp_priority_order
+math_sdp_allows_reduction = torch._C._get_math_sdp_allow_fp16_bf16_reduction
+deterministic_algorithms = torch._C._get_deterministic_algorithms
+cudnn_enabled = torch._C._get_cudnn_enabled
+mkldnn_enabled = torch._C._get_mkldnn_enabled
+# ``torch.backends.opt_einsum``'s own readers: its attributes go through a ``PropModule``
+# (1.4 us a read, on every call's key).
+opt_einsum_enabled = torch.backends.opt_einsum._get_enabled
+opt_einsum_strategy = torch.backends.opt_einsum._get_strategy
 
 # --- torch.fx internals --------------------------------------------------------------------------
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._device import DeviceContext
 
+from aotgrad import _torch_compat as compat
 from aotgrad.capture.autocast import AutocastState, any_autocast, autocast_state
 from aotgrad.capture.dynamic import DynamicDims, static_where_shared
 from aotgrad.capture.side_effects import Replay
@@ -163,7 +163,6 @@ def cache_info(fn: Any) -> CacheInfo:
 # ``cudnn.benchmark`` and ``cudnn.deterministic``, nnpack, the preferred BLAS
 # and linalg libraries, ``fill_uninitialized_memory``; and anomaly mode, which
 # checks values when the backward runs and records no op.
-_function_modes = torch._C._len_torch_function_stack
 
 
 def _default_device() -> torch.device | None:
@@ -171,32 +170,30 @@ def _default_device() -> torch.device | None:
     neither did. Both push a ``DeviceContext`` mode (only the second sets
     ``torch.utils._device.CURRENT_DEVICE``); ``torch.get_default_device()`` finds it too,
     in 6 us."""
-    count = _function_modes()
+    count = compat.function_mode_count()
     if not count:
         return None
     for i in range(count):
-        mode = torch._C._get_function_stack_at(i)
-        if isinstance(mode, DeviceContext):
+        mode = compat.function_mode_at(i)
+        if isinstance(mode, compat.DeviceContext):
             return mode.device
     return None
 
 
 SETTINGS: tuple[tuple[str, Callable[[], Any]], ...] = (
-    ("flash_sdp", torch._C._get_flash_sdp_enabled),
-    ("mem_efficient_sdp", torch._C._get_mem_efficient_sdp_enabled),
-    ("math_sdp", torch._C._get_math_sdp_enabled),
-    ("cudnn_sdp", torch._C._get_cudnn_sdp_enabled),
-    ("overrideable_sdp", torch._C._get_overrideable_sdp_enabled),
-    ("sdp_priority", lambda: tuple(torch._C._get_sdp_priority_order())),
-    ("math_sdp_reduction", torch._C._get_math_sdp_allow_fp16_bf16_reduction),
-    ("deterministic", torch._C._get_deterministic_algorithms),
-    ("cudnn", torch._C._get_cudnn_enabled),
-    ("mkldnn", torch._C._get_mkldnn_enabled),
+    ("flash_sdp", compat.flash_sdp_enabled),
+    ("mem_efficient_sdp", compat.mem_efficient_sdp_enabled),
+    ("math_sdp", compat.math_sdp_enabled),
+    ("cudnn_sdp", compat.cudnn_sdp_enabled),
+    ("overrideable_sdp", compat.overrideable_sdp_enabled),
+    ("sdp_priority", lambda: tuple(compat.sdp_priority_order())),
+    ("math_sdp_reduction", compat.math_sdp_allows_reduction),
+    ("deterministic", compat.deterministic_algorithms),
+    ("cudnn", compat.cudnn_enabled),
+    ("mkldnn", compat.mkldnn_enabled),
     ("mha_fastpath", torch.backends.mha.get_fastpath_enabled),
-    # The module's own readers: its attributes, read through torch's ``PropModule``, took
-    # 1.4 us each, of every call's key.
-    ("opt_einsum", torch.backends.opt_einsum._get_enabled),
-    ("opt_einsum_strategy", torch.backends.opt_einsum._get_strategy),
+    ("opt_einsum", compat.opt_einsum_enabled),
+    ("opt_einsum_strategy", compat.opt_einsum_strategy),
     ("default_device", _default_device),
 )
 _READ_SETTINGS = tuple(read for _, read in SETTINGS)

@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from aotgrad._torch_compat import is_traceable_wrapper_subclass
 from aotgrad.capture.aliasing import ViewMeta
 from aotgrad.signature.storage import storage_key
 

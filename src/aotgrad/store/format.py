@@ -60,7 +60,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from aotgrad._torch_compat import ExpandedCodeGen, FakeTensorMode
+from aotgrad._torch_compat import ExpandedCodeGen, FakeTensorMode, OpOverload
 from aotgrad.capture import lazy_module
 from aotgrad.capture.aliasing import TensorOutput
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase
@@ -637,7 +637,7 @@ def decode_steps(data: Any) -> list[Step]:
                     f"node {name!r}: operator.getitem takes a node and an int, as fx writes it"
                 )
             overload = targets[target]
-            if isinstance(overload, torch._ops.OpOverload):
+            if isinstance(overload, OpOverload):
                 _check_arguments(overload, args, kwargs, name)
             step = Step(name, op, targets[target], args, kwargs, _inputs(args, kwargs))
         elif op == "placeholder" and not args and not kwargs:
@@ -687,14 +687,14 @@ _SCALAR_TYPES: dict[str, tuple[type, ...]] = {
 
 
 @functools.lru_cache(maxsize=4096)
-def _signature(op: torch._ops.OpOverload) -> tuple[list[Any], dict[str, Any]]:
+def _signature(op: OpOverload) -> tuple[list[Any], dict[str, Any]]:
     arguments = op._schema.arguments
     positional = [a for a in arguments if not a.kwarg_only]
     return positional, {a.name: a for a in arguments}
 
 
 def _check_arguments(
-    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], node: str
+    op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], node: str
 ) -> None:
     """``args`` and ``kwargs`` bind to ``op``'s schema, each constant of its argument's
     type (Note [Arguments checked against the schema])."""

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from aotgrad._torch_compat import OpOverload
+
 NAMESPACES = frozenset({"aten", "prims"})
 
 # Ops whose schema does not say that they touch the world: each with why.
@@ -57,7 +59,7 @@ _CHECKS = frozenset(
 INPUT_MUTATION = torch.ops.aten.copy_.default
 
 
-def refusal(op: torch._ops.OpOverload) -> str | None:
+def refusal(op: OpOverload) -> str | None:
     """Why a graph file may not run ``op``; None when it may (Note [Ops a file may run]).
 
     >>> refusal(torch.ops.aten.mm.default) is None
