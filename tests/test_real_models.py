@@ -228,7 +228,12 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _step(case: Case, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+    clones: dict[int, torch.Tensor] = {}  # a tensor passed twice (ids as labels) stays one
+
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        return clones.setdefault(id(t), t.clone())
+
+    args, kwargs = pytree.tree_map_only(torch.Tensor, clone, (args, kwargs))
     torch.manual_seed(SEED)  # both runs draw the same random numbers
     out = fn(*args, **kwargs)
     case.loss(out).backward()
