@@ -164,6 +164,10 @@ def cache_info(fn: Any) -> CacheInfo:
 # ``cudnn.benchmark`` and ``cudnn.deterministic``, nnpack, the preferred BLAS
 # and linalg libraries, ``fill_uninitialized_memory``; and anomaly mode, which
 # checks values when the backward runs and records no op.
+#
+# Environment variables the user's code reads at capture are not settings of
+# this list (no key made before the trace can name them): each entry guards on
+# the ones its trace read (Note [Environment read at capture]).
 
 
 def _default_device() -> torch.device | None:

@@ -34,8 +34,8 @@ from aotgrad.capture.collectives import (
 )
 from aotgrad.capture.cotangents import split_at_cotangents
 from aotgrad.capture.direct import DirectTracer
-from aotgrad.capture.environ import recording_environ
 from aotgrad.capture.dynamic import ShapeGuards
+from aotgrad.capture.environ import recording_environ
 from aotgrad.capture.full import FullTracer
 from aotgrad.capture.graph import JointGraph, joint_signature, lazy_module, ready_for_compiler
 from aotgrad.capture.input_aliases import (

@@ -246,9 +246,9 @@ _NOT_USERS = (
     _folder(os.path.dirname(os.path.dirname(__file__))),  # aotgrad
 )
 _STDLIB = _folder(sysconfig.get_paths()["stdlib"])
-_INSTALLED = tuple(
-    _folder(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")
-) + tuple(_folder(p) for p in sys.path if p.endswith(("site-packages", "dist-packages")))
+_INSTALLED = tuple(_folder(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")) + tuple(
+    _folder(p) for p in sys.path if p.endswith(("site-packages", "dist-packages"))
+)
 
 
 @functools.lru_cache(maxsize=4096)
