@@ -109,6 +109,7 @@ def test_a_change_in_process_traces_again_and_says_why(monkeypatch):
         pytest.param(lambda: os.environ.copy().get("ACT"), id="copy"),
         pytest.param(lambda: dict(os.environ.items()).get("ACT"), id="items"),
         pytest.param(lambda: os.environb.get(b"ACT", b"").decode() or None, id="environb"),
+        pytest.param(lambda: os.path.expandvars("$ACT").lstrip("$") or None, id="expandvars"),
     ],
 )
 def test_every_way_of_reading_is_keyed(monkeypatch, read):
@@ -154,8 +155,7 @@ def test_a_reference_taken_before_the_capture_is_seen(monkeypatch):
 
 def test_torch_and_the_standard_library_reading_the_environment_do_not_count(monkeypatch):
     def f(x):
-        torch.hub.get_dir()  # torch reads TORCH_HOME, XDG_CACHE_HOME; posixpath reads HOME
-        os.path.expanduser("~")
+        torch.hub.get_dir()  # torch reads TORCH_HOME, XDG_CACHE_HOME; expanduser, for it, HOME
         return _act(x)
 
     monkeypatch.setenv("ACT", "relu")

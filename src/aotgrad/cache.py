@@ -7,6 +7,8 @@ dimensions, the module state's and closed-over tensors' metadata, the values
 of the globals, closure variables and module attributes the function reads
 (train/eval flags included), which inputs alias, and the ambient torch state a
 trace bakes in (grad mode, autocast, the default dtype: Note [Ambient state]).
+An entry whose trace read environment variables also guards on their values
+(Note [Environment read at capture]).
 A call whose key matches an entry is a hit; otherwise aotgrad traces again
 and records, for the miss, the first field that differs from the latest
 entry's key, as ``what: that entry's != this call's``::

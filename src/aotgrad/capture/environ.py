@@ -25,12 +25,13 @@ write still goes to the real mapping. Only reads that count are recorded:
 - by the capturing thread, or an autograd worker running the capture's
   backward (``in_capture``: Note [Captures and other threads]). Another thread
   reading meanwhile reads as always and records nothing;
-- from the user's code: the first caller outside ``os`` and
-  ``collections.abc`` (which ``os.getenv``, ``get`` and ``in`` pass through) is
-  not torch, aotgrad or the Python standard library. torch's own ``TORCH_*``
-  lookups and the standard library's (``HOME`` in ``expanduser``) do not change
-  the graph the user's code asks for; a third-party library the function calls
-  is the user's code.
+- on behalf of the user's code: the first caller outside the Python standard
+  library (which ``os.getenv``, ``get``, ``in``, ``os.path.expandvars`` pass
+  through) is not torch or aotgrad. torch's own ``TORCH_*`` lookups, and the
+  standard library's on torch's behalf (``HOME`` in ``expanduser`` for
+  ``torch.hub.get_dir()``), do not change the graph the user's code asks for;
+  ``os.path.expandvars("$ACT")`` in the function does, and a third-party
+  library the function calls is the user's code.
 
 The capture's :class:`JointGraph` carries the reads (``environ``), and:
 
@@ -61,7 +62,7 @@ import os
 import sys
 import sysconfig
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -225,16 +226,11 @@ def _recordings(caller: FrameType | None) -> tuple[_Recording, ...]:
         return ()
     if threading.get_ident() != recordings[0].thread and not in_capture():
         return ()
-    while caller is not None and caller.f_code.co_filename in _PASSED_THROUGH:
-        caller = caller.f_back
-    if caller is None or not _is_users(caller.f_code.co_filename):
+    while caller is not None and _is_stdlib(caller.f_code.co_filename):
+        caller = caller.f_back  # ``os.getenv``, ``Mapping.get``: who called them counts
+    if caller is None or _is_torch(caller.f_code.co_filename):
         return ()
     return recordings
-
-
-# ``os.getenv``, ``Mapping.get`` / ``__contains__`` / ``items`` and ``_Environ.copy``
-# read through these files: the caller that counts is the one that called them.
-_PASSED_THROUGH = frozenset({os.getenv.__code__.co_filename, Mapping.get.__code__.co_filename})
 
 
 def _folder(path: str) -> str:
@@ -252,11 +248,16 @@ _INSTALLED = tuple(_folder(sysconfig.get_paths()[key]) for key in ("purelib", "p
 
 
 @functools.lru_cache(maxsize=4096)
-def _is_users(filename: str) -> bool:
-    """Is code in ``filename`` the user's: not torch, aotgrad or the standard library?"""
-    if filename.startswith("<frozen "):  # the standard library's frozen modules
-        return False
+def _is_stdlib(filename: str) -> bool:
+    """Is code in ``filename`` the Python standard library's (``os``, ``collections.abc``)?"""
+    if filename.startswith("<frozen "):  # its frozen modules: ``<frozen os>``
+        return True
     path = os.path.realpath(filename) if os.path.isabs(filename) else filename
-    if path.startswith(_NOT_USERS):
-        return False
-    return not (path.startswith(_STDLIB) and not path.startswith(_INSTALLED))
+    return path.startswith(_STDLIB) and not path.startswith(_INSTALLED)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_torch(filename: str) -> bool:
+    """Is code in ``filename`` torch's or aotgrad's?"""
+    path = os.path.realpath(filename) if os.path.isabs(filename) else filename
+    return path.startswith(_NOT_USERS)
