@@ -60,7 +60,6 @@ import contextlib
 import functools
 import os
 import sys
-import sysconfig
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -237,14 +236,22 @@ def _folder(path: str) -> str:
     return os.path.join(os.path.realpath(path), "")
 
 
-_NOT_USERS = (
-    _folder(os.path.dirname(torch.__file__)),
-    _folder(os.path.dirname(os.path.dirname(__file__))),  # aotgrad
-)
-_STDLIB = _folder(sysconfig.get_paths()["stdlib"])
-_INSTALLED = tuple(_folder(sysconfig.get_paths()[key]) for key in ("purelib", "platlib")) + tuple(
-    _folder(p) for p in sys.path if p.endswith(("site-packages", "dist-packages"))
-)
+@functools.cache
+def _folders() -> tuple[tuple[str, ...], str, tuple[str, ...]]:
+    """torch's and aotgrad's folders, the standard library's, and where packages install
+    (found on the first read a capture sees: ``import aotgrad`` stays fast)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    ours = (
+        _folder(os.path.dirname(torch.__file__)),
+        _folder(os.path.dirname(os.path.dirname(__file__))),  # aotgrad
+    )
+    installed = tuple(_folder(paths[key]) for key in ("purelib", "platlib"))
+    installed += tuple(
+        _folder(p) for p in sys.path if p.endswith(("site-packages", "dist-packages"))
+    )
+    return ours, _folder(paths["stdlib"]), installed
 
 
 @functools.lru_cache(maxsize=4096)
@@ -252,12 +259,13 @@ def _is_stdlib(filename: str) -> bool:
     """Is code in ``filename`` the Python standard library's (``os``, ``collections.abc``)?"""
     if filename.startswith("<frozen "):  # its frozen modules: ``<frozen os>``
         return True
+    _, stdlib, installed = _folders()
     path = os.path.realpath(filename) if os.path.isabs(filename) else filename
-    return path.startswith(_STDLIB) and not path.startswith(_INSTALLED)
+    return path.startswith(stdlib) and not path.startswith(installed)
 
 
 @functools.lru_cache(maxsize=4096)
 def _is_torch(filename: str) -> bool:
     """Is code in ``filename`` torch's or aotgrad's?"""
     path = os.path.realpath(filename) if os.path.isabs(filename) else filename
-    return path.startswith(_NOT_USERS)
+    return path.startswith(_folders()[0])
