@@ -137,7 +137,7 @@ def test_reading_the_whole_environment_keys_all_of_it(monkeypatch):
         aotgrad.cache_info(c).reasons[-1] == "environment variable AOTGRAD_TEST_ONE: unset != '1'"
     )
     traced = aotgrad.trace(f, X)
-    assert traced.partitioned.joint.environ.names == "the whole environment"
+    assert traced.partitioned.joint.environ.what == "the whole environment"
 
 
 def test_a_reference_taken_before_the_capture_is_seen(monkeypatch):
@@ -213,7 +213,7 @@ def test_a_traced_call_under_another_value_raises_and_save_refuses(monkeypatch, 
     monkeypatch.setenv("ACT", "gelu")
     with pytest.raises(CallError, match="environment variable ACT: 'relu' != 'gelu'"):
         traced(X)
-    with pytest.raises(StoreError, match="environment variables at capture \\(ACT\\)"):
+    with pytest.raises(StoreError, match="read environment variables ACT at capture"):
         traced.save(tmp_path / "act.aotgrad")
 
 

@@ -215,7 +215,7 @@ class Traced:
         environ = self.partitioned.joint.environ
         if environ is not None:  # Note [Environment read at capture]
             raise StoreError(
-                f"the function read environment variables at capture ({environ.names}) and"
+                f"the function read {environ.what} at capture, and"
                 " its graphs hold what it read; a file cannot tell its reader which environment"
                 " they assume. Pass the setting as an argument (or read it outside the"
                 " function) to save the trace"

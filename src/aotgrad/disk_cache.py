@@ -138,9 +138,7 @@ class DiskCacheUse:
             info.disk_skipped = "the function stores tensors in the user's objects"
             return
         if entry.environ is not None:  # Note [Environment read at capture]
-            info.disk_skipped = (
-                f"the function read environment variables {entry.environ.names} at capture"
-            )
+            info.disk_skipped = f"the function read {entry.environ.what} at capture"
             return
         info.disk_skipped = store_graphs(slot, entry.compiled, entry.positions)
 

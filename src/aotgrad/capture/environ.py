@@ -81,11 +81,12 @@ class EnvironReads:
     whole: tuple[tuple[str, str], ...] | None = None
 
     @property
-    def names(self) -> str:
-        """The variables read, for messages: ``ACT, MODE`` or ``the whole environment``."""
+    def what(self) -> str:
+        """What was read, for messages: ``environment variables ACT, MODE`` or ``the whole
+        environment``."""
         if self.whole is not None:
             return "the whole environment"
-        return ", ".join(name for name, _ in self.values)
+        return "environment variables " + ", ".join(name for name, _ in self.values)
 
     def changed(self) -> str | None:
         """How the environment now differs from what was read; None when it does not."""
