@@ -212,6 +212,14 @@ class Traced:
                 " Note [Side effects replayed]); a file cannot hold those objects. Return the"
                 " tensors from the function instead to save it"
             )
+        environ = self.partitioned.joint.environ
+        if environ is not None:  # Note [Environment read at capture]
+            raise StoreError(
+                f"the function read {environ.what} at capture, and"
+                " its graphs hold what it read; a file cannot tell its reader which environment"
+                " they assume. Pass the setting as an argument (or read it outside the"
+                " function) to save the trace"
+            )
         save_traced(
             path, partitioned=self.partitioned, plan=self._compiled.plan, autocast=self._autocast
         )
@@ -247,6 +255,15 @@ class Traced:
                 f" called with autocast {_autocast_text(autocast_state())}: its graphs hold the"
                 " casts of the capture's autocast (Note [Autocast]); call aotgrad.trace again under"
                 " the autocast you call it with (or use aotgrad.aot_function, which re-traces)"
+            )
+        environ = self.partitioned.joint.environ
+        changed = environ.changed() if environ is not None else None
+        if changed is not None:  # Note [Environment read at capture]
+            raise CallError(
+                f"this Traced was captured reading the environment, and it changed: {changed}."
+                " Its graphs hold what the function did with the values read at capture;"
+                " call aotgrad.trace again under this environment (or use"
+                " aotgrad.aot_function, which re-traces)"
             )
         tensors = [leaves[i] for i in flat.tensor_positions]
         primals = [*self._lifted_now(), *tensors]
@@ -739,7 +756,8 @@ class AOTFunction:
         compiled = compile_partitioned(
             partitioned, options.fw_compiler, options.bw_compiler, options.inference_compiler
         )
-        return Entry(compiled=compiled, positions=positions, replay=replay)
+        environ = partitioned.joint.environ  # Note [Environment read at capture]
+        return Entry(compiled=compiled, positions=positions, replay=replay, environ=environ)
 
     def _capture(
         self, call: _Call, dims: DynamicDims | None

@@ -7,6 +7,8 @@ dimensions, the module state's and closed-over tensors' metadata, the values
 of the globals, closure variables and module attributes the function reads
 (train/eval flags included), which inputs alias, and the ambient torch state a
 trace bakes in (grad mode, autocast, the default dtype: Note [Ambient state]).
+An entry whose trace read environment variables also guards on their values
+(Note [Environment read at capture]).
 A call whose key matches an entry is a hit; otherwise aotgrad traces again
 and records, for the miss, the first field that differs from the latest
 entry's key, as ``what: that entry's != this call's``::
@@ -32,6 +34,7 @@ import torch
 from aotgrad import _torch_compat as compat
 from aotgrad.capture.autocast import AutocastState, any_autocast, autocast_state
 from aotgrad.capture.dynamic import DynamicDims, static_where_shared
+from aotgrad.capture.environ import EnvironReads
 from aotgrad.capture.side_effects import Replay
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.signature import PlainTensorsGuard, alias_key, call_key, dynamic_call_key
@@ -163,6 +166,10 @@ def cache_info(fn: Any) -> CacheInfo:
 # ``cudnn.benchmark`` and ``cudnn.deterministic``, nnpack, the preferred BLAS
 # and linalg libraries, ``fill_uninitialized_memory``; and anomaly mode, which
 # checks values when the backward runs and records no op.
+#
+# Environment variables the user's code reads at capture are not settings of
+# this list (no key made before the trace can name them): each entry guards on
+# the ones its trace read (Note [Environment read at capture]).
 
 
 def _default_device() -> torch.device | None:
@@ -512,6 +519,9 @@ class Entry:
     # The stores in the user's objects done after every call; the graphs return
     # ``(result, stored tensors)`` (Note [Side effects replayed]). None: none.
     replay: Replay | None = None
+    # The environment variables the capture read: a call where one differs is a miss
+    # (Note [Environment read at capture]). None: it read none.
+    environ: EnvironReads | None = None
 
     def inputs(self, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]) -> Sequence[Any]:
         """The graphs' inputs for a call: the lifted state, then the tensor leaves."""
@@ -531,9 +541,10 @@ class Miss:
     """A call no entry serves: the key to store its trace under, and the guard that failed."""
 
     key: CacheKey
-    # The first shape guard the entries under an equal key failed (Note [Entries with
-    # shape guards]); None when no entry has an equal key.
-    failed_guard: str | None = None
+    # Why the entries under an equal key did not serve the call: the first shape guard
+    # or environment variable that failed (Note [Entries with shape guards]); None when
+    # no entry has an equal key.
+    failed: str | None = None
 
 
 # Note [The last entry]
@@ -568,6 +579,21 @@ class _LastEntry:
 #     f(ones(2, 4))   key K: traced, guards y.size()[1] == 4  -> entries[K]
 #     f(ones(2, 6))   entries[K] fails y.size()[1] == 4; traced -> entries[K, retrace=1]
 #     f(ones(2, 4))   entries[K] passes: a hit
+#
+# An entry whose capture read environment variables is guarded the same way
+# on their values (Note [Environment read at capture]): ``ACT=gelu`` after a
+# trace under ``ACT=relu`` fails ``environment variable ACT: 'relu' != 'gelu'``
+# and traces into the next slot.
+
+
+def _failed(entry: Entry, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]) -> str | None:
+    """Why ``entry`` does not serve this call: an environment variable or a shape guard."""
+    if entry.environ is not None:
+        changed = entry.environ.changed()
+        if changed is not None:
+            return changed
+    failed = entry.compiled.failed_guard(entry.inputs(state, leaves))
+    return None if failed is None else f"shape guard {failed} failed"
 
 
 # Note [Concurrent calls]
@@ -637,7 +663,7 @@ class SpecializationCache:
         entry = self.entries.get(key)
         if entry is None:
             return Miss(key=key)
-        if key.dynamic_dims is None:
+        if key.dynamic_dims is None and entry.environ is None:
             self.info.hits += 1
             return entry
         return self._guarded(key, entry, state, leaves)
@@ -645,18 +671,19 @@ class SpecializationCache:
     def _guarded(
         self, key: CacheKey, entry: Entry, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]
     ) -> Entry | Miss:
-        """The first entry under ``key`` whose shape guards pass, else a miss at the next slot."""
+        """The first entry under ``key`` whose shape guards and environment (Note [Environment
+        read at capture]) pass, else a miss at the next slot."""
         first_failed = None
         found: Entry | None = entry
         while found is not None:
-            failed = found.compiled.failed_guard(found.inputs(state, leaves))
+            failed = _failed(found, state, leaves)
             if failed is None:
                 self.info.hits += 1
                 return found
             first_failed = first_failed or failed
             key = key._replace(retrace=key.retrace + 1)
             found = self.entries.get(key)
-        return Miss(key=key, failed_guard=first_failed)
+        return Miss(key=key, failed=first_failed)
 
     def remember(self, key: CacheKey, entry: Entry, leaves: Sequence[Any]) -> None:
         """Make ``entry`` the last entry when a guard on ``leaves`` can stand for ``key``.
@@ -667,6 +694,8 @@ class SpecializationCache:
         if entry.compiled.takes_subclasses:  # a guard sees no placement: Note [Tensor subclasses]
             return
         if entry.replay is not None:  # the last entry calls the graphs only
+            return
+        if entry.environ is not None:  # its guard sees no environment
             return
         if entry.positions is None and key.aliases is None and key.dynamic_dims is None:
             call = entry.compiled.direct_call() or entry.compiled
@@ -690,8 +719,8 @@ class SpecializationCache:
         return False
 
     def _reason(self, miss: Miss, names: Callable[[], Sequence[str]]) -> str:
-        if miss.failed_guard is not None:
-            return f"shape guard {miss.failed_guard} failed"
+        if miss.failed is not None:
+            return miss.failed
         if miss.key == self._latest:  # the latest miss stored no entry
             full = len(self.entries) >= self.limit
             why = "ran eagerly (cache_limit)" if full else "raised before its entry was stored"

@@ -81,8 +81,11 @@ class DiskCacheUse:
         if not self._enabled:
             info.disk_skipped = "disk_cache=False"
             return None
-        if key.dynamic_dims is not None or key.retrace or wrapped:
+        if key.dynamic_dims is not None or wrapped:
             info.disk_skipped = "dynamic shapes and DDP/FSDP2 wrappers are not cached on disk"
+            return None
+        if key.retrace:  # Note [Environment read at capture]
+            info.disk_skipped = "a second trace under one key (the environment read changed)"
             return None
         cache = disk_cache()  # a ConfigError for a bad AOTGRAD_CACHE_SIZE_MB
         if cache is None:
@@ -133,6 +136,9 @@ class DiskCacheUse:
             return
         if entry.replay is not None:  # Note [Side effects replayed]
             info.disk_skipped = "the function stores tensors in the user's objects"
+            return
+        if entry.environ is not None:  # Note [Environment read at capture]
+            info.disk_skipped = f"the function read {entry.environ.what} at capture"
             return
         info.disk_skipped = store_graphs(slot, entry.compiled, entry.positions)
 

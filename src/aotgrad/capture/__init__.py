@@ -35,6 +35,7 @@ from aotgrad.capture.collectives import (
 from aotgrad.capture.cotangents import split_at_cotangents
 from aotgrad.capture.direct import DirectTracer
 from aotgrad.capture.dynamic import ShapeGuards
+from aotgrad.capture.environ import recording_environ
 from aotgrad.capture.full import FullTracer
 from aotgrad.capture.graph import JointGraph, joint_signature, lazy_module, ready_for_compiler
 from aotgrad.capture.input_aliases import (
@@ -161,11 +162,14 @@ def capture(
         effects=effects,
     )
     label = root if root is not None else body
-    with capture_session():  # Note [Capture sessions]
+    with capture_session(), recording_environ() as environ:  # Note [Capture sessions]
         joint = _capture(body, flat, primals, (), options, label)
         bases = _synthetic_bases(joint, primals, where)
         if bases:  # Note [Aliased inputs]: trace again, the members re-derived from their bases
             joint = _capture(body, flat, primals, bases, options, label)
+    reads = environ.reads()  # Note [Environment read at capture]
+    if reads is not None:
+        joint = replace(joint, environ=reads)
     check_same_on_ranks(joint.gm.graph, _function_name(label), where)  # Note [Collectives]
     return joint
 

@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from aotgrad._torch_compat import LazyGraphModule, use_lazy_graph_module
 from aotgrad.capture.aliasing import OutputLeaf, TensorOutput
 from aotgrad.capture.dynamic import ShapeGuards
+from aotgrad.capture.environ import EnvironReads
 from aotgrad.capture.input_aliases import SyntheticBase
 from aotgrad.capture.mutation import InputMutation
 from aotgrad.capture.provenance import Phase, phase_of
@@ -136,6 +137,9 @@ class JointGraph:
     detached_inputs: tuple[int, ...] = ()
     # Which tracer made the graph, and why not the direct one (Note [Choosing a tracer]).
     tracer: TracerReport = field(kw_only=True)
+    # The environment variables the user's code read at capture, with the values read;
+    # None when it read none (Note [Environment read at capture]).
+    environ: EnvironReads | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if sum(self.differentiable) != len(self.cotangents):

@@ -186,7 +186,10 @@ class ScanFunction:
             ambient_key(),
         )
         body = self._bodies.get(key)
-        if body is None:
+        environ = None if body is None else body.traced.partitioned.joint.environ
+        if body is None or (environ is not None and environ.changed() is not None):
+            # Captured again when the environment it read changed (Note [Environment read
+            # at capture]).
             body = capture_body(
                 fn=self._fn,
                 state=self._state,
