@@ -15,9 +15,22 @@ happens to use them. For::
 the inputs are ``carry['a'], carry['b'], x['weights'], x['biases']`` (dicts
 flatten in insertion order). Each leaf is named by the parameter it was bound
 to plus its key path below it, so the names survive positional and keyword
-calls alike. Lifted module state (parameters, then buffers) comes first.
-Non-tensor leaves are not graph inputs: they are specialized into the graph
-and are part of the cache key, so a different value re-traces.
+calls alike. Non-tensor leaves are not graph inputs: they are specialized
+into the graph and are part of the cache key, so a different value re-traces.
+
+The user's tensor leaves come last: before them, in this order, are the
+*lifted* tensors the function reads without receiving them as tensor leaves
+(``flatten_inputs``'s ``lifted``): the traced module's own parameters, then its
+buffers; tensors reached through closure cells, globals and defaults, in the
+order they are found (Note [Closed-over tensors]); the state of modules passed
+as arguments (Note [Module arguments]). For::
+
+    W, lin = torch.randn(3, 3, requires_grad=True), nn.Linear(3, 3)
+    def step(model, x): return (model(x) @ W + lin(x)).sum()
+    trace(step, nn.Linear(3, 3), x)
+
+the inputs are ``global W, global lin.weight, global lin.bias, model.weight,
+model.bias, x`` (Note [Calling convention] runs it).
 """
 
 from __future__ import annotations
@@ -54,9 +67,11 @@ class FlatInputs:
     constants: tuple[Any, ...]
     # Position, among all leaves, of each tensor leaf (the user's graph inputs).
     tensor_positions: tuple[int, ...]
-    # One descriptor per graph input: lifted module state first, then the user's tensors.
+    # One descriptor per graph input: the lifted tensors first, then the user's (Note [Input
+    # order]).
     descriptors: tuple[PrimalDescriptor, ...]
-    # How many leading graph inputs are lifted module state (parameters and buffers).
+    # How many leading graph inputs are lifted: module state, closed-over tensors, module
+    # arguments' state.
     num_lifted: int
     # How tensor subclass inputs are taken apart into plain graph inputs (Note [Tensor
     # subclasses]); None when every input is plain. With it, ``descriptors`` and
