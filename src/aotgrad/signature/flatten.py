@@ -2,7 +2,7 @@
 
 Note [Input order]
 ~~~~~~~~~~~~~~~~~~
-Graph inputs are the tensor leaves of ``(args, kwargs)`` in the order
+The user's graph inputs are the tensor leaves of ``(args, kwargs)`` in the order
 ``torch.utils._pytree`` flattens them, never in the order the function body
 happens to use them. For::
 
@@ -23,14 +23,9 @@ The user's tensor leaves come last: before them, in this order, are the
 (``flatten_inputs``'s ``lifted``): the traced module's own parameters, then its
 buffers; tensors reached through closure cells, globals and defaults, in the
 order they are found (Note [Closed-over tensors]); the state of modules passed
-as arguments (Note [Module arguments]). For::
-
-    W, lin = torch.randn(3, 3, requires_grad=True), nn.Linear(3, 3)
-    def step(model, x): return (model(x) @ W + lin(x)).sum()
-    trace(step, nn.Linear(3, 3), x)
-
-the inputs are ``global W, global lin.weight, global lin.bias, model.weight,
-model.bias, x`` (Note [Calling convention] runs it).
+as arguments (Note [Module arguments]). ``step(model, x)`` reading the globals
+``W`` and ``lin`` takes ``global W, global lin.weight, global lin.bias,
+model.weight, model.bias, x`` (Note [Calling convention] runs it).
 """
 
 from __future__ import annotations
