@@ -487,6 +487,16 @@ def test_global_module_hooks_hold_registered_hooks():
     assert handle.id not in compat.global_module_hooks("_forward_hooks")
 
 
+def test_module_hooks_are_the_hook_dicts_of_a_module_and_of_every_module():
+    module = torch.nn.Linear(1, 1)
+    for kind in compat.MODULE_HOOKS:
+        assert isinstance(vars(module)[kind], dict)
+        assert isinstance(compat.global_module_hooks(kind), dict)
+    handle = module.register_forward_pre_hook(lambda *a: None)
+    assert [k for k in compat.MODULE_HOOKS if vars(module)[k]] == ["_forward_pre_hooks"]
+    handle.remove()
+
+
 def test_pytree_node_type_of_a_namedtuple():
     from collections import namedtuple
 

@@ -380,6 +380,11 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], fake_mode: A
 # --- Module hooks and pytree internals -----------------------------------------------------------
 
 
+# The hook dicts of an ``nn.Module``, each named as a module's attribute (``vars(module)``) and,
+# prefixed ``_global``, as the global one every module call runs (``global_module_hooks``).
+MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
 def global_module_hooks(kind: str) -> dict[int, Any]:
     """The hooks every module call runs, of one kind (``"_forward_hooks"``; Note [Module hooks])."""
     return getattr(_nn_module, f"_global{kind}")

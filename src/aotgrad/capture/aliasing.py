@@ -132,7 +132,9 @@ def caller_layout(view: torch.Tensor, original: torch.Tensor) -> ViewMeta:
     ``view`` is a functional tensor over the storage of the graph input whose
     fake, before the call, is ``original`` (Note [Layouts in the caller's storage]).
     """
-    if not isinstance(view, FunctionalTensor):  # a direct trace: no mutation, no fresh buffer
+    # A direct trace records an in-place op on the input's own fake, whose layout stays
+    # the caller's (a write of another layout stops it): no fresh buffer to replay past.
+    if not isinstance(view, FunctionalTensor):
         return ViewMeta.of(view)
     chain = view_meta_sequence(view.elem)
     with disable_current_modes():  # measure only: nothing is traced or functionalized

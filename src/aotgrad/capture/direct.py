@@ -53,9 +53,9 @@ and updates its running statistics, torchvision's ``ReLU(inplace=True)`` and
 ``Hardswish(inplace=True)`` overwrite the conv/BN output, a ResNet block does
 ``out += identity``. Stopping at the first of these sent every convnet down
 the full trace. Profiling the capture of torchvision's resnet18 (cProfile,
-``bench/library_capture.py``) showed where the time went: 3.37 s of 3.66 s in
+``bench/library_capture.py``) showed where the time went: nearly all of it in
 the full trace (functionalization, ``make_fx``'s proxy mode), after a direct
-trace that had stopped at the first BatchNorm within 0.1 s.
+trace that had stopped at the first BatchNorm (``bench/findings.md``).
 
 Functionalization turns an in-place op into its functional variant, whose
 result is the target's new value. Where nothing else sees the target's
@@ -86,19 +86,9 @@ statistics, counters), and stops for the others. Autograd's own checks still
 run above the recording mode: an in-place op on a value the backward needs
 raises eager's "modified by an inplace operation", as eager would.
 
-Capture aotgrad / PyTorch (``bench/library_capture.py``: wrap to first
-forward+backward, nop compilers, median of 3 fresh processes, 2 shared cores,
-before = this change's parent)::
-
-    model          before   after    direct trace now?
-    resnet18       1.69x    0.46x    yes
-    mobilenet_v3   0.81x    0.60x    yes
-    efficientnet   1.01x    0.59x    yes
-    convnext       1.15x    1.27x    no: its backward copies into a view (as_strided)
-    gpt2/llama/bert, explicit-attention GPT: 0.32-0.42x both (direct already)
-
-After the change, profiling resnet18 again puts 0.98 s of 1.13 s in the direct
-trace, 0.68 s of it in the fake tensor mode itself. convnext now takes the
+With this, resnet18, mobilenet_v3 and efficientnet take the direct trace
+(their capture times before and after, dated: ``bench/findings.md``), and most
+of their capture is then the fake tensor mode itself. convnext takes the
 direct trace too (Note [Writes through views, directly]), and timing the fake
 mode per op showed where its time goes: batch norm's and the activations'
 decompositions (half of efficientnet's capture), which capture's fake mode now

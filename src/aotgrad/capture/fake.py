@@ -18,8 +18,7 @@ kernel, for the strides of each ``view`` (and ``_unsafe_view``, which
 shares its kernel), and when they differ returns the fake result restrided
 to eager's. For ``view`` and the common view ops (``t``, ``permute``,
 ``select``, ``slice`` ...) of static sizes it skips the fake mode's own kernels
-(Python reference kernels: ``view`` took 3 ms a call, 0.17 s of convnext's
-capture) and returns the meta device's layout as an ``as_strided`` of the source. Symbolic layouts go through fake tensors' own Python port of
+(Python reference kernels, slow: ``bench/findings.md``) and returns the meta device's layout as an ``as_strided`` of the source. Symbolic layouts go through fake tensors' own Python port of
 that C++ kernel (``_compute_stride``) instead: the meta device takes ints.
 """
 

@@ -8,13 +8,10 @@ layout from a C++ meta kernel. Ops without one (batch norm in training and its
 backward, the backward of most activations) it decomposes in Python into a
 dozen smaller ops, each dispatched through the fake mode in turn, and its
 cache helps only when the same op meets the same shapes again, which a
-convnet's layers of ever-changing widths rarely do. Measured on the capture of
-``bench/library_capture.py``'s convnets (seconds inside the fake mode, of the
-whole capture, one fresh process each)::
-
-    efficientnet   batch norm fwd+bwd 0.66 s, silu_backward 0.12 s   of 1.32 s
-    mobilenet_v3   batch norm fwd+bwd 1.19 s, hardswish/-sigmoid 0.56 s   of 3.22 s
-    resnet18       batch norm fwd+bwd 0.23 s, threshold_backward 0.03 s   of 0.88 s
+convnet's layers of ever-changing widths rarely do. On the capture of
+``bench/library_capture.py``'s convnets, batch norm and the activations'
+backwards were a large share of the time inside the fake mode (the measurements,
+dated, are in ``bench/findings.md``).
 
 For these ops the layout is simple whenever the inputs are laid out simply,
 so capture's fake mode makes the outputs directly (fresh fake tensors of the
@@ -29,9 +26,8 @@ takes the decomposition as before::
 
 The same rule covers the common pointwise ops whose meta kernels are Python
 references of many small ops (``relu``, ``gelu``, ``add``, ``mul`` ... with
-alike tensors and plain numbers: ``gelu`` cost 2.6 ms a call, ``relu`` 0.7 ms,
-``add`` 0.3 ms); a complex number, a dtype or a second layout among the
-arguments declines.
+alike tensors and plain numbers); a complex number, a dtype or a second
+layout among the arguments declines.
 
 ``tests/test_fake_layouts.py`` checks every rule against the decomposition's
 own result on a grid of shapes and layouts (size-1 dimensions included), and
@@ -40,20 +36,8 @@ backward follow the same way (the output is contiguous whatever the input's
 order); over size-1 dimensions the decomposition's strides differ from eager's,
 and those keep the decomposition's.
 
-With this, the direct trace of convnext (Note [Writes through views,
-directly]) and the meta device's views (Note [Eager strides for views]),
-capture aotgrad / PyTorch (``bench/library_capture.py all 3``: median of 3
-fresh processes per tool, 2 cores shared with other work, so +-0.05)::
-
-    model          before (main)   after (two runs)
-    gpt2           0.39x           0.38x  0.36x
-    llama          0.23x           0.35x  0.34x
-    bert           0.39x           0.32x  0.30x
-    resnet18       0.46x           0.26x  0.37x
-    mobilenet_v3   0.61x           0.26x  0.26x
-    efficientnet   0.64x           0.31x  0.25x
-    convnext       1.02x           0.34x  0.38x
-    gpt_explicit   0.43x           0.28x  0.37x
+The capture times before and after this rule are in ``bench/findings.md``
+(dated, with the command); ``make bench`` measures the current ones.
 """
 
 from __future__ import annotations
@@ -292,7 +276,7 @@ def _strided(t: object) -> TypeGuard[FakeTensor]:
 
 # Pointwise ops whose result has the dtype of their floating inputs (one tensor and maybe a
 # number; two tensors); their meta kernels are Python references of a dozen small ops each
-# (``gelu`` 2.6 ms a call in the fake mode).
+# (their cost per call: bench/findings.md).
 POINTWISE_UNARY = (
     aten.relu.default,
     aten.gelu.default,

@@ -78,6 +78,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import (
+    MODULE_HOOKS,
     FakeTensor,
     FunctionalTensor,
     global_module_hooks,
@@ -95,7 +96,6 @@ from aotgrad.signature.descriptors import SideEffect
 
 # A module's own bookkeeping in ``__dict__`` (parameters are swapped in by capture).
 _MODULE_FIELDS = frozenset(vars(torch.nn.Module())) - {"training"}
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 # Containers below a module attribute, a variable or a global that the watch compares.
 _DEPTH = 2
 _MISSING = object()
@@ -330,7 +330,7 @@ class _Places:
         self._add(place)
         self._add(_Place("buffers", base, root, steps))
         self.function(type(module).forward, "")  # the globals its forward names
-        for hooks in _HOOKS:
+        for hooks in MODULE_HOOKS:
             for hook in list(vars(module).get(hooks, {}).values()):
                 if hooks.startswith("_backward"):
                     self.backward_hooks.append(hook)
@@ -467,7 +467,7 @@ class Watch:
                 found.value(root, root, (), label, _DEPTH)
             else:
                 found.function(root, "")
-        for hooks in _HOOKS:  # register_module_forward_hook ...
+        for hooks in MODULE_HOOKS:  # register_module_forward_hook ...
             for hook in list(global_module_hooks(hooks).values()):
                 found.function(hook, f"(global hook {getattr(hook, '__qualname__', '')}) ")
         return found

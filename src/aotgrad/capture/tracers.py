@@ -23,9 +23,12 @@ The joint function is the same code for both; what differs is owned by the
     differentiate_at(primal)    the primal                its gradient edge
     traced(result leaf)         recorded by this trace    a functional tensor
     input_mutations(...)        inputs it gave new values read off functionalization
-    sync(forward values)        nothing to sync           torch._sync
+    sync(forward values)        scatter pending writes    torch._sync
+                                through views (Note
+                                [Writes through views,
+                                directly])
     backward_checked(...)       it stops first            no input mutated by the backward
-    unwrap(graph value)         itself                    from_functional
+    unwrap(graph value)         itself, synced as above   from_functional
 
 Both give the same graph, node for node, for a function both can trace
 (``tests/test_direct_trace.py`` checks it), with one known exception: under a

@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from aotgrad._torch_compat import global_module_hooks, is_fsdp_bookkeeping
+from aotgrad._torch_compat import MODULE_HOOKS, global_module_hooks, is_fsdp_bookkeeping
 from aotgrad.signature.descriptors import Closure, Global, Input, PrimalDescriptor
 from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
 
@@ -87,7 +87,6 @@ _MODULE_FIELDS = frozenset(vars(torch.nn.Module())) - {"training"}
 #
 # Global module hooks (``register_module_forward_hook``) are guarded the same
 # way, as ``global module_forward_hooks``, whenever the function reaches a module.
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 # How a lifted tensor was reached: closure/default/self, global, or a module argument.
 Kind = type[Closure] | type[Global] | type[Input]
@@ -237,7 +236,7 @@ def read_environment(
     for name, module in arguments:
         walk.visit(Input, name, module)
     if walk.saw_module:  # hooks every module call runs (Note [Module hooks])
-        for hooks in _HOOKS:
+        for hooks in MODULE_HOOKS:
             registered = global_module_hooks(hooks)
             if registered:
                 walk.labels.append(f"global module{hooks}")
@@ -306,7 +305,7 @@ class _Walk:
             params += ((prefix + n, p) for n, p in sub._parameters.items() if p is not None)
             buffers += ((prefix + n, b) for n, b in sub._buffers.items() if b is not None)
             state = vars(sub)
-            for hooks in _HOOKS:  # Note [Module hooks]
+            for hooks in MODULE_HOOKS:  # Note [Module hooks]
                 if state.get(hooks):
                     labels.append(f"{_LABELS[kind]} {prefix}{hooks}")
                     keys.append(tuple(state[hooks].items()))

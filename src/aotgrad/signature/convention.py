@@ -5,7 +5,13 @@ Note [Calling convention]
 ``forward(*inputs) -> (*outputs, *bases, *mutated, *saved)`` and
 ``backward(*saved, *cotangents) -> grads``.
 
-- ``inputs``: one per tensor leaf of the user's call (Note [Input order]).
+- ``inputs``: every tensor the call reads, lifted state first (Note [Input
+  order]): the traced module's own parameters, then its buffers; the tensors
+  reached through closure cells, globals and defaults (Note [Closed-over
+  tensors]); those of modules passed as arguments (Note [Module arguments]);
+  last, the tensor leaves of the user's ``(args, kwargs)``. Inputs sharing
+  memory may be replaced by one base (Note [Aliased inputs]), a tensor
+  subclass input by its plain inner tensors (Note [Tensor subclasses]).
 - ``outputs``: one per tensor leaf of the user's result, duplicates and views
   included, in pytree order.
 - ``bases``: intermediates that several outputs view (Note [Aliased outputs]).
@@ -55,6 +61,20 @@ a graph's values with the signature's queries and never counts them itself.
 >>> sig.saved_in_backward, sig.cotangents_in_backward
 (slice(0, 2, None), slice(2, 3, None))
 
+A function that reads a global tensor and a global module, and takes a module
+and a tensor: the user's two arguments come last, the module argument's
+parameters before the tensor, the globals before both::
+
+    forward(W, lin.weight, lin.bias, model.weight, model.bias, x)
+
+>>> from torch import nn
+>>> W, lin = torch.randn(3, 3, requires_grad=True), nn.Linear(3, 3)
+>>> def step(model, x):
+...     return (model(x) @ W + lin(x)).sum()
+>>> sig = aotgrad.trace(step, nn.Linear(3, 3), torch.randn(2, 3)).signature
+>>> [str(d) for d in sig.forward_inputs]
+['global W', 'global lin.weight', 'global lin.bias', 'model.weight', 'model.bias', 'x']
+
 ``docs/calling-convention.md`` is the user-facing statement of this Note.
 """
 
@@ -82,8 +102,9 @@ SIGNATURE_VERSION = 1
 class Signature:
     """Every placeholder and output of the forward and backward graphs, described."""
 
-    # Forward placeholders: lifted module state, then the user's tensors (Note [Input order]);
-    # inputs sharing memory may be replaced by one InputBase (Note [Aliased inputs]).
+    # Forward placeholders: the lifted tensors (module state, closed-over tensors, module
+    # arguments' state), then the user's tensor leaves (Note [Input order]); inputs sharing
+    # memory may be replaced by one InputBase (Note [Aliased inputs]).
     forward_inputs: tuple[GraphInputDescriptor, ...]
     # Forward outputs, in order: Output..., OutputBase..., MutatedInput..., Saved...
     forward_outputs: tuple[Descriptor, ...]

@@ -2,7 +2,7 @@
 
 Note [Input order]
 ~~~~~~~~~~~~~~~~~~
-Graph inputs are the tensor leaves of ``(args, kwargs)`` in the order
+The user's graph inputs are the tensor leaves of ``(args, kwargs)`` in the order
 ``torch.utils._pytree`` flattens them, never in the order the function body
 happens to use them. For::
 
@@ -15,9 +15,17 @@ happens to use them. For::
 the inputs are ``carry['a'], carry['b'], x['weights'], x['biases']`` (dicts
 flatten in insertion order). Each leaf is named by the parameter it was bound
 to plus its key path below it, so the names survive positional and keyword
-calls alike. Lifted module state (parameters, then buffers) comes first.
-Non-tensor leaves are not graph inputs: they are specialized into the graph
-and are part of the cache key, so a different value re-traces.
+calls alike. Non-tensor leaves are not graph inputs: they are specialized
+into the graph and are part of the cache key, so a different value re-traces.
+
+The user's tensor leaves come last: before them, in this order, are the
+*lifted* tensors the function reads without receiving them as tensor leaves
+(``flatten_inputs``'s ``lifted``): the traced module's own parameters, then its
+buffers; tensors reached through closure cells, globals and defaults, in the
+order they are found (Note [Closed-over tensors]); the state of modules passed
+as arguments (Note [Module arguments]). ``step(model, x)`` reading the globals
+``W`` and ``lin`` takes ``global W, global lin.weight, global lin.bias,
+model.weight, model.bias, x`` (Note [Calling convention] runs it).
 """
 
 from __future__ import annotations
@@ -54,9 +62,11 @@ class FlatInputs:
     constants: tuple[Any, ...]
     # Position, among all leaves, of each tensor leaf (the user's graph inputs).
     tensor_positions: tuple[int, ...]
-    # One descriptor per graph input: lifted module state first, then the user's tensors.
+    # One descriptor per graph input: the lifted tensors first, then the user's (Note [Input
+    # order]).
     descriptors: tuple[PrimalDescriptor, ...]
-    # How many leading graph inputs are lifted module state (parameters and buffers).
+    # How many leading graph inputs are lifted: module state, closed-over tensors, module
+    # arguments' state.
     num_lifted: int
     # How tensor subclass inputs are taken apart into plain graph inputs (Note [Tensor
     # subclasses]); None when every input is plain. With it, ``descriptors`` and

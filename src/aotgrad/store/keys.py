@@ -49,8 +49,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from aotgrad._torch_compat import MODULE_HOOKS, global_module_hooks
+
 _MAX_MODULES = 4000
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _SKIPPED_PREFIXES = ("torch", "aotgrad", "functorch", "builtins")
 _STDLIB = tuple(os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib"))
 
@@ -322,11 +323,11 @@ def _hash_const(const: Any, digest: Any) -> None:
 
 def module_code(module: torch.nn.Module, modules: set[str]) -> list[str]:
     """The classes of ``module``'s tree (it runs their code); hooks make it unkeyable."""
-    if any(getattr(torch.nn.modules.module, f"_global{h}") for h in _HOOKS):
+    if any(global_module_hooks(h) for h in MODULE_HOOKS):
         raise Unkeyable("global module hooks are registered")
     classes = []
     for name, sub in module.named_modules(remove_duplicate=False):
-        if any(getattr(sub, h) for h in _HOOKS):
+        if any(getattr(sub, h) for h in MODULE_HOOKS):
             raise Unkeyable(f"module {name or type(sub).__name__} has hooks")
         if "forward" in vars(sub):
             raise Unkeyable(
