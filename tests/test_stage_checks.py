@@ -314,3 +314,19 @@ def test_a_conv_model_with_batchnorm_in_training_passes() -> None:
     x, target = torch.randn(2, 1, 8, 8), torch.randn(2, 10)
     compiled(x, target).backward()
     assert isinstance(model.bn1, nn.BatchNorm2d) and int(model.bn1.num_batches_tracked) == 1
+
+
+def test_the_create_graph_backward_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aotgrad.runtime.higher_order as higher_order
+
+    stages: list[str] = []
+    monkeypatch.setattr(higher_order, "check_joint", lambda j: stages.append("capture"))
+    monkeypatch.setattr(higher_order, "check_partitioned", lambda p: stages.append("partition"))
+    monkeypatch.setenv("AOTGRAD_CHECKS", "1")
+    x = torch.randn(3, requires_grad=True)
+    traced = aotgrad.trace(lambda x: (x.sin() * x).sum(), x)
+    (g,) = torch.autograd.grad(traced(x), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    (g_eager,) = torch.autograd.grad((x.sin() * x).sum(), x, create_graph=True)
+    torch.testing.assert_close(gg, torch.autograd.grad(g_eager.sum(), x)[0])
+    assert stages == ["capture", "partition"]
