@@ -25,10 +25,13 @@ from aotgrad.signature.printing import DESC_KEY
 # ``AOTGRAD_CHECKS=1``, read when the options are made, i.e. once per call of
 # a frontend), capture walks its artifact at each stage boundary, as JAX's
 # ``check_jaxpr`` does after a pass. The per-call fast path runs no check: the
-# checks run when a specialization is captured. A broken invariant is an
-# aotgrad bug and raises ``InvariantError``, naming the stage, the node and the
-# invariant. The invariants, after capture (the ``JointGraph``, ``check_joint``)
-# and after partition (the ``Partitioned``, ``check_partitioned``):
+# checks run when a specialization is captured (the create_graph backward's
+# capture reads ``AOTGRAD_CHECKS`` itself). Compilation has no check of its
+# own: it hands the checked graphs to the user's compilers as they are. A
+# broken invariant is an aotgrad bug and raises ``InvariantError``, naming the
+# stage, the node and the invariant. The invariants, after capture (the
+# ``JointGraph``, ``check_joint``) and after partition (the ``Partitioned``,
+# ``check_partitioned``):
 #
 #   lint         each graph passes ``torch.fx.Graph.lint()`` (uses after defs,
 #                one output node, get_attr targets that exist);
@@ -36,8 +39,8 @@ from aotgrad.signature.printing import DESC_KEY
 #   signature    those descriptors are the ``Signature``'s, in number and order:
 #                joint placeholders = forward inputs + backward inputs, joint
 #                outputs = forward outputs + backward outputs (none without a
-#                backward); the forward and
-#                backward graphs match their halves one for one;
+#                backward); the forward and backward graphs match their halves
+#                one for one;
 #   saved        the saved values are, by name and in one order, the forward's
 #                outputs in ``saved_in_forward``, the backward's placeholders in
 #                ``saved_in_backward`` and the signature's ``Saved`` descriptors;
@@ -51,9 +54,11 @@ from aotgrad.signature.printing import DESC_KEY
 #                and ``Partitioned.saved_bytes`` is the bytes of the saved nodes'
 #                distinct storages (Note [Counting bytes]).
 #
-# Worked example: a partitioner that forgot to hand ``mm`` to the backward gives
-# a forward graph returning ``(sin, x, w)`` while the signature says
-# ``Saved(name='x'), Saved(name='w'), Saved(name='mm')``, and the check reads
+# Worked example: for ``(x @ w).sin().sum()`` the forward returns
+# ``(sum_1, x, w, mm)`` and its signature says ``Output(path=''), Saved(name='x'),
+# Saved(name='w'), Saved(name='mm')``. A partitioner that forgot to hand ``mm``
+# to the backward (and its descriptor) makes a forward of three outputs, and the
+# check reads
 #
 #   aotgrad check after partition: forward graph, output node output: signature:
 #   expected 4 output descriptors, got 3. This is an aotgrad bug ...
