@@ -330,3 +330,20 @@ def test_the_create_graph_backward_is_checked(monkeypatch: pytest.MonkeyPatch) -
     (g_eager,) = torch.autograd.grad((x.sin() * x).sum(), x, create_graph=True)
     torch.testing.assert_close(gg, torch.autograd.grad(g_eager.sum(), x)[0])
     assert stages == ["capture", "partition"]
+
+
+def test_a_broken_partition_from_a_strategy_is_named_through_the_frontend() -> None:
+    """End to end: a partition callable whose saved values the backward reads in another order."""
+
+    def swapped(joint):  # type: ignore[no-untyped-def]
+        from aotgrad.partition import partition
+
+        p = partition(joint, "save_all")
+        return dataclasses.replace(p, saved=(p.saved[1], p.saved[0], *p.saved[2:]))
+
+    x, w = torch.randn(3, 3, requires_grad=True), torch.randn(3, 3, requires_grad=True)
+    compiled = AOTFunction(lambda x, w: (x @ w).sin().sum(), Options(partition=swapped))
+    compiled(x, w)  # unchecked: nothing notices
+    checked = AOTFunction(lambda x, w: (x @ w).sin().sum(), Options(partition=swapped, check=True))
+    with _expect("partition", "signature", "saved"):
+        checked(x, w)

@@ -79,7 +79,17 @@ def checks_from_environment() -> bool:
 
 
 def check_joint(joint: JointGraph) -> None:
-    """Raise :class:`InvariantError` where ``joint`` breaks an invariant (Note [Stage checks])."""
+    """Raise :class:`InvariantError` where ``joint`` breaks an invariant (Note [Stage checks]).
+
+    >>> import torch, aotgrad
+    >>> joint = aotgrad.trace(lambda x: x.sin(), torch.ones(2, requires_grad=True)).partitioned.joint
+    >>> check_joint(joint)
+    >>> del next(iter(joint.gm.graph.nodes)).meta["desc"]
+    >>> check_joint(joint)
+    Traceback (most recent call last):
+    ...
+    aotgrad.errors.InvariantError: aotgrad check after capture: joint graph, placeholder x: descriptor: expected a descriptor, got none. ...
+    """
     signature = joint.signature
     grads = signature.backward_outputs if signature.has_backward else ()  # none: no grads
     check_graph(

@@ -17,7 +17,12 @@ _STAGE = "partition"
 
 
 def check_partitioned(partitioned: Partitioned) -> None:
-    """Raise :class:`InvariantError` where ``partitioned`` breaks an invariant (Note [Stage checks])."""
+    """Raise :class:`InvariantError` where ``partitioned`` breaks an invariant (Note [Stage checks]).
+
+    >>> import torch, aotgrad
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> check_partitioned(aotgrad.trace(lambda x: x.sin(), x).partitioned)
+    """
     signature, forward, backward = partitioned.signature, partitioned.forward, partitioned.backward
     check_graph(
         _STAGE, "forward graph", forward, signature.forward_inputs, signature.forward_outputs
