@@ -28,11 +28,13 @@ from aotgrad.capture import (
     check_tracer_choice,
 )
 from aotgrad.capture.autocast import autocast_state
+from aotgrad.capture.checks import check_joint, checks_from_environment
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
 from aotgrad.capture.input_aliases import memory_sharing
 from aotgrad.disk_cache import DiskCacheUse, GraphOptions, HitCall
 from aotgrad.errors import CallError, CaptureError, StoreError, user_frame_of_function
 from aotgrad.partition import Budget, Partitioned, SavedValue, partition
+from aotgrad.partition.checks import check_partitioned
 from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.report.html import render_html
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
@@ -490,6 +492,8 @@ class Options:
     tracer: TracerChoice = "auto"
     # Look specializations up in, and write them to, the disk cache (Note [The disk cache]).
     disk_cache: bool = True
+    # Check each stage's artifact at capture (Note [Stage checks]); default: AOTGRAD_CHECKS=1.
+    check: bool = field(default_factory=checks_from_environment)
 
     def __post_init__(self) -> None:
         check_tracer_choice(self.tracer)
@@ -990,6 +994,11 @@ def capture_and_partition(
         tracer=options.tracer,
         effects=effects,
     )
-    return partition(
+    if options.check:
+        check_joint(joint)
+    partitioned = partition(
         joint, options.partition, keep_input_mutations=options.keep_inference_input_mutations
     )
+    if options.check:
+        check_partitioned(partitioned)
+    return partitioned

@@ -136,6 +136,19 @@ class UnsupportedWrapperError(AotgradError, ValueError):
     around the graphs]): the message says what to use instead."""
 
 
+class InvariantError(AotgradError, AssertionError):
+    """A stage's artifact breaks an invariant the next stage relies on (Note [Stage checks]):
+    an aotgrad bug. ``stage``, ``node`` and ``invariant`` say which, where and what."""
+
+    def __init__(self, stage: str, node: str, invariant: str, expected: str, got: str) -> None:
+        self.stage, self.node, self.invariant = stage, node, invariant
+        super().__init__(
+            f"aotgrad check after {stage}: {node}: {invariant}: expected {expected}, got {got}."
+            " This is an aotgrad bug (Note [Stage checks]); please report it with the function"
+            " that made it"
+        )
+
+
 class ScanError(AotgradError, ValueError):
     """A scan's body or arguments break its rules: a carry that changes shape, dtype or
     structure, ``xs`` leaves of different lengths, a body that mutates its inputs."""

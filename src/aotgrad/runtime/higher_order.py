@@ -58,11 +58,13 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
 from aotgrad.capture import capture
+from aotgrad.capture.checks import check_joint, checks_from_environment
 from aotgrad.capture.provenance import META_KEY, NodeInfo, set_info
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.errors import AotgradError, DoubleBackwardError, UserFrame, format_error
 from aotgrad.optable import draws_random, op_name, outputs_reached, passes_no_gradient
 from aotgrad.partition import Partitioned, partition
+from aotgrad.partition.checks import check_partitioned
 from aotgrad.runtime.boxing import Compiler
 from aotgrad.runtime.differentiable_ops import (
     NO_DERIVATIVE,
@@ -550,7 +552,13 @@ def capture_backward(graph: fx.GraphModule, values: Sequence[Any], order: int) -
             decomposed[op] = rule
             continue
         _mark_order(joint.gm, order)
-        return partition(joint, "save_all")
+        check = checks_from_environment()  # Note [Stage checks]
+        if check:
+            check_joint(joint)
+        partitioned = partition(joint, "save_all")
+        if check:
+            check_partitioned(partitioned)
+        return partitioned
 
 
 def _capture_once(
