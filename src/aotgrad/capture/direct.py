@@ -136,7 +136,7 @@ from aotgrad.capture.mutation import (
 from aotgrad.capture.random import MANUAL_SEED
 from aotgrad.capture.recorder import Recorder
 from aotgrad.capture.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
-from aotgrad.capture.view_writes import Alias, Step, Storage, chain_of, invertible, scatter
+from aotgrad.capture.view_writes import Alias, Storage, ViewStep, chain_of, invertible, scatter
 from aotgrad.errors import UserFrame
 from aotgrad.signature import GraphInputDescriptor, storage_key
 
@@ -498,7 +498,7 @@ class _RecordingMode(TorchDispatchMode):
         outs = out if isinstance(out, list | tuple) else [out]
         for i, view in enumerate(outs):
             index = i if isinstance(out, list | tuple) else None
-            step = Step(func, tuple(args[1:]), dict(kwargs), index, self._nodes[id(view)])
+            step = ViewStep(func, tuple(args[1:]), dict(kwargs), index, self._nodes[id(view)])
             self._aliases[id(view)] = Alias(
                 parent.storage, (*parent.chain, step), parent.generation
             )
