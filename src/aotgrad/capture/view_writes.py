@@ -8,7 +8,7 @@ view's new value (the op's functional variant), then the base's new value, the
 new view *scattered* into the old base; every other view of the base then reads
 from the new base, its view ops replayed on it. The direct trace keeps, per base
 that was written through a view (a :class:`Storage`), the pending writes and a
-generation, and, per tensor over that base (an :class:`Alias`), the view ops
+generation, and, per tensor over that base (a :class:`StorageView`), the view ops
 that lead to it from the base (its ``chain``) and the generation it last read::
 
     user code:   h = x * 2; v = h[1]; v.add_(1); return h.sin()
@@ -92,7 +92,7 @@ class Storage:
 
 
 @dataclass
-class Alias:
+class StorageView:
     """A tensor over a written base: the view ops from the base to it, and what it last read."""
 
     storage: Storage
@@ -190,4 +190,4 @@ _INVERSES: dict[OpOverload, Callable[[torch.Tensor, torch.Tensor, ViewStep], tor
 }
 
 
-__all__ = ["Alias", "Storage", "ViewStep", "chain_of", "invertible", "scatter"]
+__all__ = ["Storage", "StorageView", "ViewStep", "chain_of", "invertible", "scatter"]
