@@ -136,7 +136,14 @@ from aotgrad.capture.mutation import (
 from aotgrad.capture.random import MANUAL_SEED
 from aotgrad.capture.recorder import Recorder
 from aotgrad.capture.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
-from aotgrad.capture.view_writes import Alias, Step, Storage, chain_of, invertible, scatter
+from aotgrad.capture.view_writes import (
+    Storage,
+    StorageView,
+    ViewStep,
+    chain_of,
+    invertible,
+    scatter,
+)
 from aotgrad.errors import UserFrame
 from aotgrad.signature import GraphInputDescriptor, storage_key
 
@@ -275,7 +282,7 @@ class _RecordingMode(TorchDispatchMode):
         self.mutated: set[int] = set()
         self._inputs: set[int] = set()  # ids of the graph inputs
         # Tensors over a base written through a view (Note [Writes through views, directly]).
-        self._aliases: dict[int, Alias] = {}
+        self._aliases: dict[int, StorageView] = {}
         self._stand_ins: list[torch.Tensor] = []  # the first values of those bases
 
     def input(self, t: torch.Tensor) -> None:
@@ -414,7 +421,7 @@ class _RecordingMode(TorchDispatchMode):
         if self.recorder.in_backward and alias.storage.root in self._inputs:
             raise NeedsFullTrace(f"{func} mutates an input in the backward")
 
-    def _new_storage(self, func: OpOverload, target: torch.Tensor) -> Alias:
+    def _new_storage(self, func: OpOverload, target: torch.Tensor) -> StorageView:
         """Start keeping the views of ``target``'s base (Note [Writes through views, directly])."""
         key = storage_key(target)
         members = [t for t in self._alive if storage_key(t) == key]
@@ -431,7 +438,7 @@ class _RecordingMode(TorchDispatchMode):
         storage = Storage(base=stand_in, root=id(bases[0]), members=len(members))
         for t, c in zip(members, chains, strict=True):
             assert c is not None
-            self._aliases[id(t)] = Alias(storage, c[1], storage.generation)
+            self._aliases[id(t)] = StorageView(storage, c[1], storage.generation)
         return self._aliases[id(target)]
 
     def _write_through(self, target: torch.Tensor, new: torch.Tensor) -> None:
@@ -498,8 +505,8 @@ class _RecordingMode(TorchDispatchMode):
         outs = out if isinstance(out, list | tuple) else [out]
         for i, view in enumerate(outs):
             index = i if isinstance(out, list | tuple) else None
-            step = Step(func, tuple(args[1:]), dict(kwargs), index, self._nodes[id(view)])
-            self._aliases[id(view)] = Alias(
+            step = ViewStep(func, tuple(args[1:]), dict(kwargs), index, self._nodes[id(view)])
+            self._aliases[id(view)] = StorageView(
                 parent.storage, (*parent.chain, step), parent.generation
             )
             parent.storage.members += 1

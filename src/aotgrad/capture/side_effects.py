@@ -100,7 +100,7 @@ _MODULE_FIELDS = frozenset(vars(torch.nn.Module())) - {"training"}
 _DEPTH = 2
 _MISSING = object()
 # How a place is reached from its root: an attribute, a key or index, a cell's contents.
-Step = tuple[str, Any]
+PathStep = tuple[str, Any]
 
 
 def is_fake(value: object) -> bool:
@@ -170,7 +170,7 @@ class _Place:
     # How the user reaches the root (``self``, ``closure feats``), and the steps below it.
     base: str
     root: Any
-    steps: tuple[Step, ...] = ()
+    steps: tuple[PathStep, ...] = ()
     keys: frozenset[str] | None = None
 
     @property
@@ -299,7 +299,9 @@ class _Places:
             if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
                 self.function(value, prefix)
 
-    def value(self, value: Any, root: Any, steps: tuple[Step, ...], base: str, depth: int) -> None:
+    def value(
+        self, value: Any, root: Any, steps: tuple[PathStep, ...], base: str, depth: int
+    ) -> None:
         """A value reached at ``root`` + ``steps``: its containers become places."""
         if id(value) in self._seen or depth < 0:
             return
@@ -324,7 +326,7 @@ class _Places:
                 self.value(item, root, (*steps, ("attr", key)), base, depth - 1)
 
     def _module(
-        self, module: torch.nn.Module, root: Any, steps: tuple[Step, ...], base: str, depth: int
+        self, module: torch.nn.Module, root: Any, steps: tuple[PathStep, ...], base: str, depth: int
     ) -> None:
         place = _Place("vars", base, root, steps)
         self._add(place)

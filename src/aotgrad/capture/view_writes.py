@@ -8,7 +8,7 @@ view's new value (the op's functional variant), then the base's new value, the
 new view *scattered* into the old base; every other view of the base then reads
 from the new base, its view ops replayed on it. The direct trace keeps, per base
 that was written through a view (a :class:`Storage`), the pending writes and a
-generation, and, per tensor over that base (an :class:`Alias`), the view ops
+generation, and, per tensor over that base (a :class:`StorageView`), the view ops
 that lead to it from the base (its ``chain``) and the generation it last read::
 
     user code:   h = x * 2; v = h[1]; v.add_(1); return h.sin()
@@ -59,7 +59,7 @@ aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
-class Step:
+class ViewStep:
     """One view op of a chain: ``op(previous, *args)``, then item ``index`` of a list result."""
 
     op: OpOverload
@@ -88,15 +88,15 @@ class Storage:
     members: int
     generation: int = 0
     # (new value of a view, that view's chain), in the order they were written.
-    pending: list[tuple[torch.Tensor, tuple[Step, ...]]] = field(default_factory=list)
+    pending: list[tuple[torch.Tensor, tuple[ViewStep, ...]]] = field(default_factory=list)
 
 
 @dataclass
-class Alias:
+class StorageView:
     """A tensor over a written base: the view ops from the base to it, and what it last read."""
 
     storage: Storage
-    chain: tuple[Step, ...]
+    chain: tuple[ViewStep, ...]
     generation: int = 0
 
     @property
@@ -104,7 +104,7 @@ class Alias:
         return self.generation != self.storage.generation
 
 
-def chain_of(node: fx.Node) -> tuple[fx.Node, tuple[Step, ...]] | None:
+def chain_of(node: fx.Node) -> tuple[fx.Node, tuple[ViewStep, ...]] | None:
     """The node a tensor's view ops start from, and those ops; None for a view it cannot read.
 
     >>> g = fx.Graph(); x = g.placeholder("x")
@@ -113,7 +113,7 @@ def chain_of(node: fx.Node) -> tuple[fx.Node, tuple[Step, ...]] | None:
     >>> root is x, [str(s.op) for s in chain], chain[1].args
     (True, ['aten.t.default', 'aten.select.int'], (0, 1))
     """
-    steps: list[Step] = []
+    steps: list[ViewStep] = []
     while node.op == "call_function":
         index: int | None = None
         if node.target is operator.getitem:  # an item of split's or unbind's list
@@ -128,7 +128,7 @@ def chain_of(node: fx.Node) -> tuple[fx.Node, tuple[Step, ...]] | None:
         assert isinstance(op, OpOverload)
         if not node.args or not isinstance(node.args[0], fx.Node):
             return None
-        steps.append(Step(op, tuple(node.args[1:]), dict(node.kwargs), index, node))
+        steps.append(ViewStep(op, tuple(node.args[1:]), dict(node.kwargs), index, node))
         node = node.args[0]
     return node, tuple(reversed(steps))
 
@@ -137,7 +137,7 @@ def _is_view(target: object) -> bool:
     return isinstance(target, OpOverload) and target.is_view
 
 
-def invertible(chain: Sequence[Step]) -> str | None:
+def invertible(chain: Sequence[ViewStep]) -> str | None:
     """Why a write through ``chain`` cannot be scattered back (None: it can)."""
     for step in chain:
         if step.op not in _INVERSES or step.index is not None:
@@ -147,7 +147,7 @@ def invertible(chain: Sequence[Step]) -> str | None:
     return None
 
 
-def scatter(base: torch.Tensor, new: torch.Tensor, chain: Sequence[Step]) -> torch.Tensor:
+def scatter(base: torch.Tensor, new: torch.Tensor, chain: Sequence[ViewStep]) -> torch.Tensor:
     """``base`` with the view ``chain`` leads to replaced by ``new`` (run under the recording mode).
 
     The intermediate views replay on ``base``; the inverses then run from the last view back.
@@ -161,21 +161,21 @@ def scatter(base: torch.Tensor, new: torch.Tensor, chain: Sequence[Step]) -> tor
     return value
 
 
-def _permute_back(base: torch.Tensor, new: torch.Tensor, step: Step) -> torch.Tensor:
+def _permute_back(base: torch.Tensor, new: torch.Tensor, step: ViewStep) -> torch.Tensor:
     dims = [d % base.dim() for d in step.args[0]]
     return aten.permute.default(new, sorted(range(len(dims)), key=dims.__getitem__))
 
 
-def _unsqueeze_back(base: torch.Tensor, new: torch.Tensor, step: Step) -> torch.Tensor:
+def _unsqueeze_back(base: torch.Tensor, new: torch.Tensor, step: ViewStep) -> torch.Tensor:
     dim = step.args[0] % max(base.dim(), 1)
     return aten.unsqueeze.default(new, dim) if base.shape[dim] == 1 else new
 
 
-def _slice_back(base: torch.Tensor, new: torch.Tensor, step: Step) -> torch.Tensor:
+def _slice_back(base: torch.Tensor, new: torch.Tensor, step: ViewStep) -> torch.Tensor:
     return aten.slice_scatter.default(base, new, *step.args, **step.kwargs)
 
 
-_INVERSES: dict[OpOverload, Callable[[torch.Tensor, torch.Tensor, Step], torch.Tensor]] = {
+_INVERSES: dict[OpOverload, Callable[[torch.Tensor, torch.Tensor, ViewStep], torch.Tensor]] = {
     aten.select.int: lambda b, n, s: aten.select_scatter.default(b, n, *s.args),
     aten.slice.Tensor: _slice_back,
     aten.as_strided.default: lambda b, n, s: aten.as_strided_scatter.default(b, n, *s.args),
@@ -190,4 +190,4 @@ _INVERSES: dict[OpOverload, Callable[[torch.Tensor, torch.Tensor, Step], torch.T
 }
 
 
-__all__ = ["Alias", "Step", "Storage", "chain_of", "invertible", "scatter"]
+__all__ = ["Storage", "StorageView", "ViewStep", "chain_of", "invertible", "scatter"]

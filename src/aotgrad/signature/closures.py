@@ -69,7 +69,7 @@ import torch
 
 from aotgrad._torch_compat import MODULE_HOOKS, global_module_hooks, is_fsdp_bookkeeping
 from aotgrad.signature.descriptors import Closure, Global, Input, PrimalDescriptor
-from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
+from aotgrad.signature.values import Incomparable, TensorInValue, value_key
 
 # A module's own bookkeeping in ``__dict__``: not user attributes (``training`` is).
 _MODULE_FIELDS = frozenset(vars(torch.nn.Module())) - {"training"}
@@ -337,7 +337,7 @@ class _Walk:
         except TensorInValue:
             self._parts(kind, name, value)
             return
-        except Unkeyable:
+        except Incomparable:
             key = (type(value), "identity", id(value))
         self.labels.append(f"{_LABELS[kind]} {name}")
         self.keys.append(key)

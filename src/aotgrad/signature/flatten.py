@@ -48,7 +48,7 @@ from aotgrad.errors import CallError, format_error, user_frame_of_function
 from aotgrad.signature.descriptors import Input, PrimalDescriptor
 from aotgrad.signature.storage import storage_key
 from aotgrad.signature.subclasses import Subclasses, subclass_key
-from aotgrad.signature.values import TensorInValue, Unkeyable, value_key
+from aotgrad.signature.values import Incomparable, TensorInValue, value_key
 
 
 @dataclass(frozen=True)
@@ -360,7 +360,7 @@ def _value_key(value: Any) -> Any:
         if is_opaque_reference(value):  # a DeviceMesh Dynamo passes: by identity
             return ("opaque", type(value), id(value))
         raise CallError(_tensor_in_argument(value, e.path)) from None
-    except Unkeyable as e:
+    except Incomparable as e:
         if is_opaque_reference(value):
             return ("opaque", type(value), id(value))
         raise CallError(

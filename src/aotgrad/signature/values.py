@@ -57,7 +57,7 @@ class TensorInValue(Exception):
         self.path = path
 
 
-class Unkeyable(Exception):
+class Incomparable(Exception):
     """A value aotgrad cannot compare by value (neither plain data nor an object with fields)."""
 
 
@@ -130,7 +130,7 @@ def _fields(value: Any, path: str, depth: int, active: set[int]) -> Any:
     try:
         hash(value)
     except TypeError:
-        raise Unkeyable(f"{type(value).__module__}.{type(value).__qualname__}") from None
+        raise Incomparable(f"{type(value).__module__}.{type(value).__qualname__}") from None
     return value  # a hashable value without fields: its own __eq__ is its value
 
 

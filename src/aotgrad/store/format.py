@@ -71,8 +71,8 @@ from aotgrad.runtime.function import Plan
 from aotgrad.runtime.straight_line import Step
 from aotgrad.signature.convention import Signature
 from aotgrad.signature.printing import DESC_KEY
+from aotgrad.store.encoding import MALFORMED, decode, encode
 from aotgrad.store.ops import INPUT_MUTATION, refusal
-from aotgrad.store.values import MALFORMED, decode, encode
 
 FORMAT = "aotgrad-graphs"
 _MALFORMED = MALFORMED

@@ -42,8 +42,8 @@ from aotgrad.runtime.transforms import refuse_transforms_on
 from aotgrad.signature import FlatInputs, Signature
 from aotgrad.signature.descriptors import Buffer, Param
 from aotgrad.store.disk import read_regular_file
+from aotgrad.store.encoding import MALFORMED, decode, dump_structure, encode
 from aotgrad.store.format import Read, Stored, dumps, loads, with_values, write_atomically
-from aotgrad.store.values import MALFORMED, decode, dump_structure, encode
 
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
 
