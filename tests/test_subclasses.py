@@ -30,6 +30,16 @@ def _assert_two_equal(actual, expected):
     torch.testing.assert_close(actual.b, expected.b)
 
 
+def _losses_and_grads_match(run, model, eager, x):
+    """``run(x)`` and ``eager(x)``: equal squared-sum losses, equal weight gradients."""
+    loss = run(x).pow(2).sum()
+    loss_e = eager(copy.deepcopy(x)).pow(2).sum()
+    _assert_two_equal(loss, loss_e)
+    loss.backward(torch.ones_like(loss))
+    loss_e.backward(torch.ones_like(loss_e))
+    _assert_two_equal(model.weight.grad, eager.weight.grad)
+
+
 def test_graphs_take_each_subclass_input_apart_and_name_its_inner_tensors():
     t = aotgrad.trace(_fn, *_pair(0))
     sig = t.signature
@@ -108,12 +118,7 @@ def test_subclass_parameters_train_like_eager():
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
     for step in range(3):
         x = two(torch.full((2, 4), step + 1.0), torch.full((2, 4), -1.0 - step))
-        loss = compiled(x).pow(2).sum()
-        loss_e = eager(copy.deepcopy(x)).pow(2).sum()
-        _assert_two_equal(loss, loss_e)
-        loss.backward(torch.ones_like(loss))
-        loss_e.backward(torch.ones_like(loss_e))
-        _assert_two_equal(model.weight.grad, eager.weight.grad)
+        _losses_and_grads_match(compiled, model, eager, x)
         opt.step(), opt_e.step(), opt.zero_grad(), opt_e.zero_grad()
         _assert_two_equal(model.weight, eager.weight)
     names = [str(d) for d in compiled.compiled.partitioned.signature.forward_inputs]
@@ -233,9 +238,4 @@ def test_a_subclass_parameter_reached_through_a_closure_or_argument_gets_its_gra
         compiled = aotgrad.aot_function(lambda m, x: m(x))
         run = lambda x: compiled(model, x)  # noqa: E731
     x = two(torch.full((2, 4), 1.0), torch.full((2, 4), -1.0))
-    loss = run(x).pow(2).sum()
-    loss_e = eager(copy.deepcopy(x)).pow(2).sum()
-    _assert_two_equal(loss, loss_e)
-    loss.backward(torch.ones_like(loss))
-    loss_e.backward(torch.ones_like(loss_e))
-    _assert_two_equal(model.weight.grad, eager.weight.grad)
+    _losses_and_grads_match(run, model, eager, x)
