@@ -1,25 +1,33 @@
-"""The partition strategies: ``"save_all"``, ``"mincut"``, ``aotgrad.budget(x)``, or your own.
+"""The partition strategies: ``"save_all"``, ``"mincut"``, ``aotgrad.budget(x)``, or a policy.
 
 Each turns a joint graph into a :class:`RematPlan`; every saved value and
-every recomputed op gets a reason (Note [Saved and recomputed]).
+every recomputed op gets a reason (Note [Saved and recomputed]). A policy is
+your own strategy: a function answering "save this op's output?" (Note
+[Partition policies]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from aotgrad.capture import JointGraph, Phase
-from aotgrad.optable import is_free_view
+from aotgrad.capture import JointGraph, Phase, node_info
+from aotgrad.errors import PartitionError
+from aotgrad.optable import is_free_view, op_name
 from aotgrad.partition.remat import (
     RematPlan,
     budget_saved,
+    forward_ops,
+    is_tensor_node,
+    is_view_node,
     mincut_saved,
     needed_by_backward,
     never_recomputed,
+    reads_mutated_input,
     recompute_closure,
     smallest_saved_bytes,
 )
@@ -152,6 +160,100 @@ def with_budget(joint: JointGraph, limit: Budget) -> RematPlan:
         plan = from_saved(joint, needed, result.saved, f"{limit} ({budget_bytes} bytes)")
     plan.note = result.note
     return plan
+
+
+# Note [Partition policies]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A policy (``partition=policy``) decides; the library does the rest. As with
+# JAX's ``jax.checkpoint_policies``, it is called once per forward op, with
+# the op's node in the joint graph (``node.target`` the aten op,
+# ``node.meta["val"]`` its fake output), and answers True (save the output
+# for the backward) or False (recompute it there). The library saves the True
+# answers the backward reads, recomputes from them everything else it reads
+# (Note [Saved and recomputed]) and builds both graphs. With
+# ``lambda node: node.target is aten.mm.default``:
+#
+#     forward:  a = mm(x, w); b = relu(a); out = mm(b, w2)
+#     the backward reads x, w, w2 and b (relu's gradient reads its output)
+#     answers:  a -> True, b -> False, out -> True
+#     saved:    x, w, w2 (inputs) and a; recomputed: b = relu(a)
+#               (out: True, but no backward op reads it, so it is not saved)
+#
+# What no plan may recompute is saved without asking: random ops and
+# collectives (``never_recomputed``), ops reading an input the function
+# mutates. Checkpoints overrule the policy: a checkpoint region's ops are
+# re-run in the backward whatever it answers, what the region's re-run reads
+# (its inputs, what a selective checkpoint's ``MUST_SAVE`` keeps) is saved
+# without asking, and ``node.meta["recompute"]`` tags apply last (Note
+# [Selective checkpoint policies]). Views are replayed on their source, not
+# asked about; an element of a multi-output op (``native_layer_norm``)
+# follows the op's answer. A policy that raises, or answers anything but a bool, is a
+# PartitionError naming the op: so is a ``JointGraph -> Partitioned``
+# callable, which ``partition=`` took before policies; the message says how
+# to port it.
+Policy = Callable[[fx.Node], bool]
+
+_PORT = (
+    "A partition policy is called once per forward op with its fx.Node and returns True"
+    " (save its output) or False (recompute it in the backward), e.g."
+    " `lambda node: node.target is torch.ops.aten.mm.default` (Note [Partition policies]);"
+    " a callable taking the JointGraph and returning a Partitioned is no longer accepted:"
+    " return the decision for one op instead"
+)
+
+
+def with_policy(joint: JointGraph, policy: Policy) -> RematPlan:
+    """Save what ``policy`` answers True for, and what no plan recomputes (Note [Partition
+    policies]); recompute the rest of what the backward reads."""
+    label = policy_name(policy)
+    pinned = reads_mutated_input(joint)
+    checkpointed = {s for n in joint.nodes(Phase.RECOMPUTE) for s in n.all_input_nodes}
+    answers: dict[fx.Node, bool] = {}  # per op: a multi-output op is asked once
+    forced: dict[fx.Node, str] = {}
+    saved: set[fx.Node] = set()
+    for node in forward_ops(joint):
+        op = node.args[0] if node.target is operator.getitem else node
+        if not is_tensor_node(node) or not isinstance(op, fx.Node):
+            continue
+        if never_recomputed(op):
+            forced[node] = "a random op or a collective is never recomputed"
+        elif node in pinned:
+            forced[node] = "reads an input the function mutates: never recomputed"
+        elif node in checkpointed:
+            forced[node] = "a checkpoint region saves it (torch.utils.checkpoint)"
+        elif not is_view_node(node):
+            if op not in answers:
+                answers[op] = _answer(policy, op)
+            if answers[op]:
+                saved.add(node)
+    plan = from_saved(joint, needed_by_backward(joint), saved | set(forced), label)
+    for node in plan.saved:
+        if node in forced:
+            plan.save_reasons[node] += f"; {forced[node]}"
+    return plan
+
+
+def policy_name(policy: Policy) -> str:
+    return f"policy {getattr(policy, '__qualname__', None) or policy!r}"
+
+
+def _answer(policy: Policy, op: fx.Node) -> bool:
+    where = f"forward op {op.name} ({op_name(op.target)})"
+    source = node_info(op).source
+    where += "" if source is None else f"\n  at {source}"
+    try:
+        answer = policy(op)
+    except Exception as error:
+        raise PartitionError(
+            f"partition {policy_name(policy)} raised {type(error).__name__}: {error}\n"
+            f"  asked about {where}\n{_PORT}"
+        ) from error
+    if not isinstance(answer, bool):
+        raise PartitionError(
+            f"partition {policy_name(policy)} answered {type(answer).__name__} {answer!r:.80}"
+            f" about {where}\nexpected True or False. {_PORT}"
+        )
+    return answer
 
 
 def from_saved(
