@@ -11,7 +11,7 @@ import torch.utils.checkpoint as cp
 from torch.utils.checkpoint import CheckpointPolicy
 
 import aotgrad
-from aotgrad.errors import PartitionError
+from aotgrad import PartitionError
 from aotgrad.partition import partition
 from aotgrad.testing import verify
 from library_models import build

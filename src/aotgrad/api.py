@@ -47,7 +47,7 @@ from aotgrad.runtime.transforms import (
     transform_active,
 )
 from aotgrad.signature import FlatInputs, Signature, flatten_inputs, leaf_names
-from aotgrad.signature.flatten import flatten_call
+from aotgrad.signature.flatten import desugar, flatten_call
 from aotgrad.signature.lifting import (
     Arguments,
     Body,
@@ -57,7 +57,6 @@ from aotgrad.signature.lifting import (
     call_target,
     module_arguments,
 )
-from aotgrad.signature.subclasses import desugar
 from aotgrad.store.loaded import save_traced
 from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
 
