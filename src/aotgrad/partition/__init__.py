@@ -38,16 +38,7 @@ from aotgrad.signature import (
     describe_graph,
 )
 
-__all__ = [
-    "Budget",
-    "Partitioned",
-    "Policy",
-    "RecomputedOp",
-    "SavedValue",
-    "Strategy",
-    "budget",
-    "partition",
-]
+__all__ = ["Budget", "Partitioned", "Policy", "RecomputedOp", "SavedValue", "budget", "partition"]
 
 Strategy = Literal["save_all", "mincut"] | Budget | Policy
 

@@ -164,48 +164,33 @@ def with_budget(joint: JointGraph, limit: Budget) -> RematPlan:
 
 # Note [Partition policies]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
-# A policy (``partition=policy``) decides; the library does the rest. As with
-# JAX's ``jax.checkpoint_policies``, it is called once per forward op, with
-# the op's node in the joint graph (``node.target`` the aten op,
-# ``node.meta["val"]`` its fake output), and answers True (save the output
-# for the backward) or False (recompute it there). The library saves the True
-# answers the backward reads, recomputes from them everything else it reads
-# (Note [Saved and recomputed]) and builds both graphs. With
-# ``lambda node: node.target is aten.mm.default``:
+# A policy decides, the library does the rest (as JAX's checkpoint policies).
+# It is called once per forward op with the op's node (``node.target``,
+# ``node.meta["val"]``) and answers True (save the output) or False
+# (recompute it in the backward). The True answers the backward reads are
+# saved, the rest of what it reads is recomputed from them (Note [Saved and
+# recomputed]). With ``lambda node: node.target is aten.mm.default``:
 #
 #     forward:  a = mm(x, w); b = relu(a); out = mm(b, w2)
 #     the backward reads x, w, w2 and b (relu's gradient reads its output)
-#     answers:  a -> True, b -> False, out -> True
-#     saved:    x, w, w2 (inputs) and a; recomputed: b = relu(a)
-#               (out: True, but no backward op reads it, so it is not saved)
+#     answers:  a -> True, b -> False, out -> True (no backward op reads out)
+#     saved:    x, w, w2 and a; recomputed: b = relu(a)
 #
-# What no plan may recompute is saved without asking: random ops and
-# collectives (``never_recomputed``), ops reading an input the function
-# mutates. Checkpoints overrule the policy: a checkpoint region's ops are
-# re-run in the backward whatever it answers, what the region's re-run reads
-# (its inputs, what a selective checkpoint's ``MUST_SAVE`` keeps) is saved
-# without asking, and ``node.meta["recompute"]`` tags apply last (Note
-# [Selective checkpoint policies]). Views are replayed on their source, not
-# asked about; an element of a multi-output op (``native_layer_norm``)
-# follows the op's answer. A policy that raises, or answers anything but a bool, is a
-# PartitionError naming the op: so is a ``JointGraph -> Partitioned``
-# callable, which ``partition=`` took before policies; the message says how
-# to port it.
+# It is not asked about what no plan recomputes, which is saved: random ops,
+# collectives, ops reading an input the function mutates, and what a
+# checkpoint region's re-run reads (its inputs, a selective checkpoint's
+# ``MUST_SAVE`` values); the region itself is re-run whatever the answers,
+# and ``node.meta["recompute"]`` tags apply last (Note [Selective checkpoint
+# policies]). Views are replayed on their source; a multi-output op is asked
+# once, for all its elements. An answer that is not a bool, or a policy that
+# raises (as a ``JointGraph -> Partitioned`` callable, the form before
+# policies, does), is a PartitionError naming the op and how to port it.
 Policy = Callable[[fx.Node], bool]
-
-_PORT = (
-    "A partition policy is called once per forward op with its fx.Node and returns True"
-    " (save its output) or False (recompute it in the backward), e.g."
-    " `lambda node: node.target is torch.ops.aten.mm.default` (Note [Partition policies]);"
-    " a callable taking the JointGraph and returning a Partitioned is no longer accepted:"
-    " return the decision for one op instead"
-)
 
 
 def with_policy(joint: JointGraph, policy: Policy) -> RematPlan:
     """Save what ``policy`` answers True for, and what no plan recomputes (Note [Partition
     policies]); recompute the rest of what the backward reads."""
-    label = policy_name(policy)
     pinned = reads_mutated_input(joint)
     checkpointed = {s for n in joint.nodes(Phase.RECOMPUTE) for s in n.all_input_nodes}
     answers: dict[fx.Node, bool] = {}  # per op: a multi-output op is asked once
@@ -222,14 +207,12 @@ def with_policy(joint: JointGraph, policy: Policy) -> RematPlan:
         elif node in checkpointed:
             forced[node] = "a checkpoint region saves it (torch.utils.checkpoint)"
         elif not is_view_node(node):
-            if op not in answers:
-                answers[op] = _answer(policy, op)
+            answers[op] = answers[op] if op in answers else _answer(policy, op)
             if answers[op]:
                 saved.add(node)
-    plan = from_saved(joint, needed_by_backward(joint), saved | set(forced), label)
-    for node in plan.saved:
-        if node in forced:
-            plan.save_reasons[node] += f"; {forced[node]}"
+    plan = from_saved(joint, needed_by_backward(joint), saved | set(forced), policy_name(policy))
+    for node in set(plan.saved) & set(forced):
+        plan.save_reasons[node] += f"; {forced[node]}"
     return plan
 
 
@@ -238,22 +221,26 @@ def policy_name(policy: Policy) -> str:
 
 
 def _answer(policy: Policy, op: fx.Node) -> bool:
-    where = f"forward op {op.name} ({op_name(op.target)})"
-    source = node_info(op).source
-    where += "" if source is None else f"\n  at {source}"
     try:
         answer = policy(op)
     except Exception as error:
-        raise PartitionError(
-            f"partition {policy_name(policy)} raised {type(error).__name__}: {error}\n"
-            f"  asked about {where}\n{_PORT}"
-        ) from error
+        why = f"raised {type(error).__name__}: {error}\n  asked about"
+        raise PartitionError(f"partition {policy_name(policy)} {why} {_about(op)}") from error
     if not isinstance(answer, bool):
-        raise PartitionError(
-            f"partition {policy_name(policy)} answered {type(answer).__name__} {answer!r:.80}"
-            f" about {where}\nexpected True or False. {_PORT}"
-        )
+        why = f"answered {type(answer).__name__} {answer!r:.80}, not True or False, about"
+        raise PartitionError(f"partition {policy_name(policy)} {why} {_about(op)}")
     return answer
+
+
+def _about(op: fx.Node) -> str:
+    source = node_info(op).source
+    return (
+        f"forward op {op.name} ({op_name(op.target)}){'' if source is None else f' at {source}'}"
+        "\nA policy takes one forward op's fx.Node and returns True (save its output) or False"
+        " (recompute it), e.g. `lambda node: node.target is torch.ops.aten.mm.default`; a"
+        " callable JointGraph -> Partitioned is no longer accepted: return the decision for"
+        " one op (Note [Partition policies])"
+    )
 
 
 def from_saved(
