@@ -137,3 +137,22 @@ def test_a_joint_to_partitioned_callable_is_refused_with_how_to_port_it() -> Non
         aotgrad.trace(_mlp, *_inputs(), partition=old)
     assert "partition policy 'test_a_joint" in str(info.value)
     assert isinstance(info.value.__cause__, AttributeError)  # a Node has no has_backward
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOps:
+    """A policy with fields: its repr names them, not the code of ``__call__``."""
+
+    ops: tuple[str, ...]
+
+    def __call__(self, node: torch.fx.Node) -> bool:
+        return str(node.target) in self.ops
+
+
+def test_a_policy_is_never_keyed_in_the_disk_cache_even_a_dataclass(cache_dir) -> None:  # type: ignore[no-untyped-def]
+    compiled = aotgrad.aot_function(_mlp, partition=SaveOps(("aten.mm.default",)))
+    compiled(*_inputs())
+    assert "partition policy has no stable key" in aotgrad.cache_info(compiled).disk_skipped
+    budget = aotgrad.aot_function(_mlp, partition=aotgrad.budget(0.5))
+    budget(*_inputs())
+    assert aotgrad.cache_info(budget).disk_skipped is None
