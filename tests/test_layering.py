@@ -13,6 +13,7 @@ import ast
 import pathlib
 from collections.abc import Iterator
 
+import networkx as nx
 import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "aotgrad"
@@ -48,12 +49,13 @@ def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: pathlib.Path, root: pathlib.Path) -> Iterator[str]:
-    """Every module ``path`` imports, resolved to an absolute dotted name."""
+def imports_of(path: pathlib.Path, root: pathlib.Path, lazy: bool = True) -> Iterator[str]:
+    """Every module ``path`` imports, resolved to an absolute dotted name; without ``lazy``,
+    only those it imports when it is imported (not inside a function)."""
     package = module_name(path, root).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _import_nodes(ast.parse(path.read_text()), lazy):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -63,6 +65,15 @@ def imports_of(path: pathlib.Path, root: pathlib.Path) -> Iterator[str]:
                 submodule = root.parent / f"{module}.{alias.name}".replace(".", "/")
                 is_module = submodule.with_suffix(".py").exists() or submodule.is_dir()
                 yield f"{module}.{alias.name}" if is_module else module
+
+
+def _import_nodes(tree: ast.AST, lazy: bool) -> Iterator[ast.AST]:
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if lazy or not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node
+            stack.extend(ast.iter_child_nodes(node))
 
 
 def top_level(module: str) -> str:
@@ -133,6 +144,18 @@ def test_imports_from_below_are_fine(tmp_path):
         "from ..signature import y\nfrom aotgrad.errors import E\nfrom . import z\n"
     )
     assert violations(root, LAYERS) == []
+
+
+def test_no_import_cycles():
+    """Modules import each other one way, ``if TYPE_CHECKING:`` blocks included: a type two
+    modules share lives below both, or one passes the other what it needs."""
+    graph = nx.DiGraph()
+    for path in SRC.rglob("*.py"):
+        here = module_name(path, SRC)
+        for module in imports_of(path, SRC, lazy=False):
+            if module.startswith("aotgrad.") and module != here:
+                graph.add_edge(here, module)
+    assert list(nx.simple_cycles(graph)) == []
 
 
 def test_no_aot_autograd_in_the_library():

@@ -23,6 +23,7 @@ from aotgrad.capture.checks import check_joint
 from aotgrad.errors import ConfigError, InvariantError
 from aotgrad.partition import Partitioned
 from aotgrad.partition.checks import check_partitioned
+from aotgrad.partition.saved import describe_saved
 from models import GPT, ConvBN
 
 aten = torch.ops.aten
@@ -332,18 +333,20 @@ def test_the_create_graph_backward_is_checked(monkeypatch: pytest.MonkeyPatch) -
     assert stages == ["capture", "partition"]
 
 
-def test_a_broken_partition_from_a_strategy_is_named_through_the_frontend() -> None:
-    """End to end: a partition callable whose saved values the backward reads in another order."""
+def test_a_broken_partition_is_named_through_the_frontend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """End to end: a partition whose saved values the backward reads in another order."""
+    import aotgrad.partition
 
-    def swapped(joint):  # type: ignore[no-untyped-def]
-        from aotgrad.partition import partition
+    def swapped(*args):  # type: ignore[no-untyped-def]
+        saved = describe_saved(*args)
+        return (saved[1], saved[0], *saved[2:])
 
-        p = partition(joint, "save_all")
-        return dataclasses.replace(p, saved=(p.saved[1], p.saved[0], *p.saved[2:]))
-
+    monkeypatch.setattr(aotgrad.partition, "describe_saved", swapped)
     x, w = torch.randn(3, 3, requires_grad=True), torch.randn(3, 3, requires_grad=True)
-    compiled = AOTFunction(lambda x, w: (x @ w).sin().sum(), Options(partition=swapped))
+    compiled = AOTFunction(lambda x, w: (x @ w).sin().sum(), Options())
     compiled(x, w)  # unchecked: nothing notices
-    checked = AOTFunction(lambda x, w: (x @ w).sin().sum(), Options(partition=swapped, check=True))
-    with _expect("partition", "signature", "saved"):
+    checked = AOTFunction(lambda x, w: (x @ w).sin().sum(), Options(check=True))
+    with _expect("partition", "forward graph, output node output", "saved"):
         checked(x, w)

@@ -210,7 +210,7 @@ deterministic_algorithms = torch._C._get_deterministic_algorithms
 cudnn_enabled = torch._C._get_cudnn_enabled
 mkldnn_enabled = torch._C._get_mkldnn_enabled
 # ``torch.backends.opt_einsum``'s own readers: its attributes go through a ``PropModule``
-# (1.4 us a read, on every call's key).
+# (slow to read, and read on every call's key: bench/findings.md).
 opt_einsum_enabled = torch.backends.opt_einsum._get_enabled
 opt_einsum_strategy = torch.backends.opt_einsum._get_strategy
 

@@ -10,7 +10,7 @@ import pathlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -19,7 +19,6 @@ import torch.utils._pytree as pytree
 from aotgrad._torch_compat import functorch_transforms_active
 from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
 from aotgrad.capture import (
-    JointGraph,
     Replay,
     TracerChoice,
     Watch,
@@ -33,7 +32,7 @@ from aotgrad.capture.dynamic import DynamicDims, requested_dims
 from aotgrad.capture.input_aliases import memory_sharing
 from aotgrad.disk_cache import DiskCacheUse, GraphOptions, HitCall
 from aotgrad.errors import CallError, CaptureError, StoreError, user_frame_of_function
-from aotgrad.partition import Budget, Partitioned, SavedValue, partition
+from aotgrad.partition import Partitioned, Policy, SavedValue, Strategy, partition
 from aotgrad.partition.checks import check_partitioned
 from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.report.html import render_html
@@ -48,7 +47,7 @@ from aotgrad.runtime.transforms import (
     transform_active,
 )
 from aotgrad.signature import FlatInputs, Signature, flatten_inputs, leaf_names
-from aotgrad.signature.flatten import flatten_call
+from aotgrad.signature.flatten import desugar, flatten_call
 from aotgrad.signature.lifting import (
     Arguments,
     Body,
@@ -58,13 +57,12 @@ from aotgrad.signature.lifting import (
     call_target,
     module_arguments,
 )
-from aotgrad.signature.subclasses import desugar
 from aotgrad.store.loaded import save_traced
 from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
 
 Decompositions = Mapping[Any, Callable[..., Any]]
-PartitionFn = Callable[[JointGraph], Partitioned]
-PartitionArg = Literal["save_all", "mincut"] | Budget | PartitionFn
+PartitionFn = Policy
+PartitionArg = Strategy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,8 +319,8 @@ def trace(
     ``fn`` is a function or an ``nn.Module`` (its parameters and buffers become
     the first inputs). The example inputs' data is never read: they may live
     on any device, ``meta`` included. See ``docs/calling-convention.md``.
-    ``partition`` ("save_all", "mincut", ``aotgrad.budget(x)`` or a callable
-    taking the JointGraph) chooses what the backward saves; the keyword is
+    ``partition`` ("save_all", "mincut", ``aotgrad.budget(x)`` or a policy,
+    Note [Partition policies]) chooses what the backward saves; the keyword is
     aotgrad's, not passed on to ``fn``. ``dynamic=True`` (or dimensions marked with
     ``aotgrad.dynamic``) traces symbolic sizes (Note [Dynamic shapes]), also reserved,
     as is ``tracer`` ("auto", "direct" or "full": Note [Choosing a tracer]).

@@ -176,7 +176,7 @@ def _default_device() -> torch.device | None:
     """The device ``with torch.device(d)`` or ``torch.set_default_device(d)`` set; None when
     neither did. Both push a ``DeviceContext`` mode (only the second sets
     ``torch.utils._device.CURRENT_DEVICE``); ``torch.get_default_device()`` finds it too,
-    in 6 us."""
+    more slowly (bench/findings.md)."""
     count = compat.function_mode_count()
     if not count:
         return None
@@ -216,7 +216,7 @@ DEFAULT_SETTINGS: tuple[Any, ...] = (
 
 def torch_settings() -> tuple[Any, ...]:
     """The values of ``SETTINGS`` (Note [Torch settings in the key])."""
-    return tuple(map(operator.call, _READ_SETTINGS))  # no Python loop: ~0.2 us less
+    return tuple(map(operator.call, _READ_SETTINGS))  # no Python loop: on every call's key
 
 
 def ambient_key() -> Any:
@@ -249,7 +249,7 @@ class CacheKey(NamedTuple):
     entry does not serve (Note [The last entry]) builds one and hashes it. As
     frozen dataclasses (``__init__`` through ``object.__setattr__``, hashing and
     comparing in Python) this key and ``StateKey`` made such a call of a small
-    module ~3 us slower (of ~35 us). Fields are read by name only; build it with
+    module measurably slower (bench/findings.md). Fields are read by name only; build it with
     :meth:`of_call`, or by keyword.
 
     >>> import torch
@@ -562,7 +562,8 @@ class Miss:
 #     f(x3, w)  x3 is float64: the full key, the dict, maybe a miss
 #
 # It answers exactly when the full key would find that entry; it only skips
-# the work of building and hashing the key (microseconds of a ~25 us call).
+# the work of building and hashing the key (a visible share of a small call:
+# bench/findings.md).
 @dataclass(frozen=True, kw_only=True)
 class _LastEntry:
     guard: PlainTensorsGuard
@@ -726,7 +727,7 @@ class SpecializationCache:
             why = "ran eagerly (cache_limit)" if full else "raised before its entry was stored"
             return f"the same key as the previous miss, which {why}"
         if self._latest is None:
-            return "first call"  # no names needed (finding them took ~2 ms for Dynamo's gpt4)
+            return "first call"  # no names needed (finding them is slow on big graphs)
         return miss.key.explain(self._latest, names())
 
     def _full_message(self, reason: str) -> str:

@@ -126,6 +126,11 @@ class StoreError(AotgradError, ValueError):
     """A graph file or cache entry aotgrad cannot write or read (Note [Files run no code])."""
 
 
+class PartitionError(AotgradError, ValueError):
+    """A partition policy cannot be followed: it raised, or answered something other than
+    ``True`` (save) or ``False`` (recompute) (Note [Partition policies])."""
+
+
 class ConfigError(AotgradError, ValueError):
     """An ``AOTGRAD_*`` environment variable holds a value aotgrad does not accept; the
     message names the variable and the values it takes."""

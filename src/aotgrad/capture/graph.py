@@ -33,8 +33,8 @@ from aotgrad.signature import (
 # Note [Code on demand]
 # ~~~~~~~~~~~~~~~~~~~~~
 # An ``fx.GraphModule`` generates and ``exec``s Python source for its graph
-# when it is built and on every ``recompile()``: ~15 ms for gpt4's 1,000-node
-# joint graph. A capture builds three modules (the joint, the forward, the
+# when it is built and on every ``recompile()``, at a cost that grows with the
+# graph (bench/findings.md). A capture builds three modules (the joint, the forward, the
 # backward) and, before this rule, compiled four sources no one ran: the joint
 # graph is data, and ``nop`` turns the forward and backward into straight-line
 # code of its own (Note [Straight-line graphs]). Graph modules aotgrad builds

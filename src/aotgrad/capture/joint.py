@@ -319,7 +319,13 @@ def _joint(
                 tracer,
             )
             check_member_mutations(record.member_mutations, record.mutations, primals, where)
-            check_views_of_made_inputs(record, inputs, where)
+            check_views_of_made_inputs(
+                record.leaves,
+                record.made_to_require_grad,
+                inputs.sources,
+                inputs.descriptors,
+                where,
+            )
             record.grad_inputs = [
                 i
                 for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
@@ -373,7 +379,10 @@ def _note_grad_changes(
         for k, (p, (j, _)) in enumerate(zip(primals, inputs.sources, strict=True))
         if needs_grad[j] and not p.requires_grad  # a.detach_()
     ]
-    for i in made_to_require_grad(primals, needs_grad, inputs, record, where):
+    record.made_to_require_grad = made_to_require_grad(
+        primals, needs_grad, inputs.sources, inputs.descriptors, where
+    )
+    for i in dict.fromkeys(inputs.sources[k][0] for k in record.made_to_require_grad):
         needs_grad[i] = True  # Note [requires_grad_() on an input]
         edges[i] = tracer.differentiate_at(graph_primals[i])
 

@@ -6,15 +6,15 @@ Note [requires_grad_() on an input] is here; ``joint.py`` calls these checks aft
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-from aotgrad.capture.aliasing import AliasSource, TensorOutput
+from aotgrad.capture.aliasing import AliasSource, OutputLeaf, TensorOutput, ViewMeta
 from aotgrad.errors import UnsupportedOutputError, UserFrame, format_error
+from aotgrad.signature import GraphInputDescriptor
 
-if TYPE_CHECKING:
-    from aotgrad.capture.joint import GraphInputs, TraceRecord
+# Per user input: the graph input it comes from and its view of it (``GraphInputs.sources``).
+Sources = Sequence[tuple[int, ViewMeta | None]]
 
 
 # Note [requires_grad_() on an input]
@@ -42,35 +42,35 @@ if TYPE_CHECKING:
 def made_to_require_grad(
     primals: Sequence[torch.Tensor],
     needs_grad: Sequence[bool],
-    inputs: GraphInputs,
-    record: TraceRecord,
+    sources: Sources,
+    descriptors: Sequence[GraphInputDescriptor],
     where: UserFrame | None,
 ) -> list[int]:
-    """Graph inputs the function made leaves that require grad (Note [requires_grad_() on an input]).
-
-    Records the user input positions in ``record``.
-    """
+    """User inputs the function made leaves that require grad, by position (Note
+    [requires_grad_() on an input])."""
     made: list[int] = []
-    for k, (p, (j, view)) in enumerate(zip(primals, inputs.sources, strict=True)):
+    for k, (p, (j, view)) in enumerate(zip(primals, sources, strict=True)):
         if needs_grad[j] or not (p.requires_grad and p.grad_fn is None):
             continue
         if view is not None:
             raise UnsupportedOutputError(
                 format_error(
                     "the function calls requires_grad_() on an input that shares memory with"
-                    f" another input it mutates ({inputs.descriptors[j]})",
+                    f" another input it mutates ({descriptors[j]})",
                     where,
                     "Pass a tensor that already requires grad, or clone the input.",
                 )
             )
-        record.made_to_require_grad.append(k)
-        if j not in made:
-            made.append(j)
+        made.append(k)
     return made
 
 
 def check_views_of_made_inputs(
-    record: TraceRecord, inputs: GraphInputs, where: UserFrame | None
+    leaves: Sequence[OutputLeaf],
+    made_to_require_grad: Sequence[int],
+    sources: Sources,
+    descriptors: Sequence[GraphInputDescriptor],
+    where: UserFrame | None,
 ) -> None:
     """Refuse an output viewing an input from before its requires_grad_() (it cannot be rebuilt).
 
@@ -78,20 +78,20 @@ def check_views_of_made_inputs(
     grad yet; rebuilt after the call from the caller's tensor, which by then
     requires grad, it would be a no_grad view that backward refuses.
     """
-    made = {inputs.sources[k][0] for k in record.made_to_require_grad}
-    for leaf in record.leaves:
+    made = {sources[k][0] for k in made_to_require_grad}
+    for leaf in leaves:
         alias = leaf.alias if isinstance(leaf, TensorOutput) else None
         if alias is None or alias.view is None or alias.with_grad or not alias.requires_grad:
             continue
         source = alias.index
         if alias.source is AliasSource.INPUT:
-            source = inputs.sources[source][0]
+            source = sources[source][0]
         elif alias.source is not AliasSource.GRAPH_INPUT:
             continue
         if source in made:
             raise UnsupportedOutputError(
                 format_error(
-                    f"an output is a view of input {inputs.descriptors[source]} made before the"
+                    f"an output is a view of input {descriptors[source]} made before the"
                     " function called requires_grad_() on that input, which aotgrad cannot"
                     " rebuild after the call",
                     where,

@@ -1,12 +1,12 @@
 """Stage 3: partition. Decide what the backward saves, and split the joint graph in two.
 
 Entry point: :func:`partition`. Strategies: ``"save_all"``, ``"mincut"``,
-``aotgrad.budget(x)``, or a callable ``joint -> Partitioned``.
+``aotgrad.budget(x)``, or a policy ``fx.Node -> bool`` (Note [Partition policies]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -21,11 +21,14 @@ from aotgrad.partition.saved import SavedValue, describe_saved, unique_bytes
 from aotgrad.partition.split import apply_mutations_in_graph, build_backward, build_forward
 from aotgrad.partition.strategies import (
     Budget,
+    Policy,
     apply_checkpoint_policy,
     budget,
     mincut,
+    policy_name,
     save_all,
     with_budget,
+    with_policy,
 )
 from aotgrad.signature import (
     Descriptor,
@@ -35,9 +38,9 @@ from aotgrad.signature import (
     describe_graph,
 )
 
-__all__ = ["Budget", "Partitioned", "RecomputedOp", "SavedValue", "budget", "partition"]
+__all__ = ["Budget", "Partitioned", "Policy", "RecomputedOp", "SavedValue", "budget", "partition"]
 
-Strategy = Literal["save_all", "mincut"] | Budget
+Strategy = Literal["save_all", "mincut"] | Budget | Policy
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class Partitioned:
 
 def partition(
     joint: JointGraph,
-    strategy: Strategy | Callable[[JointGraph], Partitioned] = "save_all",
+    strategy: Strategy = "save_all",
     *,
     keep_input_mutations: bool = False,
 ) -> Partitioned:
@@ -123,20 +126,20 @@ def partition(
     >>> [s.name for s in traced.saved]
     ['x']
     """
-    if callable(strategy) and not isinstance(strategy, Budget):
-        return strategy(joint)
     if not joint.has_backward:
         return _forward_only(joint, keep_input_mutations)
-    if joint.guards is not None and strategy != "save_all":
+    if joint.guards is not None and strategy != "save_all" and not callable(strategy):
         raise ValueError(
             f"partition {strategy!r} weighs tensors by their bytes, which are symbolic with"
             " dynamic shapes; use 'save_all' with dynamic=True for now"
         )
     plan = apply_checkpoint_policy(joint, _plan(joint, strategy))
-    return _split(joint, plan, str(strategy))
+    return _split(joint, plan, policy_name(strategy) if callable(strategy) else str(strategy))
 
 
 def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:
+    if callable(strategy):
+        return with_policy(joint, strategy)
     if isinstance(strategy, Budget):
         return with_budget(joint, strategy)
     if strategy == "save_all":
@@ -145,7 +148,7 @@ def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:
         return mincut(joint)
     raise ValueError(
         f"unknown partition strategy {strategy!r}; expected 'save_all', 'mincut',"
-        " aotgrad.budget(x) or a callable taking the JointGraph"
+        " aotgrad.budget(x) or a policy (Note [Partition policies])"
     )
 
 

@@ -209,17 +209,9 @@ def budget_saved(
     plan saves more than ``save_all``.
     """
     needed = list(needed)  # read several times below
-    problem = _BudgetProblem.of(joint, free_inputs, time_limit)
-    ops, weights, costs, held, program = (
-        problem.ops,
-        problem.weights,
-        problem.costs,
-        problem.held,
-        problem.program,
-    )
-    rows, lower, upper = _budget_constraints(
-        ops, problem.index, needed, weights, budget_bytes - held
-    )
+    p = _BudgetProblem.of(joint, free_inputs, time_limit)
+    ops, weights, costs, held, program = p.ops, p.weights, p.costs, p.held, p.program
+    rows, lower, upper = _budget_constraints(ops, p.index, needed, weights, budget_bytes - held)
     constraint = LinearConstraint(np.array(rows), lower, upper)
     first = program.solve(program.on_recompute(costs), [constraint])
     if first.x is None and first.status == 1:  # the time limit struck before any plan
@@ -405,10 +397,8 @@ def _budget_bounds(ops: list[fx.Node], pinned: set[fx.Node]) -> Bounds:
     upper = np.ones(2 * n)
     for i, v in enumerate(ops):
         fixed = v.op == "placeholder" or never_recomputed(v) or v in pinned
-        if fixed:
-            upper[n + i] = (
-                0  # never recompute a random op, a collective, or one reading a mutated input
-            )
+        if fixed:  # never recompute a random op, a collective, or one reading a mutated input
+            upper[n + i] = 0
         if not is_tensor_node(v) or (is_view_node(v) and not fixed):
             upper[i] = 0  # never save a tuple (its getitems are saved), nor a replayable view
     return Bounds(np.zeros(2 * n), upper)

@@ -1,25 +1,33 @@
-"""The partition strategies: ``"save_all"``, ``"mincut"``, ``aotgrad.budget(x)``, or your own.
+"""The partition strategies: ``"save_all"``, ``"mincut"``, ``aotgrad.budget(x)``, or a policy.
 
 Each turns a joint graph into a :class:`RematPlan`; every saved value and
-every recomputed op gets a reason (Note [Saved and recomputed]).
+every recomputed op gets a reason (Note [Saved and recomputed]). A policy is
+your own strategy: a function answering "save this op's output?" (Note
+[Partition policies]).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from aotgrad.capture import JointGraph, Phase
-from aotgrad.optable import is_free_view
+from aotgrad.capture import JointGraph, Phase, node_info
+from aotgrad.errors import PartitionError
+from aotgrad.optable import is_free_view, op_name
 from aotgrad.partition.remat import (
     RematPlan,
     budget_saved,
+    forward_ops,
+    is_tensor_node,
+    is_view_node,
     mincut_saved,
     needed_by_backward,
     never_recomputed,
+    reads_mutated_input,
     recompute_closure,
     smallest_saved_bytes,
 )
@@ -152,6 +160,87 @@ def with_budget(joint: JointGraph, limit: Budget) -> RematPlan:
         plan = from_saved(joint, needed, result.saved, f"{limit} ({budget_bytes} bytes)")
     plan.note = result.note
     return plan
+
+
+# Note [Partition policies]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A policy decides, the library does the rest (as JAX's checkpoint policies).
+# It is called once per forward op with the op's node (``node.target``,
+# ``node.meta["val"]``) and answers True (save the output) or False
+# (recompute it in the backward). The True answers the backward reads are
+# saved, the rest of what it reads is recomputed from them (Note [Saved and
+# recomputed]). With ``lambda node: node.target is aten.mm.default``:
+#
+#     forward:  a = mm(x, w); b = relu(a); out = mm(b, w2)
+#     the backward reads x, w, w2 and b (relu's gradient reads its output)
+#     answers:  a -> True, b -> False, out -> True (no backward op reads out)
+#     saved:    x, w, w2 and a; recomputed: b = relu(a)
+#
+# It is not asked about what no plan recomputes, which is saved: random ops,
+# collectives, ops reading an input the function mutates, and what a
+# checkpoint region's re-run reads (its inputs, a selective checkpoint's
+# ``MUST_SAVE`` values); the region itself is re-run whatever the answers,
+# and ``node.meta["recompute"]`` tags apply last (Note [Selective checkpoint
+# policies]). Views are replayed on their source; a multi-output op is asked
+# once, for all its elements. An answer that is not a bool, or a policy that
+# raises (as a ``JointGraph -> Partitioned`` callable, the form before
+# policies, does), is a PartitionError naming the op and how to port it.
+Policy = Callable[[fx.Node], bool]
+
+
+def with_policy(joint: JointGraph, policy: Policy) -> RematPlan:
+    """Save what ``policy`` answers True for, and what no plan recomputes (Note [Partition
+    policies]); recompute the rest of what the backward reads."""
+    pinned = reads_mutated_input(joint)
+    checkpointed = {s for n in joint.nodes(Phase.RECOMPUTE) for s in n.all_input_nodes}
+    answers: dict[fx.Node, bool] = {}  # per op: a multi-output op is asked once
+    forced: dict[fx.Node, str] = {}
+    saved: set[fx.Node] = set()
+    for node in forward_ops(joint):
+        op = node.args[0] if node.target is operator.getitem else node
+        if not is_tensor_node(node) or not isinstance(op, fx.Node):
+            continue
+        if never_recomputed(op):
+            forced[node] = "a random op or a collective is never recomputed"
+        elif node in pinned:
+            forced[node] = "reads an input the function mutates: never recomputed"
+        elif node in checkpointed:
+            forced[node] = "a checkpoint region saves it (torch.utils.checkpoint)"
+        elif not is_view_node(node):
+            answers[op] = answers[op] if op in answers else _answer(policy, op)
+            if answers[op]:
+                saved.add(node)
+    plan = from_saved(joint, needed_by_backward(joint), saved | set(forced), policy_name(policy))
+    for node in set(plan.saved) & set(forced):
+        plan.save_reasons[node] += f"; {forced[node]}"
+    return plan
+
+
+def policy_name(policy: Policy) -> str:
+    return f"policy {getattr(policy, '__qualname__', None) or policy!r}"
+
+
+def _answer(policy: Policy, op: fx.Node) -> bool:
+    try:
+        answer = policy(op)
+    except Exception as error:
+        why = f"raised {type(error).__name__}: {error}\n  asked about"
+        raise PartitionError(f"partition {policy_name(policy)} {why} {_about(op)}") from error
+    if not isinstance(answer, bool):
+        why = f"answered {type(answer).__name__} {answer!r:.80}, not True or False, about"
+        raise PartitionError(f"partition {policy_name(policy)} {why} {_about(op)}")
+    return answer
+
+
+def _about(op: fx.Node) -> str:
+    source = node_info(op).source
+    return (
+        f"forward op {op.name} ({op_name(op.target)}){'' if source is None else f' at {source}'}"
+        "\nA policy takes one forward op's fx.Node and returns True (save its output) or False"
+        " (recompute it), e.g. `lambda node: node.target is torch.ops.aten.mm.default`; a"
+        " callable JointGraph -> Partitioned is no longer accepted: return the decision for"
+        " one op (Note [Partition policies])"
+    )
 
 
 def from_saved(

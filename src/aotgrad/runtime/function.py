@@ -380,8 +380,8 @@ def reached_grads(
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``autograd.Function.apply`` is a Python classmethod that, outside functorch
 # transforms, unwraps dead functorch wrappers (pytree over the arguments) and
-# calls the C++ ``_FunctionBase.apply``. That Python layer costs ~2 us of a
-# ~25 us call on small graphs. ``direct_apply`` does the same two steps
+# calls the C++ ``_FunctionBase.apply``. That Python layer is a visible share
+# of a small graph's call (bench/findings.md). ``direct_apply`` does the same two steps
 # itself on the flat tensor list. Under an active transform the graphs cannot
 # run at all: it raises (Note [Transforms run the function]; the frontends run
 # the user's function instead and never get here):

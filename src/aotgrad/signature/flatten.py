@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,9 +45,9 @@ from aotgrad._torch_compat import (
     is_traceable_wrapper_subclass,
 )
 from aotgrad.errors import CallError, format_error, user_frame_of_function
-from aotgrad.signature.descriptors import Input, PrimalDescriptor
+from aotgrad.signature.descriptors import Inner, Input, PrimalDescriptor
 from aotgrad.signature.storage import storage_key
-from aotgrad.signature.subclasses import Subclasses, subclass_key
+from aotgrad.signature.subclasses import Body, Subclasses, subclass_key, take_apart_inputs
 from aotgrad.signature.values import Incomparable, TensorInValue, value_key
 
 
@@ -92,6 +92,34 @@ class FlatInputs:
             leaves[position] = tensor
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return args, kwargs
+
+
+def desugar(
+    flat: FlatInputs,
+    primals: Sequence[torch.Tensor],
+    body: Body,
+    dynamic_dims: Mapping[int, Sequence[int]] | None,
+) -> tuple[FlatInputs, list[torch.Tensor], Body]:
+    """The call with every subclass input taken apart, and a body that builds them again.
+
+    The result's descriptors name inner tensors (``Inner``), its ``subclasses``
+    says how to take a call's inputs apart (Note [Tensor subclasses]). A call
+    without subclass inputs is returned unchanged, its body only taking subclass
+    outputs apart.
+    """
+    subclasses, inner, body = take_apart_inputs(primals, flat.descriptors, body, dynamic_dims)
+    if subclasses is None:
+        return flat, inner, body
+    descriptors: list[PrimalDescriptor] = []
+    num_lifted = 0
+    for i, (d, meta) in enumerate(zip(flat.descriptors, subclasses.metas, strict=True)):
+        names = [d] if meta is None else [Inner(of=d, attr=p) for p in meta.paths()]
+        descriptors += names
+        num_lifted += len(names) if i < flat.num_lifted else 0
+    desugared = replace(
+        flat, descriptors=tuple(descriptors), num_lifted=num_lifted, subclasses=subclasses
+    )
+    return desugared, inner, body
 
 
 def flatten_inputs(

@@ -48,17 +48,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import FakeTensor, FunctionalTensor, is_traceable_wrapper_subclass
 from aotgrad.errors import UnsupportedSubclassError, UserFrame, format_error
-from aotgrad.signature.descriptors import Inner, PrimalDescriptor
-
-if TYPE_CHECKING:
-    from aotgrad.signature.flatten import FlatInputs
+from aotgrad.signature.descriptors import PrimalDescriptor
 
 # Tensor types that are plain for aotgrad: no subclass behaviour to keep.
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, FakeTensor, FunctionalTensor)
@@ -397,7 +394,7 @@ def holds_flat_outputs(spec: pytree.TreeSpec) -> bool:
 class Subclasses:
     """The subclass inputs of one call, taken apart (Note [Tensor subclasses]).
 
-    Built by :func:`desugar`; held by ``FlatInputs.subclasses`` for the runtime.
+    Built by :func:`take_apart_inputs`; held by ``FlatInputs.subclasses`` for the runtime.
     """
 
     # Per outer graph input (lifted state, then the user's tensors): None when plain.
@@ -480,38 +477,27 @@ def check_plain_grads(
 Body = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager[Any]]
 
 
-def desugar(
-    flat: FlatInputs,
+def take_apart_inputs(
     primals: Sequence[torch.Tensor],
+    descriptors: Sequence[PrimalDescriptor],
     body: Body,
     dynamic_dims: Mapping[int, Sequence[int]] | None,
-) -> tuple[FlatInputs, list[torch.Tensor], Body]:
-    """The call with every subclass input taken apart, and a body that builds them again.
+) -> tuple[Subclasses | None, list[torch.Tensor], Body]:
+    """How to take the call's subclass inputs apart (None: all plain), the plain graph inputs,
+    and a body that builds the subclasses again and takes subclass outputs apart.
 
-    ``flat`` is the call's ``FlatInputs``; the result's descriptors name inner tensors
-    (``Inner``), its ``subclasses`` says how to take a call's inputs apart. A call
-    without subclass inputs is returned unchanged, its body only taking subclass
-    outputs apart.
+    ``descriptors`` name ``primals``; ``flatten.desugar`` renames them (``Inner``).
     """
-    check_plain_or_wrapper(primals, flat.descriptors)
+    check_plain_or_wrapper(primals, descriptors)
     metas = tuple(meta_of(p) for p in primals)
     if not any(metas):
-        return flat, list(primals), _outputs_taken_apart(body)
-    _refuse_dynamic(primals, metas, flat.descriptors, dynamic_dims)
+        return None, list(primals), _outputs_taken_apart(body)
+    _refuse_dynamic(primals, metas, descriptors, dynamic_dims)
     subclasses = Subclasses(
         metas=metas, grads=tuple(None if m is None else GradMeta() for m in metas)
     )
-    descriptors: list[PrimalDescriptor] = []
-    num_lifted = 0
-    for i, (d, meta) in enumerate(zip(flat.descriptors, metas, strict=True)):
-        names = [d] if meta is None else [Inner(of=d, attr=p) for p in meta.paths()]
-        descriptors += names
-        num_lifted += len(names) if i < flat.num_lifted else 0
-    desugared = replace(
-        flat, descriptors=tuple(descriptors), num_lifted=num_lifted, subclasses=subclasses
-    )
     inner = _plain_inner(primals, metas)
-    return desugared, inner, _outputs_taken_apart(_inputs_built(body, subclasses, primals))
+    return subclasses, inner, _outputs_taken_apart(_inputs_built(body, subclasses, primals))
 
 
 def _plain_inner(

@@ -105,8 +105,8 @@ class Stored:
 def aotgrad_version() -> str:
     """A hash of aotgrad's source files, which identifies its version exactly (Note [Files
     run no code]). Not the package's version number: finding it in the installed
-    packages' metadata took 2.7 ms of each process's first cache lookup, and tells
-    nothing the hash does not.
+    packages' metadata slows each process's first cache lookup (bench/findings.md),
+    and tells nothing the hash does not.
     """
     digest = hashlib.sha256()
     root = pathlib.Path(__file__).resolve().parents[1]
@@ -154,8 +154,8 @@ def _line(data: Any) -> bytes:
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """No cyclic garbage collection while a file is encoded or decoded: each makes ~10^5
-    objects, and the collector's full passes over the process took 0.18 s of a 0.31 s
-    load (as for a capture: Note [No garbage collection during capture])."""
+    objects, and the collector's full passes over the process took most of a load
+    (bench/findings.md; as for a capture: Note [No garbage collection during capture])."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -225,7 +225,7 @@ class Read:
         """The description line, decoded and checked (once)."""
         if self._about is None:
             try:
-                with _collector_paused():  # as for the run line: 160 ms of passes otherwise
+                with _collector_paused():  # as for the run line: the collector's passes
                     self._about = _About.of(_json(self._about_line, self._where), self)
             except StoreError as e:
                 raise StoreError(f"{self._where}: {e}") from None
@@ -439,11 +439,11 @@ def refuse_unstorable(plan: Plan) -> None:
 # saved values, which describe the graphs to people and to compilers. Version 1
 # of the file built all of it, and ``nop`` then turned the ``fx`` graphs into
 # straight-line code (Note [Straight-line graphs]). Measured in a fresh process
-# (``bench/persist.py``), loading an entry took 33-36 ms: 22-25 ms reading it
-# (13-15 ms of it building 700 ``fx.Node`` s, the rest JSON of every node's
-# value and provenance, and decoding descriptions) and 10 ms making and
-# compiling the straight-line code. So a file keeps the two apart, one JSON
-# line each::
+# (``bench/persist.py``; the numbers are in bench/findings.md), most of loading
+# an entry was reading it, most of that building the ``fx.Node`` s, the rest
+# JSON of every node's value and provenance, and decoding descriptions; making
+# and compiling the straight-line code was the smaller part. So a file keeps
+# the two apart, one JSON line each::
 #
 #     run:    {"forward": {"targets": ["aten.mm.default", ...],
 #                          "nodes": [["x", "placeholder", null, {"tuple": []}, {}],
@@ -459,8 +459,8 @@ def refuse_unstorable(plan: Plan) -> None:
 # whole file at once, and for a user's compiler, which receives an ``fx`` module
 # with fake values. A graph built from steps is the graph that was written: the
 # same nodes, names, targets and arguments, and so the same straight-line code.
-# Reading now takes 6-7 ms; the straight-line code's 10 ms remain (7 of them
-# Python's ``compile`` of the source, which a file must never hold).
+# What remains of a load is mostly the straight-line code, most of that
+# Python's ``compile`` of the source, which a file must never hold.
 
 _NOT_NAMES = frozenset(
     [*keyword.kwlist, *vars(builtins), "inf", "nan", "NoneType", "torch", "device", "pytree"]
@@ -852,8 +852,7 @@ def _to_nodes(value: Any, env: dict[Step, fx.Node]) -> Any:
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A compiler may read every node's fake value (``node.meta["val"]``); aotgrad's
 # own ``nop`` reads none, and the runtime's plan is stored whole. Making a fake
-# tensor costs ~0.7 ms, so for gpt4's 450 nodes, making them all was 0.3 s of
-# a 0.5 s load. A loaded graph keeps each value's stored metadata, ``(size,
+# tensor per node was most of a gpt4 load (bench/findings.md). A loaded graph keeps each value's stored metadata, ``(size,
 # stride, offset, dtype, device)``, and fake tensors are made only when a user's
 # compiler is about to receive the graph (``with_values``).
 VALUE_KEY = "aotgrad_stored_val"

@@ -6,7 +6,6 @@ and :func:`store_graphs` after (Note [The disk cache], Note [Disk cache keys]).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import types
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from aotgrad.errors import StoreError
+from aotgrad.partition import Budget
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.runtime.boxing import Compiler, nop
 from aotgrad.store.disk import DiskCache
@@ -59,8 +59,8 @@ def options_text(
     if decompositions is not None:
         raise Unkeyable("custom decompositions have no stable key")
     if not isinstance(partition, str):
-        if not dataclasses.is_dataclass(partition):
-            raise Unkeyable("a partition function has no stable key")
+        if not isinstance(partition, Budget):  # a policy's code is not keyed, even a dataclass's
+            raise Unkeyable("a partition policy has no stable key")
         partition = repr(partition)
     return [partition, tracer, dynamic, keep_mutations]
 
