@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from aotgrad.errors import StoreError
+from aotgrad.pipeline import Options, compilers
 from aotgrad.runtime import CompiledGraphs
-from aotgrad.runtime.boxing import Compiler, nop
+from aotgrad.runtime.boxing import nop
 from aotgrad.store.disk import DiskCache
-from aotgrad.store.format import Read, Stored, aotgrad_version
+from aotgrad.store.format import Stored, aotgrad_version
 from aotgrad.store.keys import (
     Unkeyable,
     digest,
@@ -28,7 +29,7 @@ from aotgrad.store.keys import (
     source_files,
     stable_text,
 )
-from aotgrad.store.loaded import compile_stored, stored_higher_order
+from aotgrad.store.loaded import compile_stored
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +54,13 @@ def code_text(fn: Any) -> tuple[Any, set[str]]:
 
 
 def options_text(
-    *, partition: Any, decompositions: Any, tracer: str, dynamic: bool, keep_mutations: bool
+    *,
+    partition: Any,
+    decompositions: Any,
+    tracer: str,
+    dynamic: bool,
+    keep_mutations: bool,
+    fast: bool,
 ) -> Any:
     """The options that change the graphs; compilers are not among them (they run on load)."""
     if decompositions is not None:
@@ -62,7 +69,7 @@ def options_text(
         if not dataclasses.is_dataclass(partition):
             raise Unkeyable("a partition function has no stable key")
         partition = repr(partition)
-    return [partition, tracer, dynamic, keep_mutations]
+    return [partition, tracer, dynamic, keep_mutations, fast]
 
 
 def entry_key(
@@ -91,11 +98,11 @@ def entry_key(
 
 
 def load_graphs(
-    entry: EntryKey, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
+    entry: EntryKey, options: Options
 ) -> tuple[CompiledGraphs, tuple[int, ...] | None] | None:
     """The compiled graphs and input positions stored under ``entry``; None on a miss."""
     # A user's compiler receives fx modules: read all now, so a bad file is a miss here.
-    lazy = all(c is None or c is nop for c in compilers)
+    lazy = all(c is None or c is nop for c in compilers(options))
     stored = entry.cache.get(entry.key, lazy=lazy)
     if stored is None:
         return None
@@ -104,28 +111,15 @@ def load_graphs(
         return None
     if not lazy:  # a user's compiler: its errors are the user's to see, a bad entry a miss
         try:
-            compiled = _compiled(stored, compilers)
+            compiled = compile_stored(stored, options)
         except StoreError:
             return None
         return compiled, None if positions is None else tuple(positions)
     try:
-        compiled = _compiled(stored, compilers)
+        compiled = compile_stored(stored, options)
     except Exception:  # anything a crafted file provokes while aotgrad compiles: a miss
         return None
     return compiled, None if positions is None else tuple(positions)
-
-
-def _compiled(
-    stored: Read, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
-) -> CompiledGraphs:
-    forward, backward = compile_stored(stored, compilers)
-    return CompiledGraphs(
-        None,
-        forward,
-        backward,
-        plan=stored.plan,
-        higher_order=stored_higher_order(stored, compilers),
-    )
 
 
 def store_graphs(
