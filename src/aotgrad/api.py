@@ -24,7 +24,6 @@ from aotgrad.disk_cache import DiskCacheUse, HitCall
 from aotgrad.errors import CallError, CaptureError, StoreError, user_frame_of_function
 from aotgrad.partition import Partitioned, SavedValue
 from aotgrad.pipeline import (
-    Decompositions,
     Options,
     PartitionArg,
     PartitionFn,
@@ -59,19 +58,6 @@ from aotgrad.signature.lifting import (
 )
 from aotgrad.store.loaded import save_traced
 from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
-
-__all__ = [
-    "AOTFunction",
-    "AOTModule",
-    "Decompositions",
-    "Options",
-    "PartitionArg",
-    "PartitionFn",
-    "Traced",
-    "aot_function",
-    "aot_module",
-    "trace",
-]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,10 +333,8 @@ def trace(
     >>> [str(d) for d in traced.signature.backward_outputs]
     ["grad of carry['a']", 'None']
     """
-    switches: dict[str, Any] = {
-        k: v for k, v in (("fast", fast), ("check", check)) if v is not None
-    }
-    options = Options(partition=partition, dynamic=dynamic, tracer=tracer, **switches)
+    given = dict(partition=partition, dynamic=dynamic, tracer=tracer, fast=fast, check=check)
+    options = options_of(given, "trace")
     fn = as_module(fn)
     wrapping = wrapping_of(fn) if isinstance(fn, torch.nn.Module) else None
     if wrapping is None:

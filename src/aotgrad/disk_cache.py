@@ -84,22 +84,11 @@ class DiskCacheUse:
                 code=self._code,
                 call=key,
                 names=self._names,
-                options=self._options_text(),
+                options=options_text(self._options),
             )
         except (Unkeyable, OSError) as e:
             info.disk_skipped = str(e)
             return None
-
-    def _options_text(self) -> Any:
-        o = self._options
-        return options_text(
-            partition=o.partition,
-            decompositions=o.decompositions,
-            tracer=o.tracer,
-            dynamic=o.dynamic,
-            keep_mutations=o.keep_inference_input_mutations,
-            fast=o.fast,
-        )
 
     def load(self, slot: EntryKey, info: CacheInfo) -> Entry | None:
         """The entry stored at ``slot``, compiled; None (a disk miss) when absent or unreadable."""

@@ -3,20 +3,17 @@
 Every frontend (``trace``, ``aot_function``/``aot_module``, the Dynamo backend, ``scan``)
 reads its call into a :class:`Traceable` with :func:`signature_stage` and hands it to
 :func:`run`, which captures, partitions and compiles it as the :class:`Options` say. The
-create_graph backward captures its ``G`` through the same driver (handed to the runtime
-as ``Options.driver``), and ``aotgrad.load`` enters at :func:`compile_stage`.
+create_graph backward captures its ``G`` through the same driver (the runtime is handed
+it), and ``aotgrad.load`` compiles stored graphs with the compilers and driver from here.
 
 >>> import torch
 >>> from aotgrad.signature.lifting import State
->>> fn = lambda x: x.sin()
->>> x = torch.ones(2, requires_grad=True)
+>>> fn, x = (lambda x: x.sin()), torch.ones(2, requires_grad=True)
 >>> state = State(fn)
 >>> traceable = signature_stage(fn, fn, (x,), {}, state, state.read(), dims=None)
 >>> partitioned, compiled = run(traceable, Options())
->>> [str(d) for d in partitioned.signature.backward_outputs]
-['grad of x']
->>> torch.allclose(compiled([x]), x.sin())
-True
+>>> [str(d) for d in partitioned.signature.backward_outputs], torch.equal(compiled([x]), x.sin())
+(['grad of x'], True)
 """
 
 from __future__ import annotations
@@ -54,16 +51,8 @@ _OFF = ("0", "false", "no", "off")
 
 
 def switch(name: str, default: bool) -> bool:
-    """An ``AOTGRAD_*`` on/off variable: 1/true/yes/on, 0/false/no/off, unset or empty: ``default``.
-
-    >>> os.environ["AOTGRAD_FAST"] = "0"; switch("AOTGRAD_FAST", True)
-    False
-    >>> os.environ["AOTGRAD_FAST"] = "maybe"; switch("AOTGRAD_FAST", True)
-    Traceback (most recent call last):
-    ...
-    aotgrad.errors.ConfigError: AOTGRAD_FAST='maybe' is neither on nor off: expected one of 1, true, yes, on (on) or 0, false, no, off (off); unset, it is on
-    >>> del os.environ["AOTGRAD_FAST"]
-    """
+    """An ``AOTGRAD_*`` on/off variable: 1/true/yes/on, 0/false/no/off; unset or empty: ``default``;
+    else a ConfigError naming it and the values it takes."""
     text = os.environ.get(name, "").strip().lower()
     if text in _ON or text in _OFF:
         return text in _ON
@@ -112,21 +101,18 @@ class Options:
     def __post_init__(self) -> None:
         check_tracer_choice(self.tracer)
         if self.tracer == "direct" and not self.fast:
-            raise ValueError(_DIRECT_NOT_FAST)
+            raise ValueError("tracer='direct' is the fast path, which fast=False turns off")
 
 
-_DIRECT_NOT_FAST = (
-    "tracer='direct' is the fast path, and fast=False (or AOTGRAD_FAST=0) turns it off;"
-    " pass tracer='full' or 'auto', or fast=True"
-)
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
+# Options whose default the environment gives: None, passed to a frontend, means that default.
+_FROM_ENVIRONMENT = ("check", "fast")
 
 
-def options_of(given: Mapping[str, Any], where: str, **fixed: Any) -> Options:
-    """``Options(**given, **fixed)``; a keyword ``Options`` lacks is a TypeError naming it.
+def options_of(given: Mapping[str, Any], where: str) -> Options:
+    """``Options(**given)``, ``check`` or ``fast`` None left to the environment; a keyword
+    ``Options`` lacks is a TypeError naming it.
 
-    >>> options_of({"dynamic": True}, "aot_function").dynamic
-    True
     >>> options_of({"dynamc": True}, "aot_function")
     Traceback (most recent call last):
     ...
@@ -138,26 +124,26 @@ def options_of(given: Mapping[str, Any], where: str, **fixed: Any) -> Options:
             f"{where}() got an unexpected keyword argument {unknown[0]!r}; its options are"
             f" {', '.join(OPTION_NAMES)}"
         )
-    return Options(**given, **fixed)
+    return Options(
+        **{k: v for k, v in given.items() if v is not None or k not in _FROM_ENVIRONMENT}
+    )
 
 
 def with_option_keywords(fn: Callable[..., Any]) -> None:
-    """``fn(..., **options)``'s signature (``help()``, ``inspect``) shows ``Options``' fields.
-
-    >>> def f(x, fw_compiler=None, **options): ...
-    >>> with_option_keywords(f)
-    >>> str(inspect.signature(f))[:60]
-    "(x, fw_compiler=None, *, bw_compiler=None, inference_compile"
-    """
+    """``fn(..., **options)``'s signature (``help()``, ``inspect``) shows ``Options``' fields."""
     params = inspect.signature(fn).parameters.values()
     kept = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
     names = {p.name for p in kept}
     keywords = [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_default(f))
         for f in dataclasses.fields(Options)
         if f.name not in names
     ]
     fn.__signature__ = inspect.Signature([*kept, *keywords])  # type: ignore[attr-defined]
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    return None if f.name in _FROM_ENVIRONMENT else f.default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,19 +322,3 @@ def run(
     """
     partitioned = capture_and_partition(traceable, options, on_joint)
     return partitioned, compile_stage(partitioned, options)
-
-
-__all__ = [
-    "OPTION_NAMES",
-    "Options",
-    "Traceable",
-    "capture_and_partition",
-    "capture_stage",
-    "compile_stage",
-    "options_of",
-    "partition_stage",
-    "run",
-    "signature_stage",
-    "switch",
-    "with_option_keywords",
-]

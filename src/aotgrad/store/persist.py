@@ -53,23 +53,15 @@ def code_text(fn: Any) -> tuple[Any, set[str]]:
     raise Unkeyable(f"a {type(fn).__qualname__} has no stable key (pass a function or a module)")
 
 
-def options_text(
-    *,
-    partition: Any,
-    decompositions: Any,
-    tracer: str,
-    dynamic: bool,
-    keep_mutations: bool,
-    fast: bool,
-) -> Any:
+def options_text(options: Options) -> Any:
     """The options that change the graphs; compilers are not among them (they run on load)."""
-    if decompositions is not None:
+    if options.decompositions is not None:
         raise Unkeyable("custom decompositions have no stable key")
-    if not isinstance(partition, str):
-        if not dataclasses.is_dataclass(partition):
-            raise Unkeyable("a partition function has no stable key")
-        partition = repr(partition)
-    return [partition, tracer, dynamic, keep_mutations, fast]
+    o = options
+    if not isinstance(o.partition, str) and not dataclasses.is_dataclass(o.partition):
+        raise Unkeyable("a partition function has no stable key")
+    partition = o.partition if isinstance(o.partition, str) else repr(o.partition)
+    return [partition, o.tracer, o.dynamic, o.keep_inference_input_mutations, o.fast]
 
 
 def entry_key(
@@ -109,15 +101,12 @@ def load_graphs(
     positions = stored.call.get("positions")
     if positions is not None and not all(isinstance(p, int) for p in positions):
         return None
-    if not lazy:  # a user's compiler: its errors are the user's to see, a bad entry a miss
-        try:
-            compiled = compile_stored(stored, options)
-        except StoreError:
-            return None
-        return compiled, None if positions is None else tuple(positions)
+    # Anything a crafted file provokes while aotgrad compiles is a miss; a user's compiler's
+    # errors are the user's to see, a bad entry a miss.
+    missed: type[Exception] = Exception if lazy else StoreError
     try:
         compiled = compile_stored(stored, options)
-    except Exception:  # anything a crafted file provokes while aotgrad compiles: a miss
+    except missed:
         return None
     return compiled, None if positions is None else tuple(positions)
 
