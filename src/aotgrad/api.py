@@ -703,15 +703,14 @@ class AOTFunction:
             names=self._input_names,
             effects=watch,
         )
-        flat = traceable.flat
+        if describe:
+            made: Any = capture_and_partition(traceable, self._options)
+        else:
+            _, made = run(traceable, self._options)
+        flat, replay = traceable.flat, watch.replay if watch is not None else None
         positions = flat.tensor_positions
         exact = not call.lifted.tensors and positions == tuple(range(len(flat.constants)))
-        replay = watch.replay if watch is not None else None
-        if describe:
-            partitioned = capture_and_partition(traceable, self._options)
-            return partitioned, None if exact else positions, replay
-        _, compiled = run(traceable, self._options)
-        return compiled, None if exact else positions, replay
+        return made, None if exact else positions, replay
 
 
 @dataclass(frozen=True, kw_only=True)
