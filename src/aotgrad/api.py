@@ -93,6 +93,8 @@ class Traced:
     _transform_runs: list[int] = field(default_factory=lambda: [0])
     # The stores in the user's objects done at every call (Note [Side effects replayed]).
     _replay: Replay | None = None
+    # The options it was traced with (a create_graph backward captures under them too).
+    _options: Options = field(default_factory=Options)
 
     @property
     def transform_runs(self) -> int:
@@ -161,8 +163,11 @@ class Traced:
         >>> traced.compile(aotgrad.compilers.nop)(torch.zeros(2))
         tensor([1., 1.])
         """
-        options = Options(
-            fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler
+        options = replace(
+            self._options,
+            fw_compiler=fw_compiler,
+            bw_compiler=bw_compiler,
+            inference_compiler=inference_compiler,
         )
         return replace(self, _compiled=compile_stage(self.partitioned, options))
 
@@ -363,6 +368,7 @@ def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: O
         _autocast=autocast_state(),
         _sharing=memory_sharing(traceable.primals),
         _replay=watch.replay,
+        _options=options,
     )
 
 
@@ -455,7 +461,9 @@ class AOTFunction:
         fn = self._given = as_module(fn)
         # A DDP or FSDP2 wrapper runs around the graphs of its inner module (Note [Wrappers
         # run around the graphs]); Dynamo's graphs never hold one.
-        self._wrapping = _wrapping(fn) if read_environment else None
+        self._wrapping = (
+            wrapping_of(fn) if read_environment and isinstance(fn, torch.nn.Module) else None
+        )
         if self._wrapping is not None:
             fn = self._wrapping.inner
         # Per thread, inside the wrapper's call: run the graphs.
@@ -730,10 +738,6 @@ def _reached(state: State, arguments: Arguments) -> list[tuple[str, Any]]:
     """The values a function reads besides its own module: closures, globals, module arguments."""
     roots = [(f"{root.kind.__name__.lower()} {root.name}", root.get()) for root in state.roots]
     return [*roots, *arguments]
-
-
-def _wrapping(fn: Callable[..., Any]) -> Wrapping | None:
-    return wrapping_of(fn) if isinstance(fn, torch.nn.Module) else None
 
 
 class AOTModule(torch.nn.Module):

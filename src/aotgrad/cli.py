@@ -32,13 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument(
         "--inputs", default="example_inputs", help="function returning (args, kwargs)"
     )
-    flags = {
+    for flag, about in {
         "--no-check": "skip the comparison with eager",
         "--json": "print one JSON document (schema aotgrad.show/2)",
         "--no-fast": "capture with PyTorch's stock fake mode, full trace only (AOTGRAD_FAST=0)",
         "--check": "check each stage's graphs (Note [Stage checks]; AOTGRAD_CHECKS=1)",
-    }
-    for flag, about in flags.items():
+    }.items():
         show.add_argument(flag, action="store_true", help=about)
     show.add_argument(
         "--html", metavar="OUT.html", help="write one self-contained HTML report to this file"

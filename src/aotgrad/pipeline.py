@@ -254,7 +254,6 @@ def differentiable_backward_driver(options: Options) -> Callable[..., CompiledGr
         partition="save_all",
         decompositions=None,
         keep_inference_input_mutations=False,
-        dynamic=False,
     )
     return functools.partial(_differentiable_backward, g_options)
 

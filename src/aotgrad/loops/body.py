@@ -130,7 +130,7 @@ def capture_body(
         except _Aliasing as aliasing:  # Note [Outputs that alias]
             clone = aliasing.outputs
             continue
-        return _body_of(partitioned, compiled, lifted.tensors, len(init), len(x))
+        return _body_of(partitioned, compiled, lifted.tensors, len(init), len(x), options)
 
 
 class _Aliasing(Exception):
@@ -295,6 +295,7 @@ def _body_of(
     lifted: tuple[torch.Tensor, ...],
     num_carry: int,
     num_x: int,
+    options: Options,
 ) -> ScanBody:
     signature = partitioned.signature
     outputs = signature.outputs_in_forward
@@ -302,7 +303,11 @@ def _body_of(
     forward_outputs = next(iter(reversed(partitioned.forward.graph.nodes))).args[0]
     y_positions = tuple(tensor_outputs[num_carry:])
     traced = Traced(
-        partitioned=partitioned, _compiled=compiled, _lifted=lifted, _autocast=autocast_state()
+        partitioned=partitioned,
+        _compiled=compiled,
+        _lifted=lifted,
+        _autocast=autocast_state(),
+        _options=options,
     )
     return ScanBody(
         traced=traced,

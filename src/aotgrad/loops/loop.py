@@ -604,17 +604,13 @@ def _function_for(fn: Callable[..., Any], checkpoint: bool, options: Options) ->
     def make() -> ScanFunction:
         return ScanFunction(fn, checkpoint=checkpoint, options=options)
 
-    try:
+    try:  # TypeError: fn not weakly referenceable, or unhashable options: no reuse
         by_options = _FUNCTIONS.setdefault(fn, {})
-    except TypeError:  # not weakly referenceable: nothing to keep it under
+        return by_options.get((checkpoint, options)) or by_options.setdefault(
+            (checkpoint, options), make()
+        )
+    except TypeError:
         return make()
-    try:
-        run = by_options.get((checkpoint, options))
-    except TypeError:  # unhashable options: no reuse
-        return make()
-    if run is None:
-        run = by_options[checkpoint, options] = make()
-    return run
 
 
 with_option_keywords(scan)
