@@ -161,8 +161,8 @@ def test_the_create_graph_backward_keeps_fast_false(monkeypatch):
     tracers = []
     original = aotgrad.pipeline.capture_stage
 
-    def recorded(traceable, options):  # type: ignore[no-untyped-def]
-        joint = original(traceable, options)
+    def recorded(traceable, options, on_joint=None):  # type: ignore[no-untyped-def]
+        joint = original(traceable, options, on_joint)
         tracers.append(joint.tracer.name)
         return joint
 

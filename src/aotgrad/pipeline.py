@@ -199,9 +199,14 @@ def signature_stage(
     )
 
 
-def capture_stage(traceable: Traceable, options: Options) -> JointGraph:
+def capture_stage(
+    traceable: Traceable,
+    options: Options,
+    on_joint: Callable[[JointGraph], None] | None = None,
+) -> JointGraph:
     """Capture the joint graph (tensor subclass primals taken apart first: Note [Tensor
-    subclasses]), checked when ``options.check`` (Note [Stage checks])."""
+    subclasses]), shown to ``on_joint``, then checked when ``options.check`` (Note [Stage
+    checks])."""
     t = traceable
     flat, primals, body = desugar(t.flat, t.primals, t.body, t.dynamic_dims)
     joint = capture(
@@ -219,6 +224,8 @@ def capture_stage(traceable: Traceable, options: Options) -> JointGraph:
         effects=t.effects,
         fast=options.fast,
     )
+    if on_joint is not None:
+        on_joint(joint)
     if options.check:
         check_joint(joint)
     return joint
@@ -303,10 +310,7 @@ def capture_and_partition(
 ) -> Partitioned:
     """The capture and partition stages: what :func:`run` compiles, and what a report of a
     disk hit traces again without compiling (Note [Reports after a disk hit])."""
-    joint = capture_stage(traceable, options)
-    if on_joint is not None:
-        on_joint(joint)
-    return partition_stage(joint, options)
+    return partition_stage(capture_stage(traceable, options, on_joint), options)
 
 
 def run(

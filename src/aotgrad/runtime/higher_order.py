@@ -556,10 +556,18 @@ def capture_backward(
     def body(primals: list[torch.Tensor]) -> Iterator[Any]:
         yield tuple(_run_with_provenance(graph, primals, decomposed))
 
+    captured: list[JointGraph] = []  # the capture's errors are retried, the later ones not
+
+    def on_joint(joint: JointGraph) -> None:
+        _mark_order(joint.gm, order)
+        captured.append(joint)
+
     while True:
         try:
-            return driver(body, flat, list(values), graph, lambda j: _mark_order(j.gm, order))
+            return driver(body, flat, list(values), graph, on_joint)
         except (AotgradError, RuntimeError) as error:
+            if captured:
+                raise
             op = op_without_derivative(error, graph)
             rule = None if op is None or op in decomposed else decomposition_of(op)
             if rule is None:
