@@ -16,12 +16,12 @@ import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import MODULE_HOOKS, functorch_transforms_active, global_module_hooks
 from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
-from aotgrad.capture import Replay, TracerChoice, Watch, capturing
+from aotgrad.capture import Replay, TracerChoice, capturing
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
 from aotgrad.capture.input_aliases import memory_sharing
 from aotgrad.disk_cache import DiskCacheUse, HitCall
-from aotgrad.errors import CallError, CaptureError, StoreError, user_frame_of_function
+from aotgrad.errors import CallError, CaptureError, StoreError
 from aotgrad.partition import Partitioned, SavedValue
 from aotgrad.pipeline import (
     Options,
@@ -32,6 +32,7 @@ from aotgrad.pipeline import (
     options_of,
     run,
     signature_stage,
+    watch_of,
     with_option_keywords,
 )
 from aotgrad.report import SeqTable, memory_report, seq_table
@@ -355,7 +356,7 @@ def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: O
     arguments = module_arguments(call_target(fn), args, kwargs, leaves, structure, {})
     lifted = lifting.read(arguments)
     refuse_reached_wrappers(_reached(lifting, arguments))
-    watch = _watch(fn, arguments)
+    watch = watch_of(fn, arguments)
     dims = requested_dims(leaves, everything=options.dynamic)
     traceable = signature_stage(
         fn, call_target(fn), args, kwargs, lifting, lifted, dims=dims, effects=watch
@@ -370,13 +371,6 @@ def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: O
         _replay=watch.replay,
         _options=options,
     )
-
-
-def _watch(fn: Callable[..., Any], arguments: Arguments) -> Watch:
-    """What watches the user's objects while ``fn`` is captured (Note [Side effects replayed]):
-    the function (or module) and the modules among its arguments."""
-    root = "self" if isinstance(fn, torch.nn.Module) else "function"
-    return Watch([(root, fn), *arguments], where=user_frame_of_function(fn))
 
 
 def _sharing_text(sharing: tuple[Any, ...], descriptors: Sequence[Any]) -> str:
@@ -704,7 +698,7 @@ class AOTFunction:
         [Side effects replayed])."""
         refuse_reached_wrappers(_reached(self._state, call.arguments))
         # Dynamo's graphs store nothing: it replays side effects itself.
-        watch = _watch(self._fn, call.arguments) if self._read_environment else None
+        watch = watch_of(self._fn, call.arguments) if self._read_environment else None
         traceable = signature_stage(
             *(self._fn, self._target, call.args, call.kwargs, self._state, call.lifted),
             dims=dims,

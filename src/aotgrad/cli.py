@@ -67,12 +67,12 @@ def _run(options: argparse.Namespace) -> int:
         traced = trace(fn, *args, tracer=options.tracer, fast=fast, check=check, **kwargs)
         if options.json:
             _emit(json.dumps(show_document(traced.partitioned), indent=1))
-            return 0
-        if options.html:
+        elif options.html:
             traced.to_html(options.html)
             _emit(f"wrote {options.html}")
-            return 0
-        return _show(traced, fn, args, kwargs, check=not options.no_check)
+        else:
+            return _show(traced, fn, args, kwargs, check=not options.no_check)
+        return 0
     except AotgradError as e:  # the function cannot be captured: aotgrad's message says why
         print(f"aotgrad: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

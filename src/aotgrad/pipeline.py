@@ -135,15 +135,12 @@ def with_option_keywords(fn: Callable[..., Any]) -> None:
     kept = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
     names = {p.name for p in kept}
     keywords = [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_default(f))
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default)
         for f in dataclasses.fields(Options)
+        for default in [None if f.name in _FROM_ENVIRONMENT else f.default]
         if f.name not in names
     ]
     fn.__signature__ = inspect.Signature([*kept, *keywords])  # type: ignore[attr-defined]
-
-
-def _default(f: dataclasses.Field[Any]) -> Any:
-    return None if f.name in _FROM_ENVIRONMENT else f.default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,6 +194,13 @@ def signature_stage(
         effects=effects,
         where=user_frame_of_function(fn),
     )
+
+
+def watch_of(fn: object, arguments: Sequence[tuple[str, Any]] = ()) -> Watch:
+    """What watches the user's objects while ``fn`` is captured (Note [Side effects replayed]):
+    the function (or module) and the modules among its arguments."""
+    root = "self" if isinstance(fn, torch.nn.Module) else "function"
+    return Watch([(root, fn), *arguments], where=user_frame_of_function(fn))
 
 
 def capture_stage(

@@ -47,7 +47,7 @@ from aotgrad.errors import (
 )
 from aotgrad.optable import is_random
 from aotgrad.partition import Partitioned
-from aotgrad.pipeline import Options, run, signature_stage
+from aotgrad.pipeline import Options, run, signature_stage, watch_of
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.runtime.boxing import BoxedCall
 from aotgrad.runtime.function import Plan
@@ -114,10 +114,9 @@ def capture_body(
     row = [_example(t, with_grad and t.requires_grad) for t in x]
     args = (pytree.tree_unflatten(carry, carry_spec), pytree.tree_unflatten(row, x_spec))
     traceable = signature_stage(fn, carry_and_x, args, {}, state, lifted, dims=None)
-    root = "self" if isinstance(fn, torch.nn.Module) else "function"
     clone: frozenset[int] | None = None  # None: the first trace
     while True:
-        watch = Watch([(root, fn)], where=traceable.where)  # Note [Side effects replayed]
+        watch = watch_of(fn)  # Note [Side effects replayed]
         body = _checked(
             traceable.body, fn=fn, carry_spec=carry_spec, carry=carry, clone=clone or frozenset()
         )

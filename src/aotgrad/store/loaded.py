@@ -136,13 +136,7 @@ def load(
 class Loaded:
     """Graphs read from a file: call it like the ``Traced`` that saved them."""
 
-    def __init__(
-        self,
-        stored: Read,
-        module: torch.nn.Module | None,
-        options: Options | None = None,
-    ) -> None:
-        options = options or Options()
+    def __init__(self, stored: Read, module: torch.nn.Module | None, options: Options) -> None:
         self._stored = stored
         call = stored.call
         try:
