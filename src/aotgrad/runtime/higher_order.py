@@ -21,8 +21,11 @@ mask is read as saved, never drawn again::
 
     forward:  mask = bernoulli(empty_like(h)) / 0.7   # saved, a constant
               out  = tanh(h * mask)                   # saved, depends on h
-    G:        out  = tanh(h * saved mask)             # recomputed from h ``G`` is captured with aotgrad's own pipeline (capture, partition,
-the user's compilers) on demand, at the first ``create_graph`` backward of
+    G:        out  = tanh(h * saved mask)             # recomputed from h
+
+``G`` is captured with aotgrad's own driver (``aotgrad.pipeline.run``, under
+the first order's options: capture, save_all, the user's compilers) on
+demand, at the first ``create_graph`` backward of
 a specialization with these input kinds, and cached. Applying ``G``
 (itself a compiled autograd.Function) to the primals and cotangents
 connects the gradients to autograd; its own backward, under
