@@ -54,15 +54,13 @@ def switch(name: str, default: bool) -> bool:
     """An ``AOTGRAD_*`` on/off variable: 1/true/yes/on, 0/false/no/off; unset or empty: ``default``;
     else a ConfigError naming it and the values it takes."""
     text = os.environ.get(name, "").strip().lower()
-    if text in _ON or text in _OFF:
-        return text in _ON
-    if text:
+    if text and text not in _ON + _OFF:
         raise ConfigError(
             f"{name}={os.environ[name]!r} is neither on nor off: expected one of"
             f" {', '.join(_ON)} (on) or {', '.join(_OFF)} (off); unset, it is"
             f" {'on' if default else 'off'}"
         )
-    return default
+    return text in _ON if text else default
 
 
 @dataclass(frozen=True, kw_only=True)

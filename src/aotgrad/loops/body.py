@@ -127,16 +127,13 @@ def capture_body(
                     replace(traceable, body=body, effects=watch), options, checks
                 )
         except _Aliasing as aliasing:  # Note [Outputs that alias]
-            clone = aliasing.outputs
+            clone = aliasing.args[0]
             continue
         return _body_of(partitioned, compiled, lifted.tensors, len(init), len(x), options)
 
 
 class _Aliasing(Exception):
-    """The first trace found outputs that alias: trace again cloning them."""
-
-    def __init__(self, outputs: frozenset[int]) -> None:
-        self.outputs = outputs
+    """The first trace found outputs that alias (``args[0]``): trace again cloning them."""
 
 
 def _check_joint(fn: Callable[..., Any], watch: Watch, first: bool, joint: JointGraph) -> None:
