@@ -110,6 +110,7 @@ def test_fast_reads_the_environment(monkeypatch):
     assert not Options().fast
     assert Options(fast=True).fast  # the keyword wins
     assert not aotgrad.aot_function(lambda x: x, fast=None)._options.fast  # None: the variable's
+    assert not Options(fast=None).fast and Options(fast=None, check=None).check is False  # type: ignore[arg-type]
     monkeypatch.setenv("AOTGRAD_FAST", "maybe")
     with pytest.raises(ConfigError, match="AOTGRAD_FAST='maybe' is neither on nor off"):
         Options()

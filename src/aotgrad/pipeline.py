@@ -46,6 +46,8 @@ Decompositions = Mapping[Any, Callable[..., Any]]
 PartitionFn = Callable[[JointGraph], Partitioned]
 PartitionArg = Literal["save_all", "mincut"] | Budget | PartitionFn
 
+# Options whose default an environment variable gives (and None asks for): its name, default.
+_FROM_ENVIRONMENT = {"check": ("AOTGRAD_CHECKS", False), "fast": ("AOTGRAD_FAST", True)}
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
@@ -91,25 +93,25 @@ class Options:
     # Look specializations up in, and write them to, the disk cache (Note [The disk cache]).
     disk_cache: bool = True
     # Check each stage's artifact at capture (Note [Stage checks]); default: AOTGRAD_CHECKS=1.
-    check: bool = field(default_factory=lambda: switch("AOTGRAD_CHECKS", False))
+    check: bool = field(default_factory=lambda: switch(*_FROM_ENVIRONMENT["check"]))
     # Capture with aotgrad's fast path (the direct tracer and its fake-mode shortcuts);
     # False: PyTorch's stock fake mode and the full trace only. Default: on unless AOTGRAD_FAST=0.
-    fast: bool = field(default_factory=lambda: switch("AOTGRAD_FAST", True))
+    fast: bool = field(default_factory=lambda: switch(*_FROM_ENVIRONMENT["fast"]))
 
     def __post_init__(self) -> None:
+        for name, variable in _FROM_ENVIRONMENT.items():  # None: the variable's value
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, switch(*variable))
         check_tracer_choice(self.tracer)
         if self.tracer == "direct" and not self.fast:
             raise ValueError("tracer='direct' is the fast path, which fast=False turns off")
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
-# Options whose default the environment gives: None, passed to a frontend, means that default.
-_FROM_ENVIRONMENT = ("check", "fast")
 
 
 def options_of(given: Mapping[str, Any], where: str) -> Options:
-    """``Options(**given)``, ``check`` or ``fast`` None left to the environment; a keyword
-    ``Options`` lacks is a TypeError naming it.
+    """``Options(**given)``; a keyword ``Options`` lacks is a TypeError naming it.
 
     >>> options_of({"dynamc": True}, "aot_function")
     Traceback (most recent call last):
@@ -122,9 +124,7 @@ def options_of(given: Mapping[str, Any], where: str) -> Options:
             f"{where}() got an unexpected keyword argument {unknown[0]!r}; its options are"
             f" {', '.join(OPTION_NAMES)}"
         )
-    return Options(
-        **{k: v for k, v in given.items() if v is not None or k not in _FROM_ENVIRONMENT}
-    )
+    return Options(**given)
 
 
 def with_option_keywords(fn: Callable[..., Any]) -> None:
