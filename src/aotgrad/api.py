@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import MODULE_HOOKS, functorch_transforms_active, global_module_hooks
 from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
-from aotgrad.capture import Replay, TracerChoice, capturing
+from aotgrad.capture import Replay, TracerChoice, Watch, capturing
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
 from aotgrad.capture.input_aliases import memory_sharing
@@ -27,6 +27,7 @@ from aotgrad.pipeline import (
     Options,
     PartitionArg,
     PartitionFn,
+    Traceable,
     capture_and_partition,
     compile_stage,
     options_of,
@@ -680,22 +681,23 @@ class AOTFunction:
             call = _Call(
                 args=args, kwargs=kwargs, leaves=leaves, lifted=lifted, arguments=arguments
             )
-            partitioned, _, _ = self._capture(call, None, describe=True)
-        return partitioned
+            return capture_and_partition(self._traceable(call, None)[0], self._options)
 
     def _specialize(self, call: _Call, dims: DynamicDims | None) -> Entry:
-        compiled, positions, replay = self._capture(call, dims)
-        assert isinstance(compiled, CompiledGraphs) and compiled.partitioned is not None
-        self._partitioned, self._hit = compiled.partitioned, None
-        environ = compiled.partitioned.joint.environ  # Note [Environment read at capture]
-        return Entry(compiled=compiled, positions=positions, replay=replay, environ=environ)
+        traceable, watch = self._traceable(call, dims)
+        partitioned, compiled = run(traceable, self._options)
+        self._partitioned, self._hit = partitioned, None
+        flat, positions = traceable.flat, traceable.flat.tensor_positions
+        exact = not call.lifted.tensors and positions == tuple(range(len(flat.constants)))
+        return Entry(
+            compiled=compiled,
+            positions=None if exact else positions,  # Entry.positions
+            replay=None if watch is None else watch.replay,  # Note [Side effects replayed]
+            environ=partitioned.joint.environ,  # Note [Environment read at capture]
+        )
 
-    def _capture(
-        self, call: _Call, dims: DynamicDims | None, describe: bool = False
-    ) -> tuple[Any, tuple[int, ...] | None, Replay | None]:
-        """Trace one call: its graphs compiled (only partitioned, to ``describe`` them), its
-        graph inputs' leaf positions (``Entry.positions``) and the stores it replays (Note
-        [Side effects replayed])."""
+    def _traceable(self, call: _Call, dims: DynamicDims | None) -> tuple[Traceable, Watch | None]:
+        """One call as capture traces it, and what watches the user's objects meanwhile."""
         refuse_reached_wrappers(_reached(self._state, call.arguments))
         # Dynamo's graphs store nothing: it replays side effects itself.
         watch = watch_of(self._fn, call.arguments) if self._read_environment else None
@@ -705,14 +707,7 @@ class AOTFunction:
             names=self._input_names,
             effects=watch,
         )
-        if describe:
-            made: Any = capture_and_partition(traceable, self._options)
-        else:
-            _, made = run(traceable, self._options)
-        flat, replay = traceable.flat, watch.replay if watch is not None else None
-        positions = flat.tensor_positions
-        exact = not call.lifted.tensors and positions == tuple(range(len(flat.constants)))
-        return made, None if exact else positions, replay
+        return traceable, watch
 
 
 @dataclass(frozen=True, kw_only=True)
