@@ -95,7 +95,8 @@ class Options:
     # Check each stage's artifact at capture (Note [Stage checks]); default: AOTGRAD_CHECKS=1.
     check: bool = field(default_factory=lambda: switch(*_FROM_ENVIRONMENT["check"]))
     # Capture with aotgrad's fast path (the direct tracer and its fake-mode shortcuts);
-    # False: PyTorch's stock fake mode and the full trace only. Default: on unless AOTGRAD_FAST=0.
+    # False: PyTorch's stock fake mode and the full trace only. Default: on unless AOTGRAD_FAST=0
+    # (read, as AOTGRAD_CHECKS, when the options are made).
     fast: bool = field(default_factory=lambda: switch(*_FROM_ENVIRONMENT["fast"]))
 
     def __post_init__(self) -> None:
