@@ -228,8 +228,7 @@ def _exited(e: SystemExit) -> str:
     code = "None (0)" if e.code is None else repr(e.code)
     return (
         f"called sys.exit({code}){location}: a file for `aotgrad show` must not exit while it"
-        " is imported; put the script's own main part under"
-        ' `if __name__ == "__main__":`'
+        ' is imported; put the script\'s own main part under `if __name__ == "__main__":`'
     )
 
 
