@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("partition",),  # stage 3: forward and backward graphs
     ("runtime",),  # stage 4: the autograd.Function
     ("report",),  # tables and reports over the graphs
+    ("pipeline",),  # the stage sequence once: Options, the stages, the driver
     ("store",),  # graphs in files and the disk cache (docs/caching.md)
     ("cache", "compilers", "wrappers"),  # specializations and their keys; compilers users
     # pass; DDP and FSDP2 run around the graphs

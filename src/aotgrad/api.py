@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import os
 import pathlib
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,27 +14,31 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from aotgrad._torch_compat import functorch_transforms_active
+from aotgrad._torch_compat import MODULE_HOOKS, functorch_transforms_active, global_module_hooks
 from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
-from aotgrad.capture import (
-    Replay,
-    TracerChoice,
-    Watch,
-    capture,
-    capturing,
-    check_tracer_choice,
-)
+from aotgrad.capture import Replay, TracerChoice, Watch, capturing
 from aotgrad.capture.autocast import autocast_state
-from aotgrad.capture.checks import check_joint, checks_from_environment
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
 from aotgrad.capture.input_aliases import memory_sharing
-from aotgrad.disk_cache import DiskCacheUse, GraphOptions, HitCall
-from aotgrad.errors import CallError, CaptureError, StoreError, user_frame_of_function
-from aotgrad.partition import Partitioned, Policy, SavedValue, Strategy, partition
-from aotgrad.partition.checks import check_partitioned
+from aotgrad.disk_cache import DiskCacheUse, HitCall
+from aotgrad.errors import CallError, CaptureError, StoreError
+from aotgrad.partition import Partitioned, SavedValue
+from aotgrad.pipeline import (
+    Options,
+    PartitionArg,
+    PartitionFn,
+    Traceable,
+    capture_and_partition,
+    compile_stage,
+    options_of,
+    run,
+    signature_stage,
+    watch_of,
+    with_option_keywords,
+)
 from aotgrad.report import SeqTable, memory_report, seq_table
 from aotgrad.report.html import render_html
-from aotgrad.runtime import CompiledGraphs, compile_partitioned
+from aotgrad.runtime import CompiledGraphs
 from aotgrad.runtime.boxing import Compiler
 from aotgrad.runtime.transforms import (
     dual_positions,
@@ -46,11 +48,10 @@ from aotgrad.runtime.transforms import (
     split_duals,
     transform_active,
 )
-from aotgrad.signature import FlatInputs, Signature, flatten_inputs, leaf_names
-from aotgrad.signature.flatten import desugar, flatten_call
+from aotgrad.signature import Signature, leaf_names
+from aotgrad.signature.flatten import flatten_call
 from aotgrad.signature.lifting import (
     Arguments,
-    Body,
     Lifted,
     State,
     as_module,
@@ -59,10 +60,6 @@ from aotgrad.signature.lifting import (
 )
 from aotgrad.store.loaded import save_traced
 from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
-
-Decompositions = Mapping[Any, Callable[..., Any]]
-PartitionFn = Policy
-PartitionArg = Strategy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +95,8 @@ class Traced:
     _transform_runs: list[int] = field(default_factory=lambda: [0])
     # The stores in the user's objects done at every call (Note [Side effects replayed]).
     _replay: Replay | None = None
+    # The options it was traced with (a create_graph backward captures under them too).
+    _options: Options = field(default_factory=Options)
 
     @property
     def transform_runs(self) -> int:
@@ -166,10 +165,13 @@ class Traced:
         >>> traced.compile(aotgrad.compilers.nop)(torch.zeros(2))
         tensor([1., 1.])
         """
-        compiled = compile_partitioned(
-            self.partitioned, fw_compiler, bw_compiler, inference_compiler
+        options = replace(
+            self._options,
+            fw_compiler=fw_compiler,
+            bw_compiler=bw_compiler,
+            inference_compiler=inference_compiler,
         )
-        return replace(self, _compiled=compiled)
+        return replace(self, _compiled=compile_stage(self.partitioned, options))
 
     def seq_table(self) -> SeqTable:
         """Every op of the joint graph with its forward op's number and module (data; prints as a table)."""
@@ -312,6 +314,8 @@ def trace(
     partition: PartitionArg = "save_all",
     dynamic: bool = False,
     tracer: TracerChoice = "auto",
+    fast: bool | None = None,
+    check: bool | None = None,
     **kwargs: Any,
 ) -> Traced:
     """Capture the forward and backward graphs of ``fn(*args, **kwargs)`` on fake tensors.
@@ -323,7 +327,8 @@ def trace(
     Note [Partition policies]) chooses what the backward saves; the keyword is
     aotgrad's, not passed on to ``fn``. ``dynamic=True`` (or dimensions marked with
     ``aotgrad.dynamic``) traces symbolic sizes (Note [Dynamic shapes]), also reserved,
-    as is ``tracer`` ("auto", "direct" or "full": Note [Choosing a tracer]).
+    as are ``tracer`` ("auto", "direct" or "full": Note [Choosing a tracer]), ``fast``
+    (False: no fast path, as ``AOTGRAD_FAST=0``) and ``check`` (Note [Stage checks]).
 
     >>> import torch, aotgrad
     >>> def fn(carry, x):
@@ -335,20 +340,14 @@ def trace(
     >>> [str(d) for d in traced.signature.backward_outputs]
     ["grad of carry['a']", 'None']
     """
+    given = dict(partition=partition, dynamic=dynamic, tracer=tracer, fast=fast, check=check)
+    options = options_of(given, "trace")
     fn = as_module(fn)
     wrapping = wrapping_of(fn) if isinstance(fn, torch.nn.Module) else None
     if wrapping is None:
-        traced = _trace(
-            fn, args, kwargs, Options(partition=partition, dynamic=dynamic, tracer=tracer)
-        )
-        return replace(traced, _fn=fn)
+        return replace(_trace(fn, args, kwargs, options), _fn=fn)
     with wrapping.capturing():  # Note [Wrappers run around the graphs]
-        traced = _trace(
-            wrapping.inner,
-            args,
-            kwargs,
-            Options(partition=partition, dynamic=dynamic, tracer=tracer),
-        )
+        traced = _trace(wrapping.inner, args, kwargs, options)
     return replace(traced, _wrapping=wrapping, _state=State(wrapping.inner), _fn=fn)
 
 
@@ -358,32 +357,21 @@ def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: O
     arguments = module_arguments(call_target(fn), args, kwargs, leaves, structure, {})
     lifted = lifting.read(arguments)
     refuse_reached_wrappers(_reached(lifting, arguments))
-    flat, tensors = flatten_inputs(call_target(fn), args, kwargs, lifted.descriptors)
-    watch = _watch(fn, arguments)
-    partitioned = capture_and_partition(
-        fn=fn,
-        body=lifting.body(fn, lifted, flat),
-        flat=flat,
-        primals=[*lifted.tensors, *tensors],
-        options=options,
-        dynamic_dims=_by_tensor(tensors, requested_dims(tensors, everything=options.dynamic)),
-        effects=watch,
+    watch = watch_of(fn, arguments)
+    dims = requested_dims(leaves, everything=options.dynamic)
+    traceable = signature_stage(
+        fn, call_target(fn), args, kwargs, lifting, lifted, dims=dims, effects=watch
     )
+    partitioned, compiled = run(traceable, options)
     return Traced(
         partitioned=partitioned,
-        _compiled=compile_partitioned(partitioned),
+        _compiled=compiled,
         _lifted=lifted.tensors,
         _autocast=autocast_state(),
-        _sharing=memory_sharing([*lifted.tensors, *tensors]),
+        _sharing=memory_sharing(traceable.primals),
         _replay=watch.replay,
+        _options=options,
     )
-
-
-def _watch(fn: Callable[..., Any], arguments: Arguments) -> Watch:
-    """What watches the user's objects while ``fn`` is captured (Note [Side effects replayed]):
-    the function (or module) and the modules among its arguments."""
-    root = "self" if isinstance(fn, torch.nn.Module) else "function"
-    return Watch([(root, fn), *arguments], where=user_frame_of_function(fn))
 
 
 def _sharing_text(sharing: tuple[Any, ...], descriptors: Sequence[Any]) -> str:
@@ -419,14 +407,7 @@ def aot_function(
     bw_compiler: Compiler | None = None,
     *,
     partition_fn: PartitionFn | None = None,
-    decompositions: Decompositions | None = None,
-    inference_compiler: Compiler | None = None,
-    keep_inference_input_mutations: bool = False,
-    partition: PartitionArg = "save_all",
-    cache_limit: int = 8,
-    dynamic: bool = False,
-    tracer: TracerChoice = "auto",
-    disk_cache: bool = True,
+    **options: Any,
 ) -> AOTFunction:
     """Compile ``fn``'s forward and backward graphs with the given compilers.
 
@@ -441,6 +422,7 @@ def aot_function(
     "full") chooses how capture traces (Note [Choosing a tracer]). Specializations are
     also kept on disk across processes where a stable key exists (``disk_cache=False``
     or ``AOTGRAD_CACHE=0`` turns it off; Note [The disk cache], docs/caching.md).
+    The keyword options are the fields of :class:`aotgrad.pipeline.Options`.
 
     >>> import torch, aotgrad
     >>> f = aotgrad.aot_function(lambda x: x.sin().sum())
@@ -448,53 +430,10 @@ def aot_function(
     >>> f(x).backward(); torch.allclose(x.grad, torch.ones(3).cos())
     True
     """
-    options = Options(
-        fw_compiler=fw_compiler,
-        bw_compiler=bw_compiler,
-        inference_compiler=inference_compiler,
-        partition=partition_fn or partition,
-        decompositions=decompositions,
-        keep_inference_input_mutations=keep_inference_input_mutations,
-        cache_limit=cache_limit,
-        dynamic=dynamic,
-        tracer=tracer,
-        disk_cache=disk_cache,
-    )
-    return AOTFunction(fn, options)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Options:
-    """How an ``AOTFunction`` compiles: the arguments of ``aot_function``, in one place.
-
-    >>> Options(partition="mincut", dynamic=True).cache_limit
-    8
-    """
-
-    # Compile the forward graph, the backward graph, and the graph of a call without a
-    # backward (default: ``fw_compiler``); ``nop`` when None.
-    fw_compiler: Compiler | None = None
-    bw_compiler: Compiler | None = None
-    inference_compiler: Compiler | None = None
-    # What the backward saves: "save_all", "mincut", ``aotgrad.budget(x)``, or a callable.
-    partition: PartitionArg = "save_all"
-    # Decompositions to apply while tracing, on top of aotgrad's own.
-    decompositions: Decompositions | None = None
-    # Inference graphs write input mutations themselves (Note [Mutations kept in the graph]).
-    keep_inference_input_mutations: bool = False
-    # Past this many specializations, new ones run eagerly.
-    cache_limit: int = 8
-    # Every dimension of size > 1 of the call's tensors is dynamic (Note [Dynamic shapes]).
-    dynamic: bool = False
-    # Which tracer captures (Note [Choosing a tracer]).
-    tracer: TracerChoice = "auto"
-    # Look specializations up in, and write them to, the disk cache (Note [The disk cache]).
-    disk_cache: bool = True
-    # Check each stage's artifact at capture (Note [Stage checks]); default: AOTGRAD_CHECKS=1.
-    check: bool = field(default_factory=checks_from_environment)
-
-    def __post_init__(self) -> None:
-        check_tracer_choice(self.tracer)
+    if partition_fn is not None:
+        options["partition"] = partition_fn
+    given = dict(fw_compiler=fw_compiler, bw_compiler=bw_compiler, **options)
+    return AOTFunction(fn, options_of(given, "aot_function"))
 
 
 class AOTFunction:
@@ -517,7 +456,9 @@ class AOTFunction:
         fn = self._given = as_module(fn)
         # A DDP or FSDP2 wrapper runs around the graphs of its inner module (Note [Wrappers
         # run around the graphs]); Dynamo's graphs never hold one.
-        self._wrapping = _wrapping(fn) if read_environment else None
+        self._wrapping = (
+            wrapping_of(fn) if read_environment and isinstance(fn, torch.nn.Module) else None
+        )
         if self._wrapping is not None:
             fn = self._wrapping.inner
         # Per thread, inside the wrapper's call: run the graphs.
@@ -545,15 +486,7 @@ class AOTFunction:
             fn=fn,
             code_key=code_key,
             input_names=input_names,
-            enabled=options.disk_cache,
-            options=GraphOptions(
-                partition=options.partition,
-                decompositions=options.decompositions,
-                tracer=options.tracer,
-                dynamic=options.dynamic,
-                keep_inference_input_mutations=options.keep_inference_input_mutations,
-            ),
-            compilers=(options.fw_compiler, options.bw_compiler, options.inference_compiler),
+            options=options,
         )
         self._partitioned: Partitioned | None = None
         # The last call, when a disk hit served it: what its reports trace (Note [Reports
@@ -748,47 +681,33 @@ class AOTFunction:
             call = _Call(
                 args=args, kwargs=kwargs, leaves=leaves, lifted=lifted, arguments=arguments
             )
-            partitioned, _, _ = self._capture(call, None)
-        return partitioned
+            return capture_and_partition(self._traceable(call, None)[0], self._options)
 
     def _specialize(self, call: _Call, dims: DynamicDims | None) -> Entry:
-        options = self._options
-        partitioned, positions, replay = self._capture(call, dims)
+        traceable, watch = self._traceable(call, dims)
+        partitioned, compiled = run(traceable, self._options)
         self._partitioned, self._hit = partitioned, None
-        compiled = compile_partitioned(
-            partitioned, options.fw_compiler, options.bw_compiler, options.inference_compiler
+        flat, positions = traceable.flat, traceable.flat.tensor_positions
+        exact = not call.lifted.tensors and positions == tuple(range(len(flat.constants)))
+        return Entry(
+            compiled=compiled,
+            positions=None if exact else positions,  # Entry.positions
+            replay=None if watch is None else watch.replay,  # Note [Side effects replayed]
+            environ=partitioned.joint.environ,  # Note [Environment read at capture]
         )
-        environ = partitioned.joint.environ  # Note [Environment read at capture]
-        return Entry(compiled=compiled, positions=positions, replay=replay, environ=environ)
 
-    def _capture(
-        self, call: _Call, dims: DynamicDims | None
-    ) -> tuple[Partitioned, tuple[int, ...] | None, Replay | None]:
-        """Trace and partition one call: its graphs, its graph inputs' leaf positions
-        (``Entry.positions``) and the stores it replays (Note [Side effects replayed])."""
-        fn, state = self._fn, call.lifted.tensors
+    def _traceable(self, call: _Call, dims: DynamicDims | None) -> tuple[Traceable, Watch | None]:
+        """One call as capture traces it, and what watches the user's objects meanwhile."""
         refuse_reached_wrappers(_reached(self._state, call.arguments))
-        flat, tensors = flatten_inputs(
-            self._target, call.args, call.kwargs, call.lifted.descriptors
-        )
-        if self._input_names is not None:
-            flat = flat.renamed(self._input_names)
-        positions = flat.tensor_positions
-        tensor_dims = None if dims is None else tuple(dims[i] for i in positions)
         # Dynamo's graphs store nothing: it replays side effects itself.
-        watch = _watch(fn, call.arguments) if self._read_environment else None
-        partitioned = capture_and_partition(
-            fn=fn,
-            body=self._state.body(fn, call.lifted, flat),
-            flat=flat,
-            primals=[*state, *tensors],
-            options=self._options,
-            dynamic_dims=_by_tensor(tensors, tensor_dims),
+        watch = watch_of(self._fn, call.arguments) if self._read_environment else None
+        traceable = signature_stage(
+            *(self._fn, self._target, call.args, call.kwargs, self._state, call.lifted),
+            dims=dims,
+            names=self._input_names,
             effects=watch,
         )
-        exact = not state and positions == tuple(range(len(flat.constants)))
-        replay = watch.replay if watch is not None else None
-        return partitioned, None if exact else positions, replay
+        return traceable, watch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -808,19 +727,6 @@ def _reached(state: State, arguments: Arguments) -> list[tuple[str, Any]]:
     """The values a function reads besides its own module: closures, globals, module arguments."""
     roots = [(f"{root.kind.__name__.lower()} {root.name}", root.get()) for root in state.roots]
     return [*roots, *arguments]
-
-
-def _wrapping(fn: Callable[..., Any]) -> Wrapping | None:
-    return wrapping_of(fn) if isinstance(fn, torch.nn.Module) else None
-
-
-def _by_tensor(
-    tensors: Sequence[torch.Tensor], dims: DynamicDims | None
-) -> dict[int, tuple[int, ...]] | None:
-    """Dynamic dimensions by ``id`` of the tensor, as capture takes them; None when static."""
-    if dims is None or not any(dims):
-        return None
-    return {id(t): d for t, d in zip(tensors, dims, strict=True)}
 
 
 class AOTModule(torch.nn.Module):
@@ -848,9 +754,9 @@ class AOTModule(torch.nn.Module):
     # So the wrapper is called without ``nn.Module``'s hook machinery unless the user
     # registered hooks on the wrapper itself; then the global hooks must be absent.
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not any(getattr(self, name) for name in _HOOK_DICTS):
+        if not any(getattr(self, name) for name in MODULE_HOOKS):
             return self.compiled(*args, **kwargs)
-        if any(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOK_DICTS):
+        if any(global_module_hooks(name) for name in MODULE_HOOKS):
             raise CallError(
                 "hooks are registered both on the aot_module wrapper and globally"
                 " (register_module_forward_hook ...): the global ones would run twice, on the"
@@ -883,10 +789,6 @@ class AOTModule(torch.nn.Module):
         self.compiled.to_html(path, profile)
 
 
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_GLOBAL_HOOK_DICTS = tuple(f"_global{name}" for name in _HOOK_DICTS)
-
-
 def _rebuild_aot_module(module: torch.nn.Module, options: Options) -> AOTModule:
     return AOTModule(module, AOTFunction(module, options))
 
@@ -897,14 +799,7 @@ def aot_module(
     bw_compiler: Compiler | None = None,
     *,
     partition_fn: PartitionFn | None = None,
-    decompositions: Decompositions | None = None,
-    inference_compiler: Compiler | None = None,
-    keep_inference_input_mutations: bool = False,
-    partition: PartitionArg = "save_all",
-    cache_limit: int = 8,
-    dynamic: bool = False,
-    tracer: TracerChoice = "auto",
-    disk_cache: bool = True,
+    **options: Any,
 ) -> AOTModule:
     """``aot_function`` for an ``nn.Module``: parameters and buffers become graph inputs.
 
@@ -918,85 +813,11 @@ def aot_module(
     >>> model.orig_module.weight.grad.shape
     torch.Size([2, 3])
     """
-    compiled = aot_function(
-        module,
-        fw_compiler,
-        bw_compiler,
-        partition_fn=partition_fn,
-        decompositions=decompositions,
-        inference_compiler=inference_compiler,
-        keep_inference_input_mutations=keep_inference_input_mutations,
-        partition=partition,
-        cache_limit=cache_limit,
-        dynamic=dynamic,
-        tracer=tracer,
-        disk_cache=disk_cache,
-    )
-    return AOTModule(module, compiled)
+    if partition_fn is not None:
+        options["partition"] = partition_fn
+    given = dict(fw_compiler=fw_compiler, bw_compiler=bw_compiler, **options)
+    return AOTModule(module, AOTFunction(module, options_of(given, "aot_module")))
 
 
-# Note [No garbage collection during capture]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A capture allocates some 10^5 short-lived Python objects (fake tensors, fx
-# nodes, dispatch keys), and CPython's collector runs a generation-2 pass, which
-# walks every object in the process (torch alone brings ~10^6), each time enough
-# survivors pile up. On the first capture of gpt4 that was 2 full passes and
-# ~200 young ones: 0.39 s of a 2.8 s capture, for garbage that is mostly freed
-# by reference counting anyway. The collector is paused while one capture runs
-# and resumed as it was; cycles made meanwhile are collected by its next pass.
-# (``torch.distributed.checkpoint`` does the same around its state-dict walks.)
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector for one capture (Note [No garbage collection during capture])."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-@_collector_paused()
-def capture_and_partition(
-    *,
-    fn: Callable[..., Any],
-    body: Body,
-    flat: FlatInputs,
-    primals: list[torch.Tensor],
-    options: Options,
-    dynamic_dims: Mapping[int, Sequence[int]] | None,
-    effects: Watch | None = None,
-) -> Partitioned:
-    """Capture ``body`` on ``primals`` and partition it as ``options`` say.
-
-    ``dynamic_dims``: the symbolic dimensions by ``id`` of the primal (Note [Dynamic shapes]).
-    ``effects``: watches the user's objects (Note [Side effects replayed]).
-    Tensor subclass primals are taken apart first (Note [Tensor subclasses]).
-    """
-    flat, primals, body = desugar(flat, primals, body, dynamic_dims)
-    # Under no_grad too: an enable_grad() region inside the function makes outputs that
-    # require grad (Note [Grad mode regions]); the trace tells, from the outputs.
-    with_backward = any(p.requires_grad for p in primals)
-    joint = capture(
-        body,
-        flat,
-        primals,
-        with_backward=with_backward,
-        decompositions=options.decompositions,
-        where=user_frame_of_function(fn),
-        root=fn,
-        dynamic_dims=dynamic_dims,
-        tracer=options.tracer,
-        effects=effects,
-    )
-    if options.check:
-        check_joint(joint)
-    partitioned = partition(
-        joint, options.partition, keep_input_mutations=options.keep_inference_input_mutations
-    )
-    if options.check:
-        check_partitioned(partitioned)
-    return partitioned
+with_option_keywords(aot_function)
+with_option_keywords(aot_module)

@@ -18,8 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from aotgrad.api import trace
-from aotgrad.capture import TracerChoice
+from aotgrad.api import Traced, trace
 from aotgrad.errors import AotgradError, user_frame_from_traceback
 from aotgrad.report import show_document
 from aotgrad.testing import verify
@@ -33,10 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument(
         "--inputs", default="example_inputs", help="function returning (args, kwargs)"
     )
-    show.add_argument("--no-check", action="store_true", help="skip the comparison with eager")
-    show.add_argument(
-        "--json", action="store_true", help="print one JSON document (schema aotgrad.show/2)"
-    )
+    for flag, about in {
+        "--no-check": "skip the comparison with eager",
+        "--json": "print one JSON document (schema aotgrad.show/2)",
+        "--no-fast": "capture with PyTorch's stock fake mode, full trace only (AOTGRAD_FAST=0)",
+        "--check": "check each stage's graphs (Note [Stage checks]; AOTGRAD_CHECKS=1)",
+    }.items():
+        show.add_argument(flag, action="store_true", help=about)
     show.add_argument(
         "--html", metavar="OUT.html", help="write one self-contained HTML report to this file"
     )
@@ -60,16 +62,17 @@ def _run(options: argparse.Namespace) -> int:
     except LoadError as e:
         print(f"aotgrad: {e}", file=sys.stderr)
         return 2
+    fast, check = (False if options.no_fast else None), (True if options.check else None)
     try:
+        traced = trace(fn, *args, tracer=options.tracer, fast=fast, check=check, **kwargs)
         if options.json:
-            traced = trace(fn, *args, tracer=options.tracer, **kwargs)
             _emit(json.dumps(show_document(traced.partitioned), indent=1))
-            return 0
-        if options.html:
-            trace(fn, *args, tracer=options.tracer, **kwargs).to_html(options.html)
+        elif options.html:
+            traced.to_html(options.html)
             _emit(f"wrote {options.html}")
-            return 0
-        return _show(fn, args, kwargs, check=not options.no_check, tracer=options.tracer)
+        else:
+            return _show(traced, fn, args, kwargs, check=not options.no_check)
+        return 0
     except AotgradError as e:  # the function cannot be captured: aotgrad's message says why
         print(f"aotgrad: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -116,10 +119,7 @@ def _quiet_exit_on_closed_stdout() -> int:
     return _SIGPIPE_EXIT
 
 
-def _show(
-    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], check: bool, tracer: TracerChoice
-) -> int:
-    traced = trace(fn, *args, tracer=tracer, **kwargs)
+def _show(traced: Traced, fn: Any, args: Any, kwargs: Any, check: bool) -> int:
     _emit("=== tracer ===")
     _emit(str(traced.partitioned.joint.tracer), end="\n\n")
     _emit("=== forward graph ===")
@@ -228,8 +228,7 @@ def _exited(e: SystemExit) -> str:
     code = "None (0)" if e.code is None else repr(e.code)
     return (
         f"called sys.exit({code}){location}: a file for `aotgrad show` must not exit while it"
-        " is imported; put the script's own main part under"
-        ' `if __name__ == "__main__":`'
+        ' is imported; put the script\'s own main part under `if __name__ == "__main__":`'
     )
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from aotgrad.cache import CacheInfo, CacheKey, Entry
-from aotgrad.runtime.boxing import Compiler
+from aotgrad.pipeline import Options
 from aotgrad.store.disk import disk_cache
 from aotgrad.store.keys import Unkeyable
 from aotgrad.store.persist import (
@@ -29,28 +29,12 @@ from aotgrad.store.persist import (
     store_graphs,
 )
 
-Compilers = tuple[Compiler | None, Compiler | None, Compiler | None]
-
-
-@dataclass(frozen=True, kw_only=True)
-class GraphOptions:
-    """The options of an ``AOTFunction`` that change its graphs (the compilers do not)."""
-
-    partition: Any
-    decompositions: Any
-    tracer: str
-    dynamic: bool
-    keep_inference_input_mutations: bool
-
 
 class DiskCacheUse:
     """Where one compiled function's specializations sit in the disk cache.
 
     >>> use = DiskCacheUse(
-    ...     fn=lambda x: x, code_key=None, input_names=None, enabled=False,
-    ...     options=GraphOptions(partition="save_all", decompositions=None, tracer="auto",
-    ...                          dynamic=False, keep_inference_input_mutations=False),
-    ...     compilers=(None, None, None))
+    ...     fn=lambda x: x, code_key=None, input_names=None, options=Options(disk_cache=False))
     >>> info = CacheInfo()
     >>> use.slot(None, info, wrapped=False) is None, info.disk_skipped
     (True, 'disk_cache=False')
@@ -62,23 +46,20 @@ class DiskCacheUse:
         fn: Callable[..., Any],
         code_key: tuple[Any, set[str]] | None,
         input_names: Sequence[str] | None,
-        enabled: bool,
-        options: GraphOptions,
-        compilers: Compilers,
+        options: Options,
     ) -> None:
         self._fn = fn
         # The code a trace runs, as the key holds it (Note [Disk cache keys]): given by the
         # caller (Dynamo's graph), else read from ``fn`` on the first miss.
         self._code = code_key
         self._names = list(input_names or ())
-        self._enabled = enabled
+        # The options that change the graphs are in the key; the compilers run on load.
         self._options = options
-        self._compilers = compilers
 
     def slot(self, key: CacheKey, info: CacheInfo, *, wrapped: bool) -> EntryKey | None:
         """Where this miss's graphs sit on disk; None (and why, in ``info``) when not cached."""
         info.disk_skipped = None
-        if not self._enabled:
+        if not self._options.disk_cache:
             info.disk_skipped = "disk_cache=False"
             return None
         if key.dynamic_dims is not None or wrapped:
@@ -103,25 +84,15 @@ class DiskCacheUse:
                 code=self._code,
                 call=key,
                 names=self._names,
-                options=self._options_text(),
+                options=options_text(self._options),
             )
         except (Unkeyable, OSError) as e:
             info.disk_skipped = str(e)
             return None
 
-    def _options_text(self) -> Any:
-        options = self._options
-        return options_text(
-            partition=options.partition,
-            decompositions=options.decompositions,
-            tracer=options.tracer,
-            dynamic=options.dynamic,
-            keep_mutations=options.keep_inference_input_mutations,
-        )
-
     def load(self, slot: EntryKey, info: CacheInfo) -> Entry | None:
         """The entry stored at ``slot``, compiled; None (a disk miss) when absent or unreadable."""
-        found = load_graphs(slot, self._compilers)
+        found = load_graphs(slot, self._options)
         if found is None:
             info.disk_misses += 1
             return None

@@ -25,8 +25,9 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
 from aotgrad._torch_compat import DYNAMO_EXAMPLE_VALUE, DYNAMO_GRAPH_ARG
-from aotgrad.api import AOTFunction, Options, PartitionArg
+from aotgrad.api import AOTFunction
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
+from aotgrad.pipeline import options_of, with_option_keywords
 from aotgrad.runtime.boxing import Compiler
 from aotgrad.store.keys import Unkeyable, stable_text
 
@@ -40,19 +41,11 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 def backend(
     fw_compiler: Compiler | None = None,
     bw_compiler: Compiler | None = None,
-    *,
-    partition: PartitionArg = "save_all",
-    inference_compiler: Compiler | None = None,
-    cache_limit: int = 8,
+    **options: Any,
 ) -> Callable[[fx.GraphModule, list[Any]], Any]:
-    """A Dynamo backend running aotgrad with these compilers and this partition."""
-    options = Options(
-        fw_compiler=fw_compiler,
-        bw_compiler=bw_compiler,
-        inference_compiler=inference_compiler,
-        partition=partition,
-        cache_limit=cache_limit,
-    )
+    """A Dynamo backend running aotgrad with these compilers and options (``aot_function``'s)."""
+    given = dict(fw_compiler=fw_compiler, bw_compiler=bw_compiler, **options)
+    chosen = options_of(given, "backend")
 
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -67,7 +60,7 @@ def backend(
         dims = tuple(_symbolic_dims(placeholders[i]) if i in tensors else () for i in inputs)
         compiled = AOTFunction(
             body,
-            options,
+            chosen,
             input_names=names,
             # Dynamo guards and lifts what the frame reads itself: read only the arguments.
             read_environment=False,
@@ -80,6 +73,9 @@ def backend(
         return compiled
 
     return compile_graph
+
+
+with_option_keywords(backend)
 
 
 def graph_key(gm: fx.GraphModule) -> tuple[Any, set[str]] | None:

@@ -141,6 +141,7 @@ def capture(
     dynamic_dims: Mapping[int, Sequence[int]] | None = None,
     tracer: TracerChoice = "auto",
     effects: Watch | None = None,
+    fast: bool = True,
 ) -> JointGraph:
     """Trace ``body(primals)`` and, if ``with_backward``, its backward, into a :class:`JointGraph`.
 
@@ -152,13 +153,16 @@ def capture(
     ``tracer`` chooses the tracer (Note [Choosing a tracer]); the result's
     ``tracer`` field says which one made the graph. ``effects`` watches the user's
     objects for tensors the function stores there (Note [Side effects replayed]).
+    ``fast=False`` captures without the fast path: the full trace only.
     """
+    if not fast and check_tracer_choice(tracer) == "direct":
+        raise ValueError("tracer='direct' is the fast path, which fast=False turns off")
     options = TraceOptions(
         with_backward=with_backward,
         decompositions=faithful_decompositions(decompositions),
         where=where,
         dynamic_dims=dynamic_dims,
-        tracer=check_tracer_choice(tracer),
+        tracer=check_tracer_choice(tracer) if fast else "full",
         effects=effects,
     )
     label = root if root is not None else body

@@ -6,7 +6,6 @@ partition's checker too (``partition/checks.py``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -16,17 +15,18 @@ import torch.utils._pytree as pytree
 from aotgrad._torch_compat import FakeTensor, FunctionalTensor
 from aotgrad.capture.collectives import COLLECTIVE_KEY
 from aotgrad.capture.graph import JointGraph
-from aotgrad.errors import ConfigError, InvariantError
+from aotgrad.errors import InvariantError
 from aotgrad.signature.printing import DESC_KEY
 
 # Note [Stage checks]
 # ~~~~~~~~~~~~~~~~~~~
 # With ``check=True`` on the options (default: the environment variable
 # ``AOTGRAD_CHECKS=1``, read when the options are made, i.e. once per call of
-# a frontend), capture walks its artifact at each stage boundary, as JAX's
+# a frontend), the pipeline (``aotgrad.pipeline``) walks each stage's artifact
+# at its boundary, as JAX's
 # ``check_jaxpr`` does after a pass. The per-call fast path runs no check: the
 # checks run when a specialization is captured (the create_graph backward's
-# capture reads ``AOTGRAD_CHECKS`` itself). Compilation has no check of its
+# capture too, under its first order's options). Compilation has no check of its
 # own: it hands the checked graphs to the user's compilers as they are. A
 # broken invariant is an aotgrad bug and raises ``InvariantError``, naming the
 # stage, the node and the invariant. The invariants, after capture (the
@@ -62,20 +62,6 @@ from aotgrad.signature.printing import DESC_KEY
 #
 #   aotgrad check after partition: forward graph, output node output: signature:
 #   expected 4 output descriptors, got 3. This is an aotgrad bug ...
-
-_ON = ("1", "true", "yes", "on")
-_OFF = ("", "0", "false", "no", "off")
-
-
-def checks_from_environment() -> bool:
-    """``AOTGRAD_CHECKS``: on when it is 1/true/yes/on, off when unset or 0/false/no/off."""
-    text = os.environ.get("AOTGRAD_CHECKS", "").strip().lower()
-    if text not in _ON + _OFF:
-        raise ConfigError(
-            f"AOTGRAD_CHECKS={os.environ['AOTGRAD_CHECKS']!r} is neither on nor off: expected"
-            f" one of {', '.join(_ON)} (on) or {', '.join(_OFF[1:])} (off, the default)"
-        )
-    return text in _ON
 
 
 def check_joint(joint: JointGraph) -> None:
@@ -189,4 +175,4 @@ def fail(stage: str, node: str, invariant: str, expected: str, got: str) -> NoRe
     raise InvariantError(stage, node, invariant, expected, got)
 
 
-__all__ = ["check_graph", "check_joint", "checks_from_environment", "fail"]
+__all__ = ["check_graph", "check_joint", "fail"]

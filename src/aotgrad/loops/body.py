@@ -30,14 +30,14 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from aotgrad.api import Options, Traced, capture_and_partition
-from aotgrad.capture import TensorOutput, Watch
+from aotgrad.api import Traced
+from aotgrad.capture import JointGraph, TensorOutput, Watch
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.errors import (
     ScanError,
@@ -47,10 +47,10 @@ from aotgrad.errors import (
 )
 from aotgrad.optable import is_random
 from aotgrad.partition import Partitioned
-from aotgrad.runtime import compile_partitioned
-from aotgrad.runtime.boxing import BoxedCall, Compiler, compile_boxed
+from aotgrad.pipeline import Options, run, signature_stage, watch_of
+from aotgrad.runtime import CompiledGraphs
+from aotgrad.runtime.boxing import BoxedCall
 from aotgrad.runtime.function import Plan
-from aotgrad.signature import flatten_inputs
 from aotgrad.signature.lifting import Body, Lifted, State
 
 
@@ -110,70 +110,50 @@ def capture_body(
     with_grad: bool,
 ) -> ScanBody:
     """Trace ``fn`` on one iteration's values; trace again cloning outputs that alias."""
-    capture = functools.partial(
-        _capture,
-        fn=fn,
-        state=state,
-        lifted=lifted,
-        init=init,
-        carry_spec=carry_spec,
-        x=x,
-        x_spec=x_spec,
-        options=options,
-        with_grad=with_grad,
-    )
-    partitioned, lifted_tensors = capture(clone=frozenset())
-    aliasing = _aliasing_outputs(partitioned)
-    if aliasing:  # Note [Outputs that alias]
-        partitioned, lifted_tensors = capture(clone=aliasing)
-    _check_no_mutation(fn, partitioned)
-    return _body_of(partitioned, lifted_tensors, len(init), len(x), options)
-
-
-def _capture(
-    *,
-    fn: Callable[..., Any],
-    state: State,
-    lifted: Lifted,
-    init: Sequence[torch.Tensor],
-    carry_spec: pytree.TreeSpec,
-    x: Sequence[torch.Tensor],
-    x_spec: pytree.TreeSpec,
-    options: Options,
-    with_grad: bool,
-    clone: frozenset[int],
-) -> tuple[Partitioned, tuple[torch.Tensor, ...]]:
     carry = [_example(t, with_grad and _differentiable(t)) for t in init]
     row = [_example(t, with_grad and t.requires_grad) for t in x]
     args = (pytree.tree_unflatten(carry, carry_spec), pytree.tree_unflatten(row, x_spec))
-    flat, tensors = flatten_inputs(carry_and_x, args, {}, lifted.descriptors)
-    inner = state.body(fn, lifted, flat)
-    body = _checked(inner, fn=fn, carry_spec=carry_spec, carry=carry, clone=clone)
-    where = user_frame_of_function(fn)
-    root = "self" if isinstance(fn, torch.nn.Module) else "function"
-    watch = Watch([(root, fn)], where=where)  # Note [Side effects replayed]
-    with torch.set_grad_enabled(with_grad):
-        partitioned = capture_and_partition(
-            fn=fn,
-            body=body,
-            flat=flat,
-            primals=[*lifted.tensors, *tensors],
-            options=options,
-            dynamic_dims=None,
-            effects=watch,
+    traceable = signature_stage(fn, carry_and_x, args, {}, state, lifted, dims=None)
+    clone: frozenset[int] | None = None  # None: the first trace
+    while True:
+        watch = watch_of(fn)  # Note [Side effects replayed]
+        body = _checked(
+            traceable.body, fn=fn, carry_spec=carry_spec, carry=carry, clone=clone or frozenset()
         )
+        checks = functools.partial(_check_joint, fn, watch, clone is None)
+        try:
+            with torch.set_grad_enabled(with_grad):
+                partitioned, compiled = run(
+                    replace(traceable, body=body, effects=watch), options, checks
+                )
+        except _Aliasing as aliasing:  # Note [Outputs that alias]
+            clone = aliasing.args[0]
+            continue
+        return _body_of(partitioned, compiled, lifted.tensors, len(init), len(x), options)
+
+
+class _Aliasing(Exception):
+    """The first trace found outputs that alias (``args[0]``): trace again cloning them."""
+
+
+def _check_joint(fn: Callable[..., Any], watch: Watch, first: bool, joint: JointGraph) -> None:
+    """Refuse what a scan body cannot do; ``_Aliasing`` when the first trace must be done
+    again (Note [Outputs that alias])."""
     if watch.replay is not None:
         stores = ", ".join(str(d) for d in watch.replay.descriptors)
         raise UnsupportedSideEffectError(
             format_error(
                 f"the scan body stores tensors in the user's objects ({stores}); a scan runs"
                 " its graphs once per step and cannot store each step's value there",
-                where,
+                user_frame_of_function(fn),
                 "Return those tensors among the body's ys (scan stacks them), or store them"
                 " outside the body.",
             )
         )
-    return partitioned, lifted.tensors
+    aliasing = _aliasing_outputs(joint) if first else None
+    if aliasing:
+        raise _Aliasing(aliasing)
+    _check_no_mutation(fn, joint)
 
 
 def _example(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -280,9 +260,8 @@ def _check_carry_leaf(k: int, old: Any, new: Any, fn: Callable[..., Any]) -> Non
 #
 #     def fn(carry, x): return carry, carry * x      # output[0] aliases carry
 #     traced again as:  return carry.clone(), carry * x
-def _aliasing_outputs(partitioned: Partitioned) -> frozenset[int]:
+def _aliasing_outputs(joint: JointGraph) -> frozenset[int]:
     """Positions, among the result's leaves, of outputs that alias an input or another output."""
-    joint = partitioned.joint
     return frozenset(
         k
         for k, leaf in enumerate(joint.leaves)
@@ -290,8 +269,7 @@ def _aliasing_outputs(partitioned: Partitioned) -> frozenset[int]:
     )
 
 
-def _check_no_mutation(fn: Callable[..., Any], partitioned: Partitioned) -> None:
-    joint = partitioned.joint
+def _check_no_mutation(fn: Callable[..., Any], joint: JointGraph) -> None:
     if joint.mutations or joint.member_mutations or joint.input_bases:
         names = (
             ", ".join(str(joint.graph_inputs[m.index]) for m in joint.mutations)
@@ -309,6 +287,7 @@ def _check_no_mutation(fn: Callable[..., Any], partitioned: Partitioned) -> None
 
 def _body_of(
     partitioned: Partitioned,
+    compiled: CompiledGraphs,
     lifted: tuple[torch.Tensor, ...],
     num_carry: int,
     num_x: int,
@@ -319,14 +298,17 @@ def _body_of(
     tensor_outputs = range(outputs.start, outputs.stop)
     forward_outputs = next(iter(reversed(partitioned.forward.graph.nodes))).args[0]
     y_positions = tuple(tensor_outputs[num_carry:])
-    compiled = compile_partitioned(partitioned)
     traced = Traced(
-        partitioned=partitioned, _compiled=compiled, _lifted=lifted, _autocast=autocast_state()
+        partitioned=partitioned,
+        _compiled=compiled,
+        _lifted=lifted,
+        _autocast=autocast_state(),
+        _options=options,
     )
     return ScanBody(
         traced=traced,
-        forward=_compiled_forward(partitioned, options.fw_compiler),
-        backward=_compiled_backward(partitioned, options.bw_compiler or options.fw_compiler),
+        forward=compiled.forward,
+        backward=compiled.backward,
         plan=compiled.plan,
         num_lifted=len(lifted),
         num_carry=num_carry,
@@ -351,17 +333,3 @@ def _meta(val: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
 
 def _owner(output: int, num_carry: int) -> tuple[str, int]:
     return ("carry", output) if output < num_carry else ("y", output - num_carry)
-
-
-def _compiled_forward(partitioned: Partitioned, compiler: Compiler | None) -> BoxedCall:
-    return compile_boxed(compiler, partitioned.forward, _examples(partitioned.forward))
-
-
-def _compiled_backward(partitioned: Partitioned, compiler: Compiler | None) -> BoxedCall | None:
-    if partitioned.backward is None:
-        return None
-    return compile_boxed(compiler, partitioned.backward, _examples(partitioned.backward))
-
-
-def _examples(gm: torch.fx.GraphModule) -> list[Any]:
-    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]

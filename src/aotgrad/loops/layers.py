@@ -32,20 +32,17 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from aotgrad.api import PartitionArg
 from aotgrad.errors import ScanError
 from aotgrad.loops.loop import ScanFunction
-from aotgrad.runtime.boxing import Compiler
+from aotgrad.pipeline import Options, options_of, with_option_keywords
 
 
 def scan_layers(
     layers: Sequence[nn.Module],
     x: Any,
     *,
-    partition: PartitionArg = "save_all",
     checkpoint: bool = False,
-    fw_compiler: Compiler | None = None,
-    bw_compiler: Compiler | None = None,
+    **options: Any,
 ) -> Any:
     """``x`` through every layer in turn, as one scan over the layers' parameters.
 
@@ -65,13 +62,7 @@ def scan_layers(
     torch.Size([4, 4])
     """
     layers = list(layers)
-    run = scan_layers_function(
-        layers,
-        partition=partition,
-        checkpoint=checkpoint,
-        fw_compiler=fw_compiler,
-        bw_compiler=bw_compiler,
-    )
+    run = scan_layers_function(layers, checkpoint=checkpoint, **options)
     read = [_Layer.of(layer) for layer in layers]
     _check_alike(layers, read)
     carry, _ = run.over_rows(x, [layer.row for layer in read])
@@ -79,12 +70,7 @@ def scan_layers(
 
 
 def scan_layers_function(
-    layers: Sequence[nn.Module],
-    *,
-    partition: PartitionArg = "save_all",
-    checkpoint: bool = False,
-    fw_compiler: Compiler | None = None,
-    bw_compiler: Compiler | None = None,
+    layers: Sequence[nn.Module], *, checkpoint: bool = False, **options: Any
 ) -> ScanFunction:
     """The :class:`ScanFunction` :func:`scan_layers` runs for ``layers`` with these options.
 
@@ -101,7 +87,7 @@ def scan_layers_function(
     layers = list(layers)
     if not layers:
         raise ScanError("scan_layers got no layers\npass at least one layer")
-    return _runner(layers[0], (partition, checkpoint, fw_compiler, bw_compiler))
+    return _runner(layers[0], checkpoint, options_of(options, "scan_layers"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,19 +162,20 @@ _RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[Any, ScanFunction]] = (
 )
 
 
-def _runner(first: nn.Module, options: tuple[Any, ...]) -> ScanFunction:
+def _runner(first: nn.Module, checkpoint: bool, options: Options) -> ScanFunction:
     """One ``ScanFunction`` per layer 0, options and mode, kept while layer 0 lives."""
-    partition, checkpoint, fw_compiler, bw_compiler = options
-    by_key = _RUNNERS.setdefault(first, {})
-    key = (first.training, *options)
-    run = by_key.get(key)
-    if run is None:
-        run = by_key[key] = ScanFunction(
-            _LayerBody(first),
-            partition=partition,
-            checkpoint=checkpoint,
-            fw_compiler=fw_compiler,
-            bw_compiler=bw_compiler,
-            read_environment=False,  # every tensor comes in through xs
-        )
-    return run
+
+    def make() -> ScanFunction:  # every tensor comes in through xs: read nothing else
+        body = _LayerBody(first)
+        return ScanFunction(body, checkpoint=checkpoint, read_environment=False, options=options)
+
+    key = (first.training, checkpoint, options)
+    try:
+        by_key = _RUNNERS.setdefault(first, {})
+        return by_key.get(key) or by_key.setdefault(key, make())
+    except TypeError:  # unhashable options: no reuse
+        return make()
+
+
+with_option_keywords(scan_layers)
+with_option_keywords(scan_layers_function)

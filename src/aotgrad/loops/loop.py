@@ -29,13 +29,13 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from aotgrad.api import Options, PartitionArg, Traced
+from aotgrad.api import Traced
 from aotgrad.cache import ambient_key
 from aotgrad.capture import capturing
 from aotgrad.capture.autocast import any_autocast, autocast_off
 from aotgrad.errors import DoubleBackwardError, ScanError
 from aotgrad.loops.body import ScanBody, capture_body
-from aotgrad.runtime.boxing import Compiler
+from aotgrad.pipeline import Options, options_of, with_option_keywords
 from aotgrad.runtime.function import reached_grads, with_zeros
 from aotgrad.runtime.transforms import transform_active
 from aotgrad.signature.lifting import NOTHING, Lifted, State, as_module
@@ -68,17 +68,15 @@ class ScanFunction:
         self,
         fn: Callable[..., Any],
         *,
-        partition: PartitionArg = "save_all",
         checkpoint: bool = False,
-        fw_compiler: Compiler | None = None,
-        bw_compiler: Compiler | None = None,
         read_environment: bool = True,
+        options: Options | None = None,
+        **keywords: Any,
     ) -> None:
+        """``keywords``: ``aot_function``'s options (``partition``, ``fw_compiler``, ...)."""
         self._fn = as_module(fn)
         self._state = State(self._fn, read_environment)
-        self._options = Options(
-            partition=partition, fw_compiler=fw_compiler, bw_compiler=bw_compiler
-        )
+        self._options = options or options_of(keywords, "ScanFunction")
         self.checkpoint = checkpoint
         self._bodies: dict[Any, ScanBody] = {}
         self._last: ScanBody | None = None
@@ -546,12 +544,7 @@ _FUNCTIONS: weakref.WeakKeyDictionary[Any, dict[Any, ScanFunction]] = weakref.We
 
 
 def scan_function(
-    fn: Callable[..., Any],
-    *,
-    partition: PartitionArg = "save_all",
-    checkpoint: bool = False,
-    fw_compiler: Compiler | None = None,
-    bw_compiler: Compiler | None = None,
+    fn: Callable[..., Any], *, checkpoint: bool = False, **options: Any
 ) -> ScanFunction:
     """A reusable scan of ``fn(carry, x) -> (carry, y)``; see :class:`ScanFunction`.
 
@@ -569,7 +562,7 @@ def scan_function(
     >>> run.captures, aotgrad.scan_function(step, checkpoint=True) is run
     (1, True)
     """
-    return _function_for(fn, (partition, checkpoint, fw_compiler, bw_compiler))
+    return _function_for(fn, checkpoint, options_of(options, "scan_function"))
 
 
 @torch.compiler.disable
@@ -578,10 +571,8 @@ def scan(
     init: Any,
     xs: Any,
     *,
-    partition: PartitionArg = "save_all",
     checkpoint: bool = False,
-    fw_compiler: Compiler | None = None,
-    bw_compiler: Compiler | None = None,
+    **options: Any,
 ) -> tuple[Any, Any]:
     """``jax.lax.scan`` for PyTorch: ``(carry, ys)`` of ``fn(carry, x) -> (carry, y)`` over ``xs``.
 
@@ -592,8 +583,8 @@ def scan(
     structure, shapes and dtypes, whatever the length (kept per ``fn`` object:
     a new lambda each call captures again; :func:`scan_function` keeps it explicitly).
     ``checkpoint=True`` saves only each iteration's carry and recomputes the body in
-    the backward; ``partition`` ("save_all", "mincut", ``aotgrad.budget(x)``) applies
-    to the body.
+    the backward; ``partition`` ("save_all", "mincut", ``aotgrad.budget(x)``), the
+    compilers and ``aot_function``'s other options apply to the body.
 
     >>> import torch, aotgrad
     >>> w = torch.ones(3, 3, requires_grad=True)
@@ -606,31 +597,21 @@ def scan(
     >>> ys.sum().backward(); w.grad.shape
     torch.Size([3, 3])
     """
-    options = (partition, checkpoint, fw_compiler, bw_compiler)
-    run = _function_for(fn, options)
-    return run(init, xs)
+    return _function_for(fn, checkpoint, options_of(options, "scan"))(init, xs)
 
 
-def _function_for(fn: Callable[..., Any], options: tuple[Any, ...]) -> ScanFunction:
-    partition, checkpoint, fw_compiler, bw_compiler = options
-
+def _function_for(fn: Callable[..., Any], checkpoint: bool, options: Options) -> ScanFunction:
     def make() -> ScanFunction:
-        return ScanFunction(
-            fn,
-            partition=partition,
-            checkpoint=checkpoint,
-            fw_compiler=fw_compiler,
-            bw_compiler=bw_compiler,
-        )
+        return ScanFunction(fn, checkpoint=checkpoint, options=options)
 
-    try:
+    try:  # TypeError: fn not weakly referenceable, or unhashable options: no reuse
         by_options = _FUNCTIONS.setdefault(fn, {})
-    except TypeError:  # not weakly referenceable: nothing to keep it under
+        return by_options.get((checkpoint, options)) or by_options.setdefault(
+            (checkpoint, options), make()
+        )
+    except TypeError:
         return make()
-    try:
-        run = by_options.get(options)
-    except TypeError:  # unhashable options: no reuse
-        return make()
-    if run is None:
-        run = by_options[options] = make()
-    return run
+
+
+with_option_keywords(scan)
+with_option_keywords(scan_function)

@@ -16,7 +16,7 @@ from aotgrad.capture.autocast import autocast_off
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue
-from aotgrad.runtime.higher_order import HigherOrder, num_forward_inputs
+from aotgrad.runtime.higher_order import Driver, HigherOrder, num_forward_inputs
 from aotgrad.runtime.straight_line import Step
 from aotgrad.runtime.transforms import refuse_transforms_on
 from aotgrad.signature import Signature
@@ -24,6 +24,7 @@ from aotgrad.signature.subclasses import holds_flat_outputs, rebuild_outputs
 
 __all__ = [
     "CompiledGraphs",
+    "Driver",
     "HigherOrder",
     "Plan",
     "compile_graphs",
@@ -52,7 +53,8 @@ class CompiledGraphs:
             assert partitioned is not None
             plan = Plan.of(partitioned)
         self.plan = plan
-        self._forward = forward
+        # The compiled graphs, boxed calls as the compilers made them (a scan runs them).
+        self.forward, self.backward = forward, backward
         # The create_graph backward (Note [Differentiable backward]); None for loaded graphs.
         self.higher_order = higher_order if backward else None
         self._function = (
@@ -116,7 +118,7 @@ class CompiledGraphs:
         inputs = graph_inputs(primals, self._bases) if self._bases else primals
         if self._apply is None:
             with torch.no_grad(), autocast_off():  # Note [Autocast]
-                results = self._forward(list(inputs))
+                results = self.forward(list(inputs))
             returned = [results[i] for i in self.plan.returned]
         elif self._unreached:  # Note [Inputs no gradient reaches]
             returned = _apply_with_grad(self._apply, _cut(inputs, self._unreached))
@@ -198,42 +200,26 @@ def _apply_with_grad(apply: Callable[..., Any], inputs: Sequence[torch.Tensor]) 
 
 def compile_partitioned(
     partitioned: Partitioned,
-    fw_compiler: Compiler | None = None,
-    bw_compiler: Compiler | None = None,
-    inference_compiler: Compiler | None = None,
+    fw_compiler: Compiler | None,
+    bw_compiler: Compiler | None,
+    inference_compiler: Compiler | None,
+    *,
+    driver: Driver,
 ) -> CompiledGraphs:
     """Hand each graph to its compiler (``nop`` by default) and wire the results up.
 
-    Compilers receive ``(gm, example_inputs)`` with fake example inputs.
+    Compilers receive ``(gm, example_inputs)`` with fake example inputs. ``driver``
+    captures the create_graph backward (``aotgrad.pipeline.compile_stage`` gives it).
     """
     forward, backward = compile_graphs(
         partitioned.forward, partitioned.backward, fw_compiler, bw_compiler, inference_compiler
     )
     plan = Plan.of(partitioned)
-    return CompiledGraphs(
-        partitioned,
-        forward,
-        backward,
-        plan,
-        higher_order=_higher_order(partitioned, plan, fw_compiler, bw_compiler),
-    )
-
-
-def _higher_order(
-    partitioned: Partitioned,
-    plan: Plan,
-    fw_compiler: Compiler | None,
-    bw_compiler: Compiler | None,
-) -> HigherOrder | None:
-    if partitioned.backward is None:
-        return None
-    return higher_order_of(
-        partitioned.forward,
-        partitioned.backward,
-        partitioned.signature,
-        plan,
-        (fw_compiler, bw_compiler),
-    )
+    higher_order = None
+    if partitioned.backward is not None:
+        graphs = (partitioned.forward, partitioned.backward, partitioned.signature)
+        higher_order = higher_order_of(*graphs, plan, driver)
+    return CompiledGraphs(partitioned, forward, backward, plan, higher_order=higher_order)
 
 
 def higher_order_of(
@@ -241,7 +227,7 @@ def higher_order_of(
     backward: torch.fx.GraphModule | None,
     signature: Signature | None,
     plan: Plan,
-    compilers: tuple[Compiler | None, Compiler | None],
+    driver: Driver,
     prepare: Callable[[], tuple[torch.fx.GraphModule, torch.fx.GraphModule, Signature]]
     | None = None,
 ) -> HigherOrder:
@@ -258,8 +244,7 @@ def higher_order_of(
         backward=backward,
         signature=signature,
         saved_in_forward=plan.saved_in_forward,
-        fw_compiler=compilers[0],
-        bw_compiler=compilers[1],
+        driver=driver,
         changed=frozenset(changed),
         prepare=prepare,
     )

@@ -426,8 +426,8 @@ def _differentiable(
         raise DoubleBackwardError(
             "create_graph=True (double backward): these compiled graphs were wired up without"
             " their forward graph (CompiledGraphs(..., higher_order=None)), which the"
-            " differentiable backward recomputes from.\nBuild them with compile_partitioned,"
-            " or call aot_function / trace()."
+            " differentiable backward recomputes from.\nBuild them with"
+            " aotgrad.pipeline.compile_stage, or call aot_function / trace()."
         )
     kept = (ctx.kept, ctx.kept_versions) if higher_order.extra else ((), ())
     if any_autocast():  # Note [Autocast]

@@ -21,8 +21,11 @@ mask is read as saved, never drawn again::
 
     forward:  mask = bernoulli(empty_like(h)) / 0.7   # saved, a constant
               out  = tanh(h * mask)                   # saved, depends on h
-    G:        out  = tanh(h * saved mask)             # recomputed from h ``G`` is captured with aotgrad's own pipeline (capture, partition,
-the user's compilers) on demand, at the first ``create_graph`` backward of
+    G:        out  = tanh(h * saved mask)             # recomputed from h
+
+``G`` is captured with aotgrad's own driver (``aotgrad.pipeline.run``, under
+the first order's options: capture, save_all, the user's compilers) on
+demand, at the first ``create_graph`` backward of
 a specialization with these input kinds, and cached. Applying ``G``
 (itself a compiled autograd.Function) to the primals and cotangents
 connects the gradients to autograd; its own backward, under
@@ -57,15 +60,11 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
-from aotgrad.capture import capture
-from aotgrad.capture.checks import check_joint, checks_from_environment
+from aotgrad.capture import Body, JointGraph
 from aotgrad.capture.provenance import META_KEY, NodeInfo, set_info
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.errors import AotgradError, DoubleBackwardError, UserFrame, format_error
 from aotgrad.optable import draws_random, op_name, outputs_reached, passes_no_gradient
-from aotgrad.partition import Partitioned, partition
-from aotgrad.partition.checks import check_partitioned
-from aotgrad.runtime.boxing import Compiler
 from aotgrad.runtime.differentiable_ops import (
     NO_DERIVATIVE,
     REPLACED,
@@ -76,6 +75,11 @@ from aotgrad.runtime.differentiable_ops import (
 from aotgrad.runtime.straight_line import Step
 from aotgrad.signature import FlatInputs, Signature, storage_key
 from aotgrad.signature.descriptors import Input
+
+# The pipeline's driver under the first order's options (``aotgrad.pipeline``): captures,
+# partitions and compiles ``G``'s ``(body, flat inputs, values, root, on_joint)`` into
+# ``CompiledGraphs``; ``on_joint`` sees the joint graph before it is partitioned.
+Driver = Callable[[Body, FlatInputs, list[Any], fx.GraphModule, Callable[[JointGraph], None]], Any]
 
 # Held while a slice or its graphs are built for a first create_graph backward (Note
 # [Concurrent calls]); a module lock, taken before the capture lock.
@@ -128,8 +132,9 @@ class HigherOrder:
     signature: Signature | None
     # Where the saved values sit among the forward graph's outputs (Note [Positions]).
     saved_in_forward: slice
-    fw_compiler: Compiler | None = None
-    bw_compiler: Compiler | None = None
+    # Captures, partitions and compiles ``G`` (the pipeline's driver, under the first
+    # order's options).
+    driver: Driver
     # Forward inputs the epilogue changes in place (data, metadata or ``detach_()``).
     changed: frozenset[int] = frozenset()
     # Builds the graphs and signature above, once, before the first ``G``.
@@ -224,10 +229,7 @@ class HigherOrder:
         return compiled
 
     def _capture(self, piece: Slice, values: Sequence[Any]) -> Callable[[list[Any]], Any]:
-        from aotgrad.runtime import compile_partitioned  # the package imports this module
-
-        partitioned = capture_backward(piece.graph, values, self.order + 1)
-        compiled = compile_partitioned(partitioned, self.fw_compiler, self.bw_compiler)
+        compiled = capture_backward(piece.graph, values, self.order + 1, self.driver)
         if compiled.higher_order is not None:
             compiled.higher_order.orders = self.orders
             compiled.higher_order.order = self.order + 1
@@ -534,36 +536,15 @@ def _source(node: fx.Node) -> UserFrame | None:
     return getattr(node.meta.get(META_KEY), "source", None)
 
 
-def capture_backward(graph: fx.GraphModule, values: Sequence[Any], order: int) -> Partitioned:
-    """Capture ``G`` on these values (fake tensors, as every capture) and partition it.
+def capture_backward(
+    graph: fx.GraphModule, values: Sequence[Any], order: int, driver: Driver
+) -> Any:
+    """Capture, partition and compile ``G`` on these values (fake tensors, as every capture)
+    with ``driver``; its nodes note their derivative ``order``.
 
     An op of ``graph`` autograd has no derivative for is run through its decomposition and the
     capture tried again (Note [Backward ops without a derivative]).
     """
-    decomposed: dict[Any, Callable[..., Any]] = {}
-    while True:
-        try:
-            joint = _capture_once(graph, values, decomposed)
-        except (AotgradError, RuntimeError) as error:
-            op = op_without_derivative(error, graph)
-            rule = None if op is None or op in decomposed else decomposition_of(op)
-            if rule is None:
-                raise _no_derivative(error, graph, order) from error
-            decomposed[op] = rule
-            continue
-        _mark_order(joint.gm, order)
-        check = checks_from_environment()  # Note [Stage checks]
-        if check:
-            check_joint(joint)
-        partitioned = partition(joint, "save_all")
-        if check:
-            check_partitioned(partitioned)
-        return partitioned
-
-
-def _capture_once(
-    graph: fx.GraphModule, values: Sequence[Any], decomposed: dict[Any, Callable[..., Any]]
-) -> Any:
     names = [n.name for n in _placeholders(graph)]
     flat = FlatInputs(
         spec=_spec(len(values)),
@@ -572,18 +553,29 @@ def _capture_once(
         descriptors=tuple(Input(path=name) for name in names),
         num_lifted=0,
     )
+    decomposed: dict[Any, Callable[..., Any]] = {}
 
     @contextmanager
     def body(primals: list[torch.Tensor]) -> Iterator[Any]:
         yield tuple(_run_with_provenance(graph, primals, decomposed))
 
-    return capture(
-        body,
-        flat,
-        list(values),
-        with_backward=any(isinstance(v, torch.Tensor) and v.requires_grad for v in values),
-        root=graph,
-    )
+    captured: list[JointGraph] = []  # the capture's errors are retried, the later ones not
+
+    def on_joint(joint: JointGraph) -> None:
+        _mark_order(joint.gm, order)
+        captured.append(joint)
+
+    while True:
+        try:
+            return driver(body, flat, list(values), graph, on_joint)
+        except (AotgradError, RuntimeError) as error:
+            if captured:
+                raise
+            op = op_without_derivative(error, graph)
+            rule = None if op is None or op in decomposed else decomposition_of(op)
+            if rule is None:
+                raise _no_derivative(error, graph, order) from error
+            decomposed[op] = rule
 
 
 def _spec(n: int) -> Any:
@@ -664,4 +656,4 @@ def _mark_order(gm: fx.GraphModule, order: int) -> None:
             set_info(node, replace(info, order=order))
 
 
-__all__ = ["HigherOrder", "Orders", "build_slice", "capture_backward"]
+__all__ = ["Driver", "HigherOrder", "Orders", "build_slice", "capture_backward"]

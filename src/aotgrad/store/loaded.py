@@ -34,7 +34,8 @@ from aotgrad.capture.autocast import autocast_state
 from aotgrad.errors import CallError, StoreError
 from aotgrad.partition import Partitioned, RecomputedOp
 from aotgrad.partition.saved import SavedValue
-from aotgrad.runtime import CompiledGraphs, HigherOrder, compile_graphs, higher_order_of
+from aotgrad.pipeline import Options, compilers, differentiable_backward_driver
+from aotgrad.runtime import CompiledGraphs, compile_graphs, higher_order_of
 from aotgrad.runtime.boxing import Compiler, nop
 from aotgrad.runtime.function import Plan
 from aotgrad.runtime.straight_line import Step, straight_line
@@ -126,18 +127,16 @@ def load(
         data = read_regular_file(path)
     except OSError as e:
         raise StoreError(f"cannot read {where}: {e}") from None
-    return Loaded(loads(data, where), module, (fw_compiler, bw_compiler, inference_compiler))
+    options = Options(
+        fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler
+    )
+    return Loaded(loads(data, where), module, options)
 
 
 class Loaded:
     """Graphs read from a file: call it like the ``Traced`` that saved them."""
 
-    def __init__(
-        self,
-        stored: Read,
-        module: torch.nn.Module | None,
-        compilers: tuple[Compiler | None, Compiler | None, Compiler | None] = (None, None, None),
-    ) -> None:
+    def __init__(self, stored: Read, module: torch.nn.Module | None, options: Options) -> None:
         self._stored = stored
         call = stored.call
         try:
@@ -165,18 +164,13 @@ class Loaded:
             raise StoreError(f"malformed input description in the graph file: {e}") from None
         if len(self._expected) != num_lifted + len(self._tensor_positions):
             raise StoreError("the graph file's forward graph takes another number of inputs")
-        if all(c is None or c is nop for c in compilers):
+        if all(c is None or c is nop for c in compilers(options)):
             try:  # aotgrad's own code made from the file's checked steps
-                forward, backward = compile_stored(stored, compilers)
-                higher_order = stored_higher_order(stored, compilers)
+                self._compiled = compile_stored(stored, options)
             except (*MALFORMED, SyntaxError, MemoryError) as e:
                 raise StoreError(f"the graph file's graphs cannot be run: {e}") from None
         else:  # a user's compiler: its errors are the user's to see
-            forward, backward = compile_stored(stored, compilers)
-            higher_order = stored_higher_order(stored, compilers)
-        self._compiled = CompiledGraphs(
-            None, forward, backward, plan=stored.plan, higher_order=higher_order
-        )
+            self._compiled = compile_stored(stored, options)
 
     @property
     def forward(self) -> fx.GraphModule:
@@ -326,41 +320,37 @@ def _meta(t: Any) -> TensorMeta | None:
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
 
 
-def stored_higher_order(
-    stored: Read, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
-) -> HigherOrder | None:
-    """The ``create_graph`` backward of loaded graphs (Note [Differentiable backward]).
+def compile_stored(stored: Read, options: Options) -> CompiledGraphs:
+    """Hand loaded graphs to the compilers, as the pipeline's compile stage does. ``nop``
+    makes its straight-line code from the steps, with no ``fx`` module (Note [Graphs read
+    from a file]); a user's compiler gets the module, with fake values (Note [Values on
+    demand]).
 
-    It reads the forward's steps only; the ``fx`` modules, their fake values (Note [Values
-    on demand]) and the signature are built at the first ``create_graph`` backward, so a
-    hit that never differentiates twice builds none (Note [Graphs read from a file]).
+    The ``create_graph`` backward (Note [Differentiable backward]) reads the forward's
+    steps only; the ``fx`` modules, their fake values and the signature are built at the
+    first ``create_graph`` backward, so a hit that never differentiates twice builds none.
     """
-    if stored.backward is None:
-        return None
     forward, backward = stored.forward, stored.backward
-
-    def prepare() -> tuple[fx.GraphModule, fx.GraphModule, Signature]:
-        modules = forward.module(), backward.module()
-        for module in modules:
-            with_values(module)
-        return (*modules, stored.signature)
-
-    return higher_order_of(forward.steps, None, None, stored.plan, compilers[:2], prepare)
-
-
-def compile_stored(
-    stored: Read, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
-) -> tuple[Any, Any | None]:
-    """Hand loaded graphs to the compilers. ``nop`` makes its straight-line code from the
-    steps, with no ``fx`` module (Note [Graphs read from a file]); a user's compiler gets
-    the module, with fake values (Note [Values on demand])."""
-    forward, backward = stored.forward, stored.backward
-    if all(c is None or c is nop for c in compilers):
-        return straight_line(forward.steps), None if backward is None else straight_line(
-            backward.steps
+    if all(c is None or c is nop for c in compilers(options)):
+        compiled = (
+            straight_line(forward.steps),
+            None if backward is None else straight_line(backward.steps),
         )
-    return compile_graphs(
-        with_values(forward.module()),
-        None if backward is None else with_values(backward.module()),
-        *compilers,
-    )
+    else:
+        compiled = compile_graphs(
+            with_values(forward.module()),
+            None if backward is None else with_values(backward.module()),
+            *compilers(options),
+        )
+    higher_order = None
+    if backward is not None:
+
+        def prepare() -> tuple[fx.GraphModule, fx.GraphModule, Signature]:
+            modules = forward.module(), backward.module()
+            for module in modules:
+                with_values(module)
+            return (*modules, stored.signature)
+
+        driver = differentiable_backward_driver(options)
+        higher_order = higher_order_of(forward.steps, None, None, stored.plan, driver, prepare)
+    return CompiledGraphs(None, *compiled, plan=stored.plan, higher_order=higher_order)

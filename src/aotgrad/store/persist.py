@@ -16,10 +16,11 @@ import torch
 
 from aotgrad.errors import StoreError
 from aotgrad.partition import Budget
+from aotgrad.pipeline import Options, compilers
 from aotgrad.runtime import CompiledGraphs
-from aotgrad.runtime.boxing import Compiler, nop
+from aotgrad.runtime.boxing import nop
 from aotgrad.store.disk import DiskCache
-from aotgrad.store.format import Read, Stored, aotgrad_version
+from aotgrad.store.format import Stored, aotgrad_version
 from aotgrad.store.keys import (
     Unkeyable,
     digest,
@@ -28,7 +29,7 @@ from aotgrad.store.keys import (
     source_files,
     stable_text,
 )
-from aotgrad.store.loaded import compile_stored, stored_higher_order
+from aotgrad.store.loaded import compile_stored
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,17 +53,17 @@ def code_text(fn: Any) -> tuple[Any, set[str]]:
     raise Unkeyable(f"a {type(fn).__qualname__} has no stable key (pass a function or a module)")
 
 
-def options_text(
-    *, partition: Any, decompositions: Any, tracer: str, dynamic: bool, keep_mutations: bool
-) -> Any:
+def options_text(options: Options) -> Any:
     """The options that change the graphs; compilers are not among them (they run on load)."""
-    if decompositions is not None:
+    if options.decompositions is not None:
         raise Unkeyable("custom decompositions have no stable key")
-    if not isinstance(partition, str):
-        if not isinstance(partition, Budget):  # a policy's code is not keyed, even a dataclass's
-            raise Unkeyable("a partition policy has no stable key")
-        partition = repr(partition)
-    return [partition, tracer, dynamic, keep_mutations]
+    o = options
+    if not isinstance(
+        o.partition, str | Budget
+    ):  # a policy's code is not keyed, even a dataclass's
+        raise Unkeyable("a partition policy has no stable key")
+    partition = o.partition if isinstance(o.partition, str) else repr(o.partition)
+    return [partition, o.tracer, o.dynamic, o.keep_inference_input_mutations, o.fast]
 
 
 def entry_key(
@@ -91,41 +92,25 @@ def entry_key(
 
 
 def load_graphs(
-    entry: EntryKey, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
+    entry: EntryKey, options: Options
 ) -> tuple[CompiledGraphs, tuple[int, ...] | None] | None:
     """The compiled graphs and input positions stored under ``entry``; None on a miss."""
     # A user's compiler receives fx modules: read all now, so a bad file is a miss here.
-    lazy = all(c is None or c is nop for c in compilers)
+    lazy = all(c is None or c is nop for c in compilers(options))
     stored = entry.cache.get(entry.key, lazy=lazy)
     if stored is None:
         return None
     positions = stored.call.get("positions")
     if positions is not None and not all(isinstance(p, int) for p in positions):
         return None
-    if not lazy:  # a user's compiler: its errors are the user's to see, a bad entry a miss
-        try:
-            compiled = _compiled(stored, compilers)
-        except StoreError:
-            return None
-        return compiled, None if positions is None else tuple(positions)
+    # Anything a crafted file provokes while aotgrad compiles is a miss; a user's compiler's
+    # errors are the user's to see, a bad entry a miss.
+    missed: type[Exception] = Exception if lazy else StoreError
     try:
-        compiled = _compiled(stored, compilers)
-    except Exception:  # anything a crafted file provokes while aotgrad compiles: a miss
+        compiled = compile_stored(stored, options)
+    except missed:
         return None
     return compiled, None if positions is None else tuple(positions)
-
-
-def _compiled(
-    stored: Read, compilers: tuple[Compiler | None, Compiler | None, Compiler | None]
-) -> CompiledGraphs:
-    forward, backward = compile_stored(stored, compilers)
-    return CompiledGraphs(
-        None,
-        forward,
-        backward,
-        plan=stored.plan,
-        higher_order=stored_higher_order(stored, compilers),
-    )
 
 
 def store_graphs(
