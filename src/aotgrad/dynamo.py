@@ -83,8 +83,8 @@ def graph_key(gm: fx.GraphModule) -> tuple[Any, set[str]] | None:
     and provenance (Note [Disk cache keys]); None (not cached) for a graph holding
     submodules or attributes, or a value without a stable text.
 
-    (Not ``gm.code``: Dynamo's module is lazy, and its code took 3-6 ms to generate, for a
-    text that says less -- no source lines.)
+    (Not ``gm.code``: Dynamo's module is lazy, and generating its code costs more
+    (bench/findings.md) for a text that says less -- no source lines.)
 
     >>> import operator
     >>> gm = fx.symbolic_trace(lambda x: operator.mul(x, 2))
