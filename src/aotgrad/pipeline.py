@@ -287,8 +287,9 @@ def _differentiable_backward(
 # nodes, dispatch keys), and CPython's collector runs a generation-2 pass, which
 # walks every object in the process (torch alone brings ~10^6), each time enough
 # survivors pile up: several full passes per capture (bench/findings.md has the
-# count and the seconds), for garbage that is mostly freed by reference counting anyway. The collector is paused while one capture runs
-# and resumed as it was; cycles made meanwhile are collected by its next pass.
+# count and the seconds), for garbage that is mostly freed by reference counting
+# anyway. The collector is paused while one capture runs and resumed as it was;
+# cycles made meanwhile are collected by its next pass.
 # (``torch.distributed.checkpoint`` does the same around its state-dict walks.)
 
 
