@@ -10,6 +10,7 @@ import operator
 from typing import Any
 
 import torch
+import torch.fx as fx
 
 from aotgrad._torch_compat import OpOverload
 
@@ -193,6 +194,13 @@ def is_error_check(op: object) -> bool:
     True
     """
     return op in _ERROR_CHECKS
+
+
+def remove_dead_code(graph: fx.Graph) -> None:
+    """``graph.eliminate_dead_code()``, keeping error checks whatever the torch release: before
+    2.13 torch did not count ``_linalg_check_errors`` as effectful, so its dead-code pass
+    dropped it and ``linalg.inv`` of a singular matrix returned inf where eager raises."""
+    graph.eliminate_dead_code(lambda node: node.is_impure() or is_error_check(node.target))
 
 
 # Ops autocast runs in its lower-precision dtype (``torch.autocast``'s CPU and CUDA

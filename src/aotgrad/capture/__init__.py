@@ -72,6 +72,7 @@ from aotgrad.capture.tracers import (
     trace_with,
 )
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
+from aotgrad.optable import remove_dead_code
 from aotgrad.signature import (
     Buffer,
     Cotangent,
@@ -305,7 +306,7 @@ def _assemble(
     report: TracerReport,
 ) -> JointGraph:
     assert record.aliasing is not None and record.out_spec is not None
-    gm.graph.eliminate_dead_code()
+    remove_dead_code(gm.graph)
     outputs = _output_descriptors(record)
     bases = tuple(
         OutputBase(of=tuple(outputs[k] for k in members))

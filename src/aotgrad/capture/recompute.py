@@ -40,7 +40,7 @@ import torch.fx as fx
 from aotgrad.capture.provenance import Phase, node_info, set_info
 from aotgrad.capture.recorder import RNG_POSITION_KEY
 from aotgrad.errors import UnsupportedOpError, format_error
-from aotgrad.optable import draws_random, is_collective
+from aotgrad.optable import draws_random, is_collective, remove_dead_code
 
 
 def link_recompute(gm: fx.GraphModule) -> None:
@@ -72,7 +72,7 @@ def link_recompute(gm: fx.GraphModule) -> None:
         if draws_random(node.target, node.args, node.kwargs) or is_collective(node.target):
             node.replace_all_uses_with(twin)  # Note [Collectives], rule 1
             gm.graph.erase_node(node)  # DCE keeps random ops: they look side-effecting
-    gm.graph.eliminate_dead_code()
+    remove_dead_code(gm.graph)
     _no_collective_rerun(gm)
 
 

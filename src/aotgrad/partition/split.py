@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from aotgrad.capture import JointGraph, Phase, phase_of, set_phase
+from aotgrad.optable import remove_dead_code
 
 
 def build_forward(joint: JointGraph, saved: Sequence[fx.Node]) -> fx.Graph:
@@ -18,7 +19,7 @@ def build_forward(joint: JointGraph, saved: Sequence[fx.Node]) -> fx.Graph:
         if node.op != "output" and phase_of(node) is Phase.FORWARD:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[n] for n in (*joint.forward_results(), *saved)))
-    graph.eliminate_dead_code()
+    remove_dead_code(graph)
     return graph
 
 
@@ -48,7 +49,7 @@ def build_backward(
         elif node in backward and node.op != "placeholder":
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[g] if g is not None else None for g in joint.grad_results()))
-    graph.eliminate_dead_code()
+    remove_dead_code(graph)
     return graph, placeholders
 
 
