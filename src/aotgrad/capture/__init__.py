@@ -383,10 +383,14 @@ def _output_descriptors(record: TraceRecord) -> list[Output]:
     ]
 
 
+_IDENTITIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
 def _remove_detaches(graph: fx.Graph) -> None:
-    """``detach`` is the identity on values; in a functional graph it only adds noise."""
+    """``detach`` (and ``alias``) is the identity on values; in a functional graph it only adds
+    noise. (From torch 2.14 the full trace records a ``detach`` as ``alias``.)"""
     for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+        if node.op == "call_function" and node.target in _IDENTITIES:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
 
