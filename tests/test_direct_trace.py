@@ -4,6 +4,7 @@ trace's graphs node for node, stops with a reason, and the ``tracer`` option cho
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -324,3 +325,26 @@ def test_a_stop_is_not_swallowed_by_the_functions_own_except():
     torch.testing.assert_close(compiled(x), torch.tensor([2.0, 0.0]))
     torch.testing.assert_close(x, torch.tensor([1.0, 0.0]))
     assert compiled.partitioned.joint.tracer.name == "full"
+
+
+def test_the_direct_traces_frames_are_let_go_before_the_full_trace():
+    """Note [The direct trace's frames are let go]: a local of the frame the direct trace
+    stopped in is freed before the full trace runs (on torch 2.11 a non-reentrant
+    checkpoint's hooks stayed pushed through such a frame, and the full trace saved extra
+    tensors)."""
+    seen_during_full = []
+
+    class Marker:
+        pass
+
+    def fn(x):
+        marker = Marker()
+        refs.append(weakref.ref(marker))
+        if len(refs) == 2:  # the full trace: the direct trace's marker must be gone
+            seen_during_full.append(refs[0]() is None)
+        return x.t_()  # a metadata mutation: the direct trace stops here
+
+    refs: list[weakref.ref] = []
+    traced = aotgrad.trace(fn, torch.randn(2, 3))
+    assert traced.fallback_reason.startswith("the direct trace stopped")
+    assert seen_during_full == [True]

@@ -91,6 +91,7 @@ Any other exception is not caught as a stop: the full trace runs next, and
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -112,6 +113,7 @@ TracerChoice = Literal["auto", "direct", "full"]
 TracerName = Literal["direct", "full"]
 
 _T = TypeVar("_T")
+_E = TypeVar("_E", bound=BaseException)
 
 
 def check_tracer_choice(value: object) -> TracerChoice:
@@ -290,17 +292,46 @@ def trace_with(
     except NeedsFullTrace as e:
         if choice == "direct":
             raise _direct_refused(e.reason, _stop_site(e) or where) from e
-        stopped = e
+        stopped = _released(e)
     except Exception as e:
         if choice == "direct":
             raise
-        failed = e
+        failed = _released(e)
     # Outside the except blocks: the full trace's own errors carry no direct-trace context.
     traced = full()
     if stopped is not None:
         return traced, TracerReport(name="full", fallback_reason=_stop_reason(stopped))
     assert failed is not None
     return traced, _direct_tracer_bug(failed, where)
+
+
+# Note [The direct trace's frames are let go]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The direct trace's exception is kept while the full trace runs (its reason, or
+# the error itself when the full trace refuses), and with it its traceback's
+# frames and their locals. One of them can hold state the full trace must not
+# see: a non-reentrant checkpoint whose function raised keeps its saved-tensor
+# hooks pushed until its suspended generator, a local of ``checkpoint``'s frame,
+# is closed (torch 2.11 and 2.12):
+#
+#     direct:  checkpoint(f) -> hooks pushed -> f raises NeedsFullTrace
+#     full:    every tensor the forward saves goes to the stale hooks as well
+#
+# so the frames are cleared (``traceback.clear_frames``) as soon as the exception
+# is caught: the generator closes and pops its hooks; the exception keeps its
+# message and its lines (code and line numbers stay).
+
+
+def _released(e: _E) -> _E:
+    """``e`` with the locals of its traceback's frames (and its causes') let go (Note [The
+    direct trace's frames are let go])."""
+    seen: set[int] = set()
+    chained: BaseException | None = e
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)
+        chained = chained.__cause__ or chained.__context__
+    return e
 
 
 def _stop_site(e: NeedsFullTrace) -> UserFrame | None:
