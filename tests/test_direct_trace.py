@@ -12,7 +12,7 @@ import torch.utils.checkpoint as cp
 
 import aotgrad
 from aotgrad.capture import DirectTracerBugWarning, node_info
-from aotgrad.capture.direct import DirectTracer
+from aotgrad.capture.fast.direct import DirectTracer
 from models import GPT, ConvBN, DeepMLP
 
 

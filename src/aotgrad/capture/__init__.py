@@ -6,6 +6,7 @@ Note [Choosing a tracer] in ``tracers.py``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -33,9 +34,9 @@ from aotgrad.capture.collectives import (
     op_text,
 )
 from aotgrad.capture.cotangents import split_at_cotangents
-from aotgrad.capture.direct import DirectTracer
 from aotgrad.capture.dynamic import ShapeGuards
 from aotgrad.capture.environ import recording_environ
+from aotgrad.capture.fast import DirectTracer
 from aotgrad.capture.full import FullTracer
 from aotgrad.capture.graph import JointGraph, joint_signature, lazy_module, ready_for_compiler
 from aotgrad.capture.input_aliases import (
@@ -141,6 +142,7 @@ def capture(
     dynamic_dims: Mapping[int, Sequence[int]] | None = None,
     tracer: TracerChoice = "auto",
     effects: Watch | None = None,
+    fast: bool | None = None,
 ) -> JointGraph:
     """Trace ``body(primals)`` and, if ``with_backward``, its backward, into a :class:`JointGraph`.
 
@@ -152,7 +154,15 @@ def capture(
     ``tracer`` chooses the tracer (Note [Choosing a tracer]); the result's
     ``tracer`` field says which one made the graph. ``effects`` watches the user's
     objects for tensors the function stores there (Note [Side effects replayed]).
+    ``fast=False`` leaves the fast path off (Note [The fast path as a layer]).
     """
+    if fast is None:  # until the pipeline's Options.fast is plumbed here (issue 27)
+        fast = os.environ.get("AOTGRAD_FAST", "1").strip() != "0"
+    if not fast and tracer == "direct":
+        raise ValueError(
+            "tracer='direct' needs the fast path, which fast=False (or AOTGRAD_FAST=0) leaves"
+            " off: pass tracer='auto' or 'full' (Note [The fast path as a layer])"
+        )
     options = TraceOptions(
         with_backward=with_backward,
         decompositions=faithful_decompositions(decompositions),
@@ -160,6 +170,7 @@ def capture(
         dynamic_dims=dynamic_dims,
         tracer=check_tracer_choice(tracer),
         effects=effects,
+        fast=fast,
     )
     label = root if root is not None else body
     with capture_session(), recording_environ() as environ:  # Note [Capture sessions]
@@ -224,6 +235,8 @@ def _why_not_direct(
     flat: FlatInputs,
 ) -> str | None:
     """Why the direct trace cannot even be tried (Note [Direct tracing]); None when it can."""
+    if not options.fast:
+        return "the fast path is off (Note [The fast path as a layer])"
     if flat.subclasses is not None:  # its mode would see the subclass, not its inner tensors
         return "tensor subclass inputs (Note [Tensor subclasses])"
     if options.dynamic_dims:

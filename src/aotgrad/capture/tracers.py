@@ -5,7 +5,7 @@ Note [Two tracers]
 Capture runs one joint function, forward then backward, on fake tensors
 (Note [One tracing pass]), under one of two tracers:
 
-- :class:`~aotgrad.capture.direct.DirectTracer` appends each aten op to a
+- :class:`~aotgrad.capture.fast.direct.DirectTracer` appends each aten op to a
   graph as it runs (Note [Direct tracing]): cheap, but it handles only
   static sizes, in-place ops recorded functionally (Note [In-place ops,
   directly]) and writes through the view ops it can scatter back (Note
