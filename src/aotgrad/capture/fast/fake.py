@@ -1,12 +1,6 @@
-"""The fast path's fake mode: PyTorch's, answering some ops without its Python kernels.
-
-It adds three shortcuts, each checked against the fake mode it skips, to
-:class:`~aotgrad.capture.fake.EagerViewsFakeMode`: layouts by rule (Note
-[Layouts without decompositions]), static views laid out by the meta device
-(eager's kernel; the fake mode's are Python references) as an ``as_strided``
-of the source (Note [Eager strides for views]), and ops run straight on their
-meta kernels (Note [Straight to the meta kernel]).
-"""
+"""The fast path's fake mode: layouts by rule, static views on the meta device (eager's
+kernel, where the fake mode's are Python references) and ops straight on their meta kernels
+(Notes [Layouts without decompositions], [Eager strides for views], [Straight to the meta kernel])."""
 
 from __future__ import annotations
 

@@ -171,38 +171,11 @@ Inverse = Callable[[torch.Tensor, torch.Tensor, ViewStep], torch.Tensor]
 class ViewRule:
     """What the fast path knows of one view op."""
 
-    # ``(base, new view value, step) -> new base``: the write's scatter; None: a write through
-    # the view stops the direct trace (Note [Writes through views, directly]).
+    # ``(base, new view value, step) -> new base``, the write's scatter; None: a write through
+    # the view stops the direct trace.
     inverse: Inverse | None
     # The fast fake mode lays it out on the meta device (Note [Eager strides for views]).
     meta_layout: bool = True
-
-
-# The one table of view rules: op -> its rule, each registered beside its inverse.
-VIEWS: dict[OpOverload, ViewRule] = {}
-
-
-def _view(op: OpOverload, inverse: Inverse | None, *, meta_layout: bool = True) -> None:
-    VIEWS[op] = ViewRule(inverse, meta_layout)
-
-
-_view(aten.select.int, lambda b, n, s: aten.select_scatter.default(b, n, *s.args))
-_view(
-    aten.as_strided.default,
-    lambda b, n, s: aten.as_strided_scatter.default(b, n, *s.args),
-    meta_layout=False,
-)
-_view(
-    aten.diagonal.default,
-    lambda b, n, s: aten.diagonal_scatter.default(b, n, *s.args),
-    meta_layout=False,
-)
-_view(aten.t.default, lambda b, n, s: aten.t.default(n))
-_view(aten.transpose.int, lambda b, n, s: aten.transpose.int(n, *s.args))
-_view(aten.view.default, lambda b, n, s: aten.view.default(n, list(b.shape)))
-_view(aten.unsqueeze.default, lambda b, n, s: aten.squeeze.dim(n, *s.args))
-_view(aten.alias.default, lambda b, n, s: aten.alias.default(n), meta_layout=False)
-_view(aten.expand.default, None)
 
 
 def _permute_back(base: torch.Tensor, new: torch.Tensor, step: ViewStep) -> torch.Tensor:
@@ -210,22 +183,32 @@ def _permute_back(base: torch.Tensor, new: torch.Tensor, step: ViewStep) -> torc
     return aten.permute.default(new, sorted(range(len(dims)), key=dims.__getitem__))
 
 
-_view(aten.permute.default, _permute_back)
-
-
 def _unsqueeze_back(base: torch.Tensor, new: torch.Tensor, step: ViewStep) -> torch.Tensor:
     dim = step.args[0] % max(base.dim(), 1)
     return aten.unsqueeze.default(new, dim) if base.shape[dim] == 1 else new
 
 
-_view(aten.squeeze.dim, _unsqueeze_back)
-
-
-def _slice_back(base: torch.Tensor, new: torch.Tensor, step: ViewStep) -> torch.Tensor:
-    return aten.slice_scatter.default(base, new, *step.args, **step.kwargs)
-
-
-_view(aten.slice.Tensor, _slice_back)
+# The one table of view rules.
+VIEWS: dict[OpOverload, ViewRule] = {
+    aten.select.int: ViewRule(lambda b, n, s: aten.select_scatter.default(b, n, *s.args)),
+    aten.slice.Tensor: ViewRule(
+        lambda b, n, s: aten.slice_scatter.default(b, n, *s.args, **s.kwargs)
+    ),
+    aten.t.default: ViewRule(lambda b, n, s: aten.t.default(n)),
+    aten.transpose.int: ViewRule(lambda b, n, s: aten.transpose.int(n, *s.args)),
+    aten.permute.default: ViewRule(_permute_back),
+    aten.view.default: ViewRule(lambda b, n, s: aten.view.default(n, list(b.shape))),
+    aten.unsqueeze.default: ViewRule(lambda b, n, s: aten.squeeze.dim(n, *s.args)),
+    aten.squeeze.dim: ViewRule(_unsqueeze_back),
+    aten.expand.default: ViewRule(None),
+    aten.as_strided.default: ViewRule(
+        lambda b, n, s: aten.as_strided_scatter.default(b, n, *s.args), meta_layout=False
+    ),
+    aten.diagonal.default: ViewRule(
+        lambda b, n, s: aten.diagonal_scatter.default(b, n, *s.args), meta_layout=False
+    ),
+    aten.alias.default: ViewRule(lambda b, n, s: aten.alias.default(n), meta_layout=False),
+}
 
 
 __all__ = [
