@@ -15,6 +15,8 @@ from aotgrad.capture import DirectTracerBugWarning, node_info
 from aotgrad.capture.fast.direct import DirectTracer
 from models import GPT, ConvBN, DeepMLP
 
+pytestmark = pytest.mark.fast_path  # Note [The fast path as a layer]
+
 
 def _checkpointed(x, w):
     return cp.checkpoint(lambda a, b: (a @ b).sin() @ b, x, w, use_reentrant=False)

@@ -175,6 +175,7 @@ def test_shortcuts_decline_other_layouts_and_dtypes():
         assert fast_layouts(aten._native_batch_norm_legit_functional.default, args, {}) is None
 
 
+@pytest.mark.fast_path
 def test_a_convnet_captures_the_same_graph_with_and_without_shortcuts(monkeypatch):
     from aotgrad.capture.fast import fake
     from models import ConvBN

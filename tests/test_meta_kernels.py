@@ -24,6 +24,8 @@ from library_models import build
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "sweep"))
 import opinfo_sweep
 
+pytestmark = pytest.mark.fast_path  # Note [The fast path as a layer]
+
 aten = torch.ops.aten
 
 

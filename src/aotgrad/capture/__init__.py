@@ -37,7 +37,7 @@ from aotgrad.capture.cotangents import split_at_cotangents
 from aotgrad.capture.dynamic import ShapeGuards
 from aotgrad.capture.environ import recording_environ
 from aotgrad.capture.fast import DirectTracer
-from aotgrad.capture.full import FullTracer
+from aotgrad.capture.full import FullTracer, refuse_untraceable
 from aotgrad.capture.graph import JointGraph, joint_signature, lazy_module, ready_for_compiler
 from aotgrad.capture.input_aliases import (
     SyntheticBase,
@@ -207,6 +207,7 @@ def _capture(
         return attempt(DirectTracer(Recorder(root), options.decompositions))
 
     def full(leaf_primals: bool) -> _Traced:
+        refuse_untraceable(primals, flat.descriptors, options.where)
         symbolic = bool(options.dynamic_dims)
         tracer = FullTracer(
             Recorder(root), options.decompositions, symbolic=symbolic, leaf_primals=leaf_primals

@@ -29,8 +29,27 @@ from aotgrad.capture.mutation import (
 )
 from aotgrad.capture.recorder import ProvenanceMode, Recorder
 from aotgrad.capture.tracers import Tracer
-from aotgrad.errors import UserFrame
+from aotgrad.errors import CaptureError, UserFrame, format_error
 from aotgrad.signature import GraphInputDescriptor
+
+
+def refuse_untraceable(
+    primals: Sequence[torch.Tensor], descriptors: Sequence[object], where: UserFrame | None
+) -> None:
+    """Refuse a sparse input that requires grad: under functionalization its gradient is lost
+    (``a.to_dense()``: None, where eager has one) or, compressed (``to_sparse_csr``), the
+    process aborts (torch 2.13). The direct trace takes it (Note [The fast path as a layer])."""
+    for p, desc in zip(primals, descriptors, strict=True):
+        if p.layout is not torch.strided and p.requires_grad:
+            raise CaptureError(
+                format_error(
+                    f"input {desc} is a {p.layout} tensor that requires grad, which the full"
+                    " trace (functionalization) cannot differentiate",
+                    where,
+                    "Pass it with requires_grad=False or as a dense tensor, or leave the fast"
+                    " path on (its direct trace takes it).",
+                )
+            )
 
 
 class FullTracer(Tracer):

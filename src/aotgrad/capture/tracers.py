@@ -42,7 +42,11 @@ stack)::
     direct:  sin = sin(mm); cos = cos(sin); sin_1 = sin(mm); sin_2 = sin(sin_1) ...
     full:    sin = sin(mm); cos = cos(sin);                  sin_1 = sin(sin) ...
 
-Values are equal either way; the partitioner then decides what is saved.
+Values are equal either way; the partitioner then decides what is saved. And
+a view of a base written through a view (timm's convnext: ``as_strided_backward``)
+has the seq_nr of the op that first reads it in the full trace, which
+regenerates it there (``is_functional_regenerated``), and of the op that made
+it in the direct trace: ``as_strided`` at 80 (``mean``'s) against 81.
 
 Note [Choosing a tracer]
 ~~~~~~~~~~~~~~~~~~~~~~~~
