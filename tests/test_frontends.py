@@ -150,6 +150,7 @@ def test_sparse_inputs_run_as_in_eager(fn, make_inputs):
     verify(fn, *make_inputs())
 
 
+@pytest.mark.fast_path  # without it, the full trace refuses the sparse input first
 def test_sparse_output_that_requires_grad_is_refused_clearly():
     with pytest.raises(
         aotgrad.UnsupportedOutputError, match="sparse_coo tensor that requires grad"
