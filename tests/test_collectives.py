@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
