@@ -111,6 +111,7 @@ def test_show_reports_bad_targets_in_one_line(tmp_path, capfd, argv, code, messa
     assert len(lines) == 1 or (code == 1 and lines[0].startswith("aotgrad: ")), err
 
 
+@pytest.mark.fast_path
 def test_show_says_which_tracer_made_the_graphs_and_why(tmp_path, capsys):
     (tmp_path / "cases.py").write_text(CASES)
     cases = str(tmp_path / "cases.py")

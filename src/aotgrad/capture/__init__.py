@@ -236,14 +236,14 @@ def _why_not_direct(
     flat: FlatInputs,
 ) -> str | None:
     """Why the direct trace cannot even be tried (Note [Direct tracing]); None when it can."""
-    if not options.fast:
-        return "the fast path is off (Note [The fast path as a layer])"
     if flat.subclasses is not None:  # its mode would see the subclass, not its inner tensors
         return "tensor subclass inputs (Note [Tensor subclasses])"
     if options.dynamic_dims:
         return "dynamic shapes (it records static sizes only)"
     if bases or overlapping_groups(primals):
         return "inputs share memory (only functionalization tells which one a view comes from)"
+    if not options.fast:
+        return "the fast path is off (Note [The fast path as a layer])"
     return None
 
 

@@ -2,30 +2,23 @@
 
 Note [The fast path as a layer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Capture is right with PyTorch's own machinery alone: the full trace
+Capture is right with PyTorch's machinery alone: the full trace
 (functionalization inside ``make_fx``) in PyTorch's ``FakeTensorMode``, with
-eager's ``view`` strides (Note [Eager strides for views]). This package adds
-speed only, and re-derives what PyTorch does; each part is checked against
-what it skips:
+eager's ``view`` strides (``capture.fake``, Note [Eager strides for views]).
+This package adds speed only, re-deriving what PyTorch does: the direct tracer
+(``direct``, ``view_writes``: Notes [Direct tracing], [Writes through views,
+directly]) and the fake mode's shortcuts (``fake``, ``layouts``,
+``meta_kernels``). Its per-op rules sit in one table per kind, each entry
+beside its rule (``layouts.LAYOUTS``, ``view_writes.VIEWS``,
+``direct._UNANNOTATED_WRITES``), its private torch names in one section of
+``_torch_compat``. ``fast=False`` (``AOTGRAD_FAST=0``) leaves it off: the full
+trace only, in ``EagerViewsFakeMode``; ``tracer="direct"`` is then a
+ValueError, and a sparse input that requires grad is refused (the full trace
+cannot differentiate it). The graphs are the same either way (Note [Two
+tracers]), and a torch release that breaks a shortcut breaks ``fast=True`` only::
 
-- the direct tracer (``direct``, ``view_writes``): records ops without
-  functionalization (Notes [Direct tracing], [Writes through views, directly]);
-- the fake-mode shortcuts (``fake``, ``layouts``, ``meta_kernels``): layouts by
-  rule, views on the meta device, ops straight on their meta kernels.
-
-Per-op rules live in one table per kind, each entry registered beside its
-rule: ``layouts.LAYOUTS``, ``view_writes.VIEWS`` (inverses and meta layouts),
-``direct._UNANNOTATED_WRITES``; the private torch names they use sit in one
-section of ``_torch_compat``. ``fast=False`` (``capture(..., fast=False)``,
-``AOTGRAD_FAST=0``) leaves the layer off: the full trace only, in
-:class:`~aotgrad.capture.fake.EagerViewsFakeMode`, and ``tracer="direct"`` is
-a ValueError. The graphs are the same either way, node for node where the
-direct tracer records them (Note [Two tracers]), values and provenance always::
-
-    fast on:   tracer "direct"  mm = aten.mm.default(x, w)   seq_nr 3, module "lin"
-    fast off:  tracer "full"    mm = aten.mm.default(x, w)   seq_nr 3, module "lin"
-
-A new torch release that breaks a shortcut breaks ``fast=True`` only.
+    fast on:   tracer "direct"   mm = aten.mm.default(x, w)   seq_nr 3, module "lin"
+    fast off:  tracer "full"     mm = aten.mm.default(x, w)   seq_nr 3, module "lin"
 """
 
 from aotgrad.capture.fast.direct import DirectTracer
