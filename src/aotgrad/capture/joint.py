@@ -224,6 +224,7 @@ def trace_joint(
     """
     dynamic_dims = options.dynamic_dims
     shape_env = new_shape_env() if dynamic_dims else None
+    mode: EagerViewsFakeMode
     if options.fast:
         mode = FastFakeMode(allow_non_fake_inputs=True, shape_env=shape_env)
     else:  # no real kernel run on zeros for an op without a meta kernel: refused as with the
