@@ -28,8 +28,8 @@ from aotgrad.capture.mutation import (
     mutation_counts,
 )
 from aotgrad.capture.recorder import ProvenanceMode, Recorder
-from aotgrad.capture.tracers import Tracer
-from aotgrad.errors import CaptureError, UserFrame, format_error
+from aotgrad.capture.tracers import FullTraceRefused, Tracer
+from aotgrad.errors import UserFrame, format_error
 from aotgrad.signature import GraphInputDescriptor
 
 
@@ -41,13 +41,13 @@ def refuse_untraceable(
     process aborts (torch 2.13). The direct trace takes it (Note [The fast path as a layer])."""
     for p, desc in zip(primals, descriptors, strict=True):
         if p.layout is not torch.strided and p.requires_grad:
-            raise CaptureError(
+            raise FullTraceRefused(
                 format_error(
                     f"input {desc} is a {p.layout} tensor that requires grad, which the full"
                     " trace (functionalization) cannot differentiate",
                     where,
                     "Pass it with requires_grad=False or as a dense tensor, or leave the fast"
-                    " path on (its direct trace takes it).",
+                    " path on and tracer='auto' (its direct trace takes it).",
                 )
             )
 

@@ -109,7 +109,13 @@ from torch.autograd.graph import GradientEdge
 from aotgrad._torch_compat import REENTRANT_CHECKPOINT_GRAD
 from aotgrad.capture.mutation import InputMutation, PrimalInfo
 from aotgrad.capture.recorder import Recorder
-from aotgrad.errors import DirectTraceError, UserFrame, format_error, user_frame_from_traceback
+from aotgrad.errors import (
+    CaptureError,
+    DirectTraceError,
+    UserFrame,
+    format_error,
+    user_frame_from_traceback,
+)
 from aotgrad.signature import GraphInputDescriptor
 
 TracerChoice = Literal["auto", "direct", "full"]
@@ -147,6 +153,10 @@ class NeedsFullTrace(BaseException):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class FullTraceRefused(CaptureError):
+    """The full trace cannot take these inputs at all (``full.refuse_untraceable``)."""
 
 
 class DirectTracerBugWarning(UserWarning):
@@ -300,7 +310,12 @@ def trace_with(
             raise
         failed = e
     # Outside the except blocks: the full trace's own errors carry no direct-trace context.
-    traced = full()
+    try:
+        traced = full()
+    except FullTraceRefused:
+        if failed is None:
+            raise
+        raise failed from None  # the full trace cannot tell: the direct trace's error stands
     if stopped is not None:
         return traced, TracerReport(name="full", fallback_reason=_stop_reason(stopped))
     assert failed is not None
@@ -354,6 +369,7 @@ def _direct_tracer_bug(e: Exception, where: UserFrame | None) -> TracerReport:
 
 __all__ = [
     "DirectTracerBugWarning",
+    "FullTraceRefused",
     "NeedsFullTrace",
     "Tracer",
     "TracerChoice",
