@@ -224,14 +224,8 @@ def trace_joint(
     """
     dynamic_dims = options.dynamic_dims
     shape_env = new_shape_env() if dynamic_dims else None
-    mode: EagerViewsFakeMode
-    if options.fast:
-        mode = FastFakeMode(allow_non_fake_inputs=True, shape_env=shape_env)
-    else:  # no real kernel run on zeros for an op without a meta kernel: refused as with the
-        # fast path (Note [Ops without a meta kernel])
-        mode = EagerViewsFakeMode(
-            allow_non_fake_inputs=True, shape_env=shape_env, allow_fallback_kernels=False
-        )
+    fake_mode = FastFakeMode if options.fast else EagerViewsFakeMode
+    mode = fake_mode(allow_non_fake_inputs=True, shape_env=shape_env)
     inputs, tensors = GraphInputs.of(flat, primals, bases)
     fakes = fake_primals(mode, tensors, dynamic_dims)
     record = TraceRecord()

@@ -13,8 +13,9 @@ beside its rule (``layouts.LAYOUTS``, ``view_writes.VIEWS``,
 ``direct._UNANNOTATED_WRITES``), its private torch names in one section of
 ``_torch_compat``. ``fast=False`` (``AOTGRAD_FAST=0``) leaves it off: the full
 trace only, in ``EagerViewsFakeMode``; ``tracer="direct"`` is then a
-ValueError, and a sparse input that requires grad is refused (the full trace
-cannot differentiate it). The graphs are the same either way (Note [Two
+ValueError, a sparse input that requires grad is refused (the full trace
+cannot differentiate it), and an aten op whose meta kernel raises (Note [Ops
+without a meta kernel]) runs on zeros, PyTorch's fallback. The graphs are the same either way (Note [Two
 tracers]), and a torch release that breaks a shortcut breaks ``fast=True`` only::
 
     fast on:   tracer "direct"   mm = aten.mm.default(x, w)   seq_nr 3, module "lin"
