@@ -188,12 +188,15 @@ def _unsqueeze_back(base: torch.Tensor, new: torch.Tensor, step: ViewStep) -> to
     return aten.unsqueeze.default(new, dim) if base.shape[dim] == 1 else new
 
 
+def _scatter(op: OpOverload) -> Inverse:
+    """``op(base, new, *view args)``: ``select`` -> ``select_scatter`` ..."""
+    return lambda b, n, s: op(b, n, *s.args, **s.kwargs)
+
+
 # The one table of view rules.
 VIEWS: dict[OpOverload, ViewRule] = {
-    aten.select.int: ViewRule(lambda b, n, s: aten.select_scatter.default(b, n, *s.args)),
-    aten.slice.Tensor: ViewRule(
-        lambda b, n, s: aten.slice_scatter.default(b, n, *s.args, **s.kwargs)
-    ),
+    aten.select.int: ViewRule(_scatter(aten.select_scatter.default)),
+    aten.slice.Tensor: ViewRule(_scatter(aten.slice_scatter.default)),
     aten.t.default: ViewRule(lambda b, n, s: aten.t.default(n)),
     aten.transpose.int: ViewRule(lambda b, n, s: aten.transpose.int(n, *s.args)),
     aten.permute.default: ViewRule(_permute_back),
@@ -201,13 +204,9 @@ VIEWS: dict[OpOverload, ViewRule] = {
     aten.unsqueeze.default: ViewRule(lambda b, n, s: aten.squeeze.dim(n, *s.args)),
     aten.squeeze.dim: ViewRule(_unsqueeze_back),
     aten.expand.default: ViewRule(None),
-    aten.as_strided.default: ViewRule(
-        lambda b, n, s: aten.as_strided_scatter.default(b, n, *s.args), meta_layout=False
-    ),
-    aten.diagonal.default: ViewRule(
-        lambda b, n, s: aten.diagonal_scatter.default(b, n, *s.args), meta_layout=False
-    ),
-    aten.alias.default: ViewRule(lambda b, n, s: aten.alias.default(n), meta_layout=False),
+    aten.as_strided.default: ViewRule(_scatter(aten.as_strided_scatter.default), False),
+    aten.diagonal.default: ViewRule(_scatter(aten.diagonal_scatter.default), False),
+    aten.alias.default: ViewRule(lambda b, n, s: aten.alias.default(n), False),
 }
 
 
