@@ -20,6 +20,20 @@ def cache_dir(tmp_path, monkeypatch):
     return directory
 
 
+# Doctests that show the direct tracer's report (the tracer that made the graphs).
+_FAST_DOCTESTS = ("aotgrad.api.Traced.tracer", "aotgrad.api.Traced.fallback_reason")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``AOTGRAD_FAST=0``, tests of the fast path itself (``fast_path``) are skipped."""
+    if switch("AOTGRAD_FAST", True):
+        return
+    skip = pytest.mark.skip(reason="tests the fast path, which AOTGRAD_FAST=0 leaves off")
+    for item in items:
+        if item.get_closest_marker("fast_path") is not None or item.name in _FAST_DOCTESTS:
+            item.add_marker(skip)
+
+
 def clone_inputs(tree):
     """Fresh leaf copies with the same values, strides and requires_grad."""
 

@@ -111,6 +111,7 @@ def test_show_reports_bad_targets_in_one_line(tmp_path, capfd, argv, code, messa
     assert len(lines) == 1 or (code == 1 and lines[0].startswith("aotgrad: ")), err
 
 
+@pytest.mark.fast_path
 def test_show_says_which_tracer_made_the_graphs_and_why(tmp_path, capsys):
     (tmp_path / "cases.py").write_text(CASES)
     cases = str(tmp_path / "cases.py")
@@ -126,6 +127,7 @@ def test_show_says_which_tracer_made_the_graphs_and_why(tmp_path, capsys):
     assert "=== tracer ===\nfull (tracer='full' was asked)\n" in capsys.readouterr().out
 
 
+@pytest.mark.fast_path
 def test_show_with_the_direct_tracer_refuses_what_it_cannot_trace(tmp_path, capsys):
     (tmp_path / "cases.py").write_text(CASES)
     assert main(["show", f"{tmp_path / 'cases.py'}:mutates", "--tracer", "direct"]) == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
@@ -267,6 +268,7 @@ def compiled_by_dynamo():
 # --- tests ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast_path  # compares the direct trace with the full one
 def test_values_grads_and_the_order_of_collectives_equal_on_both_ranks():
     rank0, rank1 = run_ranks(values_and_graphs, timeout=TIMEOUT)
     for result in (rank0, rank1):
@@ -314,6 +316,7 @@ def test_training_reports_and_the_recompute_ban():
     assert rank0["mincut"]["aot"][0] == rank1["mincut"]["aot"][0]  # all_reduce: same output
 
 
+@pytest.mark.fast_path  # compares the direct trace with the full one
 def test_errors_name_the_collective_and_the_groups():
     rank0, rank1 = run_ranks(errors, timeout=TIMEOUT)
     for result in (rank0, rank1):

@@ -35,7 +35,9 @@ def _spd():
 
 
 @pytest.mark.parametrize("name", sorted(LINALG))
-@pytest.mark.parametrize("path", ["direct", "full", "dynamic"])
+@pytest.mark.parametrize(
+    "path", [pytest.param("direct", marks=pytest.mark.fast_path), "full", "dynamic"]
+)
 def test_linalg_ops_with_error_checks_match_eager(name, path):
     if path == "dynamic" and name in DYNAMIC_SHAPE_GAPS:
         pytest.skip(DYNAMIC_SHAPE_GAPS[name])
@@ -48,7 +50,7 @@ def test_linalg_ops_with_error_checks_match_eager(name, path):
     verify(LINALG[name], _spd(), compile_fn=compile_fn)
 
 
-@pytest.mark.parametrize("path", ["direct", "full"])
+@pytest.mark.parametrize("path", [pytest.param("direct", marks=pytest.mark.fast_path), "full"])
 def test_error_check_raises_eagers_error_on_bad_input(path):
     compiled = aotgrad.aot_function(torch.linalg.inv, tracer=path)
     compiled(_spd())

@@ -10,7 +10,7 @@ import torch
 
 import aotgrad
 from aotgrad._torch_compat import FakeTensorMode
-from aotgrad.capture.layouts import POINTWISE_BINARY, POINTWISE_UNARY, Layout, fast_layouts
+from aotgrad.capture.fast.layouts import LAYOUTS, Layout, Pointwise, fast_layouts
 
 aten = torch.ops.aten
 
@@ -70,10 +70,16 @@ def _calls(x):
     }
 
 
+POINTWISE_UNARY = [op for op, rule in LAYOUTS.items() if rule == Pointwise(1)]
+POINTWISE_BINARY = [op for op, rule in LAYOUTS.items() if rule == Pointwise(2)]
 UNARY = [op for op in POINTWISE_UNARY if len(_required(op)) == 1]
 SCALAR = [op for op in POINTWISE_UNARY if len(_required(op)) == 2]  # a tensor and a number
 # div.Tensor_mode takes a rounding mode by keyword: its own entry in _calls
-BINARY = [op for op in POINTWISE_BINARY if all(a.has_default_value() for a in _keywords(op))]
+BINARY = [
+    op
+    for op in POINTWISE_BINARY
+    if len(_required(op)) == 2 and all(a.has_default_value() for a in _keywords(op))
+]
 
 
 def _layer_norm_calls(x):
@@ -169,8 +175,9 @@ def test_shortcuts_decline_other_layouts_and_dtypes():
         assert fast_layouts(aten._native_batch_norm_legit_functional.default, args, {}) is None
 
 
+@pytest.mark.fast_path
 def test_a_convnet_captures_the_same_graph_with_and_without_shortcuts(monkeypatch):
-    from aotgrad.capture import fake
+    from aotgrad.capture.fast import fake
     from models import ConvBN
 
     model, x, y = ConvBN(), torch.randn(2, 1, 8, 8), torch.randn(2, 10)

@@ -121,7 +121,7 @@ def test_a_shorter_storage_around_the_same_views():
         _assert_as_eager(add_to_a, compiled, DISJOINT, n=n)
 
 
-@pytest.mark.parametrize("tracer", ["direct", "full"])
+@pytest.mark.parametrize("tracer", [pytest.param("direct", marks=pytest.mark.fast_path), "full"])
 def test_views_of_an_intermediate_that_overlap_are_refused(tracer):
     def f(x):
         t = x.clone()
@@ -134,7 +134,7 @@ def test_views_of_an_intermediate_that_overlap_are_refused(tracer):
         aotgrad.aot_function(f, tracer=tracer)(torch.arange(10.0))
 
 
-@pytest.mark.parametrize("tracer", ["direct", "full"])
+@pytest.mark.parametrize("tracer", [pytest.param("direct", marks=pytest.mark.fast_path), "full"])
 def test_disjoint_columns_of_one_tensor_are_written_as_eager(tracer):
     def f(x):
         t = x.clone()

@@ -16,13 +16,15 @@ import torch.utils._pytree as pytree
 
 import aotgrad
 from aotgrad._torch_compat import FakeTensorMode
-from aotgrad.capture import fake
-from aotgrad.capture.fake import CaptureFakeMode
-from aotgrad.capture.meta_kernels import run_meta, straight_to_meta
+from aotgrad.capture.fast import fake
+from aotgrad.capture.fast.fake import FastFakeMode
+from aotgrad.capture.fast.meta_kernels import run_meta, straight_to_meta
 from library_models import build
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "sweep"))
 import opinfo_sweep
+
+pytestmark = pytest.mark.fast_path  # Note [The fast path as a layer]
 
 aten = torch.ops.aten
 
@@ -106,7 +108,7 @@ def test_which_ops_go_straight_to_the_meta_kernel():
 
 
 def test_a_view_shares_its_arguments_memory():
-    mode = CaptureFakeMode()
+    mode = FastFakeMode()
     with mode:
         x = torch.empty(2, 3, 4)
     y = run_meta(mode, aten.permute.default, (x, [2, 0, 1]), {})
@@ -116,7 +118,7 @@ def test_a_view_shares_its_arguments_memory():
 
 
 def test_other_arguments_take_the_fake_modes_path():
-    mode = CaptureFakeMode(allow_non_fake_inputs=True)
+    mode = FastFakeMode(allow_non_fake_inputs=True)
     with mode:
         x = torch.empty(4, 4)
     # a fake tensor that knows its value (the fake mode propagates those)
@@ -125,7 +127,7 @@ def test_other_arguments_take_the_fake_modes_path():
     )
     assert constant.constant is not None
     real = torch.ones(4, 4)
-    other = CaptureFakeMode()
+    other = FastFakeMode()
     with other:
         foreign = torch.empty(4, 4)
     assert run_meta(mode, aten.mul.Tensor, (x, x), {}) is not None
@@ -142,7 +144,7 @@ def test_symbolic_sizes_take_the_fake_modes_path():
         StatelessSymbolicContext,
     )
 
-    mode = CaptureFakeMode(shape_env=ShapeEnv())
+    mode = FastFakeMode(shape_env=ShapeEnv())
     static = mode.from_tensor(torch.empty(4, 3), static_shapes=True)
     context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
     dynamic = mode.from_tensor(torch.empty(4, 3), symbolic_context=context)
@@ -153,7 +155,7 @@ def test_symbolic_sizes_take_the_fake_modes_path():
 
 
 def test_the_meta_kernel_raises_the_fake_modes_error():
-    mode = CaptureFakeMode()
+    mode = FastFakeMode()
     with mode:
         a, b = torch.empty(2, 3), torch.empty(4, 5)
     with pytest.raises(RuntimeError) as expected:

@@ -202,6 +202,7 @@ def test_memory_report_sorts_by_size_and_groups_by_module():
     assert all(s.reason and (s.is_input or s.source is not None) for s in saved.values())
 
 
+@pytest.mark.fast_path
 def test_json_document(capsys):
     example = MODELS.parents[1] / "examples" / "carry.py"
     assert main(["show", f"{example}:fn", "--json"]) == 0

@@ -170,6 +170,7 @@ def test_a_subclass_gradient_into_a_plain_input_is_refused():
         aotgrad.trace(lambda x, w: x * w, x, w)
 
 
+@pytest.mark.fast_path
 def test_the_direct_tracer_refuses_subclass_inputs():
     with pytest.raises(DirectTraceError, match="tensor subclass inputs"):
         aotgrad.trace(lambda x: x * 2, _pair(8)[0], tracer="direct")

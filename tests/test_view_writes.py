@@ -12,6 +12,8 @@ import aotgrad
 from aotgrad.capture import node_info
 from aotgrad.testing import verify
 
+pytestmark = pytest.mark.fast_path  # Note [The fast path as a layer]
+
 # view kind -> the view of a 4x4 tensor the function writes through
 VIEWS = {
     "select": lambda h: h[1],

@@ -89,6 +89,17 @@ DynamicOutputShapeException = _fake_tensor.DynamicOutputShapeException
 UnsupportedOperatorException = _fake_tensor.UnsupportedOperatorException
 # ``view``'s output strides from symbolic sizes (Note [Eager strides for views]).
 view_stride = _fake_impls._compute_stride
+# Run a kernel on real (meta) tensors inside a trace, below every mode.
+no_dispatch = _mode_utils.no_dispatch
+# The Python dispatcher, which lets symbolic sizes through decompositions during the full trace.
+enable_python_dispatcher = _python_dispatcher.enable_python_dispatcher
+# The logger of the fake mode, which prints a traceback for every failed meta kernel: silenced
+# during capture (Note [Capture sessions]).
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+# --- The fast path only (capture/fast/, Note [The fast path as a layer]) -----------------------
+# ``fast=False`` uses none of these: a torch release that breaks one breaks the fast path only.
+
 # Run an op's meta kernel on fake tensors seen as meta tensors, as the fake mode's last step
 # does (Note [Straight to the meta kernel]).
 in_kernel_invocation = _fake_tensor.in_kernel_invocation_manager
@@ -128,13 +139,33 @@ def fake_device(t: FakeTensor) -> torch.device:
     return _fake_tensor._device_handler((t,))
 
 
-# Run a kernel on real (meta) tensors inside a trace, below every mode.
-no_dispatch = _mode_utils.no_dispatch
-# The Python dispatcher, which lets symbolic sizes through decompositions during the full trace.
-enable_python_dispatcher = _python_dispatcher.enable_python_dispatcher
-# The logger of the fake mode, which prints a traceback for every failed meta kernel: silenced
-# during capture (Note [Capture sessions]).
-FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+# The base class of the direct tracer (Note [Direct tracing]).
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+# Would autograd decompose this op (a CompositeImplicit kernel) before the tracer sees it?
+autograd_would_have_decomposed = _python_dispatch.autograd_would_have_decomposed
+# Run ops below autograd (no grad_fn, no sequence number taken), as a dispatch mode's
+# handler does: the direct trace's replays of views outside an op (Note [Writes through
+# views, directly]).
+below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
+
+
+# Node metadata ``make_fx`` copies onto each node it creates: the direct tracer copies the same.
+COPY_META_FIELDS: tuple[str, ...] = tuple(_fx_proxy._COPY_META_FIELDS)
+# ``make_fx``'s ``seq_nr`` for a node it creates, by the node's name.
+seq_nr_of = _fx_proxy._get_seq_nr
+# The ``tensor_meta`` that ``make_fx`` stores on a node, from its value.
+tensor_metadata = _shape_prop._extract_tensor_metadata
+
+
+def op_node_name(graph: fx.Graph, op_name: str) -> str:
+    """The name ``make_fx`` gives a node calling ``op_name`` (``create_node`` makes it unique)."""
+    return graph._target_to_str(op_name)
+
+
+def in_autograd_engine() -> bool:
+    """Is autograd's engine running a backward (the capture's, or one the function started)?"""
+    return torch._C._current_graph_task_id() != -1
+
 
 # --- Functionalization (the full trace) ----------------------------------------------------------
 
@@ -158,16 +189,8 @@ apply_view_meta_sequence = _functionalization.apply_view_meta_sequence
 
 # --- Dispatch and torch-function modes -----------------------------------------------------------
 
-# The base class of the direct tracer (Note [Direct tracing]).
-TorchDispatchMode = _python_dispatch.TorchDispatchMode
 # Step below every active dispatch mode: read the real generator, measure without tracing.
 disable_current_modes = _python_dispatch._disable_current_modes
-# Would autograd decompose this op (a CompositeImplicit kernel) before the tracer sees it?
-autograd_would_have_decomposed = _python_dispatch.autograd_would_have_decomposed
-# Run ops below autograd (no grad_fn, no sequence number taken), as a dispatch mode's
-# handler does: the direct trace's replays of views outside an op (Note [Writes through
-# views, directly]).
-below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 
 
 def is_opaque_reference(value: object) -> bool:
@@ -216,20 +239,9 @@ opt_einsum_strategy = torch.backends.opt_einsum._get_strategy
 
 # --- torch.fx internals --------------------------------------------------------------------------
 
-# Node metadata ``make_fx`` copies onto each node it creates: the direct tracer copies the same.
-COPY_META_FIELDS: tuple[str, ...] = tuple(_fx_proxy._COPY_META_FIELDS)
-# ``make_fx``'s ``seq_nr`` for a node it creates, by the node's name.
-seq_nr_of = _fx_proxy._get_seq_nr
-# The ``tensor_meta`` that ``make_fx`` stores on a node, from its value.
-tensor_metadata = _shape_prop._extract_tensor_metadata
 # Graph modules that generate their code on first use (Note [Code on demand]).
 LazyGraphModule = _lazy_graph_module._LazyGraphModule
 use_lazy_graph_module = _lazy_graph_module._use_lazy_graph_module
-
-
-def op_node_name(graph: fx.Graph, op_name: str) -> str:
-    """The name ``make_fx`` gives a node calling ``op_name`` (``create_node`` makes it unique)."""
-    return graph._target_to_str(op_name)
 
 
 def rename_node(node: fx.Node, name: str) -> None:
@@ -305,11 +317,6 @@ push_saved_tensors_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 def autograd_node_number(node: Any) -> int:
     """The sequence number autograd gave a graph node (Note [Sequence numbers])."""
     return node._sequence_nr()
-
-
-def in_autograd_engine() -> bool:
-    """Is autograd's engine running a backward (the capture's, or one the function started)?"""
-    return torch._C._current_graph_task_id() != -1
 
 
 def compiling_flag() -> bool:

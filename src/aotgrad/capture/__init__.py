@@ -33,10 +33,10 @@ from aotgrad.capture.collectives import (
     op_text,
 )
 from aotgrad.capture.cotangents import split_at_cotangents
-from aotgrad.capture.direct import DirectTracer
 from aotgrad.capture.dynamic import ShapeGuards
 from aotgrad.capture.environ import recording_environ
-from aotgrad.capture.full import FullTracer
+from aotgrad.capture.fast import DirectTracer
+from aotgrad.capture.full import FullTracer, refuse_untraceable
 from aotgrad.capture.graph import JointGraph, joint_signature, lazy_module, ready_for_compiler
 from aotgrad.capture.input_aliases import (
     SyntheticBase,
@@ -154,17 +154,21 @@ def capture(
     ``tracer`` chooses the tracer (Note [Choosing a tracer]); the result's
     ``tracer`` field says which one made the graph. ``effects`` watches the user's
     objects for tensors the function stores there (Note [Side effects replayed]).
-    ``fast=False`` captures without the fast path: the full trace only.
+    ``fast=False`` leaves the fast path off (Note [The fast path as a layer]).
     """
-    if not fast and check_tracer_choice(tracer) == "direct":
-        raise ValueError("tracer='direct' is the fast path, which fast=False turns off")
+    if not fast and tracer == "direct":
+        raise ValueError(
+            "tracer='direct' needs the fast path, which fast=False (or AOTGRAD_FAST=0) leaves"
+            " off: pass tracer='auto' or 'full' (Note [The fast path as a layer])"
+        )
     options = TraceOptions(
         with_backward=with_backward,
         decompositions=faithful_decompositions(decompositions),
         where=where,
         dynamic_dims=dynamic_dims,
-        tracer=check_tracer_choice(tracer) if fast else "full",
+        tracer=check_tracer_choice(tracer),
         effects=effects,
+        fast=fast,
     )
     label = root if root is not None else body
     with capture_session(), recording_environ() as environ:  # Note [Capture sessions]
@@ -201,6 +205,7 @@ def _capture(
         return attempt(DirectTracer(Recorder(root), options.decompositions))
 
     def full(leaf_primals: bool) -> _Traced:
+        refuse_untraceable(primals, flat.descriptors, options.where)
         symbolic = bool(options.dynamic_dims)
         tracer = FullTracer(
             Recorder(root), options.decompositions, symbolic=symbolic, leaf_primals=leaf_primals
@@ -235,6 +240,8 @@ def _why_not_direct(
         return "dynamic shapes (it records static sizes only)"
     if bases or overlapping_groups(primals):
         return "inputs share memory (only functionalization tells which one a view comes from)"
+    if not options.fast:
+        return "the fast path is off (Note [The fast path as a layer])"
     return None
 
 

@@ -28,9 +28,28 @@ from aotgrad.capture.mutation import (
     mutation_counts,
 )
 from aotgrad.capture.recorder import ProvenanceMode, Recorder
-from aotgrad.capture.tracers import Tracer
-from aotgrad.errors import UserFrame
+from aotgrad.capture.tracers import FullTraceRefused, Tracer
+from aotgrad.errors import UserFrame, format_error
 from aotgrad.signature import GraphInputDescriptor
+
+
+def refuse_untraceable(
+    primals: Sequence[torch.Tensor], descriptors: Sequence[object], where: UserFrame | None
+) -> None:
+    """Refuse a sparse input that requires grad: under functionalization its gradient is lost
+    (``a.to_dense()``: None, where eager has one) or, compressed (``to_sparse_csr``), the
+    process aborts (torch 2.13). The direct trace takes it (Note [The fast path as a layer])."""
+    for p, desc in zip(primals, descriptors, strict=True):
+        if p.layout is not torch.strided and p.requires_grad:
+            raise FullTraceRefused(
+                format_error(
+                    f"input {desc} is a {p.layout} tensor that requires grad, which the full"
+                    " trace (functionalization) cannot differentiate",
+                    where,
+                    "Pass it with requires_grad=False or as a dense tensor, or leave the fast"
+                    " path on and tracer='auto' (its direct trace takes it).",
+                )
+            )
 
 
 class FullTracer(Tracer):

@@ -59,7 +59,8 @@ from aotgrad.capture.closed_over import ClosedOver
 from aotgrad.capture.collectives import collective_grads_checked
 from aotgrad.capture.cotangents import make_cotangent
 from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
-from aotgrad.capture.fake import CaptureFakeMode
+from aotgrad.capture.fake import EagerViewsFakeMode
+from aotgrad.capture.fast import FastFakeMode
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
 from aotgrad.capture.mutation import (
     InputMutation,
@@ -200,6 +201,8 @@ class TraceOptions:
     dynamic_dims: Mapping[int, Sequence[int]] | None
     # Which tracer to use (Note [Choosing a tracer]).
     tracer: TracerChoice = "auto"
+    # The fast path on (Note [The fast path as a layer]); off: the full trace in the stock mode.
+    fast: bool = True
     # Watches the user's objects for traced tensors stored in them (Note [Side effects
     # replayed]); None: nothing to watch.
     effects: Watch | None = None
@@ -216,12 +219,13 @@ def trace_joint(
 ) -> tuple[fx.GraphModule, TraceRecord, GraphInputs]:
     """Trace ``body`` and its backward into one graph with ``tracer``; see Note [One tracing pass].
 
-    A :class:`~aotgrad.capture.direct.DirectTracer` raises
+    A :class:`~aotgrad.capture.fast.DirectTracer` raises
     :class:`~aotgrad.capture.tracers.NeedsFullTrace` for what it does not handle.
     """
     dynamic_dims = options.dynamic_dims
     shape_env = new_shape_env() if dynamic_dims else None
-    mode = CaptureFakeMode(allow_non_fake_inputs=True, shape_env=shape_env)
+    fake_mode = FastFakeMode if options.fast else EagerViewsFakeMode
+    mode = fake_mode(allow_non_fake_inputs=True, shape_env=shape_env)
     inputs, tensors = GraphInputs.of(flat, primals, bases)
     fakes = fake_primals(mode, tensors, dynamic_dims)
     record = TraceRecord()

@@ -65,8 +65,8 @@ RNG_POSITION_KEY = "aotgrad_rng_position"
 # and the closed-over swap.
 _FORWARDING_FILES = (
     __file__,
-    os.path.join(os.path.dirname(__file__), "direct.py"),
-    os.path.join(os.path.dirname(__file__), "view_writes.py"),
+    os.path.join(os.path.dirname(__file__), "fast", "direct.py"),
+    os.path.join(os.path.dirname(__file__), "fast", "view_writes.py"),
     closed_over.__file__,
 )
 

@@ -5,7 +5,7 @@ Note [Two tracers]
 Capture runs one joint function, forward then backward, on fake tensors
 (Note [One tracing pass]), under one of two tracers:
 
-- :class:`~aotgrad.capture.direct.DirectTracer` appends each aten op to a
+- :class:`~aotgrad.capture.fast.direct.DirectTracer` appends each aten op to a
   graph as it runs (Note [Direct tracing]): cheap, but it handles only
   static sizes, in-place ops recorded functionally (Note [In-place ops,
   directly]) and writes through the view ops it can scatter back (Note
@@ -42,7 +42,11 @@ stack)::
     direct:  sin = sin(mm); cos = cos(sin); sin_1 = sin(mm); sin_2 = sin(sin_1) ...
     full:    sin = sin(mm); cos = cos(sin);                  sin_1 = sin(sin) ...
 
-Values are equal either way; the partitioner then decides what is saved.
+Values are equal either way; the partitioner then decides what is saved. And
+a view of a base written through a view (timm's convnext: ``as_strided_backward``)
+has the seq_nr of the op that first reads it in the full trace, which
+regenerates it there (``is_functional_regenerated``), and of the op that made
+it in the direct trace: ``as_strided`` at 80 (``mean``'s) against 81.
 
 Note [Choosing a tracer]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -106,7 +110,13 @@ from torch.autograd.graph import GradientEdge
 from aotgrad._torch_compat import REENTRANT_CHECKPOINT_GRAD
 from aotgrad.capture.mutation import InputMutation, PrimalInfo
 from aotgrad.capture.recorder import Recorder
-from aotgrad.errors import DirectTraceError, UserFrame, format_error, user_frame_from_traceback
+from aotgrad.errors import (
+    CaptureError,
+    DirectTraceError,
+    UserFrame,
+    format_error,
+    user_frame_from_traceback,
+)
 from aotgrad.signature import GraphInputDescriptor
 
 TracerChoice = Literal["auto", "direct", "full"]
@@ -145,6 +155,10 @@ class NeedsFullTrace(BaseException):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class FullTraceRefused(CaptureError):
+    """The full trace cannot take these inputs at all (``full.refuse_untraceable``)."""
 
 
 class DirectTracerBugWarning(UserWarning):
@@ -298,7 +312,12 @@ def trace_with(
             raise
         failed = _released(e)
     # Outside the except blocks: the full trace's own errors carry no direct-trace context.
-    traced = full()
+    try:
+        traced = full()
+    except FullTraceRefused:
+        if failed is None:
+            raise
+        raise failed from None  # the full trace cannot tell: the direct trace's error stands
     if stopped is not None:
         return traced, TracerReport(name="full", fallback_reason=_stop_reason(stopped))
     assert failed is not None
@@ -381,6 +400,7 @@ def _direct_tracer_bug(e: Exception, where: UserFrame | None) -> TracerReport:
 
 __all__ = [
     "DirectTracerBugWarning",
+    "FullTraceRefused",
     "NeedsFullTrace",
     "Tracer",
     "TracerChoice",

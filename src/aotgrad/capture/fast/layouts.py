@@ -84,6 +84,21 @@ class Layouts:
     as_tuple: bool
 
 
+Rule = Callable[[Sequence[object], Mapping[str, object]], Layouts | None]
+# The one table of layout rules: op -> its rule, each registered beside the rule (``_layout``).
+LAYOUTS: dict[Any, Rule] = {}
+
+
+def _layout(*ops: Any) -> Callable[[Rule], Rule]:
+    """Register the decorated rule for ``ops``."""
+
+    def register(rule: Rule) -> Rule:
+        LAYOUTS.update(dict.fromkeys(ops, rule))
+        return rule
+
+    return register
+
+
 def fast_layouts(
     func: Any, args: Sequence[object], kwargs: Mapping[str, object] | None
 ) -> Layouts | None:
@@ -96,7 +111,7 @@ def fast_layouts(
     >>> found.tensors[0].shape, found.tensors[0].strides, found.as_tuple
     ((2, 3), (3, 1), False)
     """
-    rule = _RULES.get(func)
+    rule = LAYOUTS.get(func)
     if rule is None:
         return None
     return rule(args, kwargs or {})
@@ -145,14 +160,17 @@ def _vectors(tensors: Sequence[object], n: int, like: torch.Tensor) -> bool:
     )
 
 
-def _pointwise(arity: int) -> Callable[[Sequence[object], Mapping[str, object]], Layouts | None]:
+@dataclass(frozen=True)
+class Pointwise:
     """An op whose result is laid out like its ``arity`` first arguments, when those are alike."""
 
-    def rule(args: Sequence[object], kwargs: Mapping[str, object]) -> Layouts | None:
-        tensors = args[:arity]
-        rest = [*args[arity:], *kwargs.values()]
+    arity: int
+
+    def __call__(self, args: Sequence[object], kwargs: Mapping[str, object]) -> Layouts | None:
+        tensors = args[: self.arity]
+        rest = [*args[self.arity :], *kwargs.values()]
         # a tensor, a complex number or a dtype among the others could change the result's type
-        if len(tensors) != arity or not all(isinstance(a, _PLAIN) for a in rest):
+        if len(tensors) != self.arity or not all(isinstance(a, _PLAIN) for a in rest):
             return None
         if not _alike(tensors) or not _same_mode(tensors):
             return None
@@ -160,7 +178,24 @@ def _pointwise(arity: int) -> Callable[[Sequence[object], Mapping[str, object]],
         assert isinstance(first, torch.Tensor)
         return Layouts(tensors=(Layout.like(first),), as_tuple=False)
 
-    return rule
+
+# Pointwise ops whose result has the dtype of their floating inputs (one tensor and maybe a
+# number; two tensors); their meta kernels are Python references of a dozen small ops each.
+_layout(
+    *(aten.relu.default, aten.gelu.default, aten.silu.default, aten.sigmoid.default),
+    *(aten.tanh.default, aten.neg.default, aten.exp.default, aten.log.default),
+    *(aten.sqrt.default, aten.rsqrt.default, aten.reciprocal.default, aten.erf.default),
+    *(aten.hardtanh.default, aten.leaky_relu.default, aten.elu.default),
+    *(aten.hardswish.default, aten.hardsigmoid.default, aten.pow.Tensor_Scalar),
+    *(aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.rsub.Scalar),
+)(Pointwise(1))
+_layout(
+    *(aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor),
+    *(aten.div.Tensor_mode, aten.maximum.default, aten.minimum.default),
+    *(aten.sigmoid_backward.default, aten.tanh_backward.default),
+    *(aten.hardswish_backward.default, aten.hardsigmoid_backward.default),
+    *(aten.silu_backward.default, aten.gelu_backward.default, aten.threshold_backward.default),
+)(Pointwise(2))
 
 
 def _same_mode(tensors: Sequence[object]) -> bool:
@@ -168,6 +203,7 @@ def _same_mode(tensors: Sequence[object]) -> bool:
     return len(modes) == 1
 
 
+@_layout(aten._native_batch_norm_legit_functional.default)
 def _batch_norm(args: Sequence[object], kwargs: Mapping[str, object]) -> Layouts | None:
     """``_native_batch_norm_legit_functional`` in training: out, mean, rstd, new stats."""
     if kwargs or len(args) != 8 or args[5] is not True:
@@ -182,6 +218,7 @@ def _batch_norm(args: Sequence[object], kwargs: Mapping[str, object]) -> Layouts
     return Layouts(tensors=(Layout.like(x), vector, vector, vector, vector), as_tuple=True)
 
 
+@_layout(aten.native_batch_norm_backward.default)
 def _batch_norm_backward(args: Sequence[object], kwargs: Mapping[str, object]) -> Layouts | None:
     """``native_batch_norm_backward`` in training: grad of input, weight, bias (by mask)."""
     if kwargs or len(args) != 10 or args[7] is not True:
@@ -226,6 +263,7 @@ def _contiguous_layout(shape: Sequence[int], like: torch.Tensor) -> Layout:
     return Layout(tuple(shape), _contiguous(shape), like.dtype, like.device)
 
 
+@_layout(aten.native_layer_norm.default)
 def _layer_norm(args: Sequence[object], kwargs: Mapping[str, object]) -> Layouts | None:
     """``native_layer_norm``: out (contiguous, whatever the input's order), mean, rstd."""
     if kwargs or len(args) != 5:
@@ -240,6 +278,7 @@ def _layer_norm(args: Sequence[object], kwargs: Mapping[str, object]) -> Layouts
     return Layouts(tensors=(_contiguous_layout(x.shape, x), stats, stats), as_tuple=True)
 
 
+@_layout(aten.native_layer_norm_backward.default)
 def _layer_norm_backward(args: Sequence[object], kwargs: Mapping[str, object]) -> Layouts | None:
     """``native_layer_norm_backward``: grads of input (contiguous), weight, bias (by mask)."""
     if kwargs or len(args) != 8:
@@ -274,59 +313,4 @@ def _strided(t: object) -> TypeGuard[FakeTensor]:
     return isinstance(t, FakeTensor) and t.layout is torch.strided
 
 
-# Pointwise ops whose result has the dtype of their floating inputs (one tensor and maybe a
-# number; two tensors); their meta kernels are Python references of a dozen small ops each
-# (their cost per call: bench/findings.md).
-POINTWISE_UNARY = (
-    aten.relu.default,
-    aten.gelu.default,
-    aten.silu.default,
-    aten.sigmoid.default,
-    aten.tanh.default,
-    aten.neg.default,
-    aten.exp.default,
-    aten.log.default,
-    aten.sqrt.default,
-    aten.rsqrt.default,
-    aten.reciprocal.default,
-    aten.erf.default,
-    aten.hardtanh.default,
-    aten.leaky_relu.default,
-    aten.elu.default,
-    aten.add.Scalar,
-    aten.sub.Scalar,
-    aten.mul.Scalar,
-    aten.div.Scalar,
-    aten.rsub.Scalar,
-    aten.pow.Tensor_Scalar,
-)
-POINTWISE_BINARY = (
-    aten.add.Tensor,
-    aten.sub.Tensor,
-    aten.mul.Tensor,
-    aten.div.Tensor,
-    aten.div.Tensor_mode,
-    aten.maximum.default,
-    aten.minimum.default,
-    aten.sigmoid_backward.default,
-    aten.tanh_backward.default,
-)
-
-_RULES: dict[Any, Callable[[Sequence[object], Mapping[str, object]], Layouts | None]] = {
-    aten._native_batch_norm_legit_functional.default: _batch_norm,
-    aten.native_batch_norm_backward.default: _batch_norm_backward,
-    **{op: _pointwise(1) for op in POINTWISE_UNARY},
-    **{op: _pointwise(2) for op in POINTWISE_BINARY},
-    aten.hardswish.default: _pointwise(1),
-    aten.hardsigmoid.default: _pointwise(1),
-    aten.hardswish_backward.default: _pointwise(2),
-    aten.hardsigmoid_backward.default: _pointwise(2),
-    aten.silu_backward.default: _pointwise(2),
-    aten.gelu_backward.default: _pointwise(2),
-    aten.threshold_backward.default: _pointwise(2),
-    aten.native_layer_norm.default: _layer_norm,
-    aten.native_layer_norm_backward.default: _layer_norm_backward,
-}
-
-
-__all__ = ["POINTWISE_BINARY", "POINTWISE_UNARY", "Layout", "Layouts", "fast_layouts"]
+__all__ = ["LAYOUTS", "Layout", "Layouts", "Pointwise", "fast_layouts"]

@@ -25,7 +25,7 @@ old base, scatters into it, and inverts ``t``::
 
     t_1 = t(mul); select_scatter = select_scatter(t_1, add, 0, 1); t_2 = t(select_scatter)
 
-Each view op needs its inverse (``_INVERSES``: ``select`` -> ``select_scatter``,
+Each view op needs its inverse (``VIEWS``: ``select`` -> ``select_scatter``,
 ``slice`` -> ``slice_scatter``, ``as_strided`` -> ``as_strided_scatter``,
 ``diagonal`` -> ``diagonal_scatter``, ``t``/``transpose``/``permute``/``view``/
 ``unsqueeze``/``squeeze.dim``/``alias`` -> the view that undoes it); a write
@@ -140,7 +140,8 @@ def _is_view(target: object) -> bool:
 def invertible(chain: Sequence[ViewStep]) -> str | None:
     """Why a write through ``chain`` cannot be scattered back (None: it can)."""
     for step in chain:
-        if step.op not in _INVERSES or step.index is not None:
+        rule = VIEWS.get(step.op)
+        if rule is None or rule.inverse is None or step.index is not None:
             return f"a write through a view made by {step.op} (no scatter for it)"
         if step.kwargs and step.op is not aten.slice.Tensor:
             return f"a write through a view made by {step.op} (no scatter for it)"
@@ -157,8 +158,24 @@ def scatter(base: torch.Tensor, new: torch.Tensor, chain: Sequence[ViewStep]) ->
         bases.append(step.replay(bases[-1]))
     value = new
     for step, under in zip(reversed(chain), reversed(bases), strict=True):
-        value = _INVERSES[step.op](under, value, step)
+        inverse = VIEWS[step.op].inverse
+        assert inverse is not None  # invertible(chain) was checked
+        value = inverse(under, value, step)
     return value
+
+
+Inverse = Callable[[torch.Tensor, torch.Tensor, ViewStep], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ViewRule:
+    """What the fast path knows of one view op."""
+
+    # ``(base, new view value, step) -> new base``, the write's scatter; None: a write through
+    # the view stops the direct trace.
+    inverse: Inverse | None
+    # The fast fake mode lays it out on the meta device (Note [Eager strides for views]).
+    meta_layout: bool = True
 
 
 def _permute_back(base: torch.Tensor, new: torch.Tensor, step: ViewStep) -> torch.Tensor:
@@ -171,23 +188,35 @@ def _unsqueeze_back(base: torch.Tensor, new: torch.Tensor, step: ViewStep) -> to
     return aten.unsqueeze.default(new, dim) if base.shape[dim] == 1 else new
 
 
-def _slice_back(base: torch.Tensor, new: torch.Tensor, step: ViewStep) -> torch.Tensor:
-    return aten.slice_scatter.default(base, new, *step.args, **step.kwargs)
+def _scatter(op: OpOverload) -> Inverse:
+    """``op(base, new, *view args)``: ``select`` -> ``select_scatter`` ..."""
+    return lambda b, n, s: op(b, n, *s.args, **s.kwargs)
 
 
-_INVERSES: dict[OpOverload, Callable[[torch.Tensor, torch.Tensor, ViewStep], torch.Tensor]] = {
-    aten.select.int: lambda b, n, s: aten.select_scatter.default(b, n, *s.args),
-    aten.slice.Tensor: _slice_back,
-    aten.as_strided.default: lambda b, n, s: aten.as_strided_scatter.default(b, n, *s.args),
-    aten.diagonal.default: lambda b, n, s: aten.diagonal_scatter.default(b, n, *s.args),
-    aten.t.default: lambda b, n, s: aten.t.default(n),
-    aten.transpose.int: lambda b, n, s: aten.transpose.int(n, *s.args),
-    aten.permute.default: _permute_back,
-    aten.view.default: lambda b, n, s: aten.view.default(n, list(b.shape)),
-    aten.unsqueeze.default: lambda b, n, s: aten.squeeze.dim(n, *s.args),
-    aten.squeeze.dim: _unsqueeze_back,
-    aten.alias.default: lambda b, n, s: aten.alias.default(n),
+# The one table of view rules.
+VIEWS: dict[OpOverload, ViewRule] = {
+    aten.select.int: ViewRule(_scatter(aten.select_scatter.default)),
+    aten.slice.Tensor: ViewRule(_scatter(aten.slice_scatter.default)),
+    aten.t.default: ViewRule(lambda b, n, s: aten.t.default(n)),
+    aten.transpose.int: ViewRule(lambda b, n, s: aten.transpose.int(n, *s.args)),
+    aten.permute.default: ViewRule(_permute_back),
+    aten.view.default: ViewRule(lambda b, n, s: aten.view.default(n, list(b.shape))),
+    aten.unsqueeze.default: ViewRule(lambda b, n, s: aten.squeeze.dim(n, *s.args)),
+    aten.squeeze.dim: ViewRule(_unsqueeze_back),
+    aten.expand.default: ViewRule(None),
+    aten.as_strided.default: ViewRule(_scatter(aten.as_strided_scatter.default), False),
+    aten.diagonal.default: ViewRule(_scatter(aten.diagonal_scatter.default), False),
+    aten.alias.default: ViewRule(lambda b, n, s: aten.alias.default(n), False),
 }
 
 
-__all__ = ["Storage", "StorageView", "ViewStep", "chain_of", "invertible", "scatter"]
+__all__ = [
+    "VIEWS",
+    "Storage",
+    "StorageView",
+    "ViewRule",
+    "ViewStep",
+    "chain_of",
+    "invertible",
+    "scatter",
+]

@@ -126,6 +126,14 @@ from aotgrad._torch_compat import (
     tensor_metadata,
 )
 from aotgrad.capture.collectives import refuse_in_place_collective
+from aotgrad.capture.fast.view_writes import (
+    Storage,
+    StorageView,
+    ViewStep,
+    chain_of,
+    invertible,
+    scatter,
+)
 from aotgrad.capture.graph import lazy_module
 from aotgrad.capture.mutation import (
     InputMutation,
@@ -136,14 +144,6 @@ from aotgrad.capture.mutation import (
 from aotgrad.capture.random import MANUAL_SEED
 from aotgrad.capture.recorder import Recorder
 from aotgrad.capture.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
-from aotgrad.capture.view_writes import (
-    Storage,
-    StorageView,
-    ViewStep,
-    chain_of,
-    invertible,
-    scatter,
-)
 from aotgrad.errors import UserFrame
 from aotgrad.signature import GraphInputDescriptor, storage_key
 
