@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import aotgrad
+import aotgrad._torch_compat as compat
 from aotgrad.report import show_document
 from multiproc import run_ranks
 
@@ -86,6 +87,11 @@ def _dtensor_checks() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.skipif(
+    compat.TORCH_RELEASE < (2, 12),
+    reason="torch 2.11's DTensor backward returns a gradient whose inner tensors differ from the"
+    " input's layout; aotgrad refuses it (UnsupportedSubclassError), loudly",
+)
 def test_dtensor_function_matches_eager_with_plain_graphs_and_collectives():
     ranks = run_ranks(_dtensor_checks, timeout=TIMEOUT)
     for result in ranks:

@@ -142,7 +142,22 @@ def test_device_mesh_is_an_opaque_reference():
 
     assert not compat.is_opaque_reference(3) and not compat.is_opaque_reference(torch.ones(1))
     mesh = object.__new__(DeviceMesh)  # no process group needed to ask about the type
-    assert compat.is_opaque_reference(mesh)
+    # torch registers DeviceMesh as an opaque reference from 2.12 (Note [Behaviour by torch release])
+    assert compat.is_opaque_reference(mesh) == (compat.TORCH_RELEASE >= (2, 12))
+
+
+def test_asking_about_opaque_types_logs_nothing(caplog):
+    """torch 2.14 deprecated the 2.11-2.13 names with two warning lines per call."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with caplog.at_level(logging.WARNING):
+        compat.is_opaque_reference(object.__new__(DeviceMesh))
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
+
+
+def test_the_running_torch_is_in_the_supported_window():
+    oldest, newest = compat.SUPPORTED_RELEASES
+    assert oldest <= compat.TORCH_RELEASE <= newest, torch.__version__
 
 
 def test_no_dispatch_runs_below_the_fake_mode():

@@ -67,6 +67,24 @@ import torch.utils._python_dispatch as _python_dispatch
 import torch.utils._pytree as pytree
 from torch._C import _functionalization
 
+# Note [Behaviour by torch release]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# aotgrad supports torch 2.11 through 2.15. Where a release behaves differently, the
+# difference is keyed here on the running release, never guessed from a ``try/except``
+# around a private call (which could hide a wrong result):
+#
+#     is_opaque_reference(mesh)   2.11-2.13: is_opaque_reference_type(type(v))
+#                                 2.14-2.15: is_opaque_symbolic_type(type(v)) (the old name
+#                                            warns twice a call)
+#
+# Behaviours that drifted outside these names are fixed where they live and named by the
+# release in their Note: ``_linalg_check_errors`` not effectful before 2.13
+# (``optable.remove_dead_code``), ``detach`` traced as ``alias`` from 2.14
+# (``capture._remove_detaches``), a checkpoint's hooks kept by a live frame on 2.11/2.12
+# (Note [The direct trace's frames are let go]).
+TORCH_RELEASE: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
+SUPPORTED_RELEASES = ((2, 11), (2, 15))
+
 # --- Operators -----------------------------------------------------------------------------------
 
 # The type of ``torch.ops.aten.mm.default``: op tables and tracers tell ops from Python callables.
@@ -198,7 +216,10 @@ def is_opaque_reference(value: object) -> bool:
     an object Dynamo passes to its graph as an input, compared by identity?"""
     import torch._library.opaque_object as _opaque
 
-    return _opaque.is_opaque_value(value) and not _opaque.is_opaque_value_type(type(value))
+    opaque: Any = _opaque  # its names differ by release (Note [Behaviour by torch release])
+    if TORCH_RELEASE >= (2, 14):
+        return bool(opaque.is_opaque_symbolic_type(type(value)))
+    return bool(opaque.is_opaque_reference_type(type(value)))
 
 
 # How many torch-function modes this thread has (one C call: ``function_modes`` builds a list).

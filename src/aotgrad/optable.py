@@ -253,8 +253,6 @@ def is_collective(op: object) -> bool:
 def is_point_to_point(op: object) -> bool:
     """A send or receive: the ranks of a pair run different ops by design.
 
-    >>> is_point_to_point(torch.ops._c10d_functional.isend.default)
-    True
     >>> is_point_to_point(torch.ops._c10d_functional.all_reduce.default)
     False
     """
