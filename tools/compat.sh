@@ -43,8 +43,8 @@ PY
 
 if [ ! -f "$env/.installed" ] || [ constraints.txt -nt "$env/.installed" ]; then
     [ -x "$env/bin/python" ] || "$(interpreter)" -m venv "$env"
-    # The tools at the team's versions; torch and torchvision as asked.
-    grep -v -E '^(torch|torchvision)==' constraints.txt > "$env/constraints.txt"
+    # The tools at the team's versions; torch and torchvision as asked, setuptools as torch allows.
+    grep -v -E '^(torch|torchvision|setuptools)==' constraints.txt > "$env/constraints.txt"
     pip=(env PIP_CONSTRAINT=/dev/null "$env/bin/python" -m pip install --quiet)
     "${pip[@]}" "torch==$torch"
     with_vision=("torchvision==$vision")
