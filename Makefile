@@ -5,17 +5,18 @@ STAMP  := $(VENV)/.installed
 PYTHON ?= python3.11
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser chromium vendor demo test lint typecheck pytest bench sweep fuzz models clean
+.PHONY: install browser chromium vendor demo test lint typecheck pytest bench sweep fuzz models compat gpu-check clean
 
 install: $(STAMP) browser
 
-# The stamp depends on pyproject.toml, so a second `make install` does nothing
-# until the dependencies change. torch goes first and by exact version: the CPU
-# wheel is found locally, and pinning it keeps pip from pulling CUDA builds.
-$(STAMP): pyproject.toml
+# The stamp depends on pyproject.toml and constraints.txt, so a second `make install` does
+# nothing until the dependencies change. torch goes first and by exact version: the CPU
+# wheel is found locally, and pinning it keeps pip from pulling CUDA builds. Everything
+# else at the exact versions of constraints.txt (pyproject.toml holds the ranges).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 # Debian's chromium, for the HTML report's browser tests (Playwright's own download is not used).
@@ -72,6 +73,16 @@ fuzz: install
 # README's model table. `make test` runs only the fast subset.
 models: install
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) tests/models_table.py --jobs 2
+
+# The default suite on another torch / Python of the supported window, in a side environment
+# built once outside the repository (tools/compat.sh): make compat TORCH=2.14.1 PYTHON=3.11
+compat:
+	TORCH=$(TORCH) PYTHON=$(patsubst python%,%,$(PYTHON)) tools/compat.sh
+
+# CUDA checks on a machine with an NVIDIA GPU and the torch it has (prints one table; exits
+# nonzero on a mismatch); without a GPU it says so and exits 0.
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),python3) tests/gpu_checks.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
