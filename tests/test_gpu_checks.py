@@ -96,3 +96,20 @@ def test_a_mismatch_in_a_known_failure_is_still_a_failure(monkeypatch: pytest.Mo
         gpu_checks.Check("x", gpu_checks._model_cell("mixtral_eager", "aot_module"))
     )
     assert row.result == "FAILED", row
+
+
+def test_a_model_its_library_cannot_build_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another version of the library (the GPU machine's own) may refuse a config argument:
+    aotgrad never ran, so the cell is skipped with the error, not failed."""
+    import library_models
+
+    def old_transformers(dropout: float = 0.0) -> None:
+        raise TypeError("MixtralConfig.__init__() got an unexpected keyword argument")
+
+    monkeypatch.setattr(gpu_checks, "DEVICE", "cpu")
+    monkeypatch.setitem(library_models.BUILDERS, "mixtral", old_transformers)
+    row = gpu_checks.run_check(
+        gpu_checks.Check("mixtral-aot_module", gpu_checks._model_cell("mixtral", "aot_module"))
+    )
+    assert row.result == "skipped" and "mixtral cannot be built here" in row.detail, row
+    assert "unexpected keyword argument" in row.detail, row
