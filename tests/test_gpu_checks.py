@@ -88,7 +88,7 @@ def test_a_mismatch_in_a_known_failure_is_still_a_failure(monkeypatch: pytest.Mo
     """KNOWN_FAILURES are loud refusals: a cell listed there that compares wrong is FAILED."""
     import test_real_models as real
 
-    def wrong(model: str, check: str) -> None:
+    def wrong(model: str, check: str, make: object) -> None:
         raise AssertionError("grad of lm_head.weight: 3/64 differ")
 
     monkeypatch.setattr(real, "run_check", wrong)
