@@ -113,3 +113,21 @@ def test_a_model_its_library_cannot_build_is_skipped(monkeypatch: pytest.MonkeyP
     )
     assert row.result == "skipped" and "mixtral cannot be built here" in row.detail, row
     assert "unexpected keyword argument" in row.detail, row
+
+
+def test_an_import_failing_in_a_library_skips_and_elsewhere_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import test_real_models as real
+
+    def old_timm(model: str, check: str, make: object) -> None:
+        raise ImportError("cannot import name 'set_reentrant_ckpt'", name="timm.layers")
+
+    def broken_compat(model: str, check: str, make: object) -> None:
+        raise ImportError("cannot import name 'FakeTensorMode'", name="torch._subclasses")
+
+    cell = gpu_checks.Check("vit-ckpt_reentrant", gpu_checks._model_cell("vit", "ckpt_reentrant"))
+    monkeypatch.setattr(real, "run_check", old_timm)
+    assert gpu_checks.run_check(cell).result == "skipped"
+    monkeypatch.setattr(real, "run_check", broken_compat)
+    assert gpu_checks.run_check(cell).result == "FAILED"
