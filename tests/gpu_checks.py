@@ -9,8 +9,9 @@ Each check compares aotgrad with eager PyTorch (or ``torch.compile``, or PyTorch
 on CUDA tensors, in groups:
 
 - ``rng``: reseeds replayed on the CUDA generator, dropout masks, the CUDA generator's state
-  (seed and Philox offset) after forward and backward under a non-reentrant checkpoint with
-  dropout inside, attention dropout in a fused kernel; with value checks failing on the device,
+  (seed and Philox offset) after each forward and backward over three steps through a
+  non-reentrant (and a reentrant) checkpoint with dropout inside, attention dropout drawn in a
+  fused kernel; with them, value checks failing on the device,
   concurrent first calls, hooks given real CUDA tensors, refused direct reseeds, SDPA backends.
 - ``library``: ``aot_module(model.cuda())`` on a library model with dropout, against eager.
 - ``inductor``: a GPT training step through ``aotgrad.compilers.inductor`` against
@@ -23,14 +24,16 @@ on CUDA tensors, in groups:
   its own ``compare``: outputs, every gradient, buffers, tied weights.
 
 A check's result is ``ok``, ``FAILED`` (a mismatch, or an error where none is expected: the exit
-status is 1), ``skipped`` (its package is not installed, or it needs CUDA and runs on CPU),
+status is 1), ``skipped`` (its package is not installed, or the installed version cannot build the model
+or lacks a name the cell uses: aotgrad never ran; or it needs CUDA and runs on CPU),
 ``xfail`` (a cell of ``KNOWN_FAILURES`` refused loudly, as on CPU; a value mismatch there is
 still ``FAILED``) or ``xpass``. One check failing never stops the next; each has a time limit,
 and the whole run stops starting checks after ``TOTAL_S`` seconds (the rest are ``not run``).
 Without CUDA (and without the CPU switch) it says so and exits 0. The disk cache is off.
 
-On CUDA, TF32 is off (``torch.backends.cudnn.allow_tf32``): the comparisons use the float32
-tolerances of the CPU suite, which TF32 convolutions would not meet.
+On CUDA, TF32 is off (cuDNN's and cuBLAS's): the comparisons use the float32 tolerances of the
+CPU suite, which TF32 convolutions would not meet. The lent GPU machines have no network and
+their own torch: ``python3 tests/gpu_checks.py`` from the checkout (it imports ``src/aotgrad``).
 """
 
 from __future__ import annotations
