@@ -170,12 +170,14 @@ def _close(
         )
         if g is None or e is None:
             continue
-        torch.testing.assert_close(
-            g, e, rtol=rtol, atol=atol, msg=lambda m, at=f"{what} [{i}]": f"{at}: {m}"
-        )
+        torch.testing.assert_close(g, e, rtol=rtol, atol=atol, msg=_prefixed(f"{what} [{i}]"))
         if g.numel():
             worst = max(worst, float((g.detach() - e.detach()).abs().max()))
     return worst
+
+
+def _prefixed(where: str) -> Callable[[str], str]:
+    return lambda message: f"{where}: {message}"
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor | None]:
