@@ -587,8 +587,11 @@ def training_step_with_inductor_against_torch_compile() -> str:
     ours = aotgrad.aot_module(ours_model, inductor, inductor)
     theirs = torch.compile(theirs_model)
     expected = _train_step(model, model, args)
+    start = time.perf_counter()
     got = _train_step(ours_model, ours, args)
+    ours_compile = time.perf_counter() - start
     reference = _train_step(theirs_model, theirs, args)
+    theirs_compile = time.perf_counter() - start - ours_compile
     tol = {"rtol": 1e-3, "atol": 1e-5}
     against_compile = _close(got, reference, "aotgrad+inductor vs torch.compile", **tol)
     against_eager = _close(got, expected, "aotgrad+inductor vs eager", **tol)
@@ -602,20 +605,30 @@ def training_step_with_inductor_against_torch_compile() -> str:
     a, b = statistics.median(ours_s), statistics.median(theirs_s)
     return (
         f"step {a * 1e3:.2f} ms vs torch.compile {b * 1e3:.2f} ms: ratio {a / b:.2f}"
-        f" (median of 10); max |diff| {against_compile:.2g} vs compile, {against_eager:.2g} vs eager"
+        f" (median of 10); first step {ours_compile:.0f} s vs {theirs_compile:.0f} s;"
+        f" max |diff| {against_compile:.2g} vs compile, {against_eager:.2g} vs eager"
     )
 
 
 def _pytorch_partitioned(model: nn.Module, budget: float | None) -> Callable[..., Any]:
     """PyTorch's ``aot_module`` with ``min_cut_rematerialization_partition`` (as ``bench/``),
-    graphs run as they are; compiled by its first call, under ``budget`` when given."""
+    graphs run as they are; compiled by its first call, under ``budget`` when given. Its
+    backward graph's saved bytes, counted as ``tests/reference.py`` does, go to ``.saved``."""
     import functorch.compile as fc
     from torch._functorch import config as functorch_config
+
+    from reference import backward_stats
+
+    saved: list[int] = []
+
+    def bw_compiler(gm: Any, example_inputs: Any) -> Any:
+        saved.append(backward_stats(gm)[0])
+        return fc.make_boxed_func(gm)
 
     compiled = fc.aot_module(
         model,
         fw_compiler=lambda gm, example_inputs: fc.make_boxed_func(gm),
-        bw_compiler=lambda gm, example_inputs: fc.make_boxed_func(gm),
+        bw_compiler=bw_compiler,
         partition_fn=fc.min_cut_rematerialization_partition,
     )
     patch = (
@@ -629,6 +642,7 @@ def _pytorch_partitioned(model: nn.Module, budget: float | None) -> Callable[...
             return compiled(*args)
 
     first_call_compiles.compiled = compiled  # type: ignore[attr-defined]
+    first_call_compiles.saved = saved  # type: ignore[attr-defined]
     return first_call_compiles
 
 
@@ -650,7 +664,7 @@ def _peak_bytes(model: nn.Module, fn: Callable[..., Any], args: Sequence[Any]) -
 
 
 def _mb(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**20:.1f} MB"
+    return "n/a" if n is None else f"{n / 2**20:.2f} MB"
 
 
 def _memory_row(ours_plan: Any, budget: float | None) -> str:
@@ -668,9 +682,11 @@ def _memory_row(ours_plan: Any, budget: float | None) -> str:
     ours_peak = _peak_bytes(ours_model, ours, args)
     theirs_peak = _peak_bytes(theirs_model, theirs.compiled, args)  # type: ignore[attr-defined]
     ratio = "" if ours_peak is None or not theirs_peak else f", ratio {ours_peak / theirs_peak:.2f}"
+    ours_saved = aotgrad.trace(ours_model, *args, partition=ours_plan).partitioned.saved_bytes
+    (theirs_saved,) = theirs.saved  # type: ignore[attr-defined]
     return (
         f"peak {_mb(ours_peak)} vs pytorch {_mb(theirs_peak)}{ratio} (eager {_mb(eager_peak)});"
-        f" values max |diff| {worst:.2g}"
+        f" planned saved {_mb(ours_saved)} vs {_mb(theirs_saved)}; values max |diff| {worst:.2g}"
     )
 
 
@@ -773,15 +789,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if DEVICE not in ("cuda", "cpu"):
         print(f"AOTGRAD_GPU_CHECK_DEVICE={DEVICE!r}: expected cuda or cpu", file=sys.stderr)
         return 2
+    if ON_CUDA and not torch.cuda.is_available() and not options.list:
+        print(
+            "gpu-check skipped: no CUDA device here (AOTGRAD_GPU_CHECK_DEVICE=cpu runs the checks on CPU)"
+        )
+        return 0
     _register_model_cells()
     checks = [c for c in CHECKS if options.only is None or options.only in c.name]
     if options.list:
         print("\n".join(c.name for c in checks))
-        return 0
-    if ON_CUDA and not torch.cuda.is_available():
-        print(
-            "gpu-check skipped: no CUDA device here (AOTGRAD_GPU_CHECK_DEVICE=cpu runs the checks on CPU)"
-        )
         return 0
     if not checks:
         print(f"no check's name contains {options.only!r} (--list names them)", file=sys.stderr)
