@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,15 @@ def test_an_import_failing_in_a_library_skips_and_elsewhere_fails(
     assert gpu_checks.run_check(cell).result == "skipped"
     monkeypatch.setattr(real, "run_check", broken_compat)
     assert gpu_checks.run_check(cell).result == "FAILED"
+
+
+def test_a_check_past_its_limit_fails_and_the_run_keeps_its_budget() -> None:
+    def hangs() -> None:
+        time.sleep(30)
+
+    checks = [gpu_checks.Check("hangs", hangs, limit_s=1), gpu_checks.Check("later", lambda: None)]
+    rows = gpu_checks.run_all(checks, total_s=0.5)
+    assert [(r.result, r.detail) for r in rows] == [
+        ("FAILED", "still running after 1 s"),
+        ("not run", "the run's 0 s were spent"),
+    ]
