@@ -22,6 +22,7 @@ nothing may reach the network.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import types
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -567,7 +569,7 @@ def _vision_case(
 
 
 def _ce_loss(out: torch.Tensor) -> torch.Tensor:
-    target = torch.arange(out.shape[0]) % CLASSES
+    target = torch.arange(out.shape[0], device=out.device) % CLASSES
     return F.cross_entropy(out, target)
 
 
@@ -929,3 +931,23 @@ BUILDERS: dict[str, Callable[..., Case]] = {
 
 def build(name: str, dropout: float = 0.0) -> Case:
     return BUILDERS[name](dropout)
+
+
+def on_device(case: Case, device: str | torch.device) -> Case:
+    """``case`` with its model, inputs and resized inputs on ``device`` (``tests/gpu_checks.py``).
+
+    The model moves in place (``nn.Module.to``), as a user's ``model.cuda()`` does; the losses
+    make their targets on the output's device.
+    """
+
+    def move(inputs: Inputs) -> Inputs:
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), inputs)
+
+    args, kwargs = move(case.inputs)
+    return dataclasses.replace(
+        case,
+        model=case.model.to(device),
+        args=args,
+        kwargs=kwargs,
+        resized=lambda batch, seq: move(case.resized(batch, seq)),
+    )

@@ -165,9 +165,10 @@ def test_model(model: str, check: str) -> None:
     run_check(model, check)
 
 
-def run_check(model: str, check: str) -> None:
-    """Run one cell; raises AssertionError listing the mismatches."""
-    case = build(model, dropout=DROPOUT if check == "dropout" else 0.0)
+def run_check(model: str, check: str, make: Callable[[str, float], Case] = build) -> None:
+    """Run one cell; raises AssertionError listing the mismatches. ``make(model, dropout)``
+    builds the case (``tests/gpu_checks.py`` passes one that puts it on CUDA)."""
+    case = make(model, DROPOUT if check == "dropout" else 0.0)
     if check.startswith("ckpt_"):
         with case.checkpointing(case.model, check == "ckpt_reentrant"):
             compare(case, _aot_module(), [case.inputs])
