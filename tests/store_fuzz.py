@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 
 import aotgrad
 from aotgrad.errors import AotgradError, StoreError
+from aotgrad.pipeline import Options
 from aotgrad.store.disk import DiskCache
 from aotgrad.store.persist import EntryKey, load_graphs
 from store_fuzz_entry import entry_fn
@@ -442,7 +443,10 @@ def _read_entry(seed: Seed, kind: str, path: pathlib.Path) -> str:
     try:
         for compiler in (None, _users_compiler):
             try:
-                found = load_graphs(EntryKey(cache=cache, key=key), (compiler, compiler, None))
+                found = load_graphs(
+                    EntryKey(cache=cache, key=key),
+                    Options(fw_compiler=compiler, bw_compiler=compiler, disk_cache=False),
+                )
             except StoreError:
                 continue
             except Exception as e:

@@ -151,9 +151,9 @@ def test_fast_false_captures_with_the_full_trace_and_matches_eager(monkeypatch):
 
 
 def test_the_direct_tracer_is_refused_without_the_fast_path():
-    with pytest.raises(ValueError, match="tracer='direct' is the fast path"):
+    with pytest.raises(ValueError, match="tracer='direct' needs the fast path"):
         aotgrad.trace(lambda x: x.sin(), torch.ones(2), tracer="direct", fast=False)
-    with pytest.raises(ValueError, match="tracer='direct' is the fast path"):
+    with pytest.raises(ValueError, match="tracer='direct' needs the fast path"):
         aotgrad.aot_function(lambda x: x, tracer="direct", fast=False)
 
 

@@ -105,7 +105,10 @@ class Options:
                 object.__setattr__(self, name, switch(*variable))
         check_tracer_choice(self.tracer)
         if self.tracer == "direct" and not self.fast:
-            raise ValueError("tracer='direct' is the fast path, which fast=False turns off")
+            raise ValueError(
+                "tracer='direct' needs the fast path, which fast=False (or AOTGRAD_FAST=0) leaves"
+                " off: pass tracer='auto' or 'full' (Note [The fast path as a layer])"
+            )
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
