@@ -207,10 +207,6 @@ def _split_inputs(inputs: Any, source: str) -> tuple[tuple[Any, ...], dict[str, 
 #   main part from running.
 
 
-def _module_name(path: Path) -> str:
-    return "_aotgrad_show_" + re.sub(r"\W", "_", path.stem)
-
-
 @contextlib.contextmanager
 def _argv_of_a_script(path: str) -> Iterator[None]:
     """``sys.argv`` as ``python FILE`` gives it, while the file's code runs."""
@@ -235,7 +231,7 @@ def _exited(e: SystemExit) -> str:
 def _import_file(path: Path) -> ModuleType:
     if not path.is_file():
         raise LoadError(f"no such file: {path}")
-    name = _module_name(path)
+    name = "_aotgrad_show_" + re.sub(r"\W", "_", path.stem)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise LoadError(f"cannot import {path}")

@@ -174,7 +174,8 @@ def _copy_call(
     groups: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            groups.setdefault(_storage_key(leaf), []).append(i)
+            key = id(leaf) if leaf.device.type == "meta" else storage_key(leaf)
+            groups.setdefault(key, []).append(i)
     copies: list[Any] = list(leaves)
     holders: dict[str, torch.Tensor] = {}
     memo: dict[int, Any] = {}  # a module passed twice stays one module
@@ -193,12 +194,6 @@ def _copy_call(
             copies[i] = new
     new_args, new_kwargs = pytree.tree_unflatten(copies, spec)
     return _Call(fn, tuple(new_args), dict(new_kwargs), holders)
-
-
-def _storage_key(t: torch.Tensor) -> Any:
-    if t.device.type == "meta":
-        return id(t)
-    return storage_key(t)
 
 
 def _copy_storage_group(

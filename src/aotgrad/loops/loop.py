@@ -280,17 +280,10 @@ def unrolled(fn: Callable[..., Any], init: Any, xs: Any) -> tuple[Any, Any]:
     (tensor([3., 3.]), torch.Size([3, 2]))
     """
     leaves, spec = pytree.tree_flatten(xs)
-    carry, ys = init, []
-    for i in range(_length(leaves)):
-        carry, y = fn(carry, pytree.tree_unflatten([t[i] for t in leaves], spec))
-        ys.append(y)
-    if not ys:
+    rows = [pytree.tree_unflatten([t[i] for t in leaves], spec) for i in range(_length(leaves))]
+    if not rows:
         raise ScanError("unrolled() needs at least one iteration to know y's structure")
-    y_leaves, y_spec = zip(*(pytree.tree_flatten(y) for y in ys), strict=True)
-    stacked = [
-        None if column[0] is None else torch.stack(column) for column in zip(*y_leaves, strict=True)
-    ]
-    return carry, pytree.tree_unflatten(stacked, y_spec[0])
+    return _unrolled_rows(fn, init, rows)
 
 
 def _unrolled_rows(fn: Callable[..., Any], init: Any, rows: Sequence[Any]) -> tuple[Any, Any]:

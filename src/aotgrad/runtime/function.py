@@ -196,14 +196,13 @@ def _zeros_like_cotangents(partitioned: Partitioned) -> tuple[ZerosLike, ...]:
     placeholders = [n for n in partitioned.backward.graph.nodes if n.op == "placeholder"]
     values = [n.meta["val"] for n in placeholders[partitioned.signature.cotangents_in_backward]]
     return tuple(
-        ZerosLike(size=_static_size(v.shape), dtype=v.dtype, device=v.device) for v in values
+        ZerosLike(
+            size=tuple(v.shape) if all(isinstance(d, int) for d in v.shape) else None,
+            dtype=v.dtype,
+            device=v.device,
+        )
+        for v in values
     )
-
-
-def _static_size(shape: torch.Size) -> tuple[int, ...] | None:
-    if all(isinstance(d, int) for d in shape):
-        return tuple(shape)
-    return None
 
 
 def _autocast_sensitive(
@@ -461,7 +460,10 @@ def run_epilogue(
     for mutation in plan.member_mutations:  # Note [Aliased inputs]
         _replay_mutation(primals[mutation.index], concrete.mutation(mutation), None)
     if plan.restrided:  # Note [Views of a restrided input]
-        inputs = [_view_source(x, i in plan.restrided) for i, x in enumerate(inputs)]
+        inputs = [
+            x._base if i in plan.restrided and x._base is not None else x
+            for i, x in enumerate(inputs)
+        ]
     for i in plan.detached_inputs:  # Note [requires_grad_() on an input]
         primals[i].detach_()
     tensors: list[torch.Tensor | None] = [None] * plan.num_tensor_outputs
@@ -591,11 +593,6 @@ def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor
 #     a._base.as_strided(v's layout)   # as eager
 #
 # So after a metadata replay, views of such an input are rebuilt from its base.
-
-
-def _view_source(x: torch.Tensor, restrided: bool) -> torch.Tensor:
-    """What an output view of graph input ``x`` is rebuilt from (Note above)."""
-    return x._base if restrided and x._base is not None else x
 
 
 # Note [Replayed metadata keeps the version]

@@ -245,7 +245,7 @@ def dynamic_call_key(leaves: Sequence[Any], dims: Sequence[Sequence[int]]) -> tu
     """
     keys = []
     for leaf, leaf_dims in zip(leaves, dims, strict=True):
-        key = _leaf_key(leaf)
+        key = _tensor_key(leaf) if isinstance(leaf, torch.Tensor) else _value_key(leaf)
         if leaf_dims:
             shape = tuple(None if d in leaf_dims else n for d, n in enumerate(leaf.shape))
             key = (key[0], shape, leaf.is_contiguous(), *key[3:])
@@ -321,10 +321,6 @@ class PlainTensorsGuard:
         if len(leaves) == 1:
             return not leaves[0]._is_view()
         return _distinct_memory(leaves)
-
-
-def _leaf_key(leaf: Any) -> Any:
-    return _tensor_key(leaf) if isinstance(leaf, torch.Tensor) else _value_key(leaf)
 
 
 # The fields of a tensor's key (``call_key``), in order; and of a tensor with dynamic

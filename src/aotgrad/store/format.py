@@ -75,7 +75,6 @@ from aotgrad.store.encoding import MALFORMED, decode, encode
 from aotgrad.store.ops import INPUT_MUTATION, refusal
 
 FORMAT = "aotgrad-graphs"
-_MALFORMED = MALFORMED
 # 3: tree structure in aotgrad's own JSON (Note [Tree structure in a file]), ops allow-listed.
 FORMAT_VERSION = 3
 
@@ -179,19 +178,22 @@ def loads(data: bytes, where: str = "the file", *, lazy: bool = False) -> Read:
         run, newline, about = payload.partition(b"\n")
         if not newline:
             raise StoreError(f"{where}: malformed graph file (no description line)")
-        try:
+        with _located(where):
             read = Read(_json(run, where), about, where)
-        except StoreError as e:
-            raise StoreError(f"{where}: {e}") from None
-        except _MALFORMED as e:
-            raise _malformed(where, e) from None
         if not lazy:
             read.about()
     return read
 
 
-def _malformed(where: str, e: Exception) -> StoreError:
-    return StoreError(f"{where}: malformed graph file ({type(e).__name__}: {e})")
+@contextlib.contextmanager
+def _located(where: str) -> Iterator[None]:
+    """Errors reading the file's lines, prefixed with where the file is."""
+    try:
+        yield
+    except StoreError as e:
+        raise StoreError(f"{where}: {e}") from None
+    except MALFORMED as e:
+        raise StoreError(f"{where}: malformed graph file ({type(e).__name__}: {e})") from None
 
 
 class Read:
@@ -224,13 +226,8 @@ class Read:
     def about(self) -> _About:
         """The description line, decoded and checked (once)."""
         if self._about is None:
-            try:
-                with _collector_paused():  # as for the run line: the collector's passes
-                    self._about = _About.of(_json(self._about_line, self._where), self)
-            except StoreError as e:
-                raise StoreError(f"{self._where}: {e}") from None
-            except _MALFORMED as e:
-                raise _malformed(self._where, e) from None
+            with _located(self._where), _collector_paused():  # as for the run line
+                self._about = _About.of(_json(self._about_line, self._where), self)
         return self._about
 
     @property
@@ -478,7 +475,7 @@ def encode_graph(gm: fx.GraphModule) -> tuple[dict[str, Any], dict[str, Any]]:
     nodes, values, infos, descriptors = [], [], [], []
     for node in gm.graph.nodes:
         nodes.append(_encode_node(node, targets))
-        values.append(_encode_val(node.meta.get("val")))
+        values.append(encode(_val_data(node.meta.get("val"))))
         infos.append(_encode_info(node.meta.get(META_KEY), sources))
         desc = node.meta.get(DESC_KEY)
         descriptors.append(None if desc is None else encode(desc))
@@ -586,10 +583,6 @@ def _encode_arg(arg: Any) -> Any:
     return encode(arg)
 
 
-def _encode_val(val: Any) -> Any:
-    return encode(_val_data(val))
-
-
 def _val_data(val: Any) -> Any:
     """A node's value as ``[size, stride, offset, dtype, device, requires_grad]`` (a tensor),
     a tuple of such, or a number (Note [Values on demand])."""
@@ -625,8 +618,9 @@ def decode_steps(data: Any) -> list[Step]:
         if op == "call_function":
             if type(target) is not int or not 0 <= target < len(names):
                 raise StoreError(f"node {name!r}: malformed target {target!r:.40}")
-            if target not in targets:
-                targets[target] = _resolved(names[target], name)
+            if target not in targets:  # a known name from the cache, else its error
+                known = isinstance(names[target], str) and _resolved_name(names[target])
+                targets[target] = known or resolve_target(names[target], name)
             if targets[target] is operator.getitem and (
                 len(args) != 2
                 or kwargs
@@ -872,7 +866,7 @@ def with_values(gm: fx.GraphModule) -> fx.GraphModule:
             if "val" not in node.meta and node.meta.get(VALUE_KEY) is not None:
                 try:
                     node.meta["val"] = _fake(stored_value(node), mode)
-                except (*_MALFORMED, RuntimeError) as e:
+                except (*MALFORMED, RuntimeError) as e:
                     raise StoreError(
                         f"node {node.name!r} has a stored value no tensor can have: {e}"
                     ) from None
@@ -915,11 +909,6 @@ def _resolved_name(name: str) -> Callable[..., Any] | None:
         return resolve_target(name, "")
     except StoreError:
         return None
-
-
-def _resolved(name: Any, node: str) -> Callable[..., Any]:
-    found = _resolved_name(name) if isinstance(name, str) else None
-    return found if found is not None else resolve_target(name, node)
 
 
 def resolve_target(name: Any, node: str) -> Callable[..., Any]:
