@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import MODULE_HOOKS, functorch_transforms_active, global_module_hooks
-from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
+from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache, autocast_text
 from aotgrad.capture import Replay, TracerChoice, Watch, capturing
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
@@ -253,8 +253,8 @@ class Traced:
                 )
         if autocast_state() != self._autocast:
             raise CallError(
-                f"this Traced was captured with autocast {_autocast_text(self._autocast)} and is"
-                f" called with autocast {_autocast_text(autocast_state())}: its graphs hold the"
+                f"this Traced was captured with autocast {autocast_text(self._autocast)} and is"
+                f" called with autocast {autocast_text(autocast_state())}: its graphs hold the"
                 " casts of the capture's autocast (Note [Autocast]); call aotgrad.trace again under"
                 " the autocast you call it with (or use aotgrad.aot_function, which re-traces)"
             )
@@ -392,13 +392,6 @@ def _sharing_text(sharing: tuple[Any, ...], descriptors: Sequence[Any]) -> str:
             )
         )
     return "; ".join(groups)
-
-
-def _autocast_text(state: tuple[tuple[str, torch.dtype], ...]) -> str:
-    return (
-        ", ".join(f"{device}/{str(dtype).removeprefix('torch.')}" for device, dtype in state)
-        or "off"
-    )
 
 
 def aot_function(

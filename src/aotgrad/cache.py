@@ -453,7 +453,7 @@ def _ambient_change(old: Any, new: Any) -> str:
     if dtype != old_dtype:
         return f"default dtype {old_dtype} != {dtype}"
     if autocast != old_autocast:
-        return f"autocast {_show_autocast(old_autocast)} != {_show_autocast(autocast)}"
+        return f"autocast {autocast_text(old_autocast)} != {autocast_text(autocast)}"
     for (name, _), a, b in zip(SETTINGS, old_settings, settings, strict=True):
         if a != b:  # Note [Torch settings in the key]
             return f"torch setting {name} {a} != {b}"
@@ -464,7 +464,8 @@ def _ambient_parts(key: Any) -> tuple[bool, torch.dtype, AutocastState, tuple[An
     return key if isinstance(key, tuple) else (key, torch.float32, (), DEFAULT_SETTINGS)
 
 
-def _show_autocast(state: AutocastState) -> str:
+def autocast_text(state: AutocastState) -> str:
+    """An autocast state as ``cpu/bfloat16``, or ``off``."""
     if not state:
         return "off"
     return ", ".join(f"{device}/{str(dtype).removeprefix('torch.')}" for device, dtype in state)
@@ -692,11 +693,9 @@ class SpecializationCache:
         The caller vouches that the function reads nothing but its positional
         arguments (Note [The last entry]).
         """
-        if entry.compiled.takes_subclasses:  # a guard sees no placement: Note [Tensor subclasses]
-            return
-        if entry.replay is not None:  # the last entry calls the graphs only
-            return
-        if entry.environ is not None:  # its guard sees no environment
+        # Not when its guard sees no placement (Note [Tensor subclasses]) or environment,
+        # or the entry replays stores (the last entry calls the graphs only).
+        if entry.compiled.takes_subclasses or entry.replay is not None or entry.environ is not None:
             return
         if entry.positions is None and key.aliases is None and key.dynamic_dims is None:
             call = entry.compiled.direct_call() or entry.compiled
@@ -716,7 +715,13 @@ class SpecializationCache:
         self.info.fallbacks += 1
         if not self._warned_full:
             self._warned_full = True
-            warnings.warn(self._full_message(reason), stacklevel=5)
+            warnings.warn(
+                f"aotgrad: {self._owner} has {self.limit} compiled specializations (cache_limit);"
+                f" running this call eagerly. Last miss: {reason}. Pass values that change between"
+                " calls as tensors (a Python number is baked into the graph), or raise"
+                " cache_limit. (Warned once; aotgrad.cache_info counts the eager calls.)",
+                stacklevel=5,
+            )
         return False
 
     def _reason(self, miss: Miss, names: Callable[[], Sequence[str]]) -> str:
@@ -729,14 +734,6 @@ class SpecializationCache:
         if self._latest is None:
             return "first call"  # no names needed (finding them is slow on big graphs)
         return miss.key.explain(self._latest, names())
-
-    def _full_message(self, reason: str) -> str:
-        return (
-            f"aotgrad: {self._owner} has {self.limit} compiled specializations (cache_limit);"
-            f" running this call eagerly. Last miss: {reason}. Pass values that change between"
-            " calls as tensors (a Python number is baked into the graph), or raise cache_limit."
-            " (Warned once; aotgrad.cache_info counts the eager calls.)"
-        )
 
     def add(self, key: CacheKey, entry: Entry) -> None:
         """Store a new trace's entry; later misses are explained against ``key``."""

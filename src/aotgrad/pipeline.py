@@ -289,13 +289,15 @@ def _differentiable_backward(
 # survivors pile up: several full passes per capture (bench/findings.md has the
 # count and the seconds), for garbage that is mostly freed by reference counting
 # anyway. The collector is paused while one capture runs and resumed as it was;
-# cycles made meanwhile are collected by its next pass.
+# cycles made meanwhile are collected by its next pass. Encoding or decoding a
+# graph file makes as many objects, and the passes took most of a load: paused there too.
 # (``torch.distributed.checkpoint`` does the same around its state-dict walks.)
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector for one capture (Note [No garbage collection during capture])."""
+def collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for one capture, or one graph file's encoding or
+    decoding (Note [No garbage collection during capture])."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -305,7 +307,7 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-@_collector_paused()
+@collector_paused()
 def capture_and_partition(
     traceable: Traceable,
     options: Options,

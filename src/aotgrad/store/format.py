@@ -44,7 +44,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
-import gc
 import hashlib
 import json
 import keyword
@@ -67,6 +66,7 @@ from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase
 from aotgrad.errors import StoreError, UserFrame
 from aotgrad.partition import RecomputedOp
 from aotgrad.partition.saved import SavedValue
+from aotgrad.pipeline import collector_paused
 from aotgrad.runtime.function import Plan
 from aotgrad.runtime.straight_line import Step
 from aotgrad.signature.convention import Signature
@@ -118,7 +118,7 @@ def aotgrad_version() -> str:
 def dumps(stored: Stored) -> bytes:
     """``stored`` as the three lines of a graph file; a ``StoreError`` if it cannot be stored."""
     refuse_unstorable(stored.plan)
-    with _collector_paused():
+    with collector_paused():
         forward = encode_graph(stored.forward)
         backward = None if stored.backward is None else encode_graph(stored.backward)
         run = {
@@ -150,20 +150,6 @@ def _line(data: Any) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a file is encoded or decoded: each makes ~10^5
-    objects, and the collector's full passes over the process took most of a load
-    (bench/findings.md; as for a capture: Note [No garbage collection during capture])."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def loads(data: bytes, where: str = "the file", *, lazy: bool = False) -> Read:
     """The graphs and plan in ``data``; a ``StoreError`` saying what is wrong with it.
 
@@ -171,7 +157,7 @@ def loads(data: bytes, where: str = "the file", *, lazy: bool = False) -> Read:
     for (Note [Graphs read from a file]); a file is then checked by its checksum and
     the lines read, and a malformed description is a ``StoreError`` when it is read.
     """
-    with _collector_paused():
+    with collector_paused():
         head, _, payload = data.partition(b"\n")
         header = _json(head, where)
         _check_header(header, payload, where)
@@ -226,7 +212,7 @@ class Read:
     def about(self) -> _About:
         """The description line, decoded and checked (once)."""
         if self._about is None:
-            with _located(self._where), _collector_paused():  # as for the run line
+            with _located(self._where), collector_paused():  # as for the run line
                 self._about = _About.of(_json(self._about_line, self._where), self)
         return self._about
 
@@ -800,7 +786,7 @@ class StoredGraph:
         """The ``fx`` graph module of these steps, with each node's description."""
         if self._module is None:
             nodes = self._about().nodes[self._part]
-            with _collector_paused():
+            with collector_paused():
                 self._module = _module_of(self.steps, nodes)
         return self._module
 
