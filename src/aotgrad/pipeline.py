@@ -52,13 +52,13 @@ _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
 
-def switch(name: str, default: bool) -> bool:
+def switch(name: str, default: bool, environ: Mapping[str, str] = os.environ) -> bool:
     """An ``AOTGRAD_*`` on/off variable: 1/true/yes/on, 0/false/no/off; unset or empty: ``default``;
     else a ConfigError naming it and the values it takes."""
-    text = os.environ.get(name, "").strip().lower()
+    text = environ.get(name, "").strip().lower()
     if text and text not in _ON + _OFF:
         raise ConfigError(
-            f"{name}={os.environ[name]!r} is neither on nor off: expected one of"
+            f"{name}={environ[name]!r} is neither on nor off: expected one of"
             f" {', '.join(_ON)} (on) or {', '.join(_OFF)} (off); unset, it is"
             f" {'on' if default else 'off'}"
         )
