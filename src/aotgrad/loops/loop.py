@@ -298,24 +298,15 @@ def _unrolled_rows(fn: Callable[..., Any], init: Any, rows: Sequence[Any]) -> tu
     return carry, pytree.tree_unflatten(stacked, y_spec[0])
 
 
-@contextmanager
-def _graph_mode(body: ScanBody) -> Iterator[None]:
-    """Grad mode and autocast as the graphs need them (Note [Autocast])."""
+def _step(body: ScanBody, inputs: list[torch.Tensor]) -> Sequence[Any]:
+    """One iteration's forward, under the grad mode and autocast the graphs need (Note [Autocast])."""
     if body.plan.forward_needs_grad_mode:
         with torch.enable_grad(), autocast_off():
-            yield
-    elif any_autocast():
+            return body.forward([t.detach() for t in inputs])
+    if any_autocast():
         with autocast_off():
-            yield
-    else:
-        yield
-
-
-def _step(body: ScanBody, inputs: list[torch.Tensor]) -> Sequence[Any]:
-    if body.plan.forward_needs_grad_mode:
-        inputs = [t.detach() for t in inputs]
-    with _graph_mode(body):
-        return body.forward(inputs)
+            return body.forward(inputs)
+    return body.forward(inputs)
 
 
 def _run_forward_only(
