@@ -91,11 +91,6 @@ class CompiledGraphs:
         spec = plan.out_spec
         return lambda primals: pytree.tree_unflatten(list(_apply_with_grad(apply, primals)), spec)
 
-    def accepts(self, primals: Sequence[torch.Tensor]) -> bool:
-        """Do these inputs satisfy the trace's shape guards? (Always, for static traces.)"""
-        guards = self.plan.guards
-        return guards is None or guards.check(graph_inputs(primals, self.plan.input_bases))
-
     def failed_guard(self, primals: Sequence[torch.Tensor]) -> str | None:
         """The first shape guard these inputs fail, in the user's names; None when they pass."""
         guards = self.plan.guards
