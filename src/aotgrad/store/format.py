@@ -64,7 +64,7 @@ from aotgrad.capture import lazy_module
 from aotgrad.capture.aliasing import TensorOutput
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase
 from aotgrad.errors import StoreError, UserFrame
-from aotgrad.partition import RecomputedOp
+from aotgrad.partition import Partitioned, RecomputedOp
 from aotgrad.partition.saved import SavedValue
 from aotgrad.pipeline import collector_paused
 from aotgrad.runtime.function import Plan
@@ -86,15 +86,10 @@ _OVERLOAD = type(torch.ops.aten.mm.default)
 @dataclass(frozen=True, kw_only=True)
 class Stored:
     """Everything a file holds, to write: what the runtime needs, and what describes the
-    graphs. Reading a file gives a :class:`Read`."""
+    graphs (their signature, saved and recomputed values). Reading a file gives a :class:`Read`."""
 
-    forward: fx.GraphModule
-    backward: fx.GraphModule | None
+    partitioned: Partitioned
     plan: Plan
-    signature: Signature
-    saved: tuple[SavedValue, ...]
-    # The forward ops the backward runs again, and why (a partition's choice, as data).
-    recomputed: tuple[RecomputedOp, ...] = ()
     # The call the graphs were captured for (``Traced.save``), or where a cache entry's
     # graph inputs come from: JSON data, read by whoever wrote it.
     call: dict[str, Any]
@@ -118,9 +113,10 @@ def aotgrad_version() -> str:
 def dumps(stored: Stored) -> bytes:
     """``stored`` as the three lines of a graph file; a ``StoreError`` if it cannot be stored."""
     refuse_unstorable(stored.plan)
+    p = stored.partitioned
     with collector_paused():
-        forward = encode_graph(stored.forward)
-        backward = None if stored.backward is None else encode_graph(stored.backward)
+        forward = encode_graph(p.forward)
+        backward = None if p.backward is None else encode_graph(p.backward)
         run = {
             "forward": forward[0],
             "backward": None if backward is None else backward[0],
@@ -130,9 +126,9 @@ def dumps(stored: Stored) -> bytes:
         about = {
             "forward": forward[1],
             "backward": None if backward is None else backward[1],
-            "signature": encode(stored.signature),
-            "saved": encode(stored.saved),
-            "recomputed": encode(stored.recomputed),
+            "signature": encode(p.signature),
+            "saved": encode(p.saved),
+            "recomputed": encode(p.recomputed),
         }
         payload = _line(run) + b"\n" + _line(about)
     header = {
