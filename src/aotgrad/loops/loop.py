@@ -34,7 +34,7 @@ from aotgrad.cache import ambient_key
 from aotgrad.capture import capturing
 from aotgrad.capture.autocast import any_autocast, autocast_off
 from aotgrad.errors import DoubleBackwardError, ScanError
-from aotgrad.loops.body import ScanBody, capture_body
+from aotgrad.loops.body import ScanBody, capture_body, differentiable
 from aotgrad.pipeline import Options, options_of, with_option_keywords
 from aotgrad.runtime.function import reached_grads, with_zeros
 from aotgrad.runtime.transforms import transform_active
@@ -372,7 +372,7 @@ class ScanLoop(torch.autograd.Function):
         ctx.body, ctx.checkpoint, ctx.length, ctx.rng_states = body, checkpoint, length, rng_states
         ctx.stacked, ctx.num_xs = stacked, len(xs)
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*[t for t in outputs if not _differentiable(t)])
+        ctx.mark_non_differentiable(*[t for t in outputs if not differentiable(t)])
         return outputs
 
     @staticmethod
@@ -430,10 +430,6 @@ def _iteration_grads(
     lifted, kept, xs = saved  # (closed-over, kept per iteration, xs)
     values = _saved_of(ctx, body, i, kept, lifted, _x_row(body, xs, i, ctx.stacked))
     return reached_grads(body.backward([*values, *incoming]), body.plan.reached_by, received)
-
-
-def _differentiable(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
 
 
 def _row_of(t: torch.Tensor | None, i: int) -> torch.Tensor | None:
