@@ -48,12 +48,12 @@ PartitionArg = Strategy
 
 # Options whose default an environment variable gives (and None asks for): its name, default.
 _FROM_ENVIRONMENT = {"check": ("AOTGRAD_CHECKS", False), "fast": ("AOTGRAD_FAST", True)}
-_ON = ("1", "true", "yes", "on")
-_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
 
 
 def switch(name: str, default: bool, environ: Mapping[str, str] = os.environ) -> bool:
-    """An ``AOTGRAD_*`` on/off variable: 1/true/yes/on, 0/false/no/off; unset or empty: ``default``;
+    """An ``AOTGRAD_*`` on/off variable: 1/true/on/yes, 0/false/off/no; unset or empty: ``default``;
     else a ConfigError naming it and the values it takes."""
     text = environ.get(name, "").strip().lower()
     if text and text not in _ON + _OFF:
