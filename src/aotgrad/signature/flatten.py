@@ -90,8 +90,7 @@ class FlatInputs:
         leaves = list(self.constants)
         for position, tensor in zip(self.tensor_positions, user_tensors, strict=True):
             leaves[position] = tensor
-        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        return args, kwargs
+        return pytree.tree_unflatten(leaves, self.spec)
 
 
 def desugar(
