@@ -155,7 +155,8 @@ class ScanFunction:
         )
         body = self._body(call, init_leaves, carry_spec, lifted, with_grad)
         if length == 0:  # as jax.lax.scan: init back, and empty ys
-            return init, _empty_ys(body)
+            empty = [torch.empty((0, *s), dtype=d, device=v) for s, d, v in body.y_examples]
+            return init, body.y_of(empty)
         tensors = (*lifted.tensors, *init_leaves, *xs_leaves)
         if with_grad and body.backward is not None:
             results = ScanLoop.apply(body, self.checkpoint, length, call.stacked, *tensors)
@@ -265,10 +266,6 @@ def _length(leaves: Sequence[Any]) -> int:
             " leaf at iteration i\ngive every xs leaf the same first dimension"
         )
     return int(sizes[0])
-
-
-def _empty_ys(body: ScanBody) -> Any:
-    return body.y_of([torch.empty((0, *s), dtype=d, device=v) for s, d, v in body.y_examples])
 
 
 def unrolled(fn: Callable[..., Any], init: Any, xs: Any) -> tuple[Any, Any]:
