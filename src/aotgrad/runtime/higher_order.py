@@ -155,7 +155,7 @@ class HigherOrder:
         for j, node in enumerate(saved):
             if node in index:
                 self.saved_as_is.setdefault(index[node], j)
-        read = _primals_read(self.forward, saved)
+        read = {index[n] for n in _ancestors(saved) if n in index}  # inputs saved values need
         self.extra = tuple(
             i for i in sorted(read) if i not in self.saved_as_is and i not in self.changed
         )
@@ -308,12 +308,6 @@ def num_forward_inputs(forward: fx.GraphModule | Sequence[Step]) -> int:
 def _outputs(graph: fx.GraphModule | Sequence[Step]) -> list[Any]:
     (output,) = [n for n in _nodes(graph) if n.op == "output"]
     return list(output.args[0])
-
-
-def _primals_read(forward: fx.GraphModule | Sequence[Step], targets: Sequence[Any]) -> set[int]:
-    """Forward-input positions the ``targets`` are computed from."""
-    index = {node: i for i, node in enumerate(_placeholders(forward))}
-    return {index[n] for n in _ancestors(targets) if n in index}
 
 
 def _ancestors(targets: Sequence[Any], stop: Container[Any] = ()) -> list[Any]:
