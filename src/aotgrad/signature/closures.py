@@ -136,13 +136,10 @@ def roots_of(fn: Callable[..., Any], *, skip_self: bool = False) -> tuple[Root, 
     """
     roots: list[Root] = []
     _collect(fn, roots, set(), skip_self)
-    seen: set[tuple[type, str]] = set()
-    unique = []
+    unique: dict[tuple[type, str], Root] = {}  # each place once, where first found
     for root in roots:
-        if (root.kind, root.name) not in seen:
-            seen.add((root.kind, root.name))
-            unique.append(root)
-    return tuple(unique)
+        unique.setdefault((root.kind, root.name), root)
+    return tuple(unique.values())
 
 
 def _collect(fn: Any, roots: list[Root], visited: set[int], skip_self: bool) -> None:
@@ -151,10 +148,8 @@ def _collect(fn: Any, roots: list[Root], visited: set[int], skip_self: bool) -> 
     visited.add(id(fn))
     if isinstance(fn, torch.nn.Module):
         module = fn
-        if skip_self:
-            roots.append(Root(Closure, "self", lambda: _Attributes(module)))
-        else:
-            roots.append(Root(Closure, "self", lambda: module))
+        get = (lambda: _Attributes(module)) if skip_self else (lambda: module)
+        roots.append(Root(Closure, "self", get))
         _collect(type(fn).forward, roots, visited, skip_self=False)
     elif isinstance(fn, types.MethodType):
         owner = fn.__self__
