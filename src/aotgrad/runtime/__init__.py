@@ -181,12 +181,7 @@ def _cut(inputs: Sequence[torch.Tensor], positions: tuple[int, ...]) -> list[tor
 
 
 def _apply_with_grad(apply: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Any:
-    """Call the Function with grad mode on (Note [Grad mode regions]).
-
-    A compiled function with a backward called under ``no_grad`` holds an
-    ``enable_grad()`` region whose outputs require grad; the Function marks
-    every other output non-differentiable, so they do not.
-    """
+    """Call the Function with grad mode on (Note [Grad mode regions]: under ``no_grad`` too)."""
     if torch.is_grad_enabled():
         return apply(*inputs)
     with torch.enable_grad():
