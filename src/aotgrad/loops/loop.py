@@ -32,11 +32,10 @@ import torch.utils._pytree as pytree
 from aotgrad.api import Traced
 from aotgrad.cache import ambient_key
 from aotgrad.capture import capturing
-from aotgrad.capture.autocast import any_autocast, autocast_off
 from aotgrad.errors import DoubleBackwardError, ScanError
 from aotgrad.loops.body import ScanBody, capture_body, differentiable
 from aotgrad.pipeline import Options, options_of, with_option_keywords
-from aotgrad.runtime.function import reached_grads, with_zeros
+from aotgrad.runtime.function import reached_grads, run_forward, with_zeros
 from aotgrad.runtime.transforms import transform_active
 from aotgrad.signature.lifting import NOTHING, Lifted, State, as_module
 
@@ -295,24 +294,15 @@ def _unrolled_rows(fn: Callable[..., Any], init: Any, rows: Sequence[Any]) -> tu
     return carry, pytree.tree_unflatten(stacked, y_spec[0])
 
 
-def _step(body: ScanBody, inputs: list[torch.Tensor]) -> Sequence[Any]:
-    """One iteration's forward, under the grad mode and autocast the graphs need (Note [Autocast])."""
-    if body.plan.forward_needs_grad_mode:
-        with torch.enable_grad(), autocast_off():
-            return body.forward([t.detach() for t in inputs])
-    if any_autocast():
-        with autocast_off():
-            return body.forward(inputs)
-    return body.forward(inputs)
-
-
 def _run_forward_only(
     body: ScanBody, tensors: Sequence[torch.Tensor], length: int, stacked: bool
 ) -> list[torch.Tensor]:
     lifted, carry, xs = _split(body, tensors)
     ys: list[list[torch.Tensor]] = []
     for i in range(length):
-        results = _step(body, [*lifted, *carry, *_x_row(body, xs, i, stacked)])
+        results = run_forward(
+            body.forward, body.plan, [*lifted, *carry, *_x_row(body, xs, i, stacked)]
+        )
         carry = [results[p] for p in body.carry_in_forward]
         ys.append([results[p] for p in body.y_in_forward])
     return [*carry, *_stacked(ys, body.y_in_forward)]
@@ -359,7 +349,9 @@ class ScanLoop(torch.autograd.Function):
                 kept.extend(carry)
                 if body.random:
                     rng_states.append(torch.get_rng_state())
-            results = _step(body, [*lifted, *carry, *_x_row(body, xs, i, stacked)])
+            results = run_forward(
+                body.forward, body.plan, [*lifted, *carry, *_x_row(body, xs, i, stacked)]
+            )
             if not checkpoint:
                 kept.extend(results[body.saved_in_forward])
             carry = [results[p] for p in body.carry_in_forward]
@@ -449,7 +441,7 @@ def _saved_of(
     if body.random:  # Note [Random ops in a scan]
         torch.set_rng_state(ctx.rng_states[i])
     with torch.no_grad():
-        results = _step(body, [*lifted, *carry, *x])
+        results = run_forward(body.forward, body.plan, [*lifted, *carry, *x])
     return list(results[body.saved_in_forward])
 
 

@@ -274,14 +274,7 @@ def make_function(
     class CompiledFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            if plan.forward_needs_grad_mode:  # detached inputs: grad mode on, no graph built
-                with torch.enable_grad(), autocast_off():
-                    results = forward([p.detach() for p in primals])
-            elif any_autocast():  # the graph holds its casts (Note [Autocast])
-                with autocast_off():
-                    results = forward(list(primals))
-            else:
-                results = forward(list(primals))
+            results = run_forward(forward, plan, primals)
             if leading:  # the returned values are the graph's first outputs, in order
                 returned = tuple(results[:num_returned])
             else:
@@ -335,6 +328,17 @@ def make_function(
             return tuple(grads)
 
     return CompiledFunction
+
+
+def run_forward(forward: BoxedCall, plan: Plan, inputs: Sequence[torch.Tensor]) -> Any:
+    """The forward graph's results, under the grad mode and autocast it needs."""
+    if plan.forward_needs_grad_mode:  # detached inputs: grad mode on, no graph built
+        with torch.enable_grad(), autocast_off():
+            return forward([p.detach() for p in inputs])
+    if any_autocast():  # the graph holds its casts (Note [Autocast])
+        with autocast_off():
+            return forward(list(inputs))
+    return forward(list(inputs))
 
 
 # Note [Missing cotangents]
