@@ -175,7 +175,7 @@ def _function_roots(fn: types.FunctionType, roots: list[Root], visited: set[int]
     for name in parameters:
         roots.append(Root(Closure, f"{name} (default)", functools.partial(parameters.get, name)))
     namespace = fn.__globals__
-    for name in _global_names(code):
+    for name in global_names(code):
         if name not in namespace:
             continue  # a builtin, or an attribute name
         value = namespace[name]
@@ -201,11 +201,12 @@ def _parameters_with_defaults(fn: types.FunctionType) -> dict[str, Any]:
     return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
-def _global_names(code: types.CodeType) -> Iterator[str]:
+def global_names(code: types.CodeType) -> Iterator[str]:
+    """The names ``code`` and the code nested in it (lambdas, comprehensions) look up."""
     yield from code.co_names
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _global_names(const)
+            yield from global_names(const)
 
 
 class _Attributes:
