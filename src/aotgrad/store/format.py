@@ -188,9 +188,7 @@ class Read:
         self._about_line = about
         self._about: _About | None = None
         self.plan: Plan = _typed(decode(run["plan"]), Plan)
-        # The call the graphs were captured for (``Traced.save``), or where a cache entry's
-        # graph inputs come from: JSON data, read by whoever wrote it.
-        self.call: dict[str, Any] = _typed(run["call"], dict)
+        self.call: dict[str, Any] = _typed(run["call"], dict)  # as ``Stored.call``
         self.forward = StoredGraph(decode_steps(run["forward"]), "forward", self.about)
         self.backward = (
             None
