@@ -25,6 +25,7 @@ The epilogue, outside the Function, then
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -433,10 +434,8 @@ def _differentiable(
             " aotgrad.pipeline.compile_stage, or call aot_function / trace()."
         )
     kept = (ctx.kept, ctx.kept_versions) if higher_order.extra else ((), ())
-    if any_autocast():  # Note [Autocast]
-        with autocast_off():
-            return higher_order.gradients(ctx.needs_input_grad, saved, kept, cotangents)
-    return higher_order.gradients(ctx.needs_input_grad, saved, kept, cotangents)
+    with autocast_off() if any_autocast() else contextlib.nullcontext():  # Note [Autocast]
+        return higher_order.gradients(ctx.needs_input_grad, saved, kept, cotangents)
 
 
 def run_epilogue(
