@@ -541,7 +541,7 @@ def capture_backward(
     """
     names = [n.name for n in _placeholders(graph)]
     flat = FlatInputs(
-        spec=_spec(len(values)),
+        spec=pytree.tree_structure(((0,) * len(values), {})),
         constants=(None,) * len(values),
         tensor_positions=tuple(range(len(values))),
         descriptors=tuple(Input(path=name) for name in names),
@@ -570,10 +570,6 @@ def capture_backward(
             if rule is None:
                 raise _no_derivative(error, graph, order) from error
             decomposed[op] = rule
-
-
-def _spec(n: int) -> Any:
-    return pytree.tree_flatten(((0,) * n, {}))[1]
 
 
 def _no_derivative(error: Exception, graph: fx.GraphModule, order: int) -> DoubleBackwardError:
