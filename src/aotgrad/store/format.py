@@ -788,12 +788,16 @@ class StoredGraph:
 def _module_of(steps: list[Step], about: list[tuple[Any, NodeInfo | None, Any]]) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[Step, fx.Node] = {}
+
+    def node_of(value: Any) -> Any:
+        return env[value] if isinstance(value, Step) else value
+
     for step, (value, info, desc) in zip(steps, about, strict=True):
-        args = _to_nodes(step.args, env)
+        args = fx.node.map_aggregate(step.args, node_of)
         if step.op == "placeholder":
             node = graph.placeholder(step.name)
         elif step.op == "call_function":
-            kwargs = _to_nodes(step.kwargs, env)
+            kwargs = fx.node.map_aggregate(step.kwargs, node_of)
             node = graph.create_node("call_function", step.target, args, kwargs, step.name)
         else:
             node = graph.output(args[0])
@@ -808,18 +812,6 @@ def _module_of(steps: list[Step], about: list[tuple[Any, NodeInfo | None, Any]])
     if DESC_KEY in node.meta:  # the output's descriptors, printed as ``describe_graph`` does
         graph.set_codegen(ExpandedCodeGen())
     return lazy_module(torch.nn.Module(), graph)
-
-
-def _to_nodes(value: Any, env: dict[Step, fx.Node]) -> Any:
-    if isinstance(value, Step):
-        return env[value]
-    if isinstance(value, list):
-        return [_to_nodes(v, env) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_nodes(v, env) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_nodes(v, env) for k, v in value.items()}
-    return value
 
 
 # Note [Values on demand]
