@@ -749,16 +749,9 @@ def _keyword(key: str, node: str) -> str:
 def _inputs(args: Any, kwargs: dict[str, Any]) -> list[Step]:
     """The steps ``args`` and ``kwargs`` name, first use first (``fx.Node.all_input_nodes``)."""
     found: dict[Step, None] = {}
-
-    def visit(value: Any) -> None:
-        if isinstance(value, Step):
-            found.setdefault(value)
-        elif isinstance(value, list | tuple):
-            for v in value:
-                visit(v)
-
-    visit(args)
-    visit(list(kwargs.values()))
+    fx.node.map_aggregate(
+        (args, kwargs), lambda v: found.setdefault(v) if isinstance(v, Step) else v
+    )
     return list(found)
 
 
