@@ -177,10 +177,7 @@ def _default_device() -> torch.device | None:
     neither did. Both push a ``DeviceContext`` mode (only the second sets
     ``torch.utils._device.CURRENT_DEVICE``); ``torch.get_default_device()`` finds it too,
     more slowly (bench/findings.md)."""
-    count = compat.function_mode_count()
-    if not count:
-        return None
-    for i in range(count):
+    for i in range(compat.function_mode_count()):
         mode = compat.function_mode_at(i)
         if isinstance(mode, compat.DeviceContext):
             return mode.device
