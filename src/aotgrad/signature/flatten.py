@@ -379,13 +379,22 @@ def _value_key(value: Any) -> Any:
         return module_key(value)
     try:
         return value_key(value)
-    except TensorInValue as e:
+    except (TensorInValue, Incomparable) as e:
         if is_opaque_reference(value):  # a DeviceMesh Dynamo passes: by identity
             return ("opaque", type(value), id(value))
-        raise CallError(_tensor_in_argument(value, e.path)) from None
-    except Incomparable as e:
-        if is_opaque_reference(value):
-            return ("opaque", type(value), id(value))
+        if isinstance(e, TensorInValue):
+            raise CallError(
+                format_error(
+                    f"an argument of type {_type_name(value)} holds a tensor (at"
+                    f" {e.path or 'the top'}), but it is not a pytree container, so the tensor"
+                    " cannot be a graph input: it would be baked into the graph as a constant,"
+                    " without gradient",
+                    None,
+                    "Make it a dataclass or register it with"
+                    " torch.utils._pytree.register_pytree_node (or register_dataclass), or"
+                    " pass the tensor itself as an argument.",
+                )
+            ) from None
         raise CallError(
             format_error(
                 f"an argument of type {_type_name(value)} holds a {e}, which aotgrad cannot"
@@ -401,17 +410,6 @@ def _value_key(value: Any) -> Any:
 def module_key(module: torch.nn.Module) -> tuple[Any, ...]:
     """A module argument's key: its identity (Note [Module arguments])."""
     return ("module", type(module), id(module))
-
-
-def _tensor_in_argument(value: Any, path: str) -> str:
-    return format_error(
-        f"an argument of type {_type_name(value)} holds a tensor (at {path or 'the top'}), but"
-        " it is not a pytree container, so the tensor cannot be a graph input: it would be"
-        " baked into the graph as a constant, without gradient",
-        None,
-        "Make it a dataclass or register it with torch.utils._pytree.register_pytree_node"
-        " (or register_dataclass), or pass the tensor itself as an argument.",
-    )
 
 
 def _type_name(value: Any) -> str:
