@@ -556,7 +556,10 @@ def capture_backward(
     captured: list[JointGraph] = []  # the capture's errors are retried, the later ones not
 
     def on_joint(joint: JointGraph) -> None:
-        _mark_order(joint.gm, order)
+        for node in joint.gm.graph.nodes:  # which derivative each node computes
+            info = node.meta.get(META_KEY)
+            if isinstance(info, NodeInfo):
+                set_info(node, replace(info, order=order))
         captured.append(joint)
 
     while True:
@@ -636,14 +639,6 @@ def _note(node: fx.Node) -> dict[str, Any]:
     if getattr(info, "module", ""):
         note[MODULE_KEY] = info.module  # type: ignore[union-attr]
     return note
-
-
-def _mark_order(gm: fx.GraphModule, order: int) -> None:
-    """Note on every node of ``G``'s joint graph which derivative it computes."""
-    for node in gm.graph.nodes:
-        info = node.meta.get(META_KEY)
-        if isinstance(info, NodeInfo):
-            set_info(node, replace(info, order=order))
 
 
 __all__ = ["Driver", "HigherOrder", "Orders", "build_slice", "capture_backward"]
