@@ -180,8 +180,7 @@ class HitCall:
     def call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Arguments like the hit's: new tensors of its tensors' metadata."""
         leaves = [leaf.make() if isinstance(leaf, _TensorLike) else leaf for leaf in self.leaves]
-        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        return args, kwargs
+        return pytree.tree_unflatten(leaves, self.spec)
 
 
 def _described(leaf: Any) -> Any:
