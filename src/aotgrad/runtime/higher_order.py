@@ -396,12 +396,8 @@ def build_slice(
             env[node] = _copy(graph, root, forward, node, env)
     for j in recomputed:
         saved_nodes[j] = env[saved[j]]
-    for node, value in zip(bw_placeholders[signature.saved_in_backward], saved_nodes, strict=True):
-        env[node] = value  # type: ignore[assignment]
-    for node, value in zip(
-        bw_placeholders[signature.cotangents_in_backward], cotangents, strict=True
-    ):
-        env[node] = value
+    # The backward's inputs: the saved values, then the cotangents (Note [Positions]).
+    env.update(zip(bw_placeholders, [*saved_nodes, *cotangents], strict=True))  # type: ignore[list-item]
     for node in backward.graph.nodes:
         if node.op == "placeholder":
             continue
