@@ -308,16 +308,15 @@ class CacheKey(NamedTuple):
         """
         if cached is None:
             return "first call"
-        for explain in _FIELD_EXPLANATIONS:
-            reason = explain(cached, self, names)
-            if reason is not None:
-                return reason
+        for name, explain in _FIELD_EXPLANATIONS.items():
+            if getattr(cached, name) != getattr(self, name):
+                reason = explain(cached, self, names)
+                if reason is not None:
+                    return reason
         return "no field of the key differs"
 
 
 def _structure_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
-    if old.structure == new.structure:
-        return None
     return (
         f"argument structure changed: {_show_structure(old.structure)}"
         f" != {_show_structure(new.structure)}"
@@ -331,8 +330,6 @@ def _show_structure(structure: Any) -> str:
 
 
 def _dims_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
-    if old.dynamic_dims == new.dynamic_dims:
-        return None
     count = len(new.leaves)
     before, after = old.dynamic_dims or ((),) * count, new.dynamic_dims or ((),) * count
     for i, (a, b) in enumerate(zip(before, after, strict=True)):
@@ -394,8 +391,6 @@ def _show_leaf(key: Any) -> str:
 
 def _state_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
     a, b = old.state, new.state
-    if a == b:
-        return None
     if a.names != b.names:
         return f"lifted tensors changed: {_added_removed(a.names, b.names)}"
     for name, x, y in zip(b.names, a.tensors, b.tensors, strict=True):
@@ -419,8 +414,6 @@ def _added_removed(old: Sequence[str], new: Sequence[str]) -> str:
 
 
 def _aliases_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
-    if old.aliases == new.aliases:
-        return None
     return f"inputs sharing memory: {_sharing(old, names)} != {_sharing(new, names)}"
 
 
@@ -435,10 +428,6 @@ def _sharing(key: CacheKey, names: Sequence[str]) -> str:
         groups.setdefault(group, []).append(label.removeprefix("input "))
     shared = "; ".join(" and ".join(group) for group in groups.values() if len(group) > 1)
     return shared or "none (some views)"
-
-
-def _ambient_changed(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
-    return None if old.ambient == new.ambient else _ambient_change(old.ambient, new.ambient)
 
 
 def _ambient_change(old: Any, new: Any) -> str:
@@ -468,16 +457,16 @@ def autocast_text(state: AutocastState) -> str:
     return ", ".join(f"{device}/{str(dtype).removeprefix('torch.')}" for device, dtype in state)
 
 
-# In the order ``CacheKey.explain`` tries them: each gives a reason, or None when its
-# field is the same.
-_FIELD_EXPLANATIONS: tuple[Callable[[CacheKey, CacheKey, Sequence[str]], str | None], ...] = (
-    _structure_change,
-    _dims_change,
-    _leaves_change,
-    _state_change,
-    _aliases_change,
-    _ambient_changed,
-)
+# By field, in the order ``CacheKey.explain`` tries them: each, called when its field
+# differs, gives the reason (or None, and the next field is tried).
+_FIELD_EXPLANATIONS: dict[str, Callable[[CacheKey, CacheKey, Sequence[str]], str | None]] = {
+    "structure": _structure_change,
+    "dynamic_dims": _dims_change,
+    "leaves": _leaves_change,
+    "state": _state_change,
+    "aliases": _aliases_change,
+    "ambient": lambda old, new, names: _ambient_change(old.ambient, new.ambient),
+}
 
 
 def show_value(key: Any) -> str:
