@@ -352,9 +352,7 @@ def flatten_outputs(result: Any) -> Any:
 
     def take_apart(t: Any) -> Any:
         meta = meta_of(t) if isinstance(t, torch.Tensor) else None
-        if meta is None:
-            return t
-        return FlatOutput(meta, _Unwrap.apply(meta, None, t))
+        return t if meta is None else FlatOutput(meta, _Unwrap.apply(meta, None, t))
 
     if not any(is_wrapper(leaf) for leaf in pytree.tree_leaves(result)):
         return result  # untouched: mapping would rebuild containers (a torch.Size as a tuple)

@@ -141,6 +141,4 @@ def _state(value: Any) -> list[tuple[str, Any]] | None:
         for slot in getattr(cls, "__slots__", ()):
             if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
                 fields.append((slot, getattr(value, slot)))
-    if attrs is None and not fields:
-        return None
-    return fields
+    return None if attrs is None and not fields else fields
