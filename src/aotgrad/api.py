@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import MODULE_HOOKS, functorch_transforms_active, global_module_hooks
-from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
+from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache, autocast_text
 from aotgrad.capture import Replay, TracerChoice, Watch, capturing
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
@@ -253,8 +253,8 @@ class Traced:
                 )
         if autocast_state() != self._autocast:
             raise CallError(
-                f"this Traced was captured with autocast {_autocast_text(self._autocast)} and is"
-                f" called with autocast {_autocast_text(autocast_state())}: its graphs hold the"
+                f"this Traced was captured with autocast {autocast_text(self._autocast)} and is"
+                f" called with autocast {autocast_text(autocast_state())}: its graphs hold the"
                 " casts of the capture's autocast (Note [Autocast]); call aotgrad.trace again under"
                 " the autocast you call it with (or use aotgrad.aot_function, which re-traces)"
             )
@@ -394,13 +394,6 @@ def _sharing_text(sharing: tuple[Any, ...], descriptors: Sequence[Any]) -> str:
     return "; ".join(groups)
 
 
-def _autocast_text(state: tuple[tuple[str, torch.dtype], ...]) -> str:
-    return (
-        ", ".join(f"{device}/{str(dtype).removeprefix('torch.')}" for device, dtype in state)
-        or "off"
-    )
-
-
 def aot_function(
     fn: Callable[..., Any],
     fw_compiler: Compiler | None = None,
@@ -516,9 +509,7 @@ class AOTFunction:
             last = self.cache.last_entry(args)  # Note [The last entry]
             if last is not None:
                 return last(args)
-        leaves, structure = flatten_call(args, kwargs)
-        arguments = module_arguments(self._target, args, kwargs, leaves, structure, self._names)
-        lifted = self._state.read(arguments)
+        leaves, structure, arguments, lifted = self._read(args, kwargs)
         dims = self._dynamic_dims  # Note [Marking dimensions dynamic]
         if dims is None:
             dims = requested_dims(leaves, everything=self._options.dynamic)
@@ -533,6 +524,14 @@ class AOTFunction:
             self.cache.remember(key, found, leaves)
         return found(lifted.tensors, leaves)
 
+    def _read(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Sequence[Any], Any, Arguments, Lifted]:
+        """The call's leaves and structure, the modules among them, and the state it reads."""
+        leaves, structure = flatten_call(args, kwargs)
+        arguments = module_arguments(self._target, args, kwargs, leaves, structure, self._names)
+        return leaves, structure, arguments, self._state.read(arguments)
+
     def _under_transform(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call under a torch.func transform or a forward-AD level.
 
@@ -543,7 +542,8 @@ class AOTFunction:
             leaves, spec = pytree.tree_flatten((args, kwargs))
             positions = dual_positions(leaves)
             jvp = self._jvp(spec, positions) if positions else None
-            if jvp is not None and not self._dual_state(args, kwargs):
+            # Not when the module state or a closed-over tensor carries a tangent.
+            if jvp is not None and not has_tangent(self._read(args, kwargs)[3].tensors):
                 primals, tangents = split_duals(leaves, positions)
                 try:
                     out = jvp(primals, tangents)
@@ -555,12 +555,6 @@ class AOTFunction:
                     return join_duals(*out)
         self.cache.info.transform_runs += 1
         return self._fn(*args, **kwargs)
-
-    def _dual_state(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Does the module state or a closed-over tensor carry a tangent?"""
-        leaves, structure = flatten_call(args, kwargs)
-        arguments = module_arguments(self._target, args, kwargs, leaves, structure, self._names)
-        return has_tangent(self._state.read(arguments).tensors)
 
     def _jvp(self, spec: pytree.TreeSpec, positions: tuple[int, ...]) -> AOTFunction | None:
         """The compiled JVP body for duals at ``positions`` (Note [Forward mode captures a JVP
@@ -666,9 +660,7 @@ class AOTFunction:
         hit]): on tensors of the hit's metadata, under its grad mode; nothing is compiled."""
         args, kwargs = hit.call()
         with torch.set_grad_enabled(hit.grad_mode):
-            leaves, structure = flatten_call(args, kwargs)
-            arguments = module_arguments(self._target, args, kwargs, leaves, structure, self._names)
-            lifted = self._state.read(arguments)
+            leaves, structure, arguments, lifted = self._read(args, kwargs)
             key = CacheKey.of_call(structure=structure, leaves=leaves, dims=None, lifted=lifted)
             if key != hit.key:
                 names = leaf_names(self._target, args, kwargs)

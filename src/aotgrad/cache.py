@@ -177,10 +177,7 @@ def _default_device() -> torch.device | None:
     neither did. Both push a ``DeviceContext`` mode (only the second sets
     ``torch.utils._device.CURRENT_DEVICE``); ``torch.get_default_device()`` finds it too,
     more slowly (bench/findings.md)."""
-    count = compat.function_mode_count()
-    if not count:
-        return None
-    for i in range(count):
+    for i in range(compat.function_mode_count()):
         mode = compat.function_mode_at(i)
         if isinstance(mode, compat.DeviceContext):
             return mode.device
@@ -311,16 +308,15 @@ class CacheKey(NamedTuple):
         """
         if cached is None:
             return "first call"
-        for explain in _FIELD_EXPLANATIONS:
-            reason = explain(cached, self, names)
-            if reason is not None:
-                return reason
+        for name, explain in _FIELD_EXPLANATIONS.items():
+            if getattr(cached, name) != getattr(self, name):
+                reason = explain(cached, self, names)
+                if reason is not None:
+                    return reason
         return "no field of the key differs"
 
 
 def _structure_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
-    if old.structure == new.structure:
-        return None
     return (
         f"argument structure changed: {_show_structure(old.structure)}"
         f" != {_show_structure(new.structure)}"
@@ -334,8 +330,6 @@ def _show_structure(structure: Any) -> str:
 
 
 def _dims_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
-    if old.dynamic_dims == new.dynamic_dims:
-        return None
     count = len(new.leaves)
     before, after = old.dynamic_dims or ((),) * count, new.dynamic_dims or ((),) * count
     for i, (a, b) in enumerate(zip(before, after, strict=True)):
@@ -397,8 +391,6 @@ def _show_leaf(key: Any) -> str:
 
 def _state_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
     a, b = old.state, new.state
-    if a == b:
-        return None
     if a.names != b.names:
         return f"lifted tensors changed: {_added_removed(a.names, b.names)}"
     for name, x, y in zip(b.names, a.tensors, b.tensors, strict=True):
@@ -422,8 +414,6 @@ def _added_removed(old: Sequence[str], new: Sequence[str]) -> str:
 
 
 def _aliases_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
-    if old.aliases == new.aliases:
-        return None
     return f"inputs sharing memory: {_sharing(old, names)} != {_sharing(new, names)}"
 
 
@@ -440,10 +430,6 @@ def _sharing(key: CacheKey, names: Sequence[str]) -> str:
     return shared or "none (some views)"
 
 
-def _ambient_changed(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
-    return None if old.ambient == new.ambient else _ambient_change(old.ambient, new.ambient)
-
-
 def _ambient_change(old: Any, new: Any) -> str:
     """Which part of the ambient state differs, in the user's terms."""
     old_grad, old_dtype, old_autocast, old_settings = _ambient_parts(old)
@@ -453,7 +439,7 @@ def _ambient_change(old: Any, new: Any) -> str:
     if dtype != old_dtype:
         return f"default dtype {old_dtype} != {dtype}"
     if autocast != old_autocast:
-        return f"autocast {_show_autocast(old_autocast)} != {_show_autocast(autocast)}"
+        return f"autocast {autocast_text(old_autocast)} != {autocast_text(autocast)}"
     for (name, _), a, b in zip(SETTINGS, old_settings, settings, strict=True):
         if a != b:  # Note [Torch settings in the key]
             return f"torch setting {name} {a} != {b}"
@@ -464,22 +450,23 @@ def _ambient_parts(key: Any) -> tuple[bool, torch.dtype, AutocastState, tuple[An
     return key if isinstance(key, tuple) else (key, torch.float32, (), DEFAULT_SETTINGS)
 
 
-def _show_autocast(state: AutocastState) -> str:
+def autocast_text(state: AutocastState) -> str:
+    """An autocast state as ``cpu/bfloat16``, or ``off``."""
     if not state:
         return "off"
     return ", ".join(f"{device}/{str(dtype).removeprefix('torch.')}" for device, dtype in state)
 
 
-# In the order ``CacheKey.explain`` tries them: each gives a reason, or None when its
-# field is the same.
-_FIELD_EXPLANATIONS: tuple[Callable[[CacheKey, CacheKey, Sequence[str]], str | None], ...] = (
-    _structure_change,
-    _dims_change,
-    _leaves_change,
-    _state_change,
-    _aliases_change,
-    _ambient_changed,
-)
+# By field, in the order ``CacheKey.explain`` tries them: each, called when its field
+# differs, gives the reason (or None, and the next field is tried).
+_FIELD_EXPLANATIONS: dict[str, Callable[[CacheKey, CacheKey, Sequence[str]], str | None]] = {
+    "structure": _structure_change,
+    "dynamic_dims": _dims_change,
+    "leaves": _leaves_change,
+    "state": _state_change,
+    "aliases": _aliases_change,
+    "ambient": lambda old, new, names: _ambient_change(old.ambient, new.ambient),
+}
 
 
 def show_value(key: Any) -> str:
@@ -692,11 +679,9 @@ class SpecializationCache:
         The caller vouches that the function reads nothing but its positional
         arguments (Note [The last entry]).
         """
-        if entry.compiled.takes_subclasses:  # a guard sees no placement: Note [Tensor subclasses]
-            return
-        if entry.replay is not None:  # the last entry calls the graphs only
-            return
-        if entry.environ is not None:  # its guard sees no environment
+        # Not when its guard sees no placement (Note [Tensor subclasses]) or environment,
+        # or the entry replays stores (the last entry calls the graphs only).
+        if entry.compiled.takes_subclasses or entry.replay is not None or entry.environ is not None:
             return
         if entry.positions is None and key.aliases is None and key.dynamic_dims is None:
             call = entry.compiled.direct_call() or entry.compiled
@@ -716,7 +701,13 @@ class SpecializationCache:
         self.info.fallbacks += 1
         if not self._warned_full:
             self._warned_full = True
-            warnings.warn(self._full_message(reason), stacklevel=5)
+            warnings.warn(
+                f"aotgrad: {self._owner} has {self.limit} compiled specializations (cache_limit);"
+                f" running this call eagerly. Last miss: {reason}. Pass values that change between"
+                " calls as tensors (a Python number is baked into the graph), or raise"
+                " cache_limit. (Warned once; aotgrad.cache_info counts the eager calls.)",
+                stacklevel=5,
+            )
         return False
 
     def _reason(self, miss: Miss, names: Callable[[], Sequence[str]]) -> str:
@@ -729,14 +720,6 @@ class SpecializationCache:
         if self._latest is None:
             return "first call"  # no names needed (finding them is slow on big graphs)
         return miss.key.explain(self._latest, names())
-
-    def _full_message(self, reason: str) -> str:
-        return (
-            f"aotgrad: {self._owner} has {self.limit} compiled specializations (cache_limit);"
-            f" running this call eagerly. Last miss: {reason}. Pass values that change between"
-            " calls as tensors (a Python number is baked into the graph), or raise cache_limit."
-            " (Warned once; aotgrad.cache_info counts the eager calls.)"
-        )
 
     def add(self, key: CacheKey, entry: Entry) -> None:
         """Store a new trace's entry; later misses are explained against ``key``."""

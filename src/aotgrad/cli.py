@@ -52,8 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _argv_of_a_script(options.target.rpartition(":")[0]):
             return _run(options)
-    except _StdoutClosed:
-        return _quiet_exit_on_closed_stdout()
+    except _StdoutClosed:  # Note [A closed stdout]
+        with contextlib.suppress(OSError, ValueError):  # stdout may be no real file (a test's)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return _SIGPIPE_EXIT
 
 
 def _run(options: argparse.Namespace) -> int:
@@ -109,14 +113,6 @@ def _emit(text: str = "", end: str = "\n") -> None:
         sys.stdout.flush()
     except BrokenPipeError as e:
         raise _StdoutClosed from e
-
-
-def _quiet_exit_on_closed_stdout() -> int:
-    with contextlib.suppress(OSError, ValueError):  # stdout may be no real file (a test's)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    return _SIGPIPE_EXIT
 
 
 def _show(traced: Traced, fn: Any, args: Any, kwargs: Any, check: bool) -> int:
@@ -207,10 +203,6 @@ def _split_inputs(inputs: Any, source: str) -> tuple[tuple[Any, ...], dict[str, 
 #   main part from running.
 
 
-def _module_name(path: Path) -> str:
-    return "_aotgrad_show_" + re.sub(r"\W", "_", path.stem)
-
-
 @contextlib.contextmanager
 def _argv_of_a_script(path: str) -> Iterator[None]:
     """``sys.argv`` as ``python FILE`` gives it, while the file's code runs."""
@@ -235,7 +227,7 @@ def _exited(e: SystemExit) -> str:
 def _import_file(path: Path) -> ModuleType:
     if not path.is_file():
         raise LoadError(f"no such file: {path}")
-    name = _module_name(path)
+    name = "_aotgrad_show_" + re.sub(r"\W", "_", path.stem)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise LoadError(f"cannot import {path}")

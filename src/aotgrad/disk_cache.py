@@ -58,23 +58,19 @@ class DiskCacheUse:
 
     def slot(self, key: CacheKey, info: CacheInfo, *, wrapped: bool) -> EntryKey | None:
         """Where this miss's graphs sit on disk; None (and why, in ``info``) when not cached."""
-        info.disk_skipped = None
+        why: str | None
         if not self._options.disk_cache:
-            info.disk_skipped = "disk_cache=False"
-            return None
-        if key.dynamic_dims is not None or wrapped:
-            info.disk_skipped = "dynamic shapes and DDP/FSDP2 wrappers are not cached on disk"
-            return None
-        if key.retrace:  # Note [Environment read at capture]
-            info.disk_skipped = "a second trace under one key (the environment read changed)"
-            return None
-        cache = disk_cache()  # a ConfigError for a bad AOTGRAD_CACHE_SIZE_MB
-        if cache is None:
-            info.disk_skipped = "AOTGRAD_CACHE=0"
-            return None
-        refused = cache.refused()  # Note [Who may write the cache]
-        if refused is not None:
-            info.disk_skipped = refused
+            why = "disk_cache=False"
+        elif key.dynamic_dims is not None or wrapped:
+            why = "dynamic shapes and DDP/FSDP2 wrappers are not cached on disk"
+        elif key.retrace:  # Note [Environment read at capture]
+            why = "a second trace under one key (the environment read changed)"
+        elif (cache := disk_cache()) is None:  # a ConfigError for a bad AOTGRAD_CACHE_SIZE_MB
+            why = "AOTGRAD_CACHE=0"
+        else:
+            why = cache.refused()  # Note [Who may write the cache]
+        info.disk_skipped = why
+        if why is not None or cache is None:  # (cache is read exactly when why is None)
             return None
         try:
             if self._code is None:
@@ -184,8 +180,7 @@ class HitCall:
     def call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Arguments like the hit's: new tensors of its tensors' metadata."""
         leaves = [leaf.make() if isinstance(leaf, _TensorLike) else leaf for leaf in self.leaves]
-        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        return args, kwargs
+        return pytree.tree_unflatten(leaves, self.spec)
 
 
 def _described(leaf: Any) -> Any:

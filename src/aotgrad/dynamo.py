@@ -16,6 +16,7 @@ torch.Size([4, 2])
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable
 from typing import Any
@@ -229,9 +230,7 @@ def user_expression(node: fx.Node) -> str:
     """The user's expression for a Dynamo placeholder: ``carry['a']``, ``self.fc1.weight``."""
     source = getattr(node.meta.get(DYNAMO_GRAPH_ARG), "source", None)
     name = source.name if source is not None else node.name
-    name = name() if callable(name) else str(name)
-    name = _ROOT.sub(r"\1", name)
-    return _MEMBER.sub(r".\1", name)
+    return user_expression_text(name() if callable(name) else str(name))
 
 
 def _module_path(node: fx.Node) -> str | None:
@@ -321,11 +320,4 @@ class _Interpreted:
                 return getattr(self_arg, str(node.target))(*rest, **kwargs)
             if node.op == "call_module":
                 return self.gm.get_submodule(str(node.target))(*args, **kwargs)
-            return _attr(self.gm, node.target)  # get_attr
-
-
-def _attr(gm: fx.GraphModule, target: Any) -> Any:
-    value: Any = gm
-    for part in str(target).split("."):
-        value = getattr(value, part)
-    return value
+            return operator.attrgetter(str(node.target))(self.gm)  # get_attr

@@ -48,17 +48,17 @@ PartitionArg = Strategy
 
 # Options whose default an environment variable gives (and None asks for): its name, default.
 _FROM_ENVIRONMENT = {"check": ("AOTGRAD_CHECKS", False), "fast": ("AOTGRAD_FAST", True)}
-_ON = ("1", "true", "yes", "on")
-_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
 
 
-def switch(name: str, default: bool) -> bool:
-    """An ``AOTGRAD_*`` on/off variable: 1/true/yes/on, 0/false/no/off; unset or empty: ``default``;
+def switch(name: str, default: bool, environ: Mapping[str, str] = os.environ) -> bool:
+    """An ``AOTGRAD_*`` on/off variable: 1/true/on/yes, 0/false/off/no; unset or empty: ``default``;
     else a ConfigError naming it and the values it takes."""
-    text = os.environ.get(name, "").strip().lower()
+    text = environ.get(name, "").strip().lower()
     if text and text not in _ON + _OFF:
         raise ConfigError(
-            f"{name}={os.environ[name]!r} is neither on nor off: expected one of"
+            f"{name}={environ[name]!r} is neither on nor off: expected one of"
             f" {', '.join(_ON)} (on) or {', '.join(_OFF)} (off); unset, it is"
             f" {'on' if default else 'off'}"
         )
@@ -292,13 +292,15 @@ def _differentiable_backward(
 # survivors pile up: several full passes per capture (bench/findings.md has the
 # count and the seconds), for garbage that is mostly freed by reference counting
 # anyway. The collector is paused while one capture runs and resumed as it was;
-# cycles made meanwhile are collected by its next pass.
+# cycles made meanwhile are collected by its next pass. Encoding or decoding a
+# graph file makes as many objects, and the passes took most of a load: paused there too.
 # (``torch.distributed.checkpoint`` does the same around its state-dict walks.)
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector for one capture (Note [No garbage collection during capture])."""
+def collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for one capture, or one graph file's encoding or
+    decoding (Note [No garbage collection during capture])."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -308,7 +310,7 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-@_collector_paused()
+@collector_paused()
 def capture_and_partition(
     traceable: Traceable,
     options: Options,

@@ -13,7 +13,7 @@ per forward op (Note [Sequence numbers]) and per module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,16 +150,13 @@ class _RangeInterpreter(fx.Interpreter):
 
 def _empty_report(traced: Traced, repeats: int) -> ProfileReport:
     report = ProfileReport(repeats=repeats)
-    for node in _ops(traced.joint):
+    for node in (n for n in traced.joint.graph.nodes if n.op == "call_function"):
         info = node_info(node)
         if info.kind is Kind.ACCUMULATE:
-            times = report.ops.setdefault(
-                None, OpTimes(seq_nr=None, op="(gradient accumulation)", module=info.module)
-            )
+            seq, op = None, "(gradient accumulation)"
         else:
-            times = report.ops.setdefault(
-                info.seq_nr, OpTimes(seq_nr=info.seq_nr, op=str(node.target), module=info.module)
-            )
+            seq, op = info.seq_nr, str(node.target)
+        times = report.ops.setdefault(seq, OpTimes(seq_nr=seq, op=op, module=info.module))
         module = report.modules.setdefault(
             info.module, OpTimes(seq_nr=None, op="", module=info.module)
         )
@@ -167,10 +164,6 @@ def _empty_report(traced: Traced, repeats: int) -> ProfileReport:
             times.backward_ops += 1
             module.backward_ops += 1
     return report
-
-
-def _ops(gm: fx.GraphModule) -> Iterator[fx.Node]:
-    return (n for n in gm.graph.nodes if n.op == "call_function")
 
 
 def _attribute(report: ProfileReport, name: str, micros: float) -> None:

@@ -80,13 +80,9 @@ class _Call:
             if isinstance(leaf, torch.Tensor):
                 tensors.append((name, leaf))
             elif isinstance(leaf, torch.nn.Module):
-                tensors += _module_tensors(name, leaf)
+                state = [*leaf.named_parameters(), *leaf.named_buffers()]
+                tensors += [(f"{name}.{n}", t) for n, t in state]
         return tensors
-
-
-def _module_tensors(name: str, module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    state = [*module.named_parameters(), *module.named_buffers()]
-    return [(f"{name}.{n}", t) for n, t in state]
 
 
 def verify(
@@ -141,15 +137,12 @@ def verify(
         _second_order(
             checker, (eager_out, eager.grad_holders), (compiled_out, compiled.grad_holders)
         )
-        if check and not report.ok:
-            raise VerificationError(str(report))
-        return report
-    _backward(eager_out, compiled_out)
-    for name, holder in eager.grad_holders.items():
-        if not holder.requires_grad:  # an input the function did not make require grad
-            continue
-        report.compared_grads += 1
-        checker.grad(f"grad of {name}", holder.grad, compiled.grad_holders[name].grad)
+    else:
+        _backward(eager_out, compiled_out)
+        for name, holder in eager.grad_holders.items():
+            if holder.requires_grad:  # else an input the function did not make require grad
+                report.compared_grads += 1
+                checker.grad(f"grad of {name}", holder.grad, compiled.grad_holders[name].grad)
     if check and not report.ok:
         raise VerificationError(str(report))
     return report
@@ -174,7 +167,8 @@ def _copy_call(
     groups: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            groups.setdefault(_storage_key(leaf), []).append(i)
+            key = id(leaf) if leaf.device.type == "meta" else storage_key(leaf)
+            groups.setdefault(key, []).append(i)
     copies: list[Any] = list(leaves)
     holders: dict[str, torch.Tensor] = {}
     memo: dict[int, Any] = {}  # a module passed twice stays one module
@@ -193,12 +187,6 @@ def _copy_call(
             copies[i] = new
     new_args, new_kwargs = pytree.tree_unflatten(copies, spec)
     return _Call(fn, tuple(new_args), dict(new_kwargs), holders)
-
-
-def _storage_key(t: torch.Tensor) -> Any:
-    if t.device.type == "meta":
-        return id(t)
-    return storage_key(t)
 
 
 def _copy_storage_group(
@@ -443,7 +431,5 @@ def _weighted_grads(
     ]
     if not terms:
         return [None] * len(wrt)
-    total = terms[0]
-    for term in terms[1:]:  # dtypes may differ: no stack
-        total = total + term
+    total = sum(terms[1:], start=terms[0])  # dtypes may differ: no stack
     return list(torch.autograd.grad(total, wrt, allow_unused=True))

@@ -110,7 +110,7 @@ def capture_body(
     with_grad: bool,
 ) -> ScanBody:
     """Trace ``fn`` on one iteration's values; trace again cloning outputs that alias."""
-    carry = [_example(t, with_grad and _differentiable(t)) for t in init]
+    carry = [_example(t, with_grad and differentiable(t)) for t in init]
     row = [_example(t, with_grad and t.requires_grad) for t in x]
     args = (pytree.tree_unflatten(carry, carry_spec), pytree.tree_unflatten(row, x_spec))
     traceable = signature_stage(fn, carry_and_x, args, {}, state, lifted, dims=None)
@@ -160,7 +160,8 @@ def _example(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return t.detach().contiguous().requires_grad_(requires_grad)
 
 
-def _differentiable(t: torch.Tensor) -> bool:
+def differentiable(t: torch.Tensor) -> bool:
+    """Can ``t`` hold a gradient (floating point or complex)?"""
     return t.is_floating_point() or t.is_complex()
 
 

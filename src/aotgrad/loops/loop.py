@@ -32,11 +32,10 @@ import torch.utils._pytree as pytree
 from aotgrad.api import Traced
 from aotgrad.cache import ambient_key
 from aotgrad.capture import capturing
-from aotgrad.capture.autocast import any_autocast, autocast_off
 from aotgrad.errors import DoubleBackwardError, ScanError
-from aotgrad.loops.body import ScanBody, capture_body
+from aotgrad.loops.body import ScanBody, capture_body, differentiable
 from aotgrad.pipeline import Options, options_of, with_option_keywords
-from aotgrad.runtime.function import reached_grads, with_zeros
+from aotgrad.runtime.function import reached_grads, run_forward, with_zeros
 from aotgrad.runtime.transforms import transform_active
 from aotgrad.signature.lifting import NOTHING, Lifted, State, as_module
 
@@ -155,7 +154,8 @@ class ScanFunction:
         )
         body = self._body(call, init_leaves, carry_spec, lifted, with_grad)
         if length == 0:  # as jax.lax.scan: init back, and empty ys
-            return init, _empty_ys(body)
+            empty = [torch.empty((0, *s), dtype=d, device=v) for s, d, v in body.y_examples]
+            return init, body.y_of(empty)
         tensors = (*lifted.tensors, *init_leaves, *xs_leaves)
         if with_grad and body.backward is not None:
             results = ScanLoop.apply(body, self.checkpoint, length, call.stacked, *tensors)
@@ -267,10 +267,6 @@ def _length(leaves: Sequence[Any]) -> int:
     return int(sizes[0])
 
 
-def _empty_ys(body: ScanBody) -> Any:
-    return body.y_of([torch.empty((0, *s), dtype=d, device=v) for s, d, v in body.y_examples])
-
-
 def unrolled(fn: Callable[..., Any], init: Any, xs: Any) -> tuple[Any, Any]:
     """The scan as a Python loop: what the compiled loop computes, and its reference.
 
@@ -280,17 +276,10 @@ def unrolled(fn: Callable[..., Any], init: Any, xs: Any) -> tuple[Any, Any]:
     (tensor([3., 3.]), torch.Size([3, 2]))
     """
     leaves, spec = pytree.tree_flatten(xs)
-    carry, ys = init, []
-    for i in range(_length(leaves)):
-        carry, y = fn(carry, pytree.tree_unflatten([t[i] for t in leaves], spec))
-        ys.append(y)
-    if not ys:
+    rows = [pytree.tree_unflatten([t[i] for t in leaves], spec) for i in range(_length(leaves))]
+    if not rows:
         raise ScanError("unrolled() needs at least one iteration to know y's structure")
-    y_leaves, y_spec = zip(*(pytree.tree_flatten(y) for y in ys), strict=True)
-    stacked = [
-        None if column[0] is None else torch.stack(column) for column in zip(*y_leaves, strict=True)
-    ]
-    return carry, pytree.tree_unflatten(stacked, y_spec[0])
+    return _unrolled_rows(fn, init, rows)
 
 
 def _unrolled_rows(fn: Callable[..., Any], init: Any, rows: Sequence[Any]) -> tuple[Any, Any]:
@@ -305,33 +294,15 @@ def _unrolled_rows(fn: Callable[..., Any], init: Any, rows: Sequence[Any]) -> tu
     return carry, pytree.tree_unflatten(stacked, y_spec[0])
 
 
-@contextmanager
-def _graph_mode(body: ScanBody) -> Iterator[None]:
-    """Grad mode and autocast as the graphs need them (Note [Autocast])."""
-    if body.plan.forward_needs_grad_mode:
-        with torch.enable_grad(), autocast_off():
-            yield
-    elif any_autocast():
-        with autocast_off():
-            yield
-    else:
-        yield
-
-
-def _step(body: ScanBody, inputs: list[torch.Tensor]) -> Sequence[Any]:
-    if body.plan.forward_needs_grad_mode:
-        inputs = [t.detach() for t in inputs]
-    with _graph_mode(body):
-        return body.forward(inputs)
-
-
 def _run_forward_only(
     body: ScanBody, tensors: Sequence[torch.Tensor], length: int, stacked: bool
 ) -> list[torch.Tensor]:
     lifted, carry, xs = _split(body, tensors)
     ys: list[list[torch.Tensor]] = []
     for i in range(length):
-        results = _step(body, [*lifted, *carry, *_x_row(body, xs, i, stacked)])
+        results = run_forward(
+            body.forward, body.plan, [*lifted, *carry, *_x_row(body, xs, i, stacked)]
+        )
         carry = [results[p] for p in body.carry_in_forward]
         ys.append([results[p] for p in body.y_in_forward])
     return [*carry, *_stacked(ys, body.y_in_forward)]
@@ -378,7 +349,9 @@ class ScanLoop(torch.autograd.Function):
                 kept.extend(carry)
                 if body.random:
                     rng_states.append(torch.get_rng_state())
-            results = _step(body, [*lifted, *carry, *_x_row(body, xs, i, stacked)])
+            results = run_forward(
+                body.forward, body.plan, [*lifted, *carry, *_x_row(body, xs, i, stacked)]
+            )
             if not checkpoint:
                 kept.extend(results[body.saved_in_forward])
             carry = [results[p] for p in body.carry_in_forward]
@@ -388,7 +361,7 @@ class ScanLoop(torch.autograd.Function):
         ctx.body, ctx.checkpoint, ctx.length, ctx.rng_states = body, checkpoint, length, rng_states
         ctx.stacked, ctx.num_xs = stacked, len(xs)
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(*[t for t in outputs if not _differentiable(t)])
+        ctx.mark_non_differentiable(*[t for t in outputs if not differentiable(t)])
         return outputs
 
     @staticmethod
@@ -448,10 +421,6 @@ def _iteration_grads(
     return reached_grads(body.backward([*values, *incoming]), body.plan.reached_by, received)
 
 
-def _differentiable(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
 def _row_of(t: torch.Tensor | None, i: int) -> torch.Tensor | None:
     return None if t is None else t[i]
 
@@ -472,7 +441,7 @@ def _saved_of(
     if body.random:  # Note [Random ops in a scan]
         torch.set_rng_state(ctx.rng_states[i])
     with torch.no_grad():
-        results = _step(body, [*lifted, *carry, *x])
+        results = run_forward(body.forward, body.plan, [*lifted, *carry, *x])
     return list(results[body.saved_in_forward])
 
 

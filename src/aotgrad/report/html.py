@@ -154,15 +154,11 @@ def _tensor_meta(node: fx.Node) -> dict[str, Any]:
 
 
 def _shape(t: torch.Tensor) -> list[int | str]:
-    return [_dim(d) for d in t.shape]
+    return [d if isinstance(d, int) else str(d) for d in t.shape]  # a SymInt as its text
 
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
-
-
-def _dim(d: Any) -> int | str:
-    return d if isinstance(d, int) else str(d)
 
 
 def _profile_dict(profile: Any) -> dict[str, Any] | None:

@@ -91,11 +91,6 @@ class CompiledGraphs:
         spec = plan.out_spec
         return lambda primals: pytree.tree_unflatten(list(_apply_with_grad(apply, primals)), spec)
 
-    def accepts(self, primals: Sequence[torch.Tensor]) -> bool:
-        """Do these inputs satisfy the trace's shape guards? (Always, for static traces.)"""
-        guards = self.plan.guards
-        return guards is None or guards.check(graph_inputs(primals, self.plan.input_bases))
-
     def failed_guard(self, primals: Sequence[torch.Tensor]) -> str | None:
         """The first shape guard these inputs fail, in the user's names; None when they pass."""
         guards = self.plan.guards
@@ -186,12 +181,7 @@ def _cut(inputs: Sequence[torch.Tensor], positions: tuple[int, ...]) -> list[tor
 
 
 def _apply_with_grad(apply: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Any:
-    """Call the Function with grad mode on (Note [Grad mode regions]).
-
-    A compiled function with a backward called under ``no_grad`` holds an
-    ``enable_grad()`` region whose outputs require grad; the Function marks
-    every other output non-differentiable, so they do not.
-    """
+    """Call the Function with grad mode on (Note [Grad mode regions]: under ``no_grad`` too)."""
     if torch.is_grad_enabled():
         return apply(*inputs)
     with torch.enable_grad():

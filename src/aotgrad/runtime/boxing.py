@@ -64,6 +64,4 @@ def compile_boxed(compiler: Compiler | None, gm: fx.GraphModule, examples: list[
             f"compiler {compiler!r} returned {type(compiled).__name__}, expected a callable;"
             " return the GraphModule itself, gm.forward, or make_boxed_func(...)"
         )
-    if is_boxed(compiled):
-        return compiled
-    return make_boxed_func(compiled)
+    return compiled if is_boxed(compiled) else make_boxed_func(compiled)

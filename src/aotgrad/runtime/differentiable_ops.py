@@ -61,9 +61,7 @@ def is_op_named(node: fx.Node, name: str) -> bool:
 
 
 def decomposition_of(op: Any) -> Callable[..., Any] | None:
-    if op is torch.ops.aten.copy.default:
-        return functional_copy
-    return decomposition(op)
+    return functional_copy if op is torch.ops.aten.copy.default else decomposition(op)
 
 
 def functional_copy(

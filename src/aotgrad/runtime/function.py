@@ -25,6 +25,7 @@ The epilogue, outside the Function, then
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -196,14 +197,13 @@ def _zeros_like_cotangents(partitioned: Partitioned) -> tuple[ZerosLike, ...]:
     placeholders = [n for n in partitioned.backward.graph.nodes if n.op == "placeholder"]
     values = [n.meta["val"] for n in placeholders[partitioned.signature.cotangents_in_backward]]
     return tuple(
-        ZerosLike(size=_static_size(v.shape), dtype=v.dtype, device=v.device) for v in values
+        ZerosLike(
+            size=tuple(v.shape) if all(isinstance(d, int) for d in v.shape) else None,
+            dtype=v.dtype,
+            device=v.device,
+        )
+        for v in values
     )
-
-
-def _static_size(shape: torch.Size) -> tuple[int, ...] | None:
-    if all(isinstance(d, int) for d in shape):
-        return tuple(shape)
-    return None
 
 
 def _autocast_sensitive(
@@ -275,14 +275,7 @@ def make_function(
     class CompiledFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            if plan.forward_needs_grad_mode:  # detached inputs: grad mode on, no graph built
-                with torch.enable_grad(), autocast_off():
-                    results = forward([p.detach() for p in primals])
-            elif any_autocast():  # the graph holds its casts (Note [Autocast])
-                with autocast_off():
-                    results = forward(list(primals))
-            else:
-                results = forward(list(primals))
+            results = run_forward(forward, plan, primals)
             if leading:  # the returned values are the graph's first outputs, in order
                 returned = tuple(results[:num_returned])
             else:
@@ -336,6 +329,17 @@ def make_function(
             return tuple(grads)
 
     return CompiledFunction
+
+
+def run_forward(forward: BoxedCall, plan: Plan, inputs: Sequence[torch.Tensor]) -> Any:
+    """The forward graph's results, under the grad mode and autocast it needs."""
+    if plan.forward_needs_grad_mode:  # detached inputs: grad mode on, no graph built
+        with torch.enable_grad(), autocast_off():
+            return forward([p.detach() for p in inputs])
+    if any_autocast():  # the graph holds its casts (Note [Autocast])
+        with autocast_off():
+            return forward(list(inputs))
+    return forward(list(inputs))
 
 
 # Note [Missing cotangents]
@@ -430,10 +434,8 @@ def _differentiable(
             " aotgrad.pipeline.compile_stage, or call aot_function / trace()."
         )
     kept = (ctx.kept, ctx.kept_versions) if higher_order.extra else ((), ())
-    if any_autocast():  # Note [Autocast]
-        with autocast_off():
-            return higher_order.gradients(ctx.needs_input_grad, saved, kept, cotangents)
-    return higher_order.gradients(ctx.needs_input_grad, saved, kept, cotangents)
+    with autocast_off() if any_autocast() else contextlib.nullcontext():  # Note [Autocast]
+        return higher_order.gradients(ctx.needs_input_grad, saved, kept, cotangents)
 
 
 def run_epilogue(
@@ -461,7 +463,10 @@ def run_epilogue(
     for mutation in plan.member_mutations:  # Note [Aliased inputs]
         _replay_mutation(primals[mutation.index], concrete.mutation(mutation), None)
     if plan.restrided:  # Note [Views of a restrided input]
-        inputs = [_view_source(x, i in plan.restrided) for i, x in enumerate(inputs)]
+        inputs = [
+            x._base if i in plan.restrided and x._base is not None else x
+            for i, x in enumerate(inputs)
+        ]
     for i in plan.detached_inputs:  # Note [requires_grad_() on an input]
         primals[i].detach_()
     tensors: list[torch.Tensor | None] = [None] * plan.num_tensor_outputs
@@ -591,11 +596,6 @@ def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor
 #     a._base.as_strided(v's layout)   # as eager
 #
 # So after a metadata replay, views of such an input are rebuilt from its base.
-
-
-def _view_source(x: torch.Tensor, restrided: bool) -> torch.Tensor:
-    """What an output view of graph input ``x`` is rebuilt from (Note above)."""
-    return x._base if restrided and x._base is not None else x
 
 
 # Note [Replayed metadata keeps the version]

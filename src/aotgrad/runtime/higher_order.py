@@ -155,7 +155,7 @@ class HigherOrder:
         for j, node in enumerate(saved):
             if node in index:
                 self.saved_as_is.setdefault(index[node], j)
-        read = _primals_read(self.forward, saved)
+        read = {index[n] for n in _ancestors(saved) if n in index}  # inputs saved values need
         self.extra = tuple(
             i for i in sorted(read) if i not in self.saved_as_is and i not in self.changed
         )
@@ -310,12 +310,6 @@ def _outputs(graph: fx.GraphModule | Sequence[Step]) -> list[Any]:
     return list(output.args[0])
 
 
-def _primals_read(forward: fx.GraphModule | Sequence[Step], targets: Sequence[Any]) -> set[int]:
-    """Forward-input positions the ``targets`` are computed from."""
-    index = {node: i for i, node in enumerate(_placeholders(forward))}
-    return {index[n] for n in _ancestors(targets) if n in index}
-
-
 def _ancestors(targets: Sequence[Any], stop: Container[Any] = ()) -> list[Any]:
     """Every node the targets need, themselves included, in no set order; ``stop`` nodes
     and what only they need are left out."""
@@ -402,12 +396,8 @@ def build_slice(
             env[node] = _copy(graph, root, forward, node, env)
     for j in recomputed:
         saved_nodes[j] = env[saved[j]]
-    for node, value in zip(bw_placeholders[signature.saved_in_backward], saved_nodes, strict=True):
-        env[node] = value  # type: ignore[assignment]
-    for node, value in zip(
-        bw_placeholders[signature.cotangents_in_backward], cotangents, strict=True
-    ):
-        env[node] = value
+    # The backward's inputs: the saved values, then the cotangents (Note [Positions]).
+    env.update(zip(bw_placeholders, [*saved_nodes, *cotangents], strict=True))  # type: ignore[list-item]
     for node in backward.graph.nodes:
         if node.op == "placeholder":
             continue
@@ -547,7 +537,7 @@ def capture_backward(
     """
     names = [n.name for n in _placeholders(graph)]
     flat = FlatInputs(
-        spec=_spec(len(values)),
+        spec=pytree.tree_structure(((0,) * len(values), {})),
         constants=(None,) * len(values),
         tensor_positions=tuple(range(len(values))),
         descriptors=tuple(Input(path=name) for name in names),
@@ -562,7 +552,10 @@ def capture_backward(
     captured: list[JointGraph] = []  # the capture's errors are retried, the later ones not
 
     def on_joint(joint: JointGraph) -> None:
-        _mark_order(joint.gm, order)
+        for node in joint.gm.graph.nodes:  # which derivative each node computes
+            info = node.meta.get(META_KEY)
+            if isinstance(info, NodeInfo):
+                set_info(node, replace(info, order=order))
         captured.append(joint)
 
     while True:
@@ -576,10 +569,6 @@ def capture_backward(
             if rule is None:
                 raise _no_derivative(error, graph, order) from error
             decomposed[op] = rule
-
-
-def _spec(n: int) -> Any:
-    return pytree.tree_flatten(((0,) * n, {}))[1]
 
 
 def _no_derivative(error: Exception, graph: fx.GraphModule, order: int) -> DoubleBackwardError:
@@ -646,14 +635,6 @@ def _note(node: fx.Node) -> dict[str, Any]:
     if getattr(info, "module", ""):
         note[MODULE_KEY] = info.module  # type: ignore[union-attr]
     return note
-
-
-def _mark_order(gm: fx.GraphModule, order: int) -> None:
-    """Note on every node of ``G``'s joint graph which derivative it computes."""
-    for node in gm.graph.nodes:
-        info = node.meta.get(META_KEY)
-        if isinstance(info, NodeInfo):
-            set_info(node, replace(info, order=order))
 
 
 __all__ = ["Driver", "HigherOrder", "Orders", "build_slice", "capture_backward"]

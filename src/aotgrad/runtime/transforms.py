@@ -91,9 +91,7 @@ def active_transform() -> str:
 
 def has_tangent(tensors: Sequence[object]) -> bool:
     """Does one of these tensors carry a forward-mode tangent (a dual tensor)?"""
-    if forward_ad_level() < 0:
-        return False
-    return any(
+    return forward_ad_level() >= 0 and any(
         isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent is not None
         for t in tensors
     )

@@ -136,13 +136,10 @@ def roots_of(fn: Callable[..., Any], *, skip_self: bool = False) -> tuple[Root, 
     """
     roots: list[Root] = []
     _collect(fn, roots, set(), skip_self)
-    seen: set[tuple[type, str]] = set()
-    unique = []
+    unique: dict[tuple[type, str], Root] = {}  # each place once, where first found
     for root in roots:
-        if (root.kind, root.name) not in seen:
-            seen.add((root.kind, root.name))
-            unique.append(root)
-    return tuple(unique)
+        unique.setdefault((root.kind, root.name), root)
+    return tuple(unique.values())
 
 
 def _collect(fn: Any, roots: list[Root], visited: set[int], skip_self: bool) -> None:
@@ -151,10 +148,8 @@ def _collect(fn: Any, roots: list[Root], visited: set[int], skip_self: bool) -> 
     visited.add(id(fn))
     if isinstance(fn, torch.nn.Module):
         module = fn
-        if skip_self:
-            roots.append(Root(Closure, "self", lambda: _Attributes(module)))
-        else:
-            roots.append(Root(Closure, "self", lambda: module))
+        get = (lambda: _Attributes(module)) if skip_self else (lambda: module)
+        roots.append(Root(Closure, "self", get))
         _collect(type(fn).forward, roots, visited, skip_self=False)
     elif isinstance(fn, types.MethodType):
         owner = fn.__self__
@@ -180,7 +175,7 @@ def _function_roots(fn: types.FunctionType, roots: list[Root], visited: set[int]
     for name in parameters:
         roots.append(Root(Closure, f"{name} (default)", functools.partial(parameters.get, name)))
     namespace = fn.__globals__
-    for name in _global_names(code):
+    for name in global_names(code):
         if name not in namespace:
             continue  # a builtin, or an attribute name
         value = namespace[name]
@@ -206,11 +201,12 @@ def _parameters_with_defaults(fn: types.FunctionType) -> dict[str, Any]:
     return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
-def _global_names(code: types.CodeType) -> Iterator[str]:
+def global_names(code: types.CodeType) -> Iterator[str]:
+    """The names ``code`` and the code nested in it (lambdas, comprehensions) look up."""
     yield from code.co_names
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _global_names(const)
+            yield from global_names(const)
 
 
 class _Attributes:

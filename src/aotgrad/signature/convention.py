@@ -277,24 +277,21 @@ class Signature:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; the layout is versioned by ``version``."""
-        return {
-            "version": self.version,
-            "forward_inputs": [d.to_dict() for d in self.forward_inputs],
-            "forward_outputs": [d.to_dict() for d in self.forward_outputs],
-            "backward_inputs": [d.to_dict() for d in self.backward_inputs],
-            "backward_outputs": [d.to_dict() if d else None for d in self.backward_outputs],
-        }
+        out: dict[str, Any] = {"version": self.version}
+        for name in _GROUPS:
+            out[name] = [None if d is None else d.to_dict() for d in getattr(self, name)]
+        return out
 
     def __str__(self) -> str:
-        def column(title: str, descs: tuple[Descriptor | None, ...]) -> list[str]:
-            return [f"  {title}:"] + [f"    {i}: {d}" for i, d in enumerate(descs)]
-
         lines = [f"Signature v{self.version}"]
-        lines += column("forward inputs", self.forward_inputs)
-        lines += column("forward outputs", self.forward_outputs)
-        lines += column("backward inputs", self.backward_inputs)
-        lines += column("backward outputs", self.backward_outputs)
+        for name in _GROUPS:
+            lines.append(f"  {name.replace('_', ' ')}:")
+            lines += [f"    {i}: {d}" for i, d in enumerate(getattr(self, name))]
         return "\n".join(lines)
+
+
+# The four groups of descriptors, in the order they print.
+_GROUPS = ("forward_inputs", "forward_outputs", "backward_inputs", "backward_outputs")
 
 
 # The rank of each kind of descriptor in its graph's inputs or outputs.

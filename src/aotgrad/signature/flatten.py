@@ -90,8 +90,7 @@ class FlatInputs:
         leaves = list(self.constants)
         for position, tensor in zip(self.tensor_positions, user_tensors, strict=True):
             leaves[position] = tensor
-        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        return args, kwargs
+        return pytree.tree_unflatten(leaves, self.spec)
 
 
 def desugar(
@@ -245,7 +244,7 @@ def dynamic_call_key(leaves: Sequence[Any], dims: Sequence[Sequence[int]]) -> tu
     """
     keys = []
     for leaf, leaf_dims in zip(leaves, dims, strict=True):
-        key = _leaf_key(leaf)
+        key = _tensor_key(leaf) if isinstance(leaf, torch.Tensor) else _value_key(leaf)
         if leaf_dims:
             shape = tuple(None if d in leaf_dims else n for d, n in enumerate(leaf.shape))
             key = (key[0], shape, leaf.is_contiguous(), *key[3:])
@@ -323,10 +322,6 @@ class PlainTensorsGuard:
         return _distinct_memory(leaves)
 
 
-def _leaf_key(leaf: Any) -> Any:
-    return _tensor_key(leaf) if isinstance(leaf, torch.Tensor) else _value_key(leaf)
-
-
 # The fields of a tensor's key (``call_key``), in order; and of a tensor with dynamic
 # dimensions (``dynamic_call_key``), whose strides are left to the shape guards.
 TENSOR_FIELDS = (
@@ -384,13 +379,22 @@ def _value_key(value: Any) -> Any:
         return module_key(value)
     try:
         return value_key(value)
-    except TensorInValue as e:
+    except (TensorInValue, Incomparable) as e:
         if is_opaque_reference(value):  # a DeviceMesh Dynamo passes: by identity
             return ("opaque", type(value), id(value))
-        raise CallError(_tensor_in_argument(value, e.path)) from None
-    except Incomparable as e:
-        if is_opaque_reference(value):
-            return ("opaque", type(value), id(value))
+        if isinstance(e, TensorInValue):
+            raise CallError(
+                format_error(
+                    f"an argument of type {_type_name(value)} holds a tensor (at"
+                    f" {e.path or 'the top'}), but it is not a pytree container, so the tensor"
+                    " cannot be a graph input: it would be baked into the graph as a constant,"
+                    " without gradient",
+                    None,
+                    "Make it a dataclass or register it with"
+                    " torch.utils._pytree.register_pytree_node (or register_dataclass), or"
+                    " pass the tensor itself as an argument.",
+                )
+            ) from None
         raise CallError(
             format_error(
                 f"an argument of type {_type_name(value)} holds a {e}, which aotgrad cannot"
@@ -406,17 +410,6 @@ def _value_key(value: Any) -> Any:
 def module_key(module: torch.nn.Module) -> tuple[Any, ...]:
     """A module argument's key: its identity (Note [Module arguments])."""
     return ("module", type(module), id(module))
-
-
-def _tensor_in_argument(value: Any, path: str) -> str:
-    return format_error(
-        f"an argument of type {_type_name(value)} holds a tensor (at {path or 'the top'}), but"
-        " it is not a pytree container, so the tensor cannot be a graph input: it would be"
-        " baked into the graph as a constant, without gradient",
-        None,
-        "Make it a dataclass or register it with torch.utils._pytree.register_pytree_node"
-        " (or register_dataclass), or pass the tensor itself as an argument.",
-    )
 
 
 def _type_name(value: Any) -> str:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from aotgrad.signature.closures import EMPTY, Environment, Root, read_environment, roots_of
+from aotgrad.signature.closures import EMPTY, Root, read_environment, roots_of
 from aotgrad.signature.descriptors import Buffer, Param, PrimalDescriptor
 from aotgrad.signature.flatten import (
     FlatInputs,
@@ -126,18 +126,6 @@ def call_target(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn.forward if isinstance(fn, torch.nn.Module) else fn
 
 
-def _module_state(module: torch.nn.Module) -> Environment:
-    """A module's parameters and buffers alone, when its environment is not read."""
-    return Environment(
-        tensors=(),
-        sources=(),
-        labels=(),
-        keys=(),
-        params=tuple(module.named_parameters()),
-        buffers=tuple(module.named_buffers()),
-    )
-
-
 class _Names(NamedTuple):
     """The lifted names as last read, and the descriptors and labels built from them."""
 
@@ -173,7 +161,8 @@ class State:
             return NOTHING
         env = read_environment(self.roots, arguments) if self.roots or arguments else EMPTY
         if self.module is not None and not self.roots:  # Dynamo: module state only
-            env = _module_state(self.module)
+            params, buffers = self.module.named_parameters(), self.module.named_buffers()
+            env = replace(EMPTY, params=tuple(params), buffers=tuple(buffers))
         module_names = (*(n for n, _ in env.params), *(n for n, _ in env.buffers))
         num_params = len(env.params)
         tensors = (*(p for _, p in env.params), *(b for _, b in env.buffers), *env.tensors)

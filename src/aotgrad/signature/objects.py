@@ -73,14 +73,6 @@ class ObjectNode:
         self.children = children
 
 
-def _flatten(node: ObjectNode) -> tuple[list[Any], _Class]:
-    return list(node.children.values()), node.context
-
-
-def _flatten_with_keys(node: ObjectNode) -> tuple[list[tuple[Any, Any]], _Class]:
-    return [(pytree.GetAttrKey(k), v) for k, v in node.children.items()], node.context
-
-
 def _unflatten(values: Any, context: _Class) -> Any:
     """A new object of the class: ``__new__``, then its ``__dict__`` in the original order."""
     cls: Any = context.cls
@@ -93,7 +85,13 @@ def _unflatten(values: Any, context: _Class) -> Any:
 
 
 pytree.register_pytree_node(
-    ObjectNode, _flatten, _unflatten, flatten_with_keys_fn=_flatten_with_keys
+    ObjectNode,
+    lambda node: (list(node.children.values()), node.context),
+    _unflatten,
+    flatten_with_keys_fn=lambda node: (
+        [(pytree.GetAttrKey(k), v) for k, v in node.children.items()],
+        node.context,
+    ),
 )
 
 

@@ -332,10 +332,6 @@ class FlatOutput:
         self.tensors = list(tensors)
 
 
-def _flatten_output(node: FlatOutput) -> tuple[list[torch.Tensor], SubclassMeta]:
-    return node.tensors, node.meta
-
-
 def _flatten_output_with_keys(
     node: FlatOutput,
 ) -> tuple[list[tuple[pytree.KeyEntry, torch.Tensor]], SubclassMeta]:
@@ -343,14 +339,10 @@ def _flatten_output_with_keys(
     return list(zip(keys, node.tensors, strict=True)), node.meta
 
 
-def _unflatten_output(tensors: Any, meta: SubclassMeta) -> FlatOutput:
-    return FlatOutput(meta, list(tensors))
-
-
 pytree.register_pytree_node(
     FlatOutput,
-    _flatten_output,
-    _unflatten_output,
+    lambda node: (node.tensors, node.meta),
+    lambda tensors, meta: FlatOutput(meta, list(tensors)),
     flatten_with_keys_fn=_flatten_output_with_keys,
 )
 
@@ -360,9 +352,7 @@ def flatten_outputs(result: Any) -> Any:
 
     def take_apart(t: Any) -> Any:
         meta = meta_of(t) if isinstance(t, torch.Tensor) else None
-        if meta is None:
-            return t
-        return FlatOutput(meta, _Unwrap.apply(meta, None, t))
+        return t if meta is None else FlatOutput(meta, _Unwrap.apply(meta, None, t))
 
     if not any(is_wrapper(leaf) for leaf in pytree.tree_leaves(result)):
         return result  # untouched: mapping would rebuild containers (a torch.Size as a tuple)

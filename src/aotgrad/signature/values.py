@@ -83,10 +83,8 @@ def _key(value: Any, path: str, depth: int, active: set[int]) -> Any:
         return (float, value.hex())
     if cls in _PLAIN or isinstance(value, _ITSELF):
         return (cls, value)
-    if isinstance(value, torch.Tensor):
-        raise TensorInValue(path)
-    if isinstance(value, torch.nn.Module):
-        raise TensorInValue(path)  # a module holds parameters: lift it, never bake it
+    if isinstance(value, torch.Tensor | torch.nn.Module):  # a module holds parameters:
+        raise TensorInValue(path)  # lift it, never bake it
     if depth > _MAX_DEPTH or id(value) in active:
         return (cls, "cycle", id(value))
     active.add(id(value))
@@ -119,9 +117,8 @@ def _fields(value: Any, path: str, depth: int, active: set[int]) -> Any:
         return _key(parts, path, depth, active)
     if isinstance(value, types.MethodType):
         return (value.__func__, _key(value.__self__, path, depth, active))
-    array = _array_key(value)
-    if array is not None:
-        return array
+    if type(value).__module__ == "numpy" and hasattr(value, "tobytes"):  # an array: by bytes
+        return (str(value.dtype), tuple(getattr(value, "shape", ())), value.tobytes())
     state = _state(value)
     if state is not None:
         return tuple((k, _key(v, f"{path}.{k}", depth, active)) for k, v in state)
@@ -134,13 +131,6 @@ def _fields(value: Any, path: str, depth: int, active: set[int]) -> Any:
     return value  # a hashable value without fields: its own __eq__ is its value
 
 
-def _array_key(value: Any) -> Any:
-    """A numpy array's dtype, shape and bytes; None for anything else."""
-    if type(value).__module__ != "numpy" or not hasattr(value, "tobytes"):
-        return None
-    return (str(value.dtype), tuple(getattr(value, "shape", ())), value.tobytes())
-
-
 def _state(value: Any) -> list[tuple[str, Any]] | None:
     """An object's attributes (``__dict__`` and ``__slots__``), or None when it has none."""
     fields: list[tuple[str, Any]] = []
@@ -151,6 +141,4 @@ def _state(value: Any) -> list[tuple[str, Any]] | None:
         for slot in getattr(cls, "__slots__", ()):
             if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
                 fields.append((slot, getattr(value, slot)))
-    if attrs is None and not fields:
-        return None
-    return fields
+    return None if attrs is None and not fields else fields

@@ -76,13 +76,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aotgrad.errors import ConfigError
+from aotgrad.pipeline import switch
 from aotgrad.store.format import Read, Stored, dumps, loads, write_atomically
 
 SUFFIX = ".aotgrad"
 DEFAULT_SIZE_MB = 1024
-# AOTGRAD_CACHE's values, lower-cased.
-_ON = ("", "1", "true", "on", "yes")
-_OFF = ("0", "false", "off", "no")
 # Temporary files untouched this long are a killed writer's (Note [What eviction deletes]).
 _STALE_TEMPORARY_S = 600.0
 _SHARD = re.compile(r"[0-9a-f]{2}")
@@ -133,29 +131,23 @@ class DiskCache:
 
         ``lazy``: read what running the graphs needs (Note [Graphs read from a file]).
         """
-        path = self.path(key)
         data = self._read(key)
-        if data is None:
-            return None
         try:
-            stored = loads(data, str(path), lazy=lazy)
+            return None if data is None else loads(data, str(self.path(key)), lazy=lazy)
         except Exception:  # StoreError, or anything a crafted file provokes: a miss
             return None
-        return stored
 
     def _read(self, key: str) -> bytes | None:
         """The bytes of the entry under ``key``, read only from a regular file of ours in a
         shard of ours (Note [Who may write the cache]); touched as recently used."""
         try:
             shard = _open_shard(self.directory / key[:2], create=False)
+            try:
+                return _read_entry(shard, f"{key}{SUFFIX}", self.max_bytes)
+            finally:
+                os.close(shard)
         except OSError:
             return None
-        try:
-            return _read_entry(shard, f"{key}{SUFFIX}", self.max_bytes)
-        except OSError:
-            return None
-        finally:
-            os.close(shard)
 
     def put(self, key: str, stored: Stored) -> None:
         """Write the entry (atomically), then evict past the cap. Raises ``StoreError``
@@ -294,14 +286,8 @@ def disk_cache(environ: Mapping[str, str] = os.environ) -> DiskCache | None:
     ...
     aotgrad.errors.ConfigError: AOTGRAD_CACHE_SIZE_MB='inf' is not a size: expected a finite number of megabytes >= 0 (1024 by default; 0 keeps no entry), or AOTGRAD_CACHE=0 to turn the disk cache off
     """
-    flag = environ.get("AOTGRAD_CACHE", "1").strip().lower()
-    if flag in _OFF:
+    if not switch("AOTGRAD_CACHE", True, environ):
         return None
-    if flag not in _ON:
-        raise ConfigError(
-            f"AOTGRAD_CACHE={environ['AOTGRAD_CACHE']!r} is neither on nor off: expected one of"
-            f" {', '.join(_ON[1:])} (on, the default) or {', '.join(_OFF)} (off)"
-        )
     default = pathlib.Path(environ.get("XDG_CACHE_HOME", "~/.cache")) / "aotgrad"
     directory = pathlib.Path(environ.get("AOTGRAD_CACHE_DIR") or default).expanduser()
     megabytes = cache_size_mb(environ.get("AOTGRAD_CACHE_SIZE_MB"))

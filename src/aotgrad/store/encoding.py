@@ -171,7 +171,7 @@ def _decode_type(data: dict[str, Any]) -> Any:
     if not isinstance(fields, dict):
         raise StoreError(f"malformed fields of {name}")
     values = {str(k): decode(v) for k, v in fields.items()}
-    hints = _field_types(cls)
+    hints = _field_types(cls)  # typing.get_type_hints, once per class
     for key, value in values.items():
         if key in hints and not _conforms(value, hints[key]):
             raise StoreError(
@@ -181,9 +181,7 @@ def _decode_type(data: dict[str, Any]) -> Any:
     return cls(**values)
 
 
-@functools.cache
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+_field_types = functools.cache(typing.get_type_hints)
 
 
 def _conforms(value: Any, hint: Any) -> bool:

@@ -44,7 +44,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
-import gc
 import hashlib
 import json
 import keyword
@@ -65,8 +64,9 @@ from aotgrad.capture import lazy_module
 from aotgrad.capture.aliasing import TensorOutput
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase
 from aotgrad.errors import StoreError, UserFrame
-from aotgrad.partition import RecomputedOp
+from aotgrad.partition import Partitioned, RecomputedOp
 from aotgrad.partition.saved import SavedValue
+from aotgrad.pipeline import collector_paused
 from aotgrad.runtime.function import Plan
 from aotgrad.runtime.straight_line import Step
 from aotgrad.signature.convention import Signature
@@ -75,7 +75,6 @@ from aotgrad.store.encoding import MALFORMED, decode, encode
 from aotgrad.store.ops import INPUT_MUTATION, refusal
 
 FORMAT = "aotgrad-graphs"
-_MALFORMED = MALFORMED
 # 3: tree structure in aotgrad's own JSON (Note [Tree structure in a file]), ops allow-listed.
 FORMAT_VERSION = 3
 
@@ -87,15 +86,10 @@ _OVERLOAD = type(torch.ops.aten.mm.default)
 @dataclass(frozen=True, kw_only=True)
 class Stored:
     """Everything a file holds, to write: what the runtime needs, and what describes the
-    graphs. Reading a file gives a :class:`Read`."""
+    graphs (their signature, saved and recomputed values). Reading a file gives a :class:`Read`."""
 
-    forward: fx.GraphModule
-    backward: fx.GraphModule | None
+    partitioned: Partitioned
     plan: Plan
-    signature: Signature
-    saved: tuple[SavedValue, ...]
-    # The forward ops the backward runs again, and why (a partition's choice, as data).
-    recomputed: tuple[RecomputedOp, ...] = ()
     # The call the graphs were captured for (``Traced.save``), or where a cache entry's
     # graph inputs come from: JSON data, read by whoever wrote it.
     call: dict[str, Any]
@@ -119,9 +113,10 @@ def aotgrad_version() -> str:
 def dumps(stored: Stored) -> bytes:
     """``stored`` as the three lines of a graph file; a ``StoreError`` if it cannot be stored."""
     refuse_unstorable(stored.plan)
-    with _collector_paused():
-        forward = encode_graph(stored.forward)
-        backward = None if stored.backward is None else encode_graph(stored.backward)
+    p = stored.partitioned
+    with collector_paused():
+        forward = encode_graph(p.forward)
+        backward = None if p.backward is None else encode_graph(p.backward)
         run = {
             "forward": forward[0],
             "backward": None if backward is None else backward[0],
@@ -131,9 +126,9 @@ def dumps(stored: Stored) -> bytes:
         about = {
             "forward": forward[1],
             "backward": None if backward is None else backward[1],
-            "signature": encode(stored.signature),
-            "saved": encode(stored.saved),
-            "recomputed": encode(stored.recomputed),
+            "signature": encode(p.signature),
+            "saved": encode(p.saved),
+            "recomputed": encode(p.recomputed),
         }
         payload = _line(run) + b"\n" + _line(about)
     header = {
@@ -151,20 +146,6 @@ def _line(data: Any) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a file is encoded or decoded: each makes ~10^5
-    objects, and the collector's full passes over the process took most of a load
-    (bench/findings.md; as for a capture: Note [No garbage collection during capture])."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def loads(data: bytes, where: str = "the file", *, lazy: bool = False) -> Read:
     """The graphs and plan in ``data``; a ``StoreError`` saying what is wrong with it.
 
@@ -172,26 +153,29 @@ def loads(data: bytes, where: str = "the file", *, lazy: bool = False) -> Read:
     for (Note [Graphs read from a file]); a file is then checked by its checksum and
     the lines read, and a malformed description is a ``StoreError`` when it is read.
     """
-    with _collector_paused():
+    with collector_paused():
         head, _, payload = data.partition(b"\n")
         header = _json(head, where)
         _check_header(header, payload, where)
         run, newline, about = payload.partition(b"\n")
         if not newline:
             raise StoreError(f"{where}: malformed graph file (no description line)")
-        try:
+        with _located(where):
             read = Read(_json(run, where), about, where)
-        except StoreError as e:
-            raise StoreError(f"{where}: {e}") from None
-        except _MALFORMED as e:
-            raise _malformed(where, e) from None
         if not lazy:
             read.about()
     return read
 
 
-def _malformed(where: str, e: Exception) -> StoreError:
-    return StoreError(f"{where}: malformed graph file ({type(e).__name__}: {e})")
+@contextlib.contextmanager
+def _located(where: str) -> Iterator[None]:
+    """Errors reading the file's lines, prefixed with where the file is."""
+    try:
+        yield
+    except StoreError as e:
+        raise StoreError(f"{where}: {e}") from None
+    except MALFORMED as e:
+        raise StoreError(f"{where}: malformed graph file ({type(e).__name__}: {e})") from None
 
 
 class Read:
@@ -204,9 +188,7 @@ class Read:
         self._about_line = about
         self._about: _About | None = None
         self.plan: Plan = _typed(decode(run["plan"]), Plan)
-        # The call the graphs were captured for (``Traced.save``), or where a cache entry's
-        # graph inputs come from: JSON data, read by whoever wrote it.
-        self.call: dict[str, Any] = _typed(run["call"], dict)
+        self.call: dict[str, Any] = _typed(run["call"], dict)  # as ``Stored.call``
         self.forward = StoredGraph(decode_steps(run["forward"]), "forward", self.about)
         self.backward = (
             None
@@ -224,13 +206,8 @@ class Read:
     def about(self) -> _About:
         """The description line, decoded and checked (once)."""
         if self._about is None:
-            try:
-                with _collector_paused():  # as for the run line: the collector's passes
-                    self._about = _About.of(_json(self._about_line, self._where), self)
-            except StoreError as e:
-                raise StoreError(f"{self._where}: {e}") from None
-            except _MALFORMED as e:
-                raise _malformed(self._where, e) from None
+            with _located(self._where), collector_paused():  # as for the run line
+                self._about = _About.of(_json(self._about_line, self._where), self)
         return self._about
 
     @property
@@ -478,7 +455,7 @@ def encode_graph(gm: fx.GraphModule) -> tuple[dict[str, Any], dict[str, Any]]:
     nodes, values, infos, descriptors = [], [], [], []
     for node in gm.graph.nodes:
         nodes.append(_encode_node(node, targets))
-        values.append(_encode_val(node.meta.get("val")))
+        values.append(encode(_val_data(node.meta.get("val"))))
         infos.append(_encode_info(node.meta.get(META_KEY), sources))
         desc = node.meta.get(DESC_KEY)
         descriptors.append(None if desc is None else encode(desc))
@@ -586,10 +563,6 @@ def _encode_arg(arg: Any) -> Any:
     return encode(arg)
 
 
-def _encode_val(val: Any) -> Any:
-    return encode(_val_data(val))
-
-
 def _val_data(val: Any) -> Any:
     """A node's value as ``[size, stride, offset, dtype, device, requires_grad]`` (a tensor),
     a tuple of such, or a number (Note [Values on demand])."""
@@ -625,8 +598,9 @@ def decode_steps(data: Any) -> list[Step]:
         if op == "call_function":
             if type(target) is not int or not 0 <= target < len(names):
                 raise StoreError(f"node {name!r}: malformed target {target!r:.40}")
-            if target not in targets:
-                targets[target] = _resolved(names[target], name)
+            if target not in targets:  # a known name from the cache, else its error
+                known = isinstance(names[target], str) and _resolved_name(names[target])
+                targets[target] = known or resolve_target(names[target], name)
             if targets[target] is operator.getitem and (
                 len(args) != 2
                 or kwargs
@@ -775,16 +749,9 @@ def _keyword(key: str, node: str) -> str:
 def _inputs(args: Any, kwargs: dict[str, Any]) -> list[Step]:
     """The steps ``args`` and ``kwargs`` name, first use first (``fx.Node.all_input_nodes``)."""
     found: dict[Step, None] = {}
-
-    def visit(value: Any) -> None:
-        if isinstance(value, Step):
-            found.setdefault(value)
-        elif isinstance(value, list | tuple):
-            for v in value:
-                visit(v)
-
-    visit(args)
-    visit(list(kwargs.values()))
+    fx.node.map_aggregate(
+        (args, kwargs), lambda v: found.setdefault(v) if isinstance(v, Step) else v
+    )
     return list(found)
 
 
@@ -806,7 +773,7 @@ class StoredGraph:
         """The ``fx`` graph module of these steps, with each node's description."""
         if self._module is None:
             nodes = self._about().nodes[self._part]
-            with _collector_paused():
+            with collector_paused():
                 self._module = _module_of(self.steps, nodes)
         return self._module
 
@@ -814,12 +781,16 @@ class StoredGraph:
 def _module_of(steps: list[Step], about: list[tuple[Any, NodeInfo | None, Any]]) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[Step, fx.Node] = {}
+
+    def node_of(value: Any) -> Any:
+        return env[value] if isinstance(value, Step) else value
+
     for step, (value, info, desc) in zip(steps, about, strict=True):
-        args = _to_nodes(step.args, env)
+        args = fx.node.map_aggregate(step.args, node_of)
         if step.op == "placeholder":
             node = graph.placeholder(step.name)
         elif step.op == "call_function":
-            kwargs = _to_nodes(step.kwargs, env)
+            kwargs = fx.node.map_aggregate(step.kwargs, node_of)
             node = graph.create_node("call_function", step.target, args, kwargs, step.name)
         else:
             node = graph.output(args[0])
@@ -834,18 +805,6 @@ def _module_of(steps: list[Step], about: list[tuple[Any, NodeInfo | None, Any]])
     if DESC_KEY in node.meta:  # the output's descriptors, printed as ``describe_graph`` does
         graph.set_codegen(ExpandedCodeGen())
     return lazy_module(torch.nn.Module(), graph)
-
-
-def _to_nodes(value: Any, env: dict[Step, fx.Node]) -> Any:
-    if isinstance(value, Step):
-        return env[value]
-    if isinstance(value, list):
-        return [_to_nodes(v, env) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_nodes(v, env) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_nodes(v, env) for k, v in value.items()}
-    return value
 
 
 # Note [Values on demand]
@@ -872,7 +831,7 @@ def with_values(gm: fx.GraphModule) -> fx.GraphModule:
             if "val" not in node.meta and node.meta.get(VALUE_KEY) is not None:
                 try:
                     node.meta["val"] = _fake(stored_value(node), mode)
-                except (*_MALFORMED, RuntimeError) as e:
+                except (*MALFORMED, RuntimeError) as e:
                     raise StoreError(
                         f"node {node.name!r} has a stored value no tensor can have: {e}"
                     ) from None
@@ -915,11 +874,6 @@ def _resolved_name(name: str) -> Callable[..., Any] | None:
         return resolve_target(name, "")
     except StoreError:
         return None
-
-
-def _resolved(name: Any, node: str) -> Callable[..., Any]:
-    found = _resolved_name(name) if isinstance(name, str) else None
-    return found if found is not None else resolve_target(name, node)
 
 
 def resolve_target(name: Any, node: str) -> Callable[..., Any]:

@@ -50,6 +50,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import MODULE_HOOKS, global_module_hooks
+from aotgrad.signature.closures import global_names
 
 _MAX_MODULES = 4000
 _SKIPPED_PREFIXES = ("torch", "aotgrad", "functorch", "builtins")
@@ -250,7 +251,7 @@ def _reached_values(fn: types.FunctionType) -> list[Any]:
     """The global values ``fn``'s code names, its closure's values, and the attributes its
     code names of the modules among them (``utils.act(x)``: ``utils.act``)."""
     found = []
-    names = sorted(_global_names(fn.__code__))
+    names = sorted(set(global_names(fn.__code__)))
     found += [fn.__globals__[n] for n in names if n in fn.__globals__]
     for cell in fn.__closure__ or ():
         with contextlib.suppress(ValueError):  # an empty cell
@@ -259,14 +260,6 @@ def _reached_values(fn: types.FunctionType) -> list[Any]:
         if not _skipped(module.__name__):
             found += [vars(module)[n] for n in names if n in vars(module)]
     return found
-
-
-def _global_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return names
 
 
 def code_digest(code: types.CodeType) -> bytes:

@@ -74,16 +74,7 @@ def save_traced(
         "autocast": encode(autocast),
         "requires_grad": list(partitioned.joint.requires_grad),
     }
-    stored = Stored(
-        forward=partitioned.forward,
-        backward=partitioned.backward,
-        plan=plan,
-        signature=partitioned.signature,
-        saved=partitioned.saved,
-        recomputed=partitioned.recomputed,
-        call=call,
-    )
-    write_atomically(path, dumps(stored))
+    write_atomically(path, dumps(Stored(partitioned=partitioned, plan=plan, call=call)))
 
 
 def _refuse_unloadable(flat: FlatInputs, signature: Signature) -> None:

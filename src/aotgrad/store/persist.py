@@ -122,15 +122,8 @@ def store_graphs(
         return "the graphs came from the disk cache"
     if partitioned.joint.inputs.subclasses is not None:
         return "tensor subclass inputs are not stored"
-    stored = Stored(
-        forward=partitioned.forward,
-        backward=partitioned.backward,
-        plan=compiled.plan,
-        signature=partitioned.signature,
-        saved=partitioned.saved,
-        recomputed=partitioned.recomputed,
-        call={"positions": None if positions is None else list(positions)},
-    )
+    call = {"positions": None if positions is None else list(positions)}
+    stored = Stored(partitioned=partitioned, plan=compiled.plan, call=call)
     try:
         entry.cache.put(entry.key, stored)
     except StoreError as e:
