@@ -129,6 +129,7 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
 
 
+@pytest.mark.fast_path  # compares the default (fast) with fast=False
 def test_fast_false_captures_with_the_full_trace_and_matches_eager(monkeypatch):
     torch.manual_seed(0)
     model, x = _Model(), torch.randn(2, 4)
@@ -181,6 +182,7 @@ def _sin(x):  # type: ignore[no-untyped-def]
     return x.sin()
 
 
+@pytest.mark.fast_path  # compares the default (fast) with fast=False
 def test_fast_is_in_the_disk_cache_key(cache_dir):
     x = torch.randn(3, requires_grad=True)
     aotgrad.aot_function(_sin)(x)
@@ -193,6 +195,7 @@ def test_fast_is_in_the_disk_cache_key(cache_dir):
     assert aotgrad.cache_info(again).disk_hits == 1
 
 
+@pytest.mark.fast_path  # compares the default (fast) with fast=False
 def test_the_cli_takes_no_fast_and_check(capsys, monkeypatch):
     checked = []
     original = aotgrad.pipeline.check_joint
