@@ -442,13 +442,13 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> str | None:
     if a_end <= b_begin or b_end <= a_begin:
         return None
     if _dense(a) and _dense(b):
-        same = a_begin == b_begin and a_end == b_end and _same(a.stride(), b.stride())
+        same = a_begin == b_begin and a_end == b_end and a.stride() == b.stride()
         return None if same else _PARTIAL
     same_layout = (
         a.element_size() == b.element_size()
         and a.storage_offset() == b.storage_offset()
-        and _same(a.shape, b.shape)
-        and _same(a.stride(), b.stride())
+        and a.shape == b.shape
+        and a.stride() == b.stride()
     )
     if same_layout:
         return None  # the same elements, one for one
@@ -462,10 +462,6 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> str | None:
     else:
         shared = bool(_byte_elements(a) & _byte_elements(b))
     return "shares some memory locations (not all) with" if shared else None
-
-
-def _same(x: Sequence[Any], y: Sequence[Any]) -> bool:
-    return len(x) == len(y) and all(m == n for m, n in zip(x, y, strict=True))
 
 
 def _byte_range(t: torch.Tensor) -> tuple[Any, Any]:

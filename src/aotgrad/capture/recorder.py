@@ -114,13 +114,9 @@ class ProvenanceMode(FunctionalTensorMode):
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable and args:
             self.recorder.note_mutation(args[0])
-            where = self.recorder.mutation_sites.get(id(args[0]))
-            check_writable(
-                func, args, kwargs or {}, where
-            )  # Note [Writes through overlapping views]
-            check_no_partial_overlap(
-                func, args, kwargs or {}
-            )  # Note [Writes that read overlapping memory]
+            # Notes [Writes through overlapping views], [Writes that read overlapping memory]
+            check_writable(func, args, kwargs or {}, self.recorder.mutation_sites.get(id(args[0])))
+            check_no_partial_overlap(func, args, kwargs or {})
         self.recorder.note_random(func, args, kwargs)
         if self.note_real_leaves:
             self.recorder.note_real_leaves(args, kwargs)
@@ -312,9 +308,7 @@ class Recorder:
         # Not another thread's module call (Note [Captures and other threads]).
         if not closed_over.in_capture():
             return
-        name = self.module_names.get(id(module))
-        if name is None:
-            name = type(module).__name__
+        name = self.module_names.get(id(module), type(module).__name__)
         context = fx_traceback.annotate({_MODULE: name or self.root_name})
         context.__enter__()
         self.module_stack.append(context)
@@ -353,7 +347,7 @@ def generator_restored() -> Iterator[None]:
     seeds = _SEEDS.begin(generator)  # Note [Reseeds the trace cannot see]
     for device in devices:
         device.manual_seed(_SENTINEL_SEED)
-    outside = _OUTSIDE_RESEEDS.count
+    outside = _OutsideReseeds.count
 
     def get_rng_state() -> torch.Tensor:
         with disable_current_modes():
@@ -394,7 +388,7 @@ def generator_restored() -> Iterator[None]:
     try:
         yield
         kept = seeds.kept(generator) and all(g.initial_seed() == _SENTINEL_SEED for g in devices)
-        if not kept and _OUTSIDE_RESEEDS.count == outside:
+        if not kept and _OutsideReseeds.count == outside:
             _refuse_direct_reseed()
     finally:
         _SEEDS.end()
@@ -491,9 +485,6 @@ class _OutsideReseeds:
     count = 0
 
 
-_OUTSIDE_RESEEDS = _OutsideReseeds()
-
-
 def _device_generators() -> list[torch.Generator]:
     """The default generators of the CUDA devices, once CUDA is initialized (the trace
     neither draws from nor steps them: a seed of theirs it did not set is a reseed)."""
@@ -503,11 +494,11 @@ def _device_generators() -> list[torch.Generator]:
 
 
 def _counted(seed: Callable[..., Any]) -> Callable[..., Any]:
-    """``seed``, counted in ``_OUTSIDE_RESEEDS``."""
+    """``seed``, counted in ``_OutsideReseeds``."""
 
     @functools.wraps(seed)
     def call(*args: Any, **kwargs: Any) -> Any:
-        _OUTSIDE_RESEEDS.count += 1
+        _OutsideReseeds.count += 1
         return seed(*args, **kwargs)
 
     return call
@@ -555,7 +546,16 @@ def _refusing_fresh_seeds(original: Callable[..., Any]) -> Callable[..., Any]:
     def seed(*args: Any, **kwargs: Any) -> Any:
         if not _RESTORE.recorders:
             return original(*args, **kwargs)
-        return _refuse_seeding()
+        raise UnsupportedOpError(
+            format_error(
+                "the function reseeds a random generator with a fresh, non-deterministic seed"
+                " (torch.seed, torch.cuda.seed): that Python call would run once, at capture,"
+                " where eager draws a new seed on every call",
+                user_frame_from_stack(),
+                "Seed before calling the compiled function, or reseed with a fixed seed"
+                " (torch.manual_seed(s)) before every random op of the function.",
+            )
+        )
 
     return seed
 
@@ -573,20 +573,6 @@ class _Restores(threading.local):
 
 
 _RESTORE = _Restores()
-
-
-def _refuse_seeding() -> Any:
-    """``torch.seed()`` during a trace (Note [Reseeding inside the function])."""
-    raise UnsupportedOpError(
-        format_error(
-            "the function reseeds a random generator with a fresh, non-deterministic seed"
-            " (torch.seed, torch.cuda.seed): that Python call would run once, at capture, where"
-            " eager draws a new seed on every call",
-            user_frame_from_stack(),
-            "Seed before calling the compiled function, or reseed with a fixed seed"
-            " (torch.manual_seed(s)) before every random op of the function.",
-        )
-    )
 
 
 def _root_name(root: Any) -> str:

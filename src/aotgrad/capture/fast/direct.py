@@ -52,10 +52,7 @@ Real models mutate: a BatchNorm in training adds 1 to ``num_batches_tracked``
 and updates its running statistics, torchvision's ``ReLU(inplace=True)`` and
 ``Hardswish(inplace=True)`` overwrite the conv/BN output, a ResNet block does
 ``out += identity``. Stopping at the first of these sent every convnet down
-the full trace. Profiling the capture of torchvision's resnet18 (cProfile,
-``bench/library_capture.py``) showed where the time went: nearly all of it in
-the full trace (functionalization, ``make_fx``'s proxy mode), after a direct
-trace that had stopped at the first BatchNorm (``bench/findings.md``).
+the full trace (capture times: ``bench/findings.md``).
 
 Functionalization turns an in-place op into its functional variant, whose
 result is the target's new value. Where nothing else sees the target's
@@ -84,16 +81,8 @@ runtime copies back; the direct trace takes only those autograd did not see
 (the input does not require grad and kept its ``grad_fn``: running
 statistics, counters), and stops for the others. Autograd's own checks still
 run above the recording mode: an in-place op on a value the backward needs
-raises eager's "modified by an inplace operation", as eager would.
-
-With this, resnet18, mobilenet_v3 and efficientnet take the direct trace
-(their capture times before and after, dated: ``bench/findings.md``), and most
-of their capture is then the fake tensor mode itself. convnext takes the
-direct trace too (Note [Writes through views, directly]), and timing the fake
-mode per op showed where its time goes: batch norm's and the activations'
-decompositions (half of efficientnet's capture), which capture's fake mode now
-skips (Note [Layouts without decompositions]), and Python view kernels (Note
-[Eager strides for views]).
+raises eager's "modified by an inplace operation", as eager would. So resnet18,
+mobilenet_v3, efficientnet and convnext take the direct trace.
 """
 
 from __future__ import annotations
@@ -538,16 +527,11 @@ class _RecordingMode(TorchDispatchMode):
         if not isinstance(out, list | tuple):
             return
         for i, item in enumerate(out):
+            if item is None or isinstance(item, torch.Tensor):
+                getitem = self.graph.call_function(operator.getitem, (node, i))
             if item is None:  # make_fx names a getitem for it too, then drops it: same names
-                self.graph.erase_node(
-                    self.graph.create_node(
-                        "call_function", operator.getitem, (node, i), {}, name="getitem"
-                    )
-                )
+                self.graph.erase_node(getitem)
             if isinstance(item, torch.Tensor):
-                getitem = self.graph.create_node(
-                    "call_function", operator.getitem, (node, i), {}, name="getitem"
-                )
                 self._copy_context(getitem)
                 self._describe(getitem, item)
                 self._track(item, getitem)
