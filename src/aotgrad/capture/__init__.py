@@ -201,9 +201,6 @@ def _capture(
         gm, record, inputs = trace_joint(body, flat, primals, options, bases=bases, tracer=tracer)
         return gm, record, inputs, tracer.recorder
 
-    def direct() -> _Traced:
-        return attempt(DirectTracer(Recorder(root), options.decompositions))
-
     def full(leaf_primals: bool) -> _Traced:
         refuse_untraceable(primals, flat.descriptors, options.where)
         symbolic = bool(options.dynamic_dims)
@@ -215,7 +212,7 @@ def _capture(
     (gm, record, inputs, recorder), report = trace_with(
         options.tracer,
         why_not_direct=_why_not_direct(options, bases, primals, flat),
-        direct=direct,
+        direct=lambda: attempt(DirectTracer(Recorder(root), options.decompositions)),
         full=lambda: _full_trace(full),
         where=options.where,
     )
@@ -289,9 +286,7 @@ def _synthetic_bases(
             continue
         base = synthetic_base(primals, group)
         if base is None:
-            names = ", ".join(
-                str(flat_desc) for flat_desc in (joint.inputs.descriptors[i] for i in group)
-            )
+            names = ", ".join(str(joint.inputs.descriptors[i]) for i in group)
             raise UnsupportedMutationError(
                 format_error(
                     f"inputs {names} share memory without a common base, and the function"
@@ -379,15 +374,9 @@ def _reached_by(
 def _output_descriptors(record: TraceRecord) -> list[Output]:
     """One Output per tensor output, named by its key path in the user's result; then one
     SideEffect per tensor stored in the user's objects (Note [Side effects replayed])."""
-    user = record.leaves[: len(record.out_paths)]
-    return [
-        *(
-            Output(path=path)
-            for path, leaf in zip(record.out_paths, user, strict=True)
-            if isinstance(leaf, TensorOutput)
-        ),
-        *record.effects,
-    ]
+    user = zip(record.out_paths, record.leaves[: len(record.out_paths)], strict=True)
+    outputs = [Output(path=path) for path, leaf in user if isinstance(leaf, TensorOutput)]
+    return [*outputs, *record.effects]
 
 
 _IDENTITIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
