@@ -216,7 +216,9 @@ def _call_of(node: fx.Node) -> CollectiveCall | None:
     """The collective ``node`` runs; None for waits and ops without a group (``wait_tensor``)."""
     op = node.target
     assert isinstance(op, OpOverload)
-    bound = {a.name: v for a, v in zip(op._schema.arguments, node.args, strict=False)}
+    bound: dict[str, Any] = {
+        a.name: v for a, v in zip(op._schema.arguments, node.args, strict=False)
+    }
     bound.update(node.kwargs)
     group = bound.get("group_name")
     if not isinstance(group, str):

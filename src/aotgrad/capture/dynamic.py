@@ -152,10 +152,6 @@ def symbolic_context(x: torch.Tensor, dims: Sequence[int]) -> StatelessSymbolicC
     return StatelessSymbolicContext(dynamic_sizes=sizes)
 
 
-def new_shape_env() -> ShapeEnv:
-    return ShapeEnv()
-
-
 # Note [Specializations are guards]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Tracing may turn a symbolic size into a constant: ``int(y.shape[1])``, or an

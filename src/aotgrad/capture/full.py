@@ -17,8 +17,12 @@ import torch.fx as fx
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from aotgrad._torch_compat import FunctionalTensor, enable_python_dispatcher, sync
-from aotgrad.capture.graph import code_on_demand
+from aotgrad._torch_compat import (
+    FunctionalTensor,
+    enable_python_dispatcher,
+    sync,
+    use_lazy_graph_module,
+)
 from aotgrad.capture.mutation import (
     InputMutation,
     PrimalInfo,
@@ -85,7 +89,8 @@ class FullTracer(Tracer):
         # dispatcher runs their symbolic-aware Python kernels instead, as
         # ``make_fx(tracing_mode="symbolic")`` does.
         dispatcher = enable_python_dispatcher() if self.symbolic else contextlib.nullcontext()
-        with dispatcher, self.recorder.recording(), code_on_demand():
+        # make_fx's graph module generates its code on first use (Note [Code on demand])
+        with dispatcher, self.recorder.recording(), use_lazy_graph_module(True):
             return make_fx(
                 joint,
                 decomposition_table=self.decompositions,

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from aotgrad._torch_compat import LazyGraphModule, use_lazy_graph_module
+from aotgrad._torch_compat import LazyGraphModule
 from aotgrad.capture.aliasing import OutputLeaf, TensorOutput
 from aotgrad.capture.dynamic import ShapeGuards
 from aotgrad.capture.environ import EnvironReads
@@ -42,13 +40,6 @@ from aotgrad.signature import (
 # ``print(gm)`` and ``gm(*args)`` generate the source on first use, as before,
 # and a user's compiler receives an ordinary GraphModule over the same graph
 # (``ready_for_compiler``; ``torch.jit.script`` refuses the lazy class).
-
-
-@contextlib.contextmanager
-def code_on_demand() -> Iterator[None]:
-    """Graph modules built inside (``make_fx``'s included) generate code on first use."""
-    with use_lazy_graph_module(True):
-        yield
 
 
 def lazy_module(

@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.autograd.graph import GradientEdge
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from aotgrad._torch_compat import (
     DisableTorchFunction,
@@ -58,7 +59,7 @@ from aotgrad.capture.autocast import autocast_off
 from aotgrad.capture.closed_over import ClosedOver
 from aotgrad.capture.collectives import collective_grads_checked
 from aotgrad.capture.cotangents import make_cotangent
-from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
+from aotgrad.capture.dynamic import ShapeGuards, symbolic_context
 from aotgrad.capture.fake import EagerViewsFakeMode
 from aotgrad.capture.fast import FastFakeMode
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
@@ -223,7 +224,7 @@ def trace_joint(
     :class:`~aotgrad.capture.tracers.NeedsFullTrace` for what it does not handle.
     """
     dynamic_dims = options.dynamic_dims
-    shape_env = new_shape_env() if dynamic_dims else None
+    shape_env = ShapeEnv() if dynamic_dims else None
     fake_mode = FastFakeMode if options.fast else EagerViewsFakeMode
     mode = fake_mode(allow_non_fake_inputs=True, shape_env=shape_env)
     inputs, tensors = GraphInputs.of(flat, primals, bases)

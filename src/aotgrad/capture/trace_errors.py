@@ -231,10 +231,10 @@ def _failing_op(e: BaseException) -> str:
         if isinstance(func, OpOverload):
             return str(func)
     # The torch function called last from the user's code, or from aotgrad's (autograd.grad).
-    caller = max(
-        (i for i, f in enumerate(frames) if _is_caller(f.f_code.co_filename)),
-        default=-1,
+    callers = (
+        i for i, f in enumerate(frames) if frame_origin(f.f_code.co_filename) is not Origin.LIBRARY
     )
+    caller = max(callers, default=-1)
     inside = frames[caller + 1 :]
     if not inside:
         return "an op"
@@ -249,10 +249,6 @@ _TORCH_FUNCTION_NAMES = {
     # capture's backward (Note [The swap spans the backward])
     ENGINE_RUN_BACKWARD: "the backward (torch.autograd.grad)",
 }
-
-
-def _is_caller(filename: str) -> bool:
-    return frame_origin(filename) is not Origin.LIBRARY
 
 
 def _data_dependent(e: Exception, construct: str | None = None) -> DataDependentError:

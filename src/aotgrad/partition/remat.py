@@ -210,10 +210,8 @@ def budget_saved(
     """
     needed = list(needed)  # read several times below
     p = _BudgetProblem.of(joint, free_inputs, time_limit)
-    ops, weights, costs, held, program = p.ops, p.weights, p.costs, p.held, p.program
-    rows, lower, upper = _budget_constraints(ops, p.index, needed, weights, budget_bytes - held)
-    constraint = LinearConstraint(np.array(rows), lower, upper)
-    first = program.solve(program.on_recompute(costs), [constraint])
+    constraint = p.constraint(needed, budget_bytes - p.held)
+    first = p.program.solve(p.program.on_recompute(p.costs), [constraint])
     if first.x is None and first.status == 1:  # the time limit struck before any plan
         fallback = (
             f"the budget solver hit its {time_limit:g} s time limit before finding a plan;"
@@ -225,17 +223,17 @@ def budget_saved(
         smallest = "?" if least is None else str(least)
         raise ValueError(
             f"no plan fits a budget of {budget_bytes} bytes: the inputs the backward reads take"
-            f" {held}, and with what cannot be recomputed (random ops, ops reading an input the"
+            f" {p.held}, and with what cannot be recomputed (random ops, ops reading an input the"
             f" function mutates) the smallest plan saves {smallest} bytes. Raise the budget."
         )
-    best = _Rounded.of(first.x, ops, needed, weights, costs)
-    tie = LinearConstraint(program.on_recompute(costs)[None, :], -np.inf, best.flops + 0.5)
-    second = program.solve(program.on_save(weights), [constraint, tie])
+    best = p.rounded(first.x, needed)
+    tie = LinearConstraint(p.program.on_recompute(p.costs)[None, :], -np.inf, best.flops + 0.5)
+    second = p.program.solve(p.program.on_save(p.weights), [constraint, tie])
     candidates = [best]
     if second.x is not None:
-        candidates.append(_Rounded.of(second.x, ops, needed, weights, costs))
-    fits = [c for c in candidates if c.bytes <= budget_bytes - held] or candidates
-    chosen = min(fits, key=lambda c: (c.bytes > budget_bytes - held, c.flops, c.bytes))
+        candidates.append(p.rounded(second.x, needed))
+    fits = [c for c in candidates if c.bytes <= budget_bytes - p.held] or candidates
+    chosen = min(fits, key=lambda c: (c.bytes > budget_bytes - p.held, c.flops, c.bytes))
     note: str | None = None
     if not (first.success and second.success):
         note = (
@@ -255,18 +253,23 @@ def smallest_saved_bytes(
     None when the solver ran out of time.
     """
     needed = list(needed)
-    problem = _BudgetProblem.of(joint, free_inputs, time_limit)
-    rows, lower, upper = _budget_constraints(
-        problem.ops, problem.index, needed, problem.weights, np.inf
-    )
-    constraint = LinearConstraint(np.array(rows[:-1]), lower[:-1], upper[:-1])
-    least = problem.program.solve(problem.program.on_save(problem.weights), [constraint])
-    if least.x is None:
-        return None
-    return (
-        problem.held
-        + _Rounded.of(least.x, problem.ops, needed, problem.weights, problem.costs).bytes
-    )
+    p = _BudgetProblem.of(joint, free_inputs, time_limit)
+    least = p.program.solve(p.program.on_save(p.weights), [p.constraint(needed, None)])
+    return None if least.x is None else p.held + p.rounded(least.x, needed).bytes
+
+
+@dataclass(frozen=True)
+class _Rounded:
+    """A solver answer rounded to a plan, with its bytes and FLOPs counted exactly.
+
+    HiGHS accepts values within 1e-6 of an integer, and with coefficients in
+    the hundreds of millions that slack is worth a few FLOPs or bytes: the
+    plan is re-measured from its saved set rather than read off the solution.
+    """
+
+    saved: set[fx.Node]
+    bytes: int
+    flops: int
 
 
 @dataclass(frozen=True)
@@ -304,33 +307,46 @@ class _BudgetProblem:
             program=_Program(len(ops), _budget_bounds(ops, reads_mutated_input(joint)), time_limit),
         )
 
+    def constraint(self, needed: Iterable[fx.Node], cap: float | None) -> LinearConstraint:
+        """What the backward reads is saved or recomputed; a recomputed op's op inputs are
+        too; with a ``cap``, the saved bytes are at most that."""
+        n, index = len(self.ops), self.index
+        rows: list[np.ndarray] = []
+        lower: list[float] = []
+        upper: list[float] = []
 
-@dataclass(frozen=True)
-class _Rounded:
-    """A solver answer rounded to a plan, with its bytes and FLOPs counted exactly.
+        def add(row: np.ndarray, lo: float, hi: float) -> None:
+            rows.append(row)
+            lower.append(lo)
+            upper.append(hi)
 
-    HiGHS accepts values within 1e-6 of an integer, and with coefficients in
-    the hundreds of millions that slack is worth a few FLOPs or bytes: the
-    plan is re-measured from its saved set rather than read off the solution.
-    """
+        for v in needed:
+            if v in index:
+                row = np.zeros(2 * n)
+                row[index[v]] = row[n + index[v]] = 1
+                add(row, 1, np.inf)
+        for v in self.ops:
+            for u in v.all_input_nodes:
+                if u in index:  # recompute_v - save_u - recompute_u <= 0
+                    row = np.zeros(2 * n)
+                    row[n + index[v]] = 1
+                    row[index[u]] -= 1
+                    row[n + index[u]] -= 1
+                    add(row, -np.inf, 0)
+        if cap is not None:
+            add(self.program.on_save(self.weights), -np.inf, float(cap))
+        return LinearConstraint(np.array(rows), lower, upper)
 
-    saved: set[fx.Node]
-    bytes: int
-    flops: int
-
-    @staticmethod
-    def of(
-        x: np.ndarray, ops: list[fx.Node], needed: Iterable[fx.Node], weights: Any, costs: Any
-    ) -> _Rounded:
-        position = {v: i for i, v in enumerate(ops)}
-        saved = {v for v in ops if round(x[position[v]]) == 1}
+    def rounded(self, x: np.ndarray, needed: Iterable[fx.Node]) -> _Rounded:
+        """The plan of solver answer ``x`` (:class:`_Rounded`)."""
+        saved = {v for v in self.ops if round(x[self.index[v]]) == 1}
         recompute, inputs = recompute_closure(needed, saved)
         used = set(needed) | {u for v in recompute for u in v.all_input_nodes} | inputs
-        kept = {v for v in saved | inputs if v in used and v in position}
+        kept = {v for v in saved | inputs if v in used and v in self.index}
         return _Rounded(
             saved,
-            int(sum(weights[position[v]] for v in kept)),
-            int(sum(costs[position[v]] for v in recompute if v in position)),
+            int(sum(self.weights[self.index[v]] for v in kept)),
+            int(sum(self.costs[self.index[v]] for v in recompute if v in self.index)),
         )
 
 
@@ -356,40 +372,6 @@ class _Program:
             bounds=self.bounds,
             options={"time_limit": self.time_limit, "disp": False, "mip_rel_gap": 0.0},
         )
-
-
-def _budget_constraints(
-    ops: list[fx.Node],
-    index: dict[fx.Node, int],
-    needed: Iterable[fx.Node],
-    weights: np.ndarray,
-    budget_bytes: float,
-) -> tuple[list[np.ndarray], list[float], list[float]]:
-    n = len(ops)
-    rows: list[np.ndarray] = []
-    lower: list[float] = []
-    upper: list[float] = []
-
-    def add(row: np.ndarray, lo: float, hi: float) -> None:
-        rows.append(row)
-        lower.append(lo)
-        upper.append(hi)
-
-    for v in needed:
-        if v in index:
-            row = np.zeros(2 * n)
-            row[index[v]] = row[n + index[v]] = 1
-            add(row, 1, np.inf)
-    for v in ops:
-        for u in v.all_input_nodes:
-            if u in index:  # recompute_v - save_u - recompute_u <= 0
-                row = np.zeros(2 * n)
-                row[n + index[v]] = 1
-                row[index[u]] -= 1
-                row[n + index[u]] -= 1
-                add(row, -np.inf, 0)
-    add(np.concatenate([weights, np.zeros(n)]), -np.inf, float(budget_bytes))
-    return rows, lower, upper
 
 
 def _budget_bounds(ops: list[fx.Node], pinned: set[fx.Node]) -> Bounds:
