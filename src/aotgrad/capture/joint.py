@@ -126,11 +126,6 @@ class TraceRecord:
     closed_over_leaves: list[torch.Tensor] = field(default_factory=list)
 
 
-def _module_argument(i: int, d: GraphInputDescriptor, flat: FlatInputs) -> bool:
-    """Is graph input ``i`` a module argument's tensor (Note [Module arguments])?"""
-    return i < flat.num_lifted and isinstance(d, Input)
-
-
 def fake_primals(
     mode: FakeTensorMode,
     primals: Sequence[torch.Tensor],
@@ -230,10 +225,11 @@ def trace_joint(
     inputs, tensors = GraphInputs.of(flat, primals, bases)
     fakes = fake_primals(mode, tensors, dynamic_dims)
     record = TraceRecord()
-    record.closed_over_leaves = [
+    record.closed_over_leaves = [  # closed over, or a module argument's (Note [Module arguments])
         p
         for i, (p, d) in enumerate(zip(primals, flat.descriptors, strict=True))
-        if p.requires_grad and (isinstance(d, Closure | Global) or _module_argument(i, d, flat))
+        if p.requires_grad
+        and (isinstance(d, Closure | Global) or (i < flat.num_lifted and isinstance(d, Input)))
     ]
     if shape_env is not None:
         record.guards = ShapeGuards(shape_env, fakes, names=[str(d) for d in inputs.descriptors])
@@ -403,21 +399,17 @@ def _differentiable(
     new_values = [m.requires_grad for m in record.mutations if m.data]
     outputs = returned[: len(returned) - len(new_values)]
     if not backward and any(_is_differentiable(t) for t in outputs):
-        raise _grad_from_inside(where)
+        raise UnsupportedOutputError(
+            format_error(
+                "an output requires grad, but no input does: its gradient would flow into a"
+                " tensor the function made require grad itself (t.requires_grad_(),"
+                " nn.Parameter(...)), which a compiled function cannot hold",
+                where,
+                "Pass that tensor as an input that requires grad, or detach the output.",
+            )
+        )
     differentiable = [backward and _is_differentiable(t) for t in outputs]
     return differentiable + [backward and g for g in new_values]  # Note [Input mutation]
-
-
-def _grad_from_inside(where: UserFrame | None) -> UnsupportedOutputError:
-    return UnsupportedOutputError(
-        format_error(
-            "an output requires grad, but no input does: its gradient would flow into a tensor"
-            " the function made require grad itself (t.requires_grad_(), nn.Parameter(...)),"
-            " which a compiled function cannot hold",
-            where,
-            "Pass that tensor as an input that requires grad, or detach the output.",
-        )
-    )
 
 
 def _forward_values(
@@ -473,13 +465,9 @@ def _user_primals(
     views: dict[int, torch.Tensor] = {}  # id of the real input -> its view
     primals = []
     for (j, view), p in zip(sources, real, strict=True):
-        if view is None:
-            primals.append(graph_primals[j])
-        else:
-            if id(p) not in views:
-                base = graph_primals[j]
-                views[id(p)] = base.as_strided(view.size, view.stride, view.storage_offset)
-            primals.append(views[id(p)])
+        if view is not None and id(p) not in views:
+            views[id(p)] = graph_primals[j].as_strided(view.size, view.stride, view.storage_offset)
+        primals.append(graph_primals[j] if view is None else views[id(p)])
     return primals
 
 

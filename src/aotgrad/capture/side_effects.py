@@ -184,6 +184,7 @@ class _Place:
         return text
 
     def entry_label(self, key: object) -> str:
+        """Where entry ``key`` is; a list's or a cell's: the place itself."""
         if self.kind in ("vars", "buffers"):
             return self.label + _attribute_text(key)
         if self.kind == "dict":
@@ -375,9 +376,7 @@ class _Store:
     fake_paths: tuple[str, ...]
 
     def descriptors(self) -> list[SideEffect]:
-        path = _printable(
-            self.place.label if self.how == "append" else self.place.entry_label(self.key)
-        )
+        path = _printable(self.place.entry_label(self.key))
         return [SideEffect(path=path, how=self.how, leaf=_printable(p)) for p in self.fake_paths]
 
     def apply(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -575,8 +574,8 @@ class Watch:
         with_paths, spec = pytree.tree_flatten_with_path(value)
         leaves = tuple(leaf for _, leaf in with_paths)
         fakes = tuple(i for i, leaf in enumerate(leaves) if is_fake(leaf))
+        where = snap.place.entry_label(key)
         if spec.is_leaf() or any(holds_fake(leaf) for leaf in leaves if not is_fake(leaf)):
-            where = snap.place.label if how == "append" else snap.place.entry_label(key)
             self._refuse(
                 snap,
                 f"{where} was given a {type(value).__name__} holding traced tensors, which"
@@ -586,7 +585,6 @@ class Watch:
                 " function and store them after the call.",
             )
         if any(isinstance(leaf, torch.Tensor) and not is_fake(leaf) for leaf in leaves):
-            where = snap.place.label if how == "append" else snap.place.entry_label(key)
             self._refuse(
                 snap,
                 f"{where} was given a {type(value).__name__} holding both traced tensors and"
@@ -603,9 +601,7 @@ class Watch:
             if all(id(t) in self._forward_values for t in _fakes_of(store)):
                 continue
             snap = next(s for s in self._snapshots if s.place.root is store.place.root)
-            label = (
-                store.place.label if store.how == "append" else store.place.entry_label(store.key)
-            )
+            label = store.place.entry_label(store.key)
             hooks = [h for h in self._backward_hooks if user_frame_of_function(h) is not None]
             self._refuse(
                 snap,
@@ -651,7 +647,7 @@ class Watch:
             items = enumerate(entries) if isinstance(entries, list) else entries.items()
             for key, value in items:
                 if holds_fake(value):
-                    label = place.label if place.kind == "list" else place.entry_label(key)
+                    label = place.entry_label(key)
                     owner = found.owners.get(i)
                     where = user_frame_of_function(owner) if owner is not None else None
                     raise UnsupportedSideEffectError(

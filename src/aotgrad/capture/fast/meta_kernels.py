@@ -108,13 +108,7 @@ def run_meta(
 
 def _leaves(values: Sequence[object]) -> list[object]:
     """The arguments with lists opened: an aten op nests them one level (``Tensor[]``, ``int[]``)."""
-    flat: list[object] = []
-    for v in values:
-        if isinstance(v, list | tuple):
-            flat.extend(v)
-        else:
-            flat.append(v)
-    return flat
+    return [x for v in values for x in (v if isinstance(v, list | tuple) else [v])]
 
 
 def _plain(a: object, mode: FakeTensorMode) -> bool:
