@@ -75,13 +75,11 @@ class PrimalInfo:
     @staticmethod
     def of_all(primals: Sequence[torch.Tensor]) -> tuple[PrimalInfo, ...]:
         first: dict[int, int] = {}
-        infos = []
-        for i, p in enumerate(primals):
-            duplicate = first.setdefault(id(p), i)
-            infos.append(
-                PrimalInfo(p.is_leaf, p.requires_grad, None if duplicate == i else duplicate)
-            )
-        return tuple(infos)
+        duplicates = [first.setdefault(id(p), i) for i, p in enumerate(primals)]
+        return tuple(
+            PrimalInfo(p.is_leaf, p.requires_grad, None if d == i else d)
+            for i, (p, d) in enumerate(zip(primals, duplicates, strict=True))
+        )
 
 
 @dataclass(frozen=True)

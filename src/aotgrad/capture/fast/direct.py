@@ -41,8 +41,8 @@ that share memory: which of them an output view comes from (so where its
 gradient goes: ``fn(b[0], b)`` returning ``b.t()``) only functionalization
 tells, with one storage per input's wrapper; and tensor subclass inputs: the
 recording mode would see the subclass's op before its ``__torch_dispatch__``
-runs (Note [Tensor subclasses]). On gpt4 the direct trace halves
-the cost of tracing; the graphs are identical, which a test checks op by op.
+runs (Note [Tensor subclasses]). The graphs are identical, which a test
+checks op by op.
 The price of stopping is that the function's Python runs twice (PyTorch's
 AOTAutograd always runs it at least twice).
 

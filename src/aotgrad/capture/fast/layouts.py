@@ -8,10 +8,8 @@ layout from a C++ meta kernel. Ops without one (batch norm in training and its
 backward, the backward of most activations) it decomposes in Python into a
 dozen smaller ops, each dispatched through the fake mode in turn, and its
 cache helps only when the same op meets the same shapes again, which a
-convnet's layers of ever-changing widths rarely do. On the capture of
-``bench/library_capture.py``'s convnets, batch norm and the activations'
-backwards were a large share of the time inside the fake mode (the measurements,
-dated, are in ``bench/findings.md``).
+convnet's layers of ever-changing widths rarely do (capture times, dated, with
+the command: ``bench/findings.md``).
 
 For these ops the layout is simple whenever the inputs are laid out simply,
 so capture's fake mode makes the outputs directly (fresh fake tensors of the
@@ -35,9 +33,6 @@ the graphs do not change (both tracers use this mode). Layer norm and its
 backward follow the same way (the output is contiguous whatever the input's
 order); over size-1 dimensions the decomposition's strides differ from eager's,
 and those keep the decomposition's.
-
-The capture times before and after this rule are in ``bench/findings.md``
-(dated, with the command); ``make bench`` measures the current ones.
 """
 
 from __future__ import annotations
