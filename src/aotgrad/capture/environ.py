@@ -90,26 +90,16 @@ class EnvironReads:
 
     def changed(self) -> str | None:
         """How the environment now differs from what was read; None when it does not."""
-        environ = os.environ
-        if self.whole is not None:
-            now = dict(environ)
-            before = dict(self.whole)
-            for name in sorted(before.keys() | now.keys()):
-                if before.get(name) != now.get(name):
-                    return _change(name, before.get(name), now.get(name))
-        for name, value in self.values:
-            now_value = environ.get(name)
-            if now_value != value:
-                return _change(name, value, now_value)
+        now = dict(os.environ)
+        read = list(self.values)
+        if self.whole is not None:  # every variable, then each one read
+            whole = dict(self.whole)
+            read = [(name, whole.get(name)) for name in sorted(whole.keys() | now.keys())] + read
+        for name, value in read:
+            if now.get(name) != value:
+                before, after = ("unset" if v is None else repr(v) for v in (value, now.get(name)))
+                return f"environment variable {name}: {before} != {after}"
         return None
-
-
-def _change(name: str, before: str | None, now: str | None) -> str:
-    return f"environment variable {name}: {_show(before)} != {_show(now)}"
-
-
-def _show(value: str | None) -> str:
-    return "unset" if value is None else repr(value)
 
 
 class _Recording:

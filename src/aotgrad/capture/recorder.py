@@ -206,10 +206,8 @@ class Recorder:
     def note_source(self) -> None:
         """Stamp the op being dispatched with the user's line (and whether it is recomputed)."""
         custom = fx_traceback.current_meta.get("custom")
-        if custom is None:
-            return
-        if custom.get(SOURCE_FIXED_KEY):
-            return  # a frontend that knows better (the Dynamo backend) set it
+        if custom is None or custom.get(SOURCE_FIXED_KEY):
+            return  # no node context; or a frontend that knows better (Dynamo's backend) set it
         where = _user_frame()
         custom[_SOURCE] = where
         # Forward code re-run by the backward (a checkpointed region): user code, grad mode on.

@@ -277,7 +277,6 @@ class _RecordingMode(TorchDispatchMode):
     def input(self, t: torch.Tensor) -> None:
         node = self.graph.placeholder(f"arg{len(self._alive)}_1")
         self._copy_context(node)
-        self._describe(node, t)
         self._track(t, node)
         self._inputs.add(id(t))
 
@@ -421,7 +420,10 @@ class _RecordingMode(TorchDispatchMode):
             raise NeedsFullTrace(f"{func} writes a view whose base the direct trace cannot tell")
         if bases[0].storage_offset() != 0:
             raise NeedsFullTrace(f"{func} writes a view of a base that is itself a view")
-        stand_in = _like(bases[0])  # the base's value: its own memory, not recorded
+        # The base's value, over memory of its own (not recorded: the mode is off here).
+        stand_in = torch.empty_strided(
+            bases[0].shape, bases[0].stride(), dtype=bases[0].dtype, device=bases[0].device
+        )
         self._nodes[id(stand_in)] = self._nodes[id(bases[0])]
         self._stand_ins.append(stand_in)
         storage = Storage(base=stand_in, root=id(bases[0]), members=len(members))
@@ -516,7 +518,6 @@ class _RecordingMode(TorchDispatchMode):
 
     def _output(self, func: OpOverload, out: Any, node: fx.Node) -> None:
         if isinstance(out, torch.Tensor):
-            self._describe(node, out)
             self._track(out, node)
             return
         if isinstance(out, _SYMBOLIC) or (
@@ -533,14 +534,12 @@ class _RecordingMode(TorchDispatchMode):
                 self.graph.erase_node(getitem)
             if isinstance(item, torch.Tensor):
                 self._copy_context(getitem)
-                self._describe(getitem, item)
                 self._track(item, getitem)
 
-    def _describe(self, node: fx.Node, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, node: fx.Node) -> None:
+        """``node`` records ``t``: its value and metadata, as the proxy mode's."""
         node.meta["val"] = t
         node.meta["tensor_meta"] = tensor_metadata(t)
-
-    def _track(self, t: torch.Tensor, node: fx.Node) -> None:
         self._nodes[id(t)] = node
         self._alive.append(t)
 
@@ -568,11 +567,6 @@ class _RecordingMode(TorchDispatchMode):
             for key in ("custom", "stack_trace"):
                 if key in replayed.meta:
                     node.meta[key] = replayed.meta[key]
-
-
-def _like(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``t``'s layout over memory of its own (called with the recording mode off)."""
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
 
 def _check_recordable(func: Any) -> None:
