@@ -207,9 +207,7 @@ def op_text(node: fx.Node) -> str:
         source = node.args[0]  # a wait_tensor names the collective it waits for
         if isinstance(source, fx.Node) and COLLECTIVE_KEY in source.meta:
             return f"{op_name(node.target)} [of {source.meta[COLLECTIVE_KEY].op} {source.meta[COLLECTIVE_KEY].detail}]"
-    if call is None:
-        return op_name(node.target)
-    return f"{op_name(node.target)} [{call.detail}]"
+    return op_name(node.target) if call is None else f"{op_name(node.target)} [{call.detail}]"
 
 
 def _call_of(node: fx.Node) -> CollectiveCall | None:

@@ -212,9 +212,7 @@ def _recordings(caller: FrameType | None) -> tuple[_Recording, ...]:
         return ()
     while caller is not None and _is_stdlib(caller.f_code.co_filename):
         caller = caller.f_back  # ``os.getenv``, ``Mapping.get``: who called them counts
-    if caller is None or _is_torch(caller.f_code.co_filename):
-        return ()
-    return recordings
+    return () if caller is None or _is_torch(caller.f_code.co_filename) else recordings
 
 
 def _folder(path: str) -> str:

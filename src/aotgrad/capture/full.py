@@ -124,9 +124,7 @@ class FullTracer(Tracer):
 
         With leaf primals, nothing: ``.backward()`` accumulates into their ``.grad``.
         """
-        if not primal.requires_grad or self.leaf_primals:
-            return None
-        return get_gradient_edge(primal)
+        return None if not primal.requires_grad or self.leaf_primals else get_gradient_edge(primal)
 
     def traced(self, value: object) -> bool:
         return isinstance(value, FunctionalTensor)
@@ -162,9 +160,7 @@ class FullTracer(Tracer):
         check_no_backward_mutation(graph_primals, before, descriptors, where)
 
     def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:
-        if isinstance(value, FunctionalTensor):
-            return value.from_functional()
-        return value
+        return value.from_functional() if isinstance(value, FunctionalTensor) else value
 
 
 __all__ = ["FullTracer"]

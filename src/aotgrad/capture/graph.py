@@ -51,9 +51,7 @@ def lazy_module(
 
 def ready_for_compiler(gm: fx.GraphModule) -> fx.GraphModule:
     """An ordinary ``GraphModule`` over ``gm``'s graph, for compilers (Note [Code on demand])."""
-    if isinstance(gm, LazyGraphModule):
-        return fx.GraphModule(gm, gm.graph)
-    return gm
+    return fx.GraphModule(gm, gm.graph) if isinstance(gm, LazyGraphModule) else gm
 
 
 def joint_signature(

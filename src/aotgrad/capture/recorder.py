@@ -486,9 +486,7 @@ class _OutsideReseeds:
 def _device_generators() -> list[torch.Generator]:
     """The default generators of the CUDA devices, once CUDA is initialized (the trace
     neither draws from nor steps them: a seed of theirs it did not set is a reseed)."""
-    if not torch.cuda.is_initialized():
-        return []
-    return list(torch.cuda.default_generators)
+    return list(torch.cuda.default_generators) if torch.cuda.is_initialized() else []
 
 
 def _counted(seed: Callable[..., Any]) -> Callable[..., Any]:
@@ -574,9 +572,8 @@ _RESTORE = _Restores()
 
 
 def _root_name(root: Any) -> str:
-    if isinstance(root, torch.nn.Module):
-        return type(root).__name__
-    return getattr(root, "__name__", type(root).__name__)
+    named = isinstance(root, torch.nn.Module)
+    return type(root).__name__ if named else getattr(root, "__name__", type(root).__name__)
 
 
 def _autograd_nodes(targets: Sequence[torch.Tensor]) -> list[Any]:

@@ -152,9 +152,8 @@ def _attribute_text(name: object) -> str:
 
 
 def _key_text(key: object) -> str:
-    if isinstance(key, str | int | float | bool | type(None)):
-        return repr(key)
-    return f"<{type(key).__name__}>"
+    plain = isinstance(key, str | int | float | bool | type(None))
+    return repr(key) if plain else f"<{type(key).__name__}>"
 
 
 @dataclass(frozen=True)

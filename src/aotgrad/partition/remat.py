@@ -211,7 +211,7 @@ def budget_saved(
     needed = list(needed)  # read several times below
     p = _BudgetProblem.of(joint, free_inputs, time_limit)
     constraint = p.constraint(needed, budget_bytes - p.held)
-    first = p.program.solve(p.program.on_recompute(p.costs), [constraint])
+    first = p.solve(p.on_recompute(p.costs), [constraint])
     if first.x is None and first.status == 1:  # the time limit struck before any plan
         fallback = (
             f"the budget solver hit its {time_limit:g} s time limit before finding a plan;"
@@ -227,8 +227,8 @@ def budget_saved(
             f" function mutates) the smallest plan saves {smallest} bytes. Raise the budget."
         )
     best = p.rounded(first.x, needed)
-    tie = LinearConstraint(p.program.on_recompute(p.costs)[None, :], -np.inf, best.flops + 0.5)
-    second = p.program.solve(p.program.on_save(p.weights), [constraint, tie])
+    tie = LinearConstraint(p.on_recompute(p.costs)[None, :], -np.inf, best.flops + 0.5)
+    second = p.solve(p.on_save(p.weights), [constraint, tie])
     candidates = [best]
     if second.x is not None:
         candidates.append(p.rounded(second.x, needed))
@@ -254,7 +254,7 @@ def smallest_saved_bytes(
     """
     needed = list(needed)
     p = _BudgetProblem.of(joint, free_inputs, time_limit)
-    least = p.program.solve(p.program.on_save(p.weights), [p.constraint(needed, None)])
+    least = p.solve(p.on_save(p.weights), [p.constraint(needed, None)])
     return None if least.x is None else p.held + p.rounded(least.x, needed).bytes
 
 
@@ -274,7 +274,8 @@ class _Rounded:
 
 @dataclass(frozen=True)
 class _BudgetProblem:
-    """The parts of the budget program that do not depend on the budget."""
+    """The parts of the budget program that do not depend on the budget; its variables are
+    ``[save_0..save_n, recompute_0..recompute_n]``."""
 
     # Forward inputs, then forward ops: one save and one recompute variable each.
     ops: list[fx.Node]
@@ -284,7 +285,8 @@ class _BudgetProblem:
     costs: np.ndarray
     # Bytes of the inputs every plan saves.
     held: int
-    program: _Program
+    bounds: Bounds
+    time_limit: float
 
     @staticmethod
     def of(joint: JointGraph, free_inputs: set[fx.Node], time_limit: float) -> _BudgetProblem:
@@ -304,7 +306,8 @@ class _BudgetProblem:
             weights=weights,
             costs=np.array([node_flops(v) for v in ops], dtype=float),
             held=unique_bytes(free_inputs),
-            program=_Program(len(ops), _budget_bounds(ops, reads_mutated_input(joint)), time_limit),
+            bounds=_budget_bounds(ops, reads_mutated_input(joint)),
+            time_limit=time_limit,
         )
 
     def constraint(self, needed: Iterable[fx.Node], cap: float | None) -> LinearConstraint:
@@ -334,8 +337,23 @@ class _BudgetProblem:
                     row[n + index[u]] -= 1
                     add(row, -np.inf, 0)
         if cap is not None:
-            add(self.program.on_save(self.weights), -np.inf, float(cap))
+            add(self.on_save(self.weights), -np.inf, float(cap))
         return LinearConstraint(np.array(rows), lower, upper)
+
+    def on_save(self, values: np.ndarray) -> np.ndarray:
+        return np.concatenate([values, np.zeros(len(self.ops))])
+
+    def on_recompute(self, values: np.ndarray) -> np.ndarray:
+        return np.concatenate([np.zeros(len(self.ops)), values])
+
+    def solve(self, objective: np.ndarray, constraints: list[LinearConstraint]) -> Any:
+        return milp(
+            objective,
+            constraints=constraints,
+            integrality=np.ones(2 * len(self.ops)),
+            bounds=self.bounds,
+            options={"time_limit": self.time_limit, "disp": False, "mip_rel_gap": 0.0},
+        )
 
     def rounded(self, x: np.ndarray, needed: Iterable[fx.Node]) -> _Rounded:
         """The plan of solver answer ``x`` (:class:`_Rounded`)."""
@@ -347,30 +365,6 @@ class _BudgetProblem:
             saved,
             int(sum(self.weights[self.index[v]] for v in kept)),
             int(sum(self.costs[self.index[v]] for v in recompute if v in self.index)),
-        )
-
-
-@dataclass(frozen=True)
-class _Program:
-    """The budget program's fixed parts: variables ``[save_0..save_n, recompute_0..recompute_n]``."""
-
-    n: int
-    bounds: Bounds
-    time_limit: float
-
-    def on_save(self, values: np.ndarray) -> np.ndarray:
-        return np.concatenate([values, np.zeros(self.n)])
-
-    def on_recompute(self, values: np.ndarray) -> np.ndarray:
-        return np.concatenate([np.zeros(self.n), values])
-
-    def solve(self, objective: np.ndarray, constraints: list[LinearConstraint]) -> Any:
-        return milp(
-            objective,
-            constraints=constraints,
-            integrality=np.ones(2 * self.n),
-            bounds=self.bounds,
-            options={"time_limit": self.time_limit, "disp": False, "mip_rel_gap": 0.0},
         )
 
 

@@ -655,9 +655,7 @@ def _functional_variant(
 
 def _overload(packet: str, overload: str) -> OpOverload | None:
     found = getattr(getattr(torch.ops.aten, packet, None), overload, None)
-    if not isinstance(found, OpOverload) or found._schema.is_mutable:
-        return None
-    return found
+    return found if isinstance(found, OpOverload) and not found._schema.is_mutable else None
 
 
 def _same_arguments(functional: OpOverload, func: OpOverload) -> bool:

@@ -235,9 +235,7 @@ def _layer_norm_input(x: object, normalized: object) -> tuple[torch.Tensor, int]
     ):
         return None
     axis = len(shape) - len(normalized)
-    if axis < 0 or tuple(shape[axis:]) != tuple(normalized):
-        return None
-    return x, axis
+    return None if axis < 0 or tuple(shape[axis:]) != tuple(normalized) else (x, axis)
 
 
 def _contiguous_layout(shape: Sequence[int], like: torch.Tensor) -> Layout:
