@@ -235,16 +235,15 @@ def analyze_aliasing(
     tensors: Sequence[torch.Tensor],
     primals: Sequence[torch.Tensor],
     graph_primals: Sequence[torch.Tensor],
-    originals: Sequence[torch.Tensor] | None = None,
+    originals: Sequence[torch.Tensor],
 ) -> tuple[OutputAliasing, list[torch.Tensor]]:
     """Classify traced tensor outputs; return the analysis and the base tensors to output.
 
     ``primals`` are the user's inputs, ``graph_primals`` the graph's (they
     differ when inputs share memory, Note [Aliased inputs]); ``originals``
     the graph inputs' fakes before the call, where aliases of inputs are
-    measured (Note [Layouts in the caller's storage]; None: ``graph_primals``).
+    measured (Note [Layouts in the caller's storage]).
     """
-    originals = graph_primals if originals is None else originals
     input_ids: dict[int, int] = {}
     input_storages: dict[Any, int] = {}
     for i, p in enumerate(primals):

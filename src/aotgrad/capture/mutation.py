@@ -104,7 +104,7 @@ def analyze_mutations(
     infos: Sequence[PrimalInfo],
     descriptors: Sequence[Descriptor],
     where: UserFrame | None,
-    sites: Mapping[int, UserFrame | None] | None = None,
+    sites: Mapping[int, UserFrame | None],
 ) -> list[InputMutation]:
     """Read each functional primal's mutation flags after the function ran.
 
@@ -135,7 +135,7 @@ def analyze_mutations(
             continue
         with_grad = p.grad_fn is not grad_fns_before[i]
         if with_grad and info.is_leaf and info.requires_grad:
-            where = (sites or {}).get(id(p)) or where
+            where = sites.get(id(p)) or where
             raise InPlaceOnLeafError(
                 format_error(
                     f"a leaf Variable that requires grad ({descriptors[i]}) is being used in"

@@ -220,14 +220,8 @@ class Recorder:
             self.mutation_sites[id(target)] = None if where is None else _as_user_frame(where)
 
     def note_random(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> None:
-        """Stamp a random op with its place in the generator's stream, and move the stream on.
-
-        Fake random ops draw nothing, so the real CPU generator stands still
-        during a trace; stepping it here, once per random op, gives every draw
-        a position that ``torch.utils.checkpoint``'s save/restore of the
-        generator state replays (Note [Recomputed random ops]). The trace
-        restores the generator when it ends (:func:`generator_restored`).
-        """
+        """Stamp a random op with its place in the generator's stream, and move the stream on
+        (fake ops draw nothing: Note [Recomputed random ops]; :func:`generator_restored`)."""
         drawing = draws_random(func, args, kwargs or {})
         if drawing and not self.in_backward:
             self.random_draws += 1  # Note [Reseeding inside the function]

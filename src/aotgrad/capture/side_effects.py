@@ -374,6 +374,10 @@ class _Store:
     fake_leaves: tuple[int, ...]
     fake_paths: tuple[str, ...]
 
+    @property
+    def fakes(self) -> list[torch.Tensor]:
+        return [self.leaves[i] for i in self.fake_leaves]
+
     def descriptors(self) -> list[SideEffect]:
         path = _printable(self.place.entry_label(self.key))
         return [SideEffect(path=path, how=self.how, leaf=_printable(p)) for p in self.fake_paths]
@@ -454,7 +458,6 @@ class Watch:
         self._snapshots: list[_Snapshot] = []
         self._owners: dict[int, object] = {}
         self._backward_hooks: list[object] = []
-        self._forward: list[_Store] = []
         self._forward_values: set[int] = set()
         # The traced inputs of the latest attempt (a module's buffers are swapped for them).
         self._primals: set[int] = set()
@@ -485,7 +488,7 @@ class Watch:
             except Exception:  # a place that does not resolve now is not watched
                 continue
             self._snapshots.append(_Snapshot(place, i, container, place.entries(container)))
-        self._forward, self._forward_values = [], set()
+        self._forward_values = set()
         self.replay = None
         failed = True
         try:
@@ -507,12 +510,10 @@ class Watch:
         """
         self._primals = {id(p) for p in primals}
         stores = self._stores()
-        self._forward = stores
-        self._forward_values = {id(t) for s in stores for t in _fakes_of(s)}
+        tensors = [t for s in stores for t in s.fakes]
+        self._forward_values = {id(t) for t in tensors}
         self.replay = Replay(tuple(stores)) if stores else None
-        descriptors = [d for s in stores for d in s.descriptors()]
-        tensors = [t for s in stores for t in _fakes_of(s)]
-        return descriptors, tensors
+        return [d for s in stores for d in s.descriptors()], tensors
 
     def _stores(self) -> list[_Store]:
         stores: list[_Store] = []
@@ -597,7 +598,7 @@ class Watch:
     def _check_backward(self) -> None:
         """Stores done while the backward was traced: the compiled backward runs no Python."""
         for store in self._stores():
-            if all(id(t) in self._forward_values for t in _fakes_of(store)):
+            if all(id(t) in self._forward_values for t in store.fakes):
                 continue
             snap = next(s for s in self._snapshots if s.place.root is store.place.root)
             label = store.place.entry_label(store.key)
@@ -659,7 +660,3 @@ class Watch:
                             " function.",
                         )
                     )
-
-
-def _fakes_of(store: _Store) -> list[torch.Tensor]:
-    return [store.leaves[i] for i in store.fake_leaves]

@@ -88,7 +88,7 @@ def run_meta(
     when the arguments are not all plain static fake tensors of ``mode`` (ask the fake mode)."""
     if not straight_to_meta(func):
         return None
-    flat = _leaves([*args, *kwargs.values()])
+    flat = open_lists([*args, *kwargs.values()])
     if not any(isinstance(a, torch.Tensor) for a in flat) or not all(_plain(a, mode) for a in flat):
         return None
     with in_kernel_invocation(mode):
@@ -102,7 +102,7 @@ def run_meta(
     )
 
 
-def _leaves(values: Sequence[object]) -> list[object]:
+def open_lists(values: Sequence[object]) -> list[object]:
     """The arguments with lists opened: an aten op nests them one level (``Tensor[]``, ``int[]``)."""
     return [x for v in values for x in (v if isinstance(v, list | tuple) else [v])]
 
@@ -123,4 +123,4 @@ def _plain(a: object, mode: FakeTensorMode) -> bool:
     )
 
 
-__all__ = ["run_meta", "straight_to_meta"]
+__all__ = ["open_lists", "run_meta", "straight_to_meta"]
