@@ -151,9 +151,10 @@ class Recorder:
     """Collects provenance during one trace."""
 
     def __init__(self, root: Any) -> None:
-        self.root_name = _root_name(root)
+        self.root_name = getattr(root, "__name__", type(root).__name__)  # a function's name
         self.module_names: dict[int, str] = {}
         if isinstance(root, torch.nn.Module):
+            self.root_name = type(root).__name__
             self.module_names = {id(m): n for n, m in root.named_modules()}
         self.module_stack: list[AbstractContextManager[None]] = []
         self.node_contexts: list[AbstractContextManager[None]] = []
@@ -563,11 +564,6 @@ class _Restores(threading.local):
 
 
 _RESTORE = _Restores()
-
-
-def _root_name(root: Any) -> str:
-    named = isinstance(root, torch.nn.Module)
-    return type(root).__name__ if named else getattr(root, "__name__", type(root).__name__)
 
 
 def _autograd_nodes(targets: Sequence[torch.Tensor]) -> list[Any]:

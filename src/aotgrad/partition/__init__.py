@@ -156,7 +156,7 @@ def _split(joint: JointGraph, plan: RematPlan, strategy: str) -> Partitioned:
     backward, placeholders = build_backward(joint, plan.saved, plan.recompute)
     saved = describe_saved(
         plan.saved,
-        [users_in_backward(p) for p in placeholders],
+        [[u.name for u in p.users if u.op != "output"] for p in placeholders],  # backward reads
         [plan.save_reasons[n] for n in plan.saved],
     )
     signature = joint.signature.with_saved(tuple(Saved(name=s.name) for s in saved))
@@ -203,11 +203,6 @@ def _recomputed(
             )
         )
     return tuple(ops)
-
-
-def users_in_backward(placeholder: fx.Node) -> list[str]:
-    """The backward ops that read a saved value (its placeholder in the backward graph)."""
-    return [u.name for u in placeholder.users if u.op != "output"]
 
 
 def _forward_only(joint: JointGraph, keep_input_mutations: bool) -> Partitioned:

@@ -68,15 +68,13 @@ def needed_by_backward(joint: JointGraph) -> dict[fx.Node, str]:
     return needed
 
 
-def is_random_node(node: fx.Node) -> bool:
-    """Draws from the RNG (attention without dropout does not): never recomputed."""
-    return node.op == "call_function" and draws_random(node.target, node.args, node.kwargs)
-
-
 def never_recomputed(node: fx.Node) -> bool:
-    """A random op (the backward must see the forward's draws) or a collective (every rank
-    must run the same ones, once: Note [Collectives]): saved, whatever the strategy."""
-    return is_random_node(node) or (node.op == "call_function" and is_collective(node.target))
+    """An op that draws from the RNG (the backward must see the forward's draws; attention
+    without dropout draws nothing) or a collective (every rank must run the same ones, once:
+    Note [Collectives]): saved, whatever the strategy."""
+    if node.op != "call_function":
+        return False
+    return draws_random(node.target, node.args, node.kwargs) or is_collective(node.target)
 
 
 def is_tensor_node(node: fx.Node) -> bool:
