@@ -199,11 +199,8 @@ class JointGraph:
 
     def backward_nodes(self) -> list[fx.Node]:
         """Nodes the backward computes: its own ops and forward ops it re-runs."""
-        return [
-            n
-            for n in self.gm.graph.nodes
-            if n.op != "output" and phase_of(n) in (Phase.BACKWARD, Phase.RECOMPUTE)
-        ]
+        phases = (Phase.BACKWARD, Phase.RECOMPUTE)
+        return [n for n in self.gm.graph.nodes if n.op != "output" and phase_of(n) in phases]
 
     def nodes(self, phase: Phase) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op != "output" and phase_of(n) is phase]

@@ -115,19 +115,12 @@ def input_sources(
     for b, base in enumerate(bases):
         for i, view in zip(base.members, base.views, strict=True):
             base_of[id(primals[i])] = (b, view)
+    positions: dict[object, int] = {}  # user input k, or ("base", b) -> graph input index
     sources: list[tuple[int, ViewMeta | None]] = []
-    base_position: dict[int, int] = {}  # base number -> graph input index
-    count = 0
-    for p in primals:
-        if id(p) not in base_of:
-            sources.append((count, None))
-            count += 1
-            continue
-        b, view = base_of[id(p)]
-        if b not in base_position:
-            base_position[b] = count
-            count += 1
-        sources.append((base_position[b], view))
+    for k, p in enumerate(primals):
+        number, member_view = base_of.get(id(p), (None, None))
+        key = k if number is None else ("base", number)
+        sources.append((positions.setdefault(key, len(positions)), member_view))
     return sources
 
 
