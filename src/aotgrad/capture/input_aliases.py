@@ -136,16 +136,11 @@ def graph_inputs(
         return list(primals)
     built = [b.build(primals) for b in bases]
     member = {id(primals[i]): b for b, base in enumerate(bases) for i in base.members}
-    out: list[torch.Tensor] = []
-    placed: set[int] = set()
-    for p in primals:
+    inputs: dict[object, torch.Tensor] = {}  # user input k, or ("base", b) -> graph input
+    for k, p in enumerate(primals):
         b = member.get(id(p))
-        if b is None:
-            out.append(p)
-        elif b not in placed:
-            placed.add(b)
-            out.append(built[b])
-    return out
+        inputs.setdefault(k if b is None else ("base", b), p if b is None else built[b])
+    return list(inputs.values())
 
 
 def memory_sharing(primals: Sequence[Any]) -> tuple[Any, ...]:

@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -424,21 +424,21 @@ def generator_restored() -> Iterator[None]:
 _SENTINEL_SEED = 0x5EED_A076AD
 
 
+@dataclass
 class _TraceSeeds:
     """The seeds the current trace set on the default generator, and whether it found
     another one (Note [Reseeds the trace cannot see])."""
 
-    def __init__(self) -> None:
-        self.set: set[int] = set()
-        self.foreign = False
+    ours: set[int] = field(default_factory=set)
+    foreign: bool = False
 
     def step(self, generator: torch.Generator, seed: int) -> None:
         self.check(generator)
         generator.manual_seed(seed)
-        self.set.add(generator.initial_seed())
+        self.ours.add(generator.initial_seed())
 
     def check(self, generator: torch.Generator) -> None:
-        self.foreign = self.foreign or generator.initial_seed() not in self.set
+        self.foreign = self.foreign or generator.initial_seed() not in self.ours
 
     def kept(self, generator: torch.Generator) -> bool:
         self.check(generator)
@@ -455,7 +455,7 @@ class _SeedStack(threading.local):
         seeds = _TraceSeeds()
         with disable_current_modes():
             generator.manual_seed(_SENTINEL_SEED)
-        seeds.set.add(generator.initial_seed())
+        seeds.ours.add(generator.initial_seed())
         self.traces.append(seeds)
         return seeds
 

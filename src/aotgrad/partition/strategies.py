@@ -255,11 +255,9 @@ def from_saved(
         if node in inputs and node.op != "placeholder":
             why += "; a collective is never recomputed (Note [Collectives])"
         reasons[node] = why if node.op == "placeholder" else f"{label}: {why}"
+    recomputed = f"{label}: recomputed from saved values"
     recompute_reasons = {
-        node: "graph constant"
-        if node.op == "get_attr"
-        else f"{label}: recomputed from saved values"
-        for node in recompute
+        n: "graph constant" if n.op == "get_attr" else recomputed for n in recompute
     }
     return RematPlan(
         saved=_in_order(joint, kept),
