@@ -347,7 +347,8 @@ def generator_restored() -> Iterator[None]:
             return generator.get_state()
 
     def set_rng_state(new_state: torch.Tensor) -> None:
-        _RESTORE.run(new_state)  # the trace's recorder may refuse it
+        if _RESTORE.recorders:  # the trace's recorder may refuse it
+            _RESTORE.recorders[-1].check_rng_restore()
         with disable_current_modes():
             generator.set_state(new_state)
 
@@ -557,10 +558,6 @@ class _Restores(threading.local):
 
     def __init__(self) -> None:
         self.recorders: list[Recorder] = []
-
-    def run(self, new_state: torch.Tensor) -> None:
-        if self.recorders:
-            self.recorders[-1].check_rng_restore()
 
 
 _RESTORE = _Restores()

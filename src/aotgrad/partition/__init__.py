@@ -142,10 +142,9 @@ def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:
         return with_policy(joint, strategy)
     if isinstance(strategy, Budget):
         return with_budget(joint, strategy)
-    if strategy == "save_all":
-        return save_all(joint)
-    if strategy == "mincut":
-        return mincut(joint)
+    named = {"save_all": save_all, "mincut": mincut}
+    if strategy in named:
+        return named[strategy](joint)
     raise ValueError(
         f"unknown partition strategy {strategy!r}; expected 'save_all', 'mincut',"
         " aotgrad.budget(x) or a policy (Note [Partition policies])"
