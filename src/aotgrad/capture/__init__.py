@@ -179,14 +179,11 @@ def capture(
     reads = environ.reads()  # Note [Environment read at capture]
     if reads is not None:
         joint = replace(joint, environ=reads)
-    check_same_on_ranks(joint.gm.graph, _function_name(label), where)  # Note [Collectives]
-    return joint
-
-
-def _function_name(label: object) -> str:
-    """What the cross-rank check of collectives calls the captured function."""
+    # Note [Collectives]: the cross-rank check names the function (or the module's class)
     named = label if hasattr(label, "__qualname__") else type(label)
-    return f"{getattr(named, '__module__', '')}.{getattr(named, '__qualname__', repr(named))}"
+    function = f"{getattr(named, '__module__', '')}.{getattr(named, '__qualname__', repr(named))}"
+    check_same_on_ranks(joint.gm.graph, function, where)
+    return joint
 
 
 def _capture(
