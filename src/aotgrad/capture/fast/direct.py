@@ -87,6 +87,7 @@ mobilenet_v3, efficientnet and convnext take the direct trace.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import operator
@@ -265,7 +266,7 @@ class _RecordingMode(TorchDispatchMode):
         self._alive: list[torch.Tensor] = []  # keeps every traced tensor's id unique
         # How many traced tensors share each storage: an in-place op on one of several would
         # change the others too (Note [In-place ops, directly]).
-        self._storages: dict[Any, int] = {}
+        self._storages: collections.Counter[Any] = collections.Counter()
         self._counted = 0  # how many tensors of _alive _storages has counted
         # ids of the tensors an in-place op gave a new value (their node is the new value's).
         self.mutated: set[int] = set()
@@ -374,9 +375,7 @@ class _RecordingMode(TorchDispatchMode):
     def _sharing(self, t: torch.Tensor) -> int:
         """How many traced tensors share ``t``'s storage (counted lazily: only models with
         in-place ops pay for it)."""
-        for seen in self._alive[self._counted :]:
-            key = storage_key(seen)
-            self._storages[key] = self._storages.get(key, 0) + 1
+        self._storages.update(storage_key(seen) for seen in self._alive[self._counted :])
         self._counted = len(self._alive)
         return self._storages.get(storage_key(t), 0)
 
