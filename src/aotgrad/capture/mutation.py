@@ -243,9 +243,7 @@ def check_restrided_data(
 ) -> None:
     """Refuse a data mutation the new layout cannot write back (Note above)."""
     for m in mutations:
-        if not m.data or m.metadata is None:
-            continue
-        if not _reaches(m.metadata, ViewMeta.of(originals[m.index])):
+        if m.data and m.metadata and not _reaches(m.metadata, ViewMeta.of(originals[m.index])):
             raise UnsupportedMutationError(
                 format_error(
                     f"the function changes the values of input {descriptors[m.index]} and"

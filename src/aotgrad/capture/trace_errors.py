@@ -83,13 +83,11 @@ def translate_trace_errors(fn: Any, where: UserFrame | None = None) -> Iterator[
     except AssertionError as e:
         if EFFECT_TOKEN_MISSING not in str(e):
             raise
-        where = user_frame_from_traceback(e.__traceback__)
-        op = effect_token_op(str(e))
         raise UnsupportedOpError(
             format_error(
-                f"{op} has a side effect (it is ordered by an effect token, e.g. an error check"
+                f"{effect_token_op(str(e))} has a side effect (it is ordered by an effect token, e.g. an error check"
                 " that raises on bad input values); aotgrad's graphs do not carry effect tokens",
-                where,
+                user_frame_from_traceback(e.__traceback__),
                 "Call the function eagerly, or use a variant without the check (for linalg:"
                 " the *_ex functions, such as torch.linalg.inv_ex).",
             )
