@@ -179,14 +179,11 @@ def capture(
     reads = environ.reads()  # Note [Environment read at capture]
     if reads is not None:
         joint = replace(joint, environ=reads)
-    check_same_on_ranks(joint.gm.graph, _function_name(label), where)  # Note [Collectives]
-    return joint
-
-
-def _function_name(label: object) -> str:
-    """What the cross-rank check of collectives calls the captured function."""
+    # Note [Collectives]: the cross-rank check names the function (or the module's class)
     named = label if hasattr(label, "__qualname__") else type(label)
-    return f"{getattr(named, '__module__', '')}.{getattr(named, '__qualname__', repr(named))}"
+    function = f"{getattr(named, '__module__', '')}.{getattr(named, '__qualname__', repr(named))}"
+    check_same_on_ranks(joint.gm.graph, function, where)
+    return joint
 
 
 def _capture(
@@ -201,9 +198,6 @@ def _capture(
         gm, record, inputs = trace_joint(body, flat, primals, options, bases=bases, tracer=tracer)
         return gm, record, inputs, tracer.recorder
 
-    def direct() -> _Traced:
-        return attempt(DirectTracer(Recorder(root), options.decompositions))
-
     def full(leaf_primals: bool) -> _Traced:
         refuse_untraceable(primals, flat.descriptors, options.where)
         symbolic = bool(options.dynamic_dims)
@@ -215,7 +209,7 @@ def _capture(
     (gm, record, inputs, recorder), report = trace_with(
         options.tracer,
         why_not_direct=_why_not_direct(options, bases, primals, flat),
-        direct=direct,
+        direct=lambda: attempt(DirectTracer(Recorder(root), options.decompositions)),
         full=lambda: _full_trace(full),
         where=options.where,
     )
@@ -289,9 +283,7 @@ def _synthetic_bases(
             continue
         base = synthetic_base(primals, group)
         if base is None:
-            names = ", ".join(
-                str(flat_desc) for flat_desc in (joint.inputs.descriptors[i] for i in group)
-            )
+            names = ", ".join(str(joint.inputs.descriptors[i]) for i in group)
             raise UnsupportedMutationError(
                 format_error(
                     f"inputs {names} share memory without a common base, and the function"
@@ -379,15 +371,9 @@ def _reached_by(
 def _output_descriptors(record: TraceRecord) -> list[Output]:
     """One Output per tensor output, named by its key path in the user's result; then one
     SideEffect per tensor stored in the user's objects (Note [Side effects replayed])."""
-    user = record.leaves[: len(record.out_paths)]
-    return [
-        *(
-            Output(path=path)
-            for path, leaf in zip(record.out_paths, user, strict=True)
-            if isinstance(leaf, TensorOutput)
-        ),
-        *record.effects,
-    ]
+    user = zip(record.out_paths, record.leaves[: len(record.out_paths)], strict=True)
+    outputs = [Output(path=path) for path, leaf in user if isinstance(leaf, TensorOutput)]
+    return [*outputs, *record.effects]
 
 
 _IDENTITIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)

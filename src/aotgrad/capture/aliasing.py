@@ -73,11 +73,8 @@ class ViewMeta:
         """Elements of storage the view reaches: offset + 1 + the farthest stride step."""
         if 0 in self.size:
             return self.storage_offset
-        return (
-            self.storage_offset
-            + 1
-            + sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
-        )
+        steps = sum((n - 1) * s for n, s in zip(self.size, self.stride, strict=True))
+        return self.storage_offset + 1 + steps
 
     @staticmethod
     def of(t: torch.Tensor) -> ViewMeta:
@@ -224,10 +221,6 @@ class ConstantOutput:
 OutputLeaf = TensorOutput | ConstantOutput
 
 
-def storage_of(t: torch.Tensor) -> Any:
-    return storage_key(t)
-
-
 @dataclass(frozen=True)
 class OutputAliasing:
     """The result of :func:`analyze_aliasing`: how to produce every tensor output."""
@@ -242,28 +235,27 @@ def analyze_aliasing(
     tensors: Sequence[torch.Tensor],
     primals: Sequence[torch.Tensor],
     graph_primals: Sequence[torch.Tensor],
-    originals: Sequence[torch.Tensor] | None = None,
+    originals: Sequence[torch.Tensor],
 ) -> tuple[OutputAliasing, list[torch.Tensor]]:
     """Classify traced tensor outputs; return the analysis and the base tensors to output.
 
     ``primals`` are the user's inputs, ``graph_primals`` the graph's (they
     differ when inputs share memory, Note [Aliased inputs]); ``originals``
     the graph inputs' fakes before the call, where aliases of inputs are
-    measured (Note [Layouts in the caller's storage]; None: ``graph_primals``).
+    measured (Note [Layouts in the caller's storage]).
     """
-    originals = graph_primals if originals is None else originals
     input_ids: dict[int, int] = {}
+    input_storages: dict[Any, int] = {}
     for i, p in enumerate(primals):
         input_ids.setdefault(id(p), i)
-    input_storages: dict[Any, int] = {}
     for i, p in enumerate(graph_primals):
-        input_storages.setdefault(storage_of(p), i)
+        input_storages.setdefault(storage_key(p), i)
     aliases: list[Alias | None] = [None] * len(tensors)
     first_index: dict[int, int] = {}
     groups: dict[Any, list[int]] = {}
     custom_owners: dict[Any, int] = {}
     for k, t in enumerate(tensors):
-        storage = storage_of(t)
+        storage = storage_key(t)
         if id(t) in input_ids:
             aliases[k] = _alias(t, AliasSource.INPUT, input_ids[id(t)], None)
         elif id(t) in first_index:  # one tensor returned twice: the same object twice
@@ -309,9 +301,7 @@ def _alias_group(
     rebuilt = []
     for k in group:
         t = tensors[k]
-        if k == index and source is AliasSource.OUTPUT:
-            continue
-        if not _rebuildable(t, base):
+        if (k == index and source is AliasSource.OUTPUT) or not _rebuildable(t, base):
             continue
         aliases[k] = _alias(t, source, index, ViewMeta.of(t))
         rebuilt.append(k)
@@ -367,9 +357,9 @@ def check_custom_views_of_mutated(
     *new value* (a fresh buffer), not of the caller's tensor, which eager's
     output shares memory with (Note [Inputs returned by a custom Function]).
     """
-    storages = {storage_of(p) for p in mutated}
+    storages = {storage_key(p) for p in mutated}
     for t in tensors:
-        if storage_of(t) in storages and _through_custom_function(t):
+        if storage_key(t) in storages and _through_custom_function(t):
             raise UnsupportedMutationError(
                 format_error(
                     "a custom autograd.Function returns an input (or a view of it) that the"

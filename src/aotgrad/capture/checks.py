@@ -6,6 +6,7 @@ partition's checker too (``partition/checks.py``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -152,7 +153,9 @@ def _check_descriptors(
 def _check_constants(stage: str, name: str, gm: fx.GraphModule, node: fx.Node) -> None:
     values: list[Any] = list(pytree.tree_leaves((node.args, node.kwargs)))
     if node.op == "get_attr":
-        values.append(_attribute(gm, str(node.target)))
+        parts = str(node.target).split(".")
+        root: Any = gm
+        values.append(functools.reduce(lambda v, part: getattr(v, part, None), parts, root))
     for value in values:
         if isinstance(value, FakeTensor | FunctionalTensor):
             fail(
@@ -162,13 +165,6 @@ def _check_constants(stage: str, name: str, gm: fx.GraphModule, node: fx.Node) -
                 "no fake or functional tensor as a constant",
                 f"a {type(value).__name__} {tuple(value.shape)}",
             )
-
-
-def _attribute(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 def fail(stage: str, node: str, invariant: str, expected: str, got: str) -> NoReturn:

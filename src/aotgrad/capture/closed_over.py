@@ -189,12 +189,10 @@ def in_capture() -> bool:
 
 def _has_real(values: Any, kinds: frozenset[type]) -> bool:
     """Is a tensor of ``kinds`` among ``values`` or the lists and tuples in them (op arguments)?"""
-    for v in values:
-        if type(v) in kinds:
-            return True
-        if type(v) in (list, tuple) and any(type(x) in kinds for x in v):
-            return True
-    return False
+    return any(
+        type(v) in kinds or (type(v) in (list, tuple) and any(type(x) in kinds for x in v))
+        for v in values
+    )
 
 
 def _mutates(name: str, position: int, t: torch.Tensor, kwargs: dict[str, Any]) -> bool:

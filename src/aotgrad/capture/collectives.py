@@ -98,6 +98,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import itertools
 import json
 import re
 import warnings
@@ -206,16 +207,17 @@ def op_text(node: fx.Node) -> str:
         source = node.args[0]  # a wait_tensor names the collective it waits for
         if isinstance(source, fx.Node) and COLLECTIVE_KEY in source.meta:
             return f"{op_name(node.target)} [of {source.meta[COLLECTIVE_KEY].op} {source.meta[COLLECTIVE_KEY].detail}]"
-    if call is None:
-        return op_name(node.target)
-    return f"{op_name(node.target)} [{call.detail}]"
+    return op_name(node.target) if call is None else f"{op_name(node.target)} [{call.detail}]"
 
 
 def _call_of(node: fx.Node) -> CollectiveCall | None:
     """The collective ``node`` runs; None for waits and ops without a group (``wait_tensor``)."""
     op = node.target
     assert isinstance(op, OpOverload)
-    bound = _bound(op, node.args, node.kwargs)
+    bound: dict[str, Any] = {
+        a.name: v for a, v in zip(op._schema.arguments, node.args, strict=False)
+    }
+    bound.update(node.kwargs)
     group = bound.get("group_name")
     if not isinstance(group, str):
         return None
@@ -231,13 +233,6 @@ def _call_of(node: fx.Node) -> CollectiveCall | None:
         shape=tuple(int(s) for s in value.shape) if isinstance(value, torch.Tensor) else (),
         dtype=str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else "",
     )
-
-
-def _bound(op: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    schema = op._schema.arguments
-    bound = {a.name: args[i] for i, a in enumerate(schema) if i < len(args)}
-    bound.update(kwargs)
-    return bound
 
 
 def _group_ranks(group: str) -> tuple[int, ...]:
@@ -332,9 +327,7 @@ def _compare(
     function: str,
     where: UserFrame | None,
 ) -> None:
-    for i in range(max(len(mine), len(theirs))):
-        a = mine[i] if i < len(mine) else None
-        b = theirs[i] if i < len(theirs) else None
+    for i, (a, b) in enumerate(itertools.zip_longest(mine, theirs)):
         if a is None or b is None or a.key() != b.key():
             raise CollectiveMismatchError(
                 format_error(

@@ -47,11 +47,8 @@ def make_cotangent(output: torch.Tensor, index: int) -> torch.Tensor:
         return COTANGENT_OP(output, index)
 
 
-def split_at_cotangents(gm: fx.GraphModule) -> list[fx.Node]:
-    """Mark every node forward or backward, then turn markers into cotangent placeholders.
-
-    Returns the new placeholders, in cotangent order.
-    """
+def split_at_cotangents(gm: fx.GraphModule) -> None:
+    """Mark every node forward or backward, then turn markers into cotangent placeholders."""
     graph = gm.graph
     phase = Phase.FORWARD
     markers = []
@@ -61,9 +58,8 @@ def split_at_cotangents(gm: fx.GraphModule) -> list[fx.Node]:
             markers.append(node)
         if node.op != "output":
             set_phase(node, phase)
-    placeholders: list[fx.Node] = []
     if not markers:
-        return placeholders
+        return
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]  # markers imply primals
     for marker in sorted(markers, key=lambda n: n.args[1]):
         with graph.inserting_after(last):
@@ -71,5 +67,3 @@ def split_at_cotangents(gm: fx.GraphModule) -> list[fx.Node]:
         last.meta.update(marker.meta)
         marker.replace_all_uses_with(last)
         graph.erase_node(marker)
-        placeholders.append(last)
-    return placeholders

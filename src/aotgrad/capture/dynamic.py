@@ -22,6 +22,7 @@ from the real sizes (Note [Symbolic layouts] in ``aliasing.py``).
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -136,10 +137,7 @@ def static_where_shared(
     another distinct tensor (a leaf or one of ``others``); None when none is left
     (Note [Inputs that share memory])."""
     tensors = {id(t): t for t in [*others, *leaves] if isinstance(t, torch.Tensor)}
-    sharing: dict[Any, int] = {}
-    for t in tensors.values():
-        key = storage_key(t)
-        sharing[key] = sharing.get(key, 0) + 1
+    sharing = collections.Counter(storage_key(t) for t in tensors.values())
     kept = tuple(
         () if isinstance(leaf, torch.Tensor) and sharing[storage_key(leaf)] > 1 else leaf_dims
         for leaf, leaf_dims in zip(leaves, dims, strict=True)
@@ -150,10 +148,6 @@ def static_where_shared(
 def symbolic_context(x: torch.Tensor, dims: Sequence[int]) -> StatelessSymbolicContext:
     sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(x.dim())]
     return StatelessSymbolicContext(dynamic_sizes=sizes)
-
-
-def new_shape_env() -> ShapeEnv:
-    return ShapeEnv()
 
 
 # Note [Specializations are guards]

@@ -90,26 +90,16 @@ class EnvironReads:
 
     def changed(self) -> str | None:
         """How the environment now differs from what was read; None when it does not."""
-        environ = os.environ
-        if self.whole is not None:
-            now = dict(environ)
-            before = dict(self.whole)
-            for name in sorted(before.keys() | now.keys()):
-                if before.get(name) != now.get(name):
-                    return _change(name, before.get(name), now.get(name))
-        for name, value in self.values:
-            now_value = environ.get(name)
-            if now_value != value:
-                return _change(name, value, now_value)
+        now = dict(os.environ)
+        read = list(self.values)
+        if self.whole is not None:  # every variable, then each one read
+            whole = dict(self.whole)
+            read = [(name, whole.get(name)) for name in sorted(whole.keys() | now.keys())] + read
+        for name, value in read:
+            if now.get(name) != value:
+                before, after = ("unset" if v is None else repr(v) for v in (value, now.get(name)))
+                return f"environment variable {name}: {before} != {after}"
         return None
-
-
-def _change(name: str, before: str | None, now: str | None) -> str:
-    return f"environment variable {name}: {_show(before)} != {_show(now)}"
-
-
-def _show(value: str | None) -> str:
-    return "unset" if value is None else repr(value)
 
 
 class _Recording:
@@ -130,8 +120,10 @@ class _Recording:
 _Environ = type(os.environ)
 _GETITEM = _Environ.__getitem__
 _ITER = _Environ.__iter__
-_LEN = _Environ.__len__
-_REPR = _Environ.__repr__
+# The methods of ``os.environ`` a recording replaces, as they were.
+_ORIGINALS = {
+    name: vars(_Environ)[name] for name in ("__getitem__", "__iter__", "__len__", "__repr__")
+}
 # The recordings of the captures running now, outermost first: captures take turns
 # (Note [Capture sessions]), so only nested ones (a scan body, an inner compiled
 # function traced through) stack up, in one thread. Replaced whole, never mutated.
@@ -147,7 +139,7 @@ def recording_environ() -> Iterator[_Recording]:
     recording = _Recording()
     with _INSTALL_LOCK:
         if not _ACTIVE:
-            _install()
+            _set(_PATCHED)
         _ACTIVE = (*_ACTIVE, recording)
     try:
         yield recording
@@ -155,21 +147,12 @@ def recording_environ() -> Iterator[_Recording]:
         with _INSTALL_LOCK:
             _ACTIVE = tuple(r for r in _ACTIVE if r is not recording)
             if not _ACTIVE:
-                _uninstall()
+                _set(_ORIGINALS)
 
 
-def _install() -> None:
-    _Environ.__getitem__ = _getitem  # type: ignore[method-assign]
-    _Environ.__iter__ = _iter  # type: ignore[method-assign]
-    _Environ.__len__ = _len  # type: ignore[method-assign]
-    _Environ.__repr__ = _repr  # type: ignore[method-assign]
-
-
-def _uninstall() -> None:
-    _Environ.__getitem__ = _GETITEM  # type: ignore[method-assign]
-    _Environ.__iter__ = _ITER  # type: ignore[method-assign]
-    _Environ.__len__ = _LEN  # type: ignore[method-assign]
-    _Environ.__repr__ = _REPR  # type: ignore[method-assign]
+def _set(methods: dict[str, Any]) -> None:
+    for name, method in methods.items():
+        setattr(_Environ, name, method)
 
 
 def _getitem(self: Any, key: Any) -> Any:
@@ -182,19 +165,20 @@ def _getitem(self: Any, key: Any) -> Any:
     return value
 
 
-def _iter(self: Any) -> Iterator[Any]:
-    _note_whole()
-    return _ITER(self)
+def _reading_whole(original: Any) -> Any:
+    """``original`` (``__iter__``, ``__len__``, ``__repr__``), noted as a read of it all."""
+
+    def read(self: Any) -> Any:
+        _note_whole()
+        return original(self)
+
+    return read
 
 
-def _len(self: Any) -> int:
-    _note_whole()
-    return _LEN(self)
-
-
-def _repr(self: Any) -> str:
-    _note_whole()
-    return _REPR(self)
+_PATCHED = {
+    "__getitem__": _getitem,
+    **{name: _reading_whole(_ORIGINALS[name]) for name in ("__iter__", "__len__", "__repr__")},
+}
 
 
 def _note_one(key: Any, value: Any) -> None:
@@ -228,9 +212,7 @@ def _recordings(caller: FrameType | None) -> tuple[_Recording, ...]:
         return ()
     while caller is not None and _is_stdlib(caller.f_code.co_filename):
         caller = caller.f_back  # ``os.getenv``, ``Mapping.get``: who called them counts
-    if caller is None or _is_torch(caller.f_code.co_filename):
-        return ()
-    return recordings
+    return () if caller is None or _is_torch(caller.f_code.co_filename) else recordings
 
 
 def _folder(path: str) -> str:

@@ -17,8 +17,12 @@ import torch.fx as fx
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from aotgrad._torch_compat import FunctionalTensor, enable_python_dispatcher, sync
-from aotgrad.capture.graph import code_on_demand
+from aotgrad._torch_compat import (
+    FunctionalTensor,
+    enable_python_dispatcher,
+    sync,
+    use_lazy_graph_module,
+)
 from aotgrad.capture.mutation import (
     InputMutation,
     PrimalInfo,
@@ -85,7 +89,8 @@ class FullTracer(Tracer):
         # dispatcher runs their symbolic-aware Python kernels instead, as
         # ``make_fx(tracing_mode="symbolic")`` does.
         dispatcher = enable_python_dispatcher() if self.symbolic else contextlib.nullcontext()
-        with dispatcher, self.recorder.recording(), code_on_demand():
+        # make_fx's graph module generates its code on first use (Note [Code on demand])
+        with dispatcher, self.recorder.recording(), use_lazy_graph_module(True):
             return make_fx(
                 joint,
                 decomposition_table=self.decompositions,
@@ -119,9 +124,7 @@ class FullTracer(Tracer):
 
         With leaf primals, nothing: ``.backward()`` accumulates into their ``.grad``.
         """
-        if not primal.requires_grad or self.leaf_primals:
-            return None
-        return get_gradient_edge(primal)
+        return None if not primal.requires_grad or self.leaf_primals else get_gradient_edge(primal)
 
     def traced(self, value: object) -> bool:
         return isinstance(value, FunctionalTensor)
@@ -157,9 +160,7 @@ class FullTracer(Tracer):
         check_no_backward_mutation(graph_primals, before, descriptors, where)
 
     def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:
-        if isinstance(value, FunctionalTensor):
-            return value.from_functional()
-        return value
+        return value.from_functional() if isinstance(value, FunctionalTensor) else value
 
 
 __all__ = ["FullTracer"]

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from aotgrad._torch_compat import LazyGraphModule, use_lazy_graph_module
+from aotgrad._torch_compat import LazyGraphModule
 from aotgrad.capture.aliasing import OutputLeaf, TensorOutput
 from aotgrad.capture.dynamic import ShapeGuards
 from aotgrad.capture.environ import EnvironReads
@@ -44,13 +42,6 @@ from aotgrad.signature import (
 # (``ready_for_compiler``; ``torch.jit.script`` refuses the lazy class).
 
 
-@contextlib.contextmanager
-def code_on_demand() -> Iterator[None]:
-    """Graph modules built inside (``make_fx``'s included) generate code on first use."""
-    with use_lazy_graph_module(True):
-        yield
-
-
 def lazy_module(
     root: torch.nn.Module, graph: fx.Graph, class_name: str = "GraphModule"
 ) -> fx.GraphModule:
@@ -60,9 +51,7 @@ def lazy_module(
 
 def ready_for_compiler(gm: fx.GraphModule) -> fx.GraphModule:
     """An ordinary ``GraphModule`` over ``gm``'s graph, for compilers (Note [Code on demand])."""
-    if isinstance(gm, LazyGraphModule):
-        return fx.GraphModule(gm, gm.graph)
-    return gm
+    return fx.GraphModule(gm, gm.graph) if isinstance(gm, LazyGraphModule) else gm
 
 
 def joint_signature(
@@ -210,11 +199,8 @@ class JointGraph:
 
     def backward_nodes(self) -> list[fx.Node]:
         """Nodes the backward computes: its own ops and forward ops it re-runs."""
-        return [
-            n
-            for n in self.gm.graph.nodes
-            if n.op != "output" and phase_of(n) in (Phase.BACKWARD, Phase.RECOMPUTE)
-        ]
+        phases = (Phase.BACKWARD, Phase.RECOMPUTE)
+        return [n for n in self.gm.graph.nodes if n.op != "output" and phase_of(n) in phases]
 
     def nodes(self, phase: Phase) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op != "output" and phase_of(n) is phase]

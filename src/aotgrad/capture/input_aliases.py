@@ -115,19 +115,12 @@ def input_sources(
     for b, base in enumerate(bases):
         for i, view in zip(base.members, base.views, strict=True):
             base_of[id(primals[i])] = (b, view)
+    positions: dict[object, int] = {}  # user input k, or ("base", b) -> graph input index
     sources: list[tuple[int, ViewMeta | None]] = []
-    base_position: dict[int, int] = {}  # base number -> graph input index
-    count = 0
-    for p in primals:
-        if id(p) not in base_of:
-            sources.append((count, None))
-            count += 1
-            continue
-        b, view = base_of[id(p)]
-        if b not in base_position:
-            base_position[b] = count
-            count += 1
-        sources.append((base_position[b], view))
+    for k, p in enumerate(primals):
+        number, member_view = base_of.get(id(p), (None, None))
+        key = k if number is None else ("base", number)
+        sources.append((positions.setdefault(key, len(positions)), member_view))
     return sources
 
 
@@ -143,16 +136,11 @@ def graph_inputs(
         return list(primals)
     built = [b.build(primals) for b in bases]
     member = {id(primals[i]): b for b, base in enumerate(bases) for i in base.members}
-    out: list[torch.Tensor] = []
-    placed: set[int] = set()
-    for p in primals:
+    inputs: dict[object, torch.Tensor] = {}  # user input k, or ("base", b) -> graph input
+    for k, p in enumerate(primals):
         b = member.get(id(p))
-        if b is None:
-            out.append(p)
-        elif b not in placed:
-            placed.add(b)
-            out.append(built[b])
-    return out
+        inputs.setdefault(k if b is None else ("base", b), p if b is None else built[b])
+    return list(inputs.values())
 
 
 def memory_sharing(primals: Sequence[Any]) -> tuple[Any, ...]:

@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.autograd.graph import GradientEdge
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from aotgrad._torch_compat import (
     DisableTorchFunction,
@@ -58,7 +59,7 @@ from aotgrad.capture.autocast import autocast_off
 from aotgrad.capture.closed_over import ClosedOver
 from aotgrad.capture.collectives import collective_grads_checked
 from aotgrad.capture.cotangents import make_cotangent
-from aotgrad.capture.dynamic import ShapeGuards, new_shape_env, symbolic_context
+from aotgrad.capture.dynamic import ShapeGuards, symbolic_context
 from aotgrad.capture.fake import EagerViewsFakeMode
 from aotgrad.capture.fast import FastFakeMode
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
@@ -123,11 +124,6 @@ class TraceRecord:
     # checkpoint's backward must not write their ``.grad`` (``_real_grads_untouched``, a
     # safety net: the closed-over swap spans the backward).
     closed_over_leaves: list[torch.Tensor] = field(default_factory=list)
-
-
-def _module_argument(i: int, d: GraphInputDescriptor, flat: FlatInputs) -> bool:
-    """Is graph input ``i`` a module argument's tensor (Note [Module arguments])?"""
-    return i < flat.num_lifted and isinstance(d, Input)
 
 
 def fake_primals(
@@ -223,16 +219,17 @@ def trace_joint(
     :class:`~aotgrad.capture.tracers.NeedsFullTrace` for what it does not handle.
     """
     dynamic_dims = options.dynamic_dims
-    shape_env = new_shape_env() if dynamic_dims else None
+    shape_env = ShapeEnv() if dynamic_dims else None
     fake_mode = FastFakeMode if options.fast else EagerViewsFakeMode
     mode = fake_mode(allow_non_fake_inputs=True, shape_env=shape_env)
     inputs, tensors = GraphInputs.of(flat, primals, bases)
     fakes = fake_primals(mode, tensors, dynamic_dims)
     record = TraceRecord()
-    record.closed_over_leaves = [
+    record.closed_over_leaves = [  # closed over, or a module argument's (Note [Module arguments])
         p
         for i, (p, d) in enumerate(zip(primals, flat.descriptors, strict=True))
-        if p.requires_grad and (isinstance(d, Closure | Global) or _module_argument(i, d, flat))
+        if p.requires_grad
+        and (isinstance(d, Closure | Global) or (i < flat.num_lifted and isinstance(d, Input)))
     ]
     if shape_env is not None:
         record.guards = ShapeGuards(shape_env, fakes, names=[str(d) for d in inputs.descriptors])
@@ -402,21 +399,17 @@ def _differentiable(
     new_values = [m.requires_grad for m in record.mutations if m.data]
     outputs = returned[: len(returned) - len(new_values)]
     if not backward and any(_is_differentiable(t) for t in outputs):
-        raise _grad_from_inside(where)
+        raise UnsupportedOutputError(
+            format_error(
+                "an output requires grad, but no input does: its gradient would flow into a"
+                " tensor the function made require grad itself (t.requires_grad_(),"
+                " nn.Parameter(...)), which a compiled function cannot hold",
+                where,
+                "Pass that tensor as an input that requires grad, or detach the output.",
+            )
+        )
     differentiable = [backward and _is_differentiable(t) for t in outputs]
     return differentiable + [backward and g for g in new_values]  # Note [Input mutation]
-
-
-def _grad_from_inside(where: UserFrame | None) -> UnsupportedOutputError:
-    return UnsupportedOutputError(
-        format_error(
-            "an output requires grad, but no input does: its gradient would flow into a tensor"
-            " the function made require grad itself (t.requires_grad_(), nn.Parameter(...)),"
-            " which a compiled function cannot hold",
-            where,
-            "Pass that tensor as an input that requires grad, or detach the output.",
-        )
-    )
 
 
 def _forward_values(
@@ -472,13 +465,9 @@ def _user_primals(
     views: dict[int, torch.Tensor] = {}  # id of the real input -> its view
     primals = []
     for (j, view), p in zip(sources, real, strict=True):
-        if view is None:
-            primals.append(graph_primals[j])
-        else:
-            if id(p) not in views:
-                base = graph_primals[j]
-                views[id(p)] = base.as_strided(view.size, view.stride, view.storage_offset)
-            primals.append(views[id(p)])
+        if view is not None and id(p) not in views:
+            views[id(p)] = graph_primals[j].as_strided(view.size, view.stride, view.storage_offset)
+        primals.append(graph_primals[j] if view is None else views[id(p)])
     return primals
 
 

@@ -75,13 +75,11 @@ class PrimalInfo:
     @staticmethod
     def of_all(primals: Sequence[torch.Tensor]) -> tuple[PrimalInfo, ...]:
         first: dict[int, int] = {}
-        infos = []
-        for i, p in enumerate(primals):
-            duplicate = first.setdefault(id(p), i)
-            infos.append(
-                PrimalInfo(p.is_leaf, p.requires_grad, None if duplicate == i else duplicate)
-            )
-        return tuple(infos)
+        duplicates = [first.setdefault(id(p), i) for i, p in enumerate(primals)]
+        return tuple(
+            PrimalInfo(p.is_leaf, p.requires_grad, None if d == i else d)
+            for i, (p, d) in enumerate(zip(primals, duplicates, strict=True))
+        )
 
 
 @dataclass(frozen=True)
@@ -106,7 +104,7 @@ def analyze_mutations(
     infos: Sequence[PrimalInfo],
     descriptors: Sequence[Descriptor],
     where: UserFrame | None,
-    sites: Mapping[int, UserFrame | None] | None = None,
+    sites: Mapping[int, UserFrame | None],
 ) -> list[InputMutation]:
     """Read each functional primal's mutation flags after the function ran.
 
@@ -137,7 +135,7 @@ def analyze_mutations(
             continue
         with_grad = p.grad_fn is not grad_fns_before[i]
         if with_grad and info.is_leaf and info.requires_grad:
-            where = (sites or {}).get(id(p)) or where
+            where = sites.get(id(p)) or where
             raise InPlaceOnLeafError(
                 format_error(
                     f"a leaf Variable that requires grad ({descriptors[i]}) is being used in"
@@ -245,9 +243,7 @@ def check_restrided_data(
 ) -> None:
     """Refuse a data mutation the new layout cannot write back (Note above)."""
     for m in mutations:
-        if not m.data or m.metadata is None:
-            continue
-        if not _reaches(m.metadata, ViewMeta.of(originals[m.index])):
+        if m.data and m.metadata and not _reaches(m.metadata, ViewMeta.of(originals[m.index])):
             raise UnsupportedMutationError(
                 format_error(
                     f"the function changes the values of input {descriptors[m.index]} and"
@@ -442,13 +438,13 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> str | None:
     if a_end <= b_begin or b_end <= a_begin:
         return None
     if _dense(a) and _dense(b):
-        same = a_begin == b_begin and a_end == b_end and _same(a.stride(), b.stride())
+        same = a_begin == b_begin and a_end == b_end and a.stride() == b.stride()
         return None if same else _PARTIAL
     same_layout = (
         a.element_size() == b.element_size()
         and a.storage_offset() == b.storage_offset()
-        and _same(a.shape, b.shape)
-        and _same(a.stride(), b.stride())
+        and a.shape == b.shape
+        and a.stride() == b.stride()
     )
     if same_layout:
         return None  # the same elements, one for one
@@ -462,10 +458,6 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> str | None:
     else:
         shared = bool(_byte_elements(a) & _byte_elements(b))
     return "shares some memory locations (not all) with" if shared else None
-
-
-def _same(x: Sequence[Any], y: Sequence[Any]) -> bool:
-    return len(x) == len(y) and all(m == n for m, n in zip(x, y, strict=True))
 
 
 def _byte_range(t: torch.Tensor) -> tuple[Any, Any]:

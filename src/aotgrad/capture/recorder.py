@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -114,13 +114,9 @@ class ProvenanceMode(FunctionalTensorMode):
         schema = getattr(func, "_schema", None)
         if schema is not None and schema.is_mutable and args:
             self.recorder.note_mutation(args[0])
-            where = self.recorder.mutation_sites.get(id(args[0]))
-            check_writable(
-                func, args, kwargs or {}, where
-            )  # Note [Writes through overlapping views]
-            check_no_partial_overlap(
-                func, args, kwargs or {}
-            )  # Note [Writes that read overlapping memory]
+            # Notes [Writes through overlapping views], [Writes that read overlapping memory]
+            check_writable(func, args, kwargs or {}, self.recorder.mutation_sites.get(id(args[0])))
+            check_no_partial_overlap(func, args, kwargs or {})
         self.recorder.note_random(func, args, kwargs)
         if self.note_real_leaves:
             self.recorder.note_real_leaves(args, kwargs)
@@ -155,9 +151,10 @@ class Recorder:
     """Collects provenance during one trace."""
 
     def __init__(self, root: Any) -> None:
-        self.root_name = _root_name(root)
+        self.root_name = getattr(root, "__name__", type(root).__name__)  # a function's name
         self.module_names: dict[int, str] = {}
         if isinstance(root, torch.nn.Module):
+            self.root_name = type(root).__name__
             self.module_names = {id(m): n for n, m in root.named_modules()}
         self.module_stack: list[AbstractContextManager[None]] = []
         self.node_contexts: list[AbstractContextManager[None]] = []
@@ -210,10 +207,8 @@ class Recorder:
     def note_source(self) -> None:
         """Stamp the op being dispatched with the user's line (and whether it is recomputed)."""
         custom = fx_traceback.current_meta.get("custom")
-        if custom is None:
-            return
-        if custom.get(SOURCE_FIXED_KEY):
-            return  # a frontend that knows better (the Dynamo backend) set it
+        if custom is None or custom.get(SOURCE_FIXED_KEY):
+            return  # no node context; or a frontend that knows better (Dynamo's backend) set it
         where = _user_frame()
         custom[_SOURCE] = where
         # Forward code re-run by the backward (a checkpointed region): user code, grad mode on.
@@ -226,14 +221,8 @@ class Recorder:
             self.mutation_sites[id(target)] = None if where is None else _as_user_frame(where)
 
     def note_random(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> None:
-        """Stamp a random op with its place in the generator's stream, and move the stream on.
-
-        Fake random ops draw nothing, so the real CPU generator stands still
-        during a trace; stepping it here, once per random op, gives every draw
-        a position that ``torch.utils.checkpoint``'s save/restore of the
-        generator state replays (Note [Recomputed random ops]). The trace
-        restores the generator when it ends (:func:`generator_restored`).
-        """
+        """Stamp a random op with its place in the generator's stream, and move the stream on
+        (fake ops draw nothing: Note [Recomputed random ops]; :func:`generator_restored`)."""
         drawing = draws_random(func, args, kwargs or {})
         if drawing and not self.in_backward:
             self.random_draws += 1  # Note [Reseeding inside the function]
@@ -312,9 +301,7 @@ class Recorder:
         # Not another thread's module call (Note [Captures and other threads]).
         if not closed_over.in_capture():
             return
-        name = self.module_names.get(id(module))
-        if name is None:
-            name = type(module).__name__
+        name = self.module_names.get(id(module), type(module).__name__)
         context = fx_traceback.annotate({_MODULE: name or self.root_name})
         context.__enter__()
         self.module_stack.append(context)
@@ -353,14 +340,15 @@ def generator_restored() -> Iterator[None]:
     seeds = _SEEDS.begin(generator)  # Note [Reseeds the trace cannot see]
     for device in devices:
         device.manual_seed(_SENTINEL_SEED)
-    outside = _OUTSIDE_RESEEDS.count
+    outside = _OutsideReseeds.count
 
     def get_rng_state() -> torch.Tensor:
         with disable_current_modes():
             return generator.get_state()
 
     def set_rng_state(new_state: torch.Tensor) -> None:
-        _RESTORE.run(new_state)  # the trace's recorder may refuse it
+        if _RESTORE.recorders:  # the trace's recorder may refuse it
+            _RESTORE.recorders[-1].check_rng_restore()
         with disable_current_modes():
             generator.set_state(new_state)
 
@@ -394,7 +382,7 @@ def generator_restored() -> Iterator[None]:
     try:
         yield
         kept = seeds.kept(generator) and all(g.initial_seed() == _SENTINEL_SEED for g in devices)
-        if not kept and _OUTSIDE_RESEEDS.count == outside:
+        if not kept and _OutsideReseeds.count == outside:
             _refuse_direct_reseed()
     finally:
         _SEEDS.end()
@@ -437,21 +425,21 @@ def generator_restored() -> Iterator[None]:
 _SENTINEL_SEED = 0x5EED_A076AD
 
 
+@dataclass
 class _TraceSeeds:
     """The seeds the current trace set on the default generator, and whether it found
     another one (Note [Reseeds the trace cannot see])."""
 
-    def __init__(self) -> None:
-        self.set: set[int] = set()
-        self.foreign = False
+    ours: set[int] = field(default_factory=set)
+    foreign: bool = False
 
     def step(self, generator: torch.Generator, seed: int) -> None:
         self.check(generator)
         generator.manual_seed(seed)
-        self.set.add(generator.initial_seed())
+        self.ours.add(generator.initial_seed())
 
     def check(self, generator: torch.Generator) -> None:
-        self.foreign = self.foreign or generator.initial_seed() not in self.set
+        self.foreign = self.foreign or generator.initial_seed() not in self.ours
 
     def kept(self, generator: torch.Generator) -> bool:
         self.check(generator)
@@ -468,7 +456,7 @@ class _SeedStack(threading.local):
         seeds = _TraceSeeds()
         with disable_current_modes():
             generator.manual_seed(_SENTINEL_SEED)
-        seeds.set.add(generator.initial_seed())
+        seeds.ours.add(generator.initial_seed())
         self.traces.append(seeds)
         return seeds
 
@@ -491,23 +479,18 @@ class _OutsideReseeds:
     count = 0
 
 
-_OUTSIDE_RESEEDS = _OutsideReseeds()
-
-
 def _device_generators() -> list[torch.Generator]:
     """The default generators of the CUDA devices, once CUDA is initialized (the trace
     neither draws from nor steps them: a seed of theirs it did not set is a reseed)."""
-    if not torch.cuda.is_initialized():
-        return []
-    return list(torch.cuda.default_generators)
+    return list(torch.cuda.default_generators) if torch.cuda.is_initialized() else []
 
 
 def _counted(seed: Callable[..., Any]) -> Callable[..., Any]:
-    """``seed``, counted in ``_OUTSIDE_RESEEDS``."""
+    """``seed``, counted in ``_OutsideReseeds``."""
 
     @functools.wraps(seed)
     def call(*args: Any, **kwargs: Any) -> Any:
-        _OUTSIDE_RESEEDS.count += 1
+        _OutsideReseeds.count += 1
         return seed(*args, **kwargs)
 
     return call
@@ -555,7 +538,16 @@ def _refusing_fresh_seeds(original: Callable[..., Any]) -> Callable[..., Any]:
     def seed(*args: Any, **kwargs: Any) -> Any:
         if not _RESTORE.recorders:
             return original(*args, **kwargs)
-        return _refuse_seeding()
+        raise UnsupportedOpError(
+            format_error(
+                "the function reseeds a random generator with a fresh, non-deterministic seed"
+                " (torch.seed, torch.cuda.seed): that Python call would run once, at capture,"
+                " where eager draws a new seed on every call",
+                user_frame_from_stack(),
+                "Seed before calling the compiled function, or reseed with a fixed seed"
+                " (torch.manual_seed(s)) before every random op of the function.",
+            )
+        )
 
     return seed
 
@@ -567,32 +559,8 @@ class _Restores(threading.local):
     def __init__(self) -> None:
         self.recorders: list[Recorder] = []
 
-    def run(self, new_state: torch.Tensor) -> None:
-        if self.recorders:
-            self.recorders[-1].check_rng_restore()
-
 
 _RESTORE = _Restores()
-
-
-def _refuse_seeding() -> Any:
-    """``torch.seed()`` during a trace (Note [Reseeding inside the function])."""
-    raise UnsupportedOpError(
-        format_error(
-            "the function reseeds a random generator with a fresh, non-deterministic seed"
-            " (torch.seed, torch.cuda.seed): that Python call would run once, at capture, where"
-            " eager draws a new seed on every call",
-            user_frame_from_stack(),
-            "Seed before calling the compiled function, or reseed with a fixed seed"
-            " (torch.manual_seed(s)) before every random op of the function.",
-        )
-    )
-
-
-def _root_name(root: Any) -> str:
-    if isinstance(root, torch.nn.Module):
-        return type(root).__name__
-    return getattr(root, "__name__", type(root).__name__)
 
 
 def _autograd_nodes(targets: Sequence[torch.Tensor]) -> list[Any]:

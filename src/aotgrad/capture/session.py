@@ -95,7 +95,6 @@ from aotgrad.capture.closed_over import in_capture
 
 _LOCK = threading.RLock()
 _STATE = threading.local()
-_NOISY_LOGGERS = (FAKE_TENSOR_LOGGER,)
 
 
 def capturing() -> bool:
@@ -109,7 +108,7 @@ def capture_session() -> Iterator[None]:
     """Hold the capture lock and mark this thread as capturing (Note [Capture sessions])."""
     outermost = not capturing()
     # Dynamo's lock first, then ours, in every thread (Note [Captures and other threads]).
-    with dynamo_compile_lock(), _LOCK, _loggers_silenced(_NOISY_LOGGERS):
+    with dynamo_compile_lock(), _LOCK, _logger_silenced(FAKE_TENSOR_LOGGER):
         hooks = _callers_hooks_suspended() if outermost else contextlib.nullcontext()
         with hooks:  # Note [The caller's saved-tensor hooks]
             _STATE.depth = getattr(_STATE, "depth", 0) + 1
@@ -134,13 +133,10 @@ def _callers_hooks_suspended() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _loggers_silenced(names: tuple[str, ...]) -> Iterator[None]:
-    loggers = [logging.getLogger(name) for name in names]
-    were_disabled = [logger.disabled for logger in loggers]
-    for logger in loggers:
-        logger.disabled = True
+def _logger_silenced(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    was, logger.disabled = logger.disabled, True
     try:
         yield
     finally:
-        for logger, was in zip(loggers, were_disabled, strict=True):
-            logger.disabled = was
+        logger.disabled = was

@@ -152,9 +152,8 @@ def _attribute_text(name: object) -> str:
 
 
 def _key_text(key: object) -> str:
-    if isinstance(key, str | int | float | bool | type(None)):
-        return repr(key)
-    return f"<{type(key).__name__}>"
+    plain = isinstance(key, str | int | float | bool | type(None))
+    return repr(key) if plain else f"<{type(key).__name__}>"
 
 
 @dataclass(frozen=True)
@@ -184,6 +183,7 @@ class _Place:
         return text
 
     def entry_label(self, key: object) -> str:
+        """Where entry ``key`` is; a list's or a cell's: the place itself."""
         if self.kind in ("vars", "buffers"):
             return self.label + _attribute_text(key)
         if self.kind == "dict":
@@ -374,10 +374,12 @@ class _Store:
     fake_leaves: tuple[int, ...]
     fake_paths: tuple[str, ...]
 
+    @property
+    def fakes(self) -> list[torch.Tensor]:
+        return [self.leaves[i] for i in self.fake_leaves]
+
     def descriptors(self) -> list[SideEffect]:
-        path = _printable(
-            self.place.label if self.how == "append" else self.place.entry_label(self.key)
-        )
+        path = _printable(self.place.entry_label(self.key))
         return [SideEffect(path=path, how=self.how, leaf=_printable(p)) for p in self.fake_paths]
 
     def apply(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -456,7 +458,6 @@ class Watch:
         self._snapshots: list[_Snapshot] = []
         self._owners: dict[int, object] = {}
         self._backward_hooks: list[object] = []
-        self._forward: list[_Store] = []
         self._forward_values: set[int] = set()
         # The traced inputs of the latest attempt (a module's buffers are swapped for them).
         self._primals: set[int] = set()
@@ -487,7 +488,7 @@ class Watch:
             except Exception:  # a place that does not resolve now is not watched
                 continue
             self._snapshots.append(_Snapshot(place, i, container, place.entries(container)))
-        self._forward, self._forward_values = [], set()
+        self._forward_values = set()
         self.replay = None
         failed = True
         try:
@@ -509,12 +510,10 @@ class Watch:
         """
         self._primals = {id(p) for p in primals}
         stores = self._stores()
-        self._forward = stores
-        self._forward_values = {id(t) for s in stores for t in _fakes_of(s)}
+        tensors = [t for s in stores for t in s.fakes]
+        self._forward_values = {id(t) for t in tensors}
         self.replay = Replay(tuple(stores)) if stores else None
-        descriptors = [d for s in stores for d in s.descriptors()]
-        tensors = [t for s in stores for t in _fakes_of(s)]
-        return descriptors, tensors
+        return [d for s in stores for d in s.descriptors()], tensors
 
     def _stores(self) -> list[_Store]:
         stores: list[_Store] = []
@@ -575,8 +574,8 @@ class Watch:
         with_paths, spec = pytree.tree_flatten_with_path(value)
         leaves = tuple(leaf for _, leaf in with_paths)
         fakes = tuple(i for i, leaf in enumerate(leaves) if is_fake(leaf))
+        where = snap.place.entry_label(key)
         if spec.is_leaf() or any(holds_fake(leaf) for leaf in leaves if not is_fake(leaf)):
-            where = snap.place.label if how == "append" else snap.place.entry_label(key)
             self._refuse(
                 snap,
                 f"{where} was given a {type(value).__name__} holding traced tensors, which"
@@ -586,7 +585,6 @@ class Watch:
                 " function and store them after the call.",
             )
         if any(isinstance(leaf, torch.Tensor) and not is_fake(leaf) for leaf in leaves):
-            where = snap.place.label if how == "append" else snap.place.entry_label(key)
             self._refuse(
                 snap,
                 f"{where} was given a {type(value).__name__} holding both traced tensors and"
@@ -600,12 +598,10 @@ class Watch:
     def _check_backward(self) -> None:
         """Stores done while the backward was traced: the compiled backward runs no Python."""
         for store in self._stores():
-            if all(id(t) in self._forward_values for t in _fakes_of(store)):
+            if all(id(t) in self._forward_values for t in store.fakes):
                 continue
             snap = next(s for s in self._snapshots if s.place.root is store.place.root)
-            label = (
-                store.place.label if store.how == "append" else store.place.entry_label(store.key)
-            )
+            label = store.place.entry_label(store.key)
             hooks = [h for h in self._backward_hooks if user_frame_of_function(h) is not None]
             self._refuse(
                 snap,
@@ -651,7 +647,7 @@ class Watch:
             items = enumerate(entries) if isinstance(entries, list) else entries.items()
             for key, value in items:
                 if holds_fake(value):
-                    label = place.label if place.kind == "list" else place.entry_label(key)
+                    label = place.entry_label(key)
                     owner = found.owners.get(i)
                     where = user_frame_of_function(owner) if owner is not None else None
                     raise UnsupportedSideEffectError(
@@ -664,7 +660,3 @@ class Watch:
                             " function.",
                         )
                     )
-
-
-def _fakes_of(store: _Store) -> list[torch.Tensor]:
-    return [store.leaves[i] for i in store.fake_leaves]

@@ -83,13 +83,11 @@ def translate_trace_errors(fn: Any, where: UserFrame | None = None) -> Iterator[
     except AssertionError as e:
         if EFFECT_TOKEN_MISSING not in str(e):
             raise
-        where = user_frame_from_traceback(e.__traceback__)
-        op = effect_token_op(str(e))
         raise UnsupportedOpError(
             format_error(
-                f"{op} has a side effect (it is ordered by an effect token, e.g. an error check"
+                f"{effect_token_op(str(e))} has a side effect (it is ordered by an effect token, e.g. an error check"
                 " that raises on bad input values); aotgrad's graphs do not carry effect tokens",
-                where,
+                user_frame_from_traceback(e.__traceback__),
                 "Call the function eagerly, or use a variant without the check (for linalg:"
                 " the *_ex functions, such as torch.linalg.inv_ex).",
             )
@@ -231,10 +229,10 @@ def _failing_op(e: BaseException) -> str:
         if isinstance(func, OpOverload):
             return str(func)
     # The torch function called last from the user's code, or from aotgrad's (autograd.grad).
-    caller = max(
-        (i for i, f in enumerate(frames) if _is_caller(f.f_code.co_filename)),
-        default=-1,
+    callers = (
+        i for i, f in enumerate(frames) if frame_origin(f.f_code.co_filename) is not Origin.LIBRARY
     )
+    caller = max(callers, default=-1)
     inside = frames[caller + 1 :]
     if not inside:
         return "an op"
@@ -249,10 +247,6 @@ _TORCH_FUNCTION_NAMES = {
     # capture's backward (Note [The swap spans the backward])
     ENGINE_RUN_BACKWARD: "the backward (torch.autograd.grad)",
 }
-
-
-def _is_caller(filename: str) -> bool:
-    return frame_origin(filename) is not Origin.LIBRARY
 
 
 def _data_dependent(e: Exception, construct: str | None = None) -> DataDependentError:

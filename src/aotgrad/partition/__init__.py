@@ -142,10 +142,9 @@ def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:
         return with_policy(joint, strategy)
     if isinstance(strategy, Budget):
         return with_budget(joint, strategy)
-    if strategy == "save_all":
-        return save_all(joint)
-    if strategy == "mincut":
-        return mincut(joint)
+    named = {"save_all": save_all, "mincut": mincut}
+    if strategy in named:
+        return named[strategy](joint)
     raise ValueError(
         f"unknown partition strategy {strategy!r}; expected 'save_all', 'mincut',"
         " aotgrad.budget(x) or a policy (Note [Partition policies])"
@@ -156,7 +155,7 @@ def _split(joint: JointGraph, plan: RematPlan, strategy: str) -> Partitioned:
     backward, placeholders = build_backward(joint, plan.saved, plan.recompute)
     saved = describe_saved(
         plan.saved,
-        [users_in_backward(p) for p in placeholders],
+        [[u.name for u in p.users if u.op != "output"] for p in placeholders],  # backward reads
         [plan.save_reasons[n] for n in plan.saved],
     )
     signature = joint.signature.with_saved(tuple(Saved(name=s.name) for s in saved))
@@ -203,11 +202,6 @@ def _recomputed(
             )
         )
     return tuple(ops)
-
-
-def users_in_backward(placeholder: fx.Node) -> list[str]:
-    """The backward ops that read a saved value (its placeholder in the backward graph)."""
-    return [u.name for u in placeholder.users if u.op != "output"]
 
 
 def _forward_only(joint: JointGraph, keep_input_mutations: bool) -> Partitioned:

@@ -5,6 +5,8 @@ Entry point: :func:`check_partitioned`.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 import torch.fx as fx
 
@@ -13,7 +15,9 @@ from aotgrad.capture.checks import check_graph, fail
 from aotgrad.partition import Partitioned
 from aotgrad.partition.saved import storages, unique_bytes
 
-_STAGE = "partition"
+
+def _fail(node: str, invariant: str, expected: str, got: str) -> NoReturn:
+    fail("partition", node, invariant, expected, got)
 
 
 def check_partitioned(partitioned: Partitioned) -> None:
@@ -24,17 +28,13 @@ def check_partitioned(partitioned: Partitioned) -> None:
     >>> check_partitioned(aotgrad.trace(lambda x: x.sin(), x).partitioned)
     """
     signature, forward, backward = partitioned.signature, partitioned.forward, partitioned.backward
+    stage = "partition"
     check_graph(
-        _STAGE, "forward graph", forward, signature.forward_inputs, signature.forward_outputs
+        stage, "forward graph", forward, signature.forward_inputs, signature.forward_outputs
     )
     if backward is not None:
-        check_graph(
-            _STAGE,
-            "backward graph",
-            backward,
-            signature.backward_inputs,
-            signature.backward_outputs,
-        )
+        inputs, outputs = signature.backward_inputs, signature.backward_outputs
+        check_graph(stage, "backward graph", backward, inputs, outputs)
     _check_saved(partitioned)
     _check_collectives(partitioned)
     _check_bytes(partitioned)
@@ -45,12 +45,11 @@ def _check_saved(partitioned: Partitioned) -> None:
     names = [s.name for s in saved]
     described = [d.name for d in signature.saved]
     if described != names:
-        fail(_STAGE, "signature", "saved", f"the saved values {names}", str(described))
+        _fail("signature", "saved", f"the saved values {names}", str(described))
     returned = _results(partitioned.forward)[signature.saved_in_forward]
     got = [v.name if isinstance(v, fx.Node) else repr(v) for v in returned]
     if got != names:
-        fail(
-            _STAGE,
+        _fail(
             "forward graph, output node output",
             "saved",
             f"the saved values {names} as the last forward outputs",
@@ -61,8 +60,7 @@ def _check_saved(partitioned: Partitioned) -> None:
     placeholders = [n for n in partitioned.backward.graph.nodes if n.op == "placeholder"]
     got = [n.name for n in placeholders[signature.saved_in_backward]]
     if got != names:
-        fail(
-            _STAGE,
+        _fail(
             "backward graph, placeholders",
             "saved",
             f"the saved values {names} as the first backward inputs",
@@ -82,17 +80,10 @@ def _check_collectives(partitioned: Partitioned) -> None:
                 continue
             where = f"{name} graph, node {node.name}"
             if node.name not in order:
-                fail(
-                    _STAGE,
-                    where,
-                    "collectives",
-                    f"one of the joint's collectives {joint}",
-                    "a new one",
-                )
+                _fail(where, "collectives", f"one of the joint's collectives {joint}", "a new one")
             position = order[node.name]
             if previous is not None and position <= previous[0]:
-                fail(
-                    _STAGE,
+                _fail(
                     where,
                     "collectives",
                     f"the joint's collectives once each in its order {joint}",
@@ -114,8 +105,7 @@ def _check_bytes(partitioned: Partitioned) -> None:
             continue
         nbytes = sum(storages(node).values())
         if _known(value.nbytes) and _known(nbytes) and value.nbytes != nbytes:
-            fail(
-                _STAGE,
+            _fail(
                 f"saved value {value.name}",
                 "bytes",
                 f"nbytes {nbytes} (its storage)",
@@ -123,8 +113,7 @@ def _check_bytes(partitioned: Partitioned) -> None:
             )
     total, expected = partitioned.saved_bytes, unique_bytes(nodes)
     if _known(total) and _known(expected) and total != expected:
-        fail(
-            _STAGE,
+        _fail(
             "saved values",
             "bytes",
             f"saved_bytes {expected} (the saved nodes' distinct storages)",

@@ -68,15 +68,13 @@ def needed_by_backward(joint: JointGraph) -> dict[fx.Node, str]:
     return needed
 
 
-def is_random_node(node: fx.Node) -> bool:
-    """Draws from the RNG (attention without dropout does not): never recomputed."""
-    return node.op == "call_function" and draws_random(node.target, node.args, node.kwargs)
-
-
 def never_recomputed(node: fx.Node) -> bool:
-    """A random op (the backward must see the forward's draws) or a collective (every rank
-    must run the same ones, once: Note [Collectives]): saved, whatever the strategy."""
-    return is_random_node(node) or (node.op == "call_function" and is_collective(node.target))
+    """An op that draws from the RNG (the backward must see the forward's draws; attention
+    without dropout draws nothing) or a collective (every rank must run the same ones, once:
+    Note [Collectives]): saved, whatever the strategy."""
+    if node.op != "call_function":
+        return False
+    return draws_random(node.target, node.args, node.kwargs) or is_collective(node.target)
 
 
 def is_tensor_node(node: fx.Node) -> bool:
@@ -210,10 +208,8 @@ def budget_saved(
     """
     needed = list(needed)  # read several times below
     p = _BudgetProblem.of(joint, free_inputs, time_limit)
-    ops, weights, costs, held, program = p.ops, p.weights, p.costs, p.held, p.program
-    rows, lower, upper = _budget_constraints(ops, p.index, needed, weights, budget_bytes - held)
-    constraint = LinearConstraint(np.array(rows), lower, upper)
-    first = program.solve(program.on_recompute(costs), [constraint])
+    constraint = p.constraint(needed, budget_bytes - p.held)
+    first = p.solve(p.on_recompute(p.costs), [constraint])
     if first.x is None and first.status == 1:  # the time limit struck before any plan
         fallback = (
             f"the budget solver hit its {time_limit:g} s time limit before finding a plan;"
@@ -225,17 +221,17 @@ def budget_saved(
         smallest = "?" if least is None else str(least)
         raise ValueError(
             f"no plan fits a budget of {budget_bytes} bytes: the inputs the backward reads take"
-            f" {held}, and with what cannot be recomputed (random ops, ops reading an input the"
+            f" {p.held}, and with what cannot be recomputed (random ops, ops reading an input the"
             f" function mutates) the smallest plan saves {smallest} bytes. Raise the budget."
         )
-    best = _Rounded.of(first.x, ops, needed, weights, costs)
-    tie = LinearConstraint(program.on_recompute(costs)[None, :], -np.inf, best.flops + 0.5)
-    second = program.solve(program.on_save(weights), [constraint, tie])
+    best = p.rounded(first.x, needed)
+    tie = LinearConstraint(p.on_recompute(p.costs)[None, :], -np.inf, best.flops + 0.5)
+    second = p.solve(p.on_save(p.weights), [constraint, tie])
     candidates = [best]
     if second.x is not None:
-        candidates.append(_Rounded.of(second.x, ops, needed, weights, costs))
-    fits = [c for c in candidates if c.bytes <= budget_bytes - held] or candidates
-    chosen = min(fits, key=lambda c: (c.bytes > budget_bytes - held, c.flops, c.bytes))
+        candidates.append(p.rounded(second.x, needed))
+    fits = [c for c in candidates if c.bytes <= budget_bytes - p.held] or candidates
+    chosen = min(fits, key=lambda c: (c.bytes > budget_bytes - p.held, c.flops, c.bytes))
     note: str | None = None
     if not (first.success and second.success):
         note = (
@@ -255,23 +251,29 @@ def smallest_saved_bytes(
     None when the solver ran out of time.
     """
     needed = list(needed)
-    problem = _BudgetProblem.of(joint, free_inputs, time_limit)
-    rows, lower, upper = _budget_constraints(
-        problem.ops, problem.index, needed, problem.weights, np.inf
-    )
-    constraint = LinearConstraint(np.array(rows[:-1]), lower[:-1], upper[:-1])
-    least = problem.program.solve(problem.program.on_save(problem.weights), [constraint])
-    if least.x is None:
-        return None
-    return (
-        problem.held
-        + _Rounded.of(least.x, problem.ops, needed, problem.weights, problem.costs).bytes
-    )
+    p = _BudgetProblem.of(joint, free_inputs, time_limit)
+    least = p.solve(p.on_save(p.weights), [p.constraint(needed, None)])
+    return None if least.x is None else p.held + p.rounded(least.x, needed).bytes
+
+
+@dataclass(frozen=True)
+class _Rounded:
+    """A solver answer rounded to a plan, with its bytes and FLOPs counted exactly.
+
+    HiGHS accepts values within 1e-6 of an integer, and with coefficients in
+    the hundreds of millions that slack is worth a few FLOPs or bytes: the
+    plan is re-measured from its saved set rather than read off the solution.
+    """
+
+    saved: set[fx.Node]
+    bytes: int
+    flops: int
 
 
 @dataclass(frozen=True)
 class _BudgetProblem:
-    """The parts of the budget program that do not depend on the budget."""
+    """The parts of the budget program that do not depend on the budget; its variables are
+    ``[save_0..save_n, recompute_0..recompute_n]``."""
 
     # Forward inputs, then forward ops: one save and one recompute variable each.
     ops: list[fx.Node]
@@ -281,7 +283,8 @@ class _BudgetProblem:
     costs: np.ndarray
     # Bytes of the inputs every plan saves.
     held: int
-    program: _Program
+    bounds: Bounds
+    time_limit: float
 
     @staticmethod
     def of(joint: JointGraph, free_inputs: set[fx.Node], time_limit: float) -> _BudgetProblem:
@@ -301,95 +304,66 @@ class _BudgetProblem:
             weights=weights,
             costs=np.array([node_flops(v) for v in ops], dtype=float),
             held=unique_bytes(free_inputs),
-            program=_Program(len(ops), _budget_bounds(ops, reads_mutated_input(joint)), time_limit),
+            bounds=_budget_bounds(ops, reads_mutated_input(joint)),
+            time_limit=time_limit,
         )
 
+    def constraint(self, needed: Iterable[fx.Node], cap: float | None) -> LinearConstraint:
+        """What the backward reads is saved or recomputed; a recomputed op's op inputs are
+        too; with a ``cap``, the saved bytes are at most that."""
+        n, index = len(self.ops), self.index
+        rows: list[np.ndarray] = []
+        lower: list[float] = []
+        upper: list[float] = []
 
-@dataclass(frozen=True)
-class _Rounded:
-    """A solver answer rounded to a plan, with its bytes and FLOPs counted exactly.
+        def add(row: np.ndarray, lo: float, hi: float) -> None:
+            rows.append(row)
+            lower.append(lo)
+            upper.append(hi)
 
-    HiGHS accepts values within 1e-6 of an integer, and with coefficients in
-    the hundreds of millions that slack is worth a few FLOPs or bytes: the
-    plan is re-measured from its saved set rather than read off the solution.
-    """
-
-    saved: set[fx.Node]
-    bytes: int
-    flops: int
-
-    @staticmethod
-    def of(
-        x: np.ndarray, ops: list[fx.Node], needed: Iterable[fx.Node], weights: Any, costs: Any
-    ) -> _Rounded:
-        position = {v: i for i, v in enumerate(ops)}
-        saved = {v for v in ops if round(x[position[v]]) == 1}
-        recompute, inputs = recompute_closure(needed, saved)
-        used = set(needed) | {u for v in recompute for u in v.all_input_nodes} | inputs
-        kept = {v for v in saved | inputs if v in used and v in position}
-        return _Rounded(
-            saved,
-            int(sum(weights[position[v]] for v in kept)),
-            int(sum(costs[position[v]] for v in recompute if v in position)),
-        )
-
-
-@dataclass(frozen=True)
-class _Program:
-    """The budget program's fixed parts: variables ``[save_0..save_n, recompute_0..recompute_n]``."""
-
-    n: int
-    bounds: Bounds
-    time_limit: float
+        for v in needed:
+            if v in index:
+                row = np.zeros(2 * n)
+                row[index[v]] = row[n + index[v]] = 1
+                add(row, 1, np.inf)
+        for v in self.ops:
+            for u in v.all_input_nodes:
+                if u in index:  # recompute_v - save_u - recompute_u <= 0
+                    row = np.zeros(2 * n)
+                    row[n + index[v]] = 1
+                    row[index[u]] -= 1
+                    row[n + index[u]] -= 1
+                    add(row, -np.inf, 0)
+        if cap is not None:
+            add(self.on_save(self.weights), -np.inf, float(cap))
+        return LinearConstraint(np.array(rows), lower, upper)
 
     def on_save(self, values: np.ndarray) -> np.ndarray:
-        return np.concatenate([values, np.zeros(self.n)])
+        return np.concatenate([values, np.zeros(len(self.ops))])
 
     def on_recompute(self, values: np.ndarray) -> np.ndarray:
-        return np.concatenate([np.zeros(self.n), values])
+        return np.concatenate([np.zeros(len(self.ops)), values])
 
     def solve(self, objective: np.ndarray, constraints: list[LinearConstraint]) -> Any:
         return milp(
             objective,
             constraints=constraints,
-            integrality=np.ones(2 * self.n),
+            integrality=np.ones(2 * len(self.ops)),
             bounds=self.bounds,
             options={"time_limit": self.time_limit, "disp": False, "mip_rel_gap": 0.0},
         )
 
-
-def _budget_constraints(
-    ops: list[fx.Node],
-    index: dict[fx.Node, int],
-    needed: Iterable[fx.Node],
-    weights: np.ndarray,
-    budget_bytes: float,
-) -> tuple[list[np.ndarray], list[float], list[float]]:
-    n = len(ops)
-    rows: list[np.ndarray] = []
-    lower: list[float] = []
-    upper: list[float] = []
-
-    def add(row: np.ndarray, lo: float, hi: float) -> None:
-        rows.append(row)
-        lower.append(lo)
-        upper.append(hi)
-
-    for v in needed:
-        if v in index:
-            row = np.zeros(2 * n)
-            row[index[v]] = row[n + index[v]] = 1
-            add(row, 1, np.inf)
-    for v in ops:
-        for u in v.all_input_nodes:
-            if u in index:  # recompute_v - save_u - recompute_u <= 0
-                row = np.zeros(2 * n)
-                row[n + index[v]] = 1
-                row[index[u]] -= 1
-                row[n + index[u]] -= 1
-                add(row, -np.inf, 0)
-    add(np.concatenate([weights, np.zeros(n)]), -np.inf, float(budget_bytes))
-    return rows, lower, upper
+    def rounded(self, x: np.ndarray, needed: Iterable[fx.Node]) -> _Rounded:
+        """The plan of solver answer ``x`` (:class:`_Rounded`)."""
+        saved = {v for v in self.ops if round(x[self.index[v]]) == 1}
+        recompute, inputs = recompute_closure(needed, saved)
+        used = set(needed) | {u for v in recompute for u in v.all_input_nodes} | inputs
+        kept = {v for v in saved | inputs if v in used and v in self.index}
+        return _Rounded(
+            saved,
+            int(sum(self.weights[self.index[v]] for v in kept)),
+            int(sum(self.costs[self.index[v]] for v in recompute if v in self.index)),
+        )
 
 
 def _budget_bounds(ops: list[fx.Node], pinned: set[fx.Node]) -> Bounds:

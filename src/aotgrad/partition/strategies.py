@@ -145,8 +145,7 @@ def _save_or_replay(
 def mincut(joint: JointGraph) -> RematPlan:
     """Min-cut rematerialization (Note [Saved and recomputed])."""
     needed = needed_by_backward(joint)
-    saved = mincut_saved(joint, needed)
-    return from_saved(joint, needed, saved, "min-cut")
+    return from_saved(joint, needed, mincut_saved(joint, needed), "min-cut")
 
 
 def with_budget(joint: JointGraph, limit: Budget) -> RematPlan:
@@ -154,10 +153,10 @@ def with_budget(joint: JointGraph, limit: Budget) -> RematPlan:
     budget_bytes = limit.bytes_for(joint)
     free_inputs = {n for n in save_all(joint).saved if n.op == "placeholder"}
     result = budget_saved(joint, needed, budget_bytes, limit.time_limit, free_inputs)
-    if result.saved is None:
-        plan = save_all(joint)
-    else:
-        plan = from_saved(joint, needed, result.saved, f"{limit} ({budget_bytes} bytes)")
+    label = f"{limit} ({budget_bytes} bytes)"
+    plan = (
+        save_all(joint) if result.saved is None else from_saved(joint, needed, result.saved, label)
+    )
     plan.note = result.note
     return plan
 
@@ -256,11 +255,9 @@ def from_saved(
         if node in inputs and node.op != "placeholder":
             why += "; a collective is never recomputed (Note [Collectives])"
         reasons[node] = why if node.op == "placeholder" else f"{label}: {why}"
+    recomputed = f"{label}: recomputed from saved values"
     recompute_reasons = {
-        node: "graph constant"
-        if node.op == "get_attr"
-        else f"{label}: recomputed from saved values"
-        for node in recompute
+        n: "graph constant" if n.op == "get_attr" else recomputed for n in recompute
     }
     return RematPlan(
         saved=_in_order(joint, kept),
@@ -305,9 +302,8 @@ def apply_checkpoint_policy(joint: JointGraph, plan: RematPlan) -> RematPlan:
             )
         elif node in plan.recompute_reasons:
             policy_plan.recompute_reasons[node] = plan.recompute_reasons[node]
-    for node in policy_plan.saved:
-        if node in plan.save_reasons:
-            policy_plan.save_reasons[node] = plan.save_reasons[node]
+    kept = [n for n in policy_plan.saved if n in plan.save_reasons]
+    policy_plan.save_reasons.update({n: plan.save_reasons[n] for n in kept})
     policy_plan.note = plan.note
     return policy_plan
 

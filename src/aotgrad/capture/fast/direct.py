@@ -41,8 +41,8 @@ that share memory: which of them an output view comes from (so where its
 gradient goes: ``fn(b[0], b)`` returning ``b.t()``) only functionalization
 tells, with one storage per input's wrapper; and tensor subclass inputs: the
 recording mode would see the subclass's op before its ``__torch_dispatch__``
-runs (Note [Tensor subclasses]). On gpt4 the direct trace halves
-the cost of tracing; the graphs are identical, which a test checks op by op.
+runs (Note [Tensor subclasses]). The graphs are identical, which a test
+checks op by op.
 The price of stopping is that the function's Python runs twice (PyTorch's
 AOTAutograd always runs it at least twice).
 
@@ -52,10 +52,7 @@ Real models mutate: a BatchNorm in training adds 1 to ``num_batches_tracked``
 and updates its running statistics, torchvision's ``ReLU(inplace=True)`` and
 ``Hardswish(inplace=True)`` overwrite the conv/BN output, a ResNet block does
 ``out += identity``. Stopping at the first of these sent every convnet down
-the full trace. Profiling the capture of torchvision's resnet18 (cProfile,
-``bench/library_capture.py``) showed where the time went: nearly all of it in
-the full trace (functionalization, ``make_fx``'s proxy mode), after a direct
-trace that had stopped at the first BatchNorm (``bench/findings.md``).
+the full trace (capture times: ``bench/findings.md``).
 
 Functionalization turns an in-place op into its functional variant, whose
 result is the target's new value. Where nothing else sees the target's
@@ -84,20 +81,13 @@ runtime copies back; the direct trace takes only those autograd did not see
 (the input does not require grad and kept its ``grad_fn``: running
 statistics, counters), and stops for the others. Autograd's own checks still
 run above the recording mode: an in-place op on a value the backward needs
-raises eager's "modified by an inplace operation", as eager would.
-
-With this, resnet18, mobilenet_v3 and efficientnet take the direct trace
-(their capture times before and after, dated: ``bench/findings.md``), and most
-of their capture is then the fake tensor mode itself. convnext takes the
-direct trace too (Note [Writes through views, directly]), and timing the fake
-mode per op showed where its time goes: batch norm's and the activations'
-decompositions (half of efficientnet's capture), which capture's fake mode now
-skips (Note [Layouts without decompositions]), and Python view kernels (Note
-[Eager strides for views]).
+raises eager's "modified by an inplace operation", as eager would. So resnet18,
+mobilenet_v3, efficientnet and convnext take the direct trace.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import operator
@@ -276,7 +266,7 @@ class _RecordingMode(TorchDispatchMode):
         self._alive: list[torch.Tensor] = []  # keeps every traced tensor's id unique
         # How many traced tensors share each storage: an in-place op on one of several would
         # change the others too (Note [In-place ops, directly]).
-        self._storages: dict[Any, int] = {}
+        self._storages: collections.Counter[Any] = collections.Counter()
         self._counted = 0  # how many tensors of _alive _storages has counted
         # ids of the tensors an in-place op gave a new value (their node is the new value's).
         self.mutated: set[int] = set()
@@ -288,7 +278,6 @@ class _RecordingMode(TorchDispatchMode):
     def input(self, t: torch.Tensor) -> None:
         node = self.graph.placeholder(f"arg{len(self._alive)}_1")
         self._copy_context(node)
-        self._describe(node, t)
         self._track(t, node)
         self._inputs.add(id(t))
 
@@ -386,9 +375,7 @@ class _RecordingMode(TorchDispatchMode):
     def _sharing(self, t: torch.Tensor) -> int:
         """How many traced tensors share ``t``'s storage (counted lazily: only models with
         in-place ops pay for it)."""
-        for seen in self._alive[self._counted :]:
-            key = storage_key(seen)
-            self._storages[key] = self._storages.get(key, 0) + 1
+        self._storages.update(storage_key(seen) for seen in self._alive[self._counted :])
         self._counted = len(self._alive)
         return self._storages.get(storage_key(t), 0)
 
@@ -432,7 +419,10 @@ class _RecordingMode(TorchDispatchMode):
             raise NeedsFullTrace(f"{func} writes a view whose base the direct trace cannot tell")
         if bases[0].storage_offset() != 0:
             raise NeedsFullTrace(f"{func} writes a view of a base that is itself a view")
-        stand_in = _like(bases[0])  # the base's value: its own memory, not recorded
+        # The base's value, over memory of its own (not recorded: the mode is off here).
+        stand_in = torch.empty_strided(
+            bases[0].shape, bases[0].stride(), dtype=bases[0].dtype, device=bases[0].device
+        )
         self._nodes[id(stand_in)] = self._nodes[id(bases[0])]
         self._stand_ins.append(stand_in)
         storage = Storage(base=stand_in, root=id(bases[0]), members=len(members))
@@ -527,7 +517,6 @@ class _RecordingMode(TorchDispatchMode):
 
     def _output(self, func: OpOverload, out: Any, node: fx.Node) -> None:
         if isinstance(out, torch.Tensor):
-            self._describe(node, out)
             self._track(out, node)
             return
         if isinstance(out, _SYMBOLIC) or (
@@ -538,25 +527,18 @@ class _RecordingMode(TorchDispatchMode):
         if not isinstance(out, list | tuple):
             return
         for i, item in enumerate(out):
+            if item is None or isinstance(item, torch.Tensor):
+                getitem = self.graph.call_function(operator.getitem, (node, i))
             if item is None:  # make_fx names a getitem for it too, then drops it: same names
-                self.graph.erase_node(
-                    self.graph.create_node(
-                        "call_function", operator.getitem, (node, i), {}, name="getitem"
-                    )
-                )
+                self.graph.erase_node(getitem)
             if isinstance(item, torch.Tensor):
-                getitem = self.graph.create_node(
-                    "call_function", operator.getitem, (node, i), {}, name="getitem"
-                )
                 self._copy_context(getitem)
-                self._describe(getitem, item)
                 self._track(item, getitem)
 
-    def _describe(self, node: fx.Node, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, node: fx.Node) -> None:
+        """``node`` records ``t``: its value and metadata, as the proxy mode's."""
         node.meta["val"] = t
         node.meta["tensor_meta"] = tensor_metadata(t)
-
-    def _track(self, t: torch.Tensor, node: fx.Node) -> None:
         self._nodes[id(t)] = node
         self._alive.append(t)
 
@@ -584,11 +566,6 @@ class _RecordingMode(TorchDispatchMode):
             for key in ("custom", "stack_trace"):
                 if key in replayed.meta:
                     node.meta[key] = replayed.meta[key]
-
-
-def _like(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``t``'s layout over memory of its own (called with the recording mode off)."""
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
 
 def _check_recordable(func: Any) -> None:
@@ -677,9 +654,7 @@ def _functional_variant(
 
 def _overload(packet: str, overload: str) -> OpOverload | None:
     found = getattr(getattr(torch.ops.aten, packet, None), overload, None)
-    if not isinstance(found, OpOverload) or found._schema.is_mutable:
-        return None
-    return found
+    return found if isinstance(found, OpOverload) and not found._schema.is_mutable else None
 
 
 def _same_arguments(functional: OpOverload, func: OpOverload) -> bool:

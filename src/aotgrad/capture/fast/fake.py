@@ -12,7 +12,7 @@ import torch
 from aotgrad._torch_compat import FakeTensor, no_dispatch
 from aotgrad.capture.fake import EagerViewsFakeMode
 from aotgrad.capture.fast.layouts import Layout, Layouts, fast_layouts
-from aotgrad.capture.fast.meta_kernels import run_meta
+from aotgrad.capture.fast.meta_kernels import open_lists, run_meta
 from aotgrad.capture.fast.view_writes import VIEWS
 
 
@@ -34,9 +34,7 @@ class FastFakeMode(EagerViewsFakeMode):
         if viewed is not None:  # Note [Eager strides for views]: eager's, straight away
             func, args, kwargs = torch.ops.aten.as_strided.default, viewed, {}
         out = run_meta(self, func, args, kwargs)  # Note [Straight to the meta kernel]
-        if out is not None:
-            return out
-        return super().dispatch(func, types, args, kwargs)
+        return out if out is not None else super().dispatch(func, types, args, kwargs)
 
     def _empty(self, layouts: Layouts) -> object:
         """Fresh fake tensors of the given layouts (None stays None)."""
@@ -78,9 +76,7 @@ def _static_view(
 
 def _static(source: torch.Tensor, rest: Sequence[object]) -> bool:
     """No symbolic size anywhere, no tensor among the other arguments."""
-    flat = [*source.shape, *source.stride(), source.storage_offset()]
-    for a in rest:
-        flat.extend(a if isinstance(a, list | tuple) else [a])
+    flat = [*source.shape, *source.stride(), source.storage_offset(), *open_lists(rest)]
     return all(not isinstance(n, torch.Tensor | torch.SymInt) for n in flat) and all(
         isinstance(n, int) for n in flat[: 2 * source.dim() + 1]
     )

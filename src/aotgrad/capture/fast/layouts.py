@@ -8,10 +8,8 @@ layout from a C++ meta kernel. Ops without one (batch norm in training and its
 backward, the backward of most activations) it decomposes in Python into a
 dozen smaller ops, each dispatched through the fake mode in turn, and its
 cache helps only when the same op meets the same shapes again, which a
-convnet's layers of ever-changing widths rarely do. On the capture of
-``bench/library_capture.py``'s convnets, batch norm and the activations'
-backwards were a large share of the time inside the fake mode (the measurements,
-dated, are in ``bench/findings.md``).
+convnet's layers of ever-changing widths rarely do (capture times, dated, with
+the command: ``bench/findings.md``).
 
 For these ops the layout is simple whenever the inputs are laid out simply,
 so capture's fake mode makes the outputs directly (fresh fake tensors of the
@@ -35,9 +33,6 @@ the graphs do not change (both tracers use this mode). Layer norm and its
 backward follow the same way (the output is contiguous whatever the input's
 order); over size-1 dimensions the decomposition's strides differ from eager's,
 and those keep the decomposition's.
-
-The capture times before and after this rule are in ``bench/findings.md``
-(dated, with the command); ``make bench`` measures the current ones.
 """
 
 from __future__ import annotations
@@ -112,17 +107,13 @@ def fast_layouts(
     ((2, 3), (3, 1), False)
     """
     rule = LAYOUTS.get(func)
-    if rule is None:
-        return None
-    return rule(args, kwargs or {})
+    return None if rule is None else rule(args, kwargs or {})
 
 
 def _simple(t: object) -> bool:
     """A fake tensor of a floating dtype, dense in the standard or channels-last order, whose
     value the fake mode does not know (it propagates known values through ops)."""
-    if not isinstance(t, FakeTensor) or t.dtype not in _FLOATS or t.layout is not torch.strided:
-        return False
-    if t.constant is not None:
+    if not _strided(t) or t.dtype not in _FLOATS or t.constant is not None:
         return False
     if not all(isinstance(n, int) for n in (*t.shape, *t.stride())):
         return False
@@ -172,7 +163,7 @@ class Pointwise:
         # a tensor, a complex number or a dtype among the others could change the result's type
         if len(tensors) != self.arity or not all(isinstance(a, _PLAIN) for a in rest):
             return None
-        if not _alike(tensors) or not _same_mode(tensors):
+        if not _alike(tensors) or len({id(getattr(t, "fake_mode", None)) for t in tensors}) != 1:
             return None
         first = tensors[0]
         assert isinstance(first, torch.Tensor)
@@ -196,11 +187,6 @@ _layout(
     *(aten.hardswish_backward.default, aten.hardsigmoid_backward.default),
     *(aten.silu_backward.default, aten.gelu_backward.default, aten.threshold_backward.default),
 )(Pointwise(2))
-
-
-def _same_mode(tensors: Sequence[object]) -> bool:
-    modes = {id(getattr(t, "fake_mode", None)) for t in tensors}
-    return len(modes) == 1
 
 
 @_layout(aten._native_batch_norm_legit_functional.default)
@@ -232,19 +218,14 @@ def _batch_norm_backward(args: Sequence[object], kwargs: Mapping[str, object]) -
     if x.numel() <= channels or not _vectors((weight, save_mean, save_invstd), channels, x):
         return None
     vector = Layout.vector(channels, x)
-    wanted = (Layout.like(x), vector, vector)
-    return Layouts(
-        tensors=tuple(w if m else None for w, m in zip(wanted, mask, strict=True)), as_tuple=True
-    )
+    return _by_mask((Layout.like(x), vector, vector), mask)
 
 
 def _layer_norm_input(x: object, normalized: object) -> tuple[torch.Tensor, int] | None:
     """``x`` and where its normalized dimensions start, when the shortcut covers it: a fake
     tensor of one float dtype, no size-1 dimension (the decomposition lays those out
     otherwise than eager; it keeps them), normalizing its trailing dimensions."""
-    if not isinstance(x, FakeTensor) or x.dtype not in (torch.float32, torch.float64):
-        return None
-    if x.layout is not torch.strided:
+    if not _strided(x) or x.dtype not in (torch.float32, torch.float64):
         return None
     if not isinstance(normalized, list | tuple) or not normalized:
         return None
@@ -254,9 +235,7 @@ def _layer_norm_input(x: object, normalized: object) -> tuple[torch.Tensor, int]
     ):
         return None
     axis = len(shape) - len(normalized)
-    if axis < 0 or tuple(shape[axis:]) != tuple(normalized):
-        return None
-    return x, axis
+    return None if axis < 0 or tuple(shape[axis:]) != tuple(normalized) else (x, axis)
 
 
 def _contiguous_layout(shape: Sequence[int], like: torch.Tensor) -> Layout:
@@ -297,10 +276,12 @@ def _layer_norm_backward(args: Sequence[object], kwargs: Mapping[str, object]) -
     ):
         return None
     params = _contiguous_layout(x.shape[axis:], x)
-    wanted = (_contiguous_layout(x.shape, x), params, params)
-    return Layouts(
-        tensors=tuple(w if m else None for w, m in zip(wanted, mask, strict=True)), as_tuple=True
-    )
+    return _by_mask((_contiguous_layout(x.shape, x), params, params), mask)
+
+
+def _by_mask(wanted: tuple[Layout, ...], mask: Sequence[object]) -> Layouts:
+    """A backward's grads: the ``mask``'s wanted ones, None for the others."""
+    return Layouts(tuple(w if m else None for w, m in zip(wanted, mask, strict=True)), True)
 
 
 def _affine(tensors: Sequence[object], shape: tuple[int, ...], like: torch.Tensor) -> bool:

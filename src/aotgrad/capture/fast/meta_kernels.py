@@ -9,7 +9,7 @@ tensors of the arguments' device. Before that last step it does work capture
 does not need when every layout is static and plain: it flattens and hashes
 the arguments for its cache (a miss costs the hashing and a cache entry on top
 of the kernel), checks for constants, subclasses, real-tensor propagation and
-rules of its own. So capture's fake mode (``CaptureFakeMode``) takes the last
+rules of its own. So the fast path's fake mode (``FastFakeMode``) takes the last
 step directly when the fake mode would do nothing else:
 
 * the op is an aten op that writes none of its arguments, takes no ``device``,
@@ -30,14 +30,10 @@ The result is then the fake mode's own: same kernel, same arguments, same
 wrapping. A view's meta result shares its argument's storage, as in the fake
 mode. ``tests/test_meta_kernels.py`` checks each routed call against PyTorch's
 fake mode (layouts, dtypes, devices, memory shared with arguments) over library
-models and a slice of the OpInfo database; the whole database (412 ops routed,
-18,086 calls) matched. Outside the fake mode's cache (a fresh process meets
-most shapes once) the straight call costs about half of the fake mode's.
-
+models and a slice of the OpInfo database (capture times: ``bench/findings.md``).
 Pointwise ops whose meta kernels are Python references of many small ops
 (``gelu``) get their layout by rule instead (Note [Layouts without
-decompositions]). The per-call and per-model capture times before and after
-both are in ``bench/findings.md`` (dated, with the command).
+decompositions]).
 """
 
 from __future__ import annotations
@@ -92,7 +88,7 @@ def run_meta(
     when the arguments are not all plain static fake tensors of ``mode`` (ask the fake mode)."""
     if not straight_to_meta(func):
         return None
-    flat = _leaves([*args, *kwargs.values()])
+    flat = open_lists([*args, *kwargs.values()])
     if not any(isinstance(a, torch.Tensor) for a in flat) or not all(_plain(a, mode) for a in flat):
         return None
     with in_kernel_invocation(mode):
@@ -106,15 +102,9 @@ def run_meta(
     )
 
 
-def _leaves(values: Sequence[object]) -> list[object]:
+def open_lists(values: Sequence[object]) -> list[object]:
     """The arguments with lists opened: an aten op nests them one level (``Tensor[]``, ``int[]``)."""
-    flat: list[object] = []
-    for v in values:
-        if isinstance(v, list | tuple):
-            flat.extend(v)
-        else:
-            flat.append(v)
-    return flat
+    return [x for v in values for x in (v if isinstance(v, list | tuple) else [v])]
 
 
 def _plain(a: object, mode: FakeTensorMode) -> bool:
@@ -133,4 +123,4 @@ def _plain(a: object, mode: FakeTensorMode) -> bool:
     )
 
 
-__all__ = ["run_meta", "straight_to_meta"]
+__all__ = ["open_lists", "run_meta", "straight_to_meta"]

@@ -141,9 +141,8 @@ def invertible(chain: Sequence[ViewStep]) -> str | None:
     """Why a write through ``chain`` cannot be scattered back (None: it can)."""
     for step in chain:
         rule = VIEWS.get(step.op)
-        if rule is None or rule.inverse is None or step.index is not None:
-            return f"a write through a view made by {step.op} (no scatter for it)"
-        if step.kwargs and step.op is not aten.slice.Tensor:
+        no_scatter = rule is None or rule.inverse is None or step.index is not None
+        if no_scatter or (step.kwargs and step.op is not aten.slice.Tensor):
             return f"a write through a view made by {step.op} (no scatter for it)"
     return None
 
