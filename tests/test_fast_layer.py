@@ -119,3 +119,21 @@ def test_a_sparse_input_needing_grad_is_refused_by_the_full_trace(monkeypatch, s
     with pytest.raises(CaptureError, match=f"{x.layout} tensor that requires grad"):
         _traced(monkeypatch, False, lambda a, b: a.to_dense() * b, x, w)
     assert _traced(monkeypatch, True, lambda a, b: a.to_dense() * b, x, w).tracer == "direct"
+
+
+def test_on_a_release_not_verified_the_fast_path_declines_and_says_so(monkeypatch):
+    """Note [Behaviour by torch release]: the fast path's rules hold only where the suite
+    verified them; elsewhere capture runs in the stock fake mode, with the full trace."""
+    import aotgrad.capture as capture
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fast fake mode ran on a release it was not verified on")
+
+    monkeypatch.setattr(FastFakeMode, "dispatch", refuse)
+    monkeypatch.setattr(capture, "FAST_PATH_VERIFIED", frozenset())
+    x = torch.randn(6, requires_grad=True)
+    traced = aotgrad.trace(lambda x: x.view(2, 3).t().relu(), x)
+    assert traced.tracer == "full"
+    assert f"not verified on torch {torch.__version__}" in traced.fallback_reason
+    (grad,) = torch.autograd.grad(traced(x).sum(), x)
+    torch.testing.assert_close(grad, (x > 0).float())

@@ -158,6 +158,8 @@ def test_asking_about_opaque_types_logs_nothing(caplog):
 def test_the_running_torch_is_in_the_supported_window():
     oldest, newest = compat.SUPPORTED_RELEASES
     assert oldest <= compat.TORCH_RELEASE <= newest, torch.__version__
+    # The suite verifies the fast path on every release of the window (README's matrix).
+    assert all((2, minor) in compat.FAST_PATH_VERIFIED for minor in range(oldest[1], newest[1] + 1))
 
 
 def test_no_dispatch_runs_below_the_fake_mode():

@@ -84,6 +84,10 @@ from torch._C import _functionalization
 # (Note [The direct trace's frames are let go]).
 TORCH_RELEASE: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
 SUPPORTED_RELEASES = ((2, 11), (2, 15))
+# The releases whose suite passed with the fast path's rules (its direct-vs-full tests
+# included: README, Supported versions). On any other the fast path declines: capture runs
+# in PyTorch's stock fake mode with the full trace, and ``fallback_reason`` says so.
+FAST_PATH_VERIFIED = frozenset({(2, 11), (2, 12), (2, 13), (2, 14), (2, 15)})
 
 # --- Operators -----------------------------------------------------------------------------------
 

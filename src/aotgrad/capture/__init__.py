@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from aotgrad._torch_compat import rename_node
+from aotgrad._torch_compat import FAST_PATH_VERIFIED, TORCH_RELEASE, rename_node
 from aotgrad.capture.aliasing import (
     Alias,
     AliasSource,
@@ -168,7 +168,7 @@ def capture(
         dynamic_dims=dynamic_dims,
         tracer=check_tracer_choice(tracer),
         effects=effects,
-        fast=fast,
+        fast=fast and TORCH_RELEASE in FAST_PATH_VERIFIED,  # Note [Behaviour by torch release]
     )
     label = root if root is not None else body
     with capture_session(), recording_environ() as environ:  # Note [Capture sessions]
@@ -234,6 +234,8 @@ def _why_not_direct(
         return "dynamic shapes (it records static sizes only)"
     if bases or overlapping_groups(primals):
         return "inputs share memory (only functionalization tells which one a view comes from)"
+    if not options.fast and TORCH_RELEASE not in FAST_PATH_VERIFIED:
+        return f"the fast path is not verified on torch {torch.__version__}, so it is off"
     if not options.fast:
         return "the fast path is off (Note [The fast path as a layer])"
     return None
