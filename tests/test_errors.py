@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import aotgrad
+import aotgrad._torch_compat as compat
 
 HERE = __file__
 
@@ -132,12 +133,17 @@ def users_own_error(x):
             "return x.t().view(-1)  # the offending view",
             ValueError,
         ),
-        (
+        pytest.param(
             index_out_of_range,
             (torch.randn(2, 3),),
             "aten.select",
             "return x.select(0, 7)  # the offending select",
             IndexError,
+            marks=pytest.mark.skipif(
+                compat.TORCH_RELEASE < (2, 12),
+                reason="torch 2.11's fake select does not check the index, so capture cannot"
+                " name it: the compiled call raises eager's own IndexError when it runs",
+            ),
         ),
     ],
 )
