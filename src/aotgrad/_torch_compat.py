@@ -76,6 +76,8 @@ from torch._C import _functionalization
 #     is_opaque_reference(mesh)   2.11-2.13: is_opaque_reference_type(type(v))
 #                                 2.14-2.15: is_opaque_symbolic_type(type(v)) (the old name
 #                                            warns twice a call)
+#     _cpp_meta_takes_symint(op)  2.11-2.14: FakeTensorMode._cpp_meta_supports_symint
+#                                 2.15: torch._meta_registrations.cpp_meta_supports_symint_ops
 #
 # Behaviours that drifted outside these names are fixed where they live and named by the
 # release in their Note: ``_linalg_check_errors`` not effectful before 2.13
@@ -138,12 +140,23 @@ def fake_mode_decomposes(op: OpOverload) -> bool:
     which a meta kernel sees as ``meta`` (batch norm's saved statistics are empty on CPU)."""
     from torch._decomp import decomposition_table, meta_table
 
-    cpp_meta = _fake_tensor.FakeTensorMode._cpp_meta_supports_symint
-    if op in meta_table or op in cpp_meta or torch.Tag.view_copy in op.tags:
+    if op in meta_table or _cpp_meta_takes_symint(op):
         return False
     if op in decomposition_table and _fake_tensor.torch_decomp_decompositions(op):
         return True  # the fake mode runs the decompositions of torch._decomp, not torch._refs
     return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
+def _cpp_meta_takes_symint(op: OpOverload) -> bool:
+    """Does the fake mode run ``op``'s C++ meta kernel even for symbolic sizes? (The list moved
+    to ``torch._meta_registrations`` in 2.15: Note [Behaviour by torch release].)"""
+    if TORCH_RELEASE >= (2, 15):
+        import torch._meta_registrations as registrations
+
+        ops = vars(registrations)["cpp_meta_supports_symint_ops"]
+    else:
+        ops = _fake_tensor.FakeTensorMode._cpp_meta_supports_symint
+    return op in ops or torch.Tag.view_copy in op.tags
 
 
 def fake_mode_has_own_rule(op: OpOverload) -> bool:
