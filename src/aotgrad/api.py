@@ -62,8 +62,46 @@ from aotgrad.store.loaded import save_traced
 from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
 
 
+class _Reports:
+    """The reports of a trace, or of a compiled function's last specialization (after its
+    first call: a ``CallError`` before)."""
+
+    def _reported(self) -> Partitioned:
+        raise NotImplementedError
+
+    def seq_table(self) -> SeqTable:
+        """Every op of the joint graph with its forward op's number and module (data; prints as a table)."""
+        return seq_table(self._reported().joint.gm)
+
+    def memory_report(self, by_module: bool = False) -> str:
+        """The saved values, largest first, with the total of unique storages."""
+        return memory_report(self._reported().saved, by_module=by_module)
+
+    def to_html(self, path: str | os.PathLike[str], profile: Any = None) -> None:
+        """Write the graphs, saved values and calling convention as one self-contained HTML page.
+
+        >>> import torch, aotgrad, tempfile, pathlib
+        >>> t = aotgrad.trace(lambda x: x.sin(), torch.ones(2, requires_grad=True))
+        >>> out = pathlib.Path(tempfile.mkdtemp()) / "report.html"
+        >>> t.to_html(out)
+        >>> out.read_text().startswith("<!DOCTYPE html>")
+        True
+        >>> f = aotgrad.aot_function(lambda x: x.cos())
+        >>> _ = f(torch.ones(2, requires_grad=True))
+        >>> f.to_html(out)
+        >>> "cos" in out.read_text()
+        True
+        >>> m = aotgrad.aot_module(torch.nn.Linear(2, 3))
+        >>> _ = m(torch.ones(1, 2))
+        >>> m.to_html(out)
+        >>> "addmm" in out.read_text()
+        True
+        """
+        pathlib.Path(path).write_text(render_html(self._reported(), profile), encoding="utf-8")
+
+
 @dataclass(frozen=True, kw_only=True)
-class Traced:
+class Traced(_Reports):
     """The forward and backward graphs of one call, with everything aotgrad decided.
 
     >>> import torch, aotgrad
@@ -173,25 +211,8 @@ class Traced:
         )
         return replace(self, _compiled=compile_stage(self.partitioned, options))
 
-    def seq_table(self) -> SeqTable:
-        """Every op of the joint graph with its forward op's number and module (data; prints as a table)."""
-        return seq_table(self.joint)
-
-    def memory_report(self, by_module: bool = False) -> str:
-        """The saved values, largest first, with the total of unique storages."""
-        return memory_report(self.saved, by_module=by_module)
-
-    def to_html(self, path: str | os.PathLike[str], profile: Any = None) -> None:
-        """Write the graphs, saved values and calling convention as one self-contained HTML page.
-
-        >>> import torch, aotgrad, tempfile, pathlib
-        >>> t = aotgrad.trace(lambda x: x.sin(), torch.ones(2, requires_grad=True))
-        >>> out = pathlib.Path(tempfile.mkdtemp()) / "report.html"
-        >>> t.to_html(out)
-        >>> out.read_text().startswith("<!DOCTYPE html>")
-        True
-        """
-        _write_html(self.partitioned, path, profile)
+    def _reported(self) -> Partitioned:
+        return self.partitioned
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the graphs, signature, provenance and saved plan to ``path``, for :func:`aotgrad.load`.
@@ -302,10 +323,6 @@ class Traced:
         if self.backward is not None:
             parts += ["# backward", self.backward.code.strip()]
         return "\n\n".join(parts)
-
-
-def _write_html(partitioned: Partitioned, path: str | os.PathLike[str], profile: Any) -> None:
-    pathlib.Path(path).write_text(render_html(partitioned, profile), encoding="utf-8")
 
 
 def trace(
@@ -429,7 +446,7 @@ def aot_function(
     return AOTFunction(fn, options_of(given, "aot_function"))
 
 
-class AOTFunction:
+class AOTFunction(_Reports):
     """``aot_function``'s result: call it like the function; one compiled graph pair per specialization.
 
     ``seq_table()``, ``memory_report()`` and ``partitioned`` describe the most
@@ -622,25 +639,6 @@ class AOTFunction:
         arguments = (self._input_names, self._read_environment, self._dynamic_dims, self._code_key)
         return (AOTFunction, (self._given, self._options, *arguments))
 
-    def seq_table(self) -> SeqTable:
-        return seq_table(self._last().joint.gm)
-
-    def memory_report(self, by_module: bool = False) -> str:
-        return memory_report(self._last().saved, by_module=by_module)
-
-    def to_html(self, path: str | os.PathLike[str], profile: Any = None) -> None:
-        """The last specialization's report page, as ``Traced.to_html`` (after the first call).
-
-        >>> import torch, aotgrad, tempfile, pathlib
-        >>> f = aotgrad.aot_function(lambda x: x.cos())
-        >>> _ = f(torch.ones(2, requires_grad=True))
-        >>> out = pathlib.Path(tempfile.mkdtemp()) / "report.html"
-        >>> f.to_html(out)
-        >>> "cos" in out.read_text()
-        True
-        """
-        _write_html(self._last(), path, profile)
-
     @property
     def partitioned(self) -> Partitioned | None:
         """The last specialization's graphs and what aotgrad decided; None before the first
@@ -649,7 +647,7 @@ class AOTFunction:
             self._partitioned = self._describe(self._hit)
         return self._partitioned
 
-    def _last(self) -> Partitioned:
+    def _reported(self) -> Partitioned:
         partitioned = self.partitioned
         if partitioned is None:
             raise CallError("no specialization yet: call the compiled function first")
@@ -721,7 +719,7 @@ def _reached(state: State, arguments: Arguments) -> list[tuple[str, Any]]:
     return [*roots, *arguments]
 
 
-class AOTModule(torch.nn.Module):
+class AOTModule(_Reports, torch.nn.Module):
     """``aot_module``'s result: the original module, run through compiled graphs."""
 
     def __init__(self, module: torch.nn.Module, compiled: AOTFunction) -> None:
@@ -761,24 +759,8 @@ class AOTModule(torch.nn.Module):
         """Pickles (and deep-copies) as the wrapped module plus options, compiled again on use."""
         return (_rebuild_aot_module, (self.orig_module, self.compiled._options))
 
-    def seq_table(self) -> SeqTable:
-        return self.compiled.seq_table()
-
-    def memory_report(self, by_module: bool = False) -> str:
-        return self.compiled.memory_report(by_module)
-
-    def to_html(self, path: str | os.PathLike[str], profile: Any = None) -> None:
-        """The last specialization's report page, as ``Traced.to_html`` (after the first call).
-
-        >>> import torch, aotgrad, tempfile, pathlib
-        >>> m = aotgrad.aot_module(torch.nn.Linear(2, 3))
-        >>> _ = m(torch.ones(1, 2))
-        >>> out = pathlib.Path(tempfile.mkdtemp()) / "report.html"
-        >>> m.to_html(out)
-        >>> "addmm" in out.read_text()
-        True
-        """
-        self.compiled.to_html(path, profile)
+    def _reported(self) -> Partitioned:
+        return self.compiled._reported()
 
 
 def _rebuild_aot_module(module: torch.nn.Module, options: Options) -> AOTModule:

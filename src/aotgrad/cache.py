@@ -316,13 +316,6 @@ class CacheKey(NamedTuple):
         return "no field of the key differs"
 
 
-def _structure_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
-    return (
-        f"argument structure changed: {_show_structure(old.structure)}"
-        f" != {_show_structure(new.structure)}"
-    )
-
-
 def _show_structure(structure: Any) -> str:
     if isinstance(structure, int):  # a flat positional call (``flatten_call``)
         return f"{structure} positional argument{'s' * (structure != 1)}"
@@ -413,10 +406,6 @@ def _added_removed(old: Sequence[str], new: Sequence[str]) -> str:
     return f"added {added or 'none'}, removed {removed or 'none'}"
 
 
-def _aliases_change(old: CacheKey, new: CacheKey, names: Sequence[str]) -> str | None:
-    return f"inputs sharing memory: {_sharing(old, names)} != {_sharing(new, names)}"
-
-
 def _sharing(key: CacheKey, names: Sequence[str]) -> str:
     """The inputs that share memory (``x and y``), from ``alias_key``'s storage groups."""
     if key.aliases is None:
@@ -460,11 +449,16 @@ def autocast_text(state: AutocastState) -> str:
 # By field, in the order ``CacheKey.explain`` tries them: each, called when its field
 # differs, gives the reason (or None, and the next field is tried).
 _FIELD_EXPLANATIONS: dict[str, Callable[[CacheKey, CacheKey, Sequence[str]], str | None]] = {
-    "structure": _structure_change,
+    "structure": lambda old, new, names: (
+        f"argument structure changed: {_show_structure(old.structure)}"
+        f" != {_show_structure(new.structure)}"
+    ),
     "dynamic_dims": _dims_change,
     "leaves": _leaves_change,
     "state": _state_change,
-    "aliases": _aliases_change,
+    "aliases": lambda old, new, names: (
+        f"inputs sharing memory: {_sharing(old, names)} != {_sharing(new, names)}"
+    ),
     "ambient": lambda old, new, names: _ambient_change(old.ambient, new.ambient),
 }
 

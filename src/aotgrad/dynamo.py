@@ -212,13 +212,9 @@ class _DynamicCall:
         self.numbers = numbers
 
     def __call__(self, *args: Any) -> Any:
-        inputs = [_number(args[i]) if i in self.numbers else args[i] for i in self.inputs]
-        return self.compiled(*inputs)
-
-
-def _number(value: Any) -> Any:
-    """A number input's Python value: a 0-d tensor (a float Dynamo wrapped) is read."""
-    return value.item() if isinstance(value, torch.Tensor) else value
+        # A number input's 0-d tensor (a float Dynamo wrapped) is read as its value.
+        read = {i: args[i].item() for i in self.numbers if isinstance(args[i], torch.Tensor)}
+        return self.compiled(*[read.get(i, args[i]) for i in self.inputs])
 
 
 def aotgrad_backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:

@@ -13,6 +13,7 @@ per forward op (Note [Sequence numbers]) and per module.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,29 +124,19 @@ class _RangeInterpreter(fx.Interpreter):
     """Runs a graph with one ``record_function`` range per run of nodes sharing a seq_nr."""
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        self._range: Any = None
         self._key: tuple[Any, ...] | None = None
-        try:
+        with contextlib.ExitStack() as self._range:  # the open range, closed at the end
             return super().run(*args, **kwargs)
-        finally:
-            self._close()
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "call_function":
             info = node_info(n)
             key = (info.phase.value, info.seq_nr, info.kind.value, info.module)
             if key != self._key:
-                self._close()
+                self._range.close()
                 self._key = key
-                self._range = record_function(":".join([_PREFIX, *map(str, key)]))
-                self._range.__enter__()
+                self._range.enter_context(record_function(":".join([_PREFIX, *map(str, key)])))
         return super().run_node(n)
-
-    def _close(self) -> None:
-        if self._range is not None:
-            self._range.__exit__(None, None, None)
-            self._range = None
-            self._key = None
 
 
 def _empty_report(traced: Traced, repeats: int) -> ProfileReport:

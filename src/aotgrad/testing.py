@@ -388,14 +388,14 @@ def _second_order(checker: _Checker, eager: Run, compiled: Run) -> None:
     if not pairs or not names:
         return
     cotangents = _cotangents(pairs)
-    firsts = [
-        _grads(
-            [p[side] for p in pairs],
-            [run[1][n] for n in names],
-            [c.clone().requires_grad_(True) for c in cotangents],
-        )
-        for side, run in enumerate((eager, compiled))
-    ]
+    # Per run: its first-order gradients, and what to differentiate them by.
+    firsts: list[tuple[list[torch.Tensor | None], list[torch.Tensor]]] = []
+    for side, run in enumerate((eager, compiled)):
+        wrt = [run[1][n] for n in names]
+        given = [c.clone().requires_grad_(True) for c in cotangents]
+        outputs = [p[side] for p in pairs]
+        grads = torch.autograd.grad(outputs, wrt, given, create_graph=True, allow_unused=True)
+        firsts.append((list(grads), [*wrt, *given]))
     for name, e, c in zip(names, firsts[0][0], firsts[1][0], strict=True):
         checker.report.compared_grads += 1
         checker.grad(f"grad of {name}", e, c)
@@ -411,14 +411,6 @@ def _second_order(checker: _Checker, eager: Run, compiled: Run) -> None:
     for name, e, c in zip(wrt_names, seconds[0], seconds[1], strict=True):
         checker.report.compared_grads += 1
         checker.grad(f"second-order grad of {name}", e, c)
-
-
-def _grads(
-    outputs: list[torch.Tensor], wrt: list[torch.Tensor], cotangents: list[torch.Tensor]
-) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
-    """First-order gradients with ``create_graph=True``, and what to differentiate them by."""
-    grads = torch.autograd.grad(outputs, wrt, cotangents, create_graph=True, allow_unused=True)
-    return list(grads), [*wrt, *cotangents]
 
 
 def _weighted_grads(

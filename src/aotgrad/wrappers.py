@@ -217,9 +217,10 @@ def _check_no_wrappers_inside(
 ) -> None:
     """Refuse a DDP or FSDP2 wrapper inside ``module``: aotgrad runs wrappers only at the root."""
     ddp_type = torch.nn.parallel.DistributedDataParallel
+    fsdp = not ddp_only and "torch.distributed.fsdp" in sys.modules
     for path, sub in module.named_modules():
         is_ddp = isinstance(sub, ddp_type)
-        is_fsdp = not ddp_only and _fsdp_loaded() and compat.fsdp_state(sub) is not None
+        is_fsdp = fsdp and compat.fsdp_state(sub) is not None
         if is_ddp or is_fsdp:
             kind = "DDP" if is_ddp else "fully_shard"
             raise UnsupportedWrapperError(
@@ -229,10 +230,6 @@ def _check_no_wrappers_inside(
                 " fully_shard the root too: fully_shard(model.layer); fully_shard(model)), or"
                 f" {_COMPILE_INSTEAD}."
             )
-
-
-def _fsdp_loaded() -> bool:
-    return "torch.distributed.fsdp" in sys.modules
 
 
 def refuse_reached_wrappers(reached: list[tuple[str, Any]]) -> None:

@@ -380,8 +380,9 @@ class ScanLoop(torch.autograd.Function):
         ys_cotangent = cotangents[body.num_carry :]
         with _rng_restored(ctx.checkpoint and body.random):
             for i in reversed(range(ctx.length)):
+                y_rows = [None if t is None else t[i] for t in ys_cotangent]
                 given = [
-                    carry_cotangent[j] if kind == "carry" else _row_of(ys_cotangent[j], i)
+                    carry_cotangent[j] if kind == "carry" else y_rows[j]
                     for kind, j in body.cotangent_of
                 ]
                 iteration = _iteration_grads(ctx, body, i, given, (lifted, kept, xs))
@@ -419,10 +420,6 @@ def _iteration_grads(
     lifted, kept, xs = saved  # (closed-over, kept per iteration, xs)
     values = _saved_of(ctx, body, i, kept, lifted, _x_row(body, xs, i, ctx.stacked))
     return reached_grads(body.backward([*values, *incoming]), body.plan.reached_by, received)
-
-
-def _row_of(t: torch.Tensor | None, i: int) -> torch.Tensor | None:
-    return None if t is None else t[i]
 
 
 def _saved_of(

@@ -51,21 +51,17 @@ def graph_nodes(gm: fx.GraphModule) -> list[dict[str, Any]]:
 
 
 def _node(node: fx.Node) -> dict[str, Any]:
+    desc = node.meta.get(DESC_KEY)  # printed: a string, a list of them on the output, or None
+    if desc is not None:
+        desc = [str(d) for d in desc] if isinstance(desc, list) else str(desc)
     entry: dict[str, Any] = {
         "name": node.name,
         "op": node.op,
         "target": op_name(node.target) if node.op == "call_function" else str(node.target),
         "args": [str(a) for a in node.args] if node.op != "output" else None,
-        "desc": _desc_text(node.meta.get(DESC_KEY)),
+        "desc": desc,
     }
     info = node.meta.get(META_KEY)
     if isinstance(info, NodeInfo):
         entry.update(info.to_dict())
     return entry
-
-
-def _desc_text(desc: Any) -> Any:
-    """The descriptor's comment as printed: a string, a list of them on the output, or None."""
-    if desc is None:
-        return None
-    return [str(d) for d in desc] if isinstance(desc, list) else str(desc)

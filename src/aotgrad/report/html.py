@@ -75,7 +75,10 @@ def report_document(partitioned: Partitioned, profile: Any = None) -> dict[str, 
     _add_tensor_meta(document["graphs"]["forward"], partitioned.forward)
     if partitioned.backward is not None:
         _add_tensor_meta(document["graphs"]["backward"], partitioned.backward)
-        _mark_recomputed(document["graphs"]["backward"], partitioned)
+        recomputed = {r.name: r for r in partitioned.recomputed}
+        for entry in document["graphs"]["backward"]:
+            if (op := recomputed.get(entry["name"])) is not None:
+                entry["recomputed"] = {"reason": op.reason, "flops": op.flops}
     document["profile"] = _profile_dict(profile)
     return document
 
@@ -86,14 +89,6 @@ def _add_tensor_meta(entries: list[dict[str, Any]], gm: fx.GraphModule) -> None:
     for entry, node in zip(entries, gm.graph.nodes, strict=True):
         entry.update(_tensor_meta(node))
         entry["inputs"] = [i.name for i in node.all_input_nodes]
-
-
-def _mark_recomputed(entries: list[dict[str, Any]], partitioned: Partitioned) -> None:
-    recomputed = {r.name: r for r in partitioned.recomputed}
-    for entry in entries:
-        op = recomputed.get(entry["name"])
-        if op is not None:
-            entry["recomputed"] = {"reason": op.reason, "flops": op.flops}
 
 
 def embed_json(value: Any) -> str:
@@ -143,22 +138,16 @@ def _asset(name: str) -> str:
 def _tensor_meta(node: fx.Node) -> dict[str, Any]:
     """``shape`` and ``dtype`` of the node's value; a multi-output op gets a list of shapes."""
     val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return {"shape": _shape(val), "dtype": _dtype(val)}
-    tensors = (
-        [v for v in val if isinstance(v, torch.Tensor)] if isinstance(val, list | tuple) else []
-    )
+    tensors = [
+        v for v in (val if isinstance(val, list | tuple) else [val]) if isinstance(v, torch.Tensor)
+    ]
     if not tensors:
         return {"shape": None, "dtype": None}
-    return {"shape": [_shape(t) for t in tensors], "dtype": _dtype(tensors[0])}
-
-
-def _shape(t: torch.Tensor) -> list[int | str]:
-    return [d if isinstance(d, int) else str(d) for d in t.shape]  # a SymInt as its text
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+    shapes = [
+        [d if isinstance(d, int) else str(d) for d in t.shape] for t in tensors
+    ]  # SymInt: text
+    dtype = str(tensors[0].dtype).removeprefix("torch.")
+    return {"shape": shapes[0] if isinstance(val, torch.Tensor) else shapes, "dtype": dtype}
 
 
 def _profile_dict(profile: Any) -> dict[str, Any] | None:

@@ -282,7 +282,8 @@ def make_function(
                 returned = tuple([results[i] for i in returned_positions])
             saved = results[saved_in_forward]
             if plan.restrided:  # Note [Replayed metadata keeps the version]
-                saved = _aliases_of_restrided(saved, [primals[i] for i in plan.restrided])
+                restrided = {id(primals[i]) for i in plan.restrided}
+                saved = [v.detach() if id(v) in restrided else v for v in saved]
             if plan.saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
                 ctx.sizes = [v for v in saved if not isinstance(v, torch.Tensor)]
                 saved = [v for v in saved if isinstance(v, torch.Tensor)]
@@ -312,8 +313,9 @@ def make_function(
                 if not received:
                     return no_grads
             saved = ctx.saved_tensors
-            if plan.saved_sizes:
-                saved = _interleave(plan.saved_sizes, saved, ctx.sizes)
+            if plan.saved_sizes:  # the ints back between the tensors
+                tensors, sizes = iter(saved), iter(ctx.sizes)
+                saved = [next(sizes) if is_size else next(tensors) for is_size in plan.saved_sizes]
             if torch.is_grad_enabled():  # create_graph=True (Note [Differentiable backward])
                 if any_autocast():  # Note [Autocast]
                     _check_autocast_backward(plan.autocast_backward)
@@ -406,17 +408,6 @@ def direct_apply(function: type[torch.autograd.Function]) -> Any:
         return raw(*map(unwrap, inputs))
 
     return apply
-
-
-def _aliases_of_restrided(saved: Sequence[Any], restrided: Sequence[torch.Tensor]) -> list[Any]:
-    """Each saved input the epilogue restrides in place, replaced by an alias of it."""
-    ids = {id(t) for t in restrided}
-    return [v.detach() if id(v) in ids else v for v in saved]
-
-
-def _interleave(is_size: Sequence[bool], tensors: Sequence[Any], sizes: Sequence[Any]) -> list[Any]:
-    tensor_iter, size_iter = iter(tensors), iter(sizes)
-    return [next(size_iter) if flag else next(tensor_iter) for flag in is_size]
 
 
 def _differentiable(

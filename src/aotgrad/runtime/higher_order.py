@@ -366,7 +366,10 @@ def build_slice(
     depends = _depends_on(
         forward, [p for p, needed in zip(placeholders, needs_grad, strict=True) if needed]
     )
-    recomputed = tuple(j for j, node in enumerate(saved) if node in depends or not _is_tensor(node))
+    tensors = [
+        isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor) for n in saved
+    ]
+    recomputed = tuple(j for j, node in enumerate(saved) if node in depends or not tensors[j])
     constants = tuple(j for j in range(len(saved)) if j not in recomputed)
     # The recompute stops at saved constants: ``G`` takes them as saved (a dropout mask).
     boundary = {saved[j]: j for j in reversed(constants) if isinstance(saved[j], fx.Node)}
@@ -454,10 +457,6 @@ def _outputs_of(node: fx.Node, positions: Sequence[int]) -> tuple[int, ...] | No
             return None
         found.update(outputs)
     return tuple(sorted(found))
-
-
-def _is_tensor(node: Any) -> bool:
-    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def _depends_on(forward: fx.GraphModule, sources: Sequence[fx.Node]) -> set[fx.Node]:

@@ -219,16 +219,11 @@ def _read_entry(shard: int, name: str, max_bytes: int) -> bytes | None:
         info = os.fstat(fd)
         if not _own_regular_file(info, max_bytes):
             return None
-        chunks, left = [], info.st_size
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
+        with os.fdopen(os.dup(fd), "rb") as file:
+            data = file.read(info.st_size)  # at most the size checked
         with contextlib.suppress(OSError):
             os.utime(fd)  # recently used
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
 
