@@ -9,7 +9,7 @@
 #
 # A torch above this machine's pip cap (/etc/xdg/pip: torch<=2.14.1) is installed with the
 # cap lifted for this one environment (PIP_CONSTRAINT=/dev/null); nothing else changes. Where
-# no torchvision release for that torch exists yet, its models' tests skip (they say so).
+# no torchvision release for that torch exists yet, pip takes the newest that allows it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 torch=${TORCH:?TORCH=2.x.y is required, e.g. make compat TORCH=2.14.1}
@@ -49,7 +49,7 @@ if [ ! -f "$env/.installed" ] || [ constraints.txt -nt "$env/.installed" ]; then
     "${pip[@]}" "torch==$torch"
     with_vision=("torchvision==$vision")
     "${pip[@]}" "torch==$torch" "${with_vision[@]}" || {
-        echo "no torchvision $vision for torch $torch: its models' tests skip" >&2
+        echo "no torchvision $vision for torch $torch yet: whichever release pip finds that allows it (timm needs one)" >&2
         with_vision=()
     }
     # The dev extra without torchvision (which would pull another torch), then the rest.
