@@ -435,13 +435,7 @@ def _forward_values(
     record.aliasing = aliasing
     record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
     record.mutations = tracer.input_mutations(
-        graph_primals,
-        grad_fns,
-        originals,
-        inputs.infos,
-        inputs.descriptors,
-        where,
-        tracer.recorder.mutation_sites,
+        graph_primals, grad_fns, originals, inputs.infos, inputs.descriptors, where
     )
     mutated = [graph_primals[m.index] for m in record.mutations if m.data]
     check_custom_views_of_mutated(tensors, mutated, where)
