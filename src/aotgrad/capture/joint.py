@@ -307,17 +307,11 @@ def _joint(
             record.member_mutations = member_metadata_mutations(
                 primals, member_grad_fns, inputs.sources
             )
+            record.mutations = tracer.input_mutations(
+                graph_primals, grad_fns, inner, inputs.infos, inputs.descriptors, where
+            )
             forward, returned = _forward_values(
-                result,
-                stored,
-                primals,
-                graph_primals,
-                inner,
-                grad_fns,
-                inputs,
-                record,
-                where,
-                tracer,
+                result, stored, primals, graph_primals, inner, record, where, tracer
             )
             check_member_mutations(record.member_mutations, record.mutations, primals, where)
             check_views_of_made_inputs(
@@ -418,13 +412,12 @@ def _forward_values(
     primals: Sequence[torch.Tensor],
     graph_primals: Sequence[torch.Tensor],
     originals: Sequence[torch.Tensor],
-    grad_fns: Sequence[object],
-    inputs: GraphInputs,
     record: TraceRecord,
     where: UserFrame | None,
     tracer: Tracer,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Analyze the result; return the forward graph's outputs and what the Function returns.
+    """Analyze the result (after the input mutations); return the forward graph's outputs and
+    what the Function returns.
 
     Forward outputs: ``(*tensor outputs, *bases, *new values)``; the Function
     returns the fresh outputs, the bases and the new values. All are synced,
@@ -434,9 +427,6 @@ def _forward_values(
     aliasing, bases = analyze_aliasing(tensors, primals, graph_primals, originals)
     record.aliasing = aliasing
     record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
-    record.mutations = tracer.input_mutations(
-        graph_primals, grad_fns, originals, inputs.infos, inputs.descriptors, where
-    )
     mutated = [graph_primals[m.index] for m in record.mutations if m.data]
     check_custom_views_of_mutated(tensors, mutated, where)
     check_input_aliases_are_views(tensors, aliasing, where)
