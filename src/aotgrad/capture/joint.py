@@ -329,33 +329,10 @@ def _joint(
             record.differentiable = _differentiable(returned, record, options.with_backward, where)
             grads = []
             if any(record.differentiable):
-                grads = _gradients(
+                grads = _backward(
                     record, graph_primals, edges, returned, inputs, closed_over, tracer, where
                 )
     return [tracer.unwrap(v) for v in (*forward, *grads)]
-
-
-def _gradients(
-    record: TraceRecord,
-    graph_primals: Sequence[torch.Tensor],
-    edges: Sequence[GradientEdge | torch.Tensor | None],
-    returned: Sequence[torch.Tensor],
-    inputs: GraphInputs,
-    closed_over: ClosedOver,
-    tracer: Tracer,
-    where: UserFrame | None,
-) -> list[torch.Tensor | None]:
-    """Run the backward under the checks and swaps it needs; the grads of all primals."""
-    if tracer.leaf_primals:  # a reentrant checkpoint may write closed-over .grad
-        for t in record.closed_over_leaves:
-            tracer.recorder.real_leaves.setdefault(id(t), t)
-    with (
-        tracer.backward_checked(graph_primals, inputs.descriptors, where),
-        closed_over.backward(),  # Note [The swap spans the backward]
-    ):
-        grads = _backward(record, graph_primals, edges, returned, tracer, where)
-    check_plain_grads(grads, inputs.descriptors, where)  # Note [Tensor subclasses]
-    return grads
 
 
 def _note_grad_changes(
@@ -513,38 +490,49 @@ def _backward(
     primals: Sequence[torch.Tensor],
     edges: Sequence[GradientEdge | torch.Tensor | None],
     returned: Sequence[torch.Tensor],
+    inputs: GraphInputs,
+    closed_over: ClosedOver,
     tracer: Tracer,
     where: UserFrame | None,
 ) -> list[torch.Tensor | None]:
-    """Cotangents for the Function's differentiable outputs, then the grads of all primals."""
-    targets = [t for t, d in zip(returned, record.differentiable, strict=True) if d]
-    cotangents = [make_cotangent(t, i) for i, t in enumerate(targets)]
-    # All edges (full trace) or all tensors (direct trace): ``grad`` takes either.
-    inputs: Any = [edge for i in record.grad_inputs if (edge := edges[i]) is not None]
-    sources = [
-        source
-        for i in record.grad_inputs
-        if (source := primals[i] if tracer.leaf_primals else edges[i]) is not None
-    ]
-    record.reached_by = [0] * len(edges)
-    for i, mask in zip(record.grad_inputs, reaching_masks(targets, sources), strict=True):
-        record.reached_by[i] = mask
-    tracer.recorder.backward_hooks(targets)
-    computed: Sequence[torch.Tensor | None]
-    if tracer.leaf_primals:
-        with (
-            _real_grads_untouched(tracer.recorder, where),
-            autocast_off(),  # Note [Autocast]
-            collective_grads_checked(where),  # Note [Collectives]
-        ):
-            _run_engine(targets, cotangents, (), accumulate=True)
-        computed = [primals[i].grad for i in record.grad_inputs]
-    else:
-        with autocast_off(), collective_grads_checked(where):  # Notes [Autocast], [Collectives]
-            computed = _run_engine(targets, cotangents, tuple(inputs), accumulate=False)
+    """Run the backward under the checks and swaps it needs: cotangents for the Function's
+    differentiable outputs, then the grads of all (graph) primals."""
+    if tracer.leaf_primals:  # a reentrant checkpoint may write closed-over .grad
+        for t in record.closed_over_leaves:
+            tracer.recorder.real_leaves.setdefault(id(t), t)
+    with (
+        tracer.backward_checked(primals, inputs.descriptors, where),
+        closed_over.backward(),  # Note [The swap spans the backward]
+    ):
+        targets = [t for t, d in zip(returned, record.differentiable, strict=True) if d]
+        cotangents = [make_cotangent(t, i) for i, t in enumerate(targets)]
+        # All edges (full trace) or all tensors (direct trace): ``grad`` takes either.
+        wrt: Any = [edge for i in record.grad_inputs if (edge := edges[i]) is not None]
+        sources = [
+            source
+            for i in record.grad_inputs
+            if (source := primals[i] if tracer.leaf_primals else edges[i]) is not None
+        ]
+        record.reached_by = [0] * len(edges)
+        for i, mask in zip(record.grad_inputs, reaching_masks(targets, sources), strict=True):
+            record.reached_by[i] = mask
+        tracer.recorder.backward_hooks(targets)
+        computed: Sequence[torch.Tensor | None]
+        if tracer.leaf_primals:
+            with (
+                _real_grads_untouched(tracer.recorder, where),
+                autocast_off(),  # Note [Autocast]
+                collective_grads_checked(where),  # Note [Collectives]
+            ):
+                _run_engine(targets, cotangents, (), accumulate=True)
+            computed = [primals[i].grad for i in record.grad_inputs]
+        else:
+            with autocast_off(), collective_grads_checked(where):  # Notes [Autocast], [Collectives]
+                computed = _run_engine(targets, cotangents, tuple(wrt), accumulate=False)
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g
+    check_plain_grads(grads, inputs.descriptors, where)  # Note [Tensor subclasses]
     return grads
 
 
