@@ -517,18 +517,15 @@ def _backward(
         for i, mask in zip(record.grad_inputs, reaching_masks(targets, sources), strict=True):
             record.reached_by[i] = mask
         tracer.recorder.backward_hooks(targets)
-        computed: Sequence[torch.Tensor | None]
-        if tracer.leaf_primals:
-            with (
-                _real_grads_untouched(tracer.recorder, where),
-                autocast_off(),  # Note [Autocast]
-                collective_grads_checked(where),  # Note [Collectives]
-            ):
-                _run_engine(targets, cotangents, (), accumulate=True)
-            computed = [primals[i].grad for i in record.grad_inputs]
-        else:
-            with autocast_off(), collective_grads_checked(where):  # Notes [Autocast], [Collectives]
-                computed = _run_engine(targets, cotangents, tuple(wrt), accumulate=False)
+        leaf = tracer.leaf_primals  # .backward() into leaf primals, else autograd.grad
+        with (
+            _real_grads_untouched(tracer.recorder, where) if leaf else contextlib.nullcontext(),
+            autocast_off(),  # Note [Autocast]
+            collective_grads_checked(where),  # Note [Collectives]
+        ):
+            computed = _run_engine(targets, cotangents, () if leaf else tuple(wrt), leaf)
+        if leaf:
+            computed = tuple(primals[i].grad for i in record.grad_inputs)
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g
