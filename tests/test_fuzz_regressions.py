@@ -346,6 +346,11 @@ def _fill_unfolded(a):
     return a.cos()
 
 
+def _fill_expanded_in_a_list(a):
+    torch._foreach_zero_([a.expand(2, *a.shape)])  # a list argument is written too
+    return a + 1
+
+
 @pytest.mark.parametrize(
     "fn",
     [
@@ -354,6 +359,7 @@ def _fill_unfolded(a):
         _fill_expanded_intermediate,
         _fill_overlapping_as_strided,
         _fill_unfolded,
+        _fill_expanded_in_a_list,
     ],
 )
 def test_write_through_an_overlapping_view_is_refused(fn):

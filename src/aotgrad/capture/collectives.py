@@ -191,7 +191,7 @@ def describe_collectives(gm: fx.GraphModule) -> None:
 
 def collective_calls(graph: fx.Graph) -> list[CollectiveCall]:
     """The collectives of ``graph`` in its order (waits aside)."""
-    return [n.meta[COLLECTIVE_KEY] for n in graph.nodes if _runs_collective(n)]
+    return [n.meta[COLLECTIVE_KEY] for n in graph.nodes if runs_collective(n)]
 
 
 def op_text(node: fx.Node) -> str:
@@ -250,8 +250,8 @@ def check_order(joint: fx.Graph, graphs: Sequence[fx.Graph | None]) -> None:
 
     Raises AssertionError otherwise: the partitioner recomputed or reordered one (a bug).
     """
-    order = {n.name: i for i, n in enumerate(joint.nodes) if _runs_collective(n)}
-    names = [n.name for g in graphs if g is not None for n in g.nodes if _runs_collective(n)]
+    order = {n.name: i for i, n in enumerate(joint.nodes) if runs_collective(n)}
+    names = [n.name for g in graphs if g is not None for n in g.nodes if runs_collective(n)]
     positions = [order.get(name, -1) for name in names]
     if -1 in positions or positions != sorted(set(positions)):
         raise AssertionError(
@@ -260,7 +260,7 @@ def check_order(joint: fx.Graph, graphs: Sequence[fx.Graph | None]) -> None:
         )
 
 
-def _runs_collective(node: fx.Node) -> bool:
+def runs_collective(node: fx.Node) -> bool:
     """An op node that runs a collective (a saved result's placeholder keeps the meta only)."""
     return node.op == "call_function" and COLLECTIVE_KEY in node.meta
 
@@ -418,4 +418,5 @@ __all__ = [
     "describe_collectives",
     "op_text",
     "refuse_in_place_collective",
+    "runs_collective",
 ]

@@ -137,8 +137,8 @@ class FullTracer(Tracer):
         infos: Sequence[PrimalInfo],
         descriptors: Sequence[GraphInputDescriptor],
         where: UserFrame | None,
-        sites: Mapping[int, UserFrame | None],
     ) -> list[InputMutation]:
+        sites = self.recorder.mutation_sites
         mutations = analyze_mutations(graph_primals, grad_fns, infos, descriptors, where, sites)
         check_restrided_data(mutations, originals, descriptors, where)
         return mutations

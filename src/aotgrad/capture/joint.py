@@ -307,17 +307,11 @@ def _joint(
             record.member_mutations = member_metadata_mutations(
                 primals, member_grad_fns, inputs.sources
             )
+            record.mutations = tracer.input_mutations(
+                graph_primals, grad_fns, inner, inputs.infos, inputs.descriptors, where
+            )
             forward, returned = _forward_values(
-                result,
-                stored,
-                primals,
-                graph_primals,
-                inner,
-                grad_fns,
-                inputs,
-                record,
-                where,
-                tracer,
+                result, stored, primals, graph_primals, inner, record, where, tracer
             )
             check_member_mutations(record.member_mutations, record.mutations, primals, where)
             check_views_of_made_inputs(
@@ -335,33 +329,10 @@ def _joint(
             record.differentiable = _differentiable(returned, record, options.with_backward, where)
             grads = []
             if any(record.differentiable):
-                grads = _gradients(
+                grads = _backward(
                     record, graph_primals, edges, returned, inputs, closed_over, tracer, where
                 )
     return [tracer.unwrap(v) for v in (*forward, *grads)]
-
-
-def _gradients(
-    record: TraceRecord,
-    graph_primals: Sequence[torch.Tensor],
-    edges: Sequence[GradientEdge | torch.Tensor | None],
-    returned: Sequence[torch.Tensor],
-    inputs: GraphInputs,
-    closed_over: ClosedOver,
-    tracer: Tracer,
-    where: UserFrame | None,
-) -> list[torch.Tensor | None]:
-    """Run the backward under the checks and swaps it needs; the grads of all primals."""
-    if tracer.leaf_primals:  # a reentrant checkpoint may write closed-over .grad
-        for t in record.closed_over_leaves:
-            tracer.recorder.real_leaves.setdefault(id(t), t)
-    with (
-        tracer.backward_checked(graph_primals, inputs.descriptors, where),
-        closed_over.backward(),  # Note [The swap spans the backward]
-    ):
-        grads = _backward(record, graph_primals, edges, returned, tracer, where)
-    check_plain_grads(grads, inputs.descriptors, where)  # Note [Tensor subclasses]
-    return grads
 
 
 def _note_grad_changes(
@@ -418,13 +389,12 @@ def _forward_values(
     primals: Sequence[torch.Tensor],
     graph_primals: Sequence[torch.Tensor],
     originals: Sequence[torch.Tensor],
-    grad_fns: Sequence[object],
-    inputs: GraphInputs,
     record: TraceRecord,
     where: UserFrame | None,
     tracer: Tracer,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Analyze the result; return the forward graph's outputs and what the Function returns.
+    """Analyze the result (after the input mutations); return the forward graph's outputs and
+    what the Function returns.
 
     Forward outputs: ``(*tensor outputs, *bases, *new values)``; the Function
     returns the fresh outputs, the bases and the new values. All are synced,
@@ -434,15 +404,6 @@ def _forward_values(
     aliasing, bases = analyze_aliasing(tensors, primals, graph_primals, originals)
     record.aliasing = aliasing
     record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
-    record.mutations = tracer.input_mutations(
-        graph_primals,
-        grad_fns,
-        originals,
-        inputs.infos,
-        inputs.descriptors,
-        where,
-        tracer.recorder.mutation_sites,
-    )
     mutated = [graph_primals[m.index] for m in record.mutations if m.data]
     check_custom_views_of_mutated(tensors, mutated, where)
     check_input_aliases_are_views(tensors, aliasing, where)
@@ -529,38 +490,46 @@ def _backward(
     primals: Sequence[torch.Tensor],
     edges: Sequence[GradientEdge | torch.Tensor | None],
     returned: Sequence[torch.Tensor],
+    inputs: GraphInputs,
+    closed_over: ClosedOver,
     tracer: Tracer,
     where: UserFrame | None,
 ) -> list[torch.Tensor | None]:
-    """Cotangents for the Function's differentiable outputs, then the grads of all primals."""
-    targets = [t for t, d in zip(returned, record.differentiable, strict=True) if d]
-    cotangents = [make_cotangent(t, i) for i, t in enumerate(targets)]
-    # All edges (full trace) or all tensors (direct trace): ``grad`` takes either.
-    inputs: Any = [edge for i in record.grad_inputs if (edge := edges[i]) is not None]
-    sources = [
-        source
-        for i in record.grad_inputs
-        if (source := primals[i] if tracer.leaf_primals else edges[i]) is not None
-    ]
-    record.reached_by = [0] * len(edges)
-    for i, mask in zip(record.grad_inputs, reaching_masks(targets, sources), strict=True):
-        record.reached_by[i] = mask
-    tracer.recorder.backward_hooks(targets)
-    computed: Sequence[torch.Tensor | None]
-    if tracer.leaf_primals:
+    """Run the backward under the checks and swaps it needs: cotangents for the Function's
+    differentiable outputs, then the grads of all (graph) primals."""
+    if tracer.leaf_primals:  # a reentrant checkpoint may write closed-over .grad
+        for t in record.closed_over_leaves:
+            tracer.recorder.real_leaves.setdefault(id(t), t)
+    with (
+        tracer.backward_checked(primals, inputs.descriptors, where),
+        closed_over.backward(),  # Note [The swap spans the backward]
+    ):
+        targets = [t for t, d in zip(returned, record.differentiable, strict=True) if d]
+        cotangents = [make_cotangent(t, i) for i, t in enumerate(targets)]
+        # All edges (full trace) or all tensors (direct trace): ``grad`` takes either.
+        wrt: Any = [edge for i in record.grad_inputs if (edge := edges[i]) is not None]
+        sources = [
+            source
+            for i in record.grad_inputs
+            if (source := primals[i] if tracer.leaf_primals else edges[i]) is not None
+        ]
+        record.reached_by = [0] * len(edges)
+        for i, mask in zip(record.grad_inputs, reaching_masks(targets, sources), strict=True):
+            record.reached_by[i] = mask
+        tracer.recorder.backward_hooks(targets)
+        leaf = tracer.leaf_primals  # .backward() into leaf primals, else autograd.grad
         with (
-            _real_grads_untouched(tracer.recorder, where),
+            _real_grads_untouched(tracer.recorder, where) if leaf else contextlib.nullcontext(),
             autocast_off(),  # Note [Autocast]
             collective_grads_checked(where),  # Note [Collectives]
         ):
-            _run_engine(targets, cotangents, (), accumulate=True)
-        computed = [primals[i].grad for i in record.grad_inputs]
-    else:
-        with autocast_off(), collective_grads_checked(where):  # Notes [Autocast], [Collectives]
-            computed = _run_engine(targets, cotangents, tuple(inputs), accumulate=False)
+            computed = _run_engine(targets, cotangents, () if leaf else tuple(wrt), leaf)
+        if leaf:
+            computed = tuple(primals[i].grad for i in record.grad_inputs)
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g
+    check_plain_grads(grads, inputs.descriptors, where)  # Note [Tensor subclasses]
     return grads
 
 

@@ -324,17 +324,12 @@ def check_writable(
 
     ``where``: the user's line of the first in-place op on the target.
     """
-    schema = getattr(func, "_schema", None)
-    if schema is None or torch.Tag.inplace_view in getattr(func, "tags", ()):
-        return  # t_(), unsqueeze_(), as_strided_(): they change the view, not the data
-    for position, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        target = args[position] if position < len(args) else kwargs.get(argument.name)
-        if isinstance(target, torch.Tensor) and may_overlap(target):
+    name, written, _ = _tensor_arguments(func, args, kwargs)
+    for target in written:
+        if may_overlap(target):
             raise UnsupportedMutationError(
                 format_error(
-                    f"an in-place op ({schema.name}) writes through a view in which several"
+                    f"an in-place op ({name}) writes through a view in which several"
                     f" elements share one memory location (size {tuple(target.shape)}, stride"
                     f" {tuple(target.stride())}: made by expand(), as_strided() or unfold());"
                     " aotgrad's functional graph cannot replay that write faithfully",
@@ -343,6 +338,32 @@ def check_writable(
                     " (v = a.expand(...).clone()).",
                 )
             )
+
+
+def _tensor_arguments(
+    func: object, args: Sequence[object], kwargs: Mapping[str, object]
+) -> tuple[str, list[torch.Tensor], list[torch.Tensor]]:
+    """The op's name, the strided tensors it writes, and all the strided tensors it gets.
+
+    Nothing written for an op without a schema or an in-place view op (``t_()``,
+    ``unsqueeze_()``, ``as_strided_()``: they change the view, not the data).
+    """
+    schema = getattr(func, "_schema", None)
+    if schema is None or torch.Tag.inplace_view in getattr(func, "tags", ()):
+        return "", [], []
+    written: list[torch.Tensor] = []
+    tensors: list[torch.Tensor] = []
+    for position, argument in enumerate(schema.arguments):
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        found = [
+            v
+            for v in (value if isinstance(value, list | tuple) else [value])
+            if isinstance(v, torch.Tensor) and v.layout is torch.strided
+        ]
+        tensors.extend(found)
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written.extend(found)
+    return schema.name, written, tensors
 
 
 # Note [Writes that read overlapping memory]
@@ -385,21 +406,7 @@ def check_no_partial_overlap(
     func: object, args: Sequence[object], kwargs: Mapping[str, object]
 ) -> None:
     """Raise eager's error for a write that reads partially overlapping memory (Note above)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or torch.Tag.inplace_view in getattr(func, "tags", ()):
-        return
-    written: list[torch.Tensor] = []
-    tensors: list[torch.Tensor] = []
-    for position, argument in enumerate(schema.arguments):
-        value = args[position] if position < len(args) else kwargs.get(argument.name)
-        found = [
-            v
-            for v in (value if isinstance(value, list | tuple) else [value])
-            if isinstance(v, torch.Tensor) and v.layout is torch.strided
-        ]
-        tensors.extend(found)
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            written.extend(found)
+    name, written, tensors = _tensor_arguments(func, args, kwargs)
     for target in written:
         for other in tensors:
             why = None if other is target else _overlap(target, other)
@@ -409,7 +416,7 @@ def check_no_partial_overlap(
                 raise RuntimeError(EAGER_PARTIAL_OVERLAP)
             raise UnsupportedMutationError(
                 format_error(
-                    f"an in-place op ({schema.name}) writes a tensor (size {tuple(target.shape)},"
+                    f"an in-place op ({name}) writes a tensor (size {tuple(target.shape)},"
                     f" stride {tuple(target.stride())}, offset {target.storage_offset()}) that"
                     f" {why} a tensor it reads (size {tuple(other.shape)}, stride"
                     f" {tuple(other.stride())}, offset {other.storage_offset()}); aotgrad's"

@@ -542,7 +542,7 @@ class Watch:
             at = _Snapshot(items, snap.index, value, [])
             return [self._store(at, "append", None, v) for v in value if holds_fake(v)]
         self._refuse(
-            snap,
+            self._owners.get(snap.index),
             f"{snap.place.entry_label(key)} was given a new {type(value).__name__} holding"
             " traced tensors; aotgrad cannot tell whether later calls replace it"
             " (d[k] = [t]) or add to it (d.setdefault(k, []).append(t)), which eager runs"
@@ -560,7 +560,7 @@ class Watch:
             ]
         if any(holds_fake(v) for v in now):
             self._refuse(
-                snap,
+                self._owners.get(snap.index),
                 f"the list {snap.place.label} holds a traced tensor after a change other than"
                 " appending (an item replaced, inserted or removed)",
                 "Append to the list, or return the tensor from the function and store it"
@@ -577,7 +577,7 @@ class Watch:
         where = snap.place.entry_label(key)
         if spec.is_leaf() or any(holds_fake(leaf) for leaf in leaves if not is_fake(leaf)):
             self._refuse(
-                snap,
+                self._owners.get(snap.index),
                 f"{where} was given a {type(value).__name__} holding traced tensors, which"
                 " aotgrad cannot build again with each call's values (it can for a tensor,"
                 " and for lists, tuples and dicts of tensors and constants)",
@@ -586,7 +586,7 @@ class Watch:
             )
         if any(isinstance(leaf, torch.Tensor) and not is_fake(leaf) for leaf in leaves):
             self._refuse(
-                snap,
+                self._owners.get(snap.index),
                 f"{where} was given a {type(value).__name__} holding both traced tensors and"
                 " tensors from before the call, which every later call would store again"
                 " unchanged",
@@ -604,7 +604,7 @@ class Watch:
             label = store.place.entry_label(store.key)
             hooks = [h for h in self._backward_hooks if user_frame_of_function(h) is not None]
             self._refuse(
-                snap,
+                hooks[0] if hooks else self._owners.get(snap.index),
                 f"a tensor of the backward was stored in {label} while the backward was"
                 " traced (a full backward hook or a tensor hook recording gradients): the"
                 " compiled backward runs no Python code, so it would hold a stale value on"
@@ -612,11 +612,10 @@ class Watch:
                 "Remove the hook from the compiled model, return the activation from the"
                 " function and record its gradient outside (out.register_hook(...)), or use"
                 ' torch.compile(model, backend="aotgrad"), which runs such hooks in Python.',
-                hooks[0] if hooks else None,
             )
 
-    def _refuse(self, snap: _Snapshot, what: str, todo: str, owner: object = None) -> None:
-        owner = owner if owner is not None else self._owners.get(snap.index)
+    def _refuse(self, owner: object, what: str, todo: str) -> None:
+        """Refuse at the line of ``owner`` (the hook whose closure reached the place), if any."""
         where = user_frame_of_function(owner) if owner is not None else None
         raise UnsupportedSideEffectError(format_error(what, where or self._where, todo))
 
@@ -647,16 +646,11 @@ class Watch:
             items = enumerate(entries) if isinstance(entries, list) else entries.items()
             for key, value in items:
                 if holds_fake(value):
-                    label = place.entry_label(key)
-                    owner = found.owners.get(i)
-                    where = user_frame_of_function(owner) if owner is not None else None
-                    raise UnsupportedSideEffectError(
-                        format_error(
-                            f"a traced (fake) tensor was left in {label} by the capture, deeper"
-                            " in an object than aotgrad can store again at every call",
-                            where or self._where,
-                            "Store tensors in module attributes, lists or dicts (aotgrad"
-                            " stores them again at every call), or return them from the"
-                            " function.",
-                        )
+                    self._refuse(
+                        found.owners.get(i),
+                        f"a traced (fake) tensor was left in {place.entry_label(key)} by the"
+                        " capture, deeper in an object than aotgrad can store again at every"
+                        " call",
+                        "Store tensors in module attributes, lists or dicts (aotgrad stores"
+                        " them again at every call), or return them from the function.",
                     )

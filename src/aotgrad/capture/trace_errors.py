@@ -121,16 +121,15 @@ _OP_ERRORS: dict[type[Exception], type[OpError]] = {
 # Torch functions that fail inside a capture because they cannot be captured, not because
 # of the user's inputs: (what happened, what to do) instead of Note [Errors from inside torch]'s
 # "eager raises the same".
-_BACKWARD_INSIDE = (
-    "the function calls .backward() (torch.autograd.backward): a capture cannot accumulate"
-    " gradients into the .grad of tensors outside its graph",
-    "aotgrad builds the backward itself: return the loss and call .backward() on the compiled"
-    " function's result, or take gradients as values inside with torch.autograd.grad.",
+_REFUSED_CALLS: dict[str, tuple[str, str]] = dict.fromkeys(
+    (TENSOR_BACKWARD, "torch.autograd.backward"),
+    (
+        "the function calls .backward() (torch.autograd.backward): a capture cannot accumulate"
+        " gradients into the .grad of tensors outside its graph",
+        "aotgrad builds the backward itself: return the loss and call .backward() on the"
+        " compiled function's result, or take gradients as values inside with torch.autograd.grad.",
+    ),
 )
-_REFUSED_CALLS: dict[str, tuple[str, str]] = {
-    TENSOR_BACKWARD: _BACKWARD_INSIDE,
-    "torch.autograd.backward": _BACKWARD_INSIDE,
-}
 
 
 # An internal assert inside a kernel is not the user's error: the kernel met what capture gives it

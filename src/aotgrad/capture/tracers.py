@@ -99,7 +99,7 @@ import traceback
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar, cast, get_args
 
@@ -226,9 +226,9 @@ class Tracer(ABC):
     ) -> fx.GraphModule:
         """Call ``joint(*fakes)`` and return the graph of the ops it ran, its results as outputs."""
 
-    @abstractmethod
     def dispatch_mode(self) -> AbstractContextManager[Any]:
         """The mode the function's forward runs under (entered around the primals and the body)."""
+        return nullcontext()  # the direct trace's recording mode spans the whole run
 
     @abstractmethod
     def graph_primals(
@@ -253,7 +253,6 @@ class Tracer(ABC):
         infos: Sequence[PrimalInfo],
         descriptors: Sequence[GraphInputDescriptor],
         where: UserFrame | None,
-        sites: Mapping[int, UserFrame | None],
     ) -> list[InputMutation]:
         """The inputs the function mutated, after it ran (Note [Input mutation])."""
 
@@ -261,7 +260,6 @@ class Tracer(ABC):
     def sync(self, values: Sequence[torch.Tensor]) -> None:
         """Make the forward values final, so no forward op is recorded after the first cotangent."""
 
-    @abstractmethod
     def backward_checked(
         self,
         graph_primals: Sequence[torch.Tensor],
@@ -269,6 +267,7 @@ class Tracer(ABC):
         where: UserFrame | None,
     ) -> AbstractContextManager[None]:
         """Around the backward: refuse input mutations it makes (Note [Mutations in the backward])."""
+        return nullcontext()  # the direct trace stops at an in-place op in the backward
 
     @abstractmethod
     def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:

@@ -184,13 +184,13 @@ def _recomputed(
     for node in joint.gm.graph.nodes:
         if node.op != "call_function" or node.name not in names:
             continue
+        info = node_info(node)
         if node in plan.recompute:
             reason = plan.recompute_reasons.get(node, "recomputed")
-        elif node_info(node).phase is Phase.RECOMPUTE:
+        elif info.phase is Phase.RECOMPUTE:
             reason = "checkpoint region (torch.utils.checkpoint)"
         else:
             continue
-        info = node_info(node)
         ops.append(
             RecomputedOp(
                 name=node.name,

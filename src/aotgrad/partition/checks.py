@@ -10,8 +10,8 @@ from typing import NoReturn
 import torch
 import torch.fx as fx
 
-from aotgrad.capture import COLLECTIVE_KEY
 from aotgrad.capture.checks import check_graph, fail
+from aotgrad.capture.collectives import runs_collective
 from aotgrad.partition import Partitioned
 from aotgrad.partition.saved import storages, unique_bytes
 
@@ -69,14 +69,14 @@ def _check_saved(partitioned: Partitioned) -> None:
 
 
 def _check_collectives(partitioned: Partitioned) -> None:
-    joint = [n.name for n in partitioned.joint.gm.graph.nodes if _runs_collective(n)]
+    joint = [n.name for n in partitioned.joint.gm.graph.nodes if runs_collective(n)]
     order = {name: i for i, name in enumerate(joint)}
     previous: tuple[int, str] | None = None
     for name, graph in (("forward", partitioned.forward), ("backward", partitioned.backward)):
         if graph is None:
             continue
         for node in graph.graph.nodes:
-            if not _runs_collective(node):
+            if not runs_collective(node):
                 continue
             where = f"{name} graph, node {node.name}"
             if node.name not in order:
@@ -90,11 +90,6 @@ def _check_collectives(partitioned: Partitioned) -> None:
                     f"{node.name} after {previous[1]}",
                 )
             previous = (position, node.name)
-
-
-def _runs_collective(node: fx.Node) -> bool:
-    """An op node that runs a collective (a saved result's placeholder keeps the meta only)."""
-    return node.op == "call_function" and COLLECTIVE_KEY in node.meta
 
 
 def _check_bytes(partitioned: Partitioned) -> None:

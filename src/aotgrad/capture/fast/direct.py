@@ -92,7 +92,6 @@ import contextlib
 import copy
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -172,9 +171,6 @@ class DirectTracer(Tracer):
             values = joint(*fakes)
         return self._mode.finish(values, "joint")
 
-    def dispatch_mode(self) -> AbstractContextManager[Any]:
-        return contextlib.nullcontext()  # the recording mode spans the whole run
-
     def graph_primals(
         self, fakes: Sequence[torch.Tensor], infos: Sequence[PrimalInfo]
     ) -> list[torch.Tensor]:
@@ -195,7 +191,6 @@ class DirectTracer(Tracer):
         infos: Sequence[PrimalInfo],
         descriptors: Sequence[GraphInputDescriptor],
         where: UserFrame | None,
-        sites: Mapping[int, UserFrame | None],
     ) -> list[InputMutation]:
         """Inputs whose values an in-place op replaced, out of autograd's sight (Note [In-place ops, directly])."""
         mutations = []
@@ -216,14 +211,6 @@ class DirectTracer(Tracer):
     def sync(self, values: Sequence[torch.Tensor]) -> None:
         """Scatter pending writes through views into the values (Note [Writes through views, directly])."""
         self._mode.sync_values(values)
-
-    def backward_checked(
-        self,
-        graph_primals: Sequence[torch.Tensor],
-        descriptors: Sequence[GraphInputDescriptor],
-        where: UserFrame | None,
-    ) -> AbstractContextManager[None]:
-        return contextlib.nullcontext()  # an in-place op in the backward stops the trace
 
     def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:
         if value is not None:
