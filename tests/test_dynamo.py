@@ -108,4 +108,6 @@ def test_backend_honors_dynamos_dynamic_dimensions():
         # The backend hands its dims to aotgrad (Note [Marking dimensions dynamic]): no marks.
         assert not hasattr(x, "_aotgrad_dynamic_dims")
     assert len(graphs) == 2, "one forward and one backward graph serve every batch size"
-    assert "sym_size" in graphs[0].code
+    # Symbolic sizes: read with sym_size (torch <= 2.14) or carried by the inputs' shapes (2.15).
+    shapes = [n.meta["val"].shape for n in graphs[0].graph.nodes if n.op == "placeholder"]
+    assert any(isinstance(d, torch.SymInt) for shape in shapes for d in shape)
