@@ -5,9 +5,15 @@ STAMP  := $(VENV)/.installed
 PYTHON ?= python3.11
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser chromium vendor demo test lint typecheck pytest bench sweep fuzz models compat gpu-check clean
+.PHONY: install bytecode browser chromium vendor demo test lint typecheck pytest bench sweep fuzz models compat gpu-check clean
 
-install: $(STAMP) browser
+install: $(STAMP) browser bytecode
+
+# Byte-compiles the package, as pip does when it installs a wheel (an editable install does
+# not): a fresh process then imports aotgrad without compiling it (issue 29). Up-to-date
+# files are skipped, so this is instant after the first run.
+bytecode: $(STAMP)
+	@$(PY) -m compileall -q src/aotgrad
 
 # The stamp depends on pyproject.toml and constraints.txt, so a second `make install` does
 # nothing until the dependencies change. torch goes first and by exact version: the CPU

@@ -242,3 +242,42 @@ def test_show_into_a_closed_pipe_exits_quietly():
         os.close(write_end)
     assert result.stderr == ""
     assert result.returncode == 141
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("flag", [[], ["--json"]])
+def test_show_into_a_full_disk_names_stdout_not_the_function(flag):
+    # Note [A closed stdout]: aotgrad's own write failing is not the user's function raising.
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "aotgrad.cli", "show", f"{EXAMPLE}:fn", "--no-check", *flag],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert result.stderr.startswith("aotgrad: cannot write stdout: [Errno 28]"), result.stderr
+    assert "raised" not in result.stderr
+
+
+def test_show_html_into_a_missing_folder_names_the_file(tmp_path, capsys):
+    out = tmp_path / "missing" / "report.html"
+    assert main(["show", f"{EXAMPLE}:fn", "--html", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"aotgrad: cannot write {out}: [Errno 2]") and "raised" not in err
+
+
+def test_an_oserror_the_function_raises_is_still_the_functions(tmp_path, capsys):
+    script = tmp_path / "opens.py"
+    script.write_text(
+        "import torch\n"
+        "def fn(x):\n"
+        "    open('/nonexistent/data.txt')\n"
+        "    return x.sin()\n"
+        "def example_inputs():\n"
+        "    return (torch.ones(2, requires_grad=True),), {}\n"
+    )
+    assert main(["show", f"{script}:fn"]) == 1
+    err = capsys.readouterr().err
+    assert f"{script}:fn raised FileNotFoundError" in err and "opens.py:3" in err

@@ -297,6 +297,24 @@ def test_function_modes_lists_this_threads_torch_function_modes():
     assert mode not in compat.function_modes()
 
 
+def test_compiler_disabled_is_a_graph_break_under_dynamo_and_a_plain_call_outside():
+    calls = []
+
+    @compat.compiler_disabled
+    def opaque(x):
+        calls.append(torch.compiler.is_compiling())
+        return x.sin()
+
+    assert torch.equal(opaque(torch.ones(2)), torch.ones(2).sin())
+    from torch._dynamo.testing import CompileCounter
+
+    counts = CompileCounter()
+    compiled = torch.compile(lambda x: opaque(x * 2) + 1, backend=counts)
+    assert torch.equal(compiled(torch.ones(2)), (torch.ones(2) * 2).sin() + 1)
+    # Dynamo broke the graph around ``opaque`` (two graphs) and ran it eagerly, not traced.
+    assert counts.frame_count == 2 and calls == [False, False]
+
+
 def test_dynamo_compile_lock_is_held_while_dynamo_compiles():
     import torch._dynamo  # loads the lock
 

@@ -45,6 +45,7 @@ use, inside the functions below, never when aotgrad is imported.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -390,6 +391,47 @@ def dynamo_compile_lock() -> Any:
     if convert_frame is None:
         return contextlib.nullcontext()
     return convert_frame.compile_lock
+
+
+# Note [What loads Dynamo]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# ``import torch._dynamo`` costs 0.5-1 s (sympy, FSDP, DTensor and Inductor's
+# utilities come with it), more than ``import aotgrad`` and a small capture
+# together. ``import aotgrad`` never loads it (tests/test_import_weight.py). The
+# first capture in a process does, through PyTorch itself, on every supported
+# release: ``FakeTensorMode()`` reads ``torch._dynamo.config``, and each
+# ``__torch_dispatch__`` of a dispatch mode, like each reference with a
+# type-promotion wrapper, is ``torch._disable_dynamo``-wrapped, which imports
+# Dynamo at its first call. So a process's first gradient pays for Dynamo with
+# aotgrad as with PyTorch's AOTAutograd (whose import loads it); aotgrad adds no
+# other load of it. ``@torch.compiler.disable`` imports Dynamo where it
+# decorates: aotgrad's entry points that Dynamo must not trace into use
+# ``compiler_disabled``, which marks the function as Dynamo's decorator does
+# (all a Dynamo tracing a caller reads: it graph-breaks and calls the
+# function) and installs the real disable, recursive into what the function
+# calls, at the first call made while Dynamo is loaded::
+#
+#     import aotgrad                         Dynamo not loaded
+#     torch.compile(model_calling_scan)(x)   Dynamo loaded by torch.compile: the trace
+#                                            breaks at scan, which runs disabled
+#
+# A process that has not loaded Dynamo has no frame Dynamo could be tracing.
+
+
+def compiler_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)``, without importing Dynamo before Dynamo is in use."""
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]
+    return call
 
 
 def local_source(name: str) -> Any:

@@ -72,13 +72,16 @@ def _run(options: argparse.Namespace) -> int:
         if options.json:
             _emit(json.dumps(show_document(traced.partitioned), indent=1))
         elif options.html:
-            traced.to_html(options.html)
+            _write_html(traced, options.html)
             _emit(f"wrote {options.html}")
         else:
             return _show(traced, fn, args, kwargs, check=not options.no_check)
         return 0
     except AotgradError as e:  # the function cannot be captured: aotgrad's message says why
         print(f"aotgrad: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except _OutputFailed as e:  # aotgrad's own write failed (Note [A closed stdout])
+        print(f"aotgrad: cannot write {e.where}: {e.__cause__}", file=sys.stderr)
         return 1
     except (Exception, SystemExit) as e:  # the user's function raised: its line, not a traceback
         where = user_frame_from_traceback(e.__traceback__)
@@ -93,9 +96,15 @@ def _run(options: argparse.Namespace) -> int:
 # raises BrokenPipeError. That is the reader's choice, not the user's function failing:
 # like ``cat`` and as Python's docs on SIGPIPE recommend, aotgrad stops quietly, points
 # stdout at /dev/null so the interpreter's final flush cannot raise again, and exits with
-# 141 (128 + SIGPIPE), what a shell reports for a writer killed by a closed pipe. Only
-# aotgrad's own writes are treated so (``_emit``); a BrokenPipeError the user's function
-# raises is reported as its error, at its line.
+# 141 (128 + SIGPIPE), what a shell reports for a writer killed by a closed pipe. Any
+# other failure of aotgrad's own writes (a full disk, ``--html`` into a missing folder)
+# names what could not be written, never the user's function::
+#
+#     aotgrad show f.py:fn > /dev/full        aotgrad: cannot write stdout: [Errno 28] ...
+#     aotgrad show f.py:fn --html no/a.html   aotgrad: cannot write no/a.html: [Errno 2] ...
+#
+# Only aotgrad's own writes are treated so (``_emit``, ``_write_html``); an OSError the
+# user's function raises is reported as its error, at its line.
 
 
 class _StdoutClosed(BaseException):
@@ -106,6 +115,14 @@ class _StdoutClosed(BaseException):
 _SIGPIPE_EXIT = 141
 
 
+class _OutputFailed(Exception):
+    """One of aotgrad's own writes failed (Note [A closed stdout]); ``where`` names the file."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
+
+
 def _emit(text: str = "", end: str = "\n") -> None:
     """Print ``text`` to stdout and flush, turning a closed pipe into ``_StdoutClosed``."""
     try:
@@ -113,6 +130,15 @@ def _emit(text: str = "", end: str = "\n") -> None:
         sys.stdout.flush()
     except BrokenPipeError as e:
         raise _StdoutClosed from e
+    except OSError as e:
+        raise _OutputFailed("stdout") from e
+
+
+def _write_html(traced: Traced, path: str) -> None:
+    try:
+        traced.to_html(path)
+    except OSError as e:
+        raise _OutputFailed(path) from e
 
 
 def _show(traced: Traced, fn: Any, args: Any, kwargs: Any, check: bool) -> int:

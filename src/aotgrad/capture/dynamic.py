@@ -26,15 +26,12 @@ import collections
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import (
-    SYMPY_INTERP,
-    DimDynamic,
-    ShapeEnv,
-    StatelessSymbolicContext,
-)
+
+if TYPE_CHECKING:  # sympy loads with it: only a capture with symbolic sizes imports it
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv, StatelessSymbolicContext
 
 from aotgrad._torch_compat import local_source
 from aotgrad.signature.storage import storage_key
@@ -145,7 +142,16 @@ def static_where_shared(
     return kept if any(kept) else None
 
 
+def _sympy_interp() -> dict[str, Any]:
+    """The names guard expressions use (``Eq``, ``Mod``...); loaded once a ShapeEnv exists."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    return SYMPY_INTERP
+
+
 def symbolic_context(x: torch.Tensor, dims: Sequence[int]) -> StatelessSymbolicContext:
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
     sizes = [DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(x.dim())]
     return StatelessSymbolicContext(dynamic_sizes=sizes)
 
@@ -201,13 +207,13 @@ class ShapeGuards:
             self._code = compile(text, "<aotgrad guards>", "eval") if text else False
         if self._code is False:
             return True
-        return bool(eval(self._code, SYMPY_INTERP, {"L": _locals(inputs)}))
+        return bool(eval(self._code, _sympy_interp(), {"L": _locals(inputs)}))
 
     def failed(self, inputs: Sequence[Any]) -> str | None:
         """The first guard ``inputs`` fail, in the user's names; None when all pass."""
         scope = {"L": _locals(inputs)}
         for term in self.terms():
-            if not eval(term, SYMPY_INTERP, scope):
+            if not eval(term, _sympy_interp(), scope):
                 return self.describe(term)
         return None
 

@@ -29,7 +29,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from aotgrad._torch_compat import FakeTensor, FakeTensorMode, no_dispatch, view_stride
 
@@ -52,7 +51,7 @@ class EagerViewsFakeMode(FakeTensorMode):
         source = args[0]
         assert isinstance(source, torch.Tensor)
         stride = _eager_view_stride(source, out.shape)
-        if stride is None or all(map(statically_known_true, map(sym_eq, stride, out.stride()))):
+        if stride is None or _same_strides(stride, out.stride()):
             return out
         restrided = (source, out.shape, stride, source.storage_offset())
         return super().dispatch(torch.ops.aten.as_strided.default, types, restrided, {})
@@ -67,3 +66,12 @@ def _eager_view_stride(source: torch.Tensor, size: torch.Size) -> tuple[Any, ...
     with no_dispatch():
         stand_in = torch.empty_strided(source.shape, source.stride(), device="meta")
         return tuple(stand_in.view(size).stride())
+
+
+def _same_strides(expected: Sequence[Any], found: Sequence[Any]) -> bool:
+    """Equal strides; symbolic ones only when provably equal (their module loads with symbols)."""
+    if all(type(v) is int for v in (*expected, *found)):
+        return tuple(expected) == tuple(found)
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+    return all(map(statically_known_true, map(sym_eq, expected, found)))

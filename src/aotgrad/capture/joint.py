@@ -36,7 +36,6 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.autograd.graph import GradientEdge
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from aotgrad._torch_compat import (
     DisableTorchFunction,
@@ -219,7 +218,7 @@ def trace_joint(
     :class:`~aotgrad.capture.tracers.NeedsFullTrace` for what it does not handle.
     """
     dynamic_dims = options.dynamic_dims
-    shape_env = ShapeEnv() if dynamic_dims else None
+    shape_env = _shape_env() if dynamic_dims else None
     fake_mode = FastFakeMode if options.fast else EagerViewsFakeMode
     mode = fake_mode(allow_non_fake_inputs=True, shape_env=shape_env)
     inputs, tensors = GraphInputs.of(flat, primals, bases)
@@ -240,6 +239,13 @@ def trace_joint(
     with translate_trace_errors(body, options.where), compiling(), generator_restored(), mode:
         gm = tracer.run(joint, fakes)
     return gm, record, inputs
+
+
+def _shape_env() -> Any:
+    """A fresh ``ShapeEnv``: symbolic_shapes (and sympy) load only when a capture has symbols."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return ShapeEnv()
 
 
 # Note [Capture is compiling]

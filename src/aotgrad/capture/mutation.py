@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from aotgrad._torch_compat import (
     has_data_mutation,
@@ -507,6 +506,8 @@ def may_overlap(t: torch.Tensor) -> bool:
         return False
     dims = [(stride, size) for size, stride in zip(t.shape, t.stride(), strict=True)]
     if not all(isinstance(v, int) for d in dims for v in d):  # symbolic: only stride 0
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
         return any(
             statically_known_true(s == 0) and not statically_known_true(n <= 1) for s, n in dims
         )

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import traceback
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from aotgrad._torch_compat import (
     DATA_NOT_ALLOCATED,
@@ -46,11 +46,21 @@ from aotgrad.errors import (
 
 _SCALARS = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size)
 
-_DATA_DEPENDENT = (
+_DATA_DEPENDENT: tuple[type[Exception], ...] = (
     DataDependentOutputException,
     DynamicOutputShapeException,
-    GuardOnDataDependentSymNode,
 )
+
+
+def _data_dependent_errors() -> tuple[type[Exception], ...]:
+    """The errors that say "this branches on data"; symbolic_shapes' own only once it is loaded
+    (a process that never imported it cannot have raised it, and importing it costs sympy)."""
+    shapes = sys.modules.get("torch.fx.experimental.symbolic_shapes")
+    return (
+        _DATA_DEPENDENT
+        if shapes is None
+        else (*_DATA_DEPENDENT, shapes.GuardOnDataDependentSymNode)
+    )
 
 
 @contextlib.contextmanager
@@ -64,7 +74,7 @@ def translate_trace_errors(fn: Any, where: UserFrame | None = None) -> Iterator[
     try:
         with _ops_errors(where):
             yield
-    except _DATA_DEPENDENT as e:
+    except _data_dependent_errors() as e:
         raise _data_dependent(e) from None
     except RuntimeError as e:
         if NON_FUNCTIONAL_MUTATION in str(e):
@@ -146,7 +156,7 @@ def _ops_errors(function: UserFrame | None) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        if isinstance(e, (AotgradError, *_DATA_DEPENDENT)) or _raised_by_user(e):
+        if isinstance(e, (AotgradError, *_data_dependent_errors())) or _raised_by_user(e):
             raise
         if DATA_NOT_ALLOCATED in str(e) or NON_FUNCTIONAL_MUTATION in str(e):
             raise  # translated below, as data-dependent or as a mutation

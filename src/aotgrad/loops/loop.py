@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from aotgrad._torch_compat import compiler_disabled
 from aotgrad.api import Traced
 from aotgrad.cache import ambient_key
 from aotgrad.capture import capturing
@@ -89,7 +90,7 @@ class ScanFunction:
             raise ScanError("the body is captured at the first call: call the scan first")
         return self._last.traced
 
-    @torch.compiler.disable
+    @compiler_disabled
     def __call__(self, init: Any, xs: Any) -> tuple[Any, Any]:
         # Inside an aotgrad capture the loop is traced, unrolled; under a torch.func
         # transform it runs unrolled (Note [Transforms run the function]).
@@ -531,7 +532,7 @@ def scan_function(
     return _function_for(fn, checkpoint, options_of(options, "scan_function"))
 
 
-@torch.compiler.disable
+@compiler_disabled
 def scan(
     fn: Callable[..., Any],
     init: Any,

@@ -27,13 +27,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-import networkx as nx
-import numpy as np
 import torch
 import torch.fx as fx
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from aotgrad.capture import JointGraph, Phase, phase_of
 from aotgrad.optable import cheap_to_recompute, draws_random, flops, is_collective, is_free_view
@@ -147,6 +143,8 @@ def mincut_saved(joint: JointGraph, needed: Iterable[fx.Node]) -> set[fx.Node]:
     recomputed hang off the source; what the backward reads hangs off the
     sink. The cheapest cut is the set of values to save.
     """
+    import networkx as nx  # loaded by the first min-cut, not by ``import aotgrad``
+
     graph = nx.DiGraph()
     pinned = reads_mutated_input(joint)
     for node in forward_ops(joint):
@@ -175,204 +173,3 @@ def mincut_saved(joint: JointGraph, needed: Iterable[fx.Node]) -> set[fx.Node]:
         for node in forward_ops(joint)
         if (node, "in") in source_side and (node, "out") not in source_side
     }
-
-
-@dataclass(frozen=True)
-class BudgetResult:
-    # None when the solver found no plan in time (the caller falls back).
-    saved: set[fx.Node] | None
-    note: str | None
-
-
-def budget_saved(
-    joint: JointGraph,
-    needed: Iterable[fx.Node],
-    budget_bytes: int,
-    time_limit: float,
-    free_inputs: set[fx.Node],
-) -> BudgetResult:
-    """The exact memory-budget solver: a mixed-integer program solved by HiGHS.
-
-    Per forward op ``v``: ``save_v`` and ``recompute_v`` in {0, 1}.
-    minimize  Σ flops(v) · recompute_v                       (then Σ bytes · save_v)
-    subject   save_v + recompute_v ≥ 1           for v the backward reads
-              recompute_v ≤ save_u + recompute_u for each op input u of v
-              Σ bytes(v) · save_v ≤ budget − bytes(free_inputs);  views are never saved;
-              random ops, and ops reading a mutated input, never recomputed
-    Minimizing saved bytes second, among the FLOP-optimal plans, makes the
-    result monotone: a smaller budget never saves more bytes. ``budget_bytes``
-    caps the total, inputs included (Note [Budget units]). Inputs are
-    variables too: ``free_inputs`` (what ``save_all`` saves anyway, and every
-    plan with it) are paid for up front, others (a bias a recomputation needs) weigh their bytes, so no
-    plan saves more than ``save_all``.
-    """
-    needed = list(needed)  # read several times below
-    p = _BudgetProblem.of(joint, free_inputs, time_limit)
-    constraint = p.constraint(needed, budget_bytes - p.held)
-    first = p.solve(p.on_recompute(p.costs), [constraint])
-    if first.x is None and first.status == 1:  # the time limit struck before any plan
-        fallback = (
-            f"the budget solver hit its {time_limit:g} s time limit before finding a plan;"
-            " falling back to save_all (raise time_limit in aotgrad.budget)"
-        )
-        return BudgetResult(saved=None, note=fallback)
-    if first.x is None:
-        least = smallest_saved_bytes(joint, needed, free_inputs, time_limit)
-        smallest = "?" if least is None else str(least)
-        raise ValueError(
-            f"no plan fits a budget of {budget_bytes} bytes: the inputs the backward reads take"
-            f" {p.held}, and with what cannot be recomputed (random ops, ops reading an input the"
-            f" function mutates) the smallest plan saves {smallest} bytes. Raise the budget."
-        )
-    best = p.rounded(first.x, needed)
-    tie = LinearConstraint(p.on_recompute(p.costs)[None, :], -np.inf, best.flops + 0.5)
-    second = p.solve(p.on_save(p.weights), [constraint, tie])
-    candidates = [best]
-    if second.x is not None:
-        candidates.append(p.rounded(second.x, needed))
-    fits = [c for c in candidates if c.bytes <= budget_bytes - p.held] or candidates
-    chosen = min(fits, key=lambda c: (c.bytes > budget_bytes - p.held, c.flops, c.bytes))
-    note: str | None = None
-    if not (first.success and second.success):
-        note = (
-            f"the budget solver hit its {time_limit:g} s time limit; the plan is the best found,"
-            " not proven optimal (raise time_limit in aotgrad.budget)"
-        )
-    return BudgetResult(saved=chosen.saved, note=note)
-
-
-def smallest_saved_bytes(
-    joint: JointGraph, needed: Iterable[fx.Node], free_inputs: set[fx.Node], time_limit: float
-) -> int | None:
-    """The fewest bytes any plan saves (inputs included): the floor of every budget.
-
-    Above the inputs when some values cannot be recomputed (random ops, ops
-    reading an input the function mutates, such as a BatchNorm in training).
-    None when the solver ran out of time.
-    """
-    needed = list(needed)
-    p = _BudgetProblem.of(joint, free_inputs, time_limit)
-    least = p.solve(p.on_save(p.weights), [p.constraint(needed, None)])
-    return None if least.x is None else p.held + p.rounded(least.x, needed).bytes
-
-
-@dataclass(frozen=True)
-class _Rounded:
-    """A solver answer rounded to a plan, with its bytes and FLOPs counted exactly.
-
-    HiGHS accepts values within 1e-6 of an integer, and with coefficients in
-    the hundreds of millions that slack is worth a few FLOPs or bytes: the
-    plan is re-measured from its saved set rather than read off the solution.
-    """
-
-    saved: set[fx.Node]
-    bytes: int
-    flops: int
-
-
-@dataclass(frozen=True)
-class _BudgetProblem:
-    """The parts of the budget program that do not depend on the budget; its variables are
-    ``[save_0..save_n, recompute_0..recompute_n]``."""
-
-    # Forward inputs, then forward ops: one save and one recompute variable each.
-    ops: list[fx.Node]
-    index: dict[fx.Node, int]
-    # Bytes a saved op costs (0 for views and for inputs every plan saves), and its FLOPs.
-    weights: np.ndarray
-    costs: np.ndarray
-    # Bytes of the inputs every plan saves.
-    held: int
-    bounds: Bounds
-    time_limit: float
-
-    @staticmethod
-    def of(joint: JointGraph, free_inputs: set[fx.Node], time_limit: float) -> _BudgetProblem:
-        inputs = [
-            p
-            for p in joint.gm.graph.nodes
-            if p.op == "placeholder" and phase_of(p) is Phase.FORWARD
-        ]
-        ops = [*inputs, *forward_ops(joint)]
-        weights = np.array(
-            [0 if is_view_node(v) or v in free_inputs else unique_bytes([v]) for v in ops],
-            dtype=float,
-        )
-        return _BudgetProblem(
-            ops=ops,
-            index={n: i for i, n in enumerate(ops)},
-            weights=weights,
-            costs=np.array([node_flops(v) for v in ops], dtype=float),
-            held=unique_bytes(free_inputs),
-            bounds=_budget_bounds(ops, reads_mutated_input(joint)),
-            time_limit=time_limit,
-        )
-
-    def constraint(self, needed: Iterable[fx.Node], cap: float | None) -> LinearConstraint:
-        """What the backward reads is saved or recomputed; a recomputed op's op inputs are
-        too; with a ``cap``, the saved bytes are at most that."""
-        n, index = len(self.ops), self.index
-        rows: list[np.ndarray] = []
-        lower: list[float] = []
-        upper: list[float] = []
-
-        def add(row: np.ndarray, lo: float, hi: float) -> None:
-            rows.append(row)
-            lower.append(lo)
-            upper.append(hi)
-
-        for v in needed:
-            if v in index:
-                row = np.zeros(2 * n)
-                row[index[v]] = row[n + index[v]] = 1
-                add(row, 1, np.inf)
-        for v in self.ops:
-            for u in v.all_input_nodes:
-                if u in index:  # recompute_v - save_u - recompute_u <= 0
-                    row = np.zeros(2 * n)
-                    row[n + index[v]] = 1
-                    row[index[u]] -= 1
-                    row[n + index[u]] -= 1
-                    add(row, -np.inf, 0)
-        if cap is not None:
-            add(self.on_save(self.weights), -np.inf, float(cap))
-        return LinearConstraint(np.array(rows), lower, upper)
-
-    def on_save(self, values: np.ndarray) -> np.ndarray:
-        return np.concatenate([values, np.zeros(len(self.ops))])
-
-    def on_recompute(self, values: np.ndarray) -> np.ndarray:
-        return np.concatenate([np.zeros(len(self.ops)), values])
-
-    def solve(self, objective: np.ndarray, constraints: list[LinearConstraint]) -> Any:
-        return milp(
-            objective,
-            constraints=constraints,
-            integrality=np.ones(2 * len(self.ops)),
-            bounds=self.bounds,
-            options={"time_limit": self.time_limit, "disp": False, "mip_rel_gap": 0.0},
-        )
-
-    def rounded(self, x: np.ndarray, needed: Iterable[fx.Node]) -> _Rounded:
-        """The plan of solver answer ``x`` (:class:`_Rounded`)."""
-        saved = {v for v in self.ops if round(x[self.index[v]]) == 1}
-        recompute, inputs = recompute_closure(needed, saved)
-        used = set(needed) | {u for v in recompute for u in v.all_input_nodes} | inputs
-        kept = {v for v in saved | inputs if v in used and v in self.index}
-        return _Rounded(
-            saved,
-            int(sum(self.weights[self.index[v]] for v in kept)),
-            int(sum(self.costs[self.index[v]] for v in recompute if v in self.index)),
-        )
-
-
-def _budget_bounds(ops: list[fx.Node], pinned: set[fx.Node]) -> Bounds:
-    n = len(ops)
-    upper = np.ones(2 * n)
-    for i, v in enumerate(ops):
-        fixed = v.op == "placeholder" or never_recomputed(v) or v in pinned
-        if fixed:  # never recompute a random op, a collective, or one reading a mutated input
-            upper[n + i] = 0
-        if not is_tensor_node(v) or (is_view_node(v) and not fixed):
-            upper[i] = 0  # never save a tuple (its getitems are saved), nor a replayable view
-    return Bounds(np.zeros(2 * n), upper)

@@ -20,7 +20,6 @@ from aotgrad.errors import PartitionError
 from aotgrad.optable import is_free_view, op_name
 from aotgrad.partition.remat import (
     RematPlan,
-    budget_saved,
     forward_ops,
     is_tensor_node,
     is_view_node,
@@ -29,7 +28,6 @@ from aotgrad.partition.remat import (
     never_recomputed,
     reads_mutated_input,
     recompute_closure,
-    smallest_saved_bytes,
 )
 from aotgrad.partition.saved import unique_bytes
 
@@ -56,6 +54,8 @@ class Budget:
         saved = save_all(joint).saved
         top = unique_bytes(saved)
         inputs = {n for n in saved if n.op == "placeholder"}
+        from aotgrad.partition.budget_solver import smallest_saved_bytes  # numpy, SciPy
+
         floor = smallest_saved_bytes(joint, needed_by_backward(joint), inputs, self.time_limit)
         floor = unique_bytes(inputs) if floor is None else min(floor, top)
         return floor + int(self.limit * (top - floor))
@@ -152,6 +152,8 @@ def with_budget(joint: JointGraph, limit: Budget) -> RematPlan:
     needed = needed_by_backward(joint)
     budget_bytes = limit.bytes_for(joint)
     free_inputs = {n for n in save_all(joint).saved if n.op == "placeholder"}
+    from aotgrad.partition.budget_solver import budget_saved  # numpy, SciPy: only for a budget
+
     result = budget_saved(joint, needed, budget_bytes, limit.time_limit, free_inputs)
     label = f"{limit} ({budget_bytes} bytes)"
     plan = (
