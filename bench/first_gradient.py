@@ -101,19 +101,46 @@ def measure(names: tuple[str, ...] = MODELS, repeats: int = 3) -> dict[str, dict
     }
 
 
-def import_seconds(repeats: int = 5) -> dict[str, float]:
-    """Median seconds of ``import torch`` alone and of ``import torch, aotgrad`` (fresh
-    processes), and of ``import aotgrad`` inside a process that has torch already."""
-    code = {
-        "torch": "import torch",
-        "aotgrad": "import torch, aotgrad",
-        "functorch.compile": "import torch, functorch.compile",
-    }
-    runs: dict[str, list[float]] = {k: [] for k in code}
+def _importtime(module: str) -> tuple[float, list[tuple[float, str]]]:
+    """Seconds ``import module`` takes in a fresh process that imported torch first, read
+    from ``python -X importtime``, and its heaviest direct imports (seconds, name)."""
+    err = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", f"import torch; import {module}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
+    rows = []  # (cumulative us, depth, name), children before their parent
+    for line in err.splitlines()[1:]:
+        _, _, cumulative, name = (part for part in line.replace("|", ":").split(":"))
+        rows.append((int(cumulative), len(name) - len(name.lstrip()), name.strip()))
+    start = max(i for i, r in enumerate(rows) if r[2] == "torch" and r[1] == 1) + 1
+    after = rows[start:]  # what ``import module`` loaded that torch had not
+    children = [(c / 1e6, n) for c, depth, n in after if depth == 3]
+    return sum(c for c, depth, _ in after if depth == 1) / 1e6, sorted(children, reverse=True)[:3]
+
+
+def import_seconds(repeats: int = 5) -> dict[str, Any]:
+    """Median seconds of ``import aotgrad`` and of ``import functorch.compile`` (PyTorch's
+    AOTAutograd) on top of ``import torch``, over ``repeats`` fresh processes each."""
+    found: dict[str, Any] = {}
+    for module in ("aotgrad", "functorch.compile"):
+        runs = sorted((_importtime(module) for _ in range(repeats)), key=lambda r: r[0])
+        found[module] = runs[len(runs) // 2]
+    return found
+
+
+def show_seconds(repeats: int = 5) -> dict[str, float]:
+    """Median wall seconds of ``aotgrad show examples/carry.py:fn`` and of ``python -c
+    "import torch"``, fresh processes taking turns."""
+    show = [sys.executable, "-m", "aotgrad.cli", "show", str(HERE.parent / "examples/carry.py:fn")]
+    commands = {"show": show, "import torch": [sys.executable, "-c", "import torch"]}
+    env = {**os.environ, "AOTGRAD_CACHE": "0"}
+    runs: dict[str, list[float]] = {k: [] for k in commands}
     for _ in range(repeats):
-        for key, line in code.items():
+        for key, command in commands.items():
             start = time.perf_counter()
-            subprocess.run([sys.executable, "-c", line], check=True)
+            subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
             runs[key].append(time.perf_counter() - start)
     return {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
 

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from capture import run_fresh  # fresh processes, the disk cache off
 
 TOOLS = ("aotgrad", "pytorch")
 MODELS = (
@@ -148,6 +147,10 @@ def measure_in_fresh_processes(
     names: tuple[str, ...] = MODELS, repeats: int = 3
 ) -> dict[str, dict[str, float]]:
     """Per model and tool, the median seconds over ``repeats`` fresh processes."""
+    # Imported here: bench/capture.py imports functorch.compile, and with it Dynamo, which
+    # bench/first_gradient.py's processes (they build models with ``make``) must not pay.
+    from capture import run_fresh  # fresh processes, the disk cache off
+
     runs: dict[str, dict[str, list[float]]] = {n: {t: [] for t in TOOLS} for n in names}
     for _ in range(repeats):
         for name in names:
