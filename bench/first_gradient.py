@@ -20,6 +20,7 @@ torch`` and the model's library, which both tools pay alike and neither can shor
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -120,13 +121,38 @@ def _importtime(module: str) -> tuple[float, list[tuple[float, str]]]:
     return sum(c for c, depth, _ in after if depth == 1) / 1e6, sorted(children, reverse=True)[:3]
 
 
+_TIMED_IMPORT = """
+import gc, json, sys, time
+import torch
+full = []
+gc.callbacks.append(lambda phase, info: info["generation"] == 2 and full.append(time.perf_counter()))
+start = time.perf_counter()
+import {module}
+end = time.perf_counter()
+paused = sum(b - a for a, b in zip(full[::2], full[1::2]))
+print(json.dumps([end - start, paused]))
+"""
+
+
 def import_seconds(repeats: int = 5) -> dict[str, Any]:
-    """Median seconds of ``import aotgrad`` and of ``import functorch.compile`` (PyTorch's
-    AOTAutograd) on top of ``import torch``, over ``repeats`` fresh processes each."""
+    """Per module (``aotgrad``, and PyTorch's ``functorch.compile``): the median seconds its
+    import adds to ``import torch`` over ``repeats`` fresh processes; the median seconds of
+    full garbage collections within it (a collection of torch's objects that the import's
+    allocations happen to trigger: the collector's thresholds decide where it lands); and,
+    from one ``python -X importtime`` run, its heaviest imports."""
     found: dict[str, Any] = {}
     for module in ("aotgrad", "functorch.compile"):
-        runs = sorted((_importtime(module) for _ in range(repeats)), key=lambda r: r[0])
-        found[module] = runs[len(runs) // 2]
+        code = _TIMED_IMPORT.format(module=module)
+        runs = []
+        for _ in range(repeats):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            runs.append(json.loads(out.stdout.splitlines()[-1]))
+        found[module] = {
+            "seconds": sorted(r[0] for r in runs)[len(runs) // 2],
+            "collecting": sorted(r[1] for r in runs)[len(runs) // 2],
+            "collected in": sum(r[1] > 0 for r in runs),
+            "heaviest": _importtime(module)[1],
+        }
     return found
 
 
