@@ -257,3 +257,42 @@ def test_dynamo_graphs_on_disk_are_not_stale_under_another_value(cache_dir):
     # Dynamo guards on the value and gives aotgrad another graph, keyed apart on disk.
     assert _python(DYNAMO, cache_dir, {"ACT": "relu"}) == ["True"]
     assert _python(DYNAMO, cache_dir, {"ACT": "gelu"}) == ["True"]
+
+
+FIRST_CAPTURE = """
+    import sys, torch, aotgrad
+    def g(x):
+        return x * 3
+    c = aotgrad.aot_function(g)
+    fresh = "torch._dynamo" not in sys.modules
+    c(torch.ones(2))
+    info = aotgrad.cache_info(c)
+    print(fresh, "torch._dynamo" in sys.modules, info.disk_hits, info.disk_skipped)
+"""
+
+
+def test_what_torch_imports_during_a_first_capture_does_not_count(cache_dir):
+    # The process's first capture imports Dynamo and sympy, which read SYMPY_* at import
+    # (Note [Environment read at capture]): torch's imports, not g's reads.
+    assert _python(FIRST_CAPTURE, cache_dir, {}) == ["True True 0 None"]
+    # Served from disk: no capture, so Dynamo is never loaded.
+    assert _python(FIRST_CAPTURE, cache_dir, {}) == ["True False 1 None"]
+
+
+def test_a_module_the_function_imports_reading_the_environment_counts(monkeypatch, tmp_path):
+    (tmp_path / "_aotgrad_env_reader.py").write_text(
+        "import os\nSCALE = 2.0 if os.environ.get('SCALE_MODE') == 'double' else 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SCALE_MODE", "double")
+
+    def f(x):
+        import _aotgrad_env_reader  # first imported here, during the capture
+
+        return x * _aotgrad_env_reader.SCALE
+
+    try:
+        traced = aotgrad.trace(f, X)
+    finally:
+        sys.modules.pop("_aotgrad_env_reader", None)
+    assert traced.partitioned.joint.environ.values == (("SCALE_MODE", "double"),)

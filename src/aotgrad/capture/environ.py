@@ -31,7 +31,17 @@ write still goes to the real mapping. Only reads that count are recorded:
   standard library's on torch's behalf (``HOME`` in ``expanduser`` for
   ``torch.hub.get_dir()``), do not change the graph the user's code asks for;
   ``os.path.expandvars("$ACT")`` in the function does, and a third-party
-  library the function calls is the user's code.
+  library the function calls is the user's code;
+- not inside a module import that torch or aotgrad started. A process's first
+  capture is where PyTorch's fake tensors import Dynamo (Note [What loads
+  Dynamo]), and with it sympy, whose module bodies read ``SYMPY_USE_CACHE`` and
+  twenty more: a library's import-time state, read once per process as any
+  import is, not the function's. The import's starter decides, the caller of
+  the outermost import on the stack::
+
+      f calls x.sin() -> FakeTensorMode() -> import torch._dynamo -> ... -> import sympy
+          -> sympy reads SYMPY_USE_CACHE      starter: torch's fake_tensor.py: not counted
+      f runs `import mylib` -> mylib reads ACT   starter: f: counted
 
 The capture's :class:`JointGraph` carries the reads (``environ``), and:
 
@@ -212,7 +222,23 @@ def _recordings(caller: FrameType | None) -> tuple[_Recording, ...]:
         return ()
     while caller is not None and _is_stdlib(caller.f_code.co_filename):
         caller = caller.f_back  # ``os.getenv``, ``Mapping.get``: who called them counts
-    return () if caller is None or _is_torch(caller.f_code.co_filename) else recordings
+    if caller is None or _is_torch(caller.f_code.co_filename) or _imported_by_torch(caller):
+        return ()
+    return recordings
+
+
+def _imported_by_torch(frame: FrameType | None) -> bool:
+    """Does ``frame`` run inside a module import that torch or aotgrad started? The starter
+    is the caller of the outermost import on the stack (Note [Environment read at capture])."""
+    starter, importing = None, False
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith("<frozen importlib"):
+            importing = True
+        elif importing and not _is_stdlib(filename):  # ``importlib.import_module``'s caller
+            starter, importing = frame, False
+        frame = frame.f_back
+    return starter is not None and _is_torch(starter.f_code.co_filename)
 
 
 def _folder(path: str) -> str:
