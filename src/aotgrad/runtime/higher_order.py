@@ -64,7 +64,14 @@ from aotgrad.capture import Body, JointGraph
 from aotgrad.capture.provenance import META_KEY, NodeInfo, set_info
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.errors import AotgradError, DoubleBackwardError, UserFrame, format_error
-from aotgrad.optable import draws_random, op_name, outputs_reached, passes_no_gradient
+from aotgrad.optable import (
+    draws_random,
+    must_run,
+    op_name,
+    outputs_reached,
+    passes_gradient_through,
+    passes_no_gradient,
+)
 from aotgrad.runtime.differentiable_ops import (
     NO_DERIVATIVE,
     REPLACED,
@@ -101,8 +108,14 @@ class Orders:
 
 @dataclass(frozen=True, kw_only=True)
 class Slice:
-    """What ``G`` reads for one set of primals requiring grad."""
+    """What ``G`` reads and computes for one set of primals requiring grad and one set of
+    gradients asked for (Note [Only the gradients asked for])."""
 
+    # Forward-input positions whose gradient ``G`` computes; None for every other input.
+    grads: tuple[int, ...]
+    # Per gradient, the forward inputs that get zeros from it besides (Note [Saved values
+    # read as masks]): (gradient's forward-input position, forward-input positions).
+    zero_links: tuple[tuple[int, tuple[int, ...]], ...]
     # Forward-input positions ``G`` takes, in order.
     primals: tuple[int, ...]
     # Saved positions ``G`` recomputes from the primals; the others it takes as saved.
@@ -145,7 +158,8 @@ class HigherOrder:
     extra: tuple[int, ...] = ()
     # Saved position of each forward input the forward graph saves as is.
     saved_as_is: dict[int, int] = field(default_factory=dict)
-    _slices: dict[tuple[bool, ...], Slice] = field(default_factory=dict)
+    # Keyed on (requires grad, asked for), one flag per forward input.
+    _slices: dict[tuple[tuple[bool, ...], tuple[bool, ...]], Slice] = field(default_factory=dict)
     _compiled: dict[Any, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -163,16 +177,21 @@ class HigherOrder:
     def gradients(
         self,
         needs_grad: Sequence[bool],
+        wanted: Sequence[bool],
         saved: Sequence[Any],
         kept: tuple[Sequence[torch.Tensor], Sequence[int]],
         cotangents: Sequence[torch.Tensor],
     ) -> Sequence[torch.Tensor | None]:
         """The gradients as differentiable functions of the primals and cotangents.
 
+        ``needs_grad``: the forward inputs requiring grad; ``wanted``: those whose gradient the
+        running backward uses (Note [Only the gradients asked for]); the others get None.
         ``kept``: the forward inputs in ``extra`` and their versions at the call (Note
         [Primals in the backward]).
         """
-        piece = self._slice(tuple(needs_grad))
+        if not any(wanted):
+            return (None,) * len(wanted)
+        piece = self._slice(tuple(needs_grad), tuple(wanted))
         values = [
             *(
                 piece.zeros(i) if i in piece.stand_ins else self._primal(i, saved, kept)
@@ -181,7 +200,12 @@ class HigherOrder:
             *(saved[j] for j in piece.constants),
             *cotangents,
         ]
-        return self._compiled_for(piece, values)(values)
+        grads = self._compiled_for(piece, values)(values)
+        if not piece.zero_links:
+            return grads
+        linked = sorted({i for _, inputs in piece.zero_links for i in inputs})
+        primals = [self._primal(i, saved, kept) for i in linked]
+        return link_zeros(grads, piece.zero_links, linked, primals)
 
     def _primal(
         self, i: int, saved: Sequence[Any], kept: tuple[Sequence[torch.Tensor], Sequence[int]]
@@ -200,20 +224,21 @@ class HigherOrder:
         assert self.signature is not None, "expected the signature built with the first slice"
         return str(self.signature.forward_inputs[i])
 
-    def _slice(self, needs_grad: tuple[bool, ...]) -> Slice:
-        piece = self._slices.get(needs_grad)
+    def _slice(self, needs_grad: tuple[bool, ...], wanted: tuple[bool, ...]) -> Slice:
+        key = (needs_grad, wanted)  # never one mask's G for another (Note [Only the ...])
+        piece = self._slices.get(key)
         if piece is not None:
             return piece
         with _BUILDING:  # Note [Concurrent calls]: built once, by one thread
-            piece = self._slices.get(needs_grad)
+            piece = self._slices.get(key)
             if piece is None:
                 if self.prepare is not None:
                     self.forward, self.backward, self.signature = self.prepare()
                     self.prepare = None
                 assert isinstance(self.forward, fx.GraphModule), "expected the graphs built"
                 assert self.backward is not None and self.signature is not None
-                piece = self._slices[needs_grad] = build_slice(
-                    self.forward, self.backward, self.signature, needs_grad, self.changed
+                piece = self._slices[key] = build_slice(
+                    self.forward, self.backward, self.signature, needs_grad, self.changed, wanted
                 )
         return piece
 
@@ -235,6 +260,49 @@ class HigherOrder:
             compiled.higher_order.order = self.order + 1
         self.orders.create_graph_captures += 1
         return compiled
+
+
+class _ZeroLinks(torch.autograd.Function):
+    """The gradients as they are, with an edge to each linked input: a gradient received
+    sends zeros to the inputs linked to it (Note [Saved values read as masks])."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, links: tuple[tuple[int, tuple[int, ...]], ...], *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.links = links
+        ctx.set_materialize_grads(False)
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in tensors[len(links) :]]
+        return tensors[: len(links)]
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor | None) -> tuple[Any, ...]:
+        zeros: list[torch.Tensor | None] = [None] * len(ctx.inputs)
+        for cotangent, (_, inputs) in zip(cotangents, ctx.links, strict=True):
+            if cotangent is None:
+                continue
+            for k in inputs:
+                if zeros[k] is None:
+                    shape, dtype, device = ctx.inputs[k]
+                    zeros[k] = torch.zeros(shape, dtype=dtype, device=device)
+        return (None, *cotangents, *zeros)
+
+
+def link_zeros(
+    grads: Sequence[torch.Tensor | None],
+    links: tuple[tuple[int, tuple[int, ...]], ...],
+    linked: Sequence[int],
+    primals: Sequence[torch.Tensor],
+) -> list[torch.Tensor | None]:
+    """``grads``, the linked ones passed through ``_ZeroLinks`` with ``primals`` (forward
+    inputs ``linked``) (Note [Saved values read as masks])."""
+    position = {i: k for k, i in enumerate(linked)}
+    local = tuple((n, tuple(position[i] for i in inputs)) for n, (_, inputs) in enumerate(links))
+    passed = _ZeroLinks.apply(local, *(grads[k] for k, _ in links), *primals)
+    found = list(grads)
+    for (k, _), grad in zip(links, passed, strict=True):
+        found[k] = grad
+    return found
 
 
 def _changed_input(what: str) -> DoubleBackwardError:
@@ -356,25 +424,51 @@ def build_slice(
     signature: Signature,
     needs_grad: Sequence[bool],
     changed: frozenset[int] = frozenset(),
+    wanted: Sequence[bool] | None = None,
 ) -> Slice:
-    """``G``'s graph for these primals requiring grad (Note [Differentiable backward]).
+    """``G``'s graph for these primals requiring grad (Note [Differentiable backward]),
+    computing the gradients of the forward inputs in ``wanted`` only (all those requiring grad
+    when None: Note [Only the gradients asked for]).
 
     ``changed``: forward inputs the function changes in place (Note [Primals in the backward]).
     """
+    wanted = needs_grad if wanted is None else wanted
     placeholders = _placeholders(forward)
     saved = _outputs(forward)[signature.saved_in_forward]
+    bw_placeholders = _placeholders(backward)
+    grads = [
+        g if w and n else None
+        for g, w, n in zip(_outputs(backward), wanted, needs_grad, strict=True)
+    ]
+    saved_inputs = bw_placeholders[signature.saved_in_backward]
+    live = _live(backward, grads)
+    read = [n in live for n in saved_inputs]
+    seeds = {n: 1 << j for j, n in enumerate(saved_inputs)}
+    differentiated = _reaching(_carried(backward, seeds, through_zeros=False), grads)
     depends = _depends_on(
         forward, [p for p, needed in zip(placeholders, needs_grad, strict=True) if needed]
     )
     tensors = [
         isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor) for n in saved
     ]
-    recomputed = tuple(j for j, node in enumerate(saved) if node in depends or not tensors[j])
-    constants = tuple(j for j in range(len(saved)) if j not in recomputed)
-    # The recompute stops at saved constants: ``G`` takes them as saved (a dropout mask).
-    boundary = {saved[j]: j for j in reversed(constants) if isinstance(saved[j], fx.Node)}
+    recomputed = tuple(
+        j
+        for j in range(len(saved))
+        if read[j] and (not tensors[j] or (saved[j] in depends and differentiated >> j & 1))
+    )
+    # The recompute stops at the saved values no primal requiring grad reaches: ``G`` takes
+    # them as saved (a dropout mask).
+    boundary = {
+        saved[j]: j for j in reversed(range(len(saved))) if tensors[j] and saved[j] not in depends
+    }
     needed = _ancestors([saved[j] for j in recomputed], stop=boundary)
     _refuse_random(needed)
+    reached = {boundary[a] for n in needed for a in n.all_input_nodes if a in boundary}
+    constants = tuple(
+        j for j in range(len(saved)) if j not in recomputed and (read[j] or j in reached)
+    )
+    masks = [j for j in constants if saved[j] in depends]  # Note [Saved values read as masks]
+    links = _zero_links(forward, backward, signature, needs_grad, grads, masks)
     primals = tuple(i for i, p in enumerate(placeholders) if p in needed)
     graph = fx.Graph()
     root = torch.nn.Module()
@@ -383,43 +477,90 @@ def build_slice(
         env[placeholders[i]] = _placeholder(
             graph, f"primal_{placeholders[i].name}", placeholders[i]
         )
-    bw_placeholders = _placeholders(backward)
-    saved_nodes: list[fx.Node | None] = [None] * len(saved)
+    saved_nodes: dict[int, fx.Node] = {}
     for j in constants:
         saved_nodes[j] = _placeholder(graph, f"saved_{bw_placeholders[j].name}", bw_placeholders[j])
     for node, j in boundary.items():
-        env[node] = saved_nodes[j]  # type: ignore[assignment]
+        if j in saved_nodes:
+            env[node] = saved_nodes[j]
     cotangents = [
         _placeholder(graph, f"cotangent_{n.name}", n)
         for n in bw_placeholders[signature.cotangents_in_backward]
     ]
-    wanted = set(needed)
+    wanted_nodes = set(needed)
     for node in forward.graph.nodes:
-        if node in wanted and node.op != "placeholder":
+        if node in wanted_nodes and node.op != "placeholder":
             env[node] = _copy(graph, root, forward, node, env)
     for j in recomputed:
         saved_nodes[j] = env[saved[j]]
     # The backward's inputs: the saved values, then the cotangents (Note [Positions]).
-    env.update(zip(bw_placeholders, [*saved_nodes, *cotangents], strict=True))  # type: ignore[list-item]
+    env.update((bw_placeholders[j], node) for j, node in saved_nodes.items())
+    env.update(zip(bw_placeholders[signature.cotangents_in_backward], cotangents, strict=True))
     for node in backward.graph.nodes:
-        if node.op == "placeholder":
-            continue
-        if node.op == "output":
-            graph.output(fx.map_arg(node.args[0], lambda n: env[n]))
-            break
-        env[node] = _copy(graph, root, backward, node, env)
+        if node.op != "placeholder" and node.op != "output" and node in live:
+            env[node] = _copy(graph, root, backward, node, env)
+    graph.output(fx.map_arg(tuple(grads), lambda n: env[n]))
     gm = fx.GraphModule(root, graph, "differentiable_backward")
     stand_ins = tuple(i for i in primals if i in changed)
     for i in stand_ins:
         if needs_grad[i] or _reaches_outputs(gm, primals.index(i)):
             raise _changed_input(str(signature.forward_inputs[i]))
+    for i in sorted({i for _, linked in links for i in linked} & changed):
+        raise _changed_input(str(signature.forward_inputs[i]))
     return Slice(
+        grads=tuple(i for i, g in enumerate(grads) if g is not None),
+        zero_links=links,
         primals=primals,
         recomputed=recomputed,
         constants=constants,
         stand_ins=stand_ins,
         graph=gm,
     )
+
+
+def _reaching(carried: dict[fx.Node, int], grads: Sequence[Any]) -> int:
+    """The bits ``carried`` to any of ``grads``."""
+    bits = 0
+    for g in grads:
+        bits |= carried.get(g, 0) if isinstance(g, fx.Node) else 0
+    return bits
+
+
+def _zero_links(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    signature: Signature,
+    needs_grad: Sequence[bool],
+    grads: Sequence[Any],
+    masks: Sequence[int],
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Per gradient ``G`` computes, the forward inputs requiring grad that eager's double
+    backward reaches through the saved values ``masks`` only: they get zeros (Note [Saved
+    values read as masks])."""
+    if not masks:
+        return ()
+    saved = _outputs(forward)[signature.saved_in_forward]
+    saved_inputs = _placeholders(backward)[signature.saved_in_backward]
+    edges = _carried(backward, {saved_inputs[j]: 1 << j for j in masks}, through_zeros=True)
+    inputs = {p: 1 << i for i, p in enumerate(_placeholders(forward)) if needs_grad[i]}
+    reached_by = _carried(forward, inputs, through_zeros=True)
+    links = []
+    for k, g in enumerate(grads):
+        read = _reaching(edges, [g])
+        bits = 0
+        for j in masks:
+            if read >> j & 1:
+                bits |= reached_by.get(saved[j], 0)
+        if bits:
+            links.append((k, tuple(i for i in range(len(needs_grad)) if bits >> i & 1)))
+    return tuple(links)
+
+
+def _live(backward: fx.GraphModule, grads: Sequence[Any]) -> set[fx.Node]:
+    """The backward's nodes the kept ``grads`` need, with every op that must run though
+    nothing reads it (an error check, a collective) and what it needs."""
+    effects = [n for n in backward.graph.nodes if n.op == "call_function" and must_run(n)]
+    return set(_ancestors([*grads, *effects]))
 
 
 def _reaches_outputs(gm: fx.GraphModule, position: int) -> bool:
@@ -460,17 +601,39 @@ def _outputs_of(node: fx.Node, positions: Sequence[int]) -> tuple[int, ...] | No
 
 
 def _depends_on(forward: fx.GraphModule, sources: Sequence[fx.Node]) -> set[fx.Node]:
-    """Forward nodes a gradient can flow from to one of ``sources`` (themselves included).
+    """Forward nodes a gradient can flow from to one of ``sources`` (themselves included):
+    for ``dropout``, the mask is a constant (``_carried``)."""
+    return set(_carried(forward, dict.fromkeys(sources, 1), through_zeros=True))
 
-    Not through values that hold no floating point (a mask, indices) nor through ops that
-    pass no gradient (``empty_like``, ``bernoulli``): for ``dropout``, the mask is a constant.
+
+def _carried(
+    graph: fx.GraphModule, seeds: dict[fx.Node, int], *, through_zeros: bool
+) -> dict[fx.Node, int]:
+    """Per node, the bits of the ``seeds`` whose gradient can flow from it (seeds included;
+    nodes carrying none left out).
+
+    Not through values that hold no floating point (a mask, indices), nor ops that pass no
+    gradient (``empty_like``, ``bernoulli``); without ``through_zeros``, nor arguments PyTorch
+    differentiates as zero (``threshold_backward``'s ``self``: ``passes_gradient_through``),
+    where autograd's graph still has an edge, which carries zeros.
     """
-    found = set(sources)
-    for node in forward.graph.nodes:
+    carried = dict(seeds)
+    for node in graph.graph.nodes:
         if node.op != "call_function" or passes_no_gradient(node.target):
             continue
-        if _can_hold_gradient(node) and any(a in found for a in node.all_input_nodes):
-            found.add(node)
+        bits = 0
+        for where, arg in [*enumerate(node.args), *node.kwargs.items()]:
+            if through_zeros or passes_gradient_through(node.target, where):
+                for read in _nodes_in(arg):
+                    bits |= carried.get(read, 0)
+        if bits and _can_hold_gradient(node):
+            carried[node] = carried.get(node, 0) | bits
+    return carried
+
+
+def _nodes_in(arg: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(arg, found.append)
     return found
 
 
