@@ -594,3 +594,94 @@ def test_a_missing_cotangent_becomes_zeros_under_create_graph():
         (gx,) = torch.autograd.grad(first.sum(), x, create_graph=True)
         runs.append((gx, *torch.autograd.grad(gx.pow(2).sum(), (x, w))))
     _close(runs[1], runs[0])
+
+
+def _recording(graphs: list[torch.fx.GraphModule]) -> Callable[..., Any]:
+    def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    return compiler
+
+
+def _count(gm: torch.fx.GraphModule, *names: str) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in names)
+
+
+_MATMULS = ("aten.mm.default", "aten.addmm.default")
+
+
+def test_g_computes_only_the_gradients_asked_for_and_recomputes_no_matmul():
+    """Note [Only the gradients asked for], Note [Saved values read as masks]: for
+    ``autograd.grad(..., x)`` the gradient penalty's G runs the two matmuls eager's
+    double backward runs, not the weights' gradients nor the forward again."""
+    torch.manual_seed(0)
+    eager = _Critic().double()
+    forwards: list[torch.fx.GraphModule] = []
+    compiled = aotgrad.aot_module(
+        copy.deepcopy(eager), fw_compiler=_recording(forwards), bw_compiler=aotgrad.nop
+    )
+    x = torch.randn(8, 4, dtype=torch.float64)
+    runs = []
+    for model in (eager, compiled):
+        mixed = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(model(mixed).sum(), mixed, create_graph=True)
+        (grad.norm(2, dim=1) - 1).pow(2).mean().backward()
+        runs.append((grad, mixed.grad, *(p.grad for p in model.parameters())))
+    _close(runs[1], runs[0])  # mixed.grad: zeros, as eager's
+    first, g = forwards  # the first order's forward, then G's
+    assert _count(first, *_MATMULS) == 3
+    assert _count(g, *_MATMULS) == 3  # g @ W3.T, then @ W2.T, then @ W1.T
+    assert _count(g, "aten.sum.dim_IntList") == 0  # no bias gradient
+
+
+def test_one_compiled_model_under_each_mask_matches_eager():
+    """The same compiled model asked for x's gradient, then the parameters', then all of
+    them by backward: one G per mask (Note [Only the gradients asked for])."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    eager = eager.double()
+    compiled_model = copy.deepcopy(eager)
+    compiled = aotgrad.aot_module(compiled_model)
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def steps(model: nn.Module) -> list[Any]:
+        params = list(model.parameters())
+        xs = x.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad(model(xs).sum(), xs, create_graph=True)
+        found = [gx, *torch.autograd.grad(gx.pow(2).sum(), [xs, *params], allow_unused=True)]
+        gps = torch.autograd.grad(model(xs).sum(), params, create_graph=True)
+        penalty = sum(g.pow(2).sum() for g in gps)
+        found += [*gps, *torch.autograd.grad(penalty, [xs, *params], allow_unused=True)]
+        for p in params:
+            p.grad = None
+        (gx2,) = torch.autograd.grad(model(xs).sum(), xs, create_graph=True)
+        (gx2.pow(2).sum() + model(xs).sum()).backward()
+        return [*found, gx2, xs.grad, *(p.grad for p in params)]
+
+    _close(steps(compiled), steps(eager))
+    assert (
+        aotgrad.cache_info(compiled).create_graph_captures == 2
+    )  # asked for x; for the parameters
+
+
+def test_a_bias_reached_only_through_relu_masks_gets_zeros_as_in_eager():
+    """Note [Saved values read as masks]: the penalty reaches ``0.bias`` and the input only
+    through ReLU's mask; eager gives them zeros, not None, and SGD's weight decay moves
+    the bias only when its gradient is a tensor."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).double()
+    compiled_model = copy.deepcopy(eager)
+    compiled = aotgrad.aot_module(compiled_model)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for model, params in ((eager, eager), (compiled, compiled_model)):
+        opt = torch.optim.SGD(params.parameters(), lr=0.1, weight_decay=0.5)
+        xs = x.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad(model(xs).sum(), xs, create_graph=True)
+        gx.pow(2).sum().backward()
+        assert xs.grad is not None and not xs.grad.any()
+        assert params[0].bias.grad is not None and not params[0].bias.grad.any()
+        opt.step()
+    for p, q in zip(compiled_model.parameters(), eager.parameters(), strict=True):
+        _close(p, q)
+        _close(p.grad, q.grad)

@@ -12,12 +12,14 @@ from a *differentiable backward function* built from the two graphs::
         = backward_graph(*recompute(primals), *saved constants, *cotangents)
 
 ``recompute`` is the forward graph sliced to the saved values that depend
-on a primal that requires grad (dead code removed); every other saved value
-is a constant for any derivative taken here, so ``G`` takes it as it was
-saved. Dependence follows gradients: it stops at values holding no floating
-point (a mask, indices) and at ops that pass none back (``empty_like``,
-``bernoulli``); and the recompute stops at saved constants. So dropout's
-mask is read as saved, never drawn again::
+on a primal that requires grad and that the backward differentiates through
+(Note [Saved values read as masks]) on its way to the gradients the running
+backward asks for (Note [Only the gradients asked for]); every other saved
+value is a constant for any derivative taken here, so ``G`` takes it as it
+was saved. Dependence follows gradients: it stops at values holding no
+floating point (a mask, indices) and at ops that pass none back
+(``empty_like``, ``bernoulli``); and the recompute stops at saved constants.
+So dropout's mask is read as saved, never drawn again::
 
     forward:  mask = bernoulli(empty_like(h)) / 0.7   # saved, a constant
               out  = tanh(h * mask)                   # saved, depends on h
@@ -44,6 +46,55 @@ path as it was, and ``G`` costs one capture per specialization.
 
 The primals ``G`` reads must still hold their values at the call:
 Note [Primals in the backward].
+
+Note [Only the gradients asked for]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``ctx.needs_input_grad`` says which inputs require grad, not which gradients
+the running backward will use: ``autograd.grad(out, x, create_graph=True)``
+never uses the parameters' gradients, and eager's backward formulas skip
+them (``task_should_compute_output``). So the Function asks the engine, per
+input, whether it will execute the node that input's gradient goes to
+(``engine_uses``), and ``G`` is built for two masks, one flag per forward
+input: *requires grad* (which primals ``G`` must stay differentiable in) and
+*asked for* (which gradients ``G`` outputs; None for the others, and every
+node only those needed pruned, the saved values only they read no longer
+recomputed nor taken). Slices, and so ``G``'s captures, are keyed on both
+masks: a later call asking for another set builds its own ``G``, never
+reuses one built for a different mask. For the WGAN-GP critic
+``f(W1, W2, x) = leaky(x @ W1) @ W2``::
+
+    autograd.grad(f(...).sum(), x, create_graph=True)
+        requires grad (1, 1, 1), asked for (0, 0, 1):
+        G(W1, W2, masks, g) = (None, None, leaky_backward(g @ W2.T, mask) @ W1.T)
+    loss.backward()  (through G: second-order terms reach W1, W2 and x)
+    f(...).sum().backward()
+        asked for (1, 1, 1): the first-order backward graph, as before
+
+Second-order terms still reach every primal requiring grad, since ``G``
+stays a differentiable function of all of them; only gradients nobody reads
+are not computed. An engine that cannot answer (a leaf that ``autograd.grad``
+captures) counts as asking.
+
+Note [Saved values read as masks]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Some backward ops read a saved value only for its sign or range, and PyTorch
+defines their derivative with respect to it as zero (``threshold_backward``'s
+``self`` for ReLU, ``leaky_relu_backward``, ``hardtanh_backward``:
+``optable.passes_gradient_through``). A saved value the kept gradients read
+only there need not be recomputed from the primals: ``G`` takes it as saved,
+and the forward's matmuls are not run again. For ``relu(x @ W)``::
+
+    backward:  grad_x = threshold_backward(g, mm, 0) @ W.T   # mm: sign only
+    G(W, mm, g)        reads mm as saved, recomputes nothing
+
+Eager's double backward still has an edge through that argument, which
+carries zeros back to every primal the value came from: ``x.grad`` is zeros
+there, not None, and an optimizer treats the two differently. So each
+gradient ``G`` outputs lists the primals eager reaches only that way
+(``zero_links``: above, ``x``, which ``G`` no longer reads), and
+``_ZeroLinks`` passes ``G``'s gradients through unchanged, sending zeros to
+those primals whenever a linked gradient is differentiated. Values, and
+which tensors get a gradient, are eager's.
 """
 
 from __future__ import annotations
@@ -267,7 +318,7 @@ class _ZeroLinks(torch.autograd.Function):
     sends zeros to the inputs linked to it (Note [Saved values read as masks])."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, links: tuple[tuple[int, tuple[int, ...]], ...], *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.links = links
@@ -501,6 +552,7 @@ def build_slice(
             env[node] = _copy(graph, root, backward, node, env)
     graph.output(fx.map_arg(tuple(grads), lambda n: env[n]))
     gm = fx.GraphModule(root, graph, "differentiable_backward")
+    links = _without_real_gradients(links, gm, primals)
     stand_ins = tuple(i for i in primals if i in changed)
     for i in stand_ins:
         if needs_grad[i] or _reaches_outputs(gm, primals.index(i)):
@@ -554,6 +606,22 @@ def _zero_links(
         if bits:
             links.append((k, tuple(i for i in range(len(needs_grad)) if bits >> i & 1)))
     return tuple(links)
+
+
+def _without_real_gradients(
+    links: tuple[tuple[int, tuple[int, ...]], ...], gm: fx.GraphModule, primals: tuple[int, ...]
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``links`` less the inputs ``G`` itself sends a gradient to from that gradient."""
+    inputs = {p: 1 << i for i, p in zip(primals, _placeholders(gm), strict=False)}
+    carried = _carried(gm, inputs, through_zeros=True)
+    outputs = _outputs(gm)
+    kept = []
+    for k, linked in links:
+        real = _reaching(carried, [outputs[k]])
+        rest = tuple(i for i in linked if not real >> i & 1)
+        if rest:
+            kept.append((k, rest))
+    return tuple(kept)
 
 
 def _live(backward: fx.GraphModule, grads: Sequence[Any]) -> set[fx.Node]:
