@@ -276,7 +276,7 @@ class HigherOrder:
         return str(self.signature.forward_inputs[i])
 
     def _slice(self, needs_grad: tuple[bool, ...], wanted: tuple[bool, ...]) -> Slice:
-        key = (needs_grad, wanted)  # never one mask's G for another (Note [Only the ...])
+        key = (needs_grad, wanted)  # Note [Only the gradients asked for]
         piece = self._slices.get(key)
         if piece is not None:
             return piece
