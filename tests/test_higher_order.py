@@ -685,3 +685,25 @@ def test_a_bias_reached_only_through_relu_masks_gets_zeros_as_in_eager():
     for p, q in zip(compiled_model.parameters(), eager.parameters(), strict=True):
         _close(p, q)
         _close(p.grad, q.grad)
+
+
+def test_third_order_through_relu_masks_reaches_what_eager_reaches():
+    """Note [Saved values read as masks]: under create_graph the zeros sent through a mask are
+    themselves differentiable in the inputs the mask came from, as eager's are."""
+    torch.manual_seed(0)
+    w1 = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(8, 1, dtype=torch.float64, requires_grad=True)
+
+    def net(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w1) @ w2
+
+    def third(f: Callable[..., torch.Tensor]) -> tuple[Any, ...]:
+        x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_(True)
+        (g,) = torch.autograd.grad(f(x, w1, w2).sum(), x, create_graph=True)
+        (h,) = torch.autograd.grad(g.sum(), x, create_graph=True)
+        return (g, h, *torch.autograd.grad(h.sum(), (x, w1, w2), allow_unused=True))
+
+    got, want = third(aotgrad.aot_function(net)), third(net)
+    assert [t is None for t in got] == [t is None for t in want] == [False] * 4 + [True]
+    _close(got, want)

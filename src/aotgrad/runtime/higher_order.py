@@ -93,8 +93,12 @@ there, not None, and an optimizer treats the two differently. So each
 gradient ``G`` outputs lists the primals eager reaches only that way
 (``zero_links``: above, ``x``, which ``G`` no longer reads), and
 ``_ZeroLinks`` passes ``G``'s gradients through unchanged, sending zeros to
-those primals whenever a linked gradient is differentiated. Values, and
-which tensors get a gradient, are eager's.
+those primals whenever a linked gradient is differentiated. Under
+``create_graph`` those zeros are a function, with derivative zero, of every
+primal the masks came from (above: ``x`` and ``W``), as eager's are (its
+formula computes them as ``zeros @ W.T``): a third derivative reaches the
+same tensors eager's does. Values, and which tensors get a gradient, are
+eager's.
 """
 
 from __future__ import annotations
@@ -157,6 +161,20 @@ class Orders:
     create_graph_fallbacks: int = 0
 
 
+@dataclass(frozen=True)
+class ZeroLink:
+    """Forward inputs eager's double backward reaches from one gradient of ``G`` only
+    through saved values read as masks (Note [Saved values read as masks])."""
+
+    # The gradient's forward-input position (a position among ``G``'s outputs).
+    grad: int
+    # Forward inputs ``G`` sends no gradient to from it: they get zeros.
+    zeros: tuple[int, ...]
+    # Every forward input the masks came from: under ``create_graph`` the zeros are a
+    # function of them, as eager's are.
+    reached: tuple[int, ...]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Slice:
     """What ``G`` reads and computes for one set of primals requiring grad and one set of
@@ -165,8 +183,8 @@ class Slice:
     # Forward-input positions whose gradient ``G`` computes; None for every other input.
     grads: tuple[int, ...]
     # Per gradient, the forward inputs that get zeros from it besides (Note [Saved values
-    # read as masks]): (gradient's forward-input position, forward-input positions).
-    zero_links: tuple[tuple[int, tuple[int, ...]], ...]
+    # read as masks]).
+    zero_links: tuple[ZeroLink, ...]
     # Forward-input positions ``G`` takes, in order.
     primals: tuple[int, ...]
     # Saved positions ``G`` recomputes from the primals; the others it takes as saved.
@@ -254,7 +272,7 @@ class HigherOrder:
         grads = self._compiled_for(piece, values)(values)
         if not piece.zero_links:
             return grads
-        linked = sorted({i for _, inputs in piece.zero_links for i in inputs})
+        linked = sorted({i for link in piece.zero_links for i in link.reached})
         primals = [self._primal(i, saved, kept) for i in linked]
         return link_zeros(grads, piece.zero_links, linked, primals)
 
@@ -319,40 +337,54 @@ class _ZeroLinks(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, links: tuple[tuple[int, tuple[int, ...]], ...], *tensors: torch.Tensor
+        ctx: Any, links: tuple[ZeroLink, ...], *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.links = links
         ctx.set_materialize_grads(False)
-        ctx.inputs = [(t.shape, t.dtype, t.device) for t in tensors[len(links) :]]
+        ctx.inputs = tensors[len(links) :]  # kept, not saved: only their metadata is read
         return tensors[: len(links)]
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor | None) -> tuple[Any, ...]:
         zeros: list[torch.Tensor | None] = [None] * len(ctx.inputs)
-        for cotangent, (_, inputs) in zip(cotangents, ctx.links, strict=True):
+        for cotangent, link in zip(cotangents, ctx.links, strict=True):
             if cotangent is None:
                 continue
-            for k in inputs:
+            for k in link.zeros:
                 if zeros[k] is None:
-                    shape, dtype, device = ctx.inputs[k]
-                    zeros[k] = torch.zeros(shape, dtype=dtype, device=device)
+                    zeros[k] = _zeros(ctx.inputs[k], [ctx.inputs[i] for i in link.reached])
         return (None, *cotangents, *zeros)
+
+
+def _zeros(like: torch.Tensor, group: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Zeros shaped like ``like``; under ``create_graph``, a function of ``group`` whose
+    derivative is zero, as eager's zeros are (its formulas compute them from the inputs)."""
+    zeros = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    if not torch.is_grad_enabled():
+        return zeros
+    never = torch.zeros((), dtype=torch.bool, device=like.device)
+    for t in group:  # ``where`` picks 0: no inf or nan of ``t`` reaches the value
+        zeros = zeros + torch.where(never, t.sum(), 0).to(like.dtype)
+    return zeros
 
 
 def link_zeros(
     grads: Sequence[torch.Tensor | None],
-    links: tuple[tuple[int, tuple[int, ...]], ...],
+    links: tuple[ZeroLink, ...],
     linked: Sequence[int],
     primals: Sequence[torch.Tensor],
 ) -> list[torch.Tensor | None]:
     """``grads``, the linked ones passed through ``_ZeroLinks`` with ``primals`` (forward
     inputs ``linked``) (Note [Saved values read as masks])."""
-    position = {i: k for k, i in enumerate(linked)}
-    local = tuple((n, tuple(position[i] for i in inputs)) for n, (_, inputs) in enumerate(links))
-    passed = _ZeroLinks.apply(local, *(grads[k] for k, _ in links), *primals)
+    at = {i: k for k, i in enumerate(linked)}.__getitem__  # positions among ``primals``
+    local = tuple(
+        ZeroLink(n, tuple(map(at, link.zeros)), tuple(map(at, link.reached)))
+        for n, link in enumerate(links)
+    )
+    passed = _ZeroLinks.apply(local, *(grads[link.grad] for link in links), *primals)
     found = list(grads)
-    for (k, _), grad in zip(links, passed, strict=True):
-        found[k] = grad
+    for link, grad in zip(links, passed, strict=True):
+        found[link.grad] = grad
     return found
 
 
@@ -557,7 +589,7 @@ def build_slice(
     for i in stand_ins:
         if needs_grad[i] or _reaches_outputs(gm, primals.index(i)):
             raise _changed_input(str(signature.forward_inputs[i]))
-    for i in sorted({i for _, linked in links for i in linked} & changed):
+    for i in sorted({i for link in links for i in link.reached} & changed):
         raise _changed_input(str(signature.forward_inputs[i]))
     return Slice(
         grads=tuple(i for i, g in enumerate(grads) if g is not None),
@@ -585,7 +617,7 @@ def _zero_links(
     needs_grad: Sequence[bool],
     grads: Sequence[Any],
     masks: Sequence[int],
-) -> tuple[tuple[int, tuple[int, ...]], ...]:
+) -> tuple[ZeroLink, ...]:
     """Per gradient ``G`` computes, the forward inputs requiring grad that eager's double
     backward reaches through the saved values ``masks`` only: they get zeros (Note [Saved
     values read as masks])."""
@@ -604,23 +636,25 @@ def _zero_links(
             if read >> j & 1:
                 bits |= reached_by.get(saved[j], 0)
         if bits:
-            links.append((k, tuple(i for i in range(len(needs_grad)) if bits >> i & 1)))
+            reached = tuple(i for i in range(len(needs_grad)) if bits >> i & 1)
+            links.append(ZeroLink(k, reached, reached))
     return tuple(links)
 
 
 def _without_real_gradients(
-    links: tuple[tuple[int, tuple[int, ...]], ...], gm: fx.GraphModule, primals: tuple[int, ...]
-) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """``links`` less the inputs ``G`` itself sends a gradient to from that gradient."""
+    links: tuple[ZeroLink, ...], gm: fx.GraphModule, primals: tuple[int, ...]
+) -> tuple[ZeroLink, ...]:
+    """``links`` whose zeros leave out the inputs ``G`` itself sends a gradient to from that
+    gradient; those left with none dropped."""
     inputs = {p: 1 << i for i, p in zip(primals, _placeholders(gm), strict=False)}
     carried = _carried(gm, inputs, through_zeros=True)
     outputs = _outputs(gm)
     kept = []
-    for k, linked in links:
-        real = _reaching(carried, [outputs[k]])
-        rest = tuple(i for i in linked if not real >> i & 1)
-        if rest:
-            kept.append((k, rest))
+    for link in links:
+        real = _reaching(carried, [outputs[link.grad]])
+        zeros = tuple(i for i in link.zeros if not real >> i & 1)
+        if zeros:
+            kept.append(replace(link, zeros=zeros))
     return tuple(kept)
 
 
@@ -867,4 +901,4 @@ def _note(node: fx.Node) -> dict[str, Any]:
     return note
 
 
-__all__ = ["Driver", "HigherOrder", "Orders", "build_slice", "capture_backward"]
+__all__ = ["Driver", "HigherOrder", "Orders", "ZeroLink", "build_slice", "capture_backward"]
