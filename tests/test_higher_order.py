@@ -707,3 +707,21 @@ def test_third_order_through_relu_masks_reaches_what_eager_reaches():
     got, want = third(aotgrad.aot_function(net)), third(net)
     assert [t is None for t in got] == [t is None for t in want] == [False] * 4 + [True]
     _close(got, want)
+
+
+def test_a_gradient_through_a_relu_mask_can_be_changed_in_place():
+    """The zero links hand on copies, not views, which eager code may change in place."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w)
+
+    runs = []
+    for fn in (f, aotgrad.aot_function(f)):
+        x = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_(True)
+        (g,) = torch.autograd.grad(fn(x, w).sum(), x, create_graph=True)
+        g.mul_(2)
+        runs.append((g, *torch.autograd.grad(g.pow(2).sum(), (x, w))))
+    _close(runs[1], runs[0])

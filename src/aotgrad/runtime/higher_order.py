@@ -92,8 +92,9 @@ carries zeros back to every primal the value came from: ``x.grad`` is zeros
 there, not None, and an optimizer treats the two differently. So each
 gradient ``G`` outputs lists the primals eager reaches only that way
 (``zero_links``: above, ``x``, which ``G`` no longer reads), and
-``_ZeroLinks`` passes ``G``'s gradients through unchanged, sending zeros to
-those primals whenever a linked gradient is differentiated. Under
+``_ZeroLinks`` passes copies of ``G``'s gradients on (a view of them could not
+be changed in place, as eager's can), sending zeros to those primals whenever a
+linked gradient is differentiated. Under
 ``create_graph`` those zeros are a function, with derivative zero, of every
 primal the masks came from (above: ``x`` and ``W``), as eager's are (its
 formula computes them as ``zeros @ W.T``): a third derivative reaches the
@@ -332,8 +333,8 @@ class HigherOrder:
 
 
 class _ZeroLinks(torch.autograd.Function):
-    """The gradients as they are, with an edge to each linked input: a gradient received
-    sends zeros to the inputs linked to it (Note [Saved values read as masks])."""
+    """The gradients' values, with an edge to each linked input: a gradient received sends
+    zeros to the inputs linked to it (Note [Saved values read as masks])."""
 
     @staticmethod
     def forward(
@@ -342,7 +343,8 @@ class _ZeroLinks(torch.autograd.Function):
         ctx.links = links
         ctx.set_materialize_grads(False)
         ctx.inputs = tensors[len(links) :]  # kept, not saved: only their metadata is read
-        return tensors[: len(links)]
+        # Copies: an input returned as is would be a view the caller may not change in place.
+        return tuple(t.clone() for t in tensors[: len(links)])
 
     @staticmethod
     def backward(ctx: Any, *cotangents: torch.Tensor | None) -> tuple[Any, ...]:
