@@ -104,6 +104,7 @@ eager's.
 
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
@@ -196,6 +197,17 @@ class Slice:
     stand_ins: tuple[int, ...]
     graph: fx.GraphModule
 
+    @functools.cached_property
+    def linked(self) -> tuple[tuple[int, ...], tuple[ZeroLink, ...]]:
+        """The forward inputs ``zero_links`` name, and the links by their positions there."""
+        inputs = tuple(sorted({i for link in self.zero_links for i in link.reached}))
+        at = {i: k for k, i in enumerate(inputs)}.__getitem__
+        local = tuple(
+            ZeroLink(n, tuple(map(at, link.zeros)), tuple(map(at, link.reached)))
+            for n, link in enumerate(self.zero_links)
+        )
+        return inputs, local
+
     def zeros(self, i: int) -> torch.Tensor:
         """The stand-in for forward input ``i``."""
         node = _placeholders(self.graph)[self.primals.index(i)]
@@ -273,9 +285,9 @@ class HigherOrder:
         grads = self._compiled_for(piece, values)(values)
         if not piece.zero_links:
             return grads
-        linked = sorted({i for link in piece.zero_links for i in link.reached})
+        linked, local = piece.linked
         primals = [self._primal(i, saved, kept) for i in linked]
-        return link_zeros(grads, piece.zero_links, linked, primals)
+        return link_zeros(grads, piece.zero_links, local, primals)
 
     def _primal(
         self, i: int, saved: Sequence[Any], kept: tuple[Sequence[torch.Tensor], Sequence[int]]
@@ -373,16 +385,12 @@ def _zeros(like: torch.Tensor, group: Sequence[torch.Tensor]) -> torch.Tensor:
 def link_zeros(
     grads: Sequence[torch.Tensor | None],
     links: tuple[ZeroLink, ...],
-    linked: Sequence[int],
+    local: tuple[ZeroLink, ...],
     primals: Sequence[torch.Tensor],
 ) -> list[torch.Tensor | None]:
-    """``grads``, the linked ones passed through ``_ZeroLinks`` with ``primals`` (forward
-    inputs ``linked``) (Note [Saved values read as masks])."""
-    at = {i: k for k, i in enumerate(linked)}.__getitem__  # positions among ``primals``
-    local = tuple(
-        ZeroLink(n, tuple(map(at, link.zeros)), tuple(map(at, link.reached)))
-        for n, link in enumerate(links)
-    )
+    """``grads``, the linked ones passed through ``_ZeroLinks`` with ``primals`` (Note [Saved
+    values read as masks]); ``local``: ``links`` by positions among ``primals`` and among
+    the linked gradients (``Slice.linked``)."""
     passed = _ZeroLinks.apply(local, *(grads[link.grad] for link in links), *primals)
     found = list(grads)
     for link, grad in zip(links, passed, strict=True):
