@@ -82,24 +82,23 @@ defines their derivative with respect to it as zero (``threshold_backward``'s
 ``self`` for ReLU, ``leaky_relu_backward``, ``hardtanh_backward``:
 ``optable.passes_gradient_through``). A saved value the kept gradients read
 only there need not be recomputed from the primals: ``G`` takes it as saved,
-and the forward's matmuls are not run again. For ``relu(x @ W)``::
+and the forward's matmuls are not run again. For ``r = relu(x @ W)``::
 
-    backward:  grad_x = threshold_backward(g, mm, 0) @ W.T   # mm: sign only
-    G(W, mm, g)        reads mm as saved, recomputes nothing
+    backward:  grad_x = threshold_backward(g, r, 0) @ W.T   # r: its sign only
+    G(W, r, g)         reads r as saved, recomputes nothing
 
 Eager's double backward still has an edge through that argument, which
 carries zeros back to every primal the value came from: ``x.grad`` is zeros
 there, not None, and an optimizer treats the two differently. So each
 gradient ``G`` outputs lists the primals eager reaches only that way
 (``zero_links``: above, ``x``, which ``G`` no longer reads), and
-``_ZeroLinks`` passes copies of ``G``'s gradients on (a view of them could not
-be changed in place, as eager's can), sending zeros to those primals whenever a
-linked gradient is differentiated. Under
-``create_graph`` those zeros are a function, with derivative zero, of every
-primal the masks came from (above: ``x`` and ``W``), as eager's are (its
-formula computes them as ``zeros @ W.T``): a third derivative reaches the
-same tensors eager's does. Values, and which tensors get a gradient, are
-eager's.
+``_ZeroLinks`` passes copies of ``G``'s gradients on (a view could not be
+changed in place, as eager's gradients can), sending zeros to those primals
+whenever a linked gradient is differentiated. Under ``create_graph`` those
+zeros are a function, with derivative zero, of every primal the masks came
+from (above: ``x`` and ``W``), as eager's are (its formula computes them as
+``zeros @ W.T``): a third derivative reaches the same tensors eager's does.
+Values, and which tensors get a gradient, are eager's.
 """
 
 from __future__ import annotations
