@@ -180,6 +180,8 @@ def test_wgan_gp_steps_match_eager():
         want = wgan_gp_step(eager, opts[0], real, fake, alpha)
         got = wgan_gp_step(compiled, opts[1], real, fake, alpha)
         _close(got, want)
+        for p, q in zip(compiled_model.parameters(), eager.parameters(), strict=True):
+            _close(p.grad, q.grad)  # the penalty's second-order terms included
     for p, q in zip(compiled_model.parameters(), eager.parameters(), strict=True):
         _close(p, q)
     assert aotgrad.cache_info(compiled).create_graph_captures == 1
@@ -593,4 +595,135 @@ def test_a_missing_cotangent_becomes_zeros_under_create_graph():
         first, _ = run(x, w)  # the second output gets no cotangent
         (gx,) = torch.autograd.grad(first.sum(), x, create_graph=True)
         runs.append((gx, *torch.autograd.grad(gx.pow(2).sum(), (x, w))))
+    _close(runs[1], runs[0])
+
+
+def _recording(graphs: list[torch.fx.GraphModule]) -> Callable[..., Any]:
+    def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    return compiler
+
+
+def _count(gm: torch.fx.GraphModule, *names: str) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in names)
+
+
+_MATMULS = ("aten.mm.default", "aten.addmm.default")
+
+
+def test_g_computes_only_the_gradients_asked_for_and_recomputes_no_matmul():
+    """Note [Only the gradients asked for], Note [Saved values read as masks]: for
+    ``autograd.grad(..., x)`` the gradient penalty's G runs the two matmuls eager's
+    double backward runs, not the weights' gradients nor the forward again."""
+    torch.manual_seed(0)
+    eager = _Critic().double()
+    forwards: list[torch.fx.GraphModule] = []
+    compiled = aotgrad.aot_module(
+        copy.deepcopy(eager), fw_compiler=_recording(forwards), bw_compiler=aotgrad.nop
+    )
+    x = torch.randn(8, 4, dtype=torch.float64)
+    runs = []
+    for model in (eager, compiled):
+        mixed = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(model(mixed).sum(), mixed, create_graph=True)
+        (grad.norm(2, dim=1) - 1).pow(2).mean().backward()
+        runs.append((grad, mixed.grad, *(p.grad for p in model.parameters())))
+    _close(runs[1], runs[0])  # mixed.grad: zeros, as eager's
+    first, g = forwards  # the first order's forward, then G's
+    assert _count(first, *_MATMULS) == 3
+    assert _count(g, *_MATMULS) == 3  # g @ W3.T, then @ W2.T, then @ W1.T
+    assert _count(g, "aten.sum.dim_IntList") == 0  # no bias gradient
+
+
+def test_one_compiled_model_under_each_mask_matches_eager():
+    """The same compiled model asked for x's gradient, then the parameters', then all of
+    them by backward: one G per mask (Note [Only the gradients asked for])."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    eager = eager.double()
+    compiled_model = copy.deepcopy(eager)
+    compiled = aotgrad.aot_module(compiled_model)
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def steps(model: nn.Module) -> list[Any]:
+        params = list(model.parameters())
+        xs = x.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad(model(xs).sum(), xs, create_graph=True)
+        found = [gx, *torch.autograd.grad(gx.pow(2).sum(), [xs, *params], allow_unused=True)]
+        gps = torch.autograd.grad(model(xs).sum(), params, create_graph=True)
+        penalty = sum(g.pow(2).sum() for g in gps)
+        found += [*gps, *torch.autograd.grad(penalty, [xs, *params], allow_unused=True)]
+        for p in params:
+            p.grad = None
+        (gx2,) = torch.autograd.grad(model(xs).sum(), xs, create_graph=True)
+        (gx2.pow(2).sum() + model(xs).sum()).backward()
+        return [*found, gx2, xs.grad, *(p.grad for p in params)]
+
+    _close(steps(compiled), steps(eager))
+    assert (
+        aotgrad.cache_info(compiled).create_graph_captures == 2
+    )  # asked for x; for the parameters
+
+
+def test_a_bias_reached_only_through_relu_masks_gets_zeros_as_in_eager():
+    """Note [Saved values read as masks]: the penalty reaches ``0.bias`` and the input only
+    through ReLU's mask; eager gives them zeros, not None, and SGD's weight decay moves
+    the bias only when its gradient is a tensor."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).double()
+    compiled_model = copy.deepcopy(eager)
+    compiled = aotgrad.aot_module(compiled_model)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for model, params in ((eager, eager), (compiled, compiled_model)):
+        opt = torch.optim.SGD(params.parameters(), lr=0.1, weight_decay=0.5)
+        xs = x.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad(model(xs).sum(), xs, create_graph=True)
+        gx.pow(2).sum().backward()
+        assert xs.grad is not None and not xs.grad.any()
+        assert params[0].bias.grad is not None and not params[0].bias.grad.any()
+        opt.step()
+    for p, q in zip(compiled_model.parameters(), eager.parameters(), strict=True):
+        _close(p, q)
+        _close(p.grad, q.grad)
+
+
+def test_third_order_through_relu_masks_reaches_what_eager_reaches():
+    """Note [Saved values read as masks]: under create_graph the zeros sent through a mask are
+    themselves differentiable in the inputs the mask came from, as eager's are."""
+    torch.manual_seed(0)
+    w1 = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(8, 1, dtype=torch.float64, requires_grad=True)
+
+    def net(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w1) @ w2
+
+    def third(f: Callable[..., torch.Tensor]) -> tuple[Any, ...]:
+        x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_(True)
+        (g,) = torch.autograd.grad(f(x, w1, w2).sum(), x, create_graph=True)
+        (h,) = torch.autograd.grad(g.sum(), x, create_graph=True)
+        return (g, h, *torch.autograd.grad(h.sum(), (x, w1, w2), allow_unused=True))
+
+    got, want = third(aotgrad.aot_function(net)), third(net)
+    assert [t is None for t in got] == [t is None for t in want] == [False] * 4 + [True]
+    _close(got, want)
+
+
+def test_a_gradient_through_a_relu_mask_can_be_changed_in_place():
+    """The zero links hand on copies, not views, which eager code may change in place."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w)
+
+    runs = []
+    for fn in (f, aotgrad.aot_function(f)):
+        x = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_(True)
+        (g,) = torch.autograd.grad(fn(x, w).sum(), x, create_graph=True)
+        g.mul_(2)
+        runs.append((g, *torch.autograd.grad(g.pow(2).sum(), (x, w))))
     _close(runs[1], runs[0])

@@ -829,3 +829,23 @@ def test_an_op_without_a_meta_kernel_says_so_under_fake_tensors():
     assert isinstance(e.value, compat.UnsupportedOperatorException) or (
         compat.NO_META_KERNEL in str(e.value)
     )
+
+
+def test_engine_uses_follows_the_gradients_asked_for():
+    seen = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return x * w
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append([compat.engine_uses(node) for node, _ in ctx.next_functions])
+            return grad, grad
+
+    x, w = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    torch.autograd.grad(Spy.apply(x * 1, w).sum(), w)  # w's leaf is captured: counts as used
+    Spy.apply(x * 1, w).sum().backward(inputs=[w])
+    Spy.apply(x * 1, w).sum().backward()
+    assert seen == [[False, True], [False, True], [True, True]]

@@ -203,6 +203,22 @@ def in_autograd_engine() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def engine_uses(node: Any) -> bool:
+    """Will the running backward use the gradient sent along an edge to autograd node
+    ``node`` (one of ``ctx.next_functions``)? False only when the engine says it will not
+    execute that node (``autograd.grad(..., inputs=x)`` skips the parameters' nodes), as eager's
+    ``task_should_compute_output`` does (Note [Only the gradients asked for]).
+
+    The engine refuses to answer for a leaf that ``autograd.grad`` captures: that gradient is
+    used. Any refusal answers True, which costs time and is never wrong; ``register_multi_grad_hook``
+    is torch's public caller of the same function.
+    """
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # "A leaf node was passed ... running autograd.grad()": captured
+        return True
+
+
 # --- Functionalization (the full trace) ----------------------------------------------------------
 
 # The functional wrapper tensors of the full trace, and the mode that makes them.

@@ -196,11 +196,17 @@ def is_error_check(op: object) -> bool:
     return op in _ERROR_CHECKS
 
 
+def must_run(node: fx.Node) -> bool:
+    """A node kept though nothing reads its result: fx's impure ones (side effects, writes),
+    and error checks whatever the torch release (before 2.13 torch did not count
+    ``_linalg_check_errors`` as effectful, so its dead-code pass dropped it and ``linalg.inv``
+    of a singular matrix returned inf where eager raises)."""
+    return node.is_impure() or is_error_check(node.target)
+
+
 def remove_dead_code(graph: fx.Graph) -> None:
-    """``graph.eliminate_dead_code()``, keeping error checks whatever the torch release: before
-    2.13 torch did not count ``_linalg_check_errors`` as effectful, so its dead-code pass
-    dropped it and ``linalg.inv`` of a singular matrix returned inf where eager raises."""
-    graph.eliminate_dead_code(lambda node: node.is_impure() or is_error_check(node.target))
+    """``graph.eliminate_dead_code()``, keeping every node that :func:`must_run`."""
+    graph.eliminate_dead_code(must_run)
 
 
 # Ops autocast runs in its lower-precision dtype (``torch.autocast``'s CPU and CUDA
@@ -327,3 +333,39 @@ def passes_no_gradient(op: object) -> bool:
         isinstance(op, OpOverload)
         and op._schema.name.removeprefix("aten::") in _NO_GRADIENT_TO_INPUTS
     )
+
+
+# Backward ops whose derivative with respect to an argument PyTorch defines as zero (``self:
+# zeros_like(grad)`` in its derivatives.yaml): they read it for its sign or range only, a mask
+# in all but name. A value read only there is a constant for every higher derivative (Note
+# [Differentiable backward]); eager's double backward uses the same zeros.
+_NO_GRADIENT_THROUGH: dict[str, frozenset[str]] = {
+    "threshold_backward": frozenset({"self"}),  # relu
+    "leaky_relu_backward": frozenset({"self"}),
+    "hardtanh_backward": frozenset({"self"}),  # relu6, hardtanh
+    "hardshrink_backward": frozenset({"self"}),
+    "softshrink_backward": frozenset({"self"}),
+    "rrelu_with_noise_backward": frozenset({"self"}),
+    "nll_loss_backward": frozenset({"self"}),
+    "nll_loss2d_backward": frozenset({"self"}),
+}
+
+
+@functools.cache
+def _no_gradient_through(op: object) -> frozenset[int | str]:
+    if not isinstance(op, OpOverload):
+        return frozenset()
+    names = _NO_GRADIENT_THROUGH.get(op._schema.name.removeprefix("aten::"), frozenset())
+    positions = [k for k, a in enumerate(op._schema.arguments) if a.name in names]
+    return frozenset([*names, *positions])
+
+
+def passes_gradient_through(op: object, argument: int | str) -> bool:
+    """Does a gradient flow from this op's result back into ``argument`` (a position in
+    ``args`` or a keyword)? False where PyTorch defines that derivative as zero.
+
+    >>> op = torch.ops.aten.threshold_backward.default  # (grad_output, self, threshold)
+    >>> passes_gradient_through(op, 0), passes_gradient_through(op, 1)
+    (True, False)
+    """
+    return argument not in _no_gradient_through(op)

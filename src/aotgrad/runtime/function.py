@@ -35,6 +35,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import (
     FUNCTION_BASE_APPLY,
+    engine_uses,
     functorch_transforms_active,
     set_version_counter,
     unwrap_if_dead,
@@ -425,8 +426,13 @@ def _differentiable(
             " aotgrad.pipeline.compile_stage, or call aot_function / trace()."
         )
     kept = (ctx.kept, ctx.kept_versions) if higher_order.extra else ((), ())
+    needs_grad = ctx.needs_input_grad
+    wanted = [  # Note [Only the gradients asked for]
+        needed and engine_uses(node)
+        for needed, (node, _) in zip(needs_grad, ctx.next_functions, strict=True)
+    ]
     with autocast_off() if any_autocast() else contextlib.nullcontext():  # Note [Autocast]
-        return higher_order.gradients(ctx.needs_input_grad, saved, kept, cotangents)
+        return higher_order.gradients(needs_grad, wanted, saved, kept, cotangents)
 
 
 def run_epilogue(

@@ -12,12 +12,14 @@ from a *differentiable backward function* built from the two graphs::
         = backward_graph(*recompute(primals), *saved constants, *cotangents)
 
 ``recompute`` is the forward graph sliced to the saved values that depend
-on a primal that requires grad (dead code removed); every other saved value
-is a constant for any derivative taken here, so ``G`` takes it as it was
-saved. Dependence follows gradients: it stops at values holding no floating
-point (a mask, indices) and at ops that pass none back (``empty_like``,
-``bernoulli``); and the recompute stops at saved constants. So dropout's
-mask is read as saved, never drawn again::
+on a primal that requires grad and that the backward differentiates through
+(Note [Saved values read as masks]) on its way to the gradients the running
+backward asks for (Note [Only the gradients asked for]); every other saved
+value is a constant for any derivative taken here, so ``G`` takes it as it
+was saved. Dependence follows gradients: it stops at values holding no
+floating point (a mask, indices) and at ops that pass none back
+(``empty_like``, ``bernoulli``); and the recompute stops at saved constants.
+So dropout's mask is read as saved, never drawn again::
 
     forward:  mask = bernoulli(empty_like(h)) / 0.7   # saved, a constant
               out  = tanh(h * mask)                   # saved, depends on h
@@ -44,10 +46,64 @@ path as it was, and ``G`` costs one capture per specialization.
 
 The primals ``G`` reads must still hold their values at the call:
 Note [Primals in the backward].
+
+Note [Only the gradients asked for]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``ctx.needs_input_grad`` says which inputs require grad, not which gradients
+the running backward will use: ``autograd.grad(out, x, create_graph=True)``
+never uses the parameters' gradients, and eager's backward formulas skip
+them (``task_should_compute_output``). So the Function asks the engine, per
+input, whether it will execute the node that input's gradient goes to
+(``engine_uses``), and ``G`` is built for two masks, one flag per forward
+input: *requires grad* (which primals ``G`` must stay differentiable in) and
+*asked for* (which gradients ``G`` outputs; None for the others, and every
+node only those needed pruned, the saved values only they read no longer
+recomputed nor taken). Slices, and so ``G``'s captures, are keyed on both
+masks: a later call asking for another set builds its own ``G``, never
+reuses one built for a different mask. For the WGAN-GP critic
+``f(W1, W2, x) = leaky(x @ W1) @ W2``::
+
+    autograd.grad(f(...).sum(), x, create_graph=True)
+        requires grad (1, 1, 1), asked for (0, 0, 1):
+        G(W1, W2, masks, g) = (None, None, leaky_backward(g @ W2.T, mask) @ W1.T)
+    loss.backward()  (through G: second-order terms reach W1, W2 and x)
+    f(...).sum().backward()
+        asked for (1, 1, 1): the first-order backward graph, as before
+
+Second-order terms still reach every primal requiring grad, since ``G``
+stays a differentiable function of all of them; only gradients nobody reads
+are not computed. An engine that cannot answer (a leaf that ``autograd.grad``
+captures) counts as asking.
+
+Note [Saved values read as masks]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Some backward ops read a saved value only for its sign or range, and PyTorch
+defines their derivative with respect to it as zero (``threshold_backward``'s
+``self`` for ReLU, ``leaky_relu_backward``, ``hardtanh_backward``:
+``optable.passes_gradient_through``). A saved value the kept gradients read
+only there need not be recomputed from the primals: ``G`` takes it as saved,
+and the forward's matmuls are not run again. For ``r = relu(x @ W)``::
+
+    backward:  grad_x = threshold_backward(g, r, 0) @ W.T   # r: its sign only
+    G(W, r, g)         reads r as saved, recomputes nothing
+
+Eager's double backward still has an edge through that argument, which
+carries zeros back to every primal the value came from: ``x.grad`` is zeros
+there, not None, and an optimizer treats the two differently. So each
+gradient ``G`` outputs lists the primals eager reaches only that way
+(``zero_links``: above, ``x``, which ``G`` no longer reads), and
+``_ZeroLinks`` passes copies of ``G``'s gradients on (a view could not be
+changed in place, as eager's gradients can), sending zeros to those primals
+whenever a linked gradient is differentiated. Under ``create_graph`` those
+zeros are a function, with derivative zero, of every primal the masks came
+from (above: ``x`` and ``W``), as eager's are (its formula computes them as
+``zeros @ W.T``): a third derivative reaches the same tensors eager's does.
+Values, and which tensors get a gradient, are eager's.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
@@ -64,7 +120,14 @@ from aotgrad.capture import Body, JointGraph
 from aotgrad.capture.provenance import META_KEY, NodeInfo, set_info
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.errors import AotgradError, DoubleBackwardError, UserFrame, format_error
-from aotgrad.optable import draws_random, op_name, outputs_reached, passes_no_gradient
+from aotgrad.optable import (
+    draws_random,
+    must_run,
+    op_name,
+    outputs_reached,
+    passes_gradient_through,
+    passes_no_gradient,
+)
 from aotgrad.runtime.differentiable_ops import (
     NO_DERIVATIVE,
     REPLACED,
@@ -99,10 +162,30 @@ class Orders:
     create_graph_fallbacks: int = 0
 
 
+@dataclass(frozen=True)
+class ZeroLink:
+    """Forward inputs eager's double backward reaches from one gradient of ``G`` only
+    through saved values read as masks (Note [Saved values read as masks])."""
+
+    # The gradient's forward-input position (a position among ``G``'s outputs).
+    grad: int
+    # Forward inputs ``G`` sends no gradient to from it: they get zeros.
+    zeros: tuple[int, ...]
+    # Every forward input the masks came from: under ``create_graph`` the zeros are a
+    # function of them, as eager's are.
+    reached: tuple[int, ...]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Slice:
-    """What ``G`` reads for one set of primals requiring grad."""
+    """What ``G`` reads and computes for one set of primals requiring grad and one set of
+    gradients asked for (Note [Only the gradients asked for])."""
 
+    # Forward-input positions whose gradient ``G`` computes; None for every other input.
+    grads: tuple[int, ...]
+    # Per gradient, the forward inputs that get zeros from it besides (Note [Saved values
+    # read as masks]).
+    zero_links: tuple[ZeroLink, ...]
     # Forward-input positions ``G`` takes, in order.
     primals: tuple[int, ...]
     # Saved positions ``G`` recomputes from the primals; the others it takes as saved.
@@ -112,6 +195,17 @@ class Slice:
     # outputs: zeros stand in for them (Note [Primals in the backward]).
     stand_ins: tuple[int, ...]
     graph: fx.GraphModule
+
+    @functools.cached_property
+    def linked(self) -> tuple[tuple[int, ...], tuple[ZeroLink, ...]]:
+        """The forward inputs ``zero_links`` name, and the links by their positions there."""
+        inputs = tuple(sorted({i for link in self.zero_links for i in link.reached}))
+        at = {i: k for k, i in enumerate(inputs)}.__getitem__
+        local = tuple(
+            ZeroLink(n, tuple(map(at, link.zeros)), tuple(map(at, link.reached)))
+            for n, link in enumerate(self.zero_links)
+        )
+        return inputs, local
 
     def zeros(self, i: int) -> torch.Tensor:
         """The stand-in for forward input ``i``."""
@@ -145,7 +239,8 @@ class HigherOrder:
     extra: tuple[int, ...] = ()
     # Saved position of each forward input the forward graph saves as is.
     saved_as_is: dict[int, int] = field(default_factory=dict)
-    _slices: dict[tuple[bool, ...], Slice] = field(default_factory=dict)
+    # Keyed on (requires grad, asked for), one flag per forward input.
+    _slices: dict[tuple[tuple[bool, ...], tuple[bool, ...]], Slice] = field(default_factory=dict)
     _compiled: dict[Any, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -163,16 +258,21 @@ class HigherOrder:
     def gradients(
         self,
         needs_grad: Sequence[bool],
+        wanted: Sequence[bool],
         saved: Sequence[Any],
         kept: tuple[Sequence[torch.Tensor], Sequence[int]],
         cotangents: Sequence[torch.Tensor],
     ) -> Sequence[torch.Tensor | None]:
         """The gradients as differentiable functions of the primals and cotangents.
 
+        ``needs_grad``: the forward inputs requiring grad; ``wanted``: those whose gradient the
+        running backward uses (Note [Only the gradients asked for]); the others get None.
         ``kept``: the forward inputs in ``extra`` and their versions at the call (Note
         [Primals in the backward]).
         """
-        piece = self._slice(tuple(needs_grad))
+        if not any(wanted):
+            return (None,) * len(wanted)
+        piece = self._slice(tuple(needs_grad), tuple(wanted))
         values = [
             *(
                 piece.zeros(i) if i in piece.stand_ins else self._primal(i, saved, kept)
@@ -181,7 +281,12 @@ class HigherOrder:
             *(saved[j] for j in piece.constants),
             *cotangents,
         ]
-        return self._compiled_for(piece, values)(values)
+        grads = self._compiled_for(piece, values)(values)
+        if not piece.zero_links:
+            return grads
+        linked, local = piece.linked
+        primals = [self._primal(i, saved, kept) for i in linked]
+        return link_zeros(grads, piece.zero_links, local, primals)
 
     def _primal(
         self, i: int, saved: Sequence[Any], kept: tuple[Sequence[torch.Tensor], Sequence[int]]
@@ -200,20 +305,21 @@ class HigherOrder:
         assert self.signature is not None, "expected the signature built with the first slice"
         return str(self.signature.forward_inputs[i])
 
-    def _slice(self, needs_grad: tuple[bool, ...]) -> Slice:
-        piece = self._slices.get(needs_grad)
+    def _slice(self, needs_grad: tuple[bool, ...], wanted: tuple[bool, ...]) -> Slice:
+        key = (needs_grad, wanted)  # Note [Only the gradients asked for]
+        piece = self._slices.get(key)
         if piece is not None:
             return piece
         with _BUILDING:  # Note [Concurrent calls]: built once, by one thread
-            piece = self._slices.get(needs_grad)
+            piece = self._slices.get(key)
             if piece is None:
                 if self.prepare is not None:
                     self.forward, self.backward, self.signature = self.prepare()
                     self.prepare = None
                 assert isinstance(self.forward, fx.GraphModule), "expected the graphs built"
                 assert self.backward is not None and self.signature is not None
-                piece = self._slices[needs_grad] = build_slice(
-                    self.forward, self.backward, self.signature, needs_grad, self.changed
+                piece = self._slices[key] = build_slice(
+                    self.forward, self.backward, self.signature, needs_grad, self.changed, wanted
                 )
         return piece
 
@@ -235,6 +341,60 @@ class HigherOrder:
             compiled.higher_order.order = self.order + 1
         self.orders.create_graph_captures += 1
         return compiled
+
+
+class _ZeroLinks(torch.autograd.Function):
+    """The gradients' values, with an edge to each linked input: a gradient received sends
+    zeros to the inputs linked to it (Note [Saved values read as masks])."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, links: tuple[ZeroLink, ...], *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.links = links
+        ctx.set_materialize_grads(False)
+        ctx.inputs = tensors[len(links) :]  # kept, not saved: only their metadata is read
+        # Copies: an input returned as is would be a view the caller may not change in place.
+        return tuple(t.clone() for t in tensors[: len(links)])
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: torch.Tensor | None) -> tuple[Any, ...]:
+        zeros: list[torch.Tensor | None] = [None] * len(ctx.inputs)
+        for cotangent, link in zip(cotangents, ctx.links, strict=True):
+            if cotangent is None:
+                continue
+            for k in link.zeros:
+                if zeros[k] is None:
+                    zeros[k] = _zeros(ctx.inputs[k], [ctx.inputs[i] for i in link.reached])
+        return (None, *cotangents, *zeros)
+
+
+def _zeros(like: torch.Tensor, group: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Zeros shaped like ``like``; under ``create_graph``, a function of ``group`` whose
+    derivative is zero, as eager's zeros are (its formulas compute them from the inputs)."""
+    zeros = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    if not torch.is_grad_enabled():
+        return zeros
+    never = torch.zeros((), dtype=torch.bool, device=like.device)
+    for t in group:  # ``where`` picks 0: no inf or nan of ``t`` reaches the value
+        zeros = zeros + torch.where(never, t.sum(), 0).to(like.dtype)
+    return zeros
+
+
+def link_zeros(
+    grads: Sequence[torch.Tensor | None],
+    links: tuple[ZeroLink, ...],
+    local: tuple[ZeroLink, ...],
+    primals: Sequence[torch.Tensor],
+) -> list[torch.Tensor | None]:
+    """``grads``, the linked ones passed through ``_ZeroLinks`` with ``primals`` (Note [Saved
+    values read as masks]); ``local``: ``links`` by positions among ``primals`` and among
+    the linked gradients (``Slice.linked``)."""
+    passed = _ZeroLinks.apply(local, *(grads[link.grad] for link in links), *primals)
+    found = list(grads)
+    for link, grad in zip(links, passed, strict=True):
+        found[link.grad] = grad
+    return found
 
 
 def _changed_input(what: str) -> DoubleBackwardError:
@@ -356,25 +516,51 @@ def build_slice(
     signature: Signature,
     needs_grad: Sequence[bool],
     changed: frozenset[int] = frozenset(),
+    wanted: Sequence[bool] | None = None,
 ) -> Slice:
-    """``G``'s graph for these primals requiring grad (Note [Differentiable backward]).
+    """``G``'s graph for these primals requiring grad (Note [Differentiable backward]),
+    computing the gradients of the forward inputs in ``wanted`` only (all those requiring grad
+    when None: Note [Only the gradients asked for]).
 
     ``changed``: forward inputs the function changes in place (Note [Primals in the backward]).
     """
+    wanted = needs_grad if wanted is None else wanted
     placeholders = _placeholders(forward)
     saved = _outputs(forward)[signature.saved_in_forward]
+    bw_placeholders = _placeholders(backward)
+    grads = [
+        g if w and n else None
+        for g, w, n in zip(_outputs(backward), wanted, needs_grad, strict=True)
+    ]
+    saved_inputs = bw_placeholders[signature.saved_in_backward]
+    live = _live(backward, grads)
+    read = [n in live for n in saved_inputs]
+    seeds = {n: 1 << j for j, n in enumerate(saved_inputs)}
+    differentiated = _reaching(_carried(backward, seeds, through_zeros=False), grads)
     depends = _depends_on(
         forward, [p for p, needed in zip(placeholders, needs_grad, strict=True) if needed]
     )
     tensors = [
         isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor) for n in saved
     ]
-    recomputed = tuple(j for j, node in enumerate(saved) if node in depends or not tensors[j])
-    constants = tuple(j for j in range(len(saved)) if j not in recomputed)
-    # The recompute stops at saved constants: ``G`` takes them as saved (a dropout mask).
-    boundary = {saved[j]: j for j in reversed(constants) if isinstance(saved[j], fx.Node)}
+    recomputed = tuple(
+        j
+        for j in range(len(saved))
+        if read[j] and (not tensors[j] or (saved[j] in depends and differentiated >> j & 1))
+    )
+    # The recompute stops at the saved values no primal requiring grad reaches: ``G`` takes
+    # them as saved (a dropout mask).
+    boundary = {
+        saved[j]: j for j in reversed(range(len(saved))) if tensors[j] and saved[j] not in depends
+    }
     needed = _ancestors([saved[j] for j in recomputed], stop=boundary)
     _refuse_random(needed)
+    reached = {boundary[a] for n in needed for a in n.all_input_nodes if a in boundary}
+    constants = tuple(
+        j for j in range(len(saved)) if j not in recomputed and (read[j] or j in reached)
+    )
+    masks = [j for j in constants if saved[j] in depends]  # Note [Saved values read as masks]
+    links = _zero_links(forward, backward, signature, needs_grad, grads, masks)
     primals = tuple(i for i, p in enumerate(placeholders) if p in needed)
     graph = fx.Graph()
     root = torch.nn.Module()
@@ -383,43 +569,109 @@ def build_slice(
         env[placeholders[i]] = _placeholder(
             graph, f"primal_{placeholders[i].name}", placeholders[i]
         )
-    bw_placeholders = _placeholders(backward)
-    saved_nodes: list[fx.Node | None] = [None] * len(saved)
+    saved_nodes: dict[int, fx.Node] = {}
     for j in constants:
         saved_nodes[j] = _placeholder(graph, f"saved_{bw_placeholders[j].name}", bw_placeholders[j])
     for node, j in boundary.items():
-        env[node] = saved_nodes[j]  # type: ignore[assignment]
+        if j in saved_nodes:
+            env[node] = saved_nodes[j]
     cotangents = [
         _placeholder(graph, f"cotangent_{n.name}", n)
         for n in bw_placeholders[signature.cotangents_in_backward]
     ]
-    wanted = set(needed)
+    wanted_nodes = set(needed)
     for node in forward.graph.nodes:
-        if node in wanted and node.op != "placeholder":
+        if node in wanted_nodes and node.op != "placeholder":
             env[node] = _copy(graph, root, forward, node, env)
     for j in recomputed:
         saved_nodes[j] = env[saved[j]]
     # The backward's inputs: the saved values, then the cotangents (Note [Positions]).
-    env.update(zip(bw_placeholders, [*saved_nodes, *cotangents], strict=True))  # type: ignore[list-item]
+    env.update((bw_placeholders[j], node) for j, node in saved_nodes.items())
+    env.update(zip(bw_placeholders[signature.cotangents_in_backward], cotangents, strict=True))
     for node in backward.graph.nodes:
-        if node.op == "placeholder":
-            continue
-        if node.op == "output":
-            graph.output(fx.map_arg(node.args[0], lambda n: env[n]))
-            break
-        env[node] = _copy(graph, root, backward, node, env)
+        if node.op != "placeholder" and node.op != "output" and node in live:
+            env[node] = _copy(graph, root, backward, node, env)
+    graph.output(fx.map_arg(tuple(grads), lambda n: env[n]))
     gm = fx.GraphModule(root, graph, "differentiable_backward")
+    links = _without_real_gradients(links, gm, primals)
     stand_ins = tuple(i for i in primals if i in changed)
     for i in stand_ins:
         if needs_grad[i] or _reaches_outputs(gm, primals.index(i)):
             raise _changed_input(str(signature.forward_inputs[i]))
+    for i in sorted({i for link in links for i in link.reached} & changed):
+        raise _changed_input(str(signature.forward_inputs[i]))
     return Slice(
+        grads=tuple(i for i, g in enumerate(grads) if g is not None),
+        zero_links=links,
         primals=primals,
         recomputed=recomputed,
         constants=constants,
         stand_ins=stand_ins,
         graph=gm,
     )
+
+
+def _reaching(carried: dict[fx.Node, int], grads: Sequence[Any]) -> int:
+    """The bits ``carried`` to any of ``grads``."""
+    bits = 0
+    for g in grads:
+        bits |= carried.get(g, 0) if isinstance(g, fx.Node) else 0
+    return bits
+
+
+def _zero_links(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule,
+    signature: Signature,
+    needs_grad: Sequence[bool],
+    grads: Sequence[Any],
+    masks: Sequence[int],
+) -> tuple[ZeroLink, ...]:
+    """Per gradient ``G`` computes, the forward inputs requiring grad that eager's double
+    backward reaches through the saved values ``masks`` only: they get zeros (Note [Saved
+    values read as masks])."""
+    if not masks:
+        return ()
+    saved = _outputs(forward)[signature.saved_in_forward]
+    saved_inputs = _placeholders(backward)[signature.saved_in_backward]
+    edges = _carried(backward, {saved_inputs[j]: 1 << j for j in masks}, through_zeros=True)
+    inputs = {p: 1 << i for i, p in enumerate(_placeholders(forward)) if needs_grad[i]}
+    reached_by = _carried(forward, inputs, through_zeros=True)
+    links = []
+    for k, g in enumerate(grads):
+        read = _reaching(edges, [g])
+        bits = 0
+        for j in masks:
+            if read >> j & 1:
+                bits |= reached_by.get(saved[j], 0)
+        if bits:
+            reached = tuple(i for i in range(len(needs_grad)) if bits >> i & 1)
+            links.append(ZeroLink(k, reached, reached))
+    return tuple(links)
+
+
+def _without_real_gradients(
+    links: tuple[ZeroLink, ...], gm: fx.GraphModule, primals: tuple[int, ...]
+) -> tuple[ZeroLink, ...]:
+    """``links`` whose zeros leave out the inputs ``G`` itself sends a gradient to from that
+    gradient; those left with none dropped."""
+    inputs = {p: 1 << i for i, p in zip(primals, _placeholders(gm), strict=False)}
+    carried = _carried(gm, inputs, through_zeros=True)
+    outputs = _outputs(gm)
+    kept = []
+    for link in links:
+        real = _reaching(carried, [outputs[link.grad]])
+        zeros = tuple(i for i in link.zeros if not real >> i & 1)
+        if zeros:
+            kept.append(replace(link, zeros=zeros))
+    return tuple(kept)
+
+
+def _live(backward: fx.GraphModule, grads: Sequence[Any]) -> set[fx.Node]:
+    """The backward's nodes the kept ``grads`` need, with every op that must run though
+    nothing reads it (an error check, a collective) and what it needs."""
+    effects = [n for n in backward.graph.nodes if n.op == "call_function" and must_run(n)]
+    return set(_ancestors([*grads, *effects]))
 
 
 def _reaches_outputs(gm: fx.GraphModule, position: int) -> bool:
@@ -460,17 +712,39 @@ def _outputs_of(node: fx.Node, positions: Sequence[int]) -> tuple[int, ...] | No
 
 
 def _depends_on(forward: fx.GraphModule, sources: Sequence[fx.Node]) -> set[fx.Node]:
-    """Forward nodes a gradient can flow from to one of ``sources`` (themselves included).
+    """Forward nodes a gradient can flow from to one of ``sources`` (themselves included):
+    for ``dropout``, the mask is a constant (``_carried``)."""
+    return set(_carried(forward, dict.fromkeys(sources, 1), through_zeros=True))
 
-    Not through values that hold no floating point (a mask, indices) nor through ops that
-    pass no gradient (``empty_like``, ``bernoulli``): for ``dropout``, the mask is a constant.
+
+def _carried(
+    graph: fx.GraphModule, seeds: dict[fx.Node, int], *, through_zeros: bool
+) -> dict[fx.Node, int]:
+    """Per node, the bits of the ``seeds`` whose gradient can flow from it (seeds included;
+    nodes carrying none left out).
+
+    Not through values that hold no floating point (a mask, indices), nor ops that pass no
+    gradient (``empty_like``, ``bernoulli``); without ``through_zeros``, nor arguments PyTorch
+    differentiates as zero (``threshold_backward``'s ``self``: ``passes_gradient_through``),
+    where autograd's graph still has an edge, which carries zeros.
     """
-    found = set(sources)
-    for node in forward.graph.nodes:
+    carried = dict(seeds)
+    for node in graph.graph.nodes:
         if node.op != "call_function" or passes_no_gradient(node.target):
             continue
-        if _can_hold_gradient(node) and any(a in found for a in node.all_input_nodes):
-            found.add(node)
+        bits = 0
+        for where, arg in [*enumerate(node.args), *node.kwargs.items()]:
+            if through_zeros or passes_gradient_through(node.target, where):
+                for read in _nodes_in(arg):
+                    bits |= carried.get(read, 0)
+        if bits and _can_hold_gradient(node):
+            carried[node] = carried.get(node, 0) | bits
+    return carried
+
+
+def _nodes_in(arg: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(arg, found.append)
     return found
 
 
@@ -636,4 +910,4 @@ def _note(node: fx.Node) -> dict[str, Any]:
     return note
 
 
-__all__ = ["Driver", "HigherOrder", "Orders", "build_slice", "capture_backward"]
+__all__ = ["Driver", "HigherOrder", "Orders", "ZeroLink", "build_slice", "capture_backward"]
