@@ -4,6 +4,7 @@ call, and the module it wraps is what aotgrad captures (Note [Wrappers run aroun
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
+import torch.utils._pytree as pytree
 
 from aotgrad import _torch_compat as compat
 from aotgrad.errors import UnsupportedWrapperError
@@ -114,13 +116,18 @@ class FSDPWrapping:
         root = compat.fsdp_state(self.inner)
         args, kwargs = compat.fsdp_pre_forward(root, self.inner, args, kwargs)
         units = [state for state in compat.fsdp_all_states(root) if state is not root]
+        # After the root's pre-forward (its lazy init; on GPUs, its wait for the optimizer):
+        # every unit's all-gather in flight at once (Note [All-gathers in flight together]).
+        compat.fsdp_start_all_gathers(units, backward=False)
         for state in units:
             compat.fsdp_pre_forward(state, compat.fsdp_state_modules(state)[0], (), {})
         with _hooks_paused([root, *units]):
             output = run(*args, **kwargs)
         for state in reversed(units):
             output = compat.fsdp_post_forward(state, compat.fsdp_state_modules(state)[0], output)
-        return compat.fsdp_post_forward(root, self.inner, output)
+        output = compat.fsdp_post_forward(root, self.inner, output)
+        _all_gathers_first_in_backward(output, [root, *units])
+        return output
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -133,6 +140,49 @@ class FSDPWrapping:
         finally:
             for _, module in reversed(units):
                 cast(Any, module).reshard()
+
+
+# Note [All-gathers in flight together]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Eager FSDP2 all-gathers one unit at a time: a unit's pre-forward hook starts its
+# all-gather and waits for it before the unit runs (on CPU and gloo there is no side stream
+# to overlap it with, so every all-gather is a round trip that nothing else overlaps).
+# aotgrad runs every unit's hooks around one graph (Note [Wrappers run around the graphs]),
+# so it knows all of them are needed before anything runs, and starts them all first::
+#
+#     eager FSDP2 (4 units)             aotgrad
+#     forward:  gather 0, wait          root pre-forward (its own gather, waited)
+#               unit 0 runs             start gathers 0 1 2 3 (FSDPModule.unshard(async_op=True))
+#               gather 1, wait          unit 0..3 pre-forward: each waits for its own gather
+#               unit 1 runs ...         graphs(params, x)
+#     backward: unit 3's hook: gather 3,    first hook on the output: start gathers 3 2 1 0
+#               wait; unit 3's grads        unit 3..0 pre-backward: each waits for its own
+#               unit 2's hook: gather 2 ... backward graph
+#
+# The same collectives, in the same order on every rank, with the same values: only the
+# waits move. Peak memory does not change (aotgrad holds every unit unsharded during the
+# graphs anyway). In the backward the starting hook goes in front of FSDP's pre-backward
+# hooks on each output tensor, and starts only the units whose hook is on that tensor and
+# will wait for the gather right after: an all-gather nobody waited for would be copied
+# out by the next forward's hook, with the parameters from before the optimizer step.
+# Groups FSDP is busy with, or does not unshard in the backward, are left to FSDP.
+
+
+def _all_gathers_first_in_backward(output: Any, states: list[Any]) -> None:
+    """Before FSDP's pre-backward hooks on each output tensor: one hook that starts the
+    all-gathers they will wait for (Note [All-gathers in flight together])."""
+    if not torch.is_grad_enabled():
+        return
+    for t in pytree.tree_leaves(output):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            hooked = compat.fsdp_pre_backward_hooked(t, states)
+            if hooked:
+                compat.prepend_tensor_hook(t, functools.partial(_start_all_gathers, hooked))
+
+
+def _start_all_gathers(states: list[Any], grad: torch.Tensor) -> None:
+    if not torch.compiler.is_compiling():  # compiled autograd: FSDP's own hooks, as traced
+        compat.fsdp_start_all_gathers(states, backward=True)
 
 
 @contextlib.contextmanager
