@@ -599,12 +599,14 @@ def fsdp_start_all_gathers(states: list[Any], backward: bool) -> None:
     or pre-backward hook waits for its group and copies the parameters out (Note [All-gathers in
     flight together]). In the backward, groups FSDP does not unshard there
     (``set_unshard_in_backward(False)``) are left alone; groups already all-gathered, or in
-    flight, are no-ops in FSDP's ``unshard``."""
+    flight, are no-ops in FSDP's ``unshard``. Only on CPU: on a GPU, FSDP all-gathers on its
+    own streams (ordered after the optimizer, ``set_post_optim_event`` included) without
+    blocking the CPU, and an ``async_op`` gather would run on the current stream instead."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     for state in states:
         for group in fsdp_param_groups(state):
-            if group._training_state != TrainingState.IDLE:
+            if group.device.type != "cpu" or group._training_state != TrainingState.IDLE:
                 continue  # FSDP is using it: its own hook unshards it, or has
             if backward and not group.unshard_in_backward:
                 continue

@@ -35,7 +35,8 @@ from aotgrad.errors import UnsupportedWrapperError
 #                          AccumulateGrad node, whose hook is DDP's: buckets all-reduce as in eager
 #
 #     model = aotgrad.aot_module(fully_shard(net))   # with fully_shard(net[0]) before
-#     model(x)   ->  root pre-forward (lazy init, all-gather root), net[0] pre-forward (all-gather)
+#     model(x)   ->  root pre-forward (lazy init, all-gather root), net[0] pre-forward (all-gather;
+#                    on CPU, started with the other units': Note [All-gathers in flight together])
 #                    graphs(unsharded params, x)   # unit hooks inside paused: params are plain
 #                    net[0] post-forward, root post-forward   # reshard, pre-backward hooks on out
 #     loss.backward()  ->  pre-backward hooks (all-gather again), compiled backward (grads of
@@ -116,8 +117,8 @@ class FSDPWrapping:
         root = compat.fsdp_state(self.inner)
         args, kwargs = compat.fsdp_pre_forward(root, self.inner, args, kwargs)
         units = [state for state in compat.fsdp_all_states(root) if state is not root]
-        # After the root's pre-forward (its lazy init; on GPUs, its wait for the optimizer):
-        # every unit's all-gather in flight at once (Note [All-gathers in flight together]).
+        # After the root's pre-forward (its lazy init): every unit's all-gather in flight at
+        # once, each waited for by its own pre-forward (Note [All-gathers in flight together]).
         compat.fsdp_start_all_gathers(units, backward=False)
         for state in units:
             compat.fsdp_pre_forward(state, compat.fsdp_state_modules(state)[0], (), {})
@@ -145,8 +146,8 @@ class FSDPWrapping:
 # Note [All-gathers in flight together]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Eager FSDP2 all-gathers one unit at a time: a unit's pre-forward hook starts its
-# all-gather and waits for it before the unit runs (on CPU and gloo there is no side stream
-# to overlap it with, so every all-gather is a round trip that nothing else overlaps).
+# all-gather and waits for it before the unit runs (on CPU there is no side stream to
+# overlap it with, so every all-gather is a round trip that nothing else overlaps).
 # aotgrad runs every unit's hooks around one graph (Note [Wrappers run around the graphs]),
 # so it knows all of them are needed before anything runs, and starts them all first::
 #
@@ -165,7 +166,10 @@ class FSDPWrapping:
 # hooks on each output tensor, and starts only the units whose hook is on that tensor and
 # will wait for the gather right after: an all-gather nobody waited for would be copied
 # out by the next forward's hook, with the parameters from before the optimizer step.
-# Groups FSDP is busy with, or does not unshard in the backward, are left to FSDP.
+# Groups FSDP is busy with, or does not unshard in the backward, are left to FSDP, and so
+# are groups on a GPU: there FSDP gathers on side streams that already leave the CPU free,
+# ordered after the optimizer step (``set_post_optim_event`` too), which an ``async_op``
+# gather on the current stream would not be.
 
 
 def _all_gathers_first_in_backward(output: Any, states: list[Any]) -> None:
