@@ -360,9 +360,8 @@ def test_all_gathers_start_together_and_train_as_eager():
             for name, p in eager["params"].items():
                 _close(got["params"][name], p, f"{where}: {name}")
             assert eager["in_flight"] == [1, 1], where
-        # In the forward the three units' all-gathers in flight together (the root's is
-        # waited for in its pre-forward, before the units' start), in the backward the root's
-        # too (also where units keep their parameters after the forward: the second backward
-        # through the retained graph follows a reshard of all of them).
+        # The root's and the three units' all-gathers in flight together, in the forward
+        # and in the backward (also where units keep their parameters after the forward: the
+        # second backward through the retained graph follows a reshard of all of them).
         for case in ("keep=False", "keep=True"):
-            assert ways["aot_module"][case]["in_flight"] == [3, 4], (rank, case)
+            assert ways["aot_module"][case]["in_flight"] == [4, 4], (rank, case)

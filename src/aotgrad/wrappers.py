@@ -115,10 +115,12 @@ class FSDPWrapping:
 
     def call(self, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         root = compat.fsdp_state(self.inner)
+        # Every unit's all-gather in flight at once, the root's too, each waited for by its
+        # own pre-forward (Note [All-gathers in flight together]); before the root's first
+        # pre-forward (its lazy init) no unit is known, and they start right after it.
+        compat.fsdp_start_all_gathers(compat.fsdp_all_states(root), backward=False)
         args, kwargs = compat.fsdp_pre_forward(root, self.inner, args, kwargs)
         units = [state for state in compat.fsdp_all_states(root) if state is not root]
-        # After the root's pre-forward (its lazy init): every unit's all-gather in flight at
-        # once, each waited for by its own pre-forward (Note [All-gathers in flight together]).
         compat.fsdp_start_all_gathers(units, backward=False)
         for state in units:
             compat.fsdp_pre_forward(state, compat.fsdp_state_modules(state)[0], (), {})
@@ -152,10 +154,10 @@ class FSDPWrapping:
 # so it knows all of them are needed before anything runs, and starts them all first::
 #
 #     eager FSDP2 (4 units)             aotgrad
-#     forward:  gather 0, wait          root pre-forward (its own gather, waited)
-#               unit 0 runs             start gathers 0 1 2 3 (FSDPModule.unshard(async_op=True))
-#               gather 1, wait          unit 0..3 pre-forward: each waits for its own gather
-#               unit 1 runs ...         graphs(params, x)
+#     forward:  root: gather, wait      start gathers root 0 1 2 3 (as FSDPModule.unshard(async_op=True))
+#               gather 0, wait          root, unit 0..3 pre-forward: each waits for its own gather
+#               unit 0 runs             graphs(params, x)
+#               gather 1, wait ...
 #     backward: unit 3's hook: gather 3,    first hook on the output: start gathers 3 2 1 0
 #               wait; unit 3's grads        unit 3..0 pre-backward: each waits for its own
 #               unit 2's hook: gather 2 ... backward graph
