@@ -255,3 +255,113 @@ def test_the_example_training_script_runs_as_documented():
     # Two processes print to one pipe: their lines may run together, so match anywhere.
     ranks = sorted(re.findall(r"rank (\d) fsdp: losses \[[^\]]*\] as eager", done.stdout))
     assert ranks == ["0", "1"], done.stdout
+
+
+# --- Note [All-gathers in flight together] ---------------------------------------------------
+
+
+def _fsdp_mlp(reshard_after_forward: bool = True) -> nn.Module:
+    """Two outputs, three fully_shard units and the root: a model the prefetch has work in."""
+    from torch.distributed.fsdp import fully_shard
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.Sequential(
+                *[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)]
+            )
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.layers(x)
+            return self.head(h), h.sum(dim=1)
+
+    model = Two()
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model)
+
+
+def _in_flight_at_waits(model: nn.Module) -> list[tuple[bool, int]]:
+    """Record, at every wait for an all-gather, whether a backward runs it and how many of the
+    model's parameter groups have an all-gather started and not yet copied out."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from aotgrad import _torch_compat as compat
+
+    seen: list[tuple[bool, int]] = []
+    real = FSDPParamGroup.wait_for_unshard
+
+    def wait_for_unshard(group: Any) -> None:
+        states = compat.fsdp_all_states(compat.fsdp_state(model))
+        groups = [g for s in states for g in compat.fsdp_param_groups(s)]
+        if group._all_gather_result is not None:
+            pending = sum(g._all_gather_result is not None for g in groups)
+            seen.append((torch._C._current_graph_task_id() != -1, pending))
+        real(group)
+
+    FSDPParamGroup.wait_for_unshard = wait_for_unshard  # type: ignore[method-assign]
+    return seen
+
+
+def prefetch_equals_eager(way: str) -> dict[str, Any]:
+    """Three SGD steps of ``_fsdp_mlp`` (eager or aot_module), in the ways the all-gather
+    prefetch must not change: a loss of both outputs or of one, a second backward through a
+    retained graph (gradients accumulate), an evaluation under no_grad between steps, units
+    that keep their parameters after the forward. Also the all-gathers in flight at each wait."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    real_wait = FSDPParamGroup.wait_for_unshard
+    found: dict[str, Any] = {}
+    for keep in (False, True):
+        model = _fsdp_mlp(reshard_after_forward=not keep)
+        seen = _in_flight_at_waits(model)
+        run = aotgrad.aot_module(model) if way == "aot_module" else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1 + dist.get_rank())
+        losses: list[float] = []
+        for step in range(3):
+            x = torch.randn(4, 8)
+            out, side = run(x)
+            loss = out.pow(2).sum() + (side.sum() if step != 1 else 0)
+            loss.backward(retain_graph=step == 2)
+            if step == 2:
+                loss.backward()  # through the retained graph: gathers again, grads add up
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                losses.append(float(run(x)[0].sum()) + loss.item())
+        FSDPParamGroup.wait_for_unshard = real_wait  # type: ignore[method-assign]
+        found[f"keep={keep}"] = {
+            "losses": losses,
+            "params": {n: _full(p) for n, p in model.named_parameters()},
+            "in_flight": [
+                max((n for b, n in seen if b == backward), default=0) for backward in (False, True)
+            ],
+        }
+    return found
+
+
+def prefetch_every_way() -> dict[str, dict[str, Any]]:
+    return {way: prefetch_equals_eager(way) for way in ("eager", "aot_module")}
+
+
+def test_all_gathers_start_together_and_train_as_eager():
+    """Note [All-gathers in flight together]: aotgrad starts every unit's all-gather before
+    waiting for the first (eager FSDP2 on gloo waits for each before starting the next), and
+    trains exactly as eager FSDP2 does."""
+    ranks = run_ranks(prefetch_every_way, timeout=TIMEOUT)
+    for rank, ways in enumerate(ranks):
+        for case, eager in ways["eager"].items():
+            got = ways["aot_module"][case]
+            where = f"rank {rank}, {case}"
+            torch.testing.assert_close(got["losses"], eager["losses"], msg=where)
+            for name, p in eager["params"].items():
+                _close(got["params"][name], p, f"{where}: {name}")
+            assert eager["in_flight"] == [1, 1], where
+        # The root's and the three units' all-gathers in flight together, in the forward
+        # and in the backward (also where units keep their parameters after the forward: the
+        # second backward through the retained graph follows a reshard of all of them).
+        for case in ("keep=False", "keep=True"):
+            assert ways["aot_module"][case]["in_flight"] == [4, 4], (rank, case)

@@ -752,6 +752,7 @@ def _ddp_and_fsdp_hooks() -> dict[str, object]:
     out = compat.fsdp_post_forward(child, model[0], out)
     out = compat.fsdp_post_forward(root, model, out)
     resharded = type(model[0].weight).__name__
+    hooked = compat.fsdp_pre_backward_hooked(out, states)  # registered: child's, then root's
     out.sum().backward()
     return {
         "modes": modes,
@@ -760,6 +761,7 @@ def _ddp_and_fsdp_hooks() -> dict[str, object]:
         "states": [states[0] is root, compat.fsdp_state_modules(child) == (model[0],)],
         "bookkeeping": len(bookkeeping) == 1 and not compat.is_fsdp_bookkeeping({}),
         "param_dtype": compat.fsdp_mixed_precision(root).param_dtype,
+        "hooked": [hooked[0] is child, hooked[-1] is root, len(compat.fsdp_param_groups(child))],
         "types": [unsharded, still_unsharded, resharded, type(model[0].weight.grad).__name__],
     }
 
@@ -772,8 +774,25 @@ def test_ddp_and_fsdp_hooks_run_as_aotgrad_runs_them():
         assert not any(result["modes"].values())
         assert result["not_fsdp"] is None and all(result["states"]) and result["bookkeeping"]
         assert result["param_dtype"] is None
+        assert result["hooked"] == [True, True, 1]
         assert result["types"] == ["Parameter", "Parameter", "DTensor", "DTensor"]
     assert ranks[0]["ddp_grad"] == ranks[1]["ddp_grad"]
+
+
+def test_prepend_tensor_hook_runs_first_and_is_removable():
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    ran: list[str] = []
+    y.register_hook(lambda g: ran.append("first registered"))
+    compat.prepend_tensor_hook(y, lambda g: ran.append("prepended"))
+    y.register_hook(lambda g: ran.append("last registered"))
+    y.sum().backward(retain_graph=True)
+    assert ran == ["prepended", "first registered", "last registered"]
+    for handle_id in list(y._backward_hooks)[:1]:  # the prepended one
+        del y._backward_hooks[handle_id]
+    ran.clear()
+    y.sum().backward()
+    assert ran == ["first registered", "last registered"]
 
 
 def test_decomposition_computes_the_op():

@@ -643,6 +643,59 @@ def fsdp_resume_hooks(states: list[Any], before: list[Any]) -> None:
         state._training_state = training_state
 
 
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """The unit's ``FSDPParamGroup``s (torch 2.11 keeps at most one, ``_fsdp_param_group``)."""
+    if TORCH_RELEASE < (2, 12):
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    return list(state._fsdp_param_groups)
+
+
+def fsdp_start_all_gathers(states: list[Any], backward: bool) -> None:
+    """Start the all-gathers of the idle parameter groups of ``states`` without waiting, as
+    ``FSDPModule.unshard(async_op=True)`` does: each unit's own pre-forward (``backward=False``)
+    or pre-backward hook waits for its group and copies the parameters out (Note [All-gathers in
+    flight together]). In the backward, groups FSDP does not unshard there
+    (``set_unshard_in_backward(False)``) are left alone; groups already all-gathered, or in
+    flight, are no-ops in FSDP's ``unshard``. Only on CPU: on a GPU, FSDP all-gathers on its
+    own streams (ordered after the optimizer, ``set_post_optim_event`` included) without
+    blocking the CPU, and an ``async_op`` gather would run on the current stream instead."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    for state in states:
+        for group in fsdp_param_groups(state):
+            if group.device.type != "cpu" or group._training_state != TrainingState.IDLE:
+                continue  # FSDP is using it: its own hook unshards it, or has
+            if backward and not group.unshard_in_backward:
+                continue
+            group.unshard(async_op=True)
+
+
+def fsdp_pre_backward_hooked(tensor: torch.Tensor, states: list[Any]) -> list[Any]:
+    """The units among ``states`` whose pre-backward hook (``FSDPState._pre_backward``, put there
+    by ``Tensor.register_hook`` in the unit's post-forward) is on ``tensor``, in the order the
+    hooks run (the order they were registered)."""
+    hooks = list((tensor._backward_hooks or {}).values())
+    return [state for hook in hooks for state in states if hook == state._pre_backward]
+
+
+def prepend_tensor_hook(tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """``tensor.register_hook(hook)``, run before the hooks registered on it already.
+
+    A tensor's hooks run in the insertion order of its ``_backward_hooks`` (a dict by handle
+    id that its ``grad_fn`` holds, and ``RemovableHandle.remove`` deletes from by key; the C++
+    engine walks it as a plain dict, so ``OrderedDict.move_to_end`` would not reorder it): the
+    same dict, refilled with the new hook first, changes the order and nothing else.
+    """
+    handle = tensor.register_hook(hook)
+    hooks = tensor._backward_hooks
+    assert hooks is not None, "expected the hooks dict register_hook made, got None"
+    before = [(key, value) for key, value in hooks.items() if key != handle.id]
+    hooks.clear()
+    hooks[handle.id] = hook
+    hooks.update(before)
+
+
 def is_fsdp_bookkeeping(value: Any) -> bool:
     """Is this module attribute FSDP2's per-module state (``{fully_shard: FSDPState}``, stored
     under a generated ``__composable_api_state_key_...`` name)?"""

@@ -4,6 +4,7 @@ call, and the module it wraps is what aotgrad captures (Note [Wrappers run aroun
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
+import torch.utils._pytree as pytree
 
 from aotgrad import _torch_compat as compat
 from aotgrad.errors import UnsupportedWrapperError
@@ -33,7 +35,8 @@ from aotgrad.errors import UnsupportedWrapperError
 #                          AccumulateGrad node, whose hook is DDP's: buckets all-reduce as in eager
 #
 #     model = aotgrad.aot_module(fully_shard(net))   # with fully_shard(net[0]) before
-#     model(x)   ->  root pre-forward (lazy init, all-gather root), net[0] pre-forward (all-gather)
+#     model(x)   ->  root pre-forward (lazy init, all-gather root), net[0] pre-forward (all-gather;
+#                    on CPU, started with the other units': Note [All-gathers in flight together])
 #                    graphs(unsharded params, x)   # unit hooks inside paused: params are plain
 #                    net[0] post-forward, root post-forward   # reshard, pre-backward hooks on out
 #     loss.backward()  ->  pre-backward hooks (all-gather again), compiled backward (grads of
@@ -112,15 +115,22 @@ class FSDPWrapping:
 
     def call(self, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         root = compat.fsdp_state(self.inner)
+        # Every unit's all-gather in flight at once, the root's too, each waited for by its
+        # own pre-forward (Note [All-gathers in flight together]); before the root's first
+        # pre-forward (its lazy init) no unit is known, and they start right after it.
+        compat.fsdp_start_all_gathers(compat.fsdp_all_states(root), backward=False)
         args, kwargs = compat.fsdp_pre_forward(root, self.inner, args, kwargs)
         units = [state for state in compat.fsdp_all_states(root) if state is not root]
+        compat.fsdp_start_all_gathers(units, backward=False)
         for state in units:
             compat.fsdp_pre_forward(state, compat.fsdp_state_modules(state)[0], (), {})
         with _hooks_paused([root, *units]):
             output = run(*args, **kwargs)
         for state in reversed(units):
             output = compat.fsdp_post_forward(state, compat.fsdp_state_modules(state)[0], output)
-        return compat.fsdp_post_forward(root, self.inner, output)
+        output = compat.fsdp_post_forward(root, self.inner, output)
+        _all_gathers_first_in_backward(output, [root, *units])
+        return output
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -133,6 +143,52 @@ class FSDPWrapping:
         finally:
             for _, module in reversed(units):
                 cast(Any, module).reshard()
+
+
+# Note [All-gathers in flight together]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Eager FSDP2 all-gathers one unit at a time: a unit's pre-forward hook starts its
+# all-gather and waits for it before the unit runs (on CPU there is no side stream to
+# overlap it with, so every all-gather is a round trip that nothing else overlaps).
+# aotgrad runs every unit's hooks around one graph (Note [Wrappers run around the graphs]),
+# so it knows all of them are needed before anything runs, and starts them all first::
+#
+#     eager FSDP2 (4 units)             aotgrad
+#     forward:  root: gather, wait      start gathers root 0 1 2 3 (as FSDPModule.unshard(async_op=True))
+#               gather 0, wait          root, unit 0..3 pre-forward: each waits for its own gather
+#               unit 0 runs             graphs(params, x)
+#               gather 1, wait ...
+#     backward: unit 3's hook: gather 3,    first hook on the output: start gathers 3 2 1 0
+#               wait; unit 3's grads        unit 3..0 pre-backward: each waits for its own
+#               unit 2's hook: gather 2 ... backward graph
+#
+# The same collectives, in the same order on every rank, with the same values: only the
+# waits move. Peak memory does not change (aotgrad holds every unit unsharded during the
+# graphs anyway). In the backward the starting hook goes in front of FSDP's pre-backward
+# hooks on each output tensor, and starts only the units whose hook is on that tensor and
+# will wait for the gather right after: an all-gather nobody waited for would be copied
+# out by the next forward's hook, with the parameters from before the optimizer step.
+# Groups FSDP is busy with, or does not unshard in the backward, are left to FSDP, and so
+# are groups on a GPU: there FSDP gathers on side streams that already leave the CPU free,
+# ordered after the optimizer step (``set_post_optim_event`` too), which an ``async_op``
+# gather on the current stream would not be.
+
+
+def _all_gathers_first_in_backward(output: Any, states: list[Any]) -> None:
+    """Before FSDP's pre-backward hooks on each output tensor: one hook that starts the
+    all-gathers they will wait for (Note [All-gathers in flight together])."""
+    if not torch.is_grad_enabled():
+        return
+    for t in pytree.tree_leaves(output):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            hooked = compat.fsdp_pre_backward_hooked(t, states)
+            if hooked:
+                compat.prepend_tensor_hook(t, functools.partial(_start_all_gathers, hooked))
+
+
+def _start_all_gathers(states: list[Any], grad: torch.Tensor) -> None:
+    if not torch.compiler.is_compiling():  # compiled autograd: FSDP's own hooks, as traced
+        compat.fsdp_start_all_gathers(states, backward=True)
 
 
 @contextlib.contextmanager
