@@ -576,3 +576,22 @@ def test_dynamo_graph_keys_tell_graphs_apart():
     graph.output(graph.call_function(torch.mul, (graph.placeholder("x"), object())))
     unkeyable = types.SimpleNamespace(graph=graph)  # (an fx module could not print it)
     assert graph_key(unkeyable) is None  # the object has no stable text
+
+
+def test_an_input_named_in_capitals_loads_under_its_name(tmp_path):
+    # ``fx.Graph.placeholder("W1")`` names the node ``w1``: a file's graph was refused on load
+    # (found through a disk hit followed by a create_graph backward, which reads the graph).
+    def net(x, W1):
+        return torch.tanh(x @ W1)
+
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(4, 2, requires_grad=True)
+    traced = aotgrad.trace(net, x, w)
+    traced.save(tmp_path / "net.aotgrad")
+    loaded = aotgrad.load(tmp_path / "net.aotgrad")
+    for got, expected in ((loaded.forward, traced.forward), (loaded.backward, traced.backward)):
+        pairs = zip(got.graph.nodes, expected.graph.nodes, strict=True)
+        assert all((a.name, a.op, a.target) == (b.name, b.op, b.target) for a, b in pairs)
+    (g,) = torch.autograd.grad(loaded(x, w).sum(), x, create_graph=True)
+    (expected,) = torch.autograd.grad(net(x, w).sum(), x, create_graph=True)
+    torch.testing.assert_close(g, expected)
+    g.sum().backward()

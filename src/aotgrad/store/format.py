@@ -787,8 +787,8 @@ def _module_of(steps: list[Step], about: list[tuple[Any, NodeInfo | None, Any]])
 
     for step, (value, info, desc) in zip(steps, about, strict=True):
         args = fx.node.map_aggregate(step.args, node_of)
-        if step.op == "placeholder":
-            node = graph.placeholder(step.name)
+        if step.op == "placeholder":  # by name: ``placeholder("W1")`` would be named w1
+            node = graph.create_node("placeholder", step.name, name=step.name)
         elif step.op == "call_function":
             kwargs = fx.node.map_aggregate(step.kwargs, node_of)
             node = graph.create_node("call_function", step.target, args, kwargs, step.name)
