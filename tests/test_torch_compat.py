@@ -754,7 +754,13 @@ def _ddp_and_fsdp_hooks() -> dict[str, object]:
     resharded = type(model[0].weight).__name__
     hooked = compat.fsdp_pre_backward_hooked(out, states)  # registered: child's, then root's
     out.sum().backward()
+    groups = [g for s in states for g in compat.fsdp_param_groups(s)]
+    idle = [g._all_gather_result is None for g in groups]
+    compat.fsdp_start_all_gathers(states, backward=False)  # every group in flight, not waited
+    in_flight = [g._all_gather_result is not None for g in groups]
+    model(x).sum().backward()  # FSDP's own hooks wait for them and train as usual
     return {
+        "started": idle + in_flight,
         "modes": modes,
         "ddp_grad": ddp_grad,
         "not_fsdp": compat.fsdp_state(torch.nn.Linear(1, 1)),
@@ -775,6 +781,7 @@ def test_ddp_and_fsdp_hooks_run_as_aotgrad_runs_them():
         assert result["not_fsdp"] is None and all(result["states"]) and result["bookkeeping"]
         assert result["param_dtype"] is None
         assert result["hooked"] == [True, True, 1]
+        assert result["started"] == [True, True, True, True]
         assert result["types"] == ["Parameter", "Parameter", "DTensor", "DTensor"]
     assert ranks[0]["ddp_grad"] == ranks[1]["ddp_grad"]
 
