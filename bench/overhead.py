@@ -71,7 +71,7 @@ def measure() -> dict[str, dict[str, float]]:
     x, w = torch.randn(8, 8), torch.randn(8, 8, requires_grad=True)
     tools = {
         "eager": f,
-        "aotgrad": aotgrad.aot_function(f),
+        "aotgrad": aotgrad.aot_function(f, disk_cache=False),  # a trace, as in make bench
         "pytorch": aot_function(f, fw_compiler=aotgrad.nop),
         "bare": bare_function(x, w),
     }
@@ -79,3 +79,20 @@ def measure() -> dict[str, dict[str, float]]:
         phase: interleaved(tools, x, w, backward=phase == "forward+backward")
         for phase in ("forward", "forward+backward")
     }
+
+
+def main() -> None:
+    """``python bench/overhead.py``: microseconds per call and the ratios the bench rows check."""
+    calls = measure()
+    for phase, numbers in calls.items():
+        times = "  ".join(f"{name} {us:6.2f}" for name, us in numbers.items())
+        print(
+            f"{phase:17} {times}  aotgrad/bare {numbers['aotgrad'] / numbers['bare']:.3f}", end=""
+        )
+        if phase == "forward":
+            print(f"  aotgrad/pytorch {numbers['aotgrad'] / numbers['pytorch']:.3f}", end="")
+        print()
+
+
+if __name__ == "__main__":
+    main()

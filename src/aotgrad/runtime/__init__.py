@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from aotgrad._torch_compat import FUNCTION_BASE_APPLY
 from aotgrad.capture import graph_inputs
 from aotgrad.capture.autocast import autocast_off
 from aotgrad.partition import Partitioned
@@ -73,22 +74,43 @@ class CompiledGraphs:
         """Are some inputs tensor subclasses, taken apart at each call (Note [Tensor subclasses])?"""
         return self._subclasses is not None
 
-    def direct_call(self) -> Callable[[Sequence[torch.Tensor]], Any] | None:
+    def direct_call(
+        self, requires_grad: Sequence[bool] | None = None, common: bool = False
+    ) -> Callable[[Sequence[torch.Tensor]], Any] | None:
         """``self.__call__`` for the common case, with nothing to rebuild around the Function.
 
         None unless the graphs need no input bases and every output is fresh
         (the epilogue's fast path, Note [What the autograd.Function returns]).
+        ``requires_grad``: the inputs' ``requires_grad``, the same at every call (the
+        caller's guard checks it). An input that does not require grad has no history to
+        cut (Note [Inputs no gradient reaches]); graphs read from a file do not know which
+        inputs required grad at the trace, and without it cut every input no gradient reaches.
+        ``common=True``: the caller vouches for every call that grad mode is on, that
+        no transform, forward-AD level or function mode is active (``common_state`` in
+        ``cache.py``) and that the inputs passed a ``TensorGuards`` check against plain
+        tensors (so none is a functorch wrapper, dead or alive): the Function's C++
+        ``apply`` runs with none of ``direct_apply``'s checks (Note [Where a call's
+        microseconds go]).
         """
         apply, plan = self._apply, self.plan
         if apply is None or self._bases or not plan.only_fresh or plan.has_sizes:
             return None
         if self._subclasses is not None or self._subclass_outputs:
             return None
-        if plan.made_to_require_grad or self._unreached:
+        unreached = self._unreached
+        if requires_grad is not None:
+            unreached = tuple(i for i in unreached if requires_grad[i])
+        if plan.made_to_require_grad or unreached:
             return None
-        if plan.out_spec.is_leaf():
-            return lambda primals: _apply_with_grad(apply, primals)[0]
+        assert self._function is not None
         spec = plan.out_spec
+        if common:
+            raw = FUNCTION_BASE_APPLY.__get__(None, self._function)
+            if spec.is_leaf():
+                return lambda primals: raw(*primals)[0]
+            return lambda primals: pytree.tree_unflatten(list(raw(*primals)), spec)
+        if spec.is_leaf():
+            return lambda primals: _apply_with_grad(apply, primals)[0]
         return lambda primals: pytree.tree_unflatten(list(_apply_with_grad(apply, primals)), spec)
 
     def failed_guard(self, primals: Sequence[torch.Tensor]) -> str | None:

@@ -304,6 +304,12 @@ class PlainTensorsGuard:
 
     def __init__(self, leaves: Sequence[torch.Tensor]) -> None:
         self._offsets = tuple(t.storage_offset() for t in leaves)
+        # Several plain strided tensors at offset 0: then so is every call's that passes
+        # the C++ check, and each one's ``data_ptr`` is its storage's address.
+        self._at_zero = len(leaves) > 1 and all(
+            type(t) in _PLAIN and t.layout is torch.strided and not offset
+            for t, offset in zip(leaves, self._offsets, strict=True)
+        )
         # One size and one stride list per tensor (the stub's element type is wrong).
         sizes: Any = [list(t.shape) for t in leaves]
         strides: Any = [list(t.stride()) for t in leaves]
@@ -314,6 +320,15 @@ class PlainTensorsGuard:
     def __call__(self, leaves: Sequence[Any]) -> bool:
         if len(leaves) != len(self._offsets) or not self._check(*leaves):
             return False
+        if self._at_zero:  # the usual case, in one loop: ``_distinct_memory`` decides the rest
+            addresses = set()
+            for t in leaves:
+                if t.storage_offset() or t._is_view():
+                    return False
+                addresses.add(t.data_ptr())
+            return (len(addresses) == len(leaves) and 0 not in addresses) or _distinct_memory(
+                leaves
+            )
         for t, offset in zip(leaves, self._offsets):  # noqa: B905 -- lengths checked above
             if t.storage_offset() != offset:
                 return False
