@@ -109,7 +109,7 @@ def steps() -> dict[str, float]:
         "the whole call": lambda: compiled(x, w),
         "last_entry (common_state + guard)": lambda: cache.last_entry(args),
         "common_state": common_state,
-        "guard": lambda: last.guard(args),
+        "guard": lambda: last.guard.passes(args),
         "the direct call (lambda + C++ apply)": lambda: last.call(args),
         "the Function, C++ apply": lambda: raw(x, w),
         "bare Function.apply": lambda: bare(x, w),

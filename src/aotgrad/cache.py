@@ -702,7 +702,7 @@ class SpecializationCache:
                 return None
         elif capturing() or transform_active() or ambient_key() != last.ambient:
             return None
-        if not last.guard(args):
+        if not last.guard.passes(args):
             return None
         self.info.hits += 1
         return last.call
