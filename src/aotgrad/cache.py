@@ -596,8 +596,8 @@ class Miss:
 # hit on a plain call -- positional tensors only, none a view or repeated,
 # a function that reads nothing else, static shapes -- the entry is
 # remembered with a guard on its tensors' fields (``PlainTensorsGuard``:
-# Dynamo's C++ tensor check plus offsets and aliasing), tried before building
-# any key:
+# Dynamo's C++ tensor check plus offsets and aliasing) and on the ambient state
+# (Note [The common state, checked fast]), tried before building any key:
 #
 #     f(x, w)   miss: trace, compile, entries[key] = entry
 #     f(x, w)   hit through the dict; entry remembered as the last one

@@ -280,6 +280,7 @@ def make_function(
     )
     zeros, reached_by, autocast_backward = plan.zeros, plan.reached_by, plan.autocast_backward
     keep_one = extra[0] if len(extra) == 1 else None
+    only = differentiable[0] if len(differentiable) == 1 else None
 
     class CompiledFunction(torch.autograd.Function):
         @staticmethod
@@ -321,7 +322,10 @@ def make_function(
         def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
             received = all_received
             try:  # the usual call: every differentiable output got a gradient
-                cotangents = [grad_outputs[i].contiguous() for i in differentiable]  # type: ignore[union-attr]
+                if only is not None:  # one differentiable output (the usual case)
+                    cotangents = [grad_outputs[only].contiguous()]  # type: ignore[union-attr]
+                else:
+                    cotangents = [grad_outputs[i].contiguous() for i in differentiable]  # type: ignore[union-attr]
             except AttributeError:  # one is None (Note [Missing cotangents])
                 given = [grad_outputs[i] for i in differentiable]
                 cotangents, received = with_zeros(ctx, given, zeros)
@@ -409,6 +413,11 @@ def reached_grads(
 #
 #     Function.apply(x, w)       ->  unwrap_dead_wrappers((x, w)); _FunctionBase.apply(x, w)
 #     direct_apply(F)(x, w)      ->  [unwrap_if_dead(x), unwrap_if_dead(w)]; _FunctionBase.apply
+#
+# The last entry's direct call (``CompiledGraphs.direct_call(common=True)``)
+# calls ``_FunctionBase.apply`` with neither step: its checks have already
+# ruled out a transform and any functorch wrapper (Note [Where a call's
+# microseconds go]).
 
 
 def direct_apply(function: type[torch.autograd.Function]) -> Any:
