@@ -245,13 +245,14 @@ def ambient_key() -> Any:
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Nearly every call runs in torch's default state: no capture in this thread
 # (no session open, no function mode: Note [Captures and other threads]; so no
-# default device either), no torch.func transform or forward-AD level, float32 as the default dtype, no
-# autocast, every setting of ``SETTINGS`` at its default. There ``ambient_key()``
-# is the grad mode alone, and ``common_state()`` says so in one frame: a chain
-# of comparisons written out from ``SETTINGS`` and ``DEFAULT_SETTINGS`` when
-# this module loads (a loop, or the tuple ``torch_settings`` builds, costs
-# several times more on every call: bench/overhead.py). Generated from the one
-# list, it cannot miss a setting added to it::
+# default device either), no torch.func transform or forward-AD level, float32
+# as the default dtype, no autocast, every setting of ``SETTINGS`` at its
+# default. There ``ambient_key()`` is the grad mode alone, and
+# ``common_state()`` says so in one frame: a chain of comparisons written out
+# from ``SETTINGS`` and ``DEFAULT_SETTINGS`` when this module loads (a loop, or
+# the tuple ``torch_settings`` builds, costs about three times more on every
+# call: ``python bench/overhead.py steps``). Generated from the one list, it
+# cannot miss a setting added to it::
 #
 #     def common_state():
 #         return (
@@ -265,7 +266,10 @@ def ambient_key() -> Any:
 #         )
 #
 # ``default_device`` needs no term: with no function mode there is none. The
-# check is sufficient, not necessary: False sends the call to the full key.
+# check is sufficient, not necessary: False sends the call to the full key. A
+# last entry keyed under another state (``no_grad``, autocast, a process where
+# opt_einsum is installed: Note [Torch settings in the key]) compares the whole
+# ``ambient_key()`` instead, after ``capturing()`` and ``transform_active()``.
 def _common_state_check() -> Callable[[], bool]:
     names: dict[str, Any] = {
         "sessions": SESSIONS,
