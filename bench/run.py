@@ -69,7 +69,7 @@ def main() -> None:
                 f"per call {phase} vs bare Function (us)",
                 numbers["aotgrad"],
                 numbers["bare"],
-                "<= 1.20",
+                "<= 1.10",
             )
         )
     rows.append(

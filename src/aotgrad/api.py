@@ -518,14 +518,14 @@ class AOTFunction(_Reports):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._wrapping is not None and not getattr(self._in_wrapper, "active", False):
             return self._wrapped(args, kwargs)
+        if not kwargs:  # Note [The last entry]: never in a capture or under a transform
+            last = self.cache.last_entry(args)
+            if last is not None:
+                return last(args)
         if capturing():  # called by code being traced: trace through (Note [Capture sessions])
             return self._fn(*args, **kwargs)
         if transform_active() and not self._is_jvp_body:
             return self._under_transform(args, kwargs)
-        if not kwargs:
-            last = self.cache.last_entry(args)  # Note [The last entry]
-            if last is not None:
-                return last(args)
         leaves, structure, arguments, lifted = self._read(args, kwargs)
         dims = self._dynamic_dims  # Note [Marking dimensions dynamic]
         if dims is None:

@@ -35,8 +35,10 @@ from aotgrad import _torch_compat as compat
 from aotgrad.capture.autocast import AutocastState, any_autocast, autocast_state
 from aotgrad.capture.dynamic import DynamicDims, static_where_shared
 from aotgrad.capture.environ import EnvironReads
+from aotgrad.capture.session import SESSIONS, capturing
 from aotgrad.capture.side_effects import Replay
 from aotgrad.runtime import CompiledGraphs
+from aotgrad.runtime.transforms import transform_active
 from aotgrad.signature import PlainTensorsGuard, alias_key, call_key, dynamic_call_key
 from aotgrad.signature.flatten import DYNAMIC_TENSOR_FIELDS, TENSOR_FIELDS, is_tensor_key
 from aotgrad.signature.lifting import Lifted, StateKey
@@ -237,6 +239,70 @@ def ambient_key() -> Any:
     if dtype is torch.float32 and not any_autocast() and settings == DEFAULT_SETTINGS:
         return grad
     return (grad, dtype, autocast_state(), settings)
+
+
+# Note [The common state, checked fast]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Nearly every call runs in torch's default state: no capture in this thread
+# (no session open, no function mode: Note [Captures and other threads]; so no
+# default device either), no torch.func transform or forward-AD level, float32
+# as the default dtype, no autocast, every setting of ``SETTINGS`` at its
+# default. There ``ambient_key()`` is the grad mode alone, and
+# ``common_state()`` says so in one frame: a chain of comparisons written out
+# from ``SETTINGS`` and ``DEFAULT_SETTINGS`` when this module loads (a loop, or
+# the tuple ``torch_settings`` builds, costs about three times more on every
+# call: ``python bench/overhead.py steps``). Generated from the one list, it
+# cannot miss a setting added to it::
+#
+#     def common_state():
+#         return (
+#             sessions.depth == 0 and function_mode_count() == 0
+#             and not functorch_transforms_active() and forward_ad._current_level < 0
+#             and get_default_dtype() is float32 and not any_autocast()
+#             and read_0() is True   # flash_sdp
+#             ...
+#             and read_5() == default_5   # sdp_priority
+#             ...
+#         )
+#
+# ``default_device`` needs no term: with no function mode there is none. The
+# check is sufficient, not necessary: False sends the call to the full key. A
+# last entry keyed under another state (``no_grad``, autocast, a process where
+# opt_einsum is installed: Note [Torch settings in the key]) compares the whole
+# ``ambient_key()`` instead, after ``capturing()`` and ``transform_active()``.
+def _common_state_check() -> Callable[[], bool]:
+    names: dict[str, Any] = {
+        "sessions": SESSIONS,
+        "function_mode_count": compat.function_mode_count,
+        "functorch_transforms_active": compat.functorch_transforms_active,
+        "forward_ad": torch.autograd.forward_ad,
+        "get_default_dtype": torch.get_default_dtype,
+        "float32": torch.float32,
+        "any_autocast": any_autocast,
+    }
+    terms = [
+        "sessions.depth == 0",
+        "function_mode_count() == 0",
+        "not functorch_transforms_active()",
+        "forward_ad._current_level < 0",
+        "get_default_dtype() is float32",
+        "not any_autocast()",
+    ]
+    for k, ((name, read), default) in enumerate(zip(SETTINGS, DEFAULT_SETTINGS, strict=True)):
+        if read is _default_device:  # None whenever no function mode is active
+            assert default is None, f"expected no default device by default, got {default}"
+            continue
+        names[f"read_{k}"], names[f"default_{k}"] = read, default
+        same = "is" if default is None or type(default) is bool else "=="
+        terms.append(f"read_{k}() {same} default_{k}  # {name}")
+    source = (
+        "def common_state():\n    return (\n        " + "\n        and ".join(terms) + "\n    )\n"
+    )
+    exec(compile(source, "<aotgrad common_state>", "exec"), names)
+    return names["common_state"]
+
+
+common_state = _common_state_check()
 
 
 class CacheKey(NamedTuple):
@@ -534,8 +600,8 @@ class Miss:
 # hit on a plain call -- positional tensors only, none a view or repeated,
 # a function that reads nothing else, static shapes -- the entry is
 # remembered with a guard on its tensors' fields (``PlainTensorsGuard``:
-# Dynamo's C++ tensor check plus offsets and aliasing), tried before building
-# any key:
+# Dynamo's C++ tensor check plus offsets and aliasing) and on the ambient state
+# (Note [The common state, checked fast]), tried before building any key:
 #
 #     f(x, w)   miss: trace, compile, entries[key] = entry
 #     f(x, w)   hit through the dict; entry remembered as the last one
@@ -627,12 +693,23 @@ class SpecializationCache:
         return len(self.entries)
 
     def last_entry(self, args: tuple[Any, ...]) -> Callable[[Sequence[Any]], Any] | None:
-        """The last entry, as a hit, if it serves these positional ``args`` (Note [The last entry])."""
+        """The last entry, as a hit, if it serves these positional ``args`` (Note [The last entry]).
+
+        None in a capture and under a torch.func transform or forward-AD level: those calls
+        take the full path.
+        """
         last = self._last
-        if last is not None and ambient_key() == last.ambient and last.guard(args):
-            self.info.hits += 1
-            return last.call
-        return None
+        if last is None:
+            return None
+        if last.ambient is True:  # Note [The common state, checked fast]
+            if not (torch.is_grad_enabled() and common_state()):
+                return None
+        elif capturing() or transform_active() or ambient_key() != last.ambient:
+            return None
+        if not last.guard.passes(args):
+            return None
+        self.info.hits += 1
+        return last.call
 
     def find(
         self, key: CacheKey, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]
@@ -678,7 +755,10 @@ class SpecializationCache:
         if entry.compiled.takes_subclasses or entry.replay is not None or entry.environ is not None:
             return
         if entry.positions is None and key.aliases is None and key.dynamic_dims is None:
-            call = entry.compiled.direct_call() or entry.compiled
+            # Called only where ``common_state()`` holds when the key is the grad mode on.
+            requires_grad = [t.requires_grad for t in leaves]  # in the guard
+            call = entry.compiled.direct_call(requires_grad, common=key.ambient is True)
+            call = call or entry.compiled
             self._last = _LastEntry(guard=PlainTensorsGuard(leaves), ambient=key.ambient, call=call)
 
     def admit(self, miss: Miss, names: Callable[[], Sequence[str]]) -> bool:

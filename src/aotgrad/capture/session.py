@@ -94,13 +94,23 @@ from aotgrad._torch_compat import (
 from aotgrad.capture.closed_over import in_capture
 
 _LOCK = threading.RLock()
-_STATE = threading.local()
+
+
+class _Depth(threading.local):
+    """Per thread: how many capture sessions are open (0 unless set: read on every call)."""
+
+    depth = 0
+
+
+# ``SESSIONS.depth == 0`` and no function mode active: not ``capturing()`` (the last entry's
+# check, Note [The common state, checked fast] in cache.py).
+SESSIONS = _STATE = _Depth()
 
 
 def capturing() -> bool:
     """Is a capture running in this thread (Note [Capture sessions])? Also in autograd's
     worker running the capture's backward (Note [Captures and other threads])."""
-    return getattr(_STATE, "depth", 0) > 0 or in_capture()
+    return _STATE.depth > 0 or in_capture()
 
 
 @contextlib.contextmanager
@@ -111,7 +121,7 @@ def capture_session() -> Iterator[None]:
     with dynamo_compile_lock(), _LOCK, _logger_silenced(FAKE_TENSOR_LOGGER):
         hooks = _callers_hooks_suspended() if outermost else contextlib.nullcontext()
         with hooks:  # Note [The caller's saved-tensor hooks]
-            _STATE.depth = getattr(_STATE, "depth", 0) + 1
+            _STATE.depth += 1
             try:
                 yield
             finally:

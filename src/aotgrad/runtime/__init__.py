@@ -1,3 +1,29 @@
+# For ``f(x, w) = (x @ w).relu().sum()`` on 8x8 inputs, nop compilers, one
+# thread (``python bench/overhead.py steps``: best of 30 interleaved rounds of
+# 2000 calls; a step includes what it calls; 2026-11-27, 2 cores shared with
+# other work, so +-0.2 us)::
+#
+#     the whole call                          8.44 us
+#       cache.last_entry                      1.44     common_state 0.56, guard 0.61
+#       the direct call                       6.49     the Function's C++ apply 6.38
+#       AOTFunction.__call__ and frames       0.5
+#     bare Function.apply (bench's floor)     6.91     its C++ apply 5.94
+#
+# So the Function itself is most of it, 0.4 us more than the bare one (it keeps
+# ``w`` and its version for a create_graph backward, leaves missing cotangents
+# as None: Note [Missing cotangents], checks autocast, returns a tuple). The
+# guard's 0.61 us: Dynamo's C++ tensor check (0.13), then each tensor's
+# storage offset, view flag and address. ``common_state``'s 0.56 us: 19 reads of
+# torch's global state, each a setting some trace bakes in (Note [Torch
+# settings in the key]). Each check stands for a field of the full key:
+# dropping one would serve a call the full key sends elsewhere. What the call
+# does not pay: the key itself (Note [The last entry]), ``Function.apply``'s
+# Python layer (about 1 us: the bare floor pays it), the epilogue, and
+# ``unwrap_if_dead`` (the C++ check refuses a functorch wrapper; the full path
+# unwraps it). Against that bare floor the call is ~1.2x forward and ~1.1x
+# forward+backward (``python bench/overhead.py``).
+
+
 """Stage 4: runtime. Compile both graphs and run them with ordinary autograd semantics.
 
 Entry point: :func:`compile_partitioned`.
@@ -11,6 +37,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from aotgrad._torch_compat import FUNCTION_BASE_APPLY
 from aotgrad.capture import graph_inputs
 from aotgrad.capture.autocast import autocast_off
 from aotgrad.partition import Partitioned
@@ -73,22 +100,43 @@ class CompiledGraphs:
         """Are some inputs tensor subclasses, taken apart at each call (Note [Tensor subclasses])?"""
         return self._subclasses is not None
 
-    def direct_call(self) -> Callable[[Sequence[torch.Tensor]], Any] | None:
+    def direct_call(
+        self, requires_grad: Sequence[bool] | None = None, common: bool = False
+    ) -> Callable[[Sequence[torch.Tensor]], Any] | None:
         """``self.__call__`` for the common case, with nothing to rebuild around the Function.
 
         None unless the graphs need no input bases and every output is fresh
         (the epilogue's fast path, Note [What the autograd.Function returns]).
+        ``requires_grad``: the inputs' ``requires_grad``, the same at every call (the
+        caller's guard checks it). An input that does not require grad has no history to
+        cut (Note [Inputs no gradient reaches]); graphs read from a file do not know which
+        inputs required grad at the trace, and without it cut every input no gradient reaches.
+        ``common=True``: the caller vouches for every call that grad mode is on, that
+        no transform, forward-AD level or function mode is active (``common_state`` in
+        ``cache.py``) and that the inputs passed a ``TensorGuards`` check against plain
+        tensors (so none is a functorch wrapper, dead or alive): the Function's C++
+        ``apply`` runs with none of ``direct_apply``'s checks (Note [Where a call's
+        microseconds go]).
         """
         apply, plan = self._apply, self.plan
         if apply is None or self._bases or not plan.only_fresh or plan.has_sizes:
             return None
         if self._subclasses is not None or self._subclass_outputs:
             return None
-        if plan.made_to_require_grad or self._unreached:
+        unreached = self._unreached
+        if requires_grad is not None:
+            unreached = tuple(i for i in unreached if requires_grad[i])
+        if plan.made_to_require_grad or unreached:
             return None
-        if plan.out_spec.is_leaf():
-            return lambda primals: _apply_with_grad(apply, primals)[0]
+        assert self._function is not None
         spec = plan.out_spec
+        if common:
+            raw = FUNCTION_BASE_APPLY.__get__(None, self._function)
+            if spec.is_leaf():
+                return lambda primals: raw(*primals)[0]
+            return lambda primals: pytree.tree_unflatten(list(raw(*primals)), spec)
+        if spec.is_leaf():
+            return lambda primals: _apply_with_grad(apply, primals)[0]
         return lambda primals: pytree.tree_unflatten(list(_apply_with_grad(apply, primals)), spec)
 
     def failed_guard(self, primals: Sequence[torch.Tensor]) -> str | None:
@@ -120,6 +168,46 @@ class CompiledGraphs:
         else:
             returned = _apply_with_grad(self._apply, inputs)
         return run_epilogue(self.plan, primals, inputs, returned)
+
+
+# Note [Where a call's microseconds go]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A warm call of ``aot_function(f)(x, w)`` -- the last entry serves it and the
+# graphs need nothing rebuilt around them (``direct_call``) -- runs three steps:
+#
+#     AOTFunction.__call__  no wrapper, no keyword arguments
+#     cache.last_entry      grad mode and ``common_state()``: torch's default state,
+#                           no capture, no transform (Note [The common state,
+#                           checked fast]); the tensor guard (Note [The guard,
+#                           written out]); the hit counted
+#     the direct call       ``_FunctionBase.apply`` in C++, none of ``Function.apply``'s
+#                           Python (Note [Calling the Function directly]): the
+#                           node and ``ctx``, the Function's forward (the forward
+#                           graph, ``save_for_backward``, the inputs a create_graph
+#                           backward reads: Note [Primals in the backward]),
+#                           the outputs wrapped
+#
+# For ``f(x, w) = (x @ w).relu().sum()`` on 8x8 inputs, nop compilers, one
+# thread (``python bench/overhead.py steps``: best of 30 interleaved rounds of
+# 2000 calls; a step includes what it calls; 2026-11-27, 2 cores shared with
+# other work, so +-0.2 us)::
+#
+#     the whole call                          8.57 us
+#       cache.last_entry                      1.42     common_state 0.56, guard 0.67
+#       the direct call                       6.58     the Function's C++ apply 6.35
+#     bare Function.apply (bench's floor)     6.87     its C++ apply 5.92
+#
+# So the Function itself is most of it, 0.4 us more than the bare one (it keeps
+# ``w`` and its version for a create_graph backward, checks autocast, returns a
+# tuple). The guard's 0.67 us: Dynamo's C++ tensor check (0.13), then each
+# tensor's storage offset, view flag and address. ``common_state``'s 0.56 us: 19
+# reads of torch's global state, each a setting some trace bakes in (Note
+# [Torch settings in the key]). The three Python frames between take the rest.
+# Each check stands for a field of the full key: dropping one would serve a
+# call the full key sends elsewhere. What aotgrad no longer pays: the key
+# (Note [The last entry]), ``Function.apply``'s Python layer (about 1 us:
+# the bare floor pays it), the epilogue, and a dead functorch wrapper's unwrap
+# (the C++ check refuses such a tensor: the full path unwraps it).
 
 
 # Note [Inputs no gradient reaches]

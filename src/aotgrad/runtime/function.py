@@ -263,6 +263,8 @@ def make_function(
     ``higher_order`` computes the gradients under ``create_graph=True`` (Note
     [Differentiable backward]); without it, such a backward raises.
     """
+    # Every field the two methods read, as locals of their closure: they run on every
+    # call (Note [Where a call's microseconds go]).
     returned_positions, saved_in_forward = plan.returned, plan.saved_in_forward
     num_returned = len(returned_positions)
     leading = returned_positions == tuple(range(num_returned))
@@ -272,26 +274,40 @@ def make_function(
     all_received = (1 << len(differentiable)) - 1
     no_grads = (None,) * len(plan.reached_by)
     extra = () if higher_order is None else higher_order.extra  # Note [Primals in the backward]
+    needs_grad_mode, restrided, saved_sizes = (
+        plan.forward_needs_grad_mode,
+        plan.restrided,
+        plan.saved_sizes,
+    )
+    zeros, reached_by, autocast_backward = plan.zeros, plan.reached_by, plan.autocast_backward
+    keep_one = extra[0] if len(extra) == 1 else None
+    only = differentiable[0] if len(differentiable) == 1 else None
 
     class CompiledFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, *primals: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            results = run_forward(forward, plan, primals)
+            if needs_grad_mode or any_autocast():
+                results = run_forward(forward, plan, primals)
+            else:  # run_forward's common case, inlined
+                results = forward([*primals])
             if leading:  # the returned values are the graph's first outputs, in order
                 returned = tuple(results[:num_returned])
             else:
                 returned = tuple([results[i] for i in returned_positions])
             saved = results[saved_in_forward]
-            if plan.restrided:  # Note [Replayed metadata keeps the version]
-                restrided = {id(primals[i]) for i in plan.restrided}
-                saved = [v.detach() if id(v) in restrided else v for v in saved]
-            if plan.saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
+            if restrided:  # Note [Replayed metadata keeps the version]
+                ids = {id(primals[i]) for i in restrided}
+                saved = [v.detach() if id(v) in ids else v for v in saved]
+            if saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
                 ctx.sizes = [v for v in saved if not isinstance(v, torch.Tensor)]
                 saved = [v for v in saved if isinstance(v, torch.Tensor)]
             ctx.save_for_backward(*saved)
-            if extra:  # Note [Primals in the backward]
-                ctx.kept = kept = [primals[i] for i in extra]
-                ctx.kept_versions = [t._version for t in kept]
+            if keep_one is not None:  # Note [Primals in the backward]: one input (usual)
+                kept_one = primals[keep_one]
+                ctx.kept = ((kept_one,), (kept_one._version,))
+            elif extra:
+                kept = [primals[i] for i in extra]
+                ctx.kept = (kept, [t._version for t in kept])
             ctx.set_materialize_grads(False)  # Note [Missing cotangents]
             if symbolic_sizes:
                 ctx.cotangent_sizes = [returned[i].shape for i in differentiable]
@@ -307,28 +323,31 @@ def make_function(
         def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
             received = all_received
             try:  # the usual call: every differentiable output got a gradient
-                cotangents = [grad_outputs[i].contiguous() for i in differentiable]  # type: ignore[union-attr]
+                if only is not None:  # one differentiable output (the usual case)
+                    cotangents = [grad_outputs[only].contiguous()]  # type: ignore[union-attr]
+                else:
+                    cotangents = [grad_outputs[i].contiguous() for i in differentiable]  # type: ignore[union-attr]
             except AttributeError:  # one is None (Note [Missing cotangents])
                 given = [grad_outputs[i] for i in differentiable]
-                cotangents, received = with_zeros(ctx, given, plan.zeros)
+                cotangents, received = with_zeros(ctx, given, zeros)
                 if not received:
                     return no_grads
             saved = ctx.saved_tensors
-            if plan.saved_sizes:  # the ints back between the tensors
+            if saved_sizes:  # the ints back between the tensors
                 tensors, sizes = iter(saved), iter(ctx.sizes)
-                saved = [next(sizes) if is_size else next(tensors) for is_size in plan.saved_sizes]
+                saved = [next(sizes) if is_size else next(tensors) for is_size in saved_sizes]
             if torch.is_grad_enabled():  # create_graph=True (Note [Differentiable backward])
                 if any_autocast():  # Note [Autocast]
-                    _check_autocast_backward(plan.autocast_backward)
+                    _check_autocast_backward(autocast_backward)
                 grads = _differentiable(higher_order, ctx, saved, cotangents)
             elif any_autocast():  # Note [Autocast]
-                _check_autocast_backward(plan.autocast_backward)
+                _check_autocast_backward(autocast_backward)
                 with autocast_off():
                     grads = backward([*saved, *cotangents])
             else:
                 grads = backward([*saved, *cotangents])
             if received != all_received:
-                return tuple(reached_grads(grads, plan.reached_by, received))
+                return tuple(reached_grads(grads, reached_by, received))
             return tuple(grads)
 
     return CompiledFunction
@@ -395,6 +414,11 @@ def reached_grads(
 #
 #     Function.apply(x, w)       ->  unwrap_dead_wrappers((x, w)); _FunctionBase.apply(x, w)
 #     direct_apply(F)(x, w)      ->  [unwrap_if_dead(x), unwrap_if_dead(w)]; _FunctionBase.apply
+#
+# The last entry's direct call (``CompiledGraphs.direct_call(common=True)``)
+# calls ``_FunctionBase.apply`` with neither step: its checks have already
+# ruled out a transform and any functorch wrapper (Note [Where a call's
+# microseconds go]).
 
 
 def direct_apply(function: type[torch.autograd.Function]) -> Any:
@@ -425,7 +449,7 @@ def _differentiable(
             " differentiable backward recomputes from.\nBuild them with"
             " aotgrad.pipeline.compile_stage, or call aot_function / trace()."
         )
-    kept = (ctx.kept, ctx.kept_versions) if higher_order.extra else ((), ())
+    kept = ctx.kept if higher_order.extra else ((), ())
     needs_grad = ctx.needs_input_grad
     wanted = [  # Note [Only the gradients asked for]
         needed and engine_uses(node)

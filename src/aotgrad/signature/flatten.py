@@ -310,8 +310,19 @@ class PlainTensorsGuard:
         self._check = TensorGuards(
             *leaves, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides
         ).check
+        # Several plain strided tensors at offset 0 (the usual call): then so is every call's
+        # that passes the C++ check, each one's ``data_ptr`` is its storage's address, and
+        # the check is straight-line code (Note [The guard, written out]).
+        at_zero = len(leaves) > 1 and all(
+            type(t) in _PLAIN and t.layout is torch.strided and not offset
+            for t, offset in zip(leaves, self._offsets, strict=True)
+        )
+        self.passes = _written_out(len(leaves), self._check) if at_zero else self._passes
 
     def __call__(self, leaves: Sequence[Any]) -> bool:
+        return self.passes(leaves)
+
+    def _passes(self, leaves: Sequence[Any]) -> bool:
         if len(leaves) != len(self._offsets) or not self._check(*leaves):
             return False
         for t, offset in zip(leaves, self._offsets):  # noqa: B905 -- lengths checked above
@@ -320,6 +331,50 @@ class PlainTensorsGuard:
         if len(leaves) == 1:
             return not leaves[0]._is_view()
         return _distinct_memory(leaves)
+
+
+# Note [The guard, written out]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The last entry's guard runs on every call (Note [The last entry]); a loop over
+# the tensors costs more than the checks in it. For several plain strided tensors
+# at offset 0 it is made as straight-line code, for two tensors::
+#
+#     def passes(leaves):
+#         if len(leaves) != 2:
+#             return False
+#         t0, t1 = leaves
+#         if not check(t0, t1):                   # Dynamo's C++ tensor check
+#             return False
+#         if t0.storage_offset() or t0._is_view() or t1.storage_offset() or t1._is_view():
+#             return False
+#         a0 = t0.data_ptr()                      # offset 0: the storage's address
+#         a1 = t1.data_ptr()
+#         return bool(a0 and a1 and len({a0, a1}) == 2) or distinct_memory(leaves)
+#
+# A tensor with no memory (address 0) or a repeated address leaves the answer to
+# ``_distinct_memory``, as for any other guard.
+def _written_out(n: int, check: Callable[..., bool]) -> Callable[[Sequence[Any]], bool]:
+    tensors = ", ".join(f"t{i}" for i in range(n))
+    addresses = ", ".join(f"a{i}" for i in range(n))
+    lines = [
+        "def passes(leaves):",
+        f"    if len(leaves) != {n}:",
+        "        return False",
+        f"    {tensors}, = leaves",
+        f"    if not check({tensors}):",
+        "        return False",
+        "    if "
+        + " or ".join(f"t{i}.storage_offset() or t{i}._is_view()" for i in range(n))
+        + ":",
+        "        return False",
+        *(f"    a{i} = t{i}.data_ptr()" for i in range(n)),
+        "    return bool("
+        + " and ".join(f"a{i}" for i in range(n))
+        + f" and len({{{addresses}}}) == {n}) or distinct_memory(leaves)",
+    ]
+    names: dict[str, Any] = {"check": check, "distinct_memory": _distinct_memory}
+    exec(compile("\n".join(lines) + "\n", f"<aotgrad guard of {n} tensors>", "exec"), names)
+    return names["passes"]
 
 
 # The fields of a tensor's key (``call_key``), in order; and of a tensor with dynamic
