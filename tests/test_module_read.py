@@ -247,3 +247,19 @@ def test_every_change_between_calls_retraces(name, change, retraces):
     eager = copy.deepcopy(model)
     torch.testing.assert_close(compiled(x), eager(x))
     assert aotgrad.cache_info(compiled).misses == 1 + retraces
+
+
+def test_plain_attributes_are_keyed_without_asking_about_fsdp(monkeypatch):
+    # Note [Reading a module, fast]: ``training``, ``in_features`` are keyed at once; only a
+    # value of another type (the float ``scale``, the dict ``config``) is asked whether it is
+    # FSDP2's bookkeeping (only a non-empty dict can be).
+    asked: list[Any] = []
+
+    def counting(value: Any) -> bool:
+        asked.append(value)
+        return is_fsdp_bookkeeping(value)
+
+    monkeypatch.setattr(closures, "is_fsdp_bookkeeping", counting)
+    model = _Scaled()
+    read_environment(State(model).roots)
+    assert asked == [model.scale, model.config]

@@ -214,89 +214,30 @@ def global_names(code: types.CodeType) -> Iterator[str]:
 # ``aot_module`` and a closed-over module read the whole module tree every call
 # (``_Walk._module``): every parameter and buffer, every non-empty hook dict and
 # every attribute, since any of them may have changed since the last call. The
-# reading is what a call's key must see, so it is never skipped or cached; only
-# the bookkeeping around it is trimmed, each step giving exactly the labels,
-# keys and tensors of the plain loop over ``named_modules()`` and ``vars(sub)``:
+# reading is what the call's key must see, so none of it is skipped or cached
+# between calls; only the bookkeeping around it is trimmed, each step giving
+# exactly the tensors, labels and keys of the plain loop (one pass of
+# ``named_modules()``, every ``vars(sub)`` entry filtered by ``_MODULE_FIELDS``):
 #
-# - the tree is walked with a list as stack, not one generator per level, in
-#   ``named_modules()``'s order and with its memo (``_named_modules``); a module
-#   class with its own ``named_modules`` walks its subtree itself, as it would;
-# - the four hook dicts are looked at one by one only when one is non-empty;
-# - a module's own fields (``_parameters``, ``_forward_hooks``...) are skipped by
-#   a list of its user attributes' names derived from the names of its
-#   ``__dict__`` alone (``_user_attributes``): ``Linear``'s 19 entries give
-#   ``training, in_features, out_features``, read afresh every call. The list is
-#   keyed by the tuple of all the names, so a new or deleted attribute is a new key;
-# - a plain value (``int``, ``bool``, ``str``, ``None``) is keyed before asking
-#   whether it is FSDP2's bookkeeping (a dict: a plain value never is).
+# - the four hook dicts are looked at one by one only when one is non-empty
+#   (almost never: ``Linear`` has none);
+# - a plain value (``int``, ``bool``, ``str``, ``None``: ``training``,
+#   ``in_features``) is keyed before asking whether it is FSDP2's bookkeeping,
+#   which only a non-empty dict can be: a ``Linear`` asks 0 times, not 3;
+# - the traced module's parameters and buffers are named relative to it as they
+#   are found (``0.weight``), not built as ``self.0.weight`` and then sliced;
+# - no generator per submodule for its tensors, and each prefix is built once.
 #
-# For a 3-Linear ``Sequential`` this takes the read from 20 to N us per call
-# (bench: /tmp/modcall.py, ``State.read``); ``tests/test_module_read.py`` holds the
-# plain loop and checks that both give the same key for a zoo of modules.
+# Tried and dropped: walking the tree with a list as stack (slower than
+# ``named_modules``' generators: 22 against 15 us on gpt4's 42 modules); keeping
+# each ``__dict__``'s user attribute names by the tuple of its names (2-7% of the
+# read, and a name that compares equal to a ``str`` without being one would be
+# labelled by the stored string). ``tests/test_module_read.py`` keeps the plain
+# loop and checks both give the same tensors, labels and keys over a zoo of
+# modules and changes, and that every change re-traces as before.
 
-_NAMED_MODULES = torch.nn.Module.named_modules
-_GETATTRIBUTE = torch.nn.Module.__getattribute__
-# ``_user_attributes``' lists, by the names in a module's ``__dict__``; bounded.
-_USER_ATTRIBUTES: dict[tuple[str, ...], tuple[str, ...]] = {}
-_USER_ATTRIBUTES_LIMIT = 4096
 # The hook dicts, one name each (Note [Module hooks]).
 _FORWARD_PRE, _FORWARD, _BACKWARD_PRE, _BACKWARD = MODULE_HOOKS
-
-
-def _walks_itself(module: torch.nn.Module) -> bool:
-    """Does ``module.named_modules`` resolve to anything but ``nn.Module``'s?"""
-    cls = type(module)
-    return (
-        cls.named_modules is not _NAMED_MODULES
-        or cls.__getattribute__ is not _GETATTRIBUTE
-        or "named_modules" in vars(module)
-    )
-
-
-def _named_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``list(module.named_modules())``, without a generator per level of the tree.
-
-    The same pre-order, the same memo (a set of the modules, as ``named_modules``
-    keeps): a module is skipped where ``named_modules`` would find it in the memo.
-    """
-    if _walks_itself(module):
-        return list(module.named_modules())
-    found: list[tuple[str, torch.nn.Module]] = []
-    memo: set[torch.nn.Module] = set()
-    stack: list[tuple[str, torch.nn.Module]] = [("", module)]
-    pop, push = stack.pop, stack.extend
-    while stack:
-        prefix, sub = pop()
-        if _walks_itself(sub):  # as ``named_modules`` recurses into it
-            found += sub.named_modules(memo, prefix, True)
-            continue
-        if sub in memo:
-            continue
-        memo.add(sub)
-        found.append((prefix, sub))
-        dot = prefix + "." if prefix else ""
-        children = [(dot + n, c) for n, c in sub._modules.items() if c is not None]
-        children.reverse()
-        push(children)
-    return found
-
-
-def _user_attributes(state: dict[str, Any]) -> tuple[str, ...]:
-    """The names in a module's ``state`` that are not module bookkeeping, in order.
-
-    Derived from the names alone (never the values); a ``__dict__`` with a name
-    that is not exactly a ``str`` is filtered afresh each call.
-    """
-    names = tuple(state)
-    found = _USER_ATTRIBUTES.get(names)
-    if found is not None:
-        return found
-    found = tuple(a for a in names if a not in _MODULE_FIELDS)
-    if all(type(a) is str for a in names):
-        if len(_USER_ATTRIBUTES) >= _USER_ATTRIBUTES_LIMIT:
-            _USER_ATTRIBUTES.clear()
-        _USER_ATTRIBUTES[names] = found
-    return found
 
 
 class _Attributes:
@@ -377,52 +318,54 @@ class _Walk:
 
         Without ``with_state`` (the traced module) the parameters and buffers are
         collected apart, by their names relative to the module (``Param``/``Buffer``).
-        Runs every call (Note [Reading a module, fast]).
+        Runs every call: Note [Reading a module, fast].
         """
         seen = self._seen
         if id(module) in seen:
             return
         self.saw_module = True
+        # (name, tensor), named ``name.fc.weight`` with state, else ``fc.weight``.
         params: list[tuple[str, torch.Tensor]] = []
         buffers: list[tuple[str, torch.Tensor]] = []
         attributes: list[tuple[str, Any]] = []
         labels, keys = self.labels, self.keys
-        head = f"{_LABELS[kind]} "
-        for relative, sub in _named_modules(module):
+        head = f"{_LABELS[kind]} {name}."  # ``closure self.``
+        for relative, sub in module.named_modules():
             seen.add(id(sub))
-            prefix = f"{name}.{relative}." if relative else f"{name}."
-            state = vars(sub)
+            prefix = f"{relative}." if relative else ""  # relative to the module
+            named = f"{name}.{prefix}" if with_state else prefix  # the tensors' names
             for n, p in sub._parameters.items():
                 if p is not None:
-                    params.append((prefix + n, p))
+                    params.append((named + n, p))
             for n, b in sub._buffers.items():
                 if b is not None:
-                    buffers.append((prefix + n, b))
+                    buffers.append((named + n, b))
+            state = vars(sub)
             get = state.get
             if get(_FORWARD_PRE) or get(_FORWARD) or get(_BACKWARD_PRE) or get(_BACKWARD):
                 for hooks in MODULE_HOOKS:  # Note [Module hooks]
                     if get(hooks):
                         labels.append(f"{head}{prefix}{hooks}")
                         keys.append(tuple(state[hooks].items()))
-            for a in _user_attributes(state):
-                v = state[a]
+            for a, v in state.items():
+                if a in _MODULE_FIELDS:
+                    continue
                 cls = type(v)
                 if cls in _PLAIN:  # ``training``, ``in_features``: keyed here, as ``_value`` would
                     labels.append(f"{head}{prefix}{a}")
                     keys.append((cls, v))
-                elif not is_fsdp_bookkeeping(v):  # (a plain value never is)
-                    attributes.append((prefix + a, v))
-                # else FSDP2's state, which runs around the graphs (Note [Wrappers run around the graphs])
-        start = len(name) + 1  # parameter and buffer names relative to the module
-        for found, into in ((params, self.params), (buffers, self.buffers)):
-            for qualname, t in found:
+                elif not is_fsdp_bookkeeping(v):  # (never a plain value)
+                    attributes.append((f"{name}.{prefix}" + a, v))
+                # else FSDP2's state: it runs around the graphs (Note [Wrappers run around the graphs])
+        for found_tensors, into in ((params, self.params), (buffers, self.buffers)):
+            for qualname, t in found_tensors:
                 if id(t) in seen:
                     continue  # tied: one input under its first name
                 if with_state:
                     self._tensor(kind, qualname, t)
                 else:
                     seen.add(id(t))
-                    into.append((qualname[start:], t))
+                    into.append((qualname, t))
         for label, value in attributes:
             self.visit(kind, label, value)
 
