@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import aotgrad
-from aotgrad.signature import closures
+from aotgrad.signature import closures, values
 from aotgrad.signature.closures import (
     _LABELS,
     _MODULE_FIELDS,
@@ -250,9 +250,8 @@ def test_every_change_between_calls_retraces(name, change, retraces):
 
 
 def test_plain_attributes_are_keyed_without_asking_about_fsdp(monkeypatch):
-    # Note [Reading a module, fast]: ``training``, ``in_features`` are keyed at once; only a
-    # value of another type (the float ``scale``, the dict ``config``) is asked whether it is
-    # FSDP2's bookkeeping (only a non-empty dict can be).
+    # Note [Reading a module, fast]: only a dict (``config``) can be FSDP2's bookkeeping, so
+    # only a dict is asked; ``training``, ``in_features``, the float ``scale`` never are.
     asked: list[Any] = []
 
     def counting(value: Any) -> bool:
@@ -262,4 +261,23 @@ def test_plain_attributes_are_keyed_without_asking_about_fsdp(monkeypatch):
     monkeypatch.setattr(closures, "is_fsdp_bookkeeping", counting)
     model = _Scaled()
     read_environment(State(model).roots)
-    assert asked == [model.scale, model.config]
+    assert asked == [model.config]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        (),
+        (256,),
+        (2, 3.5),
+        (True, 1, -0.0, 0.0),
+        (float("nan"), None, "a", b"b"),
+        (1, (2,)),
+        (1, [2]),
+        (1, 2.5j),
+        (1, torch.float32),
+        (True, nn.Linear),
+    ],
+)
+def test_a_flat_tuple_is_keyed_as_the_recursion_keys_it(value):
+    assert values.value_key(value) == values._key(value, "", 0, set())

@@ -221,9 +221,12 @@ def global_names(code: types.CodeType) -> Iterator[str]:
 #
 # - the four hook dicts are looked at one by one only when one is non-empty
 #   (almost never: ``Linear`` has none);
-# - a plain value (``int``, ``bool``, ``str``, ``None``: ``training``,
-#   ``in_features``) is keyed before asking whether it is FSDP2's bookkeeping,
-#   which only a non-empty dict can be: a ``Linear`` asks 0 times, not 3;
+# - only a dict is asked whether it is FSDP2's bookkeeping (``is_fsdp_bookkeeping``
+#   is False for anything else), and a plain value (``int``, ``bool``, ``str``,
+#   ``None``: ``training``, ``in_features``) is keyed before: a ``Linear`` asks 0
+#   times, not 3;
+# - a tuple of plain values and floats (``LayerNorm.normalized_shape``) is keyed
+#   by one loop (``values._flat_tuple_key``), not ``_key``'s recursion: the same key;
 # - the traced module's parameters and buffers are named relative to it as they
 #   are found (``0.weight``), not built as ``self.0.weight`` and then sliced;
 # - no generator per submodule for its tensors, and each prefix is built once.
@@ -354,7 +357,7 @@ class _Walk:
                 if cls in _PLAIN:  # ``training``, ``in_features``: keyed here, as ``_value`` would
                     labels.append(f"{head}{prefix}{a}")
                     keys.append((cls, v))
-                elif not is_fsdp_bookkeeping(v):  # (never a plain value)
+                elif not isinstance(v, dict) or not is_fsdp_bookkeeping(v):  # (only a dict is)
                     attributes.append((f"{name}.{prefix}" + a, v))
                 # else FSDP2's state: it runs around the graphs (Note [Wrappers run around the graphs])
         for found_tensors, into in ((params, self.params), (buffers, self.buffers)):
