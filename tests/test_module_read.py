@@ -92,6 +92,8 @@ class _Scaled(nn.Module):
         self.name = "scaled"
         self.config = {"eps": 1e-5, "table": torch.ones(2)}  # a tensor in a value: lifted
         self.register_buffer("count", torch.zeros(()))
+        self.pair = (torch.ones(2), 3)  # a tuple holding a tensor: split, the tensor lifted
+        self.shape = (3, 1e-5, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) * self.scale + self.count
@@ -158,6 +160,8 @@ def _zoo() -> Iterator[tuple[str, nn.Module, list[Callable[[nn.Module], Any]]]]:
             lambda m: m.config.__setitem__("eps", 1e-6),
             lambda m: m.config.__setitem__("table", torch.zeros(2)),
             lambda m: setattr(m, "count", torch.ones(())),
+            lambda m: setattr(m, "pair", (torch.ones(3), 4)),
+            lambda m: setattr(m, "shape", (3, 1e-6, None)),
             lambda m: setattr(m, "lin", nn.Linear(3, 3, bias=False)),
         ],
     )

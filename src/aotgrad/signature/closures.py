@@ -227,6 +227,9 @@ def global_names(code: types.CodeType) -> Iterator[str]:
 #   times, not 3;
 # - a tuple of plain values and floats (``LayerNorm.normalized_shape``) is keyed
 #   by one loop (``values._flat_tuple_key``), not ``_key``'s recursion: the same key;
+# - a ``float`` or ``tuple`` attribute goes to ``_value`` without ``visit``'s
+#   tensor/module checks, which such a value never passes (a tuple holding a
+#   tensor is still split by ``_value``, as before);
 # - the traced module's parameters and buffers are named relative to it as they
 #   are found (``0.weight``), not built as ``self.0.weight`` and then sliced;
 # - no generator per submodule for its tensors, and each prefix is built once.
@@ -239,6 +242,8 @@ def global_names(code: types.CodeType) -> Iterator[str]:
 # loop and checks both give the same tensors, labels and keys over a zoo of
 # modules and changes, and that every change re-traces as before.
 
+# Attribute types keyed by ``_value`` straight away: ``eps``, ``normalized_shape``.
+_KEYED = (float, tuple)
 # The hook dicts, one name each (Note [Module hooks]).
 _FORWARD_PRE, _FORWARD, _BACKWARD_PRE, _BACKWARD = MODULE_HOOKS
 
@@ -370,7 +375,10 @@ class _Walk:
                     seen.add(id(t))
                     into.append((qualname, t))
         for label, value in attributes:
-            self.visit(kind, label, value)
+            if type(value) in _KEYED:  # never a tensor or a module: ``visit`` would call ``_value``
+                self._value(kind, label, value)
+            else:
+                self.visit(kind, label, value)
 
     def _value(self, kind: Kind, name: str, value: Any) -> None:
         try:
