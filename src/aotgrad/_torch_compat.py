@@ -698,7 +698,8 @@ def prepend_tensor_hook(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Non
 
 def is_fsdp_bookkeeping(value: Any) -> bool:
     """Is this module attribute FSDP2's per-module state (``{fully_shard: FSDPState}``, stored
-    under a generated ``__composable_api_state_key_...`` name)?"""
+    under a generated ``__composable_api_state_key_...`` name)? Never for a non-dict: the module
+    read asks only about dicts (Note [Reading a module, fast])."""
     if not isinstance(value, dict) or not value or "torch.distributed.fsdp" not in sys.modules:
         return False
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState

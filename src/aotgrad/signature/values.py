@@ -74,7 +74,27 @@ def value_key(value: Any) -> Any:
         return (float, value.hex())
     if cls in _PLAIN:
         return (cls, value)
+    if cls is tuple:  # ``normalized_shape=(256,)``: read every call (Note [Reading a module, fast])
+        key = _flat_tuple_key(value)
+        if key is not None:
+            return key
     return _key(value, "", 0, set())
+
+
+def _flat_tuple_key(value: tuple[Any, ...]) -> Any:
+    """``_key(value, ...)`` of a tuple of plain values and floats, without its recursion; None
+    for any other tuple. ``(256, 1e-5)`` -> ``(tuple, ((int, 256), (float, '0x1.4f8b...p-17')))``.
+    """
+    parts = []
+    for v in value:
+        cls = type(v)
+        if cls is float:
+            parts.append((float, v.hex()))
+        elif cls in _PLAIN:
+            parts.append((cls, v))
+        else:
+            return None
+    return (tuple, tuple(parts))
 
 
 def _key(value: Any, path: str, depth: int, active: set[int]) -> Any:
