@@ -12,6 +12,7 @@ turns. As a script it measures one model in this process:
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import sys
@@ -140,6 +141,10 @@ def measure(name: str, tool: str) -> float:
     """Seconds to capture ``name`` with ``tool`` in this process (imports done beforehand)."""
     torch.set_num_threads(1)
     make(name)  # imports the model's library outside the timed region
+    # Dynamo too: PyTorch's side loads it with functorch.compile, aotgrad's first capture
+    # through PyTorch's fake tensors (Note [What loads Dynamo]). These rows time capture; the
+    # imports are bench/first_gradient.py's rows.
+    importlib.import_module("torch._dynamo")
     return RUN[tool](name)
 
 

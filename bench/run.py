@@ -100,7 +100,7 @@ def main() -> None:
             "training step gpt4, inductor (s)",
             speed["aotgrad_inductor"],
             speed["torch_compile"],
-            "<= 1.05",
+            "<= 1.00",
         )
     )
     fsdp = distributed.measure()
