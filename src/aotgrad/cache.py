@@ -257,7 +257,7 @@ def ambient_key() -> Any:
 #     def common_state():
 #         return (
 #             sessions.depth == 0 and function_mode_count() == 0
-#             and not functorch_transforms_active() and forward_ad._current_level < 0
+#             and not functorch_or_forward_ad_active()
 #             and get_default_dtype() is float32 and not any_autocast()
 #             and read_0() is True   # flash_sdp
 #             ...
@@ -274,8 +274,7 @@ def _common_state_check() -> Callable[[], bool]:
     names: dict[str, Any] = {
         "sessions": SESSIONS,
         "function_mode_count": compat.function_mode_count,
-        "functorch_transforms_active": compat.functorch_transforms_active,
-        "forward_ad": torch.autograd.forward_ad,
+        "functorch_or_forward_ad_active": compat.functorch_or_forward_ad_active,
         "get_default_dtype": torch.get_default_dtype,
         "float32": torch.float32,
         "any_autocast": any_autocast,
@@ -283,8 +282,7 @@ def _common_state_check() -> Callable[[], bool]:
     terms = [
         "sessions.depth == 0",
         "function_mode_count() == 0",
-        "not functorch_transforms_active()",
-        "forward_ad._current_level < 0",
+        "not functorch_or_forward_ad_active()",
         "get_default_dtype() is float32",
         "not any_autocast()",
     ]
