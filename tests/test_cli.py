@@ -281,3 +281,48 @@ def test_an_oserror_the_function_raises_is_still_the_functions(tmp_path, capsys)
     assert main(["show", f"{script}:fn"]) == 1
     err = capsys.readouterr().err
     assert f"{script}:fn raised FileNotFoundError" in err and "opens.py:3" in err
+
+
+def test_a_function_printing_into_a_closed_pipe_exits_quietly(tmp_path):
+    # Note [A closed stdout]: `aotgrad show chatty.py:fn | head -1` with a function that prints
+    # more than a pipe holds: its print meets the closed pipe, the reader's choice.
+    script = tmp_path / "chatty.py"
+    script.write_text(
+        "import torch\n"
+        "def fn(x):\n"
+        "    for i in range(20000):\n"
+        "        print('step', i)\n"
+        "    return x.sin()\n"
+        "def example_inputs():\n"
+        "    return (torch.ones(2, requires_grad=True),), {}\n"
+    )
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "aotgrad.cli", "show", f"{script}:fn"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 141
+
+
+def test_a_broken_pipe_of_the_functions_own_is_its_error(tmp_path, capsys):
+    script = tmp_path / "piped.py"
+    script.write_text(
+        "import os, torch\n"
+        "def fn(x):\n"
+        "    r, w = os.pipe()\n"
+        "    os.close(r)\n"
+        "    os.write(w, b'data')\n"
+        "    return x.sin()\n"
+        "def example_inputs():\n"
+        "    return (torch.ones(2, requires_grad=True),), {}\n"
+    )
+    assert main(["show", f"{script}:fn"]) == 1
+    assert f"{script}:fn raised BrokenPipeError" in capsys.readouterr().err

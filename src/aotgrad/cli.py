@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import select
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,6 +85,8 @@ def _run(options: argparse.Namespace) -> int:
         print(f"aotgrad: cannot write {e.where}: {e.__cause__}", file=sys.stderr)
         return 1
     except (Exception, SystemExit) as e:  # the user's function raised: its line, not a traceback
+        if isinstance(e, BrokenPipeError) and _reader_gone():  # its print into a closed pipe
+            raise _StdoutClosed from e
         where = user_frame_from_traceback(e.__traceback__)
         location = f" at {where}" if where is not None else ""
         print(f"aotgrad: {options.target} raised {_one_line(e)}{location}", file=sys.stderr)
@@ -103,8 +106,10 @@ def _run(options: argparse.Namespace) -> int:
 #     aotgrad show f.py:fn > /dev/full        aotgrad: cannot write stdout: [Errno 28] ...
 #     aotgrad show f.py:fn --html no/a.html   aotgrad: cannot write no/a.html: [Errno 2] ...
 #
-# Only aotgrad's own writes are treated so (``_emit``, ``_write_html``); an OSError the
-# user's function raises is reported as its error, at its line.
+# Only aotgrad's own writes are treated so (``_emit``, ``_write_html``), and the user's
+# function printing into the closed pipe (a BrokenPipeError while stdout's reader is gone,
+# which ``poll`` tells); any other OSError the function raises is reported as its error, at
+# its line.
 
 
 class _StdoutClosed(BaseException):
@@ -113,6 +118,17 @@ class _StdoutClosed(BaseException):
 
 
 _SIGPIPE_EXIT = 141
+
+
+def _reader_gone() -> bool:
+    """Is stdout a pipe whose reader has gone (Note [A closed stdout])? ``poll`` reports an
+    error on the write end of such a pipe; a file, a terminal or a live pipe reports none."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no real stdout (a test's)
+        return False
 
 
 class _OutputFailed(Exception):
