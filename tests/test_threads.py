@@ -139,6 +139,7 @@ def test_dynamo_compiling_in_another_thread_during_a_capture() -> None:
     # Dynamo, in another thread, traced a module call through the capture's global module
     # hooks: it broke the graph there (and raised an internal KeyError when the hooks were
     # gone before it built its guards). Now it compiles once the capture is done: one graph.
+    torch._dynamo.reset()  # earlier tests' compiles of nn.Sequential must not use up its limit
     torch.manual_seed(0)
     other = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     x_other = torch.randn(2, 4)

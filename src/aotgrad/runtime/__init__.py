@@ -43,7 +43,8 @@ from aotgrad.capture.autocast import autocast_off
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue
-from aotgrad.runtime.higher_order import Driver, HigherOrder, num_forward_inputs
+from aotgrad.runtime.higher_order import Driver, HigherOrder
+from aotgrad.runtime.slices import num_forward_inputs
 from aotgrad.runtime.straight_line import Step
 from aotgrad.runtime.transforms import refuse_transforms_on
 from aotgrad.signature import Signature
