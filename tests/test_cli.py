@@ -228,11 +228,18 @@ def test_show_reports_a_function_that_exits(tmp_path, capsys):
 def test_show_into_a_closed_pipe_exits_quietly():
     # Note [A closed stdout]: `aotgrad show ... --json | head -1`, with the reader gone
     # before the first write (a pipe buffer would otherwise take the whole document).
+    result = _show_into_a_closed_pipe(f"{EXAMPLE}:fn", "--json")
+    assert result.stderr == ""
+    assert result.returncode == 141
+
+
+def _show_into_a_closed_pipe(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``aotgrad show ARGV`` in a fresh process whose stdout is a pipe nobody reads."""
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "aotgrad.cli", "show", f"{EXAMPLE}:fn", "--json"],
+        return subprocess.run(
+            [sys.executable, "-m", "aotgrad.cli", "show", *argv],
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,
@@ -240,8 +247,6 @@ def test_show_into_a_closed_pipe_exits_quietly():
         )
     finally:
         os.close(write_end)
-    assert result.stderr == ""
-    assert result.returncode == 141
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
@@ -296,18 +301,7 @@ def test_a_function_printing_into_a_closed_pipe_exits_quietly(tmp_path):
         "def example_inputs():\n"
         "    return (torch.ones(2, requires_grad=True),), {}\n"
     )
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "aotgrad.cli", "show", f"{script}:fn"],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-        )
-    finally:
-        os.close(write_end)
+    result = _show_into_a_closed_pipe(f"{script}:fn")
     assert result.stderr == ""
     assert result.returncode == 141
 
