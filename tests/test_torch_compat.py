@@ -875,3 +875,14 @@ def test_engine_uses_follows_the_gradients_asked_for():
     Spy.apply(x * 1, w).sum().backward(inputs=[w])
     Spy.apply(x * 1, w).sum().backward()
     assert seen == [[False, True], [False, True], [True, True]]
+
+
+def test_profiler_memory_events_are_allocations_and_frees_in_order():
+    x = torch.randn(1000)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        y = x.sin()
+        del y
+    sizes = [n for _, n, kind in compat.profiler_memory_events(prof) if kind == "cpu"]
+    assert sizes == [4000, -4000]

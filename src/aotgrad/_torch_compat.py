@@ -705,3 +705,14 @@ def is_fsdp_bookkeeping(value: Any) -> bool:
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     return all(isinstance(state, FSDPState) for state in value.values())
+
+
+def profiler_memory_events(prof: Any) -> list[tuple[int, int, str]]:
+    """``(start_ns, bytes, device type)`` of each allocation (+) and free (-) that a
+    ``torch.profiler.profile(profile_memory=True)`` recorded, in the order they happened."""
+    events = [
+        (event.start_ns(), event.nbytes(), str(event.device_type()).rsplit(".", 1)[-1].lower())
+        for event in prof.profiler.kineto_results.events()
+        if event.name() == "[memory]"
+    ]
+    return sorted(events, key=lambda event: event[0])

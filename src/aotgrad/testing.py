@@ -27,6 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from aotgrad.api import aot_function, aot_module
+from aotgrad.measure import measure_peak as measure_peak  # re-exported
 from aotgrad.signature import Input, InputBase, Param, leaf_names, storage_key
 from aotgrad.signature.objects import objects_as_nodes
 
