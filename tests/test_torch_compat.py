@@ -886,3 +886,9 @@ def test_profiler_memory_events_are_allocations_and_frees_in_order():
         del y
     sizes = [n for _, n, kind in compat.profiler_memory_events(prof) if kind == "cpu"]
     assert sizes == [4000, -4000]
+
+
+def test_is_non_overlapping_and_dense_tells_a_dense_layout():
+    x = torch.randn(3, 4)
+    assert compat.is_non_overlapping_and_dense(x.t())
+    assert not compat.is_non_overlapping_and_dense(x[:, ::2])

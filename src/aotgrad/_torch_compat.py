@@ -54,6 +54,7 @@ import torch
 import torch._C._dynamo.guards as _guards
 import torch._dispatch.python as _python_dispatcher
 import torch._ops as _ops
+import torch._prims_common as _prims_common
 import torch._subclasses.fake_impls as _fake_impls
 import torch._subclasses.fake_tensor as _fake_tensor
 import torch._subclasses.functional_tensor as _functional_tensor
@@ -716,3 +717,8 @@ def profiler_memory_events(prof: Any) -> list[tuple[int, int, str]]:
         if event.name() == "[memory]"
     ]
     return sorted(events, key=lambda event: event[0])
+
+
+# A layout autograd's ``AccumulateGrad`` holds a ``.grad`` to (strides or contiguity): on
+# fake tensors too, where ``Tensor.is_non_overlapping_and_dense`` does not exist.
+is_non_overlapping_and_dense = _prims_common.is_non_overlapping_and_dense_or_false

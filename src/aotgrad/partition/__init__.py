@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Literal
 
 import torch.fx as fx
@@ -15,7 +16,7 @@ import torch.fx as fx
 from aotgrad.capture import JointGraph, Phase, check_order, lazy_module, node_info
 from aotgrad.errors import UserFrame
 from aotgrad.optable import op_name
-from aotgrad.partition.memory import peak_bytes
+from aotgrad.partition.memory import LiveValue, PeakEstimate, predict_peak
 from aotgrad.partition.remat import RematPlan, node_flops
 from aotgrad.partition.saved import SavedValue, describe_saved, unique_bytes
 from aotgrad.partition.split import apply_mutations_in_graph, build_backward, build_forward
@@ -38,7 +39,17 @@ from aotgrad.signature import (
     describe_graph,
 )
 
-__all__ = ["Budget", "Partitioned", "Policy", "RecomputedOp", "SavedValue", "budget", "partition"]
+__all__ = [
+    "Budget",
+    "LiveValue",
+    "Partitioned",
+    "PeakEstimate",
+    "Policy",
+    "RecomputedOp",
+    "SavedValue",
+    "budget",
+    "partition",
+]
 
 Strategy = Literal["save_all", "mincut"] | Budget | Policy
 
@@ -103,10 +114,16 @@ class Partitioned:
         """Estimated FLOPs the backward spends re-running forward ops."""
         return sum(r.flops for r in self.recomputed)
 
+    @cached_property
+    def peak(self) -> PeakEstimate:
+        """The predicted peak of a step ``f(*inputs).backward()``: how many bytes, where, and
+        what is live then (Note [What a step holds] in ``partition/memory.py``)."""
+        return predict_peak(self.forward, self.backward, self.signature)
+
     @property
     def peak_bytes(self) -> int:
-        """Estimated peak memory of forward then backward (a liveness simulation)."""
-        return peak_bytes(self.forward, self.backward)
+        """Predicted peak bytes of a step, inputs included (``peak.nbytes``)."""
+        return self.peak.nbytes
 
 
 def partition(

@@ -1,43 +1,312 @@
-"""Estimated peak memory of forward + backward: a liveness simulation over both graphs."""
+"""The predicted peak memory of a training step: a simulation of what the runtime holds.
+
+:func:`predict_peak` replays, op by op, what a step ``f(*inputs).backward()`` holds
+when it runs the forward and backward graphs (Note [What a step holds]) and returns a
+:class:`PeakEstimate`: the peak, where in the step it occurs, and what is live then.
+``aotgrad.testing.measure_peak`` measures the same step; tests hold them together.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 
+from aotgrad import _torch_compat as compat
+from aotgrad.capture import node_info
+from aotgrad.errors import UserFrame
+from aotgrad.optable import op_name
 from aotgrad.partition.saved import storages
+from aotgrad.signature import Cotangent, Grad, Output, Saved, Signature
+
+__all__ = ["LiveValue", "PeakEstimate", "predict_peak"]
+
+# The bytes an op allocates at its own peak, outputs included (None: just its new outputs).
+Workspace = Callable[[fx.Node], int | None]
 
 
-def peak_bytes(forward: fx.GraphModule, backward: fx.GraphModule | None) -> int:
-    """Peak bytes of live storages running ``forward`` then ``backward`` in graph order.
+@dataclass(frozen=True)
+class LiveValue:
+    """A storage live at the peak: the value that made it, and why it is still held."""
 
-    Inputs stay live throughout; the forward's outputs (user outputs and saved
-    values) stay live into the backward; everything else is freed after its
-    last use. Views share their base's storage and add nothing.
-    """
-    live: dict[Any, int] = {}
-    peak = _run(forward, live, keep_outputs=True)
+    name: str  # the value's node name in its graph
+    graph: str  # "forward" or "backward"
+    kind: str  # "input", "output", "saved", "temporary", "cotangent", "gradient", "workspace"
+    nbytes: int
+    module: str
+    source: UserFrame | None
+
+    def to_dict(self) -> dict[str, Any]:
+        info = dict(vars(self))
+        info["source"] = None if self.source is None else str(self.source)
+        return info
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """The predicted peak of one step: forward, backward, gradients (Note [What a step holds])."""
+
+    # Bytes of tensor storage live at the peak, the step's inputs included.
+    nbytes: int
+    # Bytes of the inputs (parameters, buffers, arguments): held by the caller before the step.
+    inputs: int
+    # Where: the graph ("forward", "backward" or "gradients") and the op running then.
+    graph: str
+    node: str
+    op: str
+    module: str
+    source: UserFrame | None
+    # Everything live at the peak, largest first (the op's own scratch space as "workspace").
+    live: tuple[LiveValue, ...]
+
+    @property
+    def allocated(self) -> int:
+        """Bytes the step allocated beyond its inputs at the peak: what ``measure_peak`` reports."""
+        return self.nbytes - self.inputs
+
+    def to_dict(self) -> dict[str, Any]:
+        info = {k: v for k, v in vars(self).items() if k != "live"}
+        info["source"] = None if self.source is None else str(self.source)
+        info["allocated"] = self.allocated
+        info["live"] = [v.to_dict() for v in self.live]
+        return info
+
+
+# Note [What a step holds]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# The prediction follows the runtime, storage by storage (Note [Counting bytes]):
+# a storage is live while anything holds it, and each op's peak is what is live
+# before it plus what it allocates while it runs (its new outputs, and any
+# scratch space the kernel takes: ``workspace``). For ``f(x, w) =
+# (x @ w).relu().sum()`` with 4 KB inputs and 4 KB activations:
+#
+#     forward:   mm      live x, w (caller) + mm                  -> 12 KB
+#                relu    + relu; mm freed after its last use      -> 12 KB
+#                sum     + sum (4 bytes); relu is saved, kept
+#     between:   the loss (the user's output) and relu (saved) stay; the rest is freed
+#     backward:  .backward() allocates the loss's cotangent (ones, 4 bytes)
+#                the graph frees each saved value after its last use
+#                (the runtime drops its own references first) and returns
+#                grads of x and w, held together until the graph returns
+#     gradients: each grad becomes ``.grad`` as is, unless its strides break
+#                ``.grad``'s layout contract: then autograd copies it first
+#                (a transposed ``mm`` result for a weight), one more grad's bytes
+#
+# The inputs count in ``nbytes`` and not in ``allocated`` (``measure_peak``
+# does not see them either). Outside the model: a ``.grad`` that already holds
+# a gradient (accumulated in place: less memory, never more), user compilers
+# that keep values the default runtime frees, and kernels' scratch space when
+# ``workspace`` is not given.
+
+
+class _Holds:
+    """Who holds each storage; the bytes of those with a holder are live."""
+
+    def __init__(self) -> None:
+        self.holders: dict[Any, set[Any]] = {}
+        self.sizes: dict[Any, int] = {}
+        self.labels: dict[Any, LiveValue] = {}
+        self.live = 0
+
+    def hold(self, key: Any, nbytes: int, holder: Any, label: LiveValue) -> int:
+        """Hold ``key``; the bytes that were newly allocated (0 when it was live already)."""
+        holders = self.holders.setdefault(key, set())
+        fresh = not holders
+        holders.add(holder)
+        if fresh:
+            self.sizes[key], self.labels[key] = nbytes, label
+            self.live += nbytes
+        return nbytes if fresh else 0
+
+    def drop(self, key: Any, holder: Any) -> None:
+        holders = self.holders.get(key)
+        if holders is None or holder not in holders:
+            return
+        holders.discard(holder)
+        if not holders:
+            self.live -= self.sizes.pop(key)
+            del self.holders[key], self.labels[key]
+
+    def drop_all(self, holder_kind: str) -> None:
+        for key in list(self.holders):
+            for holder in [h for h in self.holders[key] if h[0] == holder_kind]:
+                self.drop(key, holder)
+
+    def values(self) -> list[LiveValue]:
+        return sorted(self.labels.values(), key=lambda v: -v.nbytes)
+
+
+class _Simulation:
+    def __init__(self, workspace: Workspace | None) -> None:
+        self.holds = _Holds()
+        self.workspace = workspace
+        self.best: PeakEstimate | None = None
+        self.inputs = 0
+
+    def at(self, nbytes: int, graph: str, node: fx.Node | None, extra: LiveValue | None) -> None:
+        if self.best is not None and nbytes <= self.best.nbytes:
+            return
+        live = self.holds.values() + ([extra] if extra is not None else [])
+        info = node_info(node) if node is not None and node.op != "output" else None
+        self.best = PeakEstimate(
+            nbytes=nbytes,
+            inputs=self.inputs,
+            graph=graph,
+            node="" if node is None else node.name,
+            op=_op_text(node),
+            module="" if info is None else info.module,
+            source=None if info is None else info.source,
+            live=tuple(sorted(live, key=lambda v: -v.nbytes)),
+        )
+
+    def run(self, gm: fx.GraphModule, graph: str, kinds: dict[fx.Node, str]) -> None:
+        """Run ``gm``'s ops in order; values in ``kinds`` (outputs) are held past the graph."""
+        nodes = list(gm.graph.nodes)
+        last_use: dict[fx.Node, int] = {}
+        for i, node in enumerate(nodes):
+            for source in node.all_input_nodes:
+                last_use[source] = i
+        for i, node in enumerate(nodes):
+            if node.op == "output":
+                break
+            if node.op != "placeholder":
+                self._compute(node, graph, kinds.get(node, "temporary"))
+            for source in [*node.all_input_nodes, node]:
+                if last_use.get(source, i) <= i and source not in kinds:
+                    for key in storages(source):
+                        self.holds.drop(key, (graph, source))
+
+    def _compute(self, node: fx.Node, graph: str, kind: str) -> None:
+        before = self.holds.live
+        fresh = sum(
+            self.holds.hold(key, _int(size), (graph, node), _label(node, graph, kind, size))
+            for key, size in storages(node).items()
+        )
+        during = None if self.workspace is None else self.workspace(node)
+        scratch = 0 if during is None else max(0, during - fresh)
+        extra = None
+        if scratch:
+            extra = LiveValue(node.name, graph, "workspace", scratch, *_where(node))
+        self.at(before + fresh + scratch, graph, node, extra)
+
+    def hold_node(self, node: fx.Node, holder: Any, graph: str, kind: str) -> None:
+        for key, size in storages(node).items():
+            self.holds.hold(key, _int(size), holder, _label(node, graph, kind, size))
+
+    def drop_node(self, node: fx.Node, holder: Any) -> None:
+        for key in storages(node):
+            self.holds.drop(key, holder)
+
+
+def predict_peak(
+    forward: fx.GraphModule,
+    backward: fx.GraphModule | None,
+    signature: Signature,
+    workspace: Workspace | None = None,
+) -> PeakEstimate:
+    """The peak of the step ``f(*inputs).backward()`` run by the default runtime (Note [What a
+    step holds]), every ``.grad`` None before it; ``workspace(node)``, when given, says how
+    many bytes an op allocates at its own peak (outputs included)."""
+    sim = _Simulation(workspace)
+    inputs = [n for n in forward.graph.nodes if n.op in ("placeholder", "get_attr")]
+    for node in inputs:
+        sim.hold_node(node, ("caller",), "forward", "input")
+    sim.inputs = sim.holds.live
+    sim.at(sim.holds.live, "forward", None, None)
+    outputs = _outputs(forward)
+    kinds = {n: _kind(d) for n, d in zip(outputs, signature.forward_outputs, strict=True) if n}
+    sim.run(forward, "forward", kinds)
+    for i, (node, desc) in enumerate(zip(outputs, signature.forward_outputs, strict=True)):
+        if node is not None and isinstance(desc, Output | Saved):
+            sim.hold_node(node, ("user" if isinstance(desc, Output) else "saved", i), "", "")
+    sim.holds.drop_all("forward")
     if backward is not None:
-        peak = max(peak, _run(backward, live, keep_outputs=False))
-    return peak
+        _backward(sim, forward, backward, signature)
+    assert sim.best is not None
+    return sim.best
 
 
-def _run(gm: fx.GraphModule, live: dict[Any, int], keep_outputs: bool) -> int:
-    nodes = list(gm.graph.nodes)
-    last_use = {}
-    for i, node in enumerate(nodes):
-        for source in node.all_input_nodes:
-            last_use[source] = i
-    outputs = set(gm.graph.output_node().all_input_nodes)
-    peak = sum(live.values())
-    for i, node in enumerate(nodes):
-        for storage, size in storages(node).items():  # Note [Counting bytes]
-            live.setdefault(storage, size)
-        peak = max(peak, sum(live.values()))
-        for source in node.all_input_nodes:
-            dead = last_use.get(source) == i and source.op != "placeholder"
-            if dead and not (keep_outputs and source in outputs):
-                for storage in storages(source):
-                    live.pop(storage, None)
-    return peak
+def _backward(
+    sim: _Simulation, forward: fx.GraphModule, backward: fx.GraphModule, signature: Signature
+) -> None:
+    placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    saved_positions = range(len(signature.forward_outputs))[signature.saved_in_forward]
+    saved_holders = iter(("saved", i) for i in saved_positions)
+    for node, desc in zip(placeholders, signature.backward_inputs, strict=True):
+        if isinstance(desc, Cotangent):  # autograd allocates it (.backward(): ones)
+            sim.hold_node(node, ("cotangent",), "backward", "cotangent")
+            sim.at(sim.holds.live, "backward", node, None)
+        sim.hold_node(node, ("backward", node), "backward", _kind(desc))
+        if isinstance(desc, Saved):  # the runtime hands its reference to the graph
+            sim.drop_node(node, next(saved_holders))
+    grads = _outputs(backward)
+    sim.run(backward, "backward", {n: "gradient" for n in grads if n is not None})
+    for i, node in enumerate(grads):
+        if node is not None:
+            sim.hold_node(node, ("grad", i), "backward", "gradient")
+    sim.holds.drop_all("backward")
+    sim.holds.drop_all("cotangent")
+    primals = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    for i, (node, desc) in enumerate(zip(grads, signature.backward_outputs, strict=True)):
+        if node is None or not isinstance(desc, Grad):
+            continue
+        grad, primal = node.meta.get("val"), primals[i].meta.get("val")
+        tensors = isinstance(grad, torch.Tensor) and isinstance(primal, torch.Tensor)
+        if tensors and not _obeys_layout_contract(grad, primal):  # AccumulateGrad copies it
+            copy = LiveValue(node.name, "backward", "gradient", _int(grad.nbytes), *_where(node))
+            sim.at(sim.holds.live + copy.nbytes, "gradients", node, copy)
+
+
+def _obeys_layout_contract(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``AccumulateGrad`` can take ``grad`` as ``param.grad`` without a copy."""
+    if grad.layout is not torch.strided or param.layout is not torch.strided:
+        return True
+    if not compat.is_non_overlapping_and_dense(param):
+        return bool(grad.is_contiguous())
+    return all(
+        size == 1 or gs == ps
+        for size, gs, ps in zip(grad.shape, grad.stride(), param.stride(), strict=True)
+    )
+
+
+def _outputs(gm: fx.GraphModule) -> list[fx.Node | None]:
+    (values,) = gm.graph.output_node().args
+    return [v if isinstance(v, fx.Node) else None for v in values]  # type: ignore[union-attr]
+
+
+def _kind(desc: Any) -> str:
+    if isinstance(desc, Saved):
+        return "saved"
+    if isinstance(desc, Cotangent):
+        return "cotangent"
+    return "output" if isinstance(desc, Output) else "temporary"
+
+
+def _label(node: fx.Node, graph: str, kind: str, size: Any) -> LiveValue:
+    return LiveValue(node.name, graph, kind, _int(size), *_where(node))
+
+
+def _where(node: fx.Node) -> tuple[str, UserFrame | None]:
+    try:
+        info = node_info(node)
+    except AssertionError:
+        return "", None
+    return info.module, info.source
+
+
+def _op_text(node: fx.Node | None) -> str:
+    if node is None:
+        return "(the step starts)"
+    return op_name(node.target) if node.op == "call_function" else node.op
+
+
+def _int(size: Any) -> int:
+    if isinstance(size, int):
+        return size
+    raise ValueError(
+        "the peak is predicted for static shapes only; this graph's sizes are symbolic"
+        " (dynamic=True): measure it with aotgrad.testing.measure_peak instead"
+    )

@@ -340,17 +340,40 @@ def make_function(
                 if any_autocast():  # Note [Autocast]
                     _check_autocast_backward(autocast_backward)
                 grads = _differentiable(higher_order, ctx, saved, cotangents)
-            elif any_autocast():  # Note [Autocast]
-                _check_autocast_backward(autocast_backward)
-                with autocast_off():
-                    grads = backward([*saved, *cotangents])
-            else:
-                grads = backward([*saved, *cotangents])
+            else:  # Note [Saved values die in the backward]
+                args = [*saved, *cotangents]
+                del saved
+                ctx.maybe_clear_saved_tensors()
+                if any_autocast():  # Note [Autocast]
+                    _check_autocast_backward(autocast_backward)
+                    with autocast_off():
+                        grads = backward(args)
+                else:
+                    grads = backward(args)
             if received != all_received:
                 return tuple(reached_grads(grads, reached_by, received))
             return tuple(grads)
 
     return CompiledFunction
+
+
+# Note [Saved values die in the backward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The backward graph frees each saved value after its last use, but only if
+# nothing else holds it: the backward hands the graph its one list of saved
+# values and cotangents (the straight-line code empties it once unpacked),
+# drops its own tuple, and clears autograd's copies on ``ctx``
+# (``maybe_clear_saved_tensors``: a no-op under ``retain_graph=True``, where
+# a second backward needs them). For ``relu(x @ w).sum()`` saving ``mm`` and
+# ``relu``::
+#
+#     backward graph:  g = threshold_backward(ones, relu)   relu freed here
+#                      gw = mm(t(x), g) ...                 mm freed at its last use
+#
+# Held to the end instead, every saved value would sit under the backward's
+# peak, which is the step's peak in most models (Note [What a step holds] in
+# ``partition/memory.py`` predicts it). A second-order backward
+# (``create_graph=True``) keeps them: its graph is differentiated again.
 
 
 def run_forward(forward: BoxedCall, plan: Plan, inputs: Sequence[torch.Tensor]) -> Any:

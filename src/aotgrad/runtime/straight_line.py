@@ -11,7 +11,7 @@ every non-tensor constant::
 
     graph:      mm = aten.mm.default(x, w); relu = aten.relu.default(mm); ...
     generated:  def forward(args):
-                    x, w = args
+                    x, w = args; args.clear()
                     mm = aten_mm_default(x, w); w = None
                     relu = aten_relu_default(mm); mm = None
                     ...
@@ -26,6 +26,7 @@ memory matches the GraphModule's); only the Python in between is gone.
     >>> print(straight_line_source(traced.forward)[0])
     def forward(args):
         x, = args
+        args.clear()
         sin = aten_sin_default(x)
         cos = aten_cos_default(sin)
         return (cos, x, sin)
@@ -138,6 +139,7 @@ def straight_line_source(graph: Graph) -> tuple[str, dict[str, Any]]:
     lines = ["def forward(args):"]
     if placeholders:
         lines.append(f"    {', '.join(placeholders)}, = args")
+        lines.append("    args.clear()")  # a boxed callee frees its inputs (runtime/boxing.py)
     for node in nodes:
         if node.op == "call_function":
             line = f"    {node.name} = {emit.call(node)}"
