@@ -31,6 +31,7 @@ from aotgrad.partition.strategies import (
     with_budget,
     with_policy,
 )
+from aotgrad.partition.workspace import op_peak
 from aotgrad.signature import (
     Descriptor,
     MutatedInput,
@@ -118,7 +119,7 @@ class Partitioned:
     def peak(self) -> PeakEstimate:
         """The predicted peak of a step ``f(*inputs).backward()``: how many bytes, where, and
         what is live then (Note [What a step holds] in ``partition/memory.py``)."""
-        return predict_peak(self.forward, self.backward, self.signature)
+        return predict_peak(self.forward, self.backward, self.signature, op_peak)
 
     @property
     def peak_bytes(self) -> int:

@@ -250,14 +250,17 @@ def _backward(
     sim.holds.drop_all("backward")
     sim.holds.drop_all("cotangent")
     primals = [n for n in forward.graph.nodes if n.op == "placeholder"]
-    for i, (node, desc) in enumerate(zip(grads, signature.backward_outputs, strict=True)):
-        if node is None or not isinstance(desc, Grad):
+    for i, (node, grad_of) in enumerate(zip(grads, signature.backward_outputs, strict=True)):
+        grad, primal = (None, None) if node is None else (node.meta.get("val"), primals[i])
+        if not isinstance(grad_of, Grad) or not isinstance(grad, torch.Tensor) or primal is None:
             continue
-        grad, primal = node.meta.get("val"), primals[i].meta.get("val")
-        tensors = isinstance(grad, torch.Tensor) and isinstance(primal, torch.Tensor)
-        if tensors and not _obeys_layout_contract(grad, primal):  # AccumulateGrad copies it
+        param = primal.meta.get("val")
+        if isinstance(param, torch.Tensor) and not _obeys_layout_contract(grad, param):
+            assert node is not None
             copy = LiveValue(node.name, "backward", "gradient", _int(grad.nbytes), *_where(node))
-            sim.at(sim.holds.live + copy.nbytes, "gradients", node, copy)
+            sim.at(sim.holds.live + copy.nbytes, "gradients", node, copy)  # AccumulateGrad's copy
+            sim.holds.hold(("copy", i), copy.nbytes, ("grad", i), copy)
+            sim.drop_node(node, ("grad", i))
 
 
 def _obeys_layout_contract(grad: torch.Tensor, param: torch.Tensor) -> bool:
