@@ -87,7 +87,8 @@ class PeakEstimate:
 #                relu    + relu; mm freed after its last use      -> 12 KB
 #                sum     + sum (4 bytes); relu is saved, kept
 #     between:   the loss (the user's output) and relu (saved) stay; the rest is freed
-#     backward:  .backward() allocates the loss's cotangent (ones, 4 bytes)
+#     backward:  .backward() allocates the loss's cotangent (ones, 4 bytes),
+#                held until it returns
 #                the graph frees each saved value after its last use
 #                (the runtime drops its own references first) and returns
 #                grads of x and w, held together until the graph returns
@@ -247,8 +248,7 @@ def _backward(
     for i, node in enumerate(grads):
         if node is not None:
             sim.hold_node(node, ("grad", i), "backward", "gradient")
-    sim.holds.drop_all("backward")
-    sim.holds.drop_all("cotangent")
+    sim.holds.drop_all("backward")  # the cotangents: held by .backward()'s caller to the end
     primals = [n for n in forward.graph.nodes if n.op == "placeholder"]
     for i, (node, grad_of) in enumerate(zip(grads, signature.backward_outputs, strict=True)):
         grad, primal = (None, None) if node is None else (node.meta.get("val"), primals[i])
