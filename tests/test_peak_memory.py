@@ -19,10 +19,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import GPT, MLP, ConvBN, DeepMLP, SeedNet
 
 import aotgrad
 from aotgrad.testing import measure_peak
+from models import GPT, MLP, ConvBN, DeepMLP, SeedNet
 
 TOLERANCE = 0.02
 PARTITIONS = ("save_all", "mincut", aotgrad.budget(0.5))
