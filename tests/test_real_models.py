@@ -34,6 +34,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import aotgrad
+import aotgrad.testing
 from library_models import BATCH2, BUILDERS, SEQ2, Case, Inputs, build
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -85,6 +86,7 @@ CHECKS: dict[str, str] = {
     "dropout": f"dropout {DROPOUT} in train mode, same seed as eager",
     "dynamic": "`aot_module(model, dynamic=True)`, second call at another batch/sequence size",
     "sgd": f"{SGD_STEPS} steps of SGD with momentum through `aot_module`",
+    "peak": "predicted peak = `measure_peak` within 2%: save_all, mincut, `budget(0.5)`",
 }
 
 # (model, check) -> why it fails today. Delete an entry when its fix merges (strict xfail).
@@ -141,6 +143,7 @@ FAST: frozenset[tuple[str, str]] = frozenset(
     # token gathered by argmax, padding masks feeding position ids, channel shuffle.
     + [(m, "aot_module") for m in ("coat", "mixtral", "mixtral_eager", "swin", "whisper")]
     + [("gpt2_cls", "aot_module"), ("roberta", "dropout"), ("shufflenet", "sgd")]
+    + [("gpt2", "peak"), ("resnet18", "peak"), ("vit", "peak")]
 )
 
 
@@ -169,6 +172,9 @@ def run_check(model: str, check: str, make: Callable[[str, float], Case] = build
     """Run one cell; raises AssertionError listing the mismatches. ``make(model, dropout)``
     builds the case (``tests/gpu_checks.py`` passes one that puts it on CUDA)."""
     case = make(model, DROPOUT if check == "dropout" else 0.0)
+    if check == "peak":
+        check_peak(case)
+        return
     if check.startswith("ckpt_"):
         with case.checkpointing(case.model, check == "ckpt_reentrant"):
             compare(case, _aot_module(), [case.inputs])
@@ -186,6 +192,35 @@ def run_check(model: str, check: str, make: Callable[[str, float], Case] = build
     if check == "sgd":
         calls = [case.inputs] * SGD_STEPS
     compare(case, compile_fn, calls, sgd=check == "sgd")
+
+
+PEAK_TOLERANCE = 0.02  # of the measured peak (tests/test_peak_memory.py)
+
+
+def check_peak(case: Case) -> None:
+    """The predicted peak of ``loss(model(*inputs)).backward()`` against ``measure_peak``, for
+    each partition: within ``PEAK_TOLERANCE`` (issue 30)."""
+    model, (args, kwargs) = case.model, case.inputs
+    device = next(model.parameters()).device
+    problems = []
+    for partition in ("save_all", "mincut", aotgrad.budget(0.5)):
+        compiled = aotgrad.aot_function(
+            lambda *a, **k: case.loss(model(*a, **k)), partition=partition
+        )
+        compiled(*args, **kwargs).backward()
+        model.zero_grad(set_to_none=True)
+        measured = aotgrad.testing.measure_peak(
+            lambda: compiled(*args, **kwargs).backward(),
+            device,  # noqa: B023
+        )
+        model.zero_grad(set_to_none=True)
+        peak = compiled.partitioned.peak  # type: ignore[union-attr]
+        if abs(peak.allocated - measured) > PEAK_TOLERANCE * measured:
+            problems.append(
+                f"{partition}: predicted {peak.allocated} bytes, measured {measured}"
+                f" (peak at {peak.graph} {peak.node})"
+            )
+    assert not problems, "\n".join(problems)
 
 
 def compare(case: Case, compile_fn: Compile, calls: Sequence[Inputs], sgd: bool = False) -> None:

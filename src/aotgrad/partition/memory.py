@@ -96,7 +96,8 @@ class PeakEstimate:
 #                ``.grad``'s layout contract: then autograd copies it first
 #                (a transposed ``mm`` result for a weight), one more grad's bytes
 #
-# The inputs count in ``nbytes`` and not in ``allocated`` (``measure_peak``
+# On CUDA each storage counts as the caching allocator's block: its bytes
+# rounded up to a multiple of 512. The inputs count in ``nbytes`` and not in ``allocated`` (``measure_peak``
 # does not see them either). Outside the model: a ``.grad`` that already holds
 # a gradient (accumulated in place: less memory, never more), user compilers
 # that keep values the default runtime frees, and kernels' scratch space when
@@ -184,7 +185,7 @@ class _Simulation:
         before = self.holds.live
         fresh = sum(
             self.holds.hold(key, _int(size), (graph, node), _label(node, graph, kind, size))
-            for key, size in storages(node).items()
+            for key, size in _allocations(node).items()
         )
         during = None if self.workspace is None else self.workspace(node)
         scratch = 0 if during is None else max(0, during - fresh)
@@ -194,7 +195,7 @@ class _Simulation:
         self.at(before + fresh + scratch, graph, node, extra)
 
     def hold_node(self, node: fx.Node, holder: Any, graph: str, kind: str) -> None:
-        for key, size in storages(node).items():
+        for key, size in _allocations(node).items():
             self.holds.hold(key, _int(size), holder, _label(node, graph, kind, size))
 
     def drop_node(self, node: fx.Node, holder: Any) -> None:
@@ -257,10 +258,29 @@ def _backward(
         param = primal.meta.get("val")
         if isinstance(param, torch.Tensor) and not _obeys_layout_contract(grad, param):
             assert node is not None
-            copy = LiveValue(node.name, "backward", "gradient", _int(grad.nbytes), *_where(node))
+            nbytes = _rounded(_int(grad.nbytes), grad.device)
+            copy = LiveValue(node.name, "backward", "gradient", nbytes, *_where(node))
             sim.at(sim.holds.live + copy.nbytes, "gradients", node, copy)  # AccumulateGrad's copy
             sim.holds.hold(("copy", i), copy.nbytes, ("grad", i), copy)
             sim.drop_node(node, ("grad", i))
+
+
+# CUDA's caching allocator hands out blocks in multiples of 512 bytes, and counts them so.
+_CUDA_BLOCK = 512
+
+
+def _allocations(node: fx.Node) -> dict[Any, int]:
+    """The storages behind ``node``'s value with the bytes their allocator counts."""
+    val = node.meta.get("val")
+    tensors = val if isinstance(val, list | tuple) else [val]
+    devices = {k: t.device for t in tensors if isinstance(t, torch.Tensor) for k in storages(t)}
+    return {key: _rounded(_int(size), devices.get(key)) for key, size in storages(node).items()}
+
+
+def _rounded(nbytes: int, device: torch.device | None) -> int:
+    if device is None or device.type != "cuda":
+        return nbytes
+    return -(-nbytes // _CUDA_BLOCK) * _CUDA_BLOCK
 
 
 def _obeys_layout_contract(grad: torch.Tensor, param: torch.Tensor) -> bool:
