@@ -20,7 +20,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "aotgrad"
 
 LAYERS: list[tuple[str, ...]] = [
     ("_torch_compat",),  # every private torch name aotgrad uses
-    ("errors", "optable"),  # error types; what each aten op is
+    ("errors", "optable", "measure"),  # error types; what each aten op is; measured peaks
     ("signature",),  # stage 1: the calling convention, module state lifted to inputs
     ("capture",),  # stage 2: the joint graph
     ("partition",),  # stage 3: forward and backward graphs

@@ -10,6 +10,7 @@ first difference they find. Library models run the same check as the ``peak`` co
 from __future__ import annotations
 
 import gc
+import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -187,3 +188,10 @@ def test_random_models_are_predicted(widths, batch, conv, transposed, partition)
     if transposed:
         x = x.transpose(0, -1).contiguous().transpose(0, -1)  # a strided input
     assert_predicted(_with_loss(model, lambda y: y.square().sum()), (x,), partition)
+
+
+def test_the_docs_example_runs():
+    """docs/memory.md's example: predicted = measured on a model the docs show."""
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "memory.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/memory.md", "exec"), {})
