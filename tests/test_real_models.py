@@ -26,6 +26,7 @@ the README table (``tests/models_table.py``).
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -209,10 +210,8 @@ def check_peak(case: Case) -> None:
         )
         compiled(*args, **kwargs).backward()
         model.zero_grad(set_to_none=True)
-        measured = aotgrad.testing.measure_peak(
-            lambda: compiled(*args, **kwargs).backward(),
-            device,  # noqa: B023
-        )
+        step = functools.partial(_backward_of, compiled, args, kwargs)
+        measured = aotgrad.testing.measure_peak(step, device)
         model.zero_grad(set_to_none=True)
         peak = compiled.partitioned.peak  # type: ignore[union-attr]
         if abs(peak.allocated - measured) > PEAK_TOLERANCE * measured:
@@ -221,6 +220,10 @@ def check_peak(case: Case) -> None:
                 f" (peak at {peak.graph} {peak.node})"
             )
     assert not problems, "\n".join(problems)
+
+
+def _backward_of(compiled: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    compiled(*args, **kwargs).backward()
 
 
 def compare(case: Case, compile_fn: Compile, calls: Sequence[Inputs], sgd: bool = False) -> None:
