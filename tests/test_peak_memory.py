@@ -195,3 +195,27 @@ def test_the_docs_example_runs():
     text = (pathlib.Path(__file__).parents[1] / "docs" / "memory.md").read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(code, "docs/memory.md", "exec"), {})
+
+
+def test_recomputed_ops_run_just_before_the_backward_op_that_reads_them():
+    # Note [Recompute just before use]: each run of recomputed ops in the backward graph is
+    # followed by a backward op reading it, and every op of the run is read within it.
+    fn, args = _suite()["deep_mlp"]
+    save_matmuls = lambda node: node.target is torch.ops.aten.addmm.default  # noqa: E731
+    predicted, measured, partitioned = peak_pair(fn, args, save_matmuls)  # tanh recomputed
+    assert predicted == measured
+    nodes = [n for n in partitioned.backward.graph.nodes if n.op == "call_function"]
+    recomputed = {r.name for r in partitioned.recomputed}
+    assert len(recomputed) >= 8  # the eight tanh layers at least
+    runs, run = [], []
+    for node in nodes:
+        if node.name in recomputed:
+            run.append(node)
+        elif run:
+            runs.append((run, node))
+            run = []
+    assert len(runs) >= 8, "recomputed all at once, not layer by layer"
+    for run, user in runs:
+        readers = set(run) | {user}
+        assert any(source in run for source in user.all_input_nodes), (run, user)
+        assert all(set(r.users) & readers for r in run), (run, user)
