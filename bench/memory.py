@@ -63,6 +63,17 @@ class Point:
 
 
 @dataclass(frozen=True)
+class Comparison:
+    """aotgrad's measured peak against one PyTorch point's, at no more recompute FLOPs."""
+
+    # aotgrad's peak / PyTorch's; infinite when no aotgrad point recomputes as little.
+    ratio: float
+    pytorch: Point
+    # aotgrad's lowest-peak point within PyTorch's recompute FLOPs; None when there is none.
+    aotgrad: Point | None
+
+
+@dataclass(frozen=True)
 class Curve:
     """One model's sweep: PyTorch's points by fraction, aotgrad's at PyTorch's peaks."""
 
@@ -75,19 +86,19 @@ class Curve:
     seconds: float = 0.0
 
     @property
-    def worst_at_equal_flops(self) -> tuple[float, Point, Point | None]:
-        """(ratio, PyTorch point, aotgrad point) where aotgrad's peak / PyTorch's is largest.
+    def worst_at_equal_flops(self) -> Comparison:
+        """The PyTorch point where aotgrad's peak over PyTorch's is largest.
 
         For each PyTorch point, aotgrad's answer is its lowest measured peak among its
-        points recomputing no more FLOPs (FLOP_SLACK); none such is an infinite ratio.
+        points recomputing no more FLOPs (FLOP_SLACK); when none does, the ratio is infinite.
         """
-        worst: tuple[float, Point, Point | None] | None = None
+        worst: Comparison | None = None
         for theirs in self.pytorch:
             assert theirs.peak is not None and theirs.recompute_flops is not None
             ours = _lowest_peak_within(self.aotgrad, theirs.recompute_flops)
             ratio = float("inf") if ours is None else ours.peak / theirs.peak  # type: ignore[operator]
-            if worst is None or ratio > worst[0]:
-                worst = (ratio, theirs, ours)
+            if worst is None or ratio > worst.ratio:
+                worst = Comparison(ratio, theirs, ours)
         assert worst is not None
         return worst
 
@@ -100,13 +111,12 @@ class Curve:
         return is_monotone(self.pytorch)
 
     def as_json(self) -> dict[str, Any]:
-        ratio, theirs, ours = self.worst_at_equal_flops
         return {
             "pytorch": [vars(p) for p in self.pytorch],
             "aotgrad": [vars(p) for p in self.aotgrad],
             "save_all_peak": self.save_all_peak,
             "save_all_flops": self.save_all_flops,
-            "peak_ratio_at_equal_flops": ratio,
+            "peak_ratio_at_equal_flops": self.worst_at_equal_flops.ratio,
             "aotgrad_monotone": self.aotgrad_monotone,
             "pytorch_monotone": self.pytorch_monotone,
             "seconds": self.seconds,
@@ -228,9 +238,9 @@ class Step:
                 continue
             if p.grad is None:
                 raise AssertionError(f"{self.name}: {fn} computed no gradient for {name}")
-            torch.testing.assert_close(
-                p.grad, self.grads[name], rtol=1e-3, atol=1e-5, msg=lambda m: f"{name}: {m}"
-            )
+            close = torch.allclose(p.grad, self.grads[name], rtol=1e-3, atol=1e-5)
+            if not close:
+                raise AssertionError(f"{self.name}: {fn}'s gradient of {name} is not eager's")
 
     # ---- the two sides
 
@@ -308,16 +318,17 @@ _GRID = (0.02, 0.1, 0.2, 0.3, 0.4, 0.55, 0.7, 0.85, 1.0)
 
 @dataclass
 class _StandIn:
-    """Until ``aotgrad.budget(peak=...)`` lands: the grid's plans, measured once per step."""
+    """Until ``aotgrad.budget(peak=...)`` lands: of the grid's plans, each measured once per
+    step, the one recomputing the fewest FLOPs whose measured peak fits."""
 
-    measured: dict[str, list[tuple[Any, int, int]]] = field(default_factory=dict)
+    # id(step) -> (the step, kept alive so that its id is not reused; (plan, peak, FLOPs)s).
+    measured: dict[int, tuple[Step, list[tuple[Any, int, int]]]] = field(default_factory=dict)
 
     def plan_at_peak(self, step: Step, peak: int) -> Any:
-        if step.name not in self.measured:
-            self.measured[step.name] = [
-                (aotgrad.budget(x), *step.aotgrad(aotgrad.budget(x))) for x in _GRID
-            ]
-        fits = [(flops, p, s) for s, p, flops in self.measured[step.name] if p <= peak]
+        if id(step) not in self.measured:
+            grid = [(aotgrad.budget(x), *step.aotgrad(aotgrad.budget(x))) for x in _GRID]
+            self.measured[id(step)] = (step, grid)
+        fits = [(flops, p, plan) for plan, p, flops in self.measured[id(step)][1] if p <= peak]
         if not fits:
             raise ValueError(f"no plan of the stand-in's grid peaks at or below {peak} bytes")
         return min(fits, key=lambda f: (f[0], f[1]))[2]
@@ -419,18 +430,23 @@ def plot(curves: dict[str, Curve], path: str | Path) -> None:
 def summary(curves: dict[str, Curve]) -> str:
     lines = []
     for name, c in curves.items():
-        ratio, theirs, ours = c.worst_at_equal_flops
+        worst = c.worst_at_equal_flops
         lines.append(
             f"{name} ({c.seconds:.1f} s): save_all peak {c.save_all_peak:,} B,"
             f" {c.save_all_flops / 1e9:.2f} GFLOP; worst peak ratio at equal recompute FLOPs"
-            f" {ratio:.3f} (PyTorch {theirs.budget:g}); monotone: aotgrad {c.aotgrad_monotone},"
-            f" PyTorch {c.pytorch_monotone}"
+            f" {worst.ratio:.3f} (PyTorch {worst.pytorch.budget:g}); monotone:"
+            f" aotgrad {c.aotgrad_monotone}, PyTorch {c.pytorch_monotone}"
         )
         for side, points in (("pytorch", c.pytorch), ("aotgrad", c.aotgrad)):
             for p in points:
-                what = p.refused or f"peak {p.peak:,} B, recompute {p.recompute_flops / 1e9:.3f} GFLOP"  # type: ignore[operator]
-                lines.append(f"  {side:8} budget {p.budget:<12g} {what}")
+                lines.append(f"  {side:8} budget {p.budget:<12g} {_describe(p)}")
     return "\n".join(lines)
+
+
+def _describe(p: Point) -> str:
+    if p.peak is None or p.recompute_flops is None:
+        return f"refused: {p.refused}"
+    return f"peak {p.peak:,} B, recompute {p.recompute_flops / 1e9:.3f} GFLOP"
 
 
 if __name__ == "__main__":

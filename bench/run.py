@@ -26,8 +26,8 @@ import compiled  # noqa: E402
 import distributed  # noqa: E402
 import first_gradient  # noqa: E402
 import higher_order  # noqa: E402
-import memory  # noqa: E402
 import library_capture  # noqa: E402
+import memory  # noqa: E402
 import overhead  # noqa: E402
 import persist  # noqa: E402
 import remat  # noqa: E402
@@ -354,9 +354,10 @@ def memory_rows(curves: dict[str, memory.Curve]) -> list[dict[str, Any]]:
     monotone in its budget (`bench/memory.png` plots both curves)."""
     rows = []
     for name, curve in curves.items():
-        ratio, theirs, ours = curve.worst_at_equal_flops
-        assert theirs.peak is not None and theirs.recompute_flops is not None
-        if ours is None:
+        worst = curve.worst_at_equal_flops
+        theirs, ours = worst.pytorch, worst.aotgrad
+        assert theirs.recompute_flops is not None
+        if ours is None or ours.recompute_flops is None:
             note = (
                 f"worst at PyTorch's {theirs.budget:g}: no aotgrad plan recomputes at most"
                 f" {theirs.recompute_flops / 1e9:.3f} GFLOP"
@@ -364,7 +365,7 @@ def memory_rows(curves: dict[str, memory.Curve]) -> list[dict[str, Any]]:
         else:
             note = (
                 f"worst at PyTorch's {theirs.budget:g}: {theirs.recompute_flops / 1e9:.3f} vs"
-                f" aotgrad's {ours.recompute_flops / 1e9:.3f} recompute GFLOP"  # type: ignore[operator]
+                f" aotgrad's {ours.recompute_flops / 1e9:.3f} recompute GFLOP"
             )
         refused = sum(p.peak is None for p in curve.aotgrad)
         if refused:
@@ -372,8 +373,8 @@ def memory_rows(curves: dict[str, memory.Curve]) -> list[dict[str, Any]]:
         rows.append(
             row(
                 f"{name} measured peak at equal recompute FLOPs (MB)",
-                float("inf") if ours is None else ours.peak / 1e6,  # type: ignore[operator]
-                theirs.peak / 1e6,
+                float("inf") if ours is None or ours.peak is None else ours.peak / 1e6,
+                (theirs.peak or 0) / 1e6,
                 "<= 1.00",
                 note,
             )
