@@ -394,6 +394,7 @@ def plot(curves: dict[str, Curve], path: str | Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -405,10 +406,15 @@ def plot(curves: dict[str, Curve], path: str | Path) -> None:
             done = [(i, p) for i, p in enumerate(points) if p.peak is not None]
             xs = [i for i, _ in done]
             mb = [p.peak / 1e6 for _, p in done]  # type: ignore[operator]
-            gflop = [p.recompute_flops / 1e9 for _, p in done]  # type: ignore[operator]
+            # As a share of the step's FLOPs: the models' steps differ a hundredfold.
+            share = [100 * p.recompute_flops / curve.save_all_flops for _, p in done]  # type: ignore[operator]
             label = f"{name} {side}"
             left.plot(xs, mb, style, color=colour, label=label)
-            right.plot(mb, gflop, style, color=colour, label=label)
+            right.plot(mb, share, style, color=colour, label=label)
+        refused = [(i, p.budget / 1e6) for i, p in enumerate(curve.aotgrad) if p.peak is None]
+        if refused:
+            left.scatter(*zip(*refused, strict=True), marker="x", color=colour, s=60)
+    no_plan = left.scatter([], [], marker="x", color="0.3", label="aotgrad: no plan at this budget")
     left.set_xticks(range(len(FRACTIONS)))
     left.set_xticklabels([f"{f:g}" for f in FRACTIONS])
     left.set_xlabel(
@@ -418,8 +424,13 @@ def plot(curves: dict[str, Curve], path: str | Path) -> None:
     left.set_yscale("log")
     left.set_title("measured peak vs budget")
     right.set_xscale("log")
+    for axis in (left.yaxis, right.xaxis):  # 2, 5, 10, 20, 50 rather than 10^1 alone
+        axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(ticker.NullFormatter())
+    left.legend(handles=[no_plan], fontsize=7, loc="center left")  # the lines: right panel
     right.set_xlabel("measured peak (MB)")
-    right.set_ylabel("recompute GFLOP (step minus save_all's)")
+    right.set_ylabel("recompute FLOPs (% of the save_all step's FLOPs)")
     right.set_title("recompute FLOPs vs measured peak")
     right.legend(fontsize=7, ncol=2)
     fig.tight_layout()
