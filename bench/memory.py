@@ -10,6 +10,12 @@ A point's recompute FLOPs are its step's FLOPs minus those of aotgrad's ``save_a
 of the same model (both sides alike). Every measured step's gradients are checked against
 eager's: a side that silently ran no backward, or another one, fails the run.
 
+Models: the benchmark GPT (4 blocks, untied head), and three library models from
+``tests/library_models.py`` at a larger batch: BERT, timm's ConvNeXt, torchvision's ResNet-18
+(its BatchNorms on batch statistics only: see :func:`batch_statistics_only`). Rows: aotgrad's
+measured peak over PyTorch's at no more recompute FLOPs (worst over PyTorch's points), and
+whether each side's peak is monotone in its budget.
+
 As a script: ``python bench/memory.py`` runs the sweep, prints it and writes
 ``bench/memory.png``; ``bench/run.py`` (``make bench``) turns it into README rows.
 """
@@ -172,7 +178,8 @@ class _NoModules:
     ``FlopCounterMode`` registers global forward hooks to attribute FLOPs to modules; an
     aotgrad function reads those hooks (they run around the module), so under the counter
     it would recapture, and the fake tensors of that capture would be counted as the step's.
-    Only the "Global" total is read here.
+    Only the "Global" total is read here. Should a torch release rename ``mod_tracker``, the
+    hooks come back and :meth:`Step.aotgrad`'s recapture check fails the run.
     """
 
     parents = frozenset({"Global"})
