@@ -367,9 +367,13 @@ def memory_rows(curves: dict[str, memory.Curve]) -> list[dict[str, Any]]:
                 f"worst at PyTorch's {theirs.budget:g}: {theirs.recompute_flops / 1e9:.3f} vs"
                 f" aotgrad's {ours.recompute_flops / 1e9:.3f} recompute GFLOP"
             )
-        refused = sum(p.peak is None for p in curve.aotgrad)
-        if refused:
-            note += f"; aotgrad had no plan at {refused} of {len(curve.aotgrad)} budgets"
+        refusals = [p.refused for p in curve.aotgrad if p.refused is not None]
+        refused = len(refusals)
+        if refusals:
+            note += (
+                f"; aotgrad had no plan at {refused} of {len(curve.aotgrad)} budgets"
+                f" ({refusals[0][:120]})"
+            )
         rows.append(
             row(
                 f"{name} measured peak at equal recompute FLOPs (MB)",
