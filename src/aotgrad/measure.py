@@ -33,7 +33,10 @@ __all__ = ["measure_peak"]
 # On CUDA the caching allocator's own statistics are read: its peak of
 # allocated bytes since a reset, minus what was allocated before (sizes there
 # are rounded up to 512-byte blocks, and a free of an older tensor does lower
-# the count)::
+# the count). That resets the device's peak statistics
+# (``torch.cuda.reset_peak_memory_stats``): a ``max_memory_allocated`` read
+# across a call of this function, or across a predicted peak's first look at
+# a CUDA op (Note [Measured scratch space]), reads from that reset on::
 #
 #     x = torch.randn(1000)              # before the step: not counted
 #     step: y = x.sin()   +4000          # running sum 4000
