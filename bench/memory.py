@@ -66,6 +66,8 @@ class Point:
     recompute_flops: int | None
     # Why there is no plan at this budget (aotgrad's ValueError: below its smallest peak).
     refused: str | None = None
+    # aotgrad's predicted peak of the same step (``Partitioned.peak.allocated``).
+    predicted: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,16 @@ class Curve:
     save_all_peak: int
     save_all_flops: int
     seconds: float = 0.0
+    save_all_predicted: int | None = None
+
+    @property
+    def worst_prediction(self) -> float:
+        """aotgrad's predicted peak over its measured one, farthest from 1 over its points
+        (save_all's included)."""
+        pairs = [(p.predicted, p.peak) for p in self.aotgrad if p.peak is not None]
+        pairs.append((self.save_all_predicted, self.save_all_peak))
+        ratios = [pred / peak for pred, peak in pairs if pred is not None and peak]
+        return max(ratios, key=lambda r: abs(r - 1.0), default=float("nan"))
 
     @property
     def worst_at_equal_flops(self) -> Comparison:
@@ -123,6 +135,7 @@ class Curve:
             "save_all_peak": self.save_all_peak,
             "save_all_flops": self.save_all_flops,
             "peak_ratio_at_equal_flops": self.worst_at_equal_flops.ratio,
+            "predicted_over_measured": self.worst_prediction,
             "aotgrad_monotone": self.aotgrad_monotone,
             "pytorch_monotone": self.pytorch_monotone,
             "seconds": self.seconds,
@@ -268,15 +281,16 @@ class Step:
                 self._run(fn)
         return self.measure(fn)
 
-    def aotgrad(self, partition: Any) -> tuple[int, int]:
-        """aotgrad with ``partition``: (measured peak, FLOPs) of its step."""
+    def aotgrad(self, partition: Any) -> tuple[int, int, int]:
+        """aotgrad with ``partition``: (measured peak, FLOPs, predicted peak) of its step."""
         fn = aotgrad.aot_function(self.module, partition=partition)
         self._run(fn)
         peak, flops = self.measure(fn)
         info = aotgrad.cache_info(fn)
         if info.misses != 1:  # the measured steps ran what the warm-up captured
             raise AssertionError(f"{self.name}: aotgrad recaptured while measured: {info}")
-        return peak, flops
+        assert fn.partitioned is not None
+        return peak, flops, fn.partitioned.peak.allocated
 
 
 def _boxed_nop(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
@@ -354,10 +368,10 @@ def aotgrad_at(step: Step, peak: int, save_all_flops: int) -> Point:
     """aotgrad's plan at a peak budget of ``peak`` bytes, measured; or why it has none."""
     try:
         partition = _aotgrad_plan_at_peak(step, peak)
-        measured, flops = step.aotgrad(partition)
+        measured, flops, predicted = step.aotgrad(partition)
     except ValueError as e:  # the budget is below aotgrad's smallest peak
         return Point(peak, None, None, refused=str(e).splitlines()[0])
-    return Point(peak, measured, flops - save_all_flops)
+    return Point(peak, measured, flops - save_all_flops, predicted=predicted)
 
 
 # ---------------------------------------------------------------- the sweep
@@ -366,7 +380,7 @@ def aotgrad_at(step: Step, peak: int, save_all_flops: int) -> Point:
 def sweep(step: Step) -> Curve:
     """PyTorch at every fraction, then aotgrad at every peak PyTorch measured."""
     start = time.perf_counter()
-    save_all_peak, save_all_flops = step.aotgrad("save_all")
+    save_all_peak, save_all_flops, save_all_predicted = step.aotgrad("save_all")
     theirs = []
     for fraction in FRACTIONS:
         peak, flops = step.pytorch(fraction)
@@ -383,6 +397,7 @@ def sweep(step: Step) -> Curve:
         save_all_peak=save_all_peak,
         save_all_flops=save_all_flops,
         seconds=time.perf_counter() - start,
+        save_all_predicted=save_all_predicted,
     )
 
 

@@ -39,8 +39,12 @@ def test_sweep_measures_both_sides_and_reports_rows():
     import run
 
     rows = run.memory_rows({"tiny": curve})
-    assert [r["target"] for r in rows] == ["<= 1.00", "yes"]
-    assert rows[1]["aotgrad"] == ("yes" if curve.aotgrad_monotone else "no")
+    assert [r["target"] for r in rows] == ["<= 1.00", "within 2%", "yes"]
+    assert rows[2]["aotgrad"] == ("yes" if curve.aotgrad_monotone else "no")
+    assert abs(rows[1]["ratio"] - 1) <= 0.02  # predicted = measured on the tiny model too
+    assert "| tiny predicted peak / measured peak, worst plan | " in run.table(
+        {**_header(), "rows": rows}
+    )
     assert "| tiny measured peak monotone in the budget |" in run.table({**_header(), "rows": rows})
 
 
@@ -74,7 +78,7 @@ def test_flops_of_a_compiled_step_are_eagers():
     and count the capture's fake ops: save_all's FLOPs would be twice eager's."""
     step = tiny_step()
     eager = memory.step_flops(lambda: step.module(*step.args).backward())
-    _, flops = step.aotgrad("save_all")  # raises if the counted step recaptured
+    _, flops, _ = step.aotgrad("save_all")  # raises if the counted step recaptured
     assert flops == eager
 
 
