@@ -211,7 +211,7 @@ def test_json_document(capsys):
     example = MODELS.parents[1] / "examples" / "carry.py"
     assert main(["show", f"{example}:fn", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert document["schema"] == "aotgrad.show/2"
+    assert document["schema"] == "aotgrad.show/3"
     joint = document["graphs"]["joint"]
     ops = [n for n in joint if n["op"] == "call_function"]
     assert all("seq_nr" in n and "module" in n and "phase" in n for n in ops)

@@ -21,7 +21,7 @@ from typing import Any
 
 from aotgrad.api import Traced, trace
 from aotgrad.errors import AotgradError, user_frame_from_traceback
-from aotgrad.report import show_document
+from aotgrad.report import memory_report, peak_report, show_document
 from aotgrad.testing import verify
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for flag, about in {
         "--no-check": "skip the comparison with eager",
-        "--json": "print one JSON document (schema aotgrad.show/2)",
+        "--json": "print one JSON document (schema aotgrad.show/3)",
         "--no-fast": "capture with PyTorch's stock fake mode, full trace only (AOTGRAD_FAST=0)",
         "--check": "check each stage's graphs (Note [Stage checks]; AOTGRAD_CHECKS=1)",
     }.items():
@@ -168,7 +168,9 @@ def _show(traced: Traced, fn: Any, args: Any, kwargs: Any, check: bool) -> int:
     _emit("=== calling convention ===")
     _emit(str(traced.signature), end="\n\n")
     _emit("=== saved for backward ===")
-    _emit(str(traced.memory_report()), end="\n\n")
+    _emit(memory_report(traced.saved), end="\n\n")
+    _emit("=== peak memory ===")
+    _emit(peak_report(traced.partitioned), end="\n\n")
     _emit("=== sequence numbers ===")
     _emit(str(traced.seq_table()), end="\n\n")
     if not check:
