@@ -8,7 +8,7 @@ The document's layout is versioned by ``schema`` (``docs/provenance.md`` describ
      "graphs": {"joint": [node...], "forward": [node...], "backward": [node...] | null},
      "saved": [{"name", "shape", "dtype", "nbytes", "storage", "producer", "seq_nr",
                 "module", "source", "users", "reason"}...],
-     "saved_bytes": int,
+     "saved_bytes": int | str,                          # str: a symbolic expression
      "peak": {...PeakEstimate.to_dict()...} | null,   # null: symbolic sizes
      "tracer": {"name": "direct" | "full", "fallback_reason": str | null}}
 
@@ -41,13 +41,18 @@ def show_document(partitioned: Partitioned) -> dict[str, Any]:
             "backward": None if backward is None else graph_nodes(backward),
         },
         "saved": [s.to_dict() for s in partitioned.saved],
-        "saved_bytes": partitioned.saved_bytes,
+        "saved_bytes": _plain(partitioned.saved_bytes),  # text where symbolic, as in "saved"
         "peak": peak_document(partitioned),  # Note [A peak of symbolic sizes]: null
         "tracer": {  # Note [Choosing a tracer]
             "name": partitioned.joint.tracer.name,
             "fallback_reason": partitioned.joint.tracer.fallback_reason,
         },
     }
+
+
+def _plain(n: Any) -> int | str:
+    """An int as is, a SymInt (dynamic shapes) as its expression: JSON has no SymInt."""
+    return n if isinstance(n, int) else str(n)
 
 
 def graph_nodes(gm: fx.GraphModule) -> list[dict[str, Any]]:
