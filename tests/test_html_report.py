@@ -235,7 +235,9 @@ def test_peak_panel_names_the_op_as_text_and_links_it_to_its_row():
     traced, page = _page()
     peak = traced.partitioned.peak
     seen = _run_smoke(page, "convolution_backward", "relu")
-    assert seen["peak"][0].startswith(f"peak of a step (forward, then .backward(), every .grad None): {peak.nbytes} B")
+    assert seen["peak"][0].startswith(
+        f"peak of a step (forward, then .backward(), every .grad None): {peak.nbytes} B"
+    )
     assert seen["peak"][2] == peak.node and XSS in seen["peak"][3]  # the module, as text
     assert any("</script><script>alert(2)" in text for text in seen["peak"])
     live = [text for text in seen["peak"] if text in {v.name for v in peak.live}]
