@@ -3,6 +3,7 @@ where in the step, and what is live then (``report/peak_report.py``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 import re
@@ -133,3 +134,37 @@ def test_show_prints_the_peak_and_json_carries_it(capsys):
     expected = {**peak.to_dict(), "by_kind": document["peak"]["by_kind"]}
     assert document["peak"] == json.loads(json.dumps(expected))
     assert sum(k["nbytes"] for k in document["peak"]["by_kind"]) == peak.nbytes
+
+
+DOCS_MLP = """import torch
+import torch.nn.functional as F
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        h = self.fc1(x).relu()
+        return F.cross_entropy(self.fc2(h), y)
+"""
+
+
+def test_the_docs_report_is_what_the_report_prints(tmp_path):
+    """docs/memory.md ("In the reports"): its sample, rows elided with '...', is this model's."""
+    (tmp_path / "mlp.py").write_text(DOCS_MLP)
+    spec = importlib.util.spec_from_file_location("docs_mlp", tmp_path / "mlp.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    traced = aotgrad.trace(module.MLP(), torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    printed = _peak_section(traced.memory_report())
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "memory.md").read_text()
+    section = text.split("## In the reports", 1)[1]
+    sample = section.split("```\n", 2)[1].splitlines()
+    assert sample[0] == printed[0] and sample[-1] == printed[-1]
+    lines = iter(printed)
+    assert all(line in lines for line in sample if line != "  ...")  # in order
