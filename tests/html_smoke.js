@@ -30,7 +30,7 @@ class Element {
 }
 
 const body = new Element("body");
-for (const id of ["forward", "backward", "saved", "signature", "modules", "search", "summary",
+for (const id of ["forward", "backward", "saved", "signature", "modules", "search", "summary", "peak",
                   "forward-graph", "backward-graph", "forward-graph-bar", "backward-graph-bar"]) {
   byId.set(id, body.appendChild(new Element(id)));
 }
@@ -62,7 +62,7 @@ const drawnName = g => g.dataset.name ?? "module " + g.dataset.module;
 const graphMarks = phase => ["selected", "linked"].map(cls => drawn(phase, cls).map(drawnName));
 search.value = process.argv[3] || "";
 search.listeners.input();
-console.log(JSON.stringify({
+const seen = {
   selected: marked("backward", "selected"), forward: marked("forward", "linked"),
   saved: marked("saved", "linked"), hidden: marked("forward", "hidden").length,
   summary: byId.get("summary").textContent,
@@ -74,4 +74,13 @@ console.log(JSON.stringify({
   groups: drawn("forward", "ggroup").map(g => g.dataset.module),
   fanout: drawn("forward", "gfanout").map(drawnName),
   modules: byId.get("modules").children.slice(1).map(texts),
-}));
+  peak: byId.get("peak").all().map(e => e.textContent).filter(Boolean),
+};
+// Last, as it changes the selection: the peak panel's first link (the peak's op).
+const peakLink = byId.get("peak").all().find(e => e.names.has("nodelink"));
+if (peakLink) {
+  peakLink.listeners.click();
+  seen.peakLink = [peakLink.dataset.phase, peakLink.dataset.name];
+  seen.peakSelected = ["forward", "backward"].flatMap(p => marked(p, "selected"));
+}
+console.log(JSON.stringify(seen));

@@ -274,3 +274,22 @@ def test_gpt12_opens_and_links_in_the_browser(browser, gpt12):
     hits = visible_rows(page, "forward")
     assert hits and all("blocks.11.mlp" in h for h in hits)
     opened.check_clean()
+
+
+def test_peak_panel_is_text_and_its_op_link_selects_the_row(browser, tmp_path):
+    traced = aotgrad.trace(Hostile(), torch.randn(1, 1, 5, 5))
+    peak = traced.partitioned.peak
+    opened = open_report(browser, report_of(traced, tmp_path, "peak"))
+    page = opened.page
+    page.wait_for_timeout(200)  # an injected onerror would have fired by now
+    assert page.eval_on_selector_all("img, script[src], iframe", "els => els.length") == 0
+    panel = page.text_content("#peak")
+    assert f"{peak.nbytes} B" in panel and XSS in panel and "alert(2)" in panel
+    live = page.eval_on_selector_all(
+        "#peak-live tr[data-name]", "rows => rows.map(r => Number(r.dataset.nbytes))"
+    )
+    assert live == [v.nbytes for v in peak.live]  # every live storage, largest first
+    page.click(f'#peak p button.nodelink[data-name="{peak.node}"]')
+    assert names(page, f"#{peak.graph} tr.selected") == {peak.node}
+    assert names(page, f"#{peak.graph}-graph g.gnode.selected") == {peak.node}
+    opened.check_clean()

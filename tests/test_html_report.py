@@ -20,6 +20,7 @@ import aotgrad
 from aotgrad.cli import main
 from aotgrad.report import show_document
 from aotgrad.report.html import embedded_document, inline_script, render_html
+from aotgrad.report.peak_report import SYMBOLIC, peak_document
 
 XSS = "<img src=x onerror=alert(1)>"
 
@@ -72,6 +73,9 @@ def test_user_strings_appear_only_escaped():
     assert XSS not in page  # ...but never as markup
     assert "alert(2)" in page and "</script><script>alert(2)" not in page
     assert page.count("</script>") == 3  # the data tag, dagre and the report script, nothing else
+    peak = embedded_document(page)["peak"]  # the peak panel's strings: data too
+    assert XSS in {v["module"] for v in peak["live"]}
+    assert any("</script><script>alert(2)" in (v["source"] or "") for v in peak["live"])
 
 
 def test_embedded_json_round_trips():
@@ -214,3 +218,32 @@ def test_a_value_read_by_many_ops_is_drawn_without_edges():
     traced = aotgrad.trace(fn, torch.randn(2, 2, requires_grad=True), torch.randn(2, 2))
     seen = _run_smoke(render_html(traced.partitioned), "cos", "")
     assert seen["fanout"] == ["w"]
+
+
+def test_page_carries_the_predicted_peak():
+    traced, page = _page()
+    assert 'id="peak"' in page
+    document = embedded_document(page)
+    assert document["peak"] == peak_document(traced.partitioned)
+    assert document["peak"]["nbytes"] == traced.partitioned.peak.nbytes
+    dynamic = aotgrad.trace(Block(), torch.randn(1, 1, 5, 5), dynamic=True)
+    assert embedded_document(render_html(dynamic.partitioned))["peak"] is None
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script")
+def test_peak_panel_names_the_op_as_text_and_links_it_to_its_row():
+    traced, page = _page()
+    peak = traced.partitioned.peak
+    seen = _run_smoke(page, "convolution_backward", "relu")
+    assert seen["peak"][0].startswith(
+        f"peak of a step (forward, then .backward(), every .grad None): {peak.nbytes} B"
+    )
+    assert seen["peak"][2] == peak.node and XSS in seen["peak"][3]  # the module, as text
+    assert any("</script><script>alert(2)" in text for text in seen["peak"])
+    live = [text for text in seen["peak"] if text in {v.name for v in peak.live}]
+    assert live[1:] == [v.name for v in peak.live]  # the op's link, then the rows largest first
+    assert seen["peakLink"] == [peak.graph, peak.node]
+    assert [row[1] for row in seen["peakSelected"]] == [peak.node]
+    dynamic = aotgrad.trace(Block(), torch.randn(1, 1, 5, 5), dynamic=True)
+    seen = _run_smoke(render_html(dynamic.partitioned), "convolution_backward", "")
+    assert seen["peak"] == [f"not predicted: {SYMBOLIC.removeprefix('not predicted: ')}"]

@@ -36,7 +36,7 @@ from aotgrad.pipeline import (
     watch_of,
     with_option_keywords,
 )
-from aotgrad.report import SeqTable, memory_report, seq_table
+from aotgrad.report import SeqTable, memory_report, peak_report, seq_table
 from aotgrad.report.html import render_html
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.runtime.boxing import Compiler
@@ -74,8 +74,21 @@ class _Reports:
         return seq_table(self._reported().joint.gm)
 
     def memory_report(self, by_module: bool = False) -> str:
-        """The saved values, largest first, with the total of unique storages."""
-        return memory_report(self._reported().saved, by_module=by_module)
+        """The saved values, largest first, with the total of unique storages; then the
+        predicted peak of a step ``f(*inputs).backward()``: its bytes, where in the step it
+        occurs (graph, op, module, source line) and what is live then, largest first.
+
+        >>> import torch, aotgrad
+        >>> t = aotgrad.trace(lambda x: x.sin().sum(), torch.ones(1000, requires_grad=True))
+        >>> saved, peak = t.memory_report().split("\\n\\n")
+        >>> saved.splitlines()[-1]
+        'total: 3.9 KiB in 1 storage(s) (0 B beyond the inputs)'
+        >>> peak.splitlines()[0]
+        'peak of a step (forward, then .backward(), every .grad None): 11.7 KiB (12008 B)'
+        """
+        partitioned = self._reported()
+        saved = memory_report(partitioned.saved, by_module=by_module)
+        return f"{saved}\n\n{peak_report(partitioned)}"
 
     def to_html(self, path: str | os.PathLike[str], profile: Any = None) -> None:
         """Write the graphs, saved values and calling convention as one self-contained HTML page.

@@ -1,4 +1,4 @@
-"""``aotgrad show FILE:FUNCTION``: print a function's graphs, descriptors and saved values.
+"""``aotgrad show FILE:FUNCTION``: print a function's graphs, descriptors, saved values and peak.
 
 The file must define ``example_inputs()`` (or the name given by ``--inputs``)
 returning ``(args, kwargs)`` for the function.
@@ -21,21 +21,28 @@ from typing import Any
 
 from aotgrad.api import Traced, trace
 from aotgrad.errors import AotgradError, user_frame_from_traceback
-from aotgrad.report import show_document
+from aotgrad.report import memory_report, peak_report, show_document
 from aotgrad.testing import verify
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The peak's scratch space is measured under torch.profiler (Note [Measured scratch space]),
+    # and kineto prints two "USDT: ... profiler_start/stop" lines to stderr for each run: the
+    # program's stderr is for aotgrad's own messages (Note [A closed stdout]). Read when the
+    # profiler first starts; a value the user set is kept.
+    os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)
     parser = argparse.ArgumentParser(prog="aotgrad", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    show = commands.add_parser("show", help="print forward/backward graphs and saved values")
+    show = commands.add_parser(
+        "show", help="print forward/backward graphs, saved values and the predicted peak"
+    )
     show.add_argument("target", help="FILE.py:FUNCTION")
     show.add_argument(
         "--inputs", default="example_inputs", help="function returning (args, kwargs)"
     )
     for flag, about in {
         "--no-check": "skip the comparison with eager",
-        "--json": "print one JSON document (schema aotgrad.show/2)",
+        "--json": "print one JSON document (schema aotgrad.show/3)",
         "--no-fast": "capture with PyTorch's stock fake mode, full trace only (AOTGRAD_FAST=0)",
         "--check": "check each stage's graphs (Note [Stage checks]; AOTGRAD_CHECKS=1)",
     }.items():
@@ -59,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
         return _SIGPIPE_EXIT
+
+
+# Above kineto's highest level (USDT, 5): none of its log lines is printed.
+_KINETO_QUIET = "6"
 
 
 def _run(options: argparse.Namespace) -> int:
@@ -168,7 +179,9 @@ def _show(traced: Traced, fn: Any, args: Any, kwargs: Any, check: bool) -> int:
     _emit("=== calling convention ===")
     _emit(str(traced.signature), end="\n\n")
     _emit("=== saved for backward ===")
-    _emit(str(traced.memory_report()), end="\n\n")
+    _emit(memory_report(traced.saved), end="\n\n")
+    _emit("=== peak memory ===")
+    _emit(peak_report(traced.partitioned), end="\n\n")
     _emit("=== sequence numbers ===")
     _emit(str(traced.seq_table()), end="\n\n")
     if not check:

@@ -1,13 +1,15 @@
-"""``aotgrad show --json``: the signature, every node with its provenance, and the saved report.
+"""``aotgrad show --json``: the signature, every node with its provenance, the saved report and
+the predicted peak.
 
 The document's layout is versioned by ``schema`` (``docs/provenance.md`` describes it)::
 
-    {"schema": "aotgrad.show/2",
+    {"schema": "aotgrad.show/3",
      "signature": {...Signature.to_dict()...},
      "graphs": {"joint": [node...], "forward": [node...], "backward": [node...] | null},
      "saved": [{"name", "shape", "dtype", "nbytes", "storage", "producer", "seq_nr",
                 "module", "source", "users", "reason"}...],
-     "saved_bytes": int,
+     "saved_bytes": int | str,                          # str: a symbolic expression
+     "peak": {...PeakEstimate.to_dict()...} | null,   # null: symbolic sizes
      "tracer": {"name": "direct" | "full", "fallback_reason": str | null}}
 
     node = {"name", "op", "target", "args", "desc", "phase", "kind", "seq_nr", "module", "source"}
@@ -22,9 +24,10 @@ import torch.fx as fx
 from aotgrad.capture import META_KEY, NodeInfo
 from aotgrad.optable import op_name
 from aotgrad.partition import Partitioned
+from aotgrad.report.peak_report import peak_document
 from aotgrad.signature.printing import DESC_KEY
 
-SCHEMA = "aotgrad.show/2"
+SCHEMA = "aotgrad.show/3"  # /3: "peak"
 
 
 def show_document(partitioned: Partitioned) -> dict[str, Any]:
@@ -38,12 +41,18 @@ def show_document(partitioned: Partitioned) -> dict[str, Any]:
             "backward": None if backward is None else graph_nodes(backward),
         },
         "saved": [s.to_dict() for s in partitioned.saved],
-        "saved_bytes": partitioned.saved_bytes,
+        "saved_bytes": _plain(partitioned.saved_bytes),  # text where symbolic, as in "saved"
+        "peak": peak_document(partitioned),  # Note [A peak of symbolic sizes]: null
         "tracer": {  # Note [Choosing a tracer]
             "name": partitioned.joint.tracer.name,
             "fallback_reason": partitioned.joint.tracer.fallback_reason,
         },
     }
+
+
+def _plain(n: Any) -> int | str:
+    """An int as is, a SymInt (dynamic shapes) as its expression: JSON has no SymInt."""
+    return n if isinstance(n, int) else str(n)
 
 
 def graph_nodes(gm: fx.GraphModule) -> list[dict[str, Any]]:

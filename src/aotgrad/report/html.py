@@ -15,7 +15,10 @@ graph of more than 150 nodes is drawn collapsed by module (the deepest module le
 keeps it under 150 boxes); a group expands on click and collapses from the bar above the
 drawing. Test hooks: rows and drawn boxes carry ``data-phase`` and ``data-name`` (groups
 ``data-module``), drawn boxes are ``g.gnode`` / ``g.ggroup`` in ``svg#forward-graph`` /
-``svg#backward-graph``, and a selection marks items ``selected`` and ``linked``.
+``svg#backward-graph``, and a selection marks items ``selected`` and ``linked``. The peak panel
+(``div#peak``: ``report/peak_report.py``'s numbers) names the peak's op and each live value
+with a ``button.nodelink`` (``data-phase``, ``data-name``) that selects that node, as a click
+on its row does.
 """
 
 from __future__ import annotations
@@ -182,6 +185,7 @@ style-src 'unsafe-inline'; script-src 'unsafe-inline'">
 <div class="graphbox"><svg id="backward-graph"></svg></div></section>
 <section><h2>forward</h2><table id="forward"></table></section>
 <section><h2>backward</h2><table id="backward"></table></section>
+<section><h2>peak memory</h2><div id="peak"></div></section>
 <section><h2>saved for backward</h2><table id="saved"></table></section>
 <section><h2>calling convention</h2><div id="signature"></div></section>
 <section><h2>modules</h2><table id="modules"></table></section>

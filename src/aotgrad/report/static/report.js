@@ -116,6 +116,85 @@ function select(phase, node, fromDrawing) {
     (phase === "backward" ? ", reads " + reads.length + " saved value(s)" : "");
 }
 
+// ---- The predicted peak (document "peak": PeakEstimate.to_dict() + by_kind, or null) ----
+
+function formatBytes(n) {  // report/saved_report.py's format_bytes
+  let size = n;
+  for (const unit of ["B", "KiB", "MiB", "GiB"]) {
+    if (size < 1024 || unit === "GiB") {
+      return unit === "B" ? Math.trunc(size) + " B" : size.toFixed(1) + " " + unit;
+    }
+    size /= 1024;
+  }
+}
+
+function exactBytes(n) {  // "1.5 KiB (1536 B)", or "12 B" where nothing is rounded
+  const text = formatBytes(n);
+  return text === n + " B" ? text : text + " (" + n + " B)";
+}
+
+// A button selecting node `name` of `graph` ("gradients": a value of the backward graph), or
+// the bare name when no table has it.
+function nodeLink(graph, name) {
+  const phase = graph === "gradients" ? "backward" : graph;
+  const node = (doc.graphs[phase] || []).find(n => n.name === name);
+  if (!node) return el("span", name);
+  const button = el("button", name, "nodelink");
+  button.dataset.phase = phase;
+  button.dataset.name = name;
+  button.title = "select " + name + " in the " + phase + " graph";
+  button.addEventListener("click", () => select(phase, node));
+  return button;
+}
+
+function peakWhere(p) {
+  const where = el("p");
+  if (!p.node) {
+    where.textContent = "at: the step's start (only its inputs are live)";
+    return where;
+  }
+  where.appendChild(el("span", p.graph === "gradients"
+    ? "at: as the gradients become .grad, autograd copies "
+    : "at: " + p.graph + " graph, node "));
+  where.appendChild(nodeLink(p.graph, p.node));
+  where.appendChild(el("span", " (" + p.op + ")" + (p.module ? ", module " + p.module : "")));
+  if (p.source) where.appendChild(el("div", p.source, "muted"));
+  return where;
+}
+
+function peakPanel() {
+  const panel = document.getElementById("peak");
+  const p = doc.peak;
+  if (!p) {
+    panel.appendChild(el("p", "not predicted: the graphs' sizes are symbolic (dynamic=True); " +
+                              "measure a step with aotgrad.testing.measure_peak", "muted"));
+    return;
+  }
+  const step = doc.graphs.backward ? "a step (forward, then .backward(), every .grad None)"
+                                   : "a call (forward only: nothing needs a gradient)";
+  panel.appendChild(el("p", "peak of " + step + ": " + exactBytes(p.nbytes) + " = " +
+    formatBytes(p.inputs) + " inputs + " + exactBytes(p.allocated) +
+    " allocated by the step (what aotgrad.testing.measure_peak measures)", "peaktotal"));
+  panel.appendChild(peakWhere(p));
+  panel.appendChild(el("p", "live then: " +
+    p.by_kind.map(k => formatBytes(k.nbytes) + " " + k.title).join(", ")));
+  const table = el("table");
+  table.id = "peak-live";
+  header(table, ["name", "graph", "kind", "bytes", "module", "source"]);
+  for (const v of p.live) {
+    const tr = el("tr");
+    tr.appendChild(el("td")).appendChild(nodeLink(v.graph, v.name));
+    for (const c of [v.graph, v.kind, formatBytes(v.nbytes), v.module, v.source ?? ""]) {
+      tr.appendChild(el("td", c));
+    }
+    tr.dataset.phase = "peak";
+    tr.dataset.name = v.name;
+    tr.dataset.nbytes = String(v.nbytes);
+    table.appendChild(tr);
+  }
+  panel.appendChild(table);
+}
+
 const savedColumns = [
   ["name", s => s.name], ["bytes", s => s.nbytes], ["shape", s => shapeText(s)],
   ["producer", s => s.producer], ["module", s => s.module ?? ""],
@@ -539,6 +618,7 @@ nodeTable("forward");
 nodeTable("backward");
 initGraph("forward");
 initGraph("backward");
+peakPanel();
 savedTable();
 signaturePanel();
 modulePanel();

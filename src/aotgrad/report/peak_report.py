@@ -1,0 +1,195 @@
+"""The peak of a step, as a report: how high, where in the step, and what is live then.
+
+``memory_report()`` ends with :func:`peak_report`; ``aotgrad show`` prints it, and the
+``show --json`` document and the HTML page carry :func:`peak_document`. The numbers are
+``Partitioned.peak`` (Note [What a step holds] in ``partition/memory.py``); this module
+only words them, and says so in one line where sizes are symbolic (Note [A peak of symbolic
+sizes]).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from aotgrad.errors import UserFrame
+from aotgrad.partition import LiveValue, Partitioned, PeakEstimate
+from aotgrad.partition.saved import storages
+from aotgrad.report.saved_report import format_bytes
+
+__all__ = ["SYMBOLIC", "by_kind", "peak_document", "peak_report", "predicted_peak"]
+
+# The live values' kinds, in the order the report totals them ("live then: ...").
+KIND_TITLES = {
+    "input": "inputs",
+    "output": "outputs",
+    "saved": "saved",
+    "cotangent": "cotangents",
+    "gradient": "gradients",
+    "temporary": "temporaries",
+    "workspace": "workspace",
+}
+
+SYMBOLIC = (
+    "not predicted: the graphs' sizes are symbolic (dynamic=True);"
+    " measure a step with aotgrad.testing.measure_peak"
+)
+
+
+# Note [A peak of symbolic sizes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``Partitioned.peak`` counts bytes, so it refuses graphs whose storage sizes
+# are SymInts (``dynamic=True``) with a ValueError. A report is asked for all
+# the same, so it asks first, with the test the prediction applies (is every
+# storage size of every node of both graphs an int?), and then says so in one
+# line instead of a number::
+#
+#     aotgrad.trace(f, x, dynamic=True).memory_report()
+#     ...saved values as always...
+#     peak of a step: not predicted: the graphs' sizes are symbolic (dynamic=True); ...
+#
+# The report never catches the prediction's errors: any other failure (an
+# invariant of the simulation) is raised, never shown as "symbolic".
+
+
+def predicted_peak(partitioned: Partitioned) -> PeakEstimate | None:
+    """``partitioned.peak``, or None when the graphs' sizes are symbolic (Note [A peak of
+    symbolic sizes]).
+
+    >>> import torch, aotgrad
+    >>> t = aotgrad.trace(lambda x: x.sin().sum(), torch.ones(10, requires_grad=True))
+    >>> predicted_peak(t.partitioned).nbytes == t.partitioned.peak.nbytes
+    True
+    >>> d = aotgrad.trace(lambda x: x.sin().sum(), torch.ones(10, requires_grad=True), dynamic=True)
+    >>> predicted_peak(d.partitioned) is None
+    True
+    """
+    graphs = [g for g in (partitioned.forward, partitioned.backward) if g is not None]
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if any(not isinstance(size, int) for size in storages(node).values()):
+                return None
+    return partitioned.peak
+
+
+def peak_document(partitioned: Partitioned) -> dict[str, Any] | None:
+    """``PeakEstimate.to_dict()`` of the predicted peak with ``by_kind`` (the bytes live per
+    kind, as ``memory_report`` totals them), or None when sizes are symbolic.
+
+    >>> import torch, aotgrad
+    >>> t = aotgrad.trace(lambda x: x.sin().sum(), torch.ones(1000, requires_grad=True))
+    >>> document = peak_document(t.partitioned)
+    >>> document["nbytes"], [(k["title"], k["nbytes"]) for k in document["by_kind"]][-2:]
+    (12008, [('gradients', 4000), ('temporaries', 4000)])
+    """
+    peak = predicted_peak(partitioned)
+    if peak is None:
+        return None
+    kinds = [
+        {"kind": k, "title": KIND_TITLES.get(k, k), "nbytes": n} for k, n in by_kind(peak.live)
+    ]
+    return {**peak.to_dict(), "by_kind": kinds}
+
+
+def peak_report(partitioned: Partitioned, top: int = 10) -> str:
+    """The predicted peak of a step ``f(*inputs).backward()``: its bytes (inputs, and what the
+    step allocated: what ``aotgrad.testing.measure_peak`` measures), where it occurs (graph,
+    op, module, source line), what is live then by kind, and the ``top`` largest live storages.
+
+    >>> import torch, aotgrad
+    >>> t = aotgrad.trace(lambda x: x.sin().sum(), torch.ones(1000, requires_grad=True))
+    >>> print(peak_report(t.partitioned).splitlines()[0])
+    peak of a step (forward, then .backward(), every .grad None): 11.7 KiB (12008 B)
+    """
+    peak = predicted_peak(partitioned)
+    if peak is None:
+        return f"peak of a step: {SYMBOLIC}"
+    step = (
+        "a step (forward, then .backward(), every .grad None)"
+        if partitioned.backward is not None
+        else "a call (forward only: nothing needs a gradient)"
+    )
+    lines = [
+        f"peak of {step}: {_bytes(peak.nbytes)}",
+        f"  = {format_bytes(peak.inputs)} inputs (held by the caller)"
+        f" + {_bytes(peak.allocated)} allocated by the step"
+        " (what aotgrad.testing.measure_peak measures)",
+        f"at: {where(peak)}",
+        f"live then: {kind_totals(peak.live)}",
+    ]
+    return "\n".join([*lines, *_live_rows(peak.live, top)])
+
+
+def where(peak: PeakEstimate) -> str:
+    """Where in the step the peak occurs, in words.
+
+    >>> import torch, aotgrad
+    >>> t = aotgrad.trace(lambda x: x.sin().sum(), torch.ones(1000, requires_grad=True))
+    >>> where(t.partitioned.peak)
+    'backward graph, node mul (aten.mul.Tensor), module <lambda>'
+    """
+    if not peak.node:
+        return "as the step starts: only its inputs are live"
+    if peak.graph == "gradients":
+        text = (
+            f"as the gradients become .grad: autograd copies {peak.node} ({peak.op})"
+            " to its input's layout"
+        )
+    else:
+        text = f"{peak.graph} graph, node {peak.node} ({peak.op})"
+    if peak.module:
+        text += f", module {peak.module}"
+    if peak.source is not None:
+        text += f", {_line(peak.source)}  {peak.source.line.strip()}"
+    return text
+
+
+def by_kind(live: tuple[LiveValue, ...]) -> list[tuple[str, int]]:
+    """Bytes live per kind, in ``KIND_TITLES`` order (a kind it does not name: after them).
+
+    >>> from aotgrad.partition import LiveValue
+    >>> by_kind((LiveValue("mm", "backward", "temporary", 512, "fc", None),
+    ...          LiveValue("w", "forward", "input", 4096, "fc", None)))
+    [('input', 4096), ('temporary', 512)]
+    """
+    totals: dict[str, int] = {}
+    for value in live:
+        totals[value.kind] = totals.get(value.kind, 0) + value.nbytes
+    order = [*KIND_TITLES, *sorted(set(totals) - set(KIND_TITLES))]
+    return [(kind, totals[kind]) for kind in order if kind in totals]
+
+
+def kind_totals(live: tuple[LiveValue, ...]) -> str:
+    """``by_kind`` in words: ``'4.0 KiB inputs, 512 B temporaries'``."""
+    return ", ".join(f"{format_bytes(n)} {KIND_TITLES.get(k, k)}" for k, n in by_kind(live))
+
+
+def _live_rows(live: tuple[LiveValue, ...], top: int) -> list[str]:
+    shown, rest = live[:top], live[top:]
+    cells = [["name", "graph", "kind", "bytes", "module", "source"]]
+    for v in shown:
+        source = "" if v.source is None else f"{_line(v.source)}  {v.source.line.strip()}"
+        cells.append([v.name, v.graph, v.kind, format_bytes(v.nbytes), v.module, source])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]) - 1)]
+    rows = []
+    for row in cells:
+        padded = [
+            c.rjust(w) if i == 3 else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row[:-1], widths, strict=True))
+        ]
+        rows.append("  " + "  ".join([*padded, row[-1]]).rstrip())
+    rows.insert(1, "  " + "-" * (len(rows[0]) - 2))
+    if rest:
+        rest_bytes = sum(v.nbytes for v in rest)
+        rows.append(f"  ... and {len(rest)} more ({format_bytes(rest_bytes)})")
+    return rows
+
+
+def _bytes(n: int) -> str:
+    """``format_bytes`` with the exact count where it rounds: ``'1.5 KiB (1536 B)'``."""
+    text = format_bytes(n)
+    return text if text == f"{n} B" else f"{text} ({n} B)"
+
+
+def _line(source: UserFrame) -> str:
+    return f"{os.path.basename(source.filename)}:{source.lineno}"
