@@ -219,3 +219,14 @@ def test_recomputed_ops_run_just_before_the_backward_op_that_reads_them():
         readers = set(run) | {user}
         assert any(source in run for source in user.all_input_nodes), (run, user)
         assert all(set(r.users) & readers for r in run), (run, user)
+
+
+def test_a_weight_gradient_made_by_mm_and_returned_through_t_is_a_gradient():
+    # A Linear's weight gradient is mm(...) returned through t(): the storage is labelled by
+    # what the graph returns it as, so "why is my peak this high" counts it as a gradient.
+    model = nn.Linear(64, 64, bias=False)
+    predicted, measured, partitioned = peak_pair(
+        lambda x: model(x).square().sum(), (torch.randn(16, 64),)
+    )
+    kinds = {v.kind for v in partitioned.peak.live if v.nbytes == 64 * 64 * 4}
+    assert "gradient" in kinds and "temporary" not in kinds

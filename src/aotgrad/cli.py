@@ -26,11 +26,6 @@ from aotgrad.testing import verify
 
 
 def main(argv: list[str] | None = None) -> int:
-    # The peak's scratch space is measured under torch.profiler (Note [Measured scratch space]),
-    # and kineto prints two "USDT: ... profiler_start/stop" lines to stderr for each run: the
-    # program's stderr is for aotgrad's own messages (Note [A closed stdout]). Read when the
-    # profiler first starts; a value the user set is kept.
-    os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)
     parser = argparse.ArgumentParser(prog="aotgrad", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     show = commands.add_parser(
@@ -66,10 +61,6 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
         return _SIGPIPE_EXIT
-
-
-# Above kineto's highest level (USDT, 5): none of its log lines is printed.
-_KINETO_QUIET = "6"
 
 
 def _run(options: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ allocated when it started (Note [Measured peak]).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -44,7 +45,14 @@ __all__ = ["measure_peak"]
 #           del y         -4000          # 4000
 #
 # The profiler's own bookkeeping allocates nothing on the allocator it watches,
-# so the count is exact: a prediction can be held to it byte for byte.
+# so the count is exact: a prediction can be held to it byte for byte. Each
+# profiler run would print two "USDT: ... profiler_start/stop" lines to stderr
+# (a predicted peak measures every op once: hundreds of lines), so
+# ``KINETO_LOG_LEVEL`` is set above kineto's highest level unless the process
+# set it already (``KINETO_LOG_LEVEL=5`` shows them again).
+
+# Above kineto's highest log level (USDT, 5): none of its lines is printed.
+_KINETO_QUIET = "6"
 
 
 def measure_peak(step: Callable[[], object], device: str | torch.device = "cpu") -> int:
@@ -58,6 +66,7 @@ def measure_peak(step: Callable[[], object], device: str | torch.device = "cpu")
         return _cuda_peak(step, device)
     if device.type != "cpu":
         raise ValueError(f"measure_peak reads the CPU or CUDA allocator, not {device.type!r}")
+    os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)  # read when the profiler starts
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:

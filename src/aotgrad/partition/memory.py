@@ -22,7 +22,7 @@ from aotgrad.optable import op_name
 from aotgrad.partition.saved import storages
 from aotgrad.signature import Cotangent, Grad, Output, Saved, Signature
 
-__all__ = ["LiveValue", "PeakEstimate", "predict_peak"]
+__all__ = ["LiveValue", "PeakEstimate", "SymbolicSizes", "predict_peak"]
 
 # The bytes an op allocates at its own peak, outputs included (None: just its new outputs).
 Workspace = Callable[[fx.Node], int | None]
@@ -167,6 +167,9 @@ class _Simulation:
     def run(self, gm: fx.GraphModule, graph: str, kinds: dict[fx.Node, str]) -> None:
         """Run ``gm``'s ops in order; values in ``kinds`` (outputs) are held past the graph."""
         nodes = list(gm.graph.nodes)
+        # A storage is labelled by what the graph returns it as, whichever node makes it
+        # (a weight's gradient made by ``mm`` and returned through ``t``: a gradient).
+        stored = {key: kind for node, kind in kinds.items() for key in storages(node)}
         last_use: dict[fx.Node, int] = {}
         for i, node in enumerate(nodes):
             for source in node.all_input_nodes:
@@ -175,16 +178,18 @@ class _Simulation:
             if node.op == "output":
                 break
             if node.op != "placeholder":
-                self._compute(node, graph, kinds.get(node, "temporary"))
+                self._compute(node, graph, stored)
             for source in [*node.all_input_nodes, node]:
                 if last_use.get(source, i) <= i and source not in kinds:
                     for key in storages(source):
                         self.holds.drop(key, (graph, source))
 
-    def _compute(self, node: fx.Node, graph: str, kind: str) -> None:
+    def _compute(self, node: fx.Node, graph: str, stored: dict[Any, str]) -> None:
         before = self.holds.live
         fresh = sum(
-            self.holds.hold(key, _int(size), (graph, node), _label(node, graph, kind, size))
+            self.holds.hold(
+                key, size, (graph, node), _label(node, graph, stored.get(key, "temporary"), size)
+            )
             for key, size in _allocations(node).items()
         )
         during = None if self.workspace is None else self.workspace(node)
@@ -326,10 +331,14 @@ def _op_text(node: fx.Node | None) -> str:
     return op_name(node.target) if node.op == "call_function" else node.op
 
 
+class SymbolicSizes(ValueError):
+    """The graphs' storage sizes are symbolic (``dynamic=True``): no byte count to predict."""
+
+
 def _int(size: Any) -> int:
     if isinstance(size, int):
         return size
-    raise ValueError(
+    raise SymbolicSizes(
         "the peak is predicted for static shapes only; this graph's sizes are symbolic"
         " (dynamic=True): measure it with aotgrad.testing.measure_peak instead"
     )

@@ -14,7 +14,7 @@ from typing import Any
 
 from aotgrad.errors import UserFrame
 from aotgrad.partition import LiveValue, Partitioned, PeakEstimate
-from aotgrad.partition.saved import storages
+from aotgrad.partition.memory import SymbolicSizes
 from aotgrad.report.saved_report import format_bytes
 
 __all__ = ["SYMBOLIC", "by_kind", "peak_document", "peak_report", "predicted_peak"]
@@ -39,17 +39,15 @@ SYMBOLIC = (
 # Note [A peak of symbolic sizes]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``Partitioned.peak`` counts bytes, so it refuses graphs whose storage sizes
-# are SymInts (``dynamic=True``) with a ValueError. A report is asked for all
-# the same, so it asks first, with the test the prediction applies (is every
-# storage size of every node of both graphs an int?), and then says so in one
-# line instead of a number::
+# are SymInts (``dynamic=True``) with ``SymbolicSizes``. A report is asked for
+# all the same, and says so in one line instead of a number::
 #
 #     aotgrad.trace(f, x, dynamic=True).memory_report()
 #     ...saved values as always...
 #     peak of a step: not predicted: the graphs' sizes are symbolic (dynamic=True); ...
 #
-# The report never catches the prediction's errors: any other failure (an
-# invariant of the simulation) is raised, never shown as "symbolic".
+# The report catches that refusal only: any other failure (an invariant of the
+# simulation) is raised, never shown as "symbolic".
 
 
 def predicted_peak(partitioned: Partitioned) -> PeakEstimate | None:
@@ -64,12 +62,10 @@ def predicted_peak(partitioned: Partitioned) -> PeakEstimate | None:
     >>> predicted_peak(d.partitioned) is None
     True
     """
-    graphs = [g for g in (partitioned.forward, partitioned.backward) if g is not None]
-    for gm in graphs:
-        for node in gm.graph.nodes:
-            if any(not isinstance(size, int) for size in storages(node).values()):
-                return None
-    return partitioned.peak
+    try:
+        return partitioned.peak
+    except SymbolicSizes:
+        return None
 
 
 def peak_document(partitioned: Partitioned) -> dict[str, Any] | None:
