@@ -228,5 +228,6 @@ def test_a_weight_gradient_made_by_mm_and_returned_through_t_is_a_gradient():
     predicted, measured, partitioned = peak_pair(
         lambda x: model(x).square().sum(), (torch.randn(16, 64),)
     )
+    assert predicted == measured
     kinds = {v.kind for v in partitioned.peak.live if v.nbytes == 64 * 64 * 4}
     assert "gradient" in kinds and "temporary" not in kinds
