@@ -24,9 +24,15 @@ def build_forward(joint: JointGraph, saved: Sequence[fx.Node]) -> fx.Graph:
 
 
 def build_backward(
-    joint: JointGraph, saved: Sequence[fx.Node], recompute: set[fx.Node]
+    joint: JointGraph,
+    saved: Sequence[fx.Node],
+    recompute: set[fx.Node],
+    *,
+    recompute_late: bool = False,
 ) -> tuple[fx.Graph, list[fx.Node]]:
-    """``backward(*saved, *cotangents) -> grads``, recomputing ``recompute`` first.
+    """``backward(*saved, *cotangents) -> grads``, recomputing ``recompute`` first, or each
+    recomputed op just before the first backward op that needs it (``recompute_late``: Note
+    [Recompute just before use]).
 
     Also returns the backward's placeholder for each saved value, in order: a
     saved value keeps its forward name (``LayerNorm_weight`` stays as it is;
@@ -42,15 +48,57 @@ def build_backward(
         if node.op == "placeholder" and phase_of(node) is Phase.BACKWARD:
             env[node] = graph.node_copy(node)
     backward = set(joint.backward_nodes())
-    for node in joint.gm.graph.nodes:
+    order = [
+        n
+        for n in joint.gm.graph.nodes
+        if n in recompute or (n in backward and n.op != "placeholder")
+    ]
+    for node in _late_order(order, recompute) if recompute_late else order:
+        env[node] = graph.node_copy(node, env.__getitem__)
         if node in recompute:
-            env[node] = graph.node_copy(node, env.__getitem__)
             set_phase(env[node], Phase.RECOMPUTE)
-        elif node in backward and node.op != "placeholder":
-            env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[g] if g is not None else None for g in joint.grad_results()))
     remove_dead_code(graph)
     return graph, placeholders
+
+
+# Note [Recompute just before use]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The joint graph holds the forward before the backward, so a backward built in
+# its order re-runs every recomputed op before its first backward op: all the
+# recomputed values are live at once, and recomputing lowers the saved bytes but
+# not the peak. ``recompute_late`` moves each recomputed op to just before the
+# first backward op that needs it, directly or through other recomputed ops
+# (its deadline); ties keep the joint's order, which is topological. Two layers,
+# saving only the inputs x, w1, w2:
+#
+#     joint order:  a1 = mm(x, w1); h1 = relu(a1); a2 = mm(h1, w2); h2 = relu(a2)
+#                   g2 = threshold_backward(.., h2); ...; g1 = threshold_backward(.., h1)
+#     late order:   a1, h1, a2, h2 (g2 needs h2, and h2 needs all of them); g2; ...; g1
+#
+# Here every op's deadline is g2, so the order is the same; with x saved and the
+# second layer's ``h1`` recomputed from a saved ``a1`` instead, h1 = relu(a1) runs
+# just before g1 and is not live while the second layer's gradients are. The
+# values are the same in any topological order (recomputed ops are functional
+# and never random, never collectives, never read a mutated input); only the
+# lifetimes change. It is not always lower: a small value recomputed early from a
+# large saved one frees the large one sooner, so a peak budget tries both orders
+# (Note [Peak budgets] in ``partition/peak_budget.py``).
+def _late_order(order: Sequence[fx.Node], recompute: set[fx.Node]) -> list[fx.Node]:
+    """``order`` with each recomputed node moved to just before its first non-recomputed user."""
+    index = {n: i for i, n in enumerate(order)}
+    deadline: dict[fx.Node, float] = {}
+    for node in reversed(order):  # users come later: their deadlines are known
+        if node in recompute:
+            users = [deadline[u] if u in recompute else index[u] for u in node.users if u in index]
+            deadline[node] = min(users, default=float("inf"))
+
+    def key(node: fx.Node) -> tuple[float, int, int]:
+        if node in recompute:
+            return (deadline[node], 0, index[node])
+        return (index[node], 1, index[node])
+
+    return sorted(order, key=key)
 
 
 def apply_mutations_in_graph(joint: JointGraph, graph: fx.Graph) -> None:
