@@ -38,7 +38,7 @@ Split = Callable[[RematPlan, str], "Partitioned"]
 FRACTIONS = (0.0, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
 # Each of those solves stops within 10% of the least recompute FLOPs: a candidate's FLOPs and
 # peak are counted exactly after, and a gap, unlike a time limit, gives the same family on
-# every run (a 12-layer GPT-2's solves take 5 s so, 60 s exact).
+# every run (measured on a 12-layer GPT-2: 5 s of solves, against 60 s exact).
 REL_GAP = 0.1
 
 
@@ -65,24 +65,28 @@ REL_GAP = 0.1
 # a larger predicted peak, and FLOPs(c1) >= FLOPs(c2): never less recompute.
 # A family re-solved for each B (PyTorch's knapsack at each budget fraction) has
 # no such argument, and breaks it: its budget 0.05 gave a 1,145 MB peak where
-# 0.15 gave 275 MB (pytorch/pytorch#197838). Worked example, gpt2 (tests'
-# library model, batch 8, sequence 32), peaks in KB:
+# 0.15 gave 275 MB (PyTorch's bug #197838). Worked example: the two layers of
+# the ``aotgrad.budget`` doctest (Note [Recompute just before use]), 9 candidates:
 #
-#     candidate                                   FLOPs     peak
-#     save_all                                    0         2177
-#     budget(0.75), recomputed just before use    131072    1709
-#     budget(0.125), recomputed just before use   8473088   1059
-#     budget(peak=2_000_000) -> budget(0.75) late;  budget(peak=1_200_000) -> a
-#     plan between them; budget(peak=1_000_000) -> ValueError: the smallest is 1059 KB
+#     candidate                                     FLOPs      peak (bytes)
+#     save_all                                      0          282632
+#     budget(0.75), recomputed just before use      540672     229384
+#     budget(0.03125), recomputed just before use   1081344    229384
+#     budget(0), either order                       1605632    282632
+#     (and 4 more: 9 in all)
+#
+#     budget(peak=300_000), budget(peak=282_632)  -> save_all, peak 282632
+#     budget(peak=282_631) ... budget(peak=229_384) -> budget(0.75) late, peak 229384
+#     budget(peak=229_383)                          -> ValueError: the smallest is 229384
 #
 # The plan is the least recompute within the family, not over every plan (the
 # peak of a plan depends on the order of both graphs, which no integer program
 # here models); the predicted peak equals the measured one to the byte where Note
 # [What a step holds] is exact. Below the family's smallest peak there is no plan:
 # the ValueError names that peak, and the ways to lower it (scan_layers,
-# checkpoint). Cost: one floor solve and two solves per fraction, and a split and
-# a prediction per candidate; the family is cached per joint graph, so another
-# B on the same joint costs one split.
+# checkpoint). Cost: one floor solve and two solves per fraction (``REL_GAP``),
+# and a split and a prediction per distinct plan; the family is cached per joint
+# graph, so another B on the same joint costs one split.
 
 
 @dataclass(frozen=True)

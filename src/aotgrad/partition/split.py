@@ -65,25 +65,27 @@ def build_backward(
 # Note [Recompute just before use]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The joint graph holds the forward before the backward, so a backward built in
-# its order re-runs every recomputed op before its first backward op: all the
-# recomputed values are live at once, and recomputing lowers the saved bytes but
-# not the peak. ``recompute_late`` moves each recomputed op to just before the
-# first backward op that needs it, directly or through other recomputed ops
-# (its deadline); ties keep the joint's order, which is topological. Two layers,
-# saving only the inputs x, w1, w2:
+# its order re-runs every recomputed op before its first backward op: the
+# recomputed values are live together with everything saved, and recomputing
+# lowers the saved bytes but not the peak. ``recompute_late`` moves each
+# recomputed op to just before the first backward op that needs it, directly or
+# through other recomputed ops (its deadline); ties keep the joint's order, which
+# is topological. Two layers ``relu(x @ w1) @ w2``, then ``relu(h @ w1) @ w2``,
+# each relu output 64 KB, saving the second relu (``relu_1``) and recomputing the
+# first from ``x``:
 #
-#     joint order:  a1 = mm(x, w1); h1 = relu(a1); a2 = mm(h1, w2); h2 = relu(a2)
-#                   g2 = threshold_backward(.., h2); ...; g1 = threshold_backward(.., h1)
-#     late order:   a1, h1, a2, h2 (g2 needs h2, and h2 needs all of them); g2; ...; g1
+#     joint order:  mm = mm(x, w1); relu = relu(mm)          <- relu and relu_1 both live
+#                   layer 2's grads (read relu_1, then free it); layer 1's grads (read relu)
+#     late order:   layer 2's grads (read relu_1, then free it)
+#                   mm = mm(x, w1); relu = relu(mm)          <- relu_1 is gone
+#                   layer 1's grads (read relu)
 #
-# Here every op's deadline is g2, so the order is the same; with x saved and the
-# second layer's ``h1`` recomputed from a saved ``a1`` instead, h1 = relu(a1) runs
-# just before g1 and is not live while the second layer's gradients are. The
-# values are the same in any topological order (recomputed ops are functional
-# and never random, never collectives, never read a mutated input); only the
-# lifetimes change. It is not always lower: a small value recomputed early from a
-# large saved one frees the large one sooner, so a peak budget tries both orders
-# (Note [Peak budgets] in ``partition/peak_budget.py``).
+# (the step's peak: 282632 -> 229384 bytes, the ``aotgrad.budget`` doctest). The
+# values are the same in any topological order (recomputed ops are functional,
+# never random, never collectives, never read a mutated input); only lifetimes
+# change. Late is not always lower: a small value recomputed early from a large
+# saved one frees the large one sooner. So it is a plan's choice, and a peak
+# budget tries both (Note [Peak budgets] in ``partition/peak_budget.py``).
 def _late_order(order: Sequence[fx.Node], recompute: set[fx.Node]) -> list[fx.Node]:
     """``order`` with each recomputed node moved to just before its first non-recomputed user."""
     index = {n: i for i, n in enumerate(order)}
