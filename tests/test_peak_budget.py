@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import aotgrad
+from aotgrad.errors import ScanError
 from aotgrad.partition import partition
 from aotgrad.pipeline import Options
 from aotgrad.store.persist import options_text
@@ -170,3 +171,14 @@ def test_peak_budgets_key_the_disk_cache_apart(cache_dir):
         if hits == 0:
             flops.append(compiled.partitioned.recompute_flops)
     assert flops[0] == 0 < flops[1]  # two different plans, neither read for the other
+
+
+def test_a_scan_body_refuses_a_peak_budget():
+    # A body runs once per iteration: its own peak is not the step's (Note [Peak budgets]).
+    with pytest.raises(ScanError, match="bounds the peak of a whole step"):
+        aotgrad.scan(
+            lambda h, x: (h + x, None),
+            torch.zeros(3),
+            torch.randn(4, 3),
+            partition=aotgrad.budget(peak=10**6),
+        )

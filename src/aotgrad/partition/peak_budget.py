@@ -145,8 +145,9 @@ def _below_floor(limit: Budget, family: Family) -> str:
         f"no plan fits {limit}: the smallest predicted peak of {len(family.candidates)}"
         f" candidate plans is {least.peak} bytes ({least.peak / 1e6:.2f} MB), with"
         f" {least.label} (at {least.where}). Raise the budget to at least {least.peak}; or lower"
-        " the floor: aotgrad.scan_layers for a stack of identical layers, or"
-        " torch.utils.checkpoint around blocks (Note [Peak budgets])"
+        " the floor inside the step: torch.utils.checkpoint around blocks, or"
+        " aotgrad.scan_layers(layers, x, checkpoint=True) for a stack of identical layers"
+        " (Note [Peak budgets])"
     )
 
 
