@@ -4,6 +4,7 @@ raises with it."""
 
 from __future__ import annotations
 
+import gc
 import random
 import re
 
@@ -182,3 +183,24 @@ def test_a_scan_body_refuses_a_peak_budget():
             torch.randn(4, 3),
             partition=aotgrad.budget(peak=10**6),
         )
+
+
+def test_the_family_is_built_once_per_joint_and_dies_with_it(monkeypatch):
+    from aotgrad.partition import budget_solver, peak_budget
+
+    solves = []
+    real = budget_solver.budget_saved
+    monkeypatch.setattr(
+        budget_solver, "budget_saved", lambda *a, **k: solves.append(1) or real(*a, **k)
+    )
+    traced = aotgrad.trace(_two_layers, *_two_layer_args(), partition=aotgrad.budget(peak=10**9))
+    built = len(solves)
+    assert built == len(peak_budget.FRACTIONS)
+    for peak in (250_000, 240_000, 10**9):  # another budget on the same joint: no new solve
+        partition(traced.partitioned.joint, aotgrad.budget(peak=peak))
+    assert len(solves) == built
+    key = id(traced.partitioned.joint)
+    assert key in peak_budget._FAMILIES
+    del traced
+    gc.collect()
+    assert key not in peak_budget._FAMILIES  # the cache holds no joint alive
