@@ -70,13 +70,13 @@ REL_GAP = 0.1
 #
 #     candidate                                     FLOPs      peak (bytes)
 #     save_all                                      0          282632
-#     budget(0.75), recomputed just before use      540672     229384
-#     budget(0.03125), recomputed just before use   1081344    229384
-#     budget(0), either order                       1605632    282632
-#     (and 4 more: 9 in all)
+#     saved-bytes cap 138240 (fraction 0.75), late  540672     229384
+#     saved-bytes cap 41088 (0.03125), late         1081344    229384
+#     saved-bytes cap 36864 (0), either order       1605632    282632
+#     (and 4 more: 9 in all; "late": recomputed just before use)
 #
 #     budget(peak=300_000), budget(peak=282_632)  -> save_all, peak 282632
-#     budget(peak=282_631) ... budget(peak=229_384) -> budget(0.75) late, peak 229384
+#     budget(peak=282_631) ... budget(peak=229_384) -> cap 138240 late, peak 229384
 #     budget(peak=229_383)                          -> ValueError: the smallest is 229384
 #
 # The plan is the least recompute within the family, not over every plan (the
@@ -140,7 +140,8 @@ def _rank(numbered: tuple[int, Candidate]) -> tuple[int, int, int, int]:
 
 
 def _below_floor(limit: Budget, family: Family) -> str:
-    least = min(family.candidates, key=lambda c: c.peak)
+    numbered = list(enumerate(family.candidates))  # the plan budget(peak=<its peak>) gives
+    _, least = min(numbered, key=lambda ic: (ic[1].peak, *_rank(ic)))
     return (
         f"no plan fits {limit}: the smallest predicted peak of {len(family.candidates)}"
         f" candidate plans is {least.peak} bytes ({least.peak / 1e6:.2f} MB), with"
@@ -183,7 +184,8 @@ def _build_family(joint: JointGraph, time_limit: float, split: Split) -> Family:
             variant = replace(base, recompute_late=late)
             named = f"{label}, recomputed just before use" if late else label
             partitioned = split(variant, named)
-            assert partitioned.backward is not None  # a joint with a backward
+            if partitioned.backward is None:
+                raise AssertionError(f"expected a backward graph for {named}, got None")
             graphs = (  # the same graphs from two plans (nothing to move, say) count once
                 tuple(s.name for s in partitioned.saved),
                 tuple(n.format_node() or "" for n in partitioned.backward.graph.nodes),
@@ -237,7 +239,7 @@ def _base_plans(
     for fraction in FRACTIONS:
         cap = floor + int(fraction * (top - floor))  # as Budget.bytes_for
         result = budget_saved(joint, needed, cap, time_limit, free_inputs, rel_gap=REL_GAP)
-        label = f"budget({fraction:g}) ({cap} bytes)"
+        label = f"saved-bytes cap {cap}"  # budget(fraction)'s cap, solved within REL_GAP
         if result.saved is None or result.note is not None:
             timed_out.append(f"{fraction:g}")
         if result.saved is not None:
@@ -247,6 +249,6 @@ def _base_plans(
         note = (
             f"the budget solver hit its {time_limit:g} s time limit at fractions"
             f" {', '.join(timed_out)}: those candidates are the best found or left out"
-            " (raise time_limit in aotgrad.budget)"
+            " and may differ between runs (raise time_limit in aotgrad.budget)"
         )
     return plans, note
