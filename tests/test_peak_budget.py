@@ -4,6 +4,8 @@ raises with it."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import random
 import re
@@ -16,7 +18,7 @@ from aotgrad.errors import ScanError
 from aotgrad.partition import partition
 from aotgrad.pipeline import Options
 from aotgrad.store.persist import options_text
-from aotgrad.testing import measure_peak
+from aotgrad.testing import measure_peak, verify
 from library_models import build
 
 
@@ -204,3 +206,19 @@ def test_the_family_is_built_once_per_joint_and_dies_with_it(monkeypatch):
     del traced
     gc.collect()
     assert key not in peak_budget._FAMILIES  # the cache holds no joint alive
+
+
+@pytest.mark.parametrize(("name", "checkpointed"), [("bert", False), ("t5", True)])
+def test_the_tightest_plan_matches_eager_with_dropout_and_checkpoints(name, checkpointed):
+    # Dropout is never recomputed, checkpoint regions are re-run as traced; recomputing just
+    # before use only moves ops, so the tightest plan is eager's values and gradients.
+    case = build(name, dropout=0.1)
+    args, kwargs = case.resized(4, 16)
+    with case.checkpointing(case.model, False) if checkpointed else contextlib.nullcontext():
+
+        def step(*args, **kwargs):
+            return case.loss(case.model(*args, **kwargs))
+
+        floor = _smallest_peak(aotgrad.trace(step, *args, **kwargs).partitioned.joint)
+        compile_fn = functools.partial(aotgrad.aot_function, partition=aotgrad.budget(peak=floor))
+        assert verify(step, *args, compile_fn=compile_fn, **kwargs).ok
