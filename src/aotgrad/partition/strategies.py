@@ -139,8 +139,8 @@ def budget(
     512
 
     A peak budget on two wide layers sharing their weights: ``save_all`` keeps both
-    (64, 256) activations for the backward; recomputing the first from a small saved
-    value just before its layer's backward keeps the two apart.
+    (64, 256) relu outputs for the backward; recomputing the first from ``x`` just
+    before its layer's backward keeps the two apart (Note [Recompute just before use]).
 
     >>> def g(x, w1, w2):
     ...     h = (x @ w1).relu() @ w2
