@@ -70,6 +70,7 @@ def test_the_cli_module_loads_no_heavy_dependency() -> None:
         ("'save_all'", set(), {"scipy", "networkx"}),
         ("'mincut'", {"networkx"}, {"scipy"}),
         ("aotgrad.budget(0.5)", {"scipy"}, set()),
+        ("aotgrad.budget(peak=10**9)", {"scipy", "networkx"}, set()),
     ],
 )
 def test_each_solver_loads_with_its_partition(

@@ -35,6 +35,7 @@ from aotgrad.cache import ambient_key
 from aotgrad.capture import capturing
 from aotgrad.errors import DoubleBackwardError, ScanError
 from aotgrad.loops.body import ScanBody, capture_body, differentiable
+from aotgrad.partition import Budget
 from aotgrad.pipeline import Options, options_of, with_option_keywords
 from aotgrad.runtime.function import reached_grads, run_forward, with_zeros
 from aotgrad.runtime.transforms import transform_active
@@ -77,6 +78,14 @@ class ScanFunction:
         self._fn = as_module(fn)
         self._state = State(self._fn, read_environment)
         self._options = options or options_of(keywords, "ScanFunction")
+        if isinstance(self._options.partition, Budget) and self._options.partition.peak is not None:
+            raise ScanError(
+                f"partition={self._options.partition} bounds the peak of a whole step"
+                " f(*inputs).backward(); a scan partitions its body, which runs once per"
+                " iteration, so the body's peak is not the step's. Bound what each iteration"
+                " saves with aotgrad.budget(x), or put the peak budget on aot_function or"
+                " aot_module around the whole step (Note [Peak budgets])"
+            )
         self.checkpoint = checkpoint
         self._bodies: dict[Any, ScanBody] = {}
         self._last: ScanBody | None = None

@@ -1,14 +1,15 @@
 """Stage 3: partition. Decide what the backward saves, and split the joint graph in two.
 
 Entry point: :func:`partition`. Strategies: ``"save_all"``, ``"mincut"``,
-``aotgrad.budget(x)``, or a policy ``fx.Node -> bool`` (Note [Partition policies]).
+``aotgrad.budget(x)``, ``aotgrad.budget(peak=BYTES)`` (Note [Peak budgets]), or a policy
+``fx.Node -> bool`` (Note [Partition policies]).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, Literal
 
 import torch.fx as fx
@@ -17,6 +18,7 @@ from aotgrad.capture import JointGraph, Phase, check_order, lazy_module, node_in
 from aotgrad.errors import UserFrame
 from aotgrad.optable import op_name
 from aotgrad.partition.memory import LiveValue, PeakEstimate, predict_peak
+from aotgrad.partition.peak_budget import with_peak_budget
 from aotgrad.partition.remat import RematPlan, node_flops
 from aotgrad.partition.saved import SavedValue, describe_saved, unique_bytes
 from aotgrad.partition.split import apply_mutations_in_graph, build_backward, build_forward
@@ -151,6 +153,8 @@ def partition(
             f"partition {strategy!r} weighs tensors by their bytes, which are symbolic with"
             " dynamic shapes; use 'save_all' with dynamic=True for now"
         )
+    if isinstance(strategy, Budget) and strategy.peak is not None:
+        return with_peak_budget(joint, strategy, partial(_split, joint))
     plan = apply_checkpoint_policy(joint, _plan(joint, strategy))
     return _split(joint, plan, policy_name(strategy) if callable(strategy) else str(strategy))
 
@@ -170,7 +174,9 @@ def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:
 
 
 def _split(joint: JointGraph, plan: RematPlan, strategy: str) -> Partitioned:
-    backward, placeholders = build_backward(joint, plan.saved, plan.recompute)
+    backward, placeholders = build_backward(
+        joint, plan.saved, plan.recompute, recompute_late=plan.recompute_late
+    )
     saved = describe_saved(
         plan.saved,
         [[u.name for u in p.users if u.op != "output"] for p in placeholders],  # backward reads

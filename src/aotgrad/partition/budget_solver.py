@@ -38,6 +38,8 @@ def budget_saved(
     budget_bytes: int,
     time_limit: float,
     free_inputs: set[fx.Node],
+    *,
+    rel_gap: float = 0.0,
 ) -> BudgetResult:
     """The exact memory-budget solver: a mixed-integer program solved by HiGHS.
 
@@ -52,10 +54,12 @@ def budget_saved(
     caps the total, inputs included (Note [Budget units]). Inputs are
     variables too: ``free_inputs`` (what ``save_all`` saves anyway, and every
     plan with it) are paid for up front, others (a bias a recomputation needs) weigh their bytes, so no
-    plan saves more than ``save_all``.
+    plan saves more than ``save_all``. ``rel_gap`` > 0 stops each solve within that
+    fraction of the optimum (deterministic, unlike a time limit): a peak budget's
+    candidates (Note [Peak budgets] in ``partition/peak_budget.py``).
     """
     needed = list(needed)  # read several times below
-    p = _BudgetProblem.of(joint, free_inputs, time_limit)
+    p = _BudgetProblem.of(joint, free_inputs, time_limit, rel_gap)
     constraint = p.constraint(needed, budget_bytes - p.held)
     first = p.solve(p.on_recompute(p.costs), [constraint])
     if first.x is None and first.status == 1:  # the time limit struck before any plan
@@ -133,9 +137,13 @@ class _BudgetProblem:
     held: int
     bounds: Bounds
     time_limit: float
+    # HiGHS stops when its plan is proven within this fraction of the optimum (0: exact).
+    rel_gap: float = 0.0
 
     @staticmethod
-    def of(joint: JointGraph, free_inputs: set[fx.Node], time_limit: float) -> _BudgetProblem:
+    def of(
+        joint: JointGraph, free_inputs: set[fx.Node], time_limit: float, rel_gap: float = 0.0
+    ) -> _BudgetProblem:
         inputs = [
             p
             for p in joint.gm.graph.nodes
@@ -154,6 +162,7 @@ class _BudgetProblem:
             held=unique_bytes(free_inputs),
             bounds=_budget_bounds(ops, reads_mutated_input(joint)),
             time_limit=time_limit,
+            rel_gap=rel_gap,
         )
 
     def constraint(self, needed: Iterable[fx.Node], cap: float | None) -> LinearConstraint:
@@ -198,7 +207,7 @@ class _BudgetProblem:
             constraints=constraints,
             integrality=np.ones(2 * len(self.ops)),
             bounds=self.bounds,
-            options={"time_limit": self.time_limit, "disp": False, "mip_rel_gap": 0.0},
+            options={"time_limit": self.time_limit, "disp": False, "mip_rel_gap": self.rel_gap},
         )
 
     def rounded(self, x: np.ndarray, needed: Iterable[fx.Node]) -> _Rounded:

@@ -49,6 +49,9 @@ class RematPlan:
     recompute_reasons: dict[fx.Node, str] = field(default_factory=dict)
     # Anything the solver wants the user to know (a time limit hit, say).
     note: str | None = None
+    # Re-run each recomputed op just before its first use in the backward (the default), or
+    # all of them first (Note [Recompute just before use] in ``partition/split.py``).
+    recompute_late: bool = True
 
 
 def needed_by_backward(joint: JointGraph) -> dict[fx.Node, str]:

@@ -24,10 +24,15 @@ def build_forward(joint: JointGraph, saved: Sequence[fx.Node]) -> fx.Graph:
 
 
 def build_backward(
-    joint: JointGraph, saved: Sequence[fx.Node], recompute: set[fx.Node]
+    joint: JointGraph,
+    saved: Sequence[fx.Node],
+    recompute: set[fx.Node],
+    *,
+    recompute_late: bool = True,
 ) -> tuple[fx.Graph, list[fx.Node]]:
     """``backward(*saved, *cotangents) -> grads``, each op of ``recompute`` run just before
-    the first backward op that reads it (Note [Recompute just before use]).
+    the first backward op that needs it (``recompute_late``, the default), or all of them first
+    (Note [Recompute just before use]).
 
     Also returns the backward's placeholder for each saved value, in order: a
     saved value keeps its forward name (``LayerNorm_weight`` stays as it is;
@@ -43,52 +48,60 @@ def build_backward(
         if node.op == "placeholder" and phase_of(node) is Phase.BACKWARD:
             env[node] = graph.node_copy(node)
     backward = set(joint.backward_nodes())
-    order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
-    for node in joint.gm.graph.nodes:
-        if node in backward and node.op != "placeholder":
-            _recompute_for(node.all_input_nodes, recompute, order, graph, env)
-            env[node] = graph.node_copy(node, env.__getitem__)
-    grads = joint.grad_results()
-    _recompute_for([g for g in grads if g is not None], recompute, order, graph, env)
-    graph.output(tuple(env[g] if g is not None else None for g in grads))
+    order = [
+        n
+        for n in joint.gm.graph.nodes
+        if n in recompute or (n in backward and n.op != "placeholder")
+    ]
+    for node in _late_order(order, recompute) if recompute_late else order:
+        env[node] = graph.node_copy(node, env.__getitem__)
+        if node in recompute:
+            set_phase(env[node], Phase.RECOMPUTE)
+    graph.output(tuple(env[g] if g is not None else None for g in joint.grad_results()))
     remove_dead_code(graph)
     return graph, placeholders
 
 
 # Note [Recompute just before use]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A recomputed forward op runs in the backward right before the first backward
-# op that reads it, its own recomputed inputs before it, not all at the
-# backward's start: a recomputed activation then lives from that op to its
-# last use, not through the whole backward. Two blocks, both recomputed:
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The joint graph holds the forward before the backward, so a backward built in
+# its order re-runs every recomputed op before its first backward op: the
+# recomputed values are live together with everything saved, and recomputing
+# lowers the saved bytes but not the peak. ``recompute_late`` moves each
+# recomputed op to just before the first backward op that needs it, directly or
+# through other recomputed ops (its deadline); ties keep the joint's order, which
+# is topological. Two layers ``relu(x @ w1) @ w2``, then ``relu(h @ w1) @ w2``,
+# each relu output 64 KB, saving the second relu (``relu_1``) and recomputing the
+# first from ``x``:
 #
-#     at the start:       relu_0 = relu(mm_0); relu_1 = relu(mm_1)
-#                         grads of block 1 (reads relu_1) ... grads of block 0 (reads relu_0)
-#                         -> relu_0 and relu_1 live together, with block 1's gradients
-#     just before use:    relu_1 = relu(mm_1); grads of block 1
-#                         relu_0 = relu(mm_0); grads of block 0
-#                         -> relu_1 is freed before relu_0 exists
+#     joint order:  mm = mm(x, w1); relu = relu(mm)          <- relu and relu_1 both live
+#                   layer 2's grads (read relu_1, then free it); layer 1's grads (read relu)
+#     late order:   layer 2's grads (read relu_1, then free it)
+#                   mm = mm(x, w1); relu = relu(mm)          <- relu_1 is gone
+#                   layer 1's grads (read relu)
 #
-# The values and the ops run are the same; only the peak changes, and it is
-# what ``Partitioned.peak`` predicts (Note [What a step holds] in ``memory.py``).
-def _recompute_for(
-    needed: Sequence[fx.Node],
-    recompute: set[fx.Node],
-    order: dict[fx.Node, int],
-    graph: fx.Graph,
-    env: dict[fx.Node, fx.Node],
-) -> None:
-    """Copy the recomputed ops ``needed`` reads, and theirs, that are not in ``graph`` yet."""
-    missing: set[fx.Node] = set()
-    stack = [n for n in needed if n in recompute and n not in env]
-    while stack:
-        node = stack.pop()
-        if node not in missing:
-            missing.add(node)
-            stack += [s for s in node.all_input_nodes if s in recompute and s not in env]
-    for node in sorted(missing, key=order.__getitem__):  # joint order: inputs first
-        env[node] = graph.node_copy(node, env.__getitem__)
-        set_phase(env[node], Phase.RECOMPUTE)
+# (the step's peak: 282632 -> 229384 bytes, the ``aotgrad.budget`` doctest). The
+# values are the same in any topological order (recomputed ops are functional,
+# never random, never collectives, never read a mutated input); only lifetimes
+# change. Every strategy recomputes late (``RematPlan.recompute_late``). Late
+# is not always lower: a small value recomputed early from a large saved one
+# frees the large one sooner. So a peak budget tries both orders and its plan
+# says which it chose (Note [Peak budgets] in ``partition/peak_budget.py``).
+def _late_order(order: Sequence[fx.Node], recompute: set[fx.Node]) -> list[fx.Node]:
+    """``order`` with each recomputed node moved to just before its first non-recomputed user."""
+    index = {n: i for i, n in enumerate(order)}
+    deadline: dict[fx.Node, float] = {}
+    for node in reversed(order):  # users come later: their deadlines are known
+        if node in recompute:
+            users = [deadline[u] if u in recompute else index[u] for u in node.users if u in index]
+            deadline[node] = min(users, default=float("inf"))
+
+    def key(node: fx.Node) -> tuple[float, int, int]:
+        if node in recompute:
+            return (deadline[node], 0, index[node])
+        return (index[node], 1, index[node])
+
+    return sorted(order, key=key)
 
 
 def apply_mutations_in_graph(joint: JointGraph, graph: fx.Graph) -> None:

@@ -1,4 +1,5 @@
-"""The partition strategies: ``"save_all"``, ``"mincut"``, ``aotgrad.budget(x)``, or a policy.
+"""The partition strategies: ``"save_all"``, ``"mincut"``, ``aotgrad.budget(x)``,
+``aotgrad.budget(peak=BYTES)`` (its plans: ``partition/peak_budget.py``), or a policy.
 
 Each turns a joint graph into a :class:`RematPlan`; every saved value and
 every recomputed op gets a reason (Note [Saved and recomputed]). A policy is
@@ -8,6 +9,7 @@ your own strategy: a function answering "save this op's output?" (Note
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,21 +36,36 @@ from aotgrad.partition.saved import unique_bytes
 
 @dataclass(frozen=True)
 class Budget:
-    """A memory budget for the saved values: see :func:`budget`."""
+    """A memory budget for the saved values, or for the step's peak: see :func:`budget`."""
 
     # A fraction (0, 1] of the way from the smallest plan any strategy can make to
     # "save_all", or a byte count (> 1) bounding ``Partitioned.saved_bytes`` itself
-    # (Note [Budget units]).
-    limit: float
-    # Seconds HiGHS may spend; past it the best plan found is used, and the plan says so.
+    # (Note [Budget units]); None for a peak budget.
+    limit: float | None
+    # Seconds HiGHS may spend on each solve; past it the best plan found is used, and the
+    # plan says so.
     time_limit: float = 10.0
+    # Bytes bounding ``Partitioned.peak.allocated``, the step's peak above its inputs
+    # (Note [Peak budgets] in ``partition/peak_budget.py``); None for a saved-bytes budget.
+    peak: int | None = None
 
     def __post_init__(self) -> None:
-        if self.limit <= 0:
+        if (self.limit is None) == (self.peak is None):
+            raise TypeError(
+                "aotgrad.budget takes exactly one of a saved-bytes limit, budget(x), or a peak,"
+                f" budget(peak=BYTES); got limit={self.limit!r}, peak={self.peak!r}"
+            )
+        if self.limit is not None and not self.limit > 0:
             raise ValueError(f"a budget must be positive, got {self.limit}")
+        if self.peak is not None and (type(self.peak) is not int or self.peak < 0):
+            raise ValueError(
+                f"budget(peak=...) takes a whole number of bytes >= 0, got {self.peak!r}"
+            )
 
     def bytes_for(self, joint: JointGraph) -> int:
         """The cap on saved bytes, inputs included (what ``Partitioned.saved_bytes`` reports)."""
+        if self.limit is None:
+            raise TypeError(f"{self} bounds the peak, not the saved bytes: it has no byte cap")
         if self.limit > 1:
             return int(self.limit)
         saved = save_all(joint).saved
@@ -61,7 +78,7 @@ class Budget:
         return floor + int(self.limit * (top - floor))
 
     def __str__(self) -> str:
-        return f"budget({self.limit:g})"
+        return f"budget(peak={self.peak})" if self.limit is None else f"budget({self.limit:g})"
 
 
 # Note [Budget units]
@@ -90,13 +107,24 @@ class Budget:
 # plan ``p`` finds one at least as cheap in recompute FLOPs.
 
 
-def budget(limit: float, time_limit: float = 10.0) -> Budget:
+def budget(
+    limit: float | None = None, time_limit: float = 10.0, *, peak: float | None = None
+) -> Budget:
     """Save at most ``limit`` bytes (if > 1), or the fraction ``limit`` of the way from the
-    smallest plan to ``save_all`` (Note [Budget units]), recomputing as few FLOPs as possible.
+    smallest plan to ``save_all`` (Note [Budget units]), recomputing as few FLOPs as possible;
+    or, with ``peak=BYTES``, keep the step's predicted peak at most ``BYTES``.
 
     The plan minimizes recompute FLOPs exactly (a mixed-integer program solved by
     HiGHS), and among equally cheap plans saves the fewest bytes, so a smaller
     budget never saves more.
+
+    ``peak`` counts the bytes a step ``f(*inputs).backward()`` allocates at its
+    peak above its inputs (``Partitioned.peak.allocated``, what
+    ``aotgrad.testing.measure_peak`` measures; ``.grad`` None before the step).
+    The plan is the least-recompute one among a fixed family of candidates
+    whose predicted peak fits, so a smaller peak budget never gives a larger
+    peak (Note [Peak budgets]); below the smallest peak of the family it raises
+    ``ValueError`` with that peak.
 
     >>> import torch, aotgrad
     >>> def f(x, w):
@@ -109,8 +137,41 @@ def budget(limit: float, time_limit: float = 10.0) -> Budget:
     ['mm', 'relu']
     >>> traced.partitioned.saved_bytes  # x and w
     512
+
+    A peak budget on two wide layers sharing their weights: ``save_all`` keeps both
+    (64, 256) relu outputs for the backward; recomputing the first from ``x`` just
+    before its layer's backward keeps the two apart (Note [Recompute just before use]).
+
+    >>> def g(x, w1, w2):
+    ...     h = (x @ w1).relu() @ w2
+    ...     return ((h @ w1).relu() @ w2).sum()
+    >>> x = torch.randn(64, 16)
+    >>> w1, w2 = torch.randn(16, 256, requires_grad=True), torch.randn(256, 16, requires_grad=True)
+    >>> full = aotgrad.trace(g, x, w1, w2).partitioned
+    >>> full.peak.allocated, full.recompute_flops  # bytes above x, w1, w2 at the step's peak
+    (282632, 0)
+    >>> tight = aotgrad.trace(g, x, w1, w2, partition=aotgrad.budget(peak=250_000)).partitioned
+    >>> tight.peak.allocated, tight.recompute_flops, tight.strategy
+    (229384, 540672, 'budget(peak=250000)')
+    >>> aotgrad.trace(g, x, w1, w2, partition=aotgrad.budget(peak=200_000))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: no plan fits budget(peak=200000): the smallest predicted peak of ... is 229384 bytes...
     """
-    return Budget(float(limit), time_limit)
+    return Budget(None if limit is None else float(limit), time_limit, peak=_whole_bytes(peak))
+
+
+def _whole_bytes(peak: float | None) -> int | None:
+    """``peak=`` as an int: ``10**9`` and ``1e9`` alike; a fraction of a byte, or not a number,
+    is refused."""
+    if peak is None:
+        return None
+    if isinstance(peak, bool) or not isinstance(peak, numbers.Real):
+        raise TypeError(f"budget(peak=...) takes a number of bytes, got {type(peak).__name__}")
+    if isinstance(peak, numbers.Integral):
+        return int(peak)
+    if not float(peak).is_integer():
+        raise ValueError(f"budget(peak=...) takes a whole number of bytes, got {peak!r}")
+    return int(peak)
 
 
 def save_all(joint: JointGraph) -> RematPlan:

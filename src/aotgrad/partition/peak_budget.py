@@ -1,0 +1,255 @@
+"""Peak budgets: ``aotgrad.budget(peak=BYTES)``, the least recompute whose predicted step peak
+is at most ``BYTES`` (Note [Peak budgets]).
+
+The plans come from a fixed family of candidates per joint graph (``save_all``,
+``mincut`` and saved-bytes budgets on a grid, each with its recomputation in the
+joint's order and just before use); each is split and its peak predicted
+(``partition/memory.py``). The solver (numpy, SciPy) loads only when a peak budget is
+planned.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from aotgrad.capture import JointGraph
+from aotgrad.partition.remat import RematPlan, needed_by_backward
+from aotgrad.partition.saved import unique_bytes
+from aotgrad.partition.strategies import (
+    Budget,
+    apply_checkpoint_policy,
+    from_saved,
+    mincut,
+    save_all,
+)
+
+if TYPE_CHECKING:
+    from aotgrad.partition import Partitioned
+
+# Turns a plan into forward and backward graphs (``partition._split``), named by its label.
+Split = Callable[[RematPlan, str], "Partitioned"]
+
+# The saved-bytes budgets tried, as fractions from the smallest plan to save_all (Note
+# [Budget units]); fixed, so that the family does not depend on the peak asked for.
+FRACTIONS = (0.0, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
+# Each of those solves stops within 10% of the least recompute FLOPs: a candidate's FLOPs and
+# peak are counted exactly after, and a gap, unlike a time limit, gives the same family on
+# every run (measured on a 12-layer GPT-2: 5 s of solves, against 60 s exact).
+REL_GAP = 0.1
+
+
+# Note [Peak budgets]
+# ~~~~~~~~~~~~~~~~~~~
+# ``budget(peak=B)`` bounds ``Partitioned.peak.allocated``: the bytes a step
+# ``f(*inputs).backward()`` allocates at its peak above the inputs it is given
+# (Note [What a step holds]), which ``aotgrad.testing.measure_peak`` measures.
+# Per joint graph the candidates are a fixed family, built without looking at B:
+# save_all, mincut, and the saved-bytes budgets at ``FRACTIONS``, each once with
+# each recomputed op just before its first use (the default) and once with all of
+# them at the backward's start (Note [Recompute just before use] in
+# ``partition/split.py``: only the first lowers the peak when the peak is in the
+# backward; the second frees a large saved input sooner when a small value is
+# recomputed from it). Candidates with
+# the same graphs count once. Each is split and its peak predicted; the plan is
+#
+#     argmin over {c : peak(c) <= B} of (recompute FLOPs, peak, saved bytes, position)
+#
+# The key is a total order (no two candidates share a position), so there is one
+# argmin. Monotone by construction: take B1 < B2 and their choices c1, c2. The
+# feasible sets nest, F(B1) ⊆ F(B2). If peak(c2) < peak(c1) <= B1, then c2 is in
+# F(B1), so key(c1) < key(c2) (c1 won there), while c1 in F(B2) gives key(c2) <
+# key(c1): a contradiction. So peak(c1) <= peak(c2): a smaller budget never gives
+# a larger predicted peak, and FLOPs(c1) >= FLOPs(c2): never less recompute.
+# A family re-solved for each B (PyTorch's knapsack at each budget fraction) has
+# no such argument, and breaks it: its budget 0.05 gave a 1,145 MB peak where
+# 0.15 gave 275 MB (PyTorch's bug #197838). Worked example: the two layers of
+# the ``aotgrad.budget`` doctest (Note [Recompute just before use]), 9 candidates:
+#
+#     candidate                                     FLOPs      peak (bytes)
+#     save_all                                      0          282632
+#     saved-bytes cap 138240 (fraction 0.75)        540672     229384
+#     saved-bytes cap 41088 (0.03125)               1081344    229384
+#     saved-bytes cap 36864 (0), either order       1605632    282632
+#     (and 4 more: 9 in all, some "recomputed at the backward's start")
+#
+#     budget(peak=300_000), budget(peak=282_632)  -> save_all, peak 282632
+#     budget(peak=282_631) ... budget(peak=229_384) -> cap 138240, peak 229384
+#     budget(peak=229_383)                          -> ValueError: the smallest is 229384
+#
+# The plan is the least recompute within the family, not over every plan (the
+# peak of a plan depends on the order of both graphs, which no integer program
+# here models); the predicted peak equals the measured one to the byte where Note
+# [What a step holds] is exact. Below the family's smallest peak there is no plan:
+# the ValueError names that peak, and the ways to lower it (scan_layers,
+# checkpoint). Cost: one floor solve and two solves per fraction (``REL_GAP``),
+# and a split and a prediction per distinct plan; the family is cached per joint
+# graph, so another B on the same joint costs one split.
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan of the family, with what the choice weighs."""
+
+    label: str
+    plan: RematPlan
+    flops: int
+    # Predicted ``peak.allocated``, and the op running at the peak (``graph/op``).
+    peak: int
+    where: str
+    saved_bytes: int
+
+
+@dataclass(frozen=True)
+class Family:
+    """The candidates of one joint graph, in their fixed order, and what limited them."""
+
+    candidates: tuple[Candidate, ...]
+    note: str | None
+
+
+def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitioned:
+    """The least-recompute candidate whose predicted peak fits ``limit.peak`` (Note [Peak
+    budgets]); ValueError naming the smallest peak when none does."""
+    if limit.peak is None:
+        raise AssertionError(f"expected a peak budget, got {limit}")
+    family = candidates(joint, limit.time_limit, split)
+    fits = [(i, c) for i, c in enumerate(family.candidates) if c.peak <= limit.peak]
+    if not fits:
+        raise ValueError(_below_floor(limit, family))
+    _, best = min(fits, key=_rank)
+    partitioned = split(best.plan, str(limit))
+    if partitioned.peak.allocated != best.peak:
+        raise AssertionError(
+            f"expected the chosen plan's peak {best.peak} again, got {partitioned.peak.allocated}"
+        )
+    note = (
+        f"{limit}: predicted peak {best.peak} bytes at {best.where}; chose {best.label}"
+        f" ({best.flops} recompute FLOPs) of {len(family.candidates)} candidates"
+    )
+    notes = [n for n in (note, family.note, best.plan.note) if n]
+    return replace(partitioned, note="; ".join(notes))
+
+
+def _rank(numbered: tuple[int, Candidate]) -> tuple[int, int, int, int]:
+    """The choice's total order: FLOPs, then peak, then saved bytes, then position."""
+    position, c = numbered
+    return (c.flops, c.peak, c.saved_bytes, position)
+
+
+def _below_floor(limit: Budget, family: Family) -> str:
+    numbered = list(enumerate(family.candidates))  # the plan budget(peak=<its peak>) gives
+    _, least = min(numbered, key=lambda ic: (ic[1].peak, *_rank(ic)))
+    return (
+        f"no plan fits {limit}: the smallest predicted peak of {len(family.candidates)}"
+        f" candidate plans is {least.peak} bytes ({least.peak / 1e6:.2f} MB), with"
+        f" {least.label} (at {least.where}). Raise the budget to at least {least.peak}; or lower"
+        " the floor inside the step: torch.utils.checkpoint around blocks, or"
+        " aotgrad.scan_layers(layers, x, checkpoint=True) for a stack of identical layers"
+        " (Note [Peak budgets])"
+    )
+
+
+# Families by joint graph: another peak on the same joint re-splits one plan. An entry
+# holds plans (fx nodes of the joint's module), never the JointGraph itself, and leaves
+# when the joint is collected.
+_FAMILIES: dict[int, tuple[weakref.ref[JointGraph], float, Family]] = {}
+_LOCK = threading.Lock()
+
+
+def candidates(joint: JointGraph, time_limit: float, split: Split) -> Family:
+    """The fixed family of plans for ``joint`` (Note [Peak budgets]), cached per joint."""
+    key = id(joint)
+    with _LOCK:
+        entry = _FAMILIES.get(key)
+    if entry is not None and entry[0]() is joint and entry[1] == time_limit:
+        return entry[2]
+    family = _build_family(joint, time_limit, split)
+    with _LOCK:
+        fresh = key not in _FAMILIES
+        _FAMILIES[key] = (weakref.ref(joint), time_limit, family)
+    if fresh:
+        weakref.finalize(joint, _FAMILIES.pop, key, None)
+    return family
+
+
+def _build_family(joint: JointGraph, time_limit: float, split: Split) -> Family:
+    plans, note = _base_plans(joint, time_limit)
+    seen: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
+    found: list[Candidate] = []
+    for label, base in _distinct(joint, plans):
+        for late in (True, False):  # the default order first: kept when both are the same
+            variant = replace(base, recompute_late=late)
+            named = label if late else f"{label}, recomputed at the backward's start"
+            partitioned = split(variant, named)
+            if partitioned.backward is None:
+                raise AssertionError(f"expected a backward graph for {named}, got None")
+            graphs = (  # the same graphs from two plans (nothing to move, say) count once
+                tuple(s.name for s in partitioned.saved),
+                tuple(n.format_node() or "" for n in partitioned.backward.graph.nodes),
+            )
+            if graphs in seen:
+                continue
+            seen.add(graphs)
+            peak = partitioned.peak
+            found.append(
+                Candidate(
+                    label=named,
+                    plan=variant,
+                    flops=partitioned.recompute_flops,
+                    peak=peak.allocated,
+                    where=f"{peak.graph} op {peak.node} ({peak.op})",
+                    saved_bytes=partitioned.saved_bytes,
+                )
+            )
+    return Family(candidates=tuple(found), note=note)
+
+
+def _distinct(joint: JointGraph, plans: list[tuple[str, RematPlan]]) -> list[tuple[str, RematPlan]]:
+    """``plans`` after selective checkpoint tags (as ``partition`` applies them), each saved
+    and recomputed set once, first label kept: splitting is the family's main cost."""
+    distinct: dict[tuple[frozenset[object], frozenset[object]], tuple[str, RematPlan]] = {}
+    for label, base in plans:
+        plan = apply_checkpoint_policy(joint, base)
+        distinct.setdefault((frozenset(plan.saved), frozenset(plan.recompute)), (label, plan))
+    return list(distinct.values())
+
+
+def _base_plans(
+    joint: JointGraph, time_limit: float
+) -> tuple[list[tuple[str, RematPlan]], str | None]:
+    """save_all, mincut and the saved-bytes budgets at ``FRACTIONS`` (those solved in time)."""
+    from aotgrad.partition.budget_solver import budget_saved, smallest_saved_bytes  # SciPy
+
+    full = save_all(joint)
+    plans = [("save_all", full), ("mincut", mincut(joint))]
+    needed = needed_by_backward(joint)
+    free_inputs = {n for n in full.saved if n.op == "placeholder"}
+    top = unique_bytes(full.saved)
+    floor = smallest_saved_bytes(joint, needed, free_inputs, time_limit)
+    if floor is None:
+        return plans, (
+            f"the budget solver hit its {time_limit:g} s time limit finding the smallest plan;"
+            " the candidates are save_all and mincut only (raise time_limit in aotgrad.budget)"
+        )
+    floor = min(floor, top)
+    timed_out = []
+    for fraction in FRACTIONS:
+        cap = floor + int(fraction * (top - floor))  # as Budget.bytes_for
+        result = budget_saved(joint, needed, cap, time_limit, free_inputs, rel_gap=REL_GAP)
+        label = f"saved-bytes cap {cap}"  # budget(fraction)'s cap, solved within REL_GAP
+        if result.saved is None or result.note is not None:
+            timed_out.append(f"{fraction:g}")
+        if result.saved is not None:
+            plans.append((label, from_saved(joint, needed, result.saved, label)))
+    note = None
+    if timed_out:
+        note = (
+            f"the budget solver hit its {time_limit:g} s time limit at fractions"
+            f" {', '.join(timed_out)}: those candidates are the best found or left out"
+            " and may differ between runs (raise time_limit in aotgrad.budget)"
+        )
+    return plans, note
