@@ -44,11 +44,6 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-# Where the prediction is exact the measured peak keeps the budget too. Not yet bert's: the CPU
-# flash-attention backward takes scratch space the prediction leaves out (8320 bytes here).
-MEASURED_WITHIN_BUDGET = {"gpt2", "vit"}
-
-
 @pytest.mark.parametrize("name", ["gpt2", "bert", "vit"])
 def test_smaller_peak_budgets_never_give_larger_peaks(name):
     # Batch 8 (sequence 32): the peak is in the backward, where remat moves it.
@@ -84,8 +79,10 @@ def test_smaller_peak_budgets_never_give_larger_peaks(name):
         flops.append(plan.recompute_flops)
     assert predicted == sorted(predicted), (budgets, predicted)
     assert measured == sorted(measured), (budgets, measured)
-    if name in MEASURED_WITHIN_BUDGET:
-        assert all(m <= b for m, b in zip(measured, budgets, strict=True)), (budgets, measured)
+    # The outputs beside the loss (logits) die before this step's backward; the prediction holds
+    # every output to the end of the step (Note [What a step holds]): measured <= predicted.
+    assert all(m <= p for m, p in zip(measured, predicted, strict=True)), (predicted, measured)
+    assert all(m <= b for m, b in zip(measured, budgets, strict=True)), (budgets, measured)
     assert flops == sorted(flops, reverse=True), (budgets, flops)
     assert predicted[0] == floor and flops[0] > 0 and flops[-1] == 0
 

@@ -98,7 +98,11 @@ class PeakEstimate:
 #
 # On CUDA each storage counts as the caching allocator's block: its bytes
 # rounded up to a multiple of 512. The inputs count in ``nbytes`` and not in ``allocated`` (``measure_peak``
-# does not see them either). Outside the model: a ``.grad`` that already holds
+# does not see them either). Every output is held to the end of the step, as
+# ``f(*inputs).backward()`` holds its loss: a step that drops other outputs
+# before its backward (``f(x)[0].backward()``, a ``ModelOutput`` whose logits
+# die once its loss is read) measures less than predicted, never more.
+# Outside the model: a ``.grad`` that already holds
 # a gradient (accumulated in place: less memory, never more), user compilers
 # that keep values the default runtime frees, and kernels' scratch space when
 # ``workspace`` is not given.
