@@ -94,16 +94,16 @@ class PeakEstimate:
 #                grads of x and w, held together until the graph returns
 #     gradients: each grad becomes ``.grad`` as is, unless its strides break
 #                ``.grad``'s layout contract: then autograd copies it first
-#                (a transposed ``mm`` result for a weight), one more grad's bytes
+#                (a row-major gradient of a transposed leaf), one more grad's bytes
 #
 # On CUDA each storage counts as the caching allocator's block: its bytes
-# rounded up to a multiple of 512. The inputs count in ``nbytes`` and not in ``allocated`` (``measure_peak``
-# does not see them either). Every output is held to the end of the step, as
-# ``f(*inputs).backward()`` holds its loss: a step that drops other outputs
-# before its backward (``f(x)[0].backward()``, a ``ModelOutput`` whose logits
-# die once its loss is read) measures less than predicted, never more.
-# Outside the model: a ``.grad`` that already holds
-# a gradient (accumulated in place: less memory, never more), user compilers
+# rounded up to a multiple of 512. The inputs count in ``nbytes`` and not in
+# ``allocated`` (``measure_peak`` does not see them either). Every output is
+# held to the end of the step, as ``f(*inputs).backward()`` holds its loss: a
+# step that drops other outputs before its backward (``f(x)[0].backward()``, a
+# ``ModelOutput`` whose logits die once its loss is read) measures less than
+# predicted, never more. Outside the model: a ``.grad`` that already holds a
+# gradient (accumulated in place: less memory, never more), user compilers
 # that keep values the default runtime frees, and kernels' scratch space when
 # ``workspace`` is not given.
 
