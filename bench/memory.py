@@ -334,34 +334,10 @@ def batch_statistics_only(model: nn.Module) -> None:
 # ---------------------------------------------------------------- aotgrad's plan at a peak
 
 
-_GRID = (0.02, 0.1, 0.2, 0.3, 0.4, 0.55, 0.7, 0.85, 1.0)
-
-
-@dataclass
-class _StandIn:
-    """Until ``aotgrad.budget(peak=...)`` lands: of the grid's plans, each measured once per
-    step, the one recomputing the fewest FLOPs whose measured peak fits."""
-
-    # id(step) -> (the step, kept alive so that its id is not reused; (plan, peak, FLOPs)s).
-    measured: dict[int, tuple[Step, list[tuple[Any, int, int]]]] = field(default_factory=dict)
-
-    def plan_at_peak(self, step: Step, peak: int) -> Any:
-        if id(step) not in self.measured:
-            grid = [(aotgrad.budget(x), *step.aotgrad(aotgrad.budget(x))) for x in _GRID]
-            self.measured[id(step)] = (step, grid)
-        fits = [(flops, p, plan) for plan, p, flops in self.measured[id(step)][1] if p <= peak]
-        if not fits:
-            raise ValueError(f"no plan of the stand-in's grid peaks at or below {peak} bytes")
-        return min(fits, key=lambda f: (f[0], f[1]))[2]
-
-
-_STAND_IN = _StandIn()
-
-
 def _aotgrad_plan_at_peak(step: Step, peak: int) -> Any:
     """aotgrad's minimum-recompute plan whose peak is at most ``peak`` bytes (ValueError when
     none is)."""
-    return _STAND_IN.plan_at_peak(step, peak)  # at merge: return aotgrad.budget(peak=peak)
+    return aotgrad.budget(peak=peak)
 
 
 def aotgrad_at(step: Step, peak: int, save_all_flops: int) -> Point:

@@ -139,6 +139,16 @@ _FLOPS: dict[object, Any] = {
 }
 
 
+def is_compute_intensive(op: object) -> bool:
+    """A matmul, convolution or attention op: FLOPs grow faster than the bytes it touches
+    (what ``torch.utils.flop_counter`` counts; everything else costs about its memory traffic).
+
+    >>> is_compute_intensive(torch.ops.aten.mm.default), is_compute_intensive(torch.ops.aten.relu.default)
+    (True, False)
+    """
+    return op in _FLOPS
+
+
 def flops(op: object, args: tuple[Any, ...], out: object) -> int:
     """Estimated floating-point operations of one op, from the per-op table.
 

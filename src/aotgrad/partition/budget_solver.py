@@ -40,6 +40,7 @@ def budget_saved(
     free_inputs: set[fx.Node],
     *,
     rel_gap: float = 0.0,
+    kept: frozenset[fx.Node] = frozenset(),
 ) -> BudgetResult:
     """The exact memory-budget solver: a mixed-integer program solved by HiGHS.
 
@@ -56,10 +57,11 @@ def budget_saved(
     plan with it) are paid for up front, others (a bias a recomputation needs) weigh their bytes, so no
     plan saves more than ``save_all``. ``rel_gap`` > 0 stops each solve within that
     fraction of the optimum (deterministic, unlike a time limit): a peak budget's
-    candidates (Note [Peak budgets] in ``partition/peak_budget.py``).
+    candidates (Note [Peak budgets] in ``partition/peak_budget.py``). Ops in ``kept`` are
+    never recomputed either (a peak budget's candidates that recompute no matmul).
     """
     needed = list(needed)  # read several times below
-    p = _BudgetProblem.of(joint, free_inputs, time_limit, rel_gap)
+    p = _BudgetProblem.of(joint, free_inputs, time_limit, rel_gap, kept)
     constraint = p.constraint(needed, budget_bytes - p.held)
     first = p.solve(p.on_recompute(p.costs), [constraint])
     if first.x is None and first.status == 1:  # the time limit struck before any plan
@@ -69,7 +71,7 @@ def budget_saved(
         )
         return BudgetResult(saved=None, note=fallback)
     if first.x is None:
-        least = smallest_saved_bytes(joint, needed, free_inputs, time_limit)
+        least = smallest_saved_bytes(joint, needed, free_inputs, time_limit, kept)
         smallest = "?" if least is None else str(least)
         raise ValueError(
             f"no plan fits a budget of {budget_bytes} bytes: the inputs the backward reads take"
@@ -94,7 +96,11 @@ def budget_saved(
 
 
 def smallest_saved_bytes(
-    joint: JointGraph, needed: Iterable[fx.Node], free_inputs: set[fx.Node], time_limit: float
+    joint: JointGraph,
+    needed: Iterable[fx.Node],
+    free_inputs: set[fx.Node],
+    time_limit: float,
+    kept: frozenset[fx.Node] = frozenset(),
 ) -> int | None:
     """The fewest bytes any plan saves (inputs included): the floor of every budget.
 
@@ -103,7 +109,7 @@ def smallest_saved_bytes(
     None when the solver ran out of time.
     """
     needed = list(needed)
-    p = _BudgetProblem.of(joint, free_inputs, time_limit)
+    p = _BudgetProblem.of(joint, free_inputs, time_limit, kept=kept)
     least = p.solve(p.on_save(p.weights), [p.constraint(needed, None)])
     return None if least.x is None else p.held + p.rounded(least.x, needed).bytes
 
@@ -142,7 +148,11 @@ class _BudgetProblem:
 
     @staticmethod
     def of(
-        joint: JointGraph, free_inputs: set[fx.Node], time_limit: float, rel_gap: float = 0.0
+        joint: JointGraph,
+        free_inputs: set[fx.Node],
+        time_limit: float,
+        rel_gap: float = 0.0,
+        kept: frozenset[fx.Node] = frozenset(),
     ) -> _BudgetProblem:
         inputs = [
             p
@@ -160,7 +170,7 @@ class _BudgetProblem:
             weights=weights,
             costs=np.array([node_flops(v) for v in ops], dtype=float),
             held=unique_bytes(free_inputs),
-            bounds=_budget_bounds(ops, reads_mutated_input(joint)),
+            bounds=_budget_bounds(ops, reads_mutated_input(joint) | kept),
             time_limit=time_limit,
             rel_gap=rel_gap,
         )

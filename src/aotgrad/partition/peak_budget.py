@@ -16,8 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import torch.fx as fx
+
 from aotgrad.capture import JointGraph
-from aotgrad.partition.remat import RematPlan, needed_by_backward
+from aotgrad.optable import is_compute_intensive
+from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward
 from aotgrad.partition.saved import unique_bytes
 from aotgrad.partition.strategies import (
     Budget,
@@ -25,6 +28,7 @@ from aotgrad.partition.strategies import (
     from_saved,
     mincut,
     save_all,
+    with_policy,
 )
 
 if TYPE_CHECKING:
@@ -48,33 +52,42 @@ REL_GAP = 0.1
 # ``f(*inputs).backward()`` allocates at its peak above the inputs it is given
 # (Note [What a step holds]), which ``aotgrad.testing.measure_peak`` measures.
 # Per joint graph the candidates are a fixed family, built without looking at B:
-# save_all, mincut, and the saved-bytes budgets at ``FRACTIONS``, each once with
-# each recomputed op just before its first use (the default) and once with all of
-# them at the backward's start (Note [Recompute just before use] in
-# ``partition/split.py``: only the first lowers the peak when the peak is in the
-# backward; the second frees a large saved input sooner when a small value is
-# recomputed from it). Candidates with
-# the same graphs count once. Each is split and its peak predicted; the plan is
+# save_all, mincut, the policy saving what matmuls, convolutions and attention
+# return (recomputing only cheaper ops from them), the saved-bytes budgets at
+# ``FRACTIONS``, and those budgets again with no matmul-class op recomputed; each once with each recomputed op just before its first use (the
+# default) and once with all of them at the backward's start (Note [Recompute
+# just before use] in ``partition/split.py``: only the first lowers the peak when
+# the peak is in the backward; the second frees a large saved input sooner when a
+# small value is recomputed from it). Candidates with the same graphs count once.
+# Each is split and its peak predicted; the plan is
 #
-#     argmin over {c : peak(c) <= B} of (recompute FLOPs, peak, saved bytes, position)
+#     argmin over {c : peak(c) <= B} of
+#         (recomputed matmul/conv/attention FLOPs, recompute FLOPs, peak, saved bytes, position)
+#
+# Matmul-class FLOPs first: they are what a step's time grows with (and what
+# ``torch.utils.flop_counter`` counts); the other ops cost about their memory
+# traffic, and a compiler fuses them into their users.
 #
 # The key is a total order (no two candidates share a position), so there is one
 # argmin. Monotone by construction: take B1 < B2 and their choices c1, c2. The
 # feasible sets nest, F(B1) ⊆ F(B2). If peak(c2) < peak(c1) <= B1, then c2 is in
 # F(B1), so key(c1) < key(c2) (c1 won there), while c1 in F(B2) gives key(c2) <
 # key(c1): a contradiction. So peak(c1) <= peak(c2): a smaller budget never gives
-# a larger predicted peak, and FLOPs(c1) >= FLOPs(c2): never less recompute.
+# a larger predicted peak, and key(c1) >= key(c2) in its first two places: never
+# less recompute, matmul-class FLOPs first.
 # A family re-solved for each B (PyTorch's knapsack at each budget fraction) has
 # no such argument, and breaks it: its budget 0.05 gave a 1,145 MB peak where
 # 0.15 gave 275 MB (PyTorch's bug #197838). Worked example: the two layers of
-# the ``aotgrad.budget`` doctest (Note [Recompute just before use]), 9 candidates:
+# the ``aotgrad.budget`` doctest (Note [Recompute just before use]), 11 candidates
+# (FLOPs: matmul-class, all):
 #
-#     candidate                                     FLOPs      peak (bytes)
-#     save_all                                      0          282632
-#     saved-bytes cap 138240 (fraction 0.75)        540672     229384
-#     saved-bytes cap 41088 (0.03125)               1081344    229384
-#     saved-bytes cap 36864 (0), either order       1605632    282632
-#     (and 4 more: 9 in all, some "recomputed at the backward's start")
+#     candidate                                   FLOPs               peak (bytes)
+#     save_all                                    0, 0                282632
+#     saved matmul/convolution/attention outputs  0, 32768            282632
+#     saved-bytes cap 138240 (fraction 0.75)      524288, 540672      229384
+#     saved-bytes cap 41088 (0.03125)             1048576, 1081344    229384
+#     saved-bytes cap 36864 (0), either order     1572864, 1605632    282632
+#     (and 6 more, some "recomputed at the backward's start")
 #
 #     budget(peak=300_000), budget(peak=282_632)  -> save_all, peak 282632
 #     budget(peak=282_631) ... budget(peak=229_384) -> cap 138240, peak 229384
@@ -85,8 +98,8 @@ REL_GAP = 0.1
 # here models); the predicted peak equals the measured one to the byte where Note
 # [What a step holds] is exact. Below the family's smallest peak there is no plan:
 # the ValueError names that peak, and the ways to lower it (scan_layers,
-# checkpoint). Cost: one floor solve and two solves per fraction (``REL_GAP``),
-# and a split and a prediction per distinct plan; the family is cached per joint
+# checkpoint). Cost: two floor solves and four solves per fraction (``REL_GAP``;
+# two per budget), and a split and a prediction per distinct plan; the family is cached per joint
 # graph, so another B on the same joint costs one split.
 
 
@@ -97,6 +110,8 @@ class Candidate:
     label: str
     plan: RematPlan
     flops: int
+    # Of ``flops``, those of recomputed matmuls, convolutions and attention.
+    intensive_flops: int
     # Predicted ``peak.allocated``, and the op running at the peak (``graph/op``).
     peak: int
     where: str
@@ -134,10 +149,11 @@ def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitio
     return replace(partitioned, note="; ".join(notes))
 
 
-def _rank(numbered: tuple[int, Candidate]) -> tuple[int, int, int, int]:
-    """The choice's total order: FLOPs, then peak, then saved bytes, then position."""
+def _rank(numbered: tuple[int, Candidate]) -> tuple[int, int, int, int, int]:
+    """The choice's total order: recomputed matmul/convolution/attention FLOPs, then all
+    recompute FLOPs, then peak, then saved bytes, then position."""
     position, c = numbered
-    return (c.flops, c.peak, c.saved_bytes, position)
+    return (c.intensive_flops, c.flops, c.peak, c.saved_bytes, position)
 
 
 def _below_floor(limit: Budget, family: Family) -> str:
@@ -200,12 +216,57 @@ def _build_family(joint: JointGraph, time_limit: float, split: Split) -> Family:
                     label=named,
                     plan=variant,
                     flops=partitioned.recompute_flops,
+                    intensive_flops=_intensive_flops(partitioned),
                     peak=peak.allocated,
                     where=f"{peak.graph} op {peak.node} ({peak.op})",
                     saved_bytes=partitioned.saved_bytes,
                 )
             )
     return Family(candidates=tuple(found), note=note)
+
+
+def _without_matmul_recompute(
+    joint: JointGraph,
+    needed: dict[fx.Node, str],
+    free_inputs: set[fx.Node],
+    top: int,
+    time_limit: float,
+    timed_out: list[str],
+) -> list[tuple[str, RematPlan]]:
+    """The saved-bytes budgets at ``FRACTIONS`` again, recomputing no matmul, convolution or
+    attention: the cheapest plans at each size that a step's time does not grow with."""
+    from aotgrad.partition.budget_solver import budget_saved, smallest_saved_bytes  # SciPy
+
+    kept = frozenset(n for n in forward_ops(joint) if is_compute_intensive(n.target))
+    if not kept:
+        return []
+    floor = smallest_saved_bytes(joint, needed, free_inputs, time_limit, kept)
+    if floor is None:
+        timed_out.append("the floor without matmul recompute")
+        return []
+    plans = []
+    for fraction in FRACTIONS[:-1]:  # at 1: save_all's cap, the plan above
+        cap = min(floor, top) + int(fraction * (top - min(floor, top)))
+        result = budget_saved(
+            joint, needed, cap, time_limit, free_inputs, rel_gap=REL_GAP, kept=kept
+        )
+        label = f"saved-bytes cap {cap}, no matmul recomputed"
+        if result.saved is None or result.note is not None:
+            timed_out.append(f"{fraction:g} (no matmul recomputed)")
+        if result.saved is not None:
+            plans.append((label, from_saved(joint, needed, result.saved, label)))
+    return plans
+
+
+def _intensive_flops(partitioned: Partitioned) -> int:
+    assert partitioned.backward is not None
+    targets = {n.name: n.target for n in partitioned.backward.graph.nodes}
+    return sum(r.flops for r in partitioned.recomputed if is_compute_intensive(targets[r.name]))
+
+
+def _saves_compute_intensive(node: fx.Node) -> bool:
+    """The policy of the family's "save matmuls" candidate (Note [Peak budgets])."""
+    return is_compute_intensive(node.target)
 
 
 def _distinct(joint: JointGraph, plans: list[tuple[str, RematPlan]]) -> list[tuple[str, RematPlan]]:
@@ -225,7 +286,14 @@ def _base_plans(
     from aotgrad.partition.budget_solver import budget_saved, smallest_saved_bytes  # SciPy
 
     full = save_all(joint)
-    plans = [("save_all", full), ("mincut", mincut(joint))]
+    plans = [
+        ("save_all", full),
+        ("mincut", mincut(joint)),
+        (
+            "saved matmul/convolution/attention outputs",
+            with_policy(joint, _saves_compute_intensive),
+        ),
+    ]
     needed = needed_by_backward(joint)
     free_inputs = {n for n in full.saved if n.op == "placeholder"}
     top = unique_bytes(full.saved)
@@ -245,6 +313,7 @@ def _base_plans(
             timed_out.append(f"{fraction:g}")
         if result.saved is not None:
             plans.append((label, from_saved(joint, needed, result.saved, label)))
+    plans += _without_matmul_recompute(joint, needed, free_inputs, top, time_limit, timed_out)
     note = None
     if timed_out:
         note = (
