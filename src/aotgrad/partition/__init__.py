@@ -8,19 +8,19 @@ Entry point: :func:`partition`. Strategies: ``"save_all"``, ``"mincut"``,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from functools import cached_property, partial
-from typing import Any, Literal
+from dataclasses import replace
+from functools import partial
+from typing import Literal
 
 import torch.fx as fx
 
 from aotgrad.capture import JointGraph, Phase, check_order, lazy_module, node_info
-from aotgrad.errors import UserFrame
 from aotgrad.optable import op_name
-from aotgrad.partition.memory import LiveValue, PeakEstimate, predict_peak
+from aotgrad.partition.memory import LiveValue, PeakEstimate
+from aotgrad.partition.partitioned import Partitioned, RecomputedOp
 from aotgrad.partition.peak_budget import with_peak_budget
 from aotgrad.partition.remat import RematPlan, node_flops
-from aotgrad.partition.saved import SavedValue, describe_saved, unique_bytes
+from aotgrad.partition.saved import SavedValue, describe_saved
 from aotgrad.partition.split import apply_mutations_in_graph, build_backward, build_forward
 from aotgrad.partition.strategies import (
     Budget,
@@ -33,7 +33,6 @@ from aotgrad.partition.strategies import (
     with_budget,
     with_policy,
 )
-from aotgrad.partition.workspace import op_peak
 from aotgrad.signature import (
     Descriptor,
     MutatedInput,
@@ -55,78 +54,6 @@ __all__ = [
 ]
 
 Strategy = Literal["save_all", "mincut"] | Budget | Policy
-
-
-@dataclass(frozen=True)
-class RecomputedOp:
-    """A forward op the backward runs again, and why."""
-
-    name: str  # node name in the backward graph
-    op: str
-    module: str
-    source: UserFrame | None
-    flops: int
-    reason: str
-
-    def to_dict(self) -> dict[str, Any]:
-        info = dict(vars(self))
-        info["source"] = None if self.source is None else str(self.source)
-        return info
-
-
-@dataclass(frozen=True)
-class Partitioned:
-    """The forward and backward graphs, what passes between them, and the convention."""
-
-    # What was split.
-    joint: JointGraph
-    # forward(*primals) -> (*outputs, *bases, *mutated, *saved)
-    forward: fx.GraphModule
-    # backward(*saved, *cotangents) -> grads; None when nothing needs a gradient.
-    backward: fx.GraphModule | None
-    # The values the forward hands to the backward, in order.
-    saved: tuple[SavedValue, ...]
-    # Descriptors of every placeholder and output of both graphs.
-    signature: Signature
-    # The forward graph copies new values into mutated inputs itself (inference only).
-    mutations_in_graph: bool = False
-    # Forward ops the backward runs again (checkpoint regions, free views, remat choices).
-    recomputed: tuple[RecomputedOp, ...] = ()
-    # Which strategy chose, and anything it wants the user to know.
-    strategy: str = "save_all"
-    note: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.backward is None and self.saved:
-            raise AssertionError(f"expected no saved values without a backward, got {self.saved}")
-        if self.mutations_in_graph and self.backward is not None:
-            raise AssertionError("expected mutations in the graph only without a backward")
-
-    @property
-    def saved_bytes(self) -> int:
-        """Bytes of the storages the backward receives, each counted once (inputs included)."""
-        return unique_bytes(self.saved)
-
-    @property
-    def saved_bytes_beyond_inputs(self) -> int:
-        """Bytes the saved values keep alive that the caller does not hold anyway."""
-        return unique_bytes([s for s in self.saved if not s.is_input])
-
-    @property
-    def recompute_flops(self) -> int:
-        """Estimated FLOPs the backward spends re-running forward ops."""
-        return sum(r.flops for r in self.recomputed)
-
-    @cached_property
-    def peak(self) -> PeakEstimate:
-        """The predicted peak of a step ``f(*inputs).backward()``: how many bytes, where, and
-        what is live then (Note [What a step holds] in ``partition/memory.py``)."""
-        return predict_peak(self.forward, self.backward, self.signature, op_peak)
-
-    @property
-    def peak_bytes(self) -> int:
-        """Predicted peak bytes of a step, inputs included (``peak.nbytes``)."""
-        return self.peak.nbytes
 
 
 def partition(

@@ -14,12 +14,12 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
 from aotgrad.capture import JointGraph
 from aotgrad.optable import is_compute_intensive
+from aotgrad.partition.partitioned import Partitioned
 from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward
 from aotgrad.partition.saved import unique_bytes
 from aotgrad.partition.strategies import (
@@ -31,11 +31,8 @@ from aotgrad.partition.strategies import (
     with_policy,
 )
 
-if TYPE_CHECKING:
-    from aotgrad.partition import Partitioned
-
 # Turns a plan into forward and backward graphs (``partition._split``), named by its label.
-Split = Callable[[RematPlan, str], "Partitioned"]
+Split = Callable[[RematPlan, str], Partitioned]
 
 # The saved-bytes budgets tried, as fractions from the smallest plan to save_all (Note
 # [Budget units]); fixed, so that the family does not depend on the peak asked for.
