@@ -199,3 +199,40 @@ def test_disk_cache_keys_the_decomposition_set(tmp_path, monkeypatch):
     aot_function(f, fw_compiler=record)(x)
     assert _offenders(graphs[-1:]), "a core_aten graph was served to a default call"
     assert len(list(tmp_path.rglob("*"))) > 0
+
+
+def test_dynamo_backend_takes_core_aten():
+    import aotgrad.dynamo
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return nop(gm, example_inputs)
+
+    def f(x):
+        return F.silu(x).sum()
+
+    torch._dynamo.reset()
+    backend = aotgrad.dynamo.backend(record, record, decompositions="core_aten")
+    x = torch.randn(5, requires_grad=True)
+    out = torch.compile(f, backend=backend)(x)
+    out.backward()
+    torch._dynamo.reset()
+    expected = torch.autograd.grad(f(x), x)[0]
+    torch.testing.assert_close(x.grad, expected, rtol=RTOL, atol=ATOL)
+    assert len(graphs) == 2 and not _offenders(graphs)
+
+
+@pytest.mark.parametrize(
+    "size, stride, offset", [((2, 3), (1, 2), 1), ((3,), (4,), 2), ((2, 2), (4, 1), 5)]
+)
+def test_as_strided_scatter_decomposition_is_the_op(size, stride, offset):
+    from aotgrad.capture.opset import EXTRA_DECOMPOSITIONS
+
+    decompose = EXTRA_DECOMPOSITIONS[aten.as_strided_scatter.default]
+    base, src = torch.randn(3, 4), torch.randn(size)
+    expected = aten.as_strided_scatter.default(base, src, size, stride, offset)
+    torch.testing.assert_close(decompose(base, src, size, stride, offset), expected)
+    with pytest.raises(UnsupportedOpError, match="non-contiguous"):
+        decompose(base.t(), src, size, stride, offset)

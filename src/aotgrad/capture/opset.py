@@ -111,13 +111,11 @@ def _as_strided_scatter(
     ``arange`` over ``base``'s elements, viewed the same way; ``index_put`` writes there. The
     view's strides count elements of ``base``'s memory, which is its ``arange`` order only when
     ``base`` is contiguous, so anything else is refused."""
-    torch._check(
-        base.is_contiguous(),
-        lambda: (
+    if not base.is_contiguous():
+        raise UnsupportedOpError(
             "decompositions='core_aten': as_strided_scatter into a non-contiguous tensor"
             " has no Core ATen decomposition in aotgrad (Note [Core ATen graphs])"
-        ),
-    )
+        )
     positions = torch.arange(base.numel(), device=base.device)
     positions = positions.as_strided(size, stride, storage_offset or 0)
     flat = base.reshape(-1).index_put((positions.reshape(-1),), src.reshape(-1).to(base.dtype))
@@ -145,7 +143,11 @@ def _flash_attention_for_cpu_backward(
     ``dv = P^T do``, ``dS = P * (do v^T - rowsum(do * o))``, ``dq = dS k * scale``,
     ``dk = dS^T q * scale``; grouped-query heads (``key`` with fewer heads) sum their
     group's gradients."""
-    torch._check(dropout_p == 0.0, lambda: f"dropout probability must be zero, got {dropout_p}")
+    if dropout_p != 0.0:  # the forward's decomposition refuses it too
+        raise UnsupportedOpError(
+            f"decompositions='core_aten': attention with dropout_p={dropout_p} has no Core ATen"
+            " decomposition whose mask is eager's; capture without decompositions='core_aten'"
+        )
     heads, kv_heads = query.size(1), key.size(1)
     group = heads // kv_heads
     k = key.repeat_interleave(group, dim=1) if group != 1 else key
