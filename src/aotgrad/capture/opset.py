@@ -2,7 +2,7 @@
 holds only the ops of the set it was captured for (Note [Core ATen graphs]).
 
 >>> import torch
->>> torch.ops.aten.native_layer_norm.default in decomposition_set("core_aten")
+>>> torch.ops.aten.silu.default in decomposition_set("core_aten")
 True
 >>> decomposition_set("core")
 Traceback (most recent call last):
@@ -32,9 +32,14 @@ from aotgrad.errors import ConfigError, UnsupportedOpError
 # table applies below autograd, to the forward ops and to the ops the derivative formulas
 # issue, so the forward and the backward graph both come out decomposed::
 #
-#     F.layer_norm(x, (4,), w, b)
-#       default:    native_layer_norm             ...  native_layer_norm_backward
-#       core_aten:  var_mean, add, rsqrt, sub, mul ...  mul, sum, sub, div, ...
+#     F.silu(x)
+#       default:    silu              backward:  silu_backward
+#       core_aten:  sigmoid, mul      backward:  sigmoid, mul, sub, mul, add, mul
+#
+# The export table expects some ops gone before it runs, and PyTorch decomposes others only
+# into prims (``torch._refs``) or not at all; ``FROM_TORCH_DECOMP`` (BatchNorm, training and
+# eval) and ``EXTRA_DECOMPOSITIONS`` (aotgrad's: the CPU flash-attention backward,
+# ``as_strided_scatter`` into a contiguous tensor, ``var_mean``) fill those in.
 #
 # After capture every ``call_function`` node of the joint graph is checked: its target is
 # an ``OpOverload`` tagged ``torch.Tag.core``, or one the graphs legitimately need beyond
