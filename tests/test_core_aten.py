@@ -236,3 +236,11 @@ def test_as_strided_scatter_decomposition_is_the_op(size, stride, offset):
     torch.testing.assert_close(decompose(base, src, size, stride, offset), expected)
     with pytest.raises(UnsupportedOpError, match="non-contiguous"):
         decompose(base.t(), src, size, stride, offset)
+
+
+def test_dropout_drawing_outside_core_aten_is_refused_by_name():
+    # Eager's CPU dropout draws with bernoulli_ (not Core ATen); its decomposition would draw
+    # other numbers, so the op is kept and the capture refused, naming it and why.
+    x = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(UnsupportedOpError, match=r"bernoulli\.p \(forward.*a random op"):
+        aotgrad.trace(lambda x: F.dropout(x, 0.5), x, decompositions="core_aten")

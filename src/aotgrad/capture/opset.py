@@ -22,12 +22,13 @@ import torch.fx as fx
 
 from aotgrad._torch_compat import OpOverload, all_decompositions
 from aotgrad.errors import ConfigError, UnsupportedOpError
+from aotgrad.optable import is_random
 
 # Note [Core ATen graphs]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # ``decompositions="core_aten"`` captures with PyTorch's Core ATen decomposition table
 # (``torch.export.default_decompositions()``, the one ``ExportedProgram.run_decompositions()``
-# uses), composed with aotgrad's own handling of random ops (Note [Random ops], applied to
+# uses), composed with aotgrad's own handling of random ops (``capture/random.py``, applied to
 # every table: a random op's decomposition is used only for calls that draw nothing). The
 # table applies below autograd, to the forward ops and to the ops the derivative formulas
 # issue, so the forward and the backward graph both come out decomposed::
@@ -46,8 +47,9 @@ from aotgrad.errors import ConfigError, UnsupportedOpError
 # the opset (``ALSO_ALLOWED``: ``operator.getitem`` of a multi-output op, and aotgrad's own
 # ops in the ``aotgrad`` namespace, which mark cotangents, fill random values and reseed;
 # a backend meets them as custom ops, named in the export's docs). An op still outside the
-# set (one PyTorch has no decomposition for, or an op the table leaves alone on purpose)
-# is a loud UnsupportedOpError naming each such op and the user source line of its first
+# set (one PyTorch has no decomposition for, an op the table leaves alone on purpose, or a
+# random op such as dropout's ``bernoulli.p`` on CPU, whose decomposition would draw other
+# numbers than eager: ``rand_like(x) < p`` for Bernoulli draws) is a loud UnsupportedOpError naming each such op and the user source line of its first
 # node: a graph promised in Core ATen and holding something else is never returned.
 #
 # The set's name is part of the disk-cache key (``store.persist.options_text``): a graph
@@ -235,7 +237,13 @@ def refuse_non_core(graph: fx.Graph, name: str) -> None:
         source = getattr(info, "source", None)
         phase = getattr(getattr(info, "phase", None), "value", "")
         where = f", first at {source}" if source is not None else ""
-        lines.append(f"  {op} ({phase}{where})")
+        why = (
+            ": a random op, kept so that the graph draws what eager draws (its decompositions"
+            " draw other numbers)"
+            if is_random(node.target)
+            else ""
+        )
+        lines.append(f"  {op} ({phase}{where}){why}")
     raise UnsupportedOpError(
         f"decompositions={name!r}: the captured graph still holds {len(first)} op(s) outside"
         f" PyTorch's Core ATen opset, which no decomposition in the table reaches:\n"
