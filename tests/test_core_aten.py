@@ -3,6 +3,7 @@ ATen opset, on every frontend, and the graphs stay equal to eager (Note [Core AT
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import operator
@@ -244,3 +245,37 @@ def test_dropout_drawing_outside_core_aten_is_refused_by_name():
     x = torch.randn(4, 4, requires_grad=True)
     with pytest.raises(UnsupportedOpError, match=r"bernoulli\.p \(forward.*a random op"):
         aotgrad.trace(lambda x: F.dropout(x, 0.5), x, decompositions="core_aten")
+
+
+def test_scan_layers_takes_core_aten():
+    # The body of scan_layers (one layer's forward and backward) is captured in Core ATen.
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return nop(gm, example_inputs)
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(
+        nn.Sequential(nn.Linear(4, 4), nn.SiLU(), nn.LayerNorm(4)) for _ in range(3)
+    )
+    eager = copy.deepcopy(layers)
+    x = torch.randn(2, 4)
+    y = aotgrad.scan_layers(
+        layers, x, decompositions="core_aten", fw_compiler=record, bw_compiler=record
+    )
+    y.sum().backward()
+    expected = x
+    for layer in eager:
+        expected = layer(expected)
+    expected.sum().backward()
+    torch.testing.assert_close(y, expected, rtol=RTOL, atol=ATOL)
+    for p, e in zip(layers.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, e.grad, rtol=RTOL, atol=ATOL)
+    assert len(graphs) == 2 and not _offenders(graphs)
+
+
+def test_create_graph_backward_under_core_aten_is_eager():
+    compile_fn = lambda fn: aot_function(fn, decompositions="core_aten")  # noqa: E731
+    x = torch.randn(4, requires_grad=True)
+    verify(lambda x: F.silu(x).sum(), x, create_graph=True, compile_fn=compile_fn)
