@@ -802,6 +802,13 @@ def test_prepend_tensor_hook_runs_first_and_is_removable():
     assert ran == ["first registered", "last registered"]
 
 
+def test_all_decompositions_reach_ops_outside_core_aten():
+    table = compat.all_decompositions()
+    for op in (aten._native_batch_norm_legit_functional.default, aten.as_strided_scatter.default):
+        assert op in table and torch.Tag.core not in op.tags
+    assert len(table) > 500
+
+
 def test_decomposition_computes_the_op():
     silu_backward = compat.decomposition(torch.ops.aten.silu_backward.default)
     g, x = torch.randn(4), torch.randn(4)

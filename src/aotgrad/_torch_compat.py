@@ -465,6 +465,15 @@ def decomposition(op: Any) -> Callable[..., Any] | None:
     return decomposition_table.get(op)
 
 
+def all_decompositions() -> Mapping[Any, Callable[..., Any]]:
+    """Every Python decomposition PyTorch registers (``torch._decomp.decomposition_table``),
+    Core ATen or not: what a ``core_aten`` capture falls back to for ops the Core ATen table
+    leaves out (Note [Core ATen graphs])."""
+    from torch._decomp import decomposition_table
+
+    return decomposition_table
+
+
 def inductor_decompositions() -> Mapping[Any, Callable[..., Any]]:
     """Inductor's decomposition table: graphs are re-traced with it before compiling."""
     from torch._inductor.decomposition import select_decomp_table

@@ -24,6 +24,7 @@ from aotgrad.disk_cache import DiskCacheUse, HitCall
 from aotgrad.errors import CallError, CaptureError, StoreError
 from aotgrad.partition import Partitioned, SavedValue
 from aotgrad.pipeline import (
+    Decompositions,
     Options,
     PartitionArg,
     PartitionFn,
@@ -346,6 +347,7 @@ def trace(
     tracer: TracerChoice = "auto",
     fast: bool | None = None,
     check: bool | None = None,
+    decompositions: Decompositions | str | None = None,
     **kwargs: Any,
 ) -> Traced:
     """Capture the forward and backward graphs of ``fn(*args, **kwargs)`` on fake tensors.
@@ -358,7 +360,9 @@ def trace(
     aotgrad's, not passed on to ``fn``. ``dynamic=True`` (or dimensions marked with
     ``aotgrad.dynamic``) traces symbolic sizes (Note [Dynamic shapes]), also reserved,
     as are ``tracer`` ("auto", "direct" or "full": Note [Choosing a tracer]), ``fast``
-    (False: no fast path, as ``AOTGRAD_FAST=0``) and ``check`` (Note [Stage checks]).
+    (False: no fast path, as ``AOTGRAD_FAST=0``), ``check`` (Note [Stage checks]) and
+    ``decompositions`` (a dict from op to function, or ``"core_aten"``: every op of the
+    graphs in PyTorch's Core ATen opset, Note [Core ATen graphs]).
 
     >>> import torch, aotgrad
     >>> def fn(carry, x):
@@ -370,7 +374,14 @@ def trace(
     >>> [str(d) for d in traced.signature.backward_outputs]
     ["grad of carry['a']", 'None']
     """
-    given = dict(partition=partition, dynamic=dynamic, tracer=tracer, fast=fast, check=check)
+    given = dict(
+        partition=partition,
+        dynamic=dynamic,
+        tracer=tracer,
+        fast=fast,
+        check=check,
+        decompositions=decompositions,
+    )
     options = options_of(given, "trace")
     fn = as_module(fn)
     wrapping = wrapping_of(fn) if isinstance(fn, torch.nn.Module) else None

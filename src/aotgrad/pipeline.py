@@ -33,6 +33,7 @@ import torch
 from aotgrad.capture import JointGraph, TracerChoice, Watch, capture, check_tracer_choice
 from aotgrad.capture.checks import check_joint
 from aotgrad.capture.dynamic import DynamicDims
+from aotgrad.capture.opset import check_decomposition_set, decomposition_set, refuse_non_core
 from aotgrad.errors import ConfigError, UserFrame, user_frame_of_function
 from aotgrad.partition import Partitioned, Policy, Strategy, partition
 from aotgrad.partition.checks import check_partitioned
@@ -80,8 +81,9 @@ class Options:
     inference_compiler: Compiler | None = None
     # What the backward saves: "save_all", "mincut", ``aotgrad.budget(x)``, or a callable.
     partition: PartitionArg = "save_all"
-    # Decompositions to apply while tracing, on top of aotgrad's own.
-    decompositions: Decompositions | None = None
+    # Decompositions to apply while tracing, on top of aotgrad's own: a dict from op to
+    # function, or the name of a set, "core_aten" (Note [Core ATen graphs]).
+    decompositions: Decompositions | str | None = None
     # Inference graphs write input mutations themselves (Note [Mutations kept in the graph]).
     keep_inference_input_mutations: bool = False
     # Past this many specializations, new ones run eagerly.
@@ -104,6 +106,8 @@ class Options:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, switch(*variable))
         check_tracer_choice(self.tracer)
+        if isinstance(self.decompositions, str):
+            check_decomposition_set(self.decompositions)
         if self.tracer == "direct" and not self.fast:
             raise ValueError(
                 "tracer='direct' needs the fast path, which fast=False (or AOTGRAD_FAST=0) leaves"
@@ -222,7 +226,7 @@ def capture_stage(
         # Under no_grad too: an enable_grad() region inside the function makes outputs that
         # require grad (Note [Grad mode regions]); the trace tells, from the outputs.
         with_backward=any(isinstance(p, torch.Tensor) and p.requires_grad for p in primals),
-        decompositions=options.decompositions,
+        decompositions=decomposition_table(options),
         where=t.where,
         root=t.fn,
         dynamic_dims=t.dynamic_dims,
@@ -230,11 +234,19 @@ def capture_stage(
         effects=t.effects,
         fast=options.fast,
     )
+    if isinstance(options.decompositions, str):  # Note [Core ATen graphs]
+        refuse_non_core(joint.gm.graph, options.decompositions)
     if on_joint is not None:
         on_joint(joint)
     if options.check:
         check_joint(joint)
     return joint
+
+
+def decomposition_table(options: Options) -> Decompositions | None:
+    """The table ``options.decompositions`` gives: a set's, by its name, or the dict itself."""
+    named = options.decompositions
+    return decomposition_set(named) if isinstance(named, str) else named
 
 
 def partition_stage(joint: JointGraph, options: Options) -> Partitioned:
@@ -265,7 +277,9 @@ def differentiable_backward_driver(options: Options) -> Callable[..., CompiledGr
         options,
         inference_compiler=None,
         partition="save_all",
-        decompositions=None,
+        # A named set holds for every graph of the call (Note [Core ATen graphs]); a dict
+        # was written for the first order's ops.
+        decompositions=options.decompositions if isinstance(options.decompositions, str) else None,
         keep_inference_input_mutations=False,
     )
     return functools.partial(_differentiable_backward, g_options)

@@ -55,7 +55,8 @@ def code_text(fn: Any) -> tuple[Any, set[str]]:
 
 def options_text(options: Options) -> Any:
     """The options that change the graphs; compilers are not among them (they run on load)."""
-    if options.decompositions is not None:
+    decompositions = options.decompositions  # a named set is keyed by its name
+    if decompositions is not None and not isinstance(decompositions, str):
         raise Unkeyable("custom decompositions have no stable key")
     o = options
     if not isinstance(
@@ -63,7 +64,14 @@ def options_text(options: Options) -> Any:
     ):  # a policy's code is not keyed, even a dataclass's
         raise Unkeyable("a partition policy has no stable key")
     partition = o.partition if isinstance(o.partition, str) else repr(o.partition)
-    return [partition, o.tracer, o.dynamic, o.keep_inference_input_mutations, o.fast]
+    return [
+        partition,
+        o.tracer,
+        o.dynamic,
+        o.keep_inference_input_mutations,
+        o.fast,
+        decompositions,
+    ]
 
 
 def entry_key(
