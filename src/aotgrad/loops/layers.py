@@ -35,8 +35,8 @@ is another capture; any other object (a ``DynamicCache``) is refused, since the
 body could not see what the layer does to it::
 
     scan_layers(layers, h, layer_kwargs={"attention_mask": m, "use_cache": False})
-    row i = ({"fc.weight": Li.fc.weight, ...}, [m])      constants: use_cache=False
-    body(h, row) = call(L0, row[0], h, attention_mask=row[1][0], use_cache=False)
+    row i = ({"fc.weight": Li.fc.weight, ...}, {"attention_mask": m})
+    body(h, row) = call(L0, row[0], h, attention_mask=row[1]["attention_mask"], use_cache=False)
 
 The carry is what the layer returns when that has the carry's structure (a
 tensor for a tensor); otherwise, for a tuple, a list or a transformers
@@ -136,7 +136,8 @@ def scan_layers_function(
 
     Its ``traced`` is one layer's graphs, captured once for every layer; its inputs are
     the carry, then the layer's parameters and buffers as that iteration's ``x``
-    (``x[0]`` with extra arguments, whose tensors are ``x[1]``).
+    (``x[0]['fc.weight']`` with extra arguments, whose tensors are ``x[1]['attention_mask']``,
+    ``x[1]['position_embeddings[0]']``, ``x[1]['args[0]']``).
 
     >>> import torch, aotgrad
     >>> layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
@@ -182,8 +183,9 @@ _CONSTANTS = (
 class _Extras:
     """The arguments every layer gets besides the carry (Note [Extra arguments of the layers])."""
 
-    # The tensor leaves of ``(args, kwargs)``, in flattening order: a part of every row.
-    tensors: list[torch.Tensor]
+    # The tensor leaves of ``(args, kwargs)`` by name (``attention_mask``,
+    # ``position_embeddings[0]``, ``args[1]``): a part of every row, naming its inputs.
+    tensors: dict[str, torch.Tensor]
     # The other leaves, by position among all leaves: constants of the body.
     constants: tuple[tuple[int, type, Any], ...]
     spec: pytree.TreeSpec
@@ -196,10 +198,17 @@ class _Extras:
         if not all(isinstance(k, str) for k in kwargs):
             raise ScanError("scan_layers' layer_kwargs must have string keys (argument names)")
         with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
-        tensors, constants = [], []
+        tensors: dict[str, torch.Tensor] = {}
+        constants = []
         for i, (path, leaf) in enumerate(with_paths):
             if isinstance(leaf, torch.Tensor):
-                tensors.append(leaf)
+                name = _name(path)
+                if name in tensors:
+                    raise ScanError(
+                        f"scan_layers' extra arguments name two tensors {name}: a positional"
+                        " one and a keyword one\nrename the keyword argument"
+                    )
+                tensors[name] = leaf
             elif isinstance(leaf, _CONSTANTS):
                 constants.append((i, type(leaf), leaf))
             else:
@@ -211,25 +220,32 @@ class _Extras:
                     f" cannot see what a layer does to another object\npass {where}=None (for a"
                     " cache: use_cache=False), or run the layers in a Python loop"
                 )
-        return _Extras(
-            tensors=tensors, constants=tuple(constants), spec=spec, empty=not with_paths
-        )
+        return _Extras(tensors=tensors, constants=tuple(constants), spec=spec, empty=not with_paths)
 
     @property
     def key(self) -> Any:
         """What the body closes over: another key, another body."""
         return (self.spec, self.constants)
 
-    def call_arguments(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], Any]:
-        """``(args, kwargs)`` with ``tensors`` where the tensor leaves were."""
+    def call_arguments(
+        self, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` with ``tensors`` where the tensor leaves of these names were."""
         constants = {i: value for i, _, value in self.constants}
-        given = iter(tensors)
+        given = iter([tensors[name] for name in self.tensors])
         leaves = [
             constants[i] if i in constants else next(given)
             for i in range(len(self.constants) + len(self.tensors))
         ]
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return tuple(args), kwargs
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    """``args[1]``, ``attention_mask`` or ``position_embeddings[0]``: a row entry's name."""
+    if path[0] == pytree.SequenceKey(0):
+        return f"args{pytree.keystr(path[1:])}"
+    return f"{path[1].key}{pytree.keystr(path[2:])}"
 
 
 def _where(path: tuple[Any, ...]) -> str:
@@ -304,9 +320,10 @@ class _LayerBody:
         layer = self._layer()
         if layer is None:
             raise AssertionError("expected the layer of a live scan_layers call, got a dead one")
-        if self._extras.empty:
-            params, args, kwargs = row, (), {}
-        else:
+        params: dict[str, torch.Tensor] = row
+        args: tuple[Any, ...] = ()
+        kwargs: dict[str, Any] = {}
+        if not self._extras.empty:
             params, tensors = row
             args, kwargs = self._extras.call_arguments(tensors)
         out = torch.func.functional_call(layer, params, (h, *args), kwargs)
@@ -339,9 +356,7 @@ _RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[Any, ScanFunction]] = (
 )
 
 
-def _runner(
-    first: nn.Module, extras: _Extras, checkpoint: bool, options: Options
-) -> ScanFunction:
+def _runner(first: nn.Module, extras: _Extras, checkpoint: bool, options: Options) -> ScanFunction:
     """One ``ScanFunction`` per layer 0, extras' constants, options and mode, kept while
     layer 0 lives."""
 
