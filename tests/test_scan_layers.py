@@ -138,12 +138,13 @@ def test_buffer_updates_are_refused():
 
 
 def _decoder_stack(name):
-    """A 3-layer random-config transformers stack, its input hidden state and the
-    arguments its model's forward gives every layer, built as that forward builds them."""
+    """A 3-layer random-config transformers stack, its input hidden state, the arguments its
+    model's forward gives every layer (built as that forward builds them), and the check that
+    the stack's output, through the final norm, is the model's own output."""
     import library_models  # noqa: F401  (the torchvision shim, before transformers)
 
     transformers = pytest.importorskip("transformers")
-    from transformers.masking_utils import create_causal_mask
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     torch.manual_seed(0)
     common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3)
@@ -177,9 +178,16 @@ def _decoder_stack(name):
         # GPT2Model.forward's call: block(h, past_key_values, mask, encoder_hidden_states, ...)
         args = (None, causal, None)
         kwargs = {"encoder_attention_mask": None, "use_cache": False, "position_ids": position_ids}
-        return model.h, hidden.detach(), args, kwargs
+        return (
+            model.h,
+            hidden.detach(),
+            args,
+            kwargs,
+            _is_model_output(model, model.ln_f, ids, mask),
+        )
     hidden = model.embed_tokens(ids)
-    causal = create_causal_mask(
+    make_mask = create_sliding_window_causal_mask if name == "mistral" else create_causal_mask
+    causal = make_mask(
         config=config,
         inputs_embeds=hidden,
         attention_mask=mask,
@@ -193,7 +201,16 @@ def _decoder_stack(name):
         "past_key_values": None,
         "use_cache": False,
     }
-    return model.layers, hidden.detach(), (), kwargs
+    return model.layers, hidden.detach(), (), kwargs, _is_model_output(model, model.norm, ids, mask)
+
+
+def _is_model_output(model, norm, ids, mask):
+    def check(hidden):
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            torch.testing.assert_close(norm(hidden), want, rtol=1e-4, atol=1e-5)
+
+    return check
 
 
 def _through(layers, hidden, args, kwargs):
@@ -216,7 +233,7 @@ def _through(layers, hidden, args, kwargs):
 def test_decoder_stacks_with_masks_and_position_embeddings(name, options):
     """Values and every grad (parameters, hidden state, position embeddings) equal eager's
     unrolled loop; the body is captured once for the three layers."""
-    layers, hidden, args, kwargs = _decoder_stack(name)
+    layers, hidden, args, kwargs, is_model_output = _decoder_stack(name)
     if "position_embeddings" in kwargs:  # grads must reach extra tensors too
         kwargs["position_embeddings"] = tuple(
             t.detach().clone().requires_grad_() for t in kwargs["position_embeddings"]
@@ -233,6 +250,7 @@ def test_decoder_stacks_with_masks_and_position_embeddings(name, options):
     got = aotgrad.scan_layers(layers, x, *args, layer_kwargs=kwargs, **options)
     tol = dict(rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got, want, **tol)
+    is_model_output(got)
     weights = torch.randn_like(want)
     (want * weights).sum().backward()
     (got * weights).sum().backward()
