@@ -156,6 +156,14 @@ def _decoder_stack(name):
         "gpt2": lambda: transformers.GPT2Config(
             vocab_size=64, n_positions=32, n_embd=32, n_layer=3, n_head=2
         ),
+        "gpt2_scaled_by_layer": lambda: transformers.GPT2Config(
+            vocab_size=64,
+            n_positions=32,
+            n_embd=32,
+            n_layer=3,
+            n_head=2,
+            scale_attn_by_inverse_layer_idx=True,
+        ),
     }[name]()
     config.use_cache = False
     model = transformers.AutoModel.from_config(config)
@@ -165,7 +173,7 @@ def _decoder_stack(name):
     mask[-1, seq // 2 :] = 0  # padding: the mask must act
     ids = torch.randint(1, 64, (batch, seq))
     position_ids = torch.arange(seq).unsqueeze(0)
-    if name == "gpt2":
+    if name.startswith("gpt2"):
         model.eval()  # no dropout: eager and scan draw the same
         hidden = model.wte(ids) + model.wpe(position_ids)
         causal = create_causal_mask(
@@ -335,3 +343,28 @@ def test_a_result_without_the_hidden_state_is_refused():
     layers = nn.ModuleList(Named() for _ in range(2))
     with pytest.raises(aotgrad.ScanError, match="returned dict"):
         aotgrad.scan_layers(layers, torch.randn(2, 3), torch.ones(3))
+
+
+def test_settings_that_differ_between_layers_are_refused_when_read():
+    """GPT-2 with scale_attn_by_inverse_layer_idx scales each layer's attention by
+    1 / (layer_idx + 1) (its attn.scaling): layer 0's code would use layer 0's for every
+    layer. Llama's layer_idx (read only with a cache) differs too, and its stacks run above."""
+    layers, hidden, args, kwargs, _ = _decoder_stack("gpt2_scaled_by_layer")
+    with pytest.raises(
+        aotgrad.ScanError, match=r"attn\.scaling, which is 0.25 on layer 0 but 0.125 on layer 1"
+    ):
+        aotgrad.scan_layers(layers, hidden, *args, layer_kwargs=kwargs)
+    with pytest.raises(aotgrad.ScanError, match="scaling"):  # the capture is kept: again
+        aotgrad.scan_layers(layers, hidden, *args, layer_kwargs=kwargs)
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    assert type(layers[0].attn) is GPT2Attention  # the recording class is gone
+
+
+def test_a_differing_eps_is_refused():
+    layers = nn.ModuleList([nn.LayerNorm(4), nn.LayerNorm(4), nn.LayerNorm(4, eps=0.1)])
+    with pytest.raises(
+        aotgrad.ScanError, match=r"eps, which is 1e-05 on layer 0 but 0.1 on layer 2"
+    ):
+        aotgrad.scan_layers(layers, torch.randn(2, 4))
+    assert type(layers[0]) is nn.LayerNorm  # the recording class is gone after the capture

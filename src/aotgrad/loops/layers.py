@@ -19,7 +19,8 @@ Buffers are rows too (they get no gradient); a layer that updates a buffer
 in place (BatchNorm's running statistics in training) is refused, as any scan
 body that mutates its inputs. Layer 0's other attributes (``training``, ``eps``)
 are the body's: the layers must agree on them (the structure check compares
-module types, names, shapes and dtypes; ``training`` keys the capture).
+module types, names, shapes and dtypes; ``training`` keys the capture; the plain
+attributes layer 0's code reads are compared, Note [Layer settings read]).
 
 Note [Extra arguments of the layers]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -48,9 +49,10 @@ output is not the next hidden state is refused, not run.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,11 +118,13 @@ def scan_layers(
     """
     layers = list(layers)
     extras = _Extras.of(args, layer_kwargs)
-    run = _function(layers, extras, checkpoint, options)
+    run, body = _function(layers, extras, checkpoint, options)
     read = [_Layer.of(layer) for layer in layers]
     _check_alike(layers, read)
+    _check_settings(layers, body.settings_read)  # those read at an earlier capture
     rows = [layer.row if extras.empty else (layer.row, extras.tensors) for layer in read]
     carry, _ = run.over_rows(x, rows)
+    _check_settings(layers, body.settings_read)  # and at this call's capture, if any
     return carry
 
 
@@ -146,12 +150,12 @@ def scan_layers_function(
     >>> body.captures, [str(d) for d in body.traced.signature.forward_inputs]
     (1, ['carry', "x['weight']", "x['bias']"])
     """
-    return _function(list(layers), _Extras.of(args, layer_kwargs), checkpoint, options)
+    return _function(list(layers), _Extras.of(args, layer_kwargs), checkpoint, options)[0]
 
 
 def _function(
     layers: list[nn.Module], extras: _Extras, checkpoint: bool, options: dict[str, Any]
-) -> ScanFunction:
+) -> tuple[ScanFunction, _LayerBody]:
     if not layers:
         raise ScanError("scan_layers got no layers\npass at least one layer")
     unknown = [name for name in options if name not in OPTION_NAMES]
@@ -315,6 +319,9 @@ class _LayerBody:
         self._layer = weakref.ref(layer)
         self._extras = extras
         self.__name__ = f"{type(layer).__name__}_layer"
+        # The plain attributes of layer 0's modules its captures read, as (module, name)
+        # (Note [Layer settings read]).
+        self.settings_read: set[tuple[str, str]] = set()
 
     def __call__(self, h: Any, row: Any) -> tuple[Any, None]:
         layer = self._layer()
@@ -326,7 +333,8 @@ class _LayerBody:
         if not self._extras.empty:
             params, tensors = row
             args, kwargs = self._extras.call_arguments(tensors)
-        out = torch.func.functional_call(layer, params, (h, *args), kwargs)
+        with _settings_recorded(layer, self.settings_read):
+            out = torch.func.functional_call(layer, params, (h, *args), kwargs)
         return _carry_of(out, h, layer), None
 
 
@@ -351,18 +359,107 @@ def _carry_of(out: Any, h: Any, layer: nn.Module) -> Any:
     )
 
 
-_RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[Any, ScanFunction]] = (
+# Note [Layer settings read]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The body runs layer 0's code for every layer, so a plain attribute that differs
+# between layers (an ``eps``, a per-layer ``sliding_window``, GPT-2's
+# ``attn.scaling``, which ``scale_attn_by_inverse_layer_idx`` divides by
+# ``layer_idx + 1``) would
+# silently be layer 0's everywhere. Comparing every attribute would refuse every
+# transformers stack, whose ``self_attn.layer_idx`` differs by design but is read
+# only with a cache. So the capture records which plain attributes (numbers,
+# booleans, strings, None, tuples of them) of layer 0's modules the layer's code
+# reads (their classes are swapped, during the capture only, for subclasses whose
+# ``__getattribute__`` records), and every call compares those across the layers:
+#
+#     Llama, no cache: reads self_attn.scaling, .num_key_value_groups, ... (equal): runs
+#     GPT2, scale_attn_by_inverse_layer_idx: reads attn.scaling (0.25, 0.125, ...): refused
+#
+# The capture is the only run of the layer's Python code, so what it did not read
+# no iteration reads.
+
+_PLAIN = (type(None), bool, int, float, complex, str)
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+_RECORDING: dict[type, type] = {}
+# Per module being recorded: its path in layer 0 and the set its reads go to.
+_RECORDED: dict[int, tuple[str, set[tuple[str, str]]]] = {}
+
+
+def _recording(cls: type) -> type:
+    """``cls`` with a ``__getattribute__`` recording reads of plain instance attributes."""
+    if cls not in _RECORDING:
+        base: Any = cls
+
+        def __getattribute__(self: Any, name: str) -> Any:
+            value = base.__getattribute__(self, name)
+            if not name.startswith("_") and name != "training":
+                where = _RECORDED.get(id(self))
+                own = object.__getattribute__(self, "__dict__")
+                if where is not None and name in own and _plain(value):
+                    where[1].add((where[0], name))
+            return value
+
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
+        sub.__qualname__, sub.__module__ = cls.__qualname__, cls.__module__
+        _RECORDING[cls] = sub
+    return _RECORDING[cls]
+
+
+@contextlib.contextmanager
+def _settings_recorded(layer: nn.Module, into: set[tuple[str, str]]) -> Iterator[None]:
+    """Records into ``into`` the plain attributes ``layer``'s modules read meanwhile."""
+    modules = list(layer.named_modules())
+    for prefix, m in modules:
+        _RECORDED[id(m)] = (prefix, into)
+        m.__class__ = _recording(type(m))
+    try:
+        yield
+    finally:
+        for _, m in modules:
+            m.__class__ = m.__class__.__mro__[1]
+            _RECORDED.pop(id(m), None)
+
+
+def _check_settings(layers: list[nn.Module], read: set[tuple[str, str]]) -> None:
+    """Every plain attribute layer 0's code read is the same on every layer."""
+    missing = object()
+    for prefix, name in sorted(read):
+        first = vars(layers[0].get_submodule(prefix)).get(name, missing)
+        for i, layer in enumerate(layers[1:], start=1):
+            value = vars(layer.get_submodule(prefix)).get(name, missing)
+            if value is missing or type(value) is not type(first) or value != first:
+                where = f"{prefix}.{name}" if prefix else name
+                got = "nothing" if value is missing else repr(value)
+                raise ScanError(
+                    f"scan_layers runs layer 0's code for every layer, and that code reads"
+                    f" {where}, which is {first!r} on layer 0 but {got} on layer {i}"
+                    f" ({type(layer).__name__}) (Note [Layer settings read])\nrun the layers"
+                    " in a Python loop, or give them equal settings"
+                )
+
+
+_RUNNERS: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[ScanFunction, _LayerBody]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _runner(first: nn.Module, extras: _Extras, checkpoint: bool, options: Options) -> ScanFunction:
-    """One ``ScanFunction`` per layer 0, extras' constants, options and mode, kept while
-    layer 0 lives."""
+def _runner(
+    first: nn.Module, extras: _Extras, checkpoint: bool, options: Options
+) -> tuple[ScanFunction, _LayerBody]:
+    """One ``ScanFunction`` (and its body) per layer 0, extras' constants, options and mode,
+    kept while layer 0 lives."""
 
-    def make() -> ScanFunction:  # every tensor comes in through xs: read nothing else
+    def make() -> tuple[ScanFunction, _LayerBody]:  # every tensor comes in through xs
         body = _LayerBody(first, extras)
-        return ScanFunction(body, checkpoint=checkpoint, read_environment=False, options=options)
+        run = ScanFunction(body, checkpoint=checkpoint, read_environment=False, options=options)
+        return run, body
 
     key = (first.training, extras.key, checkpoint, options)
     try:
