@@ -121,10 +121,11 @@ def scan_layers(
     run, body = _function(layers, extras, checkpoint, options)
     read = [_Layer.of(layer) for layer in layers]
     _check_alike(layers, read)
-    _check_settings(layers, body.settings_read)  # those read at an earlier capture
     rows = [layer.row if extras.empty else (layer.row, extras.tensors) for layer in read]
     carry, _ = run.over_rows(x, rows)
-    _check_settings(layers, body.settings_read)  # and at this call's capture, if any
+    # After the run: the settings read by every capture so far, this call's included
+    # (a refusal discards the run's results, which nothing else has seen).
+    _check_settings(read, body.settings_read)
     return carry
 
 
@@ -266,11 +267,14 @@ class _Layer:
     row: dict[str, torch.Tensor]
     # What must agree with layer 0, in the order a difference is reported.
     structure: list[tuple[str, Any]]
+    # The layer's modules by path, itself as "": where its settings are read.
+    modules: dict[str, nn.Module]
 
     @staticmethod
     def of(layer: nn.Module) -> _Layer:
-        modules, params, buffers = [], [], []
+        modules, params, buffers, by_path = [], [], [], {}
         for prefix, m in layer.named_modules():
+            by_path[prefix] = m
             modules.append((f"module {prefix or '(root)'}", type(m).__name__))
             params += [
                 (f"{prefix}.{n}" if prefix else n, t) for n, t in m.named_parameters(recurse=False)
@@ -283,6 +287,7 @@ class _Layer:
         return _Layer(
             row=dict([*params, *buffers]),
             structure=[*modules, *tensors, ("training", layer.training)],
+            modules=by_path,
         )
 
 
@@ -427,20 +432,20 @@ def _settings_recorded(layer: nn.Module, into: set[tuple[str, str]]) -> Iterator
             _RECORDED.pop(id(m), None)
 
 
-def _check_settings(layers: list[nn.Module], read: set[tuple[str, str]]) -> None:
+def _check_settings(layers: list[_Layer], read: set[tuple[str, str]]) -> None:
     """Every plain attribute layer 0's code read is the same on every layer."""
     missing = object()
     for prefix, name in sorted(read):
-        first = vars(layers[0].get_submodule(prefix)).get(name, missing)
+        first = vars(layers[0].modules[prefix]).get(name, missing)
         for i, layer in enumerate(layers[1:], start=1):
-            value = vars(layer.get_submodule(prefix)).get(name, missing)
+            value = vars(layer.modules[prefix]).get(name, missing)
             if value is missing or type(value) is not type(first) or value != first:
                 where = f"{prefix}.{name}" if prefix else name
                 got = "nothing" if value is missing else repr(value)
                 raise ScanError(
                     f"scan_layers runs layer 0's code for every layer, and that code reads"
                     f" {where}, which is {first!r} on layer 0 but {got} on layer {i}"
-                    f" ({type(layer).__name__}) (Note [Layer settings read])\nrun the layers"
+                    f" ({type(layer.modules['']).__name__}) (Note [Layer settings read])\nrun the layers"
                     " in a Python loop, or give them equal settings"
                 )
 
