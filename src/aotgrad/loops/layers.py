@@ -393,8 +393,9 @@ def _plain(value: Any) -> bool:
 
 
 _RECORDING: dict[type, type] = {}
-# Per module being recorded: its path in layer 0 and the set its reads go to.
-_RECORDED: dict[int, tuple[str, set[tuple[str, str]]]] = {}
+# Per module being recorded: its path in layer 0 and the sets its reads go to, one per
+# capture under way (two threads may capture the same layer 0 at once).
+_RECORDED: dict[int, list[tuple[str, set[tuple[str, str]]]]] = {}
 
 
 def _recording(cls: type) -> type:
@@ -405,10 +406,10 @@ def _recording(cls: type) -> type:
         def __getattribute__(self: Any, name: str) -> Any:
             value = base.__getattribute__(self, name)
             if not name.startswith("_") and name != "training":
-                where = _RECORDED.get(id(self))
                 own = object.__getattribute__(self, "__dict__")
-                if where is not None and name in own and _plain(value):
-                    where[1].add((where[0], name))
+                if name in own and _plain(value):
+                    for prefix, into in _RECORDED.get(id(self), ()):
+                        into.add((prefix, name))
             return value
 
         sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
@@ -422,14 +423,17 @@ def _settings_recorded(layer: nn.Module, into: set[tuple[str, str]]) -> Iterator
     """Records into ``into`` the plain attributes ``layer``'s modules read meanwhile."""
     modules = list(layer.named_modules())
     for prefix, m in modules:
-        _RECORDED[id(m)] = (prefix, into)
+        _RECORDED.setdefault(id(m), []).append((prefix, into))
         m.__class__ = _recording(type(m))
     try:
         yield
     finally:
         for _, m in modules:
             m.__class__ = m.__class__.__mro__[1]
-            _RECORDED.pop(id(m), None)
+            recording = _RECORDED[id(m)]  # this capture's entry, by identity of its set
+            del recording[next(i for i, (_, s) in enumerate(recording) if s is into)]
+            if not recording:
+                del _RECORDED[id(m)]
 
 
 def _check_settings(layers: list[_Layer], read: set[tuple[str, str]]) -> None:
