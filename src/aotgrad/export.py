@@ -1,0 +1,280 @@
+"""The forward and backward graphs as ``torch.export`` programs, the door backends take.
+
+:func:`export_graphs` turns a :class:`~aotgrad.partition.Partitioned` and the real tensors
+lifted from the module into two ``torch.export.ExportedProgram`` s whose graph signatures
+name every input and output in ``torch.export``'s own vocabulary (Note [Export signatures]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+
+from aotgrad.errors import CallError
+from aotgrad.partition import Partitioned
+from aotgrad.signature.descriptors import (
+    Buffer,
+    Cotangent,
+    Descriptor,
+    Grad,
+    Input,
+    MutatedInput,
+    Output,
+    OutputBase,
+    Param,
+    Saved,
+)
+
+__all__ = ["ExportedGraphs", "export_graphs"]
+
+# Note [Export signatures]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# aotgrad's descriptors map onto ``torch.export``'s input and output kinds:
+#
+#   forward inputs     Param(fc.weight)      -> InputKind.PARAMETER, target "fc.weight"
+#                      Buffer(bn.running_mean) -> InputKind.BUFFER, target "bn.running_mean"
+#                      Input(x)              -> InputKind.USER_INPUT
+#   forward outputs    MutatedInput(of=Buffer) -> OutputKind.BUFFER_MUTATION (and of a Param,
+#                      PARAMETER_MUTATION; of an Input, USER_INPUT_MUTATION)
+#                      Output, OutputBase, Saved -> OutputKind.USER_OUTPUT
+#   backward inputs    Saved, Cotangent      -> InputKind.USER_INPUT
+#   backward outputs   Grad(of=Param)        -> OutputKind.GRADIENT_TO_PARAMETER
+#                      Grad(of=Input)        -> OutputKind.GRADIENT_TO_USER_INPUT, target: the
+#                      forward program's placeholder name of that input
+#
+# ``torch.export`` wants the mutations first among the outputs, so the forward program's
+# outputs are aotgrad's reordered: for ConvBN, aotgrad's forward returns
+# ``(loss, new running_mean, new running_var, new num_batches_tracked, *saved)``; the program
+# returns the three mutations, then ``(loss, *saved)`` as its user outputs, and its
+# ``.module()`` writes the mutations into its buffers. A backward output that is ``None`` (no
+# gradient: a buffer, an integer input) is left out of the backward program. Every node keeps
+# aotgrad's provenance as plain data: ``node.meta["aotgrad"]`` (``seq_nr``, module, source,
+# and the descriptor of a placeholder or output), copied to ``node.meta["custom"]["aotgrad"]``,
+# the one place ``torch.export.save`` keeps user metadata.
+#
+# Anything else (a closed-over tensor, an input aliasing another, a tensor subclass's inner
+# tensor, a graph writing its mutations itself) raises ``CallError``: a program whose
+# signature misnames a value would run wrong in a backend without a word.
+
+
+@dataclass(frozen=True)
+class ExportedGraphs:
+    """The forward and backward graphs of one specialization as ``torch.export`` programs."""
+
+    # (*params, *buffers, *user inputs) -> (*mutations, *outputs, *saved); run
+    # ``forward.module()(*user inputs)``.
+    forward: ExportedProgram
+    # (*saved, *cotangents) -> gradients, None ones left out; None without a backward.
+    backward: ExportedProgram | None
+
+
+def export_graphs(partitioned: Partitioned, lifted: Sequence[torch.Tensor]) -> ExportedGraphs:
+    """``partitioned``'s graphs as programs; ``lifted``: the real tensors of its leading
+    Param/Buffer inputs, in order (Note [Export signatures])."""
+    if partitioned.mutations_in_graph:
+        raise CallError(
+            "this trace has no backward and its forward graph writes its input mutations"
+            " itself; export takes graphs that return the new values. Trace with an input"
+            " that requires grad to export it"
+        )
+    forward = _forward_program(partitioned, lifted)
+    backward = None if partitioned.backward is None else _backward_program(partitioned)
+    return ExportedGraphs(forward=forward, backward=backward)
+
+
+def _forward_program(partitioned: Partitioned, lifted: Sequence[torch.Tensor]) -> ExportedProgram:
+    signature = partitioned.signature
+    graph, placeholders, outputs = _copy(partitioned.forward)
+    _check_count("forward inputs", placeholders, signature.forward_inputs)
+    _check_count("forward outputs", outputs, signature.forward_outputs)
+    if len(lifted) > len(placeholders):
+        raise CallError(f"expected at most {len(placeholders)} lifted tensors, got {len(lifted)}")
+    state: dict[str, torch.Tensor] = {}
+    inputs: list[InputSpec] = []
+    names: dict[Descriptor, str] = {}
+    for i, (node, desc) in enumerate(zip(placeholders, signature.forward_inputs, strict=True)):
+        _annotate(node, desc)
+        names[desc] = node.name
+        arg = TensorArgument(name=node.name)
+        if isinstance(desc, Param | Buffer):
+            if i >= len(lifted):
+                raise CallError(f"expected a lifted tensor for {desc}, got none")
+            tensor = lifted[i]
+            if isinstance(desc, Param):
+                if not isinstance(tensor, torch.nn.Parameter):
+                    tensor = torch.nn.Parameter(tensor, requires_grad=tensor.requires_grad)
+                state[desc.name] = tensor
+                inputs.append(InputSpec(InputKind.PARAMETER, arg, desc.name))
+            else:
+                state[desc.name] = tensor
+                inputs.append(InputSpec(InputKind.BUFFER, arg, desc.name, persistent=True))
+        elif isinstance(desc, Input):
+            inputs.append(InputSpec(InputKind.USER_INPUT, arg, None))
+        else:
+            raise _unsupported(desc, "forward input")
+    mutations: list[tuple[fx.Node, OutputSpec]] = []
+    rest: list[tuple[fx.Node, OutputSpec]] = []
+    for node, desc in zip(outputs, signature.forward_outputs, strict=True):
+        _annotate(node, desc, output=True)
+        arg = TensorArgument(name=node.name)
+        if isinstance(desc, MutatedInput):
+            of = desc.of
+            if isinstance(of, Buffer):
+                spec = OutputSpec(OutputKind.BUFFER_MUTATION, arg, of.name)
+            elif isinstance(of, Param):
+                spec = OutputSpec(OutputKind.PARAMETER_MUTATION, arg, of.name)
+            elif isinstance(of, Input):
+                spec = OutputSpec(OutputKind.USER_INPUT_MUTATION, arg, names[of])
+            else:
+                raise _unsupported(desc, "forward output")
+            mutations.append((node, spec))
+        elif isinstance(desc, Output | OutputBase | Saved):
+            rest.append((node, OutputSpec(OutputKind.USER_OUTPUT, arg, None)))
+        else:
+            raise _unsupported(desc, "forward output")
+    ordered = [*mutations, *rest]
+    _set_outputs(graph, [node for node, _ in ordered])
+    user_inputs = [
+        n for n, s in zip(placeholders, inputs, strict=True) if s.kind == InputKind.USER_INPUT
+    ]
+    user_outputs = [node for node, _ in rest]
+    return _program(
+        graph, inputs, [s for _, s in ordered], state, len(user_inputs), len(user_outputs)
+    )
+
+
+def _backward_program(partitioned: Partitioned) -> ExportedProgram:
+    assert partitioned.backward is not None
+    signature = partitioned.signature
+    graph, placeholders, outputs = _copy(partitioned.backward)
+    _check_count("backward inputs", placeholders, signature.backward_inputs)
+    _check_count("backward outputs", outputs, signature.backward_outputs)
+    forward_names = {
+        desc: node.name
+        for node, desc in zip(
+            partitioned.forward.graph.find_nodes(op="placeholder"),
+            signature.forward_inputs,
+            strict=True,
+        )
+    }
+    inputs = []
+    for node, desc in zip(placeholders, signature.backward_inputs, strict=True):
+        if not isinstance(desc, Saved | Cotangent):
+            raise _unsupported(desc, "backward input")
+        _annotate(node, desc)
+        inputs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(name=node.name), None))
+    kept: list[fx.Node] = []
+    specs: list[OutputSpec] = []
+    for out, grad in zip(outputs, signature.backward_outputs, strict=True):
+        if grad is None or out is None:
+            continue
+        if not isinstance(grad, Grad):
+            raise _unsupported(grad, "backward output")
+        _annotate(out, grad, output=True)
+        arg = TensorArgument(name=out.name)
+        if isinstance(grad.of, Param):
+            specs.append(OutputSpec(OutputKind.GRADIENT_TO_PARAMETER, arg, grad.of.name))
+        elif isinstance(grad.of, Input):
+            target = forward_names[grad.of]
+            specs.append(OutputSpec(OutputKind.GRADIENT_TO_USER_INPUT, arg, target))
+        else:
+            raise _unsupported(grad, "backward output")
+        kept.append(out)
+    _set_outputs(graph, kept)
+    return _program(graph, inputs, specs, {}, len(inputs), len(kept))
+
+
+def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, list[fx.Node], list[fx.Node | None]]:
+    """A copy of ``gm``'s graph (meta dicts copied, values shared), its placeholders and outputs."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    results = graph.output_node().args[0]
+    if not isinstance(results, tuple | list):
+        raise CallError(f"expected a graph returning a tuple, got {results!r}")
+    flat: list[fx.Node | None] = []
+    for r in results:
+        if r is not None and not isinstance(r, fx.Node):
+            raise CallError(f"expected graph outputs that are tensors, got {r!r}")
+        flat.append(r)
+    for node in graph.nodes:
+        if node.op != "output":
+            _plain_meta(node)
+    return graph, placeholders, flat
+
+
+def _plain_meta(node: fx.Node) -> None:
+    """aotgrad's provenance as plain data, under ``aotgrad`` and ``custom['aotgrad']``."""
+    info = node.meta.get("aotgrad")
+    plain: dict[str, Any] = info.to_dict() if hasattr(info, "to_dict") else {}
+    node.meta.pop("desc", None)
+    node.meta["aotgrad"] = plain
+    node.meta["custom"] = {**node.meta.get("custom", {}), "aotgrad": plain}
+
+
+def _annotate(node: fx.Node, desc: Descriptor, output: bool = False) -> None:
+    key = "output" if output else "descriptor"
+    node.meta["aotgrad"] = {**node.meta["aotgrad"], key: desc.to_dict()}
+    node.meta["custom"]["aotgrad"] = node.meta["aotgrad"]
+
+
+def _set_outputs(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    output = graph.output_node()
+    output.args = (tuple(nodes),)
+    graph.eliminate_dead_code()
+
+
+def _program(
+    graph: fx.Graph,
+    inputs: list[InputSpec],
+    outputs: list[OutputSpec],
+    state: dict[str, torch.Tensor],
+    n_user_inputs: int,
+    n_user_outputs: int,
+) -> ExportedProgram:
+    in_spec = pytree.tree_flatten((tuple(range(n_user_inputs)), {}))[1]
+    out_spec = pytree.tree_flatten(tuple(range(n_user_outputs)))[1]
+    entry = ModuleCallEntry(
+        fqn="",
+        signature=ModuleCallSignature(inputs=[], outputs=[], in_spec=in_spec, out_spec=out_spec),
+    )
+    root = torch.nn.Module()
+    return ExportedProgram(
+        root=root,
+        graph=graph,
+        graph_signature=ExportGraphSignature(input_specs=inputs, output_specs=outputs),
+        state_dict=state,
+        range_constraints={},
+        module_call_graph=[entry],
+    )
+
+
+def _check_count(what: str, nodes: Sequence[Any], descs: Sequence[Any]) -> None:
+    if len(nodes) != len(descs):
+        raise CallError(f"expected {len(descs)} {what} (one per descriptor), got {len(nodes)}")
+
+
+def _unsupported(desc: Descriptor, where: str) -> CallError:
+    return CallError(
+        f"export cannot yet name the {where} {desc} ({type(desc).__name__}) in a"
+        " torch.export graph signature (Note [Export signatures] in aotgrad/export.py):"
+        " lift closed-over tensors into a module's parameters or buffers, or pass them as"
+        " arguments, and pass inputs that do not share memory"
+    )

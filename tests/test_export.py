@@ -1,0 +1,155 @@
+"""Traced.export / AOTFunction.export: torch.export programs of the graphs (docs/export.md)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind, OutputKind
+
+import aotgrad
+from aotgrad.errors import CallError
+from aotgrad.signature.descriptors import Cotangent, Output
+from models import GPT, MLP, ConvBN
+
+
+class WithLoss(torch.nn.Module):
+    """``loss(model(*args, **kwargs))`` as one module, so the graphs compute the loss."""
+
+    def __init__(self, model, loss):
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, *args, **kwargs):
+        return self.loss(self.model(*args, **kwargs))
+
+
+def _round_trip(program, path):
+    torch.export.save(program, path)
+    return torch.export.load(path)
+
+
+def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5):
+    """Export ``model``'s graphs, save and load them, run both on the inputs and compare
+    the loss, the buffers after the step and every gradient with eager's."""
+    eager, traced_model = copy.deepcopy(model), copy.deepcopy(model)
+    expected = eager(*args, **kwargs)
+    expected.backward()
+    traced = aotgrad.trace(traced_model, *args, **kwargs)
+    programs = traced.export()
+    forward = _round_trip(programs.forward, tmp_path / "forward.pt2")
+    backward = _round_trip(programs.backward, tmp_path / "backward.pt2")
+    signature = traced.signature
+
+    # Which input is which: parameters and buffers by name, then the user's tensors.
+    specs = forward.graph_signature.input_specs
+    names = [str(d) for d in signature.forward_inputs]
+    for spec, desc in zip(specs, names, strict=True):
+        if spec.kind == InputKind.PARAMETER:
+            assert desc == f"param {spec.target}"
+            assert forward.state_dict[spec.target] is not None
+        elif spec.kind == InputKind.BUFFER:
+            assert desc == f"buffer {spec.target}"
+    params = dict(traced_model.named_parameters())
+    assert {s.target for s in specs if s.kind == InputKind.PARAMETER} == set(params)
+
+    leaves = pytree.tree_leaves((args, kwargs))
+    tensors = [leaves[i] for i in traced.partitioned.joint.inputs.tensor_positions]
+    module = forward.module()
+    outputs = module(*tensors)
+    torch.testing.assert_close(outputs[0], expected.detach(), rtol=rtol, atol=atol)
+    # Mutated buffers (BatchNorm's running statistics) are written into the module.
+    got_buffers = dict(module.named_buffers())
+    for name, buffer in eager.named_buffers():
+        torch.testing.assert_close(got_buffers[name], buffer, rtol=rtol, atol=atol, msg=name)
+
+    # The backward: saved values (the forward's last outputs) and cotangents -> gradients.
+    n_cotangents = sum(isinstance(d, Cotangent) for d in signature.backward_inputs)
+    n_saved = len(signature.backward_inputs) - n_cotangents
+    saved = list(outputs[len(outputs) - n_saved :])
+    cotangents = []
+    placeholders = list(backward.graph.find_nodes(op="placeholder"))[n_saved:]
+    for desc, node in zip(signature.backward_inputs[n_saved:], placeholders, strict=True):
+        val = node.meta["val"]
+        one = desc.of == Output(path="")
+        cotangents.append(torch.ones(val.shape) if one else torch.zeros(val.shape))
+    grads = backward.module()(*saved, *cotangents)
+    out_specs = backward.graph_signature.output_specs
+    assert len(grads) == len(out_specs)
+    got = {}
+    for spec, grad in zip(out_specs, grads, strict=True):
+        assert spec.kind == OutputKind.GRADIENT_TO_PARAMETER
+        got[spec.target] = grad
+    expected_grads = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+    assert got.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(got[name], grad, rtol=rtol, atol=atol, msg=name)
+
+    # Provenance survives the file: seq_nr, module and source of each forward op.
+    ops = [n for n in forward.graph.nodes if n.op == "call_function"]
+    info = [n.meta["custom"]["aotgrad"] for n in ops]
+    assert all(i["seq_nr"] is not None for i in info if i["kind"] == "op")
+    assert any(i["module"] and i["source"] for i in info)
+    # Placeholders are named by the signature in the file; in memory they carry descriptors.
+    first = next(iter(programs.forward.graph.find_nodes(op="placeholder")))
+    assert first.meta["aotgrad"]["descriptor"]["kind"] == "Param"
+    return programs
+
+
+def test_export_mlp(tmp_path):
+    torch.manual_seed(0)
+    model = WithLoss(MLP(), lambda y: y.pow(2).mean())
+    check_export(model, (torch.randn(4, 16),), {}, tmp_path)
+
+
+def test_export_convbn_mutated_buffers(tmp_path):
+    torch.manual_seed(0)
+    programs = check_export(ConvBN(), (torch.randn(2, 1, 8, 8), torch.randn(2, 10)), {}, tmp_path)
+    mutated = programs.forward.graph_signature.buffers_to_mutate.values()
+    assert set(mutated) == {"bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"}
+
+
+def test_export_gpt_tied_weights(tmp_path):
+    torch.manual_seed(0)
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    programs = check_export(GPT(), (idx, targets), {}, tmp_path)
+    assert "head.weight" not in programs.forward.state_dict  # one tensor, one name
+    assert "tok.weight" in programs.forward.state_dict
+
+
+def test_export_user_input_gradient_and_function():
+    w = torch.randn(3, 4, requires_grad=True)
+    x = torch.randn(2, 3)
+    f = aotgrad.aot_function(lambda x, w: (x @ w).sin().sum())
+    with pytest.raises(CallError, match="call the compiled function first"):
+        f.export()
+    f(x, w)
+    backward = f.export().backward
+    (spec,) = backward.graph_signature.output_specs
+    assert spec.kind == OutputKind.GRADIENT_TO_USER_INPUT and spec.target == "w"
+
+
+def test_export_refuses_closed_over_tensor():
+    w = torch.randn(3, requires_grad=True)
+    traced = aotgrad.trace(lambda x: (x * w).sum(), torch.randn(3))
+    with pytest.raises(CallError, match="closure w"):
+        traced.export()
+
+
+def test_export_aot_module(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    compiled = aotgrad.aot_module(model)
+    x = torch.randn(4, 3)
+    compiled(x).sum().backward()
+    forward = _round_trip(compiled.export().forward, tmp_path / "f.pt2")
+    torch.testing.assert_close(forward.module()(x)[0], model(x))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet18"])
+def test_export_library_models(name, tmp_path):
+    library_models = pytest.importorskip("library_models")
+    case = getattr(library_models, name)()
+    check_export(WithLoss(case.model, case.loss), case.args, case.kwargs, tmp_path)
