@@ -33,8 +33,10 @@ def _round_trip(program, path):
 
 def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5):
     """Export ``model``'s graphs, save and load them, run both on the inputs and compare
-    the loss, the buffers after the step and every gradient with eager's."""
+    the loss, the buffers after the step and every gradient with eager's (both seeded
+    alike: dropout draws eager's masks)."""
     eager, traced_model = copy.deepcopy(model), copy.deepcopy(model)
+    torch.manual_seed(1234)
     expected = eager(*args, **kwargs)
     expected.backward()
     traced = aotgrad.trace(traced_model, *args, **kwargs)
@@ -58,6 +60,7 @@ def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5):
     leaves = pytree.tree_leaves((args, kwargs))
     tensors = [leaves[i] for i in traced.partitioned.joint.inputs.tensor_positions]
     module = forward.module()
+    torch.manual_seed(1234)
     outputs = module(*tensors)
     torch.testing.assert_close(outputs[0], expected.detach(), rtol=rtol, atol=atol)
     # Mutated buffers (BatchNorm's running statistics) are written into the module.
@@ -148,8 +151,16 @@ def test_export_aot_module(tmp_path):
     torch.testing.assert_close(forward.module()(x)[0], model(x))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "resnet18"])
-def test_export_library_models(name, tmp_path):
+def test_export_dropout_draws_eager_masks(tmp_path):
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4), torch.nn.Dropout(0.3)
+    )
+    check_export(WithLoss(mlp, lambda y: y.pow(2).sum()), (torch.randn(4, 8),), {}, tmp_path)
+
+
+@pytest.mark.parametrize(("name", "dropout"), [("gpt2", 0.0), ("gpt2", 0.1), ("resnet18", 0.0)])
+def test_export_library_models(name, dropout, tmp_path):
     library_models = pytest.importorskip("library_models")
-    case = getattr(library_models, name)()
+    case = getattr(library_models, name)(dropout)
     check_export(WithLoss(case.model, case.loss), case.args, case.kwargs, tmp_path)

@@ -25,6 +25,7 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
+from aotgrad.capture.provenance import NodeInfo
 from aotgrad.errors import CallError
 from aotgrad.partition import Partitioned
 from aotgrad.signature.descriptors import (
@@ -129,11 +130,13 @@ def _forward_program(partitioned: Partitioned, lifted: Sequence[torch.Tensor]) -
             raise _unsupported(desc, "forward input")
     mutations: list[tuple[fx.Node, OutputSpec]] = []
     rest: list[tuple[fx.Node, OutputSpec]] = []
-    for node, desc in zip(outputs, signature.forward_outputs, strict=True):
-        _annotate(node, desc, output=True)
-        arg = TensorArgument(name=node.name)
-        if isinstance(desc, MutatedInput):
-            of = desc.of
+    for out, result in zip(outputs, signature.forward_outputs, strict=True):
+        if out is None:
+            raise CallError(f"expected a tensor for the forward output {result}, got None")
+        _annotate(out, result, output=True)
+        arg = TensorArgument(name=out.name)
+        if isinstance(result, MutatedInput):
+            of = result.of
             if isinstance(of, Buffer):
                 spec = OutputSpec(OutputKind.BUFFER_MUTATION, arg, of.name)
             elif isinstance(of, Param):
@@ -141,12 +144,12 @@ def _forward_program(partitioned: Partitioned, lifted: Sequence[torch.Tensor]) -
             elif isinstance(of, Input):
                 spec = OutputSpec(OutputKind.USER_INPUT_MUTATION, arg, names[of])
             else:
-                raise _unsupported(desc, "forward output")
-            mutations.append((node, spec))
-        elif isinstance(desc, Output | OutputBase | Saved):
-            rest.append((node, OutputSpec(OutputKind.USER_OUTPUT, arg, None)))
+                raise _unsupported(result, "forward output")
+            mutations.append((out, spec))
+        elif isinstance(result, Output | OutputBase | Saved):
+            rest.append((out, OutputSpec(OutputKind.USER_OUTPUT, arg, None)))
         else:
-            raise _unsupported(desc, "forward output")
+            raise _unsupported(result, "forward output")
     ordered = [*mutations, *rest]
     _set_outputs(graph, [node for node, _ in ordered])
     user_inputs = [
@@ -214,6 +217,13 @@ def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, list[fx.Node], list[fx.Node | N
         if r is not None and not isinstance(r, fx.Node):
             raise CallError(f"expected graph outputs that are tensors, got {r!r}")
         flat.append(r)
+    for node in [*placeholders, *(r for r in flat if r is not None)]:
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            raise CallError(  # TensorArgument would misname it
+                f"expected graph inputs and outputs that are tensors, got {node.name}:"
+                f" {node.meta.get('val')!r}; export takes graphs of static shapes (trace"
+                " without dynamic dimensions)"
+            )
     for node in graph.nodes:
         if node.op != "output":
             _plain_meta(node)
@@ -223,7 +233,7 @@ def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, list[fx.Node], list[fx.Node | N
 def _plain_meta(node: fx.Node) -> None:
     """aotgrad's provenance as plain data, under ``aotgrad`` and ``custom['aotgrad']``."""
     info = node.meta.get("aotgrad")
-    plain: dict[str, Any] = info.to_dict() if hasattr(info, "to_dict") else {}
+    plain: dict[str, Any] = info.to_dict() if isinstance(info, NodeInfo) else {}
     node.meta.pop("desc", None)
     node.meta["aotgrad"] = plain
     node.meta["custom"] = {**node.meta.get("custom", {}), "aotgrad": plain}
