@@ -11,7 +11,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 import aotgrad
 from aotgrad.errors import CallError
-from aotgrad.signature.descriptors import Cotangent, Output
+from aotgrad.signature.descriptors import Output, Saved
 from models import GPT, MLP, ConvBN
 
 
@@ -68,22 +68,26 @@ def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5):
     for name, buffer in eager.named_buffers():
         torch.testing.assert_close(got_buffers[name], buffer, rtol=rtol, atol=atol, msg=name)
 
-    # The backward: saved values (the forward's last outputs) and cotangents -> gradients.
-    n_cotangents = sum(isinstance(d, Cotangent) for d in signature.backward_inputs)
-    n_saved = len(signature.backward_inputs) - n_cotangents
-    saved = list(outputs[len(outputs) - n_saved :])
-    cotangents = []
-    placeholders = list(backward.graph.find_nodes(op="placeholder"))[n_saved:]
-    for desc, node in zip(signature.backward_inputs[n_saved:], placeholders, strict=True):
-        val = node.meta["val"]
-        one = desc.of == Output(path="")
-        cotangents.append(torch.ones(val.shape) if one else torch.zeros(val.shape))
-    grads = backward.module()(*saved, *cotangents)
+    # The backward: saved values (named among the forward's outputs) and cotangents (ones
+    # for the loss) -> gradients.
+    assert isinstance(programs.forward_outputs[0], Output)
+    by_desc = dict(zip(programs.forward_outputs, outputs, strict=True))
+    backward_inputs = []
+    placeholders = backward.graph.find_nodes(op="placeholder")
+    for desc, node in zip(programs.backward_inputs, placeholders, strict=True):
+        if isinstance(desc, Saved):
+            backward_inputs.append(by_desc[desc])
+        else:
+            one = desc.of == programs.forward_outputs[0]
+            shape = node.meta["val"].shape
+            backward_inputs.append(torch.ones(shape) if one else torch.zeros(shape))
+    grads = backward.module()(*backward_inputs)
     out_specs = backward.graph_signature.output_specs
-    assert len(grads) == len(out_specs)
+    assert len(grads) == len(out_specs) == len(programs.backward_outputs)
     got = {}
-    for spec, grad in zip(out_specs, grads, strict=True):
+    for spec, grad, desc in zip(out_specs, grads, programs.backward_outputs, strict=True):
         assert spec.kind == OutputKind.GRADIENT_TO_PARAMETER
+        assert str(desc) == f"grad of param {spec.target}"
         got[spec.target] = grad
     expected_grads = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
     assert got.keys() == expected_grads.keys()

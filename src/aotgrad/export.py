@@ -82,6 +82,30 @@ class ExportedGraphs:
     forward: ExportedProgram
     # (*saved, *cotangents) -> gradients, None ones left out; None without a backward.
     backward: ExportedProgram | None
+    # What each user output of ``forward.module()`` is, in order: ``Output``, ``OutputBase``,
+    # then ``Saved`` (the backward's leading inputs). An output aotgrad's runtime returns
+    # without the graph (an input returned as it is) is not among them.
+    forward_outputs: tuple[Descriptor, ...] = ()
+    # What each input of ``backward.module()`` is: ``Saved``, then ``Cotangent``.
+    backward_inputs: tuple[Saved | Cotangent, ...] = ()
+    # What each output of ``backward.module()`` is: a ``Grad`` (None ones left out).
+    backward_outputs: tuple[Grad, ...] = ()
+
+    def __post_init__(self) -> None:
+        user = self.forward.graph_signature.user_outputs
+        if len(user) != len(self.forward_outputs):
+            raise AssertionError(
+                f"expected one descriptor per forward user output ({len(user)}),"
+                f" got {len(self.forward_outputs)}"
+            )
+        if self.backward is not None:
+            n_in = len(self.backward.graph_signature.user_inputs)
+            n_out = len(self.backward.graph_signature.output_specs)
+            if (n_in, n_out) != (len(self.backward_inputs), len(self.backward_outputs)):
+                raise AssertionError(
+                    f"expected {n_in} backward input and {n_out} output descriptors, got"
+                    f" {len(self.backward_inputs)} and {len(self.backward_outputs)}"
+                )
 
 
 def export_graphs(partitioned: Partitioned, lifted: Sequence[torch.Tensor]) -> ExportedGraphs:
@@ -93,12 +117,23 @@ def export_graphs(partitioned: Partitioned, lifted: Sequence[torch.Tensor]) -> E
             " itself; export takes graphs that return the new values. Trace with an input"
             " that requires grad to export it"
         )
-    forward = _forward_program(partitioned, lifted)
-    backward = None if partitioned.backward is None else _backward_program(partitioned)
-    return ExportedGraphs(forward=forward, backward=backward)
+    forward, forward_outputs = _forward_program(partitioned, lifted)
+    backward: ExportedProgram | None = None
+    grads: tuple[Grad, ...] = ()
+    if partitioned.backward is not None:
+        backward, grads = _backward_program(partitioned)
+    return ExportedGraphs(
+        forward=forward,
+        backward=backward,
+        forward_outputs=forward_outputs,
+        backward_inputs=partitioned.signature.backward_inputs if backward is not None else (),
+        backward_outputs=grads,
+    )
 
 
-def _forward_program(partitioned: Partitioned, lifted: Sequence[torch.Tensor]) -> ExportedProgram:
+def _forward_program(
+    partitioned: Partitioned, lifted: Sequence[torch.Tensor]
+) -> tuple[ExportedProgram, tuple[Descriptor, ...]]:
     signature = partitioned.signature
     graph, placeholders, outputs = _copy(partitioned.forward)
     _check_count("forward inputs", placeholders, signature.forward_inputs)
@@ -130,6 +165,7 @@ def _forward_program(partitioned: Partitioned, lifted: Sequence[torch.Tensor]) -
             raise _unsupported(desc, "forward input")
     mutations: list[tuple[fx.Node, OutputSpec]] = []
     rest: list[tuple[fx.Node, OutputSpec]] = []
+    user: list[Descriptor] = []
     for out, result in zip(outputs, signature.forward_outputs, strict=True):
         if out is None:
             raise CallError(f"expected a tensor for the forward output {result}, got None")
@@ -148,6 +184,7 @@ def _forward_program(partitioned: Partitioned, lifted: Sequence[torch.Tensor]) -
             mutations.append((out, spec))
         elif isinstance(result, Output | OutputBase | Saved):
             rest.append((out, OutputSpec(OutputKind.USER_OUTPUT, arg, None)))
+            user.append(result)
         else:
             raise _unsupported(result, "forward output")
     ordered = [*mutations, *rest]
@@ -155,13 +192,12 @@ def _forward_program(partitioned: Partitioned, lifted: Sequence[torch.Tensor]) -
     user_inputs = [
         n for n, s in zip(placeholders, inputs, strict=True) if s.kind == InputKind.USER_INPUT
     ]
-    user_outputs = [node for node, _ in rest]
-    return _program(
-        graph, inputs, [s for _, s in ordered], state, len(user_inputs), len(user_outputs)
-    )
+    specs = [s for _, s in ordered]
+    program = _program(graph, inputs, specs, state, len(user_inputs), len(rest))
+    return program, tuple(user)
 
 
-def _backward_program(partitioned: Partitioned) -> ExportedProgram:
+def _backward_program(partitioned: Partitioned) -> tuple[ExportedProgram, tuple[Grad, ...]]:
     assert partitioned.backward is not None
     signature = partitioned.signature
     graph, placeholders, outputs = _copy(partitioned.backward)
@@ -183,6 +219,7 @@ def _backward_program(partitioned: Partitioned) -> ExportedProgram:
         inputs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(name=node.name), None))
     kept: list[fx.Node] = []
     specs: list[OutputSpec] = []
+    grads: list[Grad] = []
     for out, grad in zip(outputs, signature.backward_outputs, strict=True):
         if grad is None or out is None:
             continue
@@ -198,8 +235,9 @@ def _backward_program(partitioned: Partitioned) -> ExportedProgram:
         else:
             raise _unsupported(grad, "backward output")
         kept.append(out)
+        grads.append(grad)
     _set_outputs(graph, kept)
-    return _program(graph, inputs, specs, {}, len(inputs), len(kept))
+    return _program(graph, inputs, specs, {}, len(inputs), len(kept)), tuple(grads)
 
 
 def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, list[fx.Node], list[fx.Node | None]]:
