@@ -11,7 +11,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 import aotgrad
 from aotgrad.errors import CallError
-from aotgrad.signature.descriptors import Output, Saved
+from aotgrad.signature.descriptors import Grad, Input, Output, Saved
 from models import GPT, MLP, ConvBN
 
 
@@ -29,6 +29,23 @@ class WithLoss(torch.nn.Module):
 def _round_trip(program, path):
     torch.export.save(program, path)
     return torch.export.load(path)
+
+
+def _backward_inputs(programs, backward, outputs):
+    """The backward's inputs: the saved values, found among the forward's ``outputs`` by
+    descriptor, then the cotangents (ones for the first output, the loss; zeros for others)."""
+    assert isinstance(programs.forward_outputs[0], Output)
+    by_desc = dict(zip(programs.forward_outputs, outputs, strict=True))
+    inputs = []
+    placeholders = backward.graph.find_nodes(op="placeholder")
+    for desc, node in zip(programs.backward_inputs, placeholders, strict=True):
+        if isinstance(desc, Saved):
+            inputs.append(by_desc[desc])
+        else:
+            one = desc.of == programs.forward_outputs[0]
+            shape = node.meta["val"].shape
+            inputs.append(torch.ones(shape) if one else torch.zeros(shape))
+    return inputs
 
 
 def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5):
@@ -70,18 +87,7 @@ def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5):
 
     # The backward: saved values (named among the forward's outputs) and cotangents (ones
     # for the loss) -> gradients.
-    assert isinstance(programs.forward_outputs[0], Output)
-    by_desc = dict(zip(programs.forward_outputs, outputs, strict=True))
-    backward_inputs = []
-    placeholders = backward.graph.find_nodes(op="placeholder")
-    for desc, node in zip(programs.backward_inputs, placeholders, strict=True):
-        if isinstance(desc, Saved):
-            backward_inputs.append(by_desc[desc])
-        else:
-            one = desc.of == programs.forward_outputs[0]
-            shape = node.meta["val"].shape
-            backward_inputs.append(torch.ones(shape) if one else torch.zeros(shape))
-    grads = backward.module()(*backward_inputs)
+    grads = backward.module()(*_backward_inputs(programs, backward, outputs))
     out_specs = backward.graph_signature.output_specs
     assert len(grads) == len(out_specs) == len(programs.backward_outputs)
     got = {}
@@ -126,16 +132,59 @@ def test_export_gpt_tied_weights(tmp_path):
     assert "tok.weight" in programs.forward.state_dict
 
 
-def test_export_user_input_gradient_and_function():
+def test_export_user_input_gradient_and_function(tmp_path):
     w = torch.randn(3, 4, requires_grad=True)
     x = torch.randn(2, 3)
     f = aotgrad.aot_function(lambda x, w: (x @ w).sin().sum())
     with pytest.raises(CallError, match="call the compiled function first"):
         f.export()
     f(x, w)
-    backward = f.export().backward
+    programs = f.export()
+    backward = _round_trip(programs.backward, tmp_path / "b.pt2")
     (spec,) = backward.graph_signature.output_specs
-    assert spec.kind == OutputKind.GRADIENT_TO_USER_INPUT and spec.target == "w"
+    assert spec.kind == OutputKind.USER_OUTPUT
+    assert programs.backward_outputs == (Grad(of=Input(path="w")),)
+    outputs = _round_trip(programs.forward, tmp_path / "f.pt2").module()(x, w)
+    (grad,) = backward.module()(*_backward_inputs(programs, backward, outputs))
+    torch.testing.assert_close(grad, torch.func.grad(lambda w: (x @ w).sin().sum())(w))
+
+
+def test_export_inputs_sharing_memory(tmp_path):
+    """Two overlapping views, one mutated: the programs take their synthetic base (Note
+    [Aliased inputs]), write its new value back and return its gradient."""
+
+    def f(a, b):
+        a.mul_(2)
+        return (a * b).sin().sum()
+
+    def make():
+        torch.manual_seed(0)
+        p = torch.randn(12, requires_grad=True)
+        root = p * 1
+        return p, root, root[0:6].view(2, 3), root[3:9].view(2, 3)
+
+    p, root, a, b = make()
+    programs = aotgrad.trace(f, a, b).export()
+    expected = f(a, b)
+    expected.backward()
+    forward = _round_trip(programs.forward, tmp_path / "f.pt2")
+    backward = _round_trip(programs.backward, tmp_path / "b.pt2")
+    (spec,) = [s for s in forward.graph_signature.input_specs]
+    assert spec.kind == InputKind.USER_INPUT and spec.arg.name == "base_of_a_b"
+    (mutation,) = forward.graph_signature.user_inputs_to_mutate.values()
+    assert mutation == "base_of_a_b"
+
+    _, root2, _, _ = make()
+    n = next(iter(forward.graph.find_nodes(op="placeholder"))).meta["val"].numel()
+    base = root2.detach().as_strided((n,), (1,), 0)  # the storage up to the farthest view
+    outputs = forward.module()(base)
+    torch.testing.assert_close(outputs[0], expected.detach())
+    torch.testing.assert_close(root2.detach(), root.detach())  # a's mul_ written back
+    (grad,) = backward.module()(*_backward_inputs(programs, backward, outputs))
+    (out_spec,) = backward.graph_signature.output_specs
+    assert out_spec.kind == OutputKind.USER_OUTPUT
+    assert str(programs.backward_outputs[0]) == "grad of base of a, b"
+    torch.testing.assert_close(grad, p.grad[:n])
 
 
 def test_export_refuses_closed_over_tensor():

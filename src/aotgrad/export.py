@@ -34,6 +34,7 @@ from aotgrad.signature.descriptors import (
     Descriptor,
     Grad,
     Input,
+    InputBase,
     MutatedInput,
     Output,
     OutputBase,
@@ -54,9 +55,15 @@ __all__ = ["ExportedGraphs", "export_graphs"]
 #                      PARAMETER_MUTATION; of an Input, USER_INPUT_MUTATION)
 #                      Output, OutputBase, Saved -> OutputKind.USER_OUTPUT
 #   backward inputs    Saved, Cotangent      -> InputKind.USER_INPUT
-#   backward outputs   Grad(of=Param)        -> OutputKind.GRADIENT_TO_PARAMETER
-#                      Grad(of=Input)        -> OutputKind.GRADIENT_TO_USER_INPUT, target: the
-#                      forward program's placeholder name of that input
+#   backward outputs   Grad(of=Input)        -> OutputKind.USER_OUTPUT, first
+#                      Grad(of=Param)        -> OutputKind.GRADIENT_TO_PARAMETER, target
+#                      "fc.weight"
+#
+# The gradient of a user input is a USER_OUTPUT, not GRADIENT_TO_USER_INPUT: that kind's
+# target must be a placeholder of the same graph (``torch.export.save`` renames it through
+# the graph's own node names, and fails on a name it lacks), and the user input is a
+# placeholder of the forward program only. ``ExportedGraphs.backward_outputs`` and the node's
+# ``meta["aotgrad"]["output"]`` say which input each one is the gradient of.
 #
 # ``torch.export`` wants the mutations first among the outputs, so the forward program's
 # outputs are aotgrad's reordered: for ConvBN, aotgrad's forward returns
@@ -80,7 +87,8 @@ class ExportedGraphs:
     # (*params, *buffers, *user inputs) -> (*mutations, *outputs, *saved); run
     # ``forward.module()(*user inputs)``.
     forward: ExportedProgram
-    # (*saved, *cotangents) -> gradients, None ones left out; None without a backward.
+    # (*saved, *cotangents) -> (*grads of user inputs, *grads of parameters), None ones left
+    # out; None without a backward.
     backward: ExportedProgram | None
     # What each user output of ``forward.module()`` is, in order: ``Output``, ``OutputBase``,
     # then ``Saved`` (the backward's leading inputs). An output aotgrad's runtime returns
@@ -88,7 +96,8 @@ class ExportedGraphs:
     forward_outputs: tuple[Descriptor, ...] = ()
     # What each input of ``backward.module()`` is: ``Saved``, then ``Cotangent``.
     backward_inputs: tuple[Saved | Cotangent, ...] = ()
-    # What each output of ``backward.module()`` is: a ``Grad`` (None ones left out).
+    # What each output of ``backward.module()`` is: a ``Grad`` (None ones left out), the
+    # gradients of user inputs first, then those of parameters.
     backward_outputs: tuple[Grad, ...] = ()
 
     def __post_init__(self) -> None:
@@ -159,7 +168,7 @@ def _forward_program(
             else:
                 state[desc.name] = tensor
                 inputs.append(InputSpec(InputKind.BUFFER, arg, desc.name, persistent=True))
-        elif isinstance(desc, Input):
+        elif isinstance(desc, Input | InputBase):
             inputs.append(InputSpec(InputKind.USER_INPUT, arg, None))
         else:
             raise _unsupported(desc, "forward input")
@@ -177,7 +186,7 @@ def _forward_program(
                 spec = OutputSpec(OutputKind.BUFFER_MUTATION, arg, of.name)
             elif isinstance(of, Param):
                 spec = OutputSpec(OutputKind.PARAMETER_MUTATION, arg, of.name)
-            elif isinstance(of, Input):
+            elif isinstance(of, Input | InputBase):
                 spec = OutputSpec(OutputKind.USER_INPUT_MUTATION, arg, names[of])
             else:
                 raise _unsupported(result, "forward output")
@@ -203,23 +212,16 @@ def _backward_program(partitioned: Partitioned) -> tuple[ExportedProgram, tuple[
     graph, placeholders, outputs = _copy(partitioned.backward)
     _check_count("backward inputs", placeholders, signature.backward_inputs)
     _check_count("backward outputs", outputs, signature.backward_outputs)
-    forward_names = {
-        desc: node.name
-        for node, desc in zip(
-            partitioned.forward.graph.find_nodes(op="placeholder"),
-            signature.forward_inputs,
-            strict=True,
-        )
-    }
     inputs = []
     for node, desc in zip(placeholders, signature.backward_inputs, strict=True):
         if not isinstance(desc, Saved | Cotangent):
             raise _unsupported(desc, "backward input")
         _annotate(node, desc)
         inputs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(name=node.name), None))
-    kept: list[fx.Node] = []
-    specs: list[OutputSpec] = []
-    grads: list[Grad] = []
+    # Gradients of user inputs first: they are USER_OUTPUTs, which torch.export wants
+    # before the other outputs (Note [Export signatures]).
+    to_inputs: list[tuple[fx.Node, OutputSpec, Grad]] = []
+    to_params: list[tuple[fx.Node, OutputSpec, Grad]] = []
     for out, grad in zip(outputs, signature.backward_outputs, strict=True):
         if grad is None or out is None:
             continue
@@ -228,14 +230,16 @@ def _backward_program(partitioned: Partitioned) -> tuple[ExportedProgram, tuple[
         _annotate(out, grad, output=True)
         arg = TensorArgument(name=out.name)
         if isinstance(grad.of, Param):
-            specs.append(OutputSpec(OutputKind.GRADIENT_TO_PARAMETER, arg, grad.of.name))
-        elif isinstance(grad.of, Input):
-            target = forward_names[grad.of]
-            specs.append(OutputSpec(OutputKind.GRADIENT_TO_USER_INPUT, arg, target))
+            spec = OutputSpec(OutputKind.GRADIENT_TO_PARAMETER, arg, grad.of.name)
+            to_params.append((out, spec, grad))
+        elif isinstance(grad.of, Input | InputBase):
+            to_inputs.append((out, OutputSpec(OutputKind.USER_OUTPUT, arg, None), grad))
         else:
             raise _unsupported(grad, "backward output")
-        kept.append(out)
-        grads.append(grad)
+    ordered = [*to_inputs, *to_params]
+    kept = [out for out, _, _ in ordered]
+    specs = [spec for _, spec, _ in ordered]
+    grads = [grad for _, _, grad in ordered]
     _set_outputs(graph, kept)
     return _program(graph, inputs, specs, {}, len(inputs), len(kept)), tuple(grads)
 
