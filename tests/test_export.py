@@ -187,10 +187,27 @@ def test_export_inputs_sharing_memory(tmp_path):
     torch.testing.assert_close(grad, p.grad[:n])
 
 
-def test_export_refuses_closed_over_tensor():
+def test_export_closed_over_tensor(tmp_path):
+    """A closed-over tensor is a constant of the program; its gradient a named output."""
     w = torch.randn(3, requires_grad=True)
-    traced = aotgrad.trace(lambda x: (x * w).sum(), torch.randn(3))
-    with pytest.raises(CallError, match="closure w"):
+    x = torch.randn(3)
+    programs = aotgrad.trace(lambda x: (x * w).sin().sum(), x).export()
+    forward = _round_trip(programs.forward, tmp_path / "f.pt2")
+    backward = _round_trip(programs.backward, tmp_path / "b.pt2")
+    (spec,) = [s for s in forward.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
+    assert spec.kind == InputKind.CONSTANT_TENSOR and spec.target == "aotgrad_w"
+    torch.testing.assert_close(forward.constants["aotgrad_w"], w.detach())
+    outputs = forward.module()(x)
+    torch.testing.assert_close(outputs[0], (x * w).sin().sum().detach())
+    (grad,) = backward.module()(*_backward_inputs(programs, backward, outputs))
+    assert str(programs.backward_outputs[0]) == "grad of closure w"
+    torch.testing.assert_close(grad, torch.func.grad(lambda w: (x * w).sin().sum())(w))
+
+
+def test_export_refuses_mutated_closure():
+    w = torch.zeros(3)
+    traced = aotgrad.trace(lambda x: w.add_(x).sum(), torch.randn(3, requires_grad=True))
+    with pytest.raises(CallError, match="new value of closure w"):
         traced.export()
 
 

@@ -30,8 +30,10 @@ from aotgrad.errors import CallError
 from aotgrad.partition import Partitioned
 from aotgrad.signature.descriptors import (
     Buffer,
+    Closure,
     Cotangent,
     Descriptor,
+    Global,
     Grad,
     Input,
     InputBase,
@@ -50,12 +52,15 @@ __all__ = ["ExportedGraphs", "export_graphs"]
 #
 #   forward inputs     Param(fc.weight)      -> InputKind.PARAMETER, target "fc.weight"
 #                      Buffer(bn.running_mean) -> InputKind.BUFFER, target "bn.running_mean"
-#                      Input(x)              -> InputKind.USER_INPUT
+#                      Input(x), InputBase   -> InputKind.USER_INPUT
+#                      Closure(w), Global(W) -> InputKind.CONSTANT_TENSOR, target
+#                      "aotgrad_w" (the placeholder's name), in ``constants``
 #   forward outputs    MutatedInput(of=Buffer) -> OutputKind.BUFFER_MUTATION (and of a Param,
 #                      PARAMETER_MUTATION; of an Input, USER_INPUT_MUTATION)
 #                      Output, OutputBase, Saved -> OutputKind.USER_OUTPUT
 #   backward inputs    Saved, Cotangent      -> InputKind.USER_INPUT
-#   backward outputs   Grad(of=Input)        -> OutputKind.USER_OUTPUT, first
+#   backward outputs   Grad(of=Input, InputBase, Closure or Global) -> OutputKind.USER_OUTPUT,
+#                      first
 #                      Grad(of=Param)        -> OutputKind.GRADIENT_TO_PARAMETER, target
 #                      "fc.weight"
 #
@@ -75,8 +80,8 @@ __all__ = ["ExportedGraphs", "export_graphs"]
 # and the descriptor of a placeholder or output), copied to ``node.meta["custom"]["aotgrad"]``,
 # the one place ``torch.export.save`` keeps user metadata.
 #
-# Anything else (a closed-over tensor, an input aliasing another, a tensor subclass's inner
-# tensor, a graph writing its mutations itself) raises ``CallError``: a program whose
+# Anything else (a tensor subclass's inner tensor, a mutated closed-over tensor, a graph
+# writing its mutations itself, a gradient of a buffer) raises ``CallError``: a program whose
 # signature misnames a value would run wrong in a backend without a word.
 
 
@@ -150,28 +155,20 @@ def _forward_program(
     if len(lifted) > len(placeholders):
         raise CallError(f"expected at most {len(placeholders)} lifted tensors, got {len(lifted)}")
     state: dict[str, torch.Tensor] = {}
+    constants: dict[str, torch.Tensor] = {}
     inputs: list[InputSpec] = []
     names: dict[Descriptor, str] = {}
     for i, (node, desc) in enumerate(zip(placeholders, signature.forward_inputs, strict=True)):
         _annotate(node, desc)
         names[desc] = node.name
-        arg = TensorArgument(name=node.name)
-        if isinstance(desc, Param | Buffer):
-            if i >= len(lifted):
-                raise CallError(f"expected a lifted tensor for {desc}, got none")
-            tensor = lifted[i]
-            if isinstance(desc, Param):
-                if not isinstance(tensor, torch.nn.Parameter):
-                    tensor = torch.nn.Parameter(tensor, requires_grad=tensor.requires_grad)
-                state[desc.name] = tensor
-                inputs.append(InputSpec(InputKind.PARAMETER, arg, desc.name))
-            else:
-                state[desc.name] = tensor
-                inputs.append(InputSpec(InputKind.BUFFER, arg, desc.name, persistent=True))
-        elif isinstance(desc, Input | InputBase):
-            inputs.append(InputSpec(InputKind.USER_INPUT, arg, None))
-        else:
-            raise _unsupported(desc, "forward input")
+        is_lifted = isinstance(desc, Param | Buffer | Closure | Global)
+        if is_lifted != (i < len(lifted)):  # lifted tensors lead (Lifted, in signature/)
+            raise CallError(
+                f"expected the {len(lifted)} lifted tensors first among the graph inputs,"
+                f" got {desc} at position {i}"
+            )
+        tensor = lifted[i] if is_lifted else None
+        inputs.append(_input_spec(node, desc, tensor, state, constants))
     mutations: list[tuple[fx.Node, OutputSpec]] = []
     rest: list[tuple[fx.Node, OutputSpec]] = []
     user: list[Descriptor] = []
@@ -202,8 +199,37 @@ def _forward_program(
         n for n, s in zip(placeholders, inputs, strict=True) if s.kind == InputKind.USER_INPUT
     ]
     specs = [s for _, s in ordered]
-    program = _program(graph, inputs, specs, state, len(user_inputs), len(rest))
+    program = _program(graph, inputs, specs, state, len(user_inputs), len(rest), constants)
     return program, tuple(user)
+
+
+def _input_spec(
+    node: fx.Node,
+    desc: Descriptor,
+    tensor: torch.Tensor | None,
+    state: dict[str, torch.Tensor],
+    constants: dict[str, torch.Tensor],
+) -> InputSpec:
+    """The spec of one forward input; a lifted ``tensor`` goes into ``state`` or ``constants``."""
+    arg = TensorArgument(name=node.name)
+    if isinstance(desc, Input | InputBase):
+        return InputSpec(InputKind.USER_INPUT, arg, None)
+    assert tensor is not None
+    if isinstance(desc, Param):
+        if not isinstance(tensor, torch.nn.Parameter):
+            tensor = torch.nn.Parameter(tensor, requires_grad=tensor.requires_grad)
+        state[desc.name] = tensor
+        return InputSpec(InputKind.PARAMETER, arg, desc.name)
+    if isinstance(desc, Buffer):
+        state[desc.name] = tensor
+        return InputSpec(InputKind.BUFFER, arg, desc.name, persistent=True)
+    if isinstance(desc, Closure | Global):
+        target = f"aotgrad_{node.name}"  # an identifier: the closure's text may be any string
+        if target in state or target in constants:
+            raise CallError(f"expected one tensor named {target} in the program, got two")
+        constants[target] = tensor.detach()  # a constant; the backward gives its gradient
+        return InputSpec(InputKind.CONSTANT_TENSOR, arg, target)
+    raise _unsupported(desc, "forward input")
 
 
 def _backward_program(partitioned: Partitioned) -> tuple[ExportedProgram, tuple[Grad, ...]]:
@@ -232,7 +258,7 @@ def _backward_program(partitioned: Partitioned) -> tuple[ExportedProgram, tuple[
         if isinstance(grad.of, Param):
             spec = OutputSpec(OutputKind.GRADIENT_TO_PARAMETER, arg, grad.of.name)
             to_params.append((out, spec, grad))
-        elif isinstance(grad.of, Input | InputBase):
+        elif isinstance(grad.of, Input | InputBase | Closure | Global):
             to_inputs.append((out, OutputSpec(OutputKind.USER_OUTPUT, arg, None), grad))
         else:
             raise _unsupported(grad, "backward output")
@@ -300,6 +326,7 @@ def _program(
     state: dict[str, torch.Tensor],
     n_user_inputs: int,
     n_user_outputs: int,
+    constants: dict[str, Any] | None = None,
 ) -> ExportedProgram:
     in_spec = pytree.tree_flatten((tuple(range(n_user_inputs)), {}))[1]
     out_spec = pytree.tree_flatten(tuple(range(n_user_outputs)))[1]
@@ -315,6 +342,7 @@ def _program(
         state_dict=state,
         range_constraints={},
         module_call_graph=[entry],
+        constants=constants,
     )
 
 
