@@ -211,6 +211,12 @@ def test_export_refuses_mutated_closure():
         traced.export()
 
 
+def test_export_refuses_symbolic_sizes():
+    traced = aotgrad.trace(torch.nn.Linear(3, 2), torch.randn(4, 3), dynamic=True)
+    with pytest.raises(CallError, match="static sizes"):
+        traced.export()
+
+
 def test_export_aot_module(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)

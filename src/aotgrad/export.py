@@ -286,16 +286,22 @@ def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, list[fx.Node], list[fx.Node | N
             raise CallError(f"expected graph outputs that are tensors, got {r!r}")
         flat.append(r)
     for node in [*placeholders, *(r for r in flat if r is not None)]:
-        if not isinstance(node.meta.get("val"), torch.Tensor):
-            raise CallError(  # TensorArgument would misname it
-                f"expected graph inputs and outputs that are tensors, got {node.name}:"
-                f" {node.meta.get('val')!r}; export takes graphs of static shapes (trace"
-                " without dynamic dimensions)"
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not _static(val):
+            raise CallError(  # TensorArgument and empty range constraints would misname it
+                f"export takes graphs whose inputs and outputs are tensors of static sizes;"
+                f" {node.name} is {val!r}. Trace without dynamic=True or aotgrad.dynamic"
+                " marks to export"
             )
     for node in graph.nodes:
         if node.op != "output":
             _plain_meta(node)
     return graph, placeholders, flat
+
+
+def _static(val: torch.Tensor) -> bool:
+    """Whether ``val``'s sizes and strides are plain ints (not traced as symbols)."""
+    return all(isinstance(n, int) for n in (*val.shape, *val.stride(), val.storage_offset()))
 
 
 def _plain_meta(node: fx.Node) -> None:
