@@ -217,6 +217,15 @@ def test_export_refuses_symbolic_sizes():
         traced.export()
 
 
+def test_export_refuses_state_changed_since_the_call():
+    model = torch.nn.Linear(3, 2)
+    compiled = aotgrad.aot_module(model)
+    compiled(torch.randn(4, 3))
+    model.weight = torch.nn.Parameter(torch.randn(5, 3))  # same name, another size
+    with pytest.raises(CallError, match=r"param weight of size \(2, 3\)"):
+        compiled.export()
+
+
 def test_export_aot_module(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)

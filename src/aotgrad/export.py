@@ -215,6 +215,14 @@ def _input_spec(
     if isinstance(desc, Input | InputBase):
         return InputSpec(InputKind.USER_INPUT, arg, None)
     assert tensor is not None
+    val = node.meta["val"]
+    if (tensor.shape, tensor.stride(), tensor.dtype) != (val.shape, val.stride(), val.dtype):
+        raise CallError(
+            f"the graphs were captured for {desc} of size {tuple(val.shape)}, strides"
+            f" {val.stride()} and {val.dtype}, and it now holds a tensor of size"
+            f" {tuple(tensor.shape)}, strides {tensor.stride()} and {tensor.dtype}; call the"
+            " function again (or trace again) before exporting"
+        )
     if isinstance(desc, Param):
         if not isinstance(tensor, torch.nn.Parameter):
             tensor = torch.nn.Parameter(tensor, requires_grad=tensor.requires_grad)
