@@ -14,8 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.export import ExportedProgram
-from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+from torch.export import ExportedProgram, ModuleCallEntry, ModuleCallSignature
 from torch.export.graph_signature import (
     ExportGraphSignature,
     InputKind,
