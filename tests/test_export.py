@@ -57,7 +57,7 @@ def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5):
     expected = eager(*args, **kwargs)
     expected.backward()
     traced = aotgrad.trace(traced_model, *args, **kwargs)
-    programs = traced.export()
+    programs = traced.export(joint=True)
     forward = _round_trip(programs.forward, tmp_path / "forward.pt2")
     backward = _round_trip(programs.backward, tmp_path / "backward.pt2")
     signature = traced.signature
@@ -99,6 +99,17 @@ def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5):
     assert got.keys() == expected_grads.keys()
     for name, grad in expected_grads.items():
         torch.testing.assert_close(got[name], grad, rtol=rtol, atol=atol, msg=name)
+
+    # The joint: (*user inputs, cotangent of the loss) -> (loss, *gradients).
+    joint = _round_trip(programs.joint, tmp_path / "joint.pt2")
+    torch.manual_seed(1234)
+    joint_outputs = joint.module()(*tensors, torch.ones(()))
+    results = dict(zip(programs.joint_outputs, joint_outputs, strict=True))
+    torch.testing.assert_close(results[programs.forward_outputs[0]], expected.detach())
+    joint_grads = {d.of.name: g for d, g in results.items() if isinstance(d, Grad)}
+    assert joint_grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(joint_grads[name], grad, rtol=rtol, atol=atol, msg=name)
 
     # Provenance survives the file: seq_nr, module and source of each forward op.
     ops = [n for n in forward.graph.nodes if n.op == "call_function"]
@@ -146,7 +157,14 @@ def test_export_user_input_gradient_and_function(tmp_path):
     assert programs.backward_outputs == (Grad(of=Input(path="w")),)
     outputs = _round_trip(programs.forward, tmp_path / "f.pt2").module()(x, w)
     (grad,) = backward.module()(*_backward_inputs(programs, backward, outputs))
-    torch.testing.assert_close(grad, torch.func.grad(lambda w: (x @ w).sin().sum())(w))
+    expected = torch.func.grad(lambda w: (x @ w).sin().sum())(w)
+    torch.testing.assert_close(grad, expected)
+    # In the joint, w is a placeholder of the same graph: GRADIENT_TO_USER_INPUT, by name.
+    joint = _round_trip(f.export(joint=True).joint, tmp_path / "j.pt2")
+    (_, spec) = joint.graph_signature.output_specs
+    assert spec.kind == OutputKind.GRADIENT_TO_USER_INPUT and spec.target == "w"
+    _, joint_grad = joint.module()(x, w, torch.ones(()))
+    torch.testing.assert_close(joint_grad, expected)
 
 
 def test_export_inputs_sharing_memory(tmp_path):

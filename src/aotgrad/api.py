@@ -75,9 +75,10 @@ class _Reports:
     def _lifted_for_export(self, partitioned: Partitioned) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
-    def export(self) -> ExportedGraphs:
+    def export(self, joint: bool = False) -> ExportedGraphs:
         """The forward and backward graphs as ``torch.export.ExportedProgram`` s, named in
-        ``torch.export``'s vocabulary (Note [Export signatures]; docs/export.md).
+        ``torch.export``'s vocabulary (Note [Export signatures]; docs/export.md); with
+        ``joint``, the joint graph as a third.
 
         >>> import torch, aotgrad
         >>> t = aotgrad.trace(torch.nn.Linear(2, 3), torch.ones(1, 2))
@@ -90,7 +91,7 @@ class _Reports:
         from aotgrad.export import export_graphs  # torch.export loads with the feature
 
         partitioned = self._reported()
-        return export_graphs(partitioned, self._lifted_for_export(partitioned))
+        return export_graphs(partitioned, self._lifted_for_export(partitioned), joint=joint)
 
     def seq_table(self) -> SeqTable:
         """Every op of the joint graph with its forward op's number and module (data; prints as a table)."""

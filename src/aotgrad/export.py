@@ -67,9 +67,12 @@ __all__ = ["ExportedGraphs", "export_graphs"]
 # target must be a placeholder of the same graph (``torch.export.save`` renames it through
 # the graph's own node names, and fails on a name it lacks), and the user input is a
 # placeholder of the forward program only. ``ExportedGraphs.backward_outputs`` and the node's
-# ``meta["aotgrad"]["output"]`` say which input each one is the gradient of.
+# ``meta["aotgrad"]["output"]`` say which input each one is the gradient of. In the joint
+# program (``export(joint=True)``: the forward's inputs, then the cotangents as USER_INPUTs),
+# the input is a placeholder of the same graph, and its gradient is GRADIENT_TO_USER_INPUT.
 #
-# ``torch.export`` wants the mutations first among the outputs, so the forward program's
+# ``torch.export`` wants the mutations first among the outputs, then the user outputs, then
+# the gradients (GRADIENT_TO_*), so the forward program's
 # outputs are aotgrad's reordered: for ConvBN, aotgrad's forward returns
 # ``(loss, new running_mean, new running_var, new num_batches_tracked, *saved)``; the program
 # returns the three mutations, then ``(loss, *saved)`` as its user outputs, and its
@@ -103,6 +106,11 @@ class ExportedGraphs:
     # What each output of ``backward.module()`` is: a ``Grad`` (None ones left out), the
     # gradients of user inputs first, then those of parameters.
     backward_outputs: tuple[Grad, ...] = ()
+    # With ``export(joint=True)``: the joint graph, (*params, *buffers, *closed-over, *user
+    # inputs, *cotangents) -> (*mutations, *outputs, *grads); and what each output of
+    # ``joint.module()`` is.
+    joint: ExportedProgram | None = None
+    joint_outputs: tuple[Descriptor, ...] = ()
 
     def __post_init__(self) -> None:
         user = self.forward.graph_signature.user_outputs
@@ -111,6 +119,16 @@ class ExportedGraphs:
                 f"expected one descriptor per forward user output ({len(user)}),"
                 f" got {len(self.forward_outputs)}"
             )
+        if self.joint is not None:
+            mutations = {OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION}
+            mutations.add(OutputKind.USER_INPUT_MUTATION)
+            specs = self.joint.graph_signature.output_specs
+            n_returned = sum(s.kind not in mutations for s in specs)
+            if n_returned != len(self.joint_outputs):
+                raise AssertionError(
+                    f"expected one descriptor per joint output ({n_returned}),"
+                    f" got {len(self.joint_outputs)}"
+                )
         if self.backward is not None:
             n_in = len(self.backward.graph_signature.user_inputs)
             n_out = len(self.backward.graph_signature.output_specs)
@@ -121,43 +139,62 @@ class ExportedGraphs:
                 )
 
 
-def export_graphs(partitioned: Partitioned, lifted: Sequence[torch.Tensor]) -> ExportedGraphs:
+def export_graphs(
+    partitioned: Partitioned, lifted: Sequence[torch.Tensor], joint: bool = False
+) -> ExportedGraphs:
     """``partitioned``'s graphs as programs; ``lifted``: the real tensors of its leading
-    Param/Buffer inputs, in order (Note [Export signatures])."""
+    Param/Buffer/Closure/Global inputs, in order; ``joint``: the joint graph too (Note
+    [Export signatures])."""
     if partitioned.mutations_in_graph:
         raise CallError(
             "this trace has no backward and its forward graph writes its input mutations"
             " itself; export takes graphs that return the new values. Trace with an input"
             " that requires grad to export it"
         )
-    forward, forward_outputs = _forward_program(partitioned, lifted)
+    signature = partitioned.signature
+    forward, forward_outputs = _graph_program(
+        partitioned.forward, signature.forward_inputs, signature.forward_outputs, lifted
+    )
     backward: ExportedProgram | None = None
-    grads: tuple[Grad, ...] = ()
+    grads: tuple[Descriptor, ...] = ()
     if partitioned.backward is not None:
-        backward, grads = _backward_program(partitioned)
+        backward, grads = _graph_program(
+            partitioned.backward, signature.backward_inputs, signature.backward_outputs, ()
+        )
+    joint_program: ExportedProgram | None = None
+    joint_outputs: tuple[Descriptor, ...] = ()
+    if joint:
+        graph = partitioned.joint
+        joint_inputs = (*graph.graph_inputs, *graph.cotangents)
+        results = tuple(graph.gm.graph.output_node().meta["desc"])
+        joint_program, joint_outputs = _graph_program(graph.gm, joint_inputs, results, lifted)
     return ExportedGraphs(
         forward=forward,
         backward=backward,
         forward_outputs=forward_outputs,
-        backward_inputs=partitioned.signature.backward_inputs if backward is not None else (),
-        backward_outputs=grads,
+        backward_inputs=signature.backward_inputs if backward is not None else (),
+        backward_outputs=tuple(g for g in grads if isinstance(g, Grad)),
+        joint=joint_program,
+        joint_outputs=joint_outputs,
     )
 
 
-def _forward_program(
-    partitioned: Partitioned, lifted: Sequence[torch.Tensor]
+def _graph_program(
+    gm: fx.GraphModule,
+    input_descs: Sequence[Descriptor],
+    output_descs: Sequence[Descriptor | None],
+    lifted: Sequence[torch.Tensor],
 ) -> tuple[ExportedProgram, tuple[Descriptor, ...]]:
-    signature = partitioned.signature
-    graph, placeholders, outputs = _copy(partitioned.forward)
-    _check_count("forward inputs", placeholders, signature.forward_inputs)
-    _check_count("forward outputs", outputs, signature.forward_outputs)
-    if len(lifted) > len(placeholders):
-        raise CallError(f"expected at most {len(placeholders)} lifted tensors, got {len(lifted)}")
+    """One graph as a program, and the descriptors of its ``module()``'s outputs, in order
+    (Note [Export signatures])."""
+    graph, placeholders, outputs = _copy(gm)
+    _check_count("inputs", placeholders, input_descs)
+    _check_count("outputs", outputs, output_descs)
     state: dict[str, torch.Tensor] = {}
     constants: dict[str, torch.Tensor] = {}
     inputs: list[InputSpec] = []
     names: dict[Descriptor, str] = {}
-    for i, (node, desc) in enumerate(zip(placeholders, signature.forward_inputs, strict=True)):
+    for i, (node, desc) in enumerate(zip(placeholders, input_descs, strict=True)):
         _annotate(node, desc)
         names[desc] = node.name
         is_lifted = isinstance(desc, Param | Buffer | Closure | Global)
@@ -168,38 +205,49 @@ def _forward_program(
             )
         tensor = lifted[i] if is_lifted else None
         inputs.append(_input_spec(node, desc, tensor, state, constants))
-    mutations: list[tuple[fx.Node, OutputSpec]] = []
-    rest: list[tuple[fx.Node, OutputSpec]] = []
-    user: list[Descriptor] = []
-    for out, result in zip(outputs, signature.forward_outputs, strict=True):
+    # torch.export wants mutations first, then user outputs, then gradients.
+    groups: tuple[list[tuple[fx.Node, OutputSpec, Descriptor]], ...] = ([], [], [])
+    for out, result in zip(outputs, output_descs, strict=True):
+        if result is None or (out is None and isinstance(result, Grad)):
+            continue  # no gradient: left out
         if out is None:
-            raise CallError(f"expected a tensor for the forward output {result}, got None")
+            raise CallError(f"expected a tensor for the graph output {result}, got None")
         _annotate(out, result, output=True)
-        arg = TensorArgument(name=out.name)
-        if isinstance(result, MutatedInput):
-            of = result.of
-            if isinstance(of, Buffer):
-                spec = OutputSpec(OutputKind.BUFFER_MUTATION, arg, of.name)
-            elif isinstance(of, Param):
-                spec = OutputSpec(OutputKind.PARAMETER_MUTATION, arg, of.name)
-            elif isinstance(of, Input | InputBase):
-                spec = OutputSpec(OutputKind.USER_INPUT_MUTATION, arg, names[of])
-            else:
-                raise _unsupported(result, "forward output")
-            mutations.append((out, spec))
-        elif isinstance(result, Output | OutputBase | Saved):
-            rest.append((out, OutputSpec(OutputKind.USER_OUTPUT, arg, None)))
-            user.append(result)
-        else:
-            raise _unsupported(result, "forward output")
-    ordered = [*mutations, *rest]
-    _set_outputs(graph, [node for node, _ in ordered])
-    user_inputs = [
-        n for n, s in zip(placeholders, inputs, strict=True) if s.kind == InputKind.USER_INPUT
-    ]
-    specs = [s for _, s in ordered]
-    program = _program(graph, inputs, specs, state, len(user_inputs), len(rest), constants)
-    return program, tuple(user)
+        group, spec = _output_spec(out, result, names)
+        groups[group].append((out, spec, result))
+    ordered = [*groups[0], *groups[1], *groups[2]]
+    _set_outputs(graph, [out for out, _, _ in ordered])
+    n_user_inputs = sum(s.kind == InputKind.USER_INPUT for s in inputs)
+    returned = tuple(result for _, _, result in (*groups[1], *groups[2]))
+    specs = [spec for _, spec, _ in ordered]
+    program = _program(graph, inputs, specs, state, n_user_inputs, len(returned), constants)
+    return program, returned
+
+
+def _output_spec(
+    out: fx.Node, result: Descriptor, names: dict[Descriptor, str]
+) -> tuple[int, OutputSpec]:
+    """One output's spec and group: 0 mutation, 1 user output, 2 gradient."""
+    arg = TensorArgument(name=out.name)
+    if isinstance(result, MutatedInput):
+        of = result.of
+        if isinstance(of, Buffer):
+            return 0, OutputSpec(OutputKind.BUFFER_MUTATION, arg, of.name)
+        if isinstance(of, Param):
+            return 0, OutputSpec(OutputKind.PARAMETER_MUTATION, arg, of.name)
+        if isinstance(of, Input | InputBase):
+            return 0, OutputSpec(OutputKind.USER_INPUT_MUTATION, arg, names[of])
+    elif isinstance(result, Output | OutputBase | Saved):
+        return 1, OutputSpec(OutputKind.USER_OUTPUT, arg, None)
+    elif isinstance(result, Grad):
+        of = result.of
+        if isinstance(of, Param):
+            return 2, OutputSpec(OutputKind.GRADIENT_TO_PARAMETER, arg, of.name)
+        if isinstance(of, Input | InputBase) and of in names:  # a placeholder of this graph
+            return 2, OutputSpec(OutputKind.GRADIENT_TO_USER_INPUT, arg, names[of])
+        if isinstance(of, Input | InputBase | Closure | Global):
+            return 1, OutputSpec(OutputKind.USER_OUTPUT, arg, None)
+    raise _unsupported(result, "graph output")
 
 
 def _input_spec(
@@ -209,9 +257,9 @@ def _input_spec(
     state: dict[str, torch.Tensor],
     constants: dict[str, torch.Tensor],
 ) -> InputSpec:
-    """The spec of one forward input; a lifted ``tensor`` goes into ``state`` or ``constants``."""
+    """The spec of one input; a lifted ``tensor`` goes into ``state`` or ``constants``."""
     arg = TensorArgument(name=node.name)
-    if isinstance(desc, Input | InputBase):
+    if isinstance(desc, Input | InputBase | Saved | Cotangent):
         return InputSpec(InputKind.USER_INPUT, arg, None)
     assert tensor is not None
     val = node.meta["val"]
@@ -236,45 +284,7 @@ def _input_spec(
             raise CallError(f"expected one tensor named {target} in the program, got two")
         constants[target] = tensor.detach()  # a constant; the backward gives its gradient
         return InputSpec(InputKind.CONSTANT_TENSOR, arg, target)
-    raise _unsupported(desc, "forward input")
-
-
-def _backward_program(partitioned: Partitioned) -> tuple[ExportedProgram, tuple[Grad, ...]]:
-    assert partitioned.backward is not None
-    signature = partitioned.signature
-    graph, placeholders, outputs = _copy(partitioned.backward)
-    _check_count("backward inputs", placeholders, signature.backward_inputs)
-    _check_count("backward outputs", outputs, signature.backward_outputs)
-    inputs = []
-    for node, desc in zip(placeholders, signature.backward_inputs, strict=True):
-        if not isinstance(desc, Saved | Cotangent):
-            raise _unsupported(desc, "backward input")
-        _annotate(node, desc)
-        inputs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(name=node.name), None))
-    # Gradients of user inputs first: they are USER_OUTPUTs, which torch.export wants
-    # before the other outputs (Note [Export signatures]).
-    to_inputs: list[tuple[fx.Node, OutputSpec, Grad]] = []
-    to_params: list[tuple[fx.Node, OutputSpec, Grad]] = []
-    for out, grad in zip(outputs, signature.backward_outputs, strict=True):
-        if grad is None or out is None:
-            continue
-        if not isinstance(grad, Grad):
-            raise _unsupported(grad, "backward output")
-        _annotate(out, grad, output=True)
-        arg = TensorArgument(name=out.name)
-        if isinstance(grad.of, Param):
-            spec = OutputSpec(OutputKind.GRADIENT_TO_PARAMETER, arg, grad.of.name)
-            to_params.append((out, spec, grad))
-        elif isinstance(grad.of, Input | InputBase | Closure | Global):
-            to_inputs.append((out, OutputSpec(OutputKind.USER_OUTPUT, arg, None), grad))
-        else:
-            raise _unsupported(grad, "backward output")
-    ordered = [*to_inputs, *to_params]
-    kept = [out for out, _, _ in ordered]
-    specs = [spec for _, spec, _ in ordered]
-    grads = [grad for _, _, grad in ordered]
-    _set_outputs(graph, kept)
-    return _program(graph, inputs, specs, {}, len(inputs), len(kept)), tuple(grads)
+    raise _unsupported(desc, "graph input")
 
 
 def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, list[fx.Node], list[fx.Node | None]]:
