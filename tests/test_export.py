@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -242,6 +243,19 @@ def test_export_refuses_state_changed_since_the_call():
     model.weight = torch.nn.Parameter(torch.randn(5, 3))  # same name, another size
     with pytest.raises(CallError, match=r"param weight of size \(2, 3\)"):
         compiled.export()
+
+
+def test_export_refuses_graphs_of_the_environment(monkeypatch):
+    monkeypatch.setenv("AOTGRAD_TEST_EXPORT_ACT", "relu")
+
+    def f(x):
+        if os.environ.get("AOTGRAD_TEST_EXPORT_ACT") == "relu":
+            return torch.relu(x)
+        return torch.sigmoid(x)
+
+    traced = aotgrad.trace(f, torch.randn(3, requires_grad=True))
+    with pytest.raises(CallError, match="AOTGRAD_TEST_EXPORT_ACT"):
+        traced.export()
 
 
 def test_export_aot_module(tmp_path):

@@ -83,7 +83,8 @@ __all__ = ["ExportedGraphs", "export_graphs"]
 # the one place ``torch.export.save`` keeps user metadata.
 #
 # Anything else (a tensor subclass's inner tensor, a mutated closed-over tensor, a graph
-# writing its mutations itself, a gradient of a buffer) raises ``CallError``: a program whose
+# writing its mutations itself, a gradient of a buffer, symbolic sizes, a function that
+# read the environment at capture) raises ``CallError``: a program whose
 # signature misnames a value would run wrong in a backend without a word.
 
 
@@ -150,6 +151,13 @@ def export_graphs(
             "this trace has no backward and its forward graph writes its input mutations"
             " itself; export takes graphs that return the new values. Trace with an input"
             " that requires grad to export it"
+        )
+    environ = partitioned.joint.environ
+    if environ is not None:  # Note [Environment read at capture]; Traced.save refuses alike
+        raise CallError(
+            f"the function read {environ.what} at capture, and its graphs hold what it read;"
+            " a program cannot tell a backend which environment it assumes. Pass the setting"
+            " as an argument (or read it outside the function) to export the graphs"
         )
     signature = partitioned.signature
     forward, forward_outputs = _graph_program(
