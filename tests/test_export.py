@@ -230,6 +230,15 @@ def test_export_refuses_mutated_closure():
         traced.export()
 
 
+def test_export_refuses_tensor_subclass_inputs():
+    from subclasses import two
+
+    x = two(torch.randn(3), torch.randn(3), requires_grad=True)
+    traced = aotgrad.trace(lambda x: (x * 2).sum(), x)
+    with pytest.raises(CallError, match=r"graph input x\.a \(Inner\)"):
+        traced.export()
+
+
 def test_export_refuses_symbolic_sizes():
     traced = aotgrad.trace(torch.nn.Linear(3, 2), torch.randn(4, 3), dynamic=True)
     with pytest.raises(CallError, match="static sizes"):

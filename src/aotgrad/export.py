@@ -187,6 +187,10 @@ def export_graphs(
     )
 
 
+# The graph inputs export names; anything else is refused (Note [Export signatures]).
+_INPUTS = (Param, Buffer, Closure, Global, Input, InputBase, Saved, Cotangent)
+
+
 def _graph_program(
     gm: fx.GraphModule,
     input_descs: Sequence[Descriptor],
@@ -205,6 +209,8 @@ def _graph_program(
     for i, (node, desc) in enumerate(zip(placeholders, input_descs, strict=True)):
         _annotate(node, desc)
         names[desc] = node.name
+        if not isinstance(desc, _INPUTS):
+            raise _unsupported(desc, "graph input")
         is_lifted = isinstance(desc, Param | Buffer | Closure | Global)
         if is_lifted != (i < len(lifted)):  # lifted tensors lead (Lifted, in signature/)
             raise CallError(
@@ -269,7 +275,8 @@ def _input_spec(
     arg = TensorArgument(name=node.name)
     if isinstance(desc, Input | InputBase | Saved | Cotangent):
         return InputSpec(InputKind.USER_INPUT, arg, None)
-    assert tensor is not None
+    if not isinstance(desc, Param | Buffer | Closure | Global) or tensor is None:
+        raise _unsupported(desc, "graph input")
     val = node.meta["val"]
     if (tensor.shape, tensor.stride(), tensor.dtype) != (val.shape, val.stride(), val.dtype):
         raise CallError(
@@ -286,13 +293,11 @@ def _input_spec(
     if isinstance(desc, Buffer):
         state[desc.name] = tensor
         return InputSpec(InputKind.BUFFER, arg, desc.name, persistent=True)
-    if isinstance(desc, Closure | Global):
-        target = f"aotgrad_{node.name}"  # an identifier: the closure's text may be any string
-        if target in state or target in constants:
-            raise CallError(f"expected one tensor named {target} in the program, got two")
-        constants[target] = tensor.detach()  # a constant; the backward gives its gradient
-        return InputSpec(InputKind.CONSTANT_TENSOR, arg, target)
-    raise _unsupported(desc, "graph input")
+    target = f"aotgrad_{node.name}"  # a closure or global; its text may be any string
+    if target in state or target in constants:
+        raise CallError(f"expected one tensor named {target} in the program, got two")
+    constants[target] = tensor.detach()  # a constant; the backward gives its gradient
+    return InputSpec(InputKind.CONSTANT_TENSOR, arg, target)
 
 
 def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, list[fx.Node], list[fx.Node | None]]:
@@ -384,8 +389,9 @@ def _check_count(what: str, nodes: Sequence[Any], descs: Sequence[Any]) -> None:
 
 def _unsupported(desc: Descriptor, where: str) -> CallError:
     return CallError(
-        f"export cannot yet name the {where} {desc} ({type(desc).__name__}) in a"
-        " torch.export graph signature (Note [Export signatures] in aotgrad/export.py):"
-        " lift closed-over tensors into a module's parameters or buffers, or pass them as"
-        " arguments, and pass inputs that do not share memory"
+        f"export cannot name the {where} {desc} ({type(desc).__name__}) in a torch.export"
+        " graph signature (Note [Export signatures] in aotgrad/export.py). Export takes"
+        " plain tensors (not a tensor subclass's inner tensors: pass plain tensors), and"
+        " mutations and gradients of parameters, buffers and inputs only (a closed-over"
+        " tensor the function mutates: make it a buffer of a module, or an argument)"
     )
