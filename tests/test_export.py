@@ -66,7 +66,9 @@ def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5):
     # Which input is which: parameters and buffers by name, then the user's tensors.
     specs = forward.graph_signature.input_specs
     names = [str(d) for d in signature.forward_inputs]
-    for spec, desc in zip(specs, names, strict=True):
+    # Tensors the graph made at capture (torch.tensor(...) in the model) are lifted last.
+    assert all(s.kind == InputKind.CONSTANT_TENSOR for s in specs[len(names) :])
+    for spec, desc in zip(specs[: len(names)], names, strict=True):
         if spec.kind == InputKind.PARAMETER:
             assert desc == f"param {spec.target}"
             assert forward.state_dict[spec.target] is not None
@@ -275,6 +277,24 @@ def test_export_aot_module(tmp_path):
     compiled(x).sum().backward()
     forward = _round_trip(compiled.export().forward, tmp_path / "f.pt2")
     torch.testing.assert_close(forward.module()(x)[0], model(x))
+
+
+class ScaledByConstant(torch.nn.Module):
+    """``torch.tensor(...)`` in forward: a tensor the graph holds as an attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return (self.lin(x) * torch.tensor([1.0, 2.0])).sum()
+
+
+def test_export_tensor_made_in_forward(tmp_path):
+    torch.manual_seed(0)
+    programs = check_export(ScaledByConstant(), (torch.randn(4, 3),), {}, tmp_path)
+    (constant,) = programs.forward.constants.values()
+    torch.testing.assert_close(constant, torch.tensor([1.0, 2.0]))
 
 
 def test_export_dropout_draws_eager_masks(tmp_path):

@@ -219,6 +219,7 @@ def _graph_program(
             )
         tensor = lifted[i] if is_lifted else None
         inputs.append(_input_spec(node, desc, tensor, state, constants))
+    inputs += _lift_constants(gm, graph, constants)
     # torch.export wants mutations first, then user outputs, then gradients.
     groups: tuple[list[tuple[fx.Node, OutputSpec, Descriptor]], ...] = ([], [], [])
     for out, result in zip(outputs, output_descs, strict=True):
@@ -262,6 +263,35 @@ def _output_spec(
         if isinstance(of, Input | InputBase | Closure | Global):
             return 1, OutputSpec(OutputKind.USER_OUTPUT, arg, None)
     raise _unsupported(result, "graph output")
+
+
+def _lift_constants(
+    gm: fx.GraphModule, graph: fx.Graph, constants: dict[str, torch.Tensor]
+) -> list[InputSpec]:
+    """Each tensor the graph reads as an attribute of ``gm`` (``_tensor_constant0``: a
+    tensor made at capture, e.g. by ``torch.tensor(...)`` in the model) becomes a
+    CONSTANT_TENSOR placeholder after the others, as ``torch.export`` lifts constants."""
+    specs = []
+    last = list(graph.find_nodes(op="placeholder"))[-1:]
+    for node in list(graph.find_nodes(op="get_attr")):
+        value = getattr(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            raise CallError(
+                f"expected the graph's attribute {node.target} to be a tensor, got"
+                f" {type(value).__name__}; export takes graphs of aten ops on tensors"
+            )
+        target = f"aotgrad_{node.target}"
+        if target in constants:
+            raise CallError(f"expected one tensor named {target} in the program, got two")
+        constants[target] = value.detach()
+        with graph.inserting_after(last[0]) if last else graph.inserting_before(None):
+            placeholder = graph.placeholder(f"c_{node.target}".lstrip("_"))
+        placeholder.meta = dict(node.meta)
+        node.replace_all_uses_with(placeholder)
+        graph.erase_node(node)
+        last = [placeholder]
+        specs.append(InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(placeholder.name), target))
+    return specs
 
 
 def _input_spec(
