@@ -256,7 +256,8 @@ def test_export_refuses_state_changed_since_the_call():
         compiled.export()
 
 
-def test_export_refuses_graphs_of_the_environment(monkeypatch):
+def test_export_names_the_environment_read(monkeypatch):
+    """The programs hold what the function did with the variables it read: they are named."""
     monkeypatch.setenv("AOTGRAD_TEST_EXPORT_ACT", "relu")
 
     def f(x):
@@ -264,9 +265,14 @@ def test_export_refuses_graphs_of_the_environment(monkeypatch):
             return torch.relu(x)
         return torch.sigmoid(x)
 
-    traced = aotgrad.trace(f, torch.randn(3, requires_grad=True))
-    with pytest.raises(CallError, match="AOTGRAD_TEST_EXPORT_ACT"):
-        traced.export()
+    programs = aotgrad.trace(f, torch.randn(3, requires_grad=True)).export()
+    assert programs.environment == (("AOTGRAD_TEST_EXPORT_ACT", "relu"),)
+
+    def g(x):
+        return x * len(dict(os.environ))
+
+    with pytest.raises(CallError, match="whole environment"):
+        aotgrad.trace(g, torch.randn(3, requires_grad=True)).export()
 
 
 def test_export_aot_module(tmp_path):

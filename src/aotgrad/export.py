@@ -84,7 +84,7 @@ __all__ = ["ExportedGraphs", "export_graphs"]
 #
 # Anything else (a tensor subclass's inner tensor, a mutated closed-over tensor, a graph
 # writing its mutations itself, a gradient of a buffer, symbolic sizes, a function that
-# read the environment at capture) raises ``CallError``: a program whose
+# read the whole environment at capture) raises ``CallError``: a program whose
 # signature misnames a value would run wrong in a backend without a word.
 
 
@@ -112,6 +112,10 @@ class ExportedGraphs:
     # ``joint.module()`` is.
     joint: ExportedProgram | None = None
     joint_outputs: tuple[Descriptor, ...] = ()
+    # The environment variables the function read at capture, with the value each read saw
+    # (None: unset): the programs hold what it did with these values, as the graphs do
+    # (Note [Environment read at capture]); transformers' Llama reads one.
+    environment: tuple[tuple[str, str | None], ...] = ()
 
     def __post_init__(self) -> None:
         user = self.forward.graph_signature.user_outputs
@@ -153,11 +157,12 @@ def export_graphs(
             " that requires grad to export it"
         )
     environ = partitioned.joint.environ
-    if environ is not None:  # Note [Environment read at capture]; Traced.save refuses alike
+    if environ is not None and environ.whole is not None:  # Note [Environment read at capture]
         raise CallError(
-            f"the function read {environ.what} at capture, and its graphs hold what it read;"
-            " a program cannot tell a backend which environment it assumes. Pass the setting"
-            " as an argument (or read it outside the function) to export the graphs"
+            "the function read the whole environment at capture (iterated or copied"
+            " os.environ), and its graphs may hold what any variable said; export names the"
+            " variables a program assumes one by one. Read the variables you need by name"
+            " (os.environ.get) to export the graphs"
         )
     signature = partitioned.signature
     forward, forward_outputs = _graph_program(
@@ -184,6 +189,7 @@ def export_graphs(
         backward_outputs=tuple(g for g in grads if isinstance(g, Grad)),
         joint=joint_program,
         joint_outputs=joint_outputs,
+        environment=() if environ is None else environ.values,
     )
 
 
