@@ -311,7 +311,9 @@ def test_export_dropout_draws_eager_masks(tmp_path):
     check_export(WithLoss(mlp, lambda y: y.pow(2).sum()), (torch.randn(4, 8),), {}, tmp_path)
 
 
-@pytest.mark.parametrize(("name", "dropout"), [("gpt2", 0.0), ("gpt2", 0.1), ("resnet18", 0.0)])
+@pytest.mark.parametrize(
+    ("name", "dropout"), [("gpt2", 0.0), ("gpt2", 0.1), ("llama", 0.0), ("resnet18", 0.0)]
+)
 def test_export_library_models(name, dropout, tmp_path):
     library_models = pytest.importorskip("library_models")
     case = getattr(library_models, name)(dropout)
