@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("capture",),  # stage 2: the joint graph
     ("partition",),  # stage 3: forward and backward graphs
     ("runtime",),  # stage 4: the autograd.Function
-    ("report",),  # tables and reports over the graphs
+    ("report", "export"),  # tables and reports over the graphs; torch.export programs of them
     ("pipeline",),  # the stage sequence once: Options, the stages, the driver
     ("store",),  # graphs in files and the disk cache (docs/caching.md)
     ("cache", "compilers", "wrappers"),  # specializations and their keys; compilers users

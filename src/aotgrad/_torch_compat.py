@@ -34,6 +34,10 @@ What aotgrad uses directly, as public:
   Wrapping each of these would hide what the code does and protect nothing.
 - ``torch.fx``, ``torch.fx.traceback``, ``torch.fx.experimental``,
   ``make_fx``, ``torch.utils.checkpoint``: public modules.
+- ``torch.export`` (``ExportedProgram``, ``ModuleCallEntry``) and
+  ``torch.export.graph_signature`` (its ``__all__``): public; ``aotgrad/export.py``
+  builds programs from them; ``node.meta["custom"]`` is the key
+  ``torch.fx.traceback.annotate`` fills and ``torch.export.save`` keeps.
 - aten operators whose names start with ``_`` (``aten._unsafe_view``,
   ``aten._linalg_check_errors``): the dispatcher's op names, which graphs and
   op tables hold as data, not Python internals.

@@ -8,7 +8,7 @@ import pathlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -62,6 +62,9 @@ from aotgrad.signature.lifting import (
 from aotgrad.store.loaded import save_traced
 from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
 
+if TYPE_CHECKING:
+    from aotgrad.export import ExportedGraphs
+
 
 class _Reports:
     """The reports of a trace, or of a compiled function's last specialization (after its
@@ -69,6 +72,27 @@ class _Reports:
 
     def _reported(self) -> Partitioned:
         raise NotImplementedError
+
+    def _lifted_for_export(self, partitioned: Partitioned) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def export(self, joint: bool = False) -> ExportedGraphs:
+        """The forward and backward graphs as ``torch.export.ExportedProgram`` s, named in
+        ``torch.export``'s vocabulary (Note [Export signatures]; docs/export.md); with
+        ``joint``, the joint graph as a third.
+
+        >>> import torch, aotgrad
+        >>> t = aotgrad.trace(torch.nn.Linear(2, 3), torch.ones(1, 2))
+        >>> programs = t.export()
+        >>> [s.target for s in programs.forward.graph_signature.input_specs]
+        ['weight', 'bias', None]
+        >>> [s.target for s in programs.backward.graph_signature.output_specs]
+        ['weight', 'bias']
+        """
+        from aotgrad.export import export_graphs  # torch.export loads with the feature
+
+        partitioned = self._reported()
+        return export_graphs(partitioned, self._lifted_for_export(partitioned), joint=joint)
 
     def seq_table(self) -> SeqTable:
         """Every op of the joint graph with its forward op's number and module (data; prints as a table)."""
@@ -227,6 +251,9 @@ class Traced(_Reports):
 
     def _reported(self) -> Partitioned:
         return self.partitioned
+
+    def _lifted_for_export(self, partitioned: Partitioned) -> tuple[torch.Tensor, ...]:
+        return self._lifted_now()
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the graphs, signature, provenance and saved plan to ``path``, for :func:`aotgrad.load`.
@@ -677,6 +704,17 @@ class AOTFunction(_Reports):
             raise CallError("no specialization yet: call the compiled function first")
         return partitioned
 
+    def _lifted_for_export(self, partitioned: Partitioned) -> tuple[torch.Tensor, ...]:
+        lifted = self._state.read()
+        leading = partitioned.signature.forward_inputs[: len(lifted.descriptors)]
+        if tuple(lifted.descriptors) != tuple(leading):
+            raise CallError(
+                "the function's module state and closed-over tensors now are"
+                f" {[str(d) for d in lifted.descriptors]}, and its last specialization's graphs"
+                f" take {[str(d) for d in leading]}; call it again before exporting"
+            )
+        return lifted.tensors
+
     def _describe(self, hit: HitCall) -> Partitioned:
         """The graphs of a disk hit, traced again for the reports (Note [Reports after a disk
         hit]): on tensors of the hit's metadata, under its grad mode; nothing is compiled."""
@@ -785,6 +823,9 @@ class AOTModule(_Reports, torch.nn.Module):
 
     def _reported(self) -> Partitioned:
         return self.compiled._reported()
+
+    def _lifted_for_export(self, partitioned: Partitioned) -> tuple[torch.Tensor, ...]:
+        return self.compiled._lifted_for_export(partitioned)
 
 
 def _rebuild_aot_module(module: torch.nn.Module, options: Options) -> AOTModule:

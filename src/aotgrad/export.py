@@ -1,0 +1,433 @@
+"""The forward and backward graphs as ``torch.export`` programs, the door backends take.
+
+:func:`export_graphs` turns a :class:`~aotgrad.partition.Partitioned` and the real tensors
+lifted from the module into two ``torch.export.ExportedProgram`` s whose graph signatures
+name every input and output in ``torch.export``'s own vocabulary (Note [Export signatures]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram, ModuleCallEntry, ModuleCallSignature
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+
+from aotgrad.capture.provenance import NodeInfo
+from aotgrad.errors import CallError
+from aotgrad.partition import Partitioned
+from aotgrad.signature.descriptors import (
+    Buffer,
+    Closure,
+    Cotangent,
+    Descriptor,
+    Global,
+    Grad,
+    Input,
+    InputBase,
+    MutatedInput,
+    Output,
+    OutputBase,
+    Param,
+    Saved,
+)
+
+__all__ = ["ExportedGraphs", "export_graphs"]
+
+# Note [Export signatures]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# aotgrad's descriptors map onto ``torch.export``'s input and output kinds:
+#
+#   forward inputs     Param(fc.weight)      -> InputKind.PARAMETER, target "fc.weight"
+#                      Buffer(bn.running_mean) -> InputKind.BUFFER, target "bn.running_mean"
+#                      Input(x), InputBase   -> InputKind.USER_INPUT
+#                      Closure(w), Global(W) -> InputKind.CONSTANT_TENSOR, target
+#                      "aotgrad_w" (the placeholder's name), in ``constants``
+#   forward outputs    MutatedInput(of=Buffer) -> OutputKind.BUFFER_MUTATION (and of a Param,
+#                      PARAMETER_MUTATION; of an Input, USER_INPUT_MUTATION)
+#                      Output, OutputBase, Saved -> OutputKind.USER_OUTPUT
+#   backward inputs    Saved, Cotangent      -> InputKind.USER_INPUT
+#   backward outputs   Grad(of=Input, InputBase, Closure or Global) -> OutputKind.USER_OUTPUT,
+#                      first
+#                      Grad(of=Param)        -> OutputKind.GRADIENT_TO_PARAMETER, target
+#                      "fc.weight"
+#
+# The gradient of a user input is a USER_OUTPUT, not GRADIENT_TO_USER_INPUT: that kind's
+# target must be a placeholder of the same graph (``torch.export.save`` renames it through
+# the graph's own node names, and fails on a name it lacks), and the user input is a
+# placeholder of the forward program only. ``ExportedGraphs.backward_outputs`` and the node's
+# ``meta["aotgrad"]["output"]`` say which input each one is the gradient of. In the joint
+# program (``export(joint=True)``: the forward's inputs, then the cotangents as USER_INPUTs),
+# the input is a placeholder of the same graph, and its gradient is GRADIENT_TO_USER_INPUT.
+#
+# ``torch.export`` wants the mutations first among the outputs, then the user outputs, then
+# the gradients (GRADIENT_TO_*), so the forward program's
+# outputs are aotgrad's reordered: for ConvBN, aotgrad's forward returns
+# ``(loss, new running_mean, new running_var, new num_batches_tracked, *saved)``; the program
+# returns the three mutations, then ``(loss, *saved)`` as its user outputs, and its
+# ``.module()`` writes the mutations into its buffers. A backward output that is ``None`` (no
+# gradient: a buffer, an integer input) is left out of the backward program. Every node keeps
+# aotgrad's provenance as plain data: ``node.meta["aotgrad"]`` (``seq_nr``, module, source,
+# and the descriptor of a placeholder or output), copied to ``node.meta["custom"]["aotgrad"]``,
+# the one place ``torch.export.save`` keeps user metadata.
+#
+# Anything else (a tensor subclass's inner tensor, a mutated closed-over tensor, a graph
+# writing its mutations itself, a gradient of a buffer, symbolic sizes, a function that
+# read the whole environment at capture) raises ``CallError``: a program whose
+# signature misnames a value would run wrong in a backend without a word.
+
+
+@dataclass(frozen=True)
+class ExportedGraphs:
+    """The forward and backward graphs of one specialization as ``torch.export`` programs."""
+
+    # (*params, *buffers, *user inputs) -> (*mutations, *outputs, *saved); run
+    # ``forward.module()(*user inputs)``.
+    forward: ExportedProgram
+    # (*saved, *cotangents) -> (*grads of user inputs, *grads of parameters), None ones left
+    # out; None without a backward.
+    backward: ExportedProgram | None
+    # What each user output of ``forward.module()`` is, in order: ``Output``, ``OutputBase``,
+    # then ``Saved`` (the backward's leading inputs). An output aotgrad's runtime returns
+    # without the graph (an input returned as it is) is not among them.
+    forward_outputs: tuple[Descriptor, ...] = ()
+    # What each input of ``backward.module()`` is: ``Saved``, then ``Cotangent``.
+    backward_inputs: tuple[Saved | Cotangent, ...] = ()
+    # What each output of ``backward.module()`` is: a ``Grad`` (None ones left out), the
+    # gradients of user inputs first, then those of parameters.
+    backward_outputs: tuple[Grad, ...] = ()
+    # With ``export(joint=True)``: the joint graph, (*params, *buffers, *closed-over, *user
+    # inputs, *cotangents) -> (*mutations, *outputs, *grads); and what each output of
+    # ``joint.module()`` is.
+    joint: ExportedProgram | None = None
+    joint_outputs: tuple[Descriptor, ...] = ()
+    # The environment variables the function read at capture, with the value each read saw
+    # (None: unset): the programs hold what it did with these values, as the graphs do
+    # (Note [Environment read at capture]); transformers' Llama reads one.
+    environment: tuple[tuple[str, str | None], ...] = ()
+
+    def __post_init__(self) -> None:
+        user = self.forward.graph_signature.user_outputs
+        if len(user) != len(self.forward_outputs):
+            raise AssertionError(
+                f"expected one descriptor per forward user output ({len(user)}),"
+                f" got {len(self.forward_outputs)}"
+            )
+        if self.joint is not None:
+            mutations = {OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION}
+            mutations.add(OutputKind.USER_INPUT_MUTATION)
+            specs = self.joint.graph_signature.output_specs
+            n_returned = sum(s.kind not in mutations for s in specs)
+            if n_returned != len(self.joint_outputs):
+                raise AssertionError(
+                    f"expected one descriptor per joint output ({n_returned}),"
+                    f" got {len(self.joint_outputs)}"
+                )
+        if self.backward is not None:
+            n_in = len(self.backward.graph_signature.user_inputs)
+            n_out = len(self.backward.graph_signature.output_specs)
+            if (n_in, n_out) != (len(self.backward_inputs), len(self.backward_outputs)):
+                raise AssertionError(
+                    f"expected {n_in} backward input and {n_out} output descriptors, got"
+                    f" {len(self.backward_inputs)} and {len(self.backward_outputs)}"
+                )
+
+
+def export_graphs(
+    partitioned: Partitioned, lifted: Sequence[torch.Tensor], joint: bool = False
+) -> ExportedGraphs:
+    """``partitioned``'s graphs as programs; ``lifted``: the real tensors of its leading
+    Param/Buffer/Closure/Global inputs, in order; ``joint``: the joint graph too (Note
+    [Export signatures])."""
+    if partitioned.mutations_in_graph:
+        raise CallError(
+            "this trace has no backward and its forward graph writes its input mutations"
+            " itself; export takes graphs that return the new values. Trace with an input"
+            " that requires grad to export it"
+        )
+    environ = partitioned.joint.environ
+    if environ is not None and environ.whole is not None:  # Note [Environment read at capture]
+        raise CallError(
+            "the function read the whole environment at capture (iterated or copied"
+            " os.environ), and its graphs may hold what any variable said; export names the"
+            " variables a program assumes one by one. Read the variables you need by name"
+            " (os.environ.get) to export the graphs"
+        )
+    signature = partitioned.signature
+    forward, forward_outputs = _graph_program(
+        partitioned.forward, signature.forward_inputs, signature.forward_outputs, lifted
+    )
+    backward: ExportedProgram | None = None
+    grads: tuple[Descriptor, ...] = ()
+    if partitioned.backward is not None:
+        backward, grads = _graph_program(
+            partitioned.backward, signature.backward_inputs, signature.backward_outputs, ()
+        )
+    joint_program: ExportedProgram | None = None
+    joint_outputs: tuple[Descriptor, ...] = ()
+    if joint:
+        graph = partitioned.joint
+        joint_inputs = (*graph.graph_inputs, *graph.cotangents)
+        results = tuple(graph.gm.graph.output_node().meta["desc"])
+        joint_program, joint_outputs = _graph_program(graph.gm, joint_inputs, results, lifted)
+    return ExportedGraphs(
+        forward=forward,
+        backward=backward,
+        forward_outputs=forward_outputs,
+        backward_inputs=signature.backward_inputs if backward is not None else (),
+        backward_outputs=tuple(g for g in grads if isinstance(g, Grad)),
+        joint=joint_program,
+        joint_outputs=joint_outputs,
+        environment=() if environ is None else environ.values,
+    )
+
+
+# The graph inputs export names; anything else is refused (Note [Export signatures]).
+_INPUTS = (Param, Buffer, Closure, Global, Input, InputBase, Saved, Cotangent)
+
+
+def _graph_program(
+    gm: fx.GraphModule,
+    input_descs: Sequence[Descriptor],
+    output_descs: Sequence[Descriptor | None],
+    lifted: Sequence[torch.Tensor],
+) -> tuple[ExportedProgram, tuple[Descriptor, ...]]:
+    """One graph as a program, and the descriptors of its ``module()``'s outputs, in order
+    (Note [Export signatures])."""
+    graph, placeholders, outputs = _copy(gm)
+    _check_count("inputs", placeholders, input_descs)
+    _check_count("outputs", outputs, output_descs)
+    state: dict[str, torch.Tensor] = {}
+    constants: dict[str, torch.Tensor] = {}
+    inputs: list[InputSpec] = []
+    names: dict[Descriptor, str] = {}
+    for i, (node, desc) in enumerate(zip(placeholders, input_descs, strict=True)):
+        _annotate(node, desc)
+        names[desc] = node.name
+        if not isinstance(desc, _INPUTS):
+            raise _unsupported(desc, "graph input")
+        is_lifted = isinstance(desc, Param | Buffer | Closure | Global)
+        if is_lifted != (i < len(lifted)):  # lifted tensors lead (Lifted, in signature/)
+            raise CallError(
+                f"expected the {len(lifted)} lifted tensors first among the graph inputs,"
+                f" got {desc} at position {i}"
+            )
+        tensor = lifted[i] if is_lifted else None
+        inputs.append(_input_spec(node, desc, tensor, state, constants))
+    inputs += _lift_constants(gm, graph, constants)
+    # torch.export wants mutations first, then user outputs, then gradients.
+    groups: tuple[list[tuple[fx.Node, OutputSpec, Descriptor]], ...] = ([], [], [])
+    for out, result in zip(outputs, output_descs, strict=True):
+        if result is None or (out is None and isinstance(result, Grad)):
+            continue  # no gradient: left out
+        if out is None:
+            raise CallError(f"expected a tensor for the graph output {result}, got None")
+        _annotate(out, result, output=True)
+        group, spec = _output_spec(out, result, names)
+        groups[group].append((out, spec, result))
+    ordered = [*groups[0], *groups[1], *groups[2]]
+    _set_outputs(graph, [out for out, _, _ in ordered])
+    n_user_inputs = sum(s.kind == InputKind.USER_INPUT for s in inputs)
+    returned = tuple(result for _, _, result in (*groups[1], *groups[2]))
+    specs = [spec for _, spec, _ in ordered]
+    program = _program(graph, inputs, specs, state, n_user_inputs, len(returned), constants)
+    return program, returned
+
+
+def _output_spec(
+    out: fx.Node, result: Descriptor, names: dict[Descriptor, str]
+) -> tuple[int, OutputSpec]:
+    """One output's spec and group: 0 mutation, 1 user output, 2 gradient."""
+    arg = TensorArgument(name=out.name)
+    if isinstance(result, MutatedInput):
+        of = result.of
+        if isinstance(of, Buffer):
+            return 0, OutputSpec(OutputKind.BUFFER_MUTATION, arg, of.name)
+        if isinstance(of, Param):
+            return 0, OutputSpec(OutputKind.PARAMETER_MUTATION, arg, of.name)
+        if isinstance(of, Input | InputBase):
+            return 0, OutputSpec(OutputKind.USER_INPUT_MUTATION, arg, names[of])
+    elif isinstance(result, Output | OutputBase | Saved):
+        return 1, OutputSpec(OutputKind.USER_OUTPUT, arg, None)
+    elif isinstance(result, Grad):
+        of = result.of
+        if isinstance(of, Param):
+            return 2, OutputSpec(OutputKind.GRADIENT_TO_PARAMETER, arg, of.name)
+        if isinstance(of, Input | InputBase) and of in names:  # a placeholder of this graph
+            return 2, OutputSpec(OutputKind.GRADIENT_TO_USER_INPUT, arg, names[of])
+        if isinstance(of, Input | InputBase | Closure | Global):
+            return 1, OutputSpec(OutputKind.USER_OUTPUT, arg, None)
+    raise _unsupported(result, "graph output")
+
+
+def _lift_constants(
+    gm: fx.GraphModule, graph: fx.Graph, constants: dict[str, torch.Tensor]
+) -> list[InputSpec]:
+    """Each tensor the graph reads as an attribute of ``gm`` (``_tensor_constant0``: a
+    tensor made at capture, e.g. by ``torch.tensor(...)`` in the model) becomes a
+    CONSTANT_TENSOR placeholder after the others, as ``torch.export`` lifts constants."""
+    specs = []
+    last = list(graph.find_nodes(op="placeholder"))[-1:]
+    for node in list(graph.find_nodes(op="get_attr")):
+        value = getattr(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            raise CallError(
+                f"expected the graph's attribute {node.target} to be a tensor, got"
+                f" {type(value).__name__}; export takes graphs of aten ops on tensors"
+            )
+        target = f"aotgrad_{node.target}"
+        if target in constants:
+            raise CallError(f"expected one tensor named {target} in the program, got two")
+        constants[target] = value.detach()
+        with graph.inserting_after(last[0]) if last else graph.inserting_before(None):
+            placeholder = graph.placeholder(f"c_{node.target}".lstrip("_"))
+        placeholder.meta = dict(node.meta)
+        node.replace_all_uses_with(placeholder)
+        graph.erase_node(node)
+        last = [placeholder]
+        specs.append(InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(placeholder.name), target))
+    return specs
+
+
+def _input_spec(
+    node: fx.Node,
+    desc: Descriptor,
+    tensor: torch.Tensor | None,
+    state: dict[str, torch.Tensor],
+    constants: dict[str, torch.Tensor],
+) -> InputSpec:
+    """The spec of one input; a lifted ``tensor`` goes into ``state`` or ``constants``."""
+    arg = TensorArgument(name=node.name)
+    if isinstance(desc, Input | InputBase | Saved | Cotangent):
+        return InputSpec(InputKind.USER_INPUT, arg, None)
+    if not isinstance(desc, Param | Buffer | Closure | Global) or tensor is None:
+        raise _unsupported(desc, "graph input")
+    val = node.meta["val"]
+    if (tensor.shape, tensor.stride(), tensor.dtype) != (val.shape, val.stride(), val.dtype):
+        raise CallError(
+            f"the graphs were captured for {desc} of size {tuple(val.shape)}, strides"
+            f" {val.stride()} and {val.dtype}, and it now holds a tensor of size"
+            f" {tuple(tensor.shape)}, strides {tensor.stride()} and {tensor.dtype}; call the"
+            " function again (or trace again) before exporting"
+        )
+    if isinstance(desc, Param):
+        if not isinstance(tensor, torch.nn.Parameter):
+            tensor = torch.nn.Parameter(tensor, requires_grad=tensor.requires_grad)
+        state[desc.name] = tensor
+        return InputSpec(InputKind.PARAMETER, arg, desc.name)
+    if isinstance(desc, Buffer):
+        state[desc.name] = tensor
+        return InputSpec(InputKind.BUFFER, arg, desc.name, persistent=True)
+    target = f"aotgrad_{node.name}"  # a closure or global; its text may be any string
+    if target in state or target in constants:
+        raise CallError(f"expected one tensor named {target} in the program, got two")
+    constants[target] = tensor.detach()  # a constant; the backward gives its gradient
+    return InputSpec(InputKind.CONSTANT_TENSOR, arg, target)
+
+
+def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, list[fx.Node], list[fx.Node | None]]:
+    """A copy of ``gm``'s graph (meta dicts copied, values shared), its placeholders and outputs."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    results = graph.output_node().args[0]
+    if not isinstance(results, tuple | list):
+        raise CallError(f"expected a graph returning a tuple, got {results!r}")
+    flat: list[fx.Node | None] = []
+    for r in results:
+        if r is not None and not isinstance(r, fx.Node):
+            raise CallError(f"expected graph outputs that are tensors, got {r!r}")
+        flat.append(r)
+    for node in [*placeholders, *(r for r in flat if r is not None)]:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not _static(val):
+            raise CallError(  # TensorArgument and empty range constraints would misname it
+                f"export takes graphs whose inputs and outputs are tensors of static sizes;"
+                f" {node.name} is {val!r}. Trace without dynamic=True or aotgrad.dynamic"
+                " marks to export"
+            )
+    for node in graph.nodes:
+        if node.op != "output":
+            _plain_meta(node)
+    return graph, placeholders, flat
+
+
+def _static(val: torch.Tensor) -> bool:
+    """Whether ``val``'s sizes and strides are plain ints (not traced as symbols)."""
+    return all(isinstance(n, int) for n in (*val.shape, *val.stride(), val.storage_offset()))
+
+
+def _plain_meta(node: fx.Node) -> None:
+    """aotgrad's provenance as plain data, under ``aotgrad`` and ``custom['aotgrad']``."""
+    info = node.meta.get("aotgrad")
+    plain: dict[str, Any] = info.to_dict() if isinstance(info, NodeInfo) else {}
+    node.meta.pop("desc", None)
+    node.meta["aotgrad"] = plain
+    node.meta["custom"] = {**node.meta.get("custom", {}), "aotgrad": plain}
+
+
+def _annotate(node: fx.Node, desc: Descriptor, output: bool = False) -> None:
+    key = "output" if output else "descriptor"
+    node.meta["aotgrad"] = {**node.meta["aotgrad"], key: desc.to_dict()}
+    node.meta["custom"]["aotgrad"] = node.meta["aotgrad"]
+
+
+def _set_outputs(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    output = graph.output_node()
+    output.args = (tuple(nodes),)
+    graph.eliminate_dead_code()
+
+
+def _program(
+    graph: fx.Graph,
+    inputs: list[InputSpec],
+    outputs: list[OutputSpec],
+    state: dict[str, torch.Tensor],
+    n_user_inputs: int,
+    n_user_outputs: int,
+    constants: dict[str, Any] | None = None,
+) -> ExportedProgram:
+    in_spec = pytree.tree_flatten((tuple(range(n_user_inputs)), {}))[1]
+    out_spec = pytree.tree_flatten(tuple(range(n_user_outputs)))[1]
+    entry = ModuleCallEntry(
+        fqn="",
+        signature=ModuleCallSignature(inputs=[], outputs=[], in_spec=in_spec, out_spec=out_spec),
+    )
+    root = torch.nn.Module()
+    return ExportedProgram(
+        root=root,
+        graph=graph,
+        graph_signature=ExportGraphSignature(input_specs=inputs, output_specs=outputs),
+        state_dict=state,
+        range_constraints={},
+        module_call_graph=[entry],
+        constants=constants,
+    )
+
+
+def _check_count(what: str, nodes: Sequence[Any], descs: Sequence[Any]) -> None:
+    if len(nodes) != len(descs):
+        raise CallError(f"expected {len(descs)} {what} (one per descriptor), got {len(nodes)}")
+
+
+def _unsupported(desc: Descriptor, where: str) -> CallError:
+    return CallError(
+        f"export cannot name the {where} {desc} ({type(desc).__name__}) in a torch.export"
+        " graph signature (Note [Export signatures] in aotgrad/export.py). Export takes"
+        " plain tensors (not a tensor subclass's inner tensors: pass plain tensors), and"
+        " mutations and gradients of parameters, buffers and inputs only (a closed-over"
+        " tensor the function mutates: make it a buffer of a module, or an argument)"
+    )

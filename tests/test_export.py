@@ -1,0 +1,320 @@
+"""Traced.export / AOTFunction.export: torch.export programs of the graphs (docs/export.md)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind, OutputKind
+
+import aotgrad
+from aotgrad.errors import CallError
+from aotgrad.signature.descriptors import Grad, Input, Output, Saved
+from models import GPT, MLP, ConvBN
+
+
+class WithLoss(torch.nn.Module):
+    """``loss(model(*args, **kwargs))`` as one module, so the graphs compute the loss."""
+
+    def __init__(self, model, loss):
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, *args, **kwargs):
+        return self.loss(self.model(*args, **kwargs))
+
+
+def _round_trip(program, path):
+    torch.export.save(program, path)
+    return torch.export.load(path)
+
+
+def _backward_inputs(programs, backward, outputs):
+    """The backward's inputs: the saved values, found among the forward's ``outputs`` by
+    descriptor, then the cotangents (ones for the first output, the loss; zeros for others)."""
+    assert isinstance(programs.forward_outputs[0], Output)
+    by_desc = dict(zip(programs.forward_outputs, outputs, strict=True))
+    inputs = []
+    placeholders = backward.graph.find_nodes(op="placeholder")
+    for desc, node in zip(programs.backward_inputs, placeholders, strict=True):
+        if isinstance(desc, Saved):
+            inputs.append(by_desc[desc])
+        else:
+            one = desc.of == programs.forward_outputs[0]
+            shape = node.meta["val"].shape
+            inputs.append(torch.ones(shape) if one else torch.zeros(shape))
+    return inputs
+
+
+def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5):
+    """Export ``model``'s graphs, save and load them, run both on the inputs and compare
+    the loss, the buffers after the step and every gradient with eager's (both seeded
+    alike: dropout draws eager's masks)."""
+    eager, traced_model = copy.deepcopy(model), copy.deepcopy(model)
+    torch.manual_seed(1234)
+    expected = eager(*args, **kwargs)
+    expected.backward()
+    traced = aotgrad.trace(traced_model, *args, **kwargs)
+    programs = traced.export(joint=True)
+    forward = _round_trip(programs.forward, tmp_path / "forward.pt2")
+    backward = _round_trip(programs.backward, tmp_path / "backward.pt2")
+    signature = traced.signature
+
+    # Which input is which: parameters and buffers by name, then the user's tensors.
+    specs = forward.graph_signature.input_specs
+    names = [str(d) for d in signature.forward_inputs]
+    # Tensors the graph made at capture (torch.tensor(...) in the model) are lifted last.
+    assert all(s.kind == InputKind.CONSTANT_TENSOR for s in specs[len(names) :])
+    for spec, desc in zip(specs[: len(names)], names, strict=True):
+        if spec.kind == InputKind.PARAMETER:
+            assert desc == f"param {spec.target}"
+            assert forward.state_dict[spec.target] is not None
+        elif spec.kind == InputKind.BUFFER:
+            assert desc == f"buffer {spec.target}"
+    params = dict(traced_model.named_parameters())
+    assert {s.target for s in specs if s.kind == InputKind.PARAMETER} == set(params)
+
+    leaves = pytree.tree_leaves((args, kwargs))
+    tensors = [leaves[i] for i in traced.partitioned.joint.inputs.tensor_positions]
+    module = forward.module()
+    torch.manual_seed(1234)
+    outputs = module(*tensors)
+    torch.testing.assert_close(outputs[0], expected.detach(), rtol=rtol, atol=atol)
+    # Mutated buffers (BatchNorm's running statistics) are written into the module.
+    got_buffers = dict(module.named_buffers())
+    for name, buffer in eager.named_buffers():
+        torch.testing.assert_close(got_buffers[name], buffer, rtol=rtol, atol=atol, msg=name)
+
+    # The backward: saved values (named among the forward's outputs) and cotangents (ones
+    # for the loss) -> gradients.
+    grads = backward.module()(*_backward_inputs(programs, backward, outputs))
+    out_specs = backward.graph_signature.output_specs
+    assert len(grads) == len(out_specs) == len(programs.backward_outputs)
+    got = {}
+    for spec, grad, desc in zip(out_specs, grads, programs.backward_outputs, strict=True):
+        assert spec.kind == OutputKind.GRADIENT_TO_PARAMETER
+        assert str(desc) == f"grad of param {spec.target}"
+        got[spec.target] = grad
+    expected_grads = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+    assert got.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(got[name], grad, rtol=rtol, atol=atol, msg=name)
+
+    # The joint: (*user inputs, cotangent of the loss) -> (loss, *gradients).
+    joint = _round_trip(programs.joint, tmp_path / "joint.pt2")
+    torch.manual_seed(1234)
+    joint_outputs = joint.module()(*tensors, torch.ones(()))
+    results = dict(zip(programs.joint_outputs, joint_outputs, strict=True))
+    torch.testing.assert_close(results[programs.forward_outputs[0]], expected.detach())
+    joint_grads = {d.of.name: g for d, g in results.items() if isinstance(d, Grad)}
+    assert joint_grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(joint_grads[name], grad, rtol=rtol, atol=atol, msg=name)
+
+    # Provenance survives the file: seq_nr, module and source of each forward op.
+    ops = [n for n in forward.graph.nodes if n.op == "call_function"]
+    info = [n.meta["custom"]["aotgrad"] for n in ops]
+    assert all(i["seq_nr"] is not None for i in info if i["kind"] == "op")
+    assert any(i["module"] and i["source"] for i in info)
+    # Placeholders are named by the signature in the file; in memory they carry descriptors.
+    first = next(iter(programs.forward.graph.find_nodes(op="placeholder")))
+    assert first.meta["aotgrad"]["descriptor"]["kind"] == "Param"
+    return programs
+
+
+def test_export_mlp(tmp_path):
+    torch.manual_seed(0)
+    model = WithLoss(MLP(), lambda y: y.pow(2).mean())
+    check_export(model, (torch.randn(4, 16),), {}, tmp_path)
+
+
+def test_export_convbn_mutated_buffers(tmp_path):
+    torch.manual_seed(0)
+    programs = check_export(ConvBN(), (torch.randn(2, 1, 8, 8), torch.randn(2, 10)), {}, tmp_path)
+    mutated = programs.forward.graph_signature.buffers_to_mutate.values()
+    assert set(mutated) == {"bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"}
+
+
+def test_export_gpt_tied_weights(tmp_path):
+    torch.manual_seed(0)
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    programs = check_export(GPT(), (idx, targets), {}, tmp_path)
+    assert "head.weight" not in programs.forward.state_dict  # one tensor, one name
+    assert "tok.weight" in programs.forward.state_dict
+
+
+def test_export_user_input_gradient_and_function(tmp_path):
+    w = torch.randn(3, 4, requires_grad=True)
+    x = torch.randn(2, 3)
+    f = aotgrad.aot_function(lambda x, w: (x @ w).sin().sum())
+    with pytest.raises(CallError, match="call the compiled function first"):
+        f.export()
+    f(x, w)
+    programs = f.export()
+    backward = _round_trip(programs.backward, tmp_path / "b.pt2")
+    (spec,) = backward.graph_signature.output_specs
+    assert spec.kind == OutputKind.USER_OUTPUT
+    assert programs.backward_outputs == (Grad(of=Input(path="w")),)
+    outputs = _round_trip(programs.forward, tmp_path / "f.pt2").module()(x, w)
+    (grad,) = backward.module()(*_backward_inputs(programs, backward, outputs))
+    expected = torch.func.grad(lambda w: (x @ w).sin().sum())(w)
+    torch.testing.assert_close(grad, expected)
+    # In the joint, w is a placeholder of the same graph: GRADIENT_TO_USER_INPUT, by name.
+    joint = _round_trip(f.export(joint=True).joint, tmp_path / "j.pt2")
+    (_, spec) = joint.graph_signature.output_specs
+    assert spec.kind == OutputKind.GRADIENT_TO_USER_INPUT and spec.target == "w"
+    _, joint_grad = joint.module()(x, w, torch.ones(()))
+    torch.testing.assert_close(joint_grad, expected)
+
+
+def test_export_inputs_sharing_memory(tmp_path):
+    """Two overlapping views, one mutated: the programs take their synthetic base (Note
+    [Aliased inputs]), write its new value back and return its gradient."""
+
+    def f(a, b):
+        a.mul_(2)
+        return (a * b).sin().sum()
+
+    def make():
+        torch.manual_seed(0)
+        p = torch.randn(12, requires_grad=True)
+        root = p * 1
+        return p, root, root[0:6].view(2, 3), root[3:9].view(2, 3)
+
+    p, root, a, b = make()
+    programs = aotgrad.trace(f, a, b).export()
+    expected = f(a, b)
+    expected.backward()
+    forward = _round_trip(programs.forward, tmp_path / "f.pt2")
+    backward = _round_trip(programs.backward, tmp_path / "b.pt2")
+    (spec,) = [s for s in forward.graph_signature.input_specs]
+    assert spec.kind == InputKind.USER_INPUT and spec.arg.name == "base_of_a_b"
+    (mutation,) = forward.graph_signature.user_inputs_to_mutate.values()
+    assert mutation == "base_of_a_b"
+
+    _, root2, _, _ = make()
+    n = next(iter(forward.graph.find_nodes(op="placeholder"))).meta["val"].numel()
+    base = root2.detach().as_strided((n,), (1,), 0)  # the storage up to the farthest view
+    outputs = forward.module()(base)
+    torch.testing.assert_close(outputs[0], expected.detach())
+    torch.testing.assert_close(root2.detach(), root.detach())  # a's mul_ written back
+    (grad,) = backward.module()(*_backward_inputs(programs, backward, outputs))
+    (out_spec,) = backward.graph_signature.output_specs
+    assert out_spec.kind == OutputKind.USER_OUTPUT
+    assert str(programs.backward_outputs[0]) == "grad of base of a, b"
+    torch.testing.assert_close(grad, p.grad[:n])
+
+
+def test_export_closed_over_tensor(tmp_path):
+    """A closed-over tensor is a constant of the program; its gradient a named output."""
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(3)
+    programs = aotgrad.trace(lambda x: (x * w).sin().sum(), x).export()
+    forward = _round_trip(programs.forward, tmp_path / "f.pt2")
+    backward = _round_trip(programs.backward, tmp_path / "b.pt2")
+    (spec,) = [s for s in forward.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
+    assert spec.kind == InputKind.CONSTANT_TENSOR and spec.target == "aotgrad_w"
+    torch.testing.assert_close(forward.constants["aotgrad_w"], w.detach())
+    outputs = forward.module()(x)
+    torch.testing.assert_close(outputs[0], (x * w).sin().sum().detach())
+    (grad,) = backward.module()(*_backward_inputs(programs, backward, outputs))
+    assert str(programs.backward_outputs[0]) == "grad of closure w"
+    torch.testing.assert_close(grad, torch.func.grad(lambda w: (x * w).sin().sum())(w))
+
+
+def test_export_refuses_mutated_closure():
+    w = torch.zeros(3)
+    traced = aotgrad.trace(lambda x: w.add_(x).sum(), torch.randn(3, requires_grad=True))
+    with pytest.raises(CallError, match="new value of closure w"):
+        traced.export()
+
+
+def test_export_refuses_tensor_subclass_inputs():
+    from subclasses import two
+
+    x = two(torch.randn(3), torch.randn(3), requires_grad=True)
+    traced = aotgrad.trace(lambda x: (x * 2).sum(), x)
+    with pytest.raises(CallError, match=r"graph input x\.a \(Inner\)"):
+        traced.export()
+
+
+def test_export_refuses_symbolic_sizes():
+    traced = aotgrad.trace(torch.nn.Linear(3, 2), torch.randn(4, 3), dynamic=True)
+    with pytest.raises(CallError, match="static sizes"):
+        traced.export()
+
+
+def test_export_refuses_state_changed_since_the_call():
+    model = torch.nn.Linear(3, 2)
+    compiled = aotgrad.aot_module(model)
+    compiled(torch.randn(4, 3))
+    model.weight = torch.nn.Parameter(torch.randn(5, 3))  # same name, another size
+    with pytest.raises(CallError, match=r"param weight of size \(2, 3\)"):
+        compiled.export()
+
+
+def test_export_names_the_environment_read(monkeypatch):
+    """The programs hold what the function did with the variables it read: they are named."""
+    monkeypatch.setenv("AOTGRAD_TEST_EXPORT_ACT", "relu")
+
+    def f(x):
+        if os.environ.get("AOTGRAD_TEST_EXPORT_ACT") == "relu":
+            return torch.relu(x)
+        return torch.sigmoid(x)
+
+    programs = aotgrad.trace(f, torch.randn(3, requires_grad=True)).export()
+    assert programs.environment == (("AOTGRAD_TEST_EXPORT_ACT", "relu"),)
+
+    def g(x):
+        return x * len(dict(os.environ))
+
+    with pytest.raises(CallError, match="whole environment"):
+        aotgrad.trace(g, torch.randn(3, requires_grad=True)).export()
+
+
+def test_export_aot_module(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    compiled = aotgrad.aot_module(model)
+    x = torch.randn(4, 3)
+    compiled(x).sum().backward()
+    forward = _round_trip(compiled.export().forward, tmp_path / "f.pt2")
+    torch.testing.assert_close(forward.module()(x)[0], model(x))
+
+
+class ScaledByConstant(torch.nn.Module):
+    """``torch.tensor(...)`` in forward: a tensor the graph holds as an attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return (self.lin(x) * torch.tensor([1.0, 2.0])).sum()
+
+
+def test_export_tensor_made_in_forward(tmp_path):
+    torch.manual_seed(0)
+    programs = check_export(ScaledByConstant(), (torch.randn(4, 3),), {}, tmp_path)
+    (constant,) = programs.forward.constants.values()
+    torch.testing.assert_close(constant, torch.tensor([1.0, 2.0]))
+
+
+def test_export_dropout_draws_eager_masks(tmp_path):
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4), torch.nn.Dropout(0.3)
+    )
+    check_export(WithLoss(mlp, lambda y: y.pow(2).sum()), (torch.randn(4, 8),), {}, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "dropout"), [("gpt2", 0.0), ("gpt2", 0.1), ("llama", 0.0), ("resnet18", 0.0)]
+)
+def test_export_library_models(name, dropout, tmp_path):
+    library_models = pytest.importorskip("library_models")
+    case = getattr(library_models, name)(dropout)
+    check_export(WithLoss(case.model, case.loss), case.args, case.kwargs, tmp_path)
