@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 import os
 
 import pytest
@@ -49,7 +50,7 @@ def _backward_inputs(programs, backward, outputs):
     return inputs
 
 
-def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5):
+def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5, **options):
     """Export ``model``'s graphs, save and load them, run both on the inputs and compare
     the loss, the buffers after the step and every gradient with eager's (both seeded
     alike: dropout draws eager's masks)."""
@@ -57,7 +58,7 @@ def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5):
     torch.manual_seed(1234)
     expected = eager(*args, **kwargs)
     expected.backward()
-    traced = aotgrad.trace(traced_model, *args, **kwargs)
+    traced = aotgrad.trace(traced_model, *args, **kwargs, **options)
     programs = traced.export(joint=True)
     forward = _round_trip(programs.forward, tmp_path / "forward.pt2")
     backward = _round_trip(programs.backward, tmp_path / "backward.pt2")
@@ -318,3 +319,19 @@ def test_export_library_models(name, dropout, tmp_path):
     library_models = pytest.importorskip("library_models")
     case = getattr(library_models, name)(dropout)
     check_export(WithLoss(case.model, case.loss), case.args, case.kwargs, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["convbn", "gpt"])
+def test_export_core_aten_programs(name, tmp_path):
+    """Items 1 and 2 together: a trace with decompositions="core_aten" exports programs whose
+    every op is Core ATen (the backends' opset), and they still run equal to eager."""
+    torch.manual_seed(0)
+    if name == "convbn":
+        model, args = ConvBN(), (torch.randn(2, 1, 8, 8), torch.randn(2, 10))
+    else:
+        model, args = GPT(), (torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+    programs = check_export(model, args, {}, tmp_path, decompositions="core_aten")
+    for program in (programs.forward, programs.backward):
+        ops = {n.target for n in program.graph.nodes if n.op == "call_function"}
+        other = {op for op in ops if op is not operator.getitem and torch.Tag.core not in op.tags}
+        assert not other, f"not Core ATen: {sorted(map(str, other))}"
