@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import operator
 import os
+import re
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 import aotgrad
 from aotgrad.errors import CallError
 from aotgrad.signature.descriptors import Grad, Input, Output, Saved
-from models import GPT, MLP, ConvBN
+from models import GPT, MLP, Block, ConvBN
 
 
 class WithLoss(torch.nn.Module):
@@ -335,3 +336,51 @@ def test_export_core_aten_programs(name, tmp_path):
         ops = {n.target for n in program.graph.nodes if n.op == "call_function"}
         other = {op for op in ops if op is not operator.getitem and torch.Tag.core not in op.tags}
         assert not other, f"not Core ATen: {sorted(map(str, other))}"
+
+
+def test_one_decoder_layer_exported_and_run_in_a_loop(tmp_path):
+    """Issue 31's notebook case end to end: scan_layers captures one layer of a stack once
+    (Core ATen), its body's forward and backward export as one layer's programs, and a loop
+    that runs only the loaded programs (forward over the layers, backward in reverse) gives
+    eager's output and every layer's gradients."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(Block(16, 2) for _ in range(3))
+    x = torch.randn(2, 8, 16)
+    aotgrad.scan_layers(layers, x.requires_grad_(), decompositions="core_aten").sum().backward()
+    body = aotgrad.scan_layers_function(layers, decompositions="core_aten")
+    assert body.captures == 1
+    programs = body.traced.export()
+    forward = _round_trip(programs.forward, tmp_path / "layer_forward.pt2").module()
+    backward = _round_trip(programs.backward, tmp_path / "layer_backward.pt2").module()
+    inputs = [str(d) for d in body.traced.signature.forward_inputs]  # carry, x['ln1.weight'], ...
+    assert inputs[0] == "carry"
+    names = [re.fullmatch(r"x\['(.+)'\]", d)[1] for d in inputs[1:]]  # type: ignore[index]
+    kinds = [type(d).__name__ for d in programs.forward_outputs]
+    assert kinds[0] == "Output" and set(kinds[1:]) == {"Saved"}
+
+    with torch.no_grad():  # the backend's loop: the programs alone
+        carry, saved = x.detach(), []
+        for layer in layers:
+            params = dict(layer.named_parameters())
+            carry, *values = forward(carry, *[params[n] for n in names])
+            saved.append(values)
+        out = carry
+        grad, grads = torch.ones_like(out), []  # d(out.sum())/d(out)
+        for values in reversed(saved):
+            grad, *param_grads = backward(*values, grad)
+            grads.append(param_grads)
+        grads.reverse()
+
+    eager_out = x.detach().clone().requires_grad_()
+    expected = eager_out
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    for layer in layers:
+        expected = layer(expected)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad, eager_out.grad, rtol=1e-4, atol=1e-5)
+    for layer, param_grads in zip(layers, grads, strict=True):
+        params = dict(layer.named_parameters())
+        for name, g in zip(names, param_grads, strict=True):
+            torch.testing.assert_close(g, params[name].grad, rtol=1e-4, atol=1e-5, msg=name)
