@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("disk_cache",),  # the disk cache as the frontends use it
     ("api",),  # the frontends: trace, aot_function, aot_module
     ("dynamo", "profiling", "testing", "loops"),  # built on the frontends
+    ("backends",),  # exported programs run by ONNX Runtime and IREE (docs/backends.md)
     ("cli",),
     ("aotgrad",),  # the package's public face (__init__.py)
 ]

@@ -76,10 +76,12 @@ class _Reports:
     def _lifted_for_export(self, partitioned: Partitioned) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
-    def export(self, joint: bool = False) -> ExportedGraphs:
+    def export(self, joint: bool = False, flat: bool = False) -> ExportedGraphs:
         """The forward and backward graphs as ``torch.export.ExportedProgram`` s, named in
         ``torch.export``'s vocabulary (Note [Export signatures]; docs/export.md); with
-        ``joint``, the joint graph as a third.
+        ``joint``, the joint graph as a third; with ``flat``, every program a pure function
+        of tensors (parameters and buffers passed in, mutations and gradients returned: the
+        form ONNX and IREE compile, docs/backends.md).
 
         >>> import torch, aotgrad
         >>> t = aotgrad.trace(torch.nn.Linear(2, 3), torch.ones(1, 2))
@@ -88,11 +90,17 @@ class _Reports:
         ['weight', 'bias', None]
         >>> [s.target for s in programs.backward.graph_signature.output_specs]
         ['weight', 'bias']
+        >>> flat = t.export(flat=True)
+        >>> [str(d) for d in flat.forward_inputs], len(flat.lifted)
+        (['param weight', 'param bias', 'input'], 2)
+        >>> [s.kind.name for s in flat.backward.graph_signature.output_specs]
+        ['USER_OUTPUT', 'USER_OUTPUT']
         """
         from aotgrad.export import export_graphs  # torch.export loads with the feature
 
         partitioned = self._reported()
-        return export_graphs(partitioned, self._lifted_for_export(partitioned), joint=joint)
+        lifted = self._lifted_for_export(partitioned)
+        return export_graphs(partitioned, lifted, joint=joint, flat=flat)
 
     def seq_table(self) -> SeqTable:
         """Every op of the joint graph with its forward op's number and module (data; prints as a table)."""

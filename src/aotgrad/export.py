@@ -82,6 +82,20 @@ __all__ = ["ExportedGraphs", "export_graphs"]
 # and the descriptor of a placeholder or output), copied to ``node.meta["custom"]["aotgrad"]``,
 # the one place ``torch.export.save`` keeps user metadata.
 #
+# ``export(flat=True)`` gives the form of a pure function, the one backends that compile a
+# function of tensors take (``torch.onnx.export`` keeps only USER_INPUTs and USER_OUTPUTs and
+# drops mutations and gradients of parameters; IREE's FX importer takes any): the same graphs
+# and the same order, with every input a USER_INPUT and every output a USER_OUTPUT, and
+# ``ExportedGraphs.lifted`` holding the tensors to pass first. For ConvBN::
+#
+#     lifted:   forward.module()(*params, *buffers, x) -> (new running_mean, new running_var,
+#               new num_batches_tracked, loss, *saved)
+#     flat:     forward_inputs  (Param(conv.weight), ..., Buffer(bn.running_mean), ..., Input(x))
+#               forward_outputs (MutatedInput(of=Buffer(bn.running_mean)), ..., Output, *Saved)
+#
+# A tensor made at capture (``_tensor_constant0``) stays a CONSTANT_TENSOR: it is part of
+# the function, not an argument of it.
+#
 # Anything else (a tensor subclass's inner tensor, a mutated closed-over tensor, a graph
 # writing its mutations itself, a gradient of a buffer, symbolic sizes, a function that
 # read the whole environment at capture) raises ``CallError``: a program whose
@@ -112,6 +126,16 @@ class ExportedGraphs:
     # ``joint.module()`` is.
     joint: ExportedProgram | None = None
     joint_outputs: tuple[Descriptor, ...] = ()
+    # What each input of ``forward.module()`` is, in order: the user inputs; with
+    # ``export(flat=True)``, the lifted tensors' descriptors (Param, Buffer, Closure,
+    # Global) first.
+    forward_inputs: tuple[Descriptor, ...] = ()
+    # With ``export(flat=True)``: the tensors to pass first to ``forward.module()`` (and to
+    # ``joint.module()``), one per leading ``forward_inputs`` descriptor; () otherwise.
+    lifted: tuple[torch.Tensor, ...] = ()
+    # Whether every program takes its parameters and buffers as inputs and returns its
+    # mutations and gradients as outputs (Note [Export signatures]).
+    flat: bool = False
     # The environment variables the function read at capture, with the value each read saw
     # (None: unset): the programs hold what it did with these values, as the graphs do
     # (Note [Environment read at capture]); transformers' Llama reads one.
@@ -145,11 +169,14 @@ class ExportedGraphs:
 
 
 def export_graphs(
-    partitioned: Partitioned, lifted: Sequence[torch.Tensor], joint: bool = False
+    partitioned: Partitioned,
+    lifted: Sequence[torch.Tensor],
+    joint: bool = False,
+    flat: bool = False,
 ) -> ExportedGraphs:
     """``partitioned``'s graphs as programs; ``lifted``: the real tensors of its leading
-    Param/Buffer/Closure/Global inputs, in order; ``joint``: the joint graph too (Note
-    [Export signatures])."""
+    Param/Buffer/Closure/Global inputs, in order; ``joint``: the joint graph too; ``flat``:
+    every input a USER_INPUT, every output a USER_OUTPUT (Note [Export signatures])."""
     if partitioned.mutations_in_graph:
         raise CallError(
             "this trace has no backward and its forward graph writes its input mutations"
@@ -166,13 +193,13 @@ def export_graphs(
         )
     signature = partitioned.signature
     forward, forward_outputs = _graph_program(
-        partitioned.forward, signature.forward_inputs, signature.forward_outputs, lifted
+        partitioned.forward, signature.forward_inputs, signature.forward_outputs, lifted, flat
     )
     backward: ExportedProgram | None = None
     grads: tuple[Descriptor, ...] = ()
     if partitioned.backward is not None:
         backward, grads = _graph_program(
-            partitioned.backward, signature.backward_inputs, signature.backward_outputs, ()
+            partitioned.backward, signature.backward_inputs, signature.backward_outputs, (), flat
         )
     joint_program: ExportedProgram | None = None
     joint_outputs: tuple[Descriptor, ...] = ()
@@ -180,7 +207,7 @@ def export_graphs(
         graph = partitioned.joint
         joint_inputs = (*graph.graph_inputs, *graph.cotangents)
         results = tuple(graph.gm.graph.output_node().meta["desc"])
-        joint_program, joint_outputs = _graph_program(graph.gm, joint_inputs, results, lifted)
+        joint_program, joint_outputs = _graph_program(graph.gm, joint_inputs, results, lifted, flat)
     return ExportedGraphs(
         forward=forward,
         backward=backward,
@@ -189,6 +216,11 @@ def export_graphs(
         backward_outputs=tuple(g for g in grads if isinstance(g, Grad)),
         joint=joint_program,
         joint_outputs=joint_outputs,
+        forward_inputs=tuple(
+            d for d in signature.forward_inputs if flat or isinstance(d, Input | InputBase)
+        ),
+        lifted=tuple(t.detach() for t in lifted) if flat else (),
+        flat=flat,
         environment=() if environ is None else environ.values,
     )
 
@@ -202,9 +234,10 @@ def _graph_program(
     input_descs: Sequence[Descriptor],
     output_descs: Sequence[Descriptor | None],
     lifted: Sequence[torch.Tensor],
+    flat: bool,
 ) -> tuple[ExportedProgram, tuple[Descriptor, ...]]:
     """One graph as a program, and the descriptors of its ``module()``'s outputs, in order
-    (Note [Export signatures])."""
+    (Note [Export signatures]); ``flat``: every input and output the user's."""
     graph, placeholders, outputs = _copy(gm)
     _check_count("inputs", placeholders, input_descs)
     _check_count("outputs", outputs, output_descs)
@@ -224,7 +257,8 @@ def _graph_program(
                 f" got {desc} at position {i}"
             )
         tensor = lifted[i] if is_lifted else None
-        inputs.append(_input_spec(node, desc, tensor, state, constants))
+        in_spec = _input_spec(node, desc, tensor, state, constants)
+        inputs.append(InputSpec(InputKind.USER_INPUT, in_spec.arg, None) if flat else in_spec)
     inputs += _lift_constants(gm, graph, constants)
     # torch.export wants mutations first, then user outputs, then gradients.
     groups: tuple[list[tuple[fx.Node, OutputSpec, Descriptor]], ...] = ([], [], [])
@@ -234,15 +268,28 @@ def _graph_program(
         if out is None:
             raise CallError(f"expected a tensor for the graph output {result}, got None")
         _annotate(out, result, output=True)
-        group, spec = _output_spec(out, result, names)
+        if flat and isinstance(result, MutatedInput):  # of anything: it is returned
+            group, spec = 0, OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(out.name), None)
+        else:
+            group, spec = _output_spec(out, result, names)
+        if flat:
+            spec = OutputSpec(OutputKind.USER_OUTPUT, spec.arg, None)
         groups[group].append((out, spec, result))
     ordered = [*groups[0], *groups[1], *groups[2]]
     _set_outputs(graph, [out for out, _, _ in ordered])
     n_user_inputs = sum(s.kind == InputKind.USER_INPUT for s in inputs)
-    returned = tuple(result for _, _, result in (*groups[1], *groups[2]))
+    returned_groups = (*groups[0], *groups[1], *groups[2]) if flat else (*groups[1], *groups[2])
+    returned = tuple(result for _, _, result in returned_groups)
     specs = [spec for _, spec, _ in ordered]
+    if flat:
+        state = {}
+        constants = {k: v for k, v in constants.items() if k in _targets(inputs)}
     program = _program(graph, inputs, specs, state, n_user_inputs, len(returned), constants)
     return program, returned
+
+
+def _targets(specs: Sequence[InputSpec]) -> set[str]:
+    return {s.target for s in specs if s.target is not None}
 
 
 def _output_spec(
