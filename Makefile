@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 PYTHON ?= python3.11
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install bytecode browser chromium vendor demo test lint typecheck pytest bench sweep fuzz models compat gpu-check clean
+.PHONY: install bytecode browser chromium vendor demo test lint typecheck pytest bench sweep fuzz models backends compat gpu-check clean
 
 install: $(STAMP) browser bytecode
 
@@ -79,6 +79,11 @@ fuzz: install
 # README's model table. `make test` runs only the fast subset.
 models: install
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) tests/models_table.py --jobs 2
+
+# Every library model's exported programs run in ONNX Runtime and in IREE against eager
+# (docs/backends.md); `make test` runs one model per backend.
+backends: install
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -p no:cacheprovider -m 'backends_slow or backends' tests/test_backend_onnxruntime.py tests/test_backend_iree.py
 
 # The default suite on another torch / Python of the supported window, in a side environment
 # built once outside the repository (tools/compat.sh): make compat TORCH=2.14.1 PYTHON=3.11

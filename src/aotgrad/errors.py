@@ -154,6 +154,11 @@ class InvariantError(AotgradError, AssertionError):
         )
 
 
+class BackendError(AotgradError, RuntimeError):
+    """A backend (ONNX Runtime, IREE: ``aotgrad.backends``) could not take or run an exported
+    program; the message names the backend, the program and the op it refused."""
+
+
 class ScanError(AotgradError, ValueError):
     """A scan's body or arguments break its rules: a carry that changes shape, dtype or
     structure, ``xs`` leaves of different lengths, a body that mutates its inputs."""
