@@ -18,6 +18,7 @@ from aotgrad.dynamo import backend
 from aotgrad.errors import (
     AotgradError,
     AutocastBackwardError,
+    BackendError,
     CallError,
     CaptureError,
     ConfigError,
@@ -46,6 +47,7 @@ __all__ = [
     "AOTModule",
     "AotgradError",
     "AutocastBackwardError",
+    "BackendError",
     "CacheInfo",
     "CallError",
     "CaptureError",
