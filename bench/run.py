@@ -24,6 +24,7 @@ sys.path.insert(0, str(HERE))
 import capture  # noqa: E402
 import compiled  # noqa: E402
 import distributed  # noqa: E402
+import export_backends  # noqa: E402
 import first_gradient  # noqa: E402
 import higher_order  # noqa: E402
 import library_capture  # noqa: E402
@@ -122,6 +123,7 @@ def main() -> None:
     rows.extend(wgan_gp_rows(higher_order.measure()))
     rows.extend(report_rows(report_page.measure()))
     rows.extend(persist_rows(persist.measure(pytorch=True)))
+    rows.extend(export_rows(export_backends.measure()))
     (HERE / "results.json").write_text(json.dumps(results, indent=1))
     print(table(results))
     update_readme(results)
@@ -315,6 +317,50 @@ def report_rows(found: dict[str, float]) -> list[dict[str, Any]]:
         )
         for name in ("conv", "gpt12")
     ]
+
+
+# The largest error of a backend's step against eager's, relative to the largest eager value
+# of each tensor, that the backend tests accept (tests/test_backend_*.py state why).
+BACKEND_TOLERANCE = {"onnxruntime": 1e-4, "iree": 1e-4}
+
+
+def export_rows(found: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 31: export time against capture time; each backend's step against eager's values."""
+    rows = []
+    for name, m in found.items():
+        rows.append(
+            row(
+                f"export {name} (library model) vs its capture (s)",
+                m["export"],
+                m["capture"],
+                "<= 0.50",
+                "fresh process; forward and backward as torch.export programs",
+            )
+        )
+    for backend, tolerance in BACKEND_TOLERANCE.items():
+        for name, m in found.items():
+            got = m[backend]
+            if "refused" in got:
+                rows.append(
+                    claim_row(
+                        f"{backend} runs {name}'s exported step", False, False, got["refused"]
+                    )
+                )
+                continue
+            note = (
+                f"relative to the test tolerance {tolerance:g}; step {got['step'] * 1e3:.1f} ms"
+                f" vs eager {m['eager step'] * 1e3:.1f} ms; compile {got['compile']:.1f} s"
+            )
+            rows.append(
+                row(
+                    f"{backend} {name}: largest error vs eager",
+                    got["error"],
+                    tolerance,
+                    "<= 1.00",
+                    note,
+                )
+            )
+    return rows
 
 
 def remat_rows(name: str, found: dict[str, tuple[int, int]]) -> list[dict[str, Any]]:
