@@ -32,10 +32,16 @@ interpreter() {
 
 dev_requirements() {  # the dev extra of pyproject.toml, torchvision left out
     "$env/bin/python" - <<'PY'
+import re
 import tomllib
 with open("pyproject.toml", "rb") as f:
     project = tomllib.load(f)["project"]
-for requirement in project["dependencies"] + project["optional-dependencies"]["dev"]:
+extras = project["optional-dependencies"]
+def expanded(requirements):  # "aotgrad[backends]" names another extra: its requirements
+    for requirement in requirements:
+        own = re.fullmatch(r"aotgrad\[(\w+)\]", requirement)
+        yield from expanded(extras[own[1]]) if own else (requirement,)
+for requirement in expanded(project["dependencies"] + extras["dev"]):
     if not requirement.startswith(("torch", "torchvision")):
         print(requirement)
 PY
