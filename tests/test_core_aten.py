@@ -69,7 +69,7 @@ def test_model_suite_is_core_aten_and_equal_to_eager(name):
     _check_module(model, args)
 
 
-LIBRARY = ["gpt2", "bert", "llama", "vit", "resnet18", "convnext"]
+LIBRARY = ["gpt2", "bert", "llama", "vit", "resnet18", "convnext", "bart", "whisper"]
 
 
 @pytest.mark.parametrize("name", LIBRARY)

@@ -101,6 +101,9 @@ def _core_aten_table() -> Mapping[Any, Callable[..., Any]]:
 FROM_TORCH_DECOMP = (
     torch.ops.aten._native_batch_norm_legit_functional.default,  # BatchNorm in training
     torch.ops.aten.native_batch_norm.default,  # BatchNorm in eval mode
+    # ``x.new_empty_strided(size, stride)`` (a backward's buffer in bart and whisper): the
+    # core ``empty_strided`` with ``x``'s dtype, layout and device unless given.
+    torch.ops.aten.new_empty_strided.default,
 )
 
 
@@ -127,6 +130,56 @@ def _as_strided_scatter(
     positions = positions.as_strided(size, stride, storage_offset or 0)
     flat = base.reshape(-1).index_put((positions.reshape(-1),), src.reshape(-1).to(base.dtype))
     return flat.view(base.shape)
+
+
+def _attention_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    is_causal: bool,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """``q k^T * scale`` with the causal mask and ``attn_mask`` applied (``key`` with as many
+    heads as ``query``)."""
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    length, source = query.size(-2), key.size(-2)
+    if is_causal:
+        causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(causal.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            scores = scores + attn_mask
+    return scores
+
+
+def _flash_attention_for_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention's output by PyTorch's decomposition, and its ``logsumexp`` (which
+    that decomposition replaces by the probabilities, another shape) in core ops: a graph
+    decomposed after capture hands the backward a value of the shape it was captured with
+    (Note [Decomposing a captured graph]). The kernel's ``logsumexp`` is in float32 for
+    half-precision inputs."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    output, _ = all_decompositions()[op](
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    low = (torch.float16, torch.bfloat16)
+    q, k = (query.float(), key.float()) if query.dtype in low else (query, key)
+    group = query.size(1) // key.size(1)
+    k = k.repeat_interleave(group, dim=1) if group != 1 else k
+    scale = scale if scale is not None else query.size(-1) ** -0.5
+    logsumexp = torch.logsumexp(_attention_scores(q, k, is_causal, attn_mask, scale), dim=-1)
+    return output, logsumexp
 
 
 def _flash_attention_for_cpu_backward(
@@ -160,16 +213,7 @@ def _flash_attention_for_cpu_backward(
     k = key.repeat_interleave(group, dim=1) if group != 1 else key
     v = value.repeat_interleave(group, dim=1) if group != 1 else value
     scale = scale if scale is not None else query.size(-1) ** -0.5
-    scores = torch.matmul(query, k.transpose(-2, -1)) * scale
-    length, source = query.size(-2), key.size(-2)
-    if is_causal:
-        causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(causal.logical_not(), float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
-        else:
-            scores = scores + attn_mask
+    scores = _attention_scores(query, k, is_causal, attn_mask, scale)
     probs = torch.softmax(scores, dim=-1)
     probs = torch.where(torch.isnan(probs), torch.zeros_like(probs), probs)  # rows fully masked
     grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
@@ -197,12 +241,23 @@ def _var_mean(
     return var, torch.ops.aten.mean.dim(x, dim, keepdim=keepdim)
 
 
+def _lift_fresh_copy(x: torch.Tensor) -> torch.Tensor:
+    """``torch.tensor(...)`` in the function lifts its constant with ``lift_fresh``, which
+    ``make_fx`` records as ``lift_fresh_copy`` (a copy, so that a write into the tensor,
+    as bart's and whisper's ``shifted[:, 0] = start``, leaves the constant alone): both are
+    ATen's ``clone``, which is core."""
+    return torch.ops.aten.clone.default(x)
+
+
 # Decompositions aotgrad adds for ops outside Core ATen that PyTorch has none for.
 EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_attention_for_cpu,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
         _flash_attention_for_cpu_backward
     ),
     torch.ops.aten.as_strided_scatter.default: _as_strided_scatter,
+    torch.ops.aten.lift_fresh.default: _lift_fresh_copy,
+    torch.ops.aten.lift_fresh_copy.default: _lift_fresh_copy,
     torch.ops.aten.var_mean.correction: _var_mean,
 }
 
@@ -223,8 +278,9 @@ def non_core_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and not is_core(n.target)]
 
 
-def refuse_non_core(graph: fx.Graph, name: str) -> None:
-    """An UnsupportedOpError naming every op of ``graph`` outside the set ``name`` promised."""
+def refuse_non_core(graph: fx.Graph, name: str, exporting: bool = False) -> None:
+    """An UnsupportedOpError naming every op of ``graph`` outside the set ``name`` promised;
+    ``exporting``: the graph is a program ``export(decompositions=name)`` decomposed."""
     offenders = non_core_nodes(graph)
     if not offenders:
         return
@@ -244,10 +300,11 @@ def refuse_non_core(graph: fx.Graph, name: str) -> None:
             else ""
         )
         lines.append(f"  {op} ({phase}{where}){why}")
+    what, step = ("exported", "export") if exporting else ("captured", "capture")
     raise UnsupportedOpError(
-        f"decompositions={name!r}: the captured graph still holds {len(first)} op(s) outside"
+        f"decompositions={name!r}: the {what} graph still holds {len(first)} op(s) outside"
         f" PyTorch's Core ATen opset, which no decomposition in the table reaches:\n"
         + "\n".join(lines)
-        + "\nRewrite that code with ops the table decomposes, or capture without"
+        + f"\nRewrite that code with ops the table decomposes, or {step} without"
         " decompositions='core_aten' (Note [Core ATen graphs])"
     )
