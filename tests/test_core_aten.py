@@ -279,3 +279,49 @@ def test_create_graph_backward_under_core_aten_is_eager():
     compile_fn = lambda fn: aot_function(fn, decompositions="core_aten")  # noqa: E731
     x = torch.randn(4, requires_grad=True)
     verify(lambda x: F.silu(x).sum(), x, create_graph=True, compile_fn=compile_fn)
+
+
+def test_tensor_constant_written_into_is_core_aten():
+    # bart's and whisper's shift_tokens_right: torch.tensor(...) lifted (lift_fresh_copy),
+    # then written into; and a buffer made with new_empty_strided. Both decompose exactly.
+    def f(x):
+        start = torch.tensor([[0.5, 1.5, 2.5]])
+        start[:, 0] = 3.0
+        buffer = x.new_empty_strided((3, 2), (1, 3))
+        buffer.copy_(x.t() * start.t())
+        return buffer.sin()
+
+    x = torch.randn(2, 3, requires_grad=True)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return nop(gm, example_inputs)
+
+    compile_fn = lambda fn: aot_function(  # noqa: E731
+        fn, decompositions="core_aten", fw_compiler=record, bw_compiler=record
+    )
+    verify(f, x, rtol=RTOL, atol=ATOL, compile_fn=compile_fn)
+    assert graphs and not _offenders(graphs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("masking", ["none", "causal", "float_mask"])
+def test_flash_attention_decomposition_gives_the_kernels_logsumexp(dtype, masking):
+    # PyTorch's decomposition returns the probabilities where the kernel returns logsumexp;
+    # aotgrad's returns the kernel's (shape, dtype and values), so a graph decomposed after
+    # capture hands its backward what the captured one did.
+    from aotgrad.capture.opset import EXTRA_DECOMPOSITIONS
+
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.randn(2, 4, 5, 8, dtype=dtype)
+    k, v = torch.randn(2, 2, 5, 8, dtype=dtype), torch.randn(2, 2, 5, 8, dtype=dtype)
+    kwargs = {"attn_mask": torch.randn(5, 5, dtype=dtype)} if masking == "float_mask" else {}
+    causal = masking == "causal"
+    out, lse = op(q, k, v, 0.0, causal, **kwargs)
+    got_out, got_lse = EXTRA_DECOMPOSITIONS[op](q, k, v, 0.0, causal, **kwargs)
+    assert (got_lse.shape, got_lse.dtype) == (lse.shape, lse.dtype)
+    torch.testing.assert_close(got_lse, lse)
+    # The output is PyTorch's decomposition's, which rounds bfloat16 otherwise than the kernel.
+    tolerance = {"atol": 1e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(got_out, out, **tolerance)

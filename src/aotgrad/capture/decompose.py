@@ -44,6 +44,15 @@ __all__ = ["decompose_graph"]
 # calling convention is the captured one. The re-trace runs on fake tensors (no data is read)
 # of static sizes (export refuses symbolic ones before).
 #
+# Every original node's decomposed value must be what the captured graph assumed of it,
+# since the ops after it (and the other graph, for a saved value) were captured against
+# that: its size and dtype (else an AssertionError), and its layout. A decomposition may lay
+# out its result otherwise than eager's kernel (GPT's attention: the output of
+# ``_scaled_dot_product_flash_attention_for_cpu``'s decomposition is strided otherwise, and
+# a later ``view`` of it would fail, an ``as_strided`` read other elements), so such a value
+# is copied into a tensor of the captured strides (``empty_strided`` + ``copy``, both core).
+# A value at another storage offset is refused when the graph has an ``as_strided``.
+#
 # Random ops keep what they draw: the table goes through ``faithful_decompositions``, so a
 # random op that draws stays as it is (Note [Core ATen graphs]: ``bernoulli.p`` on CPU is then
 # refused by name). A decomposition that writes in place would make the graph non-functional;

@@ -39,8 +39,12 @@ from aotgrad.optable import is_random
 #
 # The export table expects some ops gone before it runs, and PyTorch decomposes others only
 # into prims (``torch._refs``) or not at all; ``FROM_TORCH_DECOMP`` (BatchNorm, training and
-# eval) and ``EXTRA_DECOMPOSITIONS`` (aotgrad's: the CPU flash-attention backward,
-# ``as_strided_scatter`` into a contiguous tensor, ``var_mean``) fill those in.
+# eval; ``new_empty_strided``) and ``EXTRA_DECOMPOSITIONS`` (aotgrad's: CPU flash attention's
+# ``logsumexp`` and backward, ``as_strided_scatter`` into a contiguous tensor, ``var_mean``,
+# ``lift_fresh``/``lift_fresh_copy`` as ``clone``: bart's and whisper's ``torch.tensor``
+# written into) fill those in. Left refused: ``histc`` (mixtral's expert counts; no exact
+# decomposition: its bins are its kernel's float arithmetic, and with ``min == max`` they
+# depend on the data) and custom ops of other libraries (``transformers::grouped_mm_*``).
 #
 # After capture every ``call_function`` node of the joint graph is checked: its target is
 # an ``OpOverload`` tagged ``torch.Tag.core``, or one the graphs legitimately need beyond
