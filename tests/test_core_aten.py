@@ -325,3 +325,15 @@ def test_flash_attention_decomposition_gives_the_kernels_logsumexp(dtype, maskin
     # The output is PyTorch's decomposition's, which rounds bfloat16 otherwise than the kernel.
     tolerance = {"atol": 1e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
     torch.testing.assert_close(got_out, out, **tolerance)
+
+
+def test_histc_is_refused_with_its_reason():
+    # mixtral counts tokens per expert with histc: no exact decomposition, so it is refused
+    # by name, with why, at the user's line.
+    def f(x):
+        return x * torch.histc(x.detach(), bins=4, min=0, max=3).sum()
+
+    with pytest.raises(
+        UnsupportedOpError, match=r"histc\.default \(forward.*no exact decomposition"
+    ):
+        aotgrad.trace(f, torch.rand(8, requires_grad=True), decompositions="core_aten")

@@ -266,6 +266,15 @@ EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
 }
 
 
+# Ops outside Core ATen aotgrad leaves refused on purpose, and why (Note [Core ATen graphs]).
+NO_EXACT_DECOMPOSITION: dict[Any, str] = {
+    torch.ops.aten.histc.default: (
+        "no exact decomposition: which bin a value falls in is the kernel's own float"
+        " arithmetic, and with min == max the range comes from the data"
+    ),
+}
+
+
 def is_core(target: Any) -> bool:
     """Whether a graph node's target is in Core ATen or among what the graphs also need."""
     if target in ALSO_ALLOWED:
@@ -303,6 +312,8 @@ def refuse_non_core(graph: fx.Graph, name: str, exporting: bool = False) -> None
             if is_random(node.target)
             else ""
         )
+        if node.target in NO_EXACT_DECOMPOSITION:
+            why = f": {NO_EXACT_DECOMPOSITION[node.target]}"
         lines.append(f"  {op} ({phase}{where}){why}")
     what, step = ("exported", "export") if exporting else ("captured", "capture")
     raise UnsupportedOpError(
