@@ -559,3 +559,19 @@ def test_export_library_models_decomposed(name, tmp_path):
     kwargs = pytree.tree_map_only(torch.Tensor, _double, case.kwargs)
     programs = check_export(model, args, kwargs, tmp_path, decompositions="core_aten")
     _check_core_programs(programs)
+
+
+class SiluScaledByConstant(ScaledByConstant):
+    def forward(self, x):
+        return (torch.nn.functional.silu(self.lin(x)) * torch.tensor([1.0, 2.0])).sum()
+
+
+def test_export_decomposition_keeps_tensors_made_in_forward(tmp_path):
+    """A graph holding a tensor made at capture, decomposed: the tensor is still lifted to
+    a CONSTANT_TENSOR of the programs."""
+    torch.manual_seed(0)
+    model, args = SiluScaledByConstant(), (torch.randn(4, 3),)
+    programs = check_export(model, args, {}, tmp_path, decompositions="core_aten")
+    _check_core_programs(programs)
+    (constant,) = programs.forward.constants.values()
+    torch.testing.assert_close(constant, torch.tensor([1.0, 2.0]))
