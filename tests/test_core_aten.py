@@ -337,3 +337,32 @@ def test_histc_is_refused_with_its_reason():
         UnsupportedOpError, match=r"histc\.default \(forward.*no exact decomposition"
     ):
         aotgrad.trace(f, torch.rand(8, requires_grad=True), decompositions="core_aten")
+
+
+@pytest.mark.parametrize(
+    "size, layout", [((2, 3, 4), (0, 1, 2)), ((2, 3, 4), (2, 0, 1)), ((1, 3, 1), (1, 2, 0))]
+)
+def test_empty_permuted_decomposition_lays_out_as_the_op(size, layout):
+    from aotgrad.capture.opset import EXTRA_DECOMPOSITIONS
+
+    op = aten.empty_permuted.default
+    got = EXTRA_DECOMPOSITIONS[op](list(size), list(layout), dtype=torch.float64)
+    expected = op(size, layout, dtype=torch.float64)
+    assert (got.shape, got.stride(), got.dtype) == (
+        expected.shape,
+        expected.stride(),
+        expected.dtype,
+    )
+
+
+def test_empty_like_is_core_aten():
+    # torch.empty_like records empty_permuted (mixtral's inverse permutation).
+    def f(x):
+        y = torch.empty_like(x.permute(1, 0))
+        y.copy_(x.t().sin())
+        return y * 2
+
+    x = torch.randn(3, 4, requires_grad=True)
+    traced = aotgrad.trace(f, x, decompositions="core_aten")
+    assert not _offenders([traced.forward, traced.backward])
+    torch.testing.assert_close(traced(x), f(x))

@@ -575,3 +575,40 @@ def test_export_decomposition_keeps_tensors_made_in_forward(tmp_path):
     _check_core_programs(programs)
     (constant,) = programs.forward.constants.values()
     torch.testing.assert_close(constant, torch.tensor([1.0, 2.0]))
+
+
+def test_export_decomposition_table_that_changes_a_shape_is_refused():
+    """A dict entry whose function does not compute its op is named, not exported."""
+    aten = torch.ops.aten
+    traced = aotgrad.trace(lambda x: torch.nn.functional.silu(x).sum(), torch.randn(3, 4))
+    wrong = {aten.silu.default: lambda x: x.sum(0)}
+    with pytest.raises(ConfigError, match=r"aten\.silu\.default in the table gives a tensor of"):
+        traced.export(decompositions=wrong)
+
+
+def test_export_decomposition_keeps_reseeding_and_draws(tmp_path):
+    """torch.manual_seed in the function is an op of the forward (Note [Reseeding inside the
+    function]): the decomposed forward still reseeds, then draws eager's mask."""
+    table = {
+        torch.ops.aten.silu.default: torch._decomp.decomposition_table[torch.ops.aten.silu.default]
+    }
+
+    def f(x):
+        torch.manual_seed(7)
+        return torch.nn.functional.dropout(torch.nn.functional.silu(x), 0.5)
+
+    x = torch.randn(4, 4)
+    programs = aotgrad.trace(f, x).export(decompositions=table)
+    forward = programs.forward.module()
+    torch.manual_seed(0)
+    (got,) = forward(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(got, f(x))
+    targets = [str(n.target) for n in programs.forward.graph.nodes]
+    assert "aotgrad.manual_seed.default" in targets and "aten.silu.default" not in targets
+
+
+def test_export_decomposition_refuses_symbolic_sizes():
+    traced = aotgrad.trace(torch.nn.SiLU(), torch.randn(4, 3, requires_grad=True), dynamic=True)
+    with pytest.raises(CallError, match="static sizes"):
+        traced.export(decompositions="core_aten")

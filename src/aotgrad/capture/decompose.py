@@ -18,9 +18,10 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
-from aotgrad._torch_compat import FakeTensorMode, OpOverload
+from aotgrad._torch_compat import OpOverload
+from aotgrad.capture.fake import EagerViewsFakeMode
 from aotgrad.capture.random import faithful_decompositions
-from aotgrad.errors import UnsupportedOpError
+from aotgrad.errors import ConfigError, UnsupportedOpError
 
 __all__ = ["decompose_graph"]
 
@@ -64,7 +65,7 @@ def decompose_graph(gm: fx.GraphModule, table: Mapping[Any, Callable[..., Any]])
     [Decomposing a captured graph]); ``gm``'s placeholders need static sizes."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     interpreter = _Retrace(gm)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with EagerViewsFakeMode(allow_non_fake_inputs=True):  # capture's: eager's view strides
         inputs = [_fake_like(node) for node in placeholders]
         traced = make_fx(interpreter.run_flat, decomposition_table=faithful_decompositions(table))(
             *inputs
@@ -128,9 +129,11 @@ def _keep_layout(captured: Any, value: Any, node: fx.Node) -> Any:
     if not isinstance(captured, torch.Tensor) or not isinstance(value, torch.Tensor):
         return value
     if (value.shape, value.dtype) != (captured.shape, captured.dtype):
-        raise AssertionError(
-            f"expected the decomposition of {node.name} ({node.target}) to give"
-            f" {tuple(captured.shape)} {captured.dtype}, got {tuple(value.shape)} {value.dtype}"
+        raise ConfigError(
+            f"the decomposition of {node.target} in the table gives a tensor of size"
+            f" {tuple(value.shape)} and {value.dtype} where the op gives {tuple(captured.shape)}"
+            f" and {captured.dtype} (node {node.name}, {_where(node)}); a decomposition must"
+            " compute what its op computes: fix or drop that entry of the table"
         )
     if _strides_matter(captured) != _strides_matter(value):
         laid_out = torch.ops.aten.empty_strided.default(
@@ -139,9 +142,9 @@ def _keep_layout(captured: Any, value: Any, node: fx.Node) -> Any:
         return torch.ops.aten.copy.default(laid_out, value)
     if value.storage_offset() != captured.storage_offset() and _reads_layout(node):
         raise UnsupportedOpError(
-            f"the decomposition of {node.target} ({node.name}) gives a tensor at another"
-            " storage offset than the captured graph's, and an as_strided op reads that"
-            " offset; export without decompositions, or capture with them"
+            f"the decomposition of {node.target} (node {node.name}, {_where(node)}) gives a"
+            " tensor at another storage offset than the captured graph's, and an as_strided"
+            " op reads that offset; export without decompositions, or capture with them"
         )
     return value
 
@@ -201,8 +204,13 @@ def _refuse_writes(graph: fx.Graph) -> None:
         if target.namespace != "aten" or not target._schema.is_mutable:
             continue
         raise UnsupportedOpError(
-            f"a decomposition wrote in place with {target} (for the op at"
-            f" {getattr(node.meta.get('aotgrad'), 'source', None) or node.name}); the"
-            " decomposed graph would not be functional. Export without that op's"
+            f"a decomposition wrote in place with {target} (node {node.name}, {_where(node)});"
+            " the decomposed graph would not be functional. Export without that op's"
             " decomposition, or capture with the table (decompositions= on the trace)"
         )
+
+
+def _where(node: fx.Node) -> str:
+    """The user's line ``node`` came from, as the error messages name it."""
+    source = getattr(node.meta.get("aotgrad"), "source", None)
+    return f"from {source}" if source is not None else "no user source line"

@@ -42,9 +42,10 @@ from aotgrad.optable import is_random
 # eval; ``new_empty_strided``) and ``EXTRA_DECOMPOSITIONS`` (aotgrad's: CPU flash attention's
 # ``logsumexp`` and backward, ``as_strided_scatter`` into a contiguous tensor, ``var_mean``,
 # ``lift_fresh``/``lift_fresh_copy`` as ``clone``: bart's and whisper's ``torch.tensor``
-# written into) fill those in. Left refused: ``histc`` (mixtral's expert counts; no exact
-# decomposition: its bins are its kernel's float arithmetic, and with ``min == max`` they
-# depend on the data) and custom ops of other libraries (``transformers::grouped_mm_*``).
+# written into; ``empty_permuted`` as ``empty_strided``) fill those in. Left refused, with
+# the reason in ``NO_EXACT_DECOMPOSITION``: ``histc`` (mixtral's expert counts; its bins are
+# its kernel's float arithmetic, and with ``min == max`` they depend on the data); and, as
+# any op no table reaches, other libraries' custom ops (``transformers::grouped_mm_*``).
 #
 # After capture every ``call_function`` node of the joint graph is checked: its target is
 # an ``OpOverload`` tagged ``torch.Tag.core``, or one the graphs legitimately need beyond
@@ -253,6 +254,28 @@ def _lift_fresh_copy(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.clone.default(x)
 
 
+def _empty_permuted(
+    size: list[int],
+    physical_layout: list[int],
+    *,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout | None = None,
+    device: torch.device | None = None,
+    pin_memory: bool | None = None,
+) -> torch.Tensor:
+    """``empty_permuted`` (``torch.empty_like`` records it) as the core ``empty_strided``: a
+    contiguous tensor of the sizes in ``physical_layout`` order, permuted back, as ATen
+    allocates it (a size-1 or size-0 dimension strided as a size-1 one)."""
+    strides = [0] * len(size)
+    step = 1
+    for dim in reversed(physical_layout):
+        strides[dim] = step
+        step *= max(size[dim], 1)
+    return torch.ops.aten.empty_strided.default(
+        size, strides, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory
+    )
+
+
 # Decompositions aotgrad adds for ops outside Core ATen that PyTorch has none for.
 EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_attention_for_cpu,
@@ -260,6 +283,7 @@ EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
         _flash_attention_for_cpu_backward
     ),
     torch.ops.aten.as_strided_scatter.default: _as_strided_scatter,
+    torch.ops.aten.empty_permuted.default: _empty_permuted,
     torch.ops.aten.lift_fresh.default: _lift_fresh_copy,
     torch.ops.aten.lift_fresh_copy.default: _lift_fresh_copy,
     torch.ops.aten.var_mean.correction: _var_mean,
