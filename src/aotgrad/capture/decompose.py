@@ -47,12 +47,13 @@ __all__ = ["decompose_graph"]
 #
 # Every original node's decomposed value must be what the captured graph assumed of it,
 # since the ops after it (and the other graph, for a saved value) were captured against
-# that: its size and dtype (else an AssertionError), and its layout. A decomposition may lay
-# out its result otherwise than eager's kernel (GPT's attention: the output of
-# ``_scaled_dot_product_flash_attention_for_cpu``'s decomposition is strided otherwise, and
-# a later ``view`` of it would fail, an ``as_strided`` read other elements), so such a value
-# is copied into a tensor of the captured strides (``empty_strided`` + ``copy``, both core).
-# A value at another storage offset is refused when the graph has an ``as_strided``.
+# that: its size and dtype (else a ConfigError naming the table's entry), and its layout. A
+# decomposition may lay out its result otherwise than eager's kernel (GPT's attention:
+# ``_scaled_dot_product_flash_attention_for_cpu``'s decomposition; a later ``view`` of such a
+# value fails, an ``as_strided`` would read other elements), so such a value is copied into
+# a tensor of the captured strides (``empty_strided`` + ``copy``, both core).
+# A layout no such copy gives (overlapping strides: an ``expand``), and a value at another
+# storage offset when the graph has an ``as_strided``, are refused.
 #
 # Random ops keep what they draw: the table goes through ``faithful_decompositions``, so a
 # random op that draws stays as it is (Note [Core ATen graphs]: ``bernoulli.p`` on CPU is then
@@ -139,7 +140,15 @@ def _keep_layout(captured: Any, value: Any, node: fx.Node) -> Any:
         laid_out = torch.ops.aten.empty_strided.default(
             captured.shape, captured.stride(), dtype=value.dtype, device=value.device
         )
-        return torch.ops.aten.copy.default(laid_out, value)
+        copied = torch.ops.aten.copy.default(laid_out, value)
+        if _strides_matter(copied) != _strides_matter(captured):
+            raise UnsupportedOpError(
+                f"the decomposition of {node.target} (node {node.name}, {_where(node)}) lays"
+                f" its result out with strides {value.stride()}, the captured graph assumed"
+                f" {captured.stride()}, and no copy gives that layout; export without"
+                " decompositions, or capture with them"
+            )
+        return copied
     if value.storage_offset() != captured.storage_offset() and _reads_layout(node):
         raise UnsupportedOpError(
             f"the decomposition of {node.target} (node {node.name}, {_where(node)}) gives a"
