@@ -505,6 +505,8 @@ def test_export_decompositions_bad_name_or_table():
         traced.export(decompositions={torch.ops.aten.sin: torch.cos})
     with pytest.raises(ConfigError, match="takes None, 'core_aten'"):
         traced.export(decompositions=["core_aten"])
+    with pytest.raises(ConfigError, match="to function"):
+        traced.export(decompositions={torch.ops.aten.sin.default: "cos"})
 
 
 def test_export_decomposition_dict_table(tmp_path):

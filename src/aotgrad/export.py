@@ -257,7 +257,7 @@ def _decomposed(graphs: _Graphs, decompositions: ExportDecompositions) -> _Graph
         name = check_decomposition_set(decompositions)
         table = decomposition_set(name)
     elif isinstance(decompositions, Mapping) and all(
-        isinstance(op, OpOverload) for op in decompositions
+        isinstance(op, OpOverload) and callable(fn) for op, fn in decompositions.items()
     ):
         table = decompositions
     else:
