@@ -69,7 +69,7 @@ def test_model_suite_is_core_aten_and_equal_to_eager(name):
     _check_module(model, args)
 
 
-LIBRARY = ["gpt2", "bert", "llama", "vit", "resnet18", "convnext"]
+LIBRARY = ["gpt2", "bert", "llama", "vit", "resnet18", "convnext", "bart", "whisper"]
 
 
 @pytest.mark.parametrize("name", LIBRARY)
@@ -279,3 +279,90 @@ def test_create_graph_backward_under_core_aten_is_eager():
     compile_fn = lambda fn: aot_function(fn, decompositions="core_aten")  # noqa: E731
     x = torch.randn(4, requires_grad=True)
     verify(lambda x: F.silu(x).sum(), x, create_graph=True, compile_fn=compile_fn)
+
+
+def test_tensor_constant_written_into_is_core_aten():
+    # bart's and whisper's shift_tokens_right: torch.tensor(...) lifted (lift_fresh_copy),
+    # then written into; and a buffer made with new_empty_strided. Both decompose exactly.
+    def f(x):
+        start = torch.tensor([[0.5, 1.5, 2.5]])
+        start[:, 0] = 3.0
+        buffer = x.new_empty_strided((3, 2), (1, 3))
+        buffer.copy_(x.t() * start.t())
+        return buffer.sin()
+
+    x = torch.randn(2, 3, requires_grad=True)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return nop(gm, example_inputs)
+
+    compile_fn = lambda fn: aot_function(  # noqa: E731
+        fn, decompositions="core_aten", fw_compiler=record, bw_compiler=record
+    )
+    verify(f, x, rtol=RTOL, atol=ATOL, compile_fn=compile_fn)
+    assert graphs and not _offenders(graphs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("masking", ["none", "causal", "float_mask"])
+def test_flash_attention_decomposition_gives_the_kernels_logsumexp(dtype, masking):
+    # PyTorch's decomposition returns the probabilities where the kernel returns logsumexp;
+    # aotgrad's returns the kernel's (shape, dtype and values), so a graph decomposed after
+    # capture hands its backward what the captured one did.
+    from aotgrad.capture.opset import EXTRA_DECOMPOSITIONS
+
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.randn(2, 4, 5, 8, dtype=dtype)
+    k, v = torch.randn(2, 2, 5, 8, dtype=dtype), torch.randn(2, 2, 5, 8, dtype=dtype)
+    kwargs = {"attn_mask": torch.randn(5, 5, dtype=dtype)} if masking == "float_mask" else {}
+    causal = masking == "causal"
+    out, lse = op(q, k, v, 0.0, causal, **kwargs)
+    got_out, got_lse = EXTRA_DECOMPOSITIONS[op](q, k, v, 0.0, causal, **kwargs)
+    assert (got_lse.shape, got_lse.dtype) == (lse.shape, lse.dtype)
+    torch.testing.assert_close(got_lse, lse)
+    # The output is PyTorch's decomposition's, which rounds bfloat16 otherwise than the kernel.
+    tolerance = {"atol": 1e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(got_out, out, **tolerance)
+
+
+def test_histc_is_refused_with_its_reason():
+    # mixtral counts tokens per expert with histc: no exact decomposition, so it is refused
+    # by name, with why, at the user's line.
+    def f(x):
+        return x * torch.histc(x.detach(), bins=4, min=0, max=3).sum()
+
+    with pytest.raises(
+        UnsupportedOpError, match=r"histc\.default \(forward.*no exact decomposition"
+    ):
+        aotgrad.trace(f, torch.rand(8, requires_grad=True), decompositions="core_aten")
+
+
+@pytest.mark.parametrize(
+    "size, layout", [((2, 3, 4), (0, 1, 2)), ((2, 3, 4), (2, 0, 1)), ((1, 3, 1), (1, 2, 0))]
+)
+def test_empty_permuted_decomposition_lays_out_as_the_op(size, layout):
+    from aotgrad.capture.opset import EXTRA_DECOMPOSITIONS
+
+    op = aten.empty_permuted.default
+    got = EXTRA_DECOMPOSITIONS[op](list(size), list(layout), dtype=torch.float64)
+    expected = op(size, layout, dtype=torch.float64)
+    assert (got.shape, got.stride(), got.dtype) == (
+        expected.shape,
+        expected.stride(),
+        expected.dtype,
+    )
+
+
+def test_empty_like_is_core_aten():
+    # torch.empty_like records empty_permuted (mixtral's inverse permutation).
+    def f(x):
+        y = torch.empty_like(x.permute(1, 0))
+        y.copy_(x.t().sin())
+        return y * 2
+
+    x = torch.randn(3, 4, requires_grad=True)
+    traced = aotgrad.trace(f, x, decompositions="core_aten")
+    assert not _offenders([traced.forward, traced.backward])
+    torch.testing.assert_close(traced(x), f(x))

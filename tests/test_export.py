@@ -13,7 +13,8 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
 import aotgrad
-from aotgrad.errors import CallError
+from aotgrad.capture.opset import is_core
+from aotgrad.errors import CallError, ConfigError, UnsupportedOpError
 from aotgrad.signature.descriptors import Grad, Input, Output, Saved
 from models import GPT, MLP, Block, ConvBN
 
@@ -51,16 +52,18 @@ def _backward_inputs(programs, backward, outputs):
     return inputs
 
 
-def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5, **options):
-    """Export ``model``'s graphs, save and load them, run both on the inputs and compare
-    the loss, the buffers after the step and every gradient with eager's (both seeded
-    alike: dropout draws eager's masks)."""
+def check_export(
+    model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5, decompositions=None, **options
+):
+    """Export ``model``'s graphs (with ``decompositions``, if given), save and load them,
+    run both on the inputs and compare the loss, the buffers after the step and every
+    gradient with eager's (both seeded alike: dropout draws eager's masks)."""
     eager, traced_model = copy.deepcopy(model), copy.deepcopy(model)
     torch.manual_seed(1234)
     expected = eager(*args, **kwargs)
     expected.backward()
     traced = aotgrad.trace(traced_model, *args, **kwargs, **options)
-    programs = traced.export(joint=True)
+    programs = traced.export(joint=True, decompositions=decompositions)
     forward = _round_trip(programs.forward, tmp_path / "forward.pt2")
     backward = _round_trip(programs.backward, tmp_path / "backward.pt2")
     signature = traced.signature
@@ -110,7 +113,9 @@ def check_export(model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5, **options)
     torch.manual_seed(1234)
     joint_outputs = joint.module()(*tensors, torch.ones(()))
     results = dict(zip(programs.joint_outputs, joint_outputs, strict=True))
-    torch.testing.assert_close(results[programs.forward_outputs[0]], expected.detach())
+    torch.testing.assert_close(
+        results[programs.forward_outputs[0]], expected.detach(), rtol=rtol, atol=atol
+    )
     joint_grads = {d.of.name: g for d, g in results.items() if isinstance(d, Grad)}
     assert joint_grads.keys() == expected_grads.keys()
     for name, grad in expected_grads.items():
@@ -384,3 +389,228 @@ def test_one_decoder_layer_exported_and_run_in_a_loop(tmp_path):
         params = dict(layer.named_parameters())
         for name, g in zip(names, param_grads, strict=True):
             torch.testing.assert_close(g, params[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _not_core(program):
+    ops = {n.target for n in program.graph.nodes if n.op == "call_function"}
+    return sorted(str(op) for op in ops if not is_core(op))
+
+
+def _check_core_programs(programs):
+    """Every op of every program is Core ATen, and every op node keeps its provenance."""
+    for program in (programs.forward, programs.backward, programs.joint):
+        if program is None:
+            continue
+        assert not _not_core(program), f"not Core ATen: {_not_core(program)}"
+        for node in program.graph.nodes:
+            if node.op == "call_function" and node.target is not operator.getitem:
+                info = node.meta["custom"]["aotgrad"]  # accumulations have no seq_nr
+                assert info["kind"] != "op" or info["seq_nr"] is not None, node.name
+                assert info["phase"] and info["module"], node.name
+
+
+def _double(t):
+    return t.double() if t.is_floating_point() else t
+
+
+@pytest.mark.parametrize("name", ["convbn", "gpt"])
+def test_export_decomposes_a_default_trace(name, tmp_path):
+    """export(decompositions="core_aten") of a trace captured with the default table: every
+    op of the forward, backward and joint programs is Core ATen, each keeps the provenance of
+    the op it decomposes, and the programs still run equal to eager."""
+    torch.manual_seed(0)
+    if name == "convbn":
+        model, args = ConvBN(), (torch.randn(2, 1, 8, 8), torch.randn(2, 10))
+    else:
+        model, args = GPT(), (torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))
+    default = aotgrad.trace(copy.deepcopy(model), *args).export(joint=True)
+    assert _not_core(default.forward) or _not_core(default.backward)  # there is work to do
+    programs = check_export(model, args, {}, tmp_path, decompositions="core_aten")
+    _check_core_programs(programs)
+
+
+def test_export_decomposition_keeps_provenance_and_signature():
+    """silu -> sigmoid, mul in the forward, silu_backward -> sigmoid, ... in the backward:
+    each new node has the seq_nr, module and source line of the op it came from, and the
+    placeholders keep their names and descriptors."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.act = torch.nn.SiLU()
+
+        def forward(self, x):
+            return self.act(self.fc(x)).sum()
+
+    x = torch.randn(3, 4)
+    traced = aotgrad.trace(Net(), x)
+    default, core = traced.export(), traced.export(decompositions="core_aten")
+    for before, after in ((default.forward, core.forward), (default.backward, core.backward)):
+        silu = [n for n in before.graph.nodes if "silu" in str(n.target)]
+        (original,) = silu
+        decomposed = [n for n in after.graph.nodes if str(n.target) == "aten.sigmoid.default"]
+        assert decomposed and not [n for n in after.graph.nodes if "silu" in str(n.target)]
+        want = {k: original.meta["aotgrad"][k] for k in ("seq_nr", "module", "source", "phase")}
+        assert want["module"] == "act" and want["source"]["code"].startswith("return self.act")
+        for node in decomposed:
+            got = {k: node.meta["custom"]["aotgrad"][k] for k in want}
+            assert got == want
+        names = [n.name for n in before.graph.find_nodes(op="placeholder")]
+        assert [n.name for n in after.graph.find_nodes(op="placeholder")] == names
+        assert after.graph_signature.input_specs == before.graph_signature.input_specs
+    assert core.forward_outputs == default.forward_outputs
+    assert core.backward_outputs == default.backward_outputs
+    expected = traced(x)
+    torch.testing.assert_close(core.forward.module()(x)[0], expected)
+
+
+def test_export_decomposition_flat(tmp_path):
+    """flat=True with decompositions: pure functions of tensors, in Core ATen, equal to eager."""
+    torch.manual_seed(0)
+    model = WithLoss(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU()), lambda y: y.sum())
+    x = torch.randn(3, 4)
+    programs = aotgrad.trace(model, x).export(flat=True, decompositions="core_aten")
+    _check_core_programs(programs)
+    forward = _round_trip(programs.forward, tmp_path / "f.pt2").module()
+    backward = _round_trip(programs.backward, tmp_path / "b.pt2").module()
+    loss, *saved = forward(*programs.lifted, x)
+    grads = backward(*saved, torch.ones(()))
+    expected = model(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for grad, param in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(grad, param.grad)
+
+
+def test_export_of_a_core_aten_trace_is_not_traced_again(monkeypatch):
+    """A trace captured with the same set needs nothing: the graphs are exported as they are."""
+    import aotgrad.export
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decomposed a graph that was Core ATen already")
+
+    monkeypatch.setattr(aotgrad.export, "decompose_graph", refuse)
+    x = torch.randn(3, 4, requires_grad=True)
+    traced = aotgrad.trace(torch.nn.functional.silu, x, decompositions="core_aten")
+    programs = traced.export(joint=True, decompositions="core_aten")
+    assert programs.forward.graph_module.code == traced.export().forward.graph_module.code
+
+
+def test_export_decompositions_bad_name_or_table():
+    traced = aotgrad.trace(torch.sin, torch.randn(3, requires_grad=True))
+    with pytest.raises(ConfigError, match="'core' is not a decomposition set"):
+        traced.export(decompositions="core")
+    with pytest.raises(ConfigError, match=r"not torch\.ops\.aten\.silu\)"):
+        traced.export(decompositions={torch.ops.aten.sin: torch.cos})
+    with pytest.raises(ConfigError, match="takes None, 'core_aten'"):
+        traced.export(decompositions=["core_aten"])
+    with pytest.raises(ConfigError, match="to function"):
+        traced.export(decompositions={torch.ops.aten.sin.default: "cos"})
+
+
+def test_export_decomposition_dict_table(tmp_path):
+    """A dict table decomposes what it names, and nothing else; random ops keep eager's draws:
+    native_dropout's decomposition (rand_like < p) draws other numbers, so it is not used."""
+    from torch._decomp import get_decompositions
+
+    aten = torch.ops.aten
+    table = get_decompositions([aten.silu, aten.silu_backward, aten.native_dropout])
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Dropout(0.5))
+    model = WithLoss(mlp, lambda y: y.pow(2).sum())
+    programs = check_export(model, (torch.randn(4, 8),), {}, tmp_path, decompositions=table)
+    for program in (programs.forward, programs.backward, programs.joint):
+        targets = {n.target for n in program.graph.nodes}
+        assert not targets & {aten.silu.default, aten.silu_backward.default}
+
+
+def test_export_core_aten_refuses_random_ops_it_cannot_decompose():
+    """CPU dropout draws with bernoulli (not Core ATen); its decomposition would draw other
+    numbers, so the export is refused, naming the op and why."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    traced = aotgrad.trace(model, torch.randn(2, 4))
+    with pytest.raises(UnsupportedOpError, match=r"(?s)exported graph.*bernoulli.*a random op"):
+        traced.export(decompositions="core_aten")
+
+
+def test_export_decompositions_on_every_frontend(tmp_path):
+    """aot_function and aot_module take decompositions= on export too."""
+    x = torch.randn(3, 4, requires_grad=True)
+    f = aotgrad.aot_function(lambda x: torch.nn.functional.silu(x).sum())
+    f(x)
+    assert not _not_core(f.export(decompositions="core_aten").backward)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.SiLU())
+    compiled = aotgrad.aot_module(model)
+    compiled(x).sum().backward()
+    programs = compiled.export(decompositions="core_aten")
+    _check_core_programs(programs)
+    forward = _round_trip(programs.forward, tmp_path / "f.pt2")
+    torch.testing.assert_close(forward.module()(x)[0], model(x))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet18"])
+def test_export_library_models_decomposed(name, tmp_path):
+    """Library models traced with the default table, exported in Core ATen, in float64 (as
+    tests/test_core_aten.py compares: decomposed ops round differently from eager's
+    kernels, and resnet18's BatchNorm over 1x1 maps amplifies that in float32)."""
+    library_models = pytest.importorskip("library_models")
+    case = library_models.build(name)
+    model = WithLoss(case.model.double(), case.loss)
+    args = pytree.tree_map_only(torch.Tensor, _double, case.args)
+    kwargs = pytree.tree_map_only(torch.Tensor, _double, case.kwargs)
+    programs = check_export(model, args, kwargs, tmp_path, decompositions="core_aten")
+    _check_core_programs(programs)
+
+
+class SiluScaledByConstant(ScaledByConstant):
+    def forward(self, x):
+        return (torch.nn.functional.silu(self.lin(x)) * torch.tensor([1.0, 2.0])).sum()
+
+
+def test_export_decomposition_keeps_tensors_made_in_forward(tmp_path):
+    """A graph holding a tensor made at capture, decomposed: the tensor is still lifted to
+    a CONSTANT_TENSOR of the programs."""
+    torch.manual_seed(0)
+    model, args = SiluScaledByConstant(), (torch.randn(4, 3),)
+    programs = check_export(model, args, {}, tmp_path, decompositions="core_aten")
+    _check_core_programs(programs)
+    (constant,) = programs.forward.constants.values()
+    torch.testing.assert_close(constant, torch.tensor([1.0, 2.0]))
+
+
+def test_export_decomposition_table_that_changes_a_shape_is_refused():
+    """A dict entry whose function does not compute its op is named, not exported."""
+    aten = torch.ops.aten
+    traced = aotgrad.trace(lambda x: torch.nn.functional.silu(x).sum(), torch.randn(3, 4))
+    wrong = {aten.silu.default: lambda x: x.sum(0)}
+    with pytest.raises(ConfigError, match=r"aten\.silu\.default in the table gives a tensor of"):
+        traced.export(decompositions=wrong)
+
+
+def test_export_decomposition_keeps_reseeding_and_draws(tmp_path):
+    """torch.manual_seed in the function is an op of the forward (Note [Reseeding inside the
+    function]): the decomposed forward still reseeds, then draws eager's mask."""
+    table = {
+        torch.ops.aten.silu.default: torch._decomp.decomposition_table[torch.ops.aten.silu.default]
+    }
+
+    def f(x):
+        torch.manual_seed(7)
+        return torch.nn.functional.dropout(torch.nn.functional.silu(x), 0.5)
+
+    x = torch.randn(4, 4)
+    programs = aotgrad.trace(f, x).export(decompositions=table)
+    forward = programs.forward.module()
+    torch.manual_seed(0)
+    (got,) = forward(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(got, f(x))
+    targets = [str(n.target) for n in programs.forward.graph.nodes]
+    assert "aotgrad.manual_seed.default" in targets and "aten.silu.default" not in targets
+
+
+def test_export_decomposition_refuses_symbolic_sizes():
+    traced = aotgrad.trace(torch.nn.SiLU(), torch.randn(4, 3, requires_grad=True), dynamic=True)
+    with pytest.raises(CallError, match="static sizes"):
+        traced.export(decompositions="core_aten")

@@ -76,12 +76,19 @@ class _Reports:
     def _lifted_for_export(self, partitioned: Partitioned) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
-    def export(self, joint: bool = False, flat: bool = False) -> ExportedGraphs:
+    def export(
+        self,
+        joint: bool = False,
+        flat: bool = False,
+        decompositions: Decompositions | str | None = None,
+    ) -> ExportedGraphs:
         """The forward and backward graphs as ``torch.export.ExportedProgram`` s, named in
         ``torch.export``'s vocabulary (Note [Export signatures]; docs/export.md); with
         ``joint``, the joint graph as a third; with ``flat``, every program a pure function
         of tensors (parameters and buffers passed in, mutations and gradients returned: the
-        form ONNX and IREE compile, docs/backends.md).
+        form ONNX and IREE compile, docs/backends.md); with ``decompositions``
+        (``"core_aten"`` or a dict from op to function), every program decomposed with that
+        table, whatever the trace was captured with (Note [Decomposing a captured graph]).
 
         >>> import torch, aotgrad
         >>> t = aotgrad.trace(torch.nn.Linear(2, 3), torch.ones(1, 2))
@@ -95,12 +102,18 @@ class _Reports:
         (['param weight', 'param bias', 'input'], 2)
         >>> [s.kind.name for s in flat.backward.graph_signature.output_specs]
         ['USER_OUTPUT', 'USER_OUTPUT']
+        >>> t = aotgrad.trace(torch.nn.SiLU(), torch.ones(2, requires_grad=True))
+        >>> core = t.export(decompositions="core_aten")
+        >>> [n.name for n in core.forward.graph.nodes if n.op == "call_function"]
+        ['sigmoid', 'mul']
         """
         from aotgrad.export import export_graphs  # torch.export loads with the feature
 
         partitioned = self._reported()
         lifted = self._lifted_for_export(partitioned)
-        return export_graphs(partitioned, lifted, joint=joint, flat=flat)
+        return export_graphs(
+            partitioned, lifted, joint=joint, flat=flat, decompositions=decompositions
+        )
 
     def seq_table(self) -> SeqTable:
         """Every op of the joint graph with its forward op's number and module (data; prints as a table)."""

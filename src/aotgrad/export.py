@@ -7,7 +7,7 @@ name every input and output in ``torch.export``'s own vocabulary (Note [Export s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +24,16 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
+from aotgrad._torch_compat import OpOverload
+from aotgrad.capture.decompose import decompose_graph
+from aotgrad.capture.opset import (
+    check_decomposition_set,
+    decomposition_set,
+    non_core_nodes,
+    refuse_non_core,
+)
 from aotgrad.capture.provenance import NodeInfo
-from aotgrad.errors import CallError
+from aotgrad.errors import CallError, ConfigError
 from aotgrad.partition import Partitioned
 from aotgrad.signature.descriptors import (
     Buffer,
@@ -168,15 +176,22 @@ class ExportedGraphs:
                 )
 
 
+# What ``export(decompositions=...)`` takes: a set's name, or a dict from op to function.
+ExportDecompositions = str | Mapping[Any, Callable[..., Any]] | None
+
+
 def export_graphs(
     partitioned: Partitioned,
     lifted: Sequence[torch.Tensor],
     joint: bool = False,
     flat: bool = False,
+    decompositions: ExportDecompositions = None,
 ) -> ExportedGraphs:
     """``partitioned``'s graphs as programs; ``lifted``: the real tensors of its leading
     Param/Buffer/Closure/Global inputs, in order; ``joint``: the joint graph too; ``flat``:
-    every input a USER_INPUT, every output a USER_OUTPUT (Note [Export signatures])."""
+    every input a USER_INPUT, every output a USER_OUTPUT (Note [Export signatures]);
+    ``decompositions``: every program decomposed with that table, and with a set's name,
+    holding only its ops (Note [Decomposing a captured graph])."""
     if partitioned.mutations_in_graph:
         raise CallError(
             "this trace has no backward and its forward graph writes its input mutations"
@@ -192,22 +207,24 @@ def export_graphs(
             " (os.environ.get) to export the graphs"
         )
     signature = partitioned.signature
+    graphs = (partitioned.forward, partitioned.backward, partitioned.joint.gm if joint else None)
+    forward_gm, backward_gm, joint_gm = _decomposed(graphs, decompositions)
     forward, forward_outputs = _graph_program(
-        partitioned.forward, signature.forward_inputs, signature.forward_outputs, lifted, flat
+        forward_gm, signature.forward_inputs, signature.forward_outputs, lifted, flat
     )
     backward: ExportedProgram | None = None
     grads: tuple[Descriptor, ...] = ()
-    if partitioned.backward is not None:
+    if backward_gm is not None:
         backward, grads = _graph_program(
-            partitioned.backward, signature.backward_inputs, signature.backward_outputs, (), flat
+            backward_gm, signature.backward_inputs, signature.backward_outputs, (), flat
         )
     joint_program: ExportedProgram | None = None
     joint_outputs: tuple[Descriptor, ...] = ()
-    if joint:
+    if joint_gm is not None:
         graph = partitioned.joint
         joint_inputs = (*graph.graph_inputs, *graph.cotangents)
-        results = tuple(graph.gm.graph.output_node().meta["desc"])
-        joint_program, joint_outputs = _graph_program(graph.gm, joint_inputs, results, lifted, flat)
+        results = tuple(joint_gm.graph.output_node().meta["desc"])
+        joint_program, joint_outputs = _graph_program(joint_gm, joint_inputs, results, lifted, flat)
     return ExportedGraphs(
         forward=forward,
         backward=backward,
@@ -223,6 +240,53 @@ def export_graphs(
         flat=flat,
         environment=() if environ is None else environ.values,
     )
+
+
+_Graphs = tuple[fx.GraphModule, fx.GraphModule | None, fx.GraphModule | None]
+
+
+def _decomposed(graphs: _Graphs, decompositions: ExportDecompositions) -> _Graphs:
+    """The forward, backward and joint graph decomposed with ``decompositions``' table, each
+    only if it holds an op the table changes: a trace captured with the same set is exported
+    as it is (Note [Decomposing a captured graph]). With a set's name, every op of the result
+    is in the set, or an UnsupportedOpError names the ones that are not."""
+    if decompositions is None:
+        return graphs
+    name: str | None = None
+    if isinstance(decompositions, str):
+        name = check_decomposition_set(decompositions)
+        table = decomposition_set(name)
+    elif isinstance(decompositions, Mapping) and all(
+        isinstance(op, OpOverload) and callable(fn) for op, fn in decompositions.items()
+    ):
+        table = decompositions
+    else:
+        raise ConfigError(
+            f"export(decompositions={decompositions!r}) takes None, 'core_aten' (PyTorch's Core"
+            " ATen opset) or a dict from OpOverload (torch.ops.aten.silu.default, not"
+            " torch.ops.aten.silu) to function"
+        )
+
+    def decomposed(gm: fx.GraphModule | None) -> fx.GraphModule | None:
+        if gm is None:
+            return None
+        ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+        if name is not None:
+            needed = bool(non_core_nodes(gm.graph))
+        else:
+            needed = any(n.target in table for n in ops)
+        if not needed:
+            return gm
+        _check_static(gm.graph.find_nodes(op="placeholder"))
+        result = decompose_graph(gm, table)
+        if name is not None:
+            refuse_non_core(result.graph, name, exporting=True)
+        return result
+
+    forward, backward, joint = (decomposed(gm) for gm in graphs)
+    if forward is None:
+        raise AssertionError("expected a forward graph, got None")
+    return forward, backward, joint
 
 
 # The graph inputs export names; anything else is refused (Note [Export signatures]).
@@ -398,7 +462,15 @@ def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, list[fx.Node], list[fx.Node | N
         if r is not None and not isinstance(r, fx.Node):
             raise CallError(f"expected graph outputs that are tensors, got {r!r}")
         flat.append(r)
-    for node in [*placeholders, *(r for r in flat if r is not None)]:
+    _check_static([*placeholders, *(r for r in flat if r is not None)])
+    for node in graph.nodes:
+        if node.op != "output":
+            _plain_meta(node)
+    return graph, placeholders, flat
+
+
+def _check_static(nodes: Sequence[fx.Node]) -> None:
+    for node in nodes:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or not _static(val):
             raise CallError(  # TensorArgument and empty range constraints would misname it
@@ -406,10 +478,6 @@ def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, list[fx.Node], list[fx.Node | N
                 f" {node.name} is {val!r}. Trace without dynamic=True or aotgrad.dynamic"
                 " marks to export"
             )
-    for node in graph.nodes:
-        if node.op != "output":
-            _plain_meta(node)
-    return graph, placeholders, flat
 
 
 def _static(val: torch.Tensor) -> bool:

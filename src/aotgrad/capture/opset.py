@@ -39,8 +39,13 @@ from aotgrad.optable import is_random
 #
 # The export table expects some ops gone before it runs, and PyTorch decomposes others only
 # into prims (``torch._refs``) or not at all; ``FROM_TORCH_DECOMP`` (BatchNorm, training and
-# eval) and ``EXTRA_DECOMPOSITIONS`` (aotgrad's: the CPU flash-attention backward,
-# ``as_strided_scatter`` into a contiguous tensor, ``var_mean``) fill those in.
+# eval; ``new_empty_strided``) and ``EXTRA_DECOMPOSITIONS`` (aotgrad's: CPU flash attention's
+# ``logsumexp`` and backward, ``as_strided_scatter`` into a contiguous tensor, ``var_mean``,
+# ``lift_fresh``/``lift_fresh_copy`` as ``clone``: bart's and whisper's ``torch.tensor``
+# written into; ``empty_permuted`` as ``empty_strided``) fill those in. Left refused, with
+# the reason in ``NO_EXACT_DECOMPOSITION``: ``histc`` (mixtral's expert counts; its bins are
+# its kernel's float arithmetic, and with ``min == max`` they depend on the data); and, as
+# any op no table reaches, other libraries' custom ops (``transformers::grouped_mm_*``).
 #
 # After capture every ``call_function`` node of the joint graph is checked: its target is
 # an ``OpOverload`` tagged ``torch.Tag.core``, or one the graphs legitimately need beyond
@@ -101,6 +106,9 @@ def _core_aten_table() -> Mapping[Any, Callable[..., Any]]:
 FROM_TORCH_DECOMP = (
     torch.ops.aten._native_batch_norm_legit_functional.default,  # BatchNorm in training
     torch.ops.aten.native_batch_norm.default,  # BatchNorm in eval mode
+    # ``x.new_empty_strided(size, stride)`` (a backward's buffer in bart and whisper): the
+    # core ``empty_strided`` with ``x``'s dtype, layout and device unless given.
+    torch.ops.aten.new_empty_strided.default,
 )
 
 
@@ -127,6 +135,56 @@ def _as_strided_scatter(
     positions = positions.as_strided(size, stride, storage_offset or 0)
     flat = base.reshape(-1).index_put((positions.reshape(-1),), src.reshape(-1).to(base.dtype))
     return flat.view(base.shape)
+
+
+def _attention_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    is_causal: bool,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """``q k^T * scale`` with the causal mask and ``attn_mask`` applied (``key`` with as many
+    heads as ``query``)."""
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    length, source = query.size(-2), key.size(-2)
+    if is_causal:
+        causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(causal.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            scores = scores + attn_mask
+    return scores
+
+
+def _flash_attention_for_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention's output by PyTorch's decomposition, and its ``logsumexp`` (which
+    that decomposition replaces by the probabilities, another shape) in core ops: a graph
+    decomposed after capture hands the backward a value of the shape it was captured with
+    (Note [Decomposing a captured graph]). The kernel's ``logsumexp`` is in float32 for
+    half-precision inputs."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    output, _ = all_decompositions()[op](
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    low = (torch.float16, torch.bfloat16)
+    q, k = (query.float(), key.float()) if query.dtype in low else (query, key)
+    group = query.size(1) // key.size(1)
+    k = k.repeat_interleave(group, dim=1) if group != 1 else k
+    scale = scale if scale is not None else query.size(-1) ** -0.5
+    logsumexp = torch.logsumexp(_attention_scores(q, k, is_causal, attn_mask, scale), dim=-1)
+    return output, logsumexp
 
 
 def _flash_attention_for_cpu_backward(
@@ -160,16 +218,7 @@ def _flash_attention_for_cpu_backward(
     k = key.repeat_interleave(group, dim=1) if group != 1 else key
     v = value.repeat_interleave(group, dim=1) if group != 1 else value
     scale = scale if scale is not None else query.size(-1) ** -0.5
-    scores = torch.matmul(query, k.transpose(-2, -1)) * scale
-    length, source = query.size(-2), key.size(-2)
-    if is_causal:
-        causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(causal.logical_not(), float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
-        else:
-            scores = scores + attn_mask
+    scores = _attention_scores(query, k, is_causal, attn_mask, scale)
     probs = torch.softmax(scores, dim=-1)
     probs = torch.where(torch.isnan(probs), torch.zeros_like(probs), probs)  # rows fully masked
     grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
@@ -197,13 +246,56 @@ def _var_mean(
     return var, torch.ops.aten.mean.dim(x, dim, keepdim=keepdim)
 
 
+def _lift_fresh_copy(x: torch.Tensor) -> torch.Tensor:
+    """``torch.tensor(...)`` in the function lifts its constant with ``lift_fresh``, which
+    ``make_fx`` records as ``lift_fresh_copy`` (a copy, so that a write into the tensor,
+    as bart's and whisper's ``shifted[:, 0] = start``, leaves the constant alone): both are
+    ATen's ``clone``, which is core."""
+    return torch.ops.aten.clone.default(x)
+
+
+def _empty_permuted(
+    size: list[int],
+    physical_layout: list[int],
+    *,
+    dtype: torch.dtype | None = None,
+    layout: torch.layout | None = None,
+    device: torch.device | None = None,
+    pin_memory: bool | None = None,
+) -> torch.Tensor:
+    """``empty_permuted`` (``torch.empty_like`` records it) as the core ``empty_strided``: a
+    contiguous tensor of the sizes in ``physical_layout`` order, permuted back, as ATen
+    allocates it (a size-1 or size-0 dimension strided as a size-1 one)."""
+    strides = [0] * len(size)
+    step = 1
+    for dim in reversed(physical_layout):
+        strides[dim] = step
+        step *= max(size[dim], 1)
+    return torch.ops.aten.empty_strided.default(
+        size, strides, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory
+    )
+
+
 # Decompositions aotgrad adds for ops outside Core ATen that PyTorch has none for.
 EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_attention_for_cpu,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
         _flash_attention_for_cpu_backward
     ),
     torch.ops.aten.as_strided_scatter.default: _as_strided_scatter,
+    torch.ops.aten.empty_permuted.default: _empty_permuted,
+    torch.ops.aten.lift_fresh.default: _lift_fresh_copy,
+    torch.ops.aten.lift_fresh_copy.default: _lift_fresh_copy,
     torch.ops.aten.var_mean.correction: _var_mean,
+}
+
+
+# Ops outside Core ATen aotgrad leaves refused on purpose, and why (Note [Core ATen graphs]).
+NO_EXACT_DECOMPOSITION: dict[Any, str] = {
+    torch.ops.aten.histc.default: (
+        "no exact decomposition: which bin a value falls in is the kernel's own float"
+        " arithmetic, and with min == max the range comes from the data"
+    ),
 }
 
 
@@ -223,8 +315,9 @@ def non_core_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and not is_core(n.target)]
 
 
-def refuse_non_core(graph: fx.Graph, name: str) -> None:
-    """An UnsupportedOpError naming every op of ``graph`` outside the set ``name`` promised."""
+def refuse_non_core(graph: fx.Graph, name: str, exporting: bool = False) -> None:
+    """An UnsupportedOpError naming every op of ``graph`` outside the set ``name`` promised;
+    ``exporting``: the graph is a program ``export(decompositions=name)`` decomposed."""
     offenders = non_core_nodes(graph)
     if not offenders:
         return
@@ -243,11 +336,14 @@ def refuse_non_core(graph: fx.Graph, name: str) -> None:
             if is_random(node.target)
             else ""
         )
+        if node.target in NO_EXACT_DECOMPOSITION:
+            why = f": {NO_EXACT_DECOMPOSITION[node.target]}"
         lines.append(f"  {op} ({phase}{where}){why}")
+    what, step = ("exported", "export") if exporting else ("captured", "capture")
     raise UnsupportedOpError(
-        f"decompositions={name!r}: the captured graph still holds {len(first)} op(s) outside"
+        f"decompositions={name!r}: the {what} graph still holds {len(first)} op(s) outside"
         f" PyTorch's Core ATen opset, which no decomposition in the table reaches:\n"
         + "\n".join(lines)
-        + "\nRewrite that code with ops the table decomposes, or capture without"
+        + f"\nRewrite that code with ops the table decomposes, or {step} without"
         " decompositions='core_aten' (Note [Core ATen graphs])"
     )
