@@ -1,0 +1,496 @@
+"""Exported programs run by ONNX Runtime: ``torch.onnx.export``, then an ``InferenceSession``
+on the CPU (docs/backends.md, "ONNX Runtime").
+
+``compile_program(program)`` takes one flat program of ``traced.export(flat=True)`` (every
+input a ``USER_INPUT``, every output a ``USER_OUTPUT``) and returns a callable that runs it in
+ONNX Runtime: called with the program's inputs in order, it returns its outputs in order, as
+CPU tensors of the program's dtypes and shapes. What it cannot run faithfully it refuses with
+:class:`~aotgrad.errors.BackendError` when it is built, naming the op and the user's line.
+
+Note [ONNX Runtime inputs by name]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``torch.onnx.export`` decomposes the program again (its own table, ``run_decompositions``),
+which re-traces it and renames its placeholders; the ONNX model's inputs carry the new names,
+and an input nothing reads may be left out of the model. So the program's inputs are fed to
+the session by name, never by position, through a map built once, when the program is
+compiled. For the forward of ``Linear`` + ``BatchNorm1d``::
+
+    program placeholders  m_0_weight, m_0_bias, ..., m_1_num_batches_tracked, x, unused
+    exporter's program    arg_0,      arg_1,    ..., arg_8,                   arg_9, arg_10
+    session inputs        arg_0, arg_1, ..., arg_10   (an input nobody reads may be absent)
+    feeds                 {"arg_0": m_0_weight, ..., "arg_9": x}   (absent ones: not fed)
+
+The exporter's program keeps the user inputs in the order of the program's (both are
+``torch.export`` signatures of the same function); the map pairs them in that order and
+checks that every pair has the same shape and dtype, and that every session input is one of
+the exporter's placeholders with that shape and dtype. The session's outputs are the
+program's user outputs in order (the exporter builds them from the output specs, in order);
+their number is checked when the program is compiled, and every result's dtype and shape
+against the program's when it runs: a mismatch is a ``BackendError``, never a cast.
+
+Random ops are refused (Note [ONNX Runtime and random ops]); so are dtypes NumPy cannot hold
+(``bfloat16``, complex, the float8 types): the session's inputs and outputs go through NumPy.
+
+Note [ONNX Runtime and random ops]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+ONNX Runtime draws from its own generator: ``native_dropout(x, 0.1, True)`` becomes ONNX's
+``Dropout``, whose mask has nothing to do with the one eager torch draws from the same seed,
+and the backward (another session, its own draws) would scale by yet another mask. A program
+whose op draws from the RNG (``aotgrad.optable.draws_random``: dropout with p > 0 in
+training, ``bernoulli``, ``rand_like``, attention with ``dropout_p`` > 0) is refused when it is
+compiled; dropout at p = 0, or in eval mode, draws nothing and runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+
+from aotgrad.errors import BackendError, CallError
+from aotgrad.optable import draws_random, op_name
+
+__all__ = ["OrtProgram", "compile_program"]
+
+_BACKEND = "onnxruntime"
+
+# The dtypes a program's inputs and outputs may have: each goes through NumPy unchanged.
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+    }
+)
+
+# ONNX Runtime's names of those dtypes (``NodeArg.type``), to check the session's signature.
+_ORT_TYPES = {
+    torch.float16: "tensor(float16)",
+    torch.float32: "tensor(float)",
+    torch.float64: "tensor(double)",
+    torch.int8: "tensor(int8)",
+    torch.int16: "tensor(int16)",
+    torch.int32: "tensor(int32)",
+    torch.int64: "tensor(int64)",
+    torch.uint8: "tensor(uint8)",
+    torch.bool: "tensor(bool)",
+}
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The shape and dtype of one program input or output, from its node's ``meta["val"]``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"{self.name}: {str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
+def compile_program(program: ExportedProgram) -> OrtProgram:
+    """``program`` (a flat program of ``traced.export(flat=True)``) as an ONNX Runtime session.
+
+    >>> import torch, aotgrad
+    >>> from aotgrad.backends.onnxruntime import compile_program
+    >>> lin = torch.nn.Linear(3, 2)
+    >>> programs = aotgrad.trace(lambda x: lin(x).sum(), torch.ones(4, 3)).export(flat=True)
+    >>> run = compile_program(programs.forward)
+    >>> loss, *saved = run(*programs.lifted, torch.ones(4, 3))
+    >>> torch.testing.assert_close(loss, lin(torch.ones(4, 3)).sum().detach())
+    """
+    kind = _program_kind(program)
+    _check_flat(program, kind)
+    _refuse_random(program, kind)
+    inputs = _user_specs(program, kind, "input")
+    outputs = _user_specs(program, kind, "output")
+    onnx_program = _export(program, kind)
+    feeds = _feed_names(onnx_program, inputs, kind)
+    session = _session(onnx_program.model_proto, kind)
+    _check_session(session, feeds, inputs, outputs, kind)
+    return OrtProgram(session, kind, inputs, outputs, feeds)
+
+
+class OrtProgram:
+    """One program compiled by ONNX Runtime: call it with the program's inputs in order; it
+    returns the program's outputs in order, as CPU tensors."""
+
+    def __init__(
+        self,
+        session: Any,
+        kind: str,
+        inputs: Sequence[_Spec],
+        outputs: Sequence[_Spec],
+        feeds: Sequence[str | None],
+    ) -> None:
+        self.session = session
+        self.kind = kind
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        # The session input each program input feeds (None: the model does not read it).
+        self.feeds = tuple(feeds)
+        self._output_names = [o.name for o in session.get_outputs()]
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(args) != len(self.inputs):
+            raise CallError(
+                f"the {self.kind} program takes {len(self.inputs)} input(s)"
+                f" ({', '.join(map(str, self.inputs))}), got {len(args)}"
+            )
+        feeds: dict[str, Any] = {}
+        for spec, name, value in zip(self.inputs, self.feeds, args, strict=True):
+            _check_value(value, spec, f"{self.kind} program input", CallError)
+            if name is not None:
+                feeds[name] = _to_numpy(value)
+        try:
+            results = self.session.run(self._output_names, feeds)
+        except Exception as error:  # ONNX Runtime raises its own exception types
+            raise BackendError(
+                f"{_BACKEND}: running the {self.kind} program failed: {error}\n"
+                "Run the program with torch (programs.forward.module()) to compare, and report"
+                " the op ONNX Runtime names above"
+            ) from error
+        tensors = []
+        for spec, result in zip(self.outputs, results, strict=True):
+            tensor = torch.from_numpy(result)
+            _check_value(
+                tensor, spec, f"{_BACKEND}: the {self.kind} program's output", BackendError
+            )
+            tensors.append(tensor)
+        return tuple(tensors)
+
+
+def _program_kind(program: ExportedProgram) -> str:
+    """``"forward"`` or ``"backward"``: what aotgrad's metadata says the program computes."""
+    for node in program.graph.nodes:
+        info = node.meta.get("aotgrad")
+        if node.op == "placeholder" and isinstance(info, dict):
+            descriptor = info.get("descriptor") or {}
+            if descriptor.get("kind") in ("Saved", "Cotangent"):
+                return "backward"
+    return "forward"
+
+
+def _check_flat(program: ExportedProgram, kind: str) -> None:
+    signature = program.graph_signature
+    other = [s.arg for s in signature.input_specs if s.kind != InputKind.USER_INPUT]
+    other += [s.arg for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
+    lifted = [a for a in other if not _is_constant_tensor(program, a)]
+    if lifted:
+        raise BackendError(
+            f"{_BACKEND}: the {kind} program has inputs or outputs that are not the user's"
+            f" ({', '.join(str(getattr(a, 'name', a)) for a in lifted)}): torch.onnx.export"
+            " drops mutations and parameter gradients. Export with traced.export(flat=True)"
+        )
+
+
+def _is_constant_tensor(program: ExportedProgram, arg: Any) -> bool:
+    """A tensor made at capture (``_tensor_constant0``): part of the function, an initializer."""
+    return any(
+        s.kind == InputKind.CONSTANT_TENSOR and s.arg == arg
+        for s in program.graph_signature.input_specs
+    )
+
+
+def _refuse_random(program: ExportedProgram, kind: str) -> None:
+    """Note [ONNX Runtime and random ops]."""
+    random = [
+        node
+        for node in program.graph.nodes
+        if node.op == "call_function" and draws_random(node.target, node.args, node.kwargs)
+    ]
+    if random:
+        raise BackendError(
+            f"{_BACKEND}: the {kind} program draws random numbers, which ONNX Runtime cannot"
+            f" draw as torch does (its masks would not be eager's):\n{_describe(random)}\n"
+            "Set the dropout probabilities to 0 (or call model.eval()) to run in ONNX Runtime,"
+            " or run the program with torch (Note [ONNX Runtime and random ops])"
+        )
+
+
+def _describe(nodes: Sequence[fx.Node]) -> str:
+    """One line per op: its name and the user's line that made it (from aotgrad's metadata)."""
+    lines = []
+    for node in nodes:
+        where = _where(node)
+        lines.append(f"  {op_name(node.target)}" + (f" at {where}" if where else ""))
+    return "\n".join(dict.fromkeys(lines))
+
+
+def _where(node: fx.Node) -> str:
+    info = node.meta.get("aotgrad")
+    source = info.get("source") if isinstance(info, dict) else None
+    if not isinstance(source, dict):
+        return ""
+    module = info.get("module") if isinstance(info, dict) else ""
+    return f"{source['file']}:{source['line']} in {source['function']}: {source['code']}" + (
+        f" (module {module})" if module else ""
+    )
+
+
+def _user_specs(program: ExportedProgram, kind: str, which: str) -> list[_Spec]:
+    """The shape and dtype of every user input (``which="input"``) or output of ``program``."""
+    by_name = {n.name: n for n in program.graph.nodes}
+    signature = program.graph_signature
+    specs = signature.input_specs if which == "input" else signature.output_specs
+    user = InputKind.USER_INPUT if which == "input" else OutputKind.USER_OUTPUT
+    result = []
+    for spec in specs:
+        if spec.kind != user:
+            continue
+        if not isinstance(spec.arg, TensorArgument):
+            raise BackendError(
+                f"{_BACKEND}: the {kind} program's {which} {spec.arg} is not a tensor;"
+                " the backends take programs of tensors only (traced.export(flat=True))"
+            )
+        val = by_name[spec.arg.name].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise AssertionError(f"expected a tensor meta['val'] on {spec.arg.name}, got {val!r}")
+        shape = tuple(val.shape)
+        if not all(isinstance(s, int) for s in shape):
+            raise BackendError(
+                f"{_BACKEND}: the {kind} program's {which} {spec.arg.name} has symbolic sizes"
+                f" {list(shape)}; ONNX Runtime runs programs of one specialization only"
+            )
+        if val.dtype not in _NUMPY_DTYPES:
+            raise BackendError(
+                f"{_BACKEND}: the {kind} program's {which} {spec.arg.name} is {val.dtype},"
+                " which aotgrad cannot pass to ONNX Runtime (its inputs and outputs go"
+                f" through NumPy: {', '.join(sorted(str(d) for d in _NUMPY_DTYPES))}). Cast it"
+                " in the function, or run the program with torch"
+            )
+        result.append(_Spec(spec.arg.name, shape, val.dtype))
+    return result
+
+
+# The loggers of the exporter and its optimizer: they warn about their own passes ("Skipped
+# deduplication of initializer 'add'"), nothing the user's code can act on.
+_EXPORTER_LOGGERS = ("torch.onnx", "onnxscript", "onnx_ir")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The exporter prints its progress, warns about torch's own deprecations and logs its
+    passes' decisions: none of it is the user's business. Its errors still raise."""
+    loggers = [logging.getLogger(name) for name in _EXPORTER_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            # Constant folding evaluates ops in NumPy, which warns on log(0) and the like.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _export(program: ExportedProgram, kind: str) -> Any:
+    """``torch.onnx.export`` of ``program``; an op it cannot take is a ``BackendError``."""
+    try:
+        with _quiet():
+            return torch.onnx.export(program, dynamo=True, verbose=False, optimize=True)
+    except Exception as error:  # the exporter raises its own errors, and any of torch's
+        raise BackendError(_export_failure(program, kind, error)) from error
+
+
+# The exporter's messages name the node it failed on: "...call_function[target=torch.ops.
+# aten.kthvalue.default]..." or "No ONNX function found for <OpOverload(op='aten.kthvalue',
+# overload='default')>".
+_TARGET = re.compile(r"target=torch\.ops\.([\w.]+)")
+_OVERLOAD = re.compile(r"OpOverload\(op='([\w.]+)', overload='(\w+)'\)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _failed_ops(error: BaseException) -> list[str]:
+    """The aten ops the exporter's error (and its causes) name, in the order they appear."""
+    names: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        names += [f"{op}.{overload}" for op, overload in _OVERLOAD.findall(text)]
+        names += _TARGET.findall(text)
+        current = current.__cause__ or current.__context__
+    return list(dict.fromkeys(names))
+
+
+def _reason(error: BaseException) -> str:
+    """The innermost line of the exporter's "Exception summary", or the error itself."""
+    text = _ANSI.sub("", str(error))
+    summary = text.partition("## Exception summary")[2]
+    lines = [line for line in summary.splitlines() if line.startswith("<class ")]
+    return lines[0] if lines else text.strip().splitlines()[0] if text.strip() else repr(error)
+
+
+def _export_failure(program: ExportedProgram, kind: str, error: BaseException) -> str:
+    ops = _failed_ops(error)
+    if ops:
+        nodes = [
+            n for n in program.graph.nodes if n.op == "call_function" and op_name(n.target) in ops
+        ]
+        found = {op_name(n.target) for n in nodes}
+        named = _describe(nodes)
+        missing = [op for op in ops if op not in found]
+        if missing:
+            named += "".join(
+                f"\n  {op} (made by the exporter's own decomposition of the program)"
+                for op in missing
+            )
+        what = f"could not take op(s):\n{named}"
+    else:
+        what = "failed"
+    return (
+        f"{_BACKEND}: torch.onnx.export of the {kind} program {what}\n"
+        f"  exporter: {_reason(error)}\n"
+        "Capture with decompositions='core_aten' (the exporter knows Core ATen best), rewrite"
+        " the code on that line with other ops, or run the program with torch or another"
+        " backend"
+    )
+
+
+def _feed_names(onnx_program: Any, inputs: Sequence[_Spec], kind: str) -> list[str | None]:
+    """The ONNX model's name of each of the program's inputs, None where the model has no
+    such input (Note [ONNX Runtime inputs by name])."""
+    exported = onnx_program.exported_program
+    if exported is None:
+        raise AssertionError("expected torch.onnx.export to keep the program it translated")
+    theirs = _user_specs(exported, kind, "input")
+    if len(theirs) != len(inputs):
+        raise BackendError(
+            f"{_BACKEND}: torch.onnx.export changed the {kind} program's inputs: expected"
+            f" {len(inputs)} ({', '.join(map(str, inputs))}), got {len(theirs)}"
+            f" ({', '.join(map(str, theirs))})"
+        )
+    for mine, their in zip(inputs, theirs, strict=True):
+        if (mine.shape, mine.dtype) != (their.shape, their.dtype):
+            raise BackendError(
+                f"{_BACKEND}: torch.onnx.export changed the {kind} program's input {mine}:"
+                f" expected its input in that place to match, got {their}"
+            )
+    position = {their.name: i for i, their in enumerate(theirs)}
+    feeds: list[str | None] = [None] * len(inputs)
+    for value in onnx_program.model.graph.inputs:
+        # The exporter keeps the placeholder each ONNX input was made from (``_core.py``,
+        # ``_handle_placeholder_node``); the optimizer may rename the input, not replace it.
+        node = value.meta.get("node")
+        i = position.get(node.name) if isinstance(node, fx.Node) else None
+        if i is None or feeds[i] is not None:
+            raise BackendError(
+                f"{_BACKEND}: the ONNX model of the {kind} program has an input {value.name!r}"
+                " that aotgrad cannot trace to one of the program's"
+                f" ({', '.join(map(str, inputs))}); it cannot be fed"
+            )
+        feeds[i] = value.name
+    return feeds
+
+
+def _session(model: Any, kind: str) -> Any:
+    """An ONNX Runtime session on the CPU for ``model``, as quiet as the exporter."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3  # errors only: its warnings name nodes, not the user's code
+    options.intra_op_num_threads = torch.get_num_threads()
+    try:
+        return onnxruntime.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+    except Exception as error:  # ONNX Runtime raises its own exception types
+        raise BackendError(
+            f"{_BACKEND}: ONNX Runtime could not load the {kind} program: {error}\n"
+            f"{_onnx_node_origin(model, str(error))}"
+            "Run the program with torch or another backend"
+        ) from error
+
+
+_ORT_NODE = re.compile(r"node with name '([^']*)'")
+
+
+def _onnx_node_origin(model: Any, message: str) -> str:
+    """The aten node an ONNX node named in ``message`` was made from, as a line, or ""."""
+    names = set(_ORT_NODE.findall(message))
+    lines = []
+    for node in model.graph.node:
+        if node.name in names:
+            props = {p.key: p.value for p in node.metadata_props}
+            fx_node = props.get("pkg.torch.onnx.fx_node")
+            if fx_node:
+                lines.append(f"  ONNX node {node.name} ({node.op_type}) made from {fx_node}\n")
+    return "".join(lines)
+
+
+def _check_session(
+    session: Any,
+    feeds: Sequence[str | None],
+    inputs: Sequence[_Spec],
+    outputs: Sequence[_Spec],
+    kind: str,
+) -> None:
+    """The session's inputs are the ``feeds`` with their specs; its outputs the program's."""
+    wanted = {name: spec for name, spec in zip(feeds, inputs, strict=True) if name is not None}
+    got_inputs = session.get_inputs()
+    if sorted(a.name for a in got_inputs) != sorted(wanted):
+        raise BackendError(
+            f"{_BACKEND}: the ONNX Runtime session of the {kind} program takes inputs"
+            f" {sorted(a.name for a in got_inputs)}, expected the ONNX model's {sorted(wanted)}"
+        )
+    for arg in got_inputs:
+        _check_node_arg(arg, wanted[arg.name], f"input {arg.name!r}", kind)
+    got = session.get_outputs()
+    if len(got) != len(outputs):
+        raise BackendError(
+            f"{_BACKEND}: the ONNX model of the {kind} program returns {len(got)} output(s),"
+            f" expected the program's {len(outputs)} ({', '.join(map(str, outputs))})"
+        )
+    for arg, spec in zip(got, outputs, strict=True):
+        _check_node_arg(arg, spec, f"output {arg.name!r}", kind)
+
+
+def _check_node_arg(arg: Any, spec: _Spec, what: str, kind: str) -> None:
+    """The session's declared type and shape of ``arg`` are ``spec``'s (unknown dims pass)."""
+    dims = list(arg.shape)
+    same_shape = len(dims) == len(spec.shape) and all(
+        not isinstance(d, int) or d == s for d, s in zip(dims, spec.shape, strict=True)
+    )
+    if arg.type != _ORT_TYPES[spec.dtype] or not same_shape:
+        raise BackendError(
+            f"{_BACKEND}: the ONNX model of the {kind} program declares its {what} as"
+            f" {arg.type}{dims}, expected the program's {spec}"
+        )
+
+
+def _check_value(value: object, spec: _Spec, what: str, error: type[Exception]) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise error(f"{what} {spec.name}: expected a tensor ({spec}), got {type(value).__name__}")
+    if value.dtype != spec.dtype or tuple(value.shape) != spec.shape:
+        raise error(
+            f"{what} {spec.name}: expected {spec}, got"
+            f" {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+        )
+
+
+def _to_numpy(value: torch.Tensor) -> Any:
+    """``value``'s data as a C-contiguous NumPy array on the CPU (a copy where it must be)."""
+    return value.detach().cpu().resolve_conj().resolve_neg().contiguous().numpy()
