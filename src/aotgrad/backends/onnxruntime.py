@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import operator
 import re
 import warnings
 from collections.abc import Iterator, Sequence
@@ -105,6 +106,162 @@ class _Spec:
         return f"{self.name}: {str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
 
 
+# Note [Convolution backward for ONNX]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``aten.convolution_backward`` is Core ATen, and neither PyTorch's decomposition tables nor the
+# exporter's ONNX functions take it (torchlib's ``aten_convolution_backward`` raises
+# NotImplementedError), so every backward program of a convnet would be refused. It is two
+# convolutions and a sum, which ONNX has: before exporting, the backend decomposes it with
+# ``_convolution_backward`` (``program.run_decompositions``). For a convolution of ``x`` (N,
+# C_in, H) with ``w`` (C_out, C_in/g, k), stride s, padding p, dilation d, groups g, and the
+# gradient ``gy`` (N, C_out, h) of its output:
+#
+#   grad of x   the transposed convolution of ``gy`` with ``w`` (same s, p, d, g), whose
+#               output padding (H + 2p - d(k-1) - 1) mod s gives back H rows: the rows no window
+#               reached get zeros, as eager's
+#   grad of w   grad_w[o, c, i] = sum over n, y of x[n, c, y*s + i*d - p] * gy[n, o, y]: a
+#               convolution of x with gy over the batch, stride and dilation swapped: x as
+#               (C_in/g, g*N, H), gy as (C_out, N, h) in g groups, then the first k taps of
+#               each output: (C_in/g, C_out, k) -> (C_out, C_in/g, k)
+#   grad of b   gy summed over every dimension but C_out
+#
+# e.g. Conv2d(3, 4, 3, stride=2) on a (2, 3, 8, 8) image: gy is (2, 4, 3, 3); the grad of x is
+# the transposed convolution with output padding (8 - 2 - 1) mod 2 = 1, (2, 3, 8, 8); the grad
+# of w is x as (3, 2, 8, 8) convolved with gy as (4, 2, 3, 3) at stride 1, dilation 2: (3, 4, 4, 4),
+# whose first 3 x 3 taps, transposed, are (4, 3, 3, 3). A transposed convolution's backward is
+# left as it is, and the exporter refuses it by name. tests/test_backend_onnxruntime.py checks
+# the decomposition against eager's kernel over strides, paddings, dilations, groups and 1-3
+# spatial dimensions.
+
+_aten = torch.ops.aten
+
+
+def _per_dim(value: Sequence[int], dims: int) -> list[int]:
+    return list(value) * dims if len(value) == 1 else list(value)
+
+
+def _convolution_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: Sequence[int] | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+) -> Any:
+    """``aten.convolution_backward`` as convolutions (Note [Convolution backward for ONNX])."""
+    if transposed:
+        return NotImplemented
+    dims = grad_output.dim() - 2
+    stride, padding = _per_dim(stride, dims), _per_dim(padding, dims)
+    dilation = _per_dim(dilation, dims)
+    spatial, kernel = input.shape[2:], weight.shape[2:]
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        reached = [
+            (grad_output.shape[2 + i] - 1) * stride[i]
+            - 2 * padding[i]
+            + dilation[i] * (kernel[i] - 1)
+            + 1
+            for i in range(dims)
+        ]
+        extra = [spatial[i] - reached[i] for i in range(dims)]
+        grad_input = _aten.convolution.default(
+            grad_output, weight, None, stride, padding, dilation, True, extra, groups
+        )
+    if output_mask[1]:
+        n, channels = input.shape[0], input.shape[1]
+        per_group = channels // groups
+        batch_major = (
+            input.reshape(n, groups, per_group, *spatial)
+            .permute(2, 1, 0, *range(3, 3 + dims))
+            .reshape(per_group, groups * n, *spatial)
+        )
+        taps = _aten.convolution.default(
+            batch_major,
+            grad_output.transpose(0, 1),
+            None,
+            dilation,
+            padding,
+            stride,
+            False,
+            [0] * dims,
+            groups,
+        )
+        grad_weight = taps.transpose(0, 1)
+        for i in range(dims):
+            grad_weight = grad_weight.narrow(2 + i, 0, kernel[i])
+        grad_weight = grad_weight.contiguous()
+    if output_mask[2]:
+        grad_bias = grad_output.sum([0, *range(2, 2 + dims)])
+    return grad_input, grad_weight, grad_bias
+
+
+# Ops the exporter has no ONNX function for, decomposed by the backend before it exports.
+_DECOMPOSITIONS: dict[Any, Any] = {
+    _aten.convolution_backward.default: _convolution_backward,
+}
+
+
+def _decompose(program: ExportedProgram) -> ExportedProgram:
+    """``program`` with the ops of ``_DECOMPOSITIONS`` decomposed (none there: itself)."""
+    present = {n.target for n in program.graph.nodes if n.op == "call_function"}
+    table = {op: fn for op, fn in _DECOMPOSITIONS.items() if op in present}
+    if not table:
+        return program
+    return program.run_decompositions(table)
+
+
+# Note [ONNX functions with filler outputs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some of the exporter's ONNX functions compute an op's first output and fill the others with
+# zeros of the right (or not even the right) shape, for inference, where nobody reads them.
+# ``aten._scaled_dot_product_flash_attention_for_cpu`` returns ``(output, logsumexp)``; torchlib
+# computes ``output`` and returns ``Expand(0.0, ...)`` as ``logsumexp``. A training forward
+# saves ``logsumexp`` for the attention's backward: ONNX Runtime would hand the backward zeros,
+# without a word where the shapes agree. So a program that reads such an output (a ``getitem``
+# of that index) is refused when it is compiled, naming the op and the user's line; a program
+# that reads only the first output runs. ``decompositions="core_aten"`` captures attention as
+# matmuls and a softmax, which export faithfully. The table lists, per op, the outputs the
+# exporter fills (torchlib, ``nn.py`` and ``core.py``: ``..._fillin_empty_outputs``, and
+# ``embedding_bag``'s "we don't care the value").
+_FILLER_OUTPUTS: dict[Any, frozenset[int]] = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: frozenset({1}),
+    torch.ops.aten._scaled_dot_product_flash_attention.default: frozenset(range(1, 9)),
+    torch.ops.aten._scaled_dot_product_efficient_attention.default: frozenset({1, 2, 3}),
+    torch.ops.aten.embedding_bag.default: frozenset({1, 2, 3}),
+    torch.ops.aten.embedding_bag.padding_idx: frozenset({1, 2, 3}),
+    torch.ops.aten._embedding_bag.default: frozenset({1, 2, 3}),
+    torch.ops.aten._embedding_bag_forward_only.default: frozenset({1, 2, 3}),
+}
+
+
+def _refuse_filler_outputs(program: ExportedProgram, kind: str) -> None:
+    """Note [ONNX functions with filler outputs]."""
+    read = [
+        node
+        for node in program.graph.nodes
+        if node.op == "call_function"
+        and node.target in _FILLER_OUTPUTS
+        and any(
+            user.target is operator.getitem and user.args[1] in _FILLER_OUTPUTS[node.target]
+            for user in node.users
+        )
+    ]
+    if read:
+        raise BackendError(
+            f"{_BACKEND}: the {kind} program reads an output that the ONNX exporter does not"
+            f" compute (it fills it with zeros: Note [ONNX functions with filler outputs]):\n"
+            f"{_describe(read)}\n"
+            "Capture with decompositions='core_aten', which writes these ops as ops the"
+            " exporter computes, or run the program with torch or another backend"
+        )
+
+
 def compile_program(program: ExportedProgram) -> OrtProgram:
     """``program`` (a flat program of ``traced.export(flat=True)``) as an ONNX Runtime session.
 
@@ -119,6 +276,7 @@ def compile_program(program: ExportedProgram) -> OrtProgram:
     kind = _program_kind(program)
     _check_flat(program, kind)
     _refuse_random(program, kind)
+    _refuse_filler_outputs(program, kind)
     inputs = _user_specs(program, kind, "input")
     outputs = _user_specs(program, kind, "output")
     onnx_program = _export(program, kind)
@@ -226,12 +384,18 @@ def _refuse_random(program: ExportedProgram, kind: str) -> None:
 
 
 def _describe(nodes: Sequence[fx.Node]) -> str:
-    """One line per op: its name and the user's line that made it (from aotgrad's metadata)."""
-    lines = []
-    for node in nodes:
-        where = _where(node)
-        lines.append(f"  {op_name(node.target)}" + (f" at {where}" if where else ""))
-    return "\n".join(dict.fromkeys(lines))
+    """One line per op and user line (aotgrad's metadata), the first ``_SHOWN`` of them."""
+    lines = list(
+        dict.fromkeys(
+            f"  {op_name(node.target)}" + (f" at {where}" if (where := _where(node)) else "")
+            for node in nodes
+        )
+    )
+    more = f"\n  ... and {len(lines) - _SHOWN} more" if len(lines) > _SHOWN else ""
+    return "\n".join(lines[:_SHOWN]) + more
+
+
+_SHOWN = 8
 
 
 def _where(node: fx.Node) -> str:
@@ -309,7 +473,7 @@ def _export(program: ExportedProgram, kind: str) -> Any:
     """``torch.onnx.export`` of ``program``; an op it cannot take is a ``BackendError``."""
     try:
         with _quiet():
-            return torch.onnx.export(program, dynamo=True, verbose=False, optimize=True)
+            return torch.onnx.export(_decompose(program), dynamo=True, verbose=False, optimize=True)
     except Exception as error:  # the exporter raises its own errors, and any of torch's
         raise BackendError(_export_failure(program, kind, error)) from error
 
