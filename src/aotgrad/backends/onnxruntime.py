@@ -102,8 +102,13 @@ class _Spec:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
+    @property
+    def layout(self) -> str:
+        """``float32[4, 6]``."""
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
     def __str__(self) -> str:
-        return f"{self.name}: {str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+        return f"{self.name}: {self.layout}"
 
 
 # Note [Convolution backward for ONNX]
@@ -227,8 +232,10 @@ def _decompose(program: ExportedProgram) -> ExportedProgram:
 # of that index) is refused when it is compiled, naming the op and the user's line; a program
 # that reads only the first output runs. ``decompositions="core_aten"`` captures attention as
 # matmuls and a softmax, which export faithfully. The table lists, per op, the outputs the
-# exporter fills (torchlib, ``nn.py`` and ``core.py``: ``..._fillin_empty_outputs``, and
-# ``embedding_bag``'s "we don't care the value").
+# exporter fills (torchlib, ``nn.py`` and ``core.py``: ``..._fillin_empty_outputs``,
+# ``embedding_bag``'s "we don't care the value", ``nll_loss_forward``'s "Fake a total_weight"):
+# a cross-entropy captured with the default table saves ``total_weight`` (the number of
+# targets counted) for ``nll_loss_backward``, which divides by it.
 _FILLER_OUTPUTS: dict[Any, frozenset[int]] = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: frozenset({1}),
     torch.ops.aten._scaled_dot_product_flash_attention.default: frozenset(range(1, 9)),
@@ -237,6 +244,11 @@ _FILLER_OUTPUTS: dict[Any, frozenset[int]] = {
     torch.ops.aten.embedding_bag.padding_idx: frozenset({1, 2, 3}),
     torch.ops.aten._embedding_bag.default: frozenset({1, 2, 3}),
     torch.ops.aten._embedding_bag_forward_only.default: frozenset({1, 2, 3}),
+    # "FIXME: Fake a total_weight tensor for now": the number of outputs, 1 for a mean.
+    torch.ops.aten.nll_loss_forward.default: frozenset({1}),
+    # Eval-mode batch norm's saved mean and rstd are empty tensors; the exporter returns the
+    # running statistics in their place.
+    torch.ops.aten._native_batch_norm_legit_no_training.default: frozenset({1, 2}),
 }
 
 
@@ -255,30 +267,35 @@ def _refuse_filler_outputs(program: ExportedProgram, kind: str) -> None:
     if read:
         raise BackendError(
             f"{_BACKEND}: the {kind} program reads an output that the ONNX exporter does not"
-            f" compute (it fills it with zeros: Note [ONNX functions with filler outputs]):\n"
+            " compute (its ONNX function returns a stand-in, zeros or a count: Note [ONNX"
+            f" functions with filler outputs]):\n"
             f"{_describe(read)}\n"
             "Capture with decompositions='core_aten', which writes these ops as ops the"
             " exporter computes, or run the program with torch or another backend"
         )
 
 
-# Note [ONNX functions that ignore training]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The exporter's ONNX function for batch norm sets ``training = False`` whatever the program
-# says (torchlib ``core.py``: "ORT currently only supports training mode with opset version
-# lower than 14"). ``_native_batch_norm_legit_functional(x, w, b, mean, var, True, 0.1, 1e-5)``
-# becomes ``BatchNormalization`` in inference mode: it normalizes with the running statistics
-# (0 and 1 for a fresh ``BatchNorm2d``: the output is x), returns them unchanged as the new
-# running statistics, and the loss of a ResNet-18 step comes out 7% off, with no error. So a
-# program calling such an op with ``training=True`` is refused when it is compiled, before and
-# after the exporter's own decompositions (which may write an op of the program as one of
-# these); ``decompositions="core_aten"`` writes batch norm as means, variances and products,
-# which export faithfully. The table maps each op to the argument the exporter ignores.
-_TRAINING_IGNORED: dict[Any, str] = {
-    torch.ops.aten.native_batch_norm.default: "training",
-    torch.ops.aten._native_batch_norm_legit.default: "training",
-    torch.ops.aten._native_batch_norm_legit.no_stats: "training",
-    torch.ops.aten._native_batch_norm_legit_functional.default: "training",
+# Note [ONNX functions that ignore an argument]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some of the exporter's ONNX functions assume an argument's value whatever the program says.
+# Batch norm sets ``training = False`` (torchlib ``core.py``: "ORT currently only supports
+# training mode with opset version lower than 14"):
+# ``_native_batch_norm_legit_functional(x, w, b, mean, var, True, 0.1, 1e-5)`` becomes
+# ``BatchNormalization`` in inference mode, which normalizes with the running statistics (0 and
+# 1 for a fresh ``BatchNorm2d``: the output is x) and returns them unchanged as the new ones;
+# the loss of a ResNet-18 step comes out 7% off, with no error. ``cross_entropy_loss`` drops
+# ``label_smoothing``. So a program calling such an op with another value than the one the
+# exporter assumes is refused when it is compiled, before and after the exporter's own
+# decompositions (which may write an op of the program as one of these);
+# ``decompositions="core_aten"`` writes batch norm and the losses as means, variances, sums
+# and products, which export faithfully. The table maps each op to the argument the exporter
+# ignores and the value it assumes.
+_IGNORED_ARGUMENTS: dict[Any, tuple[str, object]] = {
+    torch.ops.aten.native_batch_norm.default: ("training", False),
+    torch.ops.aten._native_batch_norm_legit.default: ("training", False),
+    torch.ops.aten._native_batch_norm_legit.no_stats: ("training", False),
+    torch.ops.aten._native_batch_norm_legit_functional.default: ("training", False),
+    torch.ops.aten.cross_entropy_loss.default: ("label_smoothing", 0.0),
 }
 
 
@@ -293,22 +310,23 @@ def _argument(node: fx.Node, name: str) -> Any:
     raise AssertionError(f"expected {schema.name} to have an argument {name!r}")
 
 
-def _refuse_ignored_training(program: ExportedProgram, kind: str) -> None:
-    """Note [ONNX functions that ignore training]."""
-    training = [
-        node
-        for node in program.graph.nodes
-        if node.op == "call_function"
-        and node.target in _TRAINING_IGNORED
-        and _argument(node, _TRAINING_IGNORED[node.target]) is not False
-    ]
-    if training:
+def _refuse_ignored_arguments(program: ExportedProgram, kind: str) -> None:
+    """Note [ONNX functions that ignore an argument]."""
+    ignored = []
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target in _IGNORED_ARGUMENTS:
+            name, assumed = _IGNORED_ARGUMENTS[node.target]
+            value = _argument(node, name)
+            if value != assumed:
+                ignored.append((node, f"{name}={value!r}, which it takes as {assumed!r}"))
+    if ignored:
+        lines = "\n".join(f"{_describe([n])}: {why}" for n, why in ignored[:_SHOWN])
         raise BackendError(
-            f"{_BACKEND}: the {kind} program runs batch norm in training mode, which the ONNX"
-            " exporter writes in inference mode (Note [ONNX functions that ignore"
-            f" training]):\n{_describe(training)}\n"
-            "Capture with decompositions='core_aten', which writes batch norm as ops the"
-            " exporter computes, or call model.eval(), or run the program with torch"
+            f"{_BACKEND}: the {kind} program calls ops whose ONNX function ignores an argument"
+            f" (Note [ONNX functions that ignore an argument]):\n{lines}\n"
+            "Capture with decompositions='core_aten', which writes these ops as ops the"
+            " exporter computes (for batch norm, model.eval() also runs), or run the program"
+            " with torch"
         )
 
 
@@ -316,7 +334,7 @@ def _refuse_unfaithful(program: ExportedProgram, kind: str) -> None:
     """Refuse what ONNX Runtime would run other than torch does, without an error."""
     _refuse_random(program, kind)
     _refuse_filler_outputs(program, kind)
-    _refuse_ignored_training(program, kind)
+    _refuse_ignored_arguments(program, kind)
 
 
 def compile_program(program: ExportedProgram) -> OrtProgram:
@@ -706,10 +724,12 @@ def _check_node_arg(arg: Any, spec: _Spec, what: str, kind: str) -> None:
 
 def _check_value(value: object, spec: _Spec, what: str, error: type[Exception]) -> None:
     if not isinstance(value, torch.Tensor):
-        raise error(f"{what} {spec.name}: expected a tensor ({spec}), got {type(value).__name__}")
+        raise error(
+            f"{what} {spec.name}: expected a tensor ({spec.layout}), got {type(value).__name__}"
+        )
     if value.dtype != spec.dtype or tuple(value.shape) != spec.shape:
         raise error(
-            f"{what} {spec.name}: expected {spec}, got"
+            f"{what} {spec.name}: expected {spec.layout}, got"
             f" {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
         )
 
