@@ -42,6 +42,12 @@ BACKEND = "onnxruntime"
 TINY = {"rtol": 1e-5, "atol": 1e-6}
 # Models: see the module docstring.
 MODEL = {"rtol": 1e-4, "atol": 1e-5}
+# Convnets with BatchNorm: a weight gradient sums thousands of products per element, and
+# BatchNorm's backward subtracts nearly equal sums. Against float64, eager's float32 gradients of
+# torchvision's ResNet-18 at batch 8 are off by up to 1.6e-5 of each parameter's largest
+# gradient, ONNX Runtime's by 1.8e-5 (the same rounding, in another order); gradients reach ~3,
+# so elements near zero differ by up to ~5e-5 between the two float32 runs.
+CONVNET = {"rtol": 1e-4, "atol": 1e-4}
 
 
 def mlp_batchnorm() -> nn.Module:
@@ -366,17 +372,17 @@ def library_case(
 # BatchNorm run at batch 8: at batch 2, torchvision's ResNet-18 normalizes 2 values per channel
 # at its last 1x1 stage, where the gradient is ill-conditioned and any rounding is amplified.
 LIBRARY = [
-    ("gpt2", None, "core_aten"),
-    ("llama", None, "core_aten"),
-    ("bert", None, "core_aten"),
-    ("t5", None, "core_aten"),
-    ("mistral", None, "core_aten"),
-    ("qwen2", None, "core_aten"),
-    ("efficientnet", (8, 0), "core_aten"),
-    ("resnet18", (8, 0), "core_aten"),
-    ("mobilenet_v3", (8, 0), "core_aten"),
-    ("convnext", None, "core_aten"),
-    ("vit", None, "core_aten"),
+    ("gpt2", None, "core_aten", MODEL),
+    ("llama", None, "core_aten", MODEL),
+    ("bert", None, "core_aten", MODEL),
+    ("t5", None, "core_aten", MODEL),
+    ("mistral", None, "core_aten", MODEL),
+    ("qwen2", None, "core_aten", MODEL),
+    ("efficientnet", (8, 0), "core_aten", CONVNET),
+    ("resnet18", (8, 0), "core_aten", CONVNET),
+    ("mobilenet_v3", (8, 0), "core_aten", CONVNET),
+    ("convnext", None, "core_aten", MODEL),
+    ("vit", None, "core_aten", MODEL),
 ]
 
 
@@ -396,10 +402,11 @@ def test_timm_resnet_with_batchnorm() -> None:
     import library_models  # noqa: F401  (the torchvision shim, before timm imports it)
 
     torch.manual_seed(0)
-    model = timm.create_model("resnet10t", pretrained=False, num_classes=10)
+    # resnet10t's avg-pool shortcuts need avg_pool2d_backward, which the exporter refuses.
+    model = timm.create_model("resnet18", pretrained=False, num_classes=10)
     images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     loss = lambda y: F.cross_entropy(y, torch.arange(8) % 10)  # noqa: E731
-    check_backend(model, loss, (images,), {}, BACKEND, **MODEL)
+    check_backend(model, loss, (images,), {}, BACKEND, **CONVNET)
 
 
 @pytest.mark.backends_slow
