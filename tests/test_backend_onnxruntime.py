@@ -387,11 +387,15 @@ LIBRARY = [
 
 
 @pytest.mark.backends_slow
-@pytest.mark.parametrize("name, resize, decompositions", LIBRARY, ids=[m[0] for m in LIBRARY])
-def test_library_model(name: str, resize: tuple[int, int] | None, decompositions: str) -> None:
+@pytest.mark.parametrize(
+    "name, resize, decompositions, tolerance", LIBRARY, ids=[m[0] for m in LIBRARY]
+)
+def test_library_model(
+    name: str, resize: tuple[int, int] | None, decompositions: str, tolerance: dict[str, float]
+) -> None:
     case, args, kwargs = library_case(name, resize)
     check_backend(
-        case.model, case.loss, args, kwargs, BACKEND, decompositions=decompositions, **MODEL
+        case.model, case.loss, args, kwargs, BACKEND, decompositions=decompositions, **tolerance
     )
 
 
