@@ -252,7 +252,7 @@ _FILLER_OUTPUTS: dict[Any, frozenset[int]] = {
 }
 
 
-def _refuse_filler_outputs(program: ExportedProgram, kind: str) -> None:
+def _filler_outputs(program: ExportedProgram) -> str | None:
     """Note [ONNX functions with filler outputs]."""
     read = [
         node
@@ -264,15 +264,15 @@ def _refuse_filler_outputs(program: ExportedProgram, kind: str) -> None:
             for user in node.users
         )
     ]
-    if read:
-        raise BackendError(
-            f"{_BACKEND}: the {kind} program reads an output that the ONNX exporter does not"
-            " compute (its ONNX function returns a stand-in, zeros or a count: Note [ONNX"
-            f" functions with filler outputs]):\n"
-            f"{_describe(read)}\n"
-            "Capture with decompositions='core_aten', which writes these ops as ops the"
-            " exporter computes, or run the program with torch or another backend"
-        )
+    if not read:
+        return None
+    return (
+        "it reads an output that the ONNX exporter does not compute (its ONNX function"
+        " returns a stand-in, zeros or a count: Note [ONNX functions with filler outputs]):"
+        f"\n{_describe(read)}\n"
+        "  Capture with decompositions='core_aten', which writes these ops as ops the"
+        " exporter computes, or run the program with torch or another backend"
+    )
 
 
 # Note [ONNX functions that ignore an argument]
@@ -310,7 +310,7 @@ def _argument(node: fx.Node, name: str) -> Any:
     raise AssertionError(f"expected {schema.name} to have an argument {name!r}")
 
 
-def _refuse_ignored_arguments(program: ExportedProgram, kind: str) -> None:
+def _ignored_arguments(program: ExportedProgram) -> str | None:
     """Note [ONNX functions that ignore an argument]."""
     ignored = []
     for node in program.graph.nodes:
@@ -319,22 +319,28 @@ def _refuse_ignored_arguments(program: ExportedProgram, kind: str) -> None:
             value = _argument(node, name)
             if value != assumed:
                 ignored.append((node, f"{name}={value!r}, which it takes as {assumed!r}"))
-    if ignored:
-        lines = "\n".join(f"{_describe([n])}: {why}" for n, why in ignored[:_SHOWN])
-        raise BackendError(
-            f"{_BACKEND}: the {kind} program calls ops whose ONNX function ignores an argument"
-            f" (Note [ONNX functions that ignore an argument]):\n{lines}\n"
-            "Capture with decompositions='core_aten', which writes these ops as ops the"
-            " exporter computes (for batch norm, model.eval() also runs), or run the program"
-            " with torch"
-        )
+    if not ignored:
+        return None
+    lines = "\n".join(f"{_describe([n])}: {why}" for n, why in ignored[:_SHOWN])
+    return (
+        "it calls ops whose ONNX function ignores an argument (Note [ONNX functions that"
+        f" ignore an argument]):\n{lines}\n"
+        "  Capture with decompositions='core_aten', which writes these ops as ops the"
+        " exporter computes (for batch norm, model.eval() also runs), or run the program"
+        " with torch"
+    )
 
 
 def _refuse_unfaithful(program: ExportedProgram, kind: str) -> None:
-    """Refuse what ONNX Runtime would run other than torch does, without an error."""
-    _refuse_random(program, kind)
-    _refuse_filler_outputs(program, kind)
-    _refuse_ignored_arguments(program, kind)
+    """Refuse what ONNX Runtime would run other than torch does, without an error: each check
+    names the nodes and says what to do (or returns None); the error has them all."""
+    checks = (_random_ops, _filler_outputs, _ignored_arguments)
+    problems = [problem for check in checks if (problem := check(program)) is not None]
+    if problems:
+        raise BackendError(
+            f"{_BACKEND}: the {kind} program cannot run in ONNX Runtime as it runs in torch:\n"
+            + "\n".join(f"- {problem}" for problem in problems)
+        )
 
 
 def compile_program(program: ExportedProgram) -> OrtProgram:
@@ -443,20 +449,21 @@ def _is_constant_tensor(program: ExportedProgram, arg: Any) -> bool:
     )
 
 
-def _refuse_random(program: ExportedProgram, kind: str) -> None:
+def _random_ops(program: ExportedProgram) -> str | None:
     """Note [ONNX Runtime and random ops]."""
     random = [
         node
         for node in program.graph.nodes
         if node.op == "call_function" and draws_random(node.target, node.args, node.kwargs)
     ]
-    if random:
-        raise BackendError(
-            f"{_BACKEND}: the {kind} program draws random numbers, which ONNX Runtime cannot"
-            f" draw as torch does (its masks would not be eager's):\n{_describe(random)}\n"
-            "Set the dropout probabilities to 0 (or call model.eval()) to run in ONNX Runtime,"
-            " or run the program with torch (Note [ONNX Runtime and random ops])"
-        )
+    if not random:
+        return None
+    return (
+        "it draws random numbers, which ONNX Runtime cannot draw as torch does (its masks"
+        f" would not be eager's: Note [ONNX Runtime and random ops]):\n{_describe(random)}\n"
+        "  Set the dropout probabilities to 0 (or call model.eval()) to run in ONNX Runtime,"
+        " or run the program with torch"
+    )
 
 
 def _describe(nodes: Sequence[fx.Node]) -> str:
