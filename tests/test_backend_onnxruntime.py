@@ -383,6 +383,9 @@ LIBRARY = [
     ("mobilenet_v3", (8, 0), "core_aten", CONVNET),
     ("convnext", None, "core_aten", MODEL),
     ("vit", None, "core_aten", MODEL),
+    ("swin", None, "core_aten", MODEL),
+    ("tv_vit", None, "core_aten", MODEL),
+    ("deit", None, "core_aten", MODEL),
 ]
 
 

@@ -323,8 +323,8 @@ def _ignored_arguments(program: ExportedProgram) -> str | None:
         return None
     lines = "\n".join(f"{_describe([n])}: {why}" for n, why in ignored[:_SHOWN])
     return (
-        "it calls ops whose ONNX function ignores an argument (Note [ONNX functions that"
-        f" ignore an argument]):\n{lines}\n"
+        "it calls ops whose ONNX function ignores an argument"
+        f" (Note [ONNX functions that ignore an argument]):\n{lines}\n"
         "  Capture with decompositions='core_aten', which writes these ops as ops the"
         " exporter computes (for batch norm, model.eval() also runs), or run the program"
         " with torch"
