@@ -10,33 +10,40 @@ CPU tensors of the program's dtypes and shapes. What it cannot run faithfully it
 Note [ONNX Runtime inputs by name]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 ``torch.onnx.export`` decomposes the program again (its own table, ``run_decompositions``),
-which re-traces it and renames its placeholders; the ONNX model's inputs carry the new names,
-and an input nothing reads may be left out of the model. So the program's inputs are fed to
-the session by name, never by position, through a map built once, when the program is
-compiled. For the forward of ``Linear`` + ``BatchNorm1d``::
+which re-traces it and renames its placeholders; its optimizer renames an input the model
+also returns (``arg_0`` -> ``arg_0_orig``, with an ``Identity`` to the output), and may drop
+an input nothing reads. So the program's inputs are fed to the session by the model's own
+names, never by position, through a map built once, when the program is compiled. For the
+forward of ``x @ w`` whose backward saves ``x``::
 
-    program placeholders  m_0_weight, m_0_bias, ..., m_1_num_batches_tracked, x, unused
-    exporter's program    arg_0,      arg_1,    ..., arg_8,                   arg_9, arg_10
-    session inputs        arg_0, arg_1, ..., arg_10   (an input nobody reads may be absent)
-    feeds                 {"arg_0": m_0_weight, ..., "arg_9": x}   (absent ones: not fed)
+    program placeholders   w,           x,           unused
+    exporter's program     arg_0,       arg_1,       arg_2      (same order, same specs)
+    ONNX inputs            arg_0,       arg_1_orig,  arg_2      (each made from a placeholder)
+    feeds                  {"arg_0": w, "arg_1_orig": x, "arg_2": unused}
 
-The exporter's program keeps the user inputs in the order of the program's (both are
-``torch.export`` signatures of the same function); the map pairs them in that order and
-checks that every pair has the same shape and dtype, and that every session input is one of
-the exporter's placeholders with that shape and dtype. The session's outputs are the
-program's user outputs in order (the exporter builds them from the output specs, in order);
-their number is checked when the program is compiled, and every result's dtype and shape
-against the program's when it runs: a mismatch is a ``BackendError``, never a cast.
+Each ONNX input keeps the exporter's placeholder it was made from (``value.meta["node"]``);
+the exporter's program keeps the user inputs in the order of the program's (both are
+``torch.export`` signatures of the same function, and every pair is checked to have the same
+shape and dtype). An ONNX input traced to no placeholder, or a session whose inputs are not
+exactly the mapped ones with their dtypes and shapes, is a ``BackendError``. The session's
+outputs are the program's user outputs in order (the exporter builds them from the output
+specs, in order, and its optimizer replaces an output in its place); their number, dtypes
+and shapes are checked when the program is compiled, and every result's when it runs: a
+mismatch is a ``BackendError``, never a cast.
 
-Random ops are refused (Note [ONNX Runtime and random ops]); so are dtypes NumPy cannot hold
-(``bfloat16``, complex, the float8 types): the session's inputs and outputs go through NumPy.
+Refused when a program is compiled, because ONNX Runtime would run it unlike torch without an
+error: random ops (Note [ONNX Runtime and random ops]), outputs the exporter fills with
+stand-ins (Note [ONNX functions with filler outputs]), arguments it ignores (Note [ONNX
+functions that ignore an argument]), and dtypes NumPy cannot hold (``bfloat16``, complex, the
+float8 types: the session's inputs and outputs go through NumPy). ``convolution_backward``,
+which the exporter cannot take, is decomposed first (Note [Convolution backward for ONNX]).
 
 Note [ONNX Runtime and random ops]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-ONNX Runtime draws from its own generator: ``native_dropout(x, 0.1, True)`` becomes ONNX's
-``Dropout``, whose mask has nothing to do with the one eager torch draws from the same seed,
-and the backward (another session, its own draws) would scale by yet another mask. A program
-whose op draws from the RNG (``aotgrad.optable.draws_random``: dropout with p > 0 in
+ONNX Runtime draws from its own generator: ``bernoulli.p(x, 0.9)``, dropout's mask, becomes
+ONNX's ``RandomUniformLike`` and a comparison, whose mask has nothing to do with the one eager
+torch draws from the same seed, and the backward (another session) could not reproduce it. A
+program whose op draws from the RNG (``aotgrad.optable.draws_random``: dropout with p > 0 in
 training, ``bernoulli``, ``rand_like``, attention with ``dropout_p`` > 0) is refused when it is
 compiled; dropout at p = 0, or in eval mode, draws nothing and runs.
 """
