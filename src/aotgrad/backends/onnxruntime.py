@@ -1,0 +1,753 @@
+"""Exported programs run by ONNX Runtime: ``torch.onnx.export``, then an ``InferenceSession``
+on the CPU (docs/backends.md, "ONNX Runtime").
+
+``compile_program(program)`` takes one flat program of ``traced.export(flat=True)`` (every
+input a ``USER_INPUT``, every output a ``USER_OUTPUT``) and returns a callable that runs it in
+ONNX Runtime: called with the program's inputs in order, it returns its outputs in order, as
+CPU tensors of the program's dtypes and shapes. What it cannot run faithfully it refuses with
+:class:`~aotgrad.errors.BackendError` when it is built, naming the op and the user's line.
+
+Note [ONNX Runtime inputs by name]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``torch.onnx.export`` decomposes the program again (its own table, ``run_decompositions``),
+which re-traces it and renames its placeholders; its optimizer renames an input the model
+also returns (``arg_0`` -> ``arg_0_orig``, with an ``Identity`` to the output), and may drop
+an input nothing reads. So the program's inputs are fed to the session by the model's own
+names, never by position, through a map built once, when the program is compiled. For the
+forward of ``x @ w`` whose backward saves ``x``::
+
+    program placeholders   w,           x,           unused
+    exporter's program     arg_0,       arg_1,       arg_2      (same order, same specs)
+    ONNX inputs            arg_0,       arg_1_orig,  arg_2      (each made from a placeholder)
+    feeds                  {"arg_0": w, "arg_1_orig": x, "arg_2": unused}
+
+Each ONNX input keeps the exporter's placeholder it was made from (``value.meta["node"]``);
+the exporter's program keeps the user inputs in the order of the program's (both are
+``torch.export`` signatures of the same function, and every pair is checked to have the same
+shape and dtype). An ONNX input traced to no placeholder, or a session whose inputs are not
+exactly the mapped ones with their dtypes and shapes, is a ``BackendError``. The session's
+outputs are the program's user outputs in order (the exporter builds them from the output
+specs, in order, and its optimizer replaces an output in its place); their number, dtypes
+and shapes are checked when the program is compiled, and every result's when it runs: a
+mismatch is a ``BackendError``, never a cast.
+
+Refused when a program is compiled, because ONNX Runtime would run it unlike torch without an
+error: random ops (Note [ONNX Runtime and random ops]), outputs the exporter fills with
+stand-ins (Note [ONNX functions with filler outputs]), arguments it ignores (Note [ONNX
+functions that ignore an argument]), and dtypes NumPy cannot hold (``bfloat16``, complex, the
+float8 types: the session's inputs and outputs go through NumPy). ``convolution_backward``,
+which the exporter cannot take, is decomposed first (Note [Convolution backward for ONNX]).
+
+Note [ONNX Runtime and random ops]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+ONNX Runtime draws from its own generator: ``bernoulli.p(x, 0.9)``, dropout's mask, becomes
+ONNX's ``RandomUniformLike`` and a comparison, whose mask has nothing to do with the one eager
+torch draws from the same seed, and the backward (another session) could not reproduce it. A
+program whose op draws from the RNG (``aotgrad.optable.draws_random``: dropout with p > 0 in
+training, ``bernoulli``, ``rand_like``, attention with ``dropout_p`` > 0) is refused when it is
+compiled; dropout at p = 0, or in eval mode, draws nothing and runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import operator
+import re
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+
+from aotgrad.errors import BackendError, CallError
+from aotgrad.optable import draws_random, op_name
+
+__all__ = ["OrtProgram", "compile_program"]
+
+_BACKEND = "onnxruntime"
+
+# The dtypes a program's inputs and outputs may have: each goes through NumPy unchanged.
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+    }
+)
+
+# ONNX Runtime's names of those dtypes (``NodeArg.type``), to check the session's signature.
+_ORT_TYPES = {
+    torch.float16: "tensor(float16)",
+    torch.float32: "tensor(float)",
+    torch.float64: "tensor(double)",
+    torch.int8: "tensor(int8)",
+    torch.int16: "tensor(int16)",
+    torch.int32: "tensor(int32)",
+    torch.int64: "tensor(int64)",
+    torch.uint8: "tensor(uint8)",
+    torch.bool: "tensor(bool)",
+}
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The shape and dtype of one program input or output, from its node's ``meta["val"]``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def layout(self) -> str:
+        """``float32[4, 6]``."""
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.layout}"
+
+
+# Note [Convolution backward for ONNX]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``aten.convolution_backward`` is Core ATen, and neither PyTorch's decomposition tables nor the
+# exporter's ONNX functions take it (torchlib's ``aten_convolution_backward`` raises
+# NotImplementedError), so every backward program of a convnet would be refused. It is two
+# convolutions and a sum, which ONNX has: before exporting, the backend decomposes it with
+# ``_convolution_backward`` (``program.run_decompositions``). For a convolution of ``x`` (N,
+# C_in, H) with ``w`` (C_out, C_in/g, k), stride s, padding p, dilation d, groups g, and the
+# gradient ``gy`` (N, C_out, h) of its output:
+#
+#   grad of x   the transposed convolution of ``gy`` with ``w`` (same s, p, d, g), whose
+#               output padding (H + 2p - d(k-1) - 1) mod s gives back H rows: the rows no window
+#               reached get zeros, as eager's
+#   grad of w   grad_w[o, c, i] = sum over n, y of x[n, c, y*s + i*d - p] * gy[n, o, y]: a
+#               convolution of x with gy over the batch, stride and dilation swapped: x as
+#               (C_in/g, g*N, H), gy as (C_out, N, h) in g groups, then the first k taps of
+#               each output: (C_in/g, C_out, k) -> (C_out, C_in/g, k)
+#   grad of b   gy summed over every dimension but C_out
+#
+# e.g. Conv2d(3, 4, 3, stride=2) on a (2, 3, 8, 8) image: gy is (2, 4, 3, 3); the grad of x is
+# the transposed convolution with output padding (8 - 2 - 1) mod 2 = 1, (2, 3, 8, 8); the grad
+# of w is x as (3, 2, 8, 8) convolved with gy as (4, 2, 3, 3) at stride 1, dilation 2: (3, 4, 4, 4),
+# whose first 3 x 3 taps, transposed, are (4, 3, 3, 3). A transposed convolution's backward is
+# left as it is, and the exporter refuses it by name. tests/test_backend_onnxruntime.py checks
+# the decomposition against eager's kernel over strides, paddings, dilations, groups and 1-3
+# spatial dimensions.
+
+_aten = torch.ops.aten
+
+
+def _per_dim(value: Sequence[int], dims: int) -> list[int]:
+    return list(value) * dims if len(value) == 1 else list(value)
+
+
+def _convolution_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: Sequence[int] | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+) -> Any:
+    """``aten.convolution_backward`` as convolutions (Note [Convolution backward for ONNX])."""
+    if transposed:
+        return NotImplemented
+    dims = grad_output.dim() - 2
+    stride, padding = _per_dim(stride, dims), _per_dim(padding, dims)
+    dilation = _per_dim(dilation, dims)
+    spatial, kernel = input.shape[2:], weight.shape[2:]
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        reached = [
+            (grad_output.shape[2 + i] - 1) * stride[i]
+            - 2 * padding[i]
+            + dilation[i] * (kernel[i] - 1)
+            + 1
+            for i in range(dims)
+        ]
+        extra = [spatial[i] - reached[i] for i in range(dims)]
+        grad_input = _aten.convolution.default(
+            grad_output, weight, None, stride, padding, dilation, True, extra, groups
+        )
+    if output_mask[1]:
+        n, channels = input.shape[0], input.shape[1]
+        per_group = channels // groups
+        batch_major = (
+            input.reshape(n, groups, per_group, *spatial)
+            .permute(2, 1, 0, *range(3, 3 + dims))
+            .reshape(per_group, groups * n, *spatial)
+        )
+        taps = _aten.convolution.default(
+            batch_major,
+            grad_output.transpose(0, 1),
+            None,
+            dilation,
+            padding,
+            stride,
+            False,
+            [0] * dims,
+            groups,
+        )
+        grad_weight = taps.transpose(0, 1)
+        for i in range(dims):
+            grad_weight = grad_weight.narrow(2 + i, 0, kernel[i])
+        grad_weight = grad_weight.contiguous()
+    if output_mask[2]:
+        grad_bias = grad_output.sum([0, *range(2, 2 + dims)])
+    return grad_input, grad_weight, grad_bias
+
+
+# Ops the exporter has no ONNX function for, decomposed by the backend before it exports.
+_DECOMPOSITIONS: dict[Any, Any] = {
+    _aten.convolution_backward.default: _convolution_backward,
+}
+
+
+def _decompose(program: ExportedProgram) -> ExportedProgram:
+    """``program`` with the ops of ``_DECOMPOSITIONS`` decomposed (none there: itself)."""
+    present = {n.target for n in program.graph.nodes if n.op == "call_function"}
+    table = {op: fn for op, fn in _DECOMPOSITIONS.items() if op in present}
+    if not table:
+        return program
+    return program.run_decompositions(table)
+
+
+# Note [ONNX functions with filler outputs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some of the exporter's ONNX functions compute an op's first output and fill the others with
+# zeros of the right (or not even the right) shape, for inference, where nobody reads them.
+# ``aten._scaled_dot_product_flash_attention_for_cpu`` returns ``(output, logsumexp)``; torchlib
+# computes ``output`` and returns ``Expand(0.0, ...)`` as ``logsumexp``. A training forward
+# saves ``logsumexp`` for the attention's backward: ONNX Runtime would hand the backward zeros,
+# without a word where the shapes agree. So a program that reads such an output (a ``getitem``
+# of that index) is refused when it is compiled, naming the op and the user's line; a program
+# that reads only the first output runs. ``decompositions="core_aten"`` captures attention as
+# matmuls and a softmax, which export faithfully. The table lists, per op, the outputs the
+# exporter fills (torchlib, ``nn.py`` and ``core.py``: ``..._fillin_empty_outputs``,
+# ``embedding_bag``'s "we don't care the value", ``nll_loss_forward``'s "Fake a total_weight"):
+# a cross-entropy captured with the default table saves ``total_weight`` (the number of
+# targets counted) for ``nll_loss_backward``, which divides by it.
+_FILLER_OUTPUTS: dict[Any, frozenset[int]] = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: frozenset({1}),
+    torch.ops.aten._scaled_dot_product_flash_attention.default: frozenset(range(1, 9)),
+    torch.ops.aten._scaled_dot_product_efficient_attention.default: frozenset({1, 2, 3}),
+    torch.ops.aten.embedding_bag.default: frozenset({1, 2, 3}),
+    torch.ops.aten.embedding_bag.padding_idx: frozenset({1, 2, 3}),
+    torch.ops.aten._embedding_bag.default: frozenset({1, 2, 3}),
+    torch.ops.aten._embedding_bag_forward_only.default: frozenset({1, 2, 3}),
+    # "FIXME: Fake a total_weight tensor for now": the number of outputs, 1 for a mean.
+    torch.ops.aten.nll_loss_forward.default: frozenset({1}),
+    # Eval-mode batch norm's saved mean and rstd are empty tensors; the exporter returns the
+    # running statistics in their place.
+    torch.ops.aten._native_batch_norm_legit_no_training.default: frozenset({1, 2}),
+}
+
+
+def _filler_outputs(program: ExportedProgram) -> str | None:
+    """Note [ONNX functions with filler outputs]."""
+    read = [
+        node
+        for node in program.graph.nodes
+        if node.op == "call_function"
+        and node.target in _FILLER_OUTPUTS
+        and any(
+            user.target is operator.getitem and user.args[1] in _FILLER_OUTPUTS[node.target]
+            for user in node.users
+        )
+    ]
+    if not read:
+        return None
+    return (
+        "it reads an output that the ONNX exporter does not compute (its ONNX function"
+        " returns a stand-in, zeros or a count: Note [ONNX functions with filler outputs]):"
+        f"\n{_describe(read)}\n"
+        "  Capture with decompositions='core_aten', which writes these ops as ops the"
+        " exporter computes, or run the program with torch or another backend"
+    )
+
+
+# Note [ONNX functions that ignore an argument]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some of the exporter's ONNX functions assume an argument's value whatever the program says.
+# Batch norm sets ``training = False`` (torchlib ``core.py``: "ORT currently only supports
+# training mode with opset version lower than 14"):
+# ``_native_batch_norm_legit_functional(x, w, b, mean, var, True, 0.1, 1e-5)`` becomes
+# ``BatchNormalization`` in inference mode, which normalizes with the running statistics (0 and
+# 1 for a fresh ``BatchNorm2d``: the output is x) and returns them unchanged as the new ones;
+# the loss of a ResNet-18 step comes out 7% off, with no error. ``cross_entropy_loss`` drops
+# ``label_smoothing``. So a program calling such an op with another value than the one the
+# exporter assumes is refused when it is compiled, before and after the exporter's own
+# decompositions (which may write an op of the program as one of these);
+# ``decompositions="core_aten"`` writes batch norm and the losses as means, variances, sums
+# and products, which export faithfully. The table maps each op to the argument the exporter
+# ignores and the value it assumes.
+_IGNORED_ARGUMENTS: dict[Any, tuple[str, object]] = {
+    torch.ops.aten.native_batch_norm.default: ("training", False),
+    torch.ops.aten._native_batch_norm_legit.default: ("training", False),
+    torch.ops.aten._native_batch_norm_legit.no_stats: ("training", False),
+    torch.ops.aten._native_batch_norm_legit_functional.default: ("training", False),
+    torch.ops.aten.cross_entropy_loss.default: ("label_smoothing", 0.0),
+}
+
+
+def _argument(node: fx.Node, name: str) -> Any:
+    """The value of ``node``'s argument ``name`` (its schema's default when not given)."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    for i, argument in enumerate(schema.arguments):
+        if argument.name == name:
+            if i < len(node.args):
+                return node.args[i]
+            return node.kwargs.get(name, argument.default_value)
+    raise AssertionError(f"expected {schema.name} to have an argument {name!r}")
+
+
+def _ignored_arguments(program: ExportedProgram) -> str | None:
+    """Note [ONNX functions that ignore an argument]."""
+    ignored = []
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target in _IGNORED_ARGUMENTS:
+            name, assumed = _IGNORED_ARGUMENTS[node.target]
+            value = _argument(node, name)
+            if value != assumed:
+                ignored.append((node, f"{name}={value!r}, which it takes as {assumed!r}"))
+    if not ignored:
+        return None
+    lines = "\n".join(f"{_describe([n])}: {why}" for n, why in ignored[:_SHOWN])
+    return (
+        "it calls ops whose ONNX function ignores an argument"
+        f" (Note [ONNX functions that ignore an argument]):\n{lines}\n"
+        "  Capture with decompositions='core_aten', which writes these ops as ops the"
+        " exporter computes (for batch norm, model.eval() also runs), or run the program"
+        " with torch"
+    )
+
+
+def _refuse_unfaithful(program: ExportedProgram, kind: str) -> None:
+    """Refuse what ONNX Runtime would run other than torch does, without an error: each check
+    names the nodes and says what to do (or returns None); the error has them all."""
+    checks = (_random_ops, _filler_outputs, _ignored_arguments)
+    problems = [problem for check in checks if (problem := check(program)) is not None]
+    if problems:
+        raise BackendError(
+            f"{_BACKEND}: the {kind} program cannot run in ONNX Runtime as it runs in torch:\n"
+            + "\n".join(f"- {problem}" for problem in problems)
+        )
+
+
+def compile_program(program: ExportedProgram) -> OrtProgram:
+    """``program`` (a flat program of ``traced.export(flat=True)``) as an ONNX Runtime session.
+
+    >>> import torch, aotgrad
+    >>> from aotgrad.backends.onnxruntime import compile_program
+    >>> lin = torch.nn.Linear(3, 2)
+    >>> programs = aotgrad.trace(lambda x: lin(x).sum(), torch.ones(4, 3)).export(flat=True)
+    >>> run = compile_program(programs.forward)
+    >>> loss, *saved = run(*programs.lifted, torch.ones(4, 3))
+    >>> torch.testing.assert_close(loss, lin(torch.ones(4, 3)).sum().detach())
+    """
+    kind = _program_kind(program)
+    _check_flat(program, kind)
+    _refuse_unfaithful(program, kind)
+    inputs = _user_specs(program, kind, "input")
+    outputs = _user_specs(program, kind, "output")
+    onnx_program = _export(program, kind)
+    # What the exporter translated: its decompositions may write an op as a refused one.
+    _refuse_unfaithful(onnx_program.exported_program, kind)
+    feeds = _feed_names(onnx_program, inputs, kind)
+    session = _session(onnx_program.model_proto, kind)
+    _check_session(session, feeds, inputs, outputs, kind)
+    return OrtProgram(session, kind, inputs, outputs, feeds)
+
+
+class OrtProgram:
+    """One program compiled by ONNX Runtime: call it with the program's inputs in order; it
+    returns the program's outputs in order, as CPU tensors."""
+
+    def __init__(
+        self,
+        session: Any,
+        kind: str,
+        inputs: Sequence[_Spec],
+        outputs: Sequence[_Spec],
+        feeds: Sequence[str | None],
+    ) -> None:
+        self.session = session
+        self.kind = kind
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        # The session input each program input feeds (None: the model does not read it).
+        self.feeds = tuple(feeds)
+        self._output_names = [o.name for o in session.get_outputs()]
+
+    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(args) != len(self.inputs):
+            raise CallError(
+                f"the {self.kind} program takes {len(self.inputs)} input(s)"
+                f" ({', '.join(map(str, self.inputs))}), got {len(args)}"
+            )
+        feeds: dict[str, Any] = {}
+        for spec, name, value in zip(self.inputs, self.feeds, args, strict=True):
+            _check_value(value, spec, f"{self.kind} program input", CallError)
+            if name is not None:
+                feeds[name] = _to_numpy(value)
+        try:
+            results = self.session.run(self._output_names, feeds)
+        except Exception as error:  # ONNX Runtime raises its own exception types
+            raise BackendError(
+                f"{_BACKEND}: running the {self.kind} program failed: {error}\n"
+                "Run the program with torch (programs.forward.module()) to compare, and report"
+                " the op ONNX Runtime names above"
+            ) from error
+        tensors = []
+        for spec, result in zip(self.outputs, results, strict=True):
+            tensor = torch.from_numpy(result)
+            _check_value(
+                tensor, spec, f"{_BACKEND}: the {self.kind} program's output", BackendError
+            )
+            tensors.append(tensor)
+        return tuple(tensors)
+
+
+def _program_kind(program: ExportedProgram) -> str:
+    """``"forward"`` or ``"backward"``: what aotgrad's metadata says the program computes."""
+    for node in program.graph.nodes:
+        info = node.meta.get("aotgrad")
+        if node.op == "placeholder" and isinstance(info, dict):
+            descriptor = info.get("descriptor") or {}
+            if descriptor.get("kind") in ("Saved", "Cotangent"):
+                return "backward"
+    return "forward"
+
+
+def _check_flat(program: ExportedProgram, kind: str) -> None:
+    signature = program.graph_signature
+    other = [s.arg for s in signature.input_specs if s.kind != InputKind.USER_INPUT]
+    other += [s.arg for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
+    lifted = [a for a in other if not _is_constant_tensor(program, a)]
+    if lifted:
+        raise BackendError(
+            f"{_BACKEND}: the {kind} program has inputs or outputs that are not the user's"
+            f" ({', '.join(str(getattr(a, 'name', a)) for a in lifted)}): torch.onnx.export"
+            " drops mutations and parameter gradients. Export with traced.export(flat=True)"
+        )
+
+
+def _is_constant_tensor(program: ExportedProgram, arg: Any) -> bool:
+    """A tensor made at capture (``_tensor_constant0``): part of the function, an initializer."""
+    return any(
+        s.kind == InputKind.CONSTANT_TENSOR and s.arg == arg
+        for s in program.graph_signature.input_specs
+    )
+
+
+def _random_ops(program: ExportedProgram) -> str | None:
+    """Note [ONNX Runtime and random ops]."""
+    random = [
+        node
+        for node in program.graph.nodes
+        if node.op == "call_function" and draws_random(node.target, node.args, node.kwargs)
+    ]
+    if not random:
+        return None
+    return (
+        "it draws random numbers, which ONNX Runtime cannot draw as torch does (its masks"
+        f" would not be eager's: Note [ONNX Runtime and random ops]):\n{_describe(random)}\n"
+        "  Set the dropout probabilities to 0 (or call model.eval()) to run in ONNX Runtime,"
+        " or run the program with torch"
+    )
+
+
+def _describe(nodes: Sequence[fx.Node]) -> str:
+    """One line per op and user line (aotgrad's metadata), the first ``_SHOWN`` of them."""
+    lines = list(
+        dict.fromkeys(
+            f"  {op_name(node.target)}" + (f" at {where}" if (where := _where(node)) else "")
+            for node in nodes
+        )
+    )
+    more = f"\n  ... and {len(lines) - _SHOWN} more" if len(lines) > _SHOWN else ""
+    return "\n".join(lines[:_SHOWN]) + more
+
+
+_SHOWN = 8
+
+
+def _where(node: fx.Node) -> str:
+    # ``custom``: where the exporter's decompositions keep the metadata of a node they rewrote.
+    info = node.meta.get("aotgrad") or node.meta.get("custom", {}).get("aotgrad")
+    source = info.get("source") if isinstance(info, dict) else None
+    if not isinstance(source, dict):
+        return ""
+    module = info.get("module") if isinstance(info, dict) else ""
+    return f"{source['file']}:{source['line']} in {source['function']}: {source['code']}" + (
+        f" (module {module})" if module else ""
+    )
+
+
+def _user_specs(program: ExportedProgram, kind: str, which: str) -> list[_Spec]:
+    """The shape and dtype of every user input (``which="input"``) or output of ``program``."""
+    by_name = {n.name: n for n in program.graph.nodes}
+    signature = program.graph_signature
+    specs = signature.input_specs if which == "input" else signature.output_specs
+    user = InputKind.USER_INPUT if which == "input" else OutputKind.USER_OUTPUT
+    result = []
+    for spec in specs:
+        if spec.kind != user:
+            continue
+        if not isinstance(spec.arg, TensorArgument):
+            raise BackendError(
+                f"{_BACKEND}: the {kind} program's {which} {spec.arg} is not a tensor;"
+                " the backends take programs of tensors only (traced.export(flat=True))"
+            )
+        val = by_name[spec.arg.name].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise AssertionError(f"expected a tensor meta['val'] on {spec.arg.name}, got {val!r}")
+        shape = tuple(val.shape)
+        if not all(isinstance(s, int) for s in shape):
+            raise BackendError(
+                f"{_BACKEND}: the {kind} program's {which} {spec.arg.name} has symbolic sizes"
+                f" {list(shape)}; ONNX Runtime runs programs of one specialization only"
+            )
+        if val.dtype not in _NUMPY_DTYPES:
+            raise BackendError(
+                f"{_BACKEND}: the {kind} program's {which} {spec.arg.name} is {val.dtype},"
+                " which aotgrad cannot pass to ONNX Runtime (its inputs and outputs go"
+                f" through NumPy: {', '.join(sorted(str(d) for d in _NUMPY_DTYPES))}). Cast it"
+                " in the function, or run the program with torch"
+            )
+        result.append(_Spec(spec.arg.name, shape, val.dtype))
+    return result
+
+
+# The loggers of the exporter and its optimizer: they warn about their own passes ("Skipped
+# deduplication of initializer 'add'"), nothing the user's code can act on.
+_EXPORTER_LOGGERS = ("torch.onnx", "onnxscript", "onnx_ir")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The exporter prints its progress, warns about torch's own deprecations and logs its
+    passes' decisions: none of it is the user's business. Its errors still raise."""
+    loggers = [logging.getLogger(name) for name in _EXPORTER_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            # Constant folding evaluates ops in NumPy, which warns on log(0) and the like.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _export(program: ExportedProgram, kind: str) -> Any:
+    """``torch.onnx.export`` of ``program``; an op it cannot take is a ``BackendError``."""
+    try:
+        with _quiet():
+            return torch.onnx.export(_decompose(program), dynamo=True, verbose=False, optimize=True)
+    except Exception as error:  # the exporter raises its own errors, and any of torch's
+        raise BackendError(_export_failure(program, kind, error)) from error
+
+
+# The exporter's messages name the node it failed on: "...call_function[target=torch.ops.
+# aten.kthvalue.default]..." or "No ONNX function found for <OpOverload(op='aten.kthvalue',
+# overload='default')>".
+_TARGET = re.compile(r"target=torch\.ops\.([\w.]+)")
+_OVERLOAD = re.compile(r"OpOverload\(op='([\w.]+)', overload='(\w+)'\)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _failed_ops(error: BaseException) -> list[str]:
+    """The aten ops the exporter's error (and its causes) name, in the order they appear."""
+    names: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        names += [f"{op}.{overload}" for op, overload in _OVERLOAD.findall(text)]
+        names += _TARGET.findall(text)
+        current = current.__cause__ or current.__context__
+    return list(dict.fromkeys(names))
+
+
+def _reason(error: BaseException) -> str:
+    """The innermost line of the exporter's "Exception summary", or the error itself."""
+    text = _ANSI.sub("", str(error))
+    summary = text.partition("## Exception summary")[2]
+    lines = [line for line in summary.splitlines() if line.startswith("<class ")]
+    return lines[0] if lines else text.strip().splitlines()[0] if text.strip() else repr(error)
+
+
+def _export_failure(program: ExportedProgram, kind: str, error: BaseException) -> str:
+    ops = _failed_ops(error)
+    if ops:
+        nodes = [
+            n for n in program.graph.nodes if n.op == "call_function" and op_name(n.target) in ops
+        ]
+        found = {op_name(n.target) for n in nodes}
+        named = _describe(nodes)
+        missing = [op for op in ops if op not in found]
+        if missing:
+            named += "".join(
+                f"\n  {op} (made by the exporter's own decomposition of the program)"
+                for op in missing
+            )
+        what = f"could not take op(s):\n{named}"
+    else:
+        what = "failed"
+    return (
+        f"{_BACKEND}: torch.onnx.export of the {kind} program {what}\n"
+        f"  exporter: {_reason(error)}\n"
+        "Capture with decompositions='core_aten' (the exporter knows Core ATen best), rewrite"
+        " the code on that line with other ops, or run the program with torch or another"
+        " backend"
+    )
+
+
+def _feed_names(onnx_program: Any, inputs: Sequence[_Spec], kind: str) -> list[str | None]:
+    """The ONNX model's name of each of the program's inputs, None where the model has no
+    such input (Note [ONNX Runtime inputs by name])."""
+    exported = onnx_program.exported_program
+    if exported is None:
+        raise AssertionError("expected torch.onnx.export to keep the program it translated")
+    theirs = _user_specs(exported, kind, "input")
+    if len(theirs) != len(inputs):
+        raise BackendError(
+            f"{_BACKEND}: torch.onnx.export changed the {kind} program's inputs: expected"
+            f" {len(inputs)} ({', '.join(map(str, inputs))}), got {len(theirs)}"
+            f" ({', '.join(map(str, theirs))})"
+        )
+    for mine, their in zip(inputs, theirs, strict=True):
+        if (mine.shape, mine.dtype) != (their.shape, their.dtype):
+            raise BackendError(
+                f"{_BACKEND}: torch.onnx.export changed the {kind} program's input {mine}:"
+                f" expected its input in that place to match, got {their}"
+            )
+    position = {their.name: i for i, their in enumerate(theirs)}
+    feeds: list[str | None] = [None] * len(inputs)
+    for value in onnx_program.model.graph.inputs:
+        # The exporter keeps the placeholder each ONNX input was made from (``_core.py``,
+        # ``_handle_placeholder_node``); the optimizer may rename the input, not replace it.
+        node = value.meta.get("node")
+        i = position.get(node.name) if isinstance(node, fx.Node) else None
+        if i is None or feeds[i] is not None:
+            raise BackendError(
+                f"{_BACKEND}: the ONNX model of the {kind} program has an input {value.name!r}"
+                " that aotgrad cannot trace to one of the program's"
+                f" ({', '.join(map(str, inputs))}); it cannot be fed"
+            )
+        feeds[i] = value.name
+    return feeds
+
+
+def _session(model: Any, kind: str) -> Any:
+    """An ONNX Runtime session on the CPU for ``model``, as quiet as the exporter."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3  # errors only: its warnings name nodes, not the user's code
+    options.intra_op_num_threads = torch.get_num_threads()
+    try:
+        return onnxruntime.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+    except Exception as error:  # ONNX Runtime raises its own exception types
+        raise BackendError(
+            f"{_BACKEND}: ONNX Runtime could not load the {kind} program: {error}\n"
+            f"{_onnx_node_origin(model, str(error))}"
+            "Run the program with torch or another backend"
+        ) from error
+
+
+_ORT_NODE = re.compile(r"node with name '([^']*)'")
+
+
+def _onnx_node_origin(model: Any, message: str) -> str:
+    """The aten node an ONNX node named in ``message`` was made from, as a line, or ""."""
+    names = set(_ORT_NODE.findall(message))
+    lines = []
+    for node in model.graph.node:
+        if node.name in names:
+            props = {p.key: p.value for p in node.metadata_props}
+            fx_node = props.get("pkg.torch.onnx.fx_node")
+            if fx_node:
+                lines.append(f"  ONNX node {node.name} ({node.op_type}) made from {fx_node}\n")
+    return "".join(lines)
+
+
+def _check_session(
+    session: Any,
+    feeds: Sequence[str | None],
+    inputs: Sequence[_Spec],
+    outputs: Sequence[_Spec],
+    kind: str,
+) -> None:
+    """The session's inputs are the ``feeds`` with their specs; its outputs the program's."""
+    wanted = {name: spec for name, spec in zip(feeds, inputs, strict=True) if name is not None}
+    got_inputs = session.get_inputs()
+    if sorted(a.name for a in got_inputs) != sorted(wanted):
+        raise BackendError(
+            f"{_BACKEND}: the ONNX Runtime session of the {kind} program takes inputs"
+            f" {sorted(a.name for a in got_inputs)}, expected the ONNX model's {sorted(wanted)}"
+        )
+    for arg in got_inputs:
+        _check_node_arg(arg, wanted[arg.name], f"input {arg.name!r}", kind)
+    got = session.get_outputs()
+    if len(got) != len(outputs):
+        raise BackendError(
+            f"{_BACKEND}: the ONNX model of the {kind} program returns {len(got)} output(s),"
+            f" expected the program's {len(outputs)} ({', '.join(map(str, outputs))})"
+        )
+    for arg, spec in zip(got, outputs, strict=True):
+        _check_node_arg(arg, spec, f"output {arg.name!r}", kind)
+
+
+def _check_node_arg(arg: Any, spec: _Spec, what: str, kind: str) -> None:
+    """The session's declared type and shape of ``arg`` are ``spec``'s (unknown dims pass)."""
+    dims = list(arg.shape)
+    same_shape = len(dims) == len(spec.shape) and all(
+        not isinstance(d, int) or d == s for d, s in zip(dims, spec.shape, strict=True)
+    )
+    if arg.type != _ORT_TYPES[spec.dtype] or not same_shape:
+        raise BackendError(
+            f"{_BACKEND}: the ONNX model of the {kind} program declares its {what} as"
+            f" {arg.type}{dims}, expected the program's {spec}"
+        )
+
+
+def _check_value(value: object, spec: _Spec, what: str, error: type[Exception]) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise error(
+            f"{what} {spec.name}: expected a tensor ({spec.layout}), got {type(value).__name__}"
+        )
+    if value.dtype != spec.dtype or tuple(value.shape) != spec.shape:
+        raise error(
+            f"{what} {spec.name}: expected {spec.layout}, got"
+            f" {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+        )
+
+
+def _to_numpy(value: torch.Tensor) -> Any:
+    """``value``'s data as a C-contiguous NumPy array on the CPU (a copy where it must be)."""
+    return value.detach().cpu().resolve_conj().resolve_neg().contiguous().numpy()
