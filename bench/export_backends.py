@@ -6,8 +6,9 @@ Per model, in a fresh process (what a user waits for, imports in): the capture
 backend (ONNX Runtime, IREE), the flat programs (``export(flat=True)``) compiled by
 ``aotgrad.backends.step`` and one step run: its compile time, its run time against eager's step
 (forward and backward, best of ``ROUNDS``), and its largest error against eager over the loss,
-the buffers after the step and every gradient, each as ``max|backend - eager| / max|eager|``,
-against the tolerance the backend tests state (tests/test_backend_*.py). As a script it
+the buffers after the step and every gradient, as a fraction of the tolerance the backend tests
+state (tests/test_backend_*.py): ``max |backend - eager| / (atol + rtol |eager|)``, at most 1
+where their ``assert_close`` passes. As a script it
 measures one model in this process: ``python bench/export_backends.py gpt2``.
 """
 
@@ -50,10 +51,19 @@ def _eager_step(model: torch.nn.Module, case: Any) -> tuple[torch.Tensor, dict[s
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    scale = expected.abs().max().item() if expected.numel() else 0.0
-    diff = (got.to(expected.dtype) - expected).abs().max().item() if expected.numel() else 0.0
-    return diff / scale if scale else diff
+def _tolerance(family: str) -> tuple[float, float]:
+    """(rtol, atol) of the backend tests: convnets with BatchNorm at batch 8 get atol 1e-4
+    (docs/backends.md: eager's own float32 gradients are that far from float64's)."""
+    return (1e-4, 1e-5) if family == "transformers" else (1e-4, 1e-4)
+
+
+def _error(got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> float:
+    """The largest ``|got - expected| / (atol + rtol * |expected|)``: at most 1 where
+    ``torch.testing.assert_close`` with these tolerances passes."""
+    if not expected.numel():
+        return 0.0
+    diff = (got.to(expected.dtype) - expected).abs()
+    return (diff / (atol + rtol * expected.abs())).max().item()
 
 
 def measure_one(name: str) -> dict[str, Any]:
@@ -96,14 +106,15 @@ def measure_one(name: str) -> dict[str, Any]:
             continue
         compile_s = time.perf_counter() - start
         result = run(*tensors)
-        errors = [_relative_error(result.outputs[0], expected.detach())]
+        tol = _tolerance(case.family)
+        errors = [_error(result.outputs[0], expected.detach(), *tol)]
         errors += [
-            _relative_error(v, buffers[d.name])
+            _error(v, buffers[d.name], *tol)
             for d, v in result.mutations.items()
             if isinstance(d, Buffer) and v.is_floating_point()
         ]
         grads = {d.name: g for d, g in result.grads.items() if isinstance(d, Param)}
-        errors += [_relative_error(grads[n], g) for n, g in expected_grads.items()]
+        errors += [_error(grads[n], g, *tol) for n, g in expected_grads.items()]
         found[backend] = {
             "compile": compile_s,
             "step": _best(lambda run=run: run(*tensors)),
