@@ -89,6 +89,10 @@ _NUMPY: dict[torch.dtype, Any] = {
     torch.bool: np.bool_,
 }
 
+# The file name of the locations ``_locate`` gives each node, before the node's name.
+_NODE_FILE = "aotgrad-node:"
+_DIAGNOSED_NODE = re.compile(re.escape(_NODE_FILE) + r"([A-Za-z0-9_]+)")
+
 # An op named in a compiler diagnostic: ``torch.aten.name[.overload]`` or the name a
 # ``torch.operator`` carries (an op the torch dialect does not know).
 _DIAGNOSED_OP = re.compile(r"""torch\.aten\.[A-Za-z0-9_.]+|torch\.operator\s+"([^"]+)\"""")
@@ -161,6 +165,9 @@ def compile_program(program: ExportedProgram) -> IreeProgram:
     which = _which(program)
     inputs, outputs = _check_signature(program, which)
     _refuse_random(program, which)
+    program = _copy(program)  # the importer rewrites as_strided in place, and so do we
+    _rewrite(program)
+    _locate(program)
     text = _import(program, which)
     vmfb = _compile(text, program, which)
     return IreeProgram(vmfb, which, inputs, outputs)
@@ -252,10 +259,6 @@ def _refuse_random(program: ExportedProgram, which: str) -> None:
 
 def _import(program: ExportedProgram, which: str) -> str:
     """The program as MLIR text in the torch dialect (Note [IREE programs], 2)."""
-    calls = _calls(program)
-    if any(n.target in _REWRITES or n.target == torch.ops.aten.as_strided.default for n in calls):
-        program = _copy(program)  # the importer rewrites as_strided in place, and so do we
-        _rewrite(program)
     importer = FxImporter(graph_node_importer_cls=_NamingNodeImporter)
     try:
         importer.import_program(program, func_name="main")
@@ -270,7 +273,7 @@ def _import(program: ExportedProgram, which: str) -> str:
             f"IREE's FX importer could not take the {which} program:"
             f" {type(error).__name__}: {_first_line(error)}. {_advice()}"
         ) from error
-    return str(importer.module)
+    return str(importer.module.operation.get_asm(enable_debug_info=True))
 
 
 def _copy(program: ExportedProgram) -> ExportedProgram:
@@ -286,6 +289,14 @@ def _copy(program: ExportedProgram) -> ExportedProgram:
         module_call_graph=program.module_call_graph,
         constants=program.constants,
     )
+
+
+def _locate(program: ExportedProgram) -> None:
+    """Gives every node of ``program`` (a copy) the MLIR location ``aotgrad-node:<name>``,
+    so that a compiler diagnostic names the node it is about (Note [IREE programs], 3): the
+    importer reads locations from the ``File "...", line N,`` frames of a node's stack trace."""
+    for node in program.graph.nodes:
+        node.meta["stack_trace"] = f'  File "{_NODE_FILE}{node.name}", line 1, in {node.name}\n'
 
 
 def _squeeze_dims(graph: fx.Graph, node: fx.Node) -> fx.Node:
@@ -356,8 +367,10 @@ def _compile(text: str, program: ExportedProgram, which: str) -> bytes:
         )
     except iree_compiler.CompilerToolError as error:
         diagnostics = str(error)
-        names = _diagnosed_ops(diagnostics)
-        nodes = [n for n in _calls(program) if _mlir_name(n) in names]
+        located = set(_DIAGNOSED_NODE.findall(_error_lines(diagnostics)))
+        names = _diagnosed_ops(_error_lines(diagnostics))
+        nodes = [n for n in _calls(program) if n.name in located]
+        nodes = nodes or [n for n in _calls(program) if _mlir_name(n) in names]
         what = _ops_at(nodes) if nodes else ", ".join(sorted(names)) or "an op"
         raise BackendError(
             f"IREE could not compile {what} of the {which} program:\n"
@@ -387,6 +400,10 @@ def _mlir_name(node: fx.Node) -> str:
         return ""
     name = f"torch.{target.namespace}.{target._opname}"
     return name if target._overloadname == "default" else f"{name}.{target._overloadname}"
+
+
+def _error_lines(diagnostics: str) -> str:
+    return "\n".join(line for line in diagnostics.splitlines() if "error:" in line)
 
 
 def _diagnostic_lines(diagnostics: str, limit: int = 8) -> str:
