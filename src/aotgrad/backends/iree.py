@@ -412,7 +412,8 @@ def _diagnostic_lines(diagnostics: str, limit: int = 8) -> str:
     if not lines:
         lines = [line.strip() for line in diagnostics.splitlines() if line.strip()][:limit]
     more = f"\n  ... ({len(lines) - limit} more)" if len(lines) > limit else ""
-    return "\n".join(f"  {line}" for line in lines[:limit]) + more
+    shown = (line if len(line) <= 300 else line[:300] + " ..." for line in lines[:limit])
+    return "\n".join(f"  {line}" for line in shown) + more
 
 
 def _ops_at(nodes: Sequence[fx.Node]) -> str:
