@@ -178,6 +178,22 @@ def test_unsupported_op_named():
         check_backend(model, lambda out: out, (x, target), {}, "iree", RTOL, ATOL, None)
 
 
+def test_compiler_error_names_its_node():
+    """A compiler error names the one node it is about (Note [IREE programs], 3), not every
+    node of the same op: of two convolutions, only the second (stride 2, padding 1, a 2x2
+    map to 1x1) is one IREE 3.13 fails to compile."""
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, 1, 1), nn.Conv2d(2, 2, 3, 2, 1))
+    x = torch.randn(1, 2, 2, 2)
+    programs = aotgrad.trace(lambda x: model(x).sum(), x, decompositions="core_aten").export(
+        flat=True
+    )
+    with pytest.raises(BackendError) as error:
+        compile_program(programs.forward)
+    message = str(error.value)
+    assert "could not compile aten.convolution.default (node convolution_1," in message
+    assert "(node convolution," not in message
+
+
 def test_batch_norm_core_aten():
     """ConvBN in Core ATen (BatchNorm's aten.squeeze.dims rewritten, Note [IREE rewrites]):
     the loss, the running statistics after the step and the gradients equal eager's."""
