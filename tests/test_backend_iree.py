@@ -309,3 +309,17 @@ def test_timm_resnet_batch_norm():
     model = timm.create_model("resnet10t", pretrained=False, num_classes=10)
     loss = lambda out: F.cross_entropy(out, torch.arange(8) % 10)  # noqa: E731
     check_backend(model, loss, (_images(8, 64),), {}, "iree", RTOL, ATOL)
+
+
+@slow
+def test_unlowered_op_named():
+    """timm's Swin rolls its windows (``torch.roll``: ``aten.fmod.Scalar`` in Core ATen),
+    which IREE 3.13 does not lower; its error is reported at a constant with no location,
+    and the message still names the op, the nodes and the user's line."""
+    case = _library("swin")
+    with pytest.raises(
+        BackendError,
+        match=r"(?s)could not compile aten\.fmod\.Scalar \(node fmod, model\.layers\.0\.blocks\.1,"
+        r" at .*swin_transformer\.py:\d+: shifted_x = torch\.roll",
+    ):
+        check_backend(case.model, case.loss, case.args, case.kwargs, "iree", RTOL, ATOL)

@@ -371,6 +371,9 @@ def _compile(text: str, program: ExportedProgram, which: str) -> bytes:
         names = _diagnosed_ops(_error_lines(diagnostics))
         nodes = [n for n in _calls(program) if n.name in located]
         nodes = nodes or [n for n in _calls(program) if _mlir_name(n) in names]
+        if not nodes:  # an error at no op (a constant left over): the ops left unlowered
+            names = _unlowered_ops(text)
+            nodes = [n for n in _calls(program) if _mlir_name(n) in names]
         what = _ops_at(nodes) if nodes else ", ".join(sorted(names)) or "an op"
         raise BackendError(
             f"IREE could not compile {what} of the {which} program:\n"
@@ -378,6 +381,21 @@ def _compile(text: str, program: ExportedProgram, which: str) -> bytes:
         ) from error
     assert isinstance(vmfb, bytes)
     return vmfb
+
+
+def _unlowered_ops(text: str) -> set[str]:
+    """The ``torch.aten`` ops IREE's input conversion leaves in ``text`` when it fails: a
+    failure that is reported at a constant an unlowered op still uses (``torch.constant.int``
+    for ``aten.fmod.Scalar``'s divisor) names no op itself."""
+    try:
+        iree_compiler.compile_str(
+            text,
+            input_type="torch",
+            extra_args=[*FLAGS, "--compile-to=input", "--mlir-print-ir-after-failure"],
+        )
+    except iree_compiler.CompilerToolError as error:
+        return _diagnosed_ops(str(error))
+    return set()
 
 
 def _calls(program: ExportedProgram) -> list[fx.Node]:
