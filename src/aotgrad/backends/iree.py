@@ -48,21 +48,27 @@ __all__ = ["FLAGS", "IreeProgram", "compile_program"]
 #    draw random numbers: IREE's generator is not torch's, so a dropout mask would differ
 #    from eager's and from the one the backward assumes; ``BackendError`` names the op.
 # 2. Import. ``FxImporter().import_program`` gives ``func.func @main`` over
-#    ``!torch.vtensor``s, one argument per USER_INPUT in order, one result per output. The
-#    importer first rewrites ``aten.as_strided`` into a gather on the graph it is given (in
-#    place), so it is given a copy when the graph has one: the caller's program stays as it was.
+#    ``!torch.vtensor``s, one argument per USER_INPUT in order, one result per output. It
+#    is given a copy of the program (nodes and meta dicts copied, tensors shared): the
+#    importer rewrites ``aten.as_strided`` into a gather in place, aotgrad rewrites the ops
+#    the torch dialect lacks (Note [IREE rewrites]), and every node gets the MLIR location
+#    ``aotgrad-node:<name>``; the caller's program stays as it was.
 # 3. Compile. ``iree-compile --iree-input-type=torch`` for ``llvm-cpu`` and the host CPU, with
 #    ``--iree-input-demote-f64-to-f32=false``: IREE demotes float64 to float32 by default, and
 #    a float64 program would then compute in float32 (or fail at its first call, when the
-#    runtime meets 8-byte arguments in 4-byte buffers). A diagnostic names the ``torch.aten``
-#    ops IREE could not lower; ``BackendError`` names them with the user's source lines.
+#    runtime meets 8-byte arguments in 4-byte buffers). A failure's diagnostics carry the
+#    locations of step 2, so ``BackendError`` names the very node (not every convolution
+#    of the model), its module and the user's line; an error at no node (a constant an
+#    unlowered op still uses, as ``aten.fmod.Scalar``'s divisor) is followed by a run to
+#    the end of IREE's input conversion, and the ``torch.aten`` ops left in it are named.
 # 4. Run. The inputs are checked against the program's (shape and dtype: the runtime would
 #    reinterpret the bytes of an int32 tensor passed for an int64 argument), made contiguous
-#    (IREE's tensors are values, in row-major order), passed as numpy arrays, and every
-#    result is copied into a new torch tensor: a result that is an input returned as it is
-#    (the forward returns parameters as saved values) may be the very buffer the runtime
-#    imported from the caller's memory. Each result's shape and dtype are checked against
-#    the program's output; a mismatch raises instead of returning a wrong tensor.
+#    (IREE's tensors are values, in row-major order) and passed as numpy arrays. Every
+#    result is copied into a new torch tensor: IREE returns one buffer for two results of
+#    the same value (``return y, y``), read through a mapping of its memory, and two
+#    gradients must not change together when one is updated in place. Each result's shape
+#    and dtype are checked against the program's output; a mismatch raises instead of
+#    returning a wrong tensor.
 #
 # For ``nn.Linear(3, 2)`` with loss ``lin(x).sum()``, the backward program is
 # ``(x, cotangent) -> (grad weight, grad bias)``; ``compile_program(programs.backward)``
@@ -93,9 +99,9 @@ _NUMPY: dict[torch.dtype, Any] = {
 _NODE_FILE = "aotgrad-node:"
 _DIAGNOSED_NODE = re.compile(re.escape(_NODE_FILE) + r"([A-Za-z0-9_]+)")
 
-# An op named in a compiler diagnostic: ``torch.aten.name[.overload]`` or the name a
+# An op named in a compiler diagnostic: ``torch.aten.name[.overload]``, also as the name a
 # ``torch.operator`` carries (an op the torch dialect does not know).
-_DIAGNOSED_OP = re.compile(r"""torch\.aten\.[A-Za-z0-9_.]+|torch\.operator\s+"([^"]+)\"""")
+_DIAGNOSED_OP = re.compile(r"torch\.aten\.[A-Za-z0-9_.]*[A-Za-z0-9_]")
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,7 @@ def compile_program(program: ExportedProgram) -> IreeProgram:
     which = _which(program)
     inputs, outputs = _check_signature(program, which)
     _refuse_random(program, which)
-    program = _copy(program)  # the importer rewrites as_strided in place, and so do we
+    program = _copy(program)  # Note [IREE programs], 2
     _rewrite(program)
     _locate(program)
     text = _import(program, which)
@@ -404,10 +410,7 @@ def _calls(program: ExportedProgram) -> list[fx.Node]:
 
 def _diagnosed_ops(diagnostics: str) -> set[str]:
     """The ``torch.aten.*`` ops (and ``torch.operator`` names) an error names."""
-    names = set()
-    for match in _DIAGNOSED_OP.finditer(diagnostics):
-        names.add(f"torch.{match.group(1)}" if match.group(1) else match.group(0).rstrip("."))
-    return names
+    return set(_DIAGNOSED_OP.findall(diagnostics))
 
 
 def _mlir_name(node: fx.Node) -> str:
@@ -435,7 +438,8 @@ def _diagnostic_lines(diagnostics: str, limit: int = 8) -> str:
 
 
 def _ops_at(nodes: Sequence[fx.Node]) -> str:
-    """``aten.bernoulli.p (node bernoulli, Dropout at model.py:12: x = self.drop(x))``..."""
+    """``aten.bernoulli.p (node bernoulli, drop, at model.py:12: x = self.drop(x))``; ...:
+    each node's op, name, module and the user's line."""
     parts = []
     for node in nodes[:6]:
         info = node.meta.get("aotgrad", {})
