@@ -334,10 +334,13 @@ def test_strided_convolution_to_one_refused():
 
 @slow
 def test_timm_resnet_batch_norm():
-    """A timm ResNet (BatchNorm, deep stem, max pool) from a random config, at 64x64."""
+    """timm's ResNet-18 (BatchNorm, max pool) from a random config, at batch 8 and 64x64.
+    (timm's resnet10t downsamples with average pooling, whose backward IREE 3.13 does not
+    lower: refused, naming ``aten.avg_pool2d_backward``.)"""
+    pytest.importorskip("library_models")  # its torchvision shim, before timm imports it
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
-    model = timm.create_model("resnet10t", pretrained=False, num_classes=10)
+    model = timm.create_model("resnet18", pretrained=False, num_classes=10)
     loss = lambda out: F.cross_entropy(out, torch.arange(8) % 10)  # noqa: E731
     check_backend(model, loss, (_images(8, 64),), {}, "iree", RTOL, ATOL)
 
