@@ -106,6 +106,19 @@ def test_integer_bool_scalar_and_strided_inputs():
     torch.testing.assert_close(grads["scale"], leaves[3].grad, rtol=RTOL, atol=ATOL)
 
 
+def test_bfloat16_passes_as_bits():
+    """bfloat16 tensors (no numpy dtype) travel as their bits, both ways, exactly."""
+    x = torch.linspace(-3, 3, 6, dtype=torch.bfloat16).reshape(2, 3)
+
+    def f(x):
+        return x * 2 + 1, x.sum(0)
+
+    programs = aotgrad.trace(f, x).export(flat=True)
+    for got, want in zip(compile_program(programs.forward)(x), f(x), strict=True):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, want)
+
+
 def test_float64_computes_in_float64():
     """IREE demotes float64 to float32 unless told not to (Note [IREE programs], 3): a
     float64 program must agree with eager to float64 precision."""
