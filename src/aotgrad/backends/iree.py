@@ -287,7 +287,7 @@ def _copy(program: ExportedProgram) -> ExportedProgram:
     graph = fx.Graph()
     graph.output(graph.graph_copy(program.graph, {}))
     return ExportedProgram(
-        root=torch.nn.Module(),
+        root=program.graph_module,  # the attributes the graph reads, if any
         graph=graph,
         graph_signature=program.graph_signature,
         state_dict=program.state_dict,
