@@ -370,3 +370,19 @@ def test_unlowered_op_named():
         r" at .*swin_transformer\.py:\d+: shifted_x = torch\.roll",
     ):
         check_backend(case.model, case.loss, case.args, case.kwargs, "iree", RTOL, ATOL)
+
+
+def test_in_place_op_refused():
+    """A program that writes a tensor in place (an edited graph: aotgrad's are functional)
+    is refused, naming the op: under IREE's value semantics the write would be lost."""
+
+    def f(x):
+        y = x * 2
+        return (y * (y + 1)).sum(), y
+
+    x = torch.randn(3, requires_grad=True)
+    programs = aotgrad.trace(f, x).export(flat=True)
+    (add,) = programs.forward.graph.find_nodes(op="call_function", target=torch.ops.aten.add.Tensor)
+    add.target = torch.ops.aten.add_.Tensor  # y.add_(1): y itself changes
+    with pytest.raises(BackendError, match=r"writes its tensors in place \(aten\.add_\.Tensor"):
+        compile_program(programs.forward)

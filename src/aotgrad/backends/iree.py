@@ -46,7 +46,10 @@ __all__ = ["FLAGS", "IreeProgram", "compile_program"]
 #    part of the function, which the importer inlines into the module) and every output a
 #    USER_OUTPUT tensor of a dtype IREE's runtime passes (not complex, not float8). No op may
 #    draw random numbers: IREE's generator is not torch's, so a dropout mask would differ
-#    from eager's and from the one the backward assumes; ``BackendError`` names the op.
+#    from eager's and from the one the backward assumes; ``BackendError`` names the op. No
+#    op may write its arguments (``aten.add_``): the importer gives every tensor value
+#    semantics, and the write would be lost (aotgrad's graphs are functional; an edited one
+#    may not be).
 # 2. Import. ``FxImporter().import_program`` gives ``func.func @main`` over
 #    ``!torch.vtensor``s, one argument per USER_INPUT in order, one result per output. It
 #    is given a copy of the program (nodes and meta dicts copied, tensors shared): the
@@ -171,6 +174,7 @@ def compile_program(program: ExportedProgram) -> IreeProgram:
     which = _which(program)
     inputs, outputs = _check_signature(program, which)
     _refuse_random(program, which)
+    _refuse_mutation(program, which)
     program = _copy(program)  # Note [IREE programs], 2
     _rewrite(program)
     _locate(program)
@@ -260,6 +264,22 @@ def _refuse_random(program: ExportedProgram, which: str) -> None:
             " generator is not torch's: its masks would differ from eager's. Set dropout to 0"
             " (or call model.eval()) before tracing, or run the model with aotgrad's own"
             " runtime"
+        )
+
+
+def _refuse_mutation(program: ExportedProgram, which: str) -> None:
+    """Refuses a program with an op that writes one of its arguments (Note [IREE programs],
+    1): the importer gives every tensor value semantics, so the write would be lost."""
+    writing = [
+        node
+        for node in _calls(program)
+        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+    ]
+    if writing:
+        raise BackendError(
+            f"the {which} program writes its tensors in place ({_ops_at(writing)}); IREE"
+            " takes functional programs, where every write is a new value. Export the"
+            " programs aotgrad's capture made (traced.export(flat=True)), not an edited graph"
         )
 
 
