@@ -55,7 +55,9 @@ __all__ = ["FLAGS", "IreeProgram", "compile_program"]
 #    is given a copy of the program (nodes and meta dicts copied, tensors shared): the
 #    importer rewrites ``aten.as_strided`` into a gather in place, aotgrad rewrites the ops
 #    the torch dialect lacks (Note [IREE rewrites]), and every node gets the MLIR location
-#    ``aotgrad-node:<name>``; the caller's program stays as it was.
+#    ``aotgrad-node:<name>`` in place of the one the importer would read from the node's
+#    stack trace, so no text of the user's (file names, source) enters the module; the
+#    caller's program stays as it was.
 # 3. Compile. ``iree-compile --iree-input-type=torch`` for ``llvm-cpu`` and the host CPU, with
 #    ``--iree-input-demote-f64-to-f32=false``: IREE demotes float64 to float32 by default, and
 #    a float64 program would then compute in float32 (or fail at its first call, when the
