@@ -1,0 +1,523 @@
+"""IREE as a backend of the flat exported programs (docs/backends.md, Note [IREE programs]).
+
+:func:`compile_program` imports one program of ``traced.export(flat=True)`` into MLIR's torch
+dialect with IREE's FX importer (torch-mlir's), compiles it for the host CPU with
+``iree-compile`` and returns a callable that runs it in IREE's runtime, in this process.
+Nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+
+from aotgrad.errors import BackendError, CallError
+from aotgrad.optable import draws_random, op_name
+
+try:
+    import iree.compiler as iree_compiler
+    import iree.runtime as iree_runtime
+    import ml_dtypes
+    from iree.compiler.extras.fx_importer import FxImporter, GraphNodeImporter
+except ImportError as error:  # an optional dependency
+    raise BackendError(
+        f"the IREE backend needs iree-base-compiler and iree-base-runtime ({error}): install"
+        " them with `pip install aotgrad[backends]`"
+    ) from error
+
+__all__ = ["FLAGS", "IreeProgram", "compile_program"]
+
+# Note [IREE programs]
+# ~~~~~~~~~~~~~~~~~~~~
+# A flat program (Note [Export signatures]) is a pure function of tensors, the form IREE
+# compiles. ``compile_program`` takes it in four steps, each of which refuses loudly what it
+# cannot keep exact:
+#
+# 1. Checks. Every input is a USER_INPUT (or a CONSTANT_TENSOR: a tensor made at capture,
+#    part of the function, which the importer inlines into the module) and every output a
+#    USER_OUTPUT tensor of a dtype IREE's runtime passes (not complex, not float8). No op may
+#    draw random numbers: IREE's generator is not torch's, so a dropout mask would differ
+#    from eager's and from the one the backward assumes; ``BackendError`` names the op. No
+#    op may write its arguments (``aten.add_``): the importer gives every tensor value
+#    semantics, and the write would be lost (aotgrad's graphs are functional; an edited one
+#    may not be).
+# 2. Import. ``FxImporter().import_program`` gives ``func.func @main`` over
+#    ``!torch.vtensor``s, one argument per USER_INPUT in order, one result per output. It
+#    is given a copy of the program (nodes and meta dicts copied, tensors shared): the
+#    importer rewrites ``aten.as_strided`` into a gather in place, aotgrad rewrites the ops
+#    the torch dialect lacks (Note [IREE rewrites]), and every node gets the MLIR location
+#    ``aotgrad-node:<name>`` in place of the one the importer would read from the node's
+#    stack trace, so no text of the user's (file names, source) enters the module; the
+#    caller's program stays as it was.
+# 3. Compile. ``iree-compile --iree-input-type=torch`` for ``llvm-cpu`` and the host CPU, with
+#    ``--iree-input-demote-f64-to-f32=false``: IREE demotes float64 to float32 by default, and
+#    a float64 program would then compute in float32 (or fail at its first call, when the
+#    runtime meets 8-byte arguments in 4-byte buffers). A failure's diagnostics carry the
+#    locations of step 2, so ``BackendError`` names the very node (not every convolution
+#    of the model), its module and the user's line; an error at no node (a constant an
+#    unlowered op still uses, as ``aten.fmod.Scalar``'s divisor) is followed by a run to
+#    the end of IREE's input conversion, and the ``torch.aten`` ops left in it are named.
+# 4. Run. The inputs are checked against the program's (shape and dtype: the runtime would
+#    reinterpret the bytes of an int32 tensor passed for an int64 argument), made contiguous
+#    (IREE's tensors are values, in row-major order) and passed as numpy arrays. Every
+#    result is copied into a new torch tensor: IREE returns one buffer for two results of
+#    the same value (``return y, y``), read through a mapping of its memory, and two
+#    gradients must not change together when one is updated in place. Each result's shape
+#    and dtype are checked against the program's output; a mismatch raises instead of
+#    returning a wrong tensor.
+#
+# For ``nn.Linear(3, 2)`` with loss ``lin(x).sum()``, the backward program is
+# ``(x, cotangent) -> (grad weight, grad bias)``; ``compile_program(programs.backward)``
+# gives ``main(x: [4,3] f32, cotangent: [] f32) -> ([2,3] f32, [2] f32)``, called as
+# ``run(x, torch.ones(()))``.
+
+# Arguments of ``iree-compile`` (Note [IREE programs], 3).
+FLAGS: tuple[str, ...] = (
+    "--iree-llvmcpu-target-cpu=host",
+    "--iree-input-demote-f64-to-f32=false",
+)
+
+# The torch dtypes the runtime passes, and the numpy dtype each travels as.
+_NUMPY: dict[torch.dtype, Any] = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.float16: np.float16,
+    torch.bfloat16: ml_dtypes.bfloat16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.bool: np.bool_,
+}
+
+# The file name of the locations ``_locate`` gives each node, before the node's name.
+_NODE_FILE = "aotgrad-node:"
+_DIAGNOSED_NODE = re.compile(re.escape(_NODE_FILE) + r"([A-Za-z0-9_]+)")
+
+# An op named in a compiler diagnostic: ``torch.aten.name[.overload]``, also as the name a
+# ``torch.operator`` carries (an op the torch dialect does not know).
+_DIAGNOSED_OP = re.compile(r"torch\.aten\.[A-Za-z0-9_.]*[A-Za-z0-9_]")
+
+
+@dataclass(frozen=True)
+class _TensorType:
+    """The shape and dtype of one input or output of a program."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"{list(self.shape)} {self.dtype}"
+
+
+class IreeProgram:
+    """One program compiled by IREE; call it with the program's user inputs, in order."""
+
+    def __init__(
+        self,
+        vmfb: bytes,
+        which: str,
+        inputs: Sequence[_TensorType],
+        outputs: Sequence[_TensorType],
+    ) -> None:
+        self.which = which  # "forward", "backward", ...: the program, for messages
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+        context = iree_runtime.SystemContext(config=_config())
+        context.add_vm_module(iree_runtime.VmModule.copy_buffer(context.instance, vmfb))
+        self._main = context.modules.module["main"]
+        self._context = context  # the function runs in it
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(inputs) != len(self.inputs):
+            raise CallError(
+                f"the {self.which} program compiled by IREE takes {len(self.inputs)} input"
+                f" tensor(s), got {len(inputs)}"
+            )
+        arrays = [
+            _to_numpy(t, want, self.which, i)
+            for i, (t, want) in enumerate(zip(inputs, self.inputs, strict=True))
+        ]
+        results = self._main(*arrays)
+        if not isinstance(results, tuple | list):  # one result comes alone
+            results = (results,)
+        if len(results) != len(self.outputs):
+            raise BackendError(
+                f"IREE's {self.which} program returned {len(results)} value(s), expected"
+                f" {len(self.outputs)}; run the program in another backend"
+            )
+        return tuple(
+            _to_torch(r, want, self.which, i)
+            for i, (r, want) in enumerate(zip(results, self.outputs, strict=True))
+        )
+
+
+def compile_program(program: ExportedProgram) -> IreeProgram:
+    """``program`` (one of ``traced.export(flat=True)``) compiled by IREE for this CPU.
+
+    >>> import torch, aotgrad
+    >>> from aotgrad.backends.iree import compile_program
+    >>> lin = torch.nn.Linear(3, 2)
+    >>> programs = aotgrad.trace(lambda x: lin(x).sum(), torch.ones(4, 3)).export(flat=True)
+    >>> backward = compile_program(programs.backward)
+    >>> [tuple(g.shape) for g in backward(torch.ones(4, 3), torch.ones(()))]
+    [(2, 3), (2,)]
+    """
+    which = _which(program)
+    inputs, outputs = _check_signature(program, which)
+    _refuse_random(program, which)
+    _refuse_mutation(program, which)
+    program = _copy(program)  # Note [IREE programs], 2
+    _rewrite(program)
+    _locate(program)
+    text = _import(program, which)
+    vmfb = _compile(text, program, which)
+    return IreeProgram(vmfb, which, inputs, outputs)
+
+
+@functools.cache
+def _config() -> Any:
+    """The runtime's CPU device (with its task threads), shared by every program."""
+    return iree_runtime.Config("local-task")
+
+
+def _which(program: ExportedProgram) -> str:
+    """``"forward"``, ``"backward"`` or ``"joint"``: what aotgrad's descriptors on the
+    program's inputs say it is (Note [Export signatures])."""
+    kinds = set()
+    for node in program.graph.find_nodes(op="placeholder"):
+        desc = node.meta.get("aotgrad", {}).get("descriptor")
+        if isinstance(desc, dict):
+            kinds.add(desc.get("kind"))
+    if "Cotangent" in kinds:
+        return "backward" if kinds <= {"Saved", "Cotangent"} else "joint"
+    return "forward" if kinds else "exported"
+
+
+def _check_signature(
+    program: ExportedProgram, which: str
+) -> tuple[list[_TensorType], list[_TensorType]]:
+    """The types of the program's user inputs and outputs; refuses a program that is not
+    flat or has a tensor of a dtype the runtime cannot pass (Note [IREE programs], 1)."""
+    signature = program.graph_signature
+    kept = {InputKind.USER_INPUT, InputKind.CONSTANT_TENSOR}
+    bad = [str(s.kind.name) for s in signature.input_specs if s.kind not in kept]
+    bad += [str(s.kind.name) for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
+    bad += [
+        type(s.arg).__name__
+        for s in (*signature.input_specs, *signature.output_specs)
+        if not isinstance(s.arg, TensorArgument)
+    ]
+    if bad:
+        raise BackendError(
+            f"IREE takes the {which} program as a pure function of tensors, and it has"
+            f" {', '.join(sorted(set(bad)))} inputs or outputs: export with"
+            " traced.export(flat=True)"
+        )
+    nodes = {n.name: n for n in program.graph.nodes}
+    inputs = [
+        _tensor_type(nodes[s.arg.name], which, "input")
+        for s in signature.input_specs
+        if s.kind == InputKind.USER_INPUT and isinstance(s.arg, TensorArgument)
+    ]
+    outputs = [
+        _tensor_type(nodes[s.arg.name], which, "output")
+        for s in signature.output_specs
+        if isinstance(s.arg, TensorArgument)
+    ]
+    return inputs, outputs
+
+
+def _tensor_type(node: fx.Node, which: str, role: str) -> _TensorType:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise BackendError(
+            f"expected the {which} program's {role} {node.name} to be a tensor, got {val!r}"
+        )
+    if val.dtype not in _NUMPY:
+        raise BackendError(
+            f"the {which} program's {role} {node.name} is a {val.dtype} tensor, a dtype IREE's"
+            f" runtime does not pass (it takes {', '.join(map(str, _NUMPY))}): run this"
+            " program in another backend"
+        )
+    return _TensorType(tuple(int(n) for n in val.shape), val.dtype)
+
+
+def _refuse_random(program: ExportedProgram, which: str) -> None:
+    """Refuses a program with an op that draws random numbers (Note [IREE programs], 1)."""
+    drawing = [
+        node
+        for node in _calls(program)
+        if draws_random(node.target, tuple(node.args), dict(node.kwargs))
+    ]
+    if drawing:
+        raise BackendError(
+            f"the {which} program draws random numbers ({_ops_at(drawing)}), and IREE's"
+            " generator is not torch's: its masks would differ from eager's. Set dropout to 0"
+            " (or call model.eval()) before tracing, or run the model with aotgrad's own"
+            " runtime"
+        )
+
+
+def _refuse_mutation(program: ExportedProgram, which: str) -> None:
+    """Refuses a program with an op that writes one of its arguments (Note [IREE programs],
+    1): the importer gives every tensor value semantics, so the write would be lost."""
+    writing = [
+        node
+        for node in _calls(program)
+        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+    ]
+    if writing:
+        raise BackendError(
+            f"the {which} program writes its tensors in place ({_ops_at(writing)}); IREE"
+            " takes functional programs, where every write is a new value. Export the"
+            " programs aotgrad's capture made (traced.export(flat=True)), not an edited graph"
+        )
+
+
+def _import(program: ExportedProgram, which: str) -> str:
+    """The program as MLIR text in the torch dialect (Note [IREE programs], 2)."""
+    importer = FxImporter(graph_node_importer_cls=_NamingNodeImporter)
+    try:
+        importer.import_program(program, func_name="main")
+    except _NodeImportError as error:
+        cause = error.__cause__
+        raise BackendError(
+            f"IREE's FX importer could not take {_ops_at([error.node])} of the {which}"
+            f" program: {type(cause).__name__}: {_first_line(cause)}. {_advice()}"
+        ) from cause
+    except Exception as error:  # the importer raises what its checks raise
+        raise BackendError(
+            f"IREE's FX importer could not take the {which} program:"
+            f" {type(error).__name__}: {_first_line(error)}. {_advice()}"
+        ) from error
+    return str(importer.module.operation.get_asm(enable_debug_info=True))
+
+
+def _copy(program: ExportedProgram) -> ExportedProgram:
+    """``program`` with a copy of its graph (the nodes' meta dicts copied, values shared)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(program.graph, {}))
+    return ExportedProgram(
+        root=program.graph_module,  # the attributes the graph reads, if any
+        graph=graph,
+        graph_signature=program.graph_signature,
+        state_dict=program.state_dict,
+        range_constraints=program.range_constraints,
+        module_call_graph=program.module_call_graph,
+        constants=program.constants,
+    )
+
+
+def _locate(program: ExportedProgram) -> None:
+    """Gives every node of ``program`` (a copy) the MLIR location ``aotgrad-node:<name>``,
+    so that a compiler diagnostic names the node it is about (Note [IREE programs], 3): the
+    importer reads locations from the ``File "...", line N,`` frames of a node's stack trace."""
+    for node in program.graph.nodes:
+        node.meta["stack_trace"] = f'  File "{_NODE_FILE}{node.name}", line 1, in {node.name}\n'
+
+
+def _squeeze_dims(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """``aten.squeeze.dims(x, dims)`` as ``aten.reshape(x, shape)``: its values, in the
+    squeezed shape (static: export takes static sizes only)."""
+    shape = [int(n) for n in node.meta["val"].shape]
+    return graph.call_function(torch.ops.aten.reshape.default, (node.args[0], shape))
+
+
+# Note [IREE rewrites]
+# ~~~~~~~~~~~~~~~~~~~~
+# Core ATen ops that the torch dialect of IREE's importer does not know (the importer
+# emits them as ``torch.operator``, which no IREE pass lowers), each rewritten before import
+# into ops it knows, computing the same values. BatchNorm's Core ATen decomposition squeezes
+# its statistics with ``aten.squeeze.dims``::
+#
+#     squeeze = aten.squeeze.dims(mean, [0, 2, 3])     # [1, 4, 1, 1] -> [4]
+#     becomes
+#     squeeze = aten.reshape.default(mean, [4])
+#
+# Each rule maps a node to its replacement, which takes over the node's name and metadata (the
+# importer reads result types from ``meta["val"]``).
+_REWRITES: dict[Any, Any] = {
+    torch.ops.aten.squeeze.dims: _squeeze_dims,
+}
+
+
+def _rewrite(program: ExportedProgram) -> None:
+    """Applies ``_REWRITES`` to ``program`` (a copy) in place (Note [IREE rewrites])."""
+    graph = program.graph
+    for node in _calls(program):
+        rule = _REWRITES.get(node.target)
+        if rule is None:
+            continue
+        with graph.inserting_before(node):
+            replacement = rule(graph, node)
+        replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        name = node.name
+        graph.erase_node(node)
+        replacement.name = name  # the signature names outputs by node name
+    graph.lint()
+
+
+class _NodeImportError(Exception):
+    """An importer failure at one node (the cause), carried out to name the node."""
+
+    def __init__(self, node: fx.Node) -> None:
+        super().__init__(node.name)
+        self.node = node
+
+
+class _NamingNodeImporter(GraphNodeImporter):
+    """The importer's node importer, noting which node an op failed at."""
+
+    def _import_torch_op_overload(self, loc: Any, node: fx.Node, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._import_torch_op_overload(loc, node, *args, **kwargs)
+        except Exception as error:
+            raise _NodeImportError(node) from error
+
+
+def _compile(text: str, program: ExportedProgram, which: str) -> bytes:
+    """The MLIR compiled into an IREE module for the host CPU (Note [IREE programs], 3)."""
+    try:
+        vmfb = iree_compiler.compile_str(
+            text, input_type="torch", target_backends=["llvm-cpu"], extra_args=list(FLAGS)
+        )
+    except iree_compiler.CompilerToolError as error:
+        diagnostics = str(error)
+        located = set(_DIAGNOSED_NODE.findall(_error_lines(diagnostics)))
+        names = _diagnosed_ops(_error_lines(diagnostics))
+        nodes = [n for n in _calls(program) if n.name in located]
+        nodes = nodes or [n for n in _calls(program) if _mlir_name(n) in names]
+        if not nodes:  # an error at no op (a constant left over): the ops left unlowered
+            names = _unlowered_ops(text)
+            nodes = [n for n in _calls(program) if _mlir_name(n) in names]
+        what = _ops_at(nodes) if nodes else ", ".join(sorted(names)) or "an op"
+        raise BackendError(
+            f"IREE could not compile {what} of the {which} program:\n"
+            f"{_diagnostic_lines(diagnostics)}\n{_advice()}"
+        ) from error
+    assert isinstance(vmfb, bytes)
+    return vmfb
+
+
+def _unlowered_ops(text: str) -> set[str]:
+    """The ``torch.aten`` ops IREE's input conversion leaves in ``text`` when it fails: a
+    failure that is reported at a constant an unlowered op still uses (``torch.constant.int``
+    for ``aten.fmod.Scalar``'s divisor) names no op itself."""
+    try:
+        iree_compiler.compile_str(
+            text,
+            input_type="torch",
+            extra_args=[*FLAGS, "--compile-to=input", "--mlir-print-ir-after-failure"],
+        )
+    except iree_compiler.CompilerToolError as error:
+        return _diagnosed_ops(str(error))
+    return set()
+
+
+def _calls(program: ExportedProgram) -> list[fx.Node]:
+    return [n for n in program.graph.nodes if n.op == "call_function"]
+
+
+def _diagnosed_ops(diagnostics: str) -> set[str]:
+    """The ``torch.aten.*`` ops (and ``torch.operator`` names) an error names."""
+    return set(_DIAGNOSED_OP.findall(diagnostics))
+
+
+def _mlir_name(node: fx.Node) -> str:
+    """The name the importer gives ``node``'s op: ``torch.aten.mm`` for ``aten.mm.default``,
+    ``torch.aten.add.Tensor`` for ``aten.add.Tensor``."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return ""
+    name = f"torch.{target.namespace}.{target._opname}"
+    return name if target._overloadname == "default" else f"{name}.{target._overloadname}"
+
+
+def _error_lines(diagnostics: str) -> str:
+    return "\n".join(line for line in diagnostics.splitlines() if "error:" in line)
+
+
+def _diagnostic_lines(diagnostics: str, limit: int = 8) -> str:
+    """The ``error:`` lines of ``iree-compile``'s output, the first ``limit`` of them."""
+    lines = [line.strip() for line in diagnostics.splitlines() if "error:" in line]
+    if not lines:
+        lines = [line.strip() for line in diagnostics.splitlines() if line.strip()][:limit]
+    more = f"\n  ... ({len(lines) - limit} more)" if len(lines) > limit else ""
+    shown = (line if len(line) <= 300 else line[:300] + " ..." for line in lines[:limit])
+    return "\n".join(f"  {line}" for line in shown) + more
+
+
+def _ops_at(nodes: Sequence[fx.Node]) -> str:
+    """``aten.bernoulli.p (node bernoulli, drop, at model.py:12: x = self.drop(x))``; ...:
+    each node's op, name, module and the user's line."""
+    parts = []
+    for node in nodes[:6]:
+        info = node.meta.get("aotgrad", {})
+        where = [f"node {node.name}"]
+        if info.get("module"):
+            where.append(str(info["module"]))
+        source = info.get("source")
+        if isinstance(source, dict):
+            where.append(f"at {source.get('file')}:{source.get('line')}: {source.get('code')}")
+        parts.append(f"{op_name(node.target)} ({', '.join(where)})")
+    more = f" and {len(nodes) - 6} more" if len(nodes) > 6 else ""
+    return "; ".join(parts) + more
+
+
+def _first_line(error: BaseException | None) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _advice() -> str:
+    return (
+        "Trace with decompositions='core_aten' (the ops IREE's importer knows best), change"
+        " the model to avoid the op, or run this program in another backend"
+        " (step(programs, 'onnxruntime'))"
+    )
+
+
+def _to_numpy(tensor: torch.Tensor, want: _TensorType, which: str, index: int) -> np.ndarray:
+    """One input as the runtime takes it: a contiguous CPU array (Note [IREE programs], 4)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise CallError(
+            f"the {which} program's input {index} is {want}, got {type(tensor).__name__}"
+        )
+    if (tuple(tensor.shape), tensor.dtype) != (want.shape, want.dtype) or tensor.is_meta:
+        raise CallError(
+            f"the {which} program compiled by IREE takes input {index} as {want}, got"
+            f" {list(tensor.shape)} {tensor.dtype}"
+            + (" on the meta device" if tensor.is_meta else "")
+            + ": pass the tensors the program was exported for"
+        )
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: the bits travel as int16
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def _to_torch(result: Any, want: _TensorType, which: str, index: int) -> torch.Tensor:
+    """One result, copied into a new tensor, checked against the program's output."""
+    array = np.array(result.to_host(), copy=True)
+    dtype = np.dtype(_NUMPY[want.dtype])
+    if array.shape != want.shape or array.dtype != dtype:
+        raise BackendError(
+            f"IREE's {which} program returned output {index} as {list(array.shape)}"
+            f" {array.dtype}, and the program's output is {want}: it would not be the value"
+            " torch computes. Run this program in another backend"
+        )
+    if want.dtype == torch.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
