@@ -106,7 +106,24 @@ _MOE_LOOP = (
     "refused (DataDependentError): Mixtral's eager experts loop over `nonzero()` of the routing"
     " mask; the default experts kernel (`mixtral`) passes"
 )
+_MOE_CORE = (
+    "refused (UnsupportedOpError): Core ATen capture of Mixtral meets `histc` (no exact"
+    " decomposition) and transformers' own grouped-matmul custom ops; its grouped matmul has no"
+    " float64 kernel either"
+)
+_ORT_LOAD = (
+    "refused (BackendError): ONNX Runtime cannot load the program torch.onnx exports (a shape"
+    " the exporter types wrongly: `Unsqueeze`/`Transpose` of a value it types as rank 0)"
+)
+_RELU_FLIPS = (
+    "float32 cannot be compared at 1e-4: ReLU inputs within 1e-6 of zero flip their mask and"
+    " BatchNorm on small maps amplifies it; eager float32 itself is 0.8% off float64"
+    " (docs/backends.md)"
+)
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
+    **{("mixtral", c): _MOE_CORE for c in ("core_aten", "onnxruntime", "iree")},
+    **{(m, "onnxruntime"): _ORT_LOAD for m in ("bart", "whisper", "tv_swin")},
+    **{("mnasnet", c): _RELU_FLIPS for c in ("onnxruntime", "iree")},
     # (torch.compile passes: Dynamo breaks the graph at the nonzero() and runs the loop itself.)
     **{("mixtral_eager", c): _MOE_LOOP for c in CHECKS if c != "dynamo"},
     # Refused loudly (UnsupportedMutationError): eager updates the running stats a second time
