@@ -325,6 +325,72 @@ def test_convolution_backward_decomposition_equals_eager() -> None:
     assert checked > 100
 
 
+AVG_POOLS = [
+    # (spatial dims, kernel, stride, padding, ceil_mode, count_include_pad, divisor, size)
+    *(
+        c
+        for c in itertools.product(
+            [2], [1, 2, 3, 4], [1, 2, 3], [0, 1, 2], [False, True], [False, True], [None, 3], [5, 8]
+        )
+        if 2 * c[3] <= c[1]
+    ),
+    *(
+        c
+        for c in itertools.product(
+            [3], [2, 3], [1, 2], [0, 1], [False, True], [False, True], [None, 3], [5]
+        )
+        if 2 * c[3] <= c[1]
+    ),
+]
+
+
+def test_avg_pool_backward_decomposition_equals_eager() -> None:
+    """Note [Average pooling backward for ONNX]: the gradient equals eager's kernel's over
+    kernels, strides, paddings, ceil_mode (clipped windows), count_include_pad,
+    divisor_override and sizes no window fits exactly; in float64, so exact, not close."""
+    aten = torch.ops.aten
+    checked = 0
+    for dims, kernel, stride, padding, ceil, include, divisor, size in AVG_POOLS:
+        op = aten.avg_pool2d_backward if dims == 2 else aten.avg_pool3d_backward
+        pool = F.avg_pool2d if dims == 2 else F.avg_pool3d
+        x = torch.randn(2, 3, *[size + i for i in range(dims)], dtype=torch.float64)
+        y = pool(x, kernel, stride, padding, ceil, include, divisor)
+        k, s, p = [kernel] * dims, [stride] * dims, [padding] * dims
+        args = (torch.randn_like(y), x, k, s, p, ceil, include, divisor)
+        got = ort_backend._avg_pool_backward(*args)
+        torch.testing.assert_close(got, op(*args), rtol=1e-12, atol=1e-12, msg=str(args[2:]))
+        checked += 1
+    assert checked > 200
+    # Unbatched input, a kernel and stride per axis, the stride left out (the kernel's).
+    x = torch.randn(3, 7, 6, dtype=torch.float64)
+    for stride in ([2, 1], []):
+        y = aten.avg_pool2d(x, [3, 2], stride, [1, 0], True, False)
+        args = (torch.randn_like(y), x, [3, 2], stride, [1, 0], True, False, None)
+        torch.testing.assert_close(
+            ort_backend._avg_pool_backward(*args), aten.avg_pool2d_backward(*args)
+        )
+
+
+class AvgPoolNet(nn.Module):
+    """densenet's transition (a strided average pool) and a ceil_mode pool that counts only
+    the input's elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.transition = nn.AvgPool2d(2, stride=2)
+        self.clipped = nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True, count_include_pad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.clipped(self.transition(self.conv(x)).relu()).mean((2, 3))
+
+
+def test_avg_pool_backward_runs() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 13, 11, generator=torch.Generator().manual_seed(1))
+    check_backend(AvgPoolNet(), lambda y: y.square().sum(), (x,), {}, BACKEND, **TINY)
+
+
 class ConvNet(nn.Module):
     """Strided, dilated and grouped convolutions, BatchNorm, a residual and a linear head."""
 
@@ -386,6 +452,10 @@ LIBRARY = [
     ("swin", None, "core_aten", MODEL),
     ("tv_vit", None, "core_aten", MODEL),
     ("deit", None, "core_aten", MODEL),
+    # avg_pool2d_backward (Note [Average pooling backward for ONNX]) and F.interpolate's
+    # (Note [Upsampling backward in Core ATen]).
+    ("densenet", (8, 0), "core_aten", CONVNET),
+    ("mobilevit", (8, 0), "core_aten", CONVNET),
 ]
 
 
@@ -403,14 +473,15 @@ def test_library_model(
 
 
 @pytest.mark.backends_slow
-def test_timm_resnet_with_batchnorm() -> None:
+@pytest.mark.parametrize("name", ["resnet18", "resnet10t"])
+def test_timm_resnet_with_batchnorm(name: str) -> None:
+    # resnet10t's shortcuts average-pool (Note [Average pooling backward for ONNX]).
     import timm
 
     import library_models  # noqa: F401  (the torchvision shim, before timm imports it)
 
     torch.manual_seed(0)
-    # resnet10t's avg-pool shortcuts need avg_pool2d_backward, which the exporter refuses.
-    model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    model = timm.create_model(name, pretrained=False, num_classes=10)
     images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     loss = lambda y: F.cross_entropy(y, torch.arange(8) % 10)  # noqa: E731
     check_backend(model, loss, (images,), {}, BACKEND, **CONVNET)

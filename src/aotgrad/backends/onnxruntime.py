@@ -35,8 +35,9 @@ Refused when a program is compiled, because ONNX Runtime would run it unlike tor
 error: random ops (Note [ONNX Runtime and random ops]), outputs the exporter fills with
 stand-ins (Note [ONNX functions with filler outputs]), arguments it ignores (Note [ONNX
 functions that ignore an argument]), and dtypes NumPy cannot hold (``bfloat16``, complex, the
-float8 types: the session's inputs and outputs go through NumPy). ``convolution_backward``,
-which the exporter cannot take, is decomposed first (Note [Convolution backward for ONNX]).
+float8 types: the session's inputs and outputs go through NumPy). ``convolution_backward``
+and ``avg_pool{2,3}d_backward``, which the exporter cannot take, are decomposed first (Note
+[Convolution backward for ONNX], Note [Average pooling backward for ONNX]).
 
 Note [ONNX Runtime and random ops]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -213,9 +214,101 @@ def _convolution_backward(
     return grad_input, grad_weight, grad_bias
 
 
+# Note [Average pooling backward for ONNX]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``aten.avg_pool2d_backward`` is Core ATen (densenet's transitions, timm's resnet10t
+# shortcuts), and, as for convolution's backward, neither PyTorch nor the exporter decomposes
+# it (nor ``avg_pool3d_backward``). Each output position ``o`` of the pooling averaged one
+# window, so its gradient divided by that window's divisor goes to every input element of
+# the window: a transposed convolution, per channel, of ``gy / divisor`` with a kernel of ones
+# at the pooling's stride. The divisor is what the kernel divides by (``AvgPoolKernel.cpp``),
+# per axis a count, the window's product over the axes:
+#
+#   start = o*s - p,  end = min(start + k, size + p)      (a ceil_mode window is clipped)
+#   count_include_pad    end - start
+#   otherwise            min(end, size) - max(start, 0)  (in-bounds elements only)
+#   divisor_override     that number, for every window
+#
+# The transposed convolution without padding gives the gradient of the padded input,
+# ``(out - 1)*s + k`` long on each axis; the input's ``size`` elements start at ``p``:
+# it is sliced there, and zero-padded at the end where no window reached the last elements.
+#
+# e.g. ``avg_pool1d`` of 6 elements, k 2, s 2, p 1, ceil_mode, count_include_pad=False: 4
+# windows start at -1, 1, 3, 5 and end at 1, 3, 5, 7 (at most size + p = 7: k 3 would clip the last);
+# divisors 1, 2, 2, 1 (in-bounds elements). ``gy = (a, b, c, d)`` scaled is ``(a, b/2, c/2,
+# d)``; its transposed convolution, ``(a, a, b/2, b/2, c/2, c/2, d, d)`` on the padded axis
+# -1..6, sliced from p = 1: ``(a, b/2, b/2, c/2, c/2, d)``, eager's. With 7 elements, k 2,
+# s 2, p 0, the 3 windows cover 0..5: element 6 gets the zero padding (no window read it).
+# tests/test_backend_onnxruntime.py checks the decomposition against eager's kernel over
+# kernels, strides, paddings, ceil_mode, count_include_pad, divisor_override and sizes no
+# window fits exactly, in 2 and 3 dimensions.
+
+
+def _window_counts(
+    out: int, size: int, kernel: int, stride: int, padding: int, include_pad: bool, like: Any
+) -> torch.Tensor:
+    """Per output position of one axis, the number of elements its window averaged."""
+    start = torch.arange(out, device=like.device) * stride - padding
+    end = (start + kernel).clamp(max=size + padding)
+    if include_pad:
+        return end - start
+    return end.clamp(max=size) - start.clamp(min=0)
+
+
+def _avg_pool_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None = None,
+) -> torch.Tensor:
+    """``aten.avg_pool{2,3}d_backward`` as a transposed convolution with ones (Note [Average
+    pooling backward for ONNX]). ``ceil_mode`` is in ``grad_output``'s shape."""
+    dims = len(kernel_size) if len(kernel_size) > 1 else input.dim() - 2
+    batched = input.dim() == dims + 2
+    grad = grad_output if batched else grad_output.unsqueeze(0)
+    x_shape = input.shape if batched else (1, *input.shape)
+    kernel = _per_dim(kernel_size, dims)
+    stride = _per_dim(stride, dims) if len(stride) else kernel
+    padding = _per_dim(padding, dims)
+    spatial, out = x_shape[2:], grad.shape[2:]
+    dtype = grad.dtype
+    if divisor_override:
+        scaled = grad / divisor_override
+    else:
+        divisor = torch.ones((), dtype=dtype, device=grad.device)
+        for i in range(dims):
+            counts = _window_counts(
+                out[i], spatial[i], kernel[i], stride[i], padding[i], count_include_pad, grad
+            )
+            divisor = divisor * counts.to(dtype).reshape(-1, *[1] * (dims - 1 - i))
+        scaled = grad / divisor
+    channels = x_shape[1]
+    ones = torch.ones((channels, 1, *kernel), dtype=dtype, device=grad.device)
+    padded = _aten.convolution.default(
+        scaled, ones, None, stride, [0] * dims, [1] * dims, True, [0] * dims, channels
+    )
+    grad_input = padded
+    short = []
+    for i in range(dims):
+        kept = min(padded.shape[2 + i] - padding[i], spatial[i])
+        grad_input = grad_input.narrow(2 + i, padding[i], kept)
+        short.append(spatial[i] - kept)
+    if any(short):
+        pads = [n for i in reversed(range(dims)) for n in (0, short[i])]
+        grad_input = _aten.constant_pad_nd.default(grad_input, pads, 0.0)
+    grad_input = grad_input.contiguous()
+    return grad_input if batched else grad_input.squeeze(0)
+
+
 # Ops the exporter has no ONNX function for, decomposed by the backend before it exports.
 _DECOMPOSITIONS: dict[Any, Any] = {
     _aten.convolution_backward.default: _convolution_backward,
+    _aten.avg_pool2d_backward.default: _avg_pool_backward,
+    _aten.avg_pool3d_backward.default: _avg_pool_backward,
 }
 
 
