@@ -391,6 +391,47 @@ def test_avg_pool_backward_runs() -> None:
     check_backend(AvgPoolNet(), lambda y: y.square().sum(), (x,), {}, BACKEND, **TINY)
 
 
+class BroadcastingCopies(nn.Module):
+    """Writes that broadcast their source (``aten.copy`` of another shape): a 0-d tensor into
+    a column read through ``unsqueeze`` (BART's ``shifted[:, 0] = start``), and a 0-d int and
+    a row into a buffer only its sum is saved from, where a copy that kept its source's shape
+    would give a wrong loss and gradient without an error."""
+
+    def __init__(self, column: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
+        self.column = column
+
+    def forward(self, start: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        shifted = self.w.clone()
+        if self.column:
+            shifted[:, 0] = start
+        filled = torch.zeros(3, 4)
+        filled.copy_(start.to(torch.int64) + 1)
+        rows = torch.zeros(3, 4)
+        rows.copy_(row)
+        return (shifted.unsqueeze(1) * filled.sum() * rows.sum() * self.w.unsqueeze(1)).sum()
+
+
+@pytest.mark.parametrize("column", [True, False], ids=["column", "sums_only"])
+def test_broadcasting_copy_is_eager(column: bool) -> None:
+    """Note [ONNX copy drops the destination's shape]: ``sums_only`` ran, wrong, before."""
+    args = (torch.tensor(2.5), torch.arange(4.0))
+    check_backend(BroadcastingCopies(column), lambda y: y, args, {}, BACKEND, **TINY)
+
+
+def test_broadcasting_copy_left_by_the_exporter_is_refused() -> None:
+    class Copy(nn.Module):
+        def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten.copy.default(x, t).sum()
+
+    program = torch.export.export(Copy(), (torch.zeros(3, 4), torch.tensor(1.0)))
+    message = ort_backend._broadcasting_copies(program)
+    assert message is not None and "aten.copy.default" in message
+    same = torch.export.export(Copy(), (torch.zeros(3, 4), torch.ones(3, 4)))
+    assert ort_backend._broadcasting_copies(same) is None
+
+
 class ConvNet(nn.Module):
     """Strided, dilated and grouped convolutions, BatchNorm, a residual and a linear head."""
 

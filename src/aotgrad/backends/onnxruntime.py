@@ -57,7 +57,7 @@ import logging
 import operator
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -304,21 +304,77 @@ def _avg_pool_backward(
     return grad_input if batched else grad_input.squeeze(0)
 
 
-# Ops the exporter has no ONNX function for, decomposed by the backend before it exports.
+# Note [ONNX copy drops the destination's shape]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``aten.copy(self, src)`` (functionalization's write ``self[...] = src``) is ``src`` cast to
+# ``self``'s dtype and broadcast to ``self``'s shape. The exporter's ONNX function is
+# ``CastLike(src, self)`` (torchlib ``aten_copy``): it keeps ``src``'s shape. BART's and
+# Whisper's ``shifted[:, 0] = start`` writes a 0-d ``start`` into a (2,) column: ONNX has a
+# 0-d tensor where torch has (2,), and the ``unsqueeze(1)`` after it fails to load ("Unexpected
+# axis value: 1. Expected range [-1, 1)"); torchvision's Swin writes a scalar into a slice of its
+# attention mask, and ``Transpose`` fails the same way. Where the shapes do not clash, ONNX's
+# broadcasting would carry the wrong shape on without a word (a sum over the written tensor
+# would add one value instead of two). So, before exporting, a ``copy`` whose ``src`` has
+# another shape than ``self`` is written as ``src.to(self.dtype).expand(self.shape)`` (then
+# a ``clone``: copy's result is a tensor of its own), which is copy's own broadcast; and a
+# broadcasting ``copy`` still in the exporter's program (made by its own decompositions) is
+# refused when the program is compiled.
+
+
+def _broadcasts(node: fx.Node) -> bool:
+    """A ``copy`` node whose ``src`` has another shape than ``self``."""
+    if node.target is not _aten.copy.default:
+        return False
+    shapes = [getattr(arg.meta.get("val"), "shape", None) for arg in node.args[:2]]
+    return shapes[0] != shapes[1]
+
+
+def _broadcast_copy(
+    destination: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
+) -> Any:
+    """``aten.copy`` as its own broadcast (Note [ONNX copy drops the destination's shape])."""
+    if src.shape == destination.shape:
+        return NotImplemented
+    return src.to(destination.dtype).expand(destination.shape).clone()
+
+
+# Ops the exporter has no faithful ONNX function for, decomposed by the backend before it
+# exports, and when: every node of the op, or only those the predicate picks.
 _DECOMPOSITIONS: dict[Any, Any] = {
     _aten.convolution_backward.default: _convolution_backward,
     _aten.avg_pool2d_backward.default: _avg_pool_backward,
     _aten.avg_pool3d_backward.default: _avg_pool_backward,
+    _aten.copy.default: _broadcast_copy,
+}
+_DECOMPOSE_ONLY: dict[Any, Callable[[fx.Node], bool]] = {
+    _aten.copy.default: _broadcasts,
 }
 
 
 def _decompose(program: ExportedProgram) -> ExportedProgram:
     """``program`` with the ops of ``_DECOMPOSITIONS`` decomposed (none there: itself)."""
-    present = {n.target for n in program.graph.nodes if n.op == "call_function"}
+    present = {
+        n.target
+        for n in program.graph.nodes
+        if n.op == "call_function" and _DECOMPOSE_ONLY.get(n.target, bool)(n)
+    }
     table = {op: fn for op, fn in _DECOMPOSITIONS.items() if op in present}
     if not table:
         return program
     return program.run_decompositions(table)
+
+
+def _broadcasting_copies(program: ExportedProgram) -> str | None:
+    """Note [ONNX copy drops the destination's shape], in the exporter's program."""
+    found = [n for n in program.graph.nodes if n.op == "call_function" and _broadcasts(n)]
+    if not found:
+        return None
+    return (
+        "the exporter's decompositions made a copy that broadcasts its source, which its ONNX"
+        " function does not (Note [ONNX copy drops the destination's shape]):\n"
+        f"{_describe(found)}\n"
+        "  Capture with decompositions='core_aten', or run the program with torch"
+    )
 
 
 # Note [ONNX functions with filler outputs]
@@ -431,10 +487,13 @@ def _ignored_arguments(program: ExportedProgram) -> str | None:
     )
 
 
-def _refuse_unfaithful(program: ExportedProgram, kind: str) -> None:
+def _refuse_unfaithful(program: ExportedProgram, kind: str, exported: bool = False) -> None:
     """Refuse what ONNX Runtime would run other than torch does, without an error: each check
-    names the nodes and says what to do (or returns None); the error has them all."""
-    checks = (_random_ops, _filler_outputs, _ignored_arguments)
+    names the nodes and says what to do (or returns None); the error has them all.
+    ``exported``: ``program`` is the exporter's, after the backend's decompositions."""
+    checks = [_random_ops, _filler_outputs, _ignored_arguments]
+    if exported:
+        checks.append(_broadcasting_copies)
     problems = [problem for check in checks if (problem := check(program)) is not None]
     if problems:
         raise BackendError(
@@ -461,7 +520,7 @@ def compile_program(program: ExportedProgram) -> OrtProgram:
     outputs = _user_specs(program, kind, "output")
     onnx_program = _export(program, kind)
     # What the exporter translated: its decompositions may write an op as a refused one.
-    _refuse_unfaithful(onnx_program.exported_program, kind)
+    _refuse_unfaithful(onnx_program.exported_program, kind, exported=True)
     feeds = _feed_names(onnx_program, inputs, kind)
     session = _session(onnx_program.model_proto, kind)
     _check_session(session, feeds, inputs, outputs, kind)
@@ -773,12 +832,13 @@ def _session(model: Any, kind: str) -> Any:
         ) from error
 
 
-_ORT_NODE = re.compile(r"node with name '([^']*)'")
+# "... node with name 'node_Add_3' ..." or "Node (node_unsqueeze) Op (Unsqueeze) ...".
+_ORT_NODE = re.compile(r"node with name '([^']*)'|Node \(([^)]*)\)")
 
 
 def _onnx_node_origin(model: Any, message: str) -> str:
     """The aten node an ONNX node named in ``message`` was made from, as a line, or ""."""
-    names = set(_ORT_NODE.findall(message))
+    names = {name for pair in _ORT_NODE.findall(message) for name in pair if name}
     lines = []
     for node in model.graph.node:
         if node.name in names:
