@@ -325,7 +325,10 @@ def _broadcasts(node: fx.Node) -> bool:
     """A ``copy`` node whose ``src`` has another shape than ``self``."""
     if node.target is not _aten.copy.default:
         return False
-    shapes = [getattr(arg.meta.get("val"), "shape", None) for arg in node.args[:2]]
+    shapes = [
+        getattr(arg.meta.get("val"), "shape", None) if isinstance(arg, fx.Node) else None
+        for arg in node.args[:2]
+    ]
     return shapes[0] != shapes[1]
 
 
