@@ -554,3 +554,22 @@ def test_default_decompositions_refuse_attention(name: str) -> None:
     programs = aotgrad.trace(case.model, *args, decompositions=None, **kwargs).export(flat=True)
     with pytest.raises(BackendError, match="_scaled_dot_product_flash_attention_for_cpu"):
         step(programs, BACKEND)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Node (node_unsqueeze) Op (Unsqueeze) [ShapeInferenceError] Unexpected axis value",
+        "Load model failed: node with name 'node_unsqueeze' has an invalid input",
+    ],
+)
+def test_load_error_names_the_aten_node(message: str) -> None:
+    """Both ways ONNX Runtime names a node lead to the aten node it was made from."""
+    import onnx
+
+    node = onnx.helper.make_node("Unsqueeze", ["x", "axes"], ["y"], name="node_unsqueeze")
+    entry = node.metadata_props.add()
+    entry.key, entry.value = "pkg.torch.onnx.fx_node", "%unsqueeze = aten.unsqueeze.default"
+    graph = onnx.helper.make_graph([node], "g", [], [])
+    origin = ort_backend._onnx_node_origin(onnx.helper.make_model(graph), message)
+    assert "node_unsqueeze (Unsqueeze) made from %unsqueeze = aten.unsqueeze.default" in origin
