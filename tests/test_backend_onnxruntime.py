@@ -371,18 +371,46 @@ def test_avg_pool_backward_decomposition_equals_eager() -> None:
         )
 
 
+ADAPTIVE_POOLS = [
+    # (input sizes, output sizes): down, not dividing, up, to 1, unbatched
+    ((2, 3, 8, 8), (2, 2)),
+    ((2, 3, 7, 5), (3, 2)),
+    ((2, 3, 3, 4), (5, 7)),
+    ((2, 3, 6, 5), (1, 3)),
+    ((3, 7, 5), (4, 3)),
+    ((2, 3, 5, 7, 6), (2, 3, 4)),
+    ((3, 4, 5, 6), (3, 2, 5)),
+]
+
+
+def test_adaptive_avg_pool_backward_decomposition_equals_eager() -> None:
+    """Note [Adaptive average pooling backward for ONNX], in float64."""
+    aten = torch.ops.aten
+    for size, out in ADAPTIVE_POOLS:
+        x = torch.randn(size, dtype=torch.float64)
+        pool, op = (
+            (aten._adaptive_avg_pool2d, aten._adaptive_avg_pool2d_backward)
+            if len(out) == 2
+            else (aten._adaptive_avg_pool3d, aten._adaptive_avg_pool3d_backward)
+        )
+        grad = torch.randn_like(pool(x, list(out)))
+        got = ort_backend._DECOMPOSITIONS[op.default](grad, x)
+        torch.testing.assert_close(got, op(grad, x), rtol=1e-12, atol=1e-12, msg=str(size))
+
+
 class AvgPoolNet(nn.Module):
-    """densenet's transition (a strided average pool) and a ceil_mode pool that counts only
-    the input's elements."""
+    """densenet's transition (a strided average pool), a ceil_mode pool that counts only
+    the input's elements, and an adaptive pool whose windows overlap."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
         self.transition = nn.AvgPool2d(2, stride=2)
         self.clipped = nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True, count_include_pad=False)
+        self.adaptive = nn.AdaptiveAvgPool2d((3, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.clipped(self.transition(self.conv(x)).relu()).mean((2, 3))
+        return self.adaptive(self.clipped(self.transition(self.conv(x)).relu())).flatten(1)
 
 
 def test_avg_pool_backward_runs() -> None:

@@ -35,9 +35,11 @@ Refused when a program is compiled, because ONNX Runtime would run it unlike tor
 error: random ops (Note [ONNX Runtime and random ops]), outputs the exporter fills with
 stand-ins (Note [ONNX functions with filler outputs]), arguments it ignores (Note [ONNX
 functions that ignore an argument]), and dtypes NumPy cannot hold (``bfloat16``, complex, the
-float8 types: the session's inputs and outputs go through NumPy). ``convolution_backward``
-and ``avg_pool{2,3}d_backward``, which the exporter cannot take, are decomposed first (Note
-[Convolution backward for ONNX], Note [Average pooling backward for ONNX]).
+float8 types: the session's inputs and outputs go through NumPy). ``convolution_backward``,
+``avg_pool{2,3}d_backward`` and ``_adaptive_avg_pool{2,3}d_backward``, which the exporter
+cannot take, are decomposed first (Note [Convolution backward for ONNX], Note [Average pooling
+backward for ONNX], Note [Adaptive average pooling backward for ONNX]); so is a write whose
+source broadcasts (Note [ONNX copy drops the destination's shape]).
 
 Note [ONNX Runtime and random ops]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -304,6 +306,44 @@ def _avg_pool_backward(
     return grad_input if batched else grad_input.squeeze(0)
 
 
+# Note [Adaptive average pooling backward for ONNX]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``aten._adaptive_avg_pool2d_backward`` (Core ATen; ``nn.AdaptiveAvgPool2d`` to more than one
+# output) has no ONNX function either. Its windows are not strided alike: on an axis of
+# ``size`` inputs and ``out`` outputs, output ``o`` averages ``[floor(o*size/out),
+# ceil((o+1)*size/out))`` (``AdaptiveAvgPoolKernel.cpp``), and a window's count is the product
+# of its axes' counts. So the pooling is separable: on each axis, a matrix ``A`` (out x size)
+# with ``1/count`` over the window's inputs, and the backward applies each axis's ``A^T``:
+# ``grad_x = A_h^T gy A_w``. e.g. 5 inputs to 2 outputs: windows [0, 3) and [2, 5),
+# ``A = [[1/3, 1/3, 1/3, 0, 0], [0, 0, 1/3, 1/3, 1/3]]``; ``gy = (a, b)`` gives ``(a/3, a/3,
+# a/3 + b/3, b/3, b/3)``, eager's. Checked against eager's kernel in float64 in
+# tests/test_backend_onnxruntime.py.
+
+
+def _adaptive_axis(out: int, size: int, like: torch.Tensor) -> torch.Tensor:
+    """The (out, size) matrix of one axis: ``1/count`` over each output's window, else 0."""
+    o = torch.arange(out, device=like.device).unsqueeze(1)
+    i = torch.arange(size, device=like.device)
+    start = torch.div(o * size, out, rounding_mode="floor")
+    end = torch.div((o + 1) * size + out - 1, out, rounding_mode="floor")
+    inside = (i >= start) & (i < end)
+    return inside.to(like.dtype) / (end - start).to(like.dtype)
+
+
+def _adaptive_avg_pool_backward(dims: int) -> Callable[..., torch.Tensor]:
+    """``aten._adaptive_avg_pool{dims}d_backward`` as one matmul per axis (Note [Adaptive
+    average pooling backward for ONNX])."""
+
+    def backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        grad = grad_output
+        for axis in range(grad.dim() - dims, grad.dim()):
+            matrix = _adaptive_axis(grad.shape[axis], input.shape[axis], grad)
+            grad = torch.matmul(grad.movedim(axis, -1), matrix).movedim(-1, axis)
+        return grad.contiguous()
+
+    return backward
+
+
 # Note [ONNX copy drops the destination's shape]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``aten.copy(self, src)`` (functionalization's write ``self[...] = src``) is ``src`` cast to
@@ -347,6 +387,8 @@ _DECOMPOSITIONS: dict[Any, Any] = {
     _aten.convolution_backward.default: _convolution_backward,
     _aten.avg_pool2d_backward.default: _avg_pool_backward,
     _aten.avg_pool3d_backward.default: _avg_pool_backward,
+    _aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool_backward(2),
+    _aten._adaptive_avg_pool3d_backward.default: _adaptive_avg_pool_backward(3),
     _aten.copy.default: _broadcast_copy,
 }
 _DECOMPOSE_ONLY: dict[Any, Callable[[fx.Node], bool]] = {
