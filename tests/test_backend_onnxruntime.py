@@ -357,18 +357,22 @@ def test_avg_pool_backward_decomposition_equals_eager() -> None:
         y = pool(x, kernel, stride, padding, ceil, include, divisor)
         k, s, p = [kernel] * dims, [stride] * dims, [padding] * dims
         args = (torch.randn_like(y), x, k, s, p, ceil, include, divisor)
-        got = ort_backend._avg_pool_backward(*args)
+        got = ort_backend._DECOMPOSITIONS[op.default](*args)
         torch.testing.assert_close(got, op(*args), rtol=1e-12, atol=1e-12, msg=str(args[2:]))
         checked += 1
     assert checked > 200
-    # Unbatched input, a kernel and stride per axis, the stride left out (the kernel's).
+    # Unbatched input, a kernel and stride per axis or one for all, the stride left out (the
+    # kernel's).
+    decompose = ort_backend._DECOMPOSITIONS[aten.avg_pool2d_backward.default]
     x = torch.randn(3, 7, 6, dtype=torch.float64)
-    for stride in ([2, 1], []):
-        y = aten.avg_pool2d(x, [3, 2], stride, [1, 0], True, False)
-        args = (torch.randn_like(y), x, [3, 2], stride, [1, 0], True, False, None)
-        torch.testing.assert_close(
-            ort_backend._avg_pool_backward(*args), aten.avg_pool2d_backward(*args)
-        )
+    for kernel, stride, padding in [
+        ([3, 2], [2, 1], [1, 0]),
+        ([3, 2], [], [1, 0]),
+        ([3], [2], [1]),
+    ]:
+        y = aten.avg_pool2d(x, kernel, stride, padding, True, False)
+        args = (torch.randn_like(y), x, kernel, stride, padding, True, False, None)
+        torch.testing.assert_close(decompose(*args), aten.avg_pool2d_backward(*args))
 
 
 ADAPTIVE_POOLS = [

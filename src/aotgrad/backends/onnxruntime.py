@@ -54,6 +54,7 @@ compiled; dropout at p = 0, or in eval mode, draws nothing and runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import operator
@@ -257,7 +258,13 @@ def _window_counts(
     return end.clamp(max=size) - start.clamp(min=0)
 
 
-def _avg_pool_backward(
+def _avg_pool_backward(dims: int) -> Callable[..., torch.Tensor]:
+    """``aten.avg_pool{dims}d_backward`` (Note [Average pooling backward for ONNX])."""
+    return functools.partial(_avg_pool_backward_nd, dims)
+
+
+def _avg_pool_backward_nd(
+    dims: int,
     grad_output: torch.Tensor,
     input: torch.Tensor,
     kernel_size: Sequence[int],
@@ -267,9 +274,8 @@ def _avg_pool_backward(
     count_include_pad: bool,
     divisor_override: int | None = None,
 ) -> torch.Tensor:
-    """``aten.avg_pool{2,3}d_backward`` as a transposed convolution with ones (Note [Average
+    """``aten.avg_pool{dims}d_backward`` as a transposed convolution with ones (Note [Average
     pooling backward for ONNX]). ``ceil_mode`` is in ``grad_output``'s shape."""
-    dims = len(kernel_size) if len(kernel_size) > 1 else input.dim() - 2
     batched = input.dim() == dims + 2
     grad = grad_output if batched else grad_output.unsqueeze(0)
     x_shape = input.shape if batched else (1, *input.shape)
@@ -385,8 +391,8 @@ def _broadcast_copy(
 # exports, and when: every node of the op, or only those the predicate picks.
 _DECOMPOSITIONS: dict[Any, Any] = {
     _aten.convolution_backward.default: _convolution_backward,
-    _aten.avg_pool2d_backward.default: _avg_pool_backward,
-    _aten.avg_pool3d_backward.default: _avg_pool_backward,
+    _aten.avg_pool2d_backward.default: _avg_pool_backward(2),
+    _aten.avg_pool3d_backward.default: _avg_pool_backward(3),
     _aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool_backward(2),
     _aten._adaptive_avg_pool3d_backward.default: _adaptive_avg_pool_backward(3),
     _aten.copy.default: _broadcast_copy,
