@@ -237,8 +237,8 @@ def _convolution_backward(
 # it is sliced there, and zero-padded at the end where no window reached the last elements.
 #
 # e.g. ``avg_pool1d`` of 6 elements, k 2, s 2, p 1, ceil_mode, count_include_pad=False: 4
-# windows start at -1, 1, 3, 5 and end at 1, 3, 5, 7 (at most size + p = 7: k 3 would clip the last);
-# divisors 1, 2, 2, 1 (in-bounds elements). ``gy = (a, b, c, d)`` scaled is ``(a, b/2, c/2,
+# windows start at -1, 1, 3, 5 and end at 1, 3, 5, 7 (at most size + p = 7: with k 3 the
+# last would be clipped there); divisors 1, 2, 2, 1 (in-bounds elements). ``gy = (a, b, c, d)`` scaled is ``(a, b/2, c/2,
 # d)``; its transposed convolution, ``(a, a, b/2, b/2, c/2, c/2, d, d)`` on the padded axis
 # -1..6, sliced from p = 1: ``(a, b/2, b/2, c/2, c/2, d)``, eager's. With 7 elements, k 2,
 # s 2, p 0, the 3 windows cover 0..5: element 6 gets the zero padding (no window read it).
