@@ -325,6 +325,145 @@ def test_convolution_backward_decomposition_equals_eager() -> None:
     assert checked > 100
 
 
+AVG_POOLS = [
+    # (spatial dims, kernel, stride, padding, ceil_mode, count_include_pad, divisor, size)
+    *(
+        c
+        for c in itertools.product(
+            [2], [1, 2, 3, 4], [1, 2, 3], [0, 1, 2], [False, True], [False, True], [None, 3], [5, 8]
+        )
+        if 2 * c[3] <= c[1]
+    ),
+    *(
+        c
+        for c in itertools.product(
+            [3], [2, 3], [1, 2], [0, 1], [False, True], [False, True], [None, 3], [5]
+        )
+        if 2 * c[3] <= c[1]
+    ),
+]
+
+
+def test_avg_pool_backward_decomposition_equals_eager() -> None:
+    """Note [Average pooling backward for ONNX]: the gradient equals eager's kernel's over
+    kernels, strides, paddings, ceil_mode (clipped windows), count_include_pad,
+    divisor_override and sizes no window fits exactly; in float64, so exact, not close."""
+    aten = torch.ops.aten
+    checked = 0
+    for dims, kernel, stride, padding, ceil, include, divisor, size in AVG_POOLS:
+        op = aten.avg_pool2d_backward if dims == 2 else aten.avg_pool3d_backward
+        pool = F.avg_pool2d if dims == 2 else F.avg_pool3d
+        x = torch.randn(2, 3, *[size + i for i in range(dims)], dtype=torch.float64)
+        y = pool(x, kernel, stride, padding, ceil, include, divisor)
+        k, s, p = [kernel] * dims, [stride] * dims, [padding] * dims
+        args = (torch.randn_like(y), x, k, s, p, ceil, include, divisor)
+        got = ort_backend._DECOMPOSITIONS[op.default](*args)
+        torch.testing.assert_close(got, op(*args), rtol=1e-12, atol=1e-12, msg=str(args[2:]))
+        checked += 1
+    assert checked > 200
+    # Unbatched input, a kernel and stride per axis or one for all, the stride left out (the
+    # kernel's).
+    decompose = ort_backend._DECOMPOSITIONS[aten.avg_pool2d_backward.default]
+    x = torch.randn(3, 7, 6, dtype=torch.float64)
+    for kernel, stride, padding in [
+        ([3, 2], [2, 1], [1, 0]),
+        ([3, 2], [], [1, 0]),
+        ([3], [2], [1]),
+    ]:
+        y = aten.avg_pool2d(x, kernel, stride, padding, True, False)
+        args = (torch.randn_like(y), x, kernel, stride, padding, True, False, None)
+        torch.testing.assert_close(decompose(*args), aten.avg_pool2d_backward(*args))
+
+
+ADAPTIVE_POOLS = [
+    # (input sizes, output sizes): down, not dividing, up, to 1, unbatched
+    ((2, 3, 8, 8), (2, 2)),
+    ((2, 3, 7, 5), (3, 2)),
+    ((2, 3, 3, 4), (5, 7)),
+    ((2, 3, 6, 5), (1, 3)),
+    ((3, 7, 5), (4, 3)),
+    ((2, 3, 5, 7, 6), (2, 3, 4)),
+    ((3, 4, 5, 6), (3, 2, 5)),
+]
+
+
+def test_adaptive_avg_pool_backward_decomposition_equals_eager() -> None:
+    """Note [Adaptive average pooling backward for ONNX], in float64."""
+    aten = torch.ops.aten
+    for size, out in ADAPTIVE_POOLS:
+        x = torch.randn(size, dtype=torch.float64)
+        pool, op = (
+            (aten._adaptive_avg_pool2d, aten._adaptive_avg_pool2d_backward)
+            if len(out) == 2
+            else (aten._adaptive_avg_pool3d, aten._adaptive_avg_pool3d_backward)
+        )
+        grad = torch.randn_like(pool(x, list(out)))
+        got = ort_backend._DECOMPOSITIONS[op.default](grad, x)
+        torch.testing.assert_close(got, op(grad, x), rtol=1e-12, atol=1e-12, msg=str(size))
+
+
+class AvgPoolNet(nn.Module):
+    """densenet's transition (a strided average pool), a ceil_mode pool that counts only
+    the input's elements, and an adaptive pool whose windows overlap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.transition = nn.AvgPool2d(2, stride=2)
+        self.clipped = nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True, count_include_pad=False)
+        self.adaptive = nn.AdaptiveAvgPool2d((3, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.adaptive(self.clipped(self.transition(self.conv(x)).relu())).flatten(1)
+
+
+def test_avg_pool_backward_runs() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 13, 11, generator=torch.Generator().manual_seed(1))
+    check_backend(AvgPoolNet(), lambda y: y.square().sum(), (x,), {}, BACKEND, **TINY)
+
+
+class BroadcastingCopies(nn.Module):
+    """Writes that broadcast their source (``aten.copy`` of another shape): a 0-d tensor into
+    a column read through ``unsqueeze`` (BART's ``shifted[:, 0] = start``), and a 0-d int and
+    a row into a buffer only its sum is saved from, where a copy that kept its source's shape
+    would give a wrong loss and gradient without an error."""
+
+    def __init__(self, column: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
+        self.column = column
+
+    def forward(self, start: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        shifted = self.w.clone()
+        if self.column:
+            shifted[:, 0] = start
+        filled = torch.zeros(3, 4)
+        filled.copy_(start.to(torch.int64) + 1)
+        rows = torch.zeros(3, 4)
+        rows.copy_(row)
+        return (shifted.unsqueeze(1) * filled.sum() * rows.sum() * self.w.unsqueeze(1)).sum()
+
+
+@pytest.mark.parametrize("column", [True, False], ids=["column", "sums_only"])
+def test_broadcasting_copy_is_eager(column: bool) -> None:
+    """Note [ONNX copy drops the destination's shape]: ``sums_only`` ran, wrong, before."""
+    args = (torch.tensor(2.5), torch.arange(4.0))
+    check_backend(BroadcastingCopies(column), lambda y: y, args, {}, BACKEND, **TINY)
+
+
+def test_broadcasting_copy_left_by_the_exporter_is_refused() -> None:
+    class Copy(nn.Module):
+        def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten.copy.default(x, t).sum()
+
+    program = torch.export.export(Copy(), (torch.zeros(3, 4), torch.tensor(1.0)))
+    message = ort_backend._broadcasting_copies(program)
+    assert message is not None and "aten.copy.default" in message
+    same = torch.export.export(Copy(), (torch.zeros(3, 4), torch.ones(3, 4)))
+    assert ort_backend._broadcasting_copies(same) is None
+
+
 class ConvNet(nn.Module):
     """Strided, dilated and grouped convolutions, BatchNorm, a residual and a linear head."""
 
@@ -386,6 +525,14 @@ LIBRARY = [
     ("swin", None, "core_aten", MODEL),
     ("tv_vit", None, "core_aten", MODEL),
     ("deit", None, "core_aten", MODEL),
+    # avg_pool2d_backward (Note [Average pooling backward for ONNX]) and F.interpolate's
+    # (Note [Upsampling backward in Core ATen]).
+    ("densenet", (8, 0), "core_aten", CONVNET),
+    ("mobilevit", (8, 0), "core_aten", CONVNET),
+    # Writes whose source broadcasts (Note [ONNX copy drops the destination's shape]).
+    ("bart", None, "core_aten", MODEL),
+    ("whisper", None, "core_aten", MODEL),
+    ("tv_swin", (8, 0), "core_aten", MODEL),
 ]
 
 
@@ -403,14 +550,15 @@ def test_library_model(
 
 
 @pytest.mark.backends_slow
-def test_timm_resnet_with_batchnorm() -> None:
+@pytest.mark.parametrize("name", ["resnet18", "resnet10t"])
+def test_timm_resnet_with_batchnorm(name: str) -> None:
+    # resnet10t's shortcuts average-pool (Note [Average pooling backward for ONNX]).
     import timm
 
     import library_models  # noqa: F401  (the torchvision shim, before timm imports it)
 
     torch.manual_seed(0)
-    # resnet10t's avg-pool shortcuts need avg_pool2d_backward, which the exporter refuses.
-    model = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    model = timm.create_model(name, pretrained=False, num_classes=10)
     images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     loss = lambda y: F.cross_entropy(y, torch.arange(8) % 10)  # noqa: E731
     check_backend(model, loss, (images,), {}, BACKEND, **CONVNET)
@@ -438,3 +586,22 @@ def test_default_decompositions_refuse_attention(name: str) -> None:
     programs = aotgrad.trace(case.model, *args, decompositions=None, **kwargs).export(flat=True)
     with pytest.raises(BackendError, match="_scaled_dot_product_flash_attention_for_cpu"):
         step(programs, BACKEND)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "Node (node_unsqueeze) Op (Unsqueeze) [ShapeInferenceError] Unexpected axis value",
+        "Load model failed: node with name 'node_unsqueeze' has an invalid input",
+    ],
+)
+def test_load_error_names_the_aten_node(message: str) -> None:
+    """Both ways ONNX Runtime names a node lead to the aten node it was made from."""
+    import onnx
+
+    node = onnx.helper.make_node("Unsqueeze", ["x", "axes"], ["y"], name="node_unsqueeze")
+    entry = node.metadata_props.add()
+    entry.key, entry.value = "pkg.torch.onnx.fx_node", "%unsqueeze = aten.unsqueeze.default"
+    graph = onnx.helper.make_graph([node], "g", [], [])
+    origin = ort_backend._onnx_node_origin(onnx.helper.make_model(graph), message)
+    assert "node_unsqueeze (Unsqueeze) made from %unsqueeze = aten.unsqueeze.default" in origin

@@ -366,3 +366,110 @@ def test_empty_like_is_core_aten():
     traced = aotgrad.trace(f, x, decompositions="core_aten")
     assert not _offenders([traced.forward, traced.backward])
     torch.testing.assert_close(traced(x), f(x))
+
+
+# Upsampling backward (Note [Upsampling backward in Core ATen]): (op, interpolating, dims).
+UPSAMPLE_BACKWARDS = [
+    (aten.upsample_nearest1d_backward.default, False, 1),
+    (aten.upsample_nearest2d_backward.default, False, 2),
+    (aten.upsample_nearest3d_backward.default, False, 3),
+    (aten._upsample_nearest_exact1d_backward.default, False, 1),
+    (aten._upsample_nearest_exact2d_backward.default, False, 2),
+    (aten._upsample_nearest_exact3d_backward.default, False, 3),
+    (aten.upsample_linear1d_backward.default, True, 1),
+    (aten.upsample_bilinear2d_backward.default, True, 2),
+    (aten.upsample_trilinear3d_backward.default, True, 3),
+    (aten.upsample_bicubic2d_backward.default, True, 2),
+]
+# (input size, output size, scale factor or None) of one axis: up, down, equal, to and from 1.
+UPSAMPLE_AXES = [
+    (5, 9, None),
+    (7, 3, None),
+    (4, 4, None),
+    (1, 3, None),
+    (3, 1, None),
+    (5, 8, 1.7),
+    (7, 4, 0.6),
+    (4, 8, 2.0),
+    (6, 3, 0.5),
+    (5, 11, 2.3),
+]
+
+
+@pytest.mark.parametrize("op, interpolating, dims", UPSAMPLE_BACKWARDS, ids=str)
+def test_upsampling_backward_decomposition_is_eager_kernel(op, interpolating, dims):
+    from aotgrad.capture.opset import EXTRA_DECOMPOSITIONS
+
+    decompose = EXTRA_DECOMPOSITIONS[op]
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for first in range(len(UPSAMPLE_AXES)):
+        # Each axis its own setting, rotating through the list.
+        axes = [UPSAMPLE_AXES[(first + 3 * d) % len(UPSAMPLE_AXES)] for d in range(dims)]
+        input_size = [2, 3, *(a[0] for a in axes)]
+        output_size = [a[1] for a in axes]
+        given = [a[2] for a in axes]
+        for scales in ([None] * dims, given):
+            for align in (False, True) if interpolating else (None,):
+                grad = torch.randn(2, 3, *output_size, dtype=torch.float64, generator=gen)
+                head = (align,) if interpolating else ()
+                args = (grad, output_size, input_size, *head, *scales)
+                torch.testing.assert_close(
+                    decompose(*args),
+                    op(*args),
+                    rtol=1e-12,
+                    atol=1e-12,
+                    msg=lambda m, args=args: f"{args[1:]}: {m}",
+                )
+                checked += 1
+    assert checked >= 20
+
+
+INTERPOLATIONS = [
+    (1, "nearest"),
+    (2, "nearest"),
+    (3, "nearest"),
+    (2, "nearest-exact"),
+    (1, "linear"),
+    (2, "bilinear"),
+    (3, "trilinear"),
+    (2, "bicubic"),
+]
+
+
+@pytest.mark.parametrize("dims, mode", INTERPOLATIONS)
+def test_interpolate_is_core_aten_and_eager(dims, mode):
+    # F.interpolate (timm's mobilevit) captured in Core ATen, forward and backward against
+    # eager's kernels in float64: sizes up and down, scale factors, align_corners, and
+    # channels_last inputs.
+    settings = [
+        {"size": (9, 4, 6)[:dims]},
+        {"scale_factor": (1.7, 0.6, 2.0)[:dims]},
+        {"scale_factor": 2.0, "recompute_scale_factor": True},
+    ]
+    linear = mode in ("linear", "bilinear", "trilinear", "bicubic")
+    for setting in settings:
+        for align in (False, True) if linear else (None,):
+            for channels_last in (False, True) if dims > 1 else (False,):
+                kwargs = dict(setting, mode=mode)
+                if linear:
+                    kwargs["align_corners"] = align
+                x = torch.randn(2, 3, *(5, 7, 4)[:dims], dtype=torch.float64)
+                if channels_last:
+                    fmt = torch.channels_last if dims == 2 else torch.channels_last_3d
+                    x = x.contiguous(memory_format=fmt)
+                x.requires_grad_(True)
+
+                def f(x, kwargs=kwargs):
+                    return F.interpolate(x.sin(), **kwargs).cos()
+
+                traced = aotgrad.trace(f, x, decompositions="core_aten")
+                assert not _offenders([traced.forward, traced.backward]), kwargs
+                eager = f(x)
+                grad_out = torch.randn_like(eager)
+                (expected,) = torch.autograd.grad(eager, x, grad_out)
+                compiled = aot_function(f, decompositions="core_aten")
+                got = compiled(x)
+                torch.testing.assert_close(got, eager, rtol=1e-12, atol=1e-12)
+                (grad,) = torch.autograd.grad(got, x, grad_out)
+                torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12, msg=str(kwargs))

@@ -36,7 +36,10 @@ error: random ops (Note [ONNX Runtime and random ops]), outputs the exporter fil
 stand-ins (Note [ONNX functions with filler outputs]), arguments it ignores (Note [ONNX
 functions that ignore an argument]), and dtypes NumPy cannot hold (``bfloat16``, complex, the
 float8 types: the session's inputs and outputs go through NumPy). ``convolution_backward``,
-which the exporter cannot take, is decomposed first (Note [Convolution backward for ONNX]).
+``avg_pool{2,3}d_backward`` and ``_adaptive_avg_pool{2,3}d_backward``, which the exporter
+cannot take, are decomposed first (Note [Convolution backward for ONNX], Note [Average pooling
+backward for ONNX], Note [Adaptive average pooling backward for ONNX]); so is a write whose
+source broadcasts (Note [ONNX copy drops the destination's shape]).
 
 Note [ONNX Runtime and random ops]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -51,12 +54,13 @@ compiled; dropout at p = 0, or in eval mode, draws nothing and runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import operator
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,19 +217,215 @@ def _convolution_backward(
     return grad_input, grad_weight, grad_bias
 
 
-# Ops the exporter has no ONNX function for, decomposed by the backend before it exports.
+# Note [Average pooling backward for ONNX]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``aten.avg_pool2d_backward`` is Core ATen (densenet's transitions, timm's resnet10t
+# shortcuts), and, as for convolution's backward, neither PyTorch nor the exporter decomposes
+# it (nor ``avg_pool3d_backward``). Each output position ``o`` of the pooling averaged one
+# window, so its gradient divided by that window's divisor goes to every input element of
+# the window: a transposed convolution, per channel, of ``gy / divisor`` with a kernel of ones
+# at the pooling's stride. The divisor is what the kernel divides by (``AvgPoolKernel.cpp``),
+# per axis a count, the window's product over the axes:
+#
+#   start = o*s - p,  end = min(start + k, size + p)      (a ceil_mode window is clipped)
+#   count_include_pad    end - start
+#   otherwise            min(end, size) - max(start, 0)  (in-bounds elements only)
+#   divisor_override     that number, for every window
+#
+# The transposed convolution without padding gives the gradient of the padded input,
+# ``(out - 1)*s + k`` long on each axis; the input's ``size`` elements start at ``p``:
+# it is sliced there, and zero-padded at the end where no window reached the last elements.
+#
+# e.g. ``avg_pool1d`` of 6 elements, k 2, s 2, p 1, ceil_mode, count_include_pad=False: 4
+# windows start at -1, 1, 3, 5 and end at 1, 3, 5, 7 (at most size + p = 7: with k 3 the
+# last would be clipped there); divisors 1, 2, 2, 1 (in-bounds elements). ``gy = (a, b, c, d)`` scaled is ``(a, b/2, c/2,
+# d)``; its transposed convolution, ``(a, a, b/2, b/2, c/2, c/2, d, d)`` on the padded axis
+# -1..6, sliced from p = 1: ``(a, b/2, b/2, c/2, c/2, d)``, eager's. With 7 elements, k 2,
+# s 2, p 0, the 3 windows cover 0..5: element 6 gets the zero padding (no window read it).
+# tests/test_backend_onnxruntime.py checks the decomposition against eager's kernel over
+# kernels, strides, paddings, ceil_mode, count_include_pad, divisor_override and sizes no
+# window fits exactly, in 2 and 3 dimensions.
+
+
+def _window_counts(
+    out: int, size: int, kernel: int, stride: int, padding: int, include_pad: bool, like: Any
+) -> torch.Tensor:
+    """Per output position of one axis, the number of elements its window averaged."""
+    start = torch.arange(out, device=like.device) * stride - padding
+    end = (start + kernel).clamp(max=size + padding)
+    if include_pad:
+        return end - start
+    return end.clamp(max=size) - start.clamp(min=0)
+
+
+def _avg_pool_backward(dims: int) -> Callable[..., torch.Tensor]:
+    """``aten.avg_pool{dims}d_backward`` (Note [Average pooling backward for ONNX])."""
+    return functools.partial(_avg_pool_backward_nd, dims)
+
+
+def _avg_pool_backward_nd(
+    dims: int,
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None = None,
+) -> torch.Tensor:
+    """``aten.avg_pool{dims}d_backward`` as a transposed convolution with ones (Note [Average
+    pooling backward for ONNX]). ``ceil_mode`` is in ``grad_output``'s shape."""
+    batched = input.dim() == dims + 2
+    grad = grad_output if batched else grad_output.unsqueeze(0)
+    x_shape = input.shape if batched else (1, *input.shape)
+    kernel = _per_dim(kernel_size, dims)
+    stride = _per_dim(stride, dims) if len(stride) else kernel
+    padding = _per_dim(padding, dims)
+    spatial, out = x_shape[2:], grad.shape[2:]
+    dtype = grad.dtype
+    if divisor_override:
+        scaled = grad / divisor_override
+    else:
+        divisor = torch.ones((), dtype=dtype, device=grad.device)
+        for i in range(dims):
+            counts = _window_counts(
+                out[i], spatial[i], kernel[i], stride[i], padding[i], count_include_pad, grad
+            )
+            divisor = divisor * counts.to(dtype).reshape(-1, *[1] * (dims - 1 - i))
+        scaled = grad / divisor
+    channels = x_shape[1]
+    ones = torch.ones((channels, 1, *kernel), dtype=dtype, device=grad.device)
+    padded = _aten.convolution.default(
+        scaled, ones, None, stride, [0] * dims, [1] * dims, True, [0] * dims, channels
+    )
+    grad_input = padded
+    short = []
+    for i in range(dims):
+        kept = min(padded.shape[2 + i] - padding[i], spatial[i])
+        grad_input = grad_input.narrow(2 + i, padding[i], kept)
+        short.append(spatial[i] - kept)
+    if any(short):
+        pads = [n for i in reversed(range(dims)) for n in (0, short[i])]
+        grad_input = _aten.constant_pad_nd.default(grad_input, pads, 0.0)
+    grad_input = grad_input.contiguous()
+    return grad_input if batched else grad_input.squeeze(0)
+
+
+# Note [Adaptive average pooling backward for ONNX]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``aten._adaptive_avg_pool2d_backward`` (Core ATen; ``nn.AdaptiveAvgPool2d`` to more than one
+# output) has no ONNX function either. Its windows are not strided alike: on an axis of
+# ``size`` inputs and ``out`` outputs, output ``o`` averages ``[floor(o*size/out),
+# ceil((o+1)*size/out))`` (``AdaptiveAvgPoolKernel.cpp``), and a window's count is the product
+# of its axes' counts. So the pooling is separable: on each axis, a matrix ``A`` (out x size)
+# with ``1/count`` over the window's inputs, and the backward applies each axis's ``A^T``:
+# ``grad_x = A_h^T gy A_w``. e.g. 5 inputs to 2 outputs: windows [0, 3) and [2, 5),
+# ``A = [[1/3, 1/3, 1/3, 0, 0], [0, 0, 1/3, 1/3, 1/3]]``; ``gy = (a, b)`` gives ``(a/3, a/3,
+# a/3 + b/3, b/3, b/3)``, eager's. Checked against eager's kernel in float64 in
+# tests/test_backend_onnxruntime.py.
+
+
+def _adaptive_axis(out: int, size: int, like: torch.Tensor) -> torch.Tensor:
+    """The (out, size) matrix of one axis: ``1/count`` over each output's window, else 0."""
+    o = torch.arange(out, device=like.device).unsqueeze(1)
+    i = torch.arange(size, device=like.device)
+    start = torch.div(o * size, out, rounding_mode="floor")
+    end = torch.div((o + 1) * size + out - 1, out, rounding_mode="floor")
+    inside = (i >= start) & (i < end)
+    return inside.to(like.dtype) / (end - start).to(like.dtype)
+
+
+def _adaptive_avg_pool_backward(dims: int) -> Callable[..., torch.Tensor]:
+    """``aten._adaptive_avg_pool{dims}d_backward`` as one matmul per axis (Note [Adaptive
+    average pooling backward for ONNX])."""
+
+    def backward(grad_output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        grad = grad_output
+        for axis in range(grad.dim() - dims, grad.dim()):
+            matrix = _adaptive_axis(grad.shape[axis], input.shape[axis], grad)
+            grad = torch.matmul(grad.movedim(axis, -1), matrix).movedim(-1, axis)
+        return grad.contiguous()
+
+    return backward
+
+
+# Note [ONNX copy drops the destination's shape]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``aten.copy(self, src)`` (functionalization's write ``self[...] = src``) is ``src`` cast to
+# ``self``'s dtype and broadcast to ``self``'s shape. The exporter's ONNX function is
+# ``CastLike(src, self)`` (torchlib ``aten_copy``): it keeps ``src``'s shape. BART's and
+# Whisper's ``shifted[:, 0] = start`` writes a 0-d ``start`` into a (2,) column: ONNX has a
+# 0-d tensor where torch has (2,), and the ``unsqueeze(1)`` after it fails to load ("Unexpected
+# axis value: 1. Expected range [-1, 1)"); torchvision's Swin writes a scalar into a slice of its
+# attention mask, and ``Transpose`` fails the same way. Where the shapes do not clash, ONNX's
+# broadcasting would carry the wrong shape on without a word (a sum over the written tensor
+# would add one value instead of two). So, before exporting, a ``copy`` whose ``src`` has
+# another shape than ``self`` is written as ``src.to(self.dtype).expand(self.shape)`` (then
+# a ``clone``: copy's result is a tensor of its own), which is copy's own broadcast; and a
+# broadcasting ``copy`` still in the exporter's program (made by its own decompositions) is
+# refused when the program is compiled.
+
+
+def _broadcasts(node: fx.Node) -> bool:
+    """A ``copy`` node whose ``src`` has another shape than ``self``."""
+    if node.target is not _aten.copy.default:
+        return False
+    shapes = [
+        getattr(arg.meta.get("val"), "shape", None) if isinstance(arg, fx.Node) else None
+        for arg in node.args[:2]
+    ]
+    return shapes[0] != shapes[1]
+
+
+def _broadcast_copy(
+    destination: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
+) -> Any:
+    """``aten.copy`` as its own broadcast (Note [ONNX copy drops the destination's shape])."""
+    if src.shape == destination.shape:
+        return NotImplemented
+    return src.to(destination.dtype).expand(destination.shape).clone()
+
+
+# Ops the exporter has no faithful ONNX function for, decomposed by the backend before it
+# exports, and when: every node of the op, or only those the predicate picks.
 _DECOMPOSITIONS: dict[Any, Any] = {
     _aten.convolution_backward.default: _convolution_backward,
+    _aten.avg_pool2d_backward.default: _avg_pool_backward(2),
+    _aten.avg_pool3d_backward.default: _avg_pool_backward(3),
+    _aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool_backward(2),
+    _aten._adaptive_avg_pool3d_backward.default: _adaptive_avg_pool_backward(3),
+    _aten.copy.default: _broadcast_copy,
+}
+_DECOMPOSE_ONLY: dict[Any, Callable[[fx.Node], bool]] = {
+    _aten.copy.default: _broadcasts,
 }
 
 
 def _decompose(program: ExportedProgram) -> ExportedProgram:
     """``program`` with the ops of ``_DECOMPOSITIONS`` decomposed (none there: itself)."""
-    present = {n.target for n in program.graph.nodes if n.op == "call_function"}
+    present = {
+        n.target
+        for n in program.graph.nodes
+        if n.op == "call_function" and _DECOMPOSE_ONLY.get(n.target, bool)(n)
+    }
     table = {op: fn for op, fn in _DECOMPOSITIONS.items() if op in present}
     if not table:
         return program
     return program.run_decompositions(table)
+
+
+def _broadcasting_copies(program: ExportedProgram) -> str | None:
+    """Note [ONNX copy drops the destination's shape], in the exporter's program."""
+    found = [n for n in program.graph.nodes if n.op == "call_function" and _broadcasts(n)]
+    if not found:
+        return None
+    return (
+        "the exporter's decompositions made a copy that broadcasts its source, which its ONNX"
+        " function does not (Note [ONNX copy drops the destination's shape]):\n"
+        f"{_describe(found)}\n"
+        "  Capture with decompositions='core_aten', or run the program with torch"
+    )
 
 
 # Note [ONNX functions with filler outputs]
@@ -338,10 +538,13 @@ def _ignored_arguments(program: ExportedProgram) -> str | None:
     )
 
 
-def _refuse_unfaithful(program: ExportedProgram, kind: str) -> None:
+def _refuse_unfaithful(program: ExportedProgram, kind: str, exported: bool = False) -> None:
     """Refuse what ONNX Runtime would run other than torch does, without an error: each check
-    names the nodes and says what to do (or returns None); the error has them all."""
-    checks = (_random_ops, _filler_outputs, _ignored_arguments)
+    names the nodes and says what to do (or returns None); the error has them all.
+    ``exported``: ``program`` is the exporter's, after the backend's decompositions."""
+    checks = [_random_ops, _filler_outputs, _ignored_arguments]
+    if exported:
+        checks.append(_broadcasting_copies)
     problems = [problem for check in checks if (problem := check(program)) is not None]
     if problems:
         raise BackendError(
@@ -368,7 +571,7 @@ def compile_program(program: ExportedProgram) -> OrtProgram:
     outputs = _user_specs(program, kind, "output")
     onnx_program = _export(program, kind)
     # What the exporter translated: its decompositions may write an op as a refused one.
-    _refuse_unfaithful(onnx_program.exported_program, kind)
+    _refuse_unfaithful(onnx_program.exported_program, kind, exported=True)
     feeds = _feed_names(onnx_program, inputs, kind)
     session = _session(onnx_program.model_proto, kind)
     _check_session(session, feeds, inputs, outputs, kind)
@@ -680,12 +883,13 @@ def _session(model: Any, kind: str) -> Any:
         ) from error
 
 
-_ORT_NODE = re.compile(r"node with name '([^']*)'")
+# "... node with name 'node_Add_3' ..." or "Node (node_unsqueeze) Op (Unsqueeze) ...".
+_ORT_NODE = re.compile(r"node with name '([^']*)'|Node \(([^)]*)\)")
 
 
 def _onnx_node_origin(model: Any, message: str) -> str:
     """The aten node an ONNX node named in ``message`` was made from, as a line, or ""."""
-    names = set(_ORT_NODE.findall(message))
+    names = {name for pair in _ORT_NODE.findall(message) for name in pair if name}
     lines = []
     for node in model.graph.node:
         if node.name in names:

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from aotgrad._torch_compat import OpOverload, all_decompositions
+from aotgrad.capture.upsample import UPSAMPLE_BACKWARD_DECOMPOSITIONS
 from aotgrad.errors import ConfigError, UnsupportedOpError
 from aotgrad.optable import is_random
 
@@ -39,7 +40,9 @@ from aotgrad.optable import is_random
 #
 # The export table expects some ops gone before it runs, and PyTorch decomposes others only
 # into prims (``torch._refs``) or not at all; ``FROM_TORCH_DECOMP`` (BatchNorm, training and
-# eval; ``new_empty_strided``) and ``EXTRA_DECOMPOSITIONS`` (aotgrad's: CPU flash attention's
+# eval; ``new_empty_strided``; the bilinear, trilinear and bicubic ``F.interpolate``) and
+# ``EXTRA_DECOMPOSITIONS`` (aotgrad's: every ``F.interpolate`` backward but antialiasing's,
+# Note [Upsampling backward in Core ATen] in ``capture/upsample.py``; CPU flash attention's
 # ``logsumexp`` and backward, ``as_strided_scatter`` into a contiguous tensor, ``var_mean``,
 # ``lift_fresh``/``lift_fresh_copy`` as ``clone``: bart's and whisper's ``torch.tensor``
 # written into; ``empty_permuted`` as ``empty_strided``) fill those in. Left refused, with
@@ -109,6 +112,11 @@ FROM_TORCH_DECOMP = (
     # ``x.new_empty_strided(size, stride)`` (a backward's buffer in bart and whisper): the
     # core ``empty_strided`` with ``x``'s dtype, layout and device unless given.
     torch.ops.aten.new_empty_strided.default,
+    # ``F.interpolate``'s bilinear, trilinear and bicubic forwards (their backwards are
+    # aotgrad's: Note [Upsampling backward in Core ATen]).
+    torch.ops.aten.upsample_bilinear2d.default,
+    torch.ops.aten.upsample_trilinear3d.default,
+    torch.ops.aten.upsample_bicubic2d.default,
 )
 
 
@@ -287,6 +295,7 @@ EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.lift_fresh.default: _lift_fresh_copy,
     torch.ops.aten.lift_fresh_copy.default: _lift_fresh_copy,
     torch.ops.aten.var_mean.correction: _var_mean,
+    **UPSAMPLE_BACKWARD_DECOMPOSITIONS,
 }
 
 
