@@ -4,15 +4,12 @@ ATen opset, on every frontend, and the graphs stay equal to eager (Note [Core AT
 from __future__ import annotations
 
 import copy
-import dataclasses
-import functools
 import operator
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 
 import aotgrad
 from aotgrad import aot_function, aot_module
@@ -74,38 +71,12 @@ LIBRARY = ["gpt2", "bert", "llama", "vit", "resnet18", "convnext", "bart", "whis
 
 @pytest.mark.parametrize("name", LIBRARY)
 def test_library_models_are_core_aten_and_equal_to_eager(name):
-    # As tests/test_real_models.py compares (its tolerances): loss(output).backward(),
-    # outputs, every gradient and buffer; then the graphs hold Core ATen only. In float64:
-    # decomposed ops round differently from eager's kernels, and resnet18 at batch 2 runs
-    # BatchNorm over two values at 1x1, where eager's own output moves by 3e-3 for a 1e-6
-    # relative change of its input; float64 keeps that amplified rounding below 1e-9.
+    # The model table's core_aten check (tests/test_real_models.py, `make models` runs it on
+    # every library model): compared with eager in float64, then Core ATen only.
     library_models = pytest.importorskip("library_models")
-    from test_real_models import compare
+    from test_real_models import check_core_aten
 
-    case = library_models.build(name)
-    double = functools.partial(pytree.tree_map_only, torch.Tensor, _double)
-    case = dataclasses.replace(
-        case, model=case.model.double(), args=double(case.args), kwargs=double(case.kwargs)
-    )
-    graphs: list[torch.fx.GraphModule] = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return nop(gm, example_inputs)
-
-    def compile_fn(module, inputs):
-        return aot_module(
-            module, decompositions="core_aten", fw_compiler=record, bw_compiler=record
-        )
-
-    compare(case, compile_fn, [case.inputs])
-    assert len(graphs) == 2, "expected a forward and a backward graph"
-    offenders = _offenders(graphs)
-    assert not offenders, f"ops outside Core ATen in the graphs: {offenders}"
-
-
-def _double(t: torch.Tensor) -> torch.Tensor:
-    return t.double() if t.is_floating_point() else t
+    check_core_aten(library_models.build(name))
 
 
 def test_eval_mode_batch_norm_is_core_aten():

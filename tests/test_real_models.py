@@ -111,18 +111,14 @@ _MOE_CORE = (
     " decomposition) and transformers' own grouped-matmul custom ops; its grouped matmul has no"
     " float64 kernel either"
 )
-_ORT_LOAD = (
-    "refused (BackendError): ONNX Runtime cannot load the program torch.onnx exports (a shape"
-    " the exporter types wrongly: `Unsqueeze`/`Transpose` of a value it types as rank 0)"
-)
 _RELU_FLIPS = (
-    "float32 cannot be compared at 1e-4: ReLU inputs within 1e-6 of zero flip their mask and"
-    " BatchNorm on small maps amplifies it; eager float32 itself is 0.8% off float64"
+    "not comparable in float32 at 1e-4: mnasnet's gradients are ill-conditioned (ReLU inputs"
+    " within 1e-6 of zero flip their mask, BatchNorm on small maps amplifies it); against"
+    " float64, eager float32 is off by 6.7e-2 on layers.0.weight, the backend by 6.4e-2"
     " (docs/backends.md)"
 )
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
     **{("mixtral", c): _MOE_CORE for c in ("core_aten", "onnxruntime", "iree")},
-    **{(m, "onnxruntime"): _ORT_LOAD for m in ("bart", "whisper", "tv_swin")},
     **{("mnasnet", c): _RELU_FLIPS for c in ("onnxruntime", "iree")},
     # (torch.compile passes: Dynamo breaks the graph at the nonzero() and runs the loop itself.)
     **{("mixtral_eager", c): _MOE_LOOP for c in CHECKS if c != "dynamo"},
