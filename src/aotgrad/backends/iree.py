@@ -351,7 +351,7 @@ def _locate(program: ExportedProgram) -> None:
 #   Swin's shifted windows). ``fmod.Scalar`` is not lowered at all, and ``fmod.Tensor`` is
 #   lowered as ``a - b * trunc(a / b)``: exact for integers (a truncating division, C's
 #   sign rule), wrong for floats wherever ``a / b`` rounds (float32 ``fmod(15863342080.0,
-#   0.3344)`` gave -531.2, torch 0.166; ``fmod(-0.0, 3.0)`` gave +0.0). So:
+#   0.3344)`` gave -531.2, torch 0.166; ``fmod(-6.0, 3.0)`` gave +0.0, torch -0.0). So:
 #   integers keep (or, from a Scalar, get) IREE's ``fmod.Tensor``, its divisor a 0-d tensor
 #   of the result's dtype::
 #
