@@ -288,6 +288,8 @@ def test_gpt_tied_weights():
         "vit",
         "deit",
         "tv_vit",
+        "bart",
+        "whisper",
     ],
 )
 def test_library_model(name):
