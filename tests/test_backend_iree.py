@@ -438,6 +438,25 @@ def test_fmod_floats_exact(dtype, f):
         _assert_same_bits(g, want, f"output {i}")
 
 
+def test_fmod_mixed_dtypes_broadcast():
+    """Operands of other dtypes than the result (cast first, as torch's type promotion
+    does: an int8 tensor by a 0-d int64 tensor stays int8) and broadcast shapes."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 1, generator=g) * 100, torch.randn(1, 4, generator=g)
+    ints, small = torch.arange(-6, 6).reshape(3, 4), torch.arange(-100, 100, dtype=torch.int8)
+
+    def f(a, b, ints, small):
+        wide = torch.tensor(0.7, dtype=torch.float64)
+        return (
+            *(torch.fmod(a, b), torch.fmod(b, a), torch.fmod(a, ints), torch.fmod(ints, b)),
+            *(torch.fmod(a, wide), torch.fmod(small, torch.tensor(300))),
+        )
+
+    got = _forward(f, a, b, ints, small)(a, b, ints, small)
+    for i, (g, want) in enumerate(zip(got, f(a, b, ints, small), strict=True)):
+        _assert_same_bits(g, want, f"output {i}")
+
+
 def test_fmod_float64_refused():
     """float64 ``fmod`` is refused, naming the op and the user's line: IREE's CPU
     executables do not link libm's ``fmod``, and its own lowering is inexact."""
