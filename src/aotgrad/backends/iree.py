@@ -359,8 +359,9 @@ def _locate(program: ExportedProgram) -> None:
 #       becomes  aten.fmod.Tensor(add, aten.full.default([], 8, dtype=torch.int64))
 #
 #   (an integer divisor 0 is refused: torch raises ZeroDivisionError). Floats use IREE's
-#   ``remainder`` (``arith.remf``, libm's exact ``fmod``, then a sign fix that does nothing
-#   for non-negative operands) on magnitudes, and take the sign of ``a``, zeros included::
+#   ``remainder`` (``arith.remf``, exact like C's ``fmod``, then a sign fix that does
+#   nothing for non-negative operands) on magnitudes, and take the sign of ``a``, zeros
+#   included::
 #
 #       r = remainder(abs(a), abs(b))                    # fmod(-7.5, 2.0): r = 1.5
 #       fmod = where(r == 0, a * 0, where(a < 0, -r, r)) # -1.5; fmod(-6.0, 3.0) = -0.0
