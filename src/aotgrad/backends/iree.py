@@ -54,18 +54,19 @@ __all__ = ["FLAGS", "IreeProgram", "compile_program"]
 #    ``!torch.vtensor``s, one argument per USER_INPUT in order, one result per output. It
 #    is given a copy of the program (nodes and meta dicts copied, tensors shared): the
 #    importer rewrites ``aten.as_strided`` into a gather in place, aotgrad rewrites the ops
-#    the torch dialect lacks (Note [IREE rewrites]), and every node gets the MLIR location
-#    ``aotgrad-node:<name>`` in place of the one the importer would read from the node's
-#    stack trace, so no text of the user's (file names, source) enters the module; the
-#    caller's program stays as it was.
+#    IREE refuses or computes unlike torch (Note [IREE rewrites]), and every node gets the
+#    MLIR location ``aotgrad-node:<name>`` in place of the one the importer would read from
+#    the node's stack trace, so no text of the user's (file names, source) enters the
+#    module; the caller's program stays as it was.
 # 3. Compile. ``iree-compile --iree-input-type=torch`` for ``llvm-cpu`` and the host CPU, with
 #    ``--iree-input-demote-f64-to-f32=false``: IREE demotes float64 to float32 by default, and
 #    a float64 program would then compute in float32 (or fail at its first call, when the
 #    runtime meets 8-byte arguments in 4-byte buffers). A failure's diagnostics carry the
 #    locations of step 2, so ``BackendError`` names the very node (not every convolution
 #    of the model), its module and the user's line; an error at no node (a constant an
-#    unlowered op still uses, as ``aten.fmod.Scalar``'s divisor) is followed by a run to
-#    the end of IREE's input conversion, and the ``torch.aten`` ops left in it are named.
+#    unlowered op still uses, as ``aten.avg_pool2d_backward``'s kernel size) is followed by
+#    a run to the end of IREE's input conversion, and the ``torch.aten`` ops left in it are
+#    named.
 # 4. Run. The inputs are checked against the program's (shape and dtype: the runtime would
 #    reinterpret the bytes of an int32 tensor passed for an int64 argument), made contiguous
 #    (IREE's tensors are values, in row-major order) and passed as numpy arrays. Every
@@ -327,28 +328,155 @@ def _locate(program: ExportedProgram) -> None:
         node.meta["stack_trace"] = f'  File "{_NODE_FILE}{node.name}", line 1, in {node.name}\n'
 
 
-def _squeeze_dims(graph: fx.Graph, node: fx.Node) -> fx.Node:
+# Note [IREE rewrites]
+# ~~~~~~~~~~~~~~~~~~~~
+# Core ATen ops that IREE 3.13 refuses, or compiles unlike torch, each rewritten before
+# import into ops it compiles exactly (checked against eager on edge values: signed zeros,
+# infinities, NaN, negative operands, quotients past 2**24). One rule per op, in
+# ``_REWRITES``; a rule returns the node that replaces ``node`` (or ``node`` itself where
+# IREE takes it as it is), and every node it makes is inserted by ``_Emitter``, which gives
+# it the fake value its op computes (the importer reads result types from ``meta["val"]``)
+# and ``node``'s module and user line, so that a compiler error names the user's code.
+# The replacement takes over the node's name and metadata; its shape and dtype must be the
+# node's, or the rewrite raises.
+#
+# * ``aten.squeeze.dims`` (BatchNorm's Core ATen decomposition squeezes its statistics) is
+#   not an op of the torch dialect: the importer emits ``torch.operator``, which nothing
+#   lowers. The squeezed shape is static::
+#
+#       squeeze = aten.squeeze.dims(mean, [0, 2, 3])     # [1, 4, 1, 1] -> [4]
+#       becomes  aten.reshape.default(mean, [4])
+#
+# * ``aten.fmod`` (``torch.roll`` in Core ATen indexes with ``fmod(start + arange(n), n)``:
+#   Swin's shifted windows). ``fmod.Scalar`` is not lowered at all, and ``fmod.Tensor`` is
+#   lowered as ``a - b * trunc(a / b)``: exact for integers (a truncating division, C's
+#   sign rule), wrong for floats wherever ``a / b`` rounds (float32 ``fmod(15863342080.0,
+#   0.3344)`` gave -531.2, torch 0.166; ``fmod(-6.0, 3.0)`` gave +0.0, torch -0.0). So:
+#   integers keep (or, from a Scalar, get) IREE's ``fmod.Tensor``, its divisor a 0-d tensor
+#   of the result's dtype::
+#
+#       fmod = aten.fmod.Scalar(add, 8)                  # int64: fmod(-7, 8) = -7
+#       becomes  aten.fmod.Tensor(add, aten.full.default([], 8, dtype=torch.int64))
+#
+#   (an integer divisor 0 is refused: torch raises ZeroDivisionError). Floats use IREE's
+#   ``remainder`` (``arith.remf``, exact like C's ``fmod``, then a sign fix that does
+#   nothing for non-negative operands) on magnitudes, and take the sign of ``a``, zeros
+#   included::
+#
+#       r = remainder(abs(a), abs(b))                    # fmod(-7.5, 2.0): r = 1.5
+#       fmod = where(r == 0, a * 0, where(a < 0, -r, r)) # -1.5; fmod(-6.0, 3.0) = -0.0
+#
+#   ``a * 0`` is a zero of ``a``'s sign; infinite ``a``, a zero or NaN ``b`` give NaN
+#   through ``r``, as in C. Operands are first cast to the result's dtype (an integer
+#   tensor with a float divisor computes in float32, as in torch). float64 is refused:
+#   ``arith.remf`` on f64 calls libm's ``fmod``, which IREE's CPU executables do not link.
+# * ``aten.constant_pad_nd`` with a negative amount (a crop: the backward of
+#   ``F.pad(x, (0, 0, 1, 0))`` pads its gradient by -1) is refused by IREE's ``tensor.pad``.
+#   The negative amounts become slices, as torch's own kernel narrows before it pads, and the
+#   non-negative ones a pad (dropped when all are 0)::
+#
+#       pad = aten.constant_pad_nd.default(g, [0, 0, -1, 2])      # g: [4, 5, 3]
+#       becomes  aten.constant_pad_nd.default(aten.slice.Tensor(g, 1, 1, 5), [0, 0, 0, 2])
+
+
+class _Emitter:
+    """Inserts the nodes of one rewrite before ``node`` (Note [IREE rewrites])."""
+
+    def __init__(self, graph: fx.Graph, node: fx.Node) -> None:
+        self.graph = graph
+        self.node = node
+        self._fake_mode = node.meta["val"].fake_mode
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        values = fx.node.map_arg(args, lambda arg: arg.meta["val"])
+        with self._fake_mode:
+            val = op(*values, **kwargs)
+        with self.graph.inserting_before(self.node):
+            new = self.graph.call_function(op, args, kwargs)
+        info = self.node.meta.get("aotgrad", {})
+        new.meta = {
+            "val": val,
+            "aotgrad": {key: info[key] for key in ("module", "source") if key in info},
+            _REWRITE_OF: op_name(self.node.target),
+        }
+        return new
+
+    def cast(self, value: fx.Node, dtype: torch.dtype) -> fx.Node:
+        """``value`` in ``dtype`` (itself if it is)."""
+        if value.meta["val"].dtype == dtype:
+            return value
+        return self(torch.ops.aten._to_copy.default, value, dtype=dtype)
+
+
+# The meta key that names, on a node a rewrite made, the op it was rewritten from.
+_REWRITE_OF = "iree_rewrite_of"
+
+
+def _squeeze_dims(emit: _Emitter, node: fx.Node) -> fx.Node:
     """``aten.squeeze.dims(x, dims)`` as ``aten.reshape(x, shape)``: its values, in the
     squeezed shape (static: export takes static sizes only)."""
     shape = [int(n) for n in node.meta["val"].shape]
-    return graph.call_function(torch.ops.aten.reshape.default, (node.args[0], shape))
+    return emit(torch.ops.aten.reshape.default, node.args[0], shape)
 
 
-# Note [IREE rewrites]
-# ~~~~~~~~~~~~~~~~~~~~
-# Core ATen ops that the torch dialect of IREE's importer does not know (the importer
-# emits them as ``torch.operator``, which no IREE pass lowers), each rewritten before import
-# into ops it knows, computing the same values. BatchNorm's Core ATen decomposition squeezes
-# its statistics with ``aten.squeeze.dims``::
-#
-#     squeeze = aten.squeeze.dims(mean, [0, 2, 3])     # [1, 4, 1, 1] -> [4]
-#     becomes
-#     squeeze = aten.reshape.default(mean, [4])
-#
-# Each rule maps a node to its replacement, which takes over the node's name and metadata (the
-# importer reads result types from ``meta["val"]``).
+def _fmod(emit: _Emitter, node: fx.Node) -> fx.Node:
+    """``aten.fmod.Scalar`` / ``aten.fmod.Tensor`` in ops IREE computes exactly
+    (Note [IREE rewrites])."""
+    aten = torch.ops.aten
+    a, b = node.args[:2]
+    dtype = node.meta["val"].dtype
+    if dtype == torch.float64:
+        raise BackendError(
+            f"IREE cannot compute {_ops_at([node])} exactly in float64: its CPU executables"
+            " do not link libm's fmod, and its own lowering (a - b * trunc(a / b)) is wrong"
+            " wherever a / b rounds. Run this program in another backend"
+            " (step(programs, 'onnxruntime'))"
+        )
+    if not isinstance(b, fx.Node):  # fmod.Scalar: the divisor as a 0-d tensor
+        if not dtype.is_floating_point and b == 0:
+            raise BackendError(
+                f"the program computes {_ops_at([node])} by an integer 0, which raises"
+                " ZeroDivisionError in torch; fix the divisor"
+            )
+        b = emit(aten.full.default, [], b, dtype=dtype)
+    assert isinstance(a, fx.Node), a
+    x, y = emit.cast(a, dtype), emit.cast(b, dtype)
+    if not dtype.is_floating_point:  # IREE's integer fmod.Tensor is exact
+        if node.target == aten.fmod.Tensor and (x, y) == (a, b):
+            return node
+        return emit(aten.fmod.Tensor, x, y)
+    r = emit(aten.remainder.Tensor, emit(aten.abs.default, x), emit(aten.abs.default, y))
+    signed = emit(aten.where.self, emit(aten.lt.Scalar, x, 0), emit(aten.neg.default, r), r)
+    zero = emit(aten.mul.Scalar, x, 0)  # a zero of x's sign (x is finite where r == 0)
+    return emit(aten.where.self, emit(aten.eq.Scalar, r, 0), zero, signed)
+
+
+def _constant_pad_nd(emit: _Emitter, node: fx.Node) -> fx.Node:
+    """``aten.constant_pad_nd`` with negative amounts as slices, then a pad of the
+    non-negative ones (Note [IREE rewrites])."""
+    x, amounts = node.args[:2]
+    assert isinstance(x, fx.Node) and isinstance(amounts, Sequence), node.args
+    pad = [int(p) for p in amounts]  # type: ignore[arg-type]  # ints: export is static
+    if all(p >= 0 for p in pad):
+        return node
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    shape = [int(n) for n in x.meta["val"].shape]
+    for i in range(len(pad) // 2):  # pad[2i], pad[2i + 1]: before and after dim -1 - i
+        dim, before, after = len(shape) - 1 - i, pad[2 * i], pad[2 * i + 1]
+        if before < 0 or after < 0:
+            start, end = max(-before, 0), shape[dim] + min(after, 0)
+            x = emit(torch.ops.aten.slice.Tensor, x, dim, start, end)
+    kept = [max(p, 0) for p in pad]
+    if any(kept):
+        x = emit(torch.ops.aten.constant_pad_nd.default, x, kept, value)
+    return x
+
+
 _REWRITES: dict[Any, Any] = {
     torch.ops.aten.squeeze.dims: _squeeze_dims,
+    torch.ops.aten.fmod.Scalar: _fmod,
+    torch.ops.aten.fmod.Tensor: _fmod,
+    torch.ops.aten.constant_pad_nd.default: _constant_pad_nd,
 }
 
 
@@ -359,9 +487,16 @@ def _rewrite(program: ExportedProgram) -> None:
         rule = _REWRITES.get(node.target)
         if rule is None:
             continue
-        with graph.inserting_before(node):
-            replacement = rule(graph, node)
-        replacement.meta = dict(node.meta)
+        replacement = rule(_Emitter(graph, node), node)
+        if replacement is node:
+            continue
+        want, got = node.meta["val"], replacement.meta["val"]
+        if (want.shape, want.dtype) != (got.shape, got.dtype):
+            raise BackendError(
+                f"IREE's rewrite of {_ops_at([node])}: expected a {list(want.shape)}"
+                f" {want.dtype} result, got {list(got.shape)} {got.dtype}"
+            )
+        replacement.meta = {**node.meta, _REWRITE_OF: op_name(node.target)}
         node.replace_all_uses_with(replacement)
         name = node.name
         graph.erase_node(node)
@@ -414,7 +549,7 @@ def _compile(text: str, program: ExportedProgram, which: str) -> bytes:
 def _unlowered_ops(text: str) -> set[str]:
     """The ``torch.aten`` ops IREE's input conversion leaves in ``text`` when it fails: a
     failure that is reported at a constant an unlowered op still uses (``torch.constant.int``
-    for ``aten.fmod.Scalar``'s divisor) names no op itself."""
+    for ``aten.avg_pool2d_backward``'s kernel size) names no op itself."""
     try:
         iree_compiler.compile_str(
             text,
@@ -471,7 +606,12 @@ def _ops_at(nodes: Sequence[fx.Node]) -> str:
         source = info.get("source")
         if isinstance(source, dict):
             where.append(f"at {source.get('file')}:{source.get('line')}: {source.get('code')}")
-        parts.append(f"{op_name(node.target)} ({', '.join(where)})")
+        op = op_name(node.target)
+        original = node.meta.get(_REWRITE_OF)  # Note [IREE rewrites]
+        if original:
+            where.insert(1, f"rewritten for IREE as {op}" if original != op else "rewritten")
+            op = original
+        parts.append(f"{op} ({', '.join(where)})")
     more = f" and {len(nodes) - 6} more" if len(nodes) > 6 else ""
     return "; ".join(parts) + more
 
