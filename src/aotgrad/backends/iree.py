@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
+from aotgrad._torch_compat import OpOverload
 from aotgrad.errors import BackendError, CallError
 from aotgrad.optable import draws_random, op_name
 
@@ -276,7 +277,7 @@ def _refuse_mutation(program: ExportedProgram, which: str) -> None:
     writing = [
         node
         for node in _calls(program)
-        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+        if isinstance(node.target, OpOverload) and node.target._schema.is_mutable
     ]
     if writing:
         raise BackendError(
@@ -574,7 +575,7 @@ def _mlir_name(node: fx.Node) -> str:
     """The name the importer gives ``node``'s op: ``torch.aten.mm`` for ``aten.mm.default``,
     ``torch.aten.add.Tensor`` for ``aten.add.Tensor``."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return ""
     name = f"torch.{target.namespace}.{target._opname}"
     return name if target._overloadname == "default" else f"{name}.{target._overloadname}"
