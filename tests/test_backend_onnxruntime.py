@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aotgrad
-from aotgrad.backends import step
+from aotgrad.backends import backward_ops, step
 from aotgrad.errors import BackendError, CallError
 from aotgrad.signature.descriptors import Input
 from backend_check import check_backend
@@ -300,7 +300,7 @@ CONVOLUTIONS = [
 
 
 def test_convolution_backward_decomposition_equals_eager() -> None:
-    """Note [Convolution backward for ONNX]: the three gradients equal eager's kernel's over
+    """Note [Convolution backward as convolutions]: the three gradients equal eager's kernel's over
     strides, paddings, dilations, groups, 1-3 spatial dims and sizes no window fits exactly
     (float64: the decomposition must be exact, not close)."""
     aten = torch.ops.aten
@@ -315,7 +315,7 @@ def test_convolution_backward_decomposition_equals_eager() -> None:
         args = (torch.randn_like(y), x, w, [w.shape[0]], s, p, d, False, [0] * dims, groups)
         for mask in ([True, True, True], [True, False, False], [False, True, False]):
             expected = aten.convolution_backward(*args, mask)
-            got = ort_backend._convolution_backward(*args, mask)
+            got = backward_ops._convolution_backward(*args, mask)
             for g, e in zip(got, expected, strict=True):
                 if e is None:
                     assert g is None
@@ -345,7 +345,7 @@ AVG_POOLS = [
 
 
 def test_avg_pool_backward_decomposition_equals_eager() -> None:
-    """Note [Average pooling backward for ONNX]: the gradient equals eager's kernel's over
+    """Note [Average pooling backward as a transposed convolution]: the gradient equals eager's kernel's over
     kernels, strides, paddings, ceil_mode (clipped windows), count_include_pad,
     divisor_override and sizes no window fits exactly; in float64, so exact, not close."""
     aten = torch.ops.aten
@@ -357,13 +357,13 @@ def test_avg_pool_backward_decomposition_equals_eager() -> None:
         y = pool(x, kernel, stride, padding, ceil, include, divisor)
         k, s, p = [kernel] * dims, [stride] * dims, [padding] * dims
         args = (torch.randn_like(y), x, k, s, p, ceil, include, divisor)
-        got = ort_backend._DECOMPOSITIONS[op.default](*args)
+        got = backward_ops.AS_FORWARD_OPS[op.default](*args)
         torch.testing.assert_close(got, op(*args), rtol=1e-12, atol=1e-12, msg=str(args[2:]))
         checked += 1
     assert checked > 200
     # Unbatched input, a kernel and stride per axis or one for all, the stride left out (the
     # kernel's).
-    decompose = ort_backend._DECOMPOSITIONS[aten.avg_pool2d_backward.default]
+    decompose = backward_ops.AS_FORWARD_OPS[aten.avg_pool2d_backward.default]
     x = torch.randn(3, 7, 6, dtype=torch.float64)
     for kernel, stride, padding in [
         ([3, 2], [2, 1], [1, 0]),
@@ -388,7 +388,7 @@ ADAPTIVE_POOLS = [
 
 
 def test_adaptive_avg_pool_backward_decomposition_equals_eager() -> None:
-    """Note [Adaptive average pooling backward for ONNX], in float64."""
+    """Note [Adaptive average pooling backward as matmuls], in float64."""
     aten = torch.ops.aten
     for size, out in ADAPTIVE_POOLS:
         x = torch.randn(size, dtype=torch.float64)
@@ -398,7 +398,7 @@ def test_adaptive_avg_pool_backward_decomposition_equals_eager() -> None:
             else (aten._adaptive_avg_pool3d, aten._adaptive_avg_pool3d_backward)
         )
         grad = torch.randn_like(pool(x, list(out)))
-        got = ort_backend._DECOMPOSITIONS[op.default](grad, x)
+        got = backward_ops.AS_FORWARD_OPS[op.default](grad, x)
         torch.testing.assert_close(got, op(grad, x), rtol=1e-12, atol=1e-12, msg=str(size))
 
 
@@ -525,7 +525,7 @@ LIBRARY = [
     ("swin", None, "core_aten", MODEL),
     ("tv_vit", None, "core_aten", MODEL),
     ("deit", None, "core_aten", MODEL),
-    # avg_pool2d_backward (Note [Average pooling backward for ONNX]) and F.interpolate's
+    # avg_pool2d_backward (Note [Average pooling backward as a transposed convolution]) and F.interpolate's
     # (Note [Upsampling backward in Core ATen]).
     ("densenet", (8, 0), "core_aten", CONVNET),
     ("mobilevit", (8, 0), "core_aten", CONVNET),
@@ -552,7 +552,7 @@ def test_library_model(
 @pytest.mark.backends_slow
 @pytest.mark.parametrize("name", ["resnet18", "resnet10t"])
 def test_timm_resnet_with_batchnorm(name: str) -> None:
-    # resnet10t's shortcuts average-pool (Note [Average pooling backward for ONNX]).
+    # resnet10t's shortcuts average-pool (Note [Average pooling backward as a transposed convolution]).
     import timm
 
     import library_models  # noqa: F401  (the torchvision shim, before timm imports it)

@@ -21,6 +21,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from aotgrad._torch_compat import OpOverload
+from aotgrad.backends import backward_ops
 from aotgrad.errors import BackendError, CallError
 from aotgrad.optable import draws_random, op_name
 
@@ -81,6 +82,17 @@ __all__ = ["FLAGS", "IreeProgram", "compile_program"]
 # ``(x, cotangent) -> (grad weight, grad bias)``; ``compile_program(programs.backward)``
 # gives ``main(x: [4,3] f32, cotangent: [] f32) -> ([2,3] f32, [2] f32)``, called as
 # ``run(x, torch.ones(()))``.
+
+# Backward ops IREE 3.13 cannot compile (densenet's and timm resnet10t's average pooling,
+# adaptive pooling to more than 1x1: "failed to legalize"), written as the transposed
+# convolution or matmuls they are before import (backends/backward_ops.py). Convolution's
+# backward compiles as it is.
+IREE_AS_FORWARD_OPS = (
+    torch.ops.aten.avg_pool2d_backward.default,
+    torch.ops.aten.avg_pool3d_backward.default,
+    torch.ops.aten._adaptive_avg_pool2d_backward.default,
+    torch.ops.aten._adaptive_avg_pool3d_backward.default,
+)
 
 # Arguments of ``iree-compile`` (Note [IREE programs], 3).
 FLAGS: tuple[str, ...] = (
@@ -180,6 +192,7 @@ def compile_program(program: ExportedProgram) -> IreeProgram:
     _refuse_random(program, which)
     _refuse_mutation(program, which)
     program = _copy(program)  # Note [IREE programs], 2
+    program = backward_ops.decompose(program, IREE_AS_FORWARD_OPS)
     _rewrite(program)
     _locate(program)
     text = _import(program, which)
