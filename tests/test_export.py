@@ -449,9 +449,16 @@ def test_export_decomposition_keeps_provenance_and_signature():
     for before, after in ((default.forward, core.forward), (default.backward, core.backward)):
         silu = [n for n in before.graph.nodes if "silu" in str(n.target)]
         (original,) = silu
-        decomposed = [n for n in after.graph.nodes if str(n.target) == "aten.sigmoid.default"]
-        assert decomposed and not [n for n in after.graph.nodes if "silu" in str(n.target)]
         want = {k: original.meta["aotgrad"][k] for k in ("seq_nr", "module", "source", "phase")}
+        # The nodes silu's decomposition made (sigmoid and mul on torch 2.13; other torch
+        # releases decompose it into other core ops): those of its seq_nr.
+        decomposed = [
+            n
+            for n in after.graph.nodes
+            if n.op == "call_function"
+            and n.meta["custom"]["aotgrad"].get("seq_nr") == want["seq_nr"]
+        ]
+        assert len(decomposed) > 1 and not [n for n in after.graph.nodes if "silu" in str(n.target)]
         assert want["module"] == "act" and want["source"]["code"].startswith("return self.act")
         for node in decomposed:
             got = {k: node.meta["custom"]["aotgrad"][k] for k in want}
@@ -549,7 +556,18 @@ def test_export_decompositions_on_every_frontend(tmp_path):
     torch.testing.assert_close(forward.module()(x)[0], model(x))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "resnet18"])
+# torch 2.11 and 2.12's meta function of CPU flash attention types its logsumexp float32 for a
+# float64 query (the kernel returns float64): the graphs captured there hold float32, the
+# decomposition computes the kernel's float64, and export refuses the mismatch (ConfigError).
+_OLD_ATTENTION_META = pytest.mark.xfail(
+    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="torch < 2.13: CPU flash attention's meta logsumexp dtype differs from its kernel's",
+    raises=aotgrad.ConfigError,
+    strict=True,
+)
+
+
+@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=_OLD_ATTENTION_META), "resnet18"])
 def test_export_library_models_decomposed(name, tmp_path):
     """Library models traced with the default table, exported in Core ATen, in float64 (as
     tests/test_core_aten.py compares: decomposed ops round differently from eager's
