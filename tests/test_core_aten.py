@@ -27,6 +27,21 @@ def _offenders(graphs: list[torch.fx.GraphModule]) -> list[str]:
     return sorted({str(n.target) for gm in graphs for n in non_core_nodes(gm.graph)})
 
 
+def _check_function(f, *args) -> None:
+    """``f``'s outputs and gradients equal eager's, and its graphs hold Core ATen only."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return nop(gm, example_inputs)
+
+    compile_fn = lambda fn: aot_function(  # noqa: E731
+        fn, decompositions="core_aten", fw_compiler=record, bw_compiler=record
+    )
+    verify(f, *args, rtol=RTOL, atol=ATOL, compile_fn=compile_fn)
+    assert graphs and not _offenders(graphs)
+
+
 def _check_module(model: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
     """Outputs and gradients equal eager's, and every compiled graph holds Core ATen only."""
     graphs: list[torch.fx.GraphModule] = []
@@ -107,17 +122,7 @@ def test_attention_backward_in_core_ops_is_eager_grouped_heads_and_masks():
     q = torch.randn(2, 4, 5, 8, requires_grad=True)
     k, v = (torch.randn(2, 2, 5, 8, requires_grad=True) for _ in range(2))
     mask = torch.randn(5, 5)
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return nop(gm, example_inputs)
-
-    compile_fn = lambda fn: aot_function(  # noqa: E731
-        fn, decompositions="core_aten", fw_compiler=record, bw_compiler=record
-    )
-    verify(f, q, k, v, mask, rtol=RTOL, atol=ATOL, compile_fn=compile_fn)
-    assert graphs and not _offenders(graphs)
+    _check_function(f, q, k, v, mask)
 
 
 def test_unknown_decomposition_set_is_a_clear_value_error():
@@ -263,17 +268,7 @@ def test_tensor_constant_written_into_is_core_aten():
         return buffer.sin()
 
     x = torch.randn(2, 3, requires_grad=True)
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return nop(gm, example_inputs)
-
-    compile_fn = lambda fn: aot_function(  # noqa: E731
-        fn, decompositions="core_aten", fw_compiler=record, bw_compiler=record
-    )
-    verify(f, x, rtol=RTOL, atol=ATOL, compile_fn=compile_fn)
-    assert graphs and not _offenders(graphs)
+    _check_function(f, x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
