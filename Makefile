@@ -66,14 +66,14 @@ sweep: install
 	$(PY) sweep/opinfo_sweep.py --out sweep/report.json
 
 # The differential fuzzer, long: every feature (known-bad ones too), thousands of random programs
-# against eager, with the stage checks on (Note [Stage checks]); prints each distinct failure
-# shrunk to a runnable script. `make test` runs a bounded, deterministic slice
-# (tests/test_fuzz.py). FUZZ_SEED=n for another sequence.
+# against eager in every idiom (arguments, aot_module, a loss over a global module, trace then
+# call, torch.compile, create_graph=True: tests/fuzz_idioms.py), with the stage checks on
+# (Note [Stage checks]); prints each distinct failure shrunk to a runnable script. `make test`
+# runs a bounded, deterministic slice (tests/test_fuzz.py). FUZZ_SEED=n for another sequence.
 FUZZ_EXAMPLES ?= 5000
 FUZZ_SEED     ?= 0
 fuzz: install
 	OMP_NUM_THREADS=1 AOTGRAD_CHECKS=1 $(PY) tests/fuzz_programs.py --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED)
-	OMP_NUM_THREADS=1 AOTGRAD_CHECKS=1 $(PY) tests/fuzz_programs.py --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED) --create-graph
 
 # Every library model x check (tests/test_real_models.py), slow cells included; writes the
 # README's model table. `make test` runs only the fast subset.

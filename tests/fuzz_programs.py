@@ -33,7 +33,6 @@ import os
 import re
 import sys
 import tempfile
-import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,11 +42,14 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from torch.autograd.function import once_differentiable
 
 import aotgrad
+import fuzz_idioms
 from aotgrad import testing
 from aotgrad.capture import DirectTracerBugWarning
 from aotgrad.errors import AotgradError
+from fuzz_idioms import FuzzFailure, error_signature, mismatch_signature, short_traceback
 
 # torch's fake-tensor logger prints every failed meta kernel (issue item 19): keep runs readable.
 logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
@@ -90,22 +92,45 @@ FEATURES = frozenset(
         "compile",  # torch.compile(backend="aotgrad")
         "compile_grad_mode",  # ... with a no_grad/enable_grad region (Dynamo graph breaks)
         "compile_requires_grad_",  # ... with requires_grad_() (Dynamo replays it after its graph)
+        "function_binary",  # a two-input custom Function (both styles, needs_input_grad, ...)
+        "function_once",  # ... with a once_differentiable backward
+        "function_no_materialize",  # ... with set_materialize_grads(False)
+        "function_param",  # a custom Function applied to a parameter itself (MyFn.apply(x, self.w))
+        "module",  # Model's parameters and buffers through aot_module (fuzz_idioms)
+        "global",  # a loss over a global or closed-over Model, or global tensors: aot_function
+        "trace",  # trace, then the Traced called on fresh inputs of the same specialization
+        "trace_module",  # ... trace(Model) likewise
+        "trace_other_spec",  # ... called on inputs of another shape or dtype: eager's or a refusal
+        "create_graph",  # gradients with create_graph=True, differentiated again
     }
 )
 
 # Features that trigger known defects: not generated unless enabled (see the module docstring).
 KNOWN_BAD: dict[str, str] = {
+    "function_param": "issue 38 item 2: a parameter passed into a custom Function gets no gradient",
+    "trace_other_spec": "issue 38 item 4: a Traced runs its graphs on inputs of another shape/dtype",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
     "requires_grad_under_no_grad": "NEW F15: requires_grad_() on a no_grad view of an input",
 }
 
 # Known-bad *differences* no feature isolates: a failure whose signature is listed is tolerated
-# unless its name is enabled like a feature (AOTGRAD_FUZZ_FEATURES=<name>). None at present.
+# unless its name is enabled like a feature (AOTGRAD_FUZZ_FEATURES=<name>).
 KNOWN_BAD_SIGNATURES: dict[str, tuple[str, str]] = {
     "F16": (
         "mismatch: output: requires_grad True != eager False",
         "NEW F16: under no_grad, a custom Function's output of an aliased input that the function"
         " then makes require grad requires grad",
+    ),
+    "F18": (
+        "mismatch: output: is_leaf True != eager False",
+        "NEW F18: a1.t_(); a1.requires_grad_(True) on an input that is a view (b[1:]), then"
+        " a1.view(-1) returned: aotgrad's output is a leaf, eager's a view of a1",
+    ),
+    "F19": (
+        "mismatch: grad of: requires_grad False != eager True; second-order grad of: None != eager"
+        " a tensor",
+        "NEW F19: create_graph=True, an empty input returned as a view (a.view(-1)): its"
+        " first-order gradient does not require grad (eager's does)",
     ),
 }
 
@@ -214,13 +239,100 @@ class NonDifferentiable(torch.autograd.Function):
         return g * 3
 
 
+# Two-input Functions, applied to a value and a parameter, buffer or global tensor directly
+# (``MulSum.apply(v0, self.p0)``) or to any two values: both styles (``forward(ctx, ...)`` and
+# ``setup_context``), ``needs_input_grad``, ``mark_non_differentiable``,
+# ``once_differentiable``, ``set_materialize_grads(False)``. Shapes differ: ``w`` enters reduced.
+
+
+class MulSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = g * w.sum() * 2 if ctx.needs_input_grad[0] else None
+        gw = (g * x).sum().expand(w.shape) * 3 if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+class AddMeanMask(torch.autograd.Function):
+    @staticmethod
+    def forward(x, w):
+        out = x + w.mean()
+        return out, (out > 0).to(out.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, w = inputs
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(w)
+
+    @staticmethod
+    def backward(ctx, g, g_mask):
+        (w,) = ctx.saved_tensors
+        gx = g * 2 if ctx.needs_input_grad[0] else None
+        gw = (g.sum() * 3 / w.numel()).expand(w.shape) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+class OnceDifferentiable(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w.mean()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w.mean() * 2, ((g * x).sum() * 3 / w.numel()).expand(w.shape)
+
+
+class NoMaterialize(torch.autograd.Function):
+    @staticmethod
+    def forward(x, w):
+        return x * 2, w * 3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, gx, gw):
+        # An unused output's cotangent is None (not zeros): its input gets None.
+        return (
+            None if gx is None or not ctx.needs_input_grad[0] else gx * 2,
+            None if gw is None or not ctx.needs_input_grad[1] else gw * 5,
+        )
+
+
 FUNCTIONS = {
     "NewTensor": NewTensor,
     "ReturnsInput": ReturnsInput,
     "ReturnsView": ReturnsView,
     "MarksDirty": MarksDirty,
     "NonDifferentiable": NonDifferentiable,
+    "MulSum": MulSum,
+    "AddMeanMask": AddMeanMask,
+    "OnceDifferentiable": OnceDifferentiable,
+    "NoMaterialize": NoMaterialize,
 }
+FUNCTION_FEATURES = {
+    "NewTensor": "function",
+    "ReturnsInput": "function_returns_input",
+    "ReturnsView": "function_view",
+    "MarksDirty": "function_dirty",
+    "NonDifferentiable": "function_nondiff",
+    "MulSum": "function_binary",
+    "AddMeanMask": "function_binary",
+    "OnceDifferentiable": "function_once",
+    "NoMaterialize": "function_no_materialize",
+}
+BINARY_FUNCTIONS = ("MulSum", "AddMeanMask", "OnceDifferentiable", "NoMaterialize")
 
 # --- programs ---------------------------------------------------------------------------------
 
@@ -242,64 +354,227 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Base:
+    """A base tensor the arguments view: ``torch.randn(shape)``, maybe transposed."""
+
+    shape: tuple[int, ...]
+    requires_grad: bool
+    transposed: bool = False
+
+    def source(self, other: str | None = None) -> str:
+        """Its source; ``other``: another specialization ("shape": each size + 1, "dtype")."""
+        shape = tuple(n + 1 for n in self.shape) if other == "shape" else self.shape
+        dtype = ", dtype=torch.float64" if other == "dtype" else ""
+        if self.transposed:
+            sizes = ", ".join(map(str, reversed(shape)))
+            src = f"torch.randn({sizes}{dtype}).permute{tuple(reversed(range(len(shape))))}"
+            return src + (".requires_grad_()" if self.requires_grad else "")
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"torch.randn({', '.join(map(str, shape))}{dtype}{grad})"
+
+
+@dataclass(frozen=True)
 class Program:
-    bases: tuple[str, ...]  # source of each base tensor b0, b1, ...
-    args: tuple[str, ...]  # source of each argument, over the bases
+    bases: tuple[Base, ...]
+    args: tuple[str, ...]  # source of each argument, over the bases b0, b1, ...
     steps: tuple[Step, ...]
     returns: tuple[str, ...]
-    modes: tuple[str, ...]  # besides "aot": "dynamic", "twice", "compile"
+    # Besides "aot": "dynamic", "twice", "compile", and fuzz_idioms.STATE_IDIOMS.
+    modes: tuple[str, ...]
     under_no_grad: bool = False
     features: frozenset[str] = field(default=frozenset(), compare=False)
+    # Bases held as state by the module/global idioms: parameters (those requiring grad) and
+    # buffers of ``Model``, or the global tensors ``P<j>``. The other bases stay arguments.
+    state: tuple[int, ...] = ()
+    holder: str = "global_module"  # how the loss reaches the state (fuzz_idioms.HOLDERS)
+    other: str = "shape"  # trace_other's specialization: "shape" or "dtype"
+    create_graph: bool = False  # gradients taken with create_graph=True, and differentiated
+
+    @property
+    def free(self) -> tuple[int, ...]:
+        """The arguments over bases that are not state: the module's forward arguments."""
+        return tuple(i for i, a in enumerate(self.args) if _base_of(a) not in self.state)
+
+    def _body(self) -> list[str]:
+        body = [line for step in self.steps for line in step.lines()]
+        body.append(f"return {', '.join(self.returns)}" + ("," if len(self.returns) == 1 else ""))
+        return body
 
     def function_source(self) -> str:
         params = ", ".join(f"a{i}" for i in range(len(self.args)))
-        body = [line for step in self.steps for line in step.lines()]
-        body.append(f"return {', '.join(self.returns)}" + ("," if len(self.returns) == 1 else ""))
-        return "\n".join([f"def fn({params}):", *("    " + line for line in body)])
+        return "\n".join([f"def fn({params}):", *("    " + line for line in self._body())])
+
+    def _over_state(self, prefix: str) -> list[str]:
+        """``a<i> = <view of the state>`` for the arguments over state bases."""
+        return [
+            f"a{i} = " + re.sub(r"\bb(\d+)\b", rf"{prefix}\1", a)
+            for i, a in enumerate(self.args)
+            if i not in self.free
+        ]
+
+    def state_source(self) -> str:
+        """``Model`` (state bases as parameters and buffers) and the loss over it."""
+        params = ", ".join(f"a{i}" for i in self.free)
+        b = ", ".join(f"b{j}" for j in self.state)
+        init = [
+            f"self.p{j} = torch.nn.Parameter(b{j})"
+            if self.bases[j].requires_grad
+            else f'self.register_buffer("p{j}", b{j})'
+            for j in self.state
+        ]
+        forward = self._over_state("self.p") + self._body()
+        model = [
+            "class Model(torch.nn.Module):",
+            f"    def __init__(self, {b}):",
+            "        super().__init__()",
+            *("        " + line for line in init),
+            "",
+            f"    def forward(self, {params}):".replace("(self, )", "(self)"),
+            *("        " + line for line in forward),
+        ]
+        if self.holder == "global_module":
+            loss = [
+                "model = None  # the global module loss reads (each run sets its own)",
+                "",
+                "",
+                f"def loss({params}):",
+                f"    return model({params})",
+            ]
+        elif self.holder == "closure_module":
+            loss = [
+                "def make_loss(model):",
+                f"    def loss({params}):",
+                f"        return model({params})",
+                "",
+                "    return loss",
+            ]
+        else:
+            globals_ = " = ".join(f"P{j}" for j in self.state)
+            loss = [
+                f"{globals_} = None  # the global tensors loss reads (each run sets its own)",
+                "",
+                "",
+                f"def loss({params}):",
+                *("    " + line for line in self._over_state("P") + self._body()),
+            ]
+        return "\n".join([*model, "", "", *loss])
 
     def inputs_source(self) -> str:
-        lines = ["torch.manual_seed(0)"]
-        lines += [f"b{i} = {src}" for i, src in enumerate(self.bases)]
-        lines.append(f"args = ({', '.join(self.args)}{',' if len(self.args) == 1 else ''})")
+        """``make_inputs(seed, other)``: the bases and the arguments over them."""
+        lines = ["def make_inputs(seed=0, other=None):", "    torch.manual_seed(seed)"]
+        made = [f"b{i} = {base.source()}" for i, base in enumerate(self.bases)]
+        if "trace_other" in self.modes:
+            lines.append(f'    if other == "{self.other}":')
+            lines += [
+                f"        b{i} = {base.source(self.other)}" for i, base in enumerate(self.bases)
+            ]
+            lines.append("    else:")
+            lines += ["        " + line for line in made]
+        else:
+            lines += ["    " + line for line in made]
+        bases = _tuple_source([f"b{i}" for i in range(len(self.bases))])
+        lines.append(f"    return {bases}, {_tuple_source(self.args)}")
         return "\n".join(lines)
 
+    def script(self) -> str:
+        """The program as a runnable file: it checks itself when run as a script."""
+        idioms = ", ".join(repr(m) for m in ("aot", *self.modes))
+        lines = [
+            "import torch",
+            "import torch.nn.functional as F",
+            "",
+            f"from fuzz_programs import {', '.join(sorted(FUNCTIONS))}",
+            "",
+            f"STATE = {self.state!r}  # bases held by Model (parameters, buffers) or as globals P<j>",
+            f"FREE = {self.free!r}  # the arguments Model.forward and loss take",
+            "",
+            "",
+            self.function_source(),
+            "",
+            "",
+        ]
+        if self.state:
+            lines += [self.state_source(), "", ""]
+        lines += [
+            self.inputs_source(),
+            "",
+            "",
+            'if __name__ == "__main__":  # compare with eager: fuzz_idioms.run_idiom for each idiom',
+            "    import fuzz_programs",
+            "",
+            f"    fuzz_programs.replay(__file__, [{idioms}], holder={self.holder!r},"
+            f" other={self.other!r}, create_graph={self.create_graph}, under_no_grad={self.under_no_grad})",
+        ]
+        return "\n".join(lines) + "\n"
+
     def __repr__(self) -> str:
-        calls = {
-            "aot": "verify(fn, *args)",
-            "dynamic": "verify(fn, *args, compile_fn=lambda f: aotgrad.aot_function(f, dynamic=True))",
-            "twice": "compiled = aotgrad.aot_function(fn)\nverify(fn, *args, compile_fn=lambda f: compiled)\nverify(fn, *args, compile_fn=lambda f: compiled)",
-            "compile": 'verify(fn, *args, compile_fn=lambda f: torch.compile(f, backend="aotgrad"))',
-        }
-        run = [calls["aot"], *(calls[m] for m in self.modes)]
-        if self.under_no_grad:
-            run = ["# the compiled function is called under no_grad (see run_under_no_grad)", *run]
-        imports = (
-            "import torch\nimport torch.nn.functional as F\nimport aotgrad\n"
-            "from aotgrad.testing import verify\n"
-            f"from fuzz_programs import {', '.join(sorted(FUNCTIONS))}\n"
-        )
-        return "\n".join(["", imports, self.function_source(), "", self.inputs_source(), *run, ""])
+        return "\n" + self.script()
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(repr(self))  # Hypothesis prints the runnable script, not the fields
 
-    def make_function(self) -> Callable[..., Any]:
-        """``fn`` compiled from a real file, so tracebacks and source lines work."""
-        src = "import torch\nimport torch.nn.functional as F\n\n" + self.function_source() + "\n"
+    def path(self) -> str:
+        """The script, written once to a real file (tracebacks and source lines work)."""
+        src = self.script()
         digest = hashlib.sha1(src.encode()).hexdigest()[:16]
         path = os.path.join(_program_dir(), f"prog_{digest}.py")
         if not os.path.exists(path):
             with open(path, "w") as f:
                 f.write(src)
-        namespace: dict[str, Any] = {"__name__": f"fuzz_prog_{digest}", **FUNCTIONS}
-        exec(compile(src, path, "exec"), namespace)
-        return namespace["fn"]
+        return path
 
-    def make_args(self) -> tuple[Any, ...]:
+    def make_namespace(self) -> dict[str, Any]:
+        return load(self.path())
+
+    def make_function(self) -> Callable[..., Any]:
+        return self.make_namespace()["fn"]
+
+    def make_args(self, seed: int = 0, other: str | None = None) -> tuple[Any, ...]:
         namespace: dict[str, Any] = {"torch": torch}
+        exec(self.inputs_source(), namespace)
         with _fork_rng():
-            exec(self.inputs_source(), namespace)
-        return namespace["args"]
+            return namespace["make_inputs"](seed, other)[1]
+
+
+def _tuple_source(items: Any) -> str:
+    return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+
+
+def _base_of(arg: str) -> int:
+    return int(re.match(r"b(\d+)", arg).group(1))  # type: ignore[union-attr]
+
+
+def load(path: str) -> dict[str, Any]:
+    """A fresh namespace of a program file (each world gets its own globals)."""
+    with open(path) as f:
+        src = f.read()
+    namespace: dict[str, Any] = {"__name__": "fuzz_program", "__file__": path}
+    exec(compile(src, path, "exec"), namespace)
+    return namespace
+
+
+def replay(path: str, idioms: list[str], **options: Any) -> None:
+    """Run a program file in each idiom, as the fuzzer does; print what each gave."""
+    program_namespace = load(path)
+    for idiom in idioms:
+        try:
+            if idiom in VERIFY_MODES:
+                _verify_mode(
+                    program_namespace["fn"],
+                    lambda: program_namespace["make_inputs"]()[1],
+                    idiom,
+                    options["create_graph"],
+                    options["under_no_grad"],
+                )
+            else:
+                fuzz_idioms.run_idiom(lambda: load(path), idiom, **options)
+            print(f"{idiom}: match")
+        except AotgradError as err:
+            print(f"{idiom}: refused: {type(err).__name__}: {str(err).splitlines()[0]}")
+        except fuzz_idioms.EagerFails as err:
+            print(f"{idiom}: eager fails: {err}")
+        except FuzzFailure as failure:
+            print(f"{idiom}: FAILS {failure.signature}\n{failure.detail}")
 
 
 def _program_dir() -> str:
@@ -336,6 +611,8 @@ class _Env:
         self.count = 0
         # Values made without grad (no_grad region, detach, or derived from such a value).
         self.nograd: set[str] = set()
+        # Arguments that are a parameter itself in the module/global idioms (set by programs()).
+        self.params: set[str] = set()
 
     def try_step(self, step: Step) -> bool:
         namespace = {"torch": torch, "F": F, **FUNCTIONS, **self.values}
@@ -369,15 +646,11 @@ def _shape(draw, max_dims=3):
     return tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=max_dims)))
 
 
-def _base(draw) -> str:
+def _base(draw) -> Base:
     shape = _shape(draw)
     rg = draw(st.booleans())
     layout = draw(st.sampled_from(["contiguous", "contiguous", "transposed"]))
-    if layout == "transposed" and len(shape) >= 2:
-        rev = tuple(reversed(shape))
-        src = f"torch.randn{rev}.permute{tuple(reversed(range(len(shape))))}"
-        return src + (".requires_grad_()" if rg else "")
-    return f"torch.randn({', '.join(map(str, shape))}{', requires_grad=True' if rg else ''})"
+    return Base(shape, rg, layout == "transposed" and len(shape) >= 2)
 
 
 _ARG_VIEWS = ["{b}", "{b}", "{b}[1:]", "{b}.view(-1)", "{b}[0]", "{b}.t()", "{b}.unsqueeze(0)"]
@@ -408,8 +681,8 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
         args.append(view)
     if not args:
         args = ["b0"]
-    bases_src = bases
-    probe = Program(bases_src, tuple(args), (), ("a0",), ())
+    state = _draw_state(draw, features, n_bases)
+    probe = Program(bases, tuple(args), (), ("a0",), ())
     try:
         program_args = probe.make_args()
     except Exception:
@@ -417,6 +690,12 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
 
         reject()
     env = _Env(program_args)
+    # Arguments that are a parameter itself in the module/global idioms (``a0 = self.p0``).
+    env.params = {
+        f"a{i}"
+        for i, a in enumerate(args)
+        if a in {f"b{j}" for j in state if bases[j].requires_grad}
+    }
     if any(_size1_strided(t) for t in env.inputs):
         if "size1_strided_input" not in features:
             from hypothesis import reject
@@ -439,6 +718,15 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
     )
     for m in modes:
         prog_features |= _mode_features(m, steps)
+    holder = draw(st.sampled_from(fuzz_idioms.HOLDERS))
+    other = draw(st.sampled_from(["shape", "dtype"]))
+    idioms = ["module", holder, "trace_module"] if state else []
+    idioms += ["trace", "trace_other"]
+    modes += tuple(m for m in idioms if _idiom_feature(m) in features)
+    prog_features |= {_idiom_feature(m) for m in modes if m in fuzz_idioms.STATE_IDIOMS}
+    create_graph = "create_graph" in features and draw(st.integers(0, 4)) == 0
+    if create_graph:
+        prog_features.add("create_graph")
     under_no_grad = "call_under_no_grad" in features and draw(st.integers(0, 5)) == 0
     if under_no_grad and "requires_grad_" in prog_features:
         under_no_grad = "requires_grad_under_no_grad" in features
@@ -446,14 +734,33 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
     if under_no_grad:
         prog_features.add("call_under_no_grad")
     return Program(
-        bases_src,
+        bases,
         tuple(args),
         tuple(steps),
         returns,
         modes,
         under_no_grad,
         frozenset(prog_features),
+        state,
+        holder,
+        other,
+        create_graph,
     )
+
+
+def _draw_state(draw, features: frozenset[str], n_bases: int) -> tuple[int, ...]:
+    """Which bases the module/global idioms hold as state: at least one, maybe all."""
+    if not features & {"module", "global"}:
+        return ()
+    chosen = draw(st.lists(st.integers(0, n_bases - 1), min_size=1, max_size=n_bases, unique=True))
+    return tuple(sorted(chosen))
+
+
+def _idiom_feature(idiom: str) -> str:
+    """The feature switching an idiom on (the holders share one)."""
+    if idiom in fuzz_idioms.HOLDERS:
+        return "global"
+    return {"trace_other": "trace_other_spec"}.get(idiom, idiom)
 
 
 def _size1_strided(t: torch.Tensor) -> bool:
@@ -522,7 +829,7 @@ def _draw_step(draw, env: _Env, features) -> Step | None:
             + ["compute"] * 2
             + ["inplace"] * 4
             + ["metadata"] * 2
-            + ["function"] * 2
+            + ["function"] * 4
             + ["random", "requires_grad_"]
         )
     )
@@ -580,18 +887,19 @@ def _draw_step(draw, env: _Env, features) -> Step | None:
                 tags.add("metadata_aliased_input")
         target = None
     elif kind == "function":
-        fn_name = draw(st.sampled_from(sorted(FUNCTIONS)))
-        tags.add(
-            {
-                "NewTensor": "function",
-                "ReturnsInput": "function_returns_input",
-                "ReturnsView": "function_view",
-                "MarksDirty": "function_dirty",
-                "NonDifferentiable": "function_nondiff",
-            }[fn_name]
-        )
-        index = f"[{draw(st.integers(0, 1))}]" if fn_name == "NonDifferentiable" else ""
-        expr = f"{fn_name}.apply({name}){index}"
+        fn_name = draw(st.sampled_from([*BINARY_FUNCTIONS, *sorted(FUNCTIONS)]))
+        tags.add(FUNCTION_FEATURES[fn_name])
+        two_outputs = fn_name in ("NonDifferentiable", "AddMeanMask", "NoMaterialize")
+        index = f"[{draw(st.integers(0, 1))}]" if two_outputs else ""
+        operands = [name]
+        if fn_name in BINARY_FUNCTIONS:
+            # Often a parameter (or buffer, or global tensor) itself: MulSum.apply(v0, self.p0).
+            params = sorted(env.params)
+            pool = params if params and draw(st.booleans()) else sorted(env.values)
+            operands.append(draw(st.sampled_from(pool)))
+        if set(operands) & env.params:
+            tags.add("function_param")
+        expr = f"{fn_name}.apply({', '.join(operands)}){index}"
         if fn_name == "MarksDirty" and shares:
             tags.add("inplace_input")
     elif kind == "random":
@@ -689,16 +997,11 @@ def _metadata_expr(draw, name: str, x: torch.Tensor) -> str:
 
 
 # --- checking ---------------------------------------------------------------------------------
+# "aot", "dynamic" and "twice" run ``aotgrad.testing.verify`` on ``fn`` over arguments; the
+# idioms over state, trace-then-call and torch.compile run ``fuzz_idioms.run_idiom``, which
+# compares every gradient itself (parameters' and global tensors' included).
 
-
-class FuzzFailure(AssertionError):
-    """aotgrad differed from eager, or failed with an error that is not a documented refusal."""
-
-    def __init__(self, mode: str, signature: str, detail: str):
-        super().__init__(f"[{mode}] {signature}\n{detail}")
-        self.mode = mode
-        self.signature = signature
-        self.detail = detail
+VERIFY_MODES = ("aot", "dynamic", "twice")
 
 
 class EagerRejected(Exception):
@@ -709,6 +1012,8 @@ class EagerRejected(Exception):
 class Outcome:
     refusals: list[str] = field(default_factory=list)
     compiled: int = 0
+    # Idioms eager itself could not run (an in-place op on a parameter, say): not compared.
+    skipped: list[str] = field(default_factory=list)
 
 
 def _eager_reference(program: Program, fn: Callable[..., Any], create_graph: bool = False) -> None:
@@ -721,7 +1026,7 @@ def _eager_reference(program: Program, fn: Callable[..., Any], create_graph: boo
     try:
         with _fork_rng(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = _called(fn, program)(*call.args)
+            out = _called(fn, program.under_no_grad)(*call.args)
             leaves = [
                 t
                 for t in torch.utils._pytree.tree_leaves(out)
@@ -746,8 +1051,8 @@ def _eager_reference(program: Program, fn: Callable[..., Any], create_graph: boo
         raise EagerRejected(repr(err)) from err
 
 
-def _called(fn: Callable[..., Any], program: Program) -> Callable[..., Any]:
-    if not program.under_no_grad:
+def _called(fn: Callable[..., Any], under_no_grad: bool) -> Callable[..., Any]:
+    if not under_no_grad:
         return fn
 
     def run_under_no_grad(*args):
@@ -757,123 +1062,80 @@ def _called(fn: Callable[..., Any], program: Program) -> Callable[..., Any]:
     return run_under_no_grad
 
 
-def _compilers(program: Program, fn: Callable[..., Any]):
-    yield "aot", [lambda f: aotgrad.aot_function(f)]
-    for mode in program.modes:
-        if mode == "dynamic":
-            yield mode, [lambda f: aotgrad.aot_function(f, dynamic=True)]
-        elif mode == "twice":
-            compiled = aotgrad.aot_function(fn)
-            yield mode, [lambda f, c=compiled: c, lambda f, c=compiled: c]
-        elif mode == "compile":
-            yield mode, [_fresh_compile]
+def check(program: Program, create_graph: bool | None = None) -> Outcome:
+    """Check ``program`` in every idiom; raise FuzzFailure, or EagerRejected when eager fails.
 
-
-def _fresh_compile(f):
-    # Dynamo keeps state across programs (automatic dynamic shapes when one source recurs).
-    torch._dynamo.reset()
-    return torch.compile(f, backend="aotgrad")
-
-
-def check(program: Program, create_graph: bool = False) -> Outcome:
-    """Verify ``program`` in every mode; raise FuzzFailure, or EagerRejected when eager fails.
-
-    ``create_graph``: second-order gradients too (``verify(..., create_graph=True)``).
+    ``create_graph`` (default: the program's): second-order gradients too.
     """
-    fn = program.make_function()
+    create_graph = program.create_graph if create_graph is None else create_graph
+    namespace = program.make_namespace()
+    fn = namespace["fn"]
     _eager_reference(program, fn, create_graph)
     outcome = Outcome()
-    for mode, compile_fns in _compilers(program, fn):
-        for compile_fn in compile_fns:
-            try:
-                _verify_once(program, fn, compile_fn, create_graph)
-            except AotgradError as err:
-                outcome.refusals.append(f"{type(err).__name__}: {str(err).splitlines()[0]}")
-                break
-            except FuzzFailure as failure:
-                if failure.signature in tolerated_signatures():
-                    break
-                if mode == "compile" and _dynamo_alone_fails(program, fn):
-                    break
-                raise FuzzFailure(mode, failure.signature, failure.detail) from None
-            outcome.compiled += 1
+    options = dict(create_graph=create_graph, under_no_grad=program.under_no_grad)
+    for mode in ("aot", *program.modes):
+        try:
+            if mode in VERIFY_MODES:
+                _verify_mode(fn, program.make_args, mode, **options)
+            else:
+                fuzz_idioms.run_idiom(
+                    program.make_namespace,
+                    mode,
+                    holder=program.holder,
+                    other=program.other,
+                    **options,
+                )
+        except AotgradError as err:
+            outcome.refusals.append(f"{type(err).__name__}: {str(err).splitlines()[0]}")
+            continue
+        except fuzz_idioms.EagerFails:
+            outcome.skipped.append(mode)
+            continue
+        except FuzzFailure as failure:
+            if failure.signature in tolerated_signatures():
+                continue
+            mode_name = f"{mode}+create_graph" if create_graph else mode
+            raise FuzzFailure(mode_name, failure.signature, failure.detail) from None
+        outcome.compiled += 1
     return outcome
 
 
-def _verify_once(program: Program, fn, compile_fn, create_graph: bool = False) -> None:
-    called = _called(fn, program)
+def _verify_mode(
+    fn: Callable[..., Any],
+    make_args: Callable[[], tuple[Any, ...]],
+    mode: str,
+    create_graph: bool,
+    under_no_grad: bool,
+) -> None:
+    """``verify`` over arguments: once ("aot"), ``dynamic=True``, or one compiled fn twice."""
+    if mode == "twice":
+        compiled = aotgrad.aot_function(fn)
+        compile_fns = [lambda f: compiled] * 2
+    elif mode == "dynamic":
+        compile_fns = [lambda f: aotgrad.aot_function(f, dynamic=True)]
+    else:
+        compile_fns = [aotgrad.aot_function]
+    for compile_fn in compile_fns:
+        _verify_once(fn, make_args(), compile_fn, create_graph, under_no_grad)
+
+
+def _verify_once(fn, args, compile_fn, create_graph: bool, under_no_grad: bool) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             warnings.simplefilter("error", DirectTracerBugWarning)  # Note [Choosing a tracer]
             testing.verify(
-                called,
-                *program.make_args(),
-                compile_fn=_wrapped(compile_fn, program),
+                _called(fn, under_no_grad),
+                *args,
+                compile_fn=lambda called: _called(compile_fn(fn), under_no_grad),
                 create_graph=create_graph,
             )
     except testing.VerificationError as err:
-        raise FuzzFailure("", _mismatch_signature(str(err)), str(err)) from None
+        raise FuzzFailure("", mismatch_signature(str(err)), str(err)) from None
     except AotgradError:
         raise
     except Exception as err:
-        raise FuzzFailure("", _error_signature(err), _short_traceback(err)) from None
-
-
-def _wrapped(compile_fn, program: Program):
-    def compile_program(called):
-        return _called(compile_fn(program_fn_of(called)), program)
-
-    return compile_program
-
-
-def program_fn_of(called):
-    return called.__closure__[0].cell_contents if called.__name__ == "run_under_no_grad" else called
-
-
-def _dynamo_alone_fails(program: Program, fn) -> bool:
-    """A torch.compile failure that Dynamo's own eager backend shares is not aotgrad's."""
-    torch._dynamo.reset()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            testing.verify(
-                _called(fn, program),
-                *program.make_args(),
-                compile_fn=_wrapped(lambda f: torch.compile(f, backend="eager"), program),
-            )
-    except Exception:
-        return True
-    return False
-
-
-_NUMBERS = re.compile(r"\d+(\.\d+)?(e[-+]?\d+)?")
-
-
-def _mismatch_signature(text: str) -> str:
-    kinds = set()
-    for line in text.splitlines()[1:]:
-        line = line.split(" (")[0]
-        line = re.sub(r"^(output|input|grad of)[^:]*:", r"\1:", line)
-        line = re.sub(r"torch\.\w+\[[^\]]*\] != eager torch\.\w+\[[^\]]*\]", "shape differs", line)
-        kinds.add(_NUMBERS.sub("N", line)[:80])
-    return "mismatch: " + "; ".join(sorted(kinds))
-
-
-def _error_signature(err: BaseException) -> str:
-    frames = traceback.extract_tb(err.__traceback__)
-    where = "?"
-    for frame in reversed(frames):
-        if "aotgrad" in frame.filename or "torch" in frame.filename:
-            where = f"{os.path.basename(frame.filename)}:{frame.name}"
-            break
-    message = str(err).splitlines()[0] if str(err) else ""
-    message = _NUMBERS.sub("N", re.sub(r"<[^>]*>", "<...>", message))[:70]
-    return f"{type(err).__name__} at {where}: {message}"
-
-
-def _short_traceback(err: BaseException) -> str:
-    return "".join(traceback.format_exception(type(err), err, err.__traceback__)[-12:])
+        raise FuzzFailure("", error_signature(err), short_traceback(err)) from None
 
 
 # --- command line: a long triage run that collects distinct failures, then shrinks each ----------
@@ -890,7 +1152,10 @@ def _main() -> None:  # pragma: no cover - run by `make fuzz`
     parser.add_argument("--features", default=os.environ.get("AOTGRAD_FUZZ_FEATURES", "all"))
     parser.add_argument("--no-shrink", action="store_true")
     parser.add_argument(
-        "--create-graph", action="store_true", help="check second-order gradients too"
+        "--create-graph",
+        action="store_const",
+        const=True,
+        help="check second-order gradients on every program (by default: on a fifth of them)",
     )
     parser.add_argument("--shrink-key", help="skip exploring: replay the seed and shrink this key")
     opts = parser.parse_args()
@@ -928,7 +1193,7 @@ def _main() -> None:  # pragma: no cover - run by `make fuzz`
             return
         stats["checked"] += 1
         for r in outcome.refusals:
-            r = _NUMBERS.sub("N", r)[:120]
+            r = fuzz_idioms._NUMBERS.sub("N", r)[:120]
             refusals[r] = refusals.get(r, 0) + 1
         if stats["checked"] % 100 == 0:
             print(f"... {stats} failures={len(found)}", flush=True)
@@ -984,4 +1249,5 @@ def _shrink(opts, features, key: str, program: Program | None) -> Program | None
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.modules["fuzz_programs"] = sys.modules["__main__"]  # program files import from it
     _main()
