@@ -92,7 +92,10 @@ def world(
     """
     with fork_rng():
         state_bases, _ = namespace["make_inputs"](state_seed)
-        bases, args = namespace["make_inputs"](arg_seed, other)
+        try:
+            bases, args = namespace["make_inputs"](arg_seed, other)
+        except Exception as err:  # another specialization the arguments' views cannot take
+            raise EagerFails(f"make_inputs({arg_seed}, {other!r}): {err!r}") from err
     if form == "function":
         named = [*_names("b", bases, range(len(bases))), *_names("a", args, range(len(args)))]
         return World(namespace["fn"], tuple(args), named)

@@ -2,13 +2,31 @@
 
 A :class:`Program` is a few input tensors (fresh, passed twice, or views of one base passed
 together) and a list of steps over them (views, in-place ops, metadata mutation, custom
-``autograd.Function``s, ``no_grad``/``enable_grad`` regions, random ops), returning some of
-its values. ``repr(program)`` is a runnable Python script, so a shrunk failure prints as its
-own repro. :func:`check` runs a program eagerly (a program eager rejects is discarded) and
-through ``aot_function``, ``aot_function(dynamic=True)``, a second call of the same compiled
-function, and ``torch.compile(backend="aotgrad")``, each with ``aotgrad.testing.verify``.
-A documented refusal (an ``aotgrad.errors.AotgradError``) is acceptable; a mismatch or any
-other exception is a :class:`FuzzFailure`.
+``autograd.Function``s, one- and two-input, ``no_grad``/``enable_grad`` regions, random ops),
+returning some of its values. Some of its base tensors are also *state*: ``Model`` holds them
+as parameters (those requiring grad) and buffers (the rest), and a loss reaches them through
+a global or closed-over ``Model`` or as global tensors. ``repr(program)`` is the program's
+file, a runnable script that checks itself, so a shrunk failure prints as its own repro.
+
+:func:`check` runs a program eagerly (a program eager rejects is discarded), then in every
+idiom a user calls aotgrad in:
+
+- ``aot``: ``aot_function`` over arguments; ``dynamic`` (``dynamic=True``) and ``twice`` (one
+  compiled function called twice) on a quarter of the programs each: with
+  ``aotgrad.testing.verify``;
+- ``module``: ``aot_module(Model(...))``; ``global_module``, ``closure_module``,
+  ``global_tensors``: ``aot_function`` of the loss over the state (one of them per program);
+- ``trace``: ``aotgrad.trace`` then the ``Traced`` called on fresh inputs of the same
+  specialization; ``trace_other``: on inputs of another shape or dtype (eager's result or an
+  ``AotgradError``); ``trace_module``: ``trace(Model(...))`` then fresh arguments;
+- ``compile``: ``torch.compile(backend="aotgrad")`` of the loss over the state (a quarter of
+  the programs);
+- each with ``create_graph=True`` on a fifth of the programs (second-order gradients).
+
+The idioms but the first three run ``fuzz_idioms.run_idiom``, which compares every gradient
+(parameters', buffers', global tensors') itself. A documented refusal (an
+``aotgrad.errors.AotgradError``) is acceptable; a mismatch or any other exception is a
+:class:`FuzzFailure`.
 
 Feature switch
 --------------
@@ -33,6 +51,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,6 +121,7 @@ FEATURES = frozenset(
         "trace_module",  # ... trace(Model) likewise
         "trace_other_spec",  # ... called on inputs of another shape or dtype: eager's or a refusal
         "create_graph",  # gradients with create_graph=True, differentiated again
+        "trace_under_no_grad",  # a Traced called under no_grad
     }
 )
 
@@ -109,6 +129,8 @@ FEATURES = frozenset(
 KNOWN_BAD: dict[str, str] = {
     "function_param": "issue 38 item 2: a parameter passed into a custom Function gets no gradient",
     "trace_other_spec": "issue 38 item 4: a Traced runs its graphs on inputs of another shape/dtype",
+    "trace_under_no_grad": "NEW F20: a Traced called under no_grad returns a view of a parameter"
+    " with a grad_fn (AsStridedBackward0); eager's is a leaf",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
     "requires_grad_under_no_grad": "NEW F15: requires_grad_() on a no_grad view of an input",
 }
@@ -733,6 +755,11 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
         prog_features.add("requires_grad_under_no_grad")
     if under_no_grad:
         prog_features.add("call_under_no_grad")
+        traced = {"trace", "trace_other", "trace_module"} & set(modes)
+        if traced and "trace_under_no_grad" not in features:
+            modes = tuple(m for m in modes if m not in traced)
+        elif traced:
+            prog_features.add("trace_under_no_grad")
     return Program(
         bases,
         tuple(args),
@@ -1014,6 +1041,7 @@ class Outcome:
     compiled: int = 0
     # Idioms eager itself could not run (an in-place op on a parameter, say): not compared.
     skipped: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # CPU time per idiom
 
 
 def _eager_reference(program: Program, fn: Callable[..., Any], create_graph: bool = False) -> None:
@@ -1074,6 +1102,7 @@ def check(program: Program, create_graph: bool | None = None) -> Outcome:
     outcome = Outcome()
     options = dict(create_graph=create_graph, under_no_grad=program.under_no_grad)
     for mode in ("aot", *program.modes):
+        start = time.process_time()
         try:
             if mode in VERIFY_MODES:
                 _verify_mode(fn, program.make_args, mode, **options)
@@ -1088,14 +1117,16 @@ def check(program: Program, create_graph: bool | None = None) -> Outcome:
         except AotgradError as err:
             outcome.refusals.append(f"{type(err).__name__}: {str(err).splitlines()[0]}")
             continue
-        except fuzz_idioms.EagerFails:
-            outcome.skipped.append(mode)
+        except fuzz_idioms.EagerFails as err:
+            outcome.skipped.append(f"{mode}: {str(err).splitlines()[0] if str(err) else ''}")
             continue
         except FuzzFailure as failure:
             if failure.signature in tolerated_signatures():
                 continue
             mode_name = f"{mode}+create_graph" if create_graph else mode
             raise FuzzFailure(mode_name, failure.signature, failure.detail) from None
+        finally:
+            outcome.seconds[mode] = time.process_time() - start
         outcome.compiled += 1
     return outcome
 

@@ -746,3 +746,36 @@ def test_alias_output_after_an_input_drops_a_dimension_in_place_under_dynamic_sh
     base = torch.randn(2)
     verify(fn, base, base[1:], compile_fn=dynamic)
     verify(fn, torch.randn(3, 2), torch.randn(1, 4), compile_fn=dynamic)
+
+
+# --- found by the fuzzer's idioms (issue 38 item 3: modules, globals, trace, create_graph) -----
+
+
+@unfixed("NEW F18: requires_grad_() on a restrided input view: the output view of it is a leaf")
+def test_requires_grad_on_a_restrided_input_view_then_a_view_of_it_is_not_a_leaf():
+    # the input is a view of a tensor the caller keeps (verify's copy loses that: checked by hand)
+    def fn(a1):
+        a1.t_()
+        with torch.no_grad():
+            a1.requires_grad_(True)
+        return a1.view(-1)
+
+    outs = [f(torch.randn(3)[1:]) for f in (fn, aotgrad.aot_function(fn))]
+    assert [(o.is_leaf, o.requires_grad) for o in outs] == [(False, True)] * 2
+
+
+@unfixed("NEW F19: create_graph=True: an empty input's first-order gradient does not require grad")
+def test_empty_input_viewed_keeps_second_order_gradients():
+    verify(lambda a: (a.view(-1),), torch.randn(0, requires_grad=True), create_graph=True)
+
+
+@unfixed("NEW F20: a Traced called under no_grad returns a view of its input with a grad_fn")
+def test_traced_called_under_no_grad_returns_eagers_view():
+    def fn(p):
+        return p[1:]
+
+    p = torch.randn(3, requires_grad=True)
+    traced = aotgrad.trace(fn, p)
+    with torch.no_grad():
+        outs = [fn(p), traced(p)]
+    assert [(o.is_leaf, o.grad_fn) for o in outs] == [(True, None)] * 2
