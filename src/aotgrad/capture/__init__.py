@@ -7,7 +7,7 @@ Note [Choosing a tracer] in ``tracers.py``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -80,6 +80,7 @@ from aotgrad.signature import (
     Descriptor,
     FlatInputs,
     Inner,
+    Input,
     MutatedInput,
     Output,
     OutputBase,
@@ -223,7 +224,9 @@ def _capture(
     _remove_detaches(gm.graph)  # before matching: a checkpoint recomputes from detached inputs
     describe_collectives(gm)  # op, group, shape of each collective (Note [Collectives])
     link_recompute(gm)
-    return _assemble(gm, flat, inputs, bases, record, report)
+    joint = _assemble(gm, flat, inputs, bases, record, report)
+    _name_owners(gm.graph, inputs.descriptors, frozenset(recorder.module_names.values()))
+    return joint
 
 
 def _why_not_direct(
@@ -403,7 +406,18 @@ def _name_placeholders(graph: fx.Graph, descriptors: Sequence[Descriptor]) -> No
             continue  # already cotangent_<i>
         rename_node(node, placeholder_name(desc))
         node.target = node.name
-        param = desc.of if isinstance(desc, Inner) else desc  # Note [Tensor subclasses]
-        if isinstance(param, Param | Buffer) and "." in param.name:
-            owner = param.name.rsplit(".", 1)[0]
+
+
+def _name_owners(
+    graph: fx.Graph, descriptors: Sequence[Descriptor], modules: Collection[str]
+) -> None:
+    """A lifted tensor's placeholder belongs to the module holding it (``net.0`` for
+    ``global net.0.weight``), when that is one of ``modules`` (Note [Module paths as the
+    signature names them]); the others keep the function's name."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, desc in zip(placeholders, descriptors, strict=False):  # the cotangents follow
+        lifted = desc.of if isinstance(desc, Inner) else desc  # Note [Tensor subclasses]
+        name = lifted.path if isinstance(lifted, Input) else getattr(lifted, "name", "")
+        owner = name.rpartition(".")[0]
+        if owner and (owner in modules or isinstance(lifted, Param | Buffer)):
             set_info(node, replace(node_info(node), module=owner))
