@@ -147,7 +147,9 @@ def test_memory_report_html_and_profile_name_the_paths(way):
     text = traced.memory_report(by_module=True)
     assert f"[{child(way, 1)}]" in text and not re.search(r"\b(Linear|ReLU)\b", text)
     document = report_document(traced.partitioned)
-    drawn = {n.get("module") for phase in ("forward", "backward") for n in document["graphs"][phase]}
+    drawn = {
+        n.get("module") for phase in ("forward", "backward") for n in document["graphs"][phase]
+    }
     assert {child(way, 0), child(way, 1), child(way, 2)} <= drawn
     assert not drawn & {"Linear", "ReLU"}
     report = aotgrad.profile(way.fn, *args, repeats=1)
@@ -164,7 +166,9 @@ def test_compiled_function_matches_eager_and_names_the_paths(way):
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     net.zero_grad(set_to_none=True)
     compiled = (
-        aotgrad.aot_module(way.fn) if isinstance(way.fn, nn.Module) else aotgrad.aot_function(way.fn)
+        aotgrad.aot_module(way.fn)
+        if isinstance(way.fn, nn.Module)
+        else aotgrad.aot_function(way.fn)
     )
     out = compiled(*way.args(x))
     out.sum().backward()

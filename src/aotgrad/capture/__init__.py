@@ -198,7 +198,7 @@ def _capture(
     primals: Sequence[torch.Tensor],
     bases: Sequence[SyntheticBase],
     options: TraceOptions,
-    recorder: Callable[[], Recorder],
+    new_recorder: Callable[[], Recorder],
 ) -> JointGraph:
     def attempt(tracer: Tracer) -> _Traced:
         gm, record, inputs = trace_joint(body, flat, primals, options, bases=bases, tracer=tracer)
@@ -208,14 +208,14 @@ def _capture(
         refuse_untraceable(primals, flat.descriptors, options.where)
         symbolic = bool(options.dynamic_dims)
         tracer = FullTracer(
-            recorder(), options.decompositions, symbolic=symbolic, leaf_primals=leaf_primals
+            new_recorder(), options.decompositions, symbolic=symbolic, leaf_primals=leaf_primals
         )
         return attempt(tracer)
 
     (gm, record, inputs, recorder), report = trace_with(
         options.tracer,
         why_not_direct=_why_not_direct(options, bases, primals, flat),
-        direct=lambda: attempt(DirectTracer(recorder(), options.decompositions)),
+        direct=lambda: attempt(DirectTracer(new_recorder(), options.decompositions)),
         full=lambda: _full_trace(full),
         where=options.where,
     )
