@@ -24,7 +24,7 @@ class Element {
   set innerHTML(_) { throw new Error("innerHTML used"); }
   appendChild(c) { this.children.push(c); c.parentNode = this; return c; }
   setAttribute(k, v) { this.attributes[k] = v; if (k === "class") this.className = v; }
-  replaceChildren() { this.children = []; }
+  replaceChildren(...c) { this.children = []; c.forEach(x => this.appendChild(x)); }
   addEventListener(kind, fn) { this.listeners[kind] = fn; }
   all() { return [this, ...this.children.flatMap(c => c.all())]; }
 }

@@ -26,7 +26,7 @@ def test_show_prints_graphs_descriptors_saved_and_check(capsys):
         "total: 156 B in 6 storage(s) (72 B beyond the inputs)",
         "SeqNr|OrigAten|SrcFn",
         "7|aten.sigmoid_backward.default|fn",
-        "match: 3 outputs and 4 gradients compared",
+        "match: 3 outputs, 4 gradients, 4 inputs and 0 reached tensors compared",
     ]:
         assert expected in out
 

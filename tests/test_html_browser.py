@@ -293,3 +293,96 @@ def test_peak_panel_is_text_and_its_op_link_selects_the_row(browser, tmp_path):
     assert names(page, f"#{peak.graph} tr.selected") == {peak.node}
     assert names(page, f"#{peak.graph}-graph g.gnode.selected") == {peak.node}
     opened.check_clean()
+
+
+# ---- The opening view (Note in report.js: Zoom and the opening view) ----
+
+# A loss function over a global model, as users write it: the report groups by the paths the
+# signature gives (gpt4.blocks.3.qkv), not by class names.
+gpt4 = GPT(blocks=4)
+small = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def gpt4_loss(idx, targets):
+    return gpt4(idx, targets)
+
+
+def small_loss(x):
+    return small(x).square().mean()
+
+
+BOXES_IN_VIEW = """phase => {
+  const view = document.getElementById(phase + "-graph").parentNode.getBoundingClientRect();
+  const top = Math.max(view.top, 0), bottom = Math.min(view.bottom, window.innerHeight);
+  const drawn = document.querySelectorAll(`#${phase}-graph g.gnode, #${phase}-graph g.ggroup`);
+  const inside = [...drawn].filter(g => {
+    const r = g.getBoundingClientRect();
+    return r.right > view.left && r.left < view.right && r.bottom > top && r.top < bottom;
+  });
+  return [inside.length, drawn.length];
+}"""
+
+
+def boxes_in_view(page, phase: str) -> tuple[int, int]:
+    """How many drawn boxes of ``phase`` the window shows now, of how many drawn."""
+    inside, drawn = page.evaluate(BOXES_IN_VIEW, phase)
+    return inside, drawn
+
+
+def open_sized(browser, path: pathlib.Path, width: int, height: int) -> Opened:
+    opened = open_report(browser, path)
+    opened.page.set_viewport_size({"width": width, "height": height})
+    opened.page.reload(wait_until="load")
+    opened.page.wait_for_selector("#forward tr[data-name]")
+    return opened
+
+
+@pytest.fixture(scope="module")
+def opening_reports(tmp_path_factory) -> dict[str, pathlib.Path]:
+    torch.manual_seed(0)
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    folder = tmp_path_factory.mktemp("opening")
+    traced = {
+        "small": aotgrad.trace(small_loss, torch.randn(3, 4)),
+        "gpt4-global": aotgrad.trace(gpt4_loss, idx, targets),
+        "gpt4-module": aotgrad.trace(gpt4, idx, targets),
+    }
+    return {name: report_of(t, folder, name) for name, t in traced.items()}
+
+
+@pytest.mark.parametrize("size", [(1280, 720), (900, 700)])
+@pytest.mark.parametrize("model", ["small", "gpt4-global", "gpt4-module"])
+def test_both_drawings_open_on_their_content(browser, opening_reports, model, size):
+    opened = open_sized(browser, opening_reports[model], *size)
+    for phase in ("forward", "backward"):
+        inside, drawn = boxes_in_view(opened.page, phase)
+        if model == "small":  # fitted whole
+            assert inside == drawn > 0, (phase, inside, drawn)
+        else:  # at least a few boxes, never an empty stretch of the layout
+            assert inside >= 3, (phase, inside, drawn)
+    opened.check_clean()
+
+
+def test_gpt4_through_a_global_is_grouped_by_module_path(browser, opening_reports):
+    opened = open_report(browser, opening_reports["gpt4-global"])
+    page = opened.page
+    modules = page.eval_on_selector_all(
+        "#forward-graph g.ggroup", "groups => groups.map(g => g.dataset.module)"
+    )
+    blocks = {m.split(".")[2] for m in modules if m.startswith("gpt4.blocks.")}
+    assert blocks == {"0", "1", "2", "3"}, modules
+    assert not {"Linear", "LayerNorm", "Block", "GELU"} & set(modules)
+    opened.check_clean()
+
+
+def test_zoom_buttons_scale_the_drawing_and_fit_restores_it(browser, opening_reports):
+    opened = open_report(browser, opening_reports["gpt4-module"])
+    page = opened.page
+    width = "() => Number(document.getElementById('backward-graph').getAttribute('width'))"
+    fitted = page.evaluate(width)
+    page.click('#backward-graph-bar button.gzoom[title="zoom in"]')
+    assert page.evaluate(width) == pytest.approx(fitted * 1.25, abs=2)
+    page.click('#backward-graph-bar button.gzoom[title="fit the drawing"]')
+    assert page.evaluate(width) == fitted
+    assert boxes_in_view(page, "backward")[0] >= 3
+    opened.check_clean()

@@ -449,7 +449,10 @@ def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: O
     watch = watch_of(fn, arguments)
     dims = requested_dims(leaves, everything=options.dynamic)
     traceable = signature_stage(
-        fn, call_target(fn), args, kwargs, lifting, lifted, dims=dims, effects=watch
+        *(fn, call_target(fn), args, kwargs, lifting, lifted),
+        dims=dims,
+        effects=watch,
+        arguments=arguments,
     )
     partitioned, compiled = run(traceable, options)
     return Traced(
@@ -779,6 +782,7 @@ class AOTFunction(_Reports):
             dims=dims,
             names=self._input_names,
             effects=watch,
+            arguments=call.arguments,
         )
         return traceable, watch
 

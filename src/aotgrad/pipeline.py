@@ -41,7 +41,7 @@ from aotgrad.runtime import CompiledGraphs, compile_partitioned
 from aotgrad.runtime.boxing import Compiler
 from aotgrad.signature import FlatInputs, flatten_inputs
 from aotgrad.signature.flatten import desugar
-from aotgrad.signature.lifting import Body, Lifted, State
+from aotgrad.signature.lifting import Arguments, Body, Lifted, State
 
 Decompositions = Mapping[Any, Callable[..., Any]]
 PartitionFn = Policy
@@ -166,6 +166,9 @@ class Traceable:
     effects: Watch | None = None
     # The user's line errors name.
     where: UserFrame | None = None
+    # Module paths by ``id`` of the module, as the signature names them (Note [Module paths
+    # as the signature names them]); None: relative to ``fn`` when it is a module.
+    module_paths: Mapping[int, str] | None = None
 
 
 def signature_stage(
@@ -179,11 +182,14 @@ def signature_stage(
     dims: DynamicDims | None,
     names: Sequence[str] | None = None,
     effects: Watch | None = None,
+    arguments: Arguments = (),
 ) -> Traceable:
     """The call ``target(*args, **kwargs)`` as capture traces it: flat inputs named after
     ``target``'s parameters (or ``names``), primals, and the body that runs ``fn``.
 
     ``dims``: per leaf of the call, its dynamic dimensions (Note [Marking dimensions dynamic]).
+    ``arguments``: the modules among the call's arguments (Note [Module arguments]), which
+    name the modules' paths with the state's roots.
     """
     flat, tensors = flatten_inputs(target, args, kwargs, lifted.descriptors)
     if names is not None:
@@ -199,6 +205,7 @@ def signature_stage(
         dynamic_dims=by_tensor,
         effects=effects,
         where=user_frame_of_function(fn),
+        module_paths=state.module_paths(arguments),
     )
 
 
@@ -229,6 +236,7 @@ def capture_stage(
         decompositions=decomposition_table(options),
         where=t.where,
         root=t.fn,
+        module_paths=t.module_paths,
         dynamic_dims=t.dynamic_dims,
         tracer=options.tracer,
         effects=t.effects,

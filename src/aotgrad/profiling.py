@@ -77,7 +77,7 @@ def profile(fn: Callable[..., Any], *args: Any, repeats: int = 3, **kwargs: Any)
     """
     traced = trace(_underlying(fn), *args, **kwargs)
     report = _empty_report(traced, repeats)
-    primals = _primals(traced, fn, args, kwargs)
+    primals = _primals(traced, args, kwargs)
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
             _run_once(traced, primals)
@@ -95,13 +95,13 @@ def _underlying(fn: Any) -> Any:
     return fn
 
 
-def _primals(traced: Traced, fn: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
-    module = _underlying(fn)
-    state: list[torch.Tensor] = []
-    if isinstance(module, torch.nn.Module):
-        state = [*module.parameters(), *module.buffers()]
-    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    primals = [t.detach() for t in (*state, *leaves)]
+def _primals(traced: Traced, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The forward graph's inputs: the lifted state (a module's parameters and buffers, the
+    tensors a function reaches through globals, closures and module arguments), then the
+    call's tensors, as ``Traced`` passes them."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    tensors = [leaves[i] for i in traced.partitioned.joint.inputs.tensor_positions]
+    primals = [t.detach() for t in (*traced._lifted, *tensors)]
     return graph_inputs(primals, traced.partitioned.joint.input_bases)
 
 

@@ -12,8 +12,8 @@ metadata after the call, and gradients.
 ...     x.mul_(2)
 ...     return (x @ w).relu(), x.t()
 >>> report = verify(f, torch.randn(2, 3), torch.randn(3, 4, requires_grad=True))
->>> report.ok, report.compared_outputs, report.compared_grads
-(True, 2, 1)
+>>> report.ok, report.compared_outputs, report.compared_grads, report.compared_inputs
+(True, 2, 1, 2)
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch.utils._pytree as pytree
 
 from aotgrad.api import aot_function, aot_module
 from aotgrad.measure import measure_peak as measure_peak  # re-exported
-from aotgrad.signature import Input, InputBase, Param, leaf_names, storage_key
+from aotgrad.signature import Buffer, Input, InputBase, Param, leaf_names, storage_key
+from aotgrad.signature.closures import read_environment, roots_of
 from aotgrad.signature.objects import objects_as_nodes
 
 
@@ -45,6 +46,11 @@ class Report:
     max_abs_diff: float = 0.0
     compared_outputs: int = 0
     compared_grads: int = 0
+    # Argument tensors compared after the call (a module argument's state included).
+    compared_inputs: int = 0
+    # Tensors reached besides the arguments (a module's state, globals', closures') compared
+    # after the call (Note [What verify compares]).
+    compared_reached: int = 0
 
     @property
     def ok(self) -> bool:
@@ -52,8 +58,9 @@ class Report:
 
     def __str__(self) -> str:
         head = (
-            f"{self.compared_outputs} outputs and {self.compared_grads} gradients compared,"
-            f" max abs diff {self.max_abs_diff:.3g}"
+            f"{self.compared_outputs} outputs, {self.compared_grads} gradients,"
+            f" {self.compared_inputs} inputs and {self.compared_reached} reached tensors"
+            f" compared, max abs diff {self.max_abs_diff:.3g}"
         )
         if self.ok:
             return f"match: {head}"
@@ -100,7 +107,10 @@ def verify(
 
     Inputs are copied twice, keeping their values, strides, storage sharing,
     ``requires_grad`` and leafness. Gradients are taken for seeded random
-    cotangents on every differentiable output. ``compile_fn`` replaces aotgrad
+    cotangents on every differentiable output, and compared for every tensor
+    eager gives one: the arguments, and the parameters, buffers and tensors the
+    function reaches through modules, globals, closures, defaults and bound
+    ``self`` (Note [What verify compares]). ``compile_fn`` replaces aotgrad
     with another compiler of functions (to check PyTorch's own, say). With
     ``create_graph=True`` the gradients are taken with ``create_graph=True``
     and differentiated again: the second-order gradients of a random weighted
@@ -110,6 +120,9 @@ def verify(
 
     >>> verify(lambda x: x.sin() * x, torch.randn(3, requires_grad=True), create_graph=True).ok
     True
+    >>> lin = torch.nn.Linear(3, 2)
+    >>> print(verify(lambda x: lin(x).square().mean(), torch.randn(4, 3)))  # doctest: +ELLIPSIS
+    match: 1 outputs, 2 gradients, 1 inputs and 2 reached tensors compared, ...
     """
     report = Report()
     # Modules are copied for both runs: gradients must not pile up across calls of verify.
@@ -122,37 +135,174 @@ def verify(
     else:
         compiled_fn = aot_function(compiled_source)
     eager, compiled = _copy_call(args, kwargs, fn), _copy_call(args, kwargs, fn)
+    reached = _Reached(eager_fn, compiled_source)
+    eager.grad_holders.update(reached.holders(0))
+    compiled.grad_holders.update(reached.holders(1))
     rng = torch.random.get_rng_state()  # both runs draw the same random numbers
-    eager_out = eager_fn(*eager.args, **eager.kwargs)
+    eager_run = _run(eager_fn, eager, None, create_graph)
+    reached.between_runs()
     torch.random.set_rng_state(rng)
-    compiled_out = compiled_fn(*compiled.args, **compiled.kwargs)
-    # Objects holding tensors (a DynamicCache) are compared, and differentiated, by their
-    # tensors (Note [Objects among the outputs]).
-    eager_out, compiled_out = objects_as_nodes(eager_out), objects_as_nodes(compiled_out)
+    try:
+        compiled_run = _run(compiled_fn, compiled, eager_run, create_graph)
+    finally:
+        after = reached.after_runs()
     checker = _Checker(report, rtol, atol)
-    checker.outputs(eager_out, compiled_out, eager, compiled)
+    checker.outputs(eager_run.out, compiled_run.out, eager, compiled)
     checker.inputs_after_call(eager, compiled)
-    eager.grad_holders.update(_parameters(eager_fn))
-    compiled.grad_holders.update(_parameters(compiled_source))
-    if create_graph:
-        _second_order(
-            checker, (eager_out, eager.grad_holders), (compiled_out, compiled.grad_holders)
-        )
-    else:
-        _backward(eager_out, compiled_out)
-        for name, holder in eager.grad_holders.items():
-            if holder.requires_grad:  # else an input the function did not make require grad
-                report.compared_grads += 1
-                checker.grad(f"grad of {name}", holder.grad, compiled.grad_holders[name].grad)
+    for name, e, c in after:
+        report.compared_reached += 1
+        checker.tensor(f"{name} after the call", e, c)
+    checker.grads(eager_run, compiled_run)
     if check and not report.ok:
         raise VerificationError(str(report))
     return report
 
 
-def _parameters(fn: Any) -> dict[str, torch.Tensor]:
-    if not isinstance(fn, torch.nn.Module):
-        return {}
-    return {str(Param(name=n)): p for n, p in fn.named_parameters() if p.requires_grad}
+# Note [What verify compares]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Everything eager produces that a caller can see: outputs (values, dtype,
+# requires_grad, leafness, aliasing), the arguments after the call, and the
+# gradient of every tensor eager accumulates one into. The arguments are
+# copied for each run; so is a module ``fn`` (its parameters and buffers). A
+# tensor the function reaches through a global, a closure, a default or a
+# bound ``self`` (the roots of Note [Closed-over tensors]) is one object for
+# both runs, so verify runs them one after the other around it:
+#
+#     lin = nn.Linear(3, 2)
+#     verify(lambda x: lin(x).square().mean(), x)
+#     eager run: forward + backward; keep lin.weight.grad, lin.bias.grad and the
+#                values of lin's tensors; put the values and .grad back as they were
+#     compiled run: forward + backward; keep the same
+#     compare:   grad of global lin.weight, grad of global lin.bias, lin's
+#                tensors after the call (a BatchNorm's running statistics)
+#     leave:     lin as the eager run left it
+#
+# Each run finishes its backward before the next starts (the second-order
+# gradients too, with ``create_graph=True``), so putting a value back never
+# touches a tensor a pending backward has saved. The report counts what it
+# compared; a gradient eager gives and the compiled function does not is a
+# mismatch, and so is the reverse.
+
+
+@dataclass
+class _Run:
+    """One run of the function: its result and the gradients it gave, by holder name."""
+
+    out: Any
+    # Per differentiable eager output (a leaf position): the cotangent it got.
+    cotangents: dict[int, torch.Tensor]
+    grads: dict[str, torch.Tensor | None]
+    # With ``create_graph=True``: second-order gradients by name, and the weights used.
+    seconds: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    weights: list[torch.Tensor | None] = field(default_factory=list)
+
+
+def _run(fn: Callable[..., Any], call: _Call, eager: _Run | None, create_graph: bool) -> _Run:
+    """Call ``fn`` on ``call``'s copy, then differentiate it (as eager was, when given)."""
+    out = objects_as_nodes(fn(*call.args, **call.kwargs))  # Note [Objects among the outputs]
+    leaves = pytree.tree_leaves(out)
+    if eager is None:
+        cotangents = _cotangents(leaves)
+        names = [n for n, t in call.grad_holders.items() if t.requires_grad]
+    else:
+        cotangents, names = eager.cotangents, list(eager.grads)
+    targets = [
+        (t, g)
+        for k, g in cotangents.items()
+        if k < len(leaves) and isinstance(t := leaves[k], torch.Tensor) and t.requires_grad
+    ]
+    wrt = [call.grad_holders[n] for n in names]
+    run = _Run(out, cotangents, dict.fromkeys(names))
+    if not targets or not names:
+        return run
+    outputs, given = [t for t, _ in targets], [g for _, g in targets]
+    if not create_graph:
+        torch.autograd.backward(outputs, given)
+        run.grads = {n: h.grad for n, h in zip(names, wrt, strict=True)}
+        return run
+    given = [g.clone().requires_grad_(True) for g in given]
+    differentiable = [h for h in wrt if h.requires_grad]  # the compiled run may differ
+    computed = iter(
+        torch.autograd.grad(outputs, differentiable, given, create_graph=True, allow_unused=True)
+    )
+    firsts = tuple(next(computed) if h.requires_grad else None for h in wrt)
+    run.grads = dict(zip(names, firsts, strict=True))
+    run.weights = _weights(firsts) if eager is None else eager.weights
+    seconds = _weighted_grads(list(firsts), run.weights, [*wrt, *given])
+    wrt_names = [*names, *(f"cotangent {k}" for k in range(len(given)))]
+    run.seconds = dict(zip(wrt_names, seconds, strict=True))
+    return run
+
+
+class _Reached:
+    """The tensors each run's function reaches besides its arguments, paired by name.
+
+    A tensor both runs reach (a global's, a closure's) is one object: it is
+    recorded and put back between the runs (Note [What verify compares]).
+    """
+
+    def __init__(self, eager_fn: Callable[..., Any], compiled_fn: Callable[..., Any]) -> None:
+        sides = (_reached_tensors(eager_fn), _reached_tensors(compiled_fn))
+        self.pairs = [(n, e, sides[1][n]) for n, e in sides[0].items() if n in sides[1]]
+        self._shared = [(n, e) for n, e, c in self.pairs if e is c]
+        self._before = {n: (_state(t), t.grad) for n, t in self._shared}
+        for _, t in self._shared:
+            t.grad = None
+        self._eager: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def holders(self, side: int) -> dict[str, torch.Tensor]:
+        """Tensors whose ``.grad`` the run fills (leaves requiring grad), by name."""
+        return {name: pair[side] for name, *pair in self.pairs if pair[side].requires_grad}
+
+    def between_runs(self) -> None:
+        """Record the eager run's values and gradients; put the shared tensors back as before."""
+        for name, t in self._shared:
+            self._eager[name] = (_state(t), t.grad)
+            _restore(t, self._before[name][0])
+            t.grad = None
+
+    def after_runs(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Per reached tensor: its value after the eager run and after the compiled run. The
+        shared ones are left as the eager run left them (their earlier ``.grad`` accumulated)."""
+        after = [(n, e.detach().clone(), c.detach().clone()) for n, e, c in self.pairs]
+        eager_values = {n: v for n, (v, _) in self._eager.items()}
+        after = [(n, eager_values.get(n, e), c) for n, e, c in after]
+        for name, t in self._shared:
+            value, grad = self._eager.get(name, self._before[name])
+            earlier = self._before[name][1]
+            _restore(t, value)
+            t.grad = grad if earlier is None or grad is None else earlier + grad
+        return after
+
+
+def _reached_tensors(fn: Callable[..., Any]) -> dict[str, torch.Tensor]:
+    """Tensors ``fn`` reaches besides its arguments, named as the signature names them: a module
+    ``fn``'s own state (``param fc.weight``), closed-over ones (``global lin.weight``)."""
+    found: dict[str, torch.Tensor] = {}
+    is_module = isinstance(fn, torch.nn.Module)
+    if isinstance(fn, torch.nn.Module):
+        found |= {str(Param(name=n)): p for n, p in fn.named_parameters()}
+        found |= {str(Buffer(name=n)): b for n, b in fn.named_buffers()}
+    environment = read_environment(roots_of(fn, skip_self=is_module))
+    for t, descriptor in zip(environment.tensors, environment.descriptors, strict=True):
+        found.setdefault(str(descriptor), t)
+    return found
+
+
+def _state(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``'s value with its strides (what :func:`_restore` puts back)."""
+    with torch.no_grad():
+        copy_ = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return copy_.copy_(t)
+
+
+def _restore(t: torch.Tensor, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        if (t.shape, t.stride()) == (value.shape, value.stride()):
+            t.copy_(value)
+        else:  # the function changed its metadata (``t_()``): its old layout too
+            copy_ = value.clone(memory_format=torch.preserve_format)
+            t.set_(copy_.untyped_storage(), copy_.storage_offset(), copy_.shape, copy_.stride())
 
 
 def _copy_call(
@@ -271,6 +421,7 @@ class _Checker:
     def inputs_after_call(self, eager: _Call, compiled: _Call) -> None:
         for (name, e), (_, c) in zip(eager.tensors, compiled.tensors, strict=True):
             where = f"input {name} after the call"
+            self.report.compared_inputs += 1
             if not self.tensor(where, e, c):
                 continue
             if e.layout is torch.strided and (e.stride(), e.storage_offset()) != (
@@ -315,7 +466,20 @@ class _Checker:
             self.mismatch(f"{name}: values differ ({'; '.join(lines)})")
         return True
 
+    def grads(self, eager: _Run, compiled: _Run) -> None:
+        """Every gradient eager gave (and the compiled run's for the same tensors)."""
+        for name, e in eager.grads.items():
+            c = compiled.grads.get(name)
+            self.grad(f"grad of {name}", e, c)
+            if e is not None and c is not None:
+                self.autograd_meta(f"grad of {name}", e, c)
+        for name, e in eager.seconds.items():
+            self.grad(f"second-order grad of {name}", e, compiled.seconds.get(name))
+
     def grad(self, name: str, e: torch.Tensor | None, c: torch.Tensor | None) -> None:
+        """Compare one gradient; counted where either run gave one (None and None agree)."""
+        if e is not None or c is not None:
+            self.report.compared_grads += 1
         if e is None or c is None:
             if (e is None) != (c is None):
                 got, want = ("None" if x is None else "a tensor" for x in (c, e))
@@ -349,69 +513,25 @@ def _aliases(outputs: list[Any], call: _Call) -> list[tuple[str, Any, bool] | No
     return result
 
 
-def _backward(eager: Any, compiled: Any) -> None:
-    pairs = _differentiable_pairs(eager, compiled)
-    if not pairs:
-        return
-    cotangents = _cotangents(pairs)
-    torch.autograd.backward([e for e, _ in pairs], cotangents)
-    torch.autograd.backward([c for _, c in pairs], cotangents)
-
-
-def _differentiable_pairs(eager: Any, compiled: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [
-        (e, c)
-        for e, c in zip(pytree.tree_leaves(eager), pytree.tree_leaves(compiled), strict=False)
-        if isinstance(e, torch.Tensor)
-        and e.requires_grad
-        and (e.is_floating_point() or e.is_complex())
-        and isinstance(c, torch.Tensor)
-        and c.requires_grad
-    ]
-
-
-def _cotangents(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+def _cotangents(leaves: list[Any]) -> dict[int, torch.Tensor]:
+    """A seeded random cotangent per differentiable output, by leaf position."""
     generator = torch.Generator().manual_seed(0)
-    return [torch.randn(e.shape, generator=generator, dtype=e.dtype).to(e.device) for e, _ in pairs]
+    return {
+        k: torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device)
+        for k, t in enumerate(leaves)
+        if isinstance(t, torch.Tensor)
+        and t.requires_grad
+        and (t.is_floating_point() or t.is_complex())
+    }
 
 
-Run = tuple[Any, dict[str, torch.Tensor]]  # a run's result and its gradient holders by name
-
-
-def _second_order(checker: _Checker, eager: Run, compiled: Run) -> None:
-    """First and second-order gradients of both runs, compared (``create_graph=True``).
-
-    The cotangents require grad, so the second-order gradients with respect to them (the
-    Hessian-vector-product trick of ``torch.autograd.functional.hvp``) are compared too.
-    """
-    pairs = _differentiable_pairs(eager[0], compiled[0])
-    names = [n for n, t in eager[1].items() if t.requires_grad]
-    if not pairs or not names:
-        return
-    cotangents = _cotangents(pairs)
-    # Per run: its first-order gradients, and what to differentiate them by.
-    firsts: list[tuple[list[torch.Tensor | None], list[torch.Tensor]]] = []
-    for side, run in enumerate((eager, compiled)):
-        wrt = [run[1][n] for n in names]
-        given = [c.clone().requires_grad_(True) for c in cotangents]
-        outputs = [p[side] for p in pairs]
-        grads = torch.autograd.grad(outputs, wrt, given, create_graph=True, allow_unused=True)
-        firsts.append((list(grads), [*wrt, *given]))
-    for name, e, c in zip(names, firsts[0][0], firsts[1][0], strict=True):
-        checker.report.compared_grads += 1
-        checker.grad(f"grad of {name}", e, c)
-        if e is not None and c is not None:
-            checker.autograd_meta(f"grad of {name}", e, c)
+def _weights(grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+    """Seeded random weights for the second-order gradients of a weighted sum of ``grads``."""
     generator = torch.Generator().manual_seed(1)
-    weights = [
+    return [
         None if g is None else torch.randn(g.shape, generator=generator, dtype=g.dtype)
-        for g in firsts[0][0]
+        for g in grads
     ]
-    seconds = [_weighted_grads(grads, weights, wrt) for grads, wrt in firsts]
-    wrt_names = [*names, *(f"cotangent {k}" for k in range(len(cotangents)))]
-    for name, e, c in zip(wrt_names, seconds[0], seconds[1], strict=True):
-        checker.report.compared_grads += 1
-        checker.grad(f"second-order grad of {name}", e, c)
 
 
 def _weighted_grads(
@@ -425,4 +545,6 @@ def _weighted_grads(
     if not terms:
         return [None] * len(wrt)
     total = sum(terms[1:], start=terms[0])  # dtypes may differ: no stack
-    return list(torch.autograd.grad(total, wrt, allow_unused=True))
+    differentiable = [t for t in wrt if t.requires_grad]
+    computed = iter(torch.autograd.grad(total, differentiable, allow_unused=True))
+    return [next(computed) if t.requires_grad else None for t in wrt]

@@ -6,7 +6,8 @@ Note [Choosing a tracer] in ``tracers.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import functools
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -79,6 +80,7 @@ from aotgrad.signature import (
     Descriptor,
     FlatInputs,
     Inner,
+    Input,
     MutatedInput,
     Output,
     OutputBase,
@@ -139,6 +141,7 @@ def capture(
     decompositions: Mapping[Any, Callable[..., Any]] | None = None,
     where: UserFrame | None = None,
     root: object = None,
+    module_paths: Mapping[int, str] | None = None,
     dynamic_dims: Mapping[int, Sequence[int]] | None = None,
     tracer: TracerChoice = "auto",
     effects: Watch | None = None,
@@ -148,8 +151,10 @@ def capture(
 
     ``body`` receives the primals (lifted module state, then the user's
     tensors) as functional fake tensors and returns the user's result. ``root``
-    (the user's function or module) names the provenance: module paths are
-    relative to it, and ops outside any module carry its name. ``dynamic_dims``
+    (the user's function or module) names the provenance: ops outside any module
+    carry its name. ``module_paths`` (by ``id`` of the module) names the modules the
+    function reaches (Note [Module paths as the signature names them]); without it a
+    module ``root``'s are relative to it, and every other module is named by its class. ``dynamic_dims``
     (by ``id`` of a primal) makes those dimensions symbolic (Note [Dynamic shapes]).
     ``tracer`` chooses the tracer (Note [Choosing a tracer]); the result's
     ``tracer`` field says which one made the graph. ``effects`` watches the user's
@@ -171,11 +176,12 @@ def capture(
         fast=fast and TORCH_RELEASE in FAST_PATH_VERIFIED,  # Note [Behaviour by torch release]
     )
     label = root if root is not None else body
+    recorder = functools.partial(Recorder, label, module_paths)  # one per trace
     with capture_session(), recording_environ() as environ:  # Note [Capture sessions]
-        joint = _capture(body, flat, primals, (), options, label)
+        joint = _capture(body, flat, primals, (), options, recorder)
         bases = _synthetic_bases(joint, primals, where)
         if bases:  # Note [Aliased inputs]: trace again, the members re-derived from their bases
-            joint = _capture(body, flat, primals, bases, options, label)
+            joint = _capture(body, flat, primals, bases, options, recorder)
     reads = environ.reads()  # Note [Environment read at capture]
     if reads is not None:
         joint = replace(joint, environ=reads)
@@ -192,7 +198,7 @@ def _capture(
     primals: Sequence[torch.Tensor],
     bases: Sequence[SyntheticBase],
     options: TraceOptions,
-    root: object,
+    new_recorder: Callable[[], Recorder],
 ) -> JointGraph:
     def attempt(tracer: Tracer) -> _Traced:
         gm, record, inputs = trace_joint(body, flat, primals, options, bases=bases, tracer=tracer)
@@ -202,14 +208,14 @@ def _capture(
         refuse_untraceable(primals, flat.descriptors, options.where)
         symbolic = bool(options.dynamic_dims)
         tracer = FullTracer(
-            Recorder(root), options.decompositions, symbolic=symbolic, leaf_primals=leaf_primals
+            new_recorder(), options.decompositions, symbolic=symbolic, leaf_primals=leaf_primals
         )
         return attempt(tracer)
 
     (gm, record, inputs, recorder), report = trace_with(
         options.tracer,
         why_not_direct=_why_not_direct(options, bases, primals, flat),
-        direct=lambda: attempt(DirectTracer(Recorder(root), options.decompositions)),
+        direct=lambda: attempt(DirectTracer(new_recorder(), options.decompositions)),
         full=lambda: _full_trace(full),
         where=options.where,
     )
@@ -218,7 +224,9 @@ def _capture(
     _remove_detaches(gm.graph)  # before matching: a checkpoint recomputes from detached inputs
     describe_collectives(gm)  # op, group, shape of each collective (Note [Collectives])
     link_recompute(gm)
-    return _assemble(gm, flat, inputs, bases, record, report)
+    joint = _assemble(gm, flat, inputs, bases, record, report)
+    _name_owners(gm.graph, inputs.descriptors, frozenset(recorder.module_names.values()))
+    return joint
 
 
 def _why_not_direct(
@@ -398,7 +406,18 @@ def _name_placeholders(graph: fx.Graph, descriptors: Sequence[Descriptor]) -> No
             continue  # already cotangent_<i>
         rename_node(node, placeholder_name(desc))
         node.target = node.name
-        param = desc.of if isinstance(desc, Inner) else desc  # Note [Tensor subclasses]
-        if isinstance(param, Param | Buffer) and "." in param.name:
-            owner = param.name.rsplit(".", 1)[0]
+
+
+def _name_owners(
+    graph: fx.Graph, descriptors: Sequence[Descriptor], modules: Collection[str]
+) -> None:
+    """A lifted tensor's placeholder belongs to the module holding it (``net.0`` for
+    ``global net.0.weight``), when that is one of ``modules`` (Note [Module paths as the
+    signature names them]); the others keep the function's name."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, desc in zip(placeholders, descriptors, strict=False):  # the cotangents follow
+        lifted = desc.of if isinstance(desc, Inner) else desc  # Note [Tensor subclasses]
+        name = lifted.path if isinstance(lifted, Input) else getattr(lifted, "name", "")
+        owner = name.rpartition(".")[0]
+        if owner and (owner in modules or isinstance(lifted, Param | Buffer)):
             set_info(node, replace(node_info(node), module=owner))

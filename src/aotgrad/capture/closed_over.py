@@ -28,11 +28,31 @@ gradient present on a later call would not re-trace. So reading ``.grad`` of a
 primal (an argument, a parameter, a closed-over tensor) while the function runs
 is refused at that line; pass the gradient as an argument instead
 (``step(p, p.grad)``).
+
+Note [Custom Functions over closed-over tensors]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``autograd.Function.apply`` is not a torch function: a torch-function mode
+never sees its arguments, only the ops its ``forward`` runs. Without more, a
+real primal handed straight to a custom Function reaches it unswapped::
+
+    forward = lambda self, x: MyFn.apply(x, self.w)       # self.w: a real parameter
+    MyFn's node:  edges (x', AccumulateGrad(real self.w))  # the trace's primal w' is not on it
+    forward graph: mul(x', w')                           # the ops inside are swapped
+    joint graph:   grad of param w = None                # the gradient went to the real w
+
+(``MyFn.apply(x, self.w.t())`` worked: ``t`` is a torch function, swapped.) So
+while a ``ClosedOver`` mode is on this thread's stack, ``Function.apply`` swaps
+its tensor arguments as ``__torch_function__`` swaps an op's
+(:func:`_swapped_apply`): the node's edges are the primals' and the backward
+graph computes ``grad of param w`` through ``MyFn.backward``. The patch is
+installed while any capture runs (counted, so threads and nested captures
+share it); on a thread with no ``ClosedOver`` mode it calls ``apply`` unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -85,6 +105,36 @@ class ClosedOver(TorchFunctionMode):
         # swap the primals only (Note [The swap spans the backward]).
         self._swap_only = False
 
+    def __enter__(self) -> ClosedOver:
+        _apply_patch.acquire()
+        try:
+            return super().__enter__()
+        except BaseException:
+            _apply_patch.release()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            _apply_patch.release()
+
+    def swap_arguments(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``args`` and ``kwargs`` with each real primal among them replaced by its traced value
+        (a tensor that must not reach the op is refused)."""
+        rebuilt = rebuilt_in_trace()  # Note [Real subclass tensors in a trace]
+        kinds = self._kinds if rebuilt is None else self._kinds | rebuilt.kinds
+        if not (_has_real(args, kinds) or (kwargs and _has_real(kwargs.values(), kinds))):
+            return args, kwargs
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        flat = [
+            self._swap(func, i, x, kwargs, rebuilt) if type(x) in kinds else x
+            for i, x in enumerate(flat)
+        ]
+        return pytree.tree_unflatten(flat, spec)
+
     @contextlib.contextmanager
     def backward(self) -> Iterator[None]:
         """Active around the autograd engine: swaps primals, refuses nothing."""
@@ -99,17 +149,9 @@ class ClosedOver(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        rebuilt = rebuilt_in_trace()  # Note [Real subclass tensors in a trace]
-        kinds = self._kinds if rebuilt is None else self._kinds | rebuilt.kinds
         if getattr(func, "__name__", None) == "__get__" and func == _GRAD_GET:
-            self._check_grad_read(args[0], rebuilt)
-        if _has_real(args, kinds) or (kwargs and _has_real(kwargs.values(), kinds)):
-            flat, spec = pytree.tree_flatten((args, kwargs))
-            flat = [
-                self._swap(func, i, x, kwargs, rebuilt) if type(x) in kinds else x
-                for i, x in enumerate(flat)
-            ]
-            args, kwargs = pytree.tree_unflatten(flat, spec)
+            self._check_grad_read(args[0], rebuilt_in_trace())
+        args, kwargs = self.swap_arguments(func, args, kwargs)
         if is_checked_function(func):  # Note [Host checks]
             with checked_function(func):
                 return func(*args, **kwargs)
@@ -178,6 +220,55 @@ class ClosedOver(TorchFunctionMode):
                 )
             )
         return t
+
+
+class _ApplyPatch:
+    """``autograd.Function.apply`` swapping real primals while a capture runs (Note [Custom
+    Functions over closed-over tensors]); installed while at least one ``ClosedOver`` is entered."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._original = torch.autograd.Function.__dict__["apply"]
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                torch.autograd.Function.apply = classmethod(_swapped_apply)  # type: ignore[assignment, method-assign]
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                torch.autograd.Function.apply = self._original  # type: ignore[method-assign]
+
+    def call(self, cls: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._original.__func__(cls, *args, **kwargs)
+
+
+def _swapped_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    mode = _innermost_closed_over()
+    if mode is not None:
+        args, kwargs = mode.swap_arguments(_ApplyName(cls), args, kwargs)
+    return _apply_patch.call(cls, *args, **kwargs)
+
+
+class _ApplyName:
+    """Stands for ``cls.apply`` where a refusal names the function it was passed to."""
+
+    def __init__(self, cls: Any) -> None:
+        self.__name__ = f"{cls.__name__}.apply"
+
+
+def _innermost_closed_over() -> ClosedOver | None:
+    if function_mode_count() == 0:
+        return None
+    modes = [m for m in function_modes() if isinstance(m, ClosedOver)]
+    return modes[-1] if modes else None
+
+
+_apply_patch = _ApplyPatch()
 
 
 def in_capture() -> bool:

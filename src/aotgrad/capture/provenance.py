@@ -35,7 +35,11 @@ Note [Module paths and source lines]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 While the user's function runs, global module forward hooks keep the path
 of the ``nn.Module`` being run (``blocks.3.attn.qkv``; the function's name
-outside any module), and the tracer's dispatch mode (the direct tracer, or
+outside any module). The path is the name the signature gives the module's
+tensors, however the function reaches it (Note [Module paths as the signature
+names them] in ``signature/closures.py``): ``net.0`` for a global ``net``,
+``self.model.0`` for a trainer's bound method, ``0`` inside ``trace(net)``; a
+lifted tensor's placeholder belongs to the module holding it. The tracer's dispatch mode (the direct tracer, or
 functionalization in the full trace: Note [Direct tracing]) notes, for every aten
 op, the innermost user frame (Note [User frames] in ``errors.py``): the user's
 file, line and function. Backward ops inherit both from the forward op with their
@@ -81,7 +85,8 @@ class NodeInfo:
     kind: Kind = Kind.OP
     # The forward op this node is, or differentiates; None for inputs and accumulations.
     seq_nr: int | None = None
-    # nn.Module path ("blocks.3.attn.qkv"), or the traced function's name.
+    # nn.Module path as the signature names it ("blocks.3.attn.qkv", "net.0" for a global
+    # net), or the traced function's name.
     module: str = ""
     # The user's line that produced the (forward) op.
     source: UserFrame | None = None

@@ -15,7 +15,7 @@ import linecache
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -150,12 +150,14 @@ def _record_error_check(func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
 class Recorder:
     """Collects provenance during one trace."""
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, module_paths: Mapping[int, str] | None = None) -> None:
         self.root_name = getattr(root, "__name__", type(root).__name__)  # a function's name
-        self.module_names: dict[int, str] = {}
+        # Module paths by id (Note [Module paths as the signature names them]).
+        self.module_names: Mapping[int, str] = module_paths or {}
         if isinstance(root, torch.nn.Module):
             self.root_name = type(root).__name__
-            self.module_names = {id(m): n for n, m in root.named_modules()}
+            if module_paths is None:
+                self.module_names = {id(m): n for n, m in root.named_modules()}
         self.module_stack: list[AbstractContextManager[None]] = []
         self.node_contexts: list[AbstractContextManager[None]] = []
         self.in_backward = False

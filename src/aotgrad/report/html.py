@@ -13,7 +13,10 @@ it); a Content-Security-Policy forbids any fetch, and the page names no URL.
 ``report.js`` draws the forward and backward graphs as SVG laid out by ``dagre.layout``. A
 graph of more than 150 nodes is drawn collapsed by module (the deepest module level that
 keeps it under 150 boxes); a group expands on click and collapses from the bar above the
-drawing. Test hooks: rows and drawn boxes carry ``data-phase`` and ``data-name`` (groups
+drawing. Groups are module paths as the signature names them (``gpt.blocks.3.attn`` for a
+model reached through a global ``gpt``: Note [Module paths as the signature names them]). Each
+drawing opens fitted on its content (whole, or at the smallest readable zoom scrolled to its
+top band's boxes) and zooms from its bar (``button.gzoom``). Test hooks: rows and drawn boxes carry ``data-phase`` and ``data-name`` (groups
 ``data-module``), drawn boxes are ``g.gnode`` / ``g.ggroup`` in ``svg#forward-graph`` /
 ``svg#backward-graph``, and a selection marks items ``selected`` and ``linked``. The peak panel
 (``div#peak``: ``report/peak_report.py``'s numbers) names the peak's op and each live value

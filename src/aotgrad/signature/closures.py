@@ -232,7 +232,9 @@ def global_names(code: types.CodeType) -> Iterator[str]:
 #   tensor is still split by ``_value``, as before);
 # - the traced module's parameters and buffers are named relative to it as they
 #   are found (``0.weight``), not built as ``self.0.weight`` and then sliced;
-# - no generator per submodule for its tensors, and each prefix is built once.
+# - no generator per submodule for its tensors, and each prefix is built once;
+# - module paths (Note [Module paths as the signature names them]) are kept only by the
+#   walk a capture asks for them, not by every call's.
 #
 # Tried and dropped: walking the tree with a list as stack (slower than
 # ``named_modules``' generators: 22 against 15 us on gpt4's 42 modules); keeping
@@ -266,10 +268,7 @@ def read_environment(
     if not roots and not arguments:
         return EMPTY
     walk = _Walk()
-    for root in roots:
-        walk.visit(root.kind, root.name, root.get())
-    for name, module in arguments:
-        walk.visit(Input, name, module)
+    walk.roots(roots, arguments)
     if walk.saw_module:  # hooks every module call runs (Note [Module hooks])
         for hooks in MODULE_HOOKS:
             registered = global_module_hooks(hooks)
@@ -286,8 +285,51 @@ def read_environment(
     )
 
 
+# Note [Module paths as the signature names them]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The reports name each op's module by its path (Note [Module paths and source
+# lines] in ``capture/provenance.py``). The path is the name the signature gives
+# the module's tensors, without the tensor's own name: one walk (``_Walk``)
+# names both, so ``grad of global net.0.weight`` and the module ``net.0`` agree
+# however the function reaches the module::
+#
+#     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+#     def loss_fn(x): return net(x).square().mean()     # global:   net, net.0, net.1, net.2
+#     aot_function(lambda x: net(x))                     # closure:  net, net.0, ...
+#     def step(model, x): ...; step(net, x)              # argument: model, model.0, ...
+#     trainer.step (self.model = net, a plain object)    # bound:    self.model, self.model.0
+#     def f(x, model=net): ...                           # default:  model (default).0
+#     aot_module(net), trace(net, x)                     # itself:   0, 1, 2 (ops of its own
+#                                                        #   forward: the class, Sequential)
+#
+# A module reached two ways (a global that is also a closure cell, a block also
+# reachable as ``net.blocks[3]``) takes the first name the walk gives it, as its
+# tensors do. A module reached no way the walk reads (one made inside the
+# function, or reached through another Python module's globals) is named by its
+# class.
+
+
+def module_paths(
+    roots: tuple[Root, ...], arguments: tuple[tuple[str, torch.nn.Module], ...] = ()
+) -> dict[int, str]:
+    """Every module the function reaches, by ``id``, named as the signature names its tensors
+    (Note [Module paths as the signature names them]); read once per capture.
+
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    >>> paths = module_paths(roots_of(lambda x: net(x)))
+    >>> paths[id(net)], paths[id(net[0])], paths[id(net[1])]
+    ('net', 'net.0', 'net.1')
+    """
+    walk = _Walk(paths={})
+    walk.roots(roots, arguments)
+    return walk.paths or {}
+
+
 class _Walk:
-    def __init__(self) -> None:
+    def __init__(self, paths: dict[int, str] | None = None) -> None:
+        # Module paths by ``id`` of the module, when asked (Note [Module paths as the signature
+        # names them]): each module under the name its tensors are lifted under.
+        self.paths = paths
         self.tensors: list[torch.Tensor] = []
         self.sources: list[tuple[Kind, str]] = []
         self.labels: list[str] = []
@@ -297,6 +339,15 @@ class _Walk:
         # The traced module's own parameters and buffers, by name (lifted as Param/Buffer).
         self.params: list[tuple[str, torch.Tensor]] = []
         self.buffers: list[tuple[str, torch.Tensor]] = []
+
+    def roots(
+        self, roots: tuple[Root, ...], arguments: tuple[tuple[str, torch.nn.Module], ...]
+    ) -> None:
+        """Visit every root, then the module arguments (named ``Input``)."""
+        for root in roots:
+            self.visit(root.kind, root.name, root.get())
+        for name, module in arguments:
+            self.visit(Input, name, module)
 
     def visit(self, kind: Kind, name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor):
@@ -338,10 +389,13 @@ class _Walk:
         attributes: list[tuple[str, Any]] = []
         labels, keys = self.labels, self.keys
         head = f"{_LABELS[kind]} {name}."  # ``closure self.``
+        paths = self.paths
         for relative, sub in module.named_modules():
             seen.add(id(sub))
             prefix = f"{relative}." if relative else ""  # relative to the module
             named = f"{name}.{prefix}" if with_state else prefix  # the tensors' names
+            if paths is not None:  # ``net.0`` for ``net.0.weight``; ``0`` for ``param 0.weight``
+                paths.setdefault(id(sub), named[:-1])
             for n, p in sub._parameters.items():
                 if p is not None:
                     params.append((named + n, p))

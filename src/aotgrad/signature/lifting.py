@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from aotgrad.signature.closures import EMPTY, Root, read_environment, roots_of
+from aotgrad.signature.closures import EMPTY, Root, module_paths, read_environment, roots_of
 from aotgrad.signature.descriptors import Buffer, Param, PrimalDescriptor
 from aotgrad.signature.flatten import (
     FlatInputs,
@@ -245,6 +245,23 @@ class State:
             labels=tuple(labels[i] for i in kept), values=tuple(values[i] for i in kept)
         )
         return replace(before, key=key)
+
+    def module_paths(self, arguments: Arguments = ()) -> dict[int, str]:
+        """The modules the function reaches, by ``id``, named as the lifted tensors are (Note
+        [Module paths as the signature names them]); the traced module's own are relative
+        to it (``blocks.3.attn``, and ``""`` for itself).
+
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> sorted(State(lambda x: net(x)).module_paths().values())
+        ['net', 'net.0']
+        >>> sorted(State(net).module_paths().values())
+        ['', '0']
+        """
+        if self.roots or arguments:
+            return module_paths(self.roots, arguments)
+        if self.module is not None:  # module state only (Dynamo)
+            return {id(m): name for name, m in self.module.named_modules()}
+        return {}
 
     def _modules(self, arguments: Arguments) -> list[torch.nn.Module]:
         """The modules the function reaches directly: itself, closed over, passed."""

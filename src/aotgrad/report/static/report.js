@@ -308,6 +308,8 @@ function modulePanel() {
 
 const SVG_NS = "http://www.w3.org/2000/svg";
 const GRAPH_LIMIT = 150;  // most units drawn before a drawing is collapsed by module
+const MIN_SCALE = 0.5;    // the smallest zoom a drawing opens at (labels still readable)
+const ZOOM_STEP = 1.25;
 const FANOUT_LIMIT = 8;   // most units one unit has edges to (see unitEdges)
 const CHAR_W = 6.7;       // width of one character of the 11px monospace labels
 const UNIT_H = 34;
@@ -381,6 +383,7 @@ function initGraph(phase) {
   graphs[phase] = state;
   initialExpansion(state);
   drawGraph(state);
+  fitGraph(state);
 }
 
 function opLabel(n) {
@@ -463,8 +466,9 @@ function drawGraph(state) {
   const svg = state.svg;
   svg.replaceChildren();
   const size = g.graph();
-  svg.setAttribute("width", Math.ceil(size.width || 0));
-  svg.setAttribute("height", Math.ceil(size.height || 0));
+  state.size = { width: Math.ceil(size.width || 0), height: Math.ceil(size.height || 0) };
+  svg.setAttribute("viewBox", "0 0 " + state.size.width + " " + state.size.height);
+  setScale(state, state.scale ?? 1);
   svg.appendChild(arrowDefs(state.phase));
   state.elements = new Map();
   state.positions = new Map();
@@ -535,11 +539,87 @@ function drawGroup(state, unit, box) {
   return g;
 }
 
-// One button per innermost open module: clicking it collapses that module back into a group.
+// ---- Zoom and the opening view ----
+//
+// A drawing is scaled by its SVG's size against its viewBox (the layout's size). It opens
+// fitted on its content: the whole drawing when that takes a zoom of at least MIN_SCALE,
+// else at MIN_SCALE (the widest zoom whose labels read), scrolled to the top of the drawing
+// (where the graph's inputs are) and, across, to the part of that band holding the most
+// boxes -- never an empty stretch of a wide layout (a 4-block GPT's backward is 1000+ units
+// wide, with its first boxes at the far right).
+
+function setScale(state, scale) {
+  state.scale = scale;
+  state.svg.setAttribute("width", Math.ceil(state.size.width * scale));
+  state.svg.setAttribute("height", Math.ceil(state.size.height * scale));
+}
+
+// The scroll box around a drawing, when the page is laid out (not in tests/html_smoke.js).
+function viewOf(state) {
+  const view = state.svg.parentNode;
+  return view && view.clientWidth > 0 && view.scrollTo ? view : null;
+}
+
+function fitGraph(state) {
+  const view = viewOf(state);
+  if (!view || !state.size.width || !state.size.height) return;
+  const fit = Math.min(view.clientWidth / state.size.width,
+                       viewHeight(view) / state.size.height);
+  setScale(state, Math.min(1, Math.max(MIN_SCALE, fit)));
+  view.scrollTo(bestLeft(state, view), 0);
+}
+
+// The height the scroll box shows at most (its CSS max-height): it shrinks to small drawings.
+function viewHeight(view) {
+  const most = parseFloat(getComputedStyle(view).maxHeight);
+  return Number.isFinite(most) && most > 0 ? most : view.clientHeight;
+}
+
+// The scroll offset across that shows the most boxes of the drawing's top band.
+function bestLeft(state, view) {
+  const s = state.scale, width = view.clientWidth, height = viewHeight(view);
+  const widest = Math.max(0, state.size.width * s - width);
+  const boxes = [...state.positions.values()].filter(b => (b.y - b.height / 2) * s < height);
+  let best = 0, most = -1;
+  for (const b of boxes) {
+    const left = Math.min(widest, Math.max(0, b.x * s - width / 2));
+    const seen = boxes.filter(o => (o.x + o.width / 2) * s > left &&
+                                   (o.x - o.width / 2) * s < left + width).length;
+    if (seen > most || (seen === most && left < best)) { best = left; most = seen; }
+  }
+  return best;
+}
+
+// Zooms by `factor` about the centre of the scroll box (factor null: fit again).
+function zoom(state, factor) {
+  const view = viewOf(state);
+  if (factor === null) { fitGraph(state); return; }
+  const before = state.scale;
+  setScale(state, Math.min(4, Math.max(0.05, before * factor)));
+  if (!view) return;
+  const ratio = state.scale / before;
+  const cx = view.scrollLeft + view.clientWidth / 2, cy = view.scrollTop + view.clientHeight / 2;
+  view.scrollTo(cx * ratio - view.clientWidth / 2, cy * ratio - view.clientHeight / 2);
+}
+
+function zoomButtons(state) {
+  const buttons = [["\u2212", 1 / ZOOM_STEP, "zoom out"], ["+", ZOOM_STEP, "zoom in"],
+                   ["fit", null, "fit the drawing"]];
+  return buttons.map(([text, factor, title]) => {
+    const button = el("button", text, "gzoom");
+    button.title = title;
+    button.dataset.phase = state.phase;
+    button.addEventListener("click", () => zoom(state, factor));
+    return button;
+  });
+}
+
+// Zoom buttons; then one button per innermost open module: clicking it collapses that module
+// back into a group.
 function drawOpenBar(state) {
   const bar = document.getElementById(state.phase + "-graph-bar");
   if (!bar) return;
-  bar.replaceChildren();
+  bar.replaceChildren(...zoomButtons(state));
   if (!state.grouped) return;
   const open = [...state.expanded].sort();
   const innermost = open.filter(p => !open.some(q => q.startsWith(p + ".")));
@@ -567,6 +647,8 @@ function setExpanded(state, path, open) {
   drawGraph(state);
   paintMarks();
   searchGraph(state.phase, document.getElementById("search").value.trim().toLowerCase());
+  const opened = open && state.nodes.find(n => modulePrefixes(n).includes(path));
+  if (opened) scrollGraphTo(state.phase, opened.name);  // the group's first box, in view
 }
 
 // The drawn element standing for node `name`: its own box or its collapsed group's.
@@ -584,11 +666,12 @@ function scrollGraphTo(phase, name) {
   const key = n ? unitKey(state, n)
                 : [...state.elements].find(([, e]) => e.classList.contains("linked"))?.[0];
   const box = key && state.positions.get(key);
-  const view = state.svg.parentNode;
-  if (!box || !view || !view.scrollTo) return;
-  const visible = box.x >= view.scrollLeft && box.x <= view.scrollLeft + view.clientWidth &&
-                  box.y >= view.scrollTop && box.y <= view.scrollTop + view.clientHeight;
-  if (!visible) view.scrollTo(box.x - view.clientWidth / 2, box.y - view.clientHeight / 2);
+  const view = viewOf(state);
+  if (!box || !view) return;
+  const x = box.x * state.scale, y = box.y * state.scale;
+  const visible = x >= view.scrollLeft && x <= view.scrollLeft + view.clientWidth &&
+                  y >= view.scrollTop && y <= view.scrollTop + view.clientHeight;
+  if (!visible) view.scrollTo(x - view.clientWidth / 2, y - view.clientHeight / 2);
 }
 
 // Search: units with a matching member are marked `match`, the others dimmed.
