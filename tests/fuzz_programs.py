@@ -122,13 +122,15 @@ FEATURES = frozenset(
         "trace_other_spec",  # ... called on inputs of another shape or dtype: eager's or a refusal
         "create_graph",  # gradients with create_graph=True, differentiated again
         "trace_under_no_grad",  # a Traced called under no_grad
+        "once_differentiable_create_graph",  # create_graph=True over a once_differentiable backward
     }
 )
 
 # Features that trigger known defects: not generated unless enabled (see the module docstring).
 KNOWN_BAD: dict[str, str] = {
-    "function_param": "issue 38 item 2: a parameter passed into a custom Function gets no gradient",
     "trace_other_spec": "issue 38 item 4: a Traced runs its graphs on inputs of another shape/dtype",
+    "once_differentiable_create_graph": "NEW F21: create_graph=True differentiates a"
+    " once_differentiable backward (eager's first-order gradient does not require grad)",
     "trace_under_no_grad": "NEW F20: a Traced called under no_grad returns a view of a parameter"
     " with a grad_fn (AsStridedBackward0); eager's is a leaf",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
@@ -747,6 +749,9 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
     modes += tuple(m for m in idioms if _idiom_feature(m) in features)
     prog_features |= {_idiom_feature(m) for m in modes if m in fuzz_idioms.STATE_IDIOMS}
     create_graph = "create_graph" in features and draw(st.integers(0, 4)) == 0
+    if create_graph and "function_once" in prog_features:
+        create_graph = "once_differentiable_create_graph" in features
+        prog_features.add("once_differentiable_create_graph")
     if create_graph:
         prog_features.add("create_graph")
     under_no_grad = "call_under_no_grad" in features and draw(st.integers(0, 5)) == 0

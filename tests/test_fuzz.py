@@ -11,8 +11,10 @@ over parameters and buffers, a loss over a global or closed-over module or globa
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, reject
 
+import aotgrad
 import fuzz_programs as fp
 
 
@@ -25,20 +27,30 @@ def test_random_programs_match_eager(program):
         reject()
 
 
-def test_idioms_see_a_parameter_gradient_eager_produces():
-    # The oracle itself: a custom Function given a parameter directly (issue 38 item 2).
-    # Every idiom over state must compare the parameter's .grad; while aotgrad drops it, the
-    # module idiom reports it (the bounded run leaves function_param out: KNOWN_BAD).
-    program = fp.Program(
+def _function_over_a_parameter(modes):
+    # MulSum.apply(a1, self.p0): a custom Function given a parameter itself (issue 38 item 2).
+    return fp.Program(
         bases=(fp.Base((3,), True), fp.Base((2,), True)),
         args=("b0", "b1"),
         steps=(fp.Step("MulSum.apply(a1, a0)", "v0"),),
         returns=("v0",),
-        modes=("module",),
+        modes=modes,
         state=(0,),
+        holder="global_module",
     )
-    if "function_param" not in fp.KNOWN_BAD:
-        fp.check(program)
-        return
+
+
+def test_a_parameter_handed_to_a_custom_function_gets_its_gradient_in_every_idiom():
+    modes = ("module", "global_module", "trace_module", "trace", "compile")
+    assert fp.check(_function_over_a_parameter(modes)).compiled == 1 + len(modes)
+
+
+def test_the_idioms_compare_a_parameters_gradient(monkeypatch):
+    # The oracle itself: an aot_module that loses the parameter's gradient is caught.
+    def detached(module):
+        state = {n: t.detach() for n, t in module.named_parameters()}
+        return lambda *args: torch.func.functional_call(module, state, args)
+
+    monkeypatch.setattr(aotgrad, "aot_module", detached)
     with pytest.raises(fp.FuzzFailure, match=r"grad of model\.p0: None != eager a tensor"):
-        fp.check(program)
+        fp.check(_function_over_a_parameter(("module",)))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import aotgrad
 from aotgrad.errors import AotgradError, UnsupportedMutationError
 from aotgrad.testing import verify
-from fuzz_programs import MarksDirty, ReturnsInput, ReturnsView
+from fuzz_programs import MarksDirty, OnceDifferentiable, ReturnsInput, ReturnsView
 
 
 def unfixed(reason):
@@ -779,3 +779,13 @@ def test_traced_called_under_no_grad_returns_eagers_view():
     with torch.no_grad():
         outs = [fn(p), traced(p)]
     assert [(o.is_leaf, o.grad_fn) for o in outs] == [(True, None)] * 2
+
+
+@unfixed("NEW F21: create_graph=True differentiates a once_differentiable backward")
+def test_once_differentiable_backward_gives_no_second_order_gradient():
+    # eager's first-order gradient through it does not require grad: its second order is None
+    verify(
+        lambda a: OnceDifferentiable.apply(a, a),
+        torch.randn(2, requires_grad=True),
+        create_graph=True,
+    )
