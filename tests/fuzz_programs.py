@@ -123,6 +123,7 @@ FEATURES = frozenset(
         "create_graph",  # gradients with create_graph=True, differentiated again
         "trace_under_no_grad",  # a Traced called under no_grad
         "once_differentiable_create_graph",  # create_graph=True over a once_differentiable backward
+        "create_graph_aliased_inputs",  # create_graph=True with inputs that share memory
     }
 )
 
@@ -131,8 +132,11 @@ KNOWN_BAD: dict[str, str] = {
     "trace_other_spec": "issue 38 item 4: a Traced runs its graphs on inputs of another shape/dtype",
     "once_differentiable_create_graph": "NEW F21: create_graph=True differentiates a"
     " once_differentiable backward (eager's first-order gradient does not require grad)",
-    "trace_under_no_grad": "NEW F20: a Traced called under no_grad returns a view of a parameter"
-    " with a grad_fn (AsStridedBackward0); eager's is a leaf",
+    "trace_under_no_grad": "NEW F20: a Traced called under no_grad returns a view of an input"
+    " with a grad_fn (eager's is a leaf), and raises a raw RuntimeError where it replays an"
+    " in-place op on a view of a leaf (eager runs it)",
+    "create_graph_aliased_inputs": "NEW F22: create_graph=True with inputs b[0], b, b: the base's"
+    " second-order gradient is None (eager's is a tensor)",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
     "requires_grad_under_no_grad": "NEW F15: requires_grad_() on a no_grad view of an input",
 }
@@ -749,9 +753,13 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
     modes += tuple(m for m in idioms if _idiom_feature(m) in features)
     prog_features |= {_idiom_feature(m) for m in modes if m in fuzz_idioms.STATE_IDIOMS}
     create_graph = "create_graph" in features and draw(st.integers(0, 4)) == 0
-    if create_graph and "function_once" in prog_features:
-        create_graph = "once_differentiable_create_graph" in features
-        prog_features.add("once_differentiable_create_graph")
+    for feature, tag in (
+        ("function_once", "once_differentiable_create_graph"),
+        ("alias_inputs", "create_graph_aliased_inputs"),
+    ):
+        if create_graph and feature in prog_features:
+            create_graph = tag in features
+            prog_features.add(tag)
     if create_graph:
         prog_features.add("create_graph")
     under_no_grad = "call_under_no_grad" in features and draw(st.integers(0, 5)) == 0

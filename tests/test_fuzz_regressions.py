@@ -789,3 +789,23 @@ def test_once_differentiable_backward_gives_no_second_order_gradient():
         torch.randn(2, requires_grad=True),
         create_graph=True,
     )
+
+
+@unfixed("NEW F20: a Traced called under no_grad replays an in-place op on a view of a leaf")
+def test_traced_called_under_no_grad_changes_a_view_of_a_leaf_as_eager_does():
+    def fn(a):
+        a.mul_(2)
+        return a * 3
+
+    def inputs():
+        return (torch.ones(3, requires_grad=True).view(-1),)
+
+    traced = aotgrad.trace(fn, *inputs())
+    with torch.no_grad():
+        assert torch.equal(traced(*inputs()), fn(*inputs()))
+
+
+@unfixed("NEW F22: create_graph=True, inputs b[0], b, b: the base's second-order gradient is None")
+def test_second_order_gradient_of_a_base_passed_twice_and_viewed():
+    b = torch.randn(2, requires_grad=True)
+    verify(lambda a0, a1, a2: (a2.sin(),), b[0], b, b, create_graph=True)
