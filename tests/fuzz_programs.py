@@ -124,6 +124,8 @@ FEATURES = frozenset(
         "trace_under_no_grad",  # a Traced called under no_grad
         "once_differentiable_create_graph",  # create_graph=True over a once_differentiable backward
         "create_graph_aliased_inputs",  # create_graph=True with inputs that share memory
+        "requires_grad_intermediate",  # requires_grad_() on a value the function made
+        "masked_fill_strided",  # masked_fill_ on a non-contiguous value
     }
 )
 
@@ -135,6 +137,10 @@ KNOWN_BAD: dict[str, str] = {
     "trace_under_no_grad": "NEW F20: a Traced called under no_grad returns a view of an input"
     " with a grad_fn (eager's is a leaf), and raises a raw RuntimeError where it replays an"
     " in-place op on a view of a leaf (eager runs it)",
+    "masked_fill_strided": "NEW F23: an intermediate of a transposed input changed by masked_fill_"
+    " and returned is contiguous (eager keeps the input's layout)",
+    "requires_grad_intermediate": "NEW F24: v = x * 2; v.requires_grad_(True); return v, with"
+    " another input requiring grad: the output is not a leaf (eager's is)",
     "create_graph_aliased_inputs": "NEW F22: create_graph=True with inputs b[0], b, b: the base's"
     " second-order gradient is None (eager's is a tensor)",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
@@ -915,6 +921,8 @@ def _draw_step(draw, env: _Env, features) -> Step | None:
         tags.add("inplace")
         if shares:
             tags.add("inplace_input")
+        if "masked_fill_" in expr and not x.is_contiguous():
+            tags.add("masked_fill_strided")
         if torch._debug_has_internal_overlap(x) != 0:
             tags.add("inplace_overlapping")
         target = None  # a statement
@@ -963,6 +971,8 @@ def _draw_step(draw, env: _Env, features) -> Step | None:
     else:
         expr = f"{name}.requires_grad_(True)"
         tags.add("requires_grad_")
+        if name.startswith("v"):
+            tags.add("requires_grad_intermediate")
         target = None
     region = None
     if "grad_mode" in features and draw(st.integers(0, 4)) == 0:
@@ -1012,11 +1022,22 @@ def _view_expr(draw, name: str, x: torch.Tensor) -> tuple[str, str]:
 
 
 def _as_strided(draw, name: str, x: torch.Tensor, method: str) -> str:
-    n = x.untyped_storage().nbytes() // max(x.element_size(), 1)
+    """An ``as_strided`` over elements ``x`` itself covers.
+
+    Eager's gradient of an ``as_strided`` reaching storage outside its input is not the
+    derivative (``p[0].as_strided((1, 3), (2, 1), 6)`` gets zeros), so such programs have no
+    reference: they stay within ``x``, and only where ``x`` covers every element of its span.
+    """
+    lo = x.storage_offset()
+    span = sum((n - 1) * st_ for n, st_ in zip(x.shape, x.stride(), strict=True))
+    dense = x.numel() == span + 1 and torch._debug_has_internal_overlap(x) == 0
     rows = draw(st.integers(1, 3))
     cols = draw(st.integers(1, 3))
     stride = (draw(st.integers(0, 3)), draw(st.integers(0, 2)))
-    offset = draw(st.integers(0, max(n - 1, 0)))
+    reach = (rows - 1) * stride[0] + (cols - 1) * stride[1]
+    if not dense or reach > span:
+        rows, cols, stride, reach = 1, 1, (0, 0), 0
+    offset = draw(st.integers(lo, lo + (span - reach if dense else 0)))
     return f"{name}.{method}(({rows}, {cols}), {stride}, {offset})"
 
 
@@ -1212,7 +1233,8 @@ def _main() -> None:  # pragma: no cover - run by `make fuzz`
     found: dict[str, Program] = {}
     counts: dict[str, int] = {}
     refusals: dict[str, int] = {}
-    stats = {"checked": 0, "rejected": 0}
+    times: dict[str, float] = {}  # CPU seconds per idiom
+    stats = {"checked": 0, "rejected": 0, "idiom runs": 0, "refused": 0, "skipped": 0}
 
     @seed(opts.seed)
     @settings(
@@ -1236,6 +1258,11 @@ def _main() -> None:  # pragma: no cover - run by `make fuzz`
                 print(f"\n=== new failure: {key}", flush=True)
             return
         stats["checked"] += 1
+        stats["idiom runs"] += outcome.compiled
+        stats["refused"] += len(outcome.refusals)
+        stats["skipped"] += len(outcome.skipped)
+        for mode, seconds in outcome.seconds.items():
+            times[mode] = times.get(mode, 0.0) + seconds
         for r in outcome.refusals:
             r = fuzz_idioms._NUMBERS.sub("N", r)[:120]
             refusals[r] = refusals.get(r, 0) + 1
@@ -1245,6 +1272,7 @@ def _main() -> None:  # pragma: no cover - run by `make fuzz`
 
     explore()
     print(f"\n{stats}; {len(found)} distinct failures")
+    print("CPU seconds per idiom:", {m: round(t, 1) for m, t in sorted(times.items())})
     print("\nRefusals seen (documented errors, acceptable):")
     for r, n in sorted(refusals.items(), key=lambda kv: -kv[1]):
         print(f"  {n:5d}  {r}")

@@ -809,3 +809,26 @@ def test_traced_called_under_no_grad_changes_a_view_of_a_leaf_as_eager_does():
 def test_second_order_gradient_of_a_base_passed_twice_and_viewed():
     b = torch.randn(2, requires_grad=True)
     verify(lambda a0, a1, a2: (a2.sin(),), b[0], b, b, create_graph=True)
+
+
+@unfixed("NEW F23: an intermediate of a transposed input changed by masked_fill_: contiguous")
+def test_masked_fill_in_place_keeps_eagers_layout():
+    def fn(a):
+        v = a * 2
+        v.masked_fill_(v > 0, 0.25)
+        return v
+
+    x = torch.randn(2, 3, 2).permute(2, 1, 0)
+    assert aotgrad.aot_function(fn)(x).stride() == fn(x).stride()
+
+
+@unfixed("NEW F24: requires_grad_() on a value the function made: the output is not a leaf")
+def test_requires_grad_on_an_intermediate_returns_a_leaf():
+    def fn(x, w):
+        v = x * 2
+        v.requires_grad_(True)
+        return v
+
+    args = (torch.randn(3), torch.randn(2, requires_grad=True))
+    outs = [fn(*args), aotgrad.aot_function(fn)(*args)]
+    assert [o.is_leaf for o in outs] == [True, True]
