@@ -1030,7 +1030,7 @@ def _as_strided(draw, name: str, x: torch.Tensor, method: str) -> str:
     """
     lo = x.storage_offset()
     span = sum((n - 1) * st_ for n, st_ in zip(x.shape, x.stride(), strict=True))
-    dense = x.numel() == span + 1 and torch._debug_has_internal_overlap(x) == 0
+    dense = x.numel() > 0 and x.numel() == span + 1 and torch._debug_has_internal_overlap(x) == 0
     rows = draw(st.integers(1, 3))
     cols = draw(st.integers(1, 3))
     stride = (draw(st.integers(0, 3)), draw(st.integers(0, 2)))
