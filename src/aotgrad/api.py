@@ -187,9 +187,6 @@ class Traced(_Reports):
     _capture: Capture | None = None
     # The traced function, run under torch.func transforms and forward-mode AD, and how
     # many calls ran it (Note [Transforms run the function]).
-    # Which inputs were one tensor or shared memory at capture, and where (``memory_sharing``):
-    # calls must match it; None for a body run by aotgrad's own loops.
-    _sharing: tuple[Any, ...] | None = None
     _fn: Callable[..., Any] | None = None
     _transform_runs: list[int] = field(default_factory=lambda: [0])
     # The stores in the user's objects done at every call (Note [Side effects replayed]).
@@ -356,25 +353,8 @@ class Traced(_Reports):
         tensors = call.lifted.tensors
         if self._wrapping is not None:  # Note [Wrappers run around the graphs]
             refuse_other_tensors(tensors, self._lifted)
-        if self._sharing is not None and call.key.aliases is not None:  # else none shares
-            self._refuse_other_sharing(call.entry.inputs(tensors, call.leaves))
         special.remember(call, kwargs)
         return call.entry(tensors, call.leaves)
-
-    def _refuse_other_sharing(self, primals: Sequence[Any]) -> None:
-        """The inputs share memory where the capture's did (Note [Inputs that share memory])."""
-        assert self._sharing is not None
-        now = memory_sharing(primals)
-        if now != self._sharing:
-            names = self.partitioned.joint.inputs.descriptors
-            raise CallError(
-                "this Traced was captured for inputs that share memory"
-                f" {_sharing_text(self._sharing, names)}, and is called with inputs that share"
-                f" memory {_sharing_text(now, names)}: its graphs hold the"
-                " capture's aliasing (a tensor passed twice, views of one storage and their places in it)."
-                " Call aotgrad.trace again with these inputs (or use aotgrad.aot_function,"
-                " which re-traces)"
-            )
 
     def _lifted_now(self) -> tuple[torch.Tensor, ...]:
         """The lifted tensors: a wrapper's module state must still be the traced tensors."""
@@ -474,6 +454,8 @@ def _trace(
         key=key._replace(state=settled.key),
         dims=dims,
         state=lifting,
+        sharing=memory_sharing(traceable.primals),
+        descriptors=partitioned.joint.inputs.descriptors,
     )
     return Traced(
         partitioned=partitioned,
@@ -482,31 +464,10 @@ def _trace(
         _autocast=autocast_state(),
         _wrapping=wrapping,
         _capture=capture,
-        _sharing=memory_sharing(traceable.primals),
         _replay=watch.replay,
         _options=options,
         _fn=fn,
     )
-
-
-def _sharing_text(sharing: tuple[Any, ...], descriptors: Sequence[Any]) -> str:
-    if not sharing:
-        return "(none)"
-
-    def name(i: int) -> str:
-        return str(descriptors[i]) if i < len(descriptors) else f"input {i}"
-
-    groups = []
-    for _, members in sharing:
-        groups.append(
-            " and ".join(
-                name(i)
-                + (f" (the same tensor as {name(same)})" if same != i else "")
-                + f" [size {tuple(size)}, stride {tuple(stride)}, offset {offset}]"
-                for i, same, size, stride, offset in members
-            )
-        )
-    return "; ".join(groups)
 
 
 def aot_function(

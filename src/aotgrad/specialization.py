@@ -36,14 +36,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from aotgrad.cache import CacheKey, Entry, Miss, SpecializationCache
 from aotgrad.capture.dynamic import DynamicDims
+from aotgrad.capture.input_aliases import memory_sharing
 from aotgrad.errors import CallError, format_error, user_frame_from_stack
 from aotgrad.signature.arguments import ArgumentLayout, positional_names, tensor_text
+from aotgrad.signature.descriptors import PrimalDescriptor
 from aotgrad.signature.flatten import flatten_call, is_tensor_key, leaf_names
 from aotgrad.signature.lifting import Lifted, State, module_arguments
 
@@ -69,6 +71,11 @@ class Capture:
     target: Callable[..., Any]
     # How the capture passed its arguments (Note [Calls matched by argument name]).
     layout: ArgumentLayout
+    # Which graph inputs were one tensor or shared memory, and where (``memory_sharing``):
+    # where a call's inputs share memory, it must be so (Note [Inputs that share memory]).
+    sharing: tuple[Any, ...]
+    # The graph inputs' descriptors, which name them in messages.
+    descriptors: tuple[PrimalDescriptor, ...]
     # Leaf names by call structure, for module arguments (Note [Module arguments]).
     names: dict[Any, list[str]] = field(default_factory=dict, compare=False)
 
@@ -92,6 +99,7 @@ class Specialization:
         self.capture = capture
         self.cache = SpecializationCache(limit=1, owner=owner)
         self.cache.add(capture.key, entry)
+        self.entry = entry
 
     def fast(self, args: tuple[Any, ...]) -> Callable[[Sequence[Any]], Any] | None:
         """The entry, when a positional call of a function reading no state passes the
@@ -115,7 +123,12 @@ class Specialization:
         key = CacheKey.of_call(structure=structure, leaves=leaves, dims=capture.dims, lifted=lifted)
         found = self.cache.find(key, lifted.tensors, leaves)
         if isinstance(found, Miss):
-            raise _refusal(self._difference(found, key, args, kwargs))
+            call = _Arguments(args, kwargs, lifted.tensors, leaves)
+            raise _refusal(self._difference(found, key, call))
+        if key.aliases is not None:  # some inputs share memory: where the capture's did?
+            now = memory_sharing(found.inputs(lifted.tensors, leaves))
+            if now != capture.sharing:
+                raise _refusal(self._sharing_difference(now))
         return Call(entry=found, lifted=lifted, leaves=leaves, key=key)
 
     def remember(self, call: Call, kwargs: dict[str, Any]) -> None:
@@ -123,17 +136,67 @@ class Specialization:
         if not kwargs and self.capture.state.empty:
             self.cache.remember(call.key, call.entry, call.leaves)
 
-    def _difference(
-        self, miss: Miss, key: CacheKey, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> str:
+    def _difference(self, miss: Miss, key: CacheKey, call: _Arguments) -> str:
         """What differs from the capture, in ``cache_info``'s words, with both sides shown."""
         if miss.failed is not None:  # a shape guard of a dynamic capture, or the environment
             return miss.failed
         captured = self.capture.key
-        names = leaf_names(self.capture.target, args, kwargs)
+        if _first_difference(captured, key) == "aliases":
+            primals = self.entry.inputs(call.state, call.leaves)
+            return self._sharing_difference(memory_sharing(primals))
+        names = leaf_names(self.capture.target, call.args, call.kwargs)
+        if _first_difference(captured, key) == "leaves":
+            module = _module_difference(captured, key, names)
+            if module is not None:
+                return module
         reason = key.explain(captured, names)
         both = _both_sides(captured, key)
-        return f"{reason} (captured {both[0]}, got {both[1]})" if both else reason
+        if both is None:
+            return f"{reason} (the capture's first)"
+        return f"{reason} (captured {both[0]}, got {both[1]})"
+
+    def _sharing_difference(self, now: tuple[Any, ...]) -> str:
+        names = self.capture.descriptors
+        return (
+            f"its inputs share memory {_sharing_text(self.capture.sharing, names)} at capture,"
+            f" and {_sharing_text(now, names)} in this call (a tensor passed twice, views of"
+            " one storage and their places in it)"
+        )
+
+
+class _Arguments(NamedTuple):
+    """A call that differs from the capture, as messages need it."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state: tuple[torch.Tensor, ...]
+    leaves: Sequence[Any]
+
+
+def _first_difference(captured: CacheKey, key: CacheKey) -> str | None:
+    """The first field of the keys that differs, in the order ``CacheKey.explain`` tells them."""
+    for name in ("structure", "dynamic_dims", "leaves", "state", "aliases", "ambient"):
+        if getattr(captured, name) != getattr(key, name):
+            return name
+    return None
+
+
+def _module_difference(captured: CacheKey, key: CacheKey, names: Sequence[str]) -> str | None:
+    """A module argument that is another object than the capture's (Note [Module arguments])."""
+    for i, (a, b) in enumerate(zip(captured.leaves, key.leaves, strict=True)):
+        if a != b:
+            if not (_is_module_key(a) and _is_module_key(b)):
+                return None
+            name = names[i] if i < len(names) else f"leaf {i}"
+            return (
+                f"argument {name} is another module object than the capture's {a[1].__name__}"
+                " (the graphs were captured for that object's parameters, buffers and flags)"
+            )
+    return None
+
+
+def _is_module_key(key: Any) -> bool:
+    return isinstance(key, tuple) and len(key) == 3 and key[0] == "module"
 
 
 def _arranged(
@@ -167,10 +230,31 @@ def _tensor_key_text(key: tuple[Any, ...]) -> str:
     return tensor_text(dtype, tuple(shape), device, requires_grad, cls)
 
 
+def _sharing_text(sharing: tuple[Any, ...], descriptors: Sequence[Any]) -> str:
+    """``memory_sharing``'s groups as ``a and b (the same tensor as a) [size ...]``."""
+    if not sharing:
+        return "(none)"
+
+    def name(i: int) -> str:
+        return str(descriptors[i]) if i < len(descriptors) else f"input {i}"
+
+    groups = []
+    for _, members in sharing:
+        groups.append(
+            " and ".join(
+                name(i)
+                + (f" (the same tensor as {name(same)})" if same != i else "")
+                + f" [size {tuple(size)}, stride {tuple(stride)}, offset {offset}]"
+                for i, same, size, stride, offset in members
+            )
+        )
+    return "; ".join(groups)
+
+
 def _refusal(what: str) -> CallError:
     return CallError(
         format_error(
-            f"this Traced was captured for other inputs than this call's: {what}. Its graphs"
+            f"this call differs from the one this Traced was captured for: {what}. Its graphs"
             " hold the capture's shapes, dtypes, flags and values as constants, and would not"
             " compute what eager computes for this call",
             user_frame_from_stack(),
@@ -187,6 +271,8 @@ def capture_of(
     key: CacheKey,
     dims: DynamicDims | None,
     state: State,
+    sharing: tuple[Any, ...],
+    descriptors: tuple[PrimalDescriptor, ...],
 ) -> Capture:
     """The capture of ``target(*args, **kwargs)``, keyed ``key`` (built before the trace,
     its state settled after)."""
@@ -197,6 +283,8 @@ def capture_of(
         state=state,
         target=target,
         layout=ArgumentLayout.of_call(names, args, kwargs),
+        sharing=sharing,
+        descriptors=descriptors,
     )
 
 
