@@ -323,8 +323,17 @@ class Traced(_Reports):
                 " they assume. Pass the setting as an argument (or read it outside the"
                 " function) to save the trace"
             )
+        if self._capture is None:
+            raise StoreError(
+                "a scan body's graphs cannot be saved alone; trace the body function to save it"
+            )
         save_traced(
-            path, partitioned=self.partitioned, plan=self._compiled.plan, autocast=self._autocast
+            path,
+            partitioned=self.partitioned,
+            plan=self._compiled.plan,
+            autocast=self._autocast,
+            layout=self._capture.layout,
+            state=self._capture.key.state,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
