@@ -13,9 +13,15 @@ in-place buffer update (BatchNorm's running statistics) lands in ``model``::
     f = aotgrad.load("m.aotgrad", module=model)   # another process: a model built alike
     f(x)          # reads model.get_parameter("0.weight") ... now, not at load time
 
-A file of a module loaded without one, a module missing a name, or a tensor
+A file of a module loaded without one, a module missing a name, a tensor
 whose shape, stride, dtype, device or requires_grad differs from the traced
-one's is a ``CallError``, never a call on other tensors than the graphs expect.
+one's, or a module whose flags and values the capture read differ from the
+file's (``model.eval()`` after a trace in training mode: ``closure
+self.training: True at capture, False now``; the file keeps those values as
+stable text, ``store/keys.py``) is a ``CallError``, never a call on other
+inputs than the graphs expect (Note [A Traced keeps to its capture]). Python
+values a function (not a module) read are held by its graphs, and cannot be
+read back without the function: they are not checked.
 Closed-over tensors and globals cannot be read back by name: such a trace is
 not saved (``StoreError``); pass the tensor as an argument instead.
 """
