@@ -117,7 +117,9 @@ class Specialization:
             args, kwargs = _arranged(capture.layout, names, args, kwargs)
             leaves, structure = flatten_call(args, kwargs)
             if structure != capture.key.structure:
-                raise _refusal(f"the arguments are structured otherwise: {structure}")
+                raise _refusal(
+                    "the arguments' containers differ from the capture's (a type or a key inside them)"
+                )
         arguments = module_arguments(capture.target, args, kwargs, leaves, structure, capture.names)
         lifted = capture.state.read(arguments)
         key = CacheKey.of_call(structure=structure, leaves=leaves, dims=capture.dims, lifted=lifted)

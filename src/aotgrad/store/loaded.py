@@ -216,7 +216,9 @@ class Loaded:
                 raise _refusal(str(e)) from None
             leaves, spec = pytree.tree_flatten((args, kwargs))
             if not self._match(spec):
-                raise _refusal(f"the arguments are structured otherwise: {spec}")
+                raise _refusal(
+                    "the arguments' containers differ from the capture's (a type or a key inside them)"
+                )
         for i, (leaf, constant) in enumerate(zip(leaves, self._constants, strict=True)):
             if i not in self._tensor_positions and not _same_value(leaf, constant):
                 raise _refusal(
