@@ -100,6 +100,11 @@ class Specialization:
         self.cache = SpecializationCache(limit=1, owner=owner)
         self.cache.add(capture.key, entry)
         self.entry = entry
+        # Call structures arranged as the capture's before (Note [Calls matched by argument
+        # name]): their checks passed once, and pass again.
+        self._arranged: frozenset[Any] = frozenset()
+        # The positional parameters' names, by how many a call passes.
+        self._names: dict[int, list[str]] = {}
 
     def fast(self, args: tuple[Any, ...]) -> Callable[[Sequence[Any]], Any] | None:
         """The entry, when a positional call of a function reading no state passes the
@@ -112,11 +117,15 @@ class Specialization:
         """The entry for this call; a ``CallError`` saying what differs from the capture."""
         capture = self.capture
         leaves, structure = flatten_call(args, kwargs)
-        if structure != capture.key.structure:
-            names = positional_names(capture.target, len(args))
-            args, kwargs = _arranged(capture.layout, names, args, kwargs)
+        if structure != capture.key.structure:  # Note [Calls matched by argument name]
+            given = structure
+            names = self._positional_names(len(args))
+            checked = given in self._arranged
+            args, kwargs = _arranged(capture.layout, names, args, kwargs, checked)
             leaves, structure = flatten_call(args, kwargs)
-            if structure != capture.key.structure:
+            if structure == capture.key.structure:
+                self._arranged = self._arranged | {given}  # whole (Note [Concurrent calls])
+            else:
                 raise _refusal(
                     "the arguments' containers differ from the capture's (a type or a key inside them)"
                 )
@@ -132,6 +141,12 @@ class Specialization:
             if now != capture.sharing:
                 raise _refusal(self._sharing_difference(now))
         return Call(entry=found, lifted=lifted, leaves=leaves, key=key)
+
+    def _positional_names(self, count: int) -> list[str]:
+        names = self._names.get(count)
+        if names is None:
+            names = self._names[count] = positional_names(self.capture.target, count)
+        return names
 
     def remember(self, call: Call, kwargs: dict[str, Any]) -> None:
         """Let the next plain call take the fast path (as ``aot_function`` does)."""
@@ -202,10 +217,14 @@ def _is_module_key(key: Any) -> bool:
 
 
 def _arranged(
-    layout: ArgumentLayout, names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+    layout: ArgumentLayout,
+    names: list[str],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    checked: bool,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     try:
-        return layout.arrange(names, args, kwargs)
+        return layout.arrange(names, args, kwargs, checked)
     except CallError as e:
         raise _refusal(str(e)) from None
 

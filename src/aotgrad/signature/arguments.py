@@ -70,18 +70,24 @@ class ArgumentLayout:
         )
 
     def arrange(
-        self, names: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        names: Sequence[str],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        checked: bool = False,
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The call passed as the capture passed it; a ``CallError`` naming the argument
         missing, extra or structured otherwise. ``names`` names this call's positional
-        arguments."""
+        arguments; ``checked``: a call of this structure was arranged before (no checks)."""
         given: dict[str, Any] = {}
         for i, value in enumerate(args):  # past the parameters: named by place (unnamed)
             given[names[i] if i < len(names) else f"#{i}"] = value
-        for name, value in kwargs.items():
-            if name in given:
+        given.update(kwargs)
+        if checked:
+            return tuple(given[n] for n in self.positional), {k: given[k] for k in self.keywords}
+        for name in kwargs:
+            if name in names[: len(args)]:
                 raise CallError(f"argument {name} is passed twice, by position and by keyword")
-            given[name] = value
         captured = (*self.positional, *self.keywords)
         for name, described in zip(captured, self.described, strict=True):
             if name not in given:
