@@ -215,3 +215,15 @@ def test_loaded_graphs_keep_to_the_capture(tmp_path: pathlib.Path):
     model.eval()
     with pytest.raises(CallError, match=r"self.training: True at capture, False now"):
         loaded(torch.randn(8, 4))
+
+
+def test_a_traced_called_by_code_being_captured_is_traced_through():
+    traced = aotgrad.trace(lambda x: x.sin(), torch.ones(3, requires_grad=True))
+    outer = aotgrad.aot_function(lambda x: traced(x) * 2, disk_cache=False)
+    x = torch.randn(5, requires_grad=True)  # another shape: the capture sees the function
+    out = outer(x)
+    out.sum().backward()
+    expected = x.detach().clone().requires_grad_()
+    (expected.sin() * 2).sum().backward()
+    torch.testing.assert_close(out, x.sin() * 2)
+    torch.testing.assert_close(x.grad, expected.grad)

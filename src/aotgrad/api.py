@@ -339,10 +339,21 @@ class Traced(_Reports):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the traced graphs on new inputs of the capture's specialization: a call whose
         shapes, dtypes, flags or values differ is a ``CallError`` (Note [A Traced keeps to
-        its capture])."""
+        its capture]).
+
+        >>> import torch, aotgrad
+        >>> t = aotgrad.trace(lambda x: x.sum(0), torch.ones(3, 4))
+        >>> t(torch.zeros(3, 4)).tolist()
+        [0.0, 0.0, 0.0, 0.0]
+        >>> t(torch.ones(5, 4))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        aotgrad.errors.CallError: this call differs from the one this Traced was captured for: input x: shape (3, 4) != (5, 4) (captured float32[3, 4], got float32[5, 4]). ...
+        """
         if self._fn is not None and transform_active():  # Note [Transforms run the function]
             self._transform_runs[0] += 1
             return self._fn(*args, **kwargs)
+        if self._fn is not None and capturing():  # called by code being traced: trace
+            return self._fn(*args, **kwargs)  # through, as aot_function does
         if self._wrapping is not None:
             return self._wrapping.call(self._run, args, kwargs)
         return self._run(*args, **kwargs)
