@@ -227,3 +227,25 @@ def test_a_traced_called_by_code_being_captured_is_traced_through():
     (expected.sin() * 2).sum().backward()
     torch.testing.assert_close(out, x.sin() * 2)
     torch.testing.assert_close(x.grad, expected.grad)
+
+
+def test_a_submodule_switched_to_eval_is_refused():
+    model = _model()
+    traced = aotgrad.trace(model, torch.randn(8, 4))
+    model[1].eval()  # the BatchNorm alone
+    with pytest.raises(CallError, match=r"self.1.training: value True != False"):
+        traced(torch.randn(8, 4))
+    model[1].train()
+    _assert_same_step(traced, model, torch.randn(8, 4))
+
+
+def test_dimensions_marked_dynamic_stay_dynamic_for_unmarked_calls():
+    x, w = _args()
+    traced = aotgrad.trace(f, aotgrad.dynamic(x, 0), w)
+    for rows in (3, 6):
+        x = torch.randn(rows, 4)  # not marked: the capture's marks count
+        torch.testing.assert_close(traced(x, w), f(x, w))
+    with pytest.raises(CallError, match=r"shape guard .*x.size\(\)\[0\] failed"):
+        traced(torch.randn(1, 4), w)  # a size the capture's guards exclude
+    with pytest.raises(CallError, match=r"input x: shape \(\*, 4\) != \(\*, 5\)"):
+        traced(torch.randn(3, 5), w)
