@@ -249,3 +249,14 @@ def test_dimensions_marked_dynamic_stay_dynamic_for_unmarked_calls():
         traced(torch.randn(1, 4), w)  # a size the capture's guards exclude
     with pytest.raises(CallError, match=r"input x: shape \(\*, 4\) != \(\*, 5\)"):
         traced(torch.randn(3, 5), w)
+
+
+def test_a_positional_call_of_a_keyword_capture_keeps_the_arguments_apart():
+    def g(x, w):
+        return x * 2 + w
+
+    a, b = torch.randn(3), torch.randn(3)
+    traced = aotgrad.trace(g, w=b, x=a)  # captured by keyword, w first
+    for _ in range(3):  # the fast path must not take (x, w) for the capture's (w, x)
+        x, w = torch.randn(3), torch.randn(3)
+        torch.testing.assert_close(traced(x, w), g(x, w))

@@ -86,9 +86,12 @@ class Call:
 
     entry: Entry
     lifted: Lifted
+    # The call's leaves, arranged as the capture passed them.
     leaves: Sequence[Any]
-    # The key, None when the call came through the last entry's guard.
     key: CacheKey
+    # Whether the call passed its arguments otherwise than the capture (Note [Calls matched
+    # by argument name]): its leaves are not its positional arguments.
+    arranged: bool
 
 
 class Specialization:
@@ -117,7 +120,8 @@ class Specialization:
         """The entry for this call; a ``CallError`` saying what differs from the capture."""
         capture = self.capture
         leaves, structure = flatten_call(args, kwargs)
-        if structure != capture.key.structure:  # Note [Calls matched by argument name]
+        arranged = structure != capture.key.structure
+        if arranged:  # Note [Calls matched by argument name]
             given = structure
             names = self._positional_names(len(args))
             checked = given in self._arranged
@@ -140,7 +144,7 @@ class Specialization:
             now = memory_sharing(found.inputs(lifted.tensors, leaves))
             if now != capture.sharing:
                 raise _refusal(self._sharing_difference(now))
-        return Call(entry=found, lifted=lifted, leaves=leaves, key=key)
+        return Call(entry=found, lifted=lifted, leaves=leaves, key=key, arranged=arranged)
 
     def _positional_names(self, count: int) -> list[str]:
         names = self._names.get(count)
@@ -150,7 +154,7 @@ class Specialization:
 
     def remember(self, call: Call, kwargs: dict[str, Any]) -> None:
         """Let the next plain call take the fast path (as ``aot_function`` does)."""
-        if not kwargs and self.capture.state.empty:
+        if not kwargs and not call.arranged and self.capture.state.empty:
             self.cache.remember(call.key, call.entry, call.leaves)
 
     def _difference(self, miss: Miss, key: CacheKey, call: _Arguments) -> str:
