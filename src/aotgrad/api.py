@@ -352,13 +352,20 @@ class Traced(_Reports):
         if self._fn is not None and transform_active():  # Note [Transforms run the function]
             self._transform_runs[0] += 1
             return self._fn(*args, **kwargs)
-        if self._fn is not None and capturing():  # called by code being traced: trace
-            return self._fn(*args, **kwargs)  # through, as aot_function does
         if self._wrapping is not None:
+            if capturing():
+                raise CallError(
+                    "a Traced of a DDP or fully_shard module was called by code aotgrad is"
+                    " capturing: the wrapper's hooks cannot run inside a graph (see Note"
+                    " [Wrappers run around the graphs]). Compile the outer function without"
+                    " it, or trace only the wrapped model."
+                )
             return self._wrapping.call(self._run, args, kwargs)
         return self._run(*args, **kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fn is not None and self._wrapping is None and capturing():
+            return self._fn(*args, **kwargs)  # called by code being traced: traced through
         special = self._specialization
         if special is None:
             raise CallError(
