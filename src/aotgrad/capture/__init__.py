@@ -22,6 +22,7 @@ from aotgrad.capture.aliasing import (
     TensorOutput,
     ViewMeta,
 )
+from aotgrad.capture.backward_state import read_state_at_backward
 from aotgrad.capture.collectives import (
     COLLECTIVE_KEY,
     CollectiveCall,
@@ -218,7 +219,21 @@ def _capture(
     _remove_detaches(gm.graph)  # before matching: a checkpoint recomputes from detached inputs
     describe_collectives(gm)  # op, group, shape of each collective (Note [Collectives])
     link_recompute(gm)
+    if record.state_at_backward:  # Note [State updated by the backward]
+        read_state_at_backward(gm, record.state_at_backward, _after_forward(gm, record))
     return _assemble(gm, flat, inputs, bases, record, report)
+
+
+def _after_forward(gm: fx.GraphModule, record: TraceRecord) -> list[fx.Node]:
+    """Per input the backward updates: its value after the forward (the forward's new value,
+    or the placeholder when the forward left it alone)."""
+    results = list(gm.graph.output_node().args[0])  # type: ignore[arg-type]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    mutated = [m.index for m in record.mutations if m.data]
+    forward = len(results) - len(record.reached_by) - len(record.state_at_backward)
+    new_values = results[forward - len(mutated) : forward]  # (*outputs, *bases, *mutated)
+    by_input = dict(zip(mutated, new_values, strict=True))
+    return [by_input.get(i, placeholders[i]) for i in record.state_at_backward]
 
 
 def _why_not_direct(
@@ -324,6 +339,7 @@ def _assemble(
         returned=(*outputs, *bases, *mutated),
         cotangents=cotangents,
         requires_grad=requires_grad,
+        state_at_backward=tuple(record.state_at_backward),
     )
     joint = JointGraph(
         gm=gm,
@@ -343,6 +359,7 @@ def _assemble(
         reached_by=_reached_by(gm.graph, record, signature),
         made_to_require_grad=tuple(record.made_to_require_grad),
         detached_inputs=tuple(record.detached_inputs),
+        state_at_backward=tuple(record.state_at_backward),
         tracer=report,
     )
     placeholders = [*signature.forward_inputs, *signature.backward_inputs]

@@ -110,6 +110,9 @@ class Plan:
     autocast_backward: tuple[tuple[torch.dtype, str], ...] = ()
     # User inputs to detach in place after the call (``a.detach_()`` in the function).
     detached_inputs: tuple[int, ...] = ()
+    # Graph inputs the backward reads when it runs and writes its new values into (Note
+    # [State updated by the backward] in ``capture/backward_state.py``).
+    state_at_backward: tuple[int, ...] = ()
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
@@ -152,6 +155,7 @@ class Plan:
             restrided=tuple(m.index for m in mutations if m.metadata is not None),
             autocast_backward=_autocast_sensitive(partitioned.backward),
             detached_inputs=joint.detached_inputs,
+            state_at_backward=joint.state_at_backward,
         )
 
 
@@ -282,6 +286,8 @@ def make_function(
     zeros, reached_by, autocast_backward = plan.zeros, plan.reached_by, plan.autocast_backward
     keep_one = extra[0] if len(extra) == 1 else None
     only = differentiable[0] if len(differentiable) == 1 else None
+    state_at_backward = plan.state_at_backward
+    num_grads = len(reached_by)
 
     class CompiledFunction(torch.autograd.Function):
         @staticmethod
@@ -309,6 +315,8 @@ def make_function(
                 kept = [primals[i] for i in extra]
                 ctx.kept = (kept, [t._version for t in kept])
             ctx.set_materialize_grads(False)  # Note [Missing cotangents]
+            if state_at_backward:  # the tensors, read when the backward runs
+                ctx.state = [primals[i] for i in state_at_backward]
             if symbolic_sizes:
                 ctx.cotangent_sizes = [returned[i].shape for i in differentiable]
             if not_differentiable:
@@ -337,11 +345,15 @@ def make_function(
                 tensors, sizes = iter(saved), iter(ctx.sizes)
                 saved = [next(sizes) if is_size else next(tensors) for is_size in saved_sizes]
             if torch.is_grad_enabled():  # create_graph=True (Note [Differentiable backward])
+                if state_at_backward:
+                    _refuse_state_at_double_backward()
                 if any_autocast():  # Note [Autocast]
                     _check_autocast_backward(autocast_backward)
                 grads = _differentiable(higher_order, ctx, saved, cotangents)
             else:  # Note [Saved values die in the backward]
                 args = [*saved, *cotangents]
+                if state_at_backward:  # Note [State updated by the backward]
+                    args += ctx.state
                 del saved
                 ctx.maybe_clear_saved_tensors()
                 if any_autocast():  # Note [Autocast]
@@ -350,6 +362,8 @@ def make_function(
                         grads = backward(args)
                 else:
                     grads = backward(args)
+                if state_at_backward:
+                    grads = write_state(ctx.state, grads, num_grads)
             if received != all_received:
                 return tuple(reached_grads(grads, reached_by, received))
             return tuple(grads)
@@ -374,6 +388,27 @@ def make_function(
 # peak, which is the step's peak in most models (Note [What a step holds] in
 # ``partition/memory.py`` predicts it). A second-order backward
 # (``create_graph=True``) keeps them: its graph is differentiated again.
+
+
+def write_state(
+    state: Sequence[torch.Tensor], results: Sequence[Any], num_grads: int
+) -> Sequence[Any]:
+    """Write the backward's new state values into the inputs; return the grads alone (Note
+    [State updated by the backward] in ``capture/backward_state.py``)."""
+    with torch.no_grad():
+        for tensor, new in zip(state, results[num_grads:], strict=True):
+            tensor.copy_(new)
+    return results[:num_grads]
+
+
+def _refuse_state_at_double_backward() -> None:
+    raise DoubleBackwardError(
+        "create_graph=True (double backward) through a function whose backward updates state"
+        " (a BatchNorm's running statistics in a checkpointed region, Note [State updated by"
+        " the backward]): aotgrad's differentiable backward does not replay that update.\n"
+        "Call backward() without create_graph, or keep the state-updating module out of the"
+        " checkpointed region."
+    )
 
 
 def run_forward(forward: BoxedCall, plan: Plan, inputs: Sequence[torch.Tensor]) -> Any:
