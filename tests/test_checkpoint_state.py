@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 
 import aotgrad
+import library_models  # noqa: F401  (its torchvision shim, before timm or transformers load)
 from aotgrad.errors import DoubleBackwardError, UnsupportedMutationError
 
 REENTRANT = [pytest.param(False, id="nonreentrant"), pytest.param(True, id="reentrant")]
@@ -79,7 +80,6 @@ def _train(model: nn.Module, call: Callable[..., torch.Tensor], steps: int = 2) 
         call(x).square().mean().backward()
         model.x_grad = x.grad  # type: ignore[assignment]
         opt.step()
-
 
 
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
@@ -199,7 +199,9 @@ def test_the_graphs_read_and_write_the_state_at_backward() -> None:
     assert "buffer blocks.0.bn.running_mean at backward" in state
     assert "buffer bn.running_mean at backward" not in state  # outside every checkpoint
     new = [str(d) for d in signature.backward_outputs[signature.new_state_in_backward]]
-    assert new == [s.replace(" at backward", "").replace("buffer", "new value of buffer") for s in state]
+    assert new == [
+        s.replace(" at backward", "").replace("buffer", "new value of buffer") for s in state
+    ]
 
 
 def test_create_graph_is_refused_loudly() -> None:
@@ -256,7 +258,6 @@ def _images(size: int = 32) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["resnet10t", "test_efficientnet"])
 @pytest.mark.parametrize("use_reentrant", REENTRANT)
 def test_timm_with_grad_checkpointing_trains_as_eager(name: str, use_reentrant: bool) -> None:
-    import library_models  # noqa: F401  (the torchvision shim, before timm imports it)
     import timm
     from timm.layers import set_reentrant_ckpt, use_reentrant_ckpt
 
@@ -275,7 +276,6 @@ def test_timm_with_grad_checkpointing_trains_as_eager(name: str, use_reentrant: 
 def test_transformers_mobilevit_with_gradient_checkpointing_trains_as_eager(
     use_reentrant: bool,
 ) -> None:
-    import library_models  # noqa: F401  (the torchvision shim, before transformers imports it)
     import transformers
 
     torch.manual_seed(0)
@@ -294,3 +294,19 @@ def test_transformers_mobilevit_with_gradient_checkpointing_trains_as_eager(
     )
     model.train()
     _library_train(model, _images(), lambda out: out.pooler_output.square().mean())
+
+
+def test_saved_and_loaded_graphs_update_the_state_as_eager(tmp_path: Any) -> None:
+    eager = Net(False).double()
+    compiled = copy.deepcopy(eager)
+    aotgrad.trace(compiled, _inputs()).save(tmp_path / "net.aotgrad")
+    loaded = aotgrad.load(tmp_path / "net.aotgrad", module=compiled)
+    _train(eager, eager, steps=1)
+    _train(compiled, loaded, steps=1)
+    _assert_same_state(eager, compiled)
+
+
+def test_export_refuses_state_updated_by_the_backward() -> None:
+    traced = aotgrad.trace(Net(False).double(), _inputs())
+    with pytest.raises(aotgrad.errors.CallError, match="backward reads and updates buffer"):
+        traced.export()

@@ -89,7 +89,9 @@ def backward_mutations(
         or (tuple(primals[i].shape), tuple(primals[i].stride())) != before[i][1]
     ]
     if refused:
-        named = ", ".join(refused[:3]) + (f" and {len(refused) - 3} more" if len(refused) > 3 else "")
+        named = ", ".join(refused[:3]) + (
+            f" and {len(refused) - 3} more" if len(refused) > 3 else ""
+        )
         raise UnsupportedMutationError(
             format_error(
                 f"the backward mutates {named}: a checkpointed region that changes an input in"

@@ -47,7 +47,6 @@ import torch
 from aotgrad._torch_compat import (
     has_data_mutation,
     has_metadata_mutation,
-    mutation_counter,
     was_storage_changed,
 )
 from aotgrad.capture.aliasing import ViewMeta
