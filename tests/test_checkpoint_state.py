@@ -310,3 +310,52 @@ def test_export_refuses_state_updated_by_the_backward() -> None:
     traced = aotgrad.trace(Net(False).double(), _inputs())
     with pytest.raises(aotgrad.errors.CallError, match="backward reads and updates buffer"):
         traced.export()
+
+
+class TwoHeads(nn.Module):
+    """A checkpointed conv+BN region feeds output ``a``; a plain head feeds ``b``."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block, self.other = Block(3), nn.Conv2d(3, 3, 1)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = cp.checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+        return a, self.other(x)
+
+
+@pytest.mark.parametrize("use_reentrant", REENTRANT)
+@pytest.mark.parametrize("used", ["a", "b", "both"])
+def test_a_region_no_given_gradient_reaches_is_not_recomputed(
+    use_reentrant: bool, used: str
+) -> None:
+    eager = TwoHeads(use_reentrant).double()
+    compiled = copy.deepcopy(eager)
+    function = aotgrad.aot_module(compiled)
+    for model in (eager, function):
+        a, b = model(_inputs())
+        loss = {"a": a.sum(), "b": b.square().sum(), "both": a.sum() + b.sum()}[used]
+        loss.backward()
+    _assert_same_state(eager, compiled)
+    expected = 1 if used == "b" else 2  # eager recomputes only when a's gradient is given
+    assert int(compiled.block.bn.num_batches_tracked) == expected
+
+
+def test_autograd_grad_asking_nothing_of_the_region_does_not_recompute() -> None:
+    eager = Net(False).double()
+    compiled = copy.deepcopy(eager)
+    function = aotgrad.aot_module(compiled)
+    for model, net in ((eager, eager), (function, compiled)):
+        loss = model(_inputs()).square().mean()
+        head = torch.autograd.grad(loss, [net.head.weight])  # the blocks' backward: not run
+        assert head[0] is not None
+    assert int(eager.blocks[0].bn.num_batches_tracked) == 1
+    _assert_same_state(eager, compiled, grads=False)
+    for model, net in ((eager, eager), (function, compiled)):
+        loss = model(_inputs()).square().mean()
+        torch.autograd.grad(loss, [net.blocks[1].conv.weight])  # block 1's, not block 0's
+    assert int(eager.blocks[0].bn.num_batches_tracked) == 2
+    assert int(eager.blocks[1].bn.num_batches_tracked) == 3
+    _assert_same_state(eager, compiled, grads=False)

@@ -22,7 +22,7 @@ from aotgrad.capture.aliasing import (
     TensorOutput,
     ViewMeta,
 )
-from aotgrad.capture.backward_state import read_state_at_backward
+from aotgrad.capture.backward_state import StateRegion, read_state_at_backward, state_regions
 from aotgrad.capture.collectives import (
     COLLECTIVE_KEY,
     CollectiveCall,
@@ -360,6 +360,7 @@ def _assemble(
         made_to_require_grad=tuple(record.made_to_require_grad),
         detached_inputs=tuple(record.detached_inputs),
         state_at_backward=tuple(record.state_at_backward),
+        state_regions=_state_regions(gm.graph, signature),
         tracer=report,
     )
     placeholders = [*signature.forward_inputs, *signature.backward_inputs]
@@ -385,6 +386,19 @@ def _reached_by(
         tuple(c for j, c in enumerate(cotangents) if (path | data) >> j & 1)
         for path, data in zip(record.reached_by, computed, strict=True)
     )
+
+
+def _state_regions(graph: fx.Graph, signature: Signature) -> tuple[StateRegion, ...]:
+    """Per input the backward updates, its region's backward (Note [State updated by the
+    backward])."""
+    if not signature.state_at_backward:
+        return ()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    results = list(graph.output_node().args[0])  # type: ignore[arg-type]
+    grads = results[signature.grads_in_joint]
+    new_state = results[signature.new_state_in_joint]
+    cotangents = placeholders[signature.cotangents_in_joint]
+    return tuple(state_regions(graph, cotangents, new_state, grads))
 
 
 def _output_descriptors(record: TraceRecord) -> list[Output]:

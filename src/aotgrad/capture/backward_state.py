@@ -37,16 +37,26 @@ then one backward of their sum: each backward reads the buffer as the other
 left it). A mutation aotgrad cannot replay that way (of an input that
 requires grad, or of its size or strides) is refused.
 
-Two cases still differ from eager: the graph runs the whole backward, so a
-region whose outputs no received cotangent reaches (eager's engine would not
-visit it) still updates its state when another output of the same call gets a
-gradient; and ``torch.autograd.grad`` asked for some inputs only does not
-prune the recompute as eager's engine does.
+Eager's engine recomputes a region only when it runs one of the region's
+backward nodes: not when no gradient reaches the region's outputs (another
+output of the call got one), nor under ``torch.autograd.grad(..., inputs=)``
+that needs nothing from the region. The compiled backward runs as one graph,
+so capture records, per state input, where its region's backward starts
+(``state_regions``): the first nodes downstream of the recompute that read a
+cotangent, the cotangents that reach them, and the graph inputs whose
+gradients they feed. The runtime writes a new value only when one of those
+cotangents was given and the engine uses one of those gradients::
+
+    def f(x):                        # x -> checkpoint(conv, bn) -> a;  x -> linear -> b
+        return region(x), head(x)
+    a, b = f(x); b.sum().backward()  # eager: no recompute; bn's stats updated once
+    compiled: cotangent of a missing -> the region's new state is not written
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -127,4 +137,100 @@ def read_state_at_backward(
                 user.replace_input_with(value, last)
 
 
-__all__ = ["backward_mutations", "mutation_counts", "read_state_at_backward"]
+@dataclass(frozen=True)
+class StateRegion:
+    """Where the backward of the region that updates one state input runs (Note [State
+    updated by the backward])."""
+
+    # Bit ``j``: cotangent ``j`` reaches the region's backward.
+    cotangents: int
+    # Graph input positions whose gradients the region's backward feeds.
+    feeds: tuple[int, ...]
+
+
+def state_regions(
+    graph: fx.Graph,
+    cotangents: Sequence[fx.Node],
+    new_state: Sequence[fx.Node],
+    grads: Sequence[fx.Node | None],
+) -> list[StateRegion]:
+    """Per new state value: its region's backward (Note [State updated by the backward])."""
+    masks: dict[fx.Node, int] = {node: 1 << k for k, node in enumerate(cotangents)}
+    for node in graph.nodes:
+        mask = masks.get(node, 0)
+        for value in node.all_input_nodes:
+            mask |= masks.get(value, 0)
+        masks[node] = mask
+    runs = _recompute_runs(graph, masks)
+    return [_region(value, masks, runs, grads) for value in new_state]
+
+
+def _recompute_runs(graph: fx.Graph, masks: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    """Backward nodes no cotangent reaches, numbered by the run of such nodes they sit in,
+    in the trace's order: one run per recompute (a checkpoint re-runs its region at once,
+    ``num_batches_tracked.add_(1)`` beside the BatchNorm it counts for)."""
+    runs: dict[fx.Node, int] = {}
+    run = 0
+    for node in graph.nodes:
+        inside = node.op == "call_function" and not masks[node]
+        if inside and phase_of(node) is not Phase.FORWARD:
+            runs[node] = run
+        else:
+            run += 1
+    return runs
+
+
+def _region(
+    new_value: fx.Node,
+    masks: dict[fx.Node, int],
+    runs: dict[fx.Node, int],
+    grads: Sequence[fx.Node | None],
+) -> StateRegion:
+    # The recompute: the runs that compute the new value.
+    quiet, stack = set(), [new_value]
+    while stack:
+        node = stack.pop()
+        if node in quiet or node not in runs:
+            continue
+        quiet.add(node)
+        stack.extend(node.all_input_nodes)
+    mine = {runs[n] for n in quiet}
+    quiet |= {n for n, run in runs.items() if run in mine}
+    # Downstream through values no cotangent reaches; the first that one reaches start the
+    # region's backward.
+    starts: set[fx.Node] = set()
+    stack = list(quiet)
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user.op == "output" or user in quiet:
+                continue
+            if masks[user]:
+                starts.add(user)
+            else:
+                quiet.add(user)
+                stack.append(user)
+    cotangents = 0
+    for node in starts:
+        cotangents |= masks[node]
+    return StateRegion(cotangents, _feeds(starts, grads))
+
+
+def _feeds(starts: set[fx.Node], grads: Sequence[fx.Node | None]) -> tuple[int, ...]:
+    """Positions of the grads computed from ``starts``."""
+    seen, stack = set(), list(starts)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(u for u in node.users if u.op != "output")
+    return tuple(i for i, g in enumerate(grads) if g is not None and g in seen)
+
+
+__all__ = [
+    "StateRegion",
+    "backward_mutations",
+    "mutation_counts",
+    "read_state_at_backward",
+    "state_regions",
+]

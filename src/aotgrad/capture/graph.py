@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import LazyGraphModule
 from aotgrad.capture.aliasing import OutputLeaf, TensorOutput
+from aotgrad.capture.backward_state import StateRegion
 from aotgrad.capture.dynamic import ShapeGuards
 from aotgrad.capture.environ import EnvironReads
 from aotgrad.capture.input_aliases import SyntheticBase
@@ -134,6 +135,9 @@ class JointGraph:
     # Graph input positions the backward reads and updates, in the order of their
     # StateAtBackward placeholders and new values (Note [State updated by the backward]).
     state_at_backward: tuple[int, ...] = ()
+    # Per input in state_at_backward: where its region's backward runs, which decides when
+    # the runtime writes its new value.
+    state_regions: tuple[StateRegion, ...] = ()
     # Which tracer made the graph, and why not the direct one (Note [Choosing a tracer]).
     tracer: TracerReport = field(kw_only=True)
     # The environment variables the user's code read at capture, with the values read;

@@ -52,6 +52,7 @@ from aotgrad.capture import (
     ViewMeta,
 )
 from aotgrad.capture.autocast import any_autocast, autocast_off, autocast_state
+from aotgrad.capture.backward_state import StateRegion
 from aotgrad.errors import AutocastBackwardError, DoubleBackwardError
 from aotgrad.optable import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned
@@ -113,6 +114,9 @@ class Plan:
     # Graph inputs the backward reads when it runs and writes its new values into (Note
     # [State updated by the backward] in ``capture/backward_state.py``).
     state_at_backward: tuple[int, ...] = ()
+    # Per input in ``state_at_backward``: the cotangents (bitmask) that reach its region's
+    # backward, and the inputs whose gradients that backward feeds.
+    state_regions: tuple[StateRegion, ...] = ()
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
@@ -156,6 +160,7 @@ class Plan:
             autocast_backward=_autocast_sensitive(partitioned.backward),
             detached_inputs=joint.detached_inputs,
             state_at_backward=joint.state_at_backward,
+            state_regions=joint.state_regions,
         )
 
 
@@ -286,7 +291,7 @@ def make_function(
     zeros, reached_by, autocast_backward = plan.zeros, plan.reached_by, plan.autocast_backward
     keep_one = extra[0] if len(extra) == 1 else None
     only = differentiable[0] if len(differentiable) == 1 else None
-    state_at_backward = plan.state_at_backward
+    state_at_backward, state_regions = plan.state_at_backward, plan.state_regions
     num_grads = len(reached_by)
 
     class CompiledFunction(torch.autograd.Function):
@@ -363,7 +368,8 @@ def make_function(
                 else:
                     grads = backward(args)
                 if state_at_backward:
-                    grads = write_state(ctx.state, grads, num_grads)
+                    ran = regions_run(state_regions, received, ctx.next_functions)
+                    grads = write_state(ctx.state, grads, num_grads, ran)
             if received != all_received:
                 return tuple(reached_grads(grads, reached_by, received))
             return tuple(grads)
@@ -390,14 +396,34 @@ def make_function(
 # (``create_graph=True``) keeps them: its graph is differentiated again.
 
 
-def write_state(
-    state: Sequence[torch.Tensor], results: Sequence[Any], num_grads: int
-) -> Sequence[Any]:
-    """Write the backward's new state values into the inputs; return the grads alone (Note
+def regions_run(
+    regions: Sequence[StateRegion], received: int, next_functions: Sequence[Any]
+) -> list[bool]:
+    """Per state input: would eager's engine run its region's backward, and recompute it?
+    Some cotangent reaching it was given, and the engine uses a gradient it feeds (Note
     [State updated by the backward] in ``capture/backward_state.py``)."""
+    return [
+        bool(region.cotangents & received)
+        and (
+            not region.feeds
+            or any(
+                (node := next_functions[i][0]) is not None and engine_uses(node)
+                for i in region.feeds
+            )
+        )
+        for region in regions
+    ]
+
+
+def write_state(
+    state: Sequence[torch.Tensor], results: Sequence[Any], num_grads: int, ran: Sequence[bool]
+) -> Sequence[Any]:
+    """Write the backward's new state values into the inputs whose regions eager would have
+    recomputed; return the grads alone (Note [State updated by the backward])."""
     with torch.no_grad():
-        for tensor, new in zip(state, results[num_grads:], strict=True):
-            tensor.copy_(new)
+        for tensor, new, write in zip(state, results[num_grads:], ran, strict=True):
+            if write:
+                tensor.copy_(new)
     return results[:num_grads]
 
 
