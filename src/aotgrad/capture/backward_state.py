@@ -51,6 +51,13 @@ cotangents was given and the engine uses one of those gradients::
         return region(x), head(x)
     a, b = f(x); b.sum().backward()  # eager: no recompute; bn's stats updated once
     compiled: cotangent of a missing -> the region's new state is not written
+
+A region is found by the trace's order: a checkpoint re-runs its region at
+once, so the backward nodes no cotangent reaches that sit together with the
+ops computing a new value (``num_batches_tracked + 1`` beside the BatchNorm)
+are one recompute. Where the graphs cannot carry the state, aotgrad refuses:
+``create_graph=True`` (``DoubleBackwardError``), ``export`` (``CallError``), a
+scan body (``ScanError``).
 """
 
 from __future__ import annotations
