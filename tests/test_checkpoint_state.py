@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as cp
 
 import aotgrad
+import aotgrad.testing
 import library_models  # noqa: F401  (its torchvision shim, before timm or transformers load)
 from aotgrad.errors import DoubleBackwardError, UnsupportedMutationError
 
@@ -359,3 +360,26 @@ def test_autograd_grad_asking_nothing_of_the_region_does_not_recompute() -> None
     assert int(eager.blocks[0].bn.num_batches_tracked) == 2
     assert int(eager.blocks[1].bn.num_batches_tracked) == 3
     _assert_same_state(eager, compiled, grads=False)
+
+
+@pytest.mark.parametrize("partition", ["mincut", "budget"])
+def test_every_partition_keeps_the_state_update(partition: str) -> None:
+    eager = Net(False).double()
+    compiled = copy.deepcopy(eager)
+    strategy: Any = "mincut" if partition == "mincut" else aotgrad.budget(0.3)
+    _train(eager, eager)
+    _train(compiled, aotgrad.aot_module(compiled, partition=strategy))
+    _assert_same_state(eager, compiled)
+
+
+def test_the_predicted_peak_matches_the_measured_one() -> None:
+    model = Net(False).double()
+    x = _inputs()
+    compiled = aotgrad.aot_function(lambda x: model(x).square().mean())
+    compiled(x).backward()
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    measured = aotgrad.testing.measure_peak(lambda: compiled(x).backward())
+    model.zero_grad(set_to_none=True)
+    predicted = compiled.partitioned.peak.allocated  # type: ignore[union-attr]
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
