@@ -115,9 +115,10 @@ MODEL: nn.Module
 
 
 _DYNAMO = (
-    "Dynamo's checkpoint (tag_activation_checkpoint) reaches capture with num_batches_tracked"
-    " saved and then bumped: autograd's version check fails in the traced backward (the same"
-    " on main before this change); a loud OpRuntimeError, not a wrong result"
+    "Dynamo hands the checkpointed body (tag_activation_checkpoint) the BatchNorm's buffers as"
+    " arguments; the body bumps num_batches_tracked in place, and the checkpoint's unpack of its"
+    " saved inputs fails autograd's version check in the traced backward (as eager running that"
+    " program would; the same on main before this change): a loud OpRuntimeError"
 )
 
 
