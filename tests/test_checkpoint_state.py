@@ -384,3 +384,15 @@ def test_the_predicted_peak_matches_the_measured_one() -> None:
     model.zero_grad(set_to_none=True)
     predicted = compiled.partitioned.peak.allocated  # type: ignore[union-attr]
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+
+
+def test_dynamic_shapes_update_the_state_as_eager() -> None:
+    eager = Net(False).double()
+    compiled = copy.deepcopy(eager)
+    function = aotgrad.aot_module(compiled, dynamic=True)
+    for model in (eager, function):
+        for batch in (4, 6):
+            torch.manual_seed(batch)
+            x = torch.randn(batch, 3, 6, 6, dtype=torch.float64, requires_grad=True)
+            model(x).square().mean().backward()
+    _assert_same_state(eager, compiled)
