@@ -57,11 +57,15 @@ def _inputs(step: int = 0) -> torch.Tensor:
     return torch.randn(4, 3, 6, 6, dtype=torch.float64, requires_grad=True)
 
 
-def _assert_same_state(eager: nn.Module, compiled: nn.Module, grads: bool = True) -> None:
+def _assert_same_state(
+    eager: nn.Module, compiled: nn.Module, grads: bool = True, exact: bool = True
+) -> None:
+    """Buffers equal (bit for bit when ``exact``: the same BatchNorm kernel updates them),
+    parameters and their gradients close."""
     buffers = list(zip(eager.named_buffers(), compiled.named_buffers(), strict=True))
     assert buffers, "expected buffers to compare"
     for (name, b), (_, c) in buffers:
-        torch.testing.assert_close(c, b, rtol=1e-12, atol=0, msg=name)
+        torch.testing.assert_close(c, b, rtol=0 if exact else 1e-10, atol=0, msg=name)
     for (name, p), (_, q) in zip(
         eager.named_parameters(), compiled.named_parameters(), strict=True
     ):
@@ -249,7 +253,7 @@ def _library_train(eager: nn.Module, images: torch.Tensor, loss: Callable[[Any],
     first = zip(eager.first_grads, compiled.first_grads, strict=True)
     for k, (g, h) in enumerate(first):
         torch.testing.assert_close(h, g, rtol=1e-7, atol=1e-9, msg=f"first-step grad {k}")
-    _assert_same_state(eager, compiled)
+    _assert_same_state(eager, compiled, exact=False)  # step 2 ran on rounded-apart weights
 
 
 def _images(size: int = 32) -> torch.Tensor:
