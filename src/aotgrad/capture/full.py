@@ -23,13 +23,12 @@ from aotgrad._torch_compat import (
     sync,
     use_lazy_graph_module,
 )
+from aotgrad.capture.backward_state import backward_mutations, mutation_counts
 from aotgrad.capture.mutation import (
     InputMutation,
     PrimalInfo,
     analyze_mutations,
-    check_no_backward_mutation,
     check_restrided_data,
-    mutation_counts,
 )
 from aotgrad.capture.recorder import ProvenanceMode, Recorder
 from aotgrad.capture.tracers import FullTraceRefused, Tracer
@@ -154,10 +153,12 @@ class FullTracer(Tracer):
         graph_primals: Sequence[torch.Tensor],
         descriptors: Sequence[GraphInputDescriptor],
         where: UserFrame | None,
-    ) -> Iterator[None]:
+    ) -> Iterator[list[int]]:
+        """Note [State updated by the backward]."""
         before = mutation_counts(graph_primals)
-        yield
-        check_no_backward_mutation(graph_primals, before, descriptors, where)
+        changed: list[int] = []
+        yield changed
+        changed += backward_mutations(graph_primals, before, descriptors, where)
 
     def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:
         return value.from_functional() if isinstance(value, FunctionalTensor) else value

@@ -47,7 +47,6 @@ import torch
 from aotgrad._torch_compat import (
     has_data_mutation,
     has_metadata_mutation,
-    mutation_counter,
     was_storage_changed,
 )
 from aotgrad.capture.aliasing import ViewMeta
@@ -519,50 +518,3 @@ def may_overlap(t: torch.Tensor) -> bool:
             return True
         span += (size - 1) * stride
     return False
-
-
-# Note [Mutations in the backward]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A checkpointed region re-runs in the backward, and eager PyTorch re-runs its
-# side effects with it: a BatchNorm in training mode inside
-# ``checkpoint(...)`` updates its running statistics in the forward *and*
-# again in the backward (``num_batches_tracked`` goes up by 2 per step, with
-# either flavour of checkpoint). The graphs write inputs back only after the
-# forward (Note [Input mutation]); replaying the second update then would be
-# wrong whenever the backward does not run, or runs later. So capture counts
-# each input's mutations before the backward and refuses if the backward
-# changed any of them.
-
-
-def mutation_counts(primals: Sequence[torch.Tensor]) -> list[int]:
-    """How many times functionalization has seen each (functional) primal mutated so far."""
-    return [mutation_counter(p.elem) for p in primals]  # type: ignore[attr-defined]
-
-
-def check_no_backward_mutation(
-    primals: Sequence[torch.Tensor],
-    before: Sequence[int],
-    descriptors: Sequence[Descriptor],
-    where: UserFrame | None,
-) -> None:
-    """Refuse mutations of inputs made by the backward (Note [Mutations in the backward])."""
-    changed = [
-        str(desc)
-        for p, count, desc in zip(primals, before, descriptors, strict=True)
-        if mutation_counter(p.elem) != count  # type: ignore[attr-defined]
-    ]
-    if not changed:
-        return
-    named = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-    raise UnsupportedMutationError(
-        format_error(
-            f"the backward mutates {named}: a checkpointed region that updates"
-            " state (a BatchNorm's running statistics, in training mode) runs again when the"
-            " backward recomputes it, and eager PyTorch updates the state a second time then;"
-            " aotgrad writes inputs back only after the forward, so it cannot replay that",
-            where,
-            "Keep state-updating modules out of checkpointed regions, put them in eval mode"
-            " (bn.eval()), or turn gradient checkpointing off for the compiled model"
-            " (aotgrad's partition= / aotgrad.budget choose what to recompute without it).",
-        )
-    )

@@ -61,7 +61,7 @@ def needed_by_backward(joint: JointGraph) -> dict[fx.Node, str]:
         for source in node.all_input_nodes:
             if phase_of(source) is Phase.FORWARD:
                 needed.setdefault(source, f"read by backward op {node.name}")
-    for grad in joint.grad_results():
+    for grad in joint.backward_results():  # grads, and new state (rarely a forward value)
         if grad is not None and phase_of(grad) is Phase.FORWARD:
             needed.setdefault(grad, "is a gradient")
     return needed

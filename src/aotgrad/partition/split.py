@@ -30,7 +30,8 @@ def build_backward(
     *,
     recompute_late: bool = True,
 ) -> tuple[fx.Graph, list[fx.Node]]:
-    """``backward(*saved, *cotangents) -> grads``, each op of ``recompute`` run just before
+    """``backward(*saved, *cotangents, *state) -> (*grads, *new state)`` (Note [State updated
+    by the backward]), each op of ``recompute`` run just before
     the first backward op that needs it (``recompute_late``, the default), or all of them first
     (Note [Recompute just before use]).
 
@@ -57,7 +58,7 @@ def build_backward(
         env[node] = graph.node_copy(node, env.__getitem__)
         if node in recompute:
             set_phase(env[node], Phase.RECOMPUTE)
-    graph.output(tuple(env[g] if g is not None else None for g in joint.grad_results()))
+    graph.output(tuple(env[g] if g is not None else None for g in joint.backward_results()))
     remove_dead_code(graph)
     return graph, placeholders
 
