@@ -96,6 +96,12 @@ class InputMutation:
     # The new value requires grad: copied back under grad mode, and it gets a cotangent.
     requires_grad: bool
 
+    @property
+    def written_in_graph(self) -> bool:
+        """With ``keep_inference_input_mutations``, the forward graph itself writes the new
+        value: a data mutation only (Note [Mutations kept in the graph])."""
+        return self.data and self.metadata is None
+
 
 def analyze_mutations(
     primals: Sequence[torch.Tensor],

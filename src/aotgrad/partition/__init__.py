@@ -158,10 +158,10 @@ def _recomputed(
 def _forward_only(joint: JointGraph, keep_input_mutations: bool) -> Partitioned:
     graph = build_forward(joint, [])
     signature = joint.signature
-    in_graph = keep_input_mutations and bool(joint.mutated)
+    in_graph = keep_input_mutations and any(m.written_in_graph for m in joint.mutations)
     if in_graph:
         apply_mutations_in_graph(joint, graph)
-        signature = _without_mutated(signature)
+        signature = _without_written(joint)
     forward = _module(joint, graph, signature.forward_inputs, signature.forward_outputs)
     return Partitioned(
         joint=joint,
@@ -173,9 +173,16 @@ def _forward_only(joint: JointGraph, keep_input_mutations: bool) -> Partitioned:
     )
 
 
-def _without_mutated(signature: Signature) -> Signature:
-    """No new values among the forward outputs (Note [Mutations kept in the graph])."""
-    kept = [d for d in signature.forward_outputs if not isinstance(d, MutatedInput)]
+def _without_written(joint: JointGraph) -> Signature:
+    """No new values among the forward outputs but those of inputs restrided too (Note
+    [Mutations kept in the graph])."""
+    signature = joint.signature
+    data = iter([m for m in joint.mutations if m.data])
+    kept = [
+        d
+        for d in signature.forward_outputs
+        if not (isinstance(d, MutatedInput) and next(data).written_in_graph)
+    ]
     return replace(signature, forward_outputs=tuple(kept))
 
 
