@@ -18,9 +18,22 @@ kernel, for the strides of each ``view`` (and ``_unsafe_view``, which
 shares its kernel), and when they differ returns the fake result restrided
 to eager's. Symbolic layouts go through fake tensors' own Python port of
 that C++ kernel (``_compute_stride``) instead: the meta device takes ints.
-This is the one thing capture changes in PyTorch's fake mode for
-correctness; the fast path adds its speed shortcuts on top (Note [The fast
-path as a layer]).
+Capture also corrects the sizes of the few kernels whose meta function
+disagrees with eager (Note [Eager sizes of resizing kernels]); the fast path
+adds its speed shortcuts on top (Note [The fast path as a layer]).
+
+Note [Eager sizes of resizing kernels]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``fused_moving_avg_obs_fake_quant`` (QAT's ``FusedMovingAvgObsFakeQuantize``)
+with a per-channel observer resizes ``running_min``, ``running_max``,
+``scale`` and ``zero_point`` to one entry per channel of ``x`` (along
+``ch_axis``) before writing them; its meta function returns them at the
+sizes they came with. The sizes depend on ``x``'s shape and the flag only,
+never on data, so capture gives the functional op's results eager's sizes
+(the input is then replayed as resized: Note [Inputs a kernel resizes])::
+
+    x: (4, 3, 3, 3), ch_axis 0, per_row_fake_quant=True, scale: (1,)
+    meta:  scale' (1,)      eager: scale resized to (4,)      capture: scale' (4,)
 """
 
 from __future__ import annotations
@@ -46,6 +59,8 @@ class EagerViewsFakeMode(FakeTensorMode):
         kwargs: Mapping[str, object] | None = None,
     ) -> object:
         out = super().dispatch(func, types, args, kwargs or {})
+        if func in _EAGER_SIZES:
+            return self.eager_sizes(func, types, args, kwargs or {}, out)
         if func not in _VIEWS or not isinstance(out, FakeTensor):
             return out
         source = args[0]
@@ -55,6 +70,46 @@ class EagerViewsFakeMode(FakeTensorMode):
             return out
         restrided = (source, out.shape, stride, source.storage_offset())
         return super().dispatch(torch.ops.aten.as_strided.default, types, restrided, {})
+
+    def eager_sizes(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[object],
+        kwargs: Mapping[str, object],
+        out: object,
+    ) -> object:
+        """``out``, at eager's sizes where ``func``'s meta function gives others (Note [Eager
+        sizes of resizing kernels])."""
+        resize = _EAGER_SIZES.get(func)
+        return out if resize is None else resize(self, types, args, kwargs, out)
+
+    def new_empty(self, types: Sequence[type], like: torch.Tensor, size: list[Any]) -> object:
+        """A fake tensor of ``size``, with ``like``'s dtype and device."""
+        return super().dispatch(torch.ops.aten.new_empty.default, types, (like, size), {})
+
+
+def _fused_observer_sizes(
+    mode: EagerViewsFakeMode,
+    types: Sequence[type],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    out: Any,
+) -> object:
+    """``_fused_moving_avg_obs_fq_helper_functional``'s results at eager's sizes: per channel,
+    the observer's state has ``x.size(ch_axis)`` entries (Note [Eager sizes of resizing kernels])."""
+    per_row = kwargs.get("per_row_fake_quant", args[11] if len(args) > 11 else False)
+    if not per_row:
+        return out
+    x = args[0]
+    assert isinstance(x, torch.Tensor)
+    size = [x.shape[kwargs.get("ch_axis", args[10])]]
+    return (*out[:2], *(mode.new_empty(types, t, size) for t in out[2:]))
+
+
+_EAGER_SIZES = {
+    torch.ops.aten._fused_moving_avg_obs_fq_helper_functional.default: _fused_observer_sizes,
+}
 
 
 def _eager_view_stride(source: torch.Tensor, size: torch.Size) -> tuple[Any, ...] | None:

@@ -34,7 +34,9 @@ class FastFakeMode(EagerViewsFakeMode):
         if viewed is not None:  # Note [Eager strides for views]: eager's, straight away
             func, args, kwargs = torch.ops.aten.as_strided.default, viewed, {}
         out = run_meta(self, func, args, kwargs)  # Note [Straight to the meta kernel]
-        return out if out is not None else super().dispatch(func, types, args, kwargs)
+        if out is None:
+            return super().dispatch(func, types, args, kwargs)
+        return self.eager_sizes(func, types, args, kwargs, out)
 
     def _empty(self, layouts: Layouts) -> object:
         """Fresh fake tensors of the given layouts (None stays None)."""
