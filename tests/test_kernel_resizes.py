@@ -80,3 +80,18 @@ def test_qat_fused_fake_quant_runs_as_eager(how):
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}: grad of {name}")
     assert model.state_dict()[scale].shape == (4,)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["epilogue", "keep_in_graph"])
+def test_qat_inference_resizes_the_observers_as_eager(keep):
+    """No backward: with keep_inference_input_mutations the resized observers stay out of the
+    graph (Note [Mutations kept in the graph]) and are resized by the epilogue."""
+    model = _qat_model()
+    ref = copy.deepcopy(model)
+    compiled = aotgrad.aot_module(model, keep_inference_input_mutations=keep)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 3, 8, 8)
+            torch.testing.assert_close(compiled(x), ref(x))
+            for name, value in _state(ref).items():
+                torch.testing.assert_close(_state(model)[name], value, msg=name)
