@@ -512,6 +512,14 @@ def pytree_node_type(value: Any) -> Any:
     return pytree._get_node_type(value)
 
 
+def size_hint(value: int | torch.SymInt) -> int | None:
+    """The value a symbolic size had in the example inputs (an int is its own), or None."""
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        return None if hint is None else int(hint)
+    return int(value)
+
+
 # --- Error messages and names aotgrad recognises by their text -----------------------------------
 
 # Functionalization refusing to write a traced value into a real tensor: the function mutates a
@@ -527,6 +535,10 @@ INTERNAL_ASSERT = "INTERNAL ASSERT FAILED"
 NO_META_KERNEL = "attempted to run this operator with Meta tensors"
 # A reentrant checkpoint refusing ``autograd.grad`` (Note [Reentrant checkpoints]).
 REENTRANT_CHECKPOINT_GRAD = "incompatible with .grad()"
+# A ``torch.library.custom_op`` without ``register_fake`` run on fake tensors (RuntimeError).
+NO_FAKE_IMPL = "no fake impl registered"
+# ``.numpy()`` (also ``np.asarray(t)``, ``np.array(t)``) of a tensor of the trace.
+NUMPY_OF_TRACED = ".numpy() is not supported for tensor subclasses"
 
 
 def effect_token_op(message: str) -> str:

@@ -69,7 +69,8 @@ class DirectTraceError(CaptureError):
 
 class OpError(CaptureError, RuntimeError):
     """An op raised while the function was captured (a shape mismatch in ``x @ w``, a bad
-    ``view``): eager raises the same. The message names the op and the user's line; the
+    ``view``); the message says "eager raises the same" where that was checked (Note
+    [Checking that eager raises the same]). It names the op and the user's line; the
     original exception is the ``__cause__``. Also an instance of the original's type, and
     a ``RuntimeError`` (torch's Python refs raise ``ValueError`` where eager's kernels raise
     ``RuntimeError``)."""

@@ -29,6 +29,7 @@ from aotgrad.capture.mutation import (
     PrimalInfo,
     analyze_mutations,
     check_restrided_data,
+    with_kernel_resizes,
 )
 from aotgrad.capture.recorder import ProvenanceMode, Recorder
 from aotgrad.capture.tracers import FullTraceRefused, Tracer
@@ -139,6 +140,7 @@ class FullTracer(Tracer):
     ) -> list[InputMutation]:
         sites = self.recorder.mutation_sites
         mutations = analyze_mutations(graph_primals, grad_fns, infos, descriptors, where, sites)
+        mutations = with_kernel_resizes(mutations, graph_primals)
         check_restrided_data(mutations, originals, descriptors, where)
         return mutations
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -94,6 +94,12 @@ class InputMutation:
     with_grad: bool
     # The new value requires grad: copied back under grad mode, and it gets a cotangent.
     requires_grad: bool
+
+    @property
+    def written_in_graph(self) -> bool:
+        """With ``keep_inference_input_mutations``, the forward graph itself writes the new
+        value: a data mutation only (Note [Mutations kept in the graph])."""
+        return self.data and self.metadata is None
 
 
 def analyze_mutations(
@@ -153,6 +159,38 @@ def analyze_mutations(
             )
         )
     return mutations
+
+
+# Note [Inputs a kernel resizes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some in-place kernels resize an argument before writing it:
+# ``fused_moving_avg_obs_fake_quant`` (QAT's ``FusedMovingAvgObsFakeQuantize``)
+# resizes a per-channel observer's ``scale`` and ``zero_point`` from size
+# (1,) to one entry per channel at its first call. Functionalization replaces
+# the input with the kernel's functional result, so the input reports a data
+# mutation and no metadata mutation, yet its size changed. Replayed as data
+# alone, the new value would be copied into the old size::
+#
+#     scale: (1,) -> kernel writes (4,)     flags: data yes, metadata no
+#     epilogue: scale.copy_(new (4,))       "doesn't match the broadcast shape"
+#
+# So a written input whose functional value's size differs from the size its
+# wrapper came with carries its new layout as a metadata mutation: the epilogue resizes
+# (restrides) the caller's tensor, growing its storage when needed, then
+# copies the new value in, as the kernel did in eager.
+def with_kernel_resizes(
+    mutations: Sequence[InputMutation], graph_primals: Sequence[torch.Tensor]
+) -> list[InputMutation]:
+    """``mutations``, a written input whose functional value changed size without a metadata
+    flag given its new layout (Note [Inputs a kernel resizes])."""
+    resized = []
+    for m in mutations:
+        primal = graph_primals[m.index]
+        inner = primal.elem  # type: ignore[attr-defined]  # the Python wrapper keeps its size
+        if m.data and m.metadata is None and inner.shape != primal.shape:
+            m = replace(m, metadata=ViewMeta.of(inner))
+        resized.append(m)
+    return resized
 
 
 def member_metadata_mutations(

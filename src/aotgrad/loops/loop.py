@@ -33,7 +33,7 @@ from aotgrad._torch_compat import compiler_disabled
 from aotgrad.api import Traced
 from aotgrad.cache import ambient_key
 from aotgrad.capture import capturing
-from aotgrad.errors import DoubleBackwardError, ScanError
+from aotgrad.errors import DoubleBackwardError, ScanError, format_error, user_frame_from_stack
 from aotgrad.loops.body import ScanBody, capture_body, differentiable
 from aotgrad.partition import Budget
 from aotgrad.pipeline import Options, options_of, with_option_keywords
@@ -96,8 +96,16 @@ class ScanFunction:
     def traced(self) -> Traced:
         """The body's graphs and convention, from the last capture."""
         if self._last is None:
-            raise ScanError("the body is captured at the first call: call the scan first")
+            raise ScanError(self._not_captured())
         return self._last.traced
+
+    def _not_captured(self) -> str:
+        """Why ``traced`` has nothing to give yet."""
+        return format_error(
+            "this scan's body has not been captured: it is captured at the scan's first call",
+            user_frame_from_stack(),
+            "Call the scan once (run(init, xs)), then read .traced.",
+        )
 
     @compiler_disabled
     def __call__(self, init: Any, xs: Any) -> tuple[Any, Any]:

@@ -15,6 +15,7 @@ from typing import Literal
 import torch.fx as fx
 
 from aotgrad.capture import JointGraph, Phase, check_order, lazy_module, node_info
+from aotgrad.errors import PartitionError, format_error, user_frame_from_stack
 from aotgrad.optable import op_name
 from aotgrad.partition.memory import LiveValue, PeakEstimate
 from aotgrad.partition.partitioned import Partitioned, RecomputedOp
@@ -75,10 +76,16 @@ def partition(
     """
     if not joint.has_backward:
         return _forward_only(joint, keep_input_mutations)
-    if joint.guards is not None and strategy != "save_all" and not callable(strategy):
-        raise ValueError(
-            f"partition {strategy!r} weighs tensors by their bytes, which are symbolic with"
-            " dynamic shapes; use 'save_all' with dynamic=True for now"
+    if joint.guards is not None and isinstance(strategy, Budget):
+        raise PartitionError(
+            format_error(
+                f"partition={strategy} bounds bytes the solver weighs exactly, and with"
+                " dynamic=True every size is symbolic",
+                user_frame_from_stack(),
+                "Use partition='mincut' (it weighs sizes at the example inputs' values: Note"
+                " [Weights at the example sizes]) or 'save_all' with dynamic=True, or the"
+                " budget without dynamic=True.",
+            )
         )
     if isinstance(strategy, Budget) and strategy.peak is not None:
         return with_peak_budget(joint, strategy, partial(_split, joint))
@@ -158,10 +165,10 @@ def _recomputed(
 def _forward_only(joint: JointGraph, keep_input_mutations: bool) -> Partitioned:
     graph = build_forward(joint, [])
     signature = joint.signature
-    in_graph = keep_input_mutations and bool(joint.mutated)
+    in_graph = keep_input_mutations and any(m.written_in_graph for m in joint.mutations)
     if in_graph:
         apply_mutations_in_graph(joint, graph)
-        signature = _without_mutated(signature)
+        signature = _without_written(joint)
     forward = _module(joint, graph, signature.forward_inputs, signature.forward_outputs)
     return Partitioned(
         joint=joint,
@@ -173,9 +180,16 @@ def _forward_only(joint: JointGraph, keep_input_mutations: bool) -> Partitioned:
     )
 
 
-def _without_mutated(signature: Signature) -> Signature:
-    """No new values among the forward outputs (Note [Mutations kept in the graph])."""
-    kept = [d for d in signature.forward_outputs if not isinstance(d, MutatedInput)]
+def _without_written(joint: JointGraph) -> Signature:
+    """No new values among the forward outputs but those of inputs restrided too (Note
+    [Mutations kept in the graph])."""
+    signature = joint.signature
+    data = iter([m for m in joint.mutations if m.data])
+    kept = [
+        d
+        for d in signature.forward_outputs
+        if not (isinstance(d, MutatedInput) and next(data).written_in_graph)
+    ]
     return replace(signature, forward_outputs=tuple(kept))
 
 

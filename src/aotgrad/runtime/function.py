@@ -124,8 +124,8 @@ class Plan:
         returned = _returned(joint.fresh_outputs, signature)
         bases = _following(len(joint.fresh_outputs), signature.bases_in_forward)
         mutations = joint.mutations
-        if partitioned.mutations_in_graph:  # the graph already wrote the data back
-            mutations = tuple(replace(m, data=False) for m in mutations if m.metadata)
+        if partitioned.mutations_in_graph:  # Note [Mutations kept in the graph]
+            mutations = tuple(m for m in mutations if not m.written_in_graph)
         return Plan(
             returned=returned,
             differentiable=joint.differentiable[: len(returned)],
