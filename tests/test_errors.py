@@ -317,3 +317,12 @@ def test_the_claim_that_eager_raises_the_same_is_made_where_it_does():
         fn(x)
     with pytest.raises(aotgrad.errors.OpError, match="Eager PyTorch raises the same"):
         aotgrad.aot_function(fn)(x)
+
+
+def test_data_ptr_of_a_traced_tensor_is_refused_at_the_users_line():
+    # The fake tensor's address would be a constant of the graph (eager: the real one's).
+    def f(x):
+        return x + (x.data_ptr() % 7)
+
+    with pytest.raises(aotgrad.DataDependentError, match=r"data_ptr\(\)[\s\S]*in f: return x \+"):
+        aotgrad.aot_function(f)(torch.randn(3))
