@@ -842,6 +842,19 @@ class AOTModule(_Reports, torch.nn.Module):
         """Pickles (and deep-copies) as the wrapped module plus options, compiled again on use."""
         return (_rebuild_aot_module, (self.orig_module, self.compiled._options))
 
+    @property
+    def partitioned(self) -> Partitioned | None:
+        """The last specialization's graphs and what aotgrad decided (``AOTFunction.partitioned``);
+        None before the first call.
+
+        >>> import torch, aotgrad
+        >>> model = aotgrad.aot_module(torch.nn.Linear(3, 2))
+        >>> model(torch.ones(4, 3)).sum().backward()
+        >>> [(s.name, s.producer) for s in model.partitioned.saved]
+        [('input_1', 'input')]
+        """
+        return self.compiled.partitioned
+
     def _reported(self) -> Partitioned:
         return self.compiled._reported()
 
