@@ -83,7 +83,9 @@ def partition(
     if isinstance(strategy, Budget) and strategy.peak is not None:
         return with_peak_budget(joint, strategy, partial(_split, joint))
     plan = apply_checkpoint_policy(joint, _plan(joint, strategy))
-    partitioned = _split(joint, plan, policy_name(strategy) if callable(strategy) else str(strategy))
+    partitioned = _split(
+        joint, plan, policy_name(strategy) if callable(strategy) else str(strategy)
+    )
     if isinstance(strategy, Budget):  # Note [A saved-bytes budget and the peak]
         everything = apply_checkpoint_policy(joint, save_all(joint))
         return with_peak_note(partitioned, _split(joint, everything, "save_all"))
