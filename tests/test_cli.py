@@ -414,7 +414,10 @@ def test_show_takes_partition_and_decompositions_as_trace_does(tmp_path, capsys,
         (["--partition", "budget(peak=0.5)"], "takes a whole number of bytes, got 0.5"),
         (["--partition", "budget(0.1, peak=3)"], "takes exactly one of a saved-bytes limit"),
         (["--decompositions", "nope"], "--decompositions 'nope' is not a decomposition set"),
-        (["--decompositions", "NOT_OPS"], "must map each OpOverload to a function"),
+        (
+            ["--decompositions", "NOT_OPS"],
+            "must map each OpOverload (aten.silu.default, not aten.silu) to a function",
+        ),
     ],
 )
 def test_show_refuses_a_partition_or_decompositions_it_cannot_take(tmp_path, capfd, flags, message):

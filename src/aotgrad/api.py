@@ -209,6 +209,24 @@ class Traced(_Reports):
         return self._transform_runs[0]
 
     @property
+    def info(self) -> CacheInfo:
+        """What ``aotgrad.cache_info`` says of a trace: one specialization, captured once, and
+        no cache (a call runs it; ``aot_function`` traces again for other inputs).
+
+        >>> import torch, aotgrad
+        >>> info = aotgrad.cache_info(aotgrad.trace(lambda x: x.sin(), torch.ones(2)))
+        >>> info.misses, info.entries, info.reasons
+        (1, 1, ['captured by aotgrad.trace: one specialization, no cache'])
+        """
+        return CacheInfo(
+            misses=1,
+            entries=1,
+            reasons=["captured by aotgrad.trace: one specialization, no cache"],
+            transform_runs=self.transform_runs,
+            disk_skipped="aotgrad.trace keeps no disk cache (Traced.save writes a file)",
+        )
+
+    @property
     def joint(self) -> fx.GraphModule:
         """The joint graph: ``(*primals, *cotangents) -> (*outputs, ..., *grads)``."""
         return self.partitioned.joint.gm

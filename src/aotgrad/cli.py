@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from aotgrad._torch_compat import OpOverload
 from aotgrad.api import Traced, aot_function, aot_module, trace
 from aotgrad.capture.opset import DECOMPOSITION_SETS
 from aotgrad.errors import AotgradError, user_frame_from_traceback
@@ -349,8 +350,8 @@ def _decompositions_of(text: str | None, module: ModuleType) -> Any:
         if not wrong:
             return dict(value)
         raise LoadError(
-            f"--decompositions {text!r}: the dict must map each OpOverload to a function; its"
-            f" entry {wrong[0]!r} does not"
+            f"--decompositions {text!r}: the dict must map each OpOverload (aten.silu.default,"
+            f" not aten.silu) to a function; its entry {wrong[0]!r} does not"
         )
     found = "" if value is None else f" (the file's {text} is of type {type(value).__name__})"
     raise LoadError(
@@ -359,7 +360,7 @@ def _decompositions_of(text: str | None, module: ModuleType) -> Any:
 
 
 def _is_op(key: Any) -> bool:
-    return isinstance(key, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
+    return isinstance(key, OpOverload)  # aten.silu.default; aten.silu would match no op
 
 
 # Note [Importing the user's file]
