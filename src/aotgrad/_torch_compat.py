@@ -423,8 +423,12 @@ def dynamo_compile_lock() -> Any:
 # calls its graph's compiled function by a name in the frame's globals
 # (``__compiled_fn_3_<uuid>``), wrapped by ``torch.compiler.disable``; a graph
 # break adds a resume function (``__resume_at_30_4``) with cache entries of its
-# own (for a frame with closure cells, a factory ``_make_fn`` holding its code). Entries live on the code, so instances of one class share them (a second
-# ``torch.compile(Model())`` reuses the first one's graphs when its guards pass)::
+# own (for a frame with closure cells, a factory ``_make_fn`` holding its code),
+# run with the frame's globals. Entries live on the code, so instances of one
+# class share them (a second ``torch.compile(Model())`` reuses the first one's
+# graphs when its guards pass; a torch.nn module compiled itself runs through
+# Dynamo's ``wrap_inline``, whose one code all such modules share): what
+# ``aotgrad.cache_info`` sums is every graph Dynamo holds for that code::
 #
 #     forward's code ─ entry ─ __compiled_fn_1 ─ aotgrad's AOTFunction (graph 0)
 #                    └ entry ─ __compiled_fn_5 ─ AOTFunction (graph 2: a recompile)
