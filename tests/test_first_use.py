@@ -55,6 +55,14 @@ def test_cache_info_of_a_scan_counts_its_body_captures():
     torch.func.grad(lambda h: run(h, torch.ones(4, 3))[0].sum())(torch.ones(3))
     assert aotgrad.cache_info(run).transform_runs == 1  # ran unrolled
 
+    def body(h, x):  # aotgrad.scan(fn, ...) runs scan_function(fn)'s loop
+        return h * x, None
+
+    aotgrad.scan(body, torch.ones(2), torch.ones(3, 2))
+    aotgrad.scan(body, torch.ones(2), torch.ones(5, 2))
+    info = aotgrad.cache_info(aotgrad.scan_function(body))
+    assert (info.hits, info.misses, info.reasons) == (1, 1, ["first call"])
+
     layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(3))
     aotgrad.scan_layers(layers, torch.randn(2, 3))
     aotgrad.scan_layers(layers, torch.randn(2, 3))
