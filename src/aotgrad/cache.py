@@ -26,7 +26,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 import torch
@@ -83,8 +83,9 @@ class CacheInfo:
     def combined(cls, infos: Sequence[CacheInfo]) -> CacheInfo:
         """Several compiled functions' counts summed; each miss reason says its graph."""
         total = cls(graphs=len(infos))
+        counts = [f.name for f in fields(cls) if f.type == "int" and f.name != "graphs"]
         for i, info in enumerate(infos):
-            for name in _COUNTS:
+            for name in counts:
                 setattr(total, name, getattr(total, name) + getattr(info, name))
             total.reasons += [f"graph {i}: {reason}" for reason in info.reasons]
             total.jvp_skipped = info.jvp_skipped or total.jvp_skipped
@@ -109,20 +110,6 @@ class CacheInfo:
             lines.append(f"last JVP graph not captured: {self.jvp_skipped.splitlines()[0]}")
         lines += [f"  miss {i}: {reason}" for i, reason in enumerate(self.reasons)]
         return "\n".join(lines)
-
-
-_COUNTS = (
-    "hits",
-    "misses",
-    "fallbacks",
-    "transform_runs",
-    "jvp_runs",
-    "entries",
-    "disk_hits",
-    "disk_misses",
-    "create_graph_captures",
-    "create_graph_fallbacks",
-)
 
 
 def cache_info(fn: Any) -> CacheInfo:
@@ -152,7 +139,7 @@ def cache_info(fn: Any) -> CacheInfo:
         )
     infos = [_info_of(f) for f in compiled]
     mine = [i for i in infos if i is not None]
-    if len(mine) < len(infos) and not mine:
+    if infos and not mine:
         raise TypeError(
             f"the {len(infos)} graph(s) torch.compile compiled for this {type(fn).__name__}"
             " were compiled by another backend, not aotgrad's"
