@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TIMEOUT_S = 120  # per page; the slowest page takes a few seconds
 
-_FENCE = re.compile(r"^```(\S*)\s*$")
+_FENCE = re.compile(r"^(\s*)```(\S*)\s*$")  # a fence may be indented (inside a list item)
 _NO_RUN = re.compile(r"^<!--\s*no-run:\s*(.*?)\s*-->\s*$")
 
 
@@ -43,17 +43,18 @@ class Block:
 def blocks(path: Path) -> list[Block]:
     """The page's ```python blocks, in order, each with its no-run reason (if any)."""
     lines = path.read_text().split("\n")
-    page = str(path.relative_to(ROOT))
+    page = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
     found, i = [], 0
     while i < len(lines):
         fence = _FENCE.match(lines[i])
         if fence is None:
             i += 1
             continue
-        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-        if fence.group(1) == "python":
-            marker = _NO_RUN.match(lines[i - 1]) if i > 0 else None
-            code = "\n".join(lines[i + 1 : end]) + "\n"
+        indent = fence.group(1)
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip().startswith("```"))
+        if fence.group(2) == "python":
+            marker = _NO_RUN.match(lines[i - 1].strip()) if i > 0 else None
+            code = "\n".join(line.removeprefix(indent) for line in lines[i + 1 : end]) + "\n"
             found.append(Block(page, i + 2, code, marker.group(1) if marker else None))
         i = end + 1
     return found
@@ -90,6 +91,21 @@ def test_page_runs(page: str, tmp_path: Path) -> None:
     assert result.returncode == 0, f"{page}: a block failed\n{result.stderr[-6000:]}"
 
 
+def test_blocks_are_found_as_a_reader_sees_them(tmp_path: Path) -> None:
+    """An indented block (inside a list item) is found and dedented; a marker leaves out only
+    the block right after it."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "- a step:\n\n  ```python\n  x = 1\n  ```\n\n<!-- no-run: needs a GPU -->\n"
+        "```python\nraise SystemExit\n```\n\n```\nnot python\n```\n"
+    )
+    found = blocks(page)
+    assert [(b.line, b.code, b.skip) for b in found] == [
+        (4, "x = 1\n", None),
+        (9, "raise SystemExit\n", "needs a GPU"),
+    ]
+
+
 def test_skips_are_marked_and_explained() -> None:
     """Every no-run marker stands right before a ```python block and gives its reason; and
     there are few of them."""
@@ -98,9 +114,12 @@ def test_skips_are_marked_and_explained() -> None:
         lines = path.read_text().split("\n")
         for i, line in enumerate(lines):
             if "no-run" in line:
-                assert _NO_RUN.match(line), f"{path.name}:{i + 1}: write <!-- no-run: reason -->"
-                assert _NO_RUN.match(line).group(1), f"{path.name}:{i + 1}: the reason is empty"
-                assert lines[i + 1] == "```python", f"{path.name}:{i + 1}: not before a block"
+                marker = _NO_RUN.match(line.strip())
+                assert marker, f"{path.name}:{i + 1}: write <!-- no-run: reason -->"
+                assert marker.group(1), f"{path.name}:{i + 1}: the reason is empty"
+                assert lines[i + 1].strip() == "```python", (
+                    f"{path.name}:{i + 1}: not before a block"
+                )
                 skipped.append(f"{path.name}:{i + 1}")
     every = [b for p in PAGES for b in blocks(p)]
     assert len(skipped) <= max(1, len(every) // 10), f"too many blocks left out: {skipped}"
