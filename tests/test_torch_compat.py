@@ -315,6 +315,31 @@ def test_compiler_disabled_is_a_graph_break_under_dynamo_and_a_plain_call_outsid
     assert counts.frame_count == 2 and calls == [False, False]
 
 
+def test_dynamo_compiled_functions_finds_the_backends_callables_through_a_graph_break():
+    import torch._dynamo
+
+    class Breaks(torch.nn.Module):
+        def forward(self, x):
+            x = x.sin()
+            torch._dynamo.graph_break()
+            return x.cos()
+
+    made = []
+
+    def backend(gm, example_inputs):
+        made.append(lambda *args: gm(*args))
+        return made[-1]
+
+    model = torch.compile(Breaks(), backend=backend)
+    assert compat.dynamo_compiled_functions(model) == []
+    model(torch.ones(2))
+    assert compat.dynamo_compiled_functions(model) == made and len(made) == 2
+    function = torch.compile(lambda x: x.tan(), backend=backend)
+    function(torch.ones(2))
+    assert compat.dynamo_compiled_functions(function) == [made[-1]]
+    assert compat.dynamo_compiled_functions(Breaks()) is None
+
+
 def test_dynamo_compile_lock_is_held_while_dynamo_compiles():
     import torch._dynamo  # loads the lock
 

@@ -227,6 +227,24 @@ class Traced(_Reports):
         return self._transform_runs[0]
 
     @property
+    def info(self) -> CacheInfo:
+        """What ``aotgrad.cache_info`` says of a trace: one specialization, captured once, and
+        no cache (a call runs it; ``aot_function`` traces again for other inputs).
+
+        >>> import torch, aotgrad
+        >>> info = aotgrad.cache_info(aotgrad.trace(lambda x: x.sin(), torch.ones(2)))
+        >>> info.misses, info.entries, info.reasons
+        (1, 1, ['captured by aotgrad.trace: one specialization, no cache'])
+        """
+        return CacheInfo(
+            misses=1,
+            entries=1,
+            reasons=["captured by aotgrad.trace: one specialization, no cache"],
+            transform_runs=self.transform_runs,
+            disk_skipped="aotgrad.trace keeps no disk cache (Traced.save writes a file)",
+        )
+
+    @property
     def joint(self) -> fx.GraphModule:
         """The joint graph: ``(*primals, *cotangents) -> (*outputs, ..., *grads)``."""
         return self.partitioned.joint.gm
@@ -859,6 +877,19 @@ class AOTModule(_Reports, torch.nn.Module):
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles (and deep-copies) as the wrapped module plus options, compiled again on use."""
         return (_rebuild_aot_module, (self.orig_module, self.compiled._options))
+
+    @property
+    def partitioned(self) -> Partitioned | None:
+        """The last specialization's graphs and what aotgrad decided (``AOTFunction.partitioned``);
+        None before the first call.
+
+        >>> import torch, aotgrad
+        >>> model = aotgrad.aot_module(torch.nn.Linear(3, 2))
+        >>> model(torch.ones(4, 3)).sum().backward()
+        >>> [(s.name, s.producer) for s in model.partitioned.saved]
+        [('input_1', 'input')]
+        """
+        return self.compiled.partitioned
 
     def _reported(self) -> Partitioned:
         return self.compiled._reported()

@@ -19,7 +19,7 @@ from aotgrad.errors import PartitionError, format_error, user_frame_from_stack
 from aotgrad.optable import op_name
 from aotgrad.partition.memory import LiveValue, PeakEstimate
 from aotgrad.partition.partitioned import Partitioned, RecomputedOp
-from aotgrad.partition.peak_budget import with_peak_budget
+from aotgrad.partition.peak_budget import with_peak_budget, with_peak_note
 from aotgrad.partition.remat import RematPlan, node_flops
 from aotgrad.partition.saved import SavedValue, describe_saved
 from aotgrad.partition.split import apply_mutations_in_graph, build_backward, build_forward
@@ -90,7 +90,13 @@ def partition(
     if isinstance(strategy, Budget) and strategy.peak is not None:
         return with_peak_budget(joint, strategy, partial(_split, joint))
     plan = apply_checkpoint_policy(joint, _plan(joint, strategy))
-    return _split(joint, plan, policy_name(strategy) if callable(strategy) else str(strategy))
+    partitioned = _split(
+        joint, plan, policy_name(strategy) if callable(strategy) else str(strategy)
+    )
+    if isinstance(strategy, Budget):  # Note [A saved-bytes budget and the peak]
+        everything = apply_checkpoint_policy(joint, save_all(joint))
+        return with_peak_note(partitioned, _split(joint, everything, "save_all"))
+    return partitioned
 
 
 def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:

@@ -116,7 +116,9 @@ def budget(
 
     The plan minimizes recompute FLOPs exactly (a mixed-integer program solved by
     HiGHS), and among equally cheap plans saves the fewest bytes, so a smaller
-    budget never saves more.
+    budget never saves more. It bounds what the backward keeps, not the step's
+    peak: a plan that recomputes and leaves the predicted peak at ``save_all``'s
+    says so in its ``note`` (Note [A saved-bytes budget and the peak]).
 
     ``peak`` counts the bytes a step ``f(*inputs).backward()`` allocates at its
     peak above its inputs (``Partitioned.peak.allocated``, what
