@@ -399,7 +399,7 @@ def test_show_takes_partition_and_decompositions_as_trace_does(tmp_path, capsys,
     assert shown == json.loads(json.dumps(show_document(traced.partitioned)))
     assert shown != json.loads(json.dumps(show_document(default.partitioned)))  # they act
     assert main(["show", f"{path}:{name}", *flags]) == 0
-    assert "match: 1 outputs and" in capsys.readouterr().out
+    assert "match: 1 outputs," in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

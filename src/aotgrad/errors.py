@@ -128,13 +128,15 @@ class StoreError(AotgradError, ValueError):
 
 
 class PartitionError(AotgradError, ValueError):
-    """A partition policy cannot be followed: it raised, or answered something other than
-    ``True`` (save) or ``False`` (recompute) (Note [Partition policies])."""
+    """A partition cannot be made as asked: an unknown strategy, a budget no plan fits, a
+    policy that raised or answered something other than ``True`` (save) or ``False``
+    (recompute) (Note [Partition policies])."""
 
 
 class ConfigError(AotgradError, ValueError):
-    """An ``AOTGRAD_*`` environment variable holds a value aotgrad does not accept; the
-    message names the variable and the values it takes."""
+    """An option holds a value aotgrad does not accept (an ``AOTGRAD_*`` environment
+    variable, an argument of ``aotgrad.budget``); the message names it and the values it
+    takes."""
 
 
 class UnsupportedWrapperError(AotgradError, ValueError):

@@ -107,7 +107,7 @@ def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:
     named = {"save_all": save_all, "mincut": mincut}
     if strategy in named:
         return named[strategy](joint)
-    raise ValueError(
+    raise PartitionError(
         f"unknown partition strategy {strategy!r}; expected 'save_all', 'mincut',"
         " aotgrad.budget(x) or a policy (Note [Partition policies])"
     )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch.fx as fx
 
 from aotgrad.capture import JointGraph
+from aotgrad.errors import PartitionError
 from aotgrad.optable import is_compute_intensive
 from aotgrad.partition.partitioned import Partitioned
 from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward
@@ -131,7 +132,7 @@ def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitio
     family = candidates(joint, limit.time_limit, split)
     fits = [(i, c) for i, c in enumerate(family.candidates) if c.peak <= limit.peak]
     if not fits:
-        raise ValueError(_below_floor(limit, family))
+        raise PartitionError(_below_floor(limit, family))
     _, best = min(fits, key=_rank)
     partitioned = split(best.plan, str(limit))
     if partitioned.peak.allocated != best.peak:
