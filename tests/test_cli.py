@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import runpy
 import subprocess
 import sys
 
 import pytest
 
+import aotgrad
 from aotgrad.cli import main
+from aotgrad.report import show_document
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "carry.py"
 
@@ -320,3 +324,105 @@ def test_a_broken_pipe_of_the_functions_own_is_its_error(tmp_path, capsys):
     )
     assert main(["show", f"{script}:fn"]) == 1
     assert f"{script}:fn raised BrokenPipeError" in capsys.readouterr().err
+
+
+OPTIONS = """
+import torch
+
+aten = torch.ops.aten
+
+
+def f(x, w, w2):
+    return torch.nn.functional.silu(x @ w).sin().mm(w2).sum()
+
+
+def save_matmuls(node):
+    return node.target is aten.mm.default
+
+
+SILU = {aten.silu.default: lambda x: x * torch.sigmoid(x)}
+NUMBER = 3
+NOT_OPS = {"silu": lambda x: x}
+
+
+def example_inputs():
+    return tuple(torch.randn(4, 4, requires_grad=True) for _ in range(3)), {}
+
+
+def g(x, w1, w2):  # budget()'s docstring: a peak budget recomputes the first relu
+    h = (x @ w1).relu() @ w2
+    return ((h @ w1).relu() @ w2).sum()
+
+
+def g_inputs():
+    w1, w2 = torch.randn(16, 256, requires_grad=True), torch.randn(256, 16, requires_grad=True)
+    return (torch.randn(64, 16), w1, w2), {}
+"""
+
+
+def _options_file(tmp_path):
+    path = tmp_path / "options.py"
+    path.write_text(OPTIONS)
+    return path, runpy.run_path(str(path))
+
+
+@pytest.mark.parametrize(
+    ("flags", "keywords"),
+    [
+        (["--partition", "mincut"], lambda ns: dict(partition="mincut")),
+        (["--partition", "budget(0.1)"], lambda ns: dict(partition=aotgrad.budget(0.1))),
+        (["--partition", "budget(300)"], lambda ns: dict(partition=aotgrad.budget(300))),
+        (
+            ["--partition", "budget(peak=250_000)", "--inputs", "g_inputs"],
+            lambda ns: dict(partition=aotgrad.budget(peak=250_000)),
+        ),
+        (["--partition", "save_matmuls"], lambda ns: dict(partition=ns["save_matmuls"])),
+        (["--decompositions", "core_aten"], lambda ns: dict(decompositions="core_aten")),
+        (["--decompositions", "SILU"], lambda ns: dict(decompositions=ns["SILU"])),
+        (
+            ["--partition", "mincut", "--decompositions", "core_aten"],
+            lambda ns: dict(partition="mincut", decompositions="core_aten"),
+        ),
+    ],
+    ids=["mincut", "budget", "budget-bytes", "budget-peak", "policy", "core-aten", "dict", "both"],
+)
+def test_show_takes_partition_and_decompositions_as_trace_does(tmp_path, capsys, flags, keywords):
+    """`--partition` / `--decompositions` give the graphs `trace` gives for the same values, and
+    the eager check runs those graphs."""
+    path, namespace = _options_file(tmp_path)
+    name, inputs = ("g", "g_inputs") if "g_inputs" in flags else ("f", "example_inputs")
+    assert main(["show", f"{path}:{name}", "--json", *flags]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    args, kwargs = namespace[inputs]()
+    traced = aotgrad.trace(namespace[name], *args, **keywords(namespace), **kwargs)
+    default = aotgrad.trace(namespace[name], *args, **kwargs)
+    assert shown == json.loads(json.dumps(show_document(traced.partitioned)))
+    assert shown != json.loads(json.dumps(show_document(default.partitioned)))  # they act
+    assert main(["show", f"{path}:{name}", *flags]) == 0
+    assert "match: 1 outputs," in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--partition", "nope"], "--partition 'nope' is not a partition strategy: pass save_all,"),
+        (["--partition", "NUMBER"], "(the file's NUMBER is of type int)"),
+        (["--partition", "budget(-1)"], "--partition 'budget(-1)': a budget must be positive"),
+        (["--partition", "budget(x)"], "a budget's arguments must be numbers"),
+        (["--partition", "budget(__import__('os'))"], "a budget's arguments must be numbers"),
+        (["--partition", "budget("], "--partition 'budget(': '(' was never closed"),
+        (["--partition", "budget(peak=0.5)"], "takes a whole number of bytes, got 0.5"),
+        (["--partition", "budget(0.1, peak=3)"], "takes exactly one of a saved-bytes limit"),
+        (["--decompositions", "nope"], "--decompositions 'nope' is not a decomposition set"),
+        (
+            ["--decompositions", "NOT_OPS"],
+            "must map each OpOverload (aten.silu.default, not aten.silu) to a function",
+        ),
+    ],
+)
+def test_show_refuses_a_partition_or_decompositions_it_cannot_take(tmp_path, capfd, flags, message):
+    path, _ = _options_file(tmp_path)
+    assert main(["show", f"{path}:f", *flags]) == 2
+    err = capfd.readouterr().err
+    assert message in err and err.startswith("aotgrad: --"), err
+    assert len(err.strip().splitlines()) == 1, err

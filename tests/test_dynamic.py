@@ -110,9 +110,41 @@ def test_metadata_mutation_with_symbolic_layout_is_replayed():
         torch.testing.assert_close(x, y)
 
 
-def test_only_save_all_partitions_dynamic_graphs():
-    with pytest.raises(ValueError, match="dynamic"):
-        aotgrad.trace(MLP(), torch.randn(8, 16), dynamic=True, partition="mincut")
+_net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16))
+
+
+def _net_loss(x):
+    return _net(x).tanh().sum()
+
+
+def test_mincut_partitions_dynamic_graphs_at_the_example_sizes():
+    """Note [Weights at the example sizes]: one capture serves every batch, eager's gradients."""
+    torch.manual_seed(0)
+    compiled = aotgrad.aot_function(_net_loss, partition="mincut", dynamic=True)
+    for batch in (3, 8, 17):
+        x = torch.randn(batch, 16, requires_grad=True)
+        _net.zero_grad()
+        compiled(x).backward()
+        got = [x.grad, *(p.grad for p in _net.parameters())]
+        x.grad = None
+        _net.zero_grad()
+        _net_loss(x).backward()
+        want = [x.grad, *(p.grad for p in _net.parameters())]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    info = aotgrad.cache_info(compiled)
+    assert (info.misses, info.entries) == (1, 1)
+    assert compiled.partitioned.strategy == "mincut"
+    assert compiled.partitioned.recomputed  # the cut recomputes GELU's pointwise ops
+    module = aotgrad.aot_module(MLP(), dynamic=True, partition="mincut")
+    module(torch.randn(5, 16)).sum().backward()
+
+
+def test_a_budget_with_dynamic_shapes_is_refused_at_the_users_line():
+    compiled = aotgrad.aot_function(_net_loss, partition=aotgrad.budget(0.5), dynamic=True)
+    with pytest.raises(aotgrad.PartitionError, match="mincut") as caught:
+        compiled(torch.randn(4, 16, requires_grad=True))
+    assert f"{__file__}:" in str(caught.value)
 
 
 def test_dynamic_traces_match_eager():

@@ -58,7 +58,10 @@ def test_wrong_number_of_arguments_says_what_the_function_takes():
 
 def test_traced_called_with_another_structure_says_so():
     traced = aotgrad.trace(lambda d: d["a"].sin(), {"a": torch.randn(2)})
-    with pytest.raises(aotgrad.CallError, match="captured for arguments structured as"):
+    with pytest.raises(
+        aotgrad.CallError,
+        match=r"argument d is structured otherwise: the capture passed \{'a': float32\[2\]\}",
+    ):
         traced({"b": torch.randn(2)})
 
 
@@ -269,3 +272,57 @@ def test_an_internal_assert_in_a_kernel_is_not_blamed_on_the_users_inputs():
         f(x)
     assert "torch's kernel failing on traced inputs" in str(caught.value)
     assert "Eager PyTorch raises the same" not in str(caught.value)
+
+
+@torch.library.custom_op("aotgrad_test_errors::no_fake", mutates_args=())
+def _no_fake(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+EAGER_RUNS = {
+    "custom op without a fake kernel": (
+        lambda x: _no_fake(x) + 1,
+        aotgrad.errors.UnsupportedOpError,
+    ),
+    ".numpy()": (
+        lambda x: torch.from_numpy(x.detach().numpy() * 2) + x,
+        aotgrad.DataDependentError,
+    ),
+    "np.asarray": (
+        lambda x: torch.as_tensor(__import__("numpy").asarray(x.detach())) + x,
+        aotgrad.DataDependentError,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(EAGER_RUNS))
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_no_claim_that_eager_raises_where_eager_runs(name, requires_grad):
+    """Note [Checking that eager raises the same]: the claim only where the op's meta kernel
+    raises it too, and the failure named for what it is."""
+    fn, kind = EAGER_RUNS[name]
+    x = torch.randn(3)
+    fn(x)  # eager runs
+    with pytest.raises(kind) as caught:
+        aotgrad.aot_function(fn)(x.requires_grad_(requires_grad))
+    message = str(caught.value)
+    assert "raises the same" not in message
+    assert f"{HERE}:" in message  # the user's line
+
+
+def test_the_claim_that_eager_raises_the_same_is_made_where_it_does():
+    fn = lambda x: x @ torch.ones(4, 4)  # noqa: E731
+    x = torch.randn(1, 3)
+    with pytest.raises(RuntimeError):
+        fn(x)
+    with pytest.raises(aotgrad.errors.OpError, match="Eager PyTorch raises the same"):
+        aotgrad.aot_function(fn)(x)
+
+
+def test_data_ptr_of_a_traced_tensor_is_refused_at_the_users_line():
+    # The fake tensor's address would be a constant of the graph (eager: the real one's).
+    def f(x):
+        return x + (x.data_ptr() % 7)
+
+    with pytest.raises(aotgrad.DataDependentError, match=r"data_ptr\(\)[\s\S]*in f: return x \+"):
+        aotgrad.aot_function(f)(torch.randn(3))

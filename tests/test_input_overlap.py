@@ -194,7 +194,9 @@ def test_a_traced_refuses_inputs_that_share_memory_otherwise_than_at_capture():
         (torch.zeros(4), torch.ones(4)),  # two storages: the graph re-derives b from a's base
     ):
         before = [a.clone() for a in args]
-        with pytest.raises(aotgrad.errors.CallError, match="share memory"):
+        with pytest.raises(
+            aotgrad.errors.CallError, match=r"storage offset 4 != [02]|share memory"
+        ):
             traced(*args)
         assert all(torch.equal(a, b) for a, b in zip(args, before, strict=True))
 

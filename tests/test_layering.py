@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("store",),  # graphs in files and the disk cache (docs/caching.md)
     ("cache", "compilers", "wrappers"),  # specializations and their keys; compilers users
     # pass; DDP and FSDP2 run around the graphs
-    ("disk_cache",),  # the disk cache as the frontends use it
+    ("disk_cache", "specialization"),  # the disk cache as the frontends use it; what a
+    # Traced's calls must keep to
     ("api",),  # the frontends: trace, aot_function, aot_module
     ("dynamo", "profiling", "testing", "loops"),  # built on the frontends
     ("backends",),  # exported programs run by ONNX Runtime and IREE (docs/backends.md)

@@ -228,3 +228,36 @@ def test_the_tightest_plan_matches_eager_with_dropout_and_checkpoints(name, chec
         floor = _smallest_peak(aotgrad.trace(step, *args, **kwargs).partitioned.joint)
         compile_fn = functools.partial(aotgrad.aot_function, partition=aotgrad.budget(peak=floor))
         assert verify(step, *args, compile_fn=compile_fn, **kwargs).ok
+
+
+def test_a_saved_bytes_budget_that_leaves_the_peak_says_so():
+    """Note [A saved-bytes budget and the peak]: on a 2-block GPT, budget(0.01) recomputes and
+    leaves the step's peak at save_all's; its note says so, where, and points to
+    budget(peak=...), which does lower it. budget(0.1) lowers the peak: no such note."""
+    from models import GPT
+
+    torch.manual_seed(0)
+    model = aotgrad.aot_module(GPT(), partition=aotgrad.budget(0.01))
+    ids, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    budgeted = lambda m: aotgrad.aot_module(m, partition=aotgrad.budget(0.01))  # noqa: E731
+    verify(model.orig_module, ids, targets, compile_fn=budgeted)  # the plan is right
+    model(ids, targets).backward()
+    small = model.partitioned
+    full = aotgrad.trace(model.orig_module, ids, targets).partitioned
+    assert small.recompute_flops > 0 and small.peak.allocated == full.peak.allocated
+    assert small.note == (
+        f"budget(0.01) saves {small.saved_bytes} bytes where save_all saves {full.saved_bytes},"
+        f" recomputing {small.recompute_flops} FLOPs, but the step's predicted peak stays at"
+        f" save_all's {full.peak.allocated} bytes, at backward op {full.peak.node}"
+        f" ({full.peak.op}): a saved-bytes budget bounds what the backward keeps, not the peak."
+        " To bound the peak, pass aotgrad.budget(peak=BYTES) (Note [Peak budgets])"
+    )
+    assert f"plan: {small.note}" in model.memory_report()  # where the user reads the peak
+    lower = aotgrad.trace(model.orig_module, ids, targets, partition=aotgrad.budget(0.1))
+    assert lower.partitioned.peak.allocated < full.peak.allocated
+    assert lower.partitioned.note is None and "plan:" not in lower.memory_report()
+    peak = aotgrad.budget(peak=full.peak.allocated - 1)  # the pointer leads somewhere
+    assert (
+        aotgrad.trace(model.orig_module, ids, targets, partition=peak).partitioned.peak.allocated
+        < full.peak.allocated
+    )

@@ -121,7 +121,7 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "carry.py"
 
 
 def test_show_prints_the_peak_and_json_carries_it(capsys):
-    fn, args, kwargs = _load(f"{EXAMPLE}:fn", "example_inputs")
+    _, fn, args, kwargs = _load(f"{EXAMPLE}:fn", "example_inputs")
     peak = aotgrad.trace(fn, *args, **kwargs).partitioned.peak
     assert main(["show", f"{EXAMPLE}:fn", "--no-check"]) == 0
     out = capsys.readouterr().out

@@ -113,7 +113,7 @@ def test_load_refuses_wrong_calls(tmp_path):
     with pytest.raises(CallError, match="module=model"):
         aotgrad.load(path)
     loaded = aotgrad.load(path, module=torch.nn.Linear(3, 2))
-    with pytest.raises(CallError, match="shape, stride"):
+    with pytest.raises(CallError, match=r"shape \(4, 3\) != \(5, 3\)"):
         loaded(torch.ones(5, 3))
     with pytest.raises(CallError, match="lacks a tensor"):
         aotgrad.load(path, module=torch.nn.Sequential())(torch.ones(4, 3))
@@ -414,9 +414,9 @@ def test_save_load_inference_graph(tmp_path):
     loaded = aotgrad.load(path)
     assert loaded.backward is None
     torch.testing.assert_close(loaded(torch.zeros(3), 2), torch.full((3,), 2.0))
-    with pytest.raises(CallError, match="hold as a constant"):
+    with pytest.raises(CallError, match="hold 2 as a constant"):
         loaded(torch.zeros(3), 3)
-    with pytest.raises(CallError, match="hold as a constant"):
+    with pytest.raises(CallError, match="hold 2 as a constant"):
         loaded(torch.zeros(3), 2.0)  # equal, but another type: the graph may differ
 
 

@@ -101,7 +101,6 @@ CHECKS: dict[str, str] = {
 }
 
 # (model, check) -> why it fails today. Delete an entry when its fix merges (strict xfail).
-_BN_CKPT = "issue 12 item 9: BatchNorm updated again by a checkpoint recompute is refused"
 _MOE_LOOP = (
     "refused (DataDependentError): Mixtral's eager experts loop over `nonzero()` of the routing"
     " mask; the default experts kernel (`mixtral`) passes"
@@ -122,24 +121,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     **{("mnasnet", c): _RELU_FLIPS for c in ("onnxruntime", "iree")},
     # (torch.compile passes: Dynamo breaks the graph at the nonzero() and runs the loop itself.)
     **{("mixtral_eager", c): _MOE_LOOP for c in CHECKS if c != "dynamo"},
-    # Refused loudly (UnsupportedMutationError): eager updates the running stats a second time
-    # when the checkpoint recomputes a BatchNorm in training mode (Note [Mutations in the backward]).
-    **{
-        (m, c): _BN_CKPT
-        for m in (
-            "efficientnet",
-            "resnet18",
-            "mobilenet_v3",
-            "mobilevit",
-            "regnet",
-            "densenet",
-            "shufflenet",
-            "tv_regnet",
-            "tv_efficientnet",
-            "mnasnet",
-        )
-        for c in ("ckpt_reentrant", "ckpt_nonreentrant")
-    },
 }
 
 # Cells without meaning: ResNet-18 has no dropout.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -368,3 +369,55 @@ def test_a_differing_eps_is_refused():
     ):
         aotgrad.scan_layers(layers, torch.randn(2, 4))
     assert type(layers[0]) is nn.LayerNorm  # the recording class is gone after the capture
+
+
+class _Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, h, gate, scale=1.0):
+        return self.fc(h) * gate * scale
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (lambda layers, gate: ((), {}), r"extra arguments \(\) here, \(args\[0\], scale=0\.5\)"),
+        (
+            lambda layers, gate: ((gate,), {"layer_kwargs": {"scale": 2.0}}),
+            r"\(args\[0\], scale=2\.0\) here, \(args\[0\], scale=0\.5\) in the scan",
+        ),
+        (
+            lambda layers, gate: ((gate,), {"layer_kwargs": {"scale": 0.5}, "checkpoint": True}),
+            "checkpoint=True here, False in the scan",
+        ),
+        (
+            lambda layers, gate: ((gate,), {"layer_kwargs": {"scale": 0.5}, "partition": "mincut"}),
+            "options differ from the scan's: partition",
+        ),
+    ],
+)
+def test_traced_after_the_scan_says_what_differs(given, said):
+    layers = nn.ModuleList(_Gated() for _ in range(3))
+    gate = torch.rand(4)
+    aotgrad.scan_layers(layers, torch.randn(2, 4), gate, layer_kwargs={"scale": 0.5})
+    args, keywords = given(layers, gate)
+    run = aotgrad.scan_layers_function(layers, *args, **keywords)
+    with pytest.raises(aotgrad.errors.ScanError, match="scan_layers ran these layers") as caught:
+        run.traced  # noqa: B018
+    message = str(caught.value)
+    assert re.search(said, message) and "call the scan first" not in message
+    assert f"{__file__}:" in message  # the user's line
+    same = aotgrad.scan_layers_function(layers, gate, layer_kwargs={"scale": 0.5})
+    assert same.traced.signature.forward_inputs[-1].path == "x[1]['args[0]']"
+
+
+def test_traced_before_any_scan_says_to_run_it():
+    layers = nn.ModuleList(_Gated() for _ in range(2))
+    layers.eval()
+    with pytest.raises(aotgrad.errors.ScanError, match="has not run these layers yet"):
+        aotgrad.scan_layers_function(layers, torch.rand(4)).traced  # noqa: B018
+    with pytest.raises(aotgrad.errors.ScanError, match="not been captured") as caught:
+        aotgrad.scan_function(lambda c, x: (c + x, None)).traced  # noqa: B018
+    assert f"{__file__}:" in str(caught.value)

@@ -74,7 +74,7 @@ def test_a_call_structure_naming_a_module_imports_nothing(tmp_path, spec):
     except StoreError:
         pass
     else:  # the spec is only compared with the caller's: no call matches it
-        with pytest.raises(CallError, match="structured as"):
+        with pytest.raises(CallError, match=r"structured otherwise|containers differ"):
             loaded(torch.ones(3, requires_grad=True))
     assert "tabnanny" not in sys.modules
 
@@ -157,7 +157,7 @@ def test_the_allowed_containers_round_trip(tmp_path):
     assert type(got["max"]) is torch.return_types.max
     torch.testing.assert_close(got, expected)
     other = Pair(*args[-1])._asdict()  # the same tensors in another structure
-    with pytest.raises(CallError, match="structured as"):
+    with pytest.raises(CallError, match=r"structured otherwise|containers differ"):
         loaded(*args[:-1], other)
 
 

@@ -315,6 +315,31 @@ def test_compiler_disabled_is_a_graph_break_under_dynamo_and_a_plain_call_outsid
     assert counts.frame_count == 2 and calls == [False, False]
 
 
+def test_dynamo_compiled_functions_finds_the_backends_callables_through_a_graph_break():
+    import torch._dynamo
+
+    class Breaks(torch.nn.Module):
+        def forward(self, x):
+            x = x.sin()
+            torch._dynamo.graph_break()
+            return x.cos()
+
+    made = []
+
+    def backend(gm, example_inputs):
+        made.append(lambda *args: gm(*args))
+        return made[-1]
+
+    model = torch.compile(Breaks(), backend=backend)
+    assert compat.dynamo_compiled_functions(model) == []
+    model(torch.ones(2))
+    assert compat.dynamo_compiled_functions(model) == made and len(made) == 2
+    function = torch.compile(lambda x: x.tan(), backend=backend)
+    function(torch.ones(2))
+    assert compat.dynamo_compiled_functions(function) == [made[-1]]
+    assert compat.dynamo_compiled_functions(Breaks()) is None
+
+
 def test_dynamo_compile_lock_is_held_while_dynamo_compiles():
     import torch._dynamo  # loads the lock
 
@@ -899,3 +924,35 @@ def test_is_non_overlapping_and_dense_tells_a_dense_layout():
     x = torch.randn(3, 4)
     assert compat.is_non_overlapping_and_dense(x.t())
     assert not compat.is_non_overlapping_and_dense(x[:, ::2])
+
+
+@torch.library.custom_op("aotgrad_test_compat::no_fake", mutates_args=())
+def _custom_without_fake(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def test_a_custom_op_without_a_fake_impl_says_so_under_fake_tensors():
+    mode = compat.FakeTensorMode(allow_fallback_kernels=False)
+    with mode:
+        x = torch.randn(3)
+    with pytest.raises(RuntimeError) as e, mode:
+        _custom_without_fake(x)
+    assert compat.NO_FAKE_IMPL in str(e.value)
+
+
+def test_numpy_of_a_fake_tensor_says_so():
+    with compat.FakeTensorMode():
+        x = torch.randn(3)
+    with pytest.raises(RuntimeError) as e:
+        x.numpy()
+    assert compat.NUMPY_OF_TRACED in str(e.value)
+
+
+def test_a_symbolic_size_hints_at_its_example_value():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = compat.FakeTensorMode(shape_env=ShapeEnv())
+    x = mode.from_tensor(torch.randn(5, 3), symbolic_context=None)
+    assert all(isinstance(s, torch.SymInt) for s in x.shape)
+    assert compat.size_hint(3) == 3
+    assert [compat.size_hint(s) for s in x.shape] == [5, 3]

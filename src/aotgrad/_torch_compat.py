@@ -51,7 +51,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -414,6 +415,96 @@ def dynamo_compile_lock() -> Any:
     return convert_frame.compile_lock
 
 
+# Note [The graphs Dynamo holds]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``torch.compile(model, backend=...)`` keeps no list of the graphs its backend
+# compiled: Dynamo caches them on the *code* it compiled (``type(model).forward``,
+# a function's own code), one cache entry per guard set, each entry a bytecode that
+# calls its graph's compiled function by a name in the frame's globals
+# (``__compiled_fn_3_<uuid>``), wrapped by ``torch.compiler.disable``; a graph
+# break adds a resume function (``__resume_at_30_4``) with cache entries of its
+# own (for a frame with closure cells, a factory ``_make_fn`` holding its code),
+# run with the frame's globals. Entries live on the code, so instances of one
+# class share them (a second ``torch.compile(Model())`` reuses the first one's
+# graphs when its guards pass; a torch.nn module compiled itself runs through
+# Dynamo's ``wrap_inline``, whose one code all such modules share): what
+# ``aotgrad.cache_info`` sums is every graph Dynamo holds for that code::
+#
+#     forward's code ─ entry ─ __compiled_fn_1 ─ aotgrad's AOTFunction (graph 0)
+#                    └ entry ─ __compiled_fn_5 ─ AOTFunction (graph 2: a recompile)
+#                              __resume_at_30_2 ─ entry ─ __compiled_fn_3 (graph 1)
+#
+# ``dynamo_compiled_functions`` walks that, oldest entry first.
+
+
+def dynamo_compiled_functions(obj: Any) -> list[Any] | None:
+    """What Dynamo's backend returned for each graph it compiled from ``obj``'s code (a
+    ``torch.compile`` result, or a module after ``module.compile()``), oldest first; None
+    when ``obj`` is neither (Note [The graphs Dynamo holds])."""
+    if "torch._dynamo" not in sys.modules:  # nothing was compiled in this process
+        return None
+    from torch._dynamo.eval_frame import OptimizedModule, _debug_get_cache_entry_list
+
+    if isinstance(obj, OptimizedModule):
+        roots: list[Any] = [obj.forward, obj._orig_mod.forward]
+    elif isinstance(obj, torch.nn.Module) and getattr(obj, "_compiled_call_impl", None):
+        roots = [obj.forward]
+    elif callable(obj) and hasattr(obj, "_torchdynamo_orig_callable"):
+        roots = [obj, obj._torchdynamo_orig_callable]
+    else:
+        return None
+    todo = [(f.__code__, f.__globals__) for root in roots for f in _functions_within(root, 4)]
+    found: dict[int, Any] = {}
+    seen: set[Any] = set()
+    while todo:
+        code, names = todo.pop(0)
+        if code in seen:
+            continue
+        seen.add(code)
+        for entry in reversed(_debug_get_cache_entry_list(code)):  # newest first: reversed
+            for name in entry.code.co_names:
+                value = names.get(name)
+                if name.startswith("__compiled_fn") and value is not None:
+                    found.setdefault(id(value), _unwrapped(value))
+                elif name.startswith("__resume_at") and isinstance(value, types.FunctionType):
+                    todo += [(c, names) for c in _resume_codes(value)]  # the frame's globals
+    return list(found.values())
+
+
+def _resume_codes(function: types.FunctionType) -> list[types.CodeType]:
+    """The code of a resume function; one that needs closure cells is a factory making it
+    (``_make_fn``), holding the code in a cell or among its constants."""
+    cells = []
+    for cell in function.__closure__ or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            cells.append(cell.cell_contents)
+    within = [*cells, *function.__code__.co_consts]
+    return [function.__code__, *(c for c in within if isinstance(c, types.CodeType))]
+
+
+def _functions_within(value: Any, depth: int) -> Iterator[types.FunctionType]:
+    """``value`` and the functions it wraps (``__wrapped__``, closure cells): where Dynamo's
+    own wrappers (``wrap_inline`` around a torch.nn module's forward) keep the code it
+    compiled."""
+    value = getattr(value, "__func__", value)  # a bound method's function
+    if depth < 0 or not isinstance(value, types.FunctionType):
+        return
+    yield value
+    inner = [getattr(value, "__wrapped__", None)]
+    for cell in value.__closure__ or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            inner.append(cell.cell_contents)
+    for each in inner:
+        yield from _functions_within(each, depth - 1)
+
+
+def _unwrapped(value: Any) -> Any:
+    """The backend's own callable inside ``torch.compiler.disable``'s wrapper functions."""
+    while isinstance(value, types.FunctionType) and hasattr(value, "__wrapped__"):
+        value = value.__wrapped__
+    return value
+
+
 # Note [What loads Dynamo]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
 # ``import torch._dynamo`` costs 0.5-1 s (sympy, FSDP, DTensor and Inductor's
@@ -512,6 +603,14 @@ def pytree_node_type(value: Any) -> Any:
     return pytree._get_node_type(value)
 
 
+def size_hint(value: int | torch.SymInt) -> int | None:
+    """The value a symbolic size had in the example inputs (an int is its own), or None."""
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        return None if hint is None else int(hint)
+    return int(value)
+
+
 # --- Error messages and names aotgrad recognises by their text -----------------------------------
 
 # Functionalization refusing to write a traced value into a real tensor: the function mutates a
@@ -527,6 +626,10 @@ INTERNAL_ASSERT = "INTERNAL ASSERT FAILED"
 NO_META_KERNEL = "attempted to run this operator with Meta tensors"
 # A reentrant checkpoint refusing ``autograd.grad`` (Note [Reentrant checkpoints]).
 REENTRANT_CHECKPOINT_GRAD = "incompatible with .grad()"
+# A ``torch.library.custom_op`` without ``register_fake`` run on fake tensors (RuntimeError).
+NO_FAKE_IMPL = "no fake impl registered"
+# ``.numpy()`` (also ``np.asarray(t)``, ``np.array(t)``) of a tensor of the trace.
+NUMPY_OF_TRACED = ".numpy() is not supported for tensor subclasses"
 
 
 def effect_token_op(message: str) -> str:

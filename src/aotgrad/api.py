@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import MODULE_HOOKS, functorch_transforms_active, global_module_hooks
-from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache, autocast_text
+from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
 from aotgrad.capture import Replay, TracerChoice, Watch, capturing
 from aotgrad.capture.autocast import autocast_state
 from aotgrad.capture.dynamic import DynamicDims, requested_dims
@@ -59,6 +59,7 @@ from aotgrad.signature.lifting import (
     call_target,
     module_arguments,
 )
+from aotgrad.specialization import Capture, Specialization, capture_of, refuse_other_tensors
 from aotgrad.store.loaded import save_traced
 from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
 
@@ -179,21 +180,38 @@ class Traced(_Reports):
     _lifted: tuple[torch.Tensor, ...]
     # The autocast the graphs were captured under; calls must match it (Note [Autocast]).
     _autocast: tuple[tuple[str, torch.dtype], ...] = ()
-    # A DDP or FSDP2 wrapper run around every call, and the captured module's state, read
-    # again on each call (Note [Wrappers run around the graphs]).
+    # A DDP or FSDP2 wrapper run around every call (Note [Wrappers run around the graphs]).
     _wrapping: Wrapping | None = None
-    _state: State | None = None
+    # The call it was captured for, which every call must keep to (Note [A Traced keeps to
+    # its capture]); None for a scan body's graphs, which only the scan runs.
+    _capture: Capture | None = None
     # The traced function, run under torch.func transforms and forward-mode AD, and how
     # many calls ran it (Note [Transforms run the function]).
-    # Which inputs were one tensor or shared memory at capture, and where (``memory_sharing``):
-    # calls must match it; None for a body run by aotgrad's own loops.
-    _sharing: tuple[Any, ...] | None = None
     _fn: Callable[..., Any] | None = None
     _transform_runs: list[int] = field(default_factory=lambda: [0])
     # The stores in the user's objects done at every call (Note [Side effects replayed]).
     _replay: Replay | None = None
     # The options it was traced with (a create_graph backward captures under them too).
     _options: Options = field(default_factory=Options)
+    # The capture's one entry and the check of each call against it; made from the fields
+    # above, again by ``compile``'s ``replace``.
+    _specialization: Specialization | None = field(init=False, default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self._capture is None:
+            return
+        flat = self.partitioned.joint.inputs
+        positions = flat.tensor_positions
+        exact = not self._lifted and positions == tuple(range(len(flat.constants)))
+        entry = Entry(
+            compiled=self._compiled,
+            positions=None if exact else positions,  # Entry.positions
+            replay=self._replay,  # Note [Side effects replayed]
+            environ=self.partitioned.joint.environ,  # Note [Environment read at capture]
+        )
+        owner = getattr(self._capture.target, "__name__", "the traced function")
+        special = Specialization(self._capture, entry, owner)
+        object.__setattr__(self, "_specialization", special)
 
     @property
     def transform_runs(self) -> int:
@@ -207,6 +225,24 @@ class Traced(_Reports):
         1
         """
         return self._transform_runs[0]
+
+    @property
+    def info(self) -> CacheInfo:
+        """What ``aotgrad.cache_info`` says of a trace: one specialization, captured once, and
+        no cache (a call runs it; ``aot_function`` traces again for other inputs).
+
+        >>> import torch, aotgrad
+        >>> info = aotgrad.cache_info(aotgrad.trace(lambda x: x.sin(), torch.ones(2)))
+        >>> info.misses, info.entries, info.reasons
+        (1, 1, ['captured by aotgrad.trace: one specialization, no cache'])
+        """
+        return CacheInfo(
+            misses=1,
+            entries=1,
+            reasons=["captured by aotgrad.trace: one specialization, no cache"],
+            transform_runs=self.transform_runs,
+            disk_skipped="aotgrad.trace keeps no disk cache (Traced.save writes a file)",
+        )
 
     @property
     def joint(self) -> fx.GraphModule:
@@ -305,79 +341,71 @@ class Traced(_Reports):
                 " they assume. Pass the setting as an argument (or read it outside the"
                 " function) to save the trace"
             )
+        if self._capture is None:
+            raise StoreError(
+                "a scan body's graphs cannot be saved alone; trace the body function to save it"
+            )
         save_traced(
-            path, partitioned=self.partitioned, plan=self._compiled.plan, autocast=self._autocast
+            path,
+            partitioned=self.partitioned,
+            plan=self._compiled.plan,
+            autocast=self._autocast,
+            layout=self._capture.layout,
+            state=self._capture.key.state,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the traced graphs on new inputs of the same structure and metadata."""
+        """Run the traced graphs on new inputs of the capture's specialization: a call whose
+        shapes, dtypes, flags or values differ is a ``CallError`` (Note [A Traced keeps to
+        its capture]).
+
+        >>> import torch, aotgrad
+        >>> t = aotgrad.trace(lambda x: x.sum(0), torch.ones(3, 4))
+        >>> t(torch.zeros(3, 4)).tolist()
+        [0.0, 0.0, 0.0, 0.0]
+        >>> t(torch.ones(5, 4))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        aotgrad.errors.CallError: this call differs from the one this Traced was captured for: input x: shape (3, 4) != (5, 4) (captured float32[3, 4], got float32[5, 4]). ...
+        """
         if self._fn is not None and transform_active():  # Note [Transforms run the function]
             self._transform_runs[0] += 1
             return self._fn(*args, **kwargs)
         if self._wrapping is not None:
+            if capturing():
+                raise CallError(
+                    "a Traced of a DDP or fully_shard module was called by code aotgrad is"
+                    " capturing: the wrapper's hooks cannot run inside a graph (see Note"
+                    " [Wrappers run around the graphs]). Compile the outer function without"
+                    " it, or trace only the wrapped model."
+                )
             return self._wrapping.call(self._run, args, kwargs)
         return self._run(*args, **kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
-        flat = self.partitioned.joint.inputs
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        if spec != flat.spec:
+        if self._fn is not None and self._wrapping is None and capturing():
+            return self._fn(*args, **kwargs)  # called by code being traced: traced through
+        special = self._specialization
+        if special is None:
             raise CallError(
-                f"this Traced was captured for arguments structured as {flat.spec}, got {spec};"
-                " call aotgrad.trace again (or use aotgrad.aot_function, which re-traces)"
+                "this Traced holds a scan body's graphs, which the scan runs once per step;"
+                " call the scan, or aotgrad.trace the body function to run it alone"
             )
-        for leaf, constant in zip(leaves, flat.constants, strict=True):
-            if isinstance(constant, torch.nn.Module) and leaf is not constant:
-                raise CallError(  # its state was lifted at capture (Note [Module arguments])
-                    f"this Traced was captured with the module {type(constant).__name__} as an"
-                    " argument and runs on that module's parameters and buffers; got another"
-                    " module object. Call aotgrad.trace again (or use aotgrad.aot_function,"
-                    " which re-traces for another module)"
-                )
-        if autocast_state() != self._autocast:
-            raise CallError(
-                f"this Traced was captured with autocast {autocast_text(self._autocast)} and is"
-                f" called with autocast {autocast_text(autocast_state())}: its graphs hold the"
-                " casts of the capture's autocast (Note [Autocast]); call aotgrad.trace again under"
-                " the autocast you call it with (or use aotgrad.aot_function, which re-traces)"
-            )
-        environ = self.partitioned.joint.environ
-        changed = environ.changed() if environ is not None else None
-        if changed is not None:  # Note [Environment read at capture]
-            raise CallError(
-                f"this Traced was captured reading the environment, and it changed: {changed}."
-                " Its graphs hold what the function did with the values read at capture;"
-                " call aotgrad.trace again under this environment (or use"
-                " aotgrad.aot_function, which re-traces)"
-            )
-        tensors = [leaves[i] for i in flat.tensor_positions]
-        primals = [*self._lifted_now(), *tensors]
-        if self._sharing is not None and memory_sharing(primals) != self._sharing:
-            names = flat.descriptors
-            raise CallError(  # Note [Inputs that share memory]
-                "this Traced was captured for inputs that share memory"
-                f" {_sharing_text(self._sharing, names)}, and is called with inputs that share"
-                f" memory {_sharing_text(memory_sharing(primals), names)}: its graphs hold the"
-                " capture's aliasing (a tensor passed twice, views of one storage and their places in it)."
-                " Call aotgrad.trace again with these inputs (or use aotgrad.aot_function,"
-                " which re-traces)"
-            )
-        out = self._compiled(primals)
-        return out if self._replay is None else self._replay(out)
+        if not kwargs:
+            fast = special.fast(args)  # Note [The last entry]
+            if fast is not None:
+                return fast(args)
+        call = special.find(args, kwargs)
+        tensors = call.lifted.tensors
+        if self._wrapping is not None:  # Note [Wrappers run around the graphs]
+            refuse_other_tensors(tensors, self._lifted)
+        special.remember(call, kwargs)
+        return call.entry(tensors, call.leaves)
 
     def _lifted_now(self) -> tuple[torch.Tensor, ...]:
         """The lifted tensors: a wrapper's module state must still be the traced tensors."""
-        if self._state is None:
+        if self._wrapping is None or self._capture is None:
             return self._lifted
-        now = self._state.read().tensors
-        if len(now) != len(self._lifted) or any(
-            a is not b for a, b in zip(now, self._lifted, strict=True)
-        ):
-            raise CallError(
-                "this Traced was captured on the parameters and buffers its DDP or fully_shard"
-                " module held at trace time, and the module now holds other tensors; call"
-                " aotgrad.trace again (or use aotgrad.aot_module, which re-traces)"
-            )
+        refuse_other_tensors(self._capture.state.read().tensors, self._lifted)
         return self._lifted
 
     def __str__(self) -> str:
@@ -434,56 +462,60 @@ def trace(
     fn = as_module(fn)
     wrapping = wrapping_of(fn) if isinstance(fn, torch.nn.Module) else None
     if wrapping is None:
-        return replace(_trace(fn, args, kwargs, options), _fn=fn)
+        return _trace(fn, args, kwargs, options, fn=fn, wrapping=None)
     with wrapping.capturing():  # Note [Wrappers run around the graphs]
-        traced = _trace(wrapping.inner, args, kwargs, options)
-    return replace(traced, _wrapping=wrapping, _state=State(wrapping.inner), _fn=fn)
+        return _trace(wrapping.inner, args, kwargs, options, fn=fn, wrapping=wrapping)
 
 
-def _trace(fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], options: Options) -> Traced:
-    lifting = State(fn)
+def _trace(
+    traced_fn: Callable[..., Any],
+    args: Any,
+    kwargs: dict[str, Any],
+    options: Options,
+    *,
+    fn: Callable[..., Any],
+    wrapping: Wrapping | None,
+) -> Traced:
+    """The trace of ``traced_fn`` (a wrapper's inner module, or ``fn`` itself)."""
+    lifting = State(traced_fn)
+    target = call_target(traced_fn)
     leaves, structure = flatten_call(args, kwargs)
-    arguments = module_arguments(call_target(fn), args, kwargs, leaves, structure, {})
+    arguments = module_arguments(target, args, kwargs, leaves, structure, {})
     lifted = lifting.read(arguments)
     refuse_reached_wrappers(_reached(lifting, arguments))
-    watch = watch_of(fn, arguments)
+    watch = watch_of(traced_fn, arguments)
     dims = requested_dims(leaves, everything=options.dynamic)
+    # Keyed before the trace, as aot_function keys a call (Note [A Traced keeps to its capture]).
+    key = CacheKey.of_call(structure=structure, leaves=leaves, dims=dims, lifted=lifted)
     traceable = signature_stage(
-        *(fn, call_target(fn), args, kwargs, lifting, lifted),
+        *(traced_fn, target, args, kwargs, lifting, lifted),
         dims=dims,
         effects=watch,
         arguments=arguments,
     )
     partitioned, compiled = run(traceable, options)
+    settled = lifting.settle(lifted, arguments)
+    capture = capture_of(
+        target=target,
+        args=args,
+        kwargs=kwargs,
+        key=key._replace(state=settled.key),
+        dims=dims,
+        state=lifting,
+        sharing=memory_sharing(traceable.primals),
+        descriptors=partitioned.joint.inputs.descriptors,
+    )
     return Traced(
         partitioned=partitioned,
         _compiled=compiled,
         _lifted=lifted.tensors,
         _autocast=autocast_state(),
-        _sharing=memory_sharing(traceable.primals),
+        _wrapping=wrapping,
+        _capture=capture,
         _replay=watch.replay,
         _options=options,
+        _fn=fn,
     )
-
-
-def _sharing_text(sharing: tuple[Any, ...], descriptors: Sequence[Any]) -> str:
-    if not sharing:
-        return "(none)"
-
-    def name(i: int) -> str:
-        return str(descriptors[i]) if i < len(descriptors) else f"input {i}"
-
-    groups = []
-    for _, members in sharing:
-        groups.append(
-            " and ".join(
-                name(i)
-                + (f" (the same tensor as {name(same)})" if same != i else "")
-                + f" [size {tuple(size)}, stride {tuple(stride)}, offset {offset}]"
-                for i, same, size, stride, offset in members
-            )
-        )
-    return "; ".join(groups)
 
 
 def aot_function(
@@ -845,6 +877,19 @@ class AOTModule(_Reports, torch.nn.Module):
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles (and deep-copies) as the wrapped module plus options, compiled again on use."""
         return (_rebuild_aot_module, (self.orig_module, self.compiled._options))
+
+    @property
+    def partitioned(self) -> Partitioned | None:
+        """The last specialization's graphs and what aotgrad decided (``AOTFunction.partitioned``);
+        None before the first call.
+
+        >>> import torch, aotgrad
+        >>> model = aotgrad.aot_module(torch.nn.Linear(3, 2))
+        >>> model(torch.ones(4, 3)).sum().backward()
+        >>> [(s.name, s.producer) for s in model.partitioned.saved]
+        [('input_1', 'input')]
+        """
+        return self.compiled.partitioned
 
     def _reported(self) -> Partitioned:
         return self.compiled._reported()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 import torch
@@ -75,9 +75,26 @@ class CacheInfo:
     # backwards that ran another way (none do: Note [Differentiable backward]).
     create_graph_captures: int = 0
     create_graph_fallbacks: int = 0
+    # How many compiled functions this counts: one, but for a torch.compile'd model, which
+    # has one per graph Dynamo compiled (a graph break or a Dynamo recompile adds one).
+    graphs: int = 1
+
+    @classmethod
+    def combined(cls, infos: Sequence[CacheInfo]) -> CacheInfo:
+        """Several compiled functions' counts summed; each miss reason says its graph."""
+        total = cls(graphs=len(infos))
+        counts = [f.name for f in fields(cls) if f.type == "int" and f.name != "graphs"]
+        for i, info in enumerate(infos):
+            for name in counts:
+                setattr(total, name, getattr(total, name) + getattr(info, name))
+            total.reasons += [f"graph {i}: {reason}" for reason in info.reasons]
+            total.jvp_skipped = info.jvp_skipped or total.jvp_skipped
+            total.disk_skipped = info.disk_skipped or total.disk_skipped
+        return total
 
     def __str__(self) -> str:
-        lines = [
+        lines = [] if self.graphs == 1 else [f"{self.graphs} graphs compiled by Dynamo"]
+        lines += [
             f"{self.hits} hits, {self.misses} misses, {self.entries} entries, {self.fallbacks} eager fallbacks",
             f"{self.transform_runs} calls under torch.func transforms or forward-mode AD,"
             f" {self.jvp_runs} through a JVP graph",
@@ -96,13 +113,44 @@ class CacheInfo:
 
 
 def cache_info(fn: Any) -> CacheInfo:
-    """The :class:`CacheInfo` of an ``aot_function`` or ``aot_module`` result."""
-    info = getattr(getattr(fn, "compiled", fn), "info", None)
-    if not isinstance(info, CacheInfo):
+    """The :class:`CacheInfo` of what any aotgrad frontend returned: ``aot_function``,
+    ``aot_module``, ``trace`` (one specialization, no cache), ``scan_function`` /
+    ``scan_layers_function`` (the body's captures), and a model or
+    function compiled by ``torch.compile`` with aotgrad as its backend (every graph Dynamo
+    compiled from its code, summed: Note [The graphs Dynamo holds] in ``_torch_compat.py``).
+
+    >>> import torch, aotgrad
+    >>> model = torch.compile(torch.nn.Linear(3, 2), backend=aotgrad.backend())
+    >>> _ = model(torch.ones(4, 3)); _ = model(torch.ones(4, 3))
+    >>> info = aotgrad.cache_info(model)
+    >>> info.graphs, info.hits, info.misses, info.reasons
+    (1, 1, 1, ['graph 0: first call'])
+    """
+    info = _info_of(fn)
+    if info is not None:
+        return info
+    compiled = compat.dynamo_compiled_functions(fn)
+    if compiled is None:
         raise TypeError(
-            f"expected what aot_function or aot_module returned, got {type(fn).__name__}"
+            "aotgrad.cache_info takes what an aotgrad frontend returned (aot_function,"
+            " aot_module, trace, scan_function, or torch.compile with an aotgrad"
+            f" backend), got {type(fn).__name__}; for aotgrad.scan(fn, ...), pass"
+            " aotgrad.scan_function(fn) with the same options"
         )
-    return info
+    infos = [_info_of(f) for f in compiled]
+    mine = [i for i in infos if i is not None]
+    if infos and not mine:
+        raise TypeError(
+            f"the {len(infos)} graph(s) torch.compile compiled for this {type(fn).__name__}"
+            " were compiled by another backend, not aotgrad's"
+        )
+    return CacheInfo.combined(mine)
+
+
+def _info_of(fn: Any) -> CacheInfo | None:
+    """``fn.info`` (an AOTModule's: its AOTFunction's), if it is a :class:`CacheInfo`."""
+    info = getattr(getattr(fn, "compiled", fn), "info", None)
+    return info if isinstance(info, CacheInfo) else None
 
 
 # Note [Ambient state]

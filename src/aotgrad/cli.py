@@ -7,6 +7,7 @@ returning ``(args, kwargs)`` for the function.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib.util
 import json
@@ -14,13 +15,18 @@ import os
 import re
 import select
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from aotgrad.api import Traced, trace
+import torch
+
+from aotgrad._torch_compat import OpOverload
+from aotgrad.api import Traced, aot_function, aot_module, trace
+from aotgrad.capture.opset import DECOMPOSITION_SETS
 from aotgrad.errors import AotgradError, user_frame_from_traceback
+from aotgrad.partition.strategies import Budget, budget
 from aotgrad.report import memory_report, peak_report, show_document
 from aotgrad.testing import verify
 
@@ -46,6 +52,20 @@ def main(argv: list[str] | None = None) -> int:
         "--html", metavar="OUT.html", help="write one self-contained HTML report to this file"
     )
     show.add_argument(
+        "--partition",
+        metavar="STRATEGY",
+        default="save_all",
+        help="what the backward saves: save_all (default), mincut, 'budget(0.1)',"
+        " 'budget(peak=BYTES)', or the name of a policy fx.Node -> bool in the file"
+        " (Note [Options on the command line])",
+    )
+    show.add_argument(
+        "--decompositions",
+        metavar="SET",
+        help="decompositions at capture: core_aten, or the name of a dict OpOverload -> function"
+        " in the file",
+    )
+    show.add_argument(
         "--tracer",
         choices=["auto", "direct", "full"],
         default="auto",
@@ -65,20 +85,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(options: argparse.Namespace) -> int:
     try:
-        fn, args, kwargs = _load(options.target, options.inputs)
+        module, fn, args, kwargs = _load(options.target, options.inputs)
+        partition = _partition_of(options.partition, module)
+        decompositions = _decompositions_of(options.decompositions, module)
     except LoadError as e:
         print(f"aotgrad: {e}", file=sys.stderr)
         return 2
     fast, check = (False if options.no_fast else None), (True if options.check else None)
+    chosen = dict(tracer=options.tracer, fast=fast, check=check)
+    chosen.update(partition=partition, decompositions=decompositions)
     try:
-        traced = trace(fn, *args, tracer=options.tracer, fast=fast, check=check, **kwargs)
+        traced = trace(fn, *args, **chosen, **kwargs)
         if options.json:
             _emit(json.dumps(show_document(traced.partitioned), indent=1))
         elif options.html:
             _write_html(traced, options.html)
             _emit(f"wrote {options.html}")
         else:
-            return _show(traced, fn, args, kwargs, check=not options.no_check)
+            check_with = None if options.no_check else _compiled_as(chosen)
+            return _show(traced, fn, args, kwargs, check_with)
         return 0
     except AotgradError as e:  # the function cannot be captured: aotgrad's message says why
         print(f"aotgrad: {type(e).__name__}: {e}", file=sys.stderr)
@@ -159,7 +184,18 @@ def _write_html(traced: Traced, path: str) -> None:
         raise _OutputFailed(path) from e
 
 
-def _show(traced: Traced, fn: Any, args: Any, kwargs: Any, check: bool) -> int:
+def _compiled_as(chosen: dict[str, Any]) -> Any:
+    """``verify``'s ``compile_fn``: the function compiled with the options ``show`` traced it
+    with, so the eager check runs the graphs it printed."""
+
+    def compile_fn(fn: Any) -> Any:
+        frontend = aot_module if isinstance(fn, torch.nn.Module) else aot_function
+        return frontend(fn, **chosen)
+
+    return compile_fn
+
+
+def _show(traced: Traced, fn: Any, args: Any, kwargs: Any, check_with: Any) -> int:
     _emit("=== tracer ===")
     _emit(str(traced.partitioned.joint.tracer), end="\n\n")
     _emit("=== forward graph ===")
@@ -175,10 +211,10 @@ def _show(traced: Traced, fn: Any, args: Any, kwargs: Any, check: bool) -> int:
     _emit(peak_report(traced.partitioned), end="\n\n")
     _emit("=== sequence numbers ===")
     _emit(str(traced.seq_table()), end="\n\n")
-    if not check:
+    if check_with is None:
         return 0
     _emit("=== check against eager ===")
-    report = verify(fn, *args, check=False, **kwargs)
+    report = verify(fn, *args, check=False, compile_fn=check_with, **kwargs)
     _emit(str(report))
     return 0 if report.ok else 1
 
@@ -187,7 +223,7 @@ class LoadError(Exception):
     """The target cannot be loaded: a one-line message, no traceback."""
 
 
-def _load(target: str, inputs_name: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+def _load(target: str, inputs_name: str) -> tuple[ModuleType, Any, tuple[Any, ...], dict[str, Any]]:
     path_text, sep, name = target.rpartition(":")
     if not sep or not name:
         raise LoadError(f"expected FILE.py:FUNCTION, got {target!r}")
@@ -211,7 +247,7 @@ def _load(target: str, inputs_name: str) -> tuple[Any, tuple[Any, ...], dict[str
         raise LoadError(f"{path_text}:{inputs_name}() {_exited(e)}") from e
     except Exception as e:
         raise LoadError(f"{path_text}:{inputs_name}() raised {_one_line(e)}") from e
-    return (fn, *_split_inputs(inputs, f"{path_text}:{inputs_name}()"))
+    return (module, fn, *_split_inputs(inputs, f"{path_text}:{inputs_name}()"))
 
 
 def _split_inputs(inputs: Any, source: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -230,6 +266,101 @@ def _split_inputs(inputs: Any, source: str) -> tuple[tuple[Any, ...], dict[str, 
             f"{source} must return (args, kwargs): a tuple or list and a dict, got a {got}"
         )
     return tuple(inputs[0]), dict(inputs[1])
+
+
+# Note [Options on the command line]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``--partition`` and ``--decompositions`` take every value the keywords of ``trace`` take,
+# spelled as text; a name stands for a value the file defines, as FUNCTION and --inputs do::
+#
+#     --partition save_all | mincut         the named strategies
+#     --partition 'budget(0.1)'             aotgrad.budget(0.1): a fraction, or bytes when > 1
+#     --partition 'budget(peak=2e6)'        aotgrad.budget(peak=2_000_000), time_limit= too
+#     --partition save_matmuls              a policy fx.Node -> bool (or a Budget) in the file
+#     --decompositions core_aten            a decomposition set, by name
+#     --decompositions my_table             a dict OpOverload -> function in the file
+#
+# A budget's arguments are read as number literals (``ast.literal_eval``), never run as code,
+# and go through ``aotgrad.budget``, so its checks and messages are the API's. Anything else
+# is a one-line error before any capture (exit 2), naming the value and the forms above:
+# ``--partition budget(-1)`` says "a budget must be positive, got -1.0".
+
+_PARTITION_FORMS = (
+    "save_all, mincut, 'budget(FRACTION or BYTES)', 'budget(peak=BYTES)', or the name of a"
+    " policy (a function fx.Node -> bool) or a Budget the file defines"
+)
+_DECOMPOSITION_FORMS = (
+    f"{', '.join(DECOMPOSITION_SETS)}, or the name of a dict from OpOverload to function the"
+    " file defines"
+)
+
+
+def _partition_of(text: str, module: ModuleType) -> Any:
+    """The ``partition=`` value ``--partition`` spells (Note [Options on the command line])."""
+    if text in ("save_all", "mincut"):
+        return text
+    if text.lstrip().startswith(("budget(", "aotgrad.budget(")):
+        return _budget_of(text)
+    value = getattr(module, text, None) if text.isidentifier() else None
+    if isinstance(value, Budget) or (callable(value) and not isinstance(value, type)):
+        return value
+    found = "" if value is None else f" (the file's {text} is of type {type(value).__name__})"
+    raise LoadError(
+        f"--partition {text!r} is not a partition strategy{found}: pass {_PARTITION_FORMS}"
+    )
+
+
+def _budget_of(text: str) -> Budget:
+    """``aotgrad.budget`` called with the number literals ``text`` gives it."""
+    try:
+        call = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise LoadError(f"--partition {text!r}: {e.msg}; write it as 'budget(0.1)'") from e
+    if not isinstance(call, ast.Call):
+        raise LoadError(f"--partition {text!r}: write a budget as 'budget(0.1)'")
+    values = [*call.args, *(k.value for k in call.keywords)]
+    if any(k.arg is None for k in call.keywords) or not all(map(_is_number, values)):
+        raise LoadError(
+            f"--partition {text!r}: a budget's arguments must be numbers, as in 'budget(0.1)'"
+            " or 'budget(peak=2e6)'"
+        )
+    args = [ast.literal_eval(a) for a in call.args]
+    kwargs = {str(k.arg): ast.literal_eval(k.value) for k in call.keywords}
+    try:
+        return budget(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise LoadError(f"--partition {text!r}: {e}") from e
+
+
+def _is_number(node: ast.expr) -> bool:
+    """A number literal, signed or not (``0.1``, ``-1``, ``2e6``)."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        node = node.operand
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float)
+
+
+def _decompositions_of(text: str | None, module: ModuleType) -> Any:
+    """The ``decompositions=`` value ``--decompositions`` spells (Note [Options on the
+    command line])."""
+    if text is None or text in DECOMPOSITION_SETS:
+        return text
+    value = getattr(module, text, None) if text.isidentifier() else None
+    if isinstance(value, Mapping):
+        wrong = [k for k, v in value.items() if not (_is_op(k) and callable(v))]
+        if not wrong:
+            return dict(value)
+        raise LoadError(
+            f"--decompositions {text!r}: the dict must map each OpOverload (aten.silu.default,"
+            f" not aten.silu) to a function; its entry {wrong[0]!r} does not"
+        )
+    found = "" if value is None else f" (the file's {text} is of type {type(value).__name__})"
+    raise LoadError(
+        f"--decompositions {text!r} is not a decomposition set{found}: pass {_DECOMPOSITION_FORMS}"
+    )
+
+
+def _is_op(key: Any) -> bool:
+    return isinstance(key, OpOverload)  # aten.silu.default; aten.silu would match no op
 
 
 # Note [Importing the user's file]

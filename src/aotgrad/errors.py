@@ -69,7 +69,8 @@ class DirectTraceError(CaptureError):
 
 class OpError(CaptureError, RuntimeError):
     """An op raised while the function was captured (a shape mismatch in ``x @ w``, a bad
-    ``view``): eager raises the same. The message names the op and the user's line; the
+    ``view``); the message says "eager raises the same" where that was checked (Note
+    [Checking that eager raises the same]). It names the op and the user's line; the
     original exception is the ``__cause__``. Also an instance of the original's type, and
     a ``RuntimeError`` (torch's Python refs raise ``ValueError`` where eager's kernels raise
     ``RuntimeError``)."""
@@ -127,13 +128,15 @@ class StoreError(AotgradError, ValueError):
 
 
 class PartitionError(AotgradError, ValueError):
-    """A partition policy cannot be followed: it raised, or answered something other than
-    ``True`` (save) or ``False`` (recompute) (Note [Partition policies])."""
+    """A partition cannot be made as asked: an unknown strategy, a budget no plan fits, a
+    policy that raised or answered something other than ``True`` (save) or ``False``
+    (recompute) (Note [Partition policies])."""
 
 
 class ConfigError(AotgradError, ValueError):
-    """An ``AOTGRAD_*`` environment variable holds a value aotgrad does not accept; the
-    message names the variable and the values it takes."""
+    """An option holds a value aotgrad does not accept (an ``AOTGRAD_*`` environment
+    variable, an argument of ``aotgrad.budget``); the message names it and the values it
+    takes."""
 
 
 class UnsupportedWrapperError(AotgradError, ValueError):

@@ -207,6 +207,15 @@ def export_graphs(
             " (os.environ.get) to export the graphs"
         )
     signature = partitioned.signature
+    if signature.state_at_backward:  # Note [State updated by the backward]
+        named = ", ".join(str(d.of) for d in signature.state_at_backward[:3])
+        raise CallError(
+            f"the backward reads and updates {named}: a checkpointed region updates that"
+            " state again when the backward recomputes it (a BatchNorm's running statistics),"
+            " and an exported program's calling convention has no place for state the"
+            " backward mutates. Turn gradient checkpointing off, or put the BatchNorm in eval"
+            " mode, to export the graphs"
+        )
     graphs = (partitioned.forward, partitioned.backward, partitioned.joint.gm if joint else None)
     forward_gm, backward_gm, joint_gm = _decomposed(graphs, decompositions)
     forward, forward_outputs = _graph_program(
@@ -229,7 +238,11 @@ def export_graphs(
         forward=forward,
         backward=backward,
         forward_outputs=forward_outputs,
-        backward_inputs=signature.backward_inputs if backward is not None else (),
+        backward_inputs=tuple(
+            d for d in signature.backward_inputs if isinstance(d, Saved | Cotangent)
+        )
+        if backward is not None
+        else (),
         backward_outputs=tuple(g for g in grads if isinstance(g, Grad)),
         joint=joint_program,
         joint_outputs=joint_outputs,

@@ -147,6 +147,8 @@ def verify(
     finally:
         after = reached.after_runs()
     checker = _Checker(report, rtol, atol)
+    if (eager_run.error is None) != (compiled_run.error is None):
+        checker.mismatch(f"the backward raised {compiled_run.error!r} != eager {eager_run.error!r}")
     checker.outputs(eager_run.out, compiled_run.out, eager, compiled)
     checker.inputs_after_call(eager, compiled)
     for name, e, c in after:
@@ -195,6 +197,9 @@ class _Run:
     # With ``create_graph=True``: second-order gradients by name, and the weights used.
     seconds: dict[str, torch.Tensor | None] = field(default_factory=dict)
     weights: list[torch.Tensor | None] = field(default_factory=list)
+    # What the backward raised (eager raises for a view taken before its base's
+    # ``requires_grad_()``): compared with the other run's, no gradient then.
+    error: RuntimeError | None = None
 
 
 def _run(fn: Callable[..., Any], call: _Call, eager: _Run | None, create_graph: bool) -> _Run:
@@ -212,14 +217,33 @@ def _run(fn: Callable[..., Any], call: _Call, eager: _Run | None, create_graph: 
         if k < len(leaves) and isinstance(t := leaves[k], torch.Tensor) and t.requires_grad
     ]
     wrt = [call.grad_holders[n] for n in names]
-    run = _Run(out, cotangents, dict.fromkeys(names))
+    run = _Run(
+        out, cotangents, dict.fromkeys(names), weights=[] if eager is None else eager.weights
+    )
     if not targets or not names:
         return run
-    outputs, given = [t for t, _ in targets], [g for _, g in targets]
+    try:
+        _differentiate(run, [t for t, _ in targets], [g for _, g in targets], wrt, create_graph)
+    except RuntimeError as e:
+        if eager is not None and eager.error is None:
+            raise  # the compiled backward's own error (an AotgradError, say)
+        run.error = e
+        run.grads = dict.fromkeys(names)
+    return run
+
+
+def _differentiate(
+    run: _Run,
+    outputs: list[torch.Tensor],
+    given: list[torch.Tensor],
+    wrt: list[torch.Tensor],
+    create_graph: bool,
+) -> None:
+    names = list(run.grads)
     if not create_graph:
         torch.autograd.backward(outputs, given)
         run.grads = {n: h.grad for n, h in zip(names, wrt, strict=True)}
-        return run
+        return
     given = [g.clone().requires_grad_(True) for g in given]
     differentiable = [h for h in wrt if h.requires_grad]  # the compiled run may differ
     computed = iter(
@@ -227,11 +251,10 @@ def _run(fn: Callable[..., Any], call: _Call, eager: _Run | None, create_graph: 
     )
     firsts = tuple(next(computed) if h.requires_grad else None for h in wrt)
     run.grads = dict(zip(names, firsts, strict=True))
-    run.weights = _weights(firsts) if eager is None else eager.weights
+    run.weights = run.weights or _weights(firsts)
     seconds = _weighted_grads(list(firsts), run.weights, [*wrt, *given])
     wrt_names = [*names, *(f"cotangent {k}" for k in range(len(given)))]
     run.seconds = dict(zip(wrt_names, seconds, strict=True))
-    return run
 
 
 class _Reached:

@@ -23,6 +23,7 @@ from aotgrad.capture.aliasing import (
     TensorOutput,
     ViewMeta,
 )
+from aotgrad.capture.backward_state import StateRegion, read_state_at_backward, state_regions
 from aotgrad.capture.collectives import (
     COLLECTIVE_KEY,
     CollectiveCall,
@@ -224,9 +225,23 @@ def _capture(
     _remove_detaches(gm.graph)  # before matching: a checkpoint recomputes from detached inputs
     describe_collectives(gm)  # op, group, shape of each collective (Note [Collectives])
     link_recompute(gm)
+    if record.state_at_backward:  # Note [State updated by the backward]
+        read_state_at_backward(gm, record.state_at_backward, _after_forward(gm, record))
     joint = _assemble(gm, flat, inputs, bases, record, report)
     _name_owners(gm.graph, inputs.descriptors, frozenset(recorder.module_names.values()))
     return joint
+
+
+def _after_forward(gm: fx.GraphModule, record: TraceRecord) -> list[fx.Node]:
+    """Per input the backward updates: its value after the forward (the forward's new value,
+    or the placeholder when the forward left it alone)."""
+    results = list(gm.graph.output_node().args[0])  # type: ignore[arg-type]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    mutated = [m.index for m in record.mutations if m.data]
+    forward = len(results) - len(record.reached_by) - len(record.state_at_backward)
+    new_values = results[forward - len(mutated) : forward]  # (*outputs, *bases, *mutated)
+    by_input = dict(zip(mutated, new_values, strict=True))
+    return [by_input.get(i, placeholders[i]) for i in record.state_at_backward]
 
 
 def _why_not_direct(
@@ -332,6 +347,7 @@ def _assemble(
         returned=(*outputs, *bases, *mutated),
         cotangents=cotangents,
         requires_grad=requires_grad,
+        state_at_backward=tuple(record.state_at_backward),
     )
     joint = JointGraph(
         gm=gm,
@@ -351,6 +367,8 @@ def _assemble(
         reached_by=_reached_by(gm.graph, record, signature),
         made_to_require_grad=tuple(record.made_to_require_grad),
         detached_inputs=tuple(record.detached_inputs),
+        state_at_backward=tuple(record.state_at_backward),
+        state_regions=_state_regions(gm.graph, signature),
         tracer=report,
     )
     placeholders = [*signature.forward_inputs, *signature.backward_inputs]
@@ -376,6 +394,19 @@ def _reached_by(
         tuple(c for j, c in enumerate(cotangents) if (path | data) >> j & 1)
         for path, data in zip(record.reached_by, computed, strict=True)
     )
+
+
+def _state_regions(graph: fx.Graph, signature: Signature) -> tuple[StateRegion, ...]:
+    """Per input the backward updates, its region's backward (Note [State updated by the
+    backward])."""
+    if not signature.state_at_backward:
+        return ()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    results = list(graph.output_node().args[0])  # type: ignore[arg-type]
+    grads = results[signature.grads_in_joint]
+    new_state = results[signature.new_state_in_joint]
+    cotangents = placeholders[signature.cotangents_in_joint]
+    return tuple(state_regions(graph, cotangents, new_state, grads))
 
 
 def _output_descriptors(record: TraceRecord) -> list[Output]:

@@ -52,6 +52,7 @@ share it); on a thread with no ``ClosedOver`` mode it calls ``apply`` unchanged.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -63,11 +64,13 @@ from torch.overrides import TorchFunctionMode
 from aotgrad._torch_compat import function_mode_count, function_modes, is_functional_tensor
 from aotgrad.capture.host_checks import checked_function, is_checked_function
 from aotgrad.errors import (
+    DataDependentError,
     UnsupportedClosureError,
     UnsupportedMutationError,
     UnsupportedOpError,
     UserFrame,
     format_error,
+    is_user_file,
     user_frame_from_stack,
 )
 from aotgrad.signature.subclasses import Rebuilt, rebuilt_in_trace
@@ -82,6 +85,7 @@ _INPLACE_DUNDERS = frozenset(
 ) | {"__setitem__"}
 
 
+_DATA_PTR = torch.Tensor.data_ptr
 _GRAD_GET = torch.Tensor.grad.__get__  # type: ignore[union-attr]  # a new method-wrapper per access: compare with ==
 
 
@@ -151,6 +155,8 @@ class ClosedOver(TorchFunctionMode):
         kwargs = kwargs or {}
         if getattr(func, "__name__", None) == "__get__" and func == _GRAD_GET:
             self._check_grad_read(args[0], rebuilt_in_trace())
+        elif func is _DATA_PTR and not self._swap_only and type(args[0]) not in _REAL:
+            _refuse_data_ptr(sys._getframe(1).f_code.co_filename)  # the caller of data_ptr()
         args, kwargs = self.swap_arguments(func, args, kwargs)
         if is_checked_function(func):  # Note [Host checks]
             with checked_function(func):
@@ -269,6 +275,24 @@ def _innermost_closed_over() -> ClosedOver | None:
 
 
 _apply_patch = _ApplyPatch()
+
+
+def _refuse_data_ptr(caller: str) -> None:
+    """The user's code reads a traced tensor's ``data_ptr()``: the fake tensor's address would
+    be baked into the graph as a constant (eager computes with the real tensor's on every
+    call). Torch's own code reading it (RNN weight checks) decides nothing the graph keeps."""
+    if not is_user_file(caller):
+        return
+    raise DataDependentError(
+        format_error(
+            "data_ptr() of a tensor the function computes with reads its memory address during"
+            " capture; the graph would keep the traced tensor's address as a constant on every"
+            " call, where eager uses the real tensor's",
+            user_frame_from_stack(),
+            "Read the address outside the compiled function and pass what you need as an"
+            " argument, or wrap the code that needs it in a custom op (torch.library).",
+        )
+    )
 
 
 def in_capture() -> bool:

@@ -23,13 +23,13 @@ from aotgrad._torch_compat import (
     sync,
     use_lazy_graph_module,
 )
+from aotgrad.capture.backward_state import backward_mutations, mutation_counts
 from aotgrad.capture.mutation import (
     InputMutation,
     PrimalInfo,
     analyze_mutations,
-    check_no_backward_mutation,
     check_restrided_data,
-    mutation_counts,
+    with_kernel_resizes,
 )
 from aotgrad.capture.recorder import ProvenanceMode, Recorder
 from aotgrad.capture.tracers import FullTraceRefused, Tracer
@@ -140,6 +140,7 @@ class FullTracer(Tracer):
     ) -> list[InputMutation]:
         sites = self.recorder.mutation_sites
         mutations = analyze_mutations(graph_primals, grad_fns, infos, descriptors, where, sites)
+        mutations = with_kernel_resizes(mutations, graph_primals)
         check_restrided_data(mutations, originals, descriptors, where)
         return mutations
 
@@ -154,10 +155,12 @@ class FullTracer(Tracer):
         graph_primals: Sequence[torch.Tensor],
         descriptors: Sequence[GraphInputDescriptor],
         where: UserFrame | None,
-    ) -> Iterator[None]:
+    ) -> Iterator[list[int]]:
+        """Note [State updated by the backward]."""
         before = mutation_counts(graph_primals)
-        yield
-        check_no_backward_mutation(graph_primals, before, descriptors, where)
+        changed: list[int] = []
+        yield changed
+        changed += backward_mutations(graph_primals, before, descriptors, where)
 
     def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:
         return value.from_functional() if isinstance(value, FunctionalTensor) else value

@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import LazyGraphModule
 from aotgrad.capture.aliasing import OutputLeaf, TensorOutput
+from aotgrad.capture.backward_state import StateRegion
 from aotgrad.capture.dynamic import ShapeGuards
 from aotgrad.capture.environ import EnvironReads
 from aotgrad.capture.input_aliases import SyntheticBase
@@ -26,6 +27,7 @@ from aotgrad.signature import (
     Output,
     OutputBase,
     Signature,
+    StateAtBackward,
 )
 
 # Note [Code on demand]
@@ -60,18 +62,24 @@ def joint_signature(
     returned: tuple[Output | OutputBase | MutatedInput, ...],  # every output, then bases, mutated
     cotangents: tuple[Cotangent, ...],
     requires_grad: tuple[bool, ...],
+    state_at_backward: tuple[int, ...] = (),
 ) -> Signature:
     """The joint graph's calling convention: nothing saved yet (Note [Calling convention]).
 
-    A grad for every input that requires one, when there is a backward at all.
+    A grad for every input that requires one, when there is a backward at all; then the
+    inputs the backward updates (Note [State updated by the backward]).
     """
+    state = [graph_inputs[i] for i in state_at_backward]
     return Signature(
         forward_inputs=graph_inputs,
         forward_outputs=returned,
-        backward_inputs=cotangents,
-        backward_outputs=tuple(
-            Grad(of=d) if needs and cotangents else None
-            for d, needs in zip(graph_inputs, requires_grad, strict=True)
+        backward_inputs=(*cotangents, *(StateAtBackward(of=d) for d in state)),
+        backward_outputs=(
+            *(
+                Grad(of=d) if needs and cotangents else None
+                for d, needs in zip(graph_inputs, requires_grad, strict=True)
+            ),
+            *(MutatedInput(of=d) for d in state),
         ),
     )
 
@@ -124,6 +132,12 @@ class JointGraph:
     # User input positions the function detached in place (``a.detach_()``); the runtime
     # detaches the caller's tensors after the call (Note [requires_grad_() on an input]).
     detached_inputs: tuple[int, ...] = ()
+    # Graph input positions the backward reads and updates, in the order of their
+    # StateAtBackward placeholders and new values (Note [State updated by the backward]).
+    state_at_backward: tuple[int, ...] = ()
+    # Per input in state_at_backward: where its region's backward runs, which decides when
+    # the runtime writes its new value.
+    state_regions: tuple[StateRegion, ...] = ()
     # Which tracer made the graph, and why not the direct one (Note [Choosing a tracer]).
     tracer: TracerReport = field(kw_only=True)
     # The environment variables the user's code read at capture, with the values read;
@@ -180,6 +194,7 @@ class JointGraph:
             returned=(*self.outputs, *self.bases, *self.mutated_descriptors),
             cotangents=self.cotangents,
             requires_grad=self.requires_grad,
+            state_at_backward=self.state_at_backward,
         )
 
     def results(self) -> list[fx.Node | None]:
@@ -196,6 +211,11 @@ class JointGraph:
     def grad_results(self) -> list[fx.Node | None]:
         """One per primal, ``None`` where it gets none (``Signature.grads_in_joint``)."""
         return self.results()[self.signature.grads_in_joint]
+
+    def backward_results(self) -> list[fx.Node | None]:
+        """What the backward graph returns: the grads, then the new values of the inputs it
+        updates (Note [State updated by the backward])."""
+        return self.results()[self.signature.grads_in_joint.start :]
 
     def backward_nodes(self) -> list[fx.Node]:
         """Nodes the backward computes: its own ops and forward ops it re-runs."""

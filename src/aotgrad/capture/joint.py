@@ -123,6 +123,10 @@ class TraceRecord:
     # checkpoint's backward must not write their ``.grad`` (``_real_grads_untouched``, a
     # safety net: the closed-over swap spans the backward).
     closed_over_leaves: list[torch.Tensor] = field(default_factory=list)
+    # Graph input positions whose data the backward changed (a checkpointed BatchNorm's
+    # running statistics): their values after it follow the grads (Note [State updated by
+    # the backward]).
+    state_at_backward: list[int] = field(default_factory=list)
 
 
 def fake_primals(
@@ -319,6 +323,9 @@ def _joint(
             forward, returned = _forward_values(
                 result, stored, primals, graph_primals, inner, record, where, tracer
             )
+            # Each value as it is now: a backward that mutates an input again must not
+            # change the forward's new value of it (Note [State updated by the backward]).
+            forward_values = [tracer.unwrap(v) for v in forward]
             check_member_mutations(record.member_mutations, record.mutations, primals, where)
             check_views_of_made_inputs(
                 record.leaves,
@@ -333,12 +340,15 @@ def _joint(
                 if needs and info.duplicate_of is None
             ]
             record.differentiable = _differentiable(returned, record, options.with_backward, where)
-            grads = []
+            grads: list[torch.Tensor | None] = []
+            new_state: list[torch.Tensor] = []
             if any(record.differentiable):
                 grads = _backward(
                     record, graph_primals, edges, returned, inputs, closed_over, tracer, where
                 )
-    return [tracer.unwrap(v) for v in (*forward, *grads)]
+                new_state = [graph_primals[i] for i in record.state_at_backward]
+                tracer.sync(new_state)  # Note [State updated by the backward]
+    return [*forward_values, *(tracer.unwrap(v) for v in (*grads, *new_state))]
 
 
 def _note_grad_changes(
@@ -507,7 +517,7 @@ def _backward(
         for t in record.closed_over_leaves:
             tracer.recorder.real_leaves.setdefault(id(t), t)
     with (
-        tracer.backward_checked(primals, inputs.descriptors, where),
+        tracer.backward_checked(primals, inputs.descriptors, where) as changed,
         closed_over.backward(),  # Note [The swap spans the backward]
     ):
         targets = [t for t, d in zip(returned, record.differentiable, strict=True) if d]
@@ -532,6 +542,7 @@ def _backward(
             computed = _run_engine(targets, cotangents, () if leaf else tuple(wrt), leaf)
         if leaf:
             computed = tuple(primals[i].grad for i in record.grad_inputs)
+    record.state_at_backward = changed  # Note [State updated by the backward]
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g

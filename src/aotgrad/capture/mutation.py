@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,7 +47,6 @@ import torch
 from aotgrad._torch_compat import (
     has_data_mutation,
     has_metadata_mutation,
-    mutation_counter,
     was_storage_changed,
 )
 from aotgrad.capture.aliasing import ViewMeta
@@ -95,6 +94,12 @@ class InputMutation:
     with_grad: bool
     # The new value requires grad: copied back under grad mode, and it gets a cotangent.
     requires_grad: bool
+
+    @property
+    def written_in_graph(self) -> bool:
+        """With ``keep_inference_input_mutations``, the forward graph itself writes the new
+        value: a data mutation only (Note [Mutations kept in the graph])."""
+        return self.data and self.metadata is None
 
 
 def analyze_mutations(
@@ -154,6 +159,38 @@ def analyze_mutations(
             )
         )
     return mutations
+
+
+# Note [Inputs a kernel resizes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some in-place kernels resize an argument before writing it:
+# ``fused_moving_avg_obs_fake_quant`` (QAT's ``FusedMovingAvgObsFakeQuantize``)
+# resizes a per-channel observer's ``scale`` and ``zero_point`` from size
+# (1,) to one entry per channel at its first call. Functionalization replaces
+# the input with the kernel's functional result, so the input reports a data
+# mutation and no metadata mutation, yet its size changed. Replayed as data
+# alone, the new value would be copied into the old size::
+#
+#     scale: (1,) -> kernel writes (4,)     flags: data yes, metadata no
+#     epilogue: scale.copy_(new (4,))       "doesn't match the broadcast shape"
+#
+# So a written input whose functional value's size differs from the size its
+# wrapper came with carries its new layout as a metadata mutation: the epilogue resizes
+# (restrides) the caller's tensor, growing its storage when needed, then
+# copies the new value in, as the kernel did in eager.
+def with_kernel_resizes(
+    mutations: Sequence[InputMutation], graph_primals: Sequence[torch.Tensor]
+) -> list[InputMutation]:
+    """``mutations``, a written input whose functional value changed size without a metadata
+    flag given its new layout (Note [Inputs a kernel resizes])."""
+    resized = []
+    for m in mutations:
+        primal = graph_primals[m.index]
+        inner = primal.elem  # type: ignore[attr-defined]  # the Python wrapper keeps its size
+        if m.data and m.metadata is None and inner.shape != primal.shape:
+            m = replace(m, metadata=ViewMeta.of(inner))
+        resized.append(m)
+    return resized
 
 
 def member_metadata_mutations(
@@ -519,50 +556,3 @@ def may_overlap(t: torch.Tensor) -> bool:
             return True
         span += (size - 1) * stride
     return False
-
-
-# Note [Mutations in the backward]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A checkpointed region re-runs in the backward, and eager PyTorch re-runs its
-# side effects with it: a BatchNorm in training mode inside
-# ``checkpoint(...)`` updates its running statistics in the forward *and*
-# again in the backward (``num_batches_tracked`` goes up by 2 per step, with
-# either flavour of checkpoint). The graphs write inputs back only after the
-# forward (Note [Input mutation]); replaying the second update then would be
-# wrong whenever the backward does not run, or runs later. So capture counts
-# each input's mutations before the backward and refuses if the backward
-# changed any of them.
-
-
-def mutation_counts(primals: Sequence[torch.Tensor]) -> list[int]:
-    """How many times functionalization has seen each (functional) primal mutated so far."""
-    return [mutation_counter(p.elem) for p in primals]  # type: ignore[attr-defined]
-
-
-def check_no_backward_mutation(
-    primals: Sequence[torch.Tensor],
-    before: Sequence[int],
-    descriptors: Sequence[Descriptor],
-    where: UserFrame | None,
-) -> None:
-    """Refuse mutations of inputs made by the backward (Note [Mutations in the backward])."""
-    changed = [
-        str(desc)
-        for p, count, desc in zip(primals, before, descriptors, strict=True)
-        if mutation_counter(p.elem) != count  # type: ignore[attr-defined]
-    ]
-    if not changed:
-        return
-    named = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-    raise UnsupportedMutationError(
-        format_error(
-            f"the backward mutates {named}: a checkpointed region that updates"
-            " state (a BatchNorm's running statistics, in training mode) runs again when the"
-            " backward recomputes it, and eager PyTorch updates the state a second time then;"
-            " aotgrad writes inputs back only after the forward, so it cannot replay that",
-            where,
-            "Keep state-updating modules out of checkpointed regions, put them in eval mode"
-            " (bn.eval()), or turn gradient checkpointing off for the compiled model"
-            " (aotgrad's partition= / aotgrad.budget choose what to recompute without it).",
-        )
-    )

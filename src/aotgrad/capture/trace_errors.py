@@ -16,14 +16,18 @@ from aotgrad._torch_compat import (
     EFFECT_TOKEN_MISSING,
     ENGINE_RUN_BACKWARD,
     INTERNAL_ASSERT,
+    NO_FAKE_IMPL,
     NO_META_KERNEL,
     NON_FUNCTIONAL_MUTATION,
+    NUMPY_OF_TRACED,
     TENSOR_BACKWARD,
     DataDependentOutputException,
     DynamicOutputShapeException,
     OpOverload,
     UnsupportedOperatorException,
+    disable_current_modes,
     effect_token_op,
+    size_hint,
 )
 from aotgrad.errors import (
     AotgradError,
@@ -108,13 +112,16 @@ def translate_trace_errors(fn: Any, where: UserFrame | None = None) -> Iterator[
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A ``RuntimeError``/``ValueError``/``TypeError``/``IndexError`` that a meta
 # kernel, a ref, a decomposition or the fake tensor raises during capture is
-# most often the error eager raises for the same call (``x @ w`` with
-# mismatched shapes). Its traceback ends deep inside torch, so it is raised
-# again as an :class:`OpError` (also an instance of the original's type)
-# naming the op that failed and the user's line, the original chained::
+# often the error eager raises for the same call (``x @ w`` with mismatched
+# shapes), and sometimes a failure of the capture alone. Its traceback ends
+# deep inside torch, so it is raised again as an :class:`OpError` (also an
+# instance of the original's type) naming the op that failed and the user's
+# line, the original chained; it says "Eager PyTorch raises the same" only
+# where that was checked (Note [Checking that eager raises the same])::
 #
 #     aten.mm.default raised RuntimeError during capture: a and b must have same reduction dim...
 #       at model.py:12 in forward: return x @ self.w
+#     Eager PyTorch raises the same for these shapes and dtypes (checked on meta tensors)...
 #
 # The op is the outermost ``__torch_dispatch__`` frame's ``func`` (the op as
 # the user's code issued it, before decompositions); without one (a check in
@@ -151,6 +158,18 @@ _INTERNAL_TODO = (
 )
 
 
+_EAGER_RAISES_TOO = (
+    "Eager PyTorch raises the same for these shapes and dtypes (checked: the op raises it on"
+    " meta tensors of the same layouts): check the shapes, dtypes and arguments at that line."
+)
+_NOT_CHECKED = (
+    "The op does not raise this on meta tensors of the same layouts, or could not be run so:"
+    " it may be a failure of the capture (fake tensors), not of your inputs. If the function"
+    " runs eagerly, call that line outside the compiled function and pass its result in, and"
+    " please report it as an aotgrad bug."
+)
+
+
 @contextlib.contextmanager
 def _ops_errors(function: UserFrame | None) -> Iterator[None]:
     try:
@@ -166,17 +185,20 @@ def _ops_errors(function: UserFrame | None) -> Iterator[None]:
             what, fix = _REFUSED_CALLS[op]
             where = user_frame_from_traceback(e.__traceback__)
             raise UnsupportedOpError(format_error(what, where, fix)) from e
-        if isinstance(e, UnsupportedOperatorException) or (
-            isinstance(e, NotImplementedError) and NO_META_KERNEL in str(e)
+        if (
+            isinstance(e, UnsupportedOperatorException)
+            or (isinstance(e, NotImplementedError) and NO_META_KERNEL in str(e))
+            or NO_FAKE_IMPL in str(e)
         ):
             raise _no_fake_kernel(op, e, function) from e  # Note [Ops without a meta kernel]
-        todo = (
-            _INTERNAL_TODO
-            if INTERNAL_ASSERT in str(e)
-            else "Eager PyTorch raises the same for these inputs (check the shapes, dtypes"
-            " and arguments at that line); if the function runs eagerly, please report"
-            " it as an aotgrad bug."
-        )
+        if NUMPY_OF_TRACED in str(e):
+            raise _numpy_of_traced(e) from e
+        if INTERNAL_ASSERT in str(e):
+            todo = _INTERNAL_TODO
+        elif _eager_raises_too(e):
+            todo = _EAGER_RAISES_TOO
+        else:
+            todo = _NOT_CHECKED
         raise kind(
             format_error(
                 f"{op} raised {type(e).__name__} during capture: {e}",
@@ -216,6 +238,101 @@ def _no_fake_kernel(op: str, e: BaseException, function: UserFrame | None) -> Un
             f"Call {where} outside the compiled function and pass the result in (or return"
             " its inputs and finish eagerly), use an equivalent made of other ops, or give the"
             " op a fake implementation (torch.library.register_fake) if it is your own.",
+        )
+    )
+
+
+# Note [Checking that eager raises the same]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An op that fails on the capture's fake tensors may run in eager: a custom
+# op without a fake kernel, a kernel reading data, a fake kernel stricter
+# than the real one. Telling the user "eager raises the same" there sends them
+# hunting a bug in their shapes that is not there. Capture never reads real
+# data, so the claim is checked without it: the failing op (the outermost
+# ``__torch_dispatch__``'s ``func``, ``args``, ``kwargs``) runs once more,
+# below every mode, on meta tensors of the same sizes, strides and dtypes
+# (symbolic sizes at their example values, devices made ``meta``). Meta
+# kernels of torch's own ops (``aten``, ``prims``) are eager's shape and dtype
+# checks (a custom op's is its fake implementation, which proves nothing); the
+# claim is made only for those, when that run raises an error of the same kind::
+#
+#     x @ torch.ones(4, 4), x: (1, 3)  aten.mm on meta (1, 3) @ (4, 4) raises: "raises the same"
+#     my_op(x), a custom op            on meta: no kernel, NotImplementedError: not claimed
+#     x.numpy()                        no op dispatched: not claimed (refused as a data read)
+def _eager_raises_too(e: BaseException) -> bool:
+    """Does the failing op raise the same kind of error on meta tensors of the same layouts?"""
+    call = _failing_call(e)
+    if call is None:
+        return False
+    func, args, kwargs = call
+    if func.namespace not in _TORCHS_OWN:
+        return False  # a custom op's meta kernel is its fake implementation, not eager's checks
+    try:
+        meta_args, meta_kwargs = pytree.tree_map(_meta_twin, (args, kwargs))
+    except _NoMetaTwin:
+        return False
+    kind = next(t for t in _OP_ERRORS if isinstance(e, t))
+    with disable_current_modes(), torch.no_grad():
+        try:
+            func(*meta_args, **meta_kwargs)
+        except NotImplementedError:
+            return False  # no meta kernel: eager's checks were not run
+        except kind:
+            return True
+        except Exception:
+            return False
+    return False
+
+
+# Namespaces whose meta kernels torch writes to check what its eager kernels check.
+_TORCHS_OWN = frozenset({"aten", "prims"})
+
+
+class _NoMetaTwin(Exception):
+    """A value of the failing call that has no meta stand-in (a sparse tensor, an unhinted size)."""
+
+
+def _meta_twin(value: Any) -> Any:
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    if isinstance(value, torch.SymInt):
+        return _hint(value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.layout is not torch.strided:
+        raise _NoMetaTwin(value.layout)
+    size = [_hint(s) for s in value.shape]
+    stride = [_hint(s) for s in value.stride()]
+    return torch.empty_strided(size, stride, dtype=value.dtype, device="meta")
+
+
+def _hint(value: int | torch.SymInt) -> int:
+    hint = size_hint(value)
+    if hint is None:
+        raise _NoMetaTwin(value)
+    return hint
+
+
+def _failing_call(e: BaseException) -> tuple[OpOverload, Any, Any] | None:
+    """The op being dispatched when ``e`` was raised, with its arguments."""
+    for frame in _frames(e):
+        if frame.f_code.co_name != "__torch_dispatch__":
+            continue
+        func = frame.f_locals.get("func")
+        if isinstance(func, OpOverload):
+            return func, frame.f_locals.get("args") or (), frame.f_locals.get("kwargs") or {}
+    return None
+
+
+def _numpy_of_traced(e: BaseException) -> DataDependentError:
+    return DataDependentError(
+        format_error(
+            "`.numpy()` (or np.asarray / np.array of a tensor) reads a tensor's values on the"
+            " host during capture; aotgrad captures one graph for all input values and never"
+            " reads data (eager runs it on the real values)",
+            user_frame_from_traceback(e.__traceback__),
+            "Compute it with torch ops inside the function, or call numpy outside the compiled"
+            " function and pass the result in as a tensor.",
         )
     )
 

@@ -27,7 +27,7 @@ The joint function is the same code for both; what differs is owned by the
                                 through views (Note
                                 [Writes through views,
                                 directly])
-    backward_checked(...)       it stops first            no input mutated by the backward
+    backward_checked(...)       it stops first            inputs the backward mutated
     unwrap(graph value)         itself, synced as above   from_functional
 
 Both give the same graph, node for node, for a function both can trace
@@ -265,9 +265,10 @@ class Tracer(ABC):
         graph_primals: Sequence[torch.Tensor],
         descriptors: Sequence[GraphInputDescriptor],
         where: UserFrame | None,
-    ) -> AbstractContextManager[None]:
-        """Around the backward: refuse input mutations it makes (Note [Mutations in the backward])."""
-        return nullcontext()  # the direct trace stops at an in-place op in the backward
+    ) -> AbstractContextManager[list[int]]:
+        """Around the backward: the list it gives is filled, on exit, with the graph input
+        positions the backward mutated (Note [State updated by the backward])."""
+        return nullcontext([])  # the direct trace stops at an in-place op in the backward
 
     @abstractmethod
     def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:

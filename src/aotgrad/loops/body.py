@@ -271,11 +271,10 @@ def _aliasing_outputs(joint: JointGraph) -> frozenset[int]:
 
 
 def _check_no_mutation(fn: Callable[..., Any], joint: JointGraph) -> None:
-    if joint.mutations or joint.member_mutations or joint.input_bases:
-        names = (
-            ", ".join(str(joint.graph_inputs[m.index]) for m in joint.mutations)
-            or "inputs that share memory"
-        )
+    state = joint.state_at_backward  # Note [State updated by the backward]
+    if joint.mutations or joint.member_mutations or joint.input_bases or state:
+        mutated = dict.fromkeys([*(m.index for m in joint.mutations), *state])
+        names = ", ".join(str(joint.graph_inputs[i]) for i in mutated) or "inputs that share memory"
         raise ScanError(
             format_error(
                 f"the scan body mutates {names} in place; a scan cannot replay that mutation"

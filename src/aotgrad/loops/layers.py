@@ -50,6 +50,7 @@ output is not the next hidden state is refused, not run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -60,7 +61,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from aotgrad.errors import ScanError
+from aotgrad.errors import ScanError, format_error, user_frame_from_stack
 from aotgrad.loops.loop import ScanFunction
 from aotgrad.pipeline import OPTION_NAMES, Options, options_of, with_option_keywords
 
@@ -232,6 +233,22 @@ class _Extras:
         """What the body closes over: another key, another body."""
         return (self.spec, self.constants)
 
+    def describe(self) -> str:
+        """``(gate, scale=0.5)``: the tensors by name, the constants with their values."""
+        count = len(self.constants) + len(self.tensors)
+        paths = [
+            p
+            for p, _ in pytree.tree_flatten_with_path(
+                pytree.tree_unflatten(list(range(count)), self.spec)
+            )[0]
+        ]
+        constants = {i: value for i, _, value in self.constants}
+        parts = [
+            f"{_name(path)}={constants[i]!r}" if i in constants else _name(path)
+            for i, path in enumerate(paths)
+        ]
+        return f"({', '.join(parts)})"
+
     def call_arguments(
         self, tensors: Mapping[str, torch.Tensor]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -322,7 +339,7 @@ class _LayerBody:
 
     def __init__(self, layer: nn.Module, extras: _Extras) -> None:
         self._layer = weakref.ref(layer)
-        self._extras = extras
+        self.extras = extras
         self.__name__ = f"{type(layer).__name__}_layer"
         # The plain attributes of layer 0's modules its captures read, as (module, name)
         # (Note [Layer settings read]).
@@ -335,9 +352,9 @@ class _LayerBody:
         params: dict[str, torch.Tensor] = row
         args: tuple[Any, ...] = ()
         kwargs: dict[str, Any] = {}
-        if not self._extras.empty:
+        if not self.extras.empty:
             params, tensors = row
-            args, kwargs = self._extras.call_arguments(tensors)
+            args, kwargs = self.extras.call_arguments(tensors)
         with _settings_recorded(layer, self.settings_read):
             out = torch.func.functional_call(layer, params, (h, *args), kwargs)
         return _carry_of(out, h, layer), None
@@ -465,17 +482,73 @@ def _runner(
     """One ``ScanFunction`` (and its body) per layer 0, extras' constants, options and mode,
     kept while layer 0 lives."""
 
+    key = (first.training, extras.key, checkpoint, options)
+
     def make() -> tuple[ScanFunction, _LayerBody]:  # every tensor comes in through xs
         body = _LayerBody(first, extras)
-        run = ScanFunction(body, checkpoint=checkpoint, read_environment=False, options=options)
+        run = _LayerScan(body, first, key, checkpoint=checkpoint, options=options)
         return run, body
 
-    key = (first.training, extras.key, checkpoint, options)
     try:
         by_key = _RUNNERS.setdefault(first, {})
         return by_key.get(key) or by_key.setdefault(key, make())
     except TypeError:  # unhashable options: no reuse
         return make()
+
+
+class _LayerScan(ScanFunction):
+    """The scan of one layer 0, extras, checkpoint, options and mode: says, before its first
+    run, which runs of that layer 0 there were and how they differ."""
+
+    def __init__(
+        self, body: _LayerBody, first: nn.Module, key: Any, *, checkpoint: bool, options: Options
+    ) -> None:
+        super().__init__(body, checkpoint=checkpoint, read_environment=False, options=options)
+        self._first, self._key, self._extras = weakref.ref(first), key, body.extras
+
+    def _not_captured(self) -> str:
+        first = self._first()
+        runs = [] if first is None else list(_RUNNERS.get(first, {}).items())
+        ran = [(key, body.extras) for key, (run, body) in runs if run.captures]
+        if not ran:
+            return format_error(
+                "scan_layers has not run these layers yet: one layer's graphs are captured at"
+                " the first scan_layers call",
+                user_frame_from_stack(),
+                "Call aotgrad.scan_layers(layers, x, ...) first (or call this ScanFunction),"
+                " then read .traced.",
+            )
+        differences = "; ".join(self._differences(key, extras) for key, extras in ran[:3])
+        return format_error(
+            "scan_layers ran these layers, but not with what scan_layers_function was given:"
+            f" {differences}",
+            user_frame_from_stack(),
+            "Give scan_layers_function the extra arguments (the same structure and non-tensor"
+            " values), checkpoint and options the scan_layers call had, with the layers in the"
+            " same training mode.",
+        )
+
+    def _differences(self, ran: Any, extras: _Extras) -> str:
+        """How this scan's key differs from a run's: ``(training, extras, checkpoint, options)``."""
+        (training, extras_key, checkpoint, options), (t, e, c, o) = self._key, ran
+        parts = []
+        if training != t:
+            mode = {True: "training", False: "eval"}
+            parts.append(f"the layers are in {mode[training]} mode here, {mode[t]} in the scan")
+        if extras_key != e:
+            parts.append(
+                f"extra arguments {self._extras.describe()} here, {extras.describe()} in the scan"
+            )
+        if checkpoint != c:
+            parts.append(f"checkpoint={checkpoint} here, {c} in the scan")
+        if options != o:
+            names = [
+                f.name
+                for f in dataclasses.fields(options)
+                if getattr(options, f.name) != getattr(o, f.name)
+            ]
+            parts.append(f"options differ from the scan's: {', '.join(names)}")
+        return ", ".join(parts)
 
 
 with_option_keywords(scan_layers)

@@ -31,9 +31,9 @@ import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import compiler_disabled
 from aotgrad.api import Traced
-from aotgrad.cache import ambient_key
+from aotgrad.cache import CacheInfo, ambient_key
 from aotgrad.capture import capturing
-from aotgrad.errors import DoubleBackwardError, ScanError
+from aotgrad.errors import DoubleBackwardError, ScanError, format_error, user_frame_from_stack
 from aotgrad.loops.body import ScanBody, capture_body, differentiable
 from aotgrad.partition import Budget
 from aotgrad.pipeline import Options, options_of, with_option_keywords
@@ -91,19 +91,32 @@ class ScanFunction:
         self._last: ScanBody | None = None
         # How many times the body was captured.
         self.captures = 0
+        # Calls that reused a capture, captures and why (``aotgrad.cache_info``), and the
+        # key of the last capture, which a miss is compared with.
+        self.info = CacheInfo()
+        self._last_key: tuple[Any, ...] | None = None
 
     @property
     def traced(self) -> Traced:
         """The body's graphs and convention, from the last capture."""
         if self._last is None:
-            raise ScanError("the body is captured at the first call: call the scan first")
+            raise ScanError(self._not_captured())
         return self._last.traced
+
+    def _not_captured(self) -> str:
+        """Why ``traced`` has nothing to give yet."""
+        return format_error(
+            "this scan's body has not been captured: it is captured at the scan's first call",
+            user_frame_from_stack(),
+            "Call the scan once (run(init, xs)), then read .traced.",
+        )
 
     @compiler_disabled
     def __call__(self, init: Any, xs: Any) -> tuple[Any, Any]:
         # Inside an aotgrad capture the loop is traced, unrolled; under a torch.func
         # transform it runs unrolled (Note [Transforms run the function]).
         if capturing() or transform_active():
+            self._count_transform_run()
             return unrolled(self._fn, init, xs)
         xs_leaves, xs_spec = pytree.tree_flatten(xs)
         length = _length(xs_leaves)
@@ -131,6 +144,7 @@ class ScanFunction:
         (tensor([6., 6.], grad_fn=<ScanLoopBackward>), tensor([3., 3.]))
         """
         if capturing() or transform_active():  # Note [Transforms run the function]
+            self._count_transform_run()
             return _unrolled_rows(self._fn, init, rows)
         flat = [pytree.tree_flatten(row) for row in rows]
         if not flat:
@@ -152,6 +166,12 @@ class ScanFunction:
         )
         leaves = [t for row, _ in flat for t in row]
         return self._run(init, leaves, len(rows), call)
+
+    def _count_transform_run(self) -> None:
+        """A call under a transform runs the loop unrolled (Note [Transforms run the
+        function]): counted as aot_function counts it; a call inside a capture is not."""
+        if not capturing():
+            self.info.transform_runs += 1
 
     def _run(
         self, init: Any, xs_leaves: list[torch.Tensor], length: int, call: _Call
@@ -195,7 +215,10 @@ class ScanFunction:
         )
         body = self._bodies.get(key)
         environ = None if body is None else body.traced.partitioned.joint.environ
-        if body is None or (environ is not None and environ.changed() is not None):
+        changed = None if environ is None else environ.changed()
+        if body is not None and changed is None:
+            self.info.hits += 1
+        else:
             # Captured again when the environment it read changed (Note [Environment read
             # at capture]).
             body = capture_body(
@@ -212,8 +235,42 @@ class ScanFunction:
             self.captures += 1
             settled = self._state.settle(lifted) if lifted is not NOTHING else lifted
             self._bodies[(*key[:4], settled.key, *key[5:])] = body
+            self.info.misses += 1
+            self.info.entries = len(self._bodies)
+            self.info.reasons.append(
+                _miss_reason(self._last_key, key) if changed is None else str(changed)
+            )
+            self._last_key = key
         self._last = body
         return body
+
+
+# What each place of a body's key is, for a miss's reason.
+_KEY_PARTS = (
+    "the carry's structure",
+    "xs's structure",
+    "the carry's tensors",
+    "a row of xs",
+    "the module state and closed-over tensors",
+    "whether a gradient is needed",
+    "the torch state (grad mode, autocast, default dtype)",
+)
+
+
+def _miss_reason(last: tuple[Any, ...] | None, key: tuple[Any, ...]) -> str:
+    """Why a body was captured: the first call, or the first part of its key that differs
+    from the last capture's (``aotgrad.cache_info`` of a scan)."""
+    if last is None:
+        return "first call"
+    for part, old, new in zip(_KEY_PARTS, last, key, strict=True):
+        if old != new:
+            return f"{part}: {_short(old)} != {_short(new)}"
+    return "the environment the body read changed"
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,10 +15,11 @@ from typing import Literal
 import torch.fx as fx
 
 from aotgrad.capture import JointGraph, Phase, check_order, lazy_module, node_info
+from aotgrad.errors import PartitionError, format_error, user_frame_from_stack
 from aotgrad.optable import op_name
 from aotgrad.partition.memory import LiveValue, PeakEstimate
 from aotgrad.partition.partitioned import Partitioned, RecomputedOp
-from aotgrad.partition.peak_budget import with_peak_budget
+from aotgrad.partition.peak_budget import with_peak_budget, with_peak_note
 from aotgrad.partition.remat import RematPlan, node_flops
 from aotgrad.partition.saved import SavedValue, describe_saved
 from aotgrad.partition.split import apply_mutations_in_graph, build_backward, build_forward
@@ -75,15 +76,27 @@ def partition(
     """
     if not joint.has_backward:
         return _forward_only(joint, keep_input_mutations)
-    if joint.guards is not None and strategy != "save_all" and not callable(strategy):
-        raise ValueError(
-            f"partition {strategy!r} weighs tensors by their bytes, which are symbolic with"
-            " dynamic shapes; use 'save_all' with dynamic=True for now"
+    if joint.guards is not None and isinstance(strategy, Budget):
+        raise PartitionError(
+            format_error(
+                f"partition={strategy} bounds bytes the solver weighs exactly, and with"
+                " dynamic=True every size is symbolic",
+                user_frame_from_stack(),
+                "Use partition='mincut' (it weighs sizes at the example inputs' values: Note"
+                " [Weights at the example sizes]) or 'save_all' with dynamic=True, or the"
+                " budget without dynamic=True.",
+            )
         )
     if isinstance(strategy, Budget) and strategy.peak is not None:
         return with_peak_budget(joint, strategy, partial(_split, joint))
     plan = apply_checkpoint_policy(joint, _plan(joint, strategy))
-    return _split(joint, plan, policy_name(strategy) if callable(strategy) else str(strategy))
+    partitioned = _split(
+        joint, plan, policy_name(strategy) if callable(strategy) else str(strategy)
+    )
+    if isinstance(strategy, Budget):  # Note [A saved-bytes budget and the peak]
+        everything = apply_checkpoint_policy(joint, save_all(joint))
+        return with_peak_note(partitioned, _split(joint, everything, "save_all"))
+    return partitioned
 
 
 def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:
@@ -94,7 +107,7 @@ def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:
     named = {"save_all": save_all, "mincut": mincut}
     if strategy in named:
         return named[strategy](joint)
-    raise ValueError(
+    raise PartitionError(
         f"unknown partition strategy {strategy!r}; expected 'save_all', 'mincut',"
         " aotgrad.budget(x) or a policy (Note [Partition policies])"
     )
@@ -158,10 +171,10 @@ def _recomputed(
 def _forward_only(joint: JointGraph, keep_input_mutations: bool) -> Partitioned:
     graph = build_forward(joint, [])
     signature = joint.signature
-    in_graph = keep_input_mutations and bool(joint.mutated)
+    in_graph = keep_input_mutations and any(m.written_in_graph for m in joint.mutations)
     if in_graph:
         apply_mutations_in_graph(joint, graph)
-        signature = _without_mutated(signature)
+        signature = _without_written(joint)
     forward = _module(joint, graph, signature.forward_inputs, signature.forward_outputs)
     return Partitioned(
         joint=joint,
@@ -173,9 +186,16 @@ def _forward_only(joint: JointGraph, keep_input_mutations: bool) -> Partitioned:
     )
 
 
-def _without_mutated(signature: Signature) -> Signature:
-    """No new values among the forward outputs (Note [Mutations kept in the graph])."""
-    kept = [d for d in signature.forward_outputs if not isinstance(d, MutatedInput)]
+def _without_written(joint: JointGraph) -> Signature:
+    """No new values among the forward outputs but those of inputs restrided too (Note
+    [Mutations kept in the graph])."""
+    signature = joint.signature
+    data = iter([m for m in joint.mutations if m.data])
+    kept = [
+        d
+        for d in signature.forward_outputs
+        if not (isinstance(d, MutatedInput) and next(data).written_in_graph)
+    ]
     return replace(signature, forward_outputs=tuple(kept))
 
 

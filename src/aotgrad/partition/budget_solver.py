@@ -13,6 +13,7 @@ import torch.fx as fx
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from aotgrad.capture import JointGraph, Phase, phase_of
+from aotgrad.errors import PartitionError
 from aotgrad.partition.remat import (
     forward_ops,
     is_tensor_node,
@@ -73,7 +74,7 @@ def budget_saved(
     if first.x is None:
         least = smallest_saved_bytes(joint, needed, free_inputs, time_limit, kept)
         smallest = "?" if least is None else str(least)
-        raise ValueError(
+        raise PartitionError(
             f"no plan fits a budget of {budget_bytes} bytes: the inputs the backward reads take"
             f" {p.held}, and with what cannot be recomputed (random ops, ops reading an input the"
             f" function mutates) the smallest plan saves {smallest} bytes. Raise the budget."

@@ -20,7 +20,7 @@ from aotgrad.capture import node_info
 from aotgrad.errors import UserFrame
 from aotgrad.optable import op_name
 from aotgrad.partition.saved import storages
-from aotgrad.signature import Cotangent, Grad, Output, Saved, Signature
+from aotgrad.signature import Cotangent, Grad, Output, Saved, Signature, StateAtBackward
 
 __all__ = ["LiveValue", "PeakEstimate", "SymbolicSizes", "predict_peak"]
 
@@ -34,7 +34,8 @@ class LiveValue:
 
     name: str  # the value's node name in its graph
     graph: str  # "forward" or "backward"
-    kind: str  # "input", "output", "saved", "temporary", "cotangent", "gradient", "workspace"
+    kind: str  # "input", "output", "saved", "temporary", "cotangent", "gradient", "workspace",
+    # or "state" (Note [State updated by the backward])
     nbytes: int
     module: str
     source: UserFrame | None
@@ -247,6 +248,8 @@ def _backward(
     saved_positions = range(len(signature.forward_outputs))[signature.saved_in_forward]
     saved_holders = iter(("saved", i) for i in saved_positions)
     for node, desc in zip(placeholders, signature.backward_inputs, strict=True):
+        if isinstance(desc, StateAtBackward):  # the caller's buffer, counted among the inputs
+            continue
         if isinstance(desc, Cotangent):  # autograd allocates it (.backward(): ones)
             sim.hold_node(node, ("cotangent",), "backward", "cotangent")
             sim.at(sim.holds.live, "backward", node, None)
@@ -254,13 +257,17 @@ def _backward(
         if isinstance(desc, Saved):  # the runtime hands its reference to the graph
             sim.drop_node(node, next(saved_holders))
     grads = _outputs(backward)
-    sim.run(backward, "backward", {n: "gradient" for n in grads if n is not None})
+    kinds = {n: "state" for n in grads[signature.new_state_in_backward] if n is not None}
+    kinds |= {n: "gradient" for n in grads[signature.grads_in_backward] if n is not None}
+    sim.run(backward, "backward", kinds)
     for i, node in enumerate(grads):
         if node is not None:
             sim.hold_node(node, ("grad", i), "backward", "gradient")
     sim.holds.drop_all("backward")  # the cotangents: held by .backward()'s caller to the end
     primals = [n for n in forward.graph.nodes if n.op == "placeholder"]
-    for i, (node, grad_of) in enumerate(zip(grads, signature.backward_outputs, strict=True)):
+    span = signature.grads_in_backward  # not the new state values: copied into the inputs
+    grad_nodes = zip(grads[span], signature.backward_outputs[span], strict=True)
+    for i, (node, grad_of) in enumerate(grad_nodes):
         grad, primal = (None, None) if node is None else (node.meta.get("val"), primals[i])
         if not isinstance(grad_of, Grad) or not isinstance(grad, torch.Tensor) or primal is None:
             continue

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch.fx as fx
 
 from aotgrad.capture import JointGraph
+from aotgrad.errors import PartitionError
 from aotgrad.optable import is_compute_intensive
 from aotgrad.partition.partitioned import Partitioned
 from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward
@@ -131,7 +132,7 @@ def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitio
     family = candidates(joint, limit.time_limit, split)
     fits = [(i, c) for i, c in enumerate(family.candidates) if c.peak <= limit.peak]
     if not fits:
-        raise ValueError(_below_floor(limit, family))
+        raise PartitionError(_below_floor(limit, family))
     _, best = min(fits, key=_rank)
     partitioned = split(best.plan, str(limit))
     if partitioned.peak.allocated != best.peak:
@@ -143,6 +144,49 @@ def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitio
         f" ({best.flops} recompute FLOPs) of {len(family.candidates)} candidates"
     )
     notes = [n for n in (note, family.note, best.plan.note) if n]
+    return replace(partitioned, note="; ".join(notes))
+
+
+# Note [A saved-bytes budget and the peak]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``budget(x)`` bounds the bytes the backward keeps (Note [Budget units]), and
+# chooses the least recompute that fits; nothing in it looks at the step's peak.
+# The peak is often elsewhere: in the backward, where one block's gradients and
+# temporaries sit on top of everything still saved for the blocks before it. A
+# small budget can then recompute a lot and leave the peak where it was. On the
+# 2-block GPT of ``tests/models.py`` (dim 32, batch 2, 16 tokens):
+#
+#     plan          saved bytes  recompute FLOPs  predicted peak (allocated)
+#     save_all           258180                0  178696 at backward gelu_backward
+#     budget(0.01)       112772          1858880  178696 at backward gelu_backward
+#     budget(0.1)        126724          1263936  162952 at backward gelu_backward_1
+#
+# So a saved-bytes budget's plan is compared with save_all's: when it recomputes
+# and its predicted peak is not below save_all's, its note says so, where the
+# peak is, and that ``budget(peak=BYTES)`` is the budget that bounds the peak
+# (Note [Peak budgets]). It costs one more split, of save_all.
+
+
+def with_peak_note(partitioned: Partitioned, everything: Partitioned) -> Partitioned:
+    """``partitioned`` (a saved-bytes budget's plan) with a note when it recomputes and its
+    predicted peak is not below ``everything``'s, save_all's (Note [A saved-bytes budget and
+    the peak])."""
+    peak, top = partitioned.peak, everything.peak
+    if partitioned.recompute_flops == 0 or peak.allocated < top.allocated:
+        return partitioned
+    stays = (
+        "stays at save_all's"
+        if peak.allocated == top.allocated
+        else f"rises above save_all's {top.allocated} bytes to"
+    )
+    note = (
+        f"{partitioned.strategy} saves {partitioned.saved_bytes} bytes where save_all saves"
+        f" {everything.saved_bytes}, recomputing {partitioned.recompute_flops} FLOPs, but the"
+        f" step's predicted peak {stays} {peak.allocated} bytes, at {peak.graph} op {peak.node}"
+        f" ({peak.op}): a saved-bytes budget bounds what the backward keeps, not the peak. To"
+        " bound the peak, pass aotgrad.budget(peak=BYTES) (Note [Peak budgets])"
+    )
+    notes = [n for n in (note, partitioned.note) if n]
     return replace(partitioned, note="; ".join(notes))
 
 

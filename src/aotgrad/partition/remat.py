@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from aotgrad.capture import JointGraph, Phase, phase_of
 from aotgrad.optable import cheap_to_recompute, draws_random, flops, is_collective, is_free_view
-from aotgrad.partition.saved import unique_bytes
+from aotgrad.partition.saved import hinted_bytes
 
 INF = math.inf
 
@@ -61,7 +61,7 @@ def needed_by_backward(joint: JointGraph) -> dict[fx.Node, str]:
         for source in node.all_input_nodes:
             if phase_of(source) is Phase.FORWARD:
                 needed.setdefault(source, f"read by backward op {node.name}")
-    for grad in joint.grad_results():
+    for grad in joint.backward_results():  # grads, and new state (rarely a forward value)
         if grad is not None and phase_of(grad) is Phase.FORWARD:
             needed.setdefault(grad, "is a gradient")
     return needed
@@ -158,7 +158,9 @@ def mincut_saved(joint: JointGraph, needed: Iterable[fx.Node]) -> set[fx.Node]:
         )
         # Views are replayed rather than saved, unless they cannot be recomputed.
         savable = is_tensor_node(node) and (not is_view_node(node) or not recomputable)
-        capacity = unique_bytes([node]) if savable else INF  # Note [Counting bytes]
+        capacity = hinted_bytes([node]) if savable else INF  # Note [Weights at the example sizes]
+        if isinstance(node.meta.get("val"), torch.SymInt):
+            capacity = 0  # a size (dynamic shapes): the backward gets it as a Python int
         graph.add_edge((node, "in"), (node, "out"), capacity=capacity)
         if not recomputable:
             graph.add_edge("source", (node, "in"), capacity=INF)

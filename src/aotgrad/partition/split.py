@@ -30,7 +30,8 @@ def build_backward(
     *,
     recompute_late: bool = True,
 ) -> tuple[fx.Graph, list[fx.Node]]:
-    """``backward(*saved, *cotangents) -> grads``, each op of ``recompute`` run just before
+    """``backward(*saved, *cotangents, *state) -> (*grads, *new state)`` (Note [State updated
+    by the backward]), each op of ``recompute`` run just before
     the first backward op that needs it (``recompute_late``, the default), or all of them first
     (Note [Recompute just before use]).
 
@@ -57,7 +58,7 @@ def build_backward(
         env[node] = graph.node_copy(node, env.__getitem__)
         if node in recompute:
             set_phase(env[node], Phase.RECOMPUTE)
-    graph.output(tuple(env[g] if g is not None else None for g in joint.grad_results()))
+    graph.output(tuple(env[g] if g is not None else None for g in joint.backward_results()))
     remove_dead_code(graph)
     return graph, placeholders
 
@@ -113,13 +114,28 @@ def apply_mutations_in_graph(joint: JointGraph, graph: fx.Graph) -> None:
         forward(cache, x):  new = aten.index_put(cache, ...)
                             copy_ = aten.copy_(cache, new)     # kept in the graph
                             return (out,)                     # no "new value of cache"
+
+    Only data mutations are written so. An input whose size or strides changed
+    too keeps its new value among the outputs, and the runtime restrides the
+    input *before* copying it in: the new value has the new layout. Copied into
+    the input in the graph, it would land in the old one::
+
+        def f(a):          # a: 2x3, not requiring grad
+            a.t_()         # a: 3x2, strides (1, 3)
+            a[0].mul_(2)   # new value: 3x2; copy_(a, new) into the 2x3 input
+            return a       # fails, or, for a square a, writes the transpose
     """
     output = graph.output_node()
     values = list(output.args[0])  # type: ignore[arg-type]
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     mutated = joint.signature.mutated_in_forward
+    data = [m for m in joint.mutations if m.data]
+    written = [k for k, m in enumerate(data) if m.written_in_graph]
+    new_values = values[mutated]
     with graph.inserting_before(output):
-        for index, new in zip(joint.mutated, values[mutated], strict=True):
-            graph.call_function(torch.ops.aten.copy_.default, (placeholders[index], new))
-    del values[mutated]
+        for k in written:
+            copy = (placeholders[data[k].index], new_values[k])
+            graph.call_function(torch.ops.aten.copy_.default, copy)
+    kept = [v for k, v in enumerate(new_values) if k not in written]
+    values[mutated] = kept
     output.args = (tuple(values),)

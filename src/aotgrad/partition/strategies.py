@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from aotgrad.capture import JointGraph, Phase, node_info
-from aotgrad.errors import PartitionError
+from aotgrad.errors import ConfigError, PartitionError
 from aotgrad.optable import is_free_view, op_name
 from aotgrad.partition.remat import (
     RematPlan,
@@ -56,9 +56,9 @@ class Budget:
                 f" budget(peak=BYTES); got limit={self.limit!r}, peak={self.peak!r}"
             )
         if self.limit is not None and not self.limit > 0:
-            raise ValueError(f"a budget must be positive, got {self.limit}")
+            raise ConfigError(f"a budget must be positive, got {self.limit}")
         if self.peak is not None and (type(self.peak) is not int or self.peak < 0):
-            raise ValueError(
+            raise ConfigError(
                 f"budget(peak=...) takes a whole number of bytes >= 0, got {self.peak!r}"
             )
 
@@ -116,7 +116,9 @@ def budget(
 
     The plan minimizes recompute FLOPs exactly (a mixed-integer program solved by
     HiGHS), and among equally cheap plans saves the fewest bytes, so a smaller
-    budget never saves more.
+    budget never saves more. It bounds what the backward keeps, not the step's
+    peak: a plan that recomputes and leaves the predicted peak at ``save_all``'s
+    says so in its ``note`` (Note [A saved-bytes budget and the peak]).
 
     ``peak`` counts the bytes a step ``f(*inputs).backward()`` allocates at its
     peak above its inputs (``Partitioned.peak.allocated``, what
@@ -170,7 +172,7 @@ def _whole_bytes(peak: float | None) -> int | None:
     if isinstance(peak, numbers.Integral):
         return int(peak)
     if not float(peak).is_integer():
-        raise ValueError(f"budget(peak=...) takes a whole number of bytes, got {peak!r}")
+        raise ConfigError(f"budget(peak=...) takes a whole number of bytes, got {peak!r}")
     return int(peak)
 
 

@@ -113,7 +113,8 @@ def peak_report(partitioned: Partitioned, top: int = 10) -> str:
         f"at: {where(peak)}",
         f"live then: {kind_totals(peak.live)}",
     ]
-    return "\n".join([*lines, *_live_rows(peak.live, top)])
+    plan = [f"plan: {partitioned.note}"] if partitioned.note else []  # what the strategy says
+    return "\n".join([*lines, *_live_rows(peak.live, top), *plan])
 
 
 def where(peak: PeakEstimate) -> str:

@@ -52,6 +52,7 @@ from aotgrad.capture import (
     ViewMeta,
 )
 from aotgrad.capture.autocast import any_autocast, autocast_off, autocast_state
+from aotgrad.capture.backward_state import StateRegion
 from aotgrad.errors import AutocastBackwardError, DoubleBackwardError
 from aotgrad.optable import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned
@@ -110,6 +111,12 @@ class Plan:
     autocast_backward: tuple[tuple[torch.dtype, str], ...] = ()
     # User inputs to detach in place after the call (``a.detach_()`` in the function).
     detached_inputs: tuple[int, ...] = ()
+    # Graph inputs the backward reads when it runs and writes its new values into (Note
+    # [State updated by the backward] in ``capture/backward_state.py``).
+    state_at_backward: tuple[int, ...] = ()
+    # Per input in ``state_at_backward``: the cotangents (bitmask) that reach its region's
+    # backward, and the inputs whose gradients that backward feeds.
+    state_regions: tuple[StateRegion, ...] = ()
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
@@ -117,8 +124,8 @@ class Plan:
         returned = _returned(joint.fresh_outputs, signature)
         bases = _following(len(joint.fresh_outputs), signature.bases_in_forward)
         mutations = joint.mutations
-        if partitioned.mutations_in_graph:  # the graph already wrote the data back
-            mutations = tuple(replace(m, data=False) for m in mutations if m.metadata)
+        if partitioned.mutations_in_graph:  # Note [Mutations kept in the graph]
+            mutations = tuple(m for m in mutations if not m.written_in_graph)
         return Plan(
             returned=returned,
             differentiable=joint.differentiable[: len(returned)],
@@ -152,6 +159,8 @@ class Plan:
             restrided=tuple(m.index for m in mutations if m.metadata is not None),
             autocast_backward=_autocast_sensitive(partitioned.backward),
             detached_inputs=joint.detached_inputs,
+            state_at_backward=joint.state_at_backward,
+            state_regions=joint.state_regions,
         )
 
 
@@ -282,6 +291,8 @@ def make_function(
     zeros, reached_by, autocast_backward = plan.zeros, plan.reached_by, plan.autocast_backward
     keep_one = extra[0] if len(extra) == 1 else None
     only = differentiable[0] if len(differentiable) == 1 else None
+    state_at_backward, state_regions = plan.state_at_backward, plan.state_regions
+    num_grads = len(reached_by)
 
     class CompiledFunction(torch.autograd.Function):
         @staticmethod
@@ -309,6 +320,8 @@ def make_function(
                 kept = [primals[i] for i in extra]
                 ctx.kept = (kept, [t._version for t in kept])
             ctx.set_materialize_grads(False)  # Note [Missing cotangents]
+            if state_at_backward:  # the tensors, read when the backward runs
+                ctx.state = [primals[i] for i in state_at_backward]
             if symbolic_sizes:
                 ctx.cotangent_sizes = [returned[i].shape for i in differentiable]
             if not_differentiable:
@@ -337,11 +350,15 @@ def make_function(
                 tensors, sizes = iter(saved), iter(ctx.sizes)
                 saved = [next(sizes) if is_size else next(tensors) for is_size in saved_sizes]
             if torch.is_grad_enabled():  # create_graph=True (Note [Differentiable backward])
+                if state_at_backward:
+                    _refuse_state_at_double_backward()
                 if any_autocast():  # Note [Autocast]
                     _check_autocast_backward(autocast_backward)
                 grads = _differentiable(higher_order, ctx, saved, cotangents)
             else:  # Note [Saved values die in the backward]
                 args = [*saved, *cotangents]
+                if state_at_backward:  # Note [State updated by the backward]
+                    args += ctx.state
                 del saved
                 ctx.maybe_clear_saved_tensors()
                 if any_autocast():  # Note [Autocast]
@@ -350,6 +367,9 @@ def make_function(
                         grads = backward(args)
                 else:
                     grads = backward(args)
+                if state_at_backward:
+                    ran = regions_run(state_regions, received, ctx.next_functions)
+                    grads = write_state(ctx.state, grads, num_grads, ran)
             if received != all_received:
                 return tuple(reached_grads(grads, reached_by, received))
             return tuple(grads)
@@ -374,6 +394,47 @@ def make_function(
 # peak, which is the step's peak in most models (Note [What a step holds] in
 # ``partition/memory.py`` predicts it). A second-order backward
 # (``create_graph=True``) keeps them: its graph is differentiated again.
+
+
+def regions_run(
+    regions: Sequence[StateRegion], received: int, next_functions: Sequence[Any]
+) -> list[bool]:
+    """Per state input: would eager's engine run its region's backward, and recompute it?
+    Some cotangent reaching it was given, and the engine uses a gradient it feeds (Note
+    [State updated by the backward] in ``capture/backward_state.py``)."""
+    return [
+        bool(region.cotangents & received)
+        and (
+            not region.feeds
+            or any(
+                (node := next_functions[i][0]) is not None and engine_uses(node)
+                for i in region.feeds
+            )
+        )
+        for region in regions
+    ]
+
+
+def write_state(
+    state: Sequence[torch.Tensor], results: Sequence[Any], num_grads: int, ran: Sequence[bool]
+) -> Sequence[Any]:
+    """Write the backward's new state values into the inputs whose regions eager would have
+    recomputed; return the grads alone (Note [State updated by the backward])."""
+    with torch.no_grad():
+        for tensor, new, write in zip(state, results[num_grads:], ran, strict=True):
+            if write:
+                tensor.copy_(new)
+    return results[:num_grads]
+
+
+def _refuse_state_at_double_backward() -> None:
+    raise DoubleBackwardError(
+        "create_graph=True (double backward) through a function whose backward updates state"
+        " (a BatchNorm's running statistics in a checkpointed region, Note [State updated by"
+        " the backward]): aotgrad's differentiable backward does not replay that update.\n"
+        "Call backward() without create_graph, or keep the state-updating module out of the"
+        " checkpointed region."
+    )
 
 
 def run_forward(forward: BoxedCall, plan: Plan, inputs: Sequence[torch.Tensor]) -> Any:

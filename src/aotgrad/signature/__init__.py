@@ -23,6 +23,7 @@ from aotgrad.signature.descriptors import (
     PrimalDescriptor,
     Saved,
     SideEffect,
+    StateAtBackward,
 )
 from aotgrad.signature.flatten import (
     FlatInputs,
@@ -57,6 +58,7 @@ __all__ = [
     "Saved",
     "SideEffect",
     "Signature",
+    "StateAtBackward",
     "alias_key",
     "call_key",
     "describe_graph",

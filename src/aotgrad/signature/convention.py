@@ -20,6 +20,12 @@ Note [Calling convention]
   inputs come first); the backward receives them first, in the same order.
 - ``cotangents``: one per differentiable output the autograd machinery sees.
 - ``grads``: one per forward input, ``None`` for those that need no gradient.
+- ``state``, ``new state`` (rare): inputs a checkpointed region updates again
+  when the backward recomputes it (a BatchNorm's running statistics): the
+  backward reads their values as they are when it runs (``StateAtBackward``,
+  after the cotangents) and returns their new values (``MutatedInput``, after
+  the grads), which the runtime writes into them (Note [State updated by the
+  backward] in ``capture/backward_state.py``).
 
 The joint graph is both graphs with nothing saved between them,
 ``joint(*inputs, *cotangents) -> (*outputs, *bases, *mutated, *grads)``; its
@@ -93,6 +99,7 @@ from aotgrad.signature.descriptors import (
     OutputBase,
     Saved,
     SideEffect,
+    StateAtBackward,
 )
 
 SIGNATURE_VERSION = 1
@@ -108,10 +115,11 @@ class Signature:
     forward_inputs: tuple[GraphInputDescriptor, ...]
     # Forward outputs, in order: Output..., OutputBase..., MutatedInput..., Saved...
     forward_outputs: tuple[Descriptor, ...]
-    # Backward placeholders, in order: Saved..., Cotangent...
-    backward_inputs: tuple[Saved | Cotangent, ...]
-    # Backward outputs: one per forward input; None where that input needs no gradient.
-    backward_outputs: tuple[Grad | None, ...]
+    # Backward placeholders, in order: Saved..., Cotangent..., StateAtBackward...
+    backward_inputs: tuple[Saved | Cotangent | StateAtBackward, ...]
+    # Backward outputs: one per forward input (None where that input needs no gradient),
+    # then the new value of each StateAtBackward, in the same order.
+    backward_outputs: tuple[Grad | MutatedInput | None, ...]
     # Version of this convention; bumped whenever its layout changes.
     version: int = field(default=SIGNATURE_VERSION)
 
@@ -123,10 +131,15 @@ class Signature:
                 f"expected the backward to receive the saved values {self.saved} in order,"
                 f" got {self.backward_inputs}"
             )
-        if len(self.backward_outputs) != len(self.forward_inputs):
-            raise AssertionError(
-                f"expected {len(self.forward_inputs)} grads, got {len(self.backward_outputs)}"
-            )
+        grads = self.backward_outputs[: len(self.forward_inputs)]
+        new_state = self.backward_outputs[len(self.forward_inputs) :]
+        state = tuple(MutatedInput(of=d.of) for d in self.state_at_backward)
+        if len(grads) != len(self.forward_inputs) or any(
+            isinstance(g, MutatedInput) for g in grads
+        ):
+            raise AssertionError(f"expected {len(self.forward_inputs)} grads, got {grads}")
+        if new_state != state:
+            raise AssertionError(f"expected the backward to return {state} last, got {new_state}")
 
     @property
     def outputs(self) -> tuple[Output, ...]:
@@ -139,6 +152,11 @@ class Signature:
     @property
     def cotangents(self) -> tuple[Cotangent, ...]:
         return tuple(d for d in self.backward_inputs if isinstance(d, Cotangent))
+
+    @property
+    def state_at_backward(self) -> tuple[StateAtBackward, ...]:
+        """Inputs the backward reads and updates (Note [State updated by the backward])."""
+        return tuple(d for d in self.backward_inputs if isinstance(d, StateAtBackward))
 
     @property
     def has_backward(self) -> bool:
@@ -220,6 +238,23 @@ class Signature:
         return _span(self.backward_inputs, _BACKWARD_ORDER, Cotangent)
 
     @property
+    def state_in_backward(self) -> slice:
+        """Where the inputs' values at backward time sit among the backward inputs: after the
+        cotangents (Note [State updated by the backward])."""
+        return _span(self.backward_inputs, _BACKWARD_ORDER, StateAtBackward)
+
+    @property
+    def grads_in_backward(self) -> slice:
+        """Where the grads sit among the backward outputs: first, one per forward input."""
+        return slice(0, len(self.forward_inputs))
+
+    @property
+    def new_state_in_backward(self) -> slice:
+        """Where the new values of the ``StateAtBackward`` inputs sit among the backward
+        outputs: after the grads."""
+        return slice(len(self.forward_inputs), len(self.backward_outputs))
+
+    @property
     def grads_in_joint(self) -> slice:
         """Where the grads sit among the joint graph's outputs, after the forward results.
 
@@ -229,7 +264,13 @@ class Signature:
         if self.saved:
             raise AssertionError(f"expected the joint graph's signature (none saved), got {self}")
         start = len(self.forward_outputs)
-        return slice(start, start + len(self.backward_outputs) if self.has_backward else start)
+        return slice(start, start + len(self.forward_inputs) if self.has_backward else start)
+
+    @property
+    def new_state_in_joint(self) -> slice:
+        """Where the backward's new state values sit among the joint graph's outputs: last."""
+        start = self.grads_in_joint.stop
+        return slice(start, start + len(self.state_at_backward))
 
     @property
     def cotangents_in_joint(self) -> slice:
@@ -249,6 +290,12 @@ class Signature:
             raise AssertionError(f"expected the joint graph's signature (none saved), got {self}")
         start = len(self.forward_inputs)
         return slice(start, start + len(self.cotangents))
+
+    @property
+    def state_in_joint(self) -> slice:
+        """Where the ``StateAtBackward`` placeholders sit among the joint graph's inputs: last."""
+        start = self.cotangents_in_joint.stop
+        return slice(start, start + len(self.state_at_backward))
 
     def with_saved(self, saved: tuple[Saved, ...]) -> Signature:
         """The convention of the forward and backward graphs split from a joint graph.
@@ -303,7 +350,7 @@ _FORWARD_ORDER: dict[type, int] = {
     MutatedInput: 2,
     Saved: 3,
 }
-_BACKWARD_ORDER: dict[type, int] = {Saved: 0, Cotangent: 1}
+_BACKWARD_ORDER: dict[type, int] = {Saved: 0, Cotangent: 1, StateAtBackward: 2}
 
 
 def _check_order(what: str, descriptors: tuple[Descriptor, ...], order: dict[type, int]) -> None:

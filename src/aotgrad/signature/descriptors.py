@@ -215,6 +215,22 @@ class MutatedInput(Descriptor):
 
 
 @dataclass(frozen=True)
+class StateAtBackward(Descriptor):
+    """An input's value when the backward runs: the backward reads it and returns its new
+    value (a ``MutatedInput`` among its outputs). A checkpointed BatchNorm's running
+    statistics (Note [State updated by the backward] in ``capture/backward_state.py``).
+
+    >>> str(StateAtBackward(of=Buffer(name="bn.running_mean")))
+    'buffer bn.running_mean at backward'
+    """
+
+    of: Input | Param | Buffer | Closure | Global | Inner | InputBase
+
+    def __str__(self) -> str:
+        return f"{self.of} at backward"
+
+
+@dataclass(frozen=True)
 class Saved(Descriptor):
     """A forward value the backward needs, by its node name in the forward graph."""
 

@@ -155,7 +155,12 @@ def flatten_inputs(
 
 def leaf_names(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
     """The name of every leaf of a call, tensors and non-tensors alike: ``x['weights']``, ``n``."""
-    names = _argument_names(fn, args, kwargs)
+    return named_leaves(_argument_names(fn, args, kwargs), args, kwargs)
+
+
+def named_leaves(names: Sequence[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """``leaf_names`` with the positional arguments named ``names`` (``args[i]`` past them)."""
+    names = [*names, *(f"args[{i}]" for i in range(len(names), len(args)))]
     with_paths, _ = pytree.tree_flatten_with_path((args, kwargs))
     return [_leaf_name(path, names) for path, _ in with_paths]
 

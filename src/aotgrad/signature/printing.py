@@ -37,6 +37,7 @@ from aotgrad.signature.descriptors import (
     Input,
     InputBase,
     Param,
+    StateAtBackward,
 )
 
 DESC_KEY = "desc"  # torch.fx prints node.meta["desc"] as a comment when expanding defs
@@ -77,6 +78,8 @@ def placeholder_name(desc: Descriptor) -> str:
         text = f"{placeholder_name(desc.of)}_{desc.attr}"
     elif isinstance(desc, InputBase):
         text = "base_of_" + "_".join(str(d) for d in desc.of)
+    elif isinstance(desc, StateAtBackward):  # Note [State updated by the backward]
+        text = f"{placeholder_name(desc.of)}_at_backward"
     else:
         text = str(desc)
     name = re.sub(r"\W+", "_", text).strip("_") or "input"

@@ -28,6 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from aotgrad.capture.aliasing import Alias, AliasSource, ConstantOutput, TensorOutput, ViewMeta
+from aotgrad.capture.backward_state import StateRegion
 from aotgrad.capture.mutation import InputMutation
 from aotgrad.capture.provenance import Kind, NodeInfo, Phase
 from aotgrad.errors import StoreError, UserFrame
@@ -53,6 +54,7 @@ TYPES: dict[str, type] = {
         RecomputedOp,
         SavedValue,
         Signature,
+        StateRegion,
         TensorOutput,
         UserFrame,
         ViewMeta,

@@ -13,9 +13,15 @@ in-place buffer update (BatchNorm's running statistics) lands in ``model``::
     f = aotgrad.load("m.aotgrad", module=model)   # another process: a model built alike
     f(x)          # reads model.get_parameter("0.weight") ... now, not at load time
 
-A file of a module loaded without one, a module missing a name, or a tensor
+A file of a module loaded without one, a module missing a name, a tensor
 whose shape, stride, dtype, device or requires_grad differs from the traced
-one's is a ``CallError``, never a call on other tensors than the graphs expect.
+one's, or a module whose flags and values the capture read differ from the
+file's (``model.eval()`` after a trace in training mode: ``closure
+self.training: True at capture, False now``; the file keeps those values as
+stable text, ``store/keys.py``) is a ``CallError``, never a call on other
+inputs than the graphs expect (Note [A Traced keeps to its capture]). Python
+values a function (not a module) read are held by its graphs, and cannot be
+read back without the function: they are not checked.
 Closed-over tensors and globals cannot be read back by name: such a trace is
 not saved (``StoreError``); pass the tensor as an argument instead.
 """
@@ -31,7 +37,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad.capture.autocast import autocast_state
-from aotgrad.errors import CallError, StoreError
+from aotgrad.errors import CallError, StoreError, format_error, user_frame_from_stack
 from aotgrad.partition import Partitioned, RecomputedOp
 from aotgrad.partition.saved import SavedValue
 from aotgrad.pipeline import Options, compilers, differentiable_backward_driver
@@ -41,10 +47,14 @@ from aotgrad.runtime.function import Plan
 from aotgrad.runtime.straight_line import Step, straight_line
 from aotgrad.runtime.transforms import refuse_transforms_on
 from aotgrad.signature import FlatInputs, Signature
+from aotgrad.signature.arguments import ArgumentLayout, tensor_text
 from aotgrad.signature.descriptors import Buffer, Param
+from aotgrad.signature.flatten import named_leaves
+from aotgrad.signature.lifting import State, StateKey
 from aotgrad.store.disk import read_regular_file
 from aotgrad.store.encoding import MALFORMED, decode, dump_structure, encode
 from aotgrad.store.format import Read, Stored, dumps, loads, with_values, write_atomically
+from aotgrad.store.keys import Unkeyable, stable_text
 
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
 
@@ -55,6 +65,8 @@ def save_traced(
     partitioned: Partitioned,
     plan: Plan,
     autocast: Any,
+    layout: ArgumentLayout,
+    state: StateKey,
 ) -> None:
     """Write one trace's graphs to ``path`` (Note [Files run no code], Note [Loaded module state])."""
     flat = partitioned.joint.inputs
@@ -73,6 +85,8 @@ def save_traced(
         "num_lifted": flat.num_lifted,
         "autocast": encode(autocast),
         "requires_grad": list(partitioned.joint.requires_grad),
+        "layout": layout.to_data(),  # Note [Calls matched by argument name]
+        "values": _values_data(state),  # Note [Loaded module state]
     }
     write_atomically(path, dumps(Stored(partitioned=partitioned, plan=plan, call=call)))
 
@@ -141,6 +155,11 @@ class Loaded:
             _check_call(self._spec, self._constants, self._tensor_positions)
         except (*MALFORMED, StoreError) as e:
             raise StoreError(f"malformed call description in the graph file: {e}") from None
+        try:
+            self._layout = ArgumentLayout.from_data(call.get("layout"))
+            self._values = _values_of_data(call.get("values"))
+        except ValueError as e:
+            raise StoreError(f"malformed call description in the graph file: {e}") from None
         self._state_names = _state_names(stored.signature, num_lifted)
         if self._state_names and module is None:
             raise CallError(
@@ -149,6 +168,9 @@ class Loaded:
                 " (Note [Loaded module state])"
             )
         self._module = module
+        # Reads the module's flags and values at every call (Note [Loaded module state]).
+        self._reader = None if module is None else State(module)
+        self._checked: StateKey | None = None
         try:
             self._expected = _expected(stored.forward.values(), stored.forward.steps, call)
         except MALFORMED as e:
@@ -187,23 +209,33 @@ class Loaded:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         refuse_transforms_on(leaves)  # Note [Transforms run the function]
-        if spec != self._matched:
-            self._match(spec)
+        if spec != self._matched and not self._match(spec):
+            try:  # Note [Calls matched by argument name]
+                args, kwargs = self._layout.arrange(self._layout.positional, args, kwargs)
+            except CallError as e:
+                raise _refusal(str(e)) from None
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            if not self._match(spec):
+                raise _refusal(
+                    "the arguments' containers differ from the capture's (a type or a key inside them)"
+                )
         for i, (leaf, constant) in enumerate(zip(leaves, self._constants, strict=True)):
             if i not in self._tensor_positions and not _same_value(leaf, constant):
-                raise CallError(
-                    f"argument leaf {i} is {leaf!r}; the graphs were traced with {constant!r},"
-                    " a value they hold as a constant: trace again for another value"
+                raise _refusal(
+                    f"{self._leaf_name(args, kwargs, i)} is {leaf!r:.40}, and the graphs hold"
+                    f" {constant!r:.40} as a constant"
                 )
         if autocast_state() != self._autocast:
-            raise CallError(
-                "these graphs were saved under another autocast state (Note [Autocast])"
+            raise _refusal(
+                f"autocast {_autocast_text(self._autocast)} at capture,"
+                f" {_autocast_text(autocast_state())} now (Note [Autocast])"
             )
+        self._check_values()
         inputs = [*self._state(), *(leaves[i] for i in self._tensor_positions)]
         self._check(inputs)
         return self._compiled(inputs)
 
-    def _match(self, spec: pytree.TreeSpec) -> None:
+    def _match(self, spec: pytree.TreeSpec) -> bool:
         """The arguments are structured as those the graphs were saved for (compared as
         data, Note [Tree structure in a file]); remembered, so the next call compares
         ``TreeSpec`` s only."""
@@ -211,12 +243,33 @@ class Loaded:
             same = dump_structure(spec, match_only=True) == self._spec
         except StoreError:
             same = False
-        if not same:
-            raise CallError(
-                f"these graphs were saved for arguments structured as {self._spec!r:.200},"
-                f" got {spec}"
-            )
-        self._matched = spec
+        if same:
+            self._matched = spec
+        return same
+
+    def _leaf_name(self, args: tuple[Any, ...], kwargs: dict[str, Any], i: int) -> str:
+        names = named_leaves(self._layout.positional, args, kwargs)
+        return f"argument {names[i]}" if i < len(names) else f"argument leaf {i}"
+
+    def _check_values(self) -> None:
+        """The module's flags and values (``training``) are the capture's (Note [Loaded
+        module state]); read again at every call, compared when they changed."""
+        if self._reader is None:
+            return
+        key = self._reader.read().key
+        if key is self._checked:
+            return
+        now = dict(zip(key.labels, key.values, strict=True))
+        for label, stored in self._values.items():
+            if stored is None or label not in now:  # not kept as text, or not read now
+                continue
+            value = _value_data(now[label])
+            if value != stored:
+                change = f"{label}: {_shown(stored)} at capture, {_shown(value)} now"
+                if label.endswith(".training"):
+                    change = f"a module switched between train() and eval() ({change})"
+                raise _refusal(change)
+        self._checked = key
 
     def _state(self) -> list[torch.Tensor]:
         module = self._module
@@ -237,10 +290,75 @@ class Loaded:
         for d, x, expected in zip(descriptors, inputs, self._expected, strict=True):
             got = _meta(x) if isinstance(x, torch.Tensor) else None
             if got != expected:
-                raise CallError(
-                    f"{d}: the graphs were traced for a tensor (shape, stride, dtype, device,"
-                    f" requires_grad) {expected}, got {got}; trace again for these inputs"
-                )
+                raise _refusal(f"{d}: {_meta_change(expected, got)}")
+
+
+def _refusal(what: str) -> CallError:
+    return CallError(
+        format_error(
+            f"this call differs from the one these graphs were saved for: {what}. The graphs"
+            " hold the capture's shapes, dtypes, flags and values as constants, and would not"
+            " compute what eager computes for this call",
+            user_frame_from_stack(),
+            "Trace the function again with inputs like these (aotgrad.trace, then save), or"
+            " use aotgrad.aot_function, which traces again for each specialization (Note [A"
+            " Traced keeps to its capture]).",
+        )
+    )
+
+
+_META_FIELDS = ("shape", "stride", "dtype", "device", "requires_grad")
+
+
+def _meta_change(expected: TensorMeta | None, got: TensorMeta | None) -> str:
+    """``dtype torch.float32 != torch.float64 (captured float32[3, 4], got float64[3, 4])``."""
+    if expected is None or got is None:
+        return f"captured {_meta_text(expected)}, got {_meta_text(got)}"
+    field, a, b = next(
+        (f, a, b) for f, a, b in zip(_META_FIELDS, expected, got, strict=True) if a != b
+    )
+    return f"{field} {a} != {b} (captured {_meta_text(expected)}, got {_meta_text(got)})"
+
+
+def _meta_text(meta: TensorMeta | None) -> str:
+    if meta is None:
+        return "no tensor"
+    shape, _, dtype, device, requires_grad = meta
+    return tensor_text(dtype, shape, device, requires_grad)
+
+
+def _autocast_text(state: Any) -> str:
+    if not state:
+        return "off"
+    return ", ".join(f"{device}/{str(dtype).removeprefix('torch.')}" for device, dtype in state)
+
+
+def _values_data(state: StateKey) -> dict[str, Any]:
+    """The values the capture read (``StateKey``), as data for a file; None where a value has
+    no text that is the same in another process (compared nowhere)."""
+    return {label: _value_data(v) for label, v in zip(state.labels, state.values, strict=True)}
+
+
+def _value_data(value: Any) -> Any:
+    try:
+        return stable_text(value, set())
+    except Unkeyable:
+        return None
+
+
+def _values_of_data(data: Any) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise ValueError("the values the capture read are not a dict by label")
+    return data
+
+
+def _shown(data: Any) -> str:
+    """A value's stable text (``['type builtins.bool', True]``) as the value: ``True``."""
+    if isinstance(data, list) and len(data) == 2 and str(data[0]).startswith("type builtins."):
+        return repr(data[1])
+    return f"{data!r:.60}"
 
 
 def _check_call(spec: Any, constants: tuple[Any, ...], positions: tuple[int, ...]) -> None:

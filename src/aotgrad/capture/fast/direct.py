@@ -73,7 +73,7 @@ overlapping views]); the new value must have the target's size, strides,
 dtype and device (``x.add_(y)`` with a wider ``y``: stop; a view's strides
 come back when it is replayed). Metadata mutations of inputs (``t_``),
 ``out=`` ops, random fills (Note [Random fills keep their layout]), in-place
-ops on inputs in the backward (Note [Mutations in the backward]) and any
+ops on inputs in the backward (Note [State updated by the backward]) and any
 in-place op of a ``.backward()`` inside the function (it accumulates
 ``.grad`` in place, which only the full trace refuses) stop. An
 input whose value changed is an input mutation (Note [Input mutation]) the

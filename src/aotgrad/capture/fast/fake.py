@@ -29,12 +29,14 @@ class FastFakeMode(EagerViewsFakeMode):
         kwargs = kwargs or {}
         layouts = fast_layouts(func, args, kwargs)
         if layouts is not None:
-            return self._empty(layouts)
+            return self.eager_layouts(func, types, args, kwargs, self._empty(layouts))
         viewed = _static_view(func, args, kwargs)
         if viewed is not None:  # Note [Eager strides for views]: eager's, straight away
             func, args, kwargs = torch.ops.aten.as_strided.default, viewed, {}
         out = run_meta(self, func, args, kwargs)  # Note [Straight to the meta kernel]
-        return out if out is not None else super().dispatch(func, types, args, kwargs)
+        if out is None:
+            return super().dispatch(func, types, args, kwargs)
+        return self.eager_layouts(func, types, args, kwargs, out)
 
     def _empty(self, layouts: Layouts) -> object:
         """Fresh fake tensors of the given layouts (None stays None)."""
