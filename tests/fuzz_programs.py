@@ -131,7 +131,6 @@ FEATURES = frozenset(
 
 # Features that trigger known defects: not generated unless enabled (see the module docstring).
 KNOWN_BAD: dict[str, str] = {
-    "trace_other_spec": "issue 38 item 4: a Traced runs its graphs on inputs of another shape/dtype",
     "once_differentiable_create_graph": "NEW F21: create_graph=True differentiates a"
     " once_differentiable backward (eager's first-order gradient does not require grad)",
     "trace_under_no_grad": "NEW F20: a Traced called under no_grad returns a view of an input"
