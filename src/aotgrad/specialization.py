@@ -51,8 +51,8 @@ from aotgrad.signature.lifting import Lifted, State, module_arguments
 
 _TODO = (
     "Call aotgrad.trace again with inputs like these, or use aotgrad.aot_function, which"
-    " traces again for each specialization and keeps them all (Note [A Traced keeps to its"
-    " capture])."
+    " traces again for each specialization and keeps them all"
+    " (Note [A Traced keeps to its capture])."
 )
 
 

@@ -124,8 +124,8 @@ class TraceRecord:
     # safety net: the closed-over swap spans the backward).
     closed_over_leaves: list[torch.Tensor] = field(default_factory=list)
     # Graph input positions whose data the backward changed (a checkpointed BatchNorm's
-    # running statistics): their values after it follow the grads (Note [State updated by
-    # the backward]).
+    # running statistics): their values after it follow the grads
+    # (Note [State updated by the backward]).
     state_at_backward: list[int] = field(default_factory=list)
 
 

@@ -430,8 +430,9 @@ def write_state(
 def _refuse_state_at_double_backward() -> None:
     raise DoubleBackwardError(
         "create_graph=True (double backward) through a function whose backward updates state"
-        " (a BatchNorm's running statistics in a checkpointed region, Note [State updated by"
-        " the backward]): aotgrad's differentiable backward does not replay that update.\n"
+        " (a BatchNorm's running statistics in a checkpointed region,"
+        " Note [State updated by the backward]): aotgrad's differentiable backward does not"
+        " replay that update.\n"
         "Call backward() without create_graph, or keep the state-updating module out of the"
         " checkpointed region."
     )

@@ -150,7 +150,7 @@ class Loaded:
             self._matched: pytree.TreeSpec | None = None
             self._constants = tuple(decode(call["constants"]))
             self._tensor_positions = tuple(int(i) for i in call["tensor_positions"])
-            self._autocast = decode(call["autocast"])
+            self._autocast = _autocast_of(decode(call["autocast"]))
             num_lifted = int(call["num_lifted"])
             _check_call(self._spec, self._constants, self._tensor_positions)
         except (*MALFORMED, StoreError) as e:
@@ -301,8 +301,8 @@ def _refusal(what: str) -> CallError:
             " compute what eager computes for this call",
             user_frame_from_stack(),
             "Trace the function again with inputs like these (aotgrad.trace, then save), or"
-            " use aotgrad.aot_function, which traces again for each specialization (Note [A"
-            " Traced keeps to its capture]).",
+            " use aotgrad.aot_function, which traces again for each specialization"
+            " (Note [A Traced keeps to its capture]).",
         )
     )
 
@@ -325,6 +325,19 @@ def _meta_text(meta: TensorMeta | None) -> str:
         return "no tensor"
     shape, _, dtype, device, requires_grad = meta
     return tensor_text(dtype, shape, device, requires_grad)
+
+
+def _autocast_of(value: Any) -> Any:
+    """A file's autocast state, checked: ``(device, dtype)`` pairs (Note [Autocast])."""
+    if not isinstance(value, tuple) or not all(
+        isinstance(p, tuple)
+        and len(p) == 2
+        and isinstance(p[0], str)
+        and isinstance(p[1], torch.dtype)
+        for p in value
+    ):
+        raise StoreError(f"expected the autocast state as (device, dtype) pairs, got {value!r:.80}")
+    return value
 
 
 def _autocast_text(state: Any) -> str:
