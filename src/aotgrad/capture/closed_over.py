@@ -250,7 +250,8 @@ class _ApplyPatch:
                 torch.autograd.Function.apply = self._original  # type: ignore[method-assign]
 
     def call(self, cls: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._original.__func__(cls, *args, **kwargs)
+        # A Python classmethod (torch < 2.14) or the C one (2.14+): bound to ``cls`` either way.
+        return self._original.__get__(None, cls)(*args, **kwargs)
 
 
 def _swapped_apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
