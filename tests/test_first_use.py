@@ -31,7 +31,7 @@ def test_aot_module_has_the_partitioned_of_its_last_call():
 
 def test_cache_info_of_a_trace():
     traced = aotgrad.trace(lambda x: x.sin(), torch.ones(2, requires_grad=True))
-    traced(torch.zeros(2))
+    traced(torch.zeros(2, requires_grad=True))  # the same specialization
     torch.func.grad(lambda x: traced(x).sum())(torch.zeros(2))
     info = aotgrad.cache_info(traced)
     assert (info.misses, info.entries, info.graphs, info.transform_runs) == (1, 1, 1, 1)

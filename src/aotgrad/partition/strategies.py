@@ -157,7 +157,7 @@ def budget(
     (229384, 540672, 'budget(peak=250000)')
     >>> aotgrad.trace(g, x, w1, w2, partition=aotgrad.budget(peak=200_000))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: no plan fits budget(peak=200000): the smallest predicted peak of ... is 229384 bytes...
+    aotgrad.errors.PartitionError: no plan fits budget(peak=200000): the smallest predicted peak of ... is 229384 bytes...
     """
     return Budget(None if limit is None else float(limit), time_limit, peak=_whole_bytes(peak))
 
