@@ -138,8 +138,9 @@ KNOWN_BAD: dict[str, str] = {
     " in-place op on a view of a leaf (eager runs it)",
     "masked_fill_strided": "NEW F23: an intermediate of a transposed input changed by masked_fill_"
     " and returned is contiguous (eager keeps the input's layout)",
-    "requires_grad_intermediate": "NEW F24: v = x * 2; v.requires_grad_(True); return v, with"
-    " another input requiring grad: the output is not a leaf (eager's is)",
+    "requires_grad_intermediate": "F24: v = x * 2; v.requires_grad_(True); return v: refused"
+    " (UnsupportedOutputError, Note [Leaf outputs]); eager returns a leaf a compiled function"
+    " cannot",
     "create_graph_aliased_inputs": "NEW F22: create_graph=True with inputs b[0], b, b: the base's"
     " second-order gradient is None (eager's is a tensor)",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",

@@ -822,13 +822,15 @@ def test_masked_fill_in_place_keeps_eagers_layout():
     assert aotgrad.aot_function(fn)(x).stride() == fn(x).stride()
 
 
-@unfixed("NEW F24: requires_grad_() on a value the function made: the output is not a leaf")
-def test_requires_grad_on_an_intermediate_returns_a_leaf():
+@pytest.mark.parametrize("w_grad", [False, True])
+def test_requires_grad_on_an_intermediate_is_refused(w_grad):
+    # F24: eager returns a leaf (its .grad filled by backward); a compiled output never is.
     def fn(x, w):
         v = x * 2
         v.requires_grad_(True)
         return v
 
-    args = (torch.randn(3), torch.randn(2, requires_grad=True))
-    outs = [fn(*args), aotgrad.aot_function(fn)(*args)]
-    assert [o.is_leaf for o in outs] == [True, True]
+    args = (torch.randn(3), torch.randn(2, requires_grad=w_grad))
+    assert fn(*args).is_leaf
+    with pytest.raises(aotgrad.UnsupportedOutputError, match=r"made require grad itself"):
+        aotgrad.aot_function(fn)(*args)

@@ -339,6 +339,7 @@ def _joint(
                 for i, (needs, info) in enumerate(zip(needs_grad, inputs.infos, strict=True))
                 if needs and info.duplicate_of is None
             ]
+            check_no_leaf_outputs(returned, [*primals, *graph_primals], where)
             record.differentiable = _differentiable(returned, record, options.with_backward, where)
             grads: list[torch.Tensor | None] = []
             new_state: list[torch.Tensor] = []
@@ -373,6 +374,41 @@ def _note_grad_changes(
     for i in dict.fromkeys(inputs.sources[k][0] for k in record.made_to_require_grad):
         needs_grad[i] = True  # Note [requires_grad_() on an input]
         edges[i] = tracer.differentiate_at(graph_primals[i])
+
+
+def check_no_leaf_outputs(
+    returned: Sequence[torch.Tensor], primals: Sequence[torch.Tensor], where: UserFrame | None
+) -> None:
+    """Refuse an output the function made a leaf that requires grad (Note [Leaf outputs])."""
+    inputs = {id(p) for p in primals}
+    if any(t.requires_grad and t.grad_fn is None and id(t) not in inputs for t in returned):
+        raise UnsupportedOutputError(
+            format_error(
+                "an output is a tensor the function made require grad itself"
+                " (t.requires_grad_() on a value it computed, nn.Parameter(...)): eager returns a"
+                " leaf whose .grad the caller reads, a compiled function returns its output"
+                " computed from the inputs (not a leaf: its .grad would stay None)",
+                where,
+                "Return the value without requires_grad_() and make it require grad outside the"
+                " compiled function, or pass that tensor in as an input that requires grad.",
+            )
+        )
+
+
+# Note [Leaf outputs]
+# ~~~~~~~~~~~~~~~~~~~
+# Every tensor a compiled function returns comes out of its autograd.Function:
+# a non-leaf whose gradient flows to the inputs. Eager can return a leaf that
+# requires grad, one the function made itself::
+#
+#     def fn(x, w):              # w requires grad, x does not
+#         v = x * 2              # no grad_fn: x does not require grad
+#         v.requires_grad_(True) # v: a leaf; eager's caller reads v.grad after backward
+#         return v
+#
+# The compiled output would be a non-leaf with v.grad None after backward,
+# silently; so capture refuses it (with no input requiring grad,
+# ``_differentiable`` refuses any differentiable output already).
 
 
 def _differentiable(
