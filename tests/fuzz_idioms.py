@@ -391,15 +391,23 @@ def _leaves(eager: World, compiled: World) -> list[tuple[str, torch.Tensor, torc
     return leaves
 
 
-def _backward(outputs: list[torch.Tensor], cotangents: list[torch.Tensor], eager: bool) -> None:
+@contextlib.contextmanager
+def _engine_errors(eager: bool) -> Iterator[None]:
+    """What the autograd engine raises: eager's own failure, or a fuzz failure of aotgrad's
+    (an AotgradError passes as the refusal it is)."""
     try:
-        torch.autograd.backward(outputs, cotangents)
+        yield
     except AotgradError:
         raise
     except Exception as err:
         if eager:
             raise EagerFails(repr(err)) from err
         raise FuzzFailure("", error_signature(err), short_traceback(err)) from None
+
+
+def _backward(outputs: list[torch.Tensor], cotangents: list[torch.Tensor], eager: bool) -> None:
+    with _engine_errors(eager):
+        torch.autograd.backward(outputs, cotangents)
 
 
 def _grad(
@@ -409,18 +417,12 @@ def _grad(
     eager: bool,
     create_graph: bool = False,
 ) -> list[torch.Tensor | None]:
-    try:
+    with _engine_errors(eager):
         return list(
             torch.autograd.grad(
                 outputs, inputs, cotangents, create_graph=create_graph, allow_unused=True
             )
         )
-    except AotgradError:
-        raise
-    except Exception as err:
-        if eager:
-            raise EagerFails(repr(err)) from err
-        raise FuzzFailure("", error_signature(err), short_traceback(err)) from None
 
 
 def _aliases(outputs: list[Any], world: World) -> list[tuple[str, Any, bool] | None]:
