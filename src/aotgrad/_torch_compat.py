@@ -275,6 +275,9 @@ def function_modes() -> list[Any]:
 is_traceable_wrapper_subclass = _python_dispatch.is_traceable_wrapper_subclass
 # Step below torch-function modes (the closed-over swap) to read a real tensor's ``.grad``.
 DisableTorchFunction = torch._C.DisableTorchFunction
+# Step below a wrapper subclass's ``__torch_dispatch__``: change the wrapper's own metadata
+# (Note [Subclass inputs rebased]).
+DisableTorchDispatch = torch._C._DisableTorchDispatch
 
 # A torch-function mode of this thread, by its place in the stack (0: outermost).
 function_mode_at = torch._C._get_function_stack_at

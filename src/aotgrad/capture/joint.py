@@ -72,6 +72,7 @@ from aotgrad.capture.reachability import reaching_masks
 from aotgrad.capture.recorder import Recorder, generator_restored
 from aotgrad.capture.requires_grad import check_views_of_made_inputs, made_to_require_grad
 from aotgrad.capture.side_effects import Watch
+from aotgrad.capture.subclass_inputs import StandIns, subclass_input_changes
 from aotgrad.capture.trace_errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.tracers import Tracer, TracerChoice
 from aotgrad.errors import (
@@ -238,7 +239,7 @@ def trace_joint(
         record.guards = ShapeGuards(shape_env, fakes, names=[str(d) for d in inputs.descriptors])
 
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
-        return _joint(body, inputs, inner, record, options, tracer, primals)
+        return _joint(body, inputs, inner, record, options, tracer, primals, flat)
 
     with translate_trace_errors(body, options.where), compiling(), generator_restored(), mode:
         gm = tracer.run(joint, fakes)
@@ -288,6 +289,7 @@ def _joint(
     options: TraceOptions,
     tracer: Tracer,
     real: Sequence[torch.Tensor],
+    flat: FlatInputs,
 ) -> list[torch.Tensor | None]:
     where = options.where
     dispatch_mode = tracer.dispatch_mode()
@@ -320,9 +322,24 @@ def _joint(
             record.mutations = tracer.input_mutations(
                 graph_primals, grad_fns, inner, inputs.infos, inputs.descriptors, where
             )
+            stand_ins: StandIns = {}
+            if flat.subclasses is not None:  # Note [Subclass inputs changed in place]
+                record.mutations, stand_ins = subclass_input_changes(
+                    flat.subclasses,
+                    record.mutations,
+                    inputs.sources,
+                    graph_primals,
+                    flat.descriptors,
+                    tracer.recorder.mutation_sites,
+                    where,
+                )
             forward, returned = _forward_values(
                 result, stored, primals, graph_primals, inner, record, where, tracer
             )
+            if stand_ins:
+                forward = _with_stand_ins(forward, record.mutations, stand_ins)
+                returned = _with_stand_ins(returned, record.mutations, stand_ins)
+                tracer.sync(forward)
             # Each value as it is now: a backward that mutates an input again must not
             # change the forward's new value of it (Note [State updated by the backward]).
             forward_values = [tracer.unwrap(v) for v in forward]
@@ -463,6 +480,18 @@ def _forward_values(
     tracer.sync(forward)
     fresh = [tensors[o.index] for o in aliasing.outputs if o.alias is None]
     return forward, [*fresh, *bases, *mutated]
+
+
+def _with_stand_ins(
+    returned: list[torch.Tensor], mutations: Sequence[InputMutation], stand_ins: StandIns
+) -> list[torch.Tensor]:
+    """``returned`` with the new values of subclass inputs' inner tensors taken through the
+    subclass's history (Note [Subclass inputs changed in place]): the same values, the
+    gradients eager gives the caller's tensor."""
+    written = [m.index for m in mutations if m.data]
+    head = returned[: len(returned) - len(written)]
+    tail = returned[len(head) :]
+    return head + [stand_ins.get(i, t) for i, t in zip(written, tail, strict=True)]
 
 
 def _user_primals(

@@ -46,6 +46,7 @@ from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epil
 from aotgrad.runtime.higher_order import Driver, HigherOrder
 from aotgrad.runtime.slices import num_forward_inputs
 from aotgrad.runtime.straight_line import Step
+from aotgrad.runtime.subclass_inputs import SubclassReplay
 from aotgrad.runtime.transforms import refuse_transforms_on
 from aotgrad.signature import Signature
 from aotgrad.signature.subclasses import holds_flat_outputs, rebuild_outputs
@@ -152,11 +153,14 @@ class CompiledGraphs:
         refuse_transforms_on(primals)  # Note [Transforms run the function]
         if self._subclasses is None and not self._subclass_outputs:
             return self._call(primals)
+        replay = None
         if self._subclasses is not None:  # Note [Tensor subclasses]
+            if any(self._subclasses.changes):  # Note [Subclass inputs rebased]
+                replay = SubclassReplay(self._subclasses, primals)
             primals = self._subclasses.take_apart(primals)
-        return rebuild_outputs(self._call(primals))
+        return rebuild_outputs(self._call(primals, replay))
 
-    def _call(self, primals: Sequence[torch.Tensor]) -> Any:
+    def _call(self, primals: Sequence[torch.Tensor], replay: SubclassReplay | None = None) -> Any:
         for i in self.plan.made_to_require_grad:  # Note [requires_grad_() on an input]
             primals[i].requires_grad_(True)
         inputs = graph_inputs(primals, self._bases) if self._bases else primals
@@ -168,7 +172,7 @@ class CompiledGraphs:
             returned = _apply_with_grad(self._apply, _cut(inputs, self._unreached))
         else:
             returned = _apply_with_grad(self._apply, inputs)
-        return run_epilogue(self.plan, primals, inputs, returned)
+        return run_epilogue(self.plan, primals, inputs, returned, replay)
 
 
 # Note [Where a call's microseconds go]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -549,12 +549,16 @@ def run_epilogue(
     primals: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
     returned: Sequence[torch.Tensor],
+    subclass_inputs: SubclassInputs | None = None,
 ) -> Any:
     """Mutations back into inputs, aliases rebuilt, constants restored (Note above).
 
     ``primals`` are the user's tensors, ``inputs`` the graph's (Note [Aliased inputs]).
+    ``subclass_inputs`` replays the mutations of subclass inputs' inner tensors
+    (Note [Subclass inputs rebased] in ``runtime/subclass_inputs.py``).
     """
-    if plan.only_fresh:  # nothing to replay: the returned values are the outputs, in order
+    if plan.only_fresh and subclass_inputs is None:  # nothing to replay: the returned values
+        # are the outputs, in order
         if plan.out_spec.is_leaf():
             return returned[0]
         return unflatten_result(list(returned), plan)
@@ -565,7 +569,12 @@ def run_epilogue(
         concrete.bind()  # before the replays below restride the inputs the sizes are read from
     for mutation in plan.mutations:
         new = next(new_values) if mutation.data else None
+        if subclass_inputs is not None and mutation.index in subclass_inputs.positions:
+            subclass_inputs.take(mutation, new)
+            continue
         _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new)
+    if subclass_inputs is not None:
+        subclass_inputs.replay()
     for mutation in plan.member_mutations:  # Note [Aliased inputs]
         _replay_mutation(primals[mutation.index], concrete.mutation(mutation), None)
     if plan.restrided:  # Note [Views of a restrided input]
@@ -666,6 +675,16 @@ class _ConcreteLayouts:
     def mutation(self, mutation: InputMutation) -> InputMutation:
         metadata = self._resolve(mutation.metadata)
         return mutation if metadata is None else replace(mutation, metadata=metadata)
+
+
+class SubclassInputs(Protocol):
+    """Takes the replays of subclass inputs' inner tensors (``runtime/subclass_inputs.py``)."""
+
+    positions: frozenset[int]
+
+    def take(self, mutation: InputMutation, new: torch.Tensor | None) -> None: ...
+
+    def replay(self) -> None: ...
 
 
 def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor | None) -> None:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -229,6 +229,36 @@ class _Unwrap(torch.autograd.Function):
         return None, None, built.detach() if built.requires_grad else built
 
 
+class _Rebase(torch.autograd.Function):
+    """Write new inner values into a subclass tensor in place; its history becomes theirs
+    (Note [Subclass inputs rebased] in ``runtime/subclass_inputs.py``)."""
+
+    @staticmethod
+    def forward(ctx: Any, meta: SubclassMeta, x: torch.Tensor, *news: torch.Tensor) -> Any:
+        ctx.meta = meta
+        ctx.set_materialize_grads(False)
+        for t, new in zip(inner_tensors(x, meta), news, strict=True):
+            t.copy_(new)
+        ctx.mark_dirty(x)  # moves x's version on, as eager's in-place op did
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
+        meta: SubclassMeta = ctx.meta
+        if grad is None:
+            return (None, None, *([None] * meta.width))
+        grad = _coerced(grad, tangent_meta(meta))
+        return (None, None, *inner_tensors(grad, meta))  # the old value: overwritten, none
+
+
+def rebase(x: torch.Tensor, news: Sequence[torch.Tensor | None]) -> None:
+    """``x``'s inner tensors set to ``news`` in place, with their history (None: left as is)."""
+    meta = meta_of(x)
+    assert meta is not None, f"expected a tensor subclass, got {type(x)}"
+    inner = inner_tensors(x, meta)
+    _Rebase.apply(meta, x, *(t if n is None else n for t, n in zip(inner, news, strict=True)))
+
+
 def _conformed(grad: torch.Tensor, meta: SubclassMeta) -> torch.Tensor:
     """``grad`` with the input's inner structure: a DTensor is redistributed to its placements."""
     grad_meta = meta_of(grad)
@@ -359,6 +389,13 @@ def flatten_outputs(result: Any) -> Any:
     return pytree.tree_map(take_apart, result)
 
 
+def unwrapped(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``t``'s plain inner tensors as differentiable views: gradients of them reach ``t``."""
+    meta = meta_of(t)
+    assert meta is not None, f"expected a tensor subclass, got {type(t)}"
+    return tuple(_Unwrap.apply(meta, None, t))
+
+
 def rebuild_outputs(result: Any) -> Any:
     """``result`` with every :class:`FlatOutput` built again as its subclass (at run time)."""
 
@@ -380,6 +417,36 @@ def holds_flat_outputs(spec: pytree.TreeSpec) -> bool:
 # --- Inputs -------------------------------------------------------------------------------------
 
 
+# A tensor's size, stride and storage offset.
+Layout = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+@dataclass
+class InputChange:
+    """How the function changed a subclass input in place, as a whole (Note [Subclass inputs
+    changed in place]); written by the trace, read by every run's epilogue."""
+
+    # The outer size, stride and storage offset after the call; None when they did not change.
+    layout: Layout | None
+    # The same for each plain inner tensor, in ``paths()`` order.
+    inner_layouts: tuple[Layout | None, ...]
+    # Autograd recorded the change on the outer tensor (grad mode on, it requires grad):
+    # the runtime gives the caller's tensor the history of its new value.
+    with_grad: bool
+    # The forward graph's input positions of its plain inner tensors, in ``paths()`` order.
+    positions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TracedInput:
+    """A subclass input while a trace runs: the real tensor, the one the body sees (rebuilt
+    from the inner graph inputs) and that one's ``grad_fn`` before the body ran."""
+
+    real: torch.Tensor
+    traced: torch.Tensor
+    grad_fn_before: Any
+
+
 @dataclass(frozen=True, kw_only=True)
 class Subclasses:
     """The subclass inputs of one call, taken apart (Note [Tensor subclasses]).
@@ -391,6 +458,21 @@ class Subclasses:
     metas: tuple[SubclassMeta | None, ...]
     # Per outer graph input: where the trace writes its gradient's layout (None when plain).
     grads: tuple[GradMeta | None, ...]
+    # Per outer graph input, written by the trace: how the function changed it in place
+    # (None: plain, or left alone). Note [Subclass inputs changed in place].
+    changes: list[InputChange | None] = field(default_factory=list)
+    # Per outer graph input while the body runs (None when plain); emptied when it closes.
+    traced: list[TracedInput | None] = field(default_factory=list)
+
+    def inner_positions(self) -> list[tuple[int, ...]]:
+        """Per outer graph input: the positions of its plain inner tensors among the flat
+        inputs (one position for a plain input)."""
+        out, start = [], 0
+        for meta in self.metas:
+            width = 1 if meta is None else meta.width
+            out.append(tuple(range(start, start + width)))
+            start += width
+        return out
 
     def take_apart(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The plain graph inputs of a call: each subclass replaced by its inner tensors.
@@ -532,8 +614,15 @@ def _inputs_built(body: Body, subclasses: Subclasses, real: Sequence[torch.Tenso
             for r, t, meta in zip(real, outer, subclasses.metas, strict=True)
             if meta is not None
         ]
-        with _rebuilt(pairs), body(outer) as result:
-            yield result
+        subclasses.traced[:] = [
+            None if meta is None else TracedInput(r, t, t.grad_fn)
+            for r, t, meta in zip(real, outer, subclasses.metas, strict=True)
+        ]
+        try:
+            with _rebuilt(pairs), body(outer) as result:
+                yield result
+        finally:
+            subclasses.traced.clear()
 
     return built
 
