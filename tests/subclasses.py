@@ -100,3 +100,60 @@ class Tagged(torch.Tensor):
     @staticmethod
     def __new__(cls, data: torch.Tensor) -> Tagged:
         return torch.Tensor._make_subclass(cls, data)  # type: ignore[no-any-return]
+
+
+class Scaled(torch.Tensor):
+    """A wrapper of one tensor with a scale kept in its flatten context; each op runs on the
+    inner tensor and keeps the scale. Its ``__torch_dispatch__`` keeps the wrapper's own
+    metadata in step with in-place view ops (``t_``), as torch's ``TwoTensor`` does.
+
+    >>> s = Scaled(torch.ones(2, 3), 0.5); s.t_().shape, s.inner.shape, s.scale
+    (torch.Size([3, 2]), torch.Size([3, 2]), 0.5)
+    """
+
+    inner: torch.Tensor
+    scale: float
+
+    @staticmethod
+    def __new__(
+        cls, inner: torch.Tensor, scale: float, outer_size: Any = None, outer_stride: Any = None
+    ) -> Scaled:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+            cls,
+            inner.size() if outer_size is None else outer_size,
+            strides=inner.stride() if outer_stride is None else outer_stride,
+            storage_offset=inner.storage_offset(),
+            dtype=inner.dtype,
+            device=inner.device,
+            requires_grad=inner.requires_grad,
+        )
+
+    def __init__(
+        self, inner: torch.Tensor, scale: float, outer_size: Any = None, outer_stride: Any = None
+    ) -> None:
+        self.inner = inner
+        self.scale = scale
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Scaled({self.inner!r}, scale={self.scale})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["inner"], (self.scale,)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], context: Any, outer_size: Any, outer_stride: Any
+    ) -> Scaled:
+        return Scaled(inner["inner"], context[0], outer_size, outer_stride)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._python_dispatch import return_and_correct_aliasing
+
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        scale = next(t.scale for t in leaves if isinstance(t, Scaled))
+        plain = pytree.tree_map_only(Scaled, lambda t: t.inner, (args, kwargs))
+        out = func(*plain[0], **plain[1])
+        out = pytree.tree_map_only(torch.Tensor, lambda t: Scaled(t, scale), out)
+        return return_and_correct_aliasing(func, args, kwargs, out)

@@ -1,0 +1,283 @@
+"""Tensor subclass inputs changed in place, against eager: the caller's tensor after the call
+(outer size, strides, offset, version; inner tensors' layouts and values), outputs, and every
+gradient, through each frontend (Note [Subclass inputs changed in place], Note [Subclass inputs
+rebased]). Subclasses: torch's ``TwoTensor``, which keeps its outer metadata in step with
+in-place view ops, the tests' ``TwoTensor``, which does not, and ``Scaled``, whose flatten
+context holds a scale."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.testing._internal.two_tensor import TwoTensor as TorchTwoTensor
+
+import aotgrad
+from aotgrad.errors import InPlaceOnLeafError, UnsupportedMutationError
+from subclasses import Scaled
+from subclasses import TwoTensor as TestsTwoTensor
+
+KINDS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "torch TwoTensor": lambda t: TorchTwoTensor(t, t * -2 + 1),
+    "tests' TwoTensor": lambda t: TestsTwoTensor(t, t * -2 + 1),
+    "Scaled": lambda t: Scaled(t, 0.5),
+}
+
+
+def _inner(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a (possibly nested) subclass holds, in flatten order."""
+    if not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    attrs, _ = t.__tensor_flatten__()
+    return [x for attr in attrs for x in _inner(getattr(t, attr))]
+
+
+def _state(t: torch.Tensor) -> list[Any]:
+    """What eager leaves on a subclass tensor: its type and context, outer layout, each inner
+    tensor's layout and values (versions: ``test_a_data_change_moves_the_callers_version_on``)."""
+    out: list[Any] = [type(t), t.__tensor_flatten__()[1] if hasattr(t, "__tensor_flatten__") else 0]
+    out += [tuple(t.shape), t.stride(), t.storage_offset(), t.requires_grad]
+    for x in _inner(t):
+        out += [tuple(x.shape), x.stride(), x.storage_offset(), x.detach().clone()]
+    return out
+
+
+def _assert_same(actual: list[Any], expected: list[Any]) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        if isinstance(e, torch.Tensor):
+            torch.testing.assert_close(a, e)
+        else:
+            assert a == e, (actual, expected)
+
+
+def _inputs(kind: str, grad: bool, contiguous: bool, seed: int) -> tuple[list[torch.Tensor], Any]:
+    """(leaves, (x, y)): ``x`` a subclass of shape (2, 3), a non-leaf when ``grad`` (eager
+    refuses in-place ops on leaves that require grad); ``y`` a plain tensor."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(2, 3, generator=g) if contiguous else torch.randn(3, 2, generator=g).t()
+    leaf = KINDS[kind](base)
+    y = torch.randn(2, 3, generator=g)
+    if not grad:
+        return [], (leaf, y)
+    leaf.requires_grad_(True)
+    return [leaf], (leaf * 1, y)
+
+
+def _compare(
+    fn: Callable[..., Any], run: Callable[..., Any], kind: str, grad: bool, contiguous=True
+):
+    """``run(*args)`` against ``fn(*args)`` on equal inputs: outputs, the caller's ``x`` after
+    the call, then gradients of a loss reading the output and ``x`` as it is now."""
+    results = []
+    for call in (fn, run):
+        leaves, (x, y) = _inputs(kind, grad, contiguous, seed=0)
+        out = call(x, y)
+        state = _state(x)
+        loss = (out * out).sum() + (x * x).sum()
+        if loss.requires_grad:
+            loss.backward()
+        grads = [
+            [g for g in _inner(leaf.grad)] if leaf.grad is not None else None for leaf in leaves
+        ]
+        results.append((_inner(out), state, grads))
+    (out_e, state_e, grads_e), (out, state, grads) = results
+    _assert_same(out, out_e)
+    _assert_same(state, state_e)
+    assert [g is None for g in grads] == [g is None for g in grads_e]
+    for g, e in zip(grads, grads_e, strict=True):
+        if e is not None:
+            _assert_same(g, e)
+
+
+def _t(x, y):
+    x.t_()
+    return x * y.t()
+
+
+def _transpose(x, y):
+    x.transpose_(0, 1)
+    return x * y.t()
+
+
+def _unsqueeze(x, y):
+    x.unsqueeze_(0)
+    return x * y
+
+
+def _squeeze(x, y):
+    x.unsqueeze_(1).squeeze_(1)
+    return x * y
+
+
+def _as_strided(x, y):
+    x.as_strided_((3,), (1,), x.storage_offset())
+    return x * y[0]
+
+
+def _mul_then_t(x, y):
+    x.mul_(2)
+    x.t_()
+    return x * y.t()
+
+
+def _t_then_add(x, y):
+    x.t_()
+    x.add_(y.t())
+    return x * 3
+
+
+def _mul(x, y):
+    x.mul_(y)
+    return x + 1
+
+
+FUNCTIONS = {
+    "t_": _t,
+    "transpose_": _transpose,
+    "unsqueeze_": _unsqueeze,
+    "unsqueeze_ squeeze_": _squeeze,
+    "as_strided_": _as_strided,
+    "mul_ then t_": _mul_then_t,
+    "t_ then add_": _t_then_add,
+    "mul_": _mul,
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no grad", "requires grad"])
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_a_subclass_input_changed_in_place_is_left_as_eager_leaves_it(name, grad):
+    """Silent before: the caller's outer tensor kept its size and strides (and, requiring
+    grad, its old history: a later use's gradient skipped the in-place op)."""
+    fn = FUNCTIONS[name]
+    _compare(fn, aotgrad.aot_function(fn), "torch TwoTensor", grad)
+
+
+@pytest.mark.parametrize("name", ["t_", "mul_ then t_", "t_ then add_", "unsqueeze_"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no grad", "requires grad"])
+def test_a_subclass_with_a_context_changed_in_place_is_left_as_eager_leaves_it(name, grad):
+    """``Scaled`` keeps a scale in its flatten context, and one inner tensor."""
+    fn = FUNCTIONS[name]
+    _compare(fn, aotgrad.aot_function(fn), "Scaled", grad)
+
+
+@pytest.mark.parametrize("name", ["t_", "mul_ then t_", "t_ then add_"])
+def test_a_subclass_that_leaves_its_outer_metadata_stale_stays_stale_as_in_eager(name):
+    """The tests' TwoTensor does not keep its outer size in step with ``t_()`` (its inner
+    tensors are transposed, it is not): the compiled function leaves it so too."""
+    fn = FUNCTIONS[name]
+    _compare(fn, aotgrad.aot_function(fn), "tests' TwoTensor", False)
+
+
+@pytest.mark.parametrize("name", ["mul_", "mul_ then t_"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no grad", "requires grad"])
+def test_a_data_change_moves_the_callers_version_on(name, grad):
+    """Autograd checks saved tensors' versions: a data change moves the caller's outer
+    version on, as eager's in-place op does."""
+    _, (x, y) = _inputs("torch TwoTensor", grad, True, seed=2)
+    before = x._version
+    aotgrad.aot_function(FUNCTIONS[name])(x, y)
+    assert x._version > before
+
+
+@pytest.mark.parametrize("name", ["t_", "mul_ then t_", "unsqueeze_"])
+def test_a_non_contiguous_subclass_input_changed_in_place(name):
+    fn = FUNCTIONS[name]
+    for grad in (False, True):
+        _compare(fn, aotgrad.aot_function(fn), "torch TwoTensor", grad, contiguous=False)
+
+
+def test_trace_then_call_again_replays_on_each_callers_tensor():
+    leaves, args = _inputs("torch TwoTensor", True, True, seed=1)
+    traced = aotgrad.trace(_mul_then_t, *args)
+    for _ in range(2):
+        _compare(_mul_then_t, traced, "torch TwoTensor", True)
+
+
+def test_torch_compile_with_the_aotgrad_backend_replays_the_change():
+    torch._dynamo.reset()
+    _compare(_mul_then_t, torch.compile(_mul_then_t, backend="aotgrad"), "torch TwoTensor", True)
+    torch._dynamo.reset()
+    _compare(_t, torch.compile(_t, backend="aotgrad"), "torch TwoTensor", False)
+
+
+class _Transposing(torch.nn.Module):
+    """Scales its input in place by a TwoTensor parameter, then transposes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        w = TorchTwoTensor(torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g))
+        self.w = torch.nn.Parameter(w)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x.mul_(self.w)
+        x.t_()
+        return x * y.t()
+
+
+def test_aot_module_with_a_subclass_parameter_changing_its_input_in_place():
+    import copy
+
+    model = _Transposing()
+    eager = copy.deepcopy(model)
+    compiled = aotgrad.aot_module(model)
+    _compare(eager, compiled, "torch TwoTensor", True)
+    _assert_same(_inner(model.w.grad), _inner(eager.w.grad))
+
+
+@pytest.mark.parametrize("name", ["t_", "mul_"])
+def test_an_in_place_change_of_a_subclass_leaf_requiring_grad_raises_as_eager(name):
+    """Silent before: the compiled function ran it (the inner tensors, leaves of the trace,
+    could not tell)."""
+    fn = FUNCTIONS[name]
+    x = TorchTwoTensor(torch.ones(2, 3), torch.ones(2, 3)).requires_grad_(True)
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        fn(x, torch.ones(2, 3))
+    with pytest.raises(InPlaceOnLeafError, match=r"requires grad \(x\)") as info:
+        aotgrad.aot_function(fn)(x, torch.ones(2, 3))
+    assert "test_subclass_inputs.py" in str(info.value)  # the user's line
+    assert x.shape == (2, 3) and x._version == 0
+
+
+def test_under_no_grad_a_subclass_leaf_requiring_grad_may_change_as_in_eager():
+    """An optimizer-style update: no history, the leaf stays a leaf, its gradient as eager's."""
+
+    def fn(x, y):
+        with torch.no_grad():
+            x.mul_(2)
+        return x * y
+
+    results = []
+    for call in (fn, aotgrad.aot_function(fn)):
+        x = TorchTwoTensor(torch.ones(2, 3), torch.full((2, 3), 2.0)).requires_grad_()
+        out = call(x, torch.arange(6.0).view(2, 3))
+        (out * out).sum().backward()
+        assert x.is_leaf
+        results.append((_inner(out), _state(x), _inner(x.grad)))
+    for actual, expected in zip(results[1], results[0], strict=True):
+        _assert_same(actual, expected)
+
+
+class _HalfWritten(TorchTwoTensor):
+    """A TwoTensor whose in-place data ops change ``a`` only."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func._schema.is_mutable and torch.Tag.inplace_view not in func.tags:
+            plain = [a.a if isinstance(a, TorchTwoTensor) else a for a in args]
+            func(*plain, **(kwargs or {}))
+            return args[0]
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return _HalfWritten(inner["a"], inner["b"], outer_size, outer_stride)
+
+
+def test_a_change_with_grad_writing_some_inner_tensors_only_is_refused():
+    x = _HalfWritten(torch.ones(2, 3), torch.ones(2, 3)).requires_grad_(True) * 1
+    with pytest.raises(UnsupportedMutationError, match="some of its inner tensors"):
+        aotgrad.aot_function(_mul)(x, torch.ones(2, 3))
