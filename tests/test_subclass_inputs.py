@@ -190,7 +190,7 @@ def test_a_non_contiguous_subclass_input_changed_in_place(name):
 
 
 def test_trace_then_call_again_replays_on_each_callers_tensor():
-    leaves, args = _inputs("torch TwoTensor", True, True, seed=1)
+    _, args = _inputs("torch TwoTensor", True, True, seed=1)
     traced = aotgrad.trace(_mul_then_t, *args)
     for _ in range(2):
         _compare(_mul_then_t, traced, "torch TwoTensor", True)
