@@ -281,3 +281,128 @@ def test_a_change_with_grad_writing_some_inner_tensors_only_is_refused():
     x = _HalfWritten(torch.ones(2, 3), torch.ones(2, 3)).requires_grad_(True) * 1
     with pytest.raises(UnsupportedMutationError, match="some of its inner tensors"):
         aotgrad.aot_function(_mul)(x, torch.ones(2, 3))
+
+
+# --- Subclass gradients of plain inputs (Note [Subclass gradients of plain inputs]) -----------
+
+
+def _mix(x, t):
+    return (x * t).sin()
+
+
+def _mix_twice(x, t):
+    return (x * t).sin() + (t * x.cos()).exp() + x * 2
+
+
+def _matmul(x, t):
+    return (t @ x).tanh()
+
+
+def _built_from_plain(x, y):
+    return TorchTwoTensor(x, x * 2) * y  # the constructor is not differentiable: x gets none
+
+
+MIXES = {
+    "x * t": (_mix, (2, 3)),
+    "x and t used twice": (_mix_twice, (2, 3)),
+    "t @ x": (_matmul, (3, 4)),
+}
+
+
+def _grad_state(g: torch.Tensor | None) -> list[Any] | None:
+    if g is None:
+        return None
+    context = g.__tensor_flatten__()[1] if hasattr(g, "__tensor_flatten__") else 0
+    return [type(g), context, tuple(g.shape), *_inner(g)]
+
+
+def _mixed_inputs(kind: str, x_shape: tuple[int, ...], t_grad: bool) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(x_shape, generator=g).requires_grad_(True)
+    t = KINDS[kind](torch.randn(2, 3, generator=g)).requires_grad_(t_grad)
+    return x, t
+
+
+def _check_mixed(fn, run, kind: str, x_shape, t_grad: bool) -> None:
+    results = []
+    for call in (fn, run):
+        x, t = _mixed_inputs(kind, x_shape, t_grad)
+        out = call(x, t)
+        (out * out).sum().backward()
+        results.append((_inner(out), _grad_state(x.grad), _grad_state(t.grad)))
+    (out_e, xg_e, tg_e), (out, xg, tg) = results
+    _assert_same(out, out_e)
+    assert xg_e is not None and xg_e[0] is not torch.Tensor  # eager: a subclass gradient
+    _assert_same(xg, xg_e)
+    assert (tg is None) == (tg_e is None)
+    if tg_e is not None:
+        _assert_same(tg, tg_e)
+
+
+@pytest.mark.parametrize("t_grad", [False, True], ids=["t no grad", "t requires grad"])
+@pytest.mark.parametrize("kind", ["torch TwoTensor", "Scaled"])
+@pytest.mark.parametrize("name", list(MIXES))
+def test_a_plain_input_gets_the_subclass_gradient_eager_gives_it(name, kind, t_grad):
+    """Refused before (``UnsupportedSubclassError``): ``x.grad`` is a TwoTensor (a Scaled with
+    its scale) in eager, of the values, type and context eager gives."""
+    fn, x_shape = MIXES[name]
+    _check_mixed(fn, aotgrad.aot_function(fn), kind, x_shape, t_grad)
+
+
+def test_the_subclass_gradient_matches_pytorchs_aot_function():
+    from functorch.compile import nop
+    from torch._functorch.aot_autograd import aot_function
+
+    _check_mixed(_mix_twice, aot_function(_mix_twice, nop), "torch TwoTensor", (2, 3), True)
+    _check_mixed(_mix_twice, aotgrad.aot_function(_mix_twice), "torch TwoTensor", (2, 3), True)
+
+
+def test_a_plain_input_split_by_its_gradient_names_each_place():
+    x, t = _mixed_inputs("torch TwoTensor", (2, 3), False)
+    traced = aotgrad.trace(_mix, x, t)
+    assert [str(d) for d in traced.signature.forward_inputs] == ["x.a", "x.b", "t.a", "t.b"]
+    assert [str(d) for d in traced.signature.backward_outputs] == [
+        "grad of x.a",
+        "grad of x.b",
+        "None",
+        "None",
+    ]
+    for _ in range(2):  # trace, then call again on new inputs
+        _check_mixed(_mix, traced, "torch TwoTensor", (2, 3), False)
+
+
+def test_torch_compile_gives_a_plain_input_its_subclass_gradient():
+    torch._dynamo.reset()
+    _check_mixed(_mix, torch.compile(_mix, backend="aotgrad"), "torch TwoTensor", (2, 3), True)
+
+
+def test_aot_module_gives_plain_parameters_their_subclass_gradients():
+    import copy
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    eager = copy.deepcopy(model)
+    compiled = aotgrad.aot_module(model)
+    for step in range(2):
+        x = TorchTwoTensor(torch.randn(5, 3), torch.randn(5, 3) + step)
+        out, out_e = compiled(x), eager(x)
+        _assert_same(_inner(out), _inner(out_e))
+        out.pow(2).sum().backward()
+        out_e.pow(2).sum().backward()
+        for p, e in zip(model.parameters(), eager.parameters(), strict=True):
+            _assert_same(_grad_state(p.grad), _grad_state(e.grad))
+    assert compiled.compiled.info.misses == 1
+
+
+def test_a_subclass_built_from_a_plain_input_gives_it_no_gradient_as_in_eager():
+    results = []
+    for call in (_built_from_plain, aotgrad.aot_function(_built_from_plain)):
+        g = torch.Generator().manual_seed(6)
+        x, y = (torch.randn(3, generator=g).requires_grad_() for _ in "xy")
+        out = call(x, y)
+        out.sum().backward()
+        results.append((_inner(out), x.grad, _grad_state(y.grad)))
+    (out_e, xg_e, yg_e), (out, xg, yg) = results
+    _assert_same(out, out_e)
+    assert xg is None and xg_e is None
+    _assert_same(yg, yg_e)

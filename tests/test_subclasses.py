@@ -163,11 +163,14 @@ def test_a_subclass_without_tensor_flatten_is_refused_naming_it():
     assert "__tensor_flatten__" in message and "DTensor" in message
 
 
-def test_a_subclass_gradient_into_a_plain_input_is_refused():
+def test_a_subclass_gradient_of_a_plain_input_comes_back_as_the_subclass():
+    """Refused before (Note [Subclass gradients of plain inputs]); more in
+    test_subclass_inputs.py."""
     x, _ = _pair(7)
-    w = torch.ones(3, 4, requires_grad=True)
-    with pytest.raises(UnsupportedSubclassError, match="gradient of the plain tensor input w"):
-        aotgrad.trace(lambda x, w: x * w, x, w)
+    w, we = (torch.linspace(-1, 1, 12).view(3, 4).requires_grad_() for _ in "ab")
+    (aotgrad.aot_function(lambda x, w: x * w)(x, w) ** 2).sum().backward()
+    (x * we).pow(2).sum().backward()
+    _assert_two_equal(w.grad, we.grad)
 
 
 @pytest.mark.fast_path

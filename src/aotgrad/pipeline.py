@@ -34,7 +34,12 @@ from aotgrad.capture import JointGraph, TracerChoice, Watch, capture, check_trac
 from aotgrad.capture.checks import check_joint
 from aotgrad.capture.dynamic import DynamicDims
 from aotgrad.capture.opset import check_decomposition_set, decomposition_set, refuse_non_core
-from aotgrad.errors import ConfigError, UserFrame, user_frame_of_function
+from aotgrad.errors import (
+    ConfigError,
+    UnsupportedSubclassError,
+    UserFrame,
+    user_frame_of_function,
+)
 from aotgrad.partition import Partitioned, Policy, Strategy, partition
 from aotgrad.partition.checks import check_partitioned
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
@@ -42,6 +47,7 @@ from aotgrad.runtime.boxing import Compiler
 from aotgrad.signature import FlatInputs, flatten_inputs
 from aotgrad.signature.flatten import desugar
 from aotgrad.signature.lifting import Arguments, Body, Lifted, State
+from aotgrad.signature.subclasses import SubclassGradients, SubclassMeta
 
 Decompositions = Mapping[Any, Callable[..., Any]]
 PartitionFn = Policy
@@ -224,9 +230,29 @@ def capture_stage(
     """Capture the joint graph (tensor subclass primals taken apart first: Note [Tensor
     subclasses]), shown to ``on_joint``, then checked when ``options.check`` (Note [Stage
     checks])."""
-    t = traceable
-    flat, primals, body = desugar(t.flat, t.primals, t.body, t.dynamic_dims)
-    joint = capture(
+    try:
+        joint = _capture_desugared(traceable, options, None)
+    except SubclassGradients as e:  # Note [Subclass gradients of plain inputs]
+        try:
+            joint = _capture_desugared(traceable, options, e.layouts)
+        except SubclassGradients as again:
+            raise UnsupportedSubclassError(str(again)) from None
+    if isinstance(options.decompositions, str):  # Note [Core ATen graphs]
+        refuse_non_core(joint.gm.graph, options.decompositions)
+    if on_joint is not None:
+        on_joint(joint)
+    if options.check:
+        check_joint(joint)
+    return joint
+
+
+def _capture_desugared(
+    t: Traceable, options: Options, split_grads: Mapping[Any, SubclassMeta] | None
+) -> JointGraph:
+    """Capture with subclass inputs taken apart, and plain inputs with subclass gradients
+    split (Note [Subclass gradients of plain inputs])."""
+    flat, primals, body = desugar(t.flat, t.primals, t.body, t.dynamic_dims, split_grads)
+    return capture(
         body,
         flat,
         primals,
@@ -242,13 +268,6 @@ def capture_stage(
         effects=t.effects,
         fast=options.fast,
     )
-    if isinstance(options.decompositions, str):  # Note [Core ATen graphs]
-        refuse_non_core(joint.gm.graph, options.decompositions)
-    if on_joint is not None:
-        on_joint(joint)
-    if options.check:
-        check_joint(joint)
-    return joint
 
 
 def decomposition_table(options: Options) -> Decompositions | None:

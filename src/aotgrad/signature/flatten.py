@@ -47,7 +47,13 @@ from aotgrad._torch_compat import (
 from aotgrad.errors import CallError, format_error, user_frame_of_function
 from aotgrad.signature.descriptors import Inner, Input, PrimalDescriptor
 from aotgrad.signature.storage import storage_key
-from aotgrad.signature.subclasses import Body, Subclasses, subclass_key, take_apart_inputs
+from aotgrad.signature.subclasses import (
+    Body,
+    Subclasses,
+    SubclassMeta,
+    subclass_key,
+    take_apart_inputs,
+)
 from aotgrad.signature.values import Incomparable, TensorInValue, value_key
 
 
@@ -98,21 +104,26 @@ def desugar(
     primals: Sequence[torch.Tensor],
     body: Body,
     dynamic_dims: Mapping[int, Sequence[int]] | None,
+    split_grads: Mapping[PrimalDescriptor, SubclassMeta] | None = None,
 ) -> tuple[FlatInputs, list[torch.Tensor], Body]:
     """The call with every subclass input taken apart, and a body that builds them again.
 
     The result's descriptors name inner tensors (``Inner``), its ``subclasses``
     says how to take a call's inputs apart (Note [Tensor subclasses]). A call
     without subclass inputs is returned unchanged, its body only taking subclass
-    outputs apart.
+    outputs apart. ``split_grads``: plain
+    inputs with subclass gradients (Note [Subclass gradients of plain inputs]).
     """
-    subclasses, inner, body = take_apart_inputs(primals, flat.descriptors, body, dynamic_dims)
+    subclasses, inner, body = take_apart_inputs(
+        primals, flat.descriptors, body, dynamic_dims, split_grads
+    )
     if subclasses is None:
         return flat, inner, body
     descriptors: list[PrimalDescriptor] = []
     num_lifted = 0
     for i, (d, meta) in enumerate(zip(flat.descriptors, subclasses.metas, strict=True)):
-        names = [d] if meta is None else [Inner(of=d, attr=p) for p in meta.paths()]
+        layout = meta or subclasses.split_at(i)
+        names = [d] if layout is None else [Inner(of=d, attr=p) for p in layout.paths()]
         descriptors += names
         num_lifted += len(names) if i < flat.num_lifted else 0
     desugared = replace(

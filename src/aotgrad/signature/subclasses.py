@@ -55,7 +55,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import FakeTensor, FunctionalTensor, is_traceable_wrapper_subclass
 from aotgrad.errors import UnsupportedSubclassError, UserFrame, format_error
-from aotgrad.signature.descriptors import PrimalDescriptor
+from aotgrad.signature.descriptors import Inner, PrimalDescriptor
 
 # Tensor types that are plain for aotgrad: no subclass behaviour to keep.
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, FakeTensor, FunctionalTensor)
@@ -227,6 +227,98 @@ class _Unwrap(torch.autograd.Function):
         recorded = ctx.grad_meta.meta if ctx.grad_meta is not None else None
         built = rebuild(recorded or tangent_meta(ctx.meta), filled)
         return None, None, built.detach() if built.requires_grad else built
+
+
+# Note [Subclass gradients of plain inputs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A plain input's gradient is a subclass when the function mixes it with one:
+# ``x * t`` with ``x`` plain and ``t = TwoTensor(a, b)`` gives eager's
+# ``x.grad = TwoTensor(g * t.a, g * t.b)``. The backward graph returns plain
+# tensors, one per graph input, so the first trace (which finds it, in the
+# backward) raises ``SubclassGradients``, and the pipeline takes the call apart
+# again with ``x`` *split* by its gradient's layout: ``x`` stands for as many
+# graph inputs as the gradient has inner tensors, ``x`` itself in the first
+# place, zeros (expanded from one element: no memory) in the others::
+#
+#     graph inputs:   x.a (x itself), x.b (zeros), t.a, t.b
+#     the trace:      x' = _JoinGrad(x.a, x.b)    the identity on x.a; its backward
+#                                                 takes the TwoTensor gradient apart:
+#                                                 grad of x.a = g * t.a, of x.b = g * t.b
+#     at each call:   _SplitGrad(x) -> (x, zeros); its backward builds the caller's
+#                     x.grad = TwoTensor(grad of x.a, grad of x.b), with the layout (and
+#                     context) the gradient had in the trace
+#
+# The inputs that only carry a gradient are never read by the forward. A
+# function that builds a subclass from a plain input (``TwoTensor(x, x * 2)``)
+# gives ``x`` no gradient at all in eager (the constructor is not
+# differentiable), and none compiled.
+def split_plain(p: torch.Tensor, split: SubclassMeta) -> list[torch.Tensor]:
+    """``p`` and zeros standing for the other inner tensors of its gradient's layout."""
+    zeros = [
+        torch.zeros((), dtype=p.dtype, device=p.device).requires_grad_(p.requires_grad)
+        for _ in split.shapes[1:]
+    ]
+    return [p, *(z.expand(shape) for z, shape in zip(zeros, split.shapes[1:], strict=True))]
+
+
+class _SplitGrad(torch.autograd.Function):
+    """A plain input -> itself and zeros; the backward builds its subclass gradient
+    (Note [Subclass gradients of plain inputs])."""
+
+    @staticmethod
+    def forward(ctx: Any, split: SubclassMeta, grad: GradMeta | None, p: torch.Tensor) -> Any:
+        ctx.split, ctx.grad_meta = split, grad
+        ctx.set_materialize_grads(False)
+        ctx.shapes = split.shapes
+        ctx.like = p
+        first, *zeros = split_plain(p.detach(), split)
+        return (first.view_as(first), *zeros)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        if all(g is None for g in grads):
+            return None, None, None
+        like = ctx.like
+        filled = [
+            torch.zeros(shape, dtype=like.dtype, device=like.device) if g is None else g
+            for g, shape in zip(grads, ctx.shapes, strict=True)
+        ]
+        recorded = ctx.grad_meta.meta if ctx.grad_meta is not None else None
+        return None, None, rebuild(recorded or ctx.split, filled)
+
+
+class _JoinGrad(torch.autograd.Function):
+    """A plain input and zeros -> the input; the backward takes its subclass gradient apart
+    (at trace time: Note [Subclass gradients of plain inputs])."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, split: SubclassMeta, grad: GradMeta | None, p: torch.Tensor, *zeros: Any
+    ) -> Any:
+        ctx.split, ctx.grad_meta = split, grad
+        ctx.set_materialize_grads(False)
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor | None) -> Any:
+        split: SubclassMeta = ctx.split
+        if g is None:
+            return (None, None, *([None] * split.width))
+        if not is_wrapper(g):
+            raise UnsupportedSubclassError(
+                format_error(
+                    f"a plain input's gradient was a {_type_name(split.cls)} in one trace and"
+                    f" a plain {type(g).__name__} in the next",
+                    None,
+                    "Make the input's gradient one kind of tensor, or detach the input.",
+                )
+            )
+        g = _conformed(g, split)
+        grad_meta = meta_of(g)
+        assert grad_meta is not None
+        if ctx.grad_meta is not None:
+            ctx.grad_meta.meta = grad_meta
+        return (None, None, *inner_tensors(g, grad_meta))
 
 
 class _Rebase(torch.autograd.Function):
@@ -456,8 +548,12 @@ class Subclasses:
 
     # Per outer graph input (lifted state, then the user's tensors): None when plain.
     metas: tuple[SubclassMeta | None, ...]
-    # Per outer graph input: where the trace writes its gradient's layout (None when plain).
+    # Per outer graph input: where the trace writes its gradient's layout (None when plain
+    # and its gradient is plain).
     grads: tuple[GradMeta | None, ...]
+    # Per outer graph input: for a plain input whose gradient is a subclass, that gradient's
+    # layout (Note [Subclass gradients of plain inputs]); None otherwise. Empty: none is.
+    split: tuple[SubclassMeta | None, ...] = ()
     # Per outer graph input, written by the trace: how the function changed it in place
     # (None: plain, or left alone). Note [Subclass inputs changed in place].
     changes: list[InputChange | None] = field(default_factory=list)
@@ -468,11 +564,20 @@ class Subclasses:
         """Per outer graph input: the positions of its plain inner tensors among the flat
         inputs (one position for a plain input)."""
         out, start = [], 0
-        for meta in self.metas:
-            width = 1 if meta is None else meta.width
+        for i in range(len(self.metas)):
+            width = self.width(i)
             out.append(tuple(range(start, start + width)))
             start += width
         return out
+
+    def split_at(self, i: int) -> SubclassMeta | None:
+        """The gradient layout plain input ``i`` is split by (None: it is not)."""
+        return self.split[i] if self.split else None
+
+    def width(self, i: int) -> int:
+        """How many plain graph inputs outer input ``i`` stands for."""
+        meta = self.metas[i] or self.split_at(i)
+        return 1 if meta is None else meta.width
 
     def take_apart(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The plain graph inputs of a call: each subclass replaced by its inner tensors.
@@ -480,8 +585,12 @@ class Subclasses:
         Differentiable: gradients of the inner tensors come back as the subclass's.
         """
         out: list[torch.Tensor] = []
-        for p, meta, grad in zip(primals, self.metas, self.grads, strict=True):
-            if meta is None:
+        for i, (p, meta, grad) in enumerate(zip(primals, self.metas, self.grads, strict=True)):
+            split = self.split_at(i)
+            if split is not None:  # Note [Subclass gradients of plain inputs]
+                differentiable = p.requires_grad and torch.is_grad_enabled()
+                out += _SplitGrad.apply(split, grad, p) if differentiable else split_plain(p, split)
+            elif meta is None:
                 out.append(p)
             elif p.requires_grad and torch.is_grad_enabled():
                 out += _Unwrap.apply(meta, grad, p)
@@ -493,14 +602,20 @@ class Subclasses:
         """The outer inputs, built from the plain graph inputs (at trace time, differentiable)."""
         out: list[torch.Tensor] = []
         start = 0
-        for meta, grad in zip(self.metas, self.grads, strict=True):
-            if meta is None:
+        for i, (meta, grad) in enumerate(zip(self.metas, self.grads, strict=True)):
+            split = self.split_at(i)
+            if meta is None and split is None:
                 out.append(inner[start])
                 start += 1
                 continue
-            leaves = inner[start : start + meta.width]
-            start += meta.width
-            if any(t.requires_grad for t in leaves):
+            leaves = inner[start : start + self.width(i)]
+            start += self.width(i)
+            if split is not None:  # Note [Subclass gradients of plain inputs]
+                joined = leaves[0].requires_grad and torch.is_grad_enabled()
+                out.append(_JoinGrad.apply(split, grad, *leaves) if joined else leaves[0])
+            elif meta is None:
+                raise AssertionError("expected a subclass layout")
+            elif any(t.requires_grad for t in leaves):
                 out.append(_Wrap.apply(meta, grad, *leaves))
             else:
                 out.append(rebuild(meta, leaves))
@@ -527,23 +642,45 @@ def check_plain_or_wrapper(
         )
 
 
+class SubclassGradients(UnsupportedSubclassError):
+    """Plain inputs whose gradients are tensor subclasses: the pipeline traces again with them
+    split (Note [Subclass gradients of plain inputs]); raised to the user only when it cannot."""
+
+    def __init__(self, message: str, layouts: dict[PrimalDescriptor, SubclassMeta]) -> None:
+        super().__init__(message)
+        self.layouts = layouts
+
+
 def check_plain_grads(
     grads: Sequence[torch.Tensor | None], descriptors: Sequence[Any], where: UserFrame | None
 ) -> None:
-    """Refuse a tensor subclass gradient of a plain graph input: the graph returns plain ones."""
+    """Raise :class:`SubclassGradients` for plain graph inputs with tensor subclass gradients:
+    the graph returns plain ones (Note [Subclass gradients of plain inputs])."""
+    layouts: dict[PrimalDescriptor, SubclassMeta] = {}
     for g, d in zip(grads, descriptors, strict=True):
-        if g is not None and is_wrapper(g):
-            raise UnsupportedSubclassError(
-                format_error(
-                    f"the gradient of the plain tensor input {d} is a {_type_name(type(g))}:"
-                    " a tensor subclass made from it inside the function (or mixed with a"
-                    " subclass input) sends a subclass gradient into a plain tensor, which"
-                    " the backward graph, holding plain tensors only, cannot return",
-                    where,
-                    "Pass that input as the subclass itself (e.g. a DTensor, or"
-                    " TwoTensor(w, w)), or detach it inside the function.",
-                )
-            )
+        meta = meta_of(g) if g is not None else None
+        if meta is not None and not isinstance(d, Inner):
+            layouts[d] = meta
+        elif meta is not None:
+            raise _refused(d, g, where)
+    if layouts:
+        d, meta = next(iter(layouts.items()))
+        raise SubclassGradients(str(_refused(d, meta.cls, where)), layouts)
+
+
+def _refused(d: Any, g: Any, where: UserFrame | None) -> UnsupportedSubclassError:
+    kind = g if isinstance(g, type) else type(g)
+    return UnsupportedSubclassError(
+        format_error(
+            f"the gradient of the plain tensor input {d} is a {_type_name(kind)}:"
+            " a tensor subclass made from it inside the function (or mixed with a"
+            " subclass input) sends a subclass gradient into a plain tensor, which"
+            " the backward graph, holding plain tensors only, cannot return here",
+            where,
+            "Pass that input as the subclass itself (e.g. a DTensor, or"
+            " TwoTensor(w, w)), or detach it inside the function.",
+        )
+    )
 
 
 Body = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager[Any]]
@@ -554,34 +691,47 @@ def take_apart_inputs(
     descriptors: Sequence[PrimalDescriptor],
     body: Body,
     dynamic_dims: Mapping[int, Sequence[int]] | None,
+    split_grads: Mapping[PrimalDescriptor, SubclassMeta] | None = None,
 ) -> tuple[Subclasses | None, list[torch.Tensor], Body]:
     """How to take the call's subclass inputs apart (None: all plain), the plain graph inputs,
     and a body that builds the subclasses again and takes subclass outputs apart.
 
     ``descriptors`` name ``primals``; ``flatten.desugar`` renames them (``Inner``).
+    ``split_grads``: plain inputs whose gradient a first trace found to be a subclass, by
+    descriptor, with that gradient's layout (Note [Subclass gradients of plain inputs]).
     """
     check_plain_or_wrapper(primals, descriptors)
     metas = tuple(meta_of(p) for p in primals)
-    if not any(metas):
+    split = tuple(
+        (split_grads or {}).get(d) if m is None else None
+        for d, m in zip(descriptors, metas, strict=True)
+    )
+    if not any(metas) and not any(split):
         return None, list(primals), _outputs_taken_apart(body)
     _refuse_dynamic(primals, metas, descriptors, dynamic_dims)
     subclasses = Subclasses(
-        metas=metas, grads=tuple(None if m is None else GradMeta() for m in metas)
+        metas=metas,
+        grads=tuple(
+            None if m is None and g is None else GradMeta()
+            for m, g in zip(metas, split, strict=True)
+        ),
+        split=split if any(split) else (),
     )
-    inner = _plain_inner(primals, metas)
+    inner = _plain_inner(primals, subclasses)
     return subclasses, inner, _outputs_taken_apart(_inputs_built(body, subclasses, primals))
 
 
-def _plain_inner(
-    primals: Sequence[torch.Tensor], metas: Sequence[SubclassMeta | None]
-) -> list[torch.Tensor]:
+def _plain_inner(primals: Sequence[torch.Tensor], subclasses: Subclasses) -> list[torch.Tensor]:
     """The plain graph inputs: inner tensors detached, requiring grad as their subclass does."""
     out: list[torch.Tensor] = []
-    for p, meta in zip(primals, metas, strict=True):
-        if meta is None:
+    for i, (p, meta) in enumerate(zip(primals, subclasses.metas, strict=True)):
+        split = subclasses.split_at(i)
+        if split is not None:  # not ``p`` itself: the swap finds ``p`` rebuilt (_JoinGrad)
+            out += split_plain(p.detach().requires_grad_(p.requires_grad), split)
+        elif meta is None:
             out.append(p)
-            continue
-        out += [t.detach().requires_grad_(p.requires_grad) for t in inner_tensors(p, meta)]
+        else:
+            out += [t.detach().requires_grad_(p.requires_grad) for t in inner_tensors(p, meta)]
     return out
 
 
@@ -611,8 +761,8 @@ def _inputs_built(body: Body, subclasses: Subclasses, real: Sequence[torch.Tenso
         outer = subclasses.build(inner)
         pairs = [
             (r, t)
-            for r, t, meta in zip(real, outer, subclasses.metas, strict=True)
-            if meta is not None
+            for i, (r, t, meta) in enumerate(zip(real, outer, subclasses.metas, strict=True))
+            if meta is not None or subclasses.split_at(i) is not None
         ]
         subclasses.traced[:] = [
             None if meta is None else TracedInput(r, t, t.grad_fn)
