@@ -42,6 +42,7 @@ from aotgrad.capture.full import FullTracer, refuse_untraceable
 from aotgrad.capture.graph import JointGraph, joint_signature, lazy_module, ready_for_compiler
 from aotgrad.capture.input_aliases import (
     SyntheticBase,
+    disjoint,
     graph_inputs,
     overlapping_groups,
     synthetic_base,
@@ -304,15 +305,17 @@ def _synthetic_bases(
     mutated = {m.index for m in joint.mutations if m.data}
     bases = []
     for group in overlapping_groups(primals):
-        if not mutated.intersection(group):
-            continue
+        if not mutated.intersection(group) or disjoint(primals, group):
+            continue  # Note [Inputs sharing memory without a common base]
         base = synthetic_base(primals, group)
         if base is None:
             names = ", ".join(str(joint.inputs.descriptors[i]) for i in group)
             raise UnsupportedMutationError(
                 format_error(
-                    f"inputs {names} share memory without a common base, and the function"
-                    " mutates one of them",
+                    f"inputs {names} share memory without a common base, the function"
+                    " mutates one of them, and one requires grad: one base's gradient would"
+                    " sum theirs over the shared elements (Note [Inputs sharing memory"
+                    " without a common base])",
                     where,
                     "Pass views of one tensor (x and x[1:]), or clone the inputs before the call.",
                 )

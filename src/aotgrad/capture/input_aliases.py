@@ -30,8 +30,10 @@ twice) need no base: they share one functional wrapper. Two distinct inputs
 that are equal views (``f(b[1:], b[1:])``) stay two views of the base: the
 function may return either, and the caller tells them apart.
 
-Inputs that share memory without a common ``._base`` cannot be rebuilt
-from one base; mutating one of them raises ``UnsupportedMutationError``.
+Inputs that share memory without a common ``._base`` need no base when
+they are disjoint, and get one cut from the storage when none requires grad
+(Note [Inputs sharing memory without a common base]); otherwise mutating one
+of them raises ``UnsupportedMutationError``.
 
 Only data mutations need a base: ``a.t_()`` changes no value another input
 sees. When a member's metadata changes too (``a.t_(); b.add_(1)``), the
@@ -94,9 +96,10 @@ def overlapping_groups(primals: Sequence[torch.Tensor]) -> list[list[int]]:
 
 
 def synthetic_base(primals: Sequence[torch.Tensor], members: Sequence[int]) -> SyntheticBase | None:
-    """A base for ``members`` if they share a common ``._base`` (or are it); else None."""
+    """A base for ``members`` if they share a common ``._base`` (or are it), or if none of them
+    requires grad (Note [Inputs sharing memory without a common base]); else None."""
     roots = {id(primals[i]._base if primals[i]._base is not None else primals[i]) for i in members}
-    if len(roots) != 1:
+    if len(roots) != 1 and any(primals[i].requires_grad for i in members):
         return None
     views = tuple(ViewMeta.of(primals[i]) for i in members)
     return SyntheticBase(
@@ -105,6 +108,50 @@ def synthetic_base(primals: Sequence[torch.Tensor], members: Sequence[int]) -> S
         numel=max(view.extent for view in views),
         views=views,
     )
+
+
+# Note [Inputs sharing memory without a common base]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inputs over one storage need not be views of one tensor: ``b.detach()[1:]``
+# beside ``b[:2]``, or the inner tensors of two subclass inputs built from
+# rows of one plain tensor (each subclass input is its own tensor; its inner
+# tensors are what share memory)::
+#
+#     b1 = torch.arange(12.).view(4, 3)
+#     x = TwoTensor(b1[0:2], ...); y = TwoTensor(b1[1:3], ...)
+#     def f(x, y): x.mul_(2); return x * y     # eager: y's row 0 is x's row 1, doubled
+#
+# Two cases need no common base:
+#
+# - members whose elements are disjoint (``b1[0:2]`` and ``b1[2:4]``, or
+#   ``b1[:, 0]`` and ``b1[:, 1]``): a mutation of one is never seen by another,
+#   so they stay separate graph inputs (``disjoint``);
+# - overlapping members of which none requires grad: the synthetic base is cut
+#   from any member's storage (``as_strided`` counts offsets from the
+#   storage's start), and autograd need not reach any of them through it.
+#
+# Overlapping members without a common base of which one requires grad are
+# refused: one base's gradient would be the sum of theirs over the shared
+# elements, where eager gives each its own.
+
+
+def disjoint(primals: Sequence[torch.Tensor], members: Sequence[int]) -> bool:
+    """Do ``members`` (over one storage) reach no storage element in common (Note [Inputs
+    sharing memory without a common base])? Element by element; members of different
+    dtypes are taken to overlap."""
+    tensors = [primals[i] for i in members]
+    if len({t.dtype for t in tensors}) != 1:
+        return False
+    views = [ViewMeta.of(t) for t in tensors]
+    taken = torch.zeros(max(v.extent for v in views), dtype=torch.bool)
+    for v in views:
+        if 0 in v.size:
+            continue
+        where = torch.arange(taken.numel()).as_strided(v.size, v.stride, v.storage_offset)
+        if taken[where].any():
+            return False
+        taken[where] = True
+    return True
 
 
 def input_sources(
@@ -157,19 +204,36 @@ def memory_sharing(primals: Sequence[Any]) -> tuple[Any, ...]:
     >>> memory_sharing([x, torch.ones(2)]), memory_sharing([x, x])
     ((), (((0, 1), ((0, 0, (10,), (1,), 0), (1, 0, (10,), (1,), 0))),))
     """
-    groups: dict[Any, list[int]] = {}
-    for i, p in enumerate(primals):
-        if isinstance(p, torch.Tensor) and not is_traceable_wrapper_subclass(p):
-            groups.setdefault(storage_key(p), []).append(i)  # (a subclass: its own storages)
+    groups: dict[Any, list[tuple[Any, torch.Tensor]]] = {}
+    for place, p in _plain_places(primals):
+        groups.setdefault(storage_key(p), []).append((place, p))
     shared = []
     for group in groups.values():
         if len(group) < 2:
             continue
-        first: dict[int, int] = {}  # id -> the first position holding that tensor
+        first: dict[int, Any] = {}  # id -> the first place holding that tensor
         members = []
-        for i in group:
-            p = primals[i]
-            same = first.setdefault(id(p), i)
-            members.append((i, same, tuple(p.shape), tuple(p.stride()), p.storage_offset()))
-        shared.append((tuple(group), tuple(members)))
+        for place, p in group:
+            same = first.setdefault(id(p), place)
+            members.append((place, same, tuple(p.shape), tuple(p.stride()), p.storage_offset()))
+        shared.append((tuple(place for place, _ in group), tuple(members)))
     return tuple(shared)
+
+
+def _plain_places(primals: Sequence[Any]) -> list[tuple[Any, torch.Tensor]]:
+    """Each plain tensor among ``primals`` by its place: ``i``, or ``(i, k)`` for the ``k``-th
+    inner tensor of a subclass (Note [Inputs sharing memory without a common base])."""
+    out: list[tuple[Any, torch.Tensor]] = []
+    for i, p in enumerate(primals):
+        if not isinstance(p, torch.Tensor):
+            continue
+        if not is_traceable_wrapper_subclass(p):
+            out.append((i, p))
+            continue
+        out += [((i, k), t) for k, (_, t) in enumerate(_plain_places(_inner_of(p)))]
+    return out
+
+
+def _inner_of(t: torch.Tensor) -> list[torch.Tensor]:
+    attrs, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [v for a in attrs if isinstance(v := getattr(t, a), torch.Tensor)]

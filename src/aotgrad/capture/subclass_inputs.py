@@ -81,18 +81,11 @@ def subclass_input_changes(
         positions = tuple(sources[j][0] for j in flat)
         name = _outer_name(descriptors[flat[0]])
         change = _change_of(traced, positions, out, graph_primals, name, sites, where)
+        if change is not None and any(sources[j][1] is not None for j in flat):
+            change = _through_a_base(change, name, where)
         changes.append(change)
         if change is not None and change.with_grad:
             _take_new_values(traced.traced, change.positions, out, stand_ins, name, where)
-        if change is not None and any(sources[j][1] is not None for j in flat):
-            raise UnsupportedMutationError(
-                format_error(
-                    f"the function changes the tensor subclass input {name} in place, and its"
-                    " inner tensors share memory with another input's",
-                    where,
-                    "Clone the inputs before the call.",
-                )
-            )
     subclasses.changes[:] = changes
     return out, stand_ins
 
@@ -131,6 +124,23 @@ def _change_of(
         inner_layouts=inner_layouts,
         with_grad=with_grad and traced.traced.requires_grad,
         positions=positions,
+    )
+
+
+def _through_a_base(change: InputChange, name: str, where: UserFrame | None) -> None:
+    """A change of a subclass input whose inner tensors a synthetic base stands for: the
+    base's replay writes its data (Note [Inputs sharing memory without a common base]); a
+    change of its layout or history is refused."""
+    if change.layout is None and not any(change.inner_layouts) and not change.with_grad:
+        return None
+    raise UnsupportedMutationError(
+        format_error(
+            f"the function changes the shape, strides or autograd history of the tensor"
+            f" subclass input {name} in place, and its inner tensors share memory with another"
+            " input's",
+            where,
+            "Clone the inputs before the call.",
+        )
     )
 
 

@@ -51,6 +51,8 @@ from aotgrad.signature.subclasses import (
     Body,
     Subclasses,
     SubclassMeta,
+    inner_tensors,
+    meta_of,
     subclass_key,
     take_apart_inputs,
 )
@@ -275,13 +277,25 @@ def alias_key(leaves: Sequence[Any]) -> tuple[int, ...] | None:
     case): ``None``. Leaves that share a storage without being views (``x`` and
     ``x.detach()``, ``.data``, ``set_``) are found by their storages' addresses.
     """
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    tensors = _plain_tensors(leaves)
     if not _distinct_memory(tensors):
         groups: dict[Any, int] = {}
         return tuple(groups.setdefault(storage_key(t), len(groups)) for t in tensors) + tuple(
             groups.setdefault(("id", id(t)), len(groups)) for t in tensors
         )
     return None
+
+
+def _plain_tensors(leaves: Sequence[Any]) -> list[torch.Tensor]:
+    """The tensor leaves, each subclass replaced by its inner tensors: those are what share
+    memory (Note [Inputs sharing memory without a common base])."""
+    out: list[torch.Tensor] = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        meta = meta_of(leaf)
+        out += [leaf] if meta is None else inner_tensors(leaf, meta)
+    return out
 
 
 def _distinct_memory(tensors: Sequence[torch.Tensor]) -> bool:

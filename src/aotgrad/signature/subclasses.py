@@ -730,8 +730,10 @@ def _plain_inner(primals: Sequence[torch.Tensor], subclasses: Subclasses) -> lis
             out += split_plain(p.detach().requires_grad_(p.requires_grad), split)
         elif meta is None:
             out.append(p)
+        elif not p.requires_grad:  # views kept: Note [Inputs sharing memory without a common base]
+            out += [t.detach() if t.requires_grad else t for t in inner_tensors(p, meta)]
         else:
-            out += [t.detach().requires_grad_(p.requires_grad) for t in inner_tensors(p, meta)]
+            out += [t.detach().requires_grad_(True) for t in inner_tensors(p, meta)]
     return out
 
 
