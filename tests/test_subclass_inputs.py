@@ -406,3 +406,116 @@ def test_a_subclass_built_from_a_plain_input_gives_it_no_gradient_as_in_eager():
     _assert_same(out, out_e)
     assert xg is None and xg_e is None
     _assert_same(yg, yg_e)
+
+
+# --- Subclass inputs over one storage (Note [Inputs sharing memory without a common base]) ----
+
+
+def _two_over(rows_x, rows_y, *, detach_y=False, x_grad=False, y_grad=False):
+    """Two TwoTensors over rows of the same two plain tensors; returns (x, y, the plains)."""
+    b1, b2 = torch.arange(12.0).view(4, 3), -torch.arange(12.0).view(4, 3) + 0.5
+    c1, c2 = (b1.detach(), b2.detach()) if detach_y else (b1, b2)
+    x = TorchTwoTensor(b1[rows_x], b2[rows_x]).requires_grad_(x_grad)
+    y = TorchTwoTensor(c1[rows_y], c2[rows_y]).requires_grad_(y_grad)
+    return x, y, (b1, b2)
+
+
+def _double_x(x, y):
+    x.mul_(2)
+    return x * y
+
+
+def _add_to_y(x, y):
+    y.add_(1)
+    return (x * 3).sin() + y
+
+
+def _check_shared(fn, run, **layout) -> None:
+    results = []
+    for call in (fn, run):
+        x, y, plains = _two_over(**layout)
+        out = call(x, y)
+        if out.requires_grad:
+            (out * out).sum().backward()
+        grads = [_grad_state(t.grad) for t in (x, y)]
+        results.append((_inner(out), [p.clone() for p in plains], grads))
+    (out_e, plains_e, grads_e), (out, plains, grads) = results
+    _assert_same(out, out_e)
+    _assert_same(plains, plains_e)  # the caller's memory, as eager left it
+    assert [g is None for g in grads] == [g is None for g in grads_e]
+    for g, e in zip(grads, grads_e, strict=True):
+        if e is not None:
+            _assert_same(g, e)
+
+
+OVERLAPS = {
+    "rows 0-1 and 1-2": {"rows_x": slice(0, 2), "rows_y": slice(1, 3)},
+    "rows 0-1 and 1-2, y over a detached alias": {
+        "rows_x": slice(0, 2),
+        "rows_y": slice(1, 3),
+        "detach_y": True,
+    },
+    "the same rows": {"rows_x": slice(1, 3), "rows_y": slice(1, 3)},
+}
+
+
+@pytest.mark.parametrize("fn", [_double_x, _add_to_y], ids=["x.mul_", "y.add_"])
+@pytest.mark.parametrize("name", list(OVERLAPS))
+def test_subclass_inputs_over_overlapping_memory_see_each_others_changes(name, fn):
+    """Refused before ("share memory without a common base"); PyTorch's aot_function takes the
+    inputs for distinct and returns the wrong values here."""
+    _check_shared(fn, aotgrad.aot_function(fn), **OVERLAPS[name])
+
+
+DISJOINT = {
+    "rows, x requires grad": {"rows_x": slice(0, 2), "rows_y": slice(2, 4), "x_grad": True},
+    "columns, y over a detached alias, x requires grad": {
+        "rows_x": (slice(None), slice(0, 1)),
+        "rows_y": (slice(None), slice(1, 3)),
+        "detach_y": True,
+        "x_grad": True,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(DISJOINT))
+def test_subclass_inputs_over_disjoint_parts_of_one_storage_as_eager_and_pytorch(name):
+    """PyTorch's false aliasing: one storage, no element in common. Refused before."""
+    from functorch.compile import nop
+    from torch._functorch.aot_autograd import aot_function
+
+    _check_shared(_add_to_y, aotgrad.aot_function(_add_to_y), **DISJOINT[name])
+    _check_shared(_add_to_y, aot_function(_add_to_y, nop), **DISJOINT[name])
+
+
+def test_overlapping_subclass_inputs_through_trace_and_torch_compile():
+    layout = OVERLAPS["rows 0-1 and 1-2"]
+    x, y, _ = _two_over(**layout)
+    traced = aotgrad.trace(_double_x, x, y)
+    for _ in range(2):
+        _check_shared(_double_x, traced, **layout)
+    torch._dynamo.reset()
+    _check_shared(_double_x, torch.compile(_double_x, backend="aotgrad"), **layout)
+
+
+def test_a_call_over_overlapping_memory_after_one_over_distinct_memory_traces_again():
+    """The inner tensors' sharing is part of the key: the first call's graph (distinct inputs)
+    would miss the second's overlap, silently."""
+    compiled = aotgrad.aot_function(_double_x)
+
+    def distinct() -> tuple[torch.Tensor, torch.Tensor]:
+        b1, b2, c1, c2 = (torch.arange(12.0).view(4, 3) for _ in range(4))
+        return TorchTwoTensor(b1[0:2], b2[0:2]), TorchTwoTensor(c1[1:3], c2[1:3])
+
+    _assert_same(_inner(compiled(*distinct())), _inner(_double_x(*distinct())))
+    _check_shared(_double_x, compiled, **OVERLAPS["rows 0-1 and 1-2"])
+    assert compiled.info.misses == 2
+
+
+def test_overlapping_subclass_inputs_one_requiring_grad_are_refused_naming_them():
+    x, y, plains = _two_over(slice(0, 2), slice(1, 3), detach_y=True, x_grad=True)
+    before = [p.clone() for p in plains]
+    with pytest.raises(UnsupportedMutationError, match=r"inputs x\.a, y\.a share memory") as info:
+        aotgrad.aot_function(_add_to_y)(x, y)
+    assert "one requires grad" in str(info.value)
+    _assert_same(list(plains), before)
