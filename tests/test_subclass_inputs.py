@@ -519,3 +519,14 @@ def test_overlapping_subclass_inputs_one_requiring_grad_are_refused_naming_them(
         aotgrad.aot_function(_add_to_y)(x, y)
     assert "one requires grad" in str(info.value)
     _assert_same(list(plains), before)
+
+
+def test_a_shape_change_of_a_subclass_input_over_shared_memory_is_refused():
+    def fn(x, y):
+        y.add_(1)
+        x.t_()
+        return x * 2
+
+    x, y, _ = _two_over(slice(0, 2), slice(1, 3))
+    with pytest.raises(UnsupportedMutationError, match="shape, strides or autograd history"):
+        aotgrad.aot_function(fn)(x, y)

@@ -42,9 +42,9 @@ from aotgrad.capture.full import FullTracer, refuse_untraceable
 from aotgrad.capture.graph import JointGraph, joint_signature, lazy_module, ready_for_compiler
 from aotgrad.capture.input_aliases import (
     SyntheticBase,
-    disjoint,
     graph_inputs,
     overlapping_groups,
+    separate,
     synthetic_base,
 )
 from aotgrad.capture.joint import Body, GraphInputs, TraceOptions, TraceRecord, trace_joint
@@ -303,9 +303,12 @@ def _synthetic_bases(
     A metadata mutation (``a.t_()``) changes no value another input sees: no base.
     """
     mutated = {m.index for m in joint.mutations if m.data}
+    restrided = {m.index for m in joint.mutations if m.metadata is not None}
     bases = []
     for group in overlapping_groups(primals):
-        if not mutated.intersection(group) or disjoint(primals, group):
+        if not mutated.intersection(group):
+            continue
+        if separate(primals, group) and not restrided.intersection(group):
             continue  # Note [Inputs sharing memory without a common base]
         base = synthetic_base(primals, group)
         if base is None:
@@ -314,8 +317,8 @@ def _synthetic_bases(
                 format_error(
                     f"inputs {names} share memory without a common base, the function"
                     " mutates one of them, and one requires grad: one base's gradient would"
-                    " sum theirs over the shared elements (Note [Inputs sharing memory"
-                    " without a common base])",
+                    " sum theirs over the shared elements"
+                    " (Note [Inputs sharing memory without a common base])",
                     where,
                     "Pass views of one tensor (x and x[1:]), or clone the inputs before the call.",
                 )

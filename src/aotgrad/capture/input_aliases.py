@@ -123,9 +123,10 @@ def synthetic_base(primals: Sequence[torch.Tensor], members: Sequence[int]) -> S
 #
 # Two cases need no common base:
 #
-# - members whose elements are disjoint (``b1[0:2]`` and ``b1[2:4]``, or
-#   ``b1[:, 0]`` and ``b1[:, 1]``): a mutation of one is never seen by another,
-#   so they stay separate graph inputs (``disjoint``);
+# - members whose elements are disjoint (``b1[0:2]`` and ``b1.detach()[2:4]``,
+#   or columns ``[:, 0]`` and ``[:, 1]``) and whose layouts the function
+#   leaves alone: a mutation of one is never seen by another, so they stay
+#   separate graph inputs (``separate``);
 # - overlapping members of which none requires grad: the synthetic base is cut
 #   from any member's storage (``as_strided`` counts offsets from the
 #   storage's start), and autograd need not reach any of them through it.
@@ -135,10 +136,18 @@ def synthetic_base(primals: Sequence[torch.Tensor], members: Sequence[int]) -> S
 # elements, where eager gives each its own.
 
 
+def separate(primals: Sequence[torch.Tensor], members: Sequence[int]) -> bool:
+    """Are ``members`` (over one storage) without a common ``._base`` and disjoint (Note
+    [Inputs sharing memory without a common base])? Members with a common base keep theirs
+    (the case is well trodden); a member whose layout the function changes may reach the
+    others afterwards (the caller checks that)."""
+    roots = {id(primals[i]._base if primals[i]._base is not None else primals[i]) for i in members}
+    return len(roots) > 1 and disjoint(primals, members)
+
+
 def disjoint(primals: Sequence[torch.Tensor], members: Sequence[int]) -> bool:
-    """Do ``members`` (over one storage) reach no storage element in common (Note [Inputs
-    sharing memory without a common base])? Element by element; members of different
-    dtypes are taken to overlap."""
+    """Do ``members`` (over one storage) reach no storage element in common? Element by
+    element; members of different dtypes are taken to overlap."""
     tensors = [primals[i] for i in members]
     if len({t.dtype for t in tensors}) != 1:
         return False

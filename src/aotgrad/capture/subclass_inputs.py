@@ -82,7 +82,8 @@ def subclass_input_changes(
         name = _outer_name(descriptors[flat[0]])
         change = _change_of(traced, positions, out, graph_primals, name, sites, where)
         if change is not None and any(sources[j][1] is not None for j in flat):
-            change = _through_a_base(change, name, where)
+            _check_through_a_base(change, name, where)
+            change = None  # the base's replay writes the data
         changes.append(change)
         if change is not None and change.with_grad:
             _take_new_values(traced.traced, change.positions, out, stand_ins, name, where)
@@ -127,12 +128,12 @@ def _change_of(
     )
 
 
-def _through_a_base(change: InputChange, name: str, where: UserFrame | None) -> None:
+def _check_through_a_base(change: InputChange, name: str, where: UserFrame | None) -> None:
     """A change of a subclass input whose inner tensors a synthetic base stands for: the
     base's replay writes its data (Note [Inputs sharing memory without a common base]); a
     change of its layout or history is refused."""
     if change.layout is None and not any(change.inner_layouts) and not change.with_grad:
-        return None
+        return
     raise UnsupportedMutationError(
         format_error(
             f"the function changes the shape, strides or autograd history of the tensor"

@@ -39,6 +39,15 @@ context and the inner tensors' metadata are part of the cache key: another
 placement traces again. Non-tensor attributes the flattening names (a
 ``DTensor``'s ``device_mesh``) are kept as they are, by identity.
 
+Beyond this: a plain input whose gradient is a subclass is split by that
+gradient's layout (Note [Subclass gradients of plain inputs]); a subclass
+input the function changes in place is changed as a whole on the caller's
+side, its outer metadata and history included (Note [Subclass inputs changed
+in place] in ``capture/subclass_inputs.py``); the inner tensors of subclass
+inputs that share memory are aliased inputs like any others, part of the key
+(Note [Inputs sharing memory without a common base] in
+``capture/input_aliases.py``).
+
 A subclass without ``__tensor_flatten__`` cannot be taken apart: aotgrad
 refuses it as an input (``UnsupportedSubclassError``).
 """
