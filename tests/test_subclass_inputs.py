@@ -530,3 +530,41 @@ def test_a_shape_change_of_a_subclass_input_over_shared_memory_is_refused():
     x, y, _ = _two_over(slice(0, 2), slice(1, 3))
     with pytest.raises(UnsupportedMutationError, match="shape, strides or autograd history"):
         aotgrad.aot_function(fn)(x, y)
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo group in this process, and its device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is missing")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DeviceMesh("cpu", [0])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensor_input_changed_in_place_with_grad_passes_the_change_to_its_gradient(
+    one_rank_mesh,
+):
+    """Silent before: a later use of the changed DTensor sent its gradient past ``mul_``."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    results = []
+    for call in (_mul, aotgrad.aot_function(_mul)):
+        g = torch.Generator().manual_seed(7)
+        leaf = distribute_tensor(torch.randn(2, 3, generator=g), one_rank_mesh, [Shard(0)])
+        leaf.requires_grad_(True)
+        y = distribute_tensor(torch.randn(2, 3, generator=g), one_rank_mesh, [Replicate()])
+        x = leaf * 1
+        out = call(x, y)
+        (out.full_tensor() * x.full_tensor()).sum().backward()
+        results.append((out.full_tensor(), x.full_tensor(), x.placements, leaf.grad.full_tensor()))
+    for actual, expected in zip(results[1], results[0], strict=True):
+        if isinstance(expected, torch.Tensor):
+            torch.testing.assert_close(actual, expected)
+        else:
+            assert actual == expected

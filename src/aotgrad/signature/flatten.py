@@ -291,10 +291,11 @@ def _plain_tensors(leaves: Sequence[Any]) -> list[torch.Tensor]:
     memory (Note [Inputs sharing memory without a common base])."""
     out: list[torch.Tensor] = []
     for leaf in leaves:
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        meta = meta_of(leaf)
-        out += [leaf] if meta is None else inner_tensors(leaf, meta)
+        if type(leaf) in _PLAIN:
+            out.append(leaf)
+        elif isinstance(leaf, torch.Tensor):
+            meta = meta_of(leaf)
+            out += [leaf] if meta is None else inner_tensors(leaf, meta)
     return out
 
 
