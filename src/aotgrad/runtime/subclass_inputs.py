@@ -24,7 +24,10 @@ gradient of a later use of ``x`` silently skips the ``mul_``). Without grad
 (``x`` requires none, or the change ran under ``no_grad``) the new values are
 copied into ``x.a``, ``x.b`` and ``x``'s version moves on, as eager's in-place
 op on ``x`` moves it; a metadata change with grad restrides ``x`` with grad
-mode on, recording the change on ``x``'s history, as for a plain input.
+mode on, recording the change on ``x``'s history, as for a plain input. A
+``x.resize_((4, 3))`` that grew the inner tensors grew the wrapper's own
+storage in eager too (its ``__torch_dispatch__`` resizes it below itself):
+the replay resizes it before restriding.
 """
 
 from __future__ import annotations
@@ -83,6 +86,10 @@ def _replay(
     if change.layout is not None:
         size, stride, offset = change.layout
         with DisableTorchDispatch(), torch.set_grad_enabled(change.with_grad):
+            needed = ViewMeta(size, stride, offset).extent * x.element_size()
+            if needed > x.untyped_storage().nbytes():  # x.resize_(...) grew the wrapper too
+                with torch.no_grad():
+                    x.resize_(needed // x.element_size())
             x.as_strided_(size, stride, offset)
     news = [written[i][1] if i in written else None for i in change.positions]
     if all(n is None for n in news):
