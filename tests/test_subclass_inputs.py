@@ -603,3 +603,27 @@ def test_a_closed_over_plain_parameter_gets_its_subclass_gradient(frontend):
     eager(x).tanh().sum().backward()
     for p, e in zip(model.parameters(), eager.parameters(), strict=True):
         _assert_same(_grad_state(p.grad), _grad_state(e.grad))
+
+
+def test_a_transformer_layer_on_a_subclass_input_gives_its_plain_parameters_eagers_gradients():
+    """torch's own TransformerEncoderLayer: every plain parameter's gradient is a TwoTensor in
+    eager (refused before: Note [Subclass gradients of plain inputs])."""
+    import copy
+
+    torch.manual_seed(9)
+    model = torch.nn.TransformerEncoderLayer(
+        d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True
+    )
+    eager = copy.deepcopy(model)
+    x = TorchTwoTensor(torch.randn(2, 5, 8), torch.randn(2, 5, 8))
+    out, out_e = aotgrad.aot_module(model)(x), eager(x)
+    _assert_same(_inner(out), _inner(out_e))
+    out.pow(2).sum().backward()
+    out_e.pow(2).sum().backward()
+    grads = [
+        (_grad_state(p.grad), _grad_state(e.grad))
+        for p, e in zip(model.parameters(), eager.parameters(), strict=True)
+    ]
+    assert len(grads) == 12
+    for g, e in grads:
+        _assert_same(g, e)
