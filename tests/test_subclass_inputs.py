@@ -627,3 +627,12 @@ def test_a_transformer_layer_on_a_subclass_input_gives_its_plain_parameters_eage
     assert len(grads) == 12
     for g, e in grads:
         _assert_same(g, e)
+
+
+def test_a_plain_input_with_dynamic_dimensions_and_a_subclass_gradient_is_refused():
+    from aotgrad.errors import UnsupportedSubclassError
+
+    x, t = _mixed_inputs("torch TwoTensor", (2, 3), False)
+    aotgrad.dynamic(x, 1)
+    with pytest.raises(UnsupportedSubclassError, match="input x whose gradient is a .*dynamic"):
+        aotgrad.aot_function(_mix)(x, t)

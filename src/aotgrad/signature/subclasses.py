@@ -718,6 +718,7 @@ def take_apart_inputs(
     if not any(metas) and not any(split):
         return None, list(primals), _outputs_taken_apart(body)
     _refuse_dynamic(primals, metas, descriptors, dynamic_dims)
+    _refuse_dynamic(primals, split, descriptors, dynamic_dims, "whose gradient is")
     subclasses = Subclasses(
         metas=metas,
         grads=tuple(
@@ -751,13 +752,14 @@ def _refuse_dynamic(
     metas: Sequence[SubclassMeta | None],
     descriptors: Sequence[PrimalDescriptor],
     dynamic_dims: Mapping[int, Sequence[int]] | None,
+    what: str = "is",
 ) -> None:
     for p, meta, d in zip(primals, metas, descriptors, strict=True):
         if meta is not None and dynamic_dims and dynamic_dims.get(id(p)):
             raise UnsupportedSubclassError(
                 format_error(
-                    f"input {d} is a {_type_name(meta.cls)} with dynamic dimensions; aotgrad"
-                    " traces tensor subclasses with static sizes only",
+                    f"input {d} {what} a {_type_name(meta.cls)} and has dynamic dimensions;"
+                    " aotgrad traces tensor subclasses with static sizes only",
                     None,
                     "Call without dynamic=True (and without aotgrad.dynamic marks on it).",
                 )
