@@ -634,5 +634,5 @@ def test_a_plain_input_with_dynamic_dimensions_and_a_subclass_gradient_is_refuse
 
     x, t = _mixed_inputs("torch TwoTensor", (2, 3), False)
     aotgrad.dynamic(x, 1)
-    with pytest.raises(UnsupportedSubclassError, match="input x whose gradient is a .*dynamic"):
+    with pytest.raises(UnsupportedSubclassError, match=r"input x whose gradient is a .*dynamic"):
         aotgrad.aot_function(_mix)(x, t)
