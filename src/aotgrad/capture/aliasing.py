@@ -47,6 +47,7 @@ from aotgrad._torch_compat import (
     FunctionalTensor,
     apply_view_meta_sequence,
     disable_current_modes,
+    view_creation,
     view_meta_sequence,
 )
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
@@ -139,6 +140,16 @@ def caller_layout(view: torch.Tensor, original: torch.Tensor) -> ViewMeta:
     return ViewMeta.of(replayed)
 
 
+class ViewCreation(enum.Enum):
+    """How autograd made a view (its creation meta): what an in-place change of it may do."""
+
+    DEFAULT = "DEFAULT"  # an ordinary view: in-place changes are recorded
+    MULTI_OUTPUT_NODE = "MULTI_OUTPUT_NODE"  # of unbind/split/chunk, or a view of one: refused
+    NO_GRAD_MODE = "NO_GRAD_MODE"  # made under no_grad: refused with grad mode on
+    INFERENCE_MODE = "INFERENCE_MODE"  # made under inference_mode
+    IN_CUSTOM_FUNCTION = "IN_CUSTOM_FUNCTION"  # returned by a custom Function's forward
+
+
 @dataclass(frozen=True)
 class Alias:
     """How the runtime rebuilds an output from the tensor it aliases."""
@@ -155,9 +166,18 @@ class Alias:
     # Recorded, but past a view made under no_grad: no autograd path to the source
     # (Note [Views past a no_grad view]).
     past_no_grad_view: bool = False
+    # How autograd made the traced view: the rebuilt one gets the same rule for in-place
+    # changes (Note [Multi-output views]); None when the output is no view.
+    creation: ViewCreation | None = None
+
+    @property
+    def multi_output_view(self) -> bool:
+        """Is the output one of several views an op made at once (``unbind``), or a view of one?"""
+        return self.creation is ViewCreation.MULTI_OUTPUT_NODE
 
 
 def _alias(t: torch.Tensor, source: AliasSource, index: int, view: ViewMeta | None) -> Alias:
+    rebuilt_view = view is not None and t._is_view()
     return Alias(
         source=source,
         index=index,
@@ -165,7 +185,44 @@ def _alias(t: torch.Tensor, source: AliasSource, index: int, view: ViewMeta | No
         requires_grad=t.requires_grad,
         with_grad=t.grad_fn is not None,
         past_no_grad_view=_past_no_grad_view(t),
+        creation=ViewCreation(view_creation(t)) if rebuilt_view else None,
     )
+
+
+# Note [Multi-output views]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Autograd remembers how it made each view (its creation meta) and lets that
+# decide what an in-place change may do. The outputs of an op that returns
+# several views at once (``unbind``, ``split``, ``split_with_sizes``,
+# ``chunk``; not ``tensor_split``, which slices, nor ``unsafe_split``, which
+# returns no views) share one backward node, so eager refuses to change any of
+# them in place with grad mode on, and refuses to use one (to read its
+# ``grad_fn``) after its base, or another view of the base, was changed in
+# place. A later view of such a view keeps the rule (``x.unbind(0)[0].view(-1)``).
+# Under ``no_grad`` the in-place change runs; a view made under ``no_grad``
+# has that rule instead. Worked example::
+#
+#     def f(x):                  # x = leaf * 1, requires grad
+#         return x.unbind(0)
+#
+#     a, b = f(x)
+#     a.mul_(2)                  # eager: "Output 0 of Unbind is a view and is being
+#                                #  modified inplace. This view is the output of a function
+#                                #  that returns multiple views..."
+#     x.mul_(2); b.sum()         # eager: "...its base or another view of its base has been
+#                                #  modified inplace..."
+#
+# The runtime rebuilds ``a`` and ``b`` as ``x.as_strided(...)``: ordinary
+# views, which would take both changes silently. So capture records each
+# rebuilt output's creation meta as the trace's autograd made it
+# (``Alias.creation``: ``MULTI_OUTPUT_NODE`` for ``a`` and ``b``), the
+# signature names such an output (``output[0] (multi-output view)``), and the
+# runtime gives the rebuilt view the same creation meta, so that autograd
+# applies eager's rule to it. Its error then names the rebuilding op (``Output
+# 0 of AsStrided``) where eager names ``Unbind``; the rule is the same. The
+# same holds for every rule: an output that is a view of an input that does not
+# require grad, made with grad mode on, is rebuilt under ``no_grad`` but keeps
+# eager's ``DEFAULT`` (``out.mul_(w)`` with ``w`` requiring grad runs).
 
 
 # Note [Views past a no_grad view]

@@ -38,6 +38,7 @@ from aotgrad._torch_compat import (
     engine_uses,
     functorch_transforms_active,
     set_version_counter,
+    set_view_creation,
     unwrap_if_dead,
 )
 from aotgrad.capture import (
@@ -748,6 +749,8 @@ def _rebuild(alias: Alias, values: tuple[Sequence[torch.Tensor | None], ...]) ->
     else:
         with torch.set_grad_enabled(alias.with_grad):  # Note [Grad mode regions]
             view = source.as_strided(meta.size, meta.stride, meta.storage_offset)
+    if alias.creation is not None:  # Note [Multi-output views]: eager's rule for in-place changes
+        set_view_creation(view, alias.creation.value)
     if view.requires_grad and not alias.requires_grad:
         return view.detach()
     if alias.requires_grad and not view.requires_grad:  # v = a.view(-1); v.requires_grad_()
