@@ -479,6 +479,21 @@ def test_view_creation_names_multi_output_views_and_set_view_creation_gives_thei
         v.mul_(2)
 
 
+def test_custom_function_class_is_the_function_of_a_backward_node():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    x = torch.ones(2, requires_grad=True)
+    assert compat.custom_function_class(Double.apply(x).grad_fn) is Double
+    assert compat.custom_function_class(x.sin().grad_fn) is None
+
+
 def test_autograd_node_numbers_grow():
     x = torch.ones(2, requires_grad=True)
     a, b = x.sin(), x.cos()

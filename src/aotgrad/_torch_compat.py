@@ -365,6 +365,15 @@ def functorch_or_forward_ad_active() -> bool:
 set_version_counter = torch._C._autograd._unsafe_set_version_counter
 
 
+def custom_function_class(node: Any) -> type | None:
+    """The ``autograd.Function`` whose backward the autograd node ``node`` is; None for a
+    built-in op's node."""
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        function: type = node._forward_cls  # type: ignore[attr-defined]
+        return function
+    return None
+
+
 def view_creation(t: torch.Tensor) -> str:
     """How autograd made the view ``t``: its creation meta's name (``"DEFAULT"``,
     ``"MULTI_OUTPUT_NODE"``, ``"NO_GRAD_MODE"``, ...), which decides what an in-place change of

@@ -46,12 +46,14 @@ import torch
 from aotgrad._torch_compat import (
     FunctionalTensor,
     apply_view_meta_sequence,
+    custom_function_class,
     disable_current_modes,
     view_creation,
     view_meta_sequence,
 )
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature.storage import storage_key
+from aotgrad.signature.subclasses import takes_subclasses_apart
 
 
 class AliasSource(enum.Enum):
@@ -317,7 +319,7 @@ def analyze_aliasing(
             aliases[k] = _alias(t, AliasSource.INPUT, input_ids[id(t)], None)
         elif id(t) in first_index:  # one tensor returned twice: the same object twice
             aliases[k] = _alias(t, AliasSource.OUTPUT, first_index[id(t)], None)
-        elif _through_custom_function(t):
+        elif _custom_functions(t):
             first_index[id(t)] = k
             # Note [Inputs returned by a custom Function]: the first is returned, others alias it
             owner = custom_owners.setdefault(storage, k)
@@ -413,20 +415,37 @@ def check_custom_views_of_mutated(
     The forward graph can only return such an output as a view of the input's
     *new value* (a fresh buffer), not of the caller's tensor, which eager's
     output shares memory with (Note [Inputs returned by a custom Function]).
+    The refusal names the Function: a user's, or aotgrad's own that takes a
+    tensor-subclass output apart (Note [Tensor subclasses]).
     """
     storages = {storage_key(p) for p in mutated}
     for t in tensors:
-        if storage_key(t) in storages and _through_custom_function(t):
-            raise UnsupportedMutationError(
-                format_error(
-                    "a custom autograd.Function returns an input (or a view of it) that the"
-                    " function also changes in place; aotgrad cannot return it as a view of the"
-                    " caller's tensor, as eager does",
-                    where,
-                    "Return a clone from the Function's forward (or mark_dirty() the input),"
-                    " or pass the Function a clone of the input.",
-                )
+        functions = _custom_functions(t) if storage_key(t) in storages else []
+        if not functions:
+            continue
+        users = [f for f in functions if not takes_subclasses_apart(f)]
+        if users:
+            what = (
+                f"a custom autograd.Function ({users[0].__qualname__}) returns an input (or a"
+                " view of it) that the function also changes in place"
             )
+            fix = (
+                "Return a clone from the Function's forward (or mark_dirty() the input),"
+                " or pass the Function a clone of the input."
+            )
+        else:
+            what = (
+                "an output is a view of a tensor-subclass input (a __tensor_flatten__ wrapper)"
+                " that the function also changes in place"
+            )
+            fix = "Return a clone of the view, or change a clone of the input in place."
+        raise UnsupportedMutationError(
+            format_error(
+                f"{what}; aotgrad cannot return it as a view of the caller's tensor, as eager does",
+                where,
+                fix,
+            )
+        )
 
 
 def check_input_aliases_are_views(
@@ -461,22 +480,24 @@ def check_input_aliases_are_views(
             )
 
 
-def _through_custom_function(t: torch.Tensor) -> bool:
-    """Is ``t`` a view that a custom ``autograd.Function`` made of its base?
+def _custom_functions(t: torch.Tensor) -> list[type]:
+    """The custom ``autograd.Function`` s that made ``t`` a view of its base, nearest first.
 
     Walks ``t``'s autograd nodes back to its base's; views have one input each.
     """
     if t._base is None or not t.requires_grad:
-        return False
+        return []
+    found: list[type] = []
     node, stop = t.grad_fn, t._base.grad_fn
     while node is not None and node is not stop:
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            return True
+        function = custom_function_class(node)
+        if function is not None:
+            found.append(function)
         edges = [n for n, _ in node.next_functions if n is not None]
         if len(edges) != 1:
-            return False
+            break
         node = edges[0]
-    return False
+    return found
 
 
 def _rebuildable(view: torch.Tensor, base: torch.Tensor | None) -> bool:

@@ -229,6 +229,12 @@ class _Unwrap(torch.autograd.Function):
         return None, None, built.detach() if built.requires_grad else built
 
 
+def takes_subclasses_apart(function: type) -> bool:
+    """Is ``function`` one of aotgrad's own Functions that take a subclass apart or build it
+    (not a user's custom ``autograd.Function``)?"""
+    return function in (_Wrap, _Unwrap)
+
+
 def _conformed(grad: torch.Tensor, meta: SubclassMeta) -> torch.Tensor:
     """``grad`` with the input's inner structure: a DTensor is redistributed to its placements."""
     grad_meta = meta_of(grad)
