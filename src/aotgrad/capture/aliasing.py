@@ -51,7 +51,7 @@ from aotgrad._torch_compat import (
     view_creation,
     view_meta_sequence,
 )
-from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
+from aotgrad.errors import UnsupportedMutationError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature.storage import storage_key
 from aotgrad.signature.subclasses import takes_subclasses_apart
 
@@ -225,6 +225,12 @@ def _alias(t: torch.Tensor, source: AliasSource, index: int, view: ViewMeta | No
 # same holds for every rule: an output that is a view of an input that does not
 # require grad, made with grad mode on, is rebuilt under ``no_grad`` but keeps
 # eager's ``DEFAULT`` (``out.mul_(w)`` with ``w`` requiring grad runs).
+#
+# One state cannot be rebuilt: a view whose base the function itself changes
+# after making it (``a, b = x.unbind(0); x.mul_(2); return a, b``). Eager
+# returns it and refuses its first use; the runtime's view would be made
+# after the change, and usable. Capture refuses such an output
+# (``check_views_still_usable``), as PyTorch's AOTAutograd does.
 
 
 # Note [Views past a no_grad view]
@@ -405,6 +411,52 @@ def _group_source(
 # tensor as eager does, and the backward graph holds the Function's
 # backward. The same holds for a view of an intermediate. Other outputs of
 # that storage are rebuilt from it.
+
+
+# What made a view whose use eager refuses once its base changed in place (Note [Multi-output
+# views]), as a refusal names it.
+_VIEW_MADE = {
+    ViewCreation.MULTI_OUTPUT_NODE: "one of several views an op made at once (unbind, split,"
+    " chunk), or a view of one,",
+    ViewCreation.NO_GRAD_MODE: "a view made under no_grad",
+    ViewCreation.INFERENCE_MODE: "a view made under inference_mode",
+    ViewCreation.IN_CUSTOM_FUNCTION: "a view a custom autograd.Function returned",
+}
+
+
+def check_views_still_usable(tensors: Sequence[torch.Tensor], where: UserFrame | None) -> None:
+    """Refuse an output view that eager's autograd no longer lets be used.
+
+    Eager returns such a view (``o = x.unbind(0); x.mul_(2); return o``) and
+    raises at its first use that needs its history; the runtime cannot rebuild
+    a view in that state (Note [Multi-output views]).
+    """
+    for t in tensors:
+        if not t._is_view():
+            continue
+        creation = ViewCreation(view_creation(t))
+        if creation is ViewCreation.DEFAULT or _history_readable(t):
+            continue
+        raise UnsupportedOutputError(
+            format_error(
+                f"an output is {_VIEW_MADE[creation]} whose base the function changed in place"
+                " afterwards: eager returns it, but refuses every later use of it that needs"
+                " its gradient; aotgrad cannot rebuild a view in that state",
+                where,
+                "Return a clone of the view (v.clone()), or make the view after the in-place"
+                " change.",
+            )
+        )
+
+
+def _history_readable(t: torch.Tensor) -> bool:
+    """Can autograd give ``t``'s ``grad_fn``? Not for a view whose creation forbids the
+    in-place change its base had since (it raises eager's error)."""
+    try:
+        t.grad_fn  # noqa: B018 - the read is the test
+    except RuntimeError:
+        return False
+    return True
 
 
 def check_custom_views_of_mutated(
