@@ -31,7 +31,9 @@ rebuilt view into its source through autograd, so cotangents are needed only
 for the Function's own outputs. Views that change dtype or the lazy
 conjugate/negative bit (``view(dtype)``, ``conj()``) cannot be rebuilt with
 ``as_strided`` and are returned fresh (a copy): see
-``docs/known-limitations.md``.
+``docs/known-limitations.md``. A rebuilt view keeps the rule autograd gave
+the traced one for in-place changes (``unbind``'s outputs refuse them: Note
+[Multi-output views]).
 """
 
 from __future__ import annotations

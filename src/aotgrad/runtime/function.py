@@ -19,7 +19,8 @@ The epilogue, outside the Function, then
 1. copies each mutated input's new value into the user's tensor;
 2. rebuilds every aliased output from what it aliases (an input, a fresh
    output or a base) with ``as_strided`` or by identity, so autograd sees
-   a real view and routes its gradient into the source;
+   a real view and routes its gradient into the source, and gives the view
+   the traced one's creation meta (Note [Multi-output views]);
 3. puts constants back and unflattens the result to the user's structure.
 """
 
