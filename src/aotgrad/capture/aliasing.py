@@ -480,8 +480,8 @@ def check_custom_views_of_mutated(
         users = [f for f in functions if not takes_subclasses_apart(f)]
         if users:
             what = (
-                f"a custom autograd.Function ({users[0].__qualname__}) returns an input (or a"
-                " view of it) that the function also changes in place"
+                "a custom autograd.Function returns an input (or a view of it) that the"
+                f" function also changes in place ({users[0].__qualname__}.apply)"
             )
             fix = (
                 "Return a clone from the Function's forward (or mark_dirty() the input),"
