@@ -294,3 +294,16 @@ def test_a_view_whose_base_the_function_changed_is_refused_by_name(fn):
 def test_a_view_whose_base_changed_is_kept_where_eager_can_still_use_it():
     # The input needs no grad: eager's views stay usable, and so do the compiled ones.
     _compare(_unbind_then_change_the_base, INPUTS["no grad"], _mul_in_place)
+
+
+def test_calls_under_inference_mode_and_no_grad_each_get_their_own_rule():
+    # Both modes have grad mode off and share one trace: the rebuilt views take the rule
+    # of the call's own mode, as eager's do.
+    compiled = aotgrad.aot_function(CASES["unbind"])
+    for mode, gist in ((torch.inference_mode, "inference mode"), (torch.no_grad, "no_grad mode")):
+        for run in (CASES["unbind"], compiled):
+            x = torch.randn(2, 3, requires_grad=True)
+            with mode():
+                outs = run(x)
+            with pytest.raises(RuntimeError, match=gist):
+                outs[0].mul_(2)

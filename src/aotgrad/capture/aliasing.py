@@ -171,7 +171,8 @@ class Alias:
     # (Note [Views past a no_grad view]).
     past_no_grad_view: bool = False
     # How autograd made the traced view: the rebuilt one gets the same rule for in-place
-    # changes (Note [Multi-output views]); None when the output is no view.
+    # changes (Note [Multi-output views]). None when the output is no view, or one the
+    # grad mode of the rebuild makes as eager does (made under no_grad or inference_mode).
     creation: ViewCreation | None = None
 
     @property
@@ -180,8 +181,13 @@ class Alias:
         return self.creation is ViewCreation.MULTI_OUTPUT_NODE
 
 
+# Creation metas a view made with grad mode off gets from the mode itself: the runtime's
+# rebuild, in the caller's mode, gives them as eager does (one trace serves both modes).
+_FROM_GRAD_MODE = (ViewCreation.NO_GRAD_MODE, ViewCreation.INFERENCE_MODE)
+
+
 def _alias(t: torch.Tensor, source: AliasSource, index: int, view: ViewMeta | None) -> Alias:
-    rebuilt_view = view is not None and t._is_view()
+    creation = ViewCreation(view_creation(t)) if view is not None and t._is_view() else None
     return Alias(
         source=source,
         index=index,
@@ -189,7 +195,7 @@ def _alias(t: torch.Tensor, source: AliasSource, index: int, view: ViewMeta | No
         requires_grad=t.requires_grad,
         with_grad=t.grad_fn is not None,
         past_no_grad_view=_past_no_grad_view(t),
-        creation=ViewCreation(view_creation(t)) if rebuilt_view else None,
+        creation=None if creation in _FROM_GRAD_MODE else creation,
     )
 
 
@@ -226,7 +232,9 @@ def _alias(t: torch.Tensor, source: AliasSource, index: int, view: ViewMeta | No
 # 0 of AsStrided``) where eager names ``Unbind``; the rule is the same. The
 # same holds for every rule: an output that is a view of an input that does not
 # require grad, made with grad mode on, is rebuilt under ``no_grad`` but keeps
-# eager's ``DEFAULT`` (``out.mul_(w)`` with ``w`` requiring grad runs).
+# eager's ``DEFAULT`` (``out.mul_(w)`` with ``w`` requiring grad runs). A view
+# made under ``no_grad`` (or ``inference_mode``) keeps the creation meta its
+# rebuild gets, in the same mode: calls under either mode share one trace.
 #
 # One state cannot be rebuilt: a view whose base the function itself changes
 # after making it (``a, b = x.unbind(0); x.mul_(2); return a, b``). Eager
