@@ -466,6 +466,34 @@ def test_set_version_counter_puts_the_version_back():
     assert x._version == version
 
 
+def test_view_creation_names_multi_output_views_and_set_view_creation_gives_their_rule():
+    x = torch.ones(2, 3, requires_grad=True) * 1
+    assert compat.view_creation(x.unbind(0)[1]) == "MULTI_OUTPUT_NODE"
+    assert compat.view_creation(x.view(-1)) == "DEFAULT"
+    with torch.no_grad():
+        assert compat.view_creation(x.view(-1)) == "NO_GRAD_MODE"
+    v = x.as_strided((3,), (1,), 3)
+    compat.set_view_creation(v, "MULTI_OUTPUT_NODE")
+    assert compat.view_creation(v) == "MULTI_OUTPUT_NODE"
+    with pytest.raises(RuntimeError, match="returns multiple views"):
+        v.mul_(2)
+
+
+def test_custom_function_class_is_the_function_of_a_backward_node():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    x = torch.ones(2, requires_grad=True)
+    assert compat.custom_function_class(Double.apply(x).grad_fn) is Double
+    assert compat.custom_function_class(x.sin().grad_fn) is None
+
+
 def test_autograd_node_numbers_grow():
     x = torch.ones(2, requires_grad=True)
     a, b = x.sin(), x.cos()

@@ -366,6 +366,29 @@ def functorch_or_forward_ad_active() -> bool:
 
 # Put a tensor's version counter back (Note [Replayed metadata keeps the version]).
 set_version_counter = torch._C._autograd._unsafe_set_version_counter
+
+
+def custom_function_class(node: Any) -> type | None:
+    """The ``autograd.Function`` whose backward the autograd node ``node`` is; None for a
+    built-in op's node."""
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        function: type = node._forward_cls  # type: ignore[attr-defined]
+        return function
+    return None
+
+
+def view_creation(t: torch.Tensor) -> str:
+    """How autograd made the view ``t``: its creation meta's name (``"DEFAULT"``,
+    ``"MULTI_OUTPUT_NODE"``, ``"NO_GRAD_MODE"``, ...), which decides what an in-place change of
+    ``t``, or of its base, may do (Note [Multi-output views] in ``capture/aliasing.py``)."""
+    return str(torch._C._autograd._get_creation_meta(t).name)
+
+
+def set_view_creation(t: torch.Tensor, name: str) -> None:
+    """Give the view ``t`` the creation meta :func:`view_creation` named ``name``."""
+    torch._C._autograd._set_creation_meta(t, getattr(torch._C._autograd.CreationMeta, name))
+
+
 # What ``autograd.grad`` and ``.backward()`` run, called by capture with its modes kept active
 # (Note [The swap spans the backward]).
 engine_run_backward = torch.autograd.graph._engine_run_backward

@@ -83,6 +83,7 @@ from aotgrad.signature import (
     FlatInputs,
     Inner,
     Input,
+    MultiOutputView,
     MutatedInput,
     Output,
     OutputBase,
@@ -419,8 +420,16 @@ def _output_descriptors(record: TraceRecord) -> list[Output]:
     """One Output per tensor output, named by its key path in the user's result; then one
     SideEffect per tensor stored in the user's objects (Note [Side effects replayed])."""
     user = zip(record.out_paths, record.leaves[: len(record.out_paths)], strict=True)
-    outputs = [Output(path=path) for path, leaf in user if isinstance(leaf, TensorOutput)]
+    outputs = [_output(path, leaf) for path, leaf in user if isinstance(leaf, TensorOutput)]
     return [*outputs, *record.effects]
+
+
+def _output(path: str, leaf: TensorOutput) -> Output:
+    """The descriptor of one tensor output; it names a multi-output view (Note [Multi-output
+    views] in ``capture/aliasing.py``)."""
+    if leaf.alias is not None and leaf.alias.multi_output_view:
+        return MultiOutputView(path=path)
+    return Output(path=path)
 
 
 _IDENTITIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)

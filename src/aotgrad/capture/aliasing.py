@@ -31,7 +31,9 @@ rebuilt view into its source through autograd, so cotangents are needed only
 for the Function's own outputs. Views that change dtype or the lazy
 conjugate/negative bit (``view(dtype)``, ``conj()``) cannot be rebuilt with
 ``as_strided`` and are returned fresh (a copy): see
-``docs/known-limitations.md``.
+``docs/known-limitations.md``. A rebuilt view keeps the rule autograd gave
+the traced one for in-place changes (``unbind``'s outputs refuse them: Note
+[Multi-output views]).
 """
 
 from __future__ import annotations
@@ -46,11 +48,14 @@ import torch
 from aotgrad._torch_compat import (
     FunctionalTensor,
     apply_view_meta_sequence,
+    custom_function_class,
     disable_current_modes,
+    view_creation,
     view_meta_sequence,
 )
-from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
+from aotgrad.errors import UnsupportedMutationError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature.storage import storage_key
+from aotgrad.signature.subclasses import takes_subclasses_apart
 
 
 class AliasSource(enum.Enum):
@@ -139,6 +144,16 @@ def caller_layout(view: torch.Tensor, original: torch.Tensor) -> ViewMeta:
     return ViewMeta.of(replayed)
 
 
+class ViewCreation(enum.Enum):
+    """How autograd made a view (its creation meta): what an in-place change of it may do."""
+
+    DEFAULT = "DEFAULT"  # an ordinary view: in-place changes are recorded
+    MULTI_OUTPUT_NODE = "MULTI_OUTPUT_NODE"  # of unbind/split/chunk, or a view of one: refused
+    NO_GRAD_MODE = "NO_GRAD_MODE"  # made under no_grad: refused with grad mode on
+    INFERENCE_MODE = "INFERENCE_MODE"  # made under inference_mode
+    IN_CUSTOM_FUNCTION = "IN_CUSTOM_FUNCTION"  # returned by a custom Function's forward
+
+
 @dataclass(frozen=True)
 class Alias:
     """How the runtime rebuilds an output from the tensor it aliases."""
@@ -155,9 +170,24 @@ class Alias:
     # Recorded, but past a view made under no_grad: no autograd path to the source
     # (Note [Views past a no_grad view]).
     past_no_grad_view: bool = False
+    # How autograd made the traced view: the rebuilt one gets the same rule for in-place
+    # changes (Note [Multi-output views]). None when the output is no view, or one the
+    # grad mode of the rebuild makes as eager does (made under no_grad or inference_mode).
+    creation: ViewCreation | None = None
+
+    @property
+    def multi_output_view(self) -> bool:
+        """Is the output one of several views an op made at once (``unbind``), or a view of one?"""
+        return self.creation is ViewCreation.MULTI_OUTPUT_NODE
+
+
+# Creation metas a view made with grad mode off gets from the mode itself: the runtime's
+# rebuild, in the caller's mode, gives them as eager does (one trace serves both modes).
+_FROM_GRAD_MODE = (ViewCreation.NO_GRAD_MODE, ViewCreation.INFERENCE_MODE)
 
 
 def _alias(t: torch.Tensor, source: AliasSource, index: int, view: ViewMeta | None) -> Alias:
+    creation = ViewCreation(view_creation(t)) if view is not None and t._is_view() else None
     return Alias(
         source=source,
         index=index,
@@ -165,7 +195,52 @@ def _alias(t: torch.Tensor, source: AliasSource, index: int, view: ViewMeta | No
         requires_grad=t.requires_grad,
         with_grad=t.grad_fn is not None,
         past_no_grad_view=_past_no_grad_view(t),
+        creation=None if creation in _FROM_GRAD_MODE else creation,
     )
+
+
+# Note [Multi-output views]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Autograd remembers how it made each view (its creation meta) and lets that
+# decide what an in-place change may do. The outputs of an op that returns
+# several views at once (``unbind``, ``split``, ``split_with_sizes``,
+# ``chunk``; not ``tensor_split``, which slices, nor ``unsafe_split``, which
+# returns no views) share one backward node, so eager refuses to change any of
+# them in place with grad mode on, and refuses to use one (to read its
+# ``grad_fn``) after its base, or another view of the base, was changed in
+# place. A later view of such a view keeps the rule (``x.unbind(0)[0].view(-1)``).
+# Under ``no_grad`` the in-place change runs; a view made under ``no_grad``
+# has that rule instead. Worked example::
+#
+#     def f(x):                  # x = leaf * 1, requires grad
+#         return x.unbind(0)
+#
+#     a, b = f(x)
+#     a.mul_(2)                  # eager: "Output 0 of Unbind is a view and is being
+#                                #  modified inplace. This view is the output of a function
+#                                #  that returns multiple views..."
+#     x.mul_(2); b.sum()         # eager: "...its base or another view of its base has been
+#                                #  modified inplace..."
+#
+# The runtime rebuilds ``a`` and ``b`` as ``x.as_strided(...)``: ordinary
+# views, which would take both changes silently. So capture records each
+# rebuilt output's creation meta as the trace's autograd made it
+# (``Alias.creation``: ``MULTI_OUTPUT_NODE`` for ``a`` and ``b``), the
+# signature names such an output (``output[0] (multi-output view)``), and the
+# runtime gives the rebuilt view the same creation meta, so that autograd
+# applies eager's rule to it. Its error then names the rebuilding op (``Output
+# 0 of AsStrided``) where eager names ``Unbind``; the rule is the same. The
+# same holds for every rule: an output that is a view of an input that does not
+# require grad, made with grad mode on, is rebuilt under ``no_grad`` but keeps
+# eager's ``DEFAULT`` (``out.mul_(w)`` with ``w`` requiring grad runs). A view
+# made under ``no_grad`` (or ``inference_mode``) keeps the creation meta its
+# rebuild gets, in the same mode: calls under either mode share one trace.
+#
+# One state cannot be rebuilt: a view whose base the function itself changes
+# after making it (``a, b = x.unbind(0); x.mul_(2); return a, b``). Eager
+# returns it and refuses its first use; the runtime's view would be made
+# after the change, and usable. Capture refuses such an output
+# (``check_views_still_usable``), as PyTorch's AOTAutograd does.
 
 
 # Note [Views past a no_grad view]
@@ -260,7 +335,7 @@ def analyze_aliasing(
             aliases[k] = _alias(t, AliasSource.INPUT, input_ids[id(t)], None)
         elif id(t) in first_index:  # one tensor returned twice: the same object twice
             aliases[k] = _alias(t, AliasSource.OUTPUT, first_index[id(t)], None)
-        elif _through_custom_function(t):
+        elif _custom_functions(t):
             first_index[id(t)] = k
             # Note [Inputs returned by a custom Function]: the first is returned, others alias it
             owner = custom_owners.setdefault(storage, k)
@@ -348,6 +423,52 @@ def _group_source(
 # that storage are rebuilt from it.
 
 
+# What made a view whose use eager refuses once its base changed in place (Note [Multi-output
+# views]), as a refusal names it.
+_VIEW_MADE = {
+    ViewCreation.MULTI_OUTPUT_NODE: "one of several views an op made at once (unbind, split,"
+    " chunk), or a view of one,",
+    ViewCreation.NO_GRAD_MODE: "a view made under no_grad",
+    ViewCreation.INFERENCE_MODE: "a view made under inference_mode",
+    ViewCreation.IN_CUSTOM_FUNCTION: "a view a custom autograd.Function returned",
+}
+
+
+def check_views_still_usable(tensors: Sequence[torch.Tensor], where: UserFrame | None) -> None:
+    """Refuse an output view that eager's autograd no longer lets be used.
+
+    Eager returns such a view (``o = x.unbind(0); x.mul_(2); return o``) and
+    raises at its first use that needs its history; the runtime cannot rebuild
+    a view in that state (Note [Multi-output views]).
+    """
+    for t in tensors:
+        if not t._is_view():
+            continue
+        creation = ViewCreation(view_creation(t))
+        if creation is ViewCreation.DEFAULT or _history_readable(t):
+            continue
+        raise UnsupportedOutputError(
+            format_error(
+                f"an output is {_VIEW_MADE[creation]} whose base the function changed in place"
+                " afterwards: eager returns it, but refuses every later use of it that needs"
+                " its gradient; aotgrad cannot rebuild a view in that state",
+                where,
+                "Return a clone of the view (v.clone()), or make the view after the in-place"
+                " change.",
+            )
+        )
+
+
+def _history_readable(t: torch.Tensor) -> bool:
+    """Can autograd give ``t``'s ``grad_fn``? Not for a view whose creation forbids the
+    in-place change its base had since (it raises eager's error)."""
+    try:
+        t.grad_fn  # noqa: B018 - the read is the test
+    except RuntimeError:
+        return False
+    return True
+
+
 def check_custom_views_of_mutated(
     tensors: Sequence[torch.Tensor], mutated: Sequence[torch.Tensor], where: UserFrame | None
 ) -> None:
@@ -356,20 +477,37 @@ def check_custom_views_of_mutated(
     The forward graph can only return such an output as a view of the input's
     *new value* (a fresh buffer), not of the caller's tensor, which eager's
     output shares memory with (Note [Inputs returned by a custom Function]).
+    The refusal names the Function: a user's, or aotgrad's own that takes a
+    tensor-subclass output apart (Note [Tensor subclasses]).
     """
     storages = {storage_key(p) for p in mutated}
     for t in tensors:
-        if storage_key(t) in storages and _through_custom_function(t):
-            raise UnsupportedMutationError(
-                format_error(
-                    "a custom autograd.Function returns an input (or a view of it) that the"
-                    " function also changes in place; aotgrad cannot return it as a view of the"
-                    " caller's tensor, as eager does",
-                    where,
-                    "Return a clone from the Function's forward (or mark_dirty() the input),"
-                    " or pass the Function a clone of the input.",
-                )
+        functions = _custom_functions(t) if storage_key(t) in storages else []
+        if not functions:
+            continue
+        users = [f for f in functions if not takes_subclasses_apart(f)]
+        if users:
+            what = (
+                "a custom autograd.Function returns an input (or a view of it) that the"
+                f" function also changes in place ({users[0].__qualname__}.apply)"
             )
+            fix = (
+                "Return a clone from the Function's forward (or mark_dirty() the input),"
+                " or pass the Function a clone of the input."
+            )
+        else:
+            what = (
+                "an output is a view of a tensor-subclass input (a __tensor_flatten__ wrapper)"
+                " that the function also changes in place"
+            )
+            fix = "Return a clone of the view, or change a clone of the input in place."
+        raise UnsupportedMutationError(
+            format_error(
+                f"{what}; aotgrad cannot return it as a view of the caller's tensor, as eager does",
+                where,
+                fix,
+            )
+        )
 
 
 def check_input_aliases_are_views(
@@ -404,22 +542,24 @@ def check_input_aliases_are_views(
             )
 
 
-def _through_custom_function(t: torch.Tensor) -> bool:
-    """Is ``t`` a view that a custom ``autograd.Function`` made of its base?
+def _custom_functions(t: torch.Tensor) -> list[type]:
+    """The custom ``autograd.Function`` s that made ``t`` a view of its base, nearest first.
 
     Walks ``t``'s autograd nodes back to its base's; views have one input each.
     """
     if t._base is None or not t.requires_grad:
-        return False
+        return []
+    found: list[type] = []
     node, stop = t.grad_fn, t._base.grad_fn
     while node is not None and node is not stop:
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            return True
+        function = custom_function_class(node)
+        if function is not None:
+            found.append(function)
         edges = [n for n, _ in node.next_functions if n is not None]
         if len(edges) != 1:
-            return False
+            break
         node = edges[0]
-    return False
+    return found
 
 
 def _rebuildable(view: torch.Tensor, base: torch.Tensor | None) -> bool:

@@ -53,6 +53,7 @@ from aotgrad.capture.aliasing import (
     analyze_aliasing,
     check_custom_views_of_mutated,
     check_input_aliases_are_views,
+    check_views_still_usable,
 )
 from aotgrad.capture.autocast import autocast_off
 from aotgrad.capture.closed_over import ClosedOver
@@ -470,6 +471,7 @@ def _forward_values(
     so no forward op is recorded after the first cotangent.
     """
     leaves, tensors = _flatten_result(result, stored, record, where, tracer.traced)
+    check_views_still_usable(tensors, where)
     aliasing, bases = analyze_aliasing(tensors, primals, graph_primals, originals)
     record.aliasing = aliasing
     record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]

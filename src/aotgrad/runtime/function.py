@@ -19,7 +19,8 @@ The epilogue, outside the Function, then
 1. copies each mutated input's new value into the user's tensor;
 2. rebuilds every aliased output from what it aliases (an input, a fresh
    output or a base) with ``as_strided`` or by identity, so autograd sees
-   a real view and routes its gradient into the source;
+   a real view and routes its gradient into the source, and gives the view
+   the traced one's creation meta (Note [Multi-output views]);
 3. puts constants back and unflattens the result to the user's structure.
 """
 
@@ -38,6 +39,7 @@ from aotgrad._torch_compat import (
     engine_uses,
     functorch_transforms_active,
     set_version_counter,
+    set_view_creation,
     unwrap_if_dead,
 )
 from aotgrad.capture import (
@@ -767,6 +769,8 @@ def _rebuild(alias: Alias, values: tuple[Sequence[torch.Tensor | None], ...]) ->
     else:
         with torch.set_grad_enabled(alias.with_grad):  # Note [Grad mode regions]
             view = source.as_strided(meta.size, meta.stride, meta.storage_offset)
+    if alias.creation is not None:  # Note [Multi-output views]: eager's rule for in-place changes
+        set_view_creation(view, alias.creation.value)
     if view.requires_grad and not alias.requires_grad:
         return view.detach()
     if alias.requires_grad and not view.requires_grad:  # v = a.view(-1); v.requires_grad_()

@@ -94,6 +94,7 @@ from aotgrad.signature.descriptors import (
     Descriptor,
     Grad,
     GraphInputDescriptor,
+    MultiOutputView,
     MutatedInput,
     Output,
     OutputBase,
@@ -342,9 +343,11 @@ _GROUPS = ("forward_inputs", "forward_outputs", "backward_inputs", "backward_out
 
 
 # The rank of each kind of descriptor in its graph's inputs or outputs.
-# A SideEffect is an output stored in the user's objects (Note [Side effects replayed]).
+# A SideEffect is an output stored in the user's objects (Note [Side effects replayed]); a
+# MultiOutputView an output that keeps eager's rule for views of unbind (Note [Multi-output views]).
 _FORWARD_ORDER: dict[type, int] = {
     Output: 0,
+    MultiOutputView: 0,
     SideEffect: 0,
     OutputBase: 1,
     MutatedInput: 2,

@@ -192,6 +192,21 @@ class SideEffect(Output):
 
 
 @dataclass(frozen=True)
+class MultiOutputView(Output):
+    """An output that is one of several views an op made at once (``unbind``, ``split``,
+    ``chunk``), or a view of one: eager refuses to change it in place with grad mode on, and
+    to use it after its base changed in place; so does the compiled function. See Note
+    [Multi-output views] in ``capture/aliasing.py``.
+
+    >>> str(MultiOutputView(path="[0]"))
+    'output[0] (multi-output view)'
+    """
+
+    def __str__(self) -> str:
+        return f"{super().__str__()} (multi-output view)"
+
+
+@dataclass(frozen=True)
 class OutputBase(Descriptor):
     """An intermediate that several outputs are views of; the runtime rebuilds them from it.
 

@@ -360,6 +360,12 @@ def rebase(x: torch.Tensor, news: Sequence[torch.Tensor | None]) -> None:
     _Rebase.apply(meta, x, *(t if n is None else n for t, n in zip(inner, news, strict=True)))
 
 
+def takes_subclasses_apart(function: type) -> bool:
+    """Is ``function`` one of aotgrad's own Functions that take a subclass apart or build it
+    (not a user's custom ``autograd.Function``)?"""
+    return function in (_Wrap, _Unwrap, _SplitGrad, _JoinGrad)
+
+
 def _conformed(grad: torch.Tensor, meta: SubclassMeta) -> torch.Tensor:
     """``grad`` with the input's inner structure: a DTensor is redistributed to its placements."""
     grad_meta = meta_of(grad)

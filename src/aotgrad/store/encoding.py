@@ -27,7 +27,14 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from aotgrad.capture.aliasing import Alias, AliasSource, ConstantOutput, TensorOutput, ViewMeta
+from aotgrad.capture.aliasing import (
+    Alias,
+    AliasSource,
+    ConstantOutput,
+    TensorOutput,
+    ViewCreation,
+    ViewMeta,
+)
 from aotgrad.capture.backward_state import StateRegion
 from aotgrad.capture.mutation import InputMutation
 from aotgrad.capture.provenance import Kind, NodeInfo, Phase
@@ -57,6 +64,7 @@ TYPES: dict[str, type] = {
         StateRegion,
         TensorOutput,
         UserFrame,
+        ViewCreation,
         ViewMeta,
         ZerosLike,
         *(
