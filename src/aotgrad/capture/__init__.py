@@ -23,7 +23,12 @@ from aotgrad.capture.aliasing import (
     TensorOutput,
     ViewMeta,
 )
-from aotgrad.capture.backward_state import StateRegion, read_state_at_backward, state_regions
+from aotgrad.capture.backward_state import (
+    BackwardSite,
+    StateRegion,
+    read_state_at_backward,
+    state_regions,
+)
 from aotgrad.capture.collectives import (
     COLLECTIVE_KEY,
     CollectiveCall,
@@ -368,7 +373,7 @@ def _assemble(
         made_to_require_grad=tuple(record.made_to_require_grad),
         detached_inputs=tuple(record.detached_inputs),
         state_at_backward=tuple(record.state_at_backward),
-        state_regions=_state_regions(gm.graph, signature),
+        state_regions=_state_regions(gm.graph, signature, record.state_sites),
         tracer=report,
     )
     placeholders = [*signature.forward_inputs, *signature.backward_inputs]
@@ -396,7 +401,9 @@ def _reached_by(
     )
 
 
-def _state_regions(graph: fx.Graph, signature: Signature) -> tuple[StateRegion, ...]:
+def _state_regions(
+    graph: fx.Graph, signature: Signature, sites: Sequence[BackwardSite | None]
+) -> tuple[StateRegion, ...]:
     """Per input the backward updates, its region's backward (Note [State updated by the
     backward])."""
     if not signature.state_at_backward:
@@ -406,7 +413,7 @@ def _state_regions(graph: fx.Graph, signature: Signature) -> tuple[StateRegion, 
     grads = results[signature.grads_in_joint]
     new_state = results[signature.new_state_in_joint]
     cotangents = placeholders[signature.cotangents_in_joint]
-    return tuple(state_regions(graph, cotangents, new_state, grads))
+    return tuple(state_regions(graph, cotangents, new_state, grads, sites))
 
 
 def _output_descriptors(record: TraceRecord) -> list[Output]:

@@ -62,18 +62,62 @@ scan body (``ScanError``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from aotgrad._torch_compat import mutation_counter
-from aotgrad.capture.provenance import Phase, phase_of, set_phase
+from aotgrad.capture.provenance import Phase, node_info, phase_of, set_phase
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature import Descriptor, InputBase
 
 Layout = tuple[tuple[object, ...], tuple[object, ...]]
+
+# What a refusal tells the user to do, by what changed the input.
+_RECOMPUTE_TODO = (
+    "Move the in-place change out of the checkpointed region, or turn gradient checkpointing"
+    " off for the compiled model (aotgrad's partition= / aotgrad.budget choose what to"
+    " recompute without it)."
+)
+_BACKWARD_TODO = (
+    "Change a copy in the backward (x = x.clone()), or make the change outside the compiled"
+    " function."
+)
+
+
+@dataclass(frozen=True)
+class BackwardSite:
+    """What changed a tensor in place while the traced backward ran (Note [State updated by
+    the backward])."""
+
+    # What ran the in-place op: "the backward of custom autograd.Function Scale", "a
+    # checkpointed region's recompute", "a hook running in the backward (MulBackward0)".
+    what: str
+    # The user's line of the in-place op.
+    where: UserFrame | None
+    # The running custom Function saved the tensor (``ctx.save_for_backward``): eager's
+    # next unpack of it fails autograd's version check.
+    saved: bool
+    # "recompute" (a checkpoint re-running its region: grad mode on in the backward),
+    # "function" (a custom Function's backward) or "hook" (anything else).
+    kind: str
+
+    @staticmethod
+    def of(node: Any, target: object, where: UserFrame | None) -> BackwardSite:
+        """The site of an in-place op on ``target`` while autograd node ``node`` (None: no
+        node) runs in the traced backward."""
+        if torch.is_grad_enabled():  # the trace's backward runs formulas with grad mode off
+            return BackwardSite("a checkpointed region's recompute", where, False, "recompute")
+        function = getattr(node, "_forward_cls", None)
+        if function is None:
+            name = "" if node is None else f" ({type(node).__name__})"
+            return BackwardSite(f"a hook running in the backward{name}", where, False, "hook")
+        saved = any(t is target for t in node.saved_tensors)
+        what = f"the backward of custom autograd.Function {function.__qualname__}"
+        return BackwardSite(what, where, saved, "function")
 
 
 def mutation_counts(primals: Sequence[torch.Tensor]) -> list[tuple[int, Layout]]:
@@ -90,40 +134,45 @@ def backward_mutations(
     before: Sequence[tuple[int, Layout]],
     descriptors: Sequence[Descriptor],
     where: UserFrame | None,
+    sites: Mapping[int, BackwardSite],
 ) -> list[int]:
     """Graph input positions whose data the backward changed (Note [State updated by the
-    backward]); refuse a change aotgrad cannot replay there."""
+    backward]); refuse a change aotgrad cannot replay there, naming what made it."""
     changed = [
         i
         for i, (p, (count, _)) in enumerate(zip(primals, before, strict=True))
         if mutation_counter(p.elem) != count  # type: ignore[attr-defined]
     ]
-    refused = [
-        str(descriptors[i])
-        for i in changed
-        if primals[i].requires_grad
-        or isinstance(descriptors[i], InputBase)
-        or (tuple(primals[i].shape), tuple(primals[i].stride())) != before[i][1]
-    ]
-    if refused:
-        named = ", ".join(refused[:3]) + (
-            f" and {len(refused) - 3} more" if len(refused) > 3 else ""
-        )
+    for i in changed:
+        site = site_of(primals[i], sites)
+        if isinstance(descriptors[i], InputBase):
+            why = "it shares memory with another input, which aotgrad does not replay there"
+        elif (tuple(primals[i].shape), tuple(primals[i].stride())) != before[i][1]:
+            why = "it changes its size or strides, which aotgrad does not replay there"
+        elif site is not None and site.kind == "hook":
+            why = (
+                "aotgrad replays changes made by a custom Function's backward or a"
+                " checkpoint's recompute, not by hooks"
+            )
+        else:
+            continue
+        what = "the backward" if site is None else site.what
+        todo = _RECOMPUTE_TODO if site is not None and site.kind == "recompute" else _BACKWARD_TODO
         raise UnsupportedMutationError(
             format_error(
-                f"the backward mutates {named}: a checkpointed region that changes an input in"
-                " place runs again when the backward recomputes it, and eager PyTorch changes"
-                " the input a second time then; aotgrad replays that for the data of inputs"
-                " that do not require grad (a BatchNorm's running statistics), not for an input"
-                " that requires grad, several inputs sharing memory, or a change of size or"
-                " strides (Note [State updated by the backward])",
-                where,
-                "Move the in-place change out of the checkpointed region, or turn gradient"
-                " checkpointing off for the compiled model (aotgrad's partition= /"
-                " aotgrad.budget choose what to recompute without it).",
+                f"{what} changes {descriptors[i]} in place, and {why} (Note [State updated"
+                " by the backward])",
+                where if site is None or site.where is None else site.where,
+                todo,
             )
         )
     return changed
+
+
+def site_of(primal: torch.Tensor, sites: Mapping[int, BackwardSite]) -> BackwardSite | None:
+    """What changed ``primal`` in the backward: the site noted on it, else (it was changed
+    through a view) the first noted site."""
+    return sites.get(id(primal), next(iter(sites.values()), None))
 
 
 def read_state_at_backward(
@@ -146,13 +195,20 @@ def read_state_at_backward(
 
 @dataclass(frozen=True)
 class StateRegion:
-    """Where the backward of the region that updates one state input runs (Note [State
-    updated by the backward])."""
+    """Where the backward that updates one state input runs (Note [State updated by the
+    backward])."""
 
     # Bit ``j``: cotangent ``j`` reaches the region's backward.
     cotangents: int
     # Graph input positions whose gradients the region's backward feeds.
     feeds: tuple[int, ...]
+    # The custom Function whose backward changes the input saved it: the runtime saves it
+    # too, so that a later change (a second backward) fails autograd's version check as in
+    # eager.
+    saved: bool = False
+    # What changes the input, for messages ("the backward of custom autograd.Function
+    # Scale at model.py:12"); empty: a checkpointed region's recompute.
+    what: str = ""
 
 
 def state_regions(
@@ -160,6 +216,7 @@ def state_regions(
     cotangents: Sequence[fx.Node],
     new_state: Sequence[fx.Node],
     grads: Sequence[fx.Node | None],
+    sites: Sequence[BackwardSite | None],
 ) -> list[StateRegion]:
     """Per new state value: its region's backward (Note [State updated by the backward])."""
     masks: dict[fx.Node, int] = {node: 1 << k for k, node in enumerate(cotangents)}
@@ -169,7 +226,37 @@ def state_regions(
             mask |= masks.get(value, 0)
         masks[node] = mask
     runs = _recompute_runs(graph, masks)
-    return [_region(value, masks, runs, grads) for value in new_state]
+    regions = []
+    for value, site in zip(new_state, sites, strict=True):
+        function = site is not None and site.kind == "function"
+        starts = _node_backward(graph, value) if function else None
+        if starts is None:  # a checkpoint's recompute
+            region = _region(value, masks, runs, grads)
+        else:
+            mask = 0
+            for node in starts:
+                mask |= masks[node]
+            region = StateRegion(mask, _feeds(starts, grads))
+        if site is not None and function:
+            where = "" if site.where is None else f" at {site.where.filename}:{site.where.lineno}"
+            region = replace(region, saved=site.saved, what=site.what + where)
+        regions.append(region)
+    return regions
+
+
+def _node_backward(graph: fx.Graph, new_value: fx.Node) -> set[fx.Node] | None:
+    """The backward ops of the autograd node whose backward computed ``new_value``: those with
+    its sequence number (None: it has none)."""
+    seq = node_info(new_value).seq_nr if new_value.op == "call_function" else None
+    if seq is None:
+        return None
+    return {
+        n
+        for n in graph.nodes
+        if n.op == "call_function"
+        and phase_of(n) is Phase.BACKWARD
+        and node_info(n).seq_nr == seq
+    }
 
 
 def _recompute_runs(graph: fx.Graph, masks: dict[fx.Node, int]) -> dict[fx.Node, int]:
@@ -235,9 +322,11 @@ def _feeds(starts: set[fx.Node], grads: Sequence[fx.Node | None]) -> tuple[int, 
 
 
 __all__ = [
+    "BackwardSite",
     "StateRegion",
     "backward_mutations",
     "mutation_counts",
     "read_state_at_backward",
+    "site_of",
     "state_regions",
 ]

@@ -55,6 +55,7 @@ from aotgrad.capture.aliasing import (
     check_input_aliases_are_views,
 )
 from aotgrad.capture.autocast import autocast_off
+from aotgrad.capture.backward_state import BackwardSite, site_of
 from aotgrad.capture.closed_over import ClosedOver
 from aotgrad.capture.collectives import collective_grads_checked
 from aotgrad.capture.cotangents import make_cotangent
@@ -127,6 +128,8 @@ class TraceRecord:
     # running statistics): their values after it follow the grads
     # (Note [State updated by the backward]).
     state_at_backward: list[int] = field(default_factory=list)
+    # Per input in state_at_backward: what changed it in the backward (None: not known).
+    state_sites: list[BackwardSite | None] = field(default_factory=list)
 
 
 def fake_primals(
@@ -579,6 +582,8 @@ def _backward(
         if leaf:
             computed = tuple(primals[i].grad for i in record.grad_inputs)
     record.state_at_backward = changed  # Note [State updated by the backward]
+    sites = tracer.recorder.backward_sites
+    record.state_sites = [site_of(primals[i], sites) for i in changed]
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g

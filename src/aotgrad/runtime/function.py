@@ -292,6 +292,8 @@ def make_function(
     keep_one = extra[0] if len(extra) == 1 else None
     only = differentiable[0] if len(differentiable) == 1 else None
     state_at_backward, state_regions = plan.state_at_backward, plan.state_regions
+    # State inputs a custom Function saved: saved here too, for eager's version check.
+    checked = [i for i, r in zip(state_at_backward, state_regions, strict=True) if r.saved]
     num_grads = len(reached_by)
 
     class CompiledFunction(torch.autograd.Function):
@@ -312,6 +314,8 @@ def make_function(
             if saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
                 ctx.sizes = [v for v in saved if not isinstance(v, torch.Tensor)]
                 saved = [v for v in saved if isinstance(v, torch.Tensor)]
+            if checked:  # Note [State updated by the backward]
+                saved = [*saved, *(primals[i] for i in checked)]
             ctx.save_for_backward(*saved)
             if keep_one is not None:  # Note [Primals in the backward]: one input (usual)
                 kept_one = primals[keep_one]
@@ -345,13 +349,15 @@ def make_function(
                 cotangents, received = with_zeros(ctx, given, zeros)
                 if not received:
                     return no_grads
-            saved = ctx.saved_tensors
+            saved = ctx.saved_tensors  # checks the versions of the saved tensors
+            if checked:
+                saved = saved[: len(saved) - len(checked)]
             if saved_sizes:  # the ints back between the tensors
                 tensors, sizes = iter(saved), iter(ctx.sizes)
                 saved = [next(sizes) if is_size else next(tensors) for is_size in saved_sizes]
             if torch.is_grad_enabled():  # create_graph=True (Note [Differentiable backward])
                 if state_at_backward:
-                    _refuse_state_at_double_backward()
+                    _refuse_state_at_double_backward(state_regions, ctx.state)
                 if any_autocast():  # Note [Autocast]
                     _check_autocast_backward(autocast_backward)
                 grads = _differentiable(higher_order, ctx, saved, cotangents)
@@ -427,14 +433,29 @@ def write_state(
     return results[:num_grads]
 
 
-def _refuse_state_at_double_backward() -> None:
+def _refuse_state_at_double_backward(
+    regions: Sequence[StateRegion], state: Sequence[torch.Tensor]
+) -> None:
+    """Refuse ``create_graph=True`` through a backward that changes inputs in place, naming
+    what changes them (Note [State updated by the backward])."""
+    named = [r.what for r in regions if r.what]
+    what = (
+        f"{named[0]} changes an input in place"
+        if named
+        else "a checkpointed region's recompute updates state (a BatchNorm's running statistics)"
+    )
+    if any(t.is_leaf and t.requires_grad for r, t in zip(regions, state, strict=True) if r.what):
+        why = (
+            "the input is a leaf that requires grad, and eager raises 'a leaf Variable that"
+            " requires grad is being used in an in-place operation' there"
+        )
+    else:
+        why = "aotgrad's differentiable backward does not replay that change"
     raise DoubleBackwardError(
-        "create_graph=True (double backward) through a function whose backward updates state"
-        " (a BatchNorm's running statistics in a checkpointed region,"
-        " Note [State updated by the backward]): aotgrad's differentiable backward does not"
-        " replay that update.\n"
-        "Call backward() without create_graph, or keep the state-updating module out of the"
-        " checkpointed region."
+        f"create_graph=True (double backward) through a function whose backward changes its"
+        f" inputs: {what}, and {why} (Note [State updated by the backward]).\n"
+        "Call backward() without create_graph, or make the change outside the compiled"
+        " function (or outside the checkpointed region)."
     )
 
 
