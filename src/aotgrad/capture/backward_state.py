@@ -1,7 +1,10 @@
-"""Inputs the backward updates: a checkpointed region's state, updated again by its recompute.
+"""Inputs the backward updates: a checkpointed region's state, updated again by its recompute,
+and inputs a custom Function's backward changes in place.
 
 Note [State updated by the backward]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Two kinds of user code change an input in place while eager's backward runs.
+
 ``torch.utils.checkpoint`` re-runs its region in the backward, side effects
 included: a BatchNorm in training mode updates its running statistics in the
 forward *and* again when the backward recomputes it (either flavour of
@@ -15,53 +18,87 @@ statistics are the forward's (same input). With momentum 0.1, one step from
     eager backward:  running_mean = 0.9 * 0.1  + 0.1 * 1 = 0.19   num_batches_tracked = 2
     forward only (no backward, or under no_grad): 0.1 and 1
 
+A custom ``autograd.Function``'s backward may change a tensor it saved (or
+keeps on ``ctx``), an input requiring grad or not; eager changes the caller's
+tensor when that backward runs, and the gradients read the changed value::
+
+    class Fn(torch.autograd.Function):
+        def forward(ctx, x): ctx.save_for_backward(x); return x * 3
+        def backward(ctx, g): (x,) = ctx.saved_tensors; x.mul_(2); return g * x
+    f = lambda x, y: Fn.apply(x) * y;  x = y = ones(3) requiring grad
+    f(x, y).sum().backward()   # eager: x = 2, x.grad = 1 * 2 = 2, y.grad = 3
+
 Capture counts each input's mutations around the backward
-(``backward_mutations``). A data mutation of an input that does not require
-grad becomes *state updated by the backward*: the joint graph gets one more
-placeholder per such input, ``StateAtBackward`` (its value when the backward
-runs), after the cotangents, and every backward or recomputed use of the
-input's value after the forward reads that placeholder instead; the input's
-value after the backward is one more output, after the grads::
+(``backward_mutations``), and the recorder notes what made each one
+(``BackwardSite``: a recompute, the running custom Function's backward, or a
+hook). A data mutation becomes *state updated by the backward*: the joint
+graph gets one more placeholder per such input, ``StateAtBackward`` (its value
+when the backward runs), after the cotangents, and every backward or
+recomputed use of the input's value after the forward reads that placeholder
+instead; the input's value after the backward is one more output, after the
+grads::
 
     forward:   (x, w, b, rm, rv, nbt) -> (..., new rm, new rv, new nbt, *saved)
     backward:  (*saved, cotangent, rm at backward, rv at backward, nbt at backward)
                -> (*grads, new rm, new rv, new nbt)
+    Fn above:  backward (cotangent, x at backward) -> (mul(x at backward, 2) * ..., ...,
+               new value of x = mul(x at backward, 2))
 
 The runtime's Function keeps the input tensors (not their values) on ``ctx``,
 hands their values to the backward graph when it runs, and writes the new
-values into them afterwards. So the update happens exactly when, and as often
-as, eager's recompute happens: never without a backward, once per backward
-(``retain_graph=True`` and a second backward: twice, as in eager), and it
-composes with whatever changed the buffer in between (two calls of the model,
-then one backward of their sum: each backward reads the buffer as the other
-left it). A mutation aotgrad cannot replay that way (of an input that
-requires grad, or of its size or strides) is refused.
+values into them afterwards (``copy_`` under ``no_grad``, as eager's backward
+runs with grad mode off: allowed on a leaf that requires grad). So the update
+happens exactly when, and as often as, eager's happens: never without a
+backward, once per backward (``retain_graph=True`` and a second backward:
+twice, as in eager), and it composes with whatever changed the buffer in
+between (two calls of the model, then one backward of their sum: each backward
+reads the buffer as the other left it).
 
-Eager's engine recomputes a region only when it runs one of the region's
-backward nodes: not when no gradient reaches the region's outputs (another
-output of the call got one), nor under ``torch.autograd.grad(..., inputs=)``
-that needs nothing from the region. The compiled backward runs as one graph,
-so capture records, per state input, where its region's backward starts
-(``state_regions``): the first nodes downstream of the recompute that read a
-cotangent, the cotangents that reach them, and the graph inputs whose
-gradients they feed. The runtime writes a new value only when one of those
-cotangents was given and the engine uses one of those gradients::
+Eager checks the version of every tensor a node saved when the node unpacks
+it. A tensor the custom Function saved and changes is unpacked again by a
+second backward (``retain_graph=True``) after the change, and eager raises
+"one of the variables needed for gradient computation has been modified by an
+inplace operation"; so does a change by the caller between forward and
+backward. The runtime saves such inputs too (``StateRegion.saved``, noted when
+the in-place op's target is among the running Function's ``saved_tensors``),
+and its unpack raises the same error at the same moment. A buffer the
+Function keeps as ``ctx.buf`` is not checked, and changes twice, as in eager.
+
+Eager runs a backward only when it runs its autograd node: not when no
+gradient reaches the node's outputs (another output of the call got one), nor
+under ``torch.autograd.grad(..., inputs=)`` that needs nothing from it. The
+compiled backward runs as one graph, so capture records, per state input,
+where its backward starts (``state_regions``): the cotangents that reach it
+and the graph inputs whose gradients it feeds. The runtime writes a new value
+only when one of those cotangents was given and the engine uses one of those
+gradients::
 
     def f(x):                        # x -> checkpoint(conv, bn) -> a;  x -> linear -> b
         return region(x), head(x)
     a, b = f(x); b.sum().backward()  # eager: no recompute; bn's stats updated once
     compiled: cotangent of a missing -> the region's new state is not written
 
-A region is found by the trace's order: a checkpoint re-runs its region at
-once, so the backward nodes no cotangent reaches that sit together with the
-ops computing a new value (``num_batches_tracked + 1`` beside the BatchNorm)
-are one recompute. Where the graphs cannot carry the state, aotgrad refuses:
-``create_graph=True`` (``DoubleBackwardError``), ``export`` (``CallError``), a
-scan body (``ScanError``).
+A custom Function's backward is the backward ops carrying its node's sequence
+number (``Fn``'s ``mul(x, 2)`` and ``g * x``, even when the change feeds no
+gradient, ``ctx.buf.add_(1)``). A recompute is found by the trace's order: a
+checkpoint re-runs its region at once, so the backward nodes no cotangent
+reaches that sit together with the ops computing a new value
+(``num_batches_tracked + 1`` beside the BatchNorm) are one recompute.
+
+Where the graphs cannot carry the change, aotgrad refuses and names what
+makes it (the Function's class and the line of the in-place op, a hook, or
+the checkpointed region): a change of size or strides, of inputs sharing
+memory, a change made by a hook (tensor hooks run before the node they belong
+to, outside any node the trace can attribute them to), a real tensor that is
+no input (``closed_over.py``: the capture would write it), ``create_graph=True``
+(``DoubleBackwardError``; for a leaf that requires grad eager raises there
+too), ``export`` (``CallError``), a scan body (``ScanError``).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -75,6 +112,10 @@ from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature import Descriptor, InputBase
 
 Layout = tuple[tuple[object, ...], tuple[object, ...]]
+
+# torch.utils.checkpoint's file, matched by its tail (importing it here would load it with
+# aotgrad).
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 # What a refusal tells the user to do, by what changed the input.
 _RECOMPUTE_TODO = (
@@ -109,7 +150,7 @@ class BackwardSite:
     def of(node: Any, target: object, where: UserFrame | None) -> BackwardSite:
         """The site of an in-place op on ``target`` while autograd node ``node`` (None: no
         node) runs in the traced backward."""
-        if torch.is_grad_enabled():  # the trace's backward runs formulas with grad mode off
+        if _in_checkpoint():
             return BackwardSite("a checkpointed region's recompute", where, False, "recompute")
         function = getattr(node, "_forward_cls", None)
         if function is None:
@@ -118,6 +159,16 @@ class BackwardSite:
         saved = any(t is target for t in node.saved_tensors)
         what = f"the backward of custom autograd.Function {function.__qualname__}"
         return BackwardSite(what, where, saved, "function")
+
+
+def _in_checkpoint() -> bool:
+    """Is ``torch.utils.checkpoint`` re-running a region (either flavour) on this stack?"""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def mutation_counts(primals: Sequence[torch.Tensor]) -> list[tuple[int, Layout]]:
@@ -140,8 +191,9 @@ def backward_mutations(
     backward]); refuse a change aotgrad cannot replay there, naming what made it."""
     changed = [
         i
-        for i, (p, (count, _)) in enumerate(zip(primals, before, strict=True))
+        for i, (p, (count, layout)) in enumerate(zip(primals, before, strict=True))
         if mutation_counter(p.elem) != count  # type: ignore[attr-defined]
+        or (tuple(p.shape), tuple(p.stride())) != layout  # t_(): no data changed
     ]
     for i in changed:
         site = site_of(primals[i], sites)
@@ -253,9 +305,7 @@ def _node_backward(graph: fx.Graph, new_value: fx.Node) -> set[fx.Node] | None:
     return {
         n
         for n in graph.nodes
-        if n.op == "call_function"
-        and phase_of(n) is Phase.BACKWARD
-        and node_info(n).seq_nr == seq
+        if n.op == "call_function" and phase_of(n) is Phase.BACKWARD and node_info(n).seq_nr == seq
     }
 
 
