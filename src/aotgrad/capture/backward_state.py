@@ -212,8 +212,8 @@ def backward_mutations(
         todo = _RECOMPUTE_TODO if site is not None and site.kind == "recompute" else _BACKWARD_TODO
         raise UnsupportedMutationError(
             format_error(
-                f"{what} changes {descriptors[i]} in place, and {why} (Note [State updated"
-                " by the backward])",
+                f"{what} changes {descriptors[i]} in place, and {why}"
+                " (Note [State updated by the backward])",
                 where if site is None or site.where is None else site.where,
                 todo,
             )
