@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint as cp
 
 import aotgrad
 from aotgrad.errors import DoubleBackwardError, UnsupportedMutationError
@@ -155,6 +156,49 @@ def test_a_saved_input_changed_before_its_unpack_raises_eagers_version_error(
             drive(call(*args), args)
         if drive is _retain_twice:  # the first backward changed x once
             torch.testing.assert_close(args[0].detach(), _make(kinds[0], 0).detach() * 2)
+
+
+class DoubleKept(torch.autograd.Function):
+    """Doubles an input it keeps on ``ctx`` without saving it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.x = x
+        return x * 3
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        ctx.x.mul_(2)
+        return g * 3
+
+
+def test_an_input_another_op_saved_raises_eagers_version_error_on_a_second_backward() -> None:
+    fn = lambda x: DoubleKept.apply(x) * x  # noqa: E731  (mul saves x)
+    for call in (fn, aotgrad.aot_function(fn)):
+        x = _make("leaf", 0)
+        with pytest.raises(RuntimeError, match=VERSION_ERROR):
+            _retain_twice(call(x), [x])
+
+
+def test_an_input_nothing_saved_changes_at_every_backward() -> None:
+    eager, compiled = _both(lambda x: DoubleKept.apply(x) * 2, ["leaf"], _retain_twice)
+    _assert_same(eager, compiled)
+    torch.testing.assert_close(compiled[0][0], _make("leaf", 0).detach() * 4)
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_function_in_a_checkpointed_region_as_eager(retain: bool) -> None:
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return cp.checkpoint(lambda a: Double.apply(a) * y, x, use_reentrant=False)
+
+    if not retain:
+        eager, compiled = _both(fn, ["leaf", "leaf"], _backward)
+        _assert_same(eager, compiled)
+        return
+    for call in (fn, aotgrad.aot_function(fn)):  # the checkpoint saved x: eager's check
+        x, y = _make("leaf", 0), _make("leaf", 1)
+        with pytest.raises(RuntimeError, match=VERSION_ERROR):
+            _retain_twice(call(x, y), [x, y])
 
 
 @pytest.mark.parametrize("x", ["leaf", "constant"])

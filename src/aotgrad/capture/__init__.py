@@ -24,7 +24,6 @@ from aotgrad.capture.aliasing import (
     ViewMeta,
 )
 from aotgrad.capture.backward_state import (
-    BackwardSite,
     StateRegion,
     read_state_at_backward,
     state_regions,
@@ -373,7 +372,7 @@ def _assemble(
         made_to_require_grad=tuple(record.made_to_require_grad),
         detached_inputs=tuple(record.detached_inputs),
         state_at_backward=tuple(record.state_at_backward),
-        state_regions=_state_regions(gm.graph, signature, record.state_sites),
+        state_regions=_state_regions(gm.graph, signature, record),
         tracer=report,
     )
     placeholders = [*signature.forward_inputs, *signature.backward_inputs]
@@ -402,7 +401,7 @@ def _reached_by(
 
 
 def _state_regions(
-    graph: fx.Graph, signature: Signature, sites: Sequence[BackwardSite | None]
+    graph: fx.Graph, signature: Signature, record: TraceRecord
 ) -> tuple[StateRegion, ...]:
     """Per input the backward updates, its region's backward (Note [State updated by the
     backward])."""
@@ -413,7 +412,8 @@ def _state_regions(
     grads = results[signature.grads_in_joint]
     new_state = results[signature.new_state_in_joint]
     cotangents = placeholders[signature.cotangents_in_joint]
-    return tuple(state_regions(graph, cotangents, new_state, grads, sites))
+    sites, saved = record.state_sites, record.state_saved
+    return tuple(state_regions(graph, cotangents, new_state, grads, sites, saved))
 
 
 def _output_descriptors(record: TraceRecord) -> list[Output]:

@@ -106,7 +106,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from aotgrad._torch_compat import mutation_counter
+from aotgrad._torch_compat import mutation_counter, saved_data
 from aotgrad.capture.provenance import Phase, node_info, phase_of, set_phase
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature import Descriptor, InputBase
@@ -139,26 +139,27 @@ class BackwardSite:
     what: str
     # The user's line of the in-place op.
     where: UserFrame | None
-    # The running custom Function saved the tensor (``ctx.save_for_backward``): eager's
-    # next unpack of it fails autograd's version check.
-    saved: bool
     # "recompute" (a checkpoint re-running its region: grad mode on in the backward),
     # "function" (a custom Function's backward) or "hook" (anything else).
     kind: str
+    # The running custom Function's saved tensors went through saved-tensor hooks (a
+    # checkpointed region's): which tensors they stand for is not known, so the change is
+    # taken as one of a saved tensor (eager's version check on a later unpack: loud at worst).
+    hooked: bool = False
 
     @staticmethod
-    def of(node: Any, target: object, where: UserFrame | None) -> BackwardSite:
-        """The site of an in-place op on ``target`` while autograd node ``node`` (None: no
+    def of(node: Any, where: UserFrame | None) -> BackwardSite:
+        """The site of an in-place op while autograd node ``node`` (None: no
         node) runs in the traced backward."""
         if _in_checkpoint():
-            return BackwardSite("a checkpointed region's recompute", where, False, "recompute")
+            return BackwardSite("a checkpointed region's recompute", where, "recompute")
         function = getattr(node, "_forward_cls", None)
         if function is None:
             name = "" if node is None else f" ({type(node).__name__})"
-            return BackwardSite(f"a hook running in the backward{name}", where, False, "hook")
-        saved = any(t is target for t in node.saved_tensors)
+            return BackwardSite(f"a hook running in the backward{name}", where, "hook")
         what = f"the backward of custom autograd.Function {function.__qualname__}"
-        return BackwardSite(what, where, saved, "function")
+        hooked = any(not isinstance(data, torch.Tensor) for data in saved_data(node))
+        return BackwardSite(what, where, "function", hooked)
 
 
 def _in_checkpoint() -> bool:
@@ -221,6 +222,18 @@ def backward_mutations(
     return changed
 
 
+def saved_by_nodes(primals: Sequence[torch.Tensor], nodes: Sequence[Any]) -> list[bool]:
+    """Per primal: did an autograd node save it (or a view of it)? Eager checks its version
+    at every unpack (Note [State updated by the backward])."""
+    ids = set()
+    for node in nodes:
+        for data in saved_data(node):
+            ids.add(id(data))
+            if isinstance(data, torch.Tensor) and data._base is not None:
+                ids.add(id(data._base))
+    return [id(p) in ids for p in primals]
+
+
 def site_of(primal: torch.Tensor, sites: Mapping[int, BackwardSite]) -> BackwardSite | None:
     """What changed ``primal`` in the backward: the site noted on it, else (it was changed
     through a view) the first noted site."""
@@ -254,9 +267,8 @@ class StateRegion:
     cotangents: int
     # Graph input positions whose gradients the region's backward feeds.
     feeds: tuple[int, ...]
-    # The custom Function whose backward changes the input saved it: the runtime saves it
-    # too, so that a later change (a second backward) fails autograd's version check as in
-    # eager.
+    # An autograd node saved the input: the runtime saves it too, so that a later change (a
+    # second backward, the caller's) fails autograd's version check as in eager.
     saved: bool = False
     # What changes the input, for messages ("the backward of custom autograd.Function
     # Scale at model.py:12"); empty: a checkpointed region's recompute.
@@ -269,6 +281,7 @@ def state_regions(
     new_state: Sequence[fx.Node],
     grads: Sequence[fx.Node | None],
     sites: Sequence[BackwardSite | None],
+    saved: Sequence[bool],
 ) -> list[StateRegion]:
     """Per new state value: its region's backward (Note [State updated by the backward])."""
     masks: dict[fx.Node, int] = {node: 1 << k for k, node in enumerate(cotangents)}
@@ -279,7 +292,7 @@ def state_regions(
         masks[node] = mask
     runs = _recompute_runs(graph, masks)
     regions = []
-    for value, site in zip(new_state, sites, strict=True):
+    for value, site, is_saved in zip(new_state, sites, saved, strict=True):
         function = site is not None and site.kind == "function"
         starts = _node_backward(graph, value) if function else None
         if starts is None:  # a checkpoint's recompute
@@ -291,8 +304,8 @@ def state_regions(
             region = StateRegion(mask, _feeds(starts, grads))
         if site is not None and function:
             where = "" if site.where is None else f" at {site.where.filename}:{site.where.lineno}"
-            region = replace(region, saved=site.saved, what=site.what + where)
-        regions.append(region)
+            region = replace(region, what=site.what + where)
+        regions.append(replace(region, saved=is_saved))
     return regions
 
 

@@ -231,7 +231,7 @@ class Recorder:
             where = _user_frame()
             node = self.running_nodes[-1] if self.running_nodes else None
             self.backward_sites[id(target)] = BackwardSite.of(
-                node, target, None if where is None else _as_user_frame(where)
+                node, None if where is None else _as_user_frame(where)
             )
 
     def note_random(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> None:
@@ -305,7 +305,7 @@ class Recorder:
     def backward_hooks(self, targets: Sequence[torch.Tensor]) -> None:
         """Hook every autograd node behind ``targets`` (Note [Sequence numbers])."""
         self.in_backward = True
-        nodes = _autograd_nodes(targets)
+        nodes = autograd_nodes(targets)
         self.live_numbers = sorted(autograd_node_number(node) for node in nodes)
         for node in nodes:
             node.register_prehook(functools.partial(self._enter_node, node))
@@ -580,7 +580,7 @@ class _Restores(threading.local):
 _RESTORE = _Restores()
 
 
-def _autograd_nodes(targets: Sequence[torch.Tensor]) -> list[Any]:
+def autograd_nodes(targets: Sequence[torch.Tensor]) -> list[Any]:
     seen: dict[int, Any] = {}
     stack = [t.grad_fn for t in targets if t.grad_fn is not None]
     while stack:
@@ -707,4 +707,4 @@ def _as_user_frame(where: tuple[str, int, str]) -> UserFrame:
     return UserFrame(filename, lineno, name, linecache.getline(filename, lineno).strip())
 
 
-__all__ = ["Callable", "Recorder", "stamp"]
+__all__ = ["Callable", "Recorder", "autograd_nodes", "stamp"]
