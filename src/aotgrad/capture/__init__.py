@@ -23,11 +23,7 @@ from aotgrad.capture.aliasing import (
     TensorOutput,
     ViewMeta,
 )
-from aotgrad.capture.backward_state import (
-    StateRegion,
-    read_state_at_backward,
-    state_regions,
-)
+from aotgrad.capture.backward_state import StateRegion, read_state_at_backward, state_regions
 from aotgrad.capture.collectives import (
     COLLECTIVE_KEY,
     CollectiveCall,

@@ -55,14 +55,18 @@ between (two calls of the model, then one backward of their sum: each backward
 reads the buffer as the other left it).
 
 Eager checks the version of every tensor a node saved when the node unpacks
-it. A tensor the custom Function saved and changes is unpacked again by a
-second backward (``retain_graph=True``) after the change, and eager raises
-"one of the variables needed for gradient computation has been modified by an
-inplace operation"; so does a change by the caller between forward and
-backward. The runtime saves such inputs too (``StateRegion.saved``, noted when
-the in-place op's target is among the running Function's ``saved_tensors``),
-and its unpack raises the same error at the same moment. A buffer the
-Function keeps as ``ctx.buf`` is not checked, and changes twice, as in eager.
+it. A tensor the custom Function saved (or another node saved: ``Fn.apply(x)
+* x``) and the backward changes is unpacked again by a second backward
+(``retain_graph=True``) after the change, and eager raises "one of the
+variables needed for gradient computation has been modified by an inplace
+operation"; so does a change by the caller between forward and backward. The
+traced backward retains its graph, so capture reads, without unpacking, what
+every node saved (``saved_by_nodes``); an input one of them holds is
+``StateRegion.saved``, the runtime saves it too, and its unpack raises the same
+error at the same moment. (A Function inside a checkpointed region saves
+through the checkpoint's hooks, which hide the tensor: taken as saved, as the
+checkpoint saves its inputs.) A buffer the Function keeps as ``ctx.buf``, that
+no node saved, is not checked and changes twice, as in eager.
 
 Eager runs a backward only when it runs its autograd node: not when no
 gradient reaches the node's outputs (another output of the call got one), nor
@@ -139,7 +143,7 @@ class BackwardSite:
     what: str
     # The user's line of the in-place op.
     where: UserFrame | None
-    # "recompute" (a checkpoint re-running its region: grad mode on in the backward),
+    # "recompute" (``torch.utils.checkpoint`` re-running its region: on the stack),
     # "function" (a custom Function's backward) or "hook" (anything else).
     kind: str
     # The running custom Function's saved tensors went through saved-tensor hooks (a
@@ -390,6 +394,7 @@ __all__ = [
     "backward_mutations",
     "mutation_counts",
     "read_state_at_backward",
+    "saved_by_nodes",
     "site_of",
     "state_regions",
 ]

@@ -292,7 +292,8 @@ def make_function(
     keep_one = extra[0] if len(extra) == 1 else None
     only = differentiable[0] if len(differentiable) == 1 else None
     state_at_backward, state_regions = plan.state_at_backward, plan.state_regions
-    # State inputs a custom Function saved: saved here too, for eager's version check.
+    # State inputs a node of the user's autograd graph saved: saved here too, for eager's
+    # version check (Note [State updated by the backward]).
     checked = [i for i, r in zip(state_at_backward, state_regions, strict=True) if r.saved]
     num_grads = len(reached_by)
 
