@@ -158,6 +158,21 @@ def test_a_saved_input_changed_before_its_unpack_raises_eagers_version_error(
             torch.testing.assert_close(args[0].detach(), _make(kinds[0], 0).detach() * 2)
 
 
+def _add_then_double(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        x.add_(1)  # the forward's change: Double saves x after it
+    return Double.apply(x) * y
+
+
+def test_a_change_in_the_forward_then_in_the_backward_as_eager() -> None:
+    eager, compiled = _both(_add_then_double, ["leaf", "leaf"], _backward)
+    _assert_same(eager, compiled)
+    for call in (_add_then_double, aotgrad.aot_function(_add_then_double)):
+        x, y = _make("leaf", 0), _make("leaf", 1)
+        with pytest.raises(RuntimeError, match=VERSION_ERROR):
+            _retain_twice(call(x, y), [x, y])
+
+
 class DoubleKept(torch.autograd.Function):
     """Doubles an input it keeps on ``ctx`` without saving it."""
 

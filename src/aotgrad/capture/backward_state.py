@@ -62,8 +62,11 @@ variables needed for gradient computation has been modified by an inplace
 operation"; so does a change by the caller between forward and backward. The
 traced backward retains its graph, so capture reads, without unpacking, what
 every node saved (``saved_by_nodes``); an input one of them holds is
-``StateRegion.saved``, the runtime saves it too, and its unpack raises the same
-error at the same moment. (A Function inside a checkpointed region saves
+``StateRegion.saved``: the runtime notes its version as eager saves it (after
+the epilogue's replay of a change the forward made: ``x.add_(1)`` then
+``Fn.apply(x)`` saves version 1) and raises eager's error
+(``SavedVersionError``, a ``RuntimeError``) when the backward finds another
+one. (A Function inside a checkpointed region saves
 through the checkpoint's hooks, which hide the tensor: taken as saved, as the
 checkpoint saves its inputs.) A buffer the Function keeps as ``ctx.buf``, that
 no node saved, is not checked and changes twice, as in eager.
@@ -271,8 +274,8 @@ class StateRegion:
     cotangents: int
     # Graph input positions whose gradients the region's backward feeds.
     feeds: tuple[int, ...]
-    # An autograd node saved the input: the runtime saves it too, so that a later change (a
-    # second backward, the caller's) fails autograd's version check as in eager.
+    # An autograd node saved the input: the runtime checks its version as eager's unpack
+    # would, so that a later change (a second backward, the caller's) raises as in eager.
     saved: bool = False
     # What changes the input, for messages ("the backward of custom autograd.Function
     # Scale at model.py:12"); empty: a checkpointed region's recompute.

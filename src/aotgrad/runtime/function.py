@@ -53,7 +53,7 @@ from aotgrad.capture import (
 )
 from aotgrad.capture.autocast import any_autocast, autocast_off, autocast_state
 from aotgrad.capture.backward_state import StateRegion
-from aotgrad.errors import AutocastBackwardError, DoubleBackwardError
+from aotgrad.errors import AutocastBackwardError, DoubleBackwardError, SavedVersionError
 from aotgrad.optable import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import BoxedCall
@@ -292,9 +292,10 @@ def make_function(
     keep_one = extra[0] if len(extra) == 1 else None
     only = differentiable[0] if len(differentiable) == 1 else None
     state_at_backward, state_regions = plan.state_at_backward, plan.state_regions
-    # State inputs a node of the user's autograd graph saved: saved here too, for eager's
-    # version check (Note [State updated by the backward]).
-    checked = [i for i, r in zip(state_at_backward, state_regions, strict=True) if r.saved]
+    # Positions in ``ctx.state`` of the inputs a node of the user's autograd graph saved:
+    # their versions are checked as eager's unpack would (Note [State updated by the backward]).
+    checked = [k for k, r in enumerate(state_regions) if r.saved]
+    ahead = _replay_bumps(plan.mutations, [state_at_backward[k] for k in checked])
     num_grads = len(reached_by)
 
     class CompiledFunction(torch.autograd.Function):
@@ -315,8 +316,6 @@ def make_function(
             if saved_sizes:  # dynamic shapes: ints ride on ctx, tensors are saved
                 ctx.sizes = [v for v in saved if not isinstance(v, torch.Tensor)]
                 saved = [v for v in saved if isinstance(v, torch.Tensor)]
-            if checked:  # Note [State updated by the backward]
-                saved = [*saved, *(primals[i] for i in checked)]
             ctx.save_for_backward(*saved)
             if keep_one is not None:  # Note [Primals in the backward]: one input (usual)
                 kept_one = primals[keep_one]
@@ -327,6 +326,9 @@ def make_function(
             ctx.set_materialize_grads(False)  # Note [Missing cotangents]
             if state_at_backward:  # the tensors, read when the backward runs
                 ctx.state = [primals[i] for i in state_at_backward]
+                if checked:  # their versions once the epilogue replayed the forward's change
+                    state = zip(checked, ahead, strict=True)
+                    ctx.versions = [ctx.state[k]._version + a for k, a in state]
             if symbolic_sizes:
                 ctx.cotangent_sizes = [returned[i].shape for i in differentiable]
             if not_differentiable:
@@ -350,9 +352,9 @@ def make_function(
                 cotangents, received = with_zeros(ctx, given, zeros)
                 if not received:
                     return no_grads
-            saved = ctx.saved_tensors  # checks the versions of the saved tensors
-            if checked:
-                saved = saved[: len(saved) - len(checked)]
+            saved = ctx.saved_tensors
+            if checked:  # Note [State updated by the backward]
+                check_versions([ctx.state[k] for k in checked], ctx.versions)
             if saved_sizes:  # the ints back between the tensors
                 tensors, sizes = iter(saved), iter(ctx.sizes)
                 saved = [next(sizes) if is_size else next(tensors) for is_size in saved_sizes]
@@ -432,6 +434,28 @@ def write_state(
             if write:
                 tensor.copy_(new)
     return results[:num_grads]
+
+
+def _replay_bumps(mutations: Sequence[InputMutation], checked: Sequence[int]) -> list[int]:
+    """Per checked state input: how many times the epilogue's replay of the forward's change
+    bumps its version (``as_strided_`` then ``copy_``; a metadata change alone keeps it)."""
+    bumps = {m.index: int(m.data) * (1 + int(m.metadata is not None)) for m in mutations}
+    return [bumps.get(i, 0) for i in checked]
+
+
+def check_versions(state: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+    """Raise eager's error for a state input changed since eager would have saved it (a first
+    backward's change, the caller's): Note [State updated by the backward]."""
+    for t, version in zip(state, versions, strict=True):
+        if t._version != version:
+            raise SavedVersionError(
+                "one of the variables needed for gradient computation has been modified by an"
+                f" inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version};"
+                f" expected version {version} instead: an input of the compiled function that"
+                " its backward reads as eager's saved tensor"
+                " (Note [State updated by the backward]).\nEager raises this error here too:"
+                " leave the tensor unchanged until the backward has run, or call backward once."
+            )
 
 
 def _refuse_state_at_double_backward(
