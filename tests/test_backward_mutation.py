@@ -410,3 +410,12 @@ def test_create_graph_through_a_backward_changing_a_constant_is_refused_naming_i
     assert "the backward of custom autograd.Function DoubleConstant" in message
     assert "BatchNorm" not in message
     torch.testing.assert_close(x, _make("constant", 0))  # nothing written
+
+
+def test_export_refuses_naming_the_function() -> None:
+    traced = aotgrad.trace(lambda x, y: Double.apply(x) * y, _make("leaf", 0), _make("leaf", 1))
+    with pytest.raises(aotgrad.errors.CallError) as caught:
+        traced.export()
+    message = str(caught.value)
+    assert "the backward of custom autograd.Function Double" in message
+    assert "BatchNorm" not in message
