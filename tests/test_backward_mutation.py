@@ -399,17 +399,24 @@ def test_create_graph_through_a_leaf_the_backward_changes_raises_as_eager() -> N
     assert "BatchNorm" not in str(caught.value)
 
 
-def test_create_graph_through_a_backward_changing_a_constant_is_refused_naming_it() -> None:
-    # Eager runs it (x does not require grad); aotgrad's differentiable backward does not
-    # replay the change yet: refused, naming the Function, not a checkpoint.
-    x, w = _make("constant", 0), _make("leaf", 1)
-    loss = aotgrad.aot_function(DoubleConstant.apply)(x, w).sum()
-    with pytest.raises(DoubleBackwardError) as caught:
-        torch.autograd.grad(loss, w, create_graph=True)
-    message = str(caught.value)
-    assert "the backward of custom autograd.Function DoubleConstant" in message
-    assert "BatchNorm" not in message
-    torch.testing.assert_close(x, _make("constant", 0))  # nothing written
+@pytest.mark.parametrize(
+    ("fn", "kinds"),
+    [
+        pytest.param(lambda x, w: DoubleConstant.apply(x, w * w), ["constant", "leaf"], id="saved"),
+        pytest.param(lambda x, b: Count.apply(x * x, b), ["leaf", "constant"], id="ctx_buffer"),
+    ],
+)
+def test_create_graph_through_a_backward_changing_a_constant_as_eager(
+    fn: Callable[..., torch.Tensor], kinds: list[str]
+) -> None:
+    def drive(out: torch.Tensor, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        wrt = [a for a in args if a.requires_grad]
+        grads = torch.autograd.grad(out.sum(), wrt, create_graph=True)
+        sum((g * g).sum() for g in grads).backward()  # second order, into .grad
+        return [g.detach() for g in grads]
+
+    eager, compiled = _both(fn, kinds, drive)
+    _assert_same(eager, compiled)
 
 
 def test_export_refuses_naming_the_function() -> None:

@@ -98,8 +98,13 @@ the checkpointed region): a change of size or strides, of inputs sharing
 memory, a change made by a hook (tensor hooks run before the node they belong
 to, outside any node the trace can attribute them to), a real tensor that is
 no input (``closed_over.py``: the capture would write it), ``create_graph=True``
+through a change of an input that requires grad or a checkpoint's recompute
 (``DoubleBackwardError``; for a leaf that requires grad eager raises there
-too), ``export`` (``CallError``), a scan body (``ScanError``).
+too), ``export`` (``CallError``), a scan body (``ScanError``). Under
+``create_graph=True`` a custom Function's change of inputs that do not require
+grad is replayed: the differentiable backward ``G`` reads their values at
+backward as inputs (Note [Differentiable backward]), and the runtime writes
+the new values the first-order backward graph computes.
 """
 
 from __future__ import annotations

@@ -363,7 +363,13 @@ def make_function(
                     _refuse_state_at_double_backward(state_regions, ctx.state)
                 if any_autocast():  # Note [Autocast]
                     _check_autocast_backward(autocast_backward)
-                grads = _differentiable(higher_order, ctx, saved, cotangents)
+                state = ctx.state if state_at_backward else ()
+                grads = _differentiable(higher_order, ctx, saved, cotangents, state)
+                if state_at_backward:  # the new values: the first-order graph's
+                    with torch.no_grad():
+                        results = backward([*saved, *cotangents, *state])
+                    ran = regions_run(state_regions, received, ctx.next_functions)
+                    write_state(state, results, num_grads, ran)
             else:  # Note [Saved values die in the backward]
                 args = [*saved, *cotangents]
                 if state_at_backward:  # Note [State updated by the backward]
@@ -461,9 +467,12 @@ def check_versions(state: Sequence[torch.Tensor], versions: Sequence[int]) -> No
 def _refuse_state_at_double_backward(
     regions: Sequence[StateRegion], state: Sequence[torch.Tensor]
 ) -> None:
-    """Refuse ``create_graph=True`` through a backward that changes inputs in place, naming
-    what changes them (Note [State updated by the backward])."""
+    """Refuse ``create_graph=True`` through a backward that changes inputs in place where
+    aotgrad does not replay it, naming what changes them (Note [State updated by the
+    backward]): a checkpointed region's recompute, or an input that requires grad."""
     named = [r.what for r in regions if r.what]
+    if len(named) == len(regions) and not any(t.requires_grad for t in state):
+        return  # custom Functions changing inputs that do not require grad: replayed
     what = (
         f"{named[0]} changes an input in place"
         if named
@@ -475,7 +484,10 @@ def _refuse_state_at_double_backward(
             " requires grad is being used in an in-place operation' there"
         )
     else:
-        why = "aotgrad's differentiable backward does not replay that change"
+        why = (
+            "aotgrad's differentiable backward does not replay that change (of an input that"
+            " requires grad, or in a checkpointed region)"
+        )
     raise DoubleBackwardError(
         f"create_graph=True (double backward) through a function whose backward changes its"
         f" inputs: {what}, and {why} (Note [State updated by the backward]).\n"
@@ -571,6 +583,7 @@ def _differentiable(
     ctx: Any,
     saved: Sequence[Any],
     cotangents: Sequence[Any],
+    state: Sequence[torch.Tensor],
 ) -> Sequence[torch.Tensor | None]:
     """The gradients under ``create_graph=True`` (Note [Differentiable backward])."""
     if higher_order is None:
@@ -587,7 +600,7 @@ def _differentiable(
         for needed, (node, _) in zip(needs_grad, ctx.next_functions, strict=True)
     ]
     with autocast_off() if any_autocast() else contextlib.nullcontext():  # Note [Autocast]
-        return higher_order.gradients(needs_grad, wanted, saved, kept, cotangents)
+        return higher_order.gradients(needs_grad, wanted, saved, kept, cotangents, state)
 
 
 def run_epilogue(
