@@ -241,6 +241,29 @@ was_storage_changed = torch._functionalize_was_storage_changed  # ``set_`` swapp
 has_data_mutation = torch._functionalize_has_data_mutation  # type: ignore[attr-defined]
 has_metadata_mutation = torch._functionalize_has_metadata_mutation  # as_strided_, t_, resize_
 mutation_counter = torch._functionalize_mutation_counter
+
+
+# Per autograd node type: the attributes holding what its nodes saved, unpacked or not.
+_RAW_SAVED: dict[type, tuple[str, ...]] = {}
+
+
+def saved_data(node: Any) -> list[object]:
+    """What an autograd node saved for its backward, as stored: without unpacking (a
+    checkpoint's hook refuses a second unpack) or checking versions (Note [State updated by
+    the backward])."""
+    names = _RAW_SAVED.get(type(node))
+    if names is None:
+        names = tuple(a for a in dir(type(node)) if a.startswith("_raw_saved_"))
+        _RAW_SAVED[type(node)] = names
+    data = []
+    for name in names:
+        raw = getattr(node, name)
+        for saved in raw if isinstance(raw, list | tuple) else (raw,):
+            if isinstance(saved, torch._C._autograd.SavedTensor):
+                data.append(saved.data)  # type: ignore[attr-defined]
+    return data
+
+
 # The view chain from a functional view's base to it, and replaying it on another base.
 view_meta_sequence = _functionalization.get_view_meta_sequence
 apply_view_meta_sequence = _functionalization.apply_view_meta_sequence

@@ -110,6 +110,11 @@ class DoubleBackwardError(AotgradError, RuntimeError):
     """A second derivative was asked through a compiled function (``create_graph=True``)."""
 
 
+class SavedVersionError(AotgradError, RuntimeError):
+    """An input the backward reads was changed in place after eager would have saved it, as
+    eager's "modified by an inplace operation" (Note [State updated by the backward])."""
+
+
 class TransformError(AotgradError, RuntimeError):
     """Compiled graphs reached under a ``torch.func`` transform or forward-mode AD, where
     no function is at hand to run instead (Note [Transforms run the function])."""

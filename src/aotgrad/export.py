@@ -209,12 +209,20 @@ def export_graphs(
     signature = partitioned.signature
     if signature.state_at_backward:  # Note [State updated by the backward]
         named = ", ".join(str(d.of) for d in signature.state_at_backward[:3])
+        function = next((r.what for r in partitioned.joint.state_regions if r.what), None)
+        why, todo = (
+            (f"{function} changes it in place", "Make the change outside the compiled function")
+            if function is not None
+            else (
+                "a checkpointed region updates that state again when the backward recomputes"
+                " it (a BatchNorm's running statistics)",
+                "Turn gradient checkpointing off, or put the BatchNorm in eval mode,",
+            )
+        )
         raise CallError(
-            f"the backward reads and updates {named}: a checkpointed region updates that"
-            " state again when the backward recomputes it (a BatchNorm's running statistics),"
-            " and an exported program's calling convention has no place for state the"
-            " backward mutates. Turn gradient checkpointing off, or put the BatchNorm in eval"
-            " mode, to export the graphs"
+            f"the backward reads and updates {named}: {why}, and an exported program's calling"
+            f" convention has no place for state the backward mutates. {todo} to export the"
+            " graphs"
         )
     graphs = (partitioned.forward, partitioned.backward, partitioned.joint.gm if joint else None)
     forward_gm, backward_gm, joint_gm = _decomposed(graphs, decompositions)

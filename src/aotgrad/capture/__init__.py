@@ -375,7 +375,7 @@ def _assemble(
         made_to_require_grad=tuple(record.made_to_require_grad),
         detached_inputs=tuple(record.detached_inputs),
         state_at_backward=tuple(record.state_at_backward),
-        state_regions=_state_regions(gm.graph, signature),
+        state_regions=_state_regions(gm.graph, signature, record),
         tracer=report,
     )
     placeholders = [*signature.forward_inputs, *signature.backward_inputs]
@@ -403,7 +403,9 @@ def _reached_by(
     )
 
 
-def _state_regions(graph: fx.Graph, signature: Signature) -> tuple[StateRegion, ...]:
+def _state_regions(
+    graph: fx.Graph, signature: Signature, record: TraceRecord
+) -> tuple[StateRegion, ...]:
     """Per input the backward updates, its region's backward (Note [State updated by the
     backward])."""
     if not signature.state_at_backward:
@@ -413,7 +415,8 @@ def _state_regions(graph: fx.Graph, signature: Signature) -> tuple[StateRegion, 
     grads = results[signature.grads_in_joint]
     new_state = results[signature.new_state_in_joint]
     cotangents = placeholders[signature.cotangents_in_joint]
-    return tuple(state_regions(graph, cotangents, new_state, grads))
+    sites, saved = record.state_sites, record.state_saved
+    return tuple(state_regions(graph, cotangents, new_state, grads, sites, saved))
 
 
 def _output_descriptors(record: TraceRecord) -> list[Output]:

@@ -199,10 +199,12 @@ class ClosedOver(TorchFunctionMode):
             # inner tensor: not a real one.
             return t
         name = getattr(func, "__name__", str(func))
+        where = user_frame_from_stack() or self._where
+        if self._swap_only and _mutates(name, position, t, kwargs):
+            raise _backward_writes_real(name, where)
         # A property read (``.layout``, ``.shape``) neither loses a gradient nor writes.
         if self._swap_only or name == "__get__":
             return t
-        where = user_frame_from_stack() or self._where
         if t.requires_grad:
             raise UnsupportedClosureError(
                 format_error(
@@ -226,6 +228,23 @@ class ClosedOver(TorchFunctionMode):
                 )
             )
         return t
+
+
+def _backward_writes_real(name: str, where: UserFrame | None) -> UnsupportedMutationError:
+    """A real tensor no input stands for, changed while the traced backward runs (Note [State
+    updated by the backward] in ``backward_state.py``)."""
+    return UnsupportedMutationError(
+        format_error(
+            f"{name} in the backward (a custom autograd.Function's backward or a hook) changes"
+            " a tensor that is not an argument of the function and that aotgrad did not find"
+            " through its closure, globals, defaults or bound self; the capture would write"
+            " the real tensor once instead of at every backward",
+            where,
+            "Pass the tensor to the function as an argument (or keep it on a module compiled"
+            " with aotgrad.aot_module): aotgrad then replays the backward's change on it each"
+            " time the backward runs.",
+        )
+    )
 
 
 class _ApplyPatch:

@@ -160,7 +160,9 @@ class FullTracer(Tracer):
         before = mutation_counts(graph_primals)
         changed: list[int] = []
         yield changed
-        changed += backward_mutations(graph_primals, before, descriptors, where)
+        changed += backward_mutations(
+            graph_primals, before, descriptors, where, self.recorder.backward_sites
+        )
 
     def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:
         return value.from_functional() if isinstance(value, FunctionalTensor) else value

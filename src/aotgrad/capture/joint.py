@@ -56,6 +56,7 @@ from aotgrad.capture.aliasing import (
     check_views_still_usable,
 )
 from aotgrad.capture.autocast import autocast_off
+from aotgrad.capture.backward_state import BackwardSite, saved_by_nodes, site_of
 from aotgrad.capture.closed_over import ClosedOver
 from aotgrad.capture.collectives import collective_grads_checked
 from aotgrad.capture.cotangents import make_cotangent
@@ -70,7 +71,7 @@ from aotgrad.capture.mutation import (
     member_metadata_mutations,
 )
 from aotgrad.capture.reachability import reaching_masks
-from aotgrad.capture.recorder import Recorder, generator_restored
+from aotgrad.capture.recorder import Recorder, autograd_nodes, generator_restored
 from aotgrad.capture.requires_grad import check_views_of_made_inputs, made_to_require_grad
 from aotgrad.capture.side_effects import Watch
 from aotgrad.capture.subclass_inputs import StandIns, subclass_input_changes
@@ -129,6 +130,10 @@ class TraceRecord:
     # running statistics): their values after it follow the grads
     # (Note [State updated by the backward]).
     state_at_backward: list[int] = field(default_factory=list)
+    # Per input in state_at_backward: what changed it in the backward (None: not known).
+    state_sites: list[BackwardSite | None] = field(default_factory=list)
+    # Per input in state_at_backward: an autograd node saved it (eager checks its version).
+    state_saved: list[bool] = field(default_factory=list)
 
 
 def fake_primals(
@@ -610,6 +615,13 @@ def _backward(
         if leaf:
             computed = tuple(primals[i].grad for i in record.grad_inputs)
     record.state_at_backward = changed  # Note [State updated by the backward]
+    sites = tracer.recorder.backward_sites
+    record.state_sites = [site_of(primals[i], sites) for i in changed]
+    if changed:  # the graph was retained: what its nodes saved is still there
+        nodes = autograd_nodes(targets)
+        saved = saved_by_nodes([primals[i] for i in changed], nodes)
+        hooked = [site is not None and site.hooked for site in record.state_sites]
+        record.state_saved = [a or b for a, b in zip(saved, hooked, strict=True)]
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g
@@ -652,7 +664,7 @@ def _run_engine(
     return engine_run_backward(
         tuple(targets),
         tuple(cotangents),
-        False,  # retain_graph
+        True,  # retain_graph: what the nodes saved, read after (Note [State updated by the backward])
         False,  # create_graph
         inputs,
         allow_unreachable=True,

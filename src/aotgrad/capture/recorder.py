@@ -34,6 +34,7 @@ from aotgrad._torch_compat import (
     sync,
 )
 from aotgrad.capture import closed_over
+from aotgrad.capture.backward_state import BackwardSite
 from aotgrad.capture.collectives import refuse_in_place_collective
 from aotgrad.capture.host_checks import HostChecks
 from aotgrad.capture.mutation import check_no_partial_overlap, check_writable
@@ -164,6 +165,10 @@ class Recorder:
         # Per tensor (by id), the user's line of the first in-place op on it: errors about
         # a mutated input point there, not at the function's ``def``.
         self.mutation_sites: dict[int, UserFrame | None] = {}
+        # Per tensor (by id), what changed it in place first in the backward (Note [State
+        # updated by the backward]); and the autograd nodes running, innermost last.
+        self.backward_sites: dict[int, BackwardSite] = {}
+        self.running_nodes: list[Any] = []
         # Sequence numbers of the autograd nodes the backward runs (Note [In-place ops' numbers]).
         self.live_numbers: list[int] = []
         # Real tensors requiring grad that ops read (closed over, not inputs), by id.
@@ -217,10 +222,17 @@ class Recorder:
         custom[_RECOMPUTE] = self.in_backward and where is not None and torch.is_grad_enabled()
 
     def note_mutation(self, target: object) -> None:
-        """Remember the user's line of the first in-place op on ``target``."""
+        """Remember the user's line of the first in-place op on ``target`` (and, in the
+        backward, what ran it)."""
         if id(target) not in self.mutation_sites:
             where = _user_frame()
             self.mutation_sites[id(target)] = None if where is None else _as_user_frame(where)
+        if self.in_backward and id(target) not in self.backward_sites:
+            where = _user_frame()
+            node = self.running_nodes[-1] if self.running_nodes else None
+            self.backward_sites[id(target)] = BackwardSite.of(
+                node, None if where is None else _as_user_frame(where)
+            )
 
     def note_random(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> None:
         """Stamp a random op with its place in the generator's stream, and move the stream on
@@ -293,7 +305,7 @@ class Recorder:
     def backward_hooks(self, targets: Sequence[torch.Tensor]) -> None:
         """Hook every autograd node behind ``targets`` (Note [Sequence numbers])."""
         self.in_backward = True
-        nodes = _autograd_nodes(targets)
+        nodes = autograd_nodes(targets)
         self.live_numbers = sorted(autograd_node_number(node) for node in nodes)
         for node in nodes:
             node.register_prehook(functools.partial(self._enter_node, node))
@@ -317,9 +329,12 @@ class Recorder:
         context = fx_traceback.annotate({_IN_NODE: True})
         context.__enter__()
         self.node_contexts.append(context)
+        self.running_nodes.append(node)
 
     def _exit_node(self, grad_inputs: Any, grad_outputs: Any) -> None:
         self.node_contexts.pop().__exit__(None, None, None)
+        if self.running_nodes:
+            self.running_nodes.pop()
         fx_traceback.reset_grad_fn_seq_nr()
 
 
@@ -565,7 +580,7 @@ class _Restores(threading.local):
 _RESTORE = _Restores()
 
 
-def _autograd_nodes(targets: Sequence[torch.Tensor]) -> list[Any]:
+def autograd_nodes(targets: Sequence[torch.Tensor]) -> list[Any]:
     seen: dict[int, Any] = {}
     stack = [t.grad_fn for t in targets if t.grad_fn is not None]
     while stack:
@@ -692,4 +707,4 @@ def _as_user_frame(where: tuple[str, int, str]) -> UserFrame:
     return UserFrame(filename, lineno, name, linecache.getline(filename, lineno).strip())
 
 
-__all__ = ["Callable", "Recorder", "stamp"]
+__all__ = ["Callable", "Recorder", "autograd_nodes", "stamp"]

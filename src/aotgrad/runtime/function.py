@@ -55,7 +55,7 @@ from aotgrad.capture import (
 )
 from aotgrad.capture.autocast import any_autocast, autocast_off, autocast_state
 from aotgrad.capture.backward_state import StateRegion
-from aotgrad.errors import AutocastBackwardError, DoubleBackwardError
+from aotgrad.errors import AutocastBackwardError, DoubleBackwardError, SavedVersionError
 from aotgrad.optable import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import BoxedCall
@@ -294,6 +294,10 @@ def make_function(
     keep_one = extra[0] if len(extra) == 1 else None
     only = differentiable[0] if len(differentiable) == 1 else None
     state_at_backward, state_regions = plan.state_at_backward, plan.state_regions
+    # Positions in ``ctx.state`` of the inputs a node of the user's autograd graph saved:
+    # their versions are checked as eager's unpack would (Note [State updated by the backward]).
+    checked = [k for k, r in enumerate(state_regions) if r.saved]
+    ahead = _replay_bumps(plan.mutations, [state_at_backward[k] for k in checked])
     num_grads = len(reached_by)
 
     class CompiledFunction(torch.autograd.Function):
@@ -324,6 +328,9 @@ def make_function(
             ctx.set_materialize_grads(False)  # Note [Missing cotangents]
             if state_at_backward:  # the tensors, read when the backward runs
                 ctx.state = [primals[i] for i in state_at_backward]
+                if checked:  # their versions once the epilogue replayed the forward's change
+                    state = zip(checked, ahead, strict=True)
+                    ctx.versions = [ctx.state[k]._version + a for k, a in state]
             if symbolic_sizes:
                 ctx.cotangent_sizes = [returned[i].shape for i in differentiable]
             if not_differentiable:
@@ -348,15 +355,23 @@ def make_function(
                 if not received:
                     return no_grads
             saved = ctx.saved_tensors
+            if checked:  # Note [State updated by the backward]
+                check_versions([ctx.state[k] for k in checked], ctx.versions)
             if saved_sizes:  # the ints back between the tensors
                 tensors, sizes = iter(saved), iter(ctx.sizes)
                 saved = [next(sizes) if is_size else next(tensors) for is_size in saved_sizes]
             if torch.is_grad_enabled():  # create_graph=True (Note [Differentiable backward])
                 if state_at_backward:
-                    _refuse_state_at_double_backward()
+                    _refuse_state_at_double_backward(state_regions, ctx.state)
                 if any_autocast():  # Note [Autocast]
                     _check_autocast_backward(autocast_backward)
-                grads = _differentiable(higher_order, ctx, saved, cotangents)
+                state = ctx.state if state_at_backward else ()
+                grads = _differentiable(higher_order, ctx, saved, cotangents, state)
+                if state_at_backward:  # the new values: the first-order graph's
+                    with torch.no_grad():
+                        results = backward([*saved, *cotangents, *state])
+                    ran = regions_run(state_regions, received, ctx.next_functions)
+                    write_state(state, results, num_grads, ran)
             else:  # Note [Saved values die in the backward]
                 args = [*saved, *cotangents]
                 if state_at_backward:  # Note [State updated by the backward]
@@ -429,14 +444,57 @@ def write_state(
     return results[:num_grads]
 
 
-def _refuse_state_at_double_backward() -> None:
+def _replay_bumps(mutations: Sequence[InputMutation], checked: Sequence[int]) -> list[int]:
+    """Per checked state input: how many times the epilogue's replay of the forward's change
+    bumps its version (``as_strided_`` then ``copy_``; a metadata change alone keeps it)."""
+    bumps = {m.index: int(m.data) * (1 + int(m.metadata is not None)) for m in mutations}
+    return [bumps.get(i, 0) for i in checked]
+
+
+def check_versions(state: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+    """Raise eager's error for a state input changed since eager would have saved it (a first
+    backward's change, the caller's): Note [State updated by the backward]."""
+    for t, version in zip(state, versions, strict=True):
+        if t._version != version:
+            raise SavedVersionError(
+                "one of the variables needed for gradient computation has been modified by an"
+                f" inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version};"
+                f" expected version {version} instead: an input of the compiled function that"
+                " its backward reads as eager's saved tensor"
+                " (Note [State updated by the backward]).\nEager raises this error here too:"
+                " leave the tensor unchanged until the backward has run, or call backward once."
+            )
+
+
+def _refuse_state_at_double_backward(
+    regions: Sequence[StateRegion], state: Sequence[torch.Tensor]
+) -> None:
+    """Refuse ``create_graph=True`` through a backward that changes inputs in place where
+    aotgrad does not replay it, naming what changes them (Note [State updated by the
+    backward]): a checkpointed region's recompute, or an input that requires grad."""
+    named = [r.what for r in regions if r.what]
+    if len(named) == len(regions) and not any(t.requires_grad for t in state):
+        return  # custom Functions changing inputs that do not require grad: replayed
+    what = (
+        f"{named[0]} changes an input in place"
+        if named
+        else "a checkpointed region's recompute updates state (a BatchNorm's running statistics)"
+    )
+    if any(t.is_leaf and t.requires_grad for r, t in zip(regions, state, strict=True) if r.what):
+        why = (
+            "the input is a leaf that requires grad, and eager raises 'a leaf Variable that"
+            " requires grad is being used in an in-place operation' there"
+        )
+    else:
+        why = (
+            "aotgrad's differentiable backward does not replay that change (of an input that"
+            " requires grad, or in a checkpointed region)"
+        )
     raise DoubleBackwardError(
-        "create_graph=True (double backward) through a function whose backward updates state"
-        " (a BatchNorm's running statistics in a checkpointed region,"
-        " Note [State updated by the backward]): aotgrad's differentiable backward does not"
-        " replay that update.\n"
-        "Call backward() without create_graph, or keep the state-updating module out of the"
-        " checkpointed region."
+        f"create_graph=True (double backward) through a function whose backward changes its"
+        f" inputs: {what}, and {why} (Note [State updated by the backward]).\n"
+        "Call backward() without create_graph, or make the change outside the compiled"
+        " function (or outside the checkpointed region)."
     )
 
 
@@ -527,6 +585,7 @@ def _differentiable(
     ctx: Any,
     saved: Sequence[Any],
     cotangents: Sequence[Any],
+    state: Sequence[torch.Tensor],
 ) -> Sequence[torch.Tensor | None]:
     """The gradients under ``create_graph=True`` (Note [Differentiable backward])."""
     if higher_order is None:
@@ -543,7 +602,7 @@ def _differentiable(
         for needed, (node, _) in zip(needs_grad, ctx.next_functions, strict=True)
     ]
     with autocast_off() if any_autocast() else contextlib.nullcontext():  # Note [Autocast]
-        return higher_order.gradients(needs_grad, wanted, saved, kept, cotangents)
+        return higher_order.gradients(needs_grad, wanted, saved, kept, cotangents, state)
 
 
 def run_epilogue(

@@ -212,13 +212,15 @@ class HigherOrder:
         saved: Sequence[Any],
         kept: tuple[Sequence[torch.Tensor], Sequence[int]],
         cotangents: Sequence[torch.Tensor],
+        state: Sequence[torch.Tensor] = (),
     ) -> Sequence[torch.Tensor | None]:
         """The gradients as differentiable functions of the primals and cotangents.
 
         ``needs_grad``: the forward inputs requiring grad; ``wanted``: those whose gradient the
         running backward uses (Note [Only the gradients asked for]); the others get None.
         ``kept``: the forward inputs in ``extra`` and their versions at the call (Note
-        [Primals in the backward]).
+        [Primals in the backward]). ``state``: the values of the inputs the backward changes,
+        as it runs (Note [State updated by the backward] in ``capture/backward_state.py``).
         """
         if not any(wanted):
             return (None,) * len(wanted)
@@ -230,6 +232,7 @@ class HigherOrder:
             ),
             *(saved[j] for j in piece.constants),
             *cotangents,
+            *state,
         ]
         grads = self._compiled_for(piece, values)(values)
         if not piece.zero_links:

@@ -205,7 +205,9 @@ def build_slice(
     bw_placeholders = graph_placeholders(backward)
     grads = [
         g if w and n else None
-        for g, w, n in zip(graph_outputs(backward), wanted, needs_grad, strict=True)
+        for g, w, n in zip(
+            graph_outputs(backward)[signature.grads_in_backward], wanted, needs_grad, strict=True
+        )
     ]
     saved_inputs = bw_placeholders[signature.saved_in_backward]
     live = _live(backward, grads)
@@ -263,6 +265,10 @@ def build_slice(
     # The backward's inputs: the saved values, then the cotangents (Note [Positions]).
     env.update((bw_placeholders[j], node) for j, node in saved_nodes.items())
     env.update(zip(bw_placeholders[signature.cotangents_in_backward], cotangents, strict=True))
+    # Inputs the backward changes, as they are when it runs: read, never written, by ``G``
+    # (Note [State updated by the backward] in ``capture/backward_state.py``).
+    for n in bw_placeholders[signature.state_in_backward]:
+        env[n] = _placeholder(graph, f"state_{n.name}", n)
     for node in backward.graph.nodes:
         if node.op != "placeholder" and node.op != "output" and node in live:
             env[node] = _copy(graph, root, backward, node, env)

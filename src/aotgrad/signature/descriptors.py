@@ -233,7 +233,8 @@ class MutatedInput(Descriptor):
 class StateAtBackward(Descriptor):
     """An input's value when the backward runs: the backward reads it and returns its new
     value (a ``MutatedInput`` among its outputs). A checkpointed BatchNorm's running
-    statistics (Note [State updated by the backward] in ``capture/backward_state.py``).
+    statistics, an input a custom Function's backward changes in place (Note [State updated
+    by the backward] in ``capture/backward_state.py``).
 
     >>> str(StateAtBackward(of=Buffer(name="bn.running_mean")))
     'buffer bn.running_mean at backward'
