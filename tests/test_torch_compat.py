@@ -984,3 +984,21 @@ def test_a_symbolic_size_hints_at_its_example_value():
     assert all(isinstance(s, torch.SymInt) for s in x.shape)
     assert compat.size_hint(3) == 3
     assert [compat.size_hint(s) for s in x.shape] == [5, 3]
+
+
+def test_saved_data_reads_what_a_node_saved_without_unpacking():
+    x = torch.ones(3, requires_grad=True)
+    y = x * x
+    data = compat.saved_data(y.grad_fn)
+    assert len(data) == 2 and all(d is x for d in data)
+    x.data.mul_(2)  # no version bump: the values are read as stored
+    assert compat.saved_data((x.sin()).grad_fn)[0] is x
+
+
+def test_disable_torch_dispatch_changes_a_wrapper_subclass_own_metadata():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    t = TwoTensor(torch.ones(2, 3), torch.ones(2, 3))
+    with compat.DisableTorchDispatch():
+        t.as_strided_((3, 2), (1, 3))
+    assert t.shape == (3, 2) and t.a.shape == (2, 3)
