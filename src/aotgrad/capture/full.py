@@ -117,6 +117,9 @@ class FullTracer(Tracer):
             if self.leaf_primals:
                 wrapped = wrapped.detach().requires_grad_(p.requires_grad)
             primals.append(wrapped)
+        firsts = [p for p, info in zip(primals, infos, strict=True) if info.duplicate_of is None]
+        leaves = [i.is_leaf and i.requires_grad for i in infos if i.duplicate_of is None]
+        self._mode.storage_sets.note_inputs(firsts, leaves)  # Note [set_() on an input]
         return primals
 
     def differentiate_at(self, primal: torch.Tensor) -> GradientEdge | torch.Tensor | None:
@@ -139,7 +142,10 @@ class FullTracer(Tracer):
         where: UserFrame | None,
     ) -> list[InputMutation]:
         sites = self.recorder.mutation_sites
-        mutations = analyze_mutations(graph_primals, grad_fns, infos, descriptors, where, sites)
+        storages = self._mode.storage_sets.new_storages(graph_primals, originals)
+        mutations = analyze_mutations(
+            graph_primals, grad_fns, infos, descriptors, where, sites, storages
+        )
         mutations = with_kernel_resizes(mutations, graph_primals)
         check_restrided_data(mutations, originals, descriptors, where)
         return mutations

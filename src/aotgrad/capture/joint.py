@@ -62,6 +62,7 @@ from aotgrad.capture.dynamic import ShapeGuards, symbolic_context
 from aotgrad.capture.fake import EagerViewsFakeMode
 from aotgrad.capture.fast import FastFakeMode
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
+from aotgrad.capture.set_storage import check_set_outputs
 from aotgrad.capture.mutation import (
     InputMutation,
     PrimalInfo,
@@ -322,6 +323,9 @@ def _joint(
             )
             forward, returned = _forward_values(
                 result, stored, primals, graph_primals, inner, record, where, tracer
+            )
+            check_set_outputs(  # Note [set_() on an input]
+                forward, record.mutations, graph_primals, primals, inputs.descriptors, where
             )
             # Each value as it is now: a backward that mutates an input again must not
             # change the forward's new value of it (Note [State updated by the backward]).

@@ -1,0 +1,260 @@
+"""``set_()`` on an input: which storage the input ends up in, read off the full trace.
+
+Note [set_() on an input]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+``a.set_(src)`` makes ``a`` a tensor over ``src``'s storage, with ``src``'s size,
+stride and offset; ``a`` stays the same autograd variable (FSDP swaps a
+parameter's storage so, under ``torch.no_grad()``). After the call the caller's
+tensor must be what eager leaves: over the same storage, with the same layout.
+Functionalization tells, at the end of the trace, that ``a``'s storage changed
+(``was_storage_changed``) and which functional storage it now has; capture
+compares that with each input's storage before the call:
+
+    def f(a, b, w):                      # a: (3,), b: (4,) caller tensors
+        with torch.no_grad():
+            a.set_(b[1:])                # a: b's storage, size (3,), offset 1
+        a.mul_(2)                        # writes b's storage too (b[1:] doubles)
+        return a * w
+
+    mutations:  b  data         -> forward output "new value of b", copied into b
+                a  NewStorage(source=b, layout=(3,), (1,), 1)   no forward output
+    epilogue:   b.copy_(new value of b)
+                a.set_(b.untyped_storage(), 1, (3,), (1,))      # after every copy_
+
+The source's storage is the caller's storage as it was passed (read before any
+replay), and the layout is measured there (Note [Layouts in the caller's
+storage]). When the storage is one the function made (``a.set_(x * 2)``,
+``a.set_()``), nobody outside the call holds it: the forward returns ``a``'s new
+value (``MutatedInput(of=a, storage=True)``, "value set into a") and the
+epilogue gives the caller's ``a`` a fresh storage of that layout holding it.
+
+What capture makes uniform before the op runs:
+
+- ``a.set_(storage, offset, size, stride)`` is ``a.set_(t.as_strided(size,
+  stride, offset))`` for the input ``t`` owning ``storage``; ``a.set_()`` is
+  ``a.set_`` of a fresh empty tensor.
+- The functional wrapper of ``a`` takes its new size, strides and storage, so
+  the function's own ``a.shape`` and aliasing analysis see eager's.
+
+Refused, loudly: a write to an input's data before ``set_`` takes its storage
+away (the old storage would need its final values too); ``set_`` under grad mode
+on a tensor that requires grad (eager records a ``grad_fn`` whose backward
+raises "derivative for set_ is not implemented"; on a leaf eager raises at
+once, and so does capture); an input that requires grad and gets another size
+from ``set_``, with a gradient computed for it; an output other than ``a``
+itself over the storage the function made for ``a`` (it would not share it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from aotgrad._torch_compat import has_data_mutation, no_dispatch, sync, was_storage_changed
+from aotgrad.capture.aliasing import ViewMeta, caller_layout
+from aotgrad.errors import (
+    InPlaceOnLeafError,
+    UnsupportedMutationError,
+    UserFrame,
+    format_error,
+    user_frame_from_stack,
+)
+from aotgrad.signature import Descriptor
+from aotgrad.signature.storage import storage_key
+
+aten = torch.ops.aten
+
+SET_OPS = frozenset(
+    {
+        aten.set_.source_Tensor,
+        aten.set_.source_Storage,
+        aten.set_.source_Storage_storage_offset,
+        aten.set_.default,
+    }
+)
+
+_Dispatch = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class NewStorage:
+    """The storage ``set_()`` left an input in (Note [set_() on an input])."""
+
+    # Graph input position whose storage, as the caller passed it, the input now shares;
+    # None: a storage the function made, holding the input's new value (a forward output).
+    source: int | None
+    # The input's size, stride and offset in that storage.
+    layout: ViewMeta
+
+
+class StorageSets:
+    """The inputs of one full trace, to resolve and check its ``set_()`` calls."""
+
+    def __init__(self) -> None:
+        self.inputs: list[torch.Tensor] = []
+        # Per input, its functional storage before the function ran.
+        self.original_keys: list[Any] = []
+        # Python (wrapper) storages of inputs, to find the tensor of a storage argument.
+        self.by_storage: dict[Any, torch.Tensor] = {}
+        self.leaves: set[int] = set()  # ids of inputs that are leaves requiring grad
+
+    def note_inputs(self, primals: Sequence[torch.Tensor], leaves: Sequence[bool]) -> None:
+        self.inputs = list(primals)
+        self.original_keys = [StorageWeakRef(p.elem.untyped_storage()) for p in primals]  # type: ignore[attr-defined]
+        for p, leaf in zip(primals, leaves, strict=True):
+            self.by_storage.setdefault(StorageWeakRef(p.untyped_storage()), p)
+            if leaf:
+                self.leaves.add(id(p))
+
+    def set_(
+        self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], run: _Dispatch
+    ) -> Any:
+        """Run one ``set_`` op in its ``set_(tensor)`` form (Note [set_() on an input])."""
+        target = args[0]
+        source = self._source(func, args, kwargs, run)
+        self._check_grad(target, source)
+        self._check_no_write_before(target)
+        run(aten.set_.source_Tensor, target, source)
+        elem = target.elem
+        with no_dispatch():  # the wrapper's own metadata and storage follow (Note above)
+            aten.set_.source_Storage_storage_offset(
+                target, source.untyped_storage(), elem.storage_offset(), elem.shape, elem.stride()
+            )
+        return target
+
+    def _source(
+        self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], run: _Dispatch
+    ) -> torch.Tensor:
+        target = args[0]
+        if func is aten.set_.source_Tensor:
+            return args[1] if len(args) > 1 else kwargs["source"]
+        if func is aten.set_.default:
+            return run(aten.empty.memory_format, [0], dtype=target.dtype, device=target.device)
+        values = [*args[1:], *kwargs.values()]
+        storage = values[0]
+        owner = self.by_storage.get(StorageWeakRef(storage))
+        if owner is None or owner.dtype != target.dtype:
+            raise UnsupportedMutationError(
+                format_error(
+                    "set_() is given a storage that is not the storage of an input of the same"
+                    " dtype (an intermediate's, or one reinterpreted as another dtype); aotgrad"
+                    " can resolve only an input's storage",
+                    user_frame_from_stack(),
+                    "Pass a tensor instead: a.set_(t.as_strided(size, stride, offset)).",
+                )
+            )
+        if func is aten.set_.source_Storage:
+            return run(
+                aten.as_strided.default, owner, [storage.nbytes() // owner.element_size()], [1], 0
+            )
+        offset, size = values[1], list(values[2])
+        stride = list(values[3]) if len(values) > 3 and values[3] else _contiguous_strides(size)
+        return run(aten.as_strided.default, owner, size, stride, offset)
+
+    def _check_grad(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        if not torch.is_grad_enabled() or not (target.requires_grad or source.requires_grad):
+            return
+        where = user_frame_from_stack()
+        if id(target) in self.leaves:
+            raise InPlaceOnLeafError(
+                format_error(
+                    "a leaf Variable that requires grad is being used in an in-place operation"
+                    " (set_(); eager PyTorch raises the same error)",
+                    where,
+                    "Wrap the set_() in torch.no_grad(), as FSDP does.",
+                )
+            )
+        raise UnsupportedMutationError(
+            format_error(
+                "set_() runs with grad mode on, on a tensor that requires grad (or with a source"
+                " that does): eager records a grad_fn whose backward raises 'derivative for"
+                " set_ is not implemented', and aotgrad cannot compile that",
+                where,
+                "Wrap the set_() in torch.no_grad(), or detach the source (a.set_(b.detach())).",
+            )
+        )
+
+    def _check_no_write_before(self, target: torch.Tensor) -> None:
+        """Refuse ``set_`` on an input whose own storage the function already wrote."""
+        if not any(p is target for p in self.inputs):
+            return
+        i = next(k for k, p in enumerate(self.inputs) if p is target)
+        if StorageWeakRef(target.elem.untyped_storage()) != self.original_keys[i]:  # type: ignore[attr-defined]
+            return  # a second set_: its storage is no longer the caller's
+        sync(target)
+        if has_data_mutation(target.elem):  # type: ignore[attr-defined]
+            raise UnsupportedMutationError(
+                format_error(
+                    "the function changes an input's values and then gives it a new storage"
+                    " (set_()); aotgrad replays set_() on the caller's tensor but not the write"
+                    " into the storage it leaves",
+                    user_frame_from_stack(),
+                    "Change the values after set_() (they then go to the new storage), or"
+                    " write into a clone.",
+                )
+            )
+
+    def new_storages(
+        self,
+        graph_primals: Sequence[torch.Tensor],
+        originals: Sequence[torch.Tensor],
+    ) -> dict[int, NewStorage]:
+        """Per input whose storage ``set_`` changed: where it is now."""
+        found = {}
+        for i, p in enumerate(graph_primals):
+            if not any(p is q for q in self.inputs) or not was_storage_changed(p.elem):  # type: ignore[attr-defined]
+                continue
+            key = StorageWeakRef(p.elem.untyped_storage())  # type: ignore[attr-defined]
+            if key in self.original_keys:
+                j = self.original_keys.index(key)
+                found[i] = NewStorage(j, caller_layout(p, originals[j]))
+            else:
+                found[i] = NewStorage(None, ViewMeta.of(p.elem))  # type: ignore[attr-defined]
+        return found
+
+
+def _contiguous_strides(size: Sequence[Any]) -> list[Any]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step = step * max(n, 1) if isinstance(n, int) else step * n
+    return strides[::-1]
+
+
+def check_set_outputs(
+    tensors: Sequence[torch.Tensor],
+    mutations: Sequence[Any],
+    graph_primals: Sequence[torch.Tensor],
+    primals: Sequence[torch.Tensor],
+    descriptors: Sequence[Descriptor],
+    where: UserFrame | None,
+) -> None:
+    """Refuse an output (other than the input itself) over a storage the function made and
+    set into an input: the caller's input gets a storage of its own (Note [set_() on an input]).
+
+    ``mutations``: the ``InputMutation`` list (each with ``index`` and ``storage``).
+    """
+
+    inputs = {id(p) for p in (*primals, *graph_primals)}
+    for m in mutations:
+        if m.storage is None or m.storage.source is not None:
+            continue
+        i = m.index
+        key = storage_key(graph_primals[i])
+        if any(id(t) not in inputs and storage_key(t) == key for t in tensors):
+            raise UnsupportedMutationError(
+                format_error(
+                    f"the function sets a tensor it made into input {descriptors[i]} (set_())"
+                    " and also returns that tensor or a view of it; aotgrad gives the caller's"
+                    " input a storage of its own, so the two would not share memory as in eager",
+                    where,
+                    f"Return {descriptors[i]} itself, or a clone of the other output.",
+                )
+            )
+
+
+__all__ = ["SET_OPS", "NewStorage", "StorageSets", "check_set_outputs"]
