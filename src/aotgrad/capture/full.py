@@ -32,6 +32,7 @@ from aotgrad.capture.mutation import (
     with_kernel_resizes,
 )
 from aotgrad.capture.recorder import ProvenanceMode, Recorder
+from aotgrad.capture.set_storage import resizes_watched
 from aotgrad.capture.tracers import FullTraceRefused, Tracer
 from aotgrad.errors import UserFrame, format_error
 from aotgrad.signature import GraphInputDescriptor
@@ -90,7 +91,8 @@ class FullTracer(Tracer):
         # ``make_fx(tracing_mode="symbolic")`` does.
         dispatcher = enable_python_dispatcher() if self.symbolic else contextlib.nullcontext()
         # make_fx's graph module generates its code on first use (Note [Code on demand])
-        with dispatcher, self.recorder.recording(), use_lazy_graph_module(True):
+        watched = resizes_watched(self._mode.storage_sets.resize)  # Note [Storage resizes of an input]
+        with dispatcher, self.recorder.recording(), use_lazy_graph_module(True), watched:
             return make_fx(
                 joint,
                 decomposition_table=self.decompositions,
@@ -142,9 +144,10 @@ class FullTracer(Tracer):
         where: UserFrame | None,
     ) -> list[InputMutation]:
         sites = self.recorder.mutation_sites
-        storages = self._mode.storage_sets.new_storages(graph_primals, originals)
+        sets = self._mode.storage_sets
+        storages = sets.new_storages(graph_primals, originals)
         mutations = analyze_mutations(
-            graph_primals, grad_fns, infos, descriptors, where, sites, storages
+            graph_primals, grad_fns, infos, descriptors, where, sites, storages, sets.resized
         )
         mutations = with_kernel_resizes(mutations, graph_primals)
         check_restrided_data(mutations, originals, descriptors, where)

@@ -98,12 +98,15 @@ class InputMutation:
     # ``set_()`` gave it another storage (Note [set_() on an input]); ``data`` then says
     # whether the forward returns its new value (a storage the function made).
     storage: NewStorage | None = None
+    # The bytes the caller's storage ends with, when the function resized it (Note [Storage
+    # resizes of an input] in ``capture/set_storage.py``): 0 means no copy-back.
+    resized: Any = None
 
     @property
     def written_in_graph(self) -> bool:
         """With ``keep_inference_input_mutations``, the forward graph itself writes the new
         value: a data mutation only (Note [Mutations kept in the graph])."""
-        return self.data and self.metadata is None and self.storage is None
+        return self.data and self.metadata is None and self.storage is None and self.resized is None
 
 
 def analyze_mutations(
@@ -114,17 +117,37 @@ def analyze_mutations(
     where: UserFrame | None,
     sites: Mapping[int, UserFrame | None],
     storages: Mapping[int, NewStorage] | None = None,
+    resized: Mapping[int, Any] | None = None,
 ) -> list[InputMutation]:
     """Read each functional primal's mutation flags after the function ran.
 
     ``sites`` (by ``id`` of a primal) gives the user's line of its first
     in-place op, for errors; ``where`` (the function) otherwise. ``storages``:
-    the inputs ``set_()`` moved, by position (Note [set_() on an input]).
+    the inputs ``set_()`` moved, by position (Note [set_() on an input]);
+    ``resized``: the bytes their storages end with, for the inputs whose storage
+    the function resized (Note [Storage resizes of an input]).
 
     A mutation ran "with grad" when autograd recorded it: the primal's
     ``grad_fn`` changed. Mutations under ``no_grad`` or through ``.detach()``
     and ``.data`` leave it as it was.
     """
+    mutations = _mutations(primals, grad_fns_before, infos, descriptors, where, sites, storages)
+    resized = resized or {}
+    by_index = {m.index: replace(m, resized=resized.get(m.index)) for m in mutations}
+    for i, nbytes in resized.items():
+        by_index.setdefault(i, InputMutation(i, False, None, False, False, resized=nbytes))
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def _mutations(
+    primals: Sequence[torch.Tensor],
+    grad_fns_before: Sequence[object],
+    infos: Sequence[PrimalInfo],
+    descriptors: Sequence[Descriptor],
+    where: UserFrame | None,
+    sites: Mapping[int, UserFrame | None],
+    storages: Mapping[int, NewStorage] | None,
+) -> list[InputMutation]:
     mutations = []
     for i, (p, info) in enumerate(zip(primals, infos, strict=True)):
         if info.duplicate_of is not None:

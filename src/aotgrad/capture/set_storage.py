@@ -47,14 +47,22 @@ itself over the storage the function made for ``a`` (it would not share it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from aotgrad._torch_compat import has_data_mutation, no_dispatch, sync, was_storage_changed
+from aotgrad._torch_compat import (
+    from_functional_tensor,
+    has_data_mutation,
+    no_dispatch,
+    sync,
+    was_storage_changed,
+)
 from aotgrad.capture.aliasing import ViewMeta, caller_layout
 from aotgrad.errors import (
     InPlaceOnLeafError,
@@ -101,10 +109,18 @@ class StorageSets:
         # Python (wrapper) storages of inputs, to find the tensor of a storage argument.
         self.by_storage: dict[Any, torch.Tensor] = {}
         self.leaves: set[int] = set()  # ids of inputs that are leaves requiring grad
+        self.original_nbytes: list[Any] = []
+        # Per input position, the bytes its caller's storage ends with (Note [Storage resizes
+        # of an input]).
+        self.resized: dict[int, Any] = {}
 
     def note_inputs(self, primals: Sequence[torch.Tensor], leaves: Sequence[bool]) -> None:
         self.inputs = list(primals)
         self.original_keys = [StorageWeakRef(p.elem.untyped_storage()) for p in primals]  # type: ignore[attr-defined]
+        self.original_nbytes = [  # the fake's: the wrapper's storage is as big as its size
+            from_functional_tensor(p.elem).untyped_storage().nbytes()  # type: ignore[attr-defined]
+            for p in primals
+        ]
         for p, leaf in zip(primals, leaves, strict=True):
             self.by_storage.setdefault(StorageWeakRef(p.untyped_storage()), p)
             if leaf:
@@ -117,6 +133,7 @@ class StorageSets:
         target = args[0]
         source = self._source(func, args, kwargs, run)
         self._check_grad(target, source)
+        self._check_size(target, source)
         self._check_no_write_before(target)
         run(aten.set_.source_Tensor, target, source)
         elem = target.elem
@@ -155,6 +172,32 @@ class StorageSets:
         stride = list(values[3]) if len(values) > 3 and values[3] else _contiguous_strides(size)
         return run(aten.as_strided.default, owner, size, stride, offset)
 
+    def resize(self, storage: Any, nbytes: Any) -> bool:
+        """Note a resize of an input's storage; False when ``storage`` is no input's."""
+        owner = self.by_storage.get(StorageWeakRef(storage))
+        if owner is None:
+            return False
+        key = StorageWeakRef(owner.elem.untyped_storage())  # type: ignore[attr-defined]
+        if key not in self.original_keys:
+            return False
+        j = self.original_keys.index(key)
+        before = self.original_nbytes[j]
+        if nbytes != before and before != 0 and nbytes != 0:
+            raise UnsupportedMutationError(
+                format_error(
+                    f"the function resizes an input's storage from {before} to {nbytes} bytes"
+                    " (untyped_storage().resize_()); aotgrad replays a resize only from or to"
+                    " 0 bytes (freeing a storage, or filling a freed one, as FSDP does)",
+                    user_frame_from_stack(),
+                    "Resize to 0 bytes or from 0 bytes, or resize outside the compiled function.",
+                )
+            )
+        if nbytes == before:
+            self.resized.pop(j, None)
+        else:
+            self.resized[j] = nbytes
+        return True
+
     def _check_grad(self, target: torch.Tensor, source: torch.Tensor) -> None:
         if not torch.is_grad_enabled() or not (target.requires_grad or source.requires_grad):
             return
@@ -177,6 +220,26 @@ class StorageSets:
                 "Wrap the set_() in torch.no_grad(), or detach the source (a.set_(b.detach())).",
             )
         )
+
+    def _check_size(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        is_input = any(p is target for p in self.inputs)
+        if is_input and target.requires_grad and any(self._new_size(target, source)):
+            raise UnsupportedMutationError(
+                format_error(
+                    f"set_() changes the size of an input that requires grad (from"
+                    f" {tuple(target.elem.shape)} to {tuple(source.shape)}); the compiled"  # type: ignore[attr-defined]
+                    " autograd.Function takes the input with its size at the call, and eager's"
+                    " gradient of it would have the new size",
+                    user_frame_from_stack(),
+                    "Set a tensor of the same size (a.set_(b.view_as(a))), or set_() the input"
+                    " before calling the compiled function.",
+                )
+            )
+
+    @staticmethod
+    def _new_size(target: torch.Tensor, source: torch.Tensor) -> list[bool]:
+        old = tuple(target.elem.shape)  # type: ignore[attr-defined]
+        return [len(old) != source.dim(), *(str(a) != str(b) for a, b in zip(old, source.shape))]
 
     def _check_no_write_before(self, target: torch.Tensor) -> None:
         """Refuse ``set_`` on an input whose own storage the function already wrote."""
@@ -215,6 +278,58 @@ class StorageSets:
             else:
                 found[i] = NewStorage(None, ViewMeta.of(p.elem))  # type: ignore[attr-defined]
         return found
+
+
+# Note [Storage resizes of an input]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# FSDP frees a parameter's memory between uses and fills it again, keeping the
+# tensor: ``p.untyped_storage().resize_(0)``, later ``resize_(n)`` and ``p.copy_(full)``
+# (or ``p.set_(...)``). A functional trace has no storages to resize, so capture
+# watches ``UntypedStorage.resize_`` while it traces: a resize of an input's storage
+# (as the caller passed it, or reached through an input ``set_()`` moved onto it)
+# is noted as the number of bytes that storage ends with, and the epilogue resizes
+# the caller's storage so. Worked example::
+#
+#     def f(p, full):                    # p: (4,), its storage freed (0 bytes)
+#         p.untyped_storage().resize_(16)
+#         p.copy_(full)                  # functional: new value of p = full
+#         return p * 2
+#     epilogue: p.untyped_storage().resize_(16); p.copy_(new value of p)
+#
+# A storage that ends with 0 bytes gets no copy (its values are gone, as in eager),
+# and is resized after the input's other replays, which may need its old bytes.
+# As PyTorch's AOTAutograd does, only resizes from or to 0 bytes are taken: a
+# storage cut to a smaller, non-zero size would lose part of the new value the
+# epilogue writes. Reading a freed input is undefined in eager (a crash, or
+# garbage); the compiled function reads what the graph computes.
+
+# Who hears of a storage resize while a trace runs: each answers True when it took it.
+_WATCHING: list[Callable[[Any, Any], bool]] = []
+_WATCH_LOCK = threading.Lock()
+_STORAGE_RESIZE = torch.UntypedStorage.resize_
+
+
+def _resize_watched(storage: Any, nbytes: Any) -> Any:
+    for took in list(_WATCHING):
+        if took(storage, nbytes):
+            return storage
+    return _STORAGE_RESIZE(storage, nbytes)
+
+
+@contextlib.contextmanager
+def resizes_watched(took: Callable[[Any, Any], bool]) -> Iterator[None]:
+    """Route ``UntypedStorage.resize_`` calls to ``took`` while tracing (Note above); a call
+    it does not take resizes as usual. (The direct trace's ``took`` stops it.)"""
+    with _WATCH_LOCK:
+        _WATCHING.append(took)
+        torch.UntypedStorage.resize_ = _resize_watched  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        with _WATCH_LOCK:
+            _WATCHING.remove(took)
+            if not _WATCHING:
+                del torch.UntypedStorage.resize_
 
 
 def _contiguous_strides(size: Sequence[Any]) -> list[Any]:
@@ -257,4 +372,4 @@ def check_set_outputs(
             )
 
 
-__all__ = ["SET_OPS", "NewStorage", "StorageSets", "check_set_outputs"]
+__all__ = ["SET_OPS", "NewStorage", "StorageSets", "check_set_outputs", "resizes_watched"]

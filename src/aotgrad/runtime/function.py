@@ -567,10 +567,12 @@ def run_epilogue(
     storages = _source_storages(sets, inputs)  # Note [set_() on an input]
     for mutation in plan.mutations:
         new = next(new_values) if mutation.data else None
-        if mutation.storage is not None:
+        if mutation.storage is not None:  # replayed below, onto its new storage
             storages[mutation.index] = (storages[mutation.index][0], new)
-            continue
-        _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new)
+        if mutation.resized is not None:  # Note [Storage resizes of an input]
+            _replay_resized(inputs[mutation.index], concrete.mutation(mutation), new)
+        elif mutation.storage is None:
+            _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new)
     for mutation in sets:  # after every copy_: a set_ source's values are final
         assert mutation.storage is not None
         storage, new = storages[mutation.index]
@@ -696,6 +698,21 @@ def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor
     if new is not None:
         with torch.set_grad_enabled(mutation.requires_grad):
             x.copy_(new)
+
+
+def _replay_resized(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor | None) -> None:
+    """Resize the caller's storage as the function did, around the input's other replays:
+    first when it grows, last (and no copy) when it is freed (Note [Storage resizes of an
+    input] in ``capture/set_storage.py``). An input ``set_()`` moves is replayed later."""
+    nbytes, storage = mutation.resized, x.untyped_storage()
+    if nbytes:
+        with torch.no_grad():
+            storage.resize_(nbytes)
+    if mutation.storage is None:
+        _replay_mutation(x, mutation, new if nbytes else None)
+    if not nbytes:
+        with torch.no_grad():
+            storage.resize_(0)
 
 
 def _source_storages(
