@@ -91,7 +91,9 @@ class FullTracer(Tracer):
         # ``make_fx(tracing_mode="symbolic")`` does.
         dispatcher = enable_python_dispatcher() if self.symbolic else contextlib.nullcontext()
         # make_fx's graph module generates its code on first use (Note [Code on demand])
-        watched = resizes_watched(self._mode.storage_sets.resize)  # Note [Storage resizes of an input]
+        watched = resizes_watched(
+            self._mode.storage_sets.resize
+        )  # Note [Storage resizes of an input]
         with dispatcher, self.recorder.recording(), use_lazy_graph_module(True), watched:
             return make_fx(
                 joint,

@@ -62,7 +62,6 @@ from aotgrad.capture.dynamic import ShapeGuards, symbolic_context
 from aotgrad.capture.fake import EagerViewsFakeMode
 from aotgrad.capture.fast import FastFakeMode
 from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
-from aotgrad.capture.set_storage import check_set_outputs
 from aotgrad.capture.mutation import (
     InputMutation,
     PrimalInfo,
@@ -72,6 +71,7 @@ from aotgrad.capture.mutation import (
 from aotgrad.capture.reachability import reaching_masks
 from aotgrad.capture.recorder import Recorder, generator_restored
 from aotgrad.capture.requires_grad import check_views_of_made_inputs, made_to_require_grad
+from aotgrad.capture.set_storage import check_set_outputs
 from aotgrad.capture.side_effects import Watch
 from aotgrad.capture.trace_errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.tracers import Tracer, TracerChoice

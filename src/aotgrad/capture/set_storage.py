@@ -57,7 +57,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotgrad._torch_compat import (
-    from_functional_tensor,
     has_data_mutation,
     no_dispatch,
     sync,
@@ -109,7 +108,6 @@ class StorageSets:
         # Python (wrapper) storages of inputs, to find the tensor of a storage argument.
         self.by_storage: dict[Any, torch.Tensor] = {}
         self.leaves: set[int] = set()  # ids of inputs that are leaves requiring grad
-        self.original_nbytes: list[Any] = []
         # Per input position, the bytes its caller's storage ends with (Note [Storage resizes
         # of an input]).
         self.resized: dict[int, Any] = {}
@@ -117,10 +115,6 @@ class StorageSets:
     def note_inputs(self, primals: Sequence[torch.Tensor], leaves: Sequence[bool]) -> None:
         self.inputs = list(primals)
         self.original_keys = [StorageWeakRef(p.elem.untyped_storage()) for p in primals]  # type: ignore[attr-defined]
-        self.original_nbytes = [  # the fake's: the wrapper's storage is as big as its size
-            from_functional_tensor(p.elem).untyped_storage().nbytes()  # type: ignore[attr-defined]
-            for p in primals
-        ]
         for p, leaf in zip(primals, leaves, strict=True):
             self.by_storage.setdefault(StorageWeakRef(p.untyped_storage()), p)
             if leaf:
@@ -132,6 +126,7 @@ class StorageSets:
         """Run one ``set_`` op in its ``set_(tensor)`` form (Note [set_() on an input])."""
         target = args[0]
         source = self._source(func, args, kwargs, run)
+        _check_static(target, source)
         self._check_grad(target, source)
         self._check_size(target, source)
         self._check_no_write_before(target)
@@ -180,22 +175,7 @@ class StorageSets:
         key = StorageWeakRef(owner.elem.untyped_storage())  # type: ignore[attr-defined]
         if key not in self.original_keys:
             return False
-        j = self.original_keys.index(key)
-        before = self.original_nbytes[j]
-        if nbytes != before and before != 0 and nbytes != 0:
-            raise UnsupportedMutationError(
-                format_error(
-                    f"the function resizes an input's storage from {before} to {nbytes} bytes"
-                    " (untyped_storage().resize_()); aotgrad replays a resize only from or to"
-                    " 0 bytes (freeing a storage, or filling a freed one, as FSDP does)",
-                    user_frame_from_stack(),
-                    "Resize to 0 bytes or from 0 bytes, or resize outside the compiled function.",
-                )
-            )
-        if nbytes == before:
-            self.resized.pop(j, None)
-        else:
-            self.resized[j] = nbytes
+        self.resized[self.original_keys.index(key)] = nbytes
         return True
 
     def _check_grad(self, target: torch.Tensor, source: torch.Tensor) -> None:
@@ -223,7 +203,7 @@ class StorageSets:
 
     def _check_size(self, target: torch.Tensor, source: torch.Tensor) -> None:
         is_input = any(p is target for p in self.inputs)
-        if is_input and target.requires_grad and any(self._new_size(target, source)):
+        if is_input and target.requires_grad and self._new_size(target, source):
             raise UnsupportedMutationError(
                 format_error(
                     f"set_() changes the size of an input that requires grad (from"
@@ -237,9 +217,11 @@ class StorageSets:
             )
 
     @staticmethod
-    def _new_size(target: torch.Tensor, source: torch.Tensor) -> list[bool]:
+    def _new_size(target: torch.Tensor, source: torch.Tensor) -> bool:
         old = tuple(target.elem.shape)  # type: ignore[attr-defined]
-        return [len(old) != source.dim(), *(str(a) != str(b) for a, b in zip(old, source.shape))]
+        return len(old) != source.dim() or any(
+            str(a) != str(b) for a, b in zip(old, source.shape, strict=True)
+        )
 
     def _check_no_write_before(self, target: torch.Tensor) -> None:
         """Refuse ``set_`` on an input whose own storage the function already wrote."""
@@ -280,6 +262,19 @@ class StorageSets:
         return found
 
 
+def _check_static(target: torch.Tensor, source: torch.Tensor) -> None:
+    layouts = (*target.shape, *source.shape, *source.stride(), source.storage_offset())
+    if any(isinstance(v, torch.SymInt) for v in layouts):
+        raise UnsupportedMutationError(
+            format_error(
+                "set_() on a tensor with symbolic sizes (dynamic shapes): torch's functional"
+                " set_() takes concrete sizes only",
+                user_frame_from_stack(),
+                "Compile this function with dynamic=False (each new size is traced again).",
+            )
+        )
+
+
 # Note [Storage resizes of an input]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # FSDP frees a parameter's memory between uses and fills it again, keeping the
@@ -296,12 +291,13 @@ class StorageSets:
 #         return p * 2
 #     epilogue: p.untyped_storage().resize_(16); p.copy_(new value of p)
 #
-# A storage that ends with 0 bytes gets no copy (its values are gone, as in eager),
-# and is resized after the input's other replays, which may need its old bytes.
-# As PyTorch's AOTAutograd does, only resizes from or to 0 bytes are taken: a
-# storage cut to a smaller, non-zero size would lose part of the new value the
-# epilogue writes. Reading a freed input is undefined in eager (a crash, or
-# garbage); the compiled function reads what the graph computes.
+# The epilogue grows the storage before the input's other replays and shrinks it
+# after them (a shrink before a write is undefined in eager); a storage that ends
+# with 0 bytes gets no copy: its values are gone, as in eager, even where the
+# function freed it, filled it and freed it again (the caller's storage holds 0
+# bytes before and after, and a write into it would crash). Reading a freed input
+# is undefined in eager (a crash, or garbage); the compiled function reads what
+# the graph computes.
 
 # Who hears of a storage resize while a trace runs: each answers True when it took it.
 _WATCHING: list[Callable[[Any, Any], bool]] = []
@@ -322,7 +318,7 @@ def resizes_watched(took: Callable[[Any, Any], bool]) -> Iterator[None]:
     it does not take resizes as usual. (The direct trace's ``took`` stops it.)"""
     with _WATCH_LOCK:
         _WATCHING.append(took)
-        torch.UntypedStorage.resize_ = _resize_watched  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = _resize_watched  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

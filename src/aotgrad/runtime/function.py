@@ -565,18 +565,22 @@ def run_epilogue(
         concrete.bind()  # before the replays below restride the inputs the sizes are read from
     sets = [m for m in plan.mutations if m.storage is not None]
     storages = _source_storages(sets, inputs)  # Note [set_() on an input]
+    shrinks: list[tuple[torch.UntypedStorage, int]] = []
     for mutation in plan.mutations:
         new = next(new_values) if mutation.data else None
         if mutation.storage is not None:  # replayed below, onto its new storage
             storages[mutation.index] = (storages[mutation.index][0], new)
         if mutation.resized is not None:  # Note [Storage resizes of an input]
-            _replay_resized(inputs[mutation.index], concrete.mutation(mutation), new)
+            shrinks += _replay_resized(inputs[mutation.index], concrete.mutation(mutation), new)
         elif mutation.storage is None:
             _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new)
     for mutation in sets:  # after every copy_: a set_ source's values are final
         assert mutation.storage is not None
         storage, new = storages[mutation.index]
         _replay_set(inputs[mutation.index], concrete.layout(mutation.storage.layout), storage, new)
+    with torch.no_grad():
+        for storage, nbytes in shrinks:  # last: set_() would grow a freed storage again
+            storage.resize_(nbytes)
     for mutation in plan.member_mutations:  # Note [Aliased inputs]
         _replay_mutation(primals[mutation.index], concrete.mutation(mutation), None)
     if plan.restrided:  # Note [Views of a restrided input]
@@ -700,19 +704,20 @@ def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor
             x.copy_(new)
 
 
-def _replay_resized(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor | None) -> None:
-    """Resize the caller's storage as the function did, around the input's other replays:
-    first when it grows, last (and no copy) when it is freed (Note [Storage resizes of an
-    input] in ``capture/set_storage.py``). An input ``set_()`` moves is replayed later."""
+def _replay_resized(
+    x: torch.Tensor, mutation: InputMutation, new: torch.Tensor | None
+) -> list[tuple[torch.UntypedStorage, int]]:
+    """Grow the caller's storage as the function did, then replay the input's other changes
+    (no copy into a storage the function freed); return the shrink to do after every replay
+    (Note [Storage resizes of an input] in ``capture/set_storage.py``). An input ``set_()``
+    moves is replayed later."""
     nbytes, storage = mutation.resized, x.untyped_storage()
-    if nbytes:
+    if nbytes > storage.nbytes():
         with torch.no_grad():
             storage.resize_(nbytes)
     if mutation.storage is None:
         _replay_mutation(x, mutation, new if nbytes else None)
-    if not nbytes:
-        with torch.no_grad():
-            storage.resize_(0)
+    return [(storage, nbytes)] if nbytes < storage.nbytes() else []
 
 
 def _source_storages(
