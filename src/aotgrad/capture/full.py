@@ -91,10 +91,9 @@ class FullTracer(Tracer):
         # ``make_fx(tracing_mode="symbolic")`` does.
         dispatcher = enable_python_dispatcher() if self.symbolic else contextlib.nullcontext()
         # make_fx's graph module generates its code on first use (Note [Code on demand])
-        watched = resizes_watched(
-            self._mode.storage_sets.resize
-        )  # Note [Storage resizes of an input]
-        with dispatcher, self.recorder.recording(), use_lazy_graph_module(True), watched:
+        sets = self._mode.storage_sets  # Note [Storage resizes of an input]
+        watched, kept = resizes_watched(sets.resize), sets.real_versions_kept()
+        with dispatcher, self.recorder.recording(), use_lazy_graph_module(True), watched, kept:
             return make_fx(
                 joint,
                 decomposition_table=self.decompositions,

@@ -115,11 +115,14 @@ class ProvenanceMode(FunctionalTensorMode):
             return answer
         schema = getattr(func, "_schema", None)
         if func in SET_OPS:  # Note [set_() on an input]
+            # A module's real parameter reaches dispatch as itself (Note [Real tensors in a trace])
+            self.storage_sets.note_real_target(args[0])
+            args, kwargs = closed_over.swapped_arguments(func, args, kwargs or {})
             self.recorder.note_mutation(args[0])
             return self.storage_sets.set_(
                 func,
                 args,
-                kwargs or {},
+                kwargs,
                 lambda op, *a, **k: super(ProvenanceMode, self).__torch_dispatch__(op, types, a, k),
             )
         if schema is not None and schema.is_mutable and args:

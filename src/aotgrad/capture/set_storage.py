@@ -57,8 +57,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotgrad._torch_compat import (
+    FakeTensor,
+    FunctionalTensor,
     has_data_mutation,
     no_dispatch,
+    set_version_counter,
     sync,
     was_storage_changed,
 )
@@ -96,6 +99,8 @@ class NewStorage:
     source: int | None
     # The input's size, stride and offset in that storage.
     layout: ViewMeta
+    # Set by ``t.data = source`` alone, which keeps ``t``'s version (``set_()`` bumps it).
+    keeps_version: bool = False
 
 
 class StorageSets:
@@ -111,6 +116,11 @@ class StorageSets:
         # Per input position, the bytes its caller's storage ends with (Note [Storage resizes
         # of an input]).
         self.resized: dict[int, Any] = {}
+        # ids of inputs ``set_()`` itself moved (not only ``t.data = source``).
+        self.set_directly: set[int] = set()
+        # Real tensors (a module's parameters) whose set_() reached dispatch as themselves:
+        # autograd bumps their version on the way out, undone after the trace.
+        self.real_targets: list[tuple[torch.Tensor, int]] = []
 
     def note_inputs(self, primals: Sequence[torch.Tensor], leaves: Sequence[bool]) -> None:
         self.inputs = list(primals)
@@ -130,6 +140,8 @@ class StorageSets:
         self._check_grad(target, source)
         self._check_size(target, source)
         self._check_no_write_before(target)
+        if not _ASSIGNING.active:
+            self.set_directly.add(id(target))
         run(aten.set_.source_Tensor, target, source)
         elem = target.elem
         with no_dispatch():  # the wrapper's own metadata and storage follow (Note above)
@@ -166,6 +178,20 @@ class StorageSets:
         offset, size = values[1], list(values[2])
         stride = list(values[3]) if len(values) > 3 and values[3] else _contiguous_strides(size)
         return run(aten.as_strided.default, owner, size, stride, offset)
+
+    def note_real_target(self, target: Any) -> None:
+        if isinstance(target, torch.Tensor) and not isinstance(target, FunctionalTensor):
+            self.real_targets.append((target, target._version))
+
+    @contextlib.contextmanager
+    def real_versions_kept(self) -> Iterator[None]:
+        """Around the trace: the real tensors set_() reached keep their versions."""
+        try:
+            yield
+        finally:
+            for t, version in reversed(self.real_targets):
+                set_version_counter((t,), (version,))
+            self.real_targets.clear()
 
     def resize(self, storage: Any, nbytes: Any) -> bool:
         """Note a resize of an input's storage; False when ``storage`` is no input's."""
@@ -254,12 +280,47 @@ class StorageSets:
             if not any(p is q for q in self.inputs) or not was_storage_changed(p.elem):  # type: ignore[attr-defined]
                 continue
             key = StorageWeakRef(p.elem.untyped_storage())  # type: ignore[attr-defined]
+            keeps = id(p) not in self.set_directly
             if key in self.original_keys:
                 j = self.original_keys.index(key)
-                found[i] = NewStorage(j, caller_layout(p, originals[j]))
+                found[i] = NewStorage(j, caller_layout(p, originals[j]), keeps)
             else:
-                found[i] = NewStorage(None, ViewMeta.of(p.elem))  # type: ignore[attr-defined]
+                found[i] = NewStorage(None, ViewMeta.of(p.elem), keeps)  # type: ignore[attr-defined]
         return found
+
+
+class _Assigning(threading.local):
+    active = False
+
+
+_ASSIGNING = _Assigning()
+
+
+def assigns_traced_data(target: Any, source: Any) -> bool:
+    """``target.data = source`` on a traced tensor, run as ``set_()`` under ``no_grad`` that
+    keeps ``target``'s version (Note [set_() on an input]); False for a real tensor."""
+    if not isinstance(target, FunctionalTensor | FakeTensor):
+        return False
+    if source.dtype != target.dtype or source.device != target.device:
+        raise UnsupportedMutationError(
+            format_error(
+                f"t.data = source changes the tensor's dtype or device ({target.dtype} on"
+                f" {target.device} to {source.dtype} on {source.device}); aotgrad replays"
+                " t.data = source as set_(), which keeps them",
+                user_frame_from_stack(),
+                "Assign a tensor of the same dtype and device, or do it outside the compiled"
+                " function.",
+            )
+        )
+    version = target._version
+    _ASSIGNING.active = True
+    try:
+        with torch.no_grad():
+            target.set_(source)
+    finally:
+        _ASSIGNING.active = False
+    set_version_counter((target,), (version,))
+    return True
 
 
 def _check_static(target: torch.Tensor, source: torch.Tensor) -> None:

@@ -577,7 +577,9 @@ def run_epilogue(
     for mutation in sets:  # after every copy_: a set_ source's values are final
         assert mutation.storage is not None
         storage, new = storages[mutation.index]
-        _replay_set(inputs[mutation.index], concrete.layout(mutation.storage.layout), storage, new)
+        layout = concrete.layout(mutation.storage.layout)
+        keeps = mutation.storage.keeps_version
+        _replay_set(inputs[mutation.index], layout, storage, new, keeps)
     with torch.no_grad():
         for storage, nbytes in shrinks:  # last: set_() would grow a freed storage again
             storage.resize_(nbytes)
@@ -738,6 +740,7 @@ def _replay_set(
     layout: ViewMeta,
     storage: torch.UntypedStorage | None,
     new: torch.Tensor | None,
+    keeps_version: bool,
 ) -> None:
     """``x.set_()`` as the function did: onto a caller's storage, or onto a fresh storage
     holding ``new`` (Note [set_() on an input] in ``capture/set_storage.py``)."""
@@ -747,8 +750,11 @@ def _replay_set(
         with torch.no_grad():
             fresh.as_strided(layout.size, layout.stride, layout.storage_offset).copy_(new)
         storage = fresh.untyped_storage()
+    version = x._version
     with torch.no_grad():
         x.set_(storage, layout.storage_offset, layout.size, layout.stride)
+    if keeps_version:  # ``x.data = source`` (set_() bumps it)
+        set_version_counter((x,), (version,))
 
 
 # Note [Views of a restrided input]
