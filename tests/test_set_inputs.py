@@ -118,6 +118,12 @@ def set_storage(a, b):
     return a + 1
 
 
+def set_intermediate_onto_input(a, b):
+    t = torch.empty(0)
+    t.set_(b)  # eager: t shares b's storage
+    return t, a + 1
+
+
 def set_empty(a, b):
     a.set_()
     return b + 1
@@ -260,6 +266,18 @@ CASES = {
         lambda: (torch.zeros(3), torch.arange(4.0)),
     ),
     "set_(storage)": (set_storage, lambda: (torch.zeros(3), torch.arange(4.0))),
+    "set_(storage of a view input)": (
+        set_storage,
+        lambda: (torch.zeros(3), torch.arange(6.0)[1:3]),
+    ),
+    "set_(storage of a view input, offset, size, stride)": (
+        set_storage_offset,
+        lambda: (torch.zeros(3), torch.arange(6.0)[2:4]),
+    ),
+    "an intermediate set_ onto an input, returned": (
+        set_intermediate_onto_input,
+        lambda: (torch.zeros(3), torch.arange(4.0)),
+    ),
     "set_()": (set_empty, lambda: (torch.zeros(3), torch.arange(4.0))),
     "set_ then mul_": (set_then_mul, lambda: (torch.zeros(3), torch.arange(4.0))),
     "set_ then a write to the source": (

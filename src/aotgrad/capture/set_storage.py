@@ -59,6 +59,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from aotgrad._torch_compat import (
     FakeTensor,
     FunctionalTensor,
+    from_functional_tensor,
     has_data_mutation,
     no_dispatch,
     set_version_counter,
@@ -171,10 +172,9 @@ class StorageSets:
                     "Pass a tensor instead: a.set_(t.as_strided(size, stride, offset)).",
                 )
             )
-        if func is aten.set_.source_Storage:
-            return run(
-                aten.as_strided.default, owner, [storage.nbytes() // owner.element_size()], [1], 0
-            )
+        if func is aten.set_.source_Storage:  # all of it: the caller's storage, as the fake's
+            nbytes = from_functional_tensor(owner.elem).untyped_storage().nbytes()  # type: ignore[attr-defined]
+            return run(aten.as_strided.default, owner, [nbytes // owner.element_size()], [1], 0)
         offset, size = values[1], list(values[2])
         stride = list(values[3]) if len(values) > 3 and values[3] else _contiguous_strides(size)
         return run(aten.as_strided.default, owner, size, stride, offset)
