@@ -32,7 +32,9 @@ Eager's rules still apply: an in-place op with grad mode on, on a leaf
 that requires grad (or a view of one), raises eager's error at the
 user's line. Mutations autograd does not see — under ``torch.no_grad()``
 (running statistics, optimizer-style updates) or through ``x.detach()`` and
-``x.data`` — are copied back under ``no_grad``.
+``x.data`` — are copied back under ``no_grad``. An input ``set_()`` gives another
+storage (or whose storage the function resizes) is replayed as Note [set_() on
+an input] and Note [Storage resizes of an input] say (``capture/set_storage.py``).
 """
 
 from __future__ import annotations

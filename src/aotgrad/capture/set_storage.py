@@ -32,17 +32,23 @@ What capture makes uniform before the op runs:
 
 - ``a.set_(storage, offset, size, stride)`` is ``a.set_(t.as_strided(size,
   stride, offset))`` for the input ``t`` owning ``storage``; ``a.set_()`` is
-  ``a.set_`` of a fresh empty tensor.
+  ``a.set_`` of a fresh empty tensor; ``a.data = src`` (FSDP's ``param.data =
+  ...``) is ``a.set_(src)`` under ``no_grad`` that keeps ``a``'s version, as
+  eager's does (``NewStorage.keeps_version``); a module's real parameter is
+  swapped for its traced value first (Note [Real tensors in a trace]).
 - The functional wrapper of ``a`` takes its new size, strides and storage, so
   the function's own ``a.shape`` and aliasing analysis see eager's.
 
 Refused, loudly: a write to an input's data before ``set_`` takes its storage
-away (the old storage would need its final values too); ``set_`` under grad mode
-on a tensor that requires grad (eager records a ``grad_fn`` whose backward
-raises "derivative for set_ is not implemented"; on a leaf eager raises at
-once, and so does capture); an input that requires grad and gets another size
-from ``set_``, with a gradient computed for it; an output other than ``a``
-itself over the storage the function made for ``a`` (it would not share it).
+away (the storage it leaves would need its final values too: PyTorch's
+AOTAutograd does not take it either); ``set_`` under grad mode on a tensor that
+requires grad (eager records a ``grad_fn`` whose backward raises "derivative
+for set_ is not implemented"; on a leaf eager raises at once, and so does
+capture); ``set_`` giving an input that requires grad another size (the
+compiled ``autograd.Function`` takes the input with its size at the call; eager's
+gradient would have the new size); an output other than ``a`` itself over the
+storage the function made for ``a`` (it would not share it); symbolic sizes
+(torch's functional ``set_`` takes concrete ones).
 """
 
 from __future__ import annotations
