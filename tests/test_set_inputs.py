@@ -246,7 +246,17 @@ def assign_data_of_view(a, b):
     return a + 1
 
 
+def use_then_assign_data(a, b, w):
+    out = a * w  # saves a; eager's backward then reads a's new data (no version bump)
+    a.data = b
+    return out
+
+
 CASES = {
+    "t.data = input after a use the backward saves": (
+        use_then_assign_data,
+        lambda: (torch.ones(4), torch.arange(4.0), torch.ones(4, requires_grad=True)),
+    ),
     "t.data = input": (assign_data, lambda: (torch.zeros(4), torch.arange(4.0))),
     "t.data = input, t a leaf that requires grad": (
         assign_data,
@@ -510,6 +520,21 @@ def test_set_on_a_leaf_with_grad_mode_raises_eagers_error():
         set_with_grad(torch.zeros(4, requires_grad=True), torch.arange(4.0))
     with pytest.raises(InPlaceOnLeafError, match=str(eager.value).rstrip(".")):
         aotgrad.aot_function(set_with_grad)(torch.zeros(4, requires_grad=True), torch.arange(4.0))
+
+
+def use_then_set(a, b, w):
+    out = a * w
+    with torch.no_grad():
+        a.set_(b)  # bumps a's version: the backward that saved a raises
+    return out
+
+
+def test_set_after_a_use_the_backward_saves_raises_eagers_error():
+    make = lambda: (torch.ones(4), torch.arange(4.0), torch.ones(4, requires_grad=True))  # noqa: E731
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        use_then_set(*make()).sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        aotgrad.aot_function(use_then_set)(*make()).sum().backward()
 
 
 def test_set_under_dynamic_shapes_is_refused():
