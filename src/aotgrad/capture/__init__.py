@@ -344,7 +344,11 @@ def _assemble(
         for members in record.aliasing.base_members
     )
     fresh = [outputs[o.index] for o in record.aliasing.outputs if o.alias is None]
-    mutated = [MutatedInput(of=inputs.descriptors[m.index]) for m in record.mutations if m.data]
+    mutated = [
+        MutatedInput(of=inputs.descriptors[m.index], storage=m.storage is not None)
+        for m in record.mutations
+        if m.data
+    ]
     returned: list[Output | OutputBase | MutatedInput] = [*fresh, *bases, *mutated]
     targets = [r for r, d in zip(returned, record.differentiable, strict=True) if d]
     cotangents = tuple(Cotangent(of=t) for t in targets)

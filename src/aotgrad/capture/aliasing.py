@@ -52,6 +52,7 @@ from aotgrad._torch_compat import (
     disable_current_modes,
     view_creation,
     view_meta_sequence,
+    was_storage_changed,
 )
 from aotgrad.errors import UnsupportedMutationError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature.storage import storage_key
@@ -324,7 +325,8 @@ def analyze_aliasing(
     for i, p in enumerate(primals):
         input_ids.setdefault(id(p), i)
     for i, p in enumerate(graph_primals):
-        input_storages.setdefault(storage_key(p), i)
+        if not _storage_set(p):  # its storage is another's now (Note [set_() on an input])
+            input_storages.setdefault(storage_key(p), i)
     aliases: list[Alias | None] = [None] * len(tensors)
     first_index: dict[int, int] = {}
     groups: dict[Any, list[int]] = {}
@@ -362,6 +364,10 @@ def analyze_aliasing(
         for k, (t, alias) in enumerate(zip(tensors, aliases, strict=True))
     )
     return OutputAliasing(outputs, tuple(members)), bases
+
+
+def _storage_set(p: torch.Tensor) -> bool:
+    return isinstance(p, FunctionalTensor) and bool(was_storage_changed(p.elem))
 
 
 def _alias_group(

@@ -63,6 +63,7 @@ from torch.overrides import TorchFunctionMode
 
 from aotgrad._torch_compat import function_mode_count, function_modes, is_functional_tensor
 from aotgrad.capture.host_checks import checked_function, is_checked_function
+from aotgrad.capture.set_storage import assigns_traced_data
 from aotgrad.errors import (
     DataDependentError,
     UnsupportedClosureError,
@@ -86,6 +87,7 @@ _INPLACE_DUNDERS = frozenset(
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+_DATA_SET = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # compare with ==
 _GRAD_GET = torch.Tensor.grad.__get__  # type: ignore[union-attr]  # a new method-wrapper per access: compare with ==
 
 
@@ -158,6 +160,9 @@ class ClosedOver(TorchFunctionMode):
         elif func is _DATA_PTR and not self._swap_only and type(args[0]) not in _REAL:
             _refuse_data_ptr(sys._getframe(1).f_code.co_filename)  # the caller of data_ptr()
         args, kwargs = self.swap_arguments(func, args, kwargs)
+        data_set = getattr(func, "__name__", None) == "__set__" and func == _DATA_SET
+        if data_set and assigns_traced_data(*args):  # Note [set_() on an input]: t.data = x
+            return None
         if is_checked_function(func):  # Note [Host checks]
             with checked_function(func):
                 return func(*args, **kwargs)
@@ -285,6 +290,15 @@ class _ApplyName:
 
     def __init__(self, cls: Any) -> None:
         self.__name__ = f"{cls.__name__}.apply"
+
+
+def swapped_arguments(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with real primals swapped for their traced values, as the
+    innermost ClosedOver swaps them (for an op a dispatch mode handles itself: ``set_``)."""
+    mode = _innermost_closed_over()
+    return (args, kwargs) if mode is None else mode.swap_arguments(func, args, kwargs)
 
 
 def _innermost_closed_over() -> ClosedOver | None:

@@ -32,6 +32,7 @@ from aotgrad.capture.mutation import (
     with_kernel_resizes,
 )
 from aotgrad.capture.recorder import ProvenanceMode, Recorder
+from aotgrad.capture.set_storage import resizes_watched
 from aotgrad.capture.tracers import FullTraceRefused, Tracer
 from aotgrad.errors import UserFrame, format_error
 from aotgrad.signature import GraphInputDescriptor
@@ -90,7 +91,9 @@ class FullTracer(Tracer):
         # ``make_fx(tracing_mode="symbolic")`` does.
         dispatcher = enable_python_dispatcher() if self.symbolic else contextlib.nullcontext()
         # make_fx's graph module generates its code on first use (Note [Code on demand])
-        with dispatcher, self.recorder.recording(), use_lazy_graph_module(True):
+        sets = self._mode.storage_sets  # Note [Storage resizes of an input]
+        watched, kept = resizes_watched(sets.resize), sets.real_versions_kept()
+        with dispatcher, self.recorder.recording(), use_lazy_graph_module(True), watched, kept:
             return make_fx(
                 joint,
                 decomposition_table=self.decompositions,
@@ -117,6 +120,9 @@ class FullTracer(Tracer):
             if self.leaf_primals:
                 wrapped = wrapped.detach().requires_grad_(p.requires_grad)
             primals.append(wrapped)
+        firsts = [p for p, info in zip(primals, infos, strict=True) if info.duplicate_of is None]
+        leaves = [i.is_leaf and i.requires_grad for i in infos if i.duplicate_of is None]
+        self._mode.storage_sets.note_inputs(firsts, leaves)  # Note [set_() on an input]
         return primals
 
     def differentiate_at(self, primal: torch.Tensor) -> GradientEdge | torch.Tensor | None:
@@ -139,7 +145,11 @@ class FullTracer(Tracer):
         where: UserFrame | None,
     ) -> list[InputMutation]:
         sites = self.recorder.mutation_sites
-        mutations = analyze_mutations(graph_primals, grad_fns, infos, descriptors, where, sites)
+        sets = self._mode.storage_sets
+        storages = sets.new_storages(graph_primals, originals)
+        mutations = analyze_mutations(
+            graph_primals, grad_fns, infos, descriptors, where, sites, storages, sets.resized
+        )
         mutations = with_kernel_resizes(mutations, graph_primals)
         check_restrided_data(mutations, originals, descriptors, where)
         return mutations

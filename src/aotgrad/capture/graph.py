@@ -177,7 +177,11 @@ class JointGraph:
 
     @property
     def mutated_descriptors(self) -> tuple[MutatedInput, ...]:
-        return tuple(MutatedInput(of=self.graph_inputs[i]) for i in self.mutated)
+        return tuple(
+            MutatedInput(of=self.graph_inputs[m.index], storage=m.storage is not None)
+            for m in self.mutations
+            if m.data
+        )
 
     @property
     def has_backward(self) -> bool:

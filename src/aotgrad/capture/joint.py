@@ -73,6 +73,7 @@ from aotgrad.capture.mutation import (
 from aotgrad.capture.reachability import reaching_masks
 from aotgrad.capture.recorder import Recorder, autograd_nodes, generator_restored
 from aotgrad.capture.requires_grad import check_views_of_made_inputs, made_to_require_grad
+from aotgrad.capture.set_storage import check_set_outputs
 from aotgrad.capture.side_effects import Watch
 from aotgrad.capture.subclass_inputs import StandIns, subclass_input_changes
 from aotgrad.capture.trace_errors import check_output_leaf, translate_trace_errors
@@ -341,6 +342,9 @@ def _joint(
                 )
             forward, returned = _forward_values(
                 result, stored, primals, graph_primals, inner, record, where, tracer
+            )
+            check_set_outputs(  # Note [set_() on an input]
+                forward, record.mutations, graph_primals, primals, inputs.descriptors, where
             )
             if stand_ins:
                 forward = _with_stand_ins(forward, record.mutations, stand_ins)

@@ -32,7 +32,9 @@ Eager's rules still apply: an in-place op with grad mode on, on a leaf
 that requires grad (or a view of one), raises eager's error at the
 user's line. Mutations autograd does not see — under ``torch.no_grad()``
 (running statistics, optimizer-style updates) or through ``x.detach()`` and
-``x.data`` — are copied back under ``no_grad``.
+``x.data`` — are copied back under ``no_grad``. An input ``set_()`` gives another
+storage (or whose storage the function resizes) is replayed as Note [set_() on
+an input] and Note [Storage resizes of an input] say (``capture/set_storage.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from aotgrad._torch_compat import (
     was_storage_changed,
 )
 from aotgrad.capture.aliasing import ViewMeta
+from aotgrad.capture.set_storage import NewStorage
 from aotgrad.errors import (
     InPlaceOnLeafError,
     UnsupportedMutationError,
@@ -94,12 +97,18 @@ class InputMutation:
     with_grad: bool
     # The new value requires grad: copied back under grad mode, and it gets a cotangent.
     requires_grad: bool
+    # ``set_()`` gave it another storage (Note [set_() on an input]); ``data`` then says
+    # whether the forward returns its new value (a storage the function made).
+    storage: NewStorage | None = None
+    # The bytes the caller's storage ends with, when the function resized it (Note [Storage
+    # resizes of an input] in ``capture/set_storage.py``): 0 means no copy-back.
+    resized: Any = None
 
     @property
     def written_in_graph(self) -> bool:
         """With ``keep_inference_input_mutations``, the forward graph itself writes the new
         value: a data mutation only (Note [Mutations kept in the graph])."""
-        return self.data and self.metadata is None
+        return self.data and self.metadata is None and self.storage is None and self.resized is None
 
 
 def analyze_mutations(
@@ -109,30 +118,47 @@ def analyze_mutations(
     descriptors: Sequence[Descriptor],
     where: UserFrame | None,
     sites: Mapping[int, UserFrame | None],
+    storages: Mapping[int, NewStorage] | None = None,
+    resized: Mapping[int, Any] | None = None,
 ) -> list[InputMutation]:
     """Read each functional primal's mutation flags after the function ran.
 
     ``sites`` (by ``id`` of a primal) gives the user's line of its first
-    in-place op, for errors; ``where`` (the function) otherwise.
+    in-place op, for errors; ``where`` (the function) otherwise. ``storages``:
+    the inputs ``set_()`` moved, by position (Note [set_() on an input]);
+    ``resized``: the bytes their storages end with, for the inputs whose storage
+    the function resized (Note [Storage resizes of an input]).
 
     A mutation ran "with grad" when autograd recorded it: the primal's
     ``grad_fn`` changed. Mutations under ``no_grad`` or through ``.detach()``
     and ``.data`` leave it as it was.
     """
+    mutations = _mutations(primals, grad_fns_before, infos, descriptors, where, sites, storages)
+    resized = resized or {}
+    by_index = {m.index: replace(m, resized=resized.get(m.index)) for m in mutations}
+    for i, nbytes in resized.items():
+        by_index.setdefault(i, InputMutation(i, False, None, False, False, resized=nbytes))
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def _mutations(
+    primals: Sequence[torch.Tensor],
+    grad_fns_before: Sequence[object],
+    infos: Sequence[PrimalInfo],
+    descriptors: Sequence[Descriptor],
+    where: UserFrame | None,
+    sites: Mapping[int, UserFrame | None],
+    storages: Mapping[int, NewStorage] | None,
+) -> list[InputMutation]:
     mutations = []
     for i, (p, info) in enumerate(zip(primals, infos, strict=True)):
         if info.duplicate_of is not None:
             continue  # the first occurrence carries the mutation
         elem = p.elem  # type: ignore[attr-defined]
-        if was_storage_changed(elem):
-            raise UnsupportedMutationError(
-                format_error(
-                    f"the function gives input {descriptors[i]} a new storage (set_), which"
-                    " aotgrad cannot replay on the caller's tensor",
-                    where,
-                    "Return the new tensor instead of setting it into the input.",
-                )
-            )
+        if storages and i in storages:  # its data flag is the new storage's: not copied back
+            new = storages[i]
+            mutations.append(InputMutation(i, new.source is None, None, False, False, new))
+            continue
         data = bool(has_data_mutation(elem))
         metadata = bool(has_metadata_mutation(elem))
         if not (data or metadata):
@@ -187,7 +213,7 @@ def with_kernel_resizes(
     for m in mutations:
         primal = graph_primals[m.index]
         inner = primal.elem  # type: ignore[attr-defined]  # the Python wrapper keeps its size
-        if m.data and m.metadata is None and inner.shape != primal.shape:
+        if m.data and m.metadata is None and m.storage is None and inner.shape != primal.shape:
             m = replace(m, metadata=ViewMeta.of(inner))
         resized.append(m)
     return resized
@@ -210,6 +236,16 @@ def member_metadata_mutations(
         if view is None or id(p) in seen:
             continue
         seen.add(id(p))
+        if was_storage_changed(getattr(p, "elem", p)):  # Note [set_() on an input]
+            raise UnsupportedMutationError(
+                format_error(
+                    f"the function gives input {i} a new storage (set_()) while it shares memory"
+                    " with another input; aotgrad replays set_() only on inputs that share"
+                    " memory with no other input",
+                    None,
+                    "Pass inputs that do not share memory (clone one of them).",
+                )
+            )
         after = ViewMeta.of(p)
         if after == view:
             continue

@@ -40,6 +40,7 @@ from aotgrad.capture.host_checks import HostChecks
 from aotgrad.capture.mutation import check_no_partial_overlap, check_writable
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.capture.random import FILL_RANDOM, MANUAL_SEED, seed_as_int64, strided_fill
+from aotgrad.capture.set_storage import SET_OPS, StorageSets
 from aotgrad.errors import (
     Origin,
     UnsupportedOpError,
@@ -97,6 +98,7 @@ class ProvenanceMode(FunctionalTensorMode):
         super().__init__()
         self.recorder = recorder
         self.note_real_leaves = note_real_leaves
+        self.storage_sets = StorageSets()  # Note [set_() on an input]
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -113,6 +115,17 @@ class ProvenanceMode(FunctionalTensorMode):
         if answer is not None:
             return answer
         schema = getattr(func, "_schema", None)
+        if func in SET_OPS:  # Note [set_() on an input]
+            # A module's real parameter reaches dispatch as itself (Note [Real tensors in a trace])
+            self.storage_sets.note_real_target(args[0])
+            args, kwargs = closed_over.swapped_arguments(func, args, kwargs or {})
+            self.recorder.note_mutation(args[0])
+            return self.storage_sets.set_(
+                func,
+                args,
+                kwargs,
+                lambda op, *a, **k: super(ProvenanceMode, self).__torch_dispatch__(op, types, a, k),
+            )
         if schema is not None and schema.is_mutable and args:
             self.recorder.note_mutation(args[0])
             # Notes [Writes through overlapping views], [Writes that read overlapping memory]

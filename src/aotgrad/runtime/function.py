@@ -626,16 +626,33 @@ def run_epilogue(
     bases = returned[plan.bases_in_returned]
     new_values = iter(returned[plan.mutated_in_returned])
     concrete = _ConcreteLayouts(plan.guards, inputs)
-    if any(m.metadata is not None for m in (*plan.mutations, *plan.member_mutations)):
+    if any(m.metadata or m.storage for m in (*plan.mutations, *plan.member_mutations)):
         concrete.bind()  # before the replays below restride the inputs the sizes are read from
+    sets = [m for m in plan.mutations if m.storage is not None]
+    storages = _source_storages(sets, inputs)  # Note [set_() on an input]
+    shrinks: list[tuple[torch.UntypedStorage, int]] = []
     for mutation in plan.mutations:
         new = next(new_values) if mutation.data else None
         if subclass_inputs is not None and mutation.index in subclass_inputs.positions:
             subclass_inputs.take(mutation, new)
             continue
-        _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new)
+        if mutation.storage is not None:  # replayed below, onto its new storage
+            storages[mutation.index] = (storages[mutation.index][0], new)
+        if mutation.resized is not None:  # Note [Storage resizes of an input]
+            shrinks += _replay_resized(inputs[mutation.index], concrete.mutation(mutation), new)
+        elif mutation.storage is None:
+            _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new)
     if subclass_inputs is not None:
         subclass_inputs.replay()
+    for mutation in sets:  # after every copy_: a set_ source's values are final
+        assert mutation.storage is not None
+        storage, new = storages[mutation.index]
+        layout = concrete.layout(mutation.storage.layout)
+        keeps = mutation.storage.keeps_version
+        _replay_set(inputs[mutation.index], layout, storage, new, keeps)
+    with torch.no_grad():
+        for storage, nbytes in shrinks:  # last: set_() would grow a freed storage again
+            storage.resize_(nbytes)
     for mutation in plan.member_mutations:  # Note [Aliased inputs]
         _replay_mutation(primals[mutation.index], concrete.mutation(mutation), None)
     if plan.restrided:  # Note [Views of a restrided input]
@@ -733,6 +750,9 @@ class _ConcreteLayouts:
         view = self._resolve(alias.view)
         return alias if view is None else replace(alias, view=view)
 
+    def layout(self, layout: ViewMeta) -> ViewMeta:
+        return self._resolve(layout) or layout
+
     def mutation(self, mutation: InputMutation) -> InputMutation:
         metadata = self._resolve(mutation.metadata)
         return mutation if metadata is None else replace(mutation, metadata=metadata)
@@ -764,6 +784,57 @@ def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor
     if new is not None:
         with torch.set_grad_enabled(mutation.requires_grad):
             x.copy_(new)
+
+
+def _replay_resized(
+    x: torch.Tensor, mutation: InputMutation, new: torch.Tensor | None
+) -> list[tuple[torch.UntypedStorage, int]]:
+    """Grow the caller's storage as the function did, then replay the input's other changes
+    (no copy into a storage the function freed); return the shrink to do after every replay
+    (Note [Storage resizes of an input] in ``capture/set_storage.py``). An input ``set_()``
+    moves is replayed later."""
+    nbytes, storage = mutation.resized, x.untyped_storage()
+    if nbytes > storage.nbytes():
+        with torch.no_grad():
+            storage.resize_(nbytes)
+    if mutation.storage is None:
+        _replay_mutation(x, mutation, new if nbytes else None)
+    return [(storage, nbytes)] if nbytes < storage.nbytes() else []
+
+
+def _source_storages(
+    sets: Sequence[InputMutation], inputs: Sequence[torch.Tensor]
+) -> dict[int, tuple[torch.UntypedStorage | None, torch.Tensor | None]]:
+    """Per input ``set_()`` moved: the caller's storage it now shares (None: a storage the
+    function made), read before any replay moves one (Note [set_() on an input])."""
+    found: dict[int, tuple[torch.UntypedStorage | None, torch.Tensor | None]] = {}
+    for m in sets:
+        assert m.storage is not None
+        source = m.storage.source
+        found[m.index] = (None if source is None else inputs[source].untyped_storage(), None)
+    return found
+
+
+def _replay_set(
+    x: torch.Tensor,
+    layout: ViewMeta,
+    storage: torch.UntypedStorage | None,
+    new: torch.Tensor | None,
+    keeps_version: bool,
+) -> None:
+    """``x.set_()`` as the function did: onto a caller's storage, or onto a fresh storage
+    holding ``new`` (Note [set_() on an input] in ``capture/set_storage.py``)."""
+    if storage is None:
+        assert new is not None, "expected the new value of an input set_ onto a fresh storage"
+        fresh = torch.empty(layout.extent, dtype=x.dtype, device=x.device)
+        with torch.no_grad():
+            fresh.as_strided(layout.size, layout.stride, layout.storage_offset).copy_(new)
+        storage = fresh.untyped_storage()
+    version = x._version
+    with torch.no_grad():
+        x.set_(storage, layout.storage_offset, layout.size, layout.stride)
+    if keeps_version:  # ``x.data = source`` (set_() bumps it)
+        set_version_counter((x,), (version,))
 
 
 # Note [Views of a restrided input]

@@ -221,12 +221,21 @@ class OutputBase(Descriptor):
 
 @dataclass(frozen=True)
 class MutatedInput(Descriptor):
-    """The new value of an input the function mutated in place; copied back after the call."""
+    """The new value of an input the function mutated in place; copied back after the call.
+
+    With ``storage``, the value ``set_()`` put into the input, over a storage the
+    function made: the caller's tensor gets a fresh storage holding it (Note [set_()
+    on an input] in ``capture/set_storage.py``).
+
+    >>> str(MutatedInput(of=Input(path="a"), storage=True))
+    'value set into a (set_)'
+    """
 
     of: Input | Param | Buffer | Closure | Global | Inner | InputBase
+    storage: bool = False
 
     def __str__(self) -> str:
-        return f"new value of {self.of}"
+        return f"value set into {self.of} (set_)" if self.storage else f"new value of {self.of}"
 
 
 @dataclass(frozen=True)

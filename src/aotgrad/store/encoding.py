@@ -38,6 +38,7 @@ from aotgrad.capture.aliasing import (
 from aotgrad.capture.backward_state import StateRegion
 from aotgrad.capture.mutation import InputMutation
 from aotgrad.capture.provenance import Kind, NodeInfo, Phase
+from aotgrad.capture.set_storage import NewStorage
 from aotgrad.errors import StoreError, UserFrame
 from aotgrad.partition import RecomputedOp
 from aotgrad.partition.saved import SavedValue
@@ -55,6 +56,7 @@ TYPES: dict[str, type] = {
         ConstantOutput,
         InputMutation,
         Kind,
+        NewStorage,
         NodeInfo,
         Phase,
         Plan,

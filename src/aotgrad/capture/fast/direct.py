@@ -132,6 +132,7 @@ from aotgrad.capture.mutation import (
 )
 from aotgrad.capture.random import MANUAL_SEED
 from aotgrad.capture.recorder import Recorder
+from aotgrad.capture.set_storage import resizes_watched
 from aotgrad.capture.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
 from aotgrad.errors import UserFrame
 from aotgrad.signature import GraphInputDescriptor, storage_key
@@ -165,7 +166,9 @@ class DirectTracer(Tracer):
     def run(
         self, joint: Callable[..., list[torch.Tensor | None]], fakes: Sequence[torch.Tensor]
     ) -> fx.GraphModule:
-        with self.recorder.recording(), disable_autocast_cache(), self._mode, _stops_at_refusals():
+        stops = _stops_at_refusals()
+        resizes = resizes_watched(_stop_at_resize)  # Note [Storage resizes of an input]
+        with self.recorder.recording(), disable_autocast_cache(), self._mode, stops, resizes:
             for fake in fakes:
                 self._mode.input(fake)
             values = joint(*fakes)
@@ -216,6 +219,10 @@ class DirectTracer(Tracer):
         if value is not None:
             self._mode.sync_values([value])
         return value
+
+
+def _stop_at_resize(storage: Any, nbytes: Any) -> bool:
+    raise NeedsFullTrace("untyped_storage().resize_() (only the full trace replays it)")
 
 
 @contextlib.contextmanager
