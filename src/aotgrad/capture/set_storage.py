@@ -115,8 +115,11 @@ class StorageSets:
 
     def __init__(self) -> None:
         self.inputs: list[torch.Tensor] = []
-        # Per input, its functional storage before the function ran.
-        self.original_keys: list[Any] = []
+        # Per input, its functional storage before the function ran: read at the first
+        # set_() or storage resize, not before (reading a functional tensor's storage from
+        # Python makes functionalization refuse to grow it later: ``x.resize_`` of a
+        # subclass input's inner tensors).
+        self._original_keys: list[Any] | None = None
         # Python (wrapper) storages of inputs, to find the tensor of a storage argument.
         self.by_storage: dict[Any, torch.Tensor] = {}
         self.leaves: set[int] = set()  # ids of inputs that are leaves requiring grad
@@ -131,16 +134,22 @@ class StorageSets:
 
     def note_inputs(self, primals: Sequence[torch.Tensor], leaves: Sequence[bool]) -> None:
         self.inputs = list(primals)
-        self.original_keys = [StorageWeakRef(p.elem.untyped_storage()) for p in primals]  # type: ignore[attr-defined]
         for p, leaf in zip(primals, leaves, strict=True):
             self.by_storage.setdefault(StorageWeakRef(p.untyped_storage()), p)
             if leaf:
                 self.leaves.add(id(p))
 
+    @property
+    def original_keys(self) -> list[Any]:
+        if self._original_keys is None:
+            self._original_keys = [StorageWeakRef(p.elem.untyped_storage()) for p in self.inputs]  # type: ignore[attr-defined]
+        return self._original_keys
+
     def set_(
         self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], run: _Dispatch
     ) -> Any:
         """Run one ``set_`` op in its ``set_(tensor)`` form (Note [set_() on an input])."""
+        self.original_keys  # noqa: B018 (read before this set_ moves a storage)
         target = args[0]
         source = self._source(func, args, kwargs, run)
         _check_static(target, source)
