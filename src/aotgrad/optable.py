@@ -134,7 +134,7 @@ _FLOPS: dict[object, Any] = {
     torch.ops.aten.addmm.default: lambda a, out: _matmul_flops(out, _shape(a[1])[-1]),
     torch.ops.aten.baddbmm.default: lambda a, out: _matmul_flops(out, _shape(a[1])[-1]),
     torch.ops.aten.convolution.default: lambda a, out: _matmul_flops(
-        out, _numel(a[1]) // max(_shape(a[1])[0], 1) if _shape(a[1]) else 1
+        out, _numel(a[1]) // torch.sym_max(_shape(a[1])[0], 1) if _shape(a[1]) else 1
     ),
 }
 
@@ -162,11 +162,12 @@ def flops(op: object, args: tuple[Any, ...], out: object) -> int:
     """
     rule = _FLOPS.get(op)
     if rule is not None:
-        return int(rule(args, out))
+        count = rule(args, out)  # a SymInt under dynamic shapes: int() would add a guard
+        return count if isinstance(count, torch.SymInt) else int(count)
     if is_free_view(op) or getattr(op, "is_view", False) or op is operator.getitem:
         return 0
     if isinstance(op, OpOverload) and torch.Tag.reduction in op.tags:
-        return max(_numel(args[0]) if args else 0, _numel(out))
+        return torch.sym_max(_numel(args[0]) if args else 0, _numel(out))  # no guard
     return _numel(out)
 
 

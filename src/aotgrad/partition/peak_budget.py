@@ -22,7 +22,7 @@ from aotgrad.errors import PartitionError
 from aotgrad.optable import is_compute_intensive
 from aotgrad.partition.partitioned import Partitioned
 from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward
-from aotgrad.partition.saved import unique_bytes
+from aotgrad.partition.sizes import hint, hinted_bytes
 from aotgrad.partition.strategies import (
     Budget,
     apply_checkpoint_policy,
@@ -180,8 +180,8 @@ def with_peak_note(partitioned: Partitioned, everything: Partitioned) -> Partiti
         else f"rises above save_all's {top.allocated} bytes to"
     )
     note = (
-        f"{partitioned.strategy} saves {partitioned.saved_bytes} bytes where save_all saves"
-        f" {everything.saved_bytes}, recomputing {partitioned.recompute_flops} FLOPs, but the"
+        f"{partitioned.strategy} saves {hint(partitioned.saved_bytes)} bytes where save_all"
+        f" saves {hint(everything.saved_bytes)}, recomputing {partitioned.recompute_flops} FLOPs, but the"
         f" step's predicted peak {stays} {peak.allocated} bytes, at {peak.graph} op {peak.node}"
         f" ({peak.op}): a saved-bytes budget bounds what the backward keeps, not the peak. To"
         " bound the peak, pass aotgrad.budget(peak=BYTES) (Note [Peak budgets])"
@@ -260,7 +260,7 @@ def _build_family(joint: JointGraph, time_limit: float, split: Split) -> Family:
                     intensive_flops=_intensive_flops(partitioned),
                     peak=peak.allocated,
                     where=f"{peak.graph} op {peak.node} ({peak.op})",
-                    saved_bytes=partitioned.saved_bytes,
+                    saved_bytes=hint(partitioned.saved_bytes),
                 )
             )
     return Family(candidates=tuple(found), note=note)
@@ -337,7 +337,7 @@ def _base_plans(
     ]
     needed = needed_by_backward(joint)
     free_inputs = {n for n in full.saved if n.op == "placeholder"}
-    top = unique_bytes(full.saved)
+    top = hinted_bytes(full.saved)  # Note [Budgets at the example sizes]
     floor = smallest_saved_bytes(joint, needed, free_inputs, time_limit)
     if floor is None:
         return plans, (
