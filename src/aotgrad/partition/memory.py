@@ -281,7 +281,7 @@ def _backward(
         param = primal.meta.get("val")
         if isinstance(param, torch.Tensor) and not _obeys_layout_contract(grad, param):
             assert node is not None
-            nbytes = _rounded(hint(grad.nbytes), grad.device)
+            nbytes = _rounded(hint(grad.numel() * grad.element_size()), grad.device)
             copy = LiveValue(node.name, "backward", "gradient", nbytes, *_where(node))
             sim.at(sim.holds.live + copy.nbytes, "gradients", node, copy)  # AccumulateGrad's copy
             sim.holds.hold(("copy", i), copy.nbytes, ("grad", i), copy)

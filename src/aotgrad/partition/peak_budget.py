@@ -147,6 +147,37 @@ def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitio
     return replace(partitioned, note="; ".join(notes))
 
 
+# Note [Budgets at the example sizes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under dynamic shapes (``dynamic=True``, ``aotgrad.dynamic(x, dim)``) every
+# budget is posed and solved at the example inputs' sizes (Note [Weights at the
+# example sizes]): the sizes of the call that traced, which the plan's note and
+# every report name (``s0 = 64 (x.size()[0])``). At those sizes the plan is the
+# one a static trace of them gets. ``budget(x)``'s fraction runs from the
+# smallest plan to ``save_all`` at those sizes; ``budget(BYTES)`` and
+# ``budget(peak=BYTES)`` bound ``saved_bytes`` and ``peak.allocated`` there.
+# The plan (which values are saved) then serves every size the guards admit,
+# and is right at each: the rest of what the backward reads is recomputed
+# from the saved values, whatever the sizes. Its bytes grow with the sizes.
+# With ``g`` of the ``aotgrad.budget`` doctest and
+# ``aot_function(g, partition=budget(peak=250_000), dynamic=True)``, first
+# called with ``x: (64, 16)``:
+#
+#     batch (s0)        32       64 (traced)      128      measured peak.allocated
+#     this plan     131080           229384    425992      (recomputes mm, relu)
+#     save_all      149512           282632    548872
+#
+# 229384 <= 250000 at the example sizes; at batch 128 the same plan holds
+# 425992, and no plan of the family is below that there (a static trace at 128
+# raises). Why the example sizes and not "every size the guards admit": those
+# are unbounded above (``2 <= s0``), so no plan keeps a byte bound at all of
+# them, and an upper bound from the guards, where one exists, says how torch
+# traced, not what the user will run. So the rule is one, and predictable: the
+# bound holds at the sizes you traced with; trace (call first) with the
+# largest inputs you will run, or use static shapes, where each size gets its
+# own plan and a size no plan fits raises.
+
+
 # Note [A saved-bytes budget and the peak]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``budget(x)`` bounds the bytes the backward keeps (Note [Budget units]), and

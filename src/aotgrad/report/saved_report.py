@@ -77,7 +77,7 @@ def _total(saved: Sequence[SavedValue]) -> str:
     sizes = symbols_of([total, *(n for s in saved for n in s.shape)])
     if not sizes:
         return text
-    return f"{text}\n  at the example sizes {sizes_text(sizes)}; at any size: {total} bytes"
+    return f"{text} at the example sizes {sizes_text(sizes)}; at any size: {total} bytes"
 
 
 # Note [Saved bytes of symbolic sizes]
@@ -88,8 +88,8 @@ def _total(saved: Sequence[SavedValue]) -> str:
 # and the total as an expression, exact at every size::
 #
 #     addmm     s0x32   float32   1.0 KiB  aten.addmm.default ...
-#     total: 6.7 KiB in 11 storage(s) (2.1 KiB beyond the inputs)
-#       at the example sizes s0 = 8; at any size: 704*s0 + 4224 bytes
+#     total: 6.7 KiB in 11 storage(s) (2.1 KiB beyond the inputs) at the example
+#     sizes s0 = 8; at any size: 456*s0 + 4224 bytes
 #
 # ``float()`` or a comparison of the SymInt would add a guard (``s0 == 8``)
 # and narrow the sizes the capture serves.
