@@ -112,7 +112,9 @@ def test_symbolic_sizes_are_reported_at_the_example_sizes_it_names():
     rows = _peak_section(static.memory_report())
     batch = _inputs()[0].shape[0]
     assert lines[0] == rows[0]
-    sizes = rf"  at the example sizes s\d+ = {batch} \(x.size\(\)\[0\]\); other sizes hold more or less"
+    sizes = (
+        rf"  at the example sizes s\d+ = {batch} \(x.size\(\)\[0\]\); other sizes hold more or less"
+    )
     assert re.fullmatch(sizes, lines[1])
     assert lines[2:] == rows[1:]
     document = show_document(traced.partitioned)["peak"]

@@ -149,12 +149,13 @@ def is_compute_intensive(op: object) -> bool:
     return op in _FLOPS
 
 
-def flops(op: object, args: tuple[Any, ...], out: object) -> int:
+def flops(op: object, args: tuple[Any, ...], out: object) -> int | torch.SymInt:
     """Estimated floating-point operations of one op, from the per-op table.
 
     Matmuls and convolutions: 2 × output elements × reduction length; attention:
     both matmuls; views and tuple indexing: 0; everything else: one per output
-    element, or per input element for reductions.
+    element, or per input element for reductions. A ``SymInt`` where sizes are
+    symbolic (never ``int()``-ed here: that would add a guard).
 
     >>> a, b = torch.empty(4, 8, device="meta"), torch.empty(8, 16, device="meta")
     >>> flops(torch.ops.aten.mm.default, (a, b), torch.empty(4, 16, device="meta"))

@@ -52,8 +52,8 @@ def predicted_peak(partitioned: Partitioned) -> PeakEstimate:
 
     >>> import torch, aotgrad
     >>> d = aotgrad.trace(lambda x: x.sin().sum(), torch.ones(10, requires_grad=True), dynamic=True)
-    >>> [str(s) for s in predicted_peak(d.partitioned).sizes]
-    ['s0 = 10 (x.size()[0])']
+    >>> [(s.source, s.value) for s in predicted_peak(d.partitioned).sizes]
+    [('x.size()[0]', 10)]
     """
     return partitioned.peak
 
