@@ -22,8 +22,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import aotgrad
 import aotgrad.testing
-from aotgrad.partition.sizes import hint
+from aotgrad._torch_compat import size_hint as hint
 from aotgrad.report import show_document
+from aotgrad.report.html import render_html
 from library_models import Case, build
 from test_real_models import compare
 
@@ -180,6 +181,8 @@ def test_strategies_and_reports_add_no_guard(strategy: str):
     before = list(guards.shape_env.guards)
     report = traced.memory_report(by_module=True) + traced.memory_report()
     show_document(traced.partitioned)
+    render_html(traced.partitioned)
+    traced.seq_table()
     assert list(guards.shape_env.guards) == before
     assert re.search(r"at the example sizes s\d+ = 8 \(x.size\(\)\[0\]\)", report)
     w1, w2 = _weights()

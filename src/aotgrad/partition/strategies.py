@@ -129,6 +129,9 @@ def budget(
     peak (Note [Peak budgets]); below the smallest peak of the family it raises
     ``ValueError`` with that peak.
 
+    Under dynamic shapes every budget is posed at the example inputs' sizes, and the
+    plan serves every size the guards admit (Note [Budgets at the example sizes]).
+
     >>> import torch, aotgrad
     >>> def f(x, w):
     ...     return (x @ w).relu().sin().sum()

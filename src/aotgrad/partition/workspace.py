@@ -45,7 +45,9 @@ __all__ = ["op_peak"]
 # collectives, ops whose output shape depends on values (zeros are not the
 # user's values), and any op that raises on zeros. The first prediction on a
 # model pays one run of each distinct op; later ones (another plan of the same
-# graph, a peak budget's candidates) find them remembered.
+# graph, a peak budget's candidates) find them remembered. Under dynamic shapes
+# the op runs at the example sizes (Note [Weights at the example sizes]), as a
+# static trace of those sizes would.
 
 _REMEMBERED: dict[Any, int | None] = {}
 _NOT_RUN_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
