@@ -140,13 +140,6 @@ def test_mincut_partitions_dynamic_graphs_at_the_example_sizes():
     module(torch.randn(5, 16)).sum().backward()
 
 
-def test_a_budget_with_dynamic_shapes_is_refused_at_the_users_line():
-    compiled = aotgrad.aot_function(_net_loss, partition=aotgrad.budget(0.5), dynamic=True)
-    with pytest.raises(aotgrad.PartitionError, match="mincut") as caught:
-        compiled(torch.randn(4, 16, requires_grad=True))
-    assert f"{__file__}:" in str(caught.value)
-
-
 def test_dynamic_traces_match_eager():
     compile_fn = lambda fn: aotgrad.aot_function(fn, dynamic=True)  # noqa: E731
     verify(

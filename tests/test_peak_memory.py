@@ -160,11 +160,16 @@ def test_a_forward_without_backward_is_predicted():
     assert partitioned.peak.allocated == measured
 
 
-def test_dynamic_shapes_say_the_peak_is_not_predicted():
+def test_dynamic_shapes_predict_the_peak_at_the_example_sizes():
+    """Note [A peak of symbolic sizes]: measured at the sizes the peak names."""
     compiled = aotgrad.aot_function(lambda x: x.sin().sum(), dynamic=True)
-    compiled(torch.randn(4, requires_grad=True))
-    with pytest.raises(ValueError, match="static shapes only"):
-        compiled.partitioned.peak  # noqa: B018
+    x = torch.randn(4000, requires_grad=True)
+    compiled(x).backward()
+    x.grad = None
+    measured = measure_peak(lambda: compiled(x).backward())
+    peak = compiled.partitioned.peak
+    assert peak.allocated == measured
+    assert [(s.source, s.value) for s in peak.sizes] == [("x.size()[0]", 4000)]
 
 
 @settings(

@@ -15,7 +15,7 @@ from torch import nn
 import aotgrad
 from aotgrad.cli import _load, main
 from aotgrad.report import format_bytes, show_document
-from aotgrad.report.peak_report import SYMBOLIC, by_kind, peak_report
+from aotgrad.report.peak_report import by_kind, peak_report
 from aotgrad.testing import measure_peak
 
 
@@ -102,11 +102,25 @@ def test_more_than_ten_live_values_end_with_how_many_more_and_their_bytes():
     assert len(_live_rows(report.splitlines())) == 12
 
 
-def test_symbolic_sizes_give_one_line_not_an_error():
+def test_symbolic_sizes_are_reported_at_the_example_sizes_it_names():
+    """Note [A peak of symbolic sizes]: the static trace's numbers, and the sizes they are at."""
+    static = aotgrad.trace(MLP(), *_inputs())
     traced = aotgrad.trace(MLP(), *_inputs(), dynamic=True)
+    guards = traced.partitioned.joint.guards
+    before = guards.shape_env.guards[:]
     lines = _peak_section(traced.memory_report())
-    assert lines == [f"peak of a step: {SYMBOLIC}"]
-    assert show_document(traced.partitioned)["peak"] is None
+    rows = _peak_section(static.memory_report())
+    batch = _inputs()[0].shape[0]
+    assert lines[0] == rows[0]
+    sizes = (
+        rf"  at the example sizes s\d+ = {batch} \(x.size\(\)\[0\]\); other sizes hold more or less"
+    )
+    assert re.fullmatch(sizes, lines[1])
+    assert lines[2:] == rows[1:]
+    document = show_document(traced.partitioned)["peak"]
+    assert document["allocated"] == static.partitioned.peak.allocated
+    assert [(s["source"], s["value"]) for s in document["sizes"]] == [("x.size()[0]", batch)]
+    assert guards.shape_env.guards == before  # reading the sizes added no guard
 
 
 def test_a_forward_only_call_has_a_peak_too():

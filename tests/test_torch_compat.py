@@ -984,6 +984,7 @@ def test_a_symbolic_size_hints_at_its_example_value():
     assert all(isinstance(s, torch.SymInt) for s in x.shape)
     assert compat.size_hint(3) == 3
     assert [compat.size_hint(s) for s in x.shape] == [5, 3]
+    assert sorted(compat.symbol_hints(x.shape[0] * x.shape[1] + 1).values()) == [3, 5]
 
 
 def test_saved_data_reads_what_a_node_saved_without_unpacking():

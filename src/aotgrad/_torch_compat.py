@@ -660,6 +660,16 @@ def size_hint(value: int | torch.SymInt) -> int | None:
     return int(value)
 
 
+def symbol_hints(value: torch.SymInt) -> dict[str, int]:
+    """The example values of the symbols in ``value``'s expression, by name (``{"s0": 8}``).
+
+    ``backed_var_to_val`` is the name since torch 2.13 (``var_to_val`` before, deprecated there).
+    """
+    env = value.node.shape_env
+    known = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+    return {str(s): int(known[s]) for s in value.node.expr.free_symbols if s in known}
+
+
 # --- Error messages and names aotgrad recognises by their text -----------------------------------
 
 # Functionalization refusing to write a traced value into a real tensor: the function mutates a

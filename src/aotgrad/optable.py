@@ -134,7 +134,7 @@ _FLOPS: dict[object, Any] = {
     torch.ops.aten.addmm.default: lambda a, out: _matmul_flops(out, _shape(a[1])[-1]),
     torch.ops.aten.baddbmm.default: lambda a, out: _matmul_flops(out, _shape(a[1])[-1]),
     torch.ops.aten.convolution.default: lambda a, out: _matmul_flops(
-        out, _numel(a[1]) // max(_shape(a[1])[0], 1) if _shape(a[1]) else 1
+        out, _numel(a[1]) // torch.sym_max(_shape(a[1])[0], 1) if _shape(a[1]) else 1
     ),
 }
 
@@ -149,12 +149,13 @@ def is_compute_intensive(op: object) -> bool:
     return op in _FLOPS
 
 
-def flops(op: object, args: tuple[Any, ...], out: object) -> int:
+def flops(op: object, args: tuple[Any, ...], out: object) -> int | torch.SymInt:
     """Estimated floating-point operations of one op, from the per-op table.
 
     Matmuls and convolutions: 2 × output elements × reduction length; attention:
     both matmuls; views and tuple indexing: 0; everything else: one per output
-    element, or per input element for reductions.
+    element, or per input element for reductions. A ``SymInt`` where sizes are
+    symbolic (never ``int()``-ed here: that would add a guard).
 
     >>> a, b = torch.empty(4, 8, device="meta"), torch.empty(8, 16, device="meta")
     >>> flops(torch.ops.aten.mm.default, (a, b), torch.empty(4, 16, device="meta"))
@@ -162,11 +163,12 @@ def flops(op: object, args: tuple[Any, ...], out: object) -> int:
     """
     rule = _FLOPS.get(op)
     if rule is not None:
-        return int(rule(args, out))
+        count = rule(args, out)  # a SymInt under dynamic shapes: int() would add a guard
+        return count if isinstance(count, torch.SymInt) else int(count)
     if is_free_view(op) or getattr(op, "is_view", False) or op is operator.getitem:
         return 0
     if isinstance(op, OpOverload) and torch.Tag.reduction in op.tags:
-        return max(_numel(args[0]) if args else 0, _numel(out))
+        return torch.sym_max(_numel(args[0]) if args else 0, _numel(out))  # no guard
     return _numel(out)
 
 

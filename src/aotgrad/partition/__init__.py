@@ -15,13 +15,14 @@ from typing import Literal
 import torch.fx as fx
 
 from aotgrad.capture import JointGraph, Phase, check_order, lazy_module, node_info
-from aotgrad.errors import PartitionError, format_error, user_frame_from_stack
+from aotgrad.errors import PartitionError
 from aotgrad.optable import op_name
 from aotgrad.partition.memory import LiveValue, PeakEstimate
 from aotgrad.partition.partitioned import Partitioned, RecomputedOp
 from aotgrad.partition.peak_budget import with_peak_budget, with_peak_note
 from aotgrad.partition.remat import RematPlan, node_flops
 from aotgrad.partition.saved import SavedValue, describe_saved
+from aotgrad.partition.sizes import example_sizes, sizes_text
 from aotgrad.partition.split import apply_mutations_in_graph, build_backward, build_forward
 from aotgrad.partition.strategies import (
     Budget,
@@ -76,27 +77,33 @@ def partition(
     """
     if not joint.has_backward:
         return _forward_only(joint, keep_input_mutations)
-    if joint.guards is not None and isinstance(strategy, Budget):
-        raise PartitionError(
-            format_error(
-                f"partition={strategy} bounds bytes the solver weighs exactly, and with"
-                " dynamic=True every size is symbolic",
-                user_frame_from_stack(),
-                "Use partition='mincut' (it weighs sizes at the example inputs' values: Note"
-                " [Weights at the example sizes]) or 'save_all' with dynamic=True, or the"
-                " budget without dynamic=True.",
-            )
-        )
-    if isinstance(strategy, Budget) and strategy.peak is not None:
+    if isinstance(strategy, Budget):  # under dynamic shapes: Note [Budgets at the example sizes]
+        return _at_example_sizes(joint, _budget(joint, strategy))
+    plan = apply_checkpoint_policy(joint, _plan(joint, strategy))
+    return _split(joint, plan, policy_name(strategy) if callable(strategy) else str(strategy))
+
+
+def _budget(joint: JointGraph, strategy: Budget) -> Partitioned:
+    if strategy.peak is not None:
         return with_peak_budget(joint, strategy, partial(_split, joint))
     plan = apply_checkpoint_policy(joint, _plan(joint, strategy))
-    partitioned = _split(
-        joint, plan, policy_name(strategy) if callable(strategy) else str(strategy)
+    partitioned = _split(joint, plan, str(strategy))
+    everything = apply_checkpoint_policy(joint, save_all(joint))
+    # Note [A saved-bytes budget and the peak]
+    return with_peak_note(partitioned, _split(joint, everything, "save_all"))
+
+
+def _at_example_sizes(joint: JointGraph, partitioned: Partitioned) -> Partitioned:
+    """A budget's plan, its note naming the sizes its bytes were weighed at (dynamic shapes)."""
+    sizes = example_sizes(joint)
+    if not sizes:
+        return partitioned
+    note = (
+        f"{partitioned.strategy} weighed its bytes at the example sizes {sizes_text(sizes)};"
+        " the plan serves every size the guards admit, its bytes growing with the sizes"
+        " (Note [Budgets at the example sizes])"
     )
-    if isinstance(strategy, Budget):  # Note [A saved-bytes budget and the peak]
-        everything = apply_checkpoint_policy(joint, save_all(joint))
-        return with_peak_note(partitioned, _split(joint, everything, "save_all"))
-    return partitioned
+    return replace(partitioned, note="; ".join(n for n in (partitioned.note, note) if n))
 
 
 def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:

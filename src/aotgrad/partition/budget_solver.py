@@ -16,6 +16,7 @@ from aotgrad.capture import JointGraph, Phase, phase_of
 from aotgrad.errors import PartitionError
 from aotgrad.partition.remat import (
     forward_ops,
+    is_size_node,
     is_tensor_node,
     is_view_node,
     never_recomputed,
@@ -23,7 +24,7 @@ from aotgrad.partition.remat import (
     reads_mutated_input,
     recompute_closure,
 )
-from aotgrad.partition.saved import unique_bytes
+from aotgrad.partition.sizes import hinted_bytes
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class _BudgetProblem:
         ]
         ops = [*inputs, *forward_ops(joint)]
         weights = np.array(
-            [0 if is_view_node(v) or v in free_inputs else unique_bytes([v]) for v in ops],
+            [0 if is_view_node(v) or v in free_inputs else hinted_bytes([v]) for v in ops],
             dtype=float,
         )
         return _BudgetProblem(
@@ -170,7 +171,7 @@ class _BudgetProblem:
             index={n: i for i, n in enumerate(ops)},
             weights=weights,
             costs=np.array([node_flops(v) for v in ops], dtype=float),
-            held=unique_bytes(free_inputs),
+            held=hinted_bytes(free_inputs),  # Note [Weights at the example sizes]
             bounds=_budget_bounds(ops, reads_mutated_input(joint) | kept),
             time_limit=time_limit,
             rel_gap=rel_gap,
@@ -241,6 +242,6 @@ def _budget_bounds(ops: list[fx.Node], pinned: set[fx.Node]) -> Bounds:
         fixed = v.op == "placeholder" or never_recomputed(v) or v in pinned
         if fixed:  # never recompute a random op, a collective, or one reading a mutated input
             upper[n + i] = 0
-        if not is_tensor_node(v) or (is_view_node(v) and not fixed):
+        if not (is_tensor_node(v) or is_size_node(v)) or (is_view_node(v) and not fixed):
             upper[i] = 0  # never save a tuple (its getitems are saved), nor a replayable view
     return Bounds(np.zeros(2 * n), upper)

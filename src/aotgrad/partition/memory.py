@@ -9,7 +9,7 @@ when it runs the forward and backward graphs (Note [What a step holds]) and retu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,9 +20,10 @@ from aotgrad.capture import node_info
 from aotgrad.errors import UserFrame
 from aotgrad.optable import op_name
 from aotgrad.partition.saved import storages
+from aotgrad.partition.sizes import ExampleSize, hint
 from aotgrad.signature import Cotangent, Grad, Output, Saved, Signature, StateAtBackward
 
-__all__ = ["LiveValue", "PeakEstimate", "SymbolicSizes", "predict_peak"]
+__all__ = ["LiveValue", "PeakEstimate", "predict_peak"]
 
 # The bytes an op allocates at its own peak, outputs included (None: just its new outputs).
 Workspace = Callable[[fx.Node], int | None]
@@ -62,6 +63,9 @@ class PeakEstimate:
     source: UserFrame | None
     # Everything live at the peak, largest first (the op's own scratch space as "workspace").
     live: tuple[LiveValue, ...]
+    # Under dynamic shapes, the sizes every byte above is counted at: the example inputs'
+    # (Note [Weights at the example sizes]); () for static shapes.
+    sizes: tuple[ExampleSize, ...] = ()
 
     @property
     def allocated(self) -> int:
@@ -69,10 +73,11 @@ class PeakEstimate:
         return self.nbytes - self.inputs
 
     def to_dict(self) -> dict[str, Any]:
-        info = {k: v for k, v in vars(self).items() if k != "live"}
+        info = {k: v for k, v in vars(self).items() if k not in ("live", "sizes")}
         info["source"] = None if self.source is None else str(self.source)
         info["allocated"] = self.allocated
         info["live"] = [v.to_dict() for v in self.live]
+        info["sizes"] = [dict(vars(s)) for s in self.sizes]
         return info
 
 
@@ -206,7 +211,7 @@ class _Simulation:
 
     def hold_node(self, node: fx.Node, holder: Any, graph: str, kind: str) -> None:
         for key, size in _allocations(node).items():
-            self.holds.hold(key, _int(size), holder, _label(node, graph, kind, size))
+            self.holds.hold(key, hint(size), holder, _label(node, graph, kind, size))
 
     def drop_node(self, node: fx.Node, holder: Any) -> None:
         for key in storages(node):
@@ -218,10 +223,12 @@ def predict_peak(
     backward: fx.GraphModule | None,
     signature: Signature,
     workspace: Workspace | None = None,
+    sizes: tuple[ExampleSize, ...] = (),
 ) -> PeakEstimate:
     """The peak of the step ``f(*inputs).backward()`` run by the default runtime (Note [What a
     step holds]), every ``.grad`` None before it; ``workspace(node)``, when given, says how
-    many bytes an op allocates at its own peak (outputs included)."""
+    many bytes an op allocates at its own peak (outputs included). Symbolic sizes count at
+    their example values, ``sizes`` (Note [Weights at the example sizes])."""
     sim = _Simulation(workspace)
     inputs = [n for n in forward.graph.nodes if n.op in ("placeholder", "get_attr")]
     for node in inputs:
@@ -238,7 +245,7 @@ def predict_peak(
     if backward is not None:
         _backward(sim, forward, backward, signature)
     assert sim.best is not None
-    return sim.best
+    return replace(sim.best, sizes=sizes)
 
 
 def _backward(
@@ -274,7 +281,7 @@ def _backward(
         param = primal.meta.get("val")
         if isinstance(param, torch.Tensor) and not _obeys_layout_contract(grad, param):
             assert node is not None
-            nbytes = _rounded(_int(grad.nbytes), grad.device)
+            nbytes = _rounded(hint(grad.numel() * grad.element_size()), grad.device)
             copy = LiveValue(node.name, "backward", "gradient", nbytes, *_where(node))
             sim.at(sim.holds.live + copy.nbytes, "gradients", node, copy)  # AccumulateGrad's copy
             sim.holds.hold(("copy", i), copy.nbytes, ("grad", i), copy)
@@ -290,7 +297,7 @@ def _allocations(node: fx.Node) -> dict[Any, int]:
     val = node.meta.get("val")
     tensors = val if isinstance(val, list | tuple) else [val]
     devices = {k: t.device for t in tensors if isinstance(t, torch.Tensor) for k in storages(t)}
-    return {key: _rounded(_int(size), devices.get(key)) for key, size in storages(node).items()}
+    return {key: _rounded(hint(size), devices.get(key)) for key, size in storages(node).items()}
 
 
 def _rounded(nbytes: int, device: torch.device | None) -> int:
@@ -303,11 +310,20 @@ def _obeys_layout_contract(grad: torch.Tensor, param: torch.Tensor) -> bool:
     """Whether ``AccumulateGrad`` can take ``grad`` as ``param.grad`` without a copy."""
     if grad.layout is not torch.strided or param.layout is not torch.strided:
         return True
+    grad, param = _at_example_sizes(grad), _at_example_sizes(param)
     if not compat.is_non_overlapping_and_dense(param):
         return bool(grad.is_contiguous())
     return all(
         size == 1 or gs == ps
         for size, gs, ps in zip(grad.shape, grad.stride(), param.stride(), strict=True)
+    )
+
+
+def _at_example_sizes(t: torch.Tensor) -> torch.Tensor:
+    """A strided meta tensor of ``t``'s layout with its sizes at their example values: a
+    layout question asked of it adds no guard (Note [Weights at the example sizes])."""
+    return torch.empty_strided(
+        [hint(n) for n in t.shape], [hint(n) for n in t.stride()], dtype=t.dtype, device="meta"
     )
 
 
@@ -325,7 +341,7 @@ def _kind(desc: Any) -> str:
 
 
 def _label(node: fx.Node, graph: str, kind: str, size: Any) -> LiveValue:
-    return LiveValue(node.name, graph, kind, _int(size), *_where(node))
+    return LiveValue(node.name, graph, kind, hint(size), *_where(node))
 
 
 def _where(node: fx.Node) -> tuple[str, UserFrame | None]:
@@ -340,16 +356,3 @@ def _op_text(node: fx.Node | None) -> str:
     if node is None:
         return "(the step starts)"
     return op_name(node.target) if node.op == "call_function" else node.op
-
-
-class SymbolicSizes(ValueError):
-    """The graphs' storage sizes are symbolic (``dynamic=True``): no byte count to predict."""
-
-
-def _int(size: Any) -> int:
-    if isinstance(size, int):
-        return size
-    raise SymbolicSizes(
-        "the peak is predicted for static shapes only; this graph's sizes are symbolic"
-        " (dynamic=True): measure it with aotgrad.testing.measure_peak instead"
-    )

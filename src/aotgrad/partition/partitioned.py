@@ -13,6 +13,7 @@ from aotgrad.capture import JointGraph
 from aotgrad.errors import UserFrame
 from aotgrad.partition.memory import PeakEstimate, predict_peak
 from aotgrad.partition.saved import SavedValue, unique_bytes
+from aotgrad.partition.sizes import example_sizes
 from aotgrad.partition.workspace import op_peak
 from aotgrad.signature import Signature
 
@@ -83,7 +84,8 @@ class Partitioned:
     def peak(self) -> PeakEstimate:
         """The predicted peak of a step ``f(*inputs).backward()``: how many bytes, where, and
         what is live then (Note [What a step holds] in ``partition/memory.py``)."""
-        return predict_peak(self.forward, self.backward, self.signature, op_peak)
+        sizes = example_sizes(self.joint)  # Note [Weights at the example sizes]
+        return predict_peak(self.forward, self.backward, self.signature, op_peak, sizes)
 
     @property
     def peak_bytes(self) -> int:

@@ -22,7 +22,7 @@ from aotgrad.errors import PartitionError
 from aotgrad.optable import is_compute_intensive
 from aotgrad.partition.partitioned import Partitioned
 from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward
-from aotgrad.partition.saved import unique_bytes
+from aotgrad.partition.sizes import hint, hinted_bytes
 from aotgrad.partition.strategies import (
     Budget,
     apply_checkpoint_policy,
@@ -147,6 +147,37 @@ def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitio
     return replace(partitioned, note="; ".join(notes))
 
 
+# Note [Budgets at the example sizes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under dynamic shapes (``dynamic=True``, ``aotgrad.dynamic(x, dim)``) every
+# budget is posed and solved at the example inputs' sizes (Note [Weights at the
+# example sizes]): the sizes of the call that traced, which the plan's note and
+# every report name (``s0 = 64 (x.size()[0])``). At those sizes the plan is the
+# one a static trace of them gets. ``budget(x)``'s fraction runs from the
+# smallest plan to ``save_all`` at those sizes; ``budget(BYTES)`` and
+# ``budget(peak=BYTES)`` bound ``saved_bytes`` and ``peak.allocated`` there.
+# The plan (which values are saved) then serves every size the guards admit,
+# and is right at each: the rest of what the backward reads is recomputed
+# from the saved values, whatever the sizes. Its bytes grow with the sizes.
+# With ``g`` of the ``aotgrad.budget`` doctest and
+# ``aot_function(g, partition=budget(peak=250_000), dynamic=True)``, first
+# called with ``x: (64, 16)``:
+#
+#     batch (s0)        32       64 (traced)      128      measured peak.allocated
+#     this plan     131080           229384    425992      (recomputes mm, relu)
+#     save_all      149512           282632    548872
+#
+# 229384 <= 250000 at the example sizes; at batch 128 the same plan holds
+# 425992, and no plan of the family is below that there (a static trace at 128
+# raises). Why the example sizes and not "every size the guards admit": those
+# are unbounded above (``2 <= s0``), so no plan keeps a byte bound at all of
+# them, and an upper bound from the guards, where one exists, says how torch
+# traced, not what the user will run. So the rule is one, and predictable: the
+# bound holds at the sizes you traced with; trace (call first) with the
+# largest inputs you will run, or use static shapes, where each size gets its
+# own plan and a size no plan fits raises.
+
+
 # Note [A saved-bytes budget and the peak]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``budget(x)`` bounds the bytes the backward keeps (Note [Budget units]), and
@@ -180,8 +211,8 @@ def with_peak_note(partitioned: Partitioned, everything: Partitioned) -> Partiti
         else f"rises above save_all's {top.allocated} bytes to"
     )
     note = (
-        f"{partitioned.strategy} saves {partitioned.saved_bytes} bytes where save_all saves"
-        f" {everything.saved_bytes}, recomputing {partitioned.recompute_flops} FLOPs, but the"
+        f"{partitioned.strategy} saves {hint(partitioned.saved_bytes)} bytes where save_all"
+        f" saves {hint(everything.saved_bytes)}, recomputing {partitioned.recompute_flops} FLOPs, but the"
         f" step's predicted peak {stays} {peak.allocated} bytes, at {peak.graph} op {peak.node}"
         f" ({peak.op}): a saved-bytes budget bounds what the backward keeps, not the peak. To"
         " bound the peak, pass aotgrad.budget(peak=BYTES) (Note [Peak budgets])"
@@ -260,7 +291,7 @@ def _build_family(joint: JointGraph, time_limit: float, split: Split) -> Family:
                     intensive_flops=_intensive_flops(partitioned),
                     peak=peak.allocated,
                     where=f"{peak.graph} op {peak.node} ({peak.op})",
-                    saved_bytes=partitioned.saved_bytes,
+                    saved_bytes=hint(partitioned.saved_bytes),
                 )
             )
     return Family(candidates=tuple(found), note=note)
@@ -337,7 +368,7 @@ def _base_plans(
     ]
     needed = needed_by_backward(joint)
     free_inputs = {n for n in full.saved if n.op == "placeholder"}
-    top = unique_bytes(full.saved)
+    top = hinted_bytes(full.saved)  # Note [Budgets at the example sizes]
     floor = smallest_saved_bytes(joint, needed, free_inputs, time_limit)
     if floor is None:
         return plans, (

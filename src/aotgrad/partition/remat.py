@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from aotgrad.capture import JointGraph, Phase, phase_of
 from aotgrad.optable import cheap_to_recompute, draws_random, flops, is_collective, is_free_view
-from aotgrad.partition.saved import hinted_bytes
+from aotgrad.partition.sizes import hint, hinted_bytes
 
 INF = math.inf
 
@@ -81,9 +81,16 @@ def is_tensor_node(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def is_size_node(node: fx.Node) -> bool:
+    """A symbolic size (dynamic shapes): saved as a Python int, at no cost in bytes."""
+    return isinstance(node.meta.get("val"), torch.SymInt)
+
+
 def node_flops(node: fx.Node) -> int:
+    """The op's FLOPs (``optable.flops``), at the example sizes under dynamic shapes (Note
+    [Weights at the example sizes])."""
     args = tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args)
-    return flops(node.target, args, node.meta.get("val"))
+    return hint(flops(node.target, args, node.meta.get("val")))
 
 
 def is_view_node(node: fx.Node) -> bool:
@@ -159,7 +166,7 @@ def mincut_saved(joint: JointGraph, needed: Iterable[fx.Node]) -> set[fx.Node]:
         # Views are replayed rather than saved, unless they cannot be recomputed.
         savable = is_tensor_node(node) and (not is_view_node(node) or not recomputable)
         capacity = hinted_bytes([node]) if savable else INF  # Note [Weights at the example sizes]
-        if isinstance(node.meta.get("val"), torch.SymInt):
+        if is_size_node(node):
             capacity = 0  # a size (dynamic shapes): the backward gets it as a Python int
         graph.add_edge((node, "in"), (node, "out"), capacity=capacity)
         if not recomputable:

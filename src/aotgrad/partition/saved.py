@@ -9,7 +9,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from aotgrad._torch_compat import size_hint
 from aotgrad.capture import node_info, op_text
 from aotgrad.errors import UserFrame
 from aotgrad.signature.storage import storage_key, storage_nbytes
@@ -106,30 +105,6 @@ def unique_bytes(values: Iterable[SavedValue | fx.Node]) -> int:
             for key, size in storages(value).items():
                 sizes.setdefault(key, size)
     return sum(sizes.values())
-
-
-def hinted_bytes(values: Iterable[SavedValue | fx.Node]) -> int:
-    """:func:`unique_bytes` as an int: symbolic sizes (dynamic shapes) at their example
-    values, read without a guard (Note [Weights at the example sizes])."""
-    total = unique_bytes(values)
-    hint = size_hint(total)
-    if hint is None:
-        raise AssertionError(f"expected a size with an example value, got {total}")
-    return hint
-
-
-# Note [Weights at the example sizes]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Under ``dynamic=True`` a tensor's bytes are a ``SymInt`` (``4*s0*s1``). The
-# min-cut weighs edges by bytes and compares them; comparing ``SymInt``s
-# would add guards to the capture (or fail), so it weighs them at the sizes
-# of the example inputs (their hints), as PyTorch's partitioner does. The
-# choice of what to save is then the best for the example's sizes; for other
-# sizes it is still right (any cut is a correct plan), only maybe not the
-# cheapest. With ``x: (s0, 8)`` and ``s0 = 16`` at capture::
-#
-#     a = x @ w    4*s0*8 bytes -> 512     b = a.relu()    4*s0*8 -> 512
-#     the cut compares 512 with 512, never s0 with s0
 
 
 def describe_saved(

@@ -23,6 +23,7 @@ from aotgrad.optable import is_free_view, op_name
 from aotgrad.partition.remat import (
     RematPlan,
     forward_ops,
+    is_size_node,
     is_tensor_node,
     is_view_node,
     mincut_saved,
@@ -31,7 +32,7 @@ from aotgrad.partition.remat import (
     reads_mutated_input,
     recompute_closure,
 )
-from aotgrad.partition.saved import unique_bytes
+from aotgrad.partition.sizes import hinted_bytes
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,12 @@ class Budget:
         if self.limit > 1:
             return int(self.limit)
         saved = save_all(joint).saved
-        top = unique_bytes(saved)
+        top = hinted_bytes(saved)  # Note [Budgets at the example sizes]
         inputs = {n for n in saved if n.op == "placeholder"}
         from aotgrad.partition.budget_solver import smallest_saved_bytes  # numpy, SciPy
 
         floor = smallest_saved_bytes(joint, needed_by_backward(joint), inputs, self.time_limit)
-        floor = unique_bytes(inputs) if floor is None else min(floor, top)
+        floor = hinted_bytes(inputs) if floor is None else min(floor, top)
         return floor + int(self.limit * (top - floor))
 
     def __str__(self) -> str:
@@ -127,6 +128,9 @@ def budget(
     whose predicted peak fits, so a smaller peak budget never gives a larger
     peak (Note [Peak budgets]); below the smallest peak of the family it raises
     ``ValueError`` with that peak.
+
+    Under dynamic shapes every budget is posed at the example inputs' sizes, and the
+    plan serves every size the guards admit (Note [Budgets at the example sizes]).
 
     >>> import torch, aotgrad
     >>> def f(x, w):
@@ -262,6 +266,8 @@ def with_policy(joint: JointGraph, policy: Policy) -> RematPlan:
     saved: set[fx.Node] = set()
     for node in forward_ops(joint):
         op = node.args[0] if node.target is operator.getitem else node
+        if is_size_node(node):  # a size the backward reads: an int, not the policy's to weigh
+            saved.add(node)
         if not is_tensor_node(node) or not isinstance(op, fx.Node):
             continue
         if never_recomputed(op):

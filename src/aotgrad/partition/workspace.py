@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from aotgrad import _torch_compat as compat
 from aotgrad.measure import measure_peak
 from aotgrad.optable import draws_random, is_collective, is_free_view
+from aotgrad.partition.sizes import hint
 
 __all__ = ["op_peak"]
 
@@ -44,7 +45,9 @@ __all__ = ["op_peak"]
 # collectives, ops whose output shape depends on values (zeros are not the
 # user's values), and any op that raises on zeros. The first prediction on a
 # model pays one run of each distinct op; later ones (another plan of the same
-# graph, a peak budget's candidates) find them remembered.
+# graph, a peak budget's candidates) find them remembered. Under dynamic shapes
+# the op runs at the example sizes (Note [Weights at the example sizes]), as a
+# static trace of those sizes would.
 
 _REMEMBERED: dict[Any, int | None] = {}
 _NOT_RUN_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
@@ -67,7 +70,7 @@ def op_peak(node: fx.Node) -> int | None:
 
 
 class _Symbolic(Exception):
-    """An argument with a symbolic size: nothing to run."""
+    """An argument with no example value (a symbolic float or bool, a meta tensor): not run."""
 
 
 def _runnable(node: fx.Node) -> bool:
@@ -93,36 +96,50 @@ def _layout_key(value: Any) -> Any:
 def _leaf_key(leaf: Any) -> Any:
     if isinstance(leaf, fx.Node):
         val = leaf.meta.get("val")
+        if isinstance(val, torch.SymInt):  # a size node: its example value
+            return ("size", hint(val))
         if not isinstance(val, torch.Tensor):
             raise _Symbolic
-        parts = (*val.shape, *val.stride(), val.storage_offset(), val.untyped_storage().nbytes())
-        if not all(isinstance(p, int) for p in parts):
-            raise _Symbolic
-        return ("tensor", tuple(val.shape), val.stride(), val.dtype, str(val.device), parts[-2:])
-    if isinstance(leaf, torch.SymInt | torch.SymFloat | torch.SymBool):
+        shape, stride, offset, nbytes = _layout(val)
+        return ("tensor", shape, stride, val.dtype, str(val.device), (offset, nbytes))
+    if isinstance(leaf, torch.SymInt):
+        return hint(leaf)
+    if isinstance(leaf, torch.SymFloat | torch.SymBool):
         raise _Symbolic
     return leaf
+
+
+def _layout(val: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
+    """Shape, strides, offset and storage bytes, symbolic sizes at their example values (Note
+    [Weights at the example sizes]: the op runs at those sizes)."""
+    return (
+        tuple(hint(n) for n in val.shape),
+        tuple(hint(n) for n in val.stride()),
+        hint(val.storage_offset()),
+        hint(val.untyped_storage().nbytes()),
+    )
 
 
 def _run(node: fx.Node) -> int | None:
     try:
         with compat.disable_current_modes(), torch.no_grad():
             args, kwargs = pytree.tree_map_only(fx.Node, _zeros_like, (node.args, node.kwargs))
+            args, kwargs = pytree.tree_map_only(torch.SymInt, hint, (args, kwargs))
             device = _device(args, kwargs)
             return measure_peak(lambda: node.target(*args, **kwargs), device)  # type: ignore[operator]
     except Exception:  # an op that refuses zeros: counted as its outputs (Note above)
         return None
 
 
-def _zeros_like(node: fx.Node) -> torch.Tensor:
+def _zeros_like(node: fx.Node) -> torch.Tensor | int:
     val = node.meta["val"]
+    if isinstance(val, torch.SymInt):
+        return hint(val)
     if val.device.type == "meta":
         raise _Symbolic
-    itemsize = val.dtype.itemsize
-    base = torch.zeros(
-        math.ceil(val.untyped_storage().nbytes() / itemsize), dtype=val.dtype, device=val.device
-    )
-    return base.as_strided(val.shape, val.stride(), val.storage_offset())
+    shape, stride, offset, nbytes = _layout(val)
+    base = torch.zeros(math.ceil(nbytes / val.dtype.itemsize), dtype=val.dtype, device=val.device)
+    return base.as_strided(shape, stride, offset)
 
 
 def _device(args: Any, kwargs: Any) -> torch.device:

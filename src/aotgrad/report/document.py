@@ -9,7 +9,7 @@ The document's layout is versioned by ``schema`` (``docs/provenance.md`` describ
      "saved": [{"name", "shape", "dtype", "nbytes", "storage", "producer", "seq_nr",
                 "module", "source", "users", "reason"}...],
      "saved_bytes": int | str,                          # str: a symbolic expression
-     "peak": {...PeakEstimate.to_dict()...} | null,   # null: symbolic sizes
+     "peak": {...PeakEstimate.to_dict()...},   # "sizes": [] or the example sizes
      "tracer": {"name": "direct" | "full", "fallback_reason": str | null}}
 
     node = {"name", "op", "target", "args", "desc", "phase", "kind", "seq_nr", "module", "source"}
@@ -42,7 +42,7 @@ def show_document(partitioned: Partitioned) -> dict[str, Any]:
         },
         "saved": [s.to_dict() for s in partitioned.saved],
         "saved_bytes": _plain(partitioned.saved_bytes),  # text where symbolic, as in "saved"
-        "peak": peak_document(partitioned),  # Note [A peak of symbolic sizes]: null
+        "peak": peak_document(partitioned),  # Note [A peak of symbolic sizes]
         "tracer": {  # Note [Choosing a tracer]
             "name": partitioned.joint.tracer.name,
             "fallback_reason": partitioned.joint.tracer.fallback_reason,

@@ -3,8 +3,8 @@
 ``memory_report()`` ends with :func:`peak_report`; ``aotgrad show`` prints it, and the
 ``show --json`` document and the HTML page carry :func:`peak_document`. The numbers are
 ``Partitioned.peak`` (Note [What a step holds] in ``partition/memory.py``); this module
-only words them, and says so in one line where sizes are symbolic (Note [A peak of symbolic
-sizes]).
+only words them, and names the sizes they were counted at where sizes are symbolic (Note [A
+peak of symbolic sizes]).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 from aotgrad.errors import UserFrame
 from aotgrad.partition import LiveValue, Partitioned, PeakEstimate
-from aotgrad.partition.memory import SymbolicSizes
+from aotgrad.partition.sizes import sizes_text
 from aotgrad.report.saved_report import format_bytes
 
-__all__ = ["SYMBOLIC", "by_kind", "peak_document", "peak_report", "predicted_peak"]
+__all__ = ["by_kind", "peak_document", "peak_report", "predicted_peak", "sizes_line"]
 
 # The live values' kinds, in the order the report totals them ("live then: ...").
 KIND_TITLES = {
@@ -30,47 +30,45 @@ KIND_TITLES = {
     "workspace": "workspace",
 }
 
-SYMBOLIC = (
-    "not predicted: the graphs' sizes are symbolic (dynamic=True);"
-    " measure a step with aotgrad.testing.measure_peak"
-)
-
-
 # Note [A peak of symbolic sizes]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``Partitioned.peak`` counts bytes, so it refuses graphs whose storage sizes
-# are SymInts (``dynamic=True``) with ``SymbolicSizes``. A report is asked for
-# all the same, and says so in one line instead of a number::
+# Under dynamic shapes the graphs' storage sizes are SymInts. The peak is
+# predicted at the example inputs' sizes (the call that traced: Note [Weights
+# at the example sizes]), and every report of it says so, right under the
+# total, never a number without its sizes::
 #
-#     aotgrad.trace(f, x, dynamic=True).memory_report()
-#     ...saved values as always...
-#     peak of a step: not predicted: the graphs' sizes are symbolic (dynamic=True); ...
+#     aotgrad.trace(f, torch.randn(8, 16), dynamic=True).memory_report()
+#     peak of a step (forward, then .backward(), every .grad None): 10.2 KiB (10432 B)
+#       at the example sizes s0 = 8 (x.size()[0]); other sizes hold more or less
 #
-# The report catches that refusal only: any other failure (an invariant of the
-# simulation) is raised, never shown as "symbolic".
+# The document (``show --json``, the HTML page) carries the same sizes
+# (``peak.sizes``). Reading a size's example value adds no guard, so a report
+# never narrows the sizes the capture serves.
 
 
-def predicted_peak(partitioned: Partitioned) -> PeakEstimate | None:
-    """``partitioned.peak``, or None when the graphs' sizes are symbolic (Note [A peak of
-    symbolic sizes]).
+def predicted_peak(partitioned: Partitioned) -> PeakEstimate:
+    """``partitioned.peak``: under dynamic shapes, at the example sizes it names (Note [A peak
+    of symbolic sizes]).
 
     >>> import torch, aotgrad
-    >>> t = aotgrad.trace(lambda x: x.sin().sum(), torch.ones(10, requires_grad=True))
-    >>> predicted_peak(t.partitioned).nbytes == t.partitioned.peak.nbytes
-    True
     >>> d = aotgrad.trace(lambda x: x.sin().sum(), torch.ones(10, requires_grad=True), dynamic=True)
-    >>> predicted_peak(d.partitioned) is None
-    True
+    >>> [(s.source, s.value) for s in predicted_peak(d.partitioned).sizes]
+    [('x.size()[0]', 10)]
     """
-    try:
-        return partitioned.peak
-    except SymbolicSizes:
+    return partitioned.peak
+
+
+def sizes_line(peak: PeakEstimate) -> str | None:
+    """The sizes the peak's bytes were counted at, in words; None for static shapes."""
+    if not peak.sizes:
         return None
+    return f"at the example sizes {sizes_text(peak.sizes)}; other sizes hold more or less"
 
 
-def peak_document(partitioned: Partitioned) -> dict[str, Any] | None:
+def peak_document(partitioned: Partitioned) -> dict[str, Any]:
     """``PeakEstimate.to_dict()`` of the predicted peak with ``by_kind`` (the bytes live per
-    kind, as ``memory_report`` totals them), or None when sizes are symbolic.
+    kind, as ``memory_report`` totals them); ``sizes`` names the example sizes under dynamic
+    shapes.
 
     >>> import torch, aotgrad
     >>> t = aotgrad.trace(lambda x: x.sin().sum(), torch.ones(1000, requires_grad=True))
@@ -79,8 +77,6 @@ def peak_document(partitioned: Partitioned) -> dict[str, Any] | None:
     (12008, [('gradients', 4000), ('temporaries', 4000)])
     """
     peak = predicted_peak(partitioned)
-    if peak is None:
-        return None
     kinds = [
         {"kind": k, "title": KIND_TITLES.get(k, k), "nbytes": n} for k, n in by_kind(peak.live)
     ]
@@ -98,15 +94,15 @@ def peak_report(partitioned: Partitioned, top: int = 10) -> str:
     peak of a step (forward, then .backward(), every .grad None): 11.7 KiB (12008 B)
     """
     peak = predicted_peak(partitioned)
-    if peak is None:
-        return f"peak of a step: {SYMBOLIC}"
     step = (
         "a step (forward, then .backward(), every .grad None)"
         if partitioned.backward is not None
         else "a call (forward only: nothing needs a gradient)"
     )
+    sizes = sizes_line(peak)  # Note [A peak of symbolic sizes]
     lines = [
         f"peak of {step}: {_bytes(peak.nbytes)}",
+        *([f"  {sizes}"] if sizes else []),
         f"  = {format_bytes(peak.inputs)} inputs (held by the caller)"
         f" + {_bytes(peak.allocated)} allocated by the step"
         " (what aotgrad.testing.measure_peak measures)",

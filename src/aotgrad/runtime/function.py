@@ -360,6 +360,7 @@ def make_function(
             if saved_sizes:  # the ints back between the tensors
                 tensors, sizes = iter(saved), iter(ctx.sizes)
                 saved = [next(sizes) if is_size else next(tensors) for is_size in saved_sizes]
+                del tensors  # it holds autograd's tuple: the graph could free nothing early
             if torch.is_grad_enabled():  # create_graph=True (Note [Differentiable backward])
                 if state_at_backward:
                     _refuse_state_at_double_backward(state_regions, ctx.state)

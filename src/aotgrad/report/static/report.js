@@ -116,7 +116,7 @@ function select(phase, node, fromDrawing) {
     (phase === "backward" ? ", reads " + reads.length + " saved value(s)" : "");
 }
 
-// ---- The predicted peak (document "peak": PeakEstimate.to_dict() + by_kind, or null) ----
+// ---- The predicted peak (document "peak": PeakEstimate.to_dict() + by_kind) ----
 
 function formatBytes(n) {  // report/saved_report.py's format_bytes
   let size = n;
@@ -165,16 +165,16 @@ function peakWhere(p) {
 function peakPanel() {
   const panel = document.getElementById("peak");
   const p = doc.peak;
-  if (!p) {
-    panel.appendChild(el("p", "not predicted: the graphs' sizes are symbolic (dynamic=True); " +
-                              "measure a step with aotgrad.testing.measure_peak", "muted"));
-    return;
-  }
   const step = doc.graphs.backward ? "a step (forward, then .backward(), every .grad None)"
                                    : "a call (forward only: nothing needs a gradient)";
   panel.appendChild(el("p", "peak of " + step + ": " + exactBytes(p.nbytes) + " = " +
     formatBytes(p.inputs) + " inputs + " + exactBytes(p.allocated) +
     " allocated by the step (what aotgrad.testing.measure_peak measures)", "peaktotal"));
+  if (p.sizes.length) {  // dynamic shapes: Note [A peak of symbolic sizes]
+    panel.appendChild(el("p", "at the example sizes " + p.sizes.map(
+      s => s.symbol + " = " + s.value + (s.source ? " (" + s.source + ")" : "")).join(", ") +
+      "; other sizes hold more or less", "muted"));
+  }
   panel.appendChild(peakWhere(p));
   panel.appendChild(el("p", "live then: " +
     p.by_kind.map(k => formatBytes(k.nbytes) + " " + k.title).join(", ")));
