@@ -375,7 +375,7 @@ class Checker:
         if not pairs:
             return
         generator = torch.Generator().manual_seed(0)
-        cotangents = [torch.randn(e.shape, generator=generator, dtype=e.dtype) for e, _ in pairs]
+        cotangents = [cotangent(e, generator) for e, _ in pairs]
         if not create_graph:
             _backward([e for e, _ in pairs], cotangents, eager=True)
             _backward([c for _, c in pairs], cotangents, eager=False)
@@ -418,6 +418,16 @@ class Checker:
         names += [f"second-order grad of cotangent {k}" for k in range(len(cotangents))]
         for name, e, c in zip(names, seconds[0][1], seconds[1][1], strict=True):
             self.grad(name, e, c)
+
+
+def cotangent(e: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A seeded random cotangent of ``e``'s type: a tensor subclass gets one of its own kind
+    (aotgrad refuses a plain cotangent for a subclass output, which eager takes)."""
+    if not is_subclass(e):
+        return torch.randn(e.shape, generator=generator, dtype=e.dtype)
+    names, context = e.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {n: cotangent(getattr(e, n), generator) for n in names}
+    return type(e).__tensor_unflatten__(inner, context, e.shape, e.stride())  # type: ignore[attr-defined,no-any-return]
 
 
 def _touch(t: torch.Tensor) -> str | None:

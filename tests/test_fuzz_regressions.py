@@ -834,3 +834,65 @@ def test_requires_grad_on_an_intermediate_is_refused(w_grad):
     assert fn(*args).is_leaf
     with pytest.raises(aotgrad.UnsupportedOutputError, match=r"made require grad itself"):
         aotgrad.aot_function(fn)(*args)
+
+
+# --- issue 39: what the fuzzer's subclass, set_ and touch-outputs steps found ----------------
+
+
+@unfixed("NEW F25: x.data = y inside the function is ignored (silent: output and caller's x)")
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_data_assignment_to_an_input_is_eagers(requires_grad):
+    def fn(a, b):
+        a.data = b
+        return a * 2
+
+    verify_or_refuse(fn, torch.randn(3, requires_grad=requires_grad), torch.randn(3))
+
+
+@unfixed("NEW F26: a view of a TwoTensor input returned is no view (_is_view() False)")
+def test_view_of_a_subclass_input_returned_is_a_view():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    x = TwoTensor(torch.randn(2, 3), torch.randn(2, 3)).requires_grad_()
+    out = aotgrad.aot_function(lambda x: x.view(-1))(x)
+    assert out._is_view() and out._base is x
+
+
+@unfixed("NEW F27: set_() on a view of a buffer: the buffer's requires_grad after the call")
+def test_set_on_a_view_of_a_buffer_keeps_eagers_requires_grad():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("p0", torch.randn(2))
+
+        def forward(self, a1):
+            a2 = self.p0.view(-1)
+            a2.set_(a1)
+            return a1 * 2
+
+    eager, compiled = Model(), aotgrad.aot_module(Model())
+    a1 = torch.randn(4, 3, requires_grad=True)
+    eager(a1), compiled(a1)
+    assert compiled.p0.requires_grad == eager.p0.requires_grad
+
+
+@unfixed("issue 39 (mov): an output of unbind changed in place after the call runs")
+def test_output_of_unbind_changed_in_place_after_the_call_raises_as_in_eager():
+    x = torch.randn(3, 2, requires_grad=True) * 1
+    out = aotgrad.aot_function(lambda a: a.unbind(0))(x)
+    with pytest.raises(RuntimeError, match="returns multiple views"):
+        out[0].mul_(2)
+
+
+@unfixed("issue 39 (subcls): t_() of a TwoTensor input is not replayed on the caller's tensor")
+def test_metadata_mutation_of_a_subclass_input_reaches_the_caller():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def fn(x):
+        x.t_()
+        return x * 2
+
+    x = TwoTensor(torch.randn(2, 3), torch.randn(2, 3))
+    with contextlib.suppress(AotgradError):
+        aotgrad.aot_function(fn)(x)
+        assert x.shape == (3, 2) and x.a.shape == (3, 2)
