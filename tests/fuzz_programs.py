@@ -137,6 +137,7 @@ FEATURES = frozenset(
         "subclass_metadata_input",  # t_/transpose_/... of a TwoTensor input (issue 39 subcls)
         "subclass_view_returned",  # a view of a TwoTensor input returned
         "compile_set_",  # torch.compile with set_() or a .data assignment
+        "resize_strided_aliased_input",  # resize_() of a strided input another input aliases
     }
 )
 
@@ -166,6 +167,8 @@ KNOWN_BAD: dict[str, str] = {
     " grad) in aot_module or torch.compile: the buffer does not require grad after the call"
     " (eager's does); set_() on an input itself is refused (issue 39 setx)",
     "compile_set_": "NEW F27 under torch.compile (see set_input)",
+    "resize_strided_aliased_input": "NEW F28: b = randn(4, 3).t(); f(b, b[0]) with"
+    " b[0].resize_(4) (its own size: a no-op in eager) reads the row contiguously (silent)",
     "subclass_view_returned": "NEW F26: a view of a TwoTensor input returned is no view"
     " (_is_view() False, _base None; eager's is a view)",
 }
@@ -1026,6 +1029,8 @@ def _draw_step(draw, env: _Env, features) -> Step | None:
             tags.add("metadata_input")
             if _aliased_input(env, shares):
                 tags.add("metadata_aliased_input")
+                if "resize_" in expr and not x.is_contiguous():
+                    tags.add("resize_strided_aliased_input")
             if any(fuzz_idioms.is_subclass(env.inputs[i]) for i in shares):
                 tags.add("subclass_metadata_input")
         target = None

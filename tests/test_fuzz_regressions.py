@@ -896,3 +896,15 @@ def test_metadata_mutation_of_a_subclass_input_reaches_the_caller():
     with contextlib.suppress(AotgradError):
         aotgrad.aot_function(fn)(x)
         assert x.shape == (3, 2) and x.a.shape == (3, 2)
+
+
+@unfixed(
+    "NEW F28: resize_() to its own size of a strided input aliased by another: read contiguously"
+)
+def test_resize_to_its_own_size_of_a_strided_aliased_input_is_a_no_op():
+    def fn(base, row):
+        row.resize_(4)
+        return row * 1
+
+    b = torch.randn(4, 3).t()
+    verify_or_refuse(fn, b, b[0])
