@@ -138,6 +138,8 @@ FEATURES = frozenset(
         "subclass_view_returned",  # a view of a TwoTensor input returned
         "compile_set_",  # torch.compile with set_() or a .data assignment
         "resize_strided_aliased_input",  # resize_() of a strided input another input aliases
+        "subclass_create_graph",  # create_graph=True with TwoTensor arguments
+        "subclass_returned_twice",  # one TwoTensor value returned more than once
     }
 )
 
@@ -167,6 +169,10 @@ KNOWN_BAD: dict[str, str] = {
     " grad) in aot_module or torch.compile: the buffer does not require grad after the call"
     " (eager's does); set_() on an input itself is refused (issue 39 setx)",
     "compile_set_": "NEW F27 under torch.compile (see set_input)",
+    "subclass_create_graph": "NEW F29: create_graph=True through a function of a TwoTensor"
+    " requiring grad (x.sum()): the first-order gradient does not require grad (eager's does)",
+    "subclass_returned_twice": "NEW F31: v = x * 2; return v, v with x a TwoTensor: two objects"
+    " (eager: one)",
     "resize_strided_aliased_input": "NEW F28: b = randn(4, 3).t(); f(b, b[0]) with"
     " b[0].resize_(4) (its own size: a no-op in eager) reads the row contiguously (silent)",
     "subclass_view_returned": "NEW F26: a view of a TwoTensor input returned is no view"
@@ -844,6 +850,7 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
     for feature, tag in (
         ("function_once", "once_differentiable_create_graph"),
         ("alias_inputs", "create_graph_aliased_inputs"),
+        ("subclass", "subclass_create_graph"),
     ):
         if create_graph and feature in prog_features:
             create_graph = tag in features
@@ -932,6 +939,12 @@ def _draw_returns(draw, env: _Env, features, prog_features: set[str]) -> tuple[s
         else:
             prog_features.add("return_alias")
     subclass_inputs = {i for i, a in enumerate(env.inputs) if fuzz_idioms.is_subclass(a)}
+    twice = [n for n in set(chosen) if chosen.count(n) > 1]
+    if subclass_inputs and any(fuzz_idioms.is_subclass(env.values[n]) for n in twice):
+        if "subclass_returned_twice" not in features:
+            chosen = list(dict.fromkeys(chosen))
+        else:
+            prog_features.add("subclass_returned_twice")
     if any(set(env.shares_input(env.values[n])) & subclass_inputs for n in chosen):
         if "subclass_view_returned" not in features:
             chosen = [

@@ -722,6 +722,8 @@ case(C, "inner_alias_same", _data_mutation, _shared_inner(None))
 case(C, "false_aliasing", _mul_first, _shared_inner(slice(0, 2), slice(2, 4)))
 case(C, "overlapping_inners", _mul_first, _shared_inner(slice(0, 3), slice(1, 4)))
 case(C, "returns_input_view_mutated", lambda x: (x.mul_(2), x[0])[1], subs("s"))
+case(C, "returned_twice[S]", lambda x: (lambda v: (v, v))(x * 2), subs("S"))
+case(C, "create_graph[S]", lambda x: (x * x).sum(), subs("S"), create_graph=True)
 
 # --- partitioners under dynamic shapes ------------------------------------------------------
 C = "dynamic partition"
@@ -877,17 +879,21 @@ def storages(t: torch.Tensor) -> set[int]:
 
 
 def aliasing(outs: list[Any], inputs: list[torch.Tensor]) -> list[Any]:
-    """Per output: the input (index) or earlier output it shares memory with, and ``_is_view``."""
+    """Per output: the input (index) or earlier output it shares memory with, whether it *is*
+    that tensor, and ``_is_view()``."""
     found = []
     for k, o in enumerate(outs):
         if not isinstance(o, torch.Tensor):
             found.append(None)
             continue
         mine = storages(o)
-        which = next((("input", i) for i, t in enumerate(inputs) if mine & storages(t)), None)
+        which = next(
+            (("input", i, o is t) for i, t in enumerate(inputs) if mine & storages(t)), None
+        )
         if which is None:
             which = next(
-                (("output", j) for j, p in enumerate(outs[:k]) if mine & storages(p)), None
+                (("output", j, o is p) for j, p in enumerate(outs[:k]) if mine & storages(p)),
+                None,
             )
         found.append((which, o._is_view()))
     return found
@@ -1120,6 +1126,14 @@ AOTGRAD_FAILS: dict[str, str] = {
             "subclass-view_outputs[s]",
         ],
         "subclass output viewing a subclass input is not a view (silent, NEW: _is_view() False, _base None)",
+    ),
+    **dict.fromkeys(
+        ["subclass-returned_twice[S]"],
+        "one subclass value returned twice is two objects (NEW F31)",
+    ),
+    **dict.fromkeys(
+        ["subclass-create_graph[S]"],
+        "create_graph=True through a subclass input (silent, NEW F29: no second-order gradient)",
     ),
     **dict.fromkeys(
         [

@@ -908,3 +908,25 @@ def test_resize_to_its_own_size_of_a_strided_aliased_input_is_a_no_op():
 
     b = torch.randn(4, 3).t()
     verify_or_refuse(fn, b, b[0])
+
+
+@unfixed("NEW F29: create_graph=True through a TwoTensor input: no second-order gradient")
+def test_first_order_gradient_of_a_subclass_input_requires_grad_under_create_graph():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    x = TwoTensor(torch.randn(3), torch.randn(3)).requires_grad_()
+    out = aotgrad.aot_function(lambda a: (a * a).sum())(x)
+    (grad,) = torch.autograd.grad(out, [x], create_graph=True)
+    assert grad.requires_grad  # eager's does: 2 * a
+
+
+@unfixed("NEW F31: one TwoTensor value returned twice comes back as two objects")
+def test_one_subclass_value_returned_twice_is_one_object():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def fn(a):
+        v = a * 2
+        return v, v
+
+    out = aotgrad.aot_function(fn)(TwoTensor(torch.randn(3), torch.randn(3)))
+    assert out[0] is out[1]
