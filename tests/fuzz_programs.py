@@ -140,6 +140,7 @@ FEATURES = frozenset(
         "resize_strided_aliased_input",  # resize_() of a strided input another input aliases
         "subclass_create_graph",  # create_graph=True with TwoTensor arguments
         "subclass_returned_twice",  # one TwoTensor value returned more than once
+        "enable_grad_view_under_no_grad",  # called under no_grad: enable_grad over a view
     }
 )
 
@@ -173,6 +174,9 @@ KNOWN_BAD: dict[str, str] = {
     " requiring grad (x.sum()): the first-order gradient does not require grad (eager's does)",
     "subclass_returned_twice": "NEW F31: v = x * 2; return v, v with x a TwoTensor: two objects"
     " (eager: one)",
+    "enable_grad_view_under_no_grad": "NEW F32: called under no_grad with an input that is a view"
+    " requiring grad: v = a[0]; with enable_grad: return v.exp() does not require grad (eager's"
+    " does)",
     "resize_strided_aliased_input": "NEW F28: b = randn(4, 3).t(); f(b, b[0]) with"
     " b[0].resize_(4) (its own size: a no-op in eager) reads the row contiguously (silent)",
     "subclass_view_returned": "NEW F26: a view of a TwoTensor input returned is no view"
@@ -861,6 +865,10 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
     if under_no_grad and "requires_grad_" in prog_features:
         under_no_grad = "requires_grad_under_no_grad" in features
         prog_features.add("requires_grad_under_no_grad")
+    regions = {step.region for step in steps}
+    if under_no_grad and "enable_grad" in regions and any("view" in st_.features for st_ in steps):
+        under_no_grad = "enable_grad_view_under_no_grad" in features
+        prog_features.add("enable_grad_view_under_no_grad")
     if under_no_grad:
         prog_features.add("call_under_no_grad")
         traced = {"trace", "trace_other", "trace_module"} & set(modes)

@@ -930,3 +930,21 @@ def test_one_subclass_value_returned_twice_is_one_object():
 
     out = aotgrad.aot_function(fn)(TwoTensor(torch.randn(3), torch.randn(3)))
     assert out[0] is out[1]
+
+
+@unfixed("NEW F32: under no_grad, enable_grad over a view of a view input: no requires_grad")
+def test_enable_grad_over_a_no_grad_view_of_a_view_input_requires_grad():
+    def fn(a):
+        v = a[0]
+        with torch.enable_grad():
+            return v.exp()
+
+    def under_no_grad(f):
+        def call(*args):
+            with torch.no_grad():
+                return f(*args)
+
+        return call
+
+    x = torch.randn(2, 2, requires_grad=True).unsqueeze(0)
+    verify(under_no_grad(fn), x, compile_fn=lambda f: under_no_grad(aotgrad.aot_function(fn)))
