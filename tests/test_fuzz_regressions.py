@@ -948,3 +948,17 @@ def test_enable_grad_over_a_no_grad_view_of_a_view_input_requires_grad():
 
     x = torch.randn(2, 2, requires_grad=True).unsqueeze(0)
     verify(under_no_grad(fn), x, compile_fn=lambda f: under_no_grad(aotgrad.aot_function(fn)))
+
+
+@unfixed("NEW F33: a Traced returns an empty view of an aliased input without requires_grad")
+def test_traced_empty_view_of_an_aliased_input_keeps_requires_grad():
+    def fn(a0, a2):
+        a0.detach().mul_(2)
+        return a2.view(-1)
+
+    def make():
+        b0 = torch.randn(1, 1).permute(1, 0).requires_grad_()
+        return b0, b0[1:]
+
+    traced = aotgrad.trace(fn, *make())
+    assert traced(*make()).requires_grad == fn(*make()).requires_grad  # eager: True
