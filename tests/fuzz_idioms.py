@@ -38,11 +38,13 @@ from aotgrad.capture import DirectTracerBugWarning
 from aotgrad.errors import AotgradError
 from aotgrad.signature import storage_key
 
-# Idioms over the program's state (parameters, buffers, global tensors) and trace-then-call.
+# Idioms over the program's state (parameters, buffers, global tensors) and trace-then-call;
+# "function": ``aot_function`` over the arguments, compared here rather than by ``verify`` (which
+# cannot copy tensor-subclass arguments, and takes no action on the outputs after the call).
 # ``holder``: the loss function reads a module held in a global ("global_module"), in a
 # closure ("closure_module"), or reads global tensors without a module ("global_tensors").
 HOLDERS = ("global_module", "closure_module", "global_tensors")
-STATE_IDIOMS = ("module", *HOLDERS, "trace", "trace_other", "trace_module", "compile")
+STATE_IDIOMS = ("module", *HOLDERS, "trace", "trace_other", "trace_module", "compile", "function")
 
 
 class FuzzFailure(AssertionError):
@@ -139,11 +141,22 @@ def run_idiom(
     other: str,
     create_graph: bool = False,
     under_no_grad: bool = False,
+    touch_outputs: bool = False,
 ) -> None:
-    """Run one idiom and compare with eager: FuzzFailure, AotgradError, or EagerFails."""
-    options = dict(create_graph=create_graph, under_no_grad=under_no_grad)
+    """Run one idiom and compare with eager: FuzzFailure, AotgradError, or EagerFails.
+
+    ``touch_outputs``: after the call, change every output in place (``mul_(1)``), as a caller
+    may; eager's refusals (an output of a multi-output view, a view of a leaf) must be aotgrad's.
+    """
+    options = dict(
+        create_graph=create_graph, under_no_grad=under_no_grad, touch_outputs=touch_outputs
+    )
     ns = make_namespace
-    if idiom in ("module", *HOLDERS):
+    if idiom == "function":
+        eager, compiled = world(ns(), "function"), world(ns(), "function")
+        compile_fn = aotgrad.aot_function
+        _compare(idiom, eager, compiled, _quiet(compile_fn, compiled.target), **options)
+    elif idiom in ("module", *HOLDERS):
         compile_fn = aotgrad.aot_module if idiom == "module" else aotgrad.aot_function
         eager, compiled = world(ns(), idiom), world(ns(), idiom)
         _compare(idiom, eager, compiled, _quiet(compile_fn, compiled.target), **options)
@@ -217,6 +230,7 @@ def _compare(
     *,
     create_graph: bool,
     under_no_grad: bool,
+    touch_outputs: bool = False,
 ) -> None:
     rng = torch.random.get_rng_state()
     with warnings.catch_warnings():
@@ -230,6 +244,8 @@ def _compare(
         checker = Checker()
         checker.outputs(eager_out, compiled_out, eager, compiled)
         checker.after_call(eager, compiled)
+        if touch_outputs and not checker.mismatches:
+            checker.touch(eager_out, compiled_out)
         if not checker.mismatches:  # gradients of mismatched outputs would repeat the news
             checker.gradients(eager_out, compiled_out, eager, compiled, create_graph)
     if checker.mismatches:
@@ -270,6 +286,20 @@ class Checker:
             elif eager_aliases[k] is not None and e.stride() != c.stride():
                 self.mismatches.append(f"{name}: stride {c.stride()} != eager {e.stride()}")
 
+    def touch(self, eager_out: Any, compiled_out: Any) -> None:
+        """Change each output in place (``mul_(1)``: same values, a new history) on both sides."""
+        for k, (e, c) in enumerate(
+            zip(pytree.tree_leaves(eager_out), pytree.tree_leaves(compiled_out), strict=True)
+        ):
+            if not (isinstance(e, torch.Tensor) and e.is_floating_point()):
+                continue
+            raised = [_touch(t) for t in (e, c)]
+            if (raised[0] is None) != (raised[1] is None):  # both refusing is a match
+                self.mismatches.append(
+                    f"output[{k}].mul_(1) after the call: {raised[1] or 'ran'}"
+                    f" != eager {raised[0] or 'ran'}"
+                )
+
     def after_call(self, eager: World, compiled: World) -> None:
         for (name, e), (_, c) in zip(eager.named, compiled.named, strict=True):
             where = f"input {name} after the call"
@@ -300,6 +330,16 @@ class Checker:
                 f"{name}: {c.dtype}{list(c.shape)} != eager {e.dtype}{list(e.shape)}"
             )
             return False
+        if type(e) is not type(c):
+            self.mismatches.append(f"{name}: a {type(c).__name__} != eager a {type(e).__name__}")
+            return False
+        if is_subclass(e):  # its inner tensors: values, shapes, strides
+            for inner, (ie, ic) in inner_tensors(e, c):
+                if self.tensor(f"{name}.{inner}", ie, ic) and ie.stride() != ic.stride():
+                    self.mismatches.append(
+                        f"{name}.{inner}: stride {ic.stride()} != eager {ie.stride()}"
+                    )
+            return True
         try:
             torch.testing.assert_close(
                 c.detach(), e.detach(), rtol=1.3e-6, atol=1e-5, equal_nan=True
@@ -335,7 +375,7 @@ class Checker:
         if not pairs:
             return
         generator = torch.Generator().manual_seed(0)
-        cotangents = [torch.randn(e.shape, generator=generator, dtype=e.dtype) for e, _ in pairs]
+        cotangents = [cotangent(e, generator) for e, _ in pairs]
         if not create_graph:
             _backward([e for e, _ in pairs], cotangents, eager=True)
             _backward([c for _, c in pairs], cotangents, eager=False)
@@ -378,6 +418,44 @@ class Checker:
         names += [f"second-order grad of cotangent {k}" for k in range(len(cotangents))]
         for name, e, c in zip(names, seconds[0][1], seconds[1][1], strict=True):
             self.grad(name, e, c)
+
+
+def cotangent(e: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A seeded random cotangent of ``e``'s type: a tensor subclass gets one of its own kind
+    (aotgrad refuses a plain cotangent for a subclass output, which eager takes)."""
+    if not is_subclass(e):
+        return torch.randn(e.shape, generator=generator, dtype=e.dtype)
+    names, context = e.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {n: cotangent(getattr(e, n), generator) for n in names}
+    return type(e).__tensor_unflatten__(inner, context, e.shape, e.stride())  # type: ignore[attr-defined,no-any-return]
+
+
+def _touch(t: torch.Tensor) -> str | None:
+    """``t.mul_(1)``: None, or the error's first words (what kind of refusal it was)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t.mul_(1)
+    except Exception as err:
+        return f"{type(err).__name__}: {' '.join(str(err).split()[:8])}"
+    return None
+
+
+def is_subclass(t: torch.Tensor) -> bool:
+    return type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__")
+
+
+def inner_tensors(e: torch.Tensor, c: torch.Tensor) -> list[tuple[str, tuple[Any, Any]]]:
+    names, _ = e.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [(n, (getattr(e, n), getattr(c, n))) for n in names]
+
+
+def storage_keys(t: torch.Tensor) -> set[Any]:
+    """The storages under ``t``: its own, or its inner tensors' for a tensor subclass."""
+    if is_subclass(t):
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        return set().union(*(storage_keys(getattr(t, n)) for n in names))
+    return {storage_key(t)}
 
 
 def _leaves(eager: World, compiled: World) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -427,18 +505,18 @@ def _grad(
 
 def _aliases(outputs: list[Any], world: World) -> list[tuple[str, Any, bool] | None]:
     """Per output: the named tensor or earlier output it shares memory with, and whether it *is* it."""
-    seen: list[tuple[Any, int, torch.Tensor]] = []
+    seen: list[tuple[set[Any], int, torch.Tensor]] = []
     result: list[tuple[str, Any, bool] | None] = []
     for k, out in enumerate(outputs):
         if not isinstance(out, torch.Tensor):
             result.append(None)
             continue
-        key = storage_key(out)
+        key = storage_keys(out)
         alias = next(
-            (("input", name, out is t) for name, t in world.named if storage_key(t) == key), None
+            (("input", name, out is t) for name, t in world.named if storage_keys(t) & key), None
         )
         if alias is None:
-            alias = next((("output", j, out is o) for other, j, o in seen if other == key), None)
+            alias = next((("output", j, out is o) for other, j, o in seen if other & key), None)
         seen.append((key, k, out))
         result.append(alias)
     return result

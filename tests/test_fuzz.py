@@ -54,3 +54,34 @@ def test_the_idioms_compare_a_parameters_gradient(monkeypatch):
     monkeypatch.setattr(aotgrad, "aot_module", detached)
     with pytest.raises(fp.FuzzFailure, match=r"grad of model\.p0: None != eager a tensor"):
         fp.check(_function_over_a_parameter(("module",)))
+
+
+def _two_tensor_program(steps, returns, touch=False):
+    return fp.Program(
+        bases=(fp.Base((2, 3), True, two=True), fp.Base((3,), False)),
+        args=("b0", "b1"),
+        steps=steps,
+        returns=returns,
+        modes=("function", "trace"),
+        touch_outputs=touch,
+    )
+
+
+def test_two_tensor_arguments_run_in_the_function_and_trace_idioms():
+    program = _two_tensor_program((fp.Step("a0.sin() * a1", "v0"),), ("v0",), touch=True)
+    assert "TwoTensor(torch.randn(2, 3), torch.randn(2, 3)).requires_grad_()" in repr(program)
+    assert fp.check(program).compiled == 2  # "aot" (verify) is left out: it cannot copy them
+
+
+def test_touching_the_outputs_catches_an_output_that_is_no_view():
+    # An output of unbind changed in place after the call: eager raises (issue 39, mov).
+    program = fp.Program(
+        bases=(fp.Base((3, 2), True),),
+        args=("b0",),
+        steps=(fp.Step("a0 * 1", "v0"), fp.Step("v0.unbind(0)[0]", "v1")),
+        returns=("v1",),
+        modes=("function",),
+        touch_outputs=True,
+    )
+    with pytest.raises(fp.FuzzFailure, match=r"mul_\(1\) after the call: ran != eager"):
+        fp.check(program)

@@ -834,3 +834,131 @@ def test_requires_grad_on_an_intermediate_is_refused(w_grad):
     assert fn(*args).is_leaf
     with pytest.raises(aotgrad.UnsupportedOutputError, match=r"made require grad itself"):
         aotgrad.aot_function(fn)(*args)
+
+
+# --- issue 39: what the fuzzer's subclass, set_ and touch-outputs steps found ----------------
+
+
+@unfixed("NEW F25: x.data = y inside the function is ignored (silent: output and caller's x)")
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_data_assignment_to_an_input_is_eagers(requires_grad):
+    def fn(a, b):
+        a.data = b
+        return a * 2
+
+    verify_or_refuse(fn, torch.randn(3, requires_grad=requires_grad), torch.randn(3))
+
+
+@unfixed("NEW F26: a view of a TwoTensor input returned is no view (_is_view() False)")
+def test_view_of_a_subclass_input_returned_is_a_view():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    x = TwoTensor(torch.randn(2, 3), torch.randn(2, 3)).requires_grad_()
+    out = aotgrad.aot_function(lambda x: x.view(-1))(x)
+    assert out._is_view() and out._base is x
+
+
+@unfixed("NEW F27: set_() on a view of a buffer: the buffer's requires_grad after the call")
+def test_set_on_a_view_of_a_buffer_keeps_eagers_requires_grad():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("p0", torch.randn(2))
+
+        def forward(self, a1):
+            a2 = self.p0.view(-1)
+            a2.set_(a1)
+            return a1 * 2
+
+    eager, compiled = Model(), aotgrad.aot_module(Model())
+    a1 = torch.randn(4, 3, requires_grad=True)
+    eager(a1), compiled(a1)
+    assert compiled.p0.requires_grad == eager.p0.requires_grad
+
+
+@unfixed("issue 39 (mov): an output of unbind changed in place after the call runs")
+def test_output_of_unbind_changed_in_place_after_the_call_raises_as_in_eager():
+    x = torch.randn(3, 2, requires_grad=True) * 1
+    out = aotgrad.aot_function(lambda a: a.unbind(0))(x)
+    with pytest.raises(RuntimeError, match="returns multiple views"):
+        out[0].mul_(2)
+
+
+@unfixed("issue 39 (subcls): t_() of a TwoTensor input is not replayed on the caller's tensor")
+def test_metadata_mutation_of_a_subclass_input_reaches_the_caller():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def fn(x):
+        x.t_()
+        return x * 2
+
+    x = TwoTensor(torch.randn(2, 3), torch.randn(2, 3))
+    with contextlib.suppress(AotgradError):
+        aotgrad.aot_function(fn)(x)
+        assert x.shape == (3, 2) and x.a.shape == (3, 2)
+
+
+@unfixed(
+    "NEW F28: resize_() to its own size of a strided input aliased by another: read contiguously"
+)
+def test_resize_to_its_own_size_of_a_strided_aliased_input_is_a_no_op():
+    def fn(base, row):
+        row.resize_(4)
+        return row * 1
+
+    b = torch.randn(4, 3).t()
+    verify_or_refuse(fn, b, b[0])
+
+
+@unfixed("NEW F29: create_graph=True through a TwoTensor input: no second-order gradient")
+def test_first_order_gradient_of_a_subclass_input_requires_grad_under_create_graph():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    x = TwoTensor(torch.randn(3), torch.randn(3)).requires_grad_()
+    out = aotgrad.aot_function(lambda a: (a * a).sum())(x)
+    (grad,) = torch.autograd.grad(out, [x], create_graph=True)
+    assert grad.requires_grad  # eager's does: 2 * a
+
+
+@unfixed("NEW F31: one TwoTensor value returned twice comes back as two objects")
+def test_one_subclass_value_returned_twice_is_one_object():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def fn(a):
+        v = a * 2
+        return v, v
+
+    out = aotgrad.aot_function(fn)(TwoTensor(torch.randn(3), torch.randn(3)))
+    assert out[0] is out[1]
+
+
+@unfixed("NEW F32: under no_grad, enable_grad over a view of a view input: no requires_grad")
+def test_enable_grad_over_a_no_grad_view_of_a_view_input_requires_grad():
+    def fn(a):
+        v = a[0]
+        with torch.enable_grad():
+            return v.exp()
+
+    def under_no_grad(f):
+        def call(*args):
+            with torch.no_grad():
+                return f(*args)
+
+        return call
+
+    x = torch.randn(2, 2, requires_grad=True).unsqueeze(0)
+    verify(under_no_grad(fn), x, compile_fn=lambda f: under_no_grad(aotgrad.aot_function(fn)))
+
+
+@unfixed("NEW F33: a Traced returns an empty view of an aliased input without requires_grad")
+def test_traced_empty_view_of_an_aliased_input_keeps_requires_grad():
+    def fn(a0, a2):
+        a0.detach().mul_(2)
+        return a2.view(-1)
+
+    def make():
+        b0 = torch.randn(1, 1).permute(1, 0).requires_grad_()
+        return b0, b0[1:]
+
+    traced = aotgrad.trace(fn, *make())
+    assert traced(*make()).requires_grad == fn(*make()).requires_grad  # eager: True
