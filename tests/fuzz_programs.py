@@ -160,15 +160,9 @@ KNOWN_BAD: dict[str, str] = {
     " second-order gradient is None (eager's is a tensor)",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
     "requires_grad_under_no_grad": "NEW F15: requires_grad_() on a no_grad view of an input",
-    "multi_view_touched": "issue 39 (mov): an output of unbind/split changed in place after the"
-    " call runs (eager raises: a function that returns multiple views)",
-    "subclass_metadata_input": "issue 39 (subcls): t_()/transpose_()/unsqueeze_() of a TwoTensor"
-    " input leaves the caller's tensor in its old shape",
-    "data_assign": "NEW F25: x.data = y inside the function is ignored (the output uses x's old"
-    " value, the caller's x keeps it)",
     "set_input": "NEW F27: a2 = self.p0.view(-1); a2.set_(a1) (a buffer's view, a1 requiring"
     " grad) in aot_module or torch.compile: the buffer does not require grad after the call"
-    " (eager's does); set_() on an input itself is refused (issue 39 setx)",
+    " (eager's does)",
     "compile_set_": "NEW F27 under torch.compile (see set_input)",
     "subclass_create_graph": "NEW F29: create_graph=True through a function of a TwoTensor"
     " requiring grad (x.sum()): the first-order gradient does not require grad (eager's does)",

@@ -839,7 +839,6 @@ def test_requires_grad_on_an_intermediate_is_refused(w_grad):
 # --- issue 39: what the fuzzer's subclass, set_ and touch-outputs steps found ----------------
 
 
-@unfixed("NEW F25: x.data = y inside the function is ignored (silent: output and caller's x)")
 @pytest.mark.parametrize("requires_grad", [False, True])
 def test_data_assignment_to_an_input_is_eagers(requires_grad):
     def fn(a, b):
@@ -876,7 +875,6 @@ def test_set_on_a_view_of_a_buffer_keeps_eagers_requires_grad():
     assert compiled.p0.requires_grad == eager.p0.requires_grad
 
 
-@unfixed("issue 39 (mov): an output of unbind changed in place after the call runs")
 def test_output_of_unbind_changed_in_place_after_the_call_raises_as_in_eager():
     x = torch.randn(3, 2, requires_grad=True) * 1
     out = aotgrad.aot_function(lambda a: a.unbind(0))(x)
@@ -884,7 +882,6 @@ def test_output_of_unbind_changed_in_place_after_the_call_raises_as_in_eager():
         out[0].mul_(2)
 
 
-@unfixed("issue 39 (subcls): t_() of a TwoTensor input is not replayed on the caller's tensor")
 def test_metadata_mutation_of_a_subclass_input_reaches_the_caller():
     from torch.testing._internal.two_tensor import TwoTensor
 
