@@ -65,6 +65,7 @@ from aotgrad.signature.storage import storage_key
 
 aten = torch.ops.aten
 
+
 @dataclass(frozen=True)
 class PrimalInfo:
     """What capture needs to know about a real input beyond its fake twin."""
