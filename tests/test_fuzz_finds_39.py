@@ -200,6 +200,32 @@ def test_set_on_a_view_of_a_buffer_leaves_the_buffer() -> None:
         torch.testing.assert_close(c, e)
 
 
+class SetBufferViewWithGrad(nn.Module):
+    """The fuzzer's module (F27) as found: set_() with grad mode on, a source requiring grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("p0", torch.randn(2))
+
+    def forward(self, a1: torch.Tensor) -> torch.Tensor:
+        a2 = self.p0.view(-1)
+        a2.set_(a1)
+        return a1 * 2
+
+
+def test_set_with_grad_on_a_view_of_a_buffer_is_refused_and_leaves_the_buffer() -> None:
+    """Eager makes the buffer require grad (CopySlices) and its backward fails: refused, at
+    the user's line, naming the view's base; the buffer is left as it was."""
+    module = SetBufferViewWithGrad()
+    before = module.p0.clone()
+    a1 = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(UnsupportedMutationError, match=r"history of the view's base") as info:
+        aotgrad.aot_module(module)(a1)
+    assert "a2.set_(a1)" in str(info.value)
+    assert (module.p0.shape, module.p0.requires_grad) == ((2,), False)
+    torch.testing.assert_close(module.p0, before)
+
+
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("view", ["row", "t"])
 def test_set_on_a_view_that_requires_grad_is_refused(view: str, source: str) -> None:

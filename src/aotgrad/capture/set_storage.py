@@ -256,11 +256,16 @@ class StorageSets:
                     "Wrap the set_() in torch.no_grad(), as FSDP does.",
                 )
             )
+        what = (
+            "records the set_() in the history of the view's base (a buffer or input then"
+            " requires grad), and a backward through it fails"
+            if target._is_view()
+            else "records a grad_fn whose backward raises 'derivative for set_ is not implemented'"
+        )
         raise UnsupportedMutationError(
             format_error(
                 "set_() runs with grad mode on, on a tensor that requires grad (or with a source"
-                " that does): eager records a grad_fn whose backward raises 'derivative for"
-                " set_ is not implemented', and aotgrad cannot compile that",
+                f" that does): eager {what}, and aotgrad cannot compile that",
                 where,
                 "Wrap the set_() in torch.no_grad(), or detach the source (a.set_(b.detach())).",
             )
