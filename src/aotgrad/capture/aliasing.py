@@ -357,7 +357,7 @@ def analyze_aliasing(
     bases: list[torch.Tensor] = []
     members: list[tuple[int, ...]] = []
     for group in groups.values():
-        if len(group) > 1 or tensors[group[0]]._base is not None:
+        if len(group) > 1 or _storage_base(tensors[group[0]]) is not None:
             _alias_group(group, tensors, aliases, bases, members)
     outputs = tuple(
         TensorOutput(k, alias, t.requires_grad)
@@ -400,14 +400,23 @@ def _group_source(
     One that requires grad when any output does (Note [Aliased outputs]): ``v``,
     not ``v.detach()``; the base of ``v.view(-1)`` when ``v`` is not returned.
     """
-    owners = [k for k in group if tensors[k]._base is None]
+    owners = [k for k in group if _storage_base(tensors[k]) is None]
     needs_grad = any(tensors[k].requires_grad for k in group)
     for k in owners:
         if tensors[k].requires_grad or not needs_grad:
             return AliasSource.OUTPUT, tensors[k], k
-    views = [k for k in group if tensors[k]._base is not None]  # not empty: see the loop
+    views = [k for k in group if _storage_base(tensors[k]) is not None]  # not empty: see above
     view = next((k for k in views if tensors[k].requires_grad), views[0])
-    return AliasSource.BASE, tensors[view]._base, num_bases
+    return AliasSource.BASE, _storage_base(tensors[view]), num_bases
+
+
+def _storage_base(t: torch.Tensor) -> torch.Tensor | None:
+    """``t._base`` while ``t`` still views its memory; None when ``t`` owns its storage, or
+    when ``set_()`` moved it off its base's (Note [set_() on a view])."""
+    base = t._base
+    if base is None or storage_key(base) != storage_key(t):
+        return None
+    return base
 
 
 # Note [Inputs returned by a custom Function]

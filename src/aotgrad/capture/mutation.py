@@ -63,6 +63,8 @@ from aotgrad.errors import (
 from aotgrad.signature import Descriptor
 from aotgrad.signature.storage import storage_key
 
+aten = torch.ops.aten
+
 
 @dataclass(frozen=True)
 class PrimalInfo:
@@ -185,6 +187,40 @@ def _mutations(
             )
         )
     return mutations
+
+
+# Note [resize_() to the same size]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Eager's ``t.resize_(size)`` does nothing when ``size`` is already ``t``'s
+# size (and no ``memory_format`` is given): the strides, the offset, the
+# storage and the version all stay. Only a new size makes ``t`` contiguous.
+# Functionalization's ``resize_`` always gives the tensor contiguous strides
+# over its storage, so a strided tensor would be read as if it were
+# contiguous, silently::
+#
+#     b = torch.randn(4, 3).t()        # (3, 4), strides (1, 3)
+#     row = b[0]                       # (4,), stride (3,): elements 0, 3, 6, 9
+#     row.resize_(4)                   # eager: no-op, still elements 0, 3, 6, 9
+#                                      # functionalized: as_strided((4,), (1,)):
+#                                      #   elements 0, 1, 2, 3
+#
+# So the full trace skips such a ``resize_`` (``resize_keeps_layout``), as
+# eager's kernel returns early; it is the same for inputs, inputs sharing
+# memory (Note [Aliased inputs]) and the function's own tensors. Autograd's
+# check ("cannot resize variables that require grad") runs before dispatch,
+# as in eager.
+RESIZE_OPS = frozenset({aten.resize_.default, aten.resize_as_.default})
+
+
+def resize_keeps_layout(func: object, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Is ``func`` a ``resize_`` (or ``resize_as_``) to the tensor's own size, with no memory
+    format: a no-op in eager (Note [resize_() to the same size])?"""
+    if func not in RESIZE_OPS or len(args) > 2 or kwargs.get("memory_format") is not None:
+        return False
+    target, size = args[0], args[1]
+    if func is aten.resize_as_.default:
+        size = size.shape
+    return isinstance(target, torch.Tensor) and tuple(target.shape) == tuple(size)
 
 
 # Note [Inputs a kernel resizes]

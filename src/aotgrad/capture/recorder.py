@@ -37,7 +37,11 @@ from aotgrad.capture import closed_over
 from aotgrad.capture.backward_state import BackwardSite
 from aotgrad.capture.collectives import refuse_in_place_collective
 from aotgrad.capture.host_checks import HostChecks
-from aotgrad.capture.mutation import check_no_partial_overlap, check_writable
+from aotgrad.capture.mutation import (
+    check_no_partial_overlap,
+    check_writable,
+    resize_keeps_layout,
+)
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.capture.random import FILL_RANDOM, MANUAL_SEED, seed_as_int64, strided_fill
 from aotgrad.capture.set_storage import SET_OPS, StorageSets
@@ -115,6 +119,8 @@ class ProvenanceMode(FunctionalTensorMode):
         if answer is not None:
             return answer
         schema = getattr(func, "_schema", None)
+        if resize_keeps_layout(func, args, kwargs or {}):  # Note [resize_() to the same size]
+            return args[0]
         if func in SET_OPS:  # Note [set_() on an input]
             # A module's real parameter reaches dispatch as itself (Note [Real tensors in a trace])
             self.storage_sets.note_real_target(args[0])

@@ -49,6 +49,29 @@ compiled ``autograd.Function`` takes the input with its size at the call; eager'
 gradient would have the new size); an output other than ``a`` itself over the
 storage the function made for ``a`` (it would not share it); symbolic sizes
 (torch's functional ``set_`` takes concrete ones).
+
+Note [set_() on a view]
+~~~~~~~~~~~~~~~~~~~~~~~
+``v.set_(src)`` on a view ``v`` of an input (or buffer) moves ``v`` alone:
+the input keeps its storage, size and values, and ``v`` is a tensor over
+``src``'s storage. Autograd still calls ``v`` a view of its old base
+(``v._base`` is the input), so two things follow::
+
+    def f(x, y):                      # x: (3, 4), y: (4, 3)
+        v = x.view(-1)
+        with torch.no_grad():
+            v.set_(y * 2)             # v: (4, 3), a storage the function made
+        return v                      # eager: y * 2; x unchanged
+
+- Outputs are grouped by the storage they are over, and a view's ``._base``
+  is used only while it is over the same storage (``_storage_base`` in
+  ``aliasing.py``): ``v`` is a fresh output, not ``x.as_strided(...)``
+  rebuilt after the call (which read x's values, silently).
+- If ``v`` requires grad (``x`` does), eager keeps ``v``'s view history:
+  the gradient of ``v``'s new values flows into ``x`` through the old view's
+  backward (an ``AsStridedBackward0`` autograd regenerates from ``x``), with
+  no meaning for ``x``. Capture refuses such a ``set_`` (``_check_view``);
+  with grad mode on, ``_check_grad`` refuses it first.
 """
 
 from __future__ import annotations
@@ -154,6 +177,7 @@ class StorageSets:
         source = self._source(func, args, kwargs, run)
         _check_static(target, source)
         self._check_grad(target, source)
+        self._check_view(target)
         self._check_size(target, source)
         self._check_no_write_before(target)
         if not _ASSIGNING.active:
@@ -232,13 +256,35 @@ class StorageSets:
                     "Wrap the set_() in torch.no_grad(), as FSDP does.",
                 )
             )
+        what = (
+            "records the set_() in the history of the view's base (a buffer or input then"
+            " requires grad), and a backward through it fails"
+            if target._is_view()
+            else "records a grad_fn whose backward raises 'derivative for set_ is not implemented'"
+        )
         raise UnsupportedMutationError(
             format_error(
                 "set_() runs with grad mode on, on a tensor that requires grad (or with a source"
-                " that does): eager records a grad_fn whose backward raises 'derivative for"
-                " set_ is not implemented', and aotgrad cannot compile that",
+                f" that does): eager {what}, and aotgrad cannot compile that",
                 where,
                 "Wrap the set_() in torch.no_grad(), or detach the source (a.set_(b.detach())).",
+            )
+        )
+
+    def _check_view(self, target: torch.Tensor) -> None:
+        """Refuse ``set_`` on a view that requires grad and is no input (Note [set_() on a view])."""
+        if not target._is_view() or not target.requires_grad:
+            return
+        if any(p is target for p in self.inputs):
+            return
+        raise UnsupportedMutationError(
+            format_error(
+                "set_() on a view of a tensor that requires grad: the view keeps its autograd"
+                " history, so eager sends the gradient of its new values into its old base,"
+                " which aotgrad does not reproduce",
+                user_frame_from_stack(),
+                "Set a tensor that is no view (v = x.view(-1).detach()), or use the source"
+                " directly instead of set_().",
             )
         )
 

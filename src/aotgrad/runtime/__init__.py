@@ -241,7 +241,22 @@ class CompiledGraphs:
 #     call 1: weight = W1 (an output of call 1's Function); loss1.backward()
 #     call 2: inputs (..., W1, x) -> W1 unread; loss2.backward() walks W1's grad_fn
 #
-# So such inputs reach the Function detached (the same data, no edge).
+# So such inputs reach the Function detached (the same data, no edge), as
+# fresh leaves that still require grad: an output can require grad in eager
+# with no gradient reaching any input, and a Function none of whose inputs
+# requires grad would return it without. A view made under ``no_grad`` of a
+# non-leaf input requires grad with no ``grad_fn`` (Note [Views past a no_grad
+# view]); what grad mode computes from it requires grad, with an edge to
+# nowhere::
+#
+#     with torch.no_grad():          # x = leaf.unsqueeze(0): requires grad, a grad_fn
+#         v = x[0]                   # requires grad, grad_fn None
+#         with torch.enable_grad():
+#             out = v.exp()          # eager: requires grad, ExpBackward0 -> (None, 0)
+#
+# The trace reads ``out`` requiring grad and no gradient reaching ``x``; the
+# Function takes ``x`` cut, as a leaf that requires grad, so ``out`` requires
+# grad, and its backward returns None for that leaf: nothing accumulates.
 
 
 def _unreached_inputs(plan: Plan, partitioned: Partitioned | None) -> tuple[int, ...]:
@@ -257,11 +272,12 @@ def _unreached_inputs(plan: Plan, partitioned: Partitioned | None) -> tuple[int,
 
 
 def _cut(inputs: Sequence[torch.Tensor], positions: tuple[int, ...]) -> list[torch.Tensor]:
-    """``inputs``, those at ``positions`` that have an autograd history detached."""
+    """``inputs``, those at ``positions`` that have an autograd history cut off: fresh leaves
+    that still require grad (Note [Inputs no gradient reaches])."""
     cut = list(inputs)
     for i in positions:
         if cut[i].grad_fn is not None:
-            cut[i] = cut[i].detach()
+            cut[i] = cut[i].detach().requires_grad_()
     return cut
 
 
