@@ -206,12 +206,12 @@ class _Wrap(torch.autograd.Function):
             return (None, None, *([None] * meta.width))
         if ctx.grad_meta is None:  # a run's output: its cotangent as the trace's
             grad = _coerced(grad, tangent_meta(meta))
-            return (None, None, *inner_tensors(grad, meta))
+            return (None, None, *_taken_apart(grad, meta))
         grad = _conformed(grad, meta)  # the trace's input: record its gradient's layout
         grad_meta = meta_of(grad)
         assert grad_meta is not None
         ctx.grad_meta.meta = grad_meta
-        return (None, None, *inner_tensors(grad, grad_meta))
+        return (None, None, *_taken_apart(grad, grad_meta))
 
 
 class _Unwrap(torch.autograd.Function):
@@ -234,8 +234,40 @@ class _Unwrap(torch.autograd.Function):
             for g, (shape, dtype, device) in zip(grads, ctx.shapes, strict=True)
         ]
         recorded = ctx.grad_meta.meta if ctx.grad_meta is not None else None
-        built = rebuild(recorded or tangent_meta(ctx.meta), filled)
+        meta = recorded or tangent_meta(ctx.meta)
+        if torch.is_grad_enabled() and any(g.requires_grad for g in filled):
+            # Note [Subclass gradients under create_graph]
+            return None, None, _Wrap.apply(meta, None, *filled)
+        built = rebuild(meta, filled)
         return None, None, built.detach() if built.requires_grad else built
+
+
+# Note [Subclass gradients under create_graph]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``_Wrap`` and ``_Unwrap`` are inverses, so each one's backward is the other:
+# under ``create_graph=True`` (grad mode on in the backward) a subclass
+# gradient is built from differentiable inner gradients with ``_Wrap``, and
+# taken apart with ``_Unwrap``, so the gradient keeps its history through the
+# compiled backward (Note [Differentiable backward] in
+# ``runtime/higher_order.py``). Reading ``grad.a`` directly, or rebuilding
+# with ``__tensor_unflatten__`` alone, would cut it. Worked example, ``x`` a
+# ``TwoTensor`` requiring grad::
+#
+#     out = aot_function(lambda a: (a * a).sum())(x)
+#     (g,) = autograd.grad(out, [x], create_graph=True)
+#         _Unwrap.backward: g.a = 2 * x.a, g.b = 2 * x.b (each with history)
+#                           g = _Wrap.apply(g.a, g.b)   requires grad, as eager's 2 * x
+#     g.sum().backward()    _Wrap.backward takes the ones apart with _Unwrap:
+#                           x.grad = TwoTensor(2, 2), as eager
+# Without grad mode (a first-order backward) both build and take apart as before.
+
+
+def _taken_apart(grad: torch.Tensor, meta: SubclassMeta) -> list[torch.Tensor]:
+    """``grad``'s inner tensors; differentiable views of it when the backward records a graph
+    (Note [Subclass gradients under create_graph])."""
+    if torch.is_grad_enabled() and grad.requires_grad:
+        return list(_Unwrap.apply(meta, None, grad))
+    return inner_tensors(grad, meta)
 
 
 # Note [Subclass gradients of plain inputs]
