@@ -56,7 +56,7 @@ from aotgrad._torch_compat import (
 )
 from aotgrad.errors import UnsupportedMutationError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature.storage import storage_key
-from aotgrad.signature.subclasses import takes_subclasses_apart
+from aotgrad.signature.subclasses import rebuilt_from_alias, takes_subclasses_apart
 
 
 class AliasSource(enum.Enum):
@@ -337,7 +337,7 @@ def analyze_aliasing(
             aliases[k] = _alias(t, AliasSource.INPUT, input_ids[id(t)], None)
         elif id(t) in first_index:  # one tensor returned twice: the same object twice
             aliases[k] = _alias(t, AliasSource.OUTPUT, first_index[id(t)], None)
-        elif _custom_functions(t):
+        elif custom_functions(t):
             first_index[id(t)] = k
             # Note [Inputs returned by a custom Function]: the first is returned, others alias it
             owner = custom_owners.setdefault(storage, k)
@@ -488,8 +488,8 @@ def check_custom_views_of_mutated(
     """
     storages = {storage_key(p) for p in mutated}
     for t in tensors:
-        functions = _custom_functions(t) if storage_key(t) in storages else []
-        if not functions:
+        functions = custom_functions(t) if storage_key(t) in storages else []
+        if not functions or rebuilt_from_alias(functions[0]):  # Note [Aliased subclass outputs]
             continue
         users = [f for f in functions if not takes_subclasses_apart(f)]
         if users:
@@ -548,7 +548,7 @@ def check_input_aliases_are_views(
             )
 
 
-def _custom_functions(t: torch.Tensor) -> list[type]:
+def custom_functions(t: torch.Tensor) -> list[type]:
     """The custom ``autograd.Function`` s that made ``t`` a view of its base, nearest first.
 
     Walks ``t``'s autograd nodes back to its base's; views have one input each.

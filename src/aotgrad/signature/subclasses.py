@@ -62,7 +62,13 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from aotgrad._torch_compat import FakeTensor, FunctionalTensor, is_traceable_wrapper_subclass
+from aotgrad._torch_compat import (
+    FakeTensor,
+    FunctionalTensor,
+    is_traceable_wrapper_subclass,
+    set_view_creation,
+    view_creation,
+)
 from aotgrad.errors import UnsupportedSubclassError, UserFrame, format_error
 from aotgrad.signature.descriptors import Inner, PrimalDescriptor
 
@@ -395,7 +401,7 @@ def rebase(x: torch.Tensor, news: Sequence[torch.Tensor | None]) -> None:
 def takes_subclasses_apart(function: type) -> bool:
     """Is ``function`` one of aotgrad's own Functions that take a subclass apart or build it
     (not a user's custom ``autograd.Function``)?"""
-    return function in (_Wrap, _Unwrap, _SplitGrad, _JoinGrad)
+    return function in (_Wrap, _Unwrap, _UnwrapAliased, _SplitGrad, _JoinGrad)
 
 
 def _conformed(grad: torch.Tensor, meta: SubclassMeta) -> torch.Tensor:
@@ -493,39 +499,144 @@ class FlatOutput:
     """A subclass output taken apart: a pytree node whose children are its plain inner tensors.
 
     Its key paths are the inner tensors' places (``output.a``); the runtime builds the
-    subclass again from it (``rebuild_outputs``).
+    subclass again from it (``rebuild_outputs``), or, when ``alias`` says so, takes the
+    tensor it aliases (Note [Aliased subclass outputs]).
     """
 
-    def __init__(self, meta: SubclassMeta, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, meta: SubclassMeta, tensors: Sequence[torch.Tensor], alias: OuterAlias | None = None
+    ) -> None:
         self.meta = meta
         self.tensors = list(tensors)
+        self.alias = alias
 
 
 def _flatten_output_with_keys(
     node: FlatOutput,
-) -> tuple[list[tuple[pytree.KeyEntry, torch.Tensor]], SubclassMeta]:
+) -> tuple[list[tuple[pytree.KeyEntry, torch.Tensor]], Any]:
     keys = [pytree.GetAttrKey(p) for p in node.meta.paths()]
-    return list(zip(keys, node.tensors, strict=True)), node.meta
+    return list(zip(keys, node.tensors, strict=True)), (node.meta, node.alias)
 
 
 pytree.register_pytree_node(
     FlatOutput,
-    lambda node: (node.tensors, node.meta),
-    lambda tensors, meta: FlatOutput(meta, list(tensors)),
+    lambda node: (node.tensors, (node.meta, node.alias)),
+    lambda tensors, context: FlatOutput(context[0], list(tensors), context[1]),
     flatten_with_keys_fn=_flatten_output_with_keys,
 )
 
 
-def flatten_outputs(result: Any) -> Any:
-    """``result`` with every subclass leaf taken apart into a :class:`FlatOutput` (at trace time)."""
+# Note [Aliased subclass outputs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The graphs see a subclass output only as its inner tensors, and the plain
+# rules (Note [Aliased outputs] in ``capture/aliasing.py``) rebuild those: the
+# wrapper itself, built again by ``_Wrap``, would be a fresh tensor every
+# time. Eager's wrapper is not: ``x.view(-1)`` of a ``TwoTensor`` input is a
+# view of ``x`` (its ``._base``, its in-place rules), and ``v, v`` is one
+# object twice. So capture decides the same things on the outer tensors, as
+# the plain rules do on plain ones (``OuterAlias``), and the runtime applies
+# them after the epilogue (after the input's own in-place changes are
+# replayed, as eager's view sees them)::
+#
+#     def f(x):                     # x = TwoTensor(a, b), requires grad
+#         v = x * 2
+#         return v, v, x.view(-1), x.unbind(0)[0], v.t()
+#
+#     output[0] v          built by _Wrap from its inner outputs
+#     output[1] v          OuterAlias("output", 0): output[0] itself
+#     output[2]            OuterAlias("input", 0, view=(6,), (1,), 0): x.as_strided(...)
+#     output[3]            the same, and unbind's MULTI_OUTPUT_NODE creation meta (Note
+#                          [Multi-output views]): eager's in-place refusals hold
+#     output[4] v.t()      OuterAlias("output", 0, view=(3, 2), (1, 3), 0)
+#
+# A view is rebuilt with the wrapper's own ``as_strided``, which is right only
+# where the wrapper's layout is each inner tensor's (a ``TwoTensor``, a
+# one-scale wrapper); for others (a sharded ``DTensor``, which has no
+# ``as_strided``) the output stays a fresh wrapper, as does a view of a wrapper
+# the function does not return (docs/known-limitations.md).
+@dataclass(frozen=True)
+class OuterAlias:
+    """What a subclass output aliases (Note [Aliased subclass outputs])."""
+
+    source: str  # "input": a user input position; "output": an earlier subclass output's
+    index: int
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None  # None: the same object
+    creation: str | None = None  # the traced view's creation meta, kept on the rebuilt one
+    with_grad: bool = True  # autograd recorded the view: rebuilt with grad mode on
+    requires_grad: bool = True
+
+
+def _layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.shape), tuple(t.stride()), t.storage_offset()
+
+
+def _restridable(t: torch.Tensor, meta: SubclassMeta) -> bool:
+    """Does the wrapper's ``as_strided`` rebuild ``t``: is its layout each inner tensor's?"""
+    return all(_layout(x) == _layout(t) for x in inner_tensors(t, meta))
+
+
+def _outer_alias(
+    t: torch.Tensor, meta: SubclassMeta, sources: Mapping[int, tuple[str, int]]
+) -> OuterAlias | None:
+    if id(t) in sources:
+        return OuterAlias(*sources[id(t)], None)
+    base = t._base
+    if base is None or id(base) not in sources or not _restridable(t, meta):
+        return None
+    base_meta = meta_of(base)
+    if base_meta is None or not _restridable(base, base_meta):
+        return None
+    if t.requires_grad and t.grad_fn is None:  # past a no_grad view: left fresh
+        return None
+    from aotgrad.capture.aliasing import custom_functions  # capture imports this module
+
+    if any(not takes_subclasses_apart(f) for f in custom_functions(t)):
+        return None  # a user's Function's backward, which as_strided would skip: left fresh
+    creation = view_creation(t)
+    keep = creation if creation in ("DEFAULT", "MULTI_OUTPUT_NODE") else None
+    source, index = sources[id(base)]
+    return OuterAlias(source, index, _layout(t), keep, t.grad_fn is not None, t.requires_grad)
+
+
+def flatten_outputs(result: Any, inputs: Sequence[torch.Tensor | None] = ()) -> Any:
+    """``result`` with every subclass leaf taken apart into a :class:`FlatOutput` (at trace time).
+
+    ``inputs``: the subclass inputs the body sees, by position (None for others), for the
+    outputs that alias them (Note [Aliased subclass outputs]).
+    """
+    sources: dict[int, tuple[str, int]] = {
+        id(t): ("input", i) for i, t in enumerate(inputs) if t is not None
+    }
+    count = [0]
 
     def take_apart(t: Any) -> Any:
         meta = meta_of(t) if isinstance(t, torch.Tensor) else None
-        return t if meta is None else FlatOutput(meta, _Unwrap.apply(meta, None, t))
+        if meta is None:
+            return t
+        alias = _outer_alias(t, meta, sources)
+        sources.setdefault(id(t), ("output", count[0]))
+        count[0] += 1
+        unwrap = _Unwrap if alias is None else _UnwrapAliased
+        return FlatOutput(meta, unwrap.apply(meta, None, t), alias)
 
-    if not any(is_wrapper(leaf) for leaf in pytree.tree_leaves(result)):
+    leaves = pytree.tree_leaves(result)
+    if not any(is_wrapper(leaf) for leaf in leaves):
         return result  # untouched: mapping would rebuild containers (a torch.Size as a tuple)
+    from aotgrad.capture.aliasing import check_views_still_usable  # capture imports this module
+
+    check_views_still_usable([t for t in leaves if is_wrapper(t)], None)
     return pytree.tree_map(take_apart, result)
+
+
+class _UnwrapAliased(_Unwrap):
+    """``_Unwrap`` of an output the runtime takes from the tensor it aliases: its inner
+    tensors are computed but not returned (Note [Aliased subclass outputs])."""
+
+
+def rebuilt_from_alias(function: type) -> bool:
+    """Does ``function`` take apart a subclass output the runtime does not build from its
+    inner tensors (Note [Aliased subclass outputs])?"""
+    return function is _UnwrapAliased
 
 
 def unwrapped(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -535,15 +646,36 @@ def unwrapped(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(_Unwrap.apply(meta, None, t))
 
 
-def rebuild_outputs(result: Any) -> Any:
-    """``result`` with every :class:`FlatOutput` built again as its subclass (at run time)."""
+def rebuild_outputs(result: Any, primals: Sequence[torch.Tensor] = ()) -> Any:
+    """``result`` with every :class:`FlatOutput` built again as its subclass, or taken from
+    the tensor it aliases among ``primals`` and earlier outputs (at run time: Note [Aliased
+    subclass outputs])."""
+    built: list[torch.Tensor] = []
 
     def build(node: Any) -> Any:
         if not isinstance(node, FlatOutput):
             return node
-        return _Wrap.apply(node.meta, None, *node.tensors)
+        alias = node.alias
+        if alias is None:
+            out = _Wrap.apply(node.meta, None, *node.tensors)
+        else:
+            source = primals[alias.index] if alias.source == "input" else built[alias.index]
+            out = source if alias.view is None else _view_of(source, alias)
+        built.append(out)
+        return out
 
     return pytree.tree_map(build, result, is_leaf=lambda x: isinstance(x, FlatOutput))
+
+
+def _view_of(source: torch.Tensor, alias: OuterAlias) -> torch.Tensor:
+    assert alias.view is not None
+    with torch.set_grad_enabled(alias.with_grad):
+        view = source.as_strided(*alias.view)
+    if alias.creation is not None and view._is_view():  # Note [Multi-output views]
+        set_view_creation(view, alias.creation)
+    if view.requires_grad and not alias.requires_grad:
+        return view.detach()
+    return view
 
 
 def holds_flat_outputs(spec: pytree.TreeSpec) -> bool:
@@ -766,7 +898,7 @@ def take_apart_inputs(
         split=split if any(split) else (),
     )
     inner = _plain_inner(primals, subclasses)
-    return subclasses, inner, _outputs_taken_apart(_inputs_built(body, subclasses, primals))
+    return subclasses, inner, _outputs_taken_apart(_inputs_built(body, subclasses, primals), subclasses)
 
 
 def _plain_inner(primals: Sequence[torch.Tensor], subclasses: Subclasses) -> list[torch.Tensor]:
@@ -887,11 +1019,13 @@ def _rebuilt(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[Non
         _REBUILT[0] = outer
 
 
-def _outputs_taken_apart(body: Body) -> Body:
+def _outputs_taken_apart(body: Body, subclasses: Subclasses | None = None) -> Body:
     @contextlib.contextmanager
     def taken_apart(inner: list[torch.Tensor]) -> Iterator[Any]:
         with body(inner) as result:
-            yield flatten_outputs(result)
+            traced = subclasses.traced if subclasses is not None else []
+            inputs = [None if t is None else t.traced for t in traced]
+            yield flatten_outputs(result, inputs)
 
     return taken_apart
 
