@@ -248,3 +248,48 @@ def test_a_view_a_custom_function_returns_keeps_its_backward() -> None:
         call(x).sum().backward()
         results.append(root.grad)
     _close(results[1], results[0])
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo group in this process, and its device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is missing")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DeviceMesh("cpu", [0])
+    finally:
+        dist.destroy_process_group()
+
+
+def _dtensor(mesh: Any, seed: int) -> torch.Tensor:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(seed)
+    x = distribute_tensor(torch.randn(4, 3, generator=g), mesh, [Shard(0)])
+    return x.requires_grad_(True)
+
+
+def test_dtensor_outputs_returned_twice_and_viewed(one_rank_mesh: Any) -> None:
+    """``v, v`` of a DTensor is one object (two before); a view of a DTensor input, which
+    has no ``as_strided``, stays a fresh DTensor with eager's values and gradients (Note
+    [Aliased subclass outputs]); create_graph=True through it is differentiable."""
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        v = x * 2
+        return v, v, x.view(-1)
+
+    results = []
+    for call in (fn, aotgrad.aot_function(fn)):
+        x = _dtensor(one_rank_mesh, 9)
+        a, b, c = call(x)
+        assert a is b
+        (g,) = torch.autograd.grad((a * c.view(4, 3)).sum(), [x], create_graph=True)
+        assert g.requires_grad
+        (h,) = torch.autograd.grad((g * g).sum(), [x])
+        results.append([t.full_tensor() for t in (a, c, g, h)])
+    for a, e in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(a, e)

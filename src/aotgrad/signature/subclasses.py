@@ -66,6 +66,7 @@ from aotgrad._torch_compat import (
     FakeTensor,
     FunctionalTensor,
     is_traceable_wrapper_subclass,
+    disable_current_modes,
     set_view_creation,
     view_creation,
 )
@@ -570,9 +571,30 @@ def _layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     return tuple(t.shape), tuple(t.stride()), t.storage_offset()
 
 
-def _restridable(t: torch.Tensor, meta: SubclassMeta) -> bool:
-    """Does the wrapper's ``as_strided`` rebuild ``t``: is its layout each inner tensor's?"""
-    return all(_layout(x) == _layout(t) for x in inner_tensors(t, meta))
+def _as_strided_rebuilds(t: torch.Tensor, meta: SubclassMeta, base: torch.Tensor) -> bool:
+    """Does the wrapper's own ``as_strided`` of ``base`` give ``t``'s inner layouts? Tried,
+    outside the trace's modes, on a stand-in of ``base`` built from meta-device inner
+    tensors (a ``DTensor`` refuses it)."""
+    base_meta = meta_of(base)
+    if base_meta is None:
+        return False
+    inner = [(_layout(x), x.dtype) for x in inner_tensors(base, base_meta)]
+    layout, wanted = _layout(t), [_layout(x) for x in inner_tensors(t, meta)]
+    try:
+        with disable_current_modes(), torch.no_grad():
+            stand_in = rebuild(base_meta, [_meta_tensor(*x) for x in inner])
+            view = stand_in.as_strided(*layout)
+            got = [_layout(x) for x in inner_tensors(view, meta)]
+    except Exception:  # noqa: BLE001 - any failure means: not rebuildable this way
+        return False
+    return got == wanted
+
+
+def _meta_tensor(layout: tuple[tuple[int, ...], tuple[int, ...], int], dtype: torch.dtype) -> Any:
+    size, stride, offset = layout
+    extent = 1 + offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+    whole = torch.empty(extent if 0 not in size else 0, dtype=dtype, device="meta")
+    return whole.as_strided(size, stride, offset)
 
 
 def _outer_alias(
@@ -581,10 +603,7 @@ def _outer_alias(
     if id(t) in sources:
         return OuterAlias(*sources[id(t)], None)
     base = t._base
-    if base is None or id(base) not in sources or not _restridable(t, meta):
-        return None
-    base_meta = meta_of(base)
-    if base_meta is None or not _restridable(base, base_meta):
+    if base is None or id(base) not in sources or not _as_strided_rebuilds(t, meta, base):
         return None
     if t.requires_grad and t.grad_fn is None:  # past a no_grad view: left fresh
         return None
