@@ -77,8 +77,7 @@ def _run(fn: Callable[..., Any], call: Callable[..., Any], kind: str, leaf: bool
         outs = call(x)
         outs = outs if isinstance(outs, tuple) else (outs,)
     facts = [
-        (o._is_view(), o._base is x, o._base, [o is p for p in outs], o.requires_grad)
-        for o in outs
+        (o._is_view(), o._base is x, o._base, [o is p for p in outs], o.requires_grad) for o in outs
     ]
     loss = sum((o * (k + 1.0)).sum() for k, o in enumerate(outs))
     loss.backward()
@@ -199,7 +198,7 @@ def test_create_graph_through_a_subclass_input_gives_second_order_gradients(
     results = []
     for call in (_square_sum, FRONTENDS[frontend](_square_sum)):
         for seed in (5, 6):
-            root, x = _input(kind, seed)
+            _, x = _input(kind, seed)
             (g,) = torch.autograd.grad(call(x), [x], create_graph=True)
             assert g.requires_grad
             (h,) = torch.autograd.grad((g * g).sum(), [x])
@@ -216,7 +215,7 @@ def test_create_graph_through_a_subclass_output() -> None:
 
     results = []
     for call in (fn, aotgrad.aot_function(fn)):
-        root, x = _input("TwoTensor", 7)
+        _, x = _input("TwoTensor", 7)
         out = call(x)
         (g,) = torch.autograd.grad(out, [x], torch.ones_like(out), create_graph=True)
         (h,) = torch.autograd.grad(g.sum(), [x])

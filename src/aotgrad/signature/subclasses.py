@@ -46,7 +46,10 @@ side, its outer metadata and history included (Note [Subclass inputs changed
 in place] in ``capture/subclass_inputs.py``); the inner tensors of subclass
 inputs that share memory are aliased inputs like any others, part of the key
 (Note [Inputs sharing memory without a common base] in
-``capture/input_aliases.py``).
+``capture/input_aliases.py``); a subclass output that is an input, another
+output or a view of one aliases it as eager's does (Note [Aliased subclass
+outputs]); and under ``create_graph=True`` the gradients stay differentiable
+(Note [Subclass gradients under create_graph]).
 
 A subclass without ``__tensor_flatten__`` cannot be taken apart: aotgrad
 refuses it as an input (``UnsupportedSubclassError``).
@@ -65,8 +68,8 @@ import torch.utils._pytree as pytree
 from aotgrad._torch_compat import (
     FakeTensor,
     FunctionalTensor,
-    is_traceable_wrapper_subclass,
     disable_current_modes,
+    is_traceable_wrapper_subclass,
     set_view_creation,
     view_creation,
 )
@@ -568,7 +571,7 @@ class OuterAlias:
 
 
 def _layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    return tuple(t.shape), tuple(t.stride()), t.storage_offset()
+    return tuple(t.shape), tuple(t.stride()), int(t.storage_offset())
 
 
 def _as_strided_rebuilds(t: torch.Tensor, meta: SubclassMeta, base: torch.Tensor) -> bool:
@@ -585,7 +588,7 @@ def _as_strided_rebuilds(t: torch.Tensor, meta: SubclassMeta, base: torch.Tensor
             stand_in = rebuild(base_meta, [_meta_tensor(*x) for x in inner])
             view = stand_in.as_strided(*layout)
             got = [_layout(x) for x in inner_tensors(view, meta)]
-    except Exception:  # noqa: BLE001 - any failure means: not rebuildable this way
+    except Exception:  # any failure: not rebuildable this way
         return False
     return got == wanted
 
@@ -917,7 +920,11 @@ def take_apart_inputs(
         split=split if any(split) else (),
     )
     inner = _plain_inner(primals, subclasses)
-    return subclasses, inner, _outputs_taken_apart(_inputs_built(body, subclasses, primals), subclasses)
+    return (
+        subclasses,
+        inner,
+        _outputs_taken_apart(_inputs_built(body, subclasses, primals), subclasses),
+    )
 
 
 def _plain_inner(primals: Sequence[torch.Tensor], subclasses: Subclasses) -> list[torch.Tensor]:
