@@ -292,3 +292,48 @@ def test_dtensor_outputs_returned_twice_and_viewed(one_rank_mesh: Any) -> None:
         results.append([t.full_tensor() for t in (a, c, g, h)])
     for a, e in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(a, e)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(10)
+        w = torch.randn(2, 3, generator=g)
+        self.w = torch.nn.Parameter(TwoTensor(w, w * 3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.w * x, self.w.t(), self.w
+
+
+_GLOBAL_MODEL = _Model()
+
+
+def _closure_loss(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return _GLOBAL_MODEL(x)
+
+
+@pytest.mark.parametrize("frontend", ["aot_module", "closure", "torch.compile"])
+def test_a_subclass_parameter_returned_and_viewed(frontend: str) -> None:
+    """Silent before: ``self.w`` came back a fresh wrapper (not the parameter), ``self.w.t()``
+    no view of it."""
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        model = _GLOBAL_MODEL if frontend == "closure" else _Model()
+        call: Callable[..., Any] = _closure_loss if frontend == "closure" else model
+        if compiled and frontend == "aot_module":
+            call = aotgrad.aot_module(model)
+        elif compiled and frontend == "closure":
+            call = aotgrad.aot_function(_closure_loss)
+        elif compiled:
+            call = torch.compile(model, backend="aotgrad")
+        model.w.grad = None
+        for seed in (11, 12):
+            x = torch.randn(2, 3, generator=torch.Generator().manual_seed(seed))
+            a, b, c = call(x)
+        assert c is model.w
+        assert b._base is model.w
+        (a.sum() + (b * 2).sum() + (c * 3).sum()).backward()
+        results.append((a, b, model.w.grad))
+    for x, y in zip(results[1], results[0], strict=True):
+        _close(x, y)

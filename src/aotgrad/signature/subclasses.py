@@ -630,13 +630,17 @@ def flatten_outputs(result: Any, inputs: Sequence[torch.Tensor | None] = ()) -> 
         id(t): ("input", i) for i, t in enumerate(inputs) if t is not None
     }
     count = [0]
+    rebuilt = rebuilt_in_trace()
 
     def take_apart(t: Any) -> Any:
         meta = meta_of(t) if isinstance(t, torch.Tensor) else None
         if meta is None:
             return t
-        alias = _outer_alias(t, meta, sources)
-        sources.setdefault(id(t), ("output", count[0]))
+        # A real primal returned as is (``return self.weight``): its traced stand-in (Note
+        # [Real subclass tensors in a trace])
+        seen = t if rebuilt is None else rebuilt.traced.get(id(t), t)
+        alias = _outer_alias(seen, meta, sources)
+        sources.setdefault(id(seen), ("output", count[0]))
         count[0] += 1
         unwrap = _Unwrap if alias is None else _UnwrapAliased
         return FlatOutput(meta, unwrap.apply(meta, None, t), alias)
