@@ -330,7 +330,7 @@ def analyze_aliasing(
     aliases: list[Alias | None] = [None] * len(tensors)
     first_index: dict[int, int] = {}
     groups: dict[Any, list[int]] = {}
-    custom_owners: dict[Any, int] = {}
+    custom_owners: dict[Any, list[int]] = {}
     for k, t in enumerate(tensors):
         storage = storage_key(t)
         if id(t) in input_ids:
@@ -340,8 +340,11 @@ def analyze_aliasing(
         elif custom_functions(t):
             first_index[id(t)] = k
             # Note [Inputs returned by a custom Function]: the first is returned, others alias it
-            owner = custom_owners.setdefault(storage, k)
-            if owner != k:
+            owners = custom_owners.setdefault(storage, [])
+            owner = next((o for o in owners if _covers(tensors[o], t)), k)
+            if owner == k:  # the first, or one no earlier owner's elements hold: returned
+                owners.append(k)
+            else:
                 view = ViewMeta.of(t)
                 if storage in input_storages:
                     view = caller_layout(t, originals[input_storages[storage]])
@@ -364,6 +367,20 @@ def analyze_aliasing(
         for k, (t, alias) in enumerate(zip(tensors, aliases, strict=True))
     )
     return OutputAliasing(outputs, tuple(members)), bases
+
+
+def _covers(owner: torch.Tensor, t: torch.Tensor) -> bool:
+    """Does every element of ``t`` lie among ``owner``'s, so that ``owner.as_strided`` rebuilds
+    ``t`` and sends all of its gradient back (Note [Inputs returned by a custom Function])?
+    Checked for an ``owner`` without gaps (its elements fill its span of the storage)."""
+    mine, view = ViewMeta.of(owner), ViewMeta.of(t)
+    if mine.is_symbolic or view.is_symbolic:  # not decided on symbolic sizes: as before
+        return True
+    if not owner.is_contiguous():
+        return False
+    return t.numel() == 0 or (
+        view.storage_offset >= mine.storage_offset and view.extent <= mine.extent
+    )
 
 
 def _storage_set(p: torch.Tensor) -> bool:
@@ -426,7 +443,16 @@ def _group_source(
 # returns the input (or its view), autograd makes it a view of the caller's
 # tensor as eager does, and the backward graph holds the Function's
 # backward. The same holds for a view of an intermediate. Other outputs of
-# that storage are rebuilt from it.
+# that storage are rebuilt from it when its elements hold theirs (``_covers``):
+# ``as_strided``'s backward sends a rebuilt view's gradient only to its
+# source's elements. Otherwise the output is returned by the Function too::
+#
+#     Rows.apply(x) returns x[0], x[1]   each returned: x[1] rebuilt from x[0]
+#                                        would lose its gradient (eager: 3 * g1)
+#
+# aotgrad's own ``_Unwrap`` is such a Function: the inner tensors of two
+# subclass outputs viewing one intermediate (``(x * 3).unbind(0)`` of a
+# ``TwoTensor``) are each returned.
 
 
 # What made a view whose use eager refuses once its base changed in place (Note [Multi-output

@@ -553,18 +553,25 @@ pytree.register_pytree_node(
 #                          [Multi-output views]): eager's in-place refusals hold
 #     output[4] v.t()      OuterAlias("output", 0, view=(3, 2), (1, 3), 0)
 #
-# A view is rebuilt with the wrapper's own ``as_strided``, which is right only
-# where the wrapper's layout is each inner tensor's (a ``TwoTensor``, a
-# one-scale wrapper); for others (a sharded ``DTensor``, which has no
-# ``as_strided``) the output stays a fresh wrapper, as does a view of a wrapper
-# the function does not return (docs/known-limitations.md).
+# A view is rebuilt with the wrapper's own ``as_strided`` where it gives the
+# traced inner layouts, which capture tries on a stand-in of the base built
+# from meta-device inner tensors (a ``TwoTensor``, a one-scale wrapper); for
+# others (a ``DTensor`` has no ``as_strided``) the output stays a fresh
+# wrapper. A view of a wrapper the function does not return stays fresh too,
+# except one of several views an op made at once (``(x * 2).unbind(0)``):
+# eager refuses to change those in place, so each is made a view of its own
+# fresh wrapper (``OuterAlias("self", ...)``) with that rule; its ``._base``
+# is that wrapper, not eager's whole ``x * 2`` (docs/known-limitations.md).
 @dataclass(frozen=True)
 class OuterAlias:
     """What a subclass output aliases (Note [Aliased subclass outputs])."""
 
-    source: str  # "input": a user input position; "output": an earlier subclass output's
+    # "input": a user input position; "output": an earlier subclass output's; "self": the
+    # output's own wrapper (a multi-output view of a value not returned)
+    source: str
     index: int
-    view: tuple[tuple[int, ...], tuple[int, ...], int] | None  # None: the same object
+    # None: the same object ("self": an identity view of it)
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None
     creation: str | None = None  # the traced view's creation meta, kept on the rebuilt one
     with_grad: bool = True  # autograd recorded the view: rebuilt with grad mode on
     requires_grad: bool = True
@@ -606,7 +613,11 @@ def _outer_alias(
     if id(t) in sources:
         return OuterAlias(*sources[id(t)], None)
     base = t._base
-    if base is None or id(base) not in sources or not _as_strided_rebuilds(t, meta, base):
+    if base is None:
+        return None
+    if id(base) not in sources:  # a view of a value not returned
+        return _own_view(t)
+    if not _as_strided_rebuilds(t, meta, base):
         return None
     if t.requires_grad and t.grad_fn is None:  # past a no_grad view: left fresh
         return None
@@ -618,6 +629,14 @@ def _outer_alias(
     keep = creation if creation in ("DEFAULT", "MULTI_OUTPUT_NODE") else None
     source, index = sources[id(base)]
     return OuterAlias(source, index, _layout(t), keep, t.grad_fn is not None, t.requires_grad)
+
+
+def _own_view(t: torch.Tensor) -> OuterAlias | None:
+    """A multi-output view of a subclass value the function does not return: a view of its own
+    wrapper, with eager's rule for in-place changes (Note [Aliased subclass outputs])."""
+    if view_creation(t) != "MULTI_OUTPUT_NODE":
+        return None
+    return OuterAlias("self", -1, None, "MULTI_OUTPUT_NODE", t.grad_fn is not None, True)
 
 
 def flatten_outputs(result: Any, inputs: Sequence[torch.Tensor | None] = ()) -> Any:
@@ -682,8 +701,9 @@ def rebuild_outputs(result: Any, primals: Sequence[torch.Tensor] = ()) -> Any:
         if not isinstance(node, FlatOutput):
             return node
         alias = node.alias
-        if alias is None:
+        if alias is None or alias.source == "self":
             out = _Wrap.apply(node.meta, None, *node.tensors)
+            out = out if alias is None else _view_of(out, alias)
         else:
             source = primals[alias.index] if alias.source == "input" else built[alias.index]
             out = source if alias.view is None else _view_of(source, alias)
@@ -694,9 +714,8 @@ def rebuild_outputs(result: Any, primals: Sequence[torch.Tensor] = ()) -> Any:
 
 
 def _view_of(source: torch.Tensor, alias: OuterAlias) -> torch.Tensor:
-    assert alias.view is not None
-    with torch.set_grad_enabled(alias.with_grad):
-        view = source.as_strided(*alias.view)
+    with torch.set_grad_enabled(alias.with_grad):  # Note [Grad mode regions]
+        view = source.view_as(source) if alias.view is None else source.as_strided(*alias.view)
     if alias.creation is not None and view._is_view():  # Note [Multi-output views]
         set_view_creation(view, alias.creation)
     if view.requires_grad and not alias.requires_grad:
