@@ -56,7 +56,7 @@ from aotgrad._torch_compat import (
 )
 from aotgrad.errors import UnsupportedMutationError, UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature.storage import storage_key
-from aotgrad.signature.subclasses import takes_subclasses_apart
+from aotgrad.signature.subclasses import rebuilt_from_alias, takes_subclasses_apart
 
 
 class AliasSource(enum.Enum):
@@ -330,18 +330,21 @@ def analyze_aliasing(
     aliases: list[Alias | None] = [None] * len(tensors)
     first_index: dict[int, int] = {}
     groups: dict[Any, list[int]] = {}
-    custom_owners: dict[Any, int] = {}
+    custom_owners: dict[Any, list[int]] = {}
     for k, t in enumerate(tensors):
         storage = storage_key(t)
         if id(t) in input_ids:
             aliases[k] = _alias(t, AliasSource.INPUT, input_ids[id(t)], None)
         elif id(t) in first_index:  # one tensor returned twice: the same object twice
             aliases[k] = _alias(t, AliasSource.OUTPUT, first_index[id(t)], None)
-        elif _custom_functions(t):
+        elif custom_functions(t):
             first_index[id(t)] = k
             # Note [Inputs returned by a custom Function]: the first is returned, others alias it
-            owner = custom_owners.setdefault(storage, k)
-            if owner != k:
+            owners = custom_owners.setdefault(storage, [])
+            owner = next((o for o in owners if _covers(tensors[o], t)), k)
+            if owner == k:  # the first, or one no earlier owner's elements hold: returned
+                owners.append(k)
+            else:
                 view = ViewMeta.of(t)
                 if storage in input_storages:
                     view = caller_layout(t, originals[input_storages[storage]])
@@ -364,6 +367,20 @@ def analyze_aliasing(
         for k, (t, alias) in enumerate(zip(tensors, aliases, strict=True))
     )
     return OutputAliasing(outputs, tuple(members)), bases
+
+
+def _covers(owner: torch.Tensor, t: torch.Tensor) -> bool:
+    """Does every element of ``t`` lie among ``owner``'s, so that ``owner.as_strided`` rebuilds
+    ``t`` and sends all of its gradient back (Note [Inputs returned by a custom Function])?
+    Checked for an ``owner`` without gaps (its elements fill its span of the storage)."""
+    mine, view = ViewMeta.of(owner), ViewMeta.of(t)
+    if mine.is_symbolic or view.is_symbolic:  # not decided on symbolic sizes: as before
+        return True
+    if not owner.is_contiguous():
+        return False
+    return t.numel() == 0 or (
+        view.storage_offset >= mine.storage_offset and view.extent <= mine.extent
+    )
 
 
 def _storage_set(p: torch.Tensor) -> bool:
@@ -435,7 +452,16 @@ def _storage_base(t: torch.Tensor) -> torch.Tensor | None:
 # returns the input (or its view), autograd makes it a view of the caller's
 # tensor as eager does, and the backward graph holds the Function's
 # backward. The same holds for a view of an intermediate. Other outputs of
-# that storage are rebuilt from it.
+# that storage are rebuilt from it when its elements hold theirs (``_covers``):
+# ``as_strided``'s backward sends a rebuilt view's gradient only to its
+# source's elements. Otherwise the output is returned by the Function too::
+#
+#     Rows.apply(x) returns x[0], x[1]   each returned: x[1] rebuilt from x[0]
+#                                        would lose its gradient (eager: 3 * g1)
+#
+# aotgrad's own ``_Unwrap`` is such a Function: the inner tensors of two
+# subclass outputs viewing one intermediate (``(x * 3).unbind(0)`` of a
+# ``TwoTensor``) are each returned.
 
 
 # What made a view whose use eager refuses once its base changed in place (Note [Multi-output
@@ -497,8 +523,8 @@ def check_custom_views_of_mutated(
     """
     storages = {storage_key(p) for p in mutated}
     for t in tensors:
-        functions = _custom_functions(t) if storage_key(t) in storages else []
-        if not functions:
+        functions = custom_functions(t) if storage_key(t) in storages else []
+        if not functions or rebuilt_from_alias(functions[0]):  # Note [Aliased subclass outputs]
             continue
         users = [f for f in functions if not takes_subclasses_apart(f)]
         if users:
@@ -557,7 +583,7 @@ def check_input_aliases_are_views(
             )
 
 
-def _custom_functions(t: torch.Tensor) -> list[type]:
+def custom_functions(t: torch.Tensor) -> list[type]:
     """The custom ``autograd.Function`` s that made ``t`` a view of its base, nearest first.
 
     Walks ``t``'s autograd nodes back to its base's; views have one input each.

@@ -153,12 +153,13 @@ class CompiledGraphs:
         refuse_transforms_on(primals)  # Note [Transforms run the function]
         if self._subclasses is None and not self._subclass_outputs:
             return self._call(primals)
-        replay = None
+        replay, outer = None, primals
         if self._subclasses is not None:  # Note [Tensor subclasses]
             if any(self._subclasses.changes):  # Note [Subclass inputs rebased]
                 replay = SubclassReplay(self._subclasses, primals)
             primals = self._subclasses.take_apart(primals)
-        return rebuild_outputs(self._call(primals, replay))
+        # Note [Aliased subclass outputs]
+        return rebuild_outputs(self._call(primals, replay), outer)
 
     def _call(self, primals: Sequence[torch.Tensor], replay: SubclassReplay | None = None) -> Any:
         for i in self.plan.made_to_require_grad:  # Note [requires_grad_() on an input]

@@ -46,7 +46,10 @@ side, its outer metadata and history included (Note [Subclass inputs changed
 in place] in ``capture/subclass_inputs.py``); the inner tensors of subclass
 inputs that share memory are aliased inputs like any others, part of the key
 (Note [Inputs sharing memory without a common base] in
-``capture/input_aliases.py``).
+``capture/input_aliases.py``); a subclass output that is an input, another
+output or a view of one aliases it as eager's does (Note [Aliased subclass
+outputs]); and under ``create_graph=True`` the gradients stay differentiable
+(Note [Subclass gradients under create_graph]).
 
 A subclass without ``__tensor_flatten__`` cannot be taken apart: aotgrad
 refuses it as an input (``UnsupportedSubclassError``).
@@ -62,7 +65,14 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from aotgrad._torch_compat import FakeTensor, FunctionalTensor, is_traceable_wrapper_subclass
+from aotgrad._torch_compat import (
+    FakeTensor,
+    FunctionalTensor,
+    disable_current_modes,
+    is_traceable_wrapper_subclass,
+    set_view_creation,
+    view_creation,
+)
 from aotgrad.errors import UnsupportedSubclassError, UserFrame, format_error
 from aotgrad.signature.descriptors import Inner, PrimalDescriptor
 
@@ -206,12 +216,12 @@ class _Wrap(torch.autograd.Function):
             return (None, None, *([None] * meta.width))
         if ctx.grad_meta is None:  # a run's output: its cotangent as the trace's
             grad = _coerced(grad, tangent_meta(meta))
-            return (None, None, *inner_tensors(grad, meta))
+            return (None, None, *_taken_apart(grad, meta))
         grad = _conformed(grad, meta)  # the trace's input: record its gradient's layout
         grad_meta = meta_of(grad)
         assert grad_meta is not None
         ctx.grad_meta.meta = grad_meta
-        return (None, None, *inner_tensors(grad, grad_meta))
+        return (None, None, *_taken_apart(grad, grad_meta))
 
 
 class _Unwrap(torch.autograd.Function):
@@ -234,8 +244,40 @@ class _Unwrap(torch.autograd.Function):
             for g, (shape, dtype, device) in zip(grads, ctx.shapes, strict=True)
         ]
         recorded = ctx.grad_meta.meta if ctx.grad_meta is not None else None
-        built = rebuild(recorded or tangent_meta(ctx.meta), filled)
+        meta = recorded or tangent_meta(ctx.meta)
+        if torch.is_grad_enabled() and any(g.requires_grad for g in filled):
+            # Note [Subclass gradients under create_graph]
+            return None, None, _Wrap.apply(meta, None, *filled)
+        built = rebuild(meta, filled)
         return None, None, built.detach() if built.requires_grad else built
+
+
+# Note [Subclass gradients under create_graph]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``_Wrap`` and ``_Unwrap`` are inverses, so each one's backward is the other:
+# under ``create_graph=True`` (grad mode on in the backward) a subclass
+# gradient is built from differentiable inner gradients with ``_Wrap``, and
+# taken apart with ``_Unwrap``, so the gradient keeps its history through the
+# compiled backward (Note [Differentiable backward] in
+# ``runtime/higher_order.py``). Reading ``grad.a`` directly, or rebuilding
+# with ``__tensor_unflatten__`` alone, would cut it. Worked example, ``x`` a
+# ``TwoTensor`` requiring grad::
+#
+#     out = aot_function(lambda a: (a * a).sum())(x)
+#     (g,) = autograd.grad(out, [x], create_graph=True)
+#         _Unwrap.backward: g.a = 2 * x.a, g.b = 2 * x.b (each with history)
+#                           g = _Wrap.apply(g.a, g.b)   requires grad, as eager's 2 * x
+#     g.sum().backward()    _Wrap.backward takes the ones apart with _Unwrap:
+#                           x.grad = TwoTensor(2, 2), as eager
+# Without grad mode (a first-order backward) both build and take apart as before.
+
+
+def _taken_apart(grad: torch.Tensor, meta: SubclassMeta) -> list[torch.Tensor]:
+    """``grad``'s inner tensors; differentiable views of it when the backward records a graph
+    (Note [Subclass gradients under create_graph])."""
+    if torch.is_grad_enabled() and grad.requires_grad:
+        return list(_Unwrap.apply(meta, None, grad))
+    return inner_tensors(grad, meta)
 
 
 # Note [Subclass gradients of plain inputs]
@@ -363,7 +405,7 @@ def rebase(x: torch.Tensor, news: Sequence[torch.Tensor | None]) -> None:
 def takes_subclasses_apart(function: type) -> bool:
     """Is ``function`` one of aotgrad's own Functions that take a subclass apart or build it
     (not a user's custom ``autograd.Function``)?"""
-    return function in (_Wrap, _Unwrap, _SplitGrad, _JoinGrad)
+    return function in (_Wrap, _Unwrap, _UnwrapAliased, _SplitGrad, _JoinGrad)
 
 
 def _conformed(grad: torch.Tensor, meta: SubclassMeta) -> torch.Tensor:
@@ -461,39 +503,185 @@ class FlatOutput:
     """A subclass output taken apart: a pytree node whose children are its plain inner tensors.
 
     Its key paths are the inner tensors' places (``output.a``); the runtime builds the
-    subclass again from it (``rebuild_outputs``).
+    subclass again from it (``rebuild_outputs``), or, when ``alias`` says so, takes the
+    tensor it aliases (Note [Aliased subclass outputs]).
     """
 
-    def __init__(self, meta: SubclassMeta, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, meta: SubclassMeta, tensors: Sequence[torch.Tensor], alias: OuterAlias | None = None
+    ) -> None:
         self.meta = meta
         self.tensors = list(tensors)
+        self.alias = alias
 
 
 def _flatten_output_with_keys(
     node: FlatOutput,
-) -> tuple[list[tuple[pytree.KeyEntry, torch.Tensor]], SubclassMeta]:
+) -> tuple[list[tuple[pytree.KeyEntry, torch.Tensor]], Any]:
     keys = [pytree.GetAttrKey(p) for p in node.meta.paths()]
-    return list(zip(keys, node.tensors, strict=True)), node.meta
+    return list(zip(keys, node.tensors, strict=True)), (node.meta, node.alias)
 
 
 pytree.register_pytree_node(
     FlatOutput,
-    lambda node: (node.tensors, node.meta),
-    lambda tensors, meta: FlatOutput(meta, list(tensors)),
+    lambda node: (node.tensors, (node.meta, node.alias)),
+    lambda tensors, context: FlatOutput(context[0], list(tensors), context[1]),
     flatten_with_keys_fn=_flatten_output_with_keys,
 )
 
 
-def flatten_outputs(result: Any) -> Any:
-    """``result`` with every subclass leaf taken apart into a :class:`FlatOutput` (at trace time)."""
+# Note [Aliased subclass outputs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The graphs see a subclass output only as its inner tensors, and the plain
+# rules (Note [Aliased outputs] in ``capture/aliasing.py``) rebuild those: the
+# wrapper itself, built again by ``_Wrap``, would be a fresh tensor every
+# time. Eager's wrapper is not: ``x.view(-1)`` of a ``TwoTensor`` input is a
+# view of ``x`` (its ``._base``, its in-place rules), and ``v, v`` is one
+# object twice. So capture decides the same things on the outer tensors, as
+# the plain rules do on plain ones (``OuterAlias``), and the runtime applies
+# them after the epilogue (after the input's own in-place changes are
+# replayed, as eager's view sees them)::
+#
+#     def f(x):                     # x = TwoTensor(a, b), requires grad
+#         v = x * 2
+#         return v, v, x.view(-1), x.unbind(0)[0], v.t()
+#
+#     output[0] v          built by _Wrap from its inner outputs
+#     output[1] v          OuterAlias("output", 0): output[0] itself
+#     output[2]            OuterAlias("input", 0, view=(6,), (1,), 0): x.as_strided(...)
+#     output[3]            the same, and unbind's MULTI_OUTPUT_NODE creation meta (Note
+#                          [Multi-output views]): eager's in-place refusals hold
+#     output[4] v.t()      OuterAlias("output", 0, view=(3, 2), (1, 3), 0)
+#
+# A view is rebuilt with the wrapper's own ``as_strided`` where it gives the
+# traced inner layouts, which capture tries on a stand-in of the base built
+# from meta-device inner tensors (a ``TwoTensor``, a one-scale wrapper); for
+# others (a ``DTensor`` has no ``as_strided``) the output stays a fresh
+# wrapper. A view of a wrapper the function does not return stays fresh too,
+# except one of several views an op made at once (``(x * 2).unbind(0)``):
+# eager refuses to change those in place, so each is made a view of its own
+# fresh wrapper (``OuterAlias("self", ...)``) with that rule; its ``._base``
+# is that wrapper, not eager's whole ``x * 2`` (docs/known-limitations.md).
+@dataclass(frozen=True)
+class OuterAlias:
+    """What a subclass output aliases (Note [Aliased subclass outputs])."""
+
+    # "input": a user input position; "output": an earlier subclass output's; "self": the
+    # output's own wrapper (a multi-output view of a value not returned)
+    source: str
+    index: int
+    # None: the same object ("self": an identity view of it)
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None
+    creation: str | None = None  # the traced view's creation meta, kept on the rebuilt one
+    with_grad: bool = True  # autograd recorded the view: rebuilt with grad mode on
+    requires_grad: bool = True
+
+
+def _layout(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.shape), tuple(t.stride()), int(t.storage_offset())
+
+
+def _as_strided_rebuilds(t: torch.Tensor, meta: SubclassMeta, base: torch.Tensor) -> bool:
+    """Does the wrapper's own ``as_strided`` of ``base`` give ``t``'s inner layouts? Tried,
+    outside the trace's modes, on a stand-in of ``base`` built from meta-device inner
+    tensors (a ``DTensor`` refuses it)."""
+    base_meta = meta_of(base)
+    if base_meta is None:
+        return False
+    inner = [(_layout(x), x.dtype) for x in inner_tensors(base, base_meta)]
+    layout, wanted = _layout(t), [_layout(x) for x in inner_tensors(t, meta)]
+    try:
+        with disable_current_modes(), torch.no_grad():
+            stand_in = rebuild(base_meta, [_meta_tensor(*x) for x in inner])
+            view = stand_in.as_strided(*layout)
+            got = [_layout(x) for x in inner_tensors(view, meta)]
+    except Exception:  # any failure: not rebuildable this way
+        return False
+    return got == wanted
+
+
+def _meta_tensor(layout: tuple[tuple[int, ...], tuple[int, ...], int], dtype: torch.dtype) -> Any:
+    size, stride, offset = layout
+    extent = 1 + offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+    whole = torch.empty(extent if 0 not in size else 0, dtype=dtype, device="meta")
+    return whole.as_strided(size, stride, offset)
+
+
+def _outer_alias(
+    t: torch.Tensor, meta: SubclassMeta, sources: Mapping[int, tuple[str, int]]
+) -> OuterAlias | None:
+    if id(t) in sources:
+        return OuterAlias(*sources[id(t)], None)
+    base = t._base
+    if base is None:
+        return None
+    if id(base) not in sources:  # a view of a value not returned
+        return _own_view(t)
+    if not _as_strided_rebuilds(t, meta, base):
+        return None
+    if t.requires_grad and t.grad_fn is None:  # past a no_grad view: left fresh
+        return None
+    from aotgrad.capture.aliasing import custom_functions  # capture imports this module
+
+    if any(not takes_subclasses_apart(f) for f in custom_functions(t)):
+        return None  # a user's Function's backward, which as_strided would skip: left fresh
+    creation = view_creation(t)
+    keep = creation if creation in ("DEFAULT", "MULTI_OUTPUT_NODE") else None
+    source, index = sources[id(base)]
+    return OuterAlias(source, index, _layout(t), keep, t.grad_fn is not None, t.requires_grad)
+
+
+def _own_view(t: torch.Tensor) -> OuterAlias | None:
+    """A multi-output view of a subclass value the function does not return: a view of its own
+    wrapper, with eager's rule for in-place changes (Note [Aliased subclass outputs])."""
+    if view_creation(t) != "MULTI_OUTPUT_NODE":
+        return None
+    return OuterAlias("self", -1, None, "MULTI_OUTPUT_NODE", t.grad_fn is not None, True)
+
+
+def flatten_outputs(result: Any, inputs: Sequence[torch.Tensor | None] = ()) -> Any:
+    """``result`` with every subclass leaf taken apart into a :class:`FlatOutput` (at trace time).
+
+    ``inputs``: the subclass inputs the body sees, by position (None for others), for the
+    outputs that alias them (Note [Aliased subclass outputs]).
+    """
+    sources: dict[int, tuple[str, int]] = {
+        id(t): ("input", i) for i, t in enumerate(inputs) if t is not None
+    }
+    count = [0]
+    rebuilt = rebuilt_in_trace()
 
     def take_apart(t: Any) -> Any:
         meta = meta_of(t) if isinstance(t, torch.Tensor) else None
-        return t if meta is None else FlatOutput(meta, _Unwrap.apply(meta, None, t))
+        if meta is None:
+            return t
+        # A real primal returned as is (``return self.weight``): its traced stand-in (Note
+        # [Real subclass tensors in a trace])
+        seen = t if rebuilt is None else rebuilt.traced.get(id(t), t)
+        alias = _outer_alias(seen, meta, sources)
+        sources.setdefault(id(seen), ("output", count[0]))
+        count[0] += 1
+        unwrap = _Unwrap if alias is None else _UnwrapAliased
+        return FlatOutput(meta, unwrap.apply(meta, None, t), alias)
 
-    if not any(is_wrapper(leaf) for leaf in pytree.tree_leaves(result)):
+    leaves = pytree.tree_leaves(result)
+    if not any(is_wrapper(leaf) for leaf in leaves):
         return result  # untouched: mapping would rebuild containers (a torch.Size as a tuple)
+    from aotgrad.capture.aliasing import check_views_still_usable  # capture imports this module
+
+    check_views_still_usable([t for t in leaves if is_wrapper(t)], None)
     return pytree.tree_map(take_apart, result)
+
+
+class _UnwrapAliased(_Unwrap):
+    """``_Unwrap`` of an output the runtime takes from the tensor it aliases: its inner
+    tensors are computed but not returned (Note [Aliased subclass outputs])."""
+
+
+def rebuilt_from_alias(function: type) -> bool:
+    """Does ``function`` take apart a subclass output the runtime does not build from its
+    inner tensors (Note [Aliased subclass outputs])?"""
+    return function is _UnwrapAliased
 
 
 def unwrapped(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -503,15 +691,36 @@ def unwrapped(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(_Unwrap.apply(meta, None, t))
 
 
-def rebuild_outputs(result: Any) -> Any:
-    """``result`` with every :class:`FlatOutput` built again as its subclass (at run time)."""
+def rebuild_outputs(result: Any, primals: Sequence[torch.Tensor] = ()) -> Any:
+    """``result`` with every :class:`FlatOutput` built again as its subclass, or taken from
+    the tensor it aliases among ``primals`` and earlier outputs (at run time: Note [Aliased
+    subclass outputs])."""
+    built: list[torch.Tensor] = []
 
     def build(node: Any) -> Any:
         if not isinstance(node, FlatOutput):
             return node
-        return _Wrap.apply(node.meta, None, *node.tensors)
+        alias = node.alias
+        if alias is None or alias.source == "self":
+            out = _Wrap.apply(node.meta, None, *node.tensors)
+            out = out if alias is None else _view_of(out, alias)
+        else:
+            source = primals[alias.index] if alias.source == "input" else built[alias.index]
+            out = source if alias.view is None else _view_of(source, alias)
+        built.append(out)
+        return out
 
     return pytree.tree_map(build, result, is_leaf=lambda x: isinstance(x, FlatOutput))
+
+
+def _view_of(source: torch.Tensor, alias: OuterAlias) -> torch.Tensor:
+    with torch.set_grad_enabled(alias.with_grad):  # Note [Grad mode regions]
+        view = source.view_as(source) if alias.view is None else source.as_strided(*alias.view)
+    if alias.creation is not None and view._is_view():  # Note [Multi-output views]
+        set_view_creation(view, alias.creation)
+    if view.requires_grad and not alias.requires_grad:
+        return view.detach()
+    return view
 
 
 def holds_flat_outputs(spec: pytree.TreeSpec) -> bool:
@@ -734,7 +943,11 @@ def take_apart_inputs(
         split=split if any(split) else (),
     )
     inner = _plain_inner(primals, subclasses)
-    return subclasses, inner, _outputs_taken_apart(_inputs_built(body, subclasses, primals))
+    return (
+        subclasses,
+        inner,
+        _outputs_taken_apart(_inputs_built(body, subclasses, primals), subclasses),
+    )
 
 
 def _plain_inner(primals: Sequence[torch.Tensor], subclasses: Subclasses) -> list[torch.Tensor]:
@@ -855,11 +1068,13 @@ def _rebuilt(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[Non
         _REBUILT[0] = outer
 
 
-def _outputs_taken_apart(body: Body) -> Body:
+def _outputs_taken_apart(body: Body, subclasses: Subclasses | None = None) -> Body:
     @contextlib.contextmanager
     def taken_apart(inner: list[torch.Tensor]) -> Iterator[Any]:
         with body(inner) as result:
-            yield flatten_outputs(result)
+            traced = subclasses.traced if subclasses is not None else []
+            inputs = [None if t is None else t.traced for t in traced]
+            yield flatten_outputs(result, inputs)
 
     return taken_apart
 
