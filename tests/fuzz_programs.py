@@ -160,21 +160,6 @@ KNOWN_BAD: dict[str, str] = {
     " second-order gradient is None (eager's is a tensor)",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
     "requires_grad_under_no_grad": "NEW F15: requires_grad_() on a no_grad view of an input",
-    "set_input": "NEW F27: a2 = self.p0.view(-1); a2.set_(a1) (a buffer's view, a1 requiring"
-    " grad) in aot_module or torch.compile: the buffer does not require grad after the call"
-    " (eager's does)",
-    "compile_set_": "NEW F27 under torch.compile (see set_input)",
-    "subclass_create_graph": "NEW F29: create_graph=True through a function of a TwoTensor"
-    " requiring grad (x.sum()): the first-order gradient does not require grad (eager's does)",
-    "subclass_returned_twice": "NEW F31: v = x * 2; return v, v with x a TwoTensor: two objects"
-    " (eager: one)",
-    "enable_grad_view_under_no_grad": "NEW F32: called under no_grad with an input that is a view"
-    " requiring grad: v = a[0]; with enable_grad: return v.exp() does not require grad (eager's"
-    " does)",
-    "resize_strided_aliased_input": "NEW F28: b = randn(4, 3).t(); f(b, b[0]) with"
-    " b[0].resize_(4) (its own size: a no-op in eager) reads the row contiguously (silent)",
-    "subclass_view_returned": "NEW F26: a view of a TwoTensor input returned is no view"
-    " (_is_view() False, _base None; eager's is a view)",
 }
 
 # Known-bad *differences* no feature isolates: a failure whose signature is listed is tolerated

@@ -1062,24 +1062,6 @@ AOTGRAD_FAILS: dict[str, str] = {
     ),
     **dict.fromkeys(
         [
-            "subclass-returns_input_view_mutated",
-            "subclass-unbind_outputs[S]",
-            "subclass-unbind_outputs[s]",
-            "subclass-view_outputs[S]",
-            "subclass-view_outputs[s]",
-        ],
-        "subclass output viewing a subclass input is not a view (silent, NEW: _is_view() False, _base None)",
-    ),
-    **dict.fromkeys(
-        ["subclass-returned_twice[S]"],
-        "one subclass value returned twice is two objects (NEW F31)",
-    ),
-    **dict.fromkeys(
-        ["subclass-create_graph[S]"],
-        "create_graph=True through a subclass input (silent, NEW F29: no second-order gradient)",
-    ),
-    **dict.fromkeys(
-        [
             "requires_grad_change-detached_input[x]",
             "requires_grad_change-intermediate[x]",
         ],
