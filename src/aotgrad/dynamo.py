@@ -369,7 +369,7 @@ class _Interpreted:
                 if node.target in _ENTERS:
                     opened.append(env[node])
                 elif node.target in _EXITS:
-                    opened.remove(env[node.args[0]])  # type: ignore[index]
+                    opened.remove(env[node.args[0]])
         raise AssertionError("expected the graph to end with an output node")
 
     def _run(self, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
