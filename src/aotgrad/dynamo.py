@@ -25,7 +25,13 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
-from aotgrad._torch_compat import DYNAMO_EXAMPLE_VALUE, DYNAMO_GRAPH_ARG
+from aotgrad._torch_compat import (
+    DYNAMO_ENTERS,
+    DYNAMO_EXAMPLE_VALUE,
+    DYNAMO_EXITS,
+    DYNAMO_GRAPH_ARG,
+    DYNAMO_SET_GRAD_ENABLED,
+)
 from aotgrad.api import AOTFunction
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.pipeline import options_of, with_option_keywords
@@ -288,9 +294,8 @@ def _root_name(gm: fx.GraphModule) -> str:
 # that too (``_GradModeAfter``), not only the first, traced one.
 
 # Calls in Dynamo's graph that enter a context its matching exit call leaves.
-_ENTERS = {torch.autograd.grad_mode._enter_inference_mode, torch.amp.autocast_mode._enter_autocast}
-_EXITS = {torch.autograd.grad_mode._exit_inference_mode, torch.amp.autocast_mode._exit_autocast}
-_SET_GRAD_ENABLED = torch._C._set_grad_enabled
+_ENTERS = set(DYNAMO_ENTERS)
+_EXITS = set(DYNAMO_EXITS)
 
 
 def _grad_mode_after(gm: fx.GraphModule) -> bool | None:
@@ -298,7 +303,7 @@ def _grad_mode_after(gm: fx.GraphModule) -> bool | None:
     modes = [
         n.args[0]
         for n in gm.graph.nodes
-        if n.op == "call_function" and n.target is _SET_GRAD_ENABLED
+        if n.op == "call_function" and n.target is DYNAMO_SET_GRAD_ENABLED
     ]
     return bool(modes[-1]) if modes else None
 
