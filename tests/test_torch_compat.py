@@ -551,6 +551,26 @@ def test_dynamo_writes_example_values_and_graph_args():
     assert isinstance(value, torch.Tensor) and name == "L['x']"
 
 
+def test_dynamo_writes_regions_as_the_calls_aotgrad_unwinds():
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def fn(x):
+        with torch.no_grad(), torch.autocast("cpu"):
+            y = x.sin()
+        with torch.inference_mode():
+            z = x.cos()
+        return y, z
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(torch.ones(2))
+    assert compat.DYNAMO_SET_GRAD_ENABLED in targets
+    assert all(t in targets for t in (*compat.DYNAMO_ENTERS, *compat.DYNAMO_EXITS))
+
+
 def test_inductor_compiles_a_decomposed_graph():
     decompositions = compat.inductor_decompositions()
     assert aten.threshold_backward.default in decompositions  # aotgrad's graphs keep it

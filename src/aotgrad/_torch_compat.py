@@ -453,6 +453,12 @@ TensorGuards = _guards.TensorGuards
 # Graph node metadata Dynamo writes on the graphs it hands a backend.
 DYNAMO_EXAMPLE_VALUE = "example_value"  # the placeholder's fake value
 DYNAMO_GRAPH_ARG = "grapharg"  # where the placeholder's value came from (``.source``)
+# The calls Dynamo's graph makes for a ``with`` block that changes global state
+# (Note [Grad-mode regions in Dynamo's graph]): grad mode set, and contexts entered
+# (the call returns the context) and exited (the call takes it).
+DYNAMO_SET_GRAD_ENABLED = torch._C._set_grad_enabled
+DYNAMO_ENTERS = (torch.autograd.grad_mode._enter_inference_mode, torch.amp._enter_autocast)
+DYNAMO_EXITS = (torch.autograd.grad_mode._exit_inference_mode, torch.amp._exit_autocast)
 
 
 def dynamo_compile_lock() -> Any:

@@ -25,7 +25,13 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
-from aotgrad._torch_compat import DYNAMO_EXAMPLE_VALUE, DYNAMO_GRAPH_ARG
+from aotgrad._torch_compat import (
+    DYNAMO_ENTERS,
+    DYNAMO_EXAMPLE_VALUE,
+    DYNAMO_EXITS,
+    DYNAMO_GRAPH_ARG,
+    DYNAMO_SET_GRAD_ENABLED,
+)
 from aotgrad.api import AOTFunction
 from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.pipeline import options_of, with_option_keywords
@@ -69,9 +75,11 @@ def backend(
             dynamic_dims=dims if any(dims) else None,
             code_key=graph_key(gm),
         )
+        call: Callable[..., Any] = compiled
         if sizes or numbers:
-            return _DynamicCall(compiled, inputs, numbers)
-        return compiled
+            call = _DynamicCall(compiled, inputs, numbers)
+        after = _grad_mode_after(gm)
+        return call if after is None else _GradModeAfter(call, after)
 
     return compile_graph
 
@@ -259,6 +267,62 @@ def _root_name(gm: fx.GraphModule) -> str:
     return "compiled"
 
 
+# Note [Grad-mode regions in Dynamo's graph]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Dynamo turns each ``with`` block that changes global state into straight-line
+# calls in its graph, with no ``finally``::
+#
+#     with torch.no_grad():          torch._C._set_grad_enabled(False)
+#         v2 = F.dropout(a, 0.5)     v2 = dropout(l_a_, 0.5)
+#                                    torch._C._set_grad_enabled(True)
+#     with torch.autocast("cpu"):    ctx = torch.amp.autocast_mode._enter_autocast('cpu', ...)
+#         ...                        torch.amp.autocast_mode._exit_autocast(ctx)
+#
+# aotgrad runs this graph while it traces, and a trace may raise partway: the
+# direct trace stops at an op it does not handle (the dropout's ``bernoulli_``)
+# and the full trace runs the graph again (Note [Choosing a tracer]), or the
+# function's own error is refused. So ``_Interpreted`` unwinds as the ``with``
+# blocks would have: on an exception it exits the contexts the graph entered
+# (``_ENTERS``) and has not exited, innermost first, and puts grad mode back as
+# the call found it. Without it the full trace of the graph above ran wholly with
+# grad off (an output computed before the region lost its gradient), or wholly
+# under autocast.
+#
+# The other way round, a graph may leave grad mode changed on purpose: Dynamo's
+# graph of ``torch.set_grad_enabled(False); return a * 2`` ends with grad off,
+# and eager leaves it off for the caller. Each call of the compiled graph does
+# that too (``_GradModeAfter``), not only the first, traced one.
+
+# Calls in Dynamo's graph that enter a context its matching exit call leaves.
+_ENTERS = set(DYNAMO_ENTERS)
+_EXITS = set(DYNAMO_EXITS)
+
+
+def _grad_mode_after(gm: fx.GraphModule) -> bool | None:
+    """The grad mode the graph's last ``_set_grad_enabled`` leaves; None: it sets none."""
+    modes = [
+        n.args[0]
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is DYNAMO_SET_GRAD_ENABLED
+    ]
+    return bool(modes[-1]) if modes else None
+
+
+class _GradModeAfter:
+    """The compiled graph, then grad mode as the graph leaves it (Note [Grad-mode regions in
+    Dynamo's graph])."""
+
+    def __init__(self, compiled: Callable[..., Any], enabled: bool) -> None:
+        self.compiled = compiled
+        self.enabled = enabled
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.compiled(*args)
+        finally:
+            torch.set_grad_enabled(self.enabled)
+
+
 class _Interpreted:
     """Runs Dynamo's graph node by node, each under its Dynamo module path and source line.
 
@@ -279,6 +343,17 @@ class _Interpreted:
         self.inputs = inputs
 
     def __call__(self, *args: Any) -> Any:
+        opened: list[Any] = []  # contexts the graph entered and has not exited yet
+        enabled = torch.is_grad_enabled()
+        try:
+            return self._interpret(args, opened)
+        except BaseException:  # Note [Grad-mode regions in Dynamo's graph]
+            for context in reversed(opened):
+                context.__exit__(None, None, None)
+            torch.set_grad_enabled(enabled)
+            raise
+
+    def _interpret(self, args: tuple[Any, ...], opened: list[Any]) -> Any:
         env: dict[fx.Node, Any] = {}
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         values: list[Any] = list(args)
@@ -296,6 +371,10 @@ class _Interpreted:
                 return fx.node.map_arg(node.args[0], env.__getitem__)
             else:
                 env[node] = self._run(node, env)
+                if node.target in _ENTERS:
+                    opened.append(env[node])
+                elif node.target in _EXITS:
+                    opened.remove(env[node.args[0]])
         raise AssertionError("expected the graph to end with an output node")
 
     def _run(self, node: fx.Node, env: dict[fx.Node, Any]) -> Any:

@@ -98,8 +98,8 @@ from __future__ import annotations
 import traceback
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar, cast, get_args
 
@@ -294,15 +294,18 @@ def trace_with(
     See Note [Choosing a tracer].
     """
     if choice == "full":
-        return full(), TracerReport(name="full", fallback_reason="tracer='full' was asked")
+        with _grad_mode_restored_on_error():
+            return full(), TracerReport(name="full", fallback_reason="tracer='full' was asked")
     if why_not_direct is not None:
         if choice == "direct":
             raise _direct_refused(why_not_direct, where)
         reason = f"the direct trace was not tried: {why_not_direct}"
-        return full(), TracerReport(name="full", fallback_reason=reason)
+        with _grad_mode_restored_on_error():
+            return full(), TracerReport(name="full", fallback_reason=reason)
     stopped = failed = None
     try:
-        return direct(), TracerReport(name="direct")
+        with _grad_mode_restored_on_error():  # Note [Each trace starts in the caller's grad mode]
+            return direct(), TracerReport(name="direct")
     except NeedsFullTrace as e:
         if choice == "direct":
             raise _direct_refused(e.reason, _stop_site(e) or where) from e
@@ -313,7 +316,8 @@ def trace_with(
         failed = _released(e)
     # Outside the except blocks: the full trace's own errors carry no direct-trace context.
     try:
-        traced = full()
+        with _grad_mode_restored_on_error():
+            traced = full()
     except FullTraceRefused:
         if failed is None:
             raise
@@ -322,6 +326,36 @@ def trace_with(
         return traced, TracerReport(name="full", fallback_reason=_stop_reason(stopped))
     assert failed is not None
     return traced, _direct_tracer_bug(failed, where)
+
+
+# Note [Each trace starts in the caller's grad mode]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A trace that stops or fails partway through the function leaves grad mode as
+# the function had set it at that point. A ``with torch.no_grad():`` block
+# restores it as the exception passes; a bare ``torch.set_grad_enabled(False)``
+# call does not, nor does Dynamo's graph, whose regions are straight-line calls
+# (Note [Grad-mode regions in Dynamo's graph])::
+#
+#     v1 = a * 3                                 direct: runs with grad on
+#     torch._C._set_grad_enabled(False)
+#     v2 = F.dropout(a, 0.5)                     direct: stops here (bernoulli_)
+#     torch._C._set_grad_enabled(True)           never runs
+#
+# The full trace would then run all of it with grad off, and ``v1`` would not
+# require grad: silently no gradient. So each attempt that raises leaves the
+# grad mode as it found it, for the next attempt and for the caller.
+
+
+@contextmanager
+def _grad_mode_restored_on_error() -> Iterator[None]:
+    """On an exception, grad mode as it was on entry (Note [Each trace starts in the caller's
+    grad mode])."""
+    enabled = torch.is_grad_enabled()
+    try:
+        yield
+    except BaseException:
+        torch.set_grad_enabled(enabled)
+        raise
 
 
 # Note [The direct trace's frames are let go]

@@ -299,6 +299,9 @@ def _cut(inputs: Sequence[torch.Tensor], positions: tuple[int, ...]) -> list[tor
 # An output rebuilt as a view (Note [Aliased outputs]) gets the trace's
 # ``requires_grad`` too: ``v = a.view(-1); v.requires_grad_(True)`` on an
 # input that does not require grad returns a view that does.
+# A trace that stops partway (the direct trace, then the full one) starts the
+# next one in the caller's mode, whatever region it stopped in (Notes [Each
+# trace starts in the caller's grad mode], [Grad-mode regions in Dynamo's graph]).
 
 
 def _apply_with_grad(apply: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> Any:
