@@ -53,7 +53,6 @@ from aotgrad.capture.aliasing import (
     analyze_aliasing,
     check_custom_views_of_mutated,
     check_input_aliases_are_views,
-    check_views_still_usable,
 )
 from aotgrad.capture.autocast import autocast_off
 from aotgrad.capture.backward_state import BackwardSite, saved_by_nodes, site_of
@@ -89,6 +88,7 @@ from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
 from aotgrad.signature.descriptors import Closure, Global, Input, SideEffect
 from aotgrad.signature.objects import SharedObjectError, objects_as_nodes
 from aotgrad.signature.subclasses import check_plain_grads
+from aotgrad.signature.views import check_views_still_usable
 
 # Runs the user's function on the primals; the result is the context's value. Capture
 # differentiates before leaving the context (Note [Reentrant checkpoints]).

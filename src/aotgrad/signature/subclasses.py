@@ -75,6 +75,7 @@ from aotgrad._torch_compat import (
 )
 from aotgrad.errors import UnsupportedSubclassError, UserFrame, format_error
 from aotgrad.signature.descriptors import Inner, PrimalDescriptor
+from aotgrad.signature.views import check_views_still_usable, custom_functions
 
 # Tensor types that are plain for aotgrad: no subclass behaviour to keep.
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, FakeTensor, FunctionalTensor)
@@ -621,8 +622,6 @@ def _outer_alias(
         return None
     if t.requires_grad and t.grad_fn is None:  # past a no_grad view: left fresh
         return None
-    from aotgrad.capture.aliasing import custom_functions  # capture imports this module
-
     if any(not takes_subclasses_apart(f) for f in custom_functions(t)):
         return None  # a user's Function's backward, which as_strided would skip: left fresh
     creation = view_creation(t)
@@ -667,8 +666,6 @@ def flatten_outputs(result: Any, inputs: Sequence[torch.Tensor | None] = ()) -> 
     leaves = pytree.tree_leaves(result)
     if not any(is_wrapper(leaf) for leaf in leaves):
         return result  # untouched: mapping would rebuild containers (a torch.Size as a tuple)
-    from aotgrad.capture.aliasing import check_views_still_usable  # capture imports this module
-
     check_views_still_usable([t for t in leaves if is_wrapper(t)], None)
     return pytree.tree_map(take_apart, result)
 

@@ -32,7 +32,6 @@ from aotgrad.capture.aliasing import (
     AliasSource,
     ConstantOutput,
     TensorOutput,
-    ViewCreation,
     ViewMeta,
 )
 from aotgrad.capture.backward_state import StateRegion
@@ -45,6 +44,7 @@ from aotgrad.partition.saved import SavedValue
 from aotgrad.runtime.function import Plan, ZerosLike
 from aotgrad.signature import descriptors
 from aotgrad.signature.convention import Signature
+from aotgrad.signature.views import ViewCreation
 
 # Every class a file may name: aotgrad's own data, nothing with behaviour on construction
 # beyond checking its fields.
