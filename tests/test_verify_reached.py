@@ -124,3 +124,33 @@ def test_second_order_gradients_of_a_global_are_compared(create_graph):
     report = verify(lambda x: lin(x).tanh().sum(), torch.randn(4, 3), create_graph=create_graph)
     # first order: lin.weight, lin.bias; second order: both again and the cotangent
     assert report.compared_grads == (5 if create_graph else 2), str(report)
+
+
+def test_verify_copies_subclass_arguments_and_compares_their_gradients():
+    """verify crashed on a TwoTensor argument (its storage holds no data); its gradient is
+    compared inner tensor by inner tensor, with a cotangent of the output's subclass."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class DoubledGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 4
+
+    def fn(a):
+        return (a * 2).sin()
+
+    x = TwoTensor(torch.randn(3), torch.randn(3)).requires_grad_()
+    report = verify(fn, x)
+    assert "1 outputs, 1 gradients" in str(report)
+
+    def wrong(f):
+        import aotgrad
+
+        return aotgrad.aot_function(lambda a: DoubledGrad.apply(a).sin())
+
+    with pytest.raises(AssertionError, match="grad"):
+        verify(fn, TwoTensor(torch.randn(3), torch.randn(3)).requires_grad_(), compile_fn=wrong)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from aotgrad._torch_compat import is_traceable_wrapper_subclass
 from aotgrad.api import aot_function, aot_module
 from aotgrad.measure import measure_peak as measure_peak  # re-exported
 from aotgrad.signature import Buffer, Input, InputBase, Param, leaf_names, storage_key
@@ -363,6 +364,21 @@ def _copy_call(
     return _Call(fn, tuple(new_args), dict(new_kwargs), holders)
 
 
+def _copy_wrappers(
+    originals: list[torch.Tensor], names: list[str], holders: dict[str, torch.Tensor]
+) -> list[torch.Tensor]:
+    """Fresh tensor-subclass wrappers (a ``TwoTensor``, a ``DTensor``): one per distinct
+    original, its leafness kept, gradient holders registered by input name."""
+    made: dict[int, torch.Tensor] = {}
+    for t, name in zip(originals, names, strict=True):
+        if id(t) in made:
+            continue
+        new = t.detach().clone().requires_grad_(t.requires_grad)
+        holders[name] = new
+        made[id(t)] = new if t.is_leaf else new.clone()
+    return [made[id(t)] for t in originals]
+
+
 def _copy_storage_group(
     originals: list[torch.Tensor], names: list[str], holders: dict[str, torch.Tensor]
 ) -> list[torch.Tensor]:
@@ -370,6 +386,8 @@ def _copy_storage_group(
     first = originals[0]
     if first.device.type == "meta":
         return [t.detach().clone().requires_grad_(t.requires_grad) for t in originals]
+    if is_traceable_wrapper_subclass(first):  # its storage holds no data: copy each wrapper
+        return _copy_wrappers(originals, names, holders)
     if first.layout is not torch.strided:  # sparse: no storage to share, one tensor
         new = first.detach().clone().requires_grad_(first.requires_grad)
         if first.requires_grad:
@@ -540,12 +558,22 @@ def _cotangents(leaves: list[Any]) -> dict[int, torch.Tensor]:
     """A seeded random cotangent per differentiable output, by leaf position."""
     generator = torch.Generator().manual_seed(0)
     return {
-        k: torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device)
+        k: _random_like(t, generator)
         for k, t in enumerate(leaves)
         if isinstance(t, torch.Tensor)
         and t.requires_grad
         and (t.is_floating_point() or t.is_complex())
     }
+
+
+def _random_like(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Seeded random values of ``t``'s shape; of its subclass and layout for a wrapper (the
+    cotangent eager's autograd expects of a ``TwoTensor`` output)."""
+    if not is_traceable_wrapper_subclass(t):
+        return torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device)
+    names, context = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {n: _random_like(getattr(t, n), generator) for n in names}
+    return type(t).__tensor_unflatten__(inner, context, t.shape, t.stride())  # type: ignore[attr-defined]
 
 
 def _weights(grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
