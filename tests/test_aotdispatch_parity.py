@@ -1054,7 +1054,6 @@ def run(case: Case, compiler: Callable[[Case], Callable[..., Any]]) -> tuple[str
 AOTGRAD_FAILS: dict[str, str] = {
     **dict.fromkeys(
         [
-            "set_-and_back[G]",
             "set_-other_shape[G]",
             "set_-resize_storage_then_set_[g]",
         ],

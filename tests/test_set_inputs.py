@@ -540,3 +540,31 @@ def test_set_after_a_use_the_backward_saves_raises_eagers_error():
 def test_set_under_dynamic_shapes_is_refused():
     with pytest.raises(UnsupportedMutationError, match="dynamic=False"):
         aotgrad.aot_function(set_input, dynamic=True)(torch.zeros(3), torch.arange(4.0))
+
+
+def set_away_and_back(a):
+    b = torch.arange(9, dtype=a.dtype)
+    old = torch.ops.aten.alias.default(a)
+    with torch.no_grad():
+        a.set_(b)  # another size for a moment
+        a.set_(old)
+    return a * b.reshape(3, 3)
+
+
+@pytest.mark.parametrize("leaf", [True, False])
+def test_set_away_and_back_on_an_input_that_requires_grad_is_eagers(leaf):
+    """Refused before: a set_() giving an input requiring grad another size is refused only
+    if the input ends the function in it (Note [set_() on an input])."""
+
+    def make():
+        torch.manual_seed(0)
+        w = torch.randn(3, 3, requires_grad=True)
+        return w, (w if leaf else w * 1)
+
+    (w_e, a_e), (w_c, a_c) = make(), make()
+    out_e, out_c = set_away_and_back(a_e), aotgrad.aot_function(set_away_and_back)(a_c)
+    torch.testing.assert_close(out_c, out_e)
+    out_e.sum().backward()
+    out_c.sum().backward()
+    torch.testing.assert_close(w_c.grad, w_e.grad)
+    assert a_c.shape == a_e.shape and torch.equal(a_c, a_e)

@@ -571,9 +571,9 @@ def _random_like(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     cotangent eager's autograd expects of a ``TwoTensor`` output)."""
     if not is_traceable_wrapper_subclass(t):
         return torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device)
-    names, context = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    names, context = t.__tensor_flatten__()
     inner = {n: _random_like(getattr(t, n), generator) for n in names}
-    return type(t).__tensor_unflatten__(inner, context, t.shape, t.stride())  # type: ignore[attr-defined]
+    return type(t).__tensor_unflatten__(inner, context, t.shape, t.stride())
 
 
 def _weights(grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:

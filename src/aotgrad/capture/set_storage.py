@@ -44,9 +44,12 @@ away (the storage it leaves would need its final values too: PyTorch's
 AOTAutograd does not take it either); ``set_`` under grad mode on a tensor that
 requires grad (eager records a ``grad_fn`` whose backward raises "derivative
 for set_ is not implemented"; on a leaf eager raises at once, and so does
-capture); ``set_`` giving an input that requires grad another size (the
-compiled ``autograd.Function`` takes the input with its size at the call; eager's
-gradient would have the new size); an output other than ``a`` itself over the
+capture); ``set_`` leaving an input that requires grad in another size at the
+end of the function (the compiled ``autograd.Function`` takes the input with its
+size at the call; eager's gradient would have the new size). Away and back is
+fine: ``a.set_(b9); a.set_(old)`` ends in ``a``'s size, and a gradient computed
+from ``a`` while it had the other size fails autograd's own shape check in the
+traced backward, as in eager; an output other than ``a`` itself over the
 storage the function made for ``a`` (it would not share it); symbolic sizes
 (torch's functional ``set_`` takes concrete ones).
 
@@ -151,6 +154,9 @@ class StorageSets:
         self.resized: dict[int, Any] = {}
         # ids of inputs ``set_()`` itself moved (not only ``t.data = source``).
         self.set_directly: set[int] = set()
+        # Inputs requiring grad that set_() gave another size: their size at the call, the
+        # new one, and the user's line of that set_().
+        self.size_changes: dict[int, tuple[tuple[Any, ...], tuple[Any, ...], Any]] = {}
         # Real tensors (a module's parameters) whose set_() reached dispatch as themselves:
         # autograd bumps their version on the way out, undone after the trace.
         self.real_targets: list[tuple[torch.Tensor, int]] = []
@@ -289,26 +295,31 @@ class StorageSets:
         )
 
     def _check_size(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        is_input = any(p is target for p in self.inputs)
-        if is_input and target.requires_grad and self._new_size(target, source):
+        """Note a size change of an input that requires grad; refused only if the input ends
+        the function in another size (``check_sizes``): one set_() away and one back is fine."""
+        if not (any(p is target for p in self.inputs) and target.requires_grad):
+            return
+        change = self.size_changes.get(id(target))
+        original = change[0] if change else tuple(target.elem.shape)  # type: ignore[attr-defined]
+        if _same_size(original, source.shape):
+            self.size_changes.pop(id(target), None)
+        else:
+            self.size_changes[id(target)] = (original, tuple(source.shape), user_frame_from_stack())
+
+    def check_sizes(self) -> None:
+        """Refuse an input requiring grad that set_() left in another size (Note [set_() on
+        an input])."""
+        for original, new, where in self.size_changes.values():
             raise UnsupportedMutationError(
                 format_error(
-                    f"set_() changes the size of an input that requires grad (from"
-                    f" {tuple(target.elem.shape)} to {tuple(source.shape)}); the compiled"  # type: ignore[attr-defined]
-                    " autograd.Function takes the input with its size at the call, and eager's"
-                    " gradient of it would have the new size",
-                    user_frame_from_stack(),
+                    f"set_() changes the size of an input that requires grad (from {original}"
+                    f" to {new}); the compiled autograd.Function takes the input with its size"
+                    " at the call, and eager's gradient of it would have the new size",
+                    where,
                     "Set a tensor of the same size (a.set_(b.view_as(a))), or set_() the input"
                     " before calling the compiled function.",
                 )
             )
-
-    @staticmethod
-    def _new_size(target: torch.Tensor, source: torch.Tensor) -> bool:
-        old = tuple(target.elem.shape)  # type: ignore[attr-defined]
-        return len(old) != source.dim() or any(
-            str(a) != str(b) for a, b in zip(old, source.shape, strict=True)
-        )
 
     def _check_no_write_before(self, target: torch.Tensor) -> None:
         """Refuse ``set_`` on an input whose own storage the function already wrote."""
@@ -336,6 +347,7 @@ class StorageSets:
         originals: Sequence[torch.Tensor],
     ) -> dict[int, NewStorage]:
         """Per input whose storage ``set_`` changed: where it is now."""
+        self.check_sizes()
         found = {}
         for i, p in enumerate(graph_primals):
             if not any(p is q for q in self.inputs) or not was_storage_changed(p.elem):  # type: ignore[attr-defined]
@@ -448,6 +460,10 @@ def resizes_watched(took: Callable[[Any, Any], bool]) -> Iterator[None]:
             _WATCHING.remove(took)
             if not _WATCHING:
                 del torch.UntypedStorage.resize_
+
+
+def _same_size(old: Sequence[Any], new: Sequence[Any]) -> bool:
+    return len(old) == len(new) and all(str(a) == str(b) for a, b in zip(old, new, strict=True))
 
 
 def _contiguous_strides(size: Sequence[Any]) -> list[Any]:
