@@ -1023,3 +1023,12 @@ def test_disable_torch_dispatch_changes_a_wrapper_subclass_own_metadata():
     with compat.DisableTorchDispatch():
         t.as_strided_((3, 2), (1, 3))
     assert t.shape == (3, 2) and t.a.shape == (2, 3)
+
+
+def test_shallow_copy_data_is_the_op_of_data_assignment_from_torch_2_14():
+    if compat.TORCH_RELEASE < (2, 14):
+        assert compat.SHALLOW_COPY_DATA is None
+        return
+    a, b = torch.zeros(3), torch.arange(3.0)
+    compat.SHALLOW_COPY_DATA(a, b)
+    assert torch.equal(a, b)

@@ -301,6 +301,8 @@ DisableTorchFunction = torch._C.DisableTorchFunction
 # Step below a wrapper subclass's ``__torch_dispatch__``: change the wrapper's own metadata
 # (Note [Subclass inputs rebased]).
 DisableTorchDispatch = torch._C._DisableTorchDispatch
+# ``t.data = x`` as Dynamo writes it into its graph from torch 2.14 (None before).
+SHALLOW_COPY_DATA = torch.ops.aten.shallow_copy_data_.default if TORCH_RELEASE >= (2, 14) else None
 
 # A torch-function mode of this thread, by its place in the stack (0: outermost).
 function_mode_at = torch._C._get_function_stack_at

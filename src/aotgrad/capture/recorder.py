@@ -26,6 +26,7 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import (
+    SHALLOW_COPY_DATA,
     FunctionalTensor,
     FunctionalTensorMode,
     autograd_node_number,
@@ -44,7 +45,7 @@ from aotgrad.capture.mutation import (
 )
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
 from aotgrad.capture.random import FILL_RANDOM, MANUAL_SEED, seed_as_int64, strided_fill
-from aotgrad.capture.set_storage import SET_OPS, StorageSets
+from aotgrad.capture.set_storage import SET_OPS, StorageSets, data_assigned
 from aotgrad.errors import (
     Origin,
     UnsupportedOpError,
@@ -121,6 +122,9 @@ class ProvenanceMode(FunctionalTensorMode):
         schema = getattr(func, "_schema", None)
         if resize_keeps_layout(func, args, kwargs or {}):  # Note [resize_() to the same size]
             return args[0]
+        if func is SHALLOW_COPY_DATA:  # torch >= 2.14's Dynamo writes ``t.data = x`` so
+            with data_assigned(args[0]):
+                return self.__torch_dispatch__(aten.set_.source_Tensor, types, args[:2], {})
         if func in SET_OPS:  # Note [set_() on an input]
             # A module's real parameter reaches dispatch as itself (Note [Real tensors in a trace])
             self.storage_sets.note_real_target(args[0])

@@ -385,15 +385,22 @@ def assigns_traced_data(target: Any, source: Any) -> bool:
                 " function.",
             )
         )
+    with data_assigned(target), torch.no_grad():
+        target.set_(source)
+    return True
+
+
+@contextlib.contextmanager
+def data_assigned(target: torch.Tensor) -> Iterator[None]:
+    """Around the ``set_()`` that ``target.data = source`` is: it keeps ``target``'s version
+    (Note [set_() on an input])."""
     version = target._version
     _ASSIGNING.active = True
     try:
-        with torch.no_grad():
-            target.set_(source)
+        yield
     finally:
         _ASSIGNING.active = False
     set_version_counter((target,), (version,))
-    return True
 
 
 def _check_static(target: torch.Tensor, source: torch.Tensor) -> None:
