@@ -409,7 +409,7 @@ class Checker:
             firsts = _grad(outputs, inputs, given, side == 0, create_graph=True)
             generator = torch.Generator().manual_seed(1)
             total = sum(
-                ((g * torch.randn(g.shape, generator=generator, dtype=g.dtype)).sum())
+                ((g * cotangent(g, generator)).sum())  # a DTensor times a DTensor
                 for g in firsts
                 if g is not None and g.requires_grad
             )

@@ -135,6 +135,7 @@ FEATURES = frozenset(
         "multi_view_touched",  # ... an output of unbind/split among them (issue 39 mov)
         "subclass",  # TwoTensor arguments (torch.testing._internal.two_tensor)
         "dtensor",  # DTensor arguments (Replicate or Shard(0)) on a one-rank cpu mesh
+        "dtensor_create_graph",  # create_graph=True with DTensor arguments
         "subclass_metadata_input",  # t_/transpose_/... of a TwoTensor input (issue 39 subcls)
         "subclass_view_returned",  # a view of a TwoTensor input returned
         "compile_set_",  # torch.compile with set_() or a .data assignment
@@ -157,6 +158,9 @@ KNOWN_BAD: dict[str, str] = {
     "requires_grad_intermediate": "F24: v = x * 2; v.requires_grad_(True); return v: refused"
     " (UnsupportedOutputError, Note [Leaf outputs]); eager returns a leaf a compiled function"
     " cannot",
+    "dtensor_create_graph": "NEW F35: create_graph=True with DTensor arguments: a second-order"
+    " gradient's local strides are not eager's (a0.t()), and aotgrad's backward calls as_strided,"
+    " which DTensor refuses (eager runs it)",
     "create_graph_aliased_inputs": "NEW F22: create_graph=True with inputs b[0], b, b: the base's"
     " second-order gradient is None (eager's is a tensor)",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
@@ -897,6 +901,7 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
         ("function_once", "once_differentiable_create_graph"),
         ("alias_inputs", "create_graph_aliased_inputs"),
         ("subclass", "subclass_create_graph"),
+        ("dtensor", "dtensor_create_graph"),
     ):
         if create_graph and feature in prog_features:
             create_graph = tag in features
@@ -1402,9 +1407,15 @@ def _main() -> None:  # pragma: no cover - run by `make fuzz`
         const=True,
         help="check second-order gradients on every program (by default: on a fifth of them)",
     )
+    parser.add_argument(
+        "--dtensor-one-in", type=int, help="one program in so many takes DTensors (default 10)"
+    )
     parser.add_argument("--shrink-key", help="skip exploring: replay the seed and shrink this key")
     opts = parser.parse_args()
     os.environ["AOTGRAD_FUZZ_FEATURES"] = opts.features
+    if opts.dtensor_one_in:
+        global DTENSOR_ONE_IN
+        DTENSOR_ONE_IN = opts.dtensor_one_in
     features = enabled_features()
     if opts.shrink_key:
         program = _shrink(opts, features, opts.shrink_key, None)

@@ -975,3 +975,29 @@ def test_subclass_output_of_a_split_keeps_eagers_strides_of_size_one_dims():
 
     eager, compiled = fn(make()), aotgrad.aot_function(fn)(make())
     assert compiled.stride() == eager.stride() and compiled.a.stride() == eager.a.stride()
+
+
+@unfixed("NEW F35: create_graph=True over a DTensor's t(): the second-order gradient's strides")
+def test_dtensor_second_order_gradient_of_a_transpose_keeps_eagers_strides():
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fuzz_programs import one_rank_mesh
+
+    def second_order(f):
+        torch.manual_seed(0)
+        x = distribute_tensor(torch.randn(2, 3), one_rank_mesh(), [Replicate()])
+        x.requires_grad_()
+        cotangent = distribute_tensor(torch.randn(3, 2), one_rank_mesh(), [Replicate()])
+        cotangent.requires_grad_()
+        (g,) = torch.autograd.grad(f(x), x, cotangent, create_graph=True)
+        weight = distribute_tensor(torch.randn(2, 3), one_rank_mesh(), [Replicate()])
+        (gg,) = torch.autograd.grad((g * weight).sum(), cotangent)
+        return gg
+
+    eager, compiled = (
+        second_order(lambda a: a.t()),
+        second_order(aotgrad.aot_function(lambda a: a.t())),
+    )
+    torch.testing.assert_close(compiled.full_tensor(), eager.full_tensor())
+    assert compiled.placements == eager.placements
+    assert compiled.to_local().stride() == eager.to_local().stride()  # eager: (1, 3)
