@@ -1001,3 +1001,30 @@ def test_dtensor_second_order_gradient_of_a_transpose_keeps_eagers_strides():
     torch.testing.assert_close(compiled.full_tensor(), eager.full_tensor())
     assert compiled.placements == eager.placements
     assert compiled.to_local().stride() == eager.to_local().stride()  # eager: (1, 3)
+
+
+@unfixed(
+    "NEW F35: a DTensor input returned as a custom Function's view and as a view (t()): its"
+    " gradient is wrong, silently (the same function on a plain tensor is right)"
+)
+def test_dtensor_input_returned_through_a_custom_functions_view_gets_eagers_gradient():
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fuzz_programs import ReturnsView, one_rank_mesh  # its backward: g * 3
+
+    def fn(a0):
+        return a0.t(), ReturnsView.apply(a0)
+
+    def gradient(f):
+        torch.manual_seed(0)
+        x = distribute_tensor(torch.randn(4), one_rank_mesh(), [Replicate()])
+        x.requires_grad_()
+        cotangents = [
+            distribute_tensor(torch.randn(4), one_rank_mesh(), [Replicate()]) for _ in "ab"
+        ]
+        torch.autograd.backward(f(x), cotangents)
+        return x.grad
+
+    eager, compiled = gradient(fn), gradient(aotgrad.aot_function(fn))
+    assert type(compiled) is type(eager) and compiled.placements == eager.placements
+    torch.testing.assert_close(compiled.full_tensor(), eager.full_tensor())
