@@ -333,7 +333,10 @@ class Checker:
         if type(e) is not type(c):
             self.mismatches.append(f"{name}: a {type(c).__name__} != eager a {type(e).__name__}")
             return False
-        if is_subclass(e):  # its inner tensors: values, shapes, strides
+        placements = getattr(e, "placements", None), getattr(c, "placements", None)
+        if placements[0] != placements[1]:  # a DTensor's
+            self.mismatches.append(f"{name}: placements {placements[1]} != eager {placements[0]}")
+        if is_subclass(e):  # its inner tensors (a DTensor's: to_local()): values, shapes, strides
             for inner, (ie, ic) in inner_tensors(e, c):
                 if self.tensor(f"{name}.{inner}", ie, ic) and ie.stride() != ic.stride():
                     self.mismatches.append(
@@ -406,7 +409,7 @@ class Checker:
             firsts = _grad(outputs, inputs, given, side == 0, create_graph=True)
             generator = torch.Generator().manual_seed(1)
             total = sum(
-                ((g * torch.randn(g.shape, generator=generator, dtype=g.dtype)).sum())
+                ((g * cotangent(g, generator)).sum())  # a DTensor times a DTensor
                 for g in firsts
                 if g is not None and g.requires_grad
             )
@@ -431,8 +434,19 @@ def cotangent(e: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     if not is_subclass(e):
         return torch.randn(e.shape, generator=generator, dtype=e.dtype)
     names, context = e.__tensor_flatten__()  # type: ignore[attr-defined]
-    inner = {n: cotangent(getattr(e, n), generator) for n in names}
+    inner = {n: _cotangent_or_same(getattr(e, n), generator) for n in names}
     return type(e).__tensor_unflatten__(inner, context, e.shape, e.stride())  # type: ignore[attr-defined,no-any-return]
+
+
+def _cotangent_or_same(inner: Any, generator: torch.Generator) -> Any:
+    """An inner tensor's cotangent; an inner object that is no tensor (a DTensor's mesh) as is."""
+    return cotangent(inner, generator) if isinstance(inner, torch.Tensor) else inner
+
+
+def inner_names(t: torch.Tensor) -> list[str]:
+    """The names of ``t``'s inner tensors (a DTensor flattens its device mesh too: left out)."""
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [n for n in names if isinstance(getattr(t, n), torch.Tensor)]
 
 
 def _touch(t: torch.Tensor) -> str | None:
@@ -451,15 +465,13 @@ def is_subclass(t: torch.Tensor) -> bool:
 
 
 def inner_tensors(e: torch.Tensor, c: torch.Tensor) -> list[tuple[str, tuple[Any, Any]]]:
-    names, _ = e.__tensor_flatten__()  # type: ignore[attr-defined]
-    return [(n, (getattr(e, n), getattr(c, n))) for n in names]
+    return [(n, (getattr(e, n), getattr(c, n))) for n in inner_names(e)]
 
 
 def storage_keys(t: torch.Tensor) -> set[Any]:
     """The storages under ``t``: its own, or its inner tensors' for a tensor subclass."""
     if is_subclass(t):
-        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
-        return set().union(*(storage_keys(getattr(t, n)) for n in names))
+        return set().union(*(storage_keys(getattr(t, n)) for n in inner_names(t)))
     return {storage_key(t)}
 
 

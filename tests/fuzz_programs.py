@@ -134,6 +134,8 @@ FEATURES = frozenset(
         "touch_outputs",  # the caller changes every output in place after the call (mul_(1))
         "multi_view_touched",  # ... an output of unbind/split among them (issue 39 mov)
         "subclass",  # TwoTensor arguments (torch.testing._internal.two_tensor)
+        "dtensor",  # DTensor arguments (Replicate or Shard(0)) on a one-rank cpu mesh
+        "dtensor_create_graph",  # create_graph=True with DTensor arguments
         "subclass_metadata_input",  # t_/transpose_/... of a TwoTensor input (issue 39 subcls)
         "subclass_view_returned",  # a view of a TwoTensor input returned
         "compile_set_",  # torch.compile with set_() or a .data assignment
@@ -156,6 +158,9 @@ KNOWN_BAD: dict[str, str] = {
     "requires_grad_intermediate": "F24: v = x * 2; v.requires_grad_(True); return v: refused"
     " (UnsupportedOutputError, Note [Leaf outputs]); eager returns a leaf a compiled function"
     " cannot",
+    "dtensor_create_graph": "NEW F35: create_graph=True with DTensor arguments: a second-order"
+    " gradient's local strides are not eager's (a0.t()), and aotgrad's backward calls as_strided,"
+    " which DTensor refuses (eager runs it)",
     "create_graph_aliased_inputs": "NEW F22: create_graph=True with inputs b[0], b, b: the base's"
     " second-order gradient is None (eager's is a tensor)",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
@@ -427,12 +432,19 @@ class Base:
     requires_grad: bool
     transposed: bool = False
     two: bool = False  # a TwoTensor of two such tensors (tensor-subclass inputs)
+    placement: str | None = None  # a DTensor of such a tensor: "Replicate()" or "Shard(0)"
+
+    @property
+    def subclass(self) -> bool:
+        return self.two or self.placement is not None
 
     def source(self, other: str | None = None) -> str:
         """Its source; ``other``: another specialization ("shape": each size + 1, "dtype")."""
-        if self.two:
+        if self.subclass:
             plain = Base(self.shape, False, self.transposed).source(other)
             grad = ".requires_grad_()" if self.requires_grad else ""
+            if self.placement is not None:
+                return f"distribute_tensor({plain}, one_rank_mesh(), [{self.placement}]){grad}"
             return f"TwoTensor({plain}, {plain}){grad}"
         shape = tuple(n + 1 for n in self.shape) if other == "shape" else self.shape
         dtype = ", dtype=torch.float64" if other == "dtype" else ""
@@ -555,8 +567,18 @@ class Program:
             "import torch",
             "import torch.nn.functional as F",
             "from torch.testing._internal.two_tensor import TwoTensor",
+            *(
+                ["from torch.distributed.tensor import Replicate, Shard, distribute_tensor"]
+                if any(b.placement for b in self.bases)
+                else []
+            ),
             "",
             f"from fuzz_programs import {', '.join(sorted(FUNCTIONS))}",
+            *(
+                ["from fuzz_programs import one_rank_mesh"]
+                if any(b.placement for b in self.bases)
+                else []
+            ),
             "",
             f"STATE = {self.state!r}  # bases held by Model (parameters, buffers) or as globals P<j>",
             f"FREE = {self.free!r}  # the arguments Model.forward and loss take",
@@ -605,9 +627,42 @@ class Program:
 
     def make_args(self, seed: int = 0, other: str | None = None) -> tuple[Any, ...]:
         namespace: dict[str, Any] = {"torch": torch, "TwoTensor": TwoTensor}
+        if any(b.placement for b in self.bases):
+            from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+            namespace.update(
+                Replicate=Replicate,
+                Shard=Shard,
+                distribute_tensor=distribute_tensor,
+                one_rank_mesh=one_rank_mesh,
+            )
         exec(self.inputs_source(), namespace)
         with _fork_rng():
             return namespace["make_inputs"](seed, other)[1]
+
+
+DTENSOR_ONE_IN = 10  # one program in so many (of those without TwoTensors) takes DTensors
+_MESH: list[Any] = []
+
+
+def one_rank_mesh() -> Any:
+    """A 1-D cpu DeviceMesh over a one-rank gloo group, made once per process and never torn
+    down (DTensor arguments of earlier programs keep pointing at it). A group made by another
+    test in this process is reused."""
+    if not _MESH:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        _MESH.append(DeviceMesh("cpu", [0]))
+    return _MESH[0]
+
+
+def _dtensor_available() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available())
 
 
 def _tuple_source(items: Any) -> str:
@@ -725,8 +780,7 @@ class _Env:
 def _pointers(t: torch.Tensor) -> set[int]:
     """The storages' data pointers under ``t`` (a TwoTensor's: its inner tensors')."""
     if fuzz_idioms.is_subclass(t):
-        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
-        return set().union(*(_pointers(getattr(t, n)) for n in names))
+        return set().union(*(_pointers(getattr(t, n)) for n in fuzz_idioms.inner_names(t)))
     return {t.untyped_storage().data_ptr()}
 
 
@@ -734,11 +788,12 @@ def _shape(draw, max_dims=3):
     return tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=max_dims)))
 
 
-def _base(draw, two: bool = False) -> Base:
+def _base(draw, two: bool = False, dtensor: bool = False) -> Base:
     shape = _shape(draw)
     rg = draw(st.booleans())
     layout = draw(st.sampled_from(["contiguous", "contiguous", "transposed"]))
-    return Base(shape, rg, layout == "transposed" and len(shape) >= 2, two)
+    placement = draw(st.sampled_from(["Replicate()", "Shard(0)"])) if dtensor else None
+    return Base(shape, rg, layout == "transposed" and len(shape) >= 2, two, placement)
 
 
 _ARG_VIEWS = ["{b}", "{b}", "{b}[1:]", "{b}.view(-1)", "{b}[0]", "{b}.t()", "{b}.unsqueeze(0)"]
@@ -750,7 +805,16 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
     n_bases = draw(st.integers(1, 2))
     # A tenth of the programs take TwoTensor arguments (one base or both).
     two = "subclass" in features and draw(st.integers(0, 9)) == 0
-    bases = tuple(_base(draw, two and (i == 0 or draw(st.booleans()))) for i in range(n_bases))
+    # As many take DTensor arguments (not mixed with TwoTensors: DTensor refuses them).
+    dtensor = (
+        not two
+        and "dtensor" in features
+        and _dtensor_available()
+        and draw(st.integers(0, DTENSOR_ONE_IN - 1)) == 0
+    )
+    bases = tuple(
+        _base(draw, two and (i == 0 or draw(st.booleans())), dtensor) for i in range(n_bases)
+    )
     n_args = draw(st.integers(1, 3))
     args: list[str] = []
     used: set[str] = set()
@@ -771,9 +835,12 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
         args.append(view)
     if not args:
         args = ["b0"]
-    state = () if two else _draw_state(draw, features, n_bases)
+    state = () if two or dtensor else _draw_state(draw, features, n_bases)
     if two:
         prog_features.add("subclass")
+    if dtensor:
+        prog_features.add("dtensor")
+        two = True  # the same idioms as TwoTensor arguments (no state, no verify)
     probe = Program(bases, tuple(args), (), ("a0",), ())
     try:
         program_args = probe.make_args()
@@ -834,6 +901,7 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
         ("function_once", "once_differentiable_create_graph"),
         ("alias_inputs", "create_graph_aliased_inputs"),
         ("subclass", "subclass_create_graph"),
+        ("dtensor", "dtensor_create_graph"),
     ):
         if create_graph and feature in prog_features:
             create_graph = tag in features
@@ -1250,7 +1318,7 @@ def check(program: Program, create_graph: bool | None = None) -> Outcome:
     _eager_reference(program, fn, create_graph)
     outcome = Outcome()
     options = dict(create_graph=create_graph, under_no_grad=program.under_no_grad)
-    subclass = any(b.two for b in program.bases)  # verify cannot copy TwoTensor arguments
+    subclass = any(b.subclass for b in program.bases)  # verify cannot copy subclass arguments
     for mode in ("aot", *program.modes)[subclass:]:
         start = time.process_time()
         try:
@@ -1339,9 +1407,15 @@ def _main() -> None:  # pragma: no cover - run by `make fuzz`
         const=True,
         help="check second-order gradients on every program (by default: on a fifth of them)",
     )
+    parser.add_argument(
+        "--dtensor-one-in", type=int, help="one program in so many takes DTensors (default 10)"
+    )
     parser.add_argument("--shrink-key", help="skip exploring: replay the seed and shrink this key")
     opts = parser.parse_args()
     os.environ["AOTGRAD_FUZZ_FEATURES"] = opts.features
+    if opts.dtensor_one_in:
+        global DTENSOR_ONE_IN
+        DTENSOR_ONE_IN = opts.dtensor_one_in
     features = enabled_features()
     if opts.shrink_key:
         program = _shrink(opts, features, opts.shrink_key, None)

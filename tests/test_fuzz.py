@@ -90,3 +90,47 @@ def test_touching_the_outputs_catches_an_output_that_is_no_view(monkeypatch):
     monkeypatch.setattr(runtime_function, "set_view_creation", lambda view, name: None)
     with pytest.raises(fp.FuzzFailure, match=r"mul_\(1\) after the call: ran != eager"):
         fp.check(program)
+
+
+def _dtensor_program(placement, steps, returns):
+    return fp.Program(
+        bases=(
+            fp.Base((2, 3), True, placement=placement),
+            fp.Base((3,), False, placement="Replicate()"),
+        ),
+        args=("b0", "b1"),
+        steps=steps,
+        returns=returns,
+        modes=("function", "trace"),
+    )
+
+
+@pytest.mark.parametrize("placement", ["Replicate()", "Shard(0)"])
+def test_dtensor_arguments_run_in_the_function_and_trace_idioms(placement):
+    program = _dtensor_program(placement, (fp.Step("a0.sin() * a1", "v0"),), ("v0",))
+    source = f"distribute_tensor(torch.randn(2, 3), one_rank_mesh(), [{placement}])"
+    assert f"{source}.requires_grad_()" in repr(program)
+    assert fp.check(program).compiled == 2  # "aot" (verify) is left out: it cannot copy them
+
+
+def test_the_idioms_compare_a_dtensor_gradients_placements(monkeypatch):
+    # The oracle itself: a gradient of the right values but another placement is caught.
+    from torch.distributed.tensor import Replicate
+
+    program = _dtensor_program("Shard(0)", (fp.Step("a0 * a1", "v0"),), ("v0",))
+    real = aotgrad.aot_function
+
+    def replicated_grads(fn, **kwargs):
+        compiled = real(fn, **kwargs)
+
+        def call(*args):
+            for a in args:
+                if a.requires_grad:
+                    a.register_hook(lambda g: g.redistribute(placements=[Replicate()]))
+            return compiled(*args)
+
+        return call
+
+    monkeypatch.setattr(aotgrad, "aot_function", replicated_grads)
+    with pytest.raises(fp.FuzzFailure, match=r"grad of .*placements \(Replicate\(\),\) != eager"):
+        fp.check(program)

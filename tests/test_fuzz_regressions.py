@@ -975,3 +975,56 @@ def test_subclass_output_of_a_split_keeps_eagers_strides_of_size_one_dims():
 
     eager, compiled = fn(make()), aotgrad.aot_function(fn)(make())
     assert compiled.stride() == eager.stride() and compiled.a.stride() == eager.a.stride()
+
+
+@unfixed("NEW F35: create_graph=True over a DTensor's t(): the second-order gradient's strides")
+def test_dtensor_second_order_gradient_of_a_transpose_keeps_eagers_strides():
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fuzz_programs import one_rank_mesh
+
+    def second_order(f):
+        torch.manual_seed(0)
+        x = distribute_tensor(torch.randn(2, 3), one_rank_mesh(), [Replicate()])
+        x.requires_grad_()
+        cotangent = distribute_tensor(torch.randn(3, 2), one_rank_mesh(), [Replicate()])
+        cotangent.requires_grad_()
+        (g,) = torch.autograd.grad(f(x), x, cotangent, create_graph=True)
+        weight = distribute_tensor(torch.randn(2, 3), one_rank_mesh(), [Replicate()])
+        (gg,) = torch.autograd.grad((g * weight).sum(), cotangent)
+        return gg
+
+    eager, compiled = (
+        second_order(lambda a: a.t()),
+        second_order(aotgrad.aot_function(lambda a: a.t())),
+    )
+    torch.testing.assert_close(compiled.full_tensor(), eager.full_tensor())
+    assert compiled.placements == eager.placements
+    assert compiled.to_local().stride() == eager.to_local().stride()  # eager: (1, 3)
+
+
+@unfixed(
+    "NEW F35: a DTensor input returned as a custom Function's view and as a view (t()): its"
+    " gradient is wrong, silently (the same function on a plain tensor is right)"
+)
+def test_dtensor_input_returned_through_a_custom_functions_view_gets_eagers_gradient():
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fuzz_programs import ReturnsView, one_rank_mesh  # its backward: g * 3
+
+    def fn(a0):
+        return a0.t(), ReturnsView.apply(a0)
+
+    def gradient(f):
+        torch.manual_seed(0)
+        x = distribute_tensor(torch.randn(4), one_rank_mesh(), [Replicate()])
+        x.requires_grad_()
+        cotangents = [
+            distribute_tensor(torch.randn(4), one_rank_mesh(), [Replicate()]) for _ in "ab"
+        ]
+        torch.autograd.backward(f(x), cotangents)
+        return x.grad
+
+    eager, compiled = gradient(fn), gradient(aotgrad.aot_function(fn))
+    assert type(compiled) is type(eager) and compiled.placements == eager.placements
+    torch.testing.assert_close(compiled.full_tensor(), eager.full_tensor())
