@@ -21,6 +21,22 @@ def cache_dir(tmp_path, monkeypatch):
     return directory
 
 
+@pytest.fixture
+def one_rank_mesh():
+    """A 1-D cpu DeviceMesh over a one-rank gloo group in this process (see
+    ``multiproc.one_rank_group``)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is missing")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from multiproc import one_rank_group
+
+    with one_rank_group():
+        yield DeviceMesh("cpu", [0])
+
+
 # Doctests that show the direct tracer's report (the tracer that made the graphs).
 _FAST_DOCTESTS = ("aotgrad.api.Traced.tracer", "aotgrad.api.Traced.fallback_reason")
 

@@ -16,7 +16,8 @@ import os
 import socket
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,27 @@ import torch.multiprocessing as mp
 
 WORLD_SIZE = 2
 TIMEOUT_S = 120.0
+
+
+@contextmanager
+def one_rank_group() -> Iterator[Any]:
+    """A one-rank gloo group in this process (its WORLD), for tests of DTensor and process-group
+    code that need no second rank. A group already made in this process (the fuzzer keeps one
+    for the DTensor arguments of its programs: ``fuzz_programs.one_rank_mesh``) is reused and
+    left as it was; one made here is destroyed on exit.
+
+    >>> with one_rank_group() as world:
+    ...     dist.get_world_size(world)
+    1
+    """
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 def free_port() -> int:

@@ -532,24 +532,6 @@ def test_a_shape_change_of_a_subclass_input_over_shared_memory_is_refused():
         aotgrad.aot_function(fn)(x, y)
 
 
-@pytest.fixture
-def one_rank_mesh():
-    """A one-rank gloo group in this process, and its device mesh."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not dist.is_available():
-        pytest.skip("torch.distributed is missing")
-    if dist.is_initialized():  # the fuzzer's (fuzz_programs.one_rank_mesh): kept for its use
-        yield DeviceMesh("cpu", [0])
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield DeviceMesh("cpu", [0])
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_dtensor_input_changed_in_place_with_grad_passes_the_change_to_its_gradient(
     one_rank_mesh,
 ):

@@ -249,21 +249,6 @@ def test_a_view_a_custom_function_returns_keeps_its_backward() -> None:
     _close(results[1], results[0])
 
 
-@pytest.fixture
-def one_rank_mesh():
-    """A one-rank gloo group in this process, and its device mesh."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not dist.is_available():
-        pytest.skip("torch.distributed is missing")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield DeviceMesh("cpu", [0])
-    finally:
-        dist.destroy_process_group()
-
-
 def _dtensor(mesh: Any, seed: int) -> torch.Tensor:
     from torch.distributed.tensor import Shard, distribute_tensor
 

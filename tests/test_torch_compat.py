@@ -768,12 +768,11 @@ def test_saved_tensors_hooks_stack_can_be_taken_off_and_put_back():
 def test_process_group_by_name_store_and_the_no_autograd_kernel_warning():
     import warnings
 
-    import torch.distributed as dist
     import torch.distributed._functional_collectives as fc
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        world = dist.group.WORLD
+    from multiproc import one_rank_group
+
+    with one_rank_group() as world:
         assert compat.resolve_process_group(world.group_name) is world
         store = compat.default_store()
         store.set("aotgrad/smoke", "1")
@@ -787,8 +786,6 @@ def test_process_group_by_name_store_and_the_no_autograd_kernel_warning():
             m.startswith("_c10d_functional::broadcast: ") and compat.NO_AUTOGRAD_KERNEL in m
             for m in messages
         ), messages
-    finally:
-        dist.destroy_process_group()
 
 
 # --- Distributed wrappers (one spawn of 2 gloo ranks for all of them) -----------------------------
