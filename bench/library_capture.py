@@ -117,7 +117,7 @@ def capture_pytorch(name: str) -> float:
     from functorch.compile import aot_function, default_partition
 
     import aotgrad
-    from aotgrad.capture.joint import compiling
+    from aotgrad.capture.tracing.joint import compiling
 
     model, args, kwargs, loss = make(name)
     start = time.perf_counter()

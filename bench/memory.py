@@ -37,7 +37,7 @@ from functorch.compile import aot_module, make_boxed_func, min_cut_rematerializa
 from torch.utils.flop_counter import FlopCounterMode
 
 import aotgrad
-from aotgrad.capture.joint import compiling
+from aotgrad.capture.tracing.joint import compiling
 from aotgrad.testing import measure_peak
 
 HERE = Path(__file__).resolve().parent

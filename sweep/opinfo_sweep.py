@@ -86,7 +86,7 @@ def samples_of(op: Any, limit: int) -> list[Any]:
 # OpInfo's random ops seed inside the op (``torch.testing._utils.wrapper_set_seed``), under
 # ``freeze_rng_state``, which restores the caller's stream at its exit: a captured function may
 # reseed before its random ops, not restore the stream afterwards (Note [Reseeding inside the
-# function] in aotgrad/capture/random.py). ``run`` seeds before every call instead, which is
+# function] in aotgrad/capture/analyses/random.py). ``run`` seeds before every call instead, which is
 # the same for one call of eager.
 def _unseeded(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return op(*args, **kwargs)

@@ -18,7 +18,7 @@ import torch.fx as fx
 from functorch.compile import aot_module, make_boxed_func
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from aotgrad.optable import flops
+from aotgrad.ops.table import flops
 
 
 def backward_stats(gm: fx.GraphModule) -> tuple[int, int]:

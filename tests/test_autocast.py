@@ -1,4 +1,4 @@
-"""Autocast around compiled functions (Note [Autocast] in ``aotgrad/capture/autocast.py``)."""
+"""Autocast around compiled functions (Note [Autocast] in ``aotgrad/capture/analyses/autocast.py``)."""
 
 from __future__ import annotations
 

@@ -528,7 +528,7 @@ def test_rewrite_checked(monkeypatch):
 def test_average_pooling_backward_runs():
     """``avg_pool2d_backward`` (densenet's transitions) and adaptive pooling's backward to more
     than 1x1, which IREE 3.13 cannot compile, run as the transposed convolution and matmuls
-    they are (backends/backward_ops.py, IREE_AS_FORWARD_OPS), overlapping windows, padding
+    they are (ops/backward_ops.py, IREE_AS_FORWARD_OPS), overlapping windows, padding
     and ceil_mode included."""
     torch.manual_seed(0)
     model = nn.Sequential(

@@ -27,8 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aotgrad
-from aotgrad.backends import backward_ops, step
+from aotgrad.backends import step
 from aotgrad.errors import BackendError, CallError
+from aotgrad.ops import backward_ops
 from aotgrad.signature.descriptors import Input
 from backend_check import check_backend
 

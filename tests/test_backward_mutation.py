@@ -1,5 +1,5 @@
 """A custom Function's backward that changes an input in place (Note [State updated by the
-backward] in ``capture/backward_state.py``).
+backward] in ``capture/analyses/backward_state.py``).
 
 Eager changes the caller's tensor when that backward runs, and the gradients read the changed
 value. Every test runs the same calls eagerly and through aotgrad and compares the outputs,

@@ -12,7 +12,7 @@ import torch.nn as nn
 import aotgrad
 from aotgrad.api import AOTFunction, Options
 from aotgrad.cache import CacheKey
-from aotgrad.capture.dynamic import requested_dims
+from aotgrad.capture.analyses.dynamic import requested_dims
 from aotgrad.signature.lifting import NOTHING, State
 
 SCALE = 2

@@ -352,7 +352,7 @@ def test_an_op_without_autograd_kernel_outside_torch_distributed_still_only_warn
 
 def test_sends_and_receives_are_point_to_point():
     """(A test, not a doctest: torch 2.11 has no ``_c10d_functional.isend``.)"""
-    from aotgrad.optable import is_point_to_point
+    from aotgrad.ops.table import is_point_to_point
 
     sends = [getattr(torch.ops._c10d_functional, name, None) for name in ("isend", "irecv")]
     for op in [s.default for s in sends if s is not None]:

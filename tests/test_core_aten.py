@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import aotgrad
 from aotgrad import aot_function, aot_module
-from aotgrad.capture.opset import is_core, non_core_nodes
 from aotgrad.errors import ConfigError, UnsupportedOpError
+from aotgrad.ops.core_aten import is_core, non_core_nodes
 from aotgrad.runtime.boxing import nop
 from aotgrad.testing import verify
 from models import GPT, MLP, ConvBN, DeepMLP, SeedNet
@@ -135,7 +135,7 @@ def test_unknown_decomposition_set_is_a_clear_value_error():
 def test_an_op_without_a_core_decomposition_is_refused_by_name(monkeypatch):
     # An op left outside Core ATen is a loud error naming it, never a graph that breaks the
     # promise: here, as if PyTorch had no decomposition of silu.
-    from aotgrad.capture import opset
+    from aotgrad.ops import core_aten as opset
 
     table = dict(opset.decomposition_set("core_aten"))
     table.pop(aten.silu.default)
@@ -205,7 +205,7 @@ def test_dynamo_backend_takes_core_aten():
     "size, stride, offset", [((2, 3), (1, 2), 1), ((3,), (4,), 2), ((2, 2), (4, 1), 5)]
 )
 def test_as_strided_scatter_decomposition_is_the_op(size, stride, offset):
-    from aotgrad.capture.opset import EXTRA_DECOMPOSITIONS
+    from aotgrad.ops.core_aten import EXTRA_DECOMPOSITIONS
 
     decompose = EXTRA_DECOMPOSITIONS[aten.as_strided_scatter.default]
     base, src = torch.randn(3, 4), torch.randn(size)
@@ -277,7 +277,7 @@ def test_flash_attention_decomposition_gives_the_kernels_logsumexp(dtype, maskin
     # PyTorch's decomposition returns the probabilities where the kernel returns logsumexp;
     # aotgrad's returns the kernel's (shape, dtype and values), so a graph decomposed after
     # capture hands its backward what the captured one did.
-    from aotgrad.capture.opset import EXTRA_DECOMPOSITIONS
+    from aotgrad.ops.core_aten import EXTRA_DECOMPOSITIONS
 
     op = aten._scaled_dot_product_flash_attention_for_cpu.default
     q = torch.randn(2, 4, 5, 8, dtype=dtype)
@@ -309,7 +309,7 @@ def test_histc_is_refused_with_its_reason():
     "size, layout", [((2, 3, 4), (0, 1, 2)), ((2, 3, 4), (2, 0, 1)), ((1, 3, 1), (1, 2, 0))]
 )
 def test_empty_permuted_decomposition_lays_out_as_the_op(size, layout):
-    from aotgrad.capture.opset import EXTRA_DECOMPOSITIONS
+    from aotgrad.ops.core_aten import EXTRA_DECOMPOSITIONS
 
     op = aten.empty_permuted.default
     got = EXTRA_DECOMPOSITIONS[op](list(size), list(layout), dtype=torch.float64)
@@ -364,7 +364,7 @@ UPSAMPLE_AXES = [
 
 @pytest.mark.parametrize("op, interpolating, dims", UPSAMPLE_BACKWARDS, ids=str)
 def test_upsampling_backward_decomposition_is_eager_kernel(op, interpolating, dims):
-    from aotgrad.capture.opset import EXTRA_DECOMPOSITIONS
+    from aotgrad.ops.core_aten import EXTRA_DECOMPOSITIONS
 
     decompose = EXTRA_DECOMPOSITIONS[op]
     gen = torch.Generator().manual_seed(0)

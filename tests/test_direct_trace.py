@@ -13,7 +13,7 @@ import torch.utils.checkpoint as cp
 
 import aotgrad
 from aotgrad.capture import DirectTracerBugWarning, node_info
-from aotgrad.capture.fast.direct import DirectTracer
+from aotgrad.capture.tracing.fast.direct import DirectTracer
 from models import GPT, ConvBN, DeepMLP
 
 pytestmark = pytest.mark.fast_path  # Note [The fast path as a layer]

@@ -1,5 +1,5 @@
 """torch.distributions with their default ``validate_args``, and istft: captured with their
-value checks kept as asserts in the graph (Note [Host checks] in capture/host_checks.py)."""
+value checks kept as asserts in the graph (Note [Host checks] in capture/user_state/host_checks.py)."""
 
 from __future__ import annotations
 

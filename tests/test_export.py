@@ -13,8 +13,8 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, OutputKind
 
 import aotgrad
-from aotgrad.capture.opset import is_core
 from aotgrad.errors import CallError, ConfigError, UnsupportedOpError
+from aotgrad.ops.core_aten import is_core
 from aotgrad.signature.descriptors import Grad, Input, Output, Saved
 from models import GPT, MLP, Block, ConvBN
 

@@ -10,7 +10,7 @@ import torch
 
 import aotgrad
 from aotgrad._torch_compat import FakeTensorMode
-from aotgrad.capture.fast.layouts import LAYOUTS, Layout, Pointwise, fast_layouts
+from aotgrad.capture.tracing.fast.layouts import LAYOUTS, Layout, Pointwise, fast_layouts
 
 aten = torch.ops.aten
 
@@ -177,7 +177,7 @@ def test_shortcuts_decline_other_layouts_and_dtypes():
 
 @pytest.mark.fast_path
 def test_a_convnet_captures_the_same_graph_with_and_without_shortcuts(monkeypatch):
-    from aotgrad.capture.fast import fake
+    from aotgrad.capture.tracing.fast import fake
     from models import ConvBN
 
     model, x, y = ConvBN(), torch.randn(2, 1, 8, 8), torch.randn(2, 10)

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 import aotgrad
 from aotgrad.capture import node_info
-from aotgrad.capture.fast import FastFakeMode
+from aotgrad.capture.tracing.fast import FastFakeMode
 from aotgrad.errors import CaptureError
 from library_models import build
 

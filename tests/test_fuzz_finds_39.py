@@ -1,9 +1,9 @@
 """Fuzzer finds of issue 39 (F27, F28, F32), each as its class, compared with eager.
 
 - F28: ``resize_()`` to a tensor's own size keeps its layout (Note [resize_() to the same size]
-  in ``capture/mutation.py``); functionalization read a strided tensor as contiguous.
+  in ``capture/analyses/mutation.py``); functionalization read a strided tensor as contiguous.
 - F27: ``set_()`` on a view of an input or buffer moves the view alone (Note [set_() on a view]
-  in ``capture/set_storage.py``): outputs over the new storage were rebuilt from the old base;
+  in ``capture/analyses/set_storage.py``): outputs over the new storage were rebuilt from the old base;
   on a view that requires grad it is refused.
 - F32: an output computed, in grad mode, from a ``no_grad`` view of a non-leaf input requires
   grad with no gradient reaching the input (Note [Inputs no gradient reaches] in

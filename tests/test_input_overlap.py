@@ -1,7 +1,7 @@
 """Writes that read partially overlapping memory: refused as eager refuses them.
 
-Note [Writes that read overlapping memory] (capture/mutation.py) and Note [Inputs
-that share memory] (capture/dynamic.py).
+Note [Writes that read overlapping memory] (capture/analyses/mutation.py) and Note [Inputs
+that share memory] (capture/analyses/dynamic.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import aotgrad
-from aotgrad.capture.mutation import EAGER_PARTIAL_OVERLAP
+from aotgrad.capture.analyses.mutation import EAGER_PARTIAL_OVERLAP
 from aotgrad.errors import OpRuntimeError, UnsupportedMutationError
 
 

@@ -20,7 +20,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "aotgrad"
 
 LAYERS: list[tuple[str, ...]] = [
     ("_torch_compat",),  # every private torch name aotgrad uses
-    ("errors", "optable", "measure"),  # error types; what each aten op is; measured peaks
+    ("errors", "measure"),  # error types; measured peaks
+    ("ops",),  # per-op knowledge: one table per kind of fact, keyed by op
     ("signature",),  # stage 1: the calling convention, module state lifted to inputs
     ("capture",),  # stage 2: the joint graph
     ("partition",),  # stage 3: forward and backward graphs
@@ -47,7 +48,7 @@ FORBIDDEN = (
 
 
 def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
-    """``src/aotgrad/capture/joint.py`` -> ``aotgrad.capture.joint``."""
+    """``src/aotgrad/capture/tracing/joint.py`` -> ``aotgrad.capture.tracing.joint``."""
     parts = list(path.relative_to(root.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -80,7 +81,7 @@ def _import_nodes(tree: ast.AST, lazy: bool) -> Iterator[ast.AST]:
 
 
 def top_level(module: str) -> str:
-    """``aotgrad.capture.joint`` -> ``capture``; the package itself -> ``aotgrad``."""
+    """``aotgrad.capture.tracing.joint`` -> ``capture``; the package itself -> ``aotgrad``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 

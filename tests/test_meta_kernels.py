@@ -16,9 +16,9 @@ import torch.utils._pytree as pytree
 
 import aotgrad
 from aotgrad._torch_compat import FakeTensorMode
-from aotgrad.capture.fast import fake
-from aotgrad.capture.fast.fake import FastFakeMode
-from aotgrad.capture.fast.meta_kernels import run_meta, straight_to_meta
+from aotgrad.capture.tracing.fast import fake
+from aotgrad.capture.tracing.fast.fake import FastFakeMode
+from aotgrad.capture.tracing.fast.meta_kernels import run_meta, straight_to_meta
 from library_models import build
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "sweep"))

@@ -3,7 +3,7 @@
 Eager refuses to change such an output in place with grad mode on, and to use it after its
 base changed in place; ``tensor_split`` (slices) is ordinary.
 Every test here runs the same program eagerly and compiled and compares what happens (Note
-[Multi-output views] in ``capture/aliasing.py``).
+[Multi-output views] in ``capture/analyses/aliasing.py``).
 """
 
 from __future__ import annotations

@@ -246,7 +246,7 @@ def check_core_aten(case: Case) -> None:
     round differently from eager's kernels, and ill-conditioned cells (BatchNorm over two
     values at 1x1) amplify that; float64 keeps it below 1e-9. Then every op of the forward and
     backward graphs is Core ATen."""
-    from aotgrad.capture.opset import non_core_nodes
+    from aotgrad.ops.core_aten import non_core_nodes
     from aotgrad.runtime.boxing import nop
 
     double = functools.partial(pytree.tree_map_only, torch.Tensor, _double)

@@ -1,5 +1,5 @@
 """``set_()`` and storage resizes on inputs, replayed on the caller's tensors as eager leaves them
-(Note [set_() on an input], Note [Storage resizes of an input] in ``capture/set_storage.py``).
+(Note [set_() on an input], Note [Storage resizes of an input] in ``capture/analyses/set_storage.py``).
 
 Each case runs eagerly and compiled on fresh inputs and compares everything a caller can see:
 outputs, every input's values, size, stride, offset and storage size after the call, which

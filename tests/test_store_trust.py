@@ -18,8 +18,8 @@ import torch
 import aotgrad
 from aotgrad.cli import main
 from aotgrad.errors import CallError, StoreError
+from aotgrad.ops.file_ops import refusal
 from aotgrad.runtime.straight_line import straight_line_source
-from aotgrad.store.ops import refusal
 
 
 def _rewrite(path, edit):

@@ -276,7 +276,7 @@ def test_code_under_a_captures_swap_counts_as_capturing() -> None:
     compiled function called there is traced through, not captured on its own (which
     waited for the capture lock the capture holds)."""
     from aotgrad.capture import capturing
-    from aotgrad.capture.closed_over import ClosedOver
+    from aotgrad.capture.user_state.closed_over import ClosedOver
 
     seen: list[bool] = []
 

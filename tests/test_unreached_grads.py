@@ -1,6 +1,6 @@
 """A gradient is None exactly where eager's is: no path from the outputs backward runs on.
 
-See Note [Gradients no output reaches] (``capture/reachability.py``) and Note [Missing
+See Note [Gradients no output reaches] (``capture/analyses/reachability.py``) and Note [Missing
 cotangents] (``runtime/function.py``).
 """
 

@@ -13,7 +13,7 @@ with ordinary autograd semantics, plus a calling convention you can read.
 from aotgrad import compilers
 from aotgrad.api import AOTModule, Traced, aot_function, aot_module, trace
 from aotgrad.cache import CacheInfo, cache_info
-from aotgrad.capture.dynamic import dynamic
+from aotgrad.capture.analyses.dynamic import dynamic
 from aotgrad.dynamo import backend
 from aotgrad.errors import (
     AotgradError,

@@ -88,7 +88,7 @@ from torch._C import _functionalization
 #
 # Behaviours that drifted outside these names are fixed where they live and named by the
 # release in their Note: ``_linalg_check_errors`` not effectful before 2.13
-# (``optable.remove_dead_code``), ``detach`` traced as ``alias`` from 2.14
+# (``ops.table.remove_dead_code``), ``detach`` traced as ``alias`` from 2.14
 # (``capture._remove_detaches``), a checkpoint's hooks kept by a live frame on 2.11/2.12
 # (Note [The direct trace's frames are let go]).
 TORCH_RELEASE: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
@@ -128,7 +128,7 @@ enable_python_dispatcher = _python_dispatcher.enable_python_dispatcher
 # during capture (Note [Capture sessions]).
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
-# --- The fast path only (capture/fast/, Note [The fast path as a layer]) -----------------------
+# --- The fast path only (capture/tracing/fast/, Note [The fast path as a layer]) -----------------------
 # ``fast=False`` uses none of these: a torch release that breaks one breaks the fast path only.
 
 # Run an op's meta kernel on fake tensors seen as meta tensors, as the fake mode's last step
@@ -405,7 +405,7 @@ def custom_function_class(node: Any) -> type | None:
 def view_creation(t: torch.Tensor) -> str:
     """How autograd made the view ``t``: its creation meta's name (``"DEFAULT"``,
     ``"MULTI_OUTPUT_NODE"``, ``"NO_GRAD_MODE"``, ...), which decides what an in-place change of
-    ``t``, or of its base, may do (Note [Multi-output views] in ``capture/aliasing.py``)."""
+    ``t``, or of its base, may do (Note [Multi-output views] in ``capture/analyses/aliasing.py``)."""
     return str(torch._C._autograd._get_creation_meta(t).name)
 
 

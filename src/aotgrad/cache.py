@@ -32,11 +32,11 @@ from typing import Any, NamedTuple
 import torch
 
 from aotgrad import _torch_compat as compat
-from aotgrad.capture.autocast import AutocastState, any_autocast, autocast_state
-from aotgrad.capture.dynamic import DynamicDims, static_where_shared
-from aotgrad.capture.environ import EnvironReads
-from aotgrad.capture.session import SESSIONS, capturing
-from aotgrad.capture.side_effects import Replay
+from aotgrad.capture.analyses.autocast import AutocastState, any_autocast, autocast_state
+from aotgrad.capture.analyses.dynamic import DynamicDims, static_where_shared
+from aotgrad.capture.tracing.session import SESSIONS, capturing
+from aotgrad.capture.user_state.environ import EnvironReads
+from aotgrad.capture.user_state.side_effects import Replay
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.runtime.transforms import transform_active
 from aotgrad.signature import PlainTensorsGuard, alias_key, call_key, dynamic_call_key

@@ -24,8 +24,8 @@ import torch
 
 from aotgrad._torch_compat import OpOverload
 from aotgrad.api import Traced, aot_function, aot_module, trace
-from aotgrad.capture.opset import DECOMPOSITION_SETS
 from aotgrad.errors import AotgradError, user_frame_from_traceback
+from aotgrad.ops.core_aten import DECOMPOSITION_SETS
 from aotgrad.partition.strategies import Budget, budget
 from aotgrad.report import memory_report, peak_report, show_document
 from aotgrad.testing import verify

@@ -33,7 +33,7 @@ from aotgrad._torch_compat import (
     DYNAMO_SET_GRAD_ENABLED,
 )
 from aotgrad.api import AOTFunction
-from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
+from aotgrad.capture.tracing.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.pipeline import options_of, with_option_keywords
 from aotgrad.runtime.boxing import Compiler
 from aotgrad.store.keys import Unkeyable, stable_text

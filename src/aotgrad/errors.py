@@ -98,12 +98,12 @@ class InPlaceOnLeafError(CaptureError, RuntimeError):
 
 class CollectiveGradError(CaptureError, RuntimeError):
     """A gradient flows through a collective torch has no gradient formula for
-    (Note [Collectives] in ``capture/collectives.py``)."""
+    (Note [Collectives] in ``capture/analyses/collectives.py``)."""
 
 
 class CollectiveMismatchError(CaptureError, RuntimeError):
     """The ranks would run different collectives: another op, group, reduction or shape, or
-    another order (Note [Collectives] in ``capture/collectives.py``)."""
+    another order (Note [Collectives] in ``capture/analyses/collectives.py``)."""
 
 
 class DoubleBackwardError(AotgradError, RuntimeError):
@@ -211,7 +211,7 @@ class Origin(enum.Enum):
 #     .../aotgrad/capture/joint.py              aotgrad
 #
 # Walks differ only in what they do on aotgrad's frames: an error skips them,
-# provenance stops there (aotgrad itself issued the op; ``capture/recorder.py``).
+# provenance stops there (aotgrad itself issued the op; ``capture/tracing/recorder.py``).
 
 
 @functools.cache

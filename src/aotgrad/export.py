@@ -25,15 +25,15 @@ from torch.export.graph_signature import (
 )
 
 from aotgrad._torch_compat import OpOverload
-from aotgrad.capture.decompose import decompose_graph
-from aotgrad.capture.opset import (
+from aotgrad.capture.provenance import NodeInfo
+from aotgrad.capture.tracing.decompose import decompose_graph
+from aotgrad.errors import CallError, ConfigError
+from aotgrad.ops.core_aten import (
     check_decomposition_set,
     decomposition_set,
     non_core_nodes,
     refuse_non_core,
 )
-from aotgrad.capture.provenance import NodeInfo
-from aotgrad.errors import CallError, ConfigError
 from aotgrad.partition import Partitioned
 from aotgrad.signature.descriptors import (
     Buffer,

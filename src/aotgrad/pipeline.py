@@ -31,15 +31,15 @@ from typing import Any
 import torch
 
 from aotgrad.capture import JointGraph, TracerChoice, Watch, capture, check_tracer_choice
+from aotgrad.capture.analyses.dynamic import DynamicDims
 from aotgrad.capture.checks import check_joint
-from aotgrad.capture.dynamic import DynamicDims
-from aotgrad.capture.opset import check_decomposition_set, decomposition_set, refuse_non_core
 from aotgrad.errors import (
     ConfigError,
     UnsupportedSubclassError,
     UserFrame,
     user_frame_of_function,
 )
+from aotgrad.ops.core_aten import check_decomposition_set, decomposition_set, refuse_non_core
 from aotgrad.partition import Partitioned, Policy, Strategy, partition
 from aotgrad.partition.checks import check_partitioned
 from aotgrad.runtime import CompiledGraphs, compile_partitioned

@@ -41,8 +41,8 @@ from typing import Any, NamedTuple
 import torch
 
 from aotgrad.cache import CacheKey, Entry, Miss, SpecializationCache
-from aotgrad.capture.dynamic import DynamicDims
-from aotgrad.capture.input_aliases import memory_sharing
+from aotgrad.capture.analyses.dynamic import DynamicDims
+from aotgrad.capture.analyses.input_aliases import memory_sharing
 from aotgrad.errors import CallError, format_error, user_frame_from_stack
 from aotgrad.signature.arguments import ArgumentLayout, positional_names, tensor_text
 from aotgrad.signature.descriptors import PrimalDescriptor

@@ -21,9 +21,9 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from aotgrad._torch_compat import OpOverload
-from aotgrad.backends import backward_ops
 from aotgrad.errors import BackendError, CallError
-from aotgrad.optable import draws_random, op_name
+from aotgrad.ops import backward_ops
+from aotgrad.ops.table import draws_random, op_name
 
 try:
     import iree.compiler as iree_compiler
@@ -85,7 +85,7 @@ __all__ = ["FLAGS", "IreeProgram", "compile_program"]
 
 # Backward ops IREE 3.13 cannot compile (densenet's and timm resnet10t's average pooling,
 # adaptive pooling to more than 1x1: "failed to legalize"), written as the transposed
-# convolution or matmuls they are before import (backends/backward_ops.py). Convolution's
+# convolution or matmuls they are before import (ops/backward_ops.py). Convolution's
 # backward compiles as it is.
 IREE_AS_FORWARD_OPS = (
     torch.ops.aten.avg_pool2d_backward.default,

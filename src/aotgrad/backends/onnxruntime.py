@@ -46,7 +46,7 @@ Note [ONNX Runtime and random ops]
 ONNX Runtime draws from its own generator: ``bernoulli.p(x, 0.9)``, dropout's mask, becomes
 ONNX's ``RandomUniformLike`` and a comparison, whose mask has nothing to do with the one eager
 torch draws from the same seed, and the backward (another session) could not reproduce it. A
-program whose op draws from the RNG (``aotgrad.optable.draws_random``: dropout with p > 0 in
+program whose op draws from the RNG (``aotgrad.ops.table.draws_random``: dropout with p > 0 in
 training, ``bernoulli``, ``rand_like``, attention with ``dropout_p`` > 0) is refused when it is
 compiled; dropout at p = 0, or in eval mode, draws nothing and runs.
 """
@@ -68,9 +68,9 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
-from aotgrad.backends import backward_ops
 from aotgrad.errors import BackendError, CallError
-from aotgrad.optable import draws_random, op_name
+from aotgrad.ops import backward_ops
+from aotgrad.ops.table import draws_random, op_name
 
 __all__ = ["OrtProgram", "compile_program"]
 

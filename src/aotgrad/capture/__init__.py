@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from aotgrad._torch_compat import FAST_PATH_VERIFIED, TORCH_RELEASE, rename_node
-from aotgrad.capture.aliasing import (
+from aotgrad.capture.analyses.aliasing import (
     Alias,
     AliasSource,
     ConstantOutput,
@@ -23,8 +23,12 @@ from aotgrad.capture.aliasing import (
     TensorOutput,
     ViewMeta,
 )
-from aotgrad.capture.backward_state import StateRegion, read_state_at_backward, state_regions
-from aotgrad.capture.collectives import (
+from aotgrad.capture.analyses.backward_state import (
+    StateRegion,
+    read_state_at_backward,
+    state_regions,
+)
+from aotgrad.capture.analyses.collectives import (
     COLLECTIVE_KEY,
     CollectiveCall,
     CollectiveCheckWarning,
@@ -34,21 +38,19 @@ from aotgrad.capture.collectives import (
     describe_collectives,
     op_text,
 )
-from aotgrad.capture.cotangents import split_at_cotangents
-from aotgrad.capture.dynamic import ShapeGuards
-from aotgrad.capture.environ import recording_environ
-from aotgrad.capture.fast import DirectTracer
-from aotgrad.capture.full import FullTracer, refuse_untraceable
-from aotgrad.capture.graph import JointGraph, joint_signature, lazy_module, ready_for_compiler
-from aotgrad.capture.input_aliases import (
+from aotgrad.capture.analyses.dynamic import ShapeGuards
+from aotgrad.capture.analyses.input_aliases import (
     SyntheticBase,
     graph_inputs,
     overlapping_groups,
     separate,
     synthetic_base,
 )
-from aotgrad.capture.joint import Body, GraphInputs, TraceOptions, TraceRecord, trace_joint
-from aotgrad.capture.mutation import InputMutation
+from aotgrad.capture.analyses.mutation import InputMutation
+from aotgrad.capture.analyses.random import faithful_decompositions
+from aotgrad.capture.analyses.reachability import computed_from
+from aotgrad.capture.analyses.recompute import link_recompute
+from aotgrad.capture.graph import JointGraph, joint_signature, lazy_module, ready_for_compiler
 from aotgrad.capture.provenance import (
     META_KEY,
     Kind,
@@ -59,13 +61,13 @@ from aotgrad.capture.provenance import (
     set_info,
     set_phase,
 )
-from aotgrad.capture.random import faithful_decompositions
-from aotgrad.capture.reachability import computed_from
-from aotgrad.capture.recompute import link_recompute
-from aotgrad.capture.recorder import Recorder, stamp
-from aotgrad.capture.session import capture_session, capturing
-from aotgrad.capture.side_effects import Replay, Watch
-from aotgrad.capture.tracers import (
+from aotgrad.capture.tracing.cotangents import split_at_cotangents
+from aotgrad.capture.tracing.fast import DirectTracer
+from aotgrad.capture.tracing.full import FullTracer, refuse_untraceable
+from aotgrad.capture.tracing.joint import Body, GraphInputs, TraceOptions, TraceRecord, trace_joint
+from aotgrad.capture.tracing.recorder import Recorder, stamp
+from aotgrad.capture.tracing.session import capture_session, capturing
+from aotgrad.capture.tracing.tracers import (
     DirectTracerBugWarning,
     Tracer,
     TracerChoice,
@@ -74,8 +76,10 @@ from aotgrad.capture.tracers import (
     refuses_autograd_grad,
     trace_with,
 )
+from aotgrad.capture.user_state.environ import recording_environ
+from aotgrad.capture.user_state.side_effects import Replay, Watch
 from aotgrad.errors import UnsupportedMutationError, UserFrame, format_error
-from aotgrad.optable import remove_dead_code
+from aotgrad.ops.table import remove_dead_code
 from aotgrad.signature import (
     Buffer,
     Cotangent,
@@ -433,7 +437,7 @@ def _output_descriptors(record: TraceRecord) -> list[Output]:
 
 def _output(path: str, leaf: TensorOutput) -> Output:
     """The descriptor of one tensor output; it names a multi-output view (Note [Multi-output
-    views] in ``capture/aliasing.py``)."""
+    views] in ``capture/analyses/aliasing.py``)."""
     if leaf.alias is not None and leaf.alias.multi_output_view:
         return MultiOutputView(path=path)
     return Output(path=path)

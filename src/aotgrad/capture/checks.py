@@ -14,7 +14,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import FakeTensor, FunctionalTensor
-from aotgrad.capture.collectives import COLLECTIVE_KEY
+from aotgrad.capture.analyses.collectives import COLLECTIVE_KEY
 from aotgrad.capture.graph import JointGraph
 from aotgrad.errors import InvariantError
 from aotgrad.signature.printing import DESC_KEY

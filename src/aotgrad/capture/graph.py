@@ -10,14 +10,14 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import LazyGraphModule
-from aotgrad.capture.aliasing import OutputLeaf, TensorOutput
-from aotgrad.capture.backward_state import StateRegion
-from aotgrad.capture.dynamic import ShapeGuards
-from aotgrad.capture.environ import EnvironReads
-from aotgrad.capture.input_aliases import SyntheticBase
-from aotgrad.capture.mutation import InputMutation
+from aotgrad.capture.analyses.aliasing import OutputLeaf, TensorOutput
+from aotgrad.capture.analyses.backward_state import StateRegion
+from aotgrad.capture.analyses.dynamic import ShapeGuards
+from aotgrad.capture.analyses.input_aliases import SyntheticBase
+from aotgrad.capture.analyses.mutation import InputMutation
 from aotgrad.capture.provenance import Phase, phase_of
-from aotgrad.capture.tracers import TracerReport
+from aotgrad.capture.tracing.tracers import TracerReport
+from aotgrad.capture.user_state.environ import EnvironReads
 from aotgrad.signature import (
     Cotangent,
     FlatInputs,

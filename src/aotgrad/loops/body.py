@@ -38,14 +38,14 @@ import torch.utils._pytree as pytree
 
 from aotgrad.api import Traced
 from aotgrad.capture import JointGraph, TensorOutput, Watch
-from aotgrad.capture.autocast import autocast_state
+from aotgrad.capture.analyses.autocast import autocast_state
 from aotgrad.errors import (
     ScanError,
     UnsupportedSideEffectError,
     format_error,
     user_frame_of_function,
 )
-from aotgrad.optable import is_random
+from aotgrad.ops.table import is_random
 from aotgrad.partition import Partitioned
 from aotgrad.pipeline import Options, run, signature_stage, watch_of
 from aotgrad.runtime import CompiledGraphs

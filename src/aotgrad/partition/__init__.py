@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from aotgrad.capture import JointGraph, Phase, check_order, lazy_module, node_info
 from aotgrad.errors import PartitionError
-from aotgrad.optable import op_name
+from aotgrad.ops.table import op_name
 from aotgrad.partition.memory import LiveValue, PeakEstimate
 from aotgrad.partition.partitioned import Partitioned, RecomputedOp
 from aotgrad.partition.peak_budget import with_peak_budget, with_peak_note

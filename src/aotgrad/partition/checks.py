@@ -10,8 +10,8 @@ from typing import NoReturn
 import torch
 import torch.fx as fx
 
+from aotgrad.capture.analyses.collectives import runs_collective
 from aotgrad.capture.checks import check_graph, fail
-from aotgrad.capture.collectives import runs_collective
 from aotgrad.partition import Partitioned
 from aotgrad.partition.saved import storages, unique_bytes
 

@@ -18,7 +18,7 @@ import torch.fx as fx
 from aotgrad import _torch_compat as compat
 from aotgrad.capture import node_info
 from aotgrad.errors import UserFrame
-from aotgrad.optable import op_name
+from aotgrad.ops.table import op_name
 from aotgrad.partition.saved import storages
 from aotgrad.partition.sizes import ExampleSize, hint
 from aotgrad.signature import Cotangent, Grad, Output, Saved, Signature, StateAtBackward

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from aotgrad.capture import JointGraph
 from aotgrad.errors import PartitionError
-from aotgrad.optable import is_compute_intensive
+from aotgrad.ops.table import is_compute_intensive
 from aotgrad.partition.partitioned import Partitioned
 from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward
 from aotgrad.partition.sizes import hint, hinted_bytes

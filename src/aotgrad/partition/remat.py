@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from aotgrad.capture import JointGraph, Phase, phase_of
-from aotgrad.optable import cheap_to_recompute, draws_random, flops, is_collective, is_free_view
+from aotgrad.ops.table import cheap_to_recompute, draws_random, flops, is_collective, is_free_view
 from aotgrad.partition.sizes import hint, hinted_bytes
 
 INF = math.inf
@@ -87,7 +87,7 @@ def is_size_node(node: fx.Node) -> bool:
 
 
 def node_flops(node: fx.Node) -> int:
-    """The op's FLOPs (``optable.flops``), at the example sizes under dynamic shapes (Note
+    """The op's FLOPs (``ops.table.flops``), at the example sizes under dynamic shapes (Note
     [Weights at the example sizes])."""
     args = tuple(a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args)
     return hint(flops(node.target, args, node.meta.get("val")))

@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from aotgrad.capture import JointGraph, Phase, phase_of, set_phase
-from aotgrad.optable import remove_dead_code
+from aotgrad.ops.table import remove_dead_code
 
 
 def build_forward(joint: JointGraph, saved: Sequence[fx.Node]) -> fx.Graph:

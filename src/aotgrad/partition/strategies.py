@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from aotgrad.capture import JointGraph, Phase, node_info
 from aotgrad.errors import ConfigError, PartitionError
-from aotgrad.optable import is_free_view, op_name
+from aotgrad.ops.table import is_free_view, op_name
 from aotgrad.partition.remat import (
     RematPlan,
     forward_ops,

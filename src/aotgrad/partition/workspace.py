@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad import _torch_compat as compat
 from aotgrad.measure import measure_peak
-from aotgrad.optable import draws_random, is_collective, is_free_view
+from aotgrad.ops.table import draws_random, is_collective, is_free_view
 from aotgrad.partition.sizes import hint
 
 __all__ = ["op_peak"]

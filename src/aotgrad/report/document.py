@@ -22,7 +22,7 @@ from typing import Any
 import torch.fx as fx
 
 from aotgrad.capture import META_KEY, NodeInfo
-from aotgrad.optable import op_name
+from aotgrad.ops.table import op_name
 from aotgrad.partition import Partitioned
 from aotgrad.report.peak_report import peak_document
 from aotgrad.signature.printing import DESC_KEY

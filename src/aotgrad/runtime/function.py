@@ -53,10 +53,10 @@ from aotgrad.capture import (
     TensorOutput,
     ViewMeta,
 )
-from aotgrad.capture.autocast import any_autocast, autocast_off, autocast_state
-from aotgrad.capture.backward_state import StateRegion
+from aotgrad.capture.analyses.autocast import any_autocast, autocast_off, autocast_state
+from aotgrad.capture.analyses.backward_state import StateRegion
 from aotgrad.errors import AutocastBackwardError, DoubleBackwardError, SavedVersionError
-from aotgrad.optable import autocast_lowers, needs_grad_mode, op_name
+from aotgrad.ops.table import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import BoxedCall
 from aotgrad.runtime.higher_order import HigherOrder
@@ -91,7 +91,7 @@ class Plan:
     saved_sizes: tuple[bool, ...]
     # Every output leaf is a fresh tensor, in order, and nothing is mutated: no epilogue.
     only_fresh: bool
-    # The forward holds a kernel that needs grad mode on (optable.needs_grad_mode).
+    # The forward holds a kernel that needs grad mode on (ops.table.needs_grad_mode).
     forward_needs_grad_mode: bool
     leaves: tuple[OutputLeaf, ...]
     out_spec: pytree.TreeSpec
@@ -114,7 +114,7 @@ class Plan:
     # User inputs to detach in place after the call (``a.detach_()`` in the function).
     detached_inputs: tuple[int, ...] = ()
     # Graph inputs the backward reads when it runs and writes its new values into (Note
-    # [State updated by the backward] in ``capture/backward_state.py``).
+    # [State updated by the backward] in ``capture/analyses/backward_state.py``).
     state_at_backward: tuple[int, ...] = ()
     # Per input in ``state_at_backward``: the cotangents (bitmask) that reach its region's
     # backward, and the inputs whose gradients that backward feeds.
@@ -419,7 +419,7 @@ def regions_run(
 ) -> list[bool]:
     """Per state input: would eager's engine run its region's backward, and recompute it?
     Some cotangent reaching it was given, and the engine uses a gradient it feeds (Note
-    [State updated by the backward] in ``capture/backward_state.py``)."""
+    [State updated by the backward] in ``capture/analyses/backward_state.py``)."""
     return [
         bool(region.cotangents & received)
         and (
@@ -792,7 +792,7 @@ def _replay_resized(
 ) -> list[tuple[torch.UntypedStorage, int]]:
     """Grow the caller's storage as the function did, then replay the input's other changes
     (no copy into a storage the function freed); return the shrink to do after every replay
-    (Note [Storage resizes of an input] in ``capture/set_storage.py``). An input ``set_()``
+    (Note [Storage resizes of an input] in ``capture/analyses/set_storage.py``). An input ``set_()``
     moves is replayed later."""
     nbytes, storage = mutation.resized, x.untyped_storage()
     if nbytes > storage.nbytes():
@@ -824,7 +824,7 @@ def _replay_set(
     keeps_version: bool,
 ) -> None:
     """``x.set_()`` as the function did: onto a caller's storage, or onto a fresh storage
-    holding ``new`` (Note [set_() on an input] in ``capture/set_storage.py``)."""
+    holding ``new`` (Note [set_() on an input] in ``capture/analyses/set_storage.py``)."""
     if storage is None:
         assert new is not None, "expected the new value of an input set_ onto a fresh storage"
         fresh = torch.empty(layout.extent, dtype=x.dtype, device=x.device)

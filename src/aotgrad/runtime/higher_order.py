@@ -80,7 +80,7 @@ Note [Saved values read as masks]
 Some backward ops read a saved value only for its sign or range, and PyTorch
 defines their derivative with respect to it as zero (``threshold_backward``'s
 ``self`` for ReLU, ``leaky_relu_backward``, ``hardtanh_backward``:
-``optable.passes_gradient_through``). A saved value the kept gradients read
+``ops.table.passes_gradient_through``). A saved value the kept gradients read
 only there need not be recomputed from the primals: ``G`` takes it as saved,
 and the forward's matmuls are not run again. For ``r = relu(x @ W)``::
 
@@ -116,7 +116,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad.capture import Body, JointGraph
 from aotgrad.capture.provenance import META_KEY, NodeInfo, set_info
-from aotgrad.capture.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
+from aotgrad.capture.tracing.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.errors import AotgradError, DoubleBackwardError, format_error
 from aotgrad.runtime.differentiable_ops import (
     NO_DERIVATIVE,
@@ -220,7 +220,7 @@ class HigherOrder:
         running backward uses (Note [Only the gradients asked for]); the others get None.
         ``kept``: the forward inputs in ``extra`` and their versions at the call (Note
         [Primals in the backward]). ``state``: the values of the inputs the backward changes,
-        as it runs (Note [State updated by the backward] in ``capture/backward_state.py``).
+        as it runs (Note [State updated by the backward] in ``capture/analyses/backward_state.py``).
         """
         if not any(wanted):
             return (None,) * len(wanted)

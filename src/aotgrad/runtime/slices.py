@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad.capture.provenance import META_KEY
 from aotgrad.errors import DoubleBackwardError, UserFrame, format_error
-from aotgrad.optable import (
+from aotgrad.ops.table import (
     draws_random,
     must_run,
     op_name,
@@ -266,7 +266,7 @@ def build_slice(
     env.update((bw_placeholders[j], node) for j, node in saved_nodes.items())
     env.update(zip(bw_placeholders[signature.cotangents_in_backward], cotangents, strict=True))
     # Inputs the backward changes, as they are when it runs: read, never written, by ``G``
-    # (Note [State updated by the backward] in ``capture/backward_state.py``).
+    # (Note [State updated by the backward] in ``capture/analyses/backward_state.py``).
     for n in bw_placeholders[signature.state_in_backward]:
         env[n] = _placeholder(graph, f"state_{n.name}", n)
     for node in backward.graph.nodes:

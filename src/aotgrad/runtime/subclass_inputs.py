@@ -5,7 +5,7 @@ Note [Subclass inputs rebased]
 The Function takes a subclass input's inner tensors (Note [Tensor
 subclasses]); the epilogue leaves those inner graph inputs alone and hands
 their replays here, where they reach the caller's own tensors
-(Note [Subclass inputs changed in place] in ``capture/subclass_inputs.py``).
+(Note [Subclass inputs changed in place] in ``capture/analyses/subclass_inputs.py``).
 For ``x.mul_(2); x.t_()`` on a non-leaf ``x = TwoTensor(a, b)``::
 
     x.a.as_strided_((3, 2), (1, 3), 0)     inner metadata, under no_grad, the version
@@ -38,7 +38,7 @@ import torch
 
 from aotgrad._torch_compat import DisableTorchDispatch
 from aotgrad.capture import InputMutation
-from aotgrad.capture.aliasing import ViewMeta
+from aotgrad.capture.analyses.aliasing import ViewMeta
 from aotgrad.runtime.function import _replay_mutation
 from aotgrad.signature.subclasses import (
     InputChange,

@@ -33,7 +33,7 @@ code (nested code objects included), and functions of its own module that it
 names (recursively). Python modules, and functions of other modules, are
 keyed by identity and not walked: a library's globals are its own business.
 A real tensor reached some other way that requires grad or is mutated is
-refused during capture (``capture/closed_over.py``), never silently baked in.
+refused during capture (``capture/user_state/closed_over.py``), never silently baked in.
 
 Note [Module arguments]
 ~~~~~~~~~~~~~~~~~~~~~~~

@@ -25,7 +25,7 @@ Note [Calling convention]
   backward reads their values as they are when it runs (``StateAtBackward``,
   after the cotangents) and returns their new values (``MutatedInput``, after
   the grads), which the runtime writes into them (Note [State updated by the
-  backward] in ``capture/backward_state.py``).
+  backward] in ``capture/analyses/backward_state.py``).
 
 The joint graph is both graphs with nothing saved between them,
 ``joint(*inputs, *cotangents) -> (*outputs, *bases, *mutated, *grads)``; its

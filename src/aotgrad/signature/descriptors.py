@@ -141,7 +141,7 @@ PrimalDescriptor = Input | Param | Buffer | Closure | Global | Inner
 class InputBase(Descriptor):
     """One graph input standing for several inputs that share memory.
 
-    See Note [Aliased inputs] in ``capture/input_aliases.py``.
+    See Note [Aliased inputs] in ``capture/analyses/input_aliases.py``.
     """
 
     of: tuple[Input | Param | Buffer | Closure | Global | Inner, ...]
@@ -170,7 +170,7 @@ class SideEffect(Output):
     ``path`` is the place (``self.acts``, ``closure feats``, ``global CACHE``),
     ``how`` is ``"append"`` (to a list) or ``"set"`` (an attribute, a dict key, a
     variable), ``leaf`` the tensor's key path inside the stored value (``[1]`` of
-    ``("name", t)``). See Note [Side effects replayed] in ``capture/side_effects.py``.
+    ``("name", t)``). See Note [Side effects replayed] in ``capture/user_state/side_effects.py``.
 
     >>> str(SideEffect(path="self.acts", how="append"))
     'side effect self.acts.append(·)'
@@ -196,7 +196,7 @@ class MultiOutputView(Output):
     """An output that is one of several views an op made at once (``unbind``, ``split``,
     ``chunk``), or a view of one: eager refuses to change it in place with grad mode on, and
     to use it after its base changed in place; so does the compiled function. See Note
-    [Multi-output views] in ``capture/aliasing.py``.
+    [Multi-output views] in ``capture/analyses/aliasing.py``.
 
     >>> str(MultiOutputView(path="[0]"))
     'output[0] (multi-output view)'
@@ -210,7 +210,7 @@ class MultiOutputView(Output):
 class OutputBase(Descriptor):
     """An intermediate that several outputs are views of; the runtime rebuilds them from it.
 
-    See Note [Aliased outputs] in ``capture/aliasing.py``.
+    See Note [Aliased outputs] in ``capture/analyses/aliasing.py``.
     """
 
     of: tuple[Output, ...]
@@ -225,7 +225,7 @@ class MutatedInput(Descriptor):
 
     With ``storage``, the value ``set_()`` put into the input, over a storage the
     function made: the caller's tensor gets a fresh storage holding it (Note [set_()
-    on an input] in ``capture/set_storage.py``).
+    on an input] in ``capture/analyses/set_storage.py``).
 
     >>> str(MutatedInput(of=Input(path="a"), storage=True))
     'value set into a (set_)'
@@ -243,7 +243,7 @@ class StateAtBackward(Descriptor):
     """An input's value when the backward runs: the backward reads it and returns its new
     value (a ``MutatedInput`` among its outputs). A checkpointed BatchNorm's running
     statistics, an input a custom Function's backward changes in place (Note [State updated
-    by the backward] in ``capture/backward_state.py``).
+    by the backward] in ``capture/analyses/backward_state.py``).
 
     >>> str(StateAtBackward(of=Buffer(name="bn.running_mean")))
     'buffer bn.running_mean at backward'

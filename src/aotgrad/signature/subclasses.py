@@ -43,10 +43,10 @@ Beyond this: a plain input whose gradient is a subclass is split by that
 gradient's layout (Note [Subclass gradients of plain inputs]); a subclass
 input the function changes in place is changed as a whole on the caller's
 side, its outer metadata and history included (Note [Subclass inputs changed
-in place] in ``capture/subclass_inputs.py``); the inner tensors of subclass
+in place] in ``capture/analyses/subclass_inputs.py``); the inner tensors of subclass
 inputs that share memory are aliased inputs like any others, part of the key
 (Note [Inputs sharing memory without a common base] in
-``capture/input_aliases.py``); a subclass output that is an input, another
+``capture/analyses/input_aliases.py``); a subclass output that is an input, another
 output or a view of one aliases it as eager's does (Note [Aliased subclass
 outputs]); and under ``create_graph=True`` the gradients stay differentiable
 (Note [Subclass gradients under create_graph]).
@@ -534,7 +534,7 @@ pytree.register_pytree_node(
 # Note [Aliased subclass outputs]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The graphs see a subclass output only as its inner tensors, and the plain
-# rules (Note [Aliased outputs] in ``capture/aliasing.py``) rebuild those: the
+# rules (Note [Aliased outputs] in ``capture/analyses/aliasing.py``) rebuild those: the
 # wrapper itself, built again by ``_Wrap``, would be a fresh tensor every
 # time. Eager's wrapper is not: ``x.view(-1)`` of a ``TwoTensor`` input is a
 # view of ``x`` (its ``._base``, its in-place rules), and ``v, v`` is one

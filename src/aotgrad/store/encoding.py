@@ -27,17 +27,17 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from aotgrad.capture.aliasing import (
+from aotgrad.capture.analyses.aliasing import (
     Alias,
     AliasSource,
     ConstantOutput,
     TensorOutput,
     ViewMeta,
 )
-from aotgrad.capture.backward_state import StateRegion
-from aotgrad.capture.mutation import InputMutation
+from aotgrad.capture.analyses.backward_state import StateRegion
+from aotgrad.capture.analyses.mutation import InputMutation
+from aotgrad.capture.analyses.set_storage import NewStorage
 from aotgrad.capture.provenance import Kind, NodeInfo, Phase
-from aotgrad.capture.set_storage import NewStorage
 from aotgrad.errors import StoreError, UserFrame
 from aotgrad.partition import RecomputedOp
 from aotgrad.partition.saved import SavedValue

@@ -61,9 +61,10 @@ import torch.fx as fx
 
 from aotgrad._torch_compat import ExpandedCodeGen, FakeTensorMode, OpOverload
 from aotgrad.capture import lazy_module
-from aotgrad.capture.aliasing import TensorOutput
+from aotgrad.capture.analyses.aliasing import TensorOutput
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase
 from aotgrad.errors import StoreError, UserFrame
+from aotgrad.ops.file_ops import INPUT_MUTATION, refusal
 from aotgrad.partition import Partitioned, RecomputedOp
 from aotgrad.partition.saved import SavedValue
 from aotgrad.pipeline import collector_paused
@@ -72,7 +73,6 @@ from aotgrad.runtime.straight_line import Step
 from aotgrad.signature.convention import Signature
 from aotgrad.signature.printing import DESC_KEY
 from aotgrad.store.encoding import MALFORMED, decode, encode
-from aotgrad.store.ops import INPUT_MUTATION, refusal
 
 FORMAT = "aotgrad-graphs"
 # 3: tree structure in aotgrad's own JSON (Note [Tree structure in a file]), ops allow-listed.

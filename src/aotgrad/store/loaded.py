@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from aotgrad.capture.autocast import autocast_state
+from aotgrad.capture.analyses.autocast import autocast_state
 from aotgrad.errors import CallError, StoreError, format_error, user_frame_from_stack
 from aotgrad.partition import Partitioned, RecomputedOp
 from aotgrad.partition.saved import SavedValue

@@ -78,7 +78,7 @@ from typing import Any
 
 import torch
 
-from aotgrad.capture.closed_over import in_capture
+from aotgrad.capture.user_state.closed_over import in_capture
 
 
 @dataclass(frozen=True)

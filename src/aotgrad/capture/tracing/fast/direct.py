@@ -114,8 +114,17 @@ from aotgrad._torch_compat import (
     seq_nr_of,
     tensor_metadata,
 )
-from aotgrad.capture.collectives import refuse_in_place_collective
-from aotgrad.capture.fast.view_writes import (
+from aotgrad.capture.analyses.collectives import refuse_in_place_collective
+from aotgrad.capture.analyses.mutation import (
+    InputMutation,
+    PrimalInfo,
+    check_no_partial_overlap,
+    may_overlap,
+)
+from aotgrad.capture.analyses.random import MANUAL_SEED
+from aotgrad.capture.analyses.set_storage import resizes_watched
+from aotgrad.capture.graph import lazy_module
+from aotgrad.capture.tracing.fast.view_writes import (
     Storage,
     StorageView,
     ViewStep,
@@ -123,17 +132,8 @@ from aotgrad.capture.fast.view_writes import (
     invertible,
     scatter,
 )
-from aotgrad.capture.graph import lazy_module
-from aotgrad.capture.mutation import (
-    InputMutation,
-    PrimalInfo,
-    check_no_partial_overlap,
-    may_overlap,
-)
-from aotgrad.capture.random import MANUAL_SEED
-from aotgrad.capture.recorder import Recorder
-from aotgrad.capture.set_storage import resizes_watched
-from aotgrad.capture.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
+from aotgrad.capture.tracing.recorder import Recorder
+from aotgrad.capture.tracing.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
 from aotgrad.errors import UserFrame
 from aotgrad.signature import GraphInputDescriptor, storage_key
 

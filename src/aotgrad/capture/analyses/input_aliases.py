@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from aotgrad._torch_compat import is_traceable_wrapper_subclass
-from aotgrad.capture.aliasing import ViewMeta
+from aotgrad.capture.analyses.aliasing import ViewMeta
 from aotgrad.signature.storage import storage_key
 
 

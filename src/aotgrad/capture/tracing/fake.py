@@ -50,7 +50,7 @@ from aotgrad._torch_compat import (
     no_dispatch,
     view_stride,
 )
-from aotgrad.optable import is_pointwise
+from aotgrad.ops.table import is_pointwise
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 

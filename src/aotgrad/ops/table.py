@@ -256,7 +256,7 @@ _POINT_TO_POINT = frozenset(["isend", "irecv", "batch_p2p_ops", "send", "recv_"]
 
 def is_collective(op: object) -> bool:
     """A torch.distributed communication op, or the wait that completes one: never recomputed,
-    never reordered (Note [Collectives] in ``capture/collectives.py``).
+    never reordered (Note [Collectives] in ``capture/analyses/collectives.py``).
 
     >>> is_collective(torch.ops._c10d_functional.all_reduce.default)
     True

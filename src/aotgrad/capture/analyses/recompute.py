@@ -38,9 +38,9 @@ import torch
 import torch.fx as fx
 
 from aotgrad.capture.provenance import Phase, node_info, set_info
-from aotgrad.capture.recorder import RNG_POSITION_KEY
+from aotgrad.capture.tracing.recorder import RNG_POSITION_KEY
 from aotgrad.errors import UnsupportedOpError, format_error
-from aotgrad.optable import draws_random, is_collective, remove_dead_code
+from aotgrad.ops.table import draws_random, is_collective, remove_dead_code
 
 
 def link_recompute(gm: fx.GraphModule) -> None:

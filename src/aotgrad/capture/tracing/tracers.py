@@ -5,12 +5,12 @@ Note [Two tracers]
 Capture runs one joint function, forward then backward, on fake tensors
 (Note [One tracing pass]), under one of two tracers:
 
-- :class:`~aotgrad.capture.fast.direct.DirectTracer` appends each aten op to a
+- :class:`~aotgrad.capture.tracing.fast.direct.DirectTracer` appends each aten op to a
   graph as it runs (Note [Direct tracing]): cheap, but it handles only
   static sizes, in-place ops recorded functionally (Note [In-place ops,
   directly]) and writes through the view ops it can scatter back (Note
   [Writes through views, directly]);
-- :class:`~aotgrad.capture.full.FullTracer` runs the function under
+- :class:`~aotgrad.capture.tracing.full.FullTracer` runs the function under
   functionalization inside ``make_fx``: it handles everything capture does.
 
 The joint function is the same code for both; what differs is owned by the
@@ -108,8 +108,8 @@ import torch.fx as fx
 from torch.autograd.graph import GradientEdge
 
 from aotgrad._torch_compat import REENTRANT_CHECKPOINT_GRAD
-from aotgrad.capture.mutation import InputMutation, PrimalInfo
-from aotgrad.capture.recorder import Recorder
+from aotgrad.capture.analyses.mutation import InputMutation, PrimalInfo
+from aotgrad.capture.tracing.recorder import Recorder
 from aotgrad.errors import (
     CaptureError,
     DirectTraceError,

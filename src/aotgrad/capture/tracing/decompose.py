@@ -2,7 +2,7 @@
 captured graph]).
 
 >>> import torch, aotgrad
->>> from aotgrad.capture.opset import decomposition_set
+>>> from aotgrad.ops.core_aten import decomposition_set
 >>> t = aotgrad.trace(torch.nn.functional.silu, torch.ones(2, requires_grad=True))
 >>> gm = decompose_graph(t.backward, decomposition_set("core_aten"))
 >>> [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
@@ -19,8 +19,8 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from aotgrad._torch_compat import OpOverload
-from aotgrad.capture.fake import EagerViewsFakeMode
-from aotgrad.capture.random import faithful_decompositions
+from aotgrad.capture.analyses.random import faithful_decompositions
+from aotgrad.capture.tracing.fake import EagerViewsFakeMode
 from aotgrad.errors import ConfigError, UnsupportedOpError
 
 __all__ = ["decompose_graph"]

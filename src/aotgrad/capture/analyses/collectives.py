@@ -15,7 +15,7 @@ registers for them, in the backward::
     forward:    mm = mm(x, w); r = all_reduce(mm, 'sum', '0'); y = wait_tensor(r)
     backward:   r_1 = all_reduce(cotangent, 'sum', '0'); g = wait_tensor(r_1); ...
 
-aotgrad keeps five rules (``optable.is_collective`` says which ops they cover:
+aotgrad keeps five rules (``ops.table.is_collective`` says which ops they cover:
 the ``_c10d_functional``, ``_c10d_functional_autograd`` and ``c10d`` ops,
 ``wait_tensor`` included):
 
@@ -68,7 +68,7 @@ the ``_c10d_functional``, ``_c10d_functional_autograd`` and ``c10d`` ops,
    missed) is not proof of a mismatch: the check warns
    (``CollectiveCheckWarning``) and the capture goes on. (A capture on one
    rank only, say ``aotgrad.trace`` under ``if rank == 0`` to print a report,
-   waits that long: set ``aotgrad.capture.collectives.CHECK_TIMEOUT_S = 0``
+   waits that long: set ``aotgrad.capture.analyses.collectives.CHECK_TIMEOUT_S = 0``
    to turn the check off.) Ranks pair their
    captures by function name and count (the 3rd capture of ``f`` over ranks
    0, 1), as SPMD code makes them. Shapes are compared for the ops that
@@ -124,7 +124,7 @@ from aotgrad.errors import (
     format_error,
     user_frame_from_stack,
 )
-from aotgrad.optable import COLLECTIVE_NAMESPACES, is_collective, is_point_to_point, op_name
+from aotgrad.ops.table import COLLECTIVE_NAMESPACES, is_collective, is_point_to_point, op_name
 
 # node.meta key of a collective's CollectiveCall.
 COLLECTIVE_KEY = "aotgrad_collective"

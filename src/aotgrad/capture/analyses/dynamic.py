@@ -66,7 +66,7 @@ def dynamic(x: torch.Tensor, dim: int | Sequence[int] = 0) -> torch.Tensor:
 
     >>> import torch, aotgrad
     >>> x = aotgrad.dynamic(torch.ones(8, 4), dim=-1)
-    >>> aotgrad.capture.dynamic.marked_dims(x)
+    >>> aotgrad.capture.analyses.dynamic.marked_dims(x)
     (1,)
     """
     dims = [dim] if isinstance(dim, int) else list(dim)

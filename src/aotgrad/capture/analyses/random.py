@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from aotgrad.optable import draws_random, is_random
+from aotgrad.ops.table import draws_random, is_random
 
 # In-place random fills whose arguments after the target are floats: method name per op.
 _FILLS = {

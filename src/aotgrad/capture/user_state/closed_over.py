@@ -62,8 +62,8 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from aotgrad._torch_compat import function_mode_count, function_modes, is_functional_tensor
-from aotgrad.capture.host_checks import checked_function, is_checked_function
-from aotgrad.capture.set_storage import assigns_traced_data
+from aotgrad.capture.analyses.set_storage import assigns_traced_data
+from aotgrad.capture.user_state.host_checks import checked_function, is_checked_function
 from aotgrad.errors import (
     DataDependentError,
     UnsupportedClosureError,

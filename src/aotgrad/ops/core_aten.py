@@ -21,15 +21,15 @@ import torch
 import torch.fx as fx
 
 from aotgrad._torch_compat import OpOverload, all_decompositions
-from aotgrad.capture.upsample import UPSAMPLE_BACKWARD_DECOMPOSITIONS
 from aotgrad.errors import ConfigError, UnsupportedOpError
-from aotgrad.optable import is_random
+from aotgrad.ops.table import is_random
+from aotgrad.ops.upsample import UPSAMPLE_BACKWARD_DECOMPOSITIONS
 
 # Note [Core ATen graphs]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # ``decompositions="core_aten"`` captures with PyTorch's Core ATen decomposition table
 # (``torch.export.default_decompositions()``, the one ``ExportedProgram.run_decompositions()``
-# uses), composed with aotgrad's own handling of random ops (``capture/random.py``, applied to
+# uses), composed with aotgrad's own handling of random ops (``capture/analyses/random.py``, applied to
 # every table: a random op's decomposition is used only for calls that draw nothing). The
 # table applies below autograd, to the forward ops and to the ops the derivative formulas
 # issue, so the forward and the backward graph both come out decomposed::
@@ -42,7 +42,7 @@ from aotgrad.optable import is_random
 # into prims (``torch._refs``) or not at all; ``FROM_TORCH_DECOMP`` (BatchNorm, training and
 # eval; ``new_empty_strided``; the bilinear, trilinear and bicubic ``F.interpolate``) and
 # ``EXTRA_DECOMPOSITIONS`` (aotgrad's: every ``F.interpolate`` backward but antialiasing's,
-# Note [Upsampling backward in Core ATen] in ``capture/upsample.py``; CPU flash attention's
+# Note [Upsampling backward in Core ATen] in ``ops/upsample.py``; CPU flash attention's
 # ``logsumexp`` and backward, ``as_strided_scatter`` into a contiguous tensor, ``var_mean``,
 # ``lift_fresh``/``lift_fresh_copy`` as ``clone``: bart's and whisper's ``torch.tensor``
 # written into; ``empty_permuted`` as ``empty_strided``) fill those in. Left refused, with

@@ -34,18 +34,18 @@ from aotgrad._torch_compat import (
     from_functional_tensor,
     sync,
 )
-from aotgrad.capture import closed_over
-from aotgrad.capture.backward_state import BackwardSite
-from aotgrad.capture.collectives import refuse_in_place_collective
-from aotgrad.capture.host_checks import HostChecks
-from aotgrad.capture.mutation import (
+from aotgrad.capture.analyses.backward_state import BackwardSite
+from aotgrad.capture.analyses.collectives import refuse_in_place_collective
+from aotgrad.capture.analyses.mutation import (
     check_no_partial_overlap,
     check_writable,
     resize_keeps_layout,
 )
+from aotgrad.capture.analyses.random import FILL_RANDOM, MANUAL_SEED, seed_as_int64, strided_fill
+from aotgrad.capture.analyses.set_storage import SET_OPS, StorageSets, data_assigned
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
-from aotgrad.capture.random import FILL_RANDOM, MANUAL_SEED, seed_as_int64, strided_fill
-from aotgrad.capture.set_storage import SET_OPS, StorageSets, data_assigned
+from aotgrad.capture.user_state import closed_over
+from aotgrad.capture.user_state.host_checks import HostChecks
 from aotgrad.errors import (
     Origin,
     UnsupportedOpError,
@@ -54,7 +54,7 @@ from aotgrad.errors import (
     frame_origin,
     user_frame_from_stack,
 )
-from aotgrad.optable import draws_random, is_error_check
+from aotgrad.ops.table import draws_random, is_error_check
 
 aten = torch.ops.aten
 

@@ -34,7 +34,7 @@ user's line. Mutations autograd does not see — under ``torch.no_grad()``
 (running statistics, optimizer-style updates) or through ``x.detach()`` and
 ``x.data`` — are copied back under ``no_grad``. An input ``set_()`` gives another
 storage (or whose storage the function resizes) is replayed as Note [set_() on
-an input] and Note [Storage resizes of an input] say (``capture/set_storage.py``).
+an input] and Note [Storage resizes of an input] say (``capture/analyses/set_storage.py``).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from aotgrad._torch_compat import (
     has_metadata_mutation,
     was_storage_changed,
 )
-from aotgrad.capture.aliasing import ViewMeta
-from aotgrad.capture.set_storage import NewStorage
+from aotgrad.capture.analyses.aliasing import ViewMeta
+from aotgrad.capture.analyses.set_storage import NewStorage
 from aotgrad.errors import (
     InPlaceOnLeafError,
     UnsupportedMutationError,
@@ -103,7 +103,7 @@ class InputMutation:
     # whether the forward returns its new value (a storage the function made).
     storage: NewStorage | None = None
     # The bytes the caller's storage ends with, when the function resized it (Note [Storage
-    # resizes of an input] in ``capture/set_storage.py``): 0 means no copy-back.
+    # resizes of an input] in ``capture/analyses/set_storage.py``): 0 means no copy-back.
     resized: Any = None
 
     @property

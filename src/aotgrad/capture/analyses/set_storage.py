@@ -98,7 +98,7 @@ from aotgrad._torch_compat import (
     sync,
     was_storage_changed,
 )
-from aotgrad.capture.aliasing import ViewMeta, caller_layout
+from aotgrad.capture.analyses.aliasing import ViewMeta, caller_layout
 from aotgrad.errors import (
     InPlaceOnLeafError,
     UnsupportedMutationError,

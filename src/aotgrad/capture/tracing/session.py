@@ -91,7 +91,7 @@ from aotgrad._torch_compat import (
     push_saved_tensors_hooks,
     top_saved_tensors_hooks,
 )
-from aotgrad.capture.closed_over import in_capture
+from aotgrad.capture.user_state.closed_over import in_capture
 
 _LOCK = threading.RLock()
 

@@ -23,17 +23,17 @@ from aotgrad._torch_compat import (
     sync,
     use_lazy_graph_module,
 )
-from aotgrad.capture.backward_state import backward_mutations, mutation_counts
-from aotgrad.capture.mutation import (
+from aotgrad.capture.analyses.backward_state import backward_mutations, mutation_counts
+from aotgrad.capture.analyses.mutation import (
     InputMutation,
     PrimalInfo,
     analyze_mutations,
     check_restrided_data,
     with_kernel_resizes,
 )
-from aotgrad.capture.recorder import ProvenanceMode, Recorder
-from aotgrad.capture.set_storage import resizes_watched
-from aotgrad.capture.tracers import FullTraceRefused, Tracer
+from aotgrad.capture.analyses.set_storage import resizes_watched
+from aotgrad.capture.tracing.recorder import ProvenanceMode, Recorder
+from aotgrad.capture.tracing.tracers import FullTraceRefused, Tracer
 from aotgrad.errors import UserFrame, format_error
 from aotgrad.signature import GraphInputDescriptor
 

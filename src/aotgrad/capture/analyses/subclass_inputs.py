@@ -41,8 +41,8 @@ from dataclasses import replace
 
 import torch
 
-from aotgrad.capture.aliasing import ViewMeta
-from aotgrad.capture.mutation import InputMutation
+from aotgrad.capture.analyses.aliasing import ViewMeta
+from aotgrad.capture.analyses.mutation import InputMutation
 from aotgrad.errors import InPlaceOnLeafError, UnsupportedMutationError, UserFrame, format_error
 from aotgrad.signature.descriptors import Inner, PrimalDescriptor
 from aotgrad.signature.subclasses import (

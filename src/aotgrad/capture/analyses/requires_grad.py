@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aotgrad.capture.aliasing import AliasSource, OutputLeaf, TensorOutput, ViewMeta
+from aotgrad.capture.analyses.aliasing import AliasSource, OutputLeaf, TensorOutput, ViewMeta
 from aotgrad.errors import UnsupportedOutputError, UserFrame, format_error
 from aotgrad.signature import GraphInputDescriptor
 

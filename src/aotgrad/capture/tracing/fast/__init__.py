@@ -4,7 +4,7 @@ Note [The fast path as a layer]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Capture is right with PyTorch's machinery alone: the full trace
 (functionalization inside ``make_fx``) in PyTorch's ``FakeTensorMode``, with
-eager's ``view`` strides (``capture.fake``, Note [Eager strides for views]).
+eager's ``view`` strides (``capture.tracing.fake``, Note [Eager strides for views]).
 This package adds speed only, re-deriving what PyTorch does: the direct tracer
 (``direct``, ``view_writes``: Notes [Direct tracing], [Writes through views,
 directly]) and the fake mode's shortcuts (``fake``, ``layouts``,
@@ -22,7 +22,7 @@ tracers]), and a torch release that breaks a shortcut breaks ``fast=True`` only:
     fast off:  tracer "full"     mm = aten.mm.default(x, w)   seq_nr 3, module "lin"
 """
 
-from aotgrad.capture.fast.direct import DirectTracer
-from aotgrad.capture.fast.fake import FastFakeMode
+from aotgrad.capture.tracing.fast.direct import DirectTracer
+from aotgrad.capture.tracing.fast.fake import FastFakeMode
 
 __all__ = ["DirectTracer", "FastFakeMode"]

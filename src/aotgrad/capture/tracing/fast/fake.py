@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from aotgrad._torch_compat import FakeTensor, no_dispatch
-from aotgrad.capture.fake import EagerViewsFakeMode
-from aotgrad.capture.fast.layouts import Layout, Layouts, fast_layouts
-from aotgrad.capture.fast.meta_kernels import open_lists, run_meta
-from aotgrad.capture.fast.view_writes import VIEWS
+from aotgrad.capture.tracing.fake import EagerViewsFakeMode
+from aotgrad.capture.tracing.fast.layouts import Layout, Layouts, fast_layouts
+from aotgrad.capture.tracing.fast.meta_kernels import open_lists, run_meta
+from aotgrad.capture.tracing.fast.view_writes import VIEWS
 
 
 class FastFakeMode(EagerViewsFakeMode):

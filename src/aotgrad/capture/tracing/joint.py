@@ -44,7 +44,7 @@ from aotgrad._torch_compat import (
     engine_run_backward,
     set_compiling_flag,
 )
-from aotgrad.capture.aliasing import (
+from aotgrad.capture.analyses.aliasing import (
     AliasSource,
     ConstantOutput,
     OutputAliasing,
@@ -54,29 +54,29 @@ from aotgrad.capture.aliasing import (
     check_custom_views_of_mutated,
     check_input_aliases_are_views,
 )
-from aotgrad.capture.autocast import autocast_off
-from aotgrad.capture.backward_state import BackwardSite, saved_by_nodes, site_of
-from aotgrad.capture.closed_over import ClosedOver
-from aotgrad.capture.collectives import collective_grads_checked
-from aotgrad.capture.cotangents import make_cotangent
-from aotgrad.capture.dynamic import ShapeGuards, symbolic_context
-from aotgrad.capture.fake import EagerViewsFakeMode
-from aotgrad.capture.fast import FastFakeMode
-from aotgrad.capture.input_aliases import SyntheticBase, graph_inputs, input_sources
-from aotgrad.capture.mutation import (
+from aotgrad.capture.analyses.autocast import autocast_off
+from aotgrad.capture.analyses.backward_state import BackwardSite, saved_by_nodes, site_of
+from aotgrad.capture.analyses.collectives import collective_grads_checked
+from aotgrad.capture.analyses.dynamic import ShapeGuards, symbolic_context
+from aotgrad.capture.analyses.input_aliases import SyntheticBase, graph_inputs, input_sources
+from aotgrad.capture.analyses.mutation import (
     InputMutation,
     PrimalInfo,
     check_member_mutations,
     member_metadata_mutations,
 )
-from aotgrad.capture.reachability import reaching_masks
-from aotgrad.capture.recorder import Recorder, autograd_nodes, generator_restored
-from aotgrad.capture.requires_grad import check_views_of_made_inputs, made_to_require_grad
-from aotgrad.capture.set_storage import check_set_outputs
-from aotgrad.capture.side_effects import Watch
-from aotgrad.capture.subclass_inputs import StandIns, subclass_input_changes
-from aotgrad.capture.trace_errors import check_output_leaf, translate_trace_errors
-from aotgrad.capture.tracers import Tracer, TracerChoice
+from aotgrad.capture.analyses.reachability import reaching_masks
+from aotgrad.capture.analyses.requires_grad import check_views_of_made_inputs, made_to_require_grad
+from aotgrad.capture.analyses.set_storage import check_set_outputs
+from aotgrad.capture.analyses.subclass_inputs import StandIns, subclass_input_changes
+from aotgrad.capture.tracing.cotangents import make_cotangent
+from aotgrad.capture.tracing.fake import EagerViewsFakeMode
+from aotgrad.capture.tracing.fast import FastFakeMode
+from aotgrad.capture.tracing.recorder import Recorder, autograd_nodes, generator_restored
+from aotgrad.capture.tracing.trace_errors import check_output_leaf, translate_trace_errors
+from aotgrad.capture.tracing.tracers import Tracer, TracerChoice
+from aotgrad.capture.user_state.closed_over import ClosedOver
+from aotgrad.capture.user_state.side_effects import Watch
 from aotgrad.errors import (
     UnsupportedOpError,
     UnsupportedOutputError,
@@ -226,8 +226,8 @@ def trace_joint(
 ) -> tuple[fx.GraphModule, TraceRecord, GraphInputs]:
     """Trace ``body`` and its backward into one graph with ``tracer``; see Note [One tracing pass].
 
-    A :class:`~aotgrad.capture.fast.DirectTracer` raises
-    :class:`~aotgrad.capture.tracers.NeedsFullTrace` for what it does not handle.
+    A :class:`~aotgrad.capture.tracing.fast.DirectTracer` raises
+    :class:`~aotgrad.capture.tracing.tracers.NeedsFullTrace` for what it does not handle.
     """
     dynamic_dims = options.dynamic_dims
     shape_env = _shape_env() if dynamic_dims else None
