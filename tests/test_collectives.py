@@ -27,7 +27,7 @@ from aotgrad.capture import (
     collective_calls,
     node_info,
 )
-from aotgrad.capture import collectives as collectives_module
+from aotgrad.capture.analyses import collectives as collectives_module
 from aotgrad.errors import CollectiveGradError, CollectiveMismatchError, UnsupportedOpError
 from multiproc import run_ranks
 
