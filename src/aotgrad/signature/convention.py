@@ -13,7 +13,10 @@ Note [Calling convention]
   memory may be replaced by one base (Note [Aliased inputs]), a tensor
   subclass input by its plain inner tensors (Note [Tensor subclasses]).
 - ``outputs``: one per tensor leaf of the user's result, duplicates and views
-  included, in pytree order.
+  included, in pytree order (``Output``; ``MultiOutputView`` for a view made
+  by ``unbind``, ``split`` or ``chunk``: Note [Multi-output views]); then one
+  per tensor the function stored in the user's objects (``SideEffect``, Note
+  [Side effects replayed]), which the runtime stores there again.
 - ``bases``: intermediates that several outputs view (Note [Aliased outputs]).
 - ``mutated``: new values of inputs the function mutated in place.
 - ``saved``: what the backward needs, in the forward graph's order (so saved
@@ -121,7 +124,8 @@ class Signature:
     # Backward outputs: one per forward input (None where that input needs no gradient),
     # then the new value of each StateAtBackward, in the same order.
     backward_outputs: tuple[Grad | MutatedInput | None, ...]
-    # Version of this convention; bumped whenever its layout changes.
+    # Version of this convention's layout: the kinds of descriptor each group holds and
+    # their order (``to_dict`` carries it). A change of that layout is to bump it.
     version: int = field(default=SIGNATURE_VERSION)
 
     def __post_init__(self) -> None:
