@@ -298,8 +298,8 @@ def ambient_key() -> Any:
 # default. There ``ambient_key()`` is the grad mode alone, and
 # ``common_state()`` says so in one frame: a chain of comparisons written out
 # from ``SETTINGS`` and ``DEFAULT_SETTINGS`` when this module loads (a loop, or
-# the tuple ``torch_settings`` builds, costs about three times more on every
-# call: ``python bench/overhead.py steps``). Generated from the one list, it
+# the tuple ``torch_settings`` builds, costs more on every call: ``python
+# bench/overhead.py steps``; bench/findings.md). Generated from the one list, it
 # cannot miss a setting added to it::
 #
 #     def common_state():

@@ -23,15 +23,17 @@ Note [Calling convention]
   inputs come first); the backward receives them first, in the same order.
 - ``cotangents``: one per differentiable output the autograd machinery sees.
 - ``grads``: one per forward input, ``None`` for those that need no gradient.
-- ``state``, ``new state`` (rare): inputs a checkpointed region updates again
-  when the backward recomputes it (a BatchNorm's running statistics): the
+- ``state``, ``new state`` (rare): inputs the backward changes in place (a
+  BatchNorm's running statistics when a checkpointed region's recompute
+  updates them again, or a tensor a custom Function's backward changes): the
   backward reads their values as they are when it runs (``StateAtBackward``,
   after the cotangents) and returns their new values (``MutatedInput``, after
   the grads), which the runtime writes into them (Note [State updated by the
   backward] in ``capture/analyses/backward_state.py``).
 
 The joint graph is both graphs with nothing saved between them,
-``joint(*inputs, *cotangents) -> (*outputs, *bases, *mutated, *grads)``; its
+``joint(*inputs, *cotangents) -> (*outputs, *bases, *mutated, *grads)`` (and
+any state last among its inputs, its new values last among its outputs); its
 signature (``JointGraph.signature``) has no saved values.
 
 Worked example: ``fn(x, w) = (x @ w).sin()`` with only ``w`` requiring grad.

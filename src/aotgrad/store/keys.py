@@ -19,7 +19,8 @@ plus the code that the trace ran, which a process-local key never needed:
                                 requires_grad, values read, ambient state and the torch
                                 settings that choose traced ops: Note [Torch settings in
                                 the key]), as text
-    options                     partition, tracer, dynamic, keep_inference_input_mutations
+    options                     partition, tracer, dynamic, keep_inference_input_mutations,
+                                fast, the decomposition set's name
 
 Files of torch and of the standard library are covered by the versions and not
 walked. Anything without a stable text is *not cached* (``Unkeyable``, with the
