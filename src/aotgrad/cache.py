@@ -68,8 +68,8 @@ class CacheInfo:
     # Note [The disk cache]).
     disk_hits: int = 0
     disk_misses: int = 0
-    # Why the latest miss was not looked up or written on disk ("the cache is off", "a
-    # functools.partial has no stable key": Note [Disk cache keys]); None when it was.
+    # Why the latest miss was not looked up or written on disk ("AOTGRAD_CACHE=0", "a
+    # partial has no stable key ...": Note [Disk cache keys]); None when it was.
     disk_skipped: str | None = None
     # Differentiable backwards captured for create_graph=True, every order counted, and
     # backwards that ran another way (none do: Note [Differentiable backward]).

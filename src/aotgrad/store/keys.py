@@ -31,7 +31,8 @@ module hooks, a value whose key holds a module object by address, a
 
     aot_module(model)               keyed: model's classes' files + parameter metadata
     aot_function(lambda x: x*k)     keyed when k is a number (its value is in the key)
-    aot_function(partial(f, 2))     not cached: "a functools.partial has no stable key"
+    aot_function(partial(f, 2))     not cached: "a partial has no stable key (pass a function
+                                    or a module)"
 """
 
 from __future__ import annotations
