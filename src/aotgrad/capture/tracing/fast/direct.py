@@ -35,8 +35,9 @@ a reason, and under ``tracer="auto"`` the full trace runs the function again
 
 (The fourth: the direct trace's inputs are fake leaves, and autograd refuses
 an in-place op on a leaf that requires grad before any mode sees the op; the
-full trace's inputs are functional wrappers, which are not leaves.) Three kinds
-of call skip the direct trace: symbolic sizes (``dynamic=True``); inputs
+full trace's inputs are functional wrappers, which are not leaves.) Besides
+every call with the fast path off (Note [The fast path as a layer]), three
+kinds of call skip the direct trace: symbolic sizes (``dynamic=True``); inputs
 that share memory: which of them an output view comes from (so where its
 gradient goes: ``fn(b[0], b)`` returning ``b.t()``) only functionalization
 tells, with one storage per input's wrapper; and tensor subclass inputs: the
