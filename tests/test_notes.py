@@ -169,3 +169,34 @@ def test_a_planted_stale_name_fails():
         ["a.py: ops.table.no_such_rule names nothing"],
         2,
     )
+
+
+# A path in the repository or in the package: ``capture/tracing/joint.py``, `bench/ab.py`.
+_PATH = re.compile(r"(?<![\w/.])((?:[a-z_]+/)+[a-z_]\w*\.(?:py|md))\b")
+_PATH_ROOTS = ("src", "tests", "bench", "docs", "examples", "sweep")
+
+
+def missing_paths(files: Iterable[tuple[str, str]], root: pathlib.Path) -> list[str]:
+    """Each path of the repository (``bench/ab.py``) or of the package
+    (``capture/tracing/joint.py``) that ``files`` name and that does not exist."""
+    package = root / "src" / "aotgrad"
+    ours = {p.name for p in package.iterdir() if p.is_dir()} | set(_PATH_ROOTS)
+    found = []
+    for file, text in files:
+        for match in _PATH.finditer(text):
+            path = match.group(1)
+            if path.split("/")[0] in ours and not any(
+                (base / path).exists() for base in (root, package)
+            ):
+                found.append(f"{file}: {path} does not exist")
+    return found
+
+
+def test_paths_in_notes_and_docs_exist():
+    files = [f for f in project_files() if f[0].startswith(("src/", "docs/", "README"))]
+    assert missing_paths(files, ROOT) == []
+
+
+def test_a_planted_missing_path_fails():
+    text = "see capture/tracing/joint.py, capture/joint.py, bench/ab.py and torch/nn/functional.py"
+    assert missing_paths([("a.py", text)], ROOT) == ["a.py: capture/joint.py does not exist"]
