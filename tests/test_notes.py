@@ -9,11 +9,17 @@ A Note is defined by its title on a line of its own, underlined with ``~``::
 that opens with the title and a colon (``"Note [Dynamo's size inputs]: ..."``;
 a test's docstring opening that way cites the Note it tests). A citation is
 the title anywhere else, possibly wrapped over lines.
+
+A dotted name of aotgrad's in backticks (``ops.table.draws_random``,
+``aotgrad.capture.tracing.fake``) names something that exists, so that a Note
+keeps up with a module that moved.
 """
 
 from __future__ import annotations
 
+import importlib
 import pathlib
+import pkgutil
 import re
 from collections.abc import Iterable
 
@@ -102,3 +108,95 @@ def test_a_note_defined_twice_fails():
     assert problems([("a.py", twice), ("b.py", twice)]) == [
         "Note [Twice] is defined 2 times: a.py, b.py"
     ]
+
+
+# ``a.b.c`` in one or two backticks, possibly called: ``ops.table.draws_random()``.
+_DOTTED = re.compile(r"`{1,2}((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)(?:\(\))?`{1,2}")
+
+
+def aotgrad_modules() -> set[str]:
+    import aotgrad
+
+    return {"aotgrad"} | {m.name for m in pkgutil.walk_packages(aotgrad.__path__, "aotgrad.")}
+
+
+def _aotgrad_name(token: str, modules: set[str]) -> str | None:
+    """``token`` as a name under ``aotgrad`` when it is one of aotgrad's: it starts with
+    ``aotgrad.`` or with a module's path (``ops.table``); None for anything else
+    (``signature.outputs`` is an attribute of a local variable)."""
+    parts = token.split(".")
+    if parts[0] == "aotgrad":
+        return token
+    return "aotgrad." + token if f"aotgrad.{parts[0]}.{parts[1]}" in modules else None
+
+
+def _names_something(name: str, modules: set[str]) -> bool:
+    parts = name.split(".")
+    k = max(k for k in range(1, len(parts) + 1) if ".".join(parts[:k]) in modules)
+    try:
+        value = importlib.import_module(".".join(parts[:k]))
+        for attribute in parts[k:]:
+            value = getattr(value, attribute)
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def stale_names(files: Iterable[tuple[str, str]], modules: set[str]) -> tuple[list[str], int]:
+    """(each aotgrad name in backticks that names nothing, how many names were checked)."""
+    stale, checked = [], 0
+    for file, text in files:
+        for match in _DOTTED.finditer(text):
+            name = _aotgrad_name(match.group(1), modules)
+            if name is None:
+                continue
+            checked += 1
+            if not _names_something(name, modules):
+                stale.append(f"{file}: {match.group(1)} names nothing")
+    return stale, checked
+
+
+def test_aotgrad_names_in_notes_and_docs_exist():
+    files = [f for f in project_files() if f[0].startswith(("src/", "docs/", "README"))]
+    stale, checked = stale_names(files, aotgrad_modules())
+    assert stale == []
+    assert checked > 50  # the library's Notes and docs name many: the pattern still finds them
+
+
+def test_a_planted_stale_name_fails():
+    text = "``ops.table.no_such_rule``, ``signature.outputs``, ``signature.convention.Signature()``"
+    assert stale_names([("a.py", text)], aotgrad_modules()) == (
+        ["a.py: ops.table.no_such_rule names nothing"],
+        2,
+    )
+
+
+# A path in the repository or in the package: ``capture/tracing/joint.py``, `bench/ab.py`.
+_PATH = re.compile(r"(?<![\w/.])((?:[a-z_]+/)+[a-z_]\w*\.(?:py|md))\b")
+_PATH_ROOTS = ("src", "tests", "bench", "docs", "examples", "sweep")
+
+
+def missing_paths(files: Iterable[tuple[str, str]], root: pathlib.Path) -> list[str]:
+    """Each path of the repository (``bench/ab.py``) or of the package
+    (``capture/tracing/joint.py``) that ``files`` name and that does not exist."""
+    package = root / "src" / "aotgrad"
+    ours = {p.name for p in package.iterdir() if p.is_dir()} | set(_PATH_ROOTS)
+    found = []
+    for file, text in files:
+        for match in _PATH.finditer(text):
+            path = match.group(1)
+            if path.split("/")[0] in ours and not any(
+                (base / path).exists() for base in (root, package)
+            ):
+                found.append(f"{file}: {path} does not exist")
+    return found
+
+
+def test_paths_in_notes_and_docs_exist():
+    files = [f for f in project_files() if f[0].startswith(("src/", "docs/", "README"))]
+    assert missing_paths(files, ROOT) == []
+
+
+def test_a_planted_missing_path_fails():
+    text = "see capture/tracing/joint.py, capture/joint.py, bench/ab.py and torch/nn/functional.py"
+    assert missing_paths([("a.py", text)], ROOT) == ["a.py: capture/joint.py does not exist"]

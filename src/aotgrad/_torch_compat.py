@@ -564,9 +564,9 @@ def _unwrapped(value: Any) -> Any:
 
 # Note [What loads Dynamo]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# ``import torch._dynamo`` costs 0.5-1 s (sympy, FSDP, DTensor and Inductor's
-# utilities come with it), more than ``import aotgrad`` and a small capture
-# together. ``import aotgrad`` never loads it (tests/test_import_weight.py). The
+# ``import torch._dynamo`` is slow (sympy, FSDP, DTensor and Inductor's
+# utilities come with it): more than ``import aotgrad`` and a small capture
+# together (bench/findings.md, 2026-12-07). ``import aotgrad`` never loads it (tests/test_import_weight.py). The
 # first capture in a process does, through PyTorch itself, on every supported
 # release: ``FakeTensorMode()`` reads ``torch._dynamo.config``, and each
 # ``__torch_dispatch__`` of a dispatch mode, like each reference with a

@@ -68,8 +68,8 @@ class CacheInfo:
     # Note [The disk cache]).
     disk_hits: int = 0
     disk_misses: int = 0
-    # Why the latest miss was not looked up or written on disk ("the cache is off", "a
-    # functools.partial has no stable key": Note [Disk cache keys]); None when it was.
+    # Why the latest miss was not looked up or written on disk ("AOTGRAD_CACHE=0", "a
+    # partial has no stable key ...": Note [Disk cache keys]); None when it was.
     disk_skipped: str | None = None
     # Differentiable backwards captured for create_graph=True, every order counted, and
     # backwards that ran another way (none do: Note [Differentiable backward]).
@@ -298,8 +298,8 @@ def ambient_key() -> Any:
 # default. There ``ambient_key()`` is the grad mode alone, and
 # ``common_state()`` says so in one frame: a chain of comparisons written out
 # from ``SETTINGS`` and ``DEFAULT_SETTINGS`` when this module loads (a loop, or
-# the tuple ``torch_settings`` builds, costs about three times more on every
-# call: ``python bench/overhead.py steps``). Generated from the one list, it
+# the tuple ``torch_settings`` builds, costs more on every call: ``python
+# bench/overhead.py steps``; bench/findings.md). Generated from the one list, it
 # cannot miss a setting added to it::
 #
 #     def common_state():

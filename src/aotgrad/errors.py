@@ -208,7 +208,7 @@ class Origin(enum.Enum):
 #     .../site-packages/torch/nn/functional.py  library
 #     .../lib/python3.11/contextlib.py          library
 #     <eval_with_key>.3                         library
-#     .../aotgrad/capture/joint.py              aotgrad
+#     .../aotgrad/capture/tracing/joint.py      aotgrad
 #
 # Walks differ only in what they do on aotgrad's frames: an error skips them,
 # provenance stops there (aotgrad itself issued the op; ``capture/tracing/recorder.py``).

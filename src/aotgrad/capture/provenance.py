@@ -14,7 +14,7 @@ node, reset by a post-hook). The raw numbers depend on every autograd node
 the process made before; each is replaced by its rank among the forward ops'
 numbers, in order of first appearance, so they start at 0, leave no gaps and
 repeat exactly across runs and processes (a backward op takes the rank of
-its node's number; Note [In-place ops' numbers] in ``recorder.py`` covers a
+its node's number; Note [In-place ops' numbers] in ``capture/tracing/recorder.py`` covers a
 node no forward op recorded)::
 
     seq  op                          phase     kind

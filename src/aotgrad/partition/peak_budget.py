@@ -40,7 +40,7 @@ Split = Callable[[RematPlan, str], Partitioned]
 FRACTIONS = (0.0, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
 # Each of those solves stops within 10% of the least recompute FLOPs: a candidate's FLOPs and
 # peak are counted exactly after, and a gap, unlike a time limit, gives the same family on
-# every run (measured on a 12-layer GPT-2: 5 s of solves, against 60 s exact).
+# every run, in a fraction of an exact solve's time (bench/findings.md, 2026-12-07).
 REL_GAP = 0.1
 
 

@@ -1,29 +1,3 @@
-# For ``f(x, w) = (x @ w).relu().sum()`` on 8x8 inputs, nop compilers, one
-# thread (``python bench/overhead.py steps``: best of 30 interleaved rounds of
-# 2000 calls; a step includes what it calls; 2026-11-27, 2 cores shared with
-# other work, so +-0.2 us)::
-#
-#     the whole call                          8.44 us
-#       cache.last_entry                      1.44     common_state 0.56, guard 0.61
-#       the direct call                       6.49     the Function's C++ apply 6.38
-#       AOTFunction.__call__ and frames       0.5
-#     bare Function.apply (bench's floor)     6.91     its C++ apply 5.94
-#
-# So the Function itself is most of it, 0.4 us more than the bare one (it keeps
-# ``w`` and its version for a create_graph backward, leaves missing cotangents
-# as None: Note [Missing cotangents], checks autocast, returns a tuple). The
-# guard's 0.61 us: Dynamo's C++ tensor check (0.13), then each tensor's
-# storage offset, view flag and address. ``common_state``'s 0.56 us: 19 reads of
-# torch's global state, each a setting some trace bakes in (Note [Torch
-# settings in the key]). Each check stands for a field of the full key:
-# dropping one would serve a call the full key sends elsewhere. What the call
-# does not pay: the key itself (Note [The last entry]), ``Function.apply``'s
-# Python layer (about 1 us: the bare floor pays it), the epilogue, and
-# ``unwrap_if_dead`` (the C++ check refuses a functorch wrapper; the full path
-# unwraps it). Against that bare floor the call is ~1.2x forward and ~1.1x
-# forward+backward (``python bench/overhead.py``).
-
-
 """Stage 4: runtime. Compile both graphs and run them with ordinary autograd semantics.
 
 Entry point: :func:`compile_partitioned`.
@@ -193,38 +167,27 @@ class CompiledGraphs:
 #                           backward reads: Note [Primals in the backward]),
 #                           the outputs wrapped
 #
-# For ``f(x, w) = (x @ w).relu().sum()`` on 8x8 inputs, nop compilers, one
-# thread (``python bench/overhead.py steps``: best of 30 interleaved rounds of
-# 2000 calls; a step includes what it calls; 2026-11-27, 2 cores shared with
-# other work, so +-0.2 us)::
-#
-#     the whole call                          8.57 us
-#       cache.last_entry                      1.42     common_state 0.56, guard 0.67
-#       the direct call                       6.58     the Function's C++ apply 6.35
-#     bare Function.apply (bench's floor)     6.87     its C++ apply 5.92
-#
-# So the Function itself is most of it, 0.4 us more than the bare one (it keeps
-# ``w`` and its version for a create_graph backward, checks autocast, returns a
-# tuple). The guard's 0.67 us: Dynamo's C++ tensor check (0.13), then each
-# tensor's storage offset, view flag and address. ``common_state``'s 0.56 us: 19
-# reads of torch's global state, each a setting some trace bakes in (Note
-# [Torch settings in the key]). The three Python frames between take the rest.
-# Each check stands for a field of the full key: dropping one would serve a
-# call the full key sends elsewhere. What aotgrad no longer pays: the key
-# (Note [The last entry]), ``Function.apply``'s Python layer (about 1 us:
-# the bare floor pays it), the epilogue, and a dead functorch wrapper's unwrap
-# (the C++ check refuses such a tensor: the full path unwraps it).
+# The Function itself is most of the call, a little more than a bare
+# ``Function.apply`` of the same graphs (it keeps ``w`` and its version for a
+# create_graph backward, leaves missing cotangents as None: Note [Missing
+# cotangents], checks autocast, returns a tuple). The guard is Dynamo's C++
+# tensor check, then each tensor's storage offset, view flag and address.
+# ``common_state`` reads torch's global state, each a setting some trace bakes
+# in (Note [Torch settings in the key]), one generated expression for all. Each check stands for a
+# field of the full key: dropping one would serve a call the full key sends
+# elsewhere. What the call does not pay: the key itself (Note [The last
+# entry]), ``Function.apply``'s Python layer (the bare floor pays it), the
+# epilogue, and a dead functorch wrapper's unwrap (the C++ check refuses such
+# a tensor: the full path unwraps it). ``python bench/overhead.py steps``
+# measures each step; bench/findings.md has the breakdowns measured so far.
 #
 # ``aot_module(m)(x)`` cannot take the last entry: its key holds the module's
 # state, which must be read afresh each call (Note [Reading a module, fast]).
 # That read (``State.read``: every submodule's parameters, buffers, hook dicts
-# and attributes, then the tensors' guard) is about a third of its call. On
-# a 3-Linear ``Sequential`` (8 wide, nop compilers, one thread, best of 5 rounds
-# of 2000 calls, 3 runs, 2026-11-27, 2 shared cores): the read is 15-16 us of a
-# 47-51 us call (was 19.5-20.5 of 54-56 us; eager is 19 us); on gpt4 (42
-# modules, 125 guarded attributes) it is 106-107 us (was 156-160), about 2.5 us
-# a module: Python's own loop over each ``__dict__`` (19 entries for a
-# ``Linear``), ``named_modules``' generators and the attributes' keys.
+# and attributes, then the tensors' guard) is a large share of its call, and
+# grows with the modules: Python's own loop over each ``__dict__`` (19 entries
+# for a ``Linear``), ``named_modules``' generators and the attributes' keys
+# (bench/findings.md, 2026-12-07).
 
 
 # Note [Inputs no gradient reaches]

@@ -4,7 +4,7 @@ Note [Straight-line graphs]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A ``GraphModule``'s generated code calls ``torch.ops.aten.mm.default(x, w)``:
 four attribute lookups and a Python ``OpOverload.__call__`` frame per op
-before the kernel runs, about a microsecond each time. ``nop`` instead
+before the kernel runs (bench/findings.md, 2026-12-07). ``nop`` instead
 compiles the graph into a function whose globals hold each overload's
 kernel entry point (``OpOverload._op``, what ``__call__`` forwards to) and
 every non-tensor constant::

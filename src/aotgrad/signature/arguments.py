@@ -13,8 +13,9 @@ not, is told by the argument's name, with what the capture had::
     traced(x, w=w)                          # arranged as (x, w): runs
     traced(x)                               # CallError: argument w is missing
                                             #   (the capture passed float32[3, 4])
-    traced(x, w, scale=2.0)                 # CallError: argument scale was not passed
-                                            #   at capture (the graphs hold its default)
+    traced(x, w, scale=2.0)                 # CallError: argument scale (2.0) was not
+                                            #   passed at capture: the graphs were
+                                            #   captured without it (they hold 1.0)
 
 Positional arguments are named by the function's parameters (``args[i]`` for
 ``*args``); graphs read from a file have no function, and name the positional

@@ -236,10 +236,10 @@ def global_names(code: types.CodeType) -> Iterator[str]:
 # - module paths (Note [Module paths as the signature names them]) are kept only by the
 #   walk a capture asks for them, not by every call's.
 #
-# Tried and dropped: walking the tree with a list as stack (slower than
-# ``named_modules``' generators: 22 against 15 us on gpt4's 42 modules); keeping
-# each ``__dict__``'s user attribute names by the tuple of its names (2-7% of the
-# read, and a name that compares equal to a ``str`` without being one would be
+# Tried and dropped (timings: bench/findings.md, 2026-12-07): walking the tree
+# with a list as stack (slower than ``named_modules``' generators); keeping each
+# ``__dict__``'s user attribute names by the tuple of its names (a small saving,
+# and a name that compares equal to a ``str`` without being one would be
 # labelled by the stored string). ``tests/test_module_read.py`` keeps the plain
 # loop and checks both give the same tensors, labels and keys over a zoo of
 # modules and changes, and that every change re-traces as before.

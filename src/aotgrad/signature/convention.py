@@ -13,22 +13,27 @@ Note [Calling convention]
   memory may be replaced by one base (Note [Aliased inputs]), a tensor
   subclass input by its plain inner tensors (Note [Tensor subclasses]).
 - ``outputs``: one per tensor leaf of the user's result, duplicates and views
-  included, in pytree order.
+  included, in pytree order (``Output``; ``MultiOutputView`` for a view made
+  by ``unbind``, ``split`` or ``chunk``: Note [Multi-output views]); then one
+  per tensor the function stored in the user's objects (``SideEffect``, Note
+  [Side effects replayed]), which the runtime stores there again.
 - ``bases``: intermediates that several outputs view (Note [Aliased outputs]).
 - ``mutated``: new values of inputs the function mutated in place.
 - ``saved``: what the backward needs, in the forward graph's order (so saved
   inputs come first); the backward receives them first, in the same order.
 - ``cotangents``: one per differentiable output the autograd machinery sees.
 - ``grads``: one per forward input, ``None`` for those that need no gradient.
-- ``state``, ``new state`` (rare): inputs a checkpointed region updates again
-  when the backward recomputes it (a BatchNorm's running statistics): the
+- ``state``, ``new state`` (rare): inputs the backward changes in place (a
+  BatchNorm's running statistics when a checkpointed region's recompute
+  updates them again, or a tensor a custom Function's backward changes): the
   backward reads their values as they are when it runs (``StateAtBackward``,
   after the cotangents) and returns their new values (``MutatedInput``, after
   the grads), which the runtime writes into them (Note [State updated by the
   backward] in ``capture/analyses/backward_state.py``).
 
 The joint graph is both graphs with nothing saved between them,
-``joint(*inputs, *cotangents) -> (*outputs, *bases, *mutated, *grads)``; its
+``joint(*inputs, *cotangents) -> (*outputs, *bases, *mutated, *grads)`` (and
+any state last among its inputs, its new values last among its outputs); its
 signature (``JointGraph.signature``) has no saved values.
 
 Worked example: ``fn(x, w) = (x @ w).sin()`` with only ``w`` requiring grad.
@@ -121,7 +126,8 @@ class Signature:
     # Backward outputs: one per forward input (None where that input needs no gradient),
     # then the new value of each StateAtBackward, in the same order.
     backward_outputs: tuple[Grad | MutatedInput | None, ...]
-    # Version of this convention; bumped whenever its layout changes.
+    # Version of this convention's layout: the kinds of descriptor each group holds and
+    # their order (``to_dict`` carries it). A change of that layout is to bump it.
     version: int = field(default=SIGNATURE_VERSION)
 
     def __post_init__(self) -> None:

@@ -34,8 +34,9 @@ gradient per inner tensor, of that tensor's shape::
 
     x Shard(0) @ w Shard(1)      eager: w.grad Partial(sum), local 6x4 (w's local: 6x2)
                                  aotgrad: w.grad Shard(1), reduce-scattered in the backward
-                                 (the same values; an optimizer step reads either alike) The
-context and the inner tensors' metadata are part of the cache key: another
+                                 (the same values; an optimizer step reads either alike)
+
+The context and the inner tensors' metadata are part of the cache key: another
 placement traces again. Non-tensor attributes the flattening names (a
 ``DTensor``'s ``device_mesh``) are kept as they are, by identity.
 

@@ -16,7 +16,7 @@ what running the graphs needs, then what describes them (Note [Graphs read
 from a file]); the header's length and checksum cover both.
 
 The other lines are JSON whose objects decode only to JSON scalars, lists, and
-a closed list of aotgrad's own data classes (``values.TYPES``), each field
+a closed list of aotgrad's own data classes (``store/encoding.py``'s ``TYPES``), each field
 checked against its declared type; tree structures name only a closed list of
 containers (Note [Tree structure in a file]). A graph node's target is looked
 up only among registered torch operator overloads (``"aten.mm.default"`` →

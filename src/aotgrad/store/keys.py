@@ -19,7 +19,8 @@ plus the code that the trace ran, which a process-local key never needed:
                                 requires_grad, values read, ambient state and the torch
                                 settings that choose traced ops: Note [Torch settings in
                                 the key]), as text
-    options                     partition, tracer, dynamic, keep_inference_input_mutations
+    options                     partition, tracer, dynamic, keep_inference_input_mutations,
+                                fast, the decomposition set's name
 
 Files of torch and of the standard library are covered by the versions and not
 walked. Anything without a stable text is *not cached* (``Unkeyable``, with the
@@ -30,7 +31,8 @@ module hooks, a value whose key holds a module object by address, a
 
     aot_module(model)               keyed: model's classes' files + parameter metadata
     aot_function(lambda x: x*k)     keyed when k is a number (its value is in the key)
-    aot_function(partial(f, 2))     not cached: "a functools.partial has no stable key"
+    aot_function(partial(f, 2))     not cached: "a partial has no stable key (pass a function
+                                    or a module)"
 """
 
 from __future__ import annotations

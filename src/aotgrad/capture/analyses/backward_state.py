@@ -97,7 +97,7 @@ makes it (the Function's class and the line of the in-place op, a hook, or
 the checkpointed region): a change of size or strides, of inputs sharing
 memory, a change made by a hook (tensor hooks run before the node they belong
 to, outside any node the trace can attribute them to), a real tensor that is
-no input (``closed_over.py``: the capture would write it), ``create_graph=True``
+no input (``capture/user_state/closed_over.py``: the capture would write it), ``create_graph=True``
 through a change of an input that requires grad or a checkpoint's recompute
 (``DoubleBackwardError``; for a leaf that requires grad eager raises there
 too), ``export`` (``CallError``), a scan body (``ScanError``). Under

@@ -10,7 +10,10 @@ constants, and sizes the backward needs are saved like tensors (``saved:
 sym_size_int``). Tracing records guards on the symbols (``s0 >= 2``, say);
 one compiled entry serves every call whose sizes satisfy them::
 
-    forward(x: f32[s0, 16], w) -> (out, sym_size_int, relu)   # s0: the batch
+    m = nn.Sequential(nn.Linear(16, 16, bias=False), nn.ReLU())
+    trace(lambda x: m(x).sum(), x: f32[8, 16] requiring grad, dynamic=True)
+    forward(w: f32[16, 16], x: f32[s0, 16])
+        -> (out, w, x, sym_size_int, relu)    # saved: w, x, s0 (the batch), relu
     guards: 2 <= s0
 
 Parameters, buffers and unmarked dimensions stay static. Every size the

@@ -121,7 +121,9 @@ def _unless_drawing(op: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
 #
 #     forward(x):
 #         manual_seed = torch.ops.aotgrad.manual_seed.default(0, 'default')
-#         native_dropout = torch.ops.aten.native_dropout.default(x, 0.5, True)
+#         empty_like = torch.ops.aten.empty_like.default(x)
+#         bernoulli = torch.ops.aten.bernoulli.p(empty_like, 0.5)    # dropout's mask
+#         ...
 #
 # The generator is left as eager leaves it: reseeded, then stepped by the same draws.
 # The seed is a Python int of the trace, like any other (an argument or a global the

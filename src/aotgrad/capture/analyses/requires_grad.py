@@ -1,6 +1,7 @@
 """Inputs the function makes require grad (``requires_grad_()``) or detaches (``detach_()``).
 
-Note [requires_grad_() on an input] is here; ``joint.py`` calls these checks after the body runs.
+Note [requires_grad_() on an input] is here; ``capture/tracing/joint.py`` calls these checks
+after the body runs.
 """
 
 from __future__ import annotations

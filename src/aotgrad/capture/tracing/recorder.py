@@ -1,7 +1,7 @@
 """Record provenance while the trace runs; stamp it onto the graph afterwards.
 
 See Note [Sequence numbers] and Note [Module paths and source lines] in
-``provenance.py``. During the trace, facts ride on ``torch.fx.traceback``'s
+``capture/provenance.py``. During the trace, facts ride on ``torch.fx.traceback``'s
 node metadata (``seq_nr``, and our keys under ``custom``); :func:`stamp`
 turns them into one typed :class:`NodeInfo` per node.
 """

@@ -63,7 +63,7 @@ which (``JointGraph.tracer``, shown as ``traced.tracer`` and
 
     f(x) = x.sin()          made the graph    tracer "direct", fallback_reason None
     f(x) = x.t_().sin()     stopped           "full", "the direct trace stopped:
-                                              aten.t_.default mutates a tensor ..."
+                                              aten.t_.default mutates an input's ..."
     dynamic=True            not tried         "full", "the direct trace was not tried:
                                               dynamic shapes"
     a bug in direct.py      failed            "full", "the direct tracer failed: TypeError ..."

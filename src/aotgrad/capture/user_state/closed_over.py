@@ -237,7 +237,7 @@ class ClosedOver(TorchFunctionMode):
 
 def _backward_writes_real(name: str, where: UserFrame | None) -> UnsupportedMutationError:
     """A real tensor no input stands for, changed while the traced backward runs (Note [State
-    updated by the backward] in ``backward_state.py``)."""
+    updated by the backward] in ``capture/analyses/backward_state.py``)."""
     return UnsupportedMutationError(
         format_error(
             f"{name} in the backward (a custom autograd.Function's backward or a hook) changes"

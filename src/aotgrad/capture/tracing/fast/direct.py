@@ -1,15 +1,15 @@
-"""The direct tracer: record aten ops straight into a graph when the function mutates nothing.
+"""The direct tracer: record aten ops straight into a graph, without functionalization.
 
 Note [Direct tracing]
 ~~~~~~~~~~~~~~~~~~~~~
 The full trace (functionalization inside ``make_fx``, Note [Two tracers])
 runs every op through three Python layers: functionalization (unwrap,
 redispatch, rewrap), the proxy mode (pytree over the arguments, a ``Proxy``
-per value, a snapshot of each output) and the fake tensor mode. Most
-functions never mutate anything, and for them the first two layers only
-copy: the functional graph holds exactly the ops that ran. The direct tracer
-therefore puts one light mode above the fake tensor mode that appends each
-op to an ``fx.Graph`` as it runs::
+per value, a snapshot of each output) and the fake tensor mode. For most
+functions the first two layers only copy: the functional graph holds exactly
+the ops that ran, each in-place op as its functional variant. The direct
+tracer therefore puts one light mode above the fake tensor mode that appends
+each op to an ``fx.Graph`` as it runs::
 
     user code:      y = (x @ w).relu()
     dispatched:     aten.mm(x, w) -> mm;  aten.relu(mm) -> relu
@@ -17,8 +17,9 @@ op to an ``fx.Graph`` as it runs::
 
 with the same node names and metadata the proxy mode gives (``val``,
 ``tensor_meta``, ``seq_nr``, ``original_aten``, the ``custom`` annotations).
-In-place ops are recorded as their functional variants when nothing else
-views their target (Note [In-place ops, directly]). The moment anything needs
+In-place ops are recorded as their functional variants (Note [In-place ops,
+directly]), a write through a view as a scatter into its base (Note [Writes
+through views, directly]). The moment anything needs
 more than recording, the direct trace stops with :class:`NeedsFullTrace` and
 a reason, and under ``tracer="auto"`` the full trace runs the function again
 (Note [Choosing a tracer])::
@@ -29,14 +30,14 @@ a reason, and under ``tracer="auto"`` the full trace runs the function again
     out=, bernoulli_ (dropout)           aten.bernoulli_.float mutates a tensor (an in-place ...)
     w.mul_(2), w an input needing grad   an in-place op on a tensor autograd sees as a leaf ...
     torch.tensor([1.0]) * x              aten.lift_fresh.default lifts a tensor constant ...
-    x * t, t a tensor made elsewhere     aten.mul.Tensor reads a tensor the trace did not create ...
     x.sum().item()                       aten._local_scalar_dense.default reads tensor data
     checkpoint(..., use_reentrant=True)  a reentrant checkpoint refuses autograd.grad ...
 
-(The second: the direct trace's inputs are fake leaves, and autograd refuses
+(The fourth: the direct trace's inputs are fake leaves, and autograd refuses
 an in-place op on a leaf that requires grad before any mode sees the op; the
-full trace's inputs are functional wrappers, which are not leaves.) Three kinds
-of call skip the direct trace: symbolic sizes (``dynamic=True``); inputs
+full trace's inputs are functional wrappers, which are not leaves.) Besides
+every call with the fast path off (Note [The fast path as a layer]), three
+kinds of call skip the direct trace: symbolic sizes (``dynamic=True``); inputs
 that share memory: which of them an output view comes from (so where its
 gradient goes: ``fn(b[0], b)`` returning ``b.t()``) only functionalization
 tells, with one storage per input's wrapper; and tensor subclass inputs: the
