@@ -78,6 +78,26 @@ def draws_random(op: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     return True
 
 
+# Ops that read their input's storage offset and strides as numbers: a value laid out
+# otherwise than at capture would make them read other elements.
+_READS_STRIDES = frozenset(
+    {
+        torch.ops.aten.as_strided.default,
+        torch.ops.aten.as_strided_scatter.default,
+        torch.ops.aten.as_strided_copy.default,
+    }
+)
+
+
+def reads_strides(op: object) -> bool:
+    """Does this op read its input's strides and storage offset as numbers?
+
+    >>> reads_strides(torch.ops.aten.as_strided.default), reads_strides(torch.ops.aten.view.default)
+    (True, False)
+    """
+    return op in _READS_STRIDES
+
+
 def is_pointwise(op: object) -> bool:
     return isinstance(op, OpOverload) and torch.Tag.pointwise in op.tags
 
