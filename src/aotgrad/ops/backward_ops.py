@@ -5,8 +5,8 @@ Core ATen keeps ``convolution_backward``, ``avg_pool{2,3}d_backward`` and
 has no ONNX function for them, and IREE 3.13 cannot compile average pooling's. Each is a
 convolution, a transposed convolution or a matmul, which both backends take: a backend
 decomposes the ops of ``AS_FORWARD_OPS`` it lacks before it compiles a program
-(``decompose``). Each decomposition is tested against eager's kernel in float64
-(tests/test_backend_onnxruntime.py).
+(``decompose``: the one such step of every backend, its own rules beside these). Each
+decomposition is tested against eager's kernel in float64 (tests/test_backend_onnxruntime.py).
 """
 
 from __future__ import annotations
@@ -285,12 +285,7 @@ def decompose(
     when it has none. ``ops``: keys of ``AS_FORWARD_OPS``, or a table from op to its
     decomposition (a backend's own rules beside these); ``only``: per op, the nodes that
     need it (an op not there: every node; the table then runs on all of that op's nodes,
-    and its rule returns ``NotImplemented`` for those it leaves).
-
-    >>> conv = torch.nn.Conv2d(1, 1, 2)
-    >>> program = torch.export.export(conv, (torch.ones(1, 1, 3, 3),)).run_decompositions()
-    >>> decompose(program, AS_FORWARD_OPS) is program  # a forward program has none
-    True
+    and its rule returns ``NotImplemented`` for those it leaves). tests/test_ops.py shows both.
     """
     table = ops if isinstance(ops, Mapping) else {op: AS_FORWARD_OPS[op] for op in ops}
     rules = only or {}
