@@ -417,7 +417,7 @@ def test_writes_into_a_shared_base_under_create_graph(fn, make):
     [([2], [1], 3, False), ([3, 3], [1, 3], 0, False), ([2, 2], [4, 1], 1, True)],
 )
 def test_as_strided_scatter_as_g_runs_it_is_twice_differentiable(size, stride, offset, transposed):
-    from aotgrad.runtime.differentiable_ops import as_strided_scatter
+    from aotgrad.ops.differentiable import as_strided_scatter
 
     numel = 16 if transposed or size == [2] else 9
     a = torch.randn(numel, dtype=torch.float64, requires_grad=True)

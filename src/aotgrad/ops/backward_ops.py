@@ -5,20 +5,26 @@ Core ATen keeps ``convolution_backward``, ``avg_pool{2,3}d_backward`` and
 has no ONNX function for them, and IREE 3.13 cannot compile average pooling's. Each is a
 convolution, a transposed convolution or a matmul, which both backends take: a backend
 decomposes the ops of ``AS_FORWARD_OPS`` it lacks before it compiles a program
-(``decompose``). Each decomposition is tested against eager's kernel in float64
-(tests/test_backend_onnxruntime.py).
+(``decompose``: the one such step of every backend, its own rules beside these). Each
+decomposition is tested against eager's kernel in float64 (tests/test_backend_onnxruntime.py).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch.export import ExportedProgram
 
+from aotgrad.ops.rules import OpRules
+
 __all__ = ["AS_FORWARD_OPS", "decompose"]
+
+# The decompositions of this module, each registered beside its rule.
+AS_FORWARD_OPS: OpRules[Callable[..., Any]] = OpRules("backward-as-forward")
 
 # Note [Convolution backward as convolutions]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -54,6 +60,7 @@ def _per_dim(value: Sequence[int], dims: int) -> list[int]:
     return list(value) * dims if len(value) == 1 else list(value)
 
 
+@AS_FORWARD_OPS.register(_aten.convolution_backward.default)
 def _convolution_backward(
     grad_output: torch.Tensor,
     input: torch.Tensor,
@@ -223,6 +230,10 @@ def _avg_pool_backward_nd(
     return grad_input if batched else grad_input.squeeze(0)
 
 
+AS_FORWARD_OPS.add(_aten.avg_pool2d_backward.default, _avg_pool_backward(2))
+AS_FORWARD_OPS.add(_aten.avg_pool3d_backward.default, _avg_pool_backward(3))
+
+
 # Note [Adaptive average pooling backward as matmuls]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # ``aten._adaptive_avg_pool2d_backward`` (Core ATen; ``nn.AdaptiveAvgPool2d`` to more than one
@@ -261,19 +272,31 @@ def _adaptive_avg_pool_backward(dims: int) -> Callable[..., torch.Tensor]:
     return backward
 
 
-# The decompositions of this module, by op.
-AS_FORWARD_OPS: dict[Any, Callable[..., Any]] = {
-    _aten.convolution_backward.default: _convolution_backward,
-    _aten.avg_pool2d_backward.default: _avg_pool_backward(2),
-    _aten.avg_pool3d_backward.default: _avg_pool_backward(3),
-    _aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool_backward(2),
-    _aten._adaptive_avg_pool3d_backward.default: _adaptive_avg_pool_backward(3),
-}
+AS_FORWARD_OPS.add(_aten._adaptive_avg_pool2d_backward.default, _adaptive_avg_pool_backward(2))
+AS_FORWARD_OPS.add(_aten._adaptive_avg_pool3d_backward.default, _adaptive_avg_pool_backward(3))
 
 
-def decompose(program: ExportedProgram, ops: Collection[Any]) -> ExportedProgram:
-    """``program`` with its nodes of ``ops`` (keys of ``AS_FORWARD_OPS``) decomposed; itself
-    when it has none."""
-    present = {n.target for n in program.graph.nodes if n.op == "call_function"}
-    table = {op: AS_FORWARD_OPS[op] for op in ops if op in present}
-    return program.run_decompositions(table) if table else program
+def decompose(
+    program: ExportedProgram,
+    ops: Collection[Any] | Mapping[Any, Callable[..., Any]],
+    only: Mapping[Any, Callable[[fx.Node], bool]] | None = None,
+) -> ExportedProgram:
+    """``program`` with its nodes of ``ops`` decomposed before a backend compiles it; itself
+    when it has none. ``ops``: keys of ``AS_FORWARD_OPS``, or a table from op to its
+    decomposition (a backend's own rules beside these); ``only``: per op, the nodes that
+    need it (an op not there: every node; the table then runs on all of that op's nodes,
+    and its rule returns ``NotImplemented`` for those it leaves). tests/test_ops.py shows both.
+    """
+    table = ops if isinstance(ops, Mapping) else {op: AS_FORWARD_OPS[op] for op in ops}
+    rules = only or {}
+    present = {
+        n.target
+        for n in program.graph.nodes
+        if n.op == "call_function" and n.target in table and rules.get(n.target, _every)(n)
+    }
+    used = {op: rule for op, rule in table.items() if op in present}
+    return program.run_decompositions(used) if used else program
+
+
+def _every(node: fx.Node) -> bool:
+    return True

@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from aotgrad._torch_compat import OpOverload, all_decompositions
 from aotgrad.errors import ConfigError, UnsupportedOpError
+from aotgrad.ops.rules import OpRules
 from aotgrad.ops.table import is_random
 from aotgrad.ops.upsample import UPSAMPLE_BACKWARD_DECOMPOSITIONS
 
@@ -119,7 +120,13 @@ FROM_TORCH_DECOMP = (
     torch.ops.aten.upsample_bicubic2d.default,
 )
 
+# Decompositions aotgrad adds for ops outside Core ATen that PyTorch has none for (or only
+# in prims): each registered beside its rule below, and the upsampling backwards of
+# ``upsample.py`` (Note [Upsampling backward in Core ATen]).
+EXTRA_DECOMPOSITIONS: OpRules[Callable[..., Any]] = OpRules("Core ATen decomposition")
 
+
+@EXTRA_DECOMPOSITIONS.register(torch.ops.aten.as_strided_scatter.default)
 def _as_strided_scatter(
     base: torch.Tensor,
     src: torch.Tensor,
@@ -167,6 +174,7 @@ def _attention_scores(
     return scores
 
 
+@EXTRA_DECOMPOSITIONS.register(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
 def _flash_attention_for_cpu(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -195,6 +203,9 @@ def _flash_attention_for_cpu(
     return output, logsumexp
 
 
+@EXTRA_DECOMPOSITIONS.register(
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+)
 def _flash_attention_for_cpu_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
@@ -242,6 +253,7 @@ def _flash_attention_for_cpu_backward(
     return grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype)
 
 
+@EXTRA_DECOMPOSITIONS.register(torch.ops.aten.var_mean.correction)
 def _var_mean(
     x: torch.Tensor,
     dim: list[int] | None = None,
@@ -254,6 +266,9 @@ def _var_mean(
     return var, torch.ops.aten.mean.dim(x, dim, keepdim=keepdim)
 
 
+@EXTRA_DECOMPOSITIONS.register(
+    torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default
+)
 def _lift_fresh_copy(x: torch.Tensor) -> torch.Tensor:
     """``torch.tensor(...)`` in the function lifts its constant with ``lift_fresh``, which
     ``make_fx`` records as ``lift_fresh_copy`` (a copy, so that a write into the tensor,
@@ -262,6 +277,7 @@ def _lift_fresh_copy(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.clone.default(x)
 
 
+@EXTRA_DECOMPOSITIONS.register(torch.ops.aten.empty_permuted.default)
 def _empty_permuted(
     size: list[int],
     physical_layout: list[int],
@@ -284,19 +300,8 @@ def _empty_permuted(
     )
 
 
-# Decompositions aotgrad adds for ops outside Core ATen that PyTorch has none for.
-EXTRA_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_attention_for_cpu,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
-        _flash_attention_for_cpu_backward
-    ),
-    torch.ops.aten.as_strided_scatter.default: _as_strided_scatter,
-    torch.ops.aten.empty_permuted.default: _empty_permuted,
-    torch.ops.aten.lift_fresh.default: _lift_fresh_copy,
-    torch.ops.aten.lift_fresh_copy.default: _lift_fresh_copy,
-    torch.ops.aten.var_mean.correction: _var_mean,
-    **UPSAMPLE_BACKWARD_DECOMPOSITIONS,
-}
+for _op, _rule in UPSAMPLE_BACKWARD_DECOMPOSITIONS.items():
+    EXTRA_DECOMPOSITIONS.add(_op, _rule)
 
 
 # Ops outside Core ATen aotgrad leaves refused on purpose, and why (Note [Core ATen graphs]).

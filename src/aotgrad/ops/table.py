@@ -78,6 +78,26 @@ def draws_random(op: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> b
     return True
 
 
+# Ops that read their input's storage offset and strides as numbers: a value laid out
+# otherwise than at capture would make them read other elements.
+_READS_STRIDES = frozenset(
+    {
+        torch.ops.aten.as_strided.default,
+        torch.ops.aten.as_strided_scatter.default,
+        torch.ops.aten.as_strided_copy.default,
+    }
+)
+
+
+def reads_strides(op: object) -> bool:
+    """Does this op read its input's strides and storage offset as numbers?
+
+    >>> reads_strides(torch.ops.aten.as_strided.default), reads_strides(torch.ops.aten.view.default)
+    (True, False)
+    """
+    return op in _READS_STRIDES
+
+
 def is_pointwise(op: object) -> bool:
     return isinstance(op, OpOverload) and torch.Tag.pointwise in op.tags
 
@@ -174,11 +194,12 @@ def flops(op: object, args: tuple[Any, ...], out: object) -> int | torch.SymInt:
 
 # Kernels that return less under no_grad (mkldnn's RNN drops the workspace its backward
 # needs): the runtime runs forward graphs holding them with grad mode on, on detached inputs.
-_GRAD_MODE_SENSITIVE = {
-    name
+# Every overload of each (those this torch release has).
+_GRAD_MODE_SENSITIVE = frozenset(
+    getattr(torch.ops.aten, name)
     for name in ("mkldnn_rnn_layer", "_cudnn_rnn", "miopen_rnn", "mkldnn_rnn")
     if hasattr(torch.ops.aten, name)
-}
+)
 
 
 def needs_grad_mode(op: object) -> bool:
@@ -187,10 +208,7 @@ def needs_grad_mode(op: object) -> bool:
     >>> needs_grad_mode(torch.ops.aten.mkldnn_rnn_layer.default), needs_grad_mode(torch.ops.aten.mm.default)
     (True, False)
     """
-    return (
-        isinstance(op, OpOverload)
-        and op._schema.name.removeprefix("aten::") in _GRAD_MODE_SENSITIVE
-    )
+    return isinstance(op, OpOverload) and op.overloadpacket in _GRAD_MODE_SENSITIVE
 
 
 # Ops that only check their inputs and raise on bad values (they return nothing).
@@ -225,15 +243,15 @@ def remove_dead_code(graph: fx.Graph) -> None:
 # lists), as they appear in aten graphs: a float32 one runs differently under it.
 _AUTOCAST_LOWERS = frozenset(
     [
-        "aten.mm.default",
-        "aten.bmm.default",
-        "aten.addmm.default",
-        "aten.baddbmm.default",
-        "aten.addbmm.default",
-        "aten.matmul.default",
-        "aten.linear.default",
-        "aten.convolution.default",
-        "aten._convolution.default",
+        torch.ops.aten.mm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.baddbmm.default,
+        torch.ops.aten.addbmm.default,
+        torch.ops.aten.matmul.default,
+        torch.ops.aten.linear.default,
+        torch.ops.aten.convolution.default,
+        torch.ops.aten._convolution.default,
     ]
 )
 
@@ -244,7 +262,7 @@ def autocast_lowers(op: object) -> bool:
     >>> autocast_lowers(torch.ops.aten.mm.default), autocast_lowers(torch.ops.aten.add.Tensor)
     (True, False)
     """
-    return isinstance(op, OpOverload) and str(op) in _AUTOCAST_LOWERS
+    return op in _AUTOCAST_LOWERS
 
 
 # The operator namespaces of torch.distributed's collectives: the functional ones
@@ -313,11 +331,12 @@ def outputs_reached(op: object, args: tuple[Any, ...], position: int) -> tuple[i
     return reached[position] if len(args) > mode and args[mode] is True else None
 
 
-# Ops whose outputs carry no gradient back to their tensor inputs: factories shaped like an
-# input, and draws whose derivative PyTorch defines as zero (``bernoulli``). A value made by
-# one is a constant for every derivative (Note [Differentiable backward]).
+# Ops whose outputs carry no gradient back to their tensor inputs, every overload: factories
+# shaped like an input, and draws whose derivative PyTorch defines as zero (``bernoulli``). A
+# value made by one is a constant for every derivative (Note [Differentiable backward]).
 _NO_GRADIENT_TO_INPUTS = frozenset(
-    [
+    getattr(torch.ops.aten, name)
+    for name in (
         "bernoulli",
         "empty_like",
         "zeros_like",
@@ -331,7 +350,7 @@ _NO_GRADIENT_TO_INPUTS = frozenset(
         "new_zeros",
         "new_ones",
         "new_full",
-    ]
+    )
 )
 
 
@@ -341,25 +360,22 @@ def passes_no_gradient(op: object) -> bool:
     >>> passes_no_gradient(torch.ops.aten.bernoulli.p), passes_no_gradient(torch.ops.aten.mul.Tensor)
     (True, False)
     """
-    return (
-        isinstance(op, OpOverload)
-        and op._schema.name.removeprefix("aten::") in _NO_GRADIENT_TO_INPUTS
-    )
+    return isinstance(op, OpOverload) and op.overloadpacket in _NO_GRADIENT_TO_INPUTS
 
 
-# Backward ops whose derivative with respect to an argument PyTorch defines as zero (``self:
-# zeros_like(grad)`` in its derivatives.yaml): they read it for its sign or range only, a mask
-# in all but name. A value read only there is a constant for every higher derivative (Note
+# Backward ops (every overload) whose derivative with respect to an argument PyTorch defines
+# as zero (``self: zeros_like(grad)`` in its derivatives.yaml): they read it for its sign or
+# range only, a mask in all but name. A value read only there is a constant for every higher derivative (Note
 # [Differentiable backward]); eager's double backward uses the same zeros.
-_NO_GRADIENT_THROUGH: dict[str, frozenset[str]] = {
-    "threshold_backward": frozenset({"self"}),  # relu
-    "leaky_relu_backward": frozenset({"self"}),
-    "hardtanh_backward": frozenset({"self"}),  # relu6, hardtanh
-    "hardshrink_backward": frozenset({"self"}),
-    "softshrink_backward": frozenset({"self"}),
-    "rrelu_with_noise_backward": frozenset({"self"}),
-    "nll_loss_backward": frozenset({"self"}),
-    "nll_loss2d_backward": frozenset({"self"}),
+_NO_GRADIENT_THROUGH: dict[Any, frozenset[str]] = {
+    torch.ops.aten.threshold_backward: frozenset({"self"}),  # relu
+    torch.ops.aten.leaky_relu_backward: frozenset({"self"}),
+    torch.ops.aten.hardtanh_backward: frozenset({"self"}),  # relu6, hardtanh
+    torch.ops.aten.hardshrink_backward: frozenset({"self"}),
+    torch.ops.aten.softshrink_backward: frozenset({"self"}),
+    torch.ops.aten.rrelu_with_noise_backward: frozenset({"self"}),
+    torch.ops.aten.nll_loss_backward: frozenset({"self"}),
+    torch.ops.aten.nll_loss2d_backward: frozenset({"self"}),
 }
 
 
@@ -367,7 +383,7 @@ _NO_GRADIENT_THROUGH: dict[str, frozenset[str]] = {
 def _no_gradient_through(op: object) -> frozenset[int | str]:
     if not isinstance(op, OpOverload):
         return frozenset()
-    names = _NO_GRADIENT_THROUGH.get(op._schema.name.removeprefix("aten::"), frozenset())
+    names = _NO_GRADIENT_THROUGH.get(op.overloadpacket, frozenset())
     positions = [k for k, a in enumerate(op._schema.arguments) if a.name in names]
     return frozenset([*names, *positions])
 

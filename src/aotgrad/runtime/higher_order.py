@@ -118,7 +118,7 @@ from aotgrad.capture import Body, JointGraph
 from aotgrad.capture.provenance import META_KEY, NodeInfo, set_info
 from aotgrad.capture.tracing.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.errors import AotgradError, DoubleBackwardError, format_error
-from aotgrad.runtime.differentiable_ops import (
+from aotgrad.ops.differentiable import (
     NO_DERIVATIVE,
     REPLACED,
     decomposition_of,

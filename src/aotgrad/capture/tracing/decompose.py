@@ -22,6 +22,7 @@ from aotgrad._torch_compat import OpOverload
 from aotgrad.capture.analyses.random import faithful_decompositions
 from aotgrad.capture.tracing.fake import EagerViewsFakeMode
 from aotgrad.errors import ConfigError, UnsupportedOpError
+from aotgrad.ops.table import reads_strides
 
 __all__ = ["decompose_graph"]
 
@@ -112,17 +113,6 @@ class _Retrace(fx.Interpreter):
         return result
 
 
-# Ops that read their input's storage offset and strides as numbers: a value laid out
-# otherwise than at capture would make them read other elements.
-_LAYOUT_READERS = frozenset(
-    {
-        torch.ops.aten.as_strided.default,
-        torch.ops.aten.as_strided_scatter.default,
-        torch.ops.aten.as_strided_copy.default,
-    }
-)
-
-
 def _keep_layout(captured: Any, value: Any, node: fx.Node) -> Any:
     """``value`` (``node``'s result, decomposed) laid out as ``captured`` (its value at
     capture): copied into a tensor of the captured strides where a decomposition made other
@@ -166,7 +156,7 @@ def _strides_matter(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def _reads_layout(node: fx.Node) -> bool:
-    return any(n.target in _LAYOUT_READERS for n in node.graph.nodes)
+    return any(reads_strides(n.target) for n in node.graph.nodes)
 
 
 def _last(graph: fx.Graph) -> fx.Node | None:

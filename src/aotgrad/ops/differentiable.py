@@ -1,8 +1,9 @@
 """Ops ``G`` runs another way than the first-order graphs hold them.
 
 Some ops have no derivative of their own, one has a wrong one; capturing the differentiable
-backward (Note [Differentiable backward] in ``higher_order.py``) runs them through the rules
-here (Note [Backward ops without a derivative]).
+backward (Note [Differentiable backward] in ``runtime/higher_order.py``) runs them through
+the rules here (Note [Backward ops without a derivative]): ``WITHOUT_DERIVATIVE`` where
+PyTorch's own decomposition will not do, ``REPLACED`` always.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.fx as fx
 
 from aotgrad._torch_compat import decomposition
 from aotgrad.errors import DoubleBackwardError
+from aotgrad.ops.rules import OpRules
 
 # Note [Backward ops without a derivative]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -60,10 +62,21 @@ def is_op_named(node: fx.Node, name: str) -> bool:
     return node.op == "call_function" and getattr(node.target, "_opname", None) == name
 
 
+# Ops without a derivative whose rule here replaces PyTorch's decomposition (``copy`` has
+# none: it only exists in functionalized graphs).
+WITHOUT_DERIVATIVE: OpRules[Callable[..., Any]] = OpRules("differentiable form")
+# Ops replaced in every capture of ``G``: PyTorch's derivative of ``as_strided_scatter`` with
+# respect to ``self`` does not zero the positions the write covers (torch 2.13: gradcheck fails
+# even for a 1-D ``self``), so differentiating a graph through it would be silently wrong.
+REPLACED: OpRules[Callable[..., Any]] = OpRules("replacement in G")
+
+
 def decomposition_of(op: Any) -> Callable[..., Any] | None:
-    return functional_copy if op is torch.ops.aten.copy.default else decomposition(op)
+    """How ``G`` runs ``op``, which has no derivative: a rule here, or PyTorch's decomposition."""
+    return WITHOUT_DERIVATIVE.get(op) or decomposition(op)
 
 
+@WITHOUT_DERIVATIVE.register(torch.ops.aten.copy.default)
 def functional_copy(
     self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
 ) -> torch.Tensor:
@@ -82,6 +95,7 @@ def functional_copy(
     return laid_out.permute(back)
 
 
+@REPLACED.register(torch.ops.aten.as_strided_scatter.default)
 def as_strided_scatter(
     self: torch.Tensor,
     src: torch.Tensor,
@@ -114,14 +128,6 @@ def as_strided_scatter(
     return written.reshape([self.shape[d] for d in order]).permute(back)
 
 
-# Ops replaced in every capture of ``G``: PyTorch's derivative of ``as_strided_scatter`` with
-# respect to ``self`` does not zero the positions the write covers (torch 2.13: gradcheck fails
-# even for a 1-D ``self``), so differentiating a graph through it would be silently wrong.
-REPLACED: dict[Any, Callable[..., Any]] = {
-    torch.ops.aten.as_strided_scatter.default: as_strided_scatter,
-}
-
-
 def _dense(t: torch.Tensor) -> bool:
     """Does ``t``'s layout cover its elements once each, in some order of its dimensions?"""
     expected = 1
@@ -138,6 +144,7 @@ def _dense(t: torch.Tensor) -> bool:
 __all__ = [
     "NO_DERIVATIVE",
     "REPLACED",
+    "WITHOUT_DERIVATIVE",
     "as_strided_scatter",
     "decomposition_of",
     "functional_copy",
