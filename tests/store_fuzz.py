@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 
 import aotgrad
 from aotgrad.errors import AotgradError, StoreError
-from aotgrad.pipeline import Options
+from aotgrad.settings import Options
 from aotgrad.store.disk import DiskCache
 from aotgrad.store.persist import EntryKey, load_graphs
 from store_fuzz_entry import entry_fn

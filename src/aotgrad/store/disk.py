@@ -76,7 +76,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aotgrad.errors import ConfigError
-from aotgrad.pipeline import switch
+from aotgrad.settings import switch
 from aotgrad.store.format import Read, Stored, dumps, loads, write_atomically
 
 SUFFIX = ".aotgrad"
