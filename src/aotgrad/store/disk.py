@@ -1,4 +1,4 @@
-"""The disk cache: graph files by key, in one directory, least recently used evicted past a cap.
+"""The disk cache's folder: graph files by key, least recently used evicted past a cap.
 
 Note [The disk cache]
 ~~~~~~~~~~~~~~~~~~~~~
