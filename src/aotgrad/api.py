@@ -203,12 +203,10 @@ class Traced(TraceView, _Reports):
     def __post_init__(self) -> None:
         if self._capture is None:
             return
-        flat = self.partitioned.joint.inputs
-        positions = flat.tensor_positions
-        exact = not self._lifted and positions == tuple(range(len(flat.constants)))
-        entry = Entry(
-            compiled=self._compiled,
-            positions=None if exact else positions,  # Entry.positions
+        entry = Entry.of(
+            self._compiled,
+            self.partitioned.joint.inputs,
+            lifted=bool(self._lifted),
             replay=self._replay,  # Note [Side effects replayed]
             environ=self.partitioned.joint.environ,  # Note [Environment read at capture]
         )
@@ -816,11 +814,10 @@ class AOTFunction(_Reports):
         traceable, watch = self._traceable(call, dims)
         partitioned, compiled = run(traceable, self._options)
         self._partitioned, self._hit = partitioned, None
-        flat, positions = traceable.flat, traceable.flat.tensor_positions
-        exact = not call.lifted.tensors and positions == tuple(range(len(flat.constants)))
-        return Entry(
-            compiled=compiled,
-            positions=None if exact else positions,  # Entry.positions
+        return Entry.of(
+            compiled,
+            traceable.flat,
+            lifted=bool(call.lifted.tensors),
             replay=None if watch is None else watch.replay,  # Note [Side effects replayed]
             environ=partitioned.joint.environ,  # Note [Environment read at capture]
         )

@@ -39,7 +39,7 @@ from aotgrad.capture.user_state.environ import EnvironReads
 from aotgrad.capture.user_state.side_effects import Replay
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.runtime.transforms import transform_active
-from aotgrad.signature import PlainTensorsGuard, alias_key, call_key, dynamic_call_key
+from aotgrad.signature import FlatInputs, PlainTensorsGuard, alias_key, call_key, dynamic_call_key
 from aotgrad.signature.flatten import (
     DYNAMIC_TENSOR_FIELDS,
     TENSOR_FIELDS,
@@ -664,6 +664,26 @@ class Entry:
     # The environment variables the capture read: a call where one differs is a miss
     # (Note [Environment read at capture]). None: it read none.
     environ: EnvironReads | None = None
+
+    @staticmethod
+    def of(
+        compiled: CompiledGraphs,
+        flat: FlatInputs,
+        *,
+        lifted: bool,
+        replay: Replay | None,
+        environ: EnvironReads | None,
+    ) -> Entry:
+        """The entry of graphs traced for ``flat`` (``lifted``: with module state or
+        closed-over tensors before the call's tensors), as ``aot_function`` and ``Traced`` make it."""
+        positions = flat.tensor_positions
+        exact = not lifted and positions == tuple(range(len(flat.constants)))
+        return Entry(
+            compiled=compiled,
+            positions=None if exact else positions,
+            replay=replay,
+            environ=environ,
+        )
 
     def inputs(self, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]) -> Sequence[Any]:
         """The graphs' inputs for a call: the lifted state, then the tensor leaves."""

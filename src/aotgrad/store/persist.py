@@ -235,19 +235,12 @@ def options_text(options: Options) -> Any:
     if decompositions is not None and not isinstance(decompositions, str):
         raise Unkeyable("custom decompositions have no stable key")
     o = options
-    if not isinstance(
-        o.partition, str | Budget
-    ):  # a policy's code is not keyed, even a dataclass's
+    # A policy's code is not keyed (a dataclass's neither): no stable key.
+    if not isinstance(o.partition, str | Budget):
         raise Unkeyable("a partition policy has no stable key")
     partition = o.partition if isinstance(o.partition, str) else repr(o.partition)
-    return [
-        partition,
-        o.tracer,
-        o.dynamic,
-        o.keep_inference_input_mutations,
-        o.fast,
-        decompositions,
-    ]
+    keyed = (o.tracer, o.dynamic, o.keep_inference_input_mutations, o.fast, decompositions)
+    return [partition, *keyed]
 
 
 def entry_key(
