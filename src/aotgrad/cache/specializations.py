@@ -674,8 +674,8 @@ class Entry:
         replay: Replay | None,
         environ: EnvironReads | None,
     ) -> Entry:
-        """The entry of graphs traced for ``flat`` (``lifted``: with module state or
-        closed-over tensors before the call's tensors), as ``aot_function`` and ``Traced`` make it."""
+        """The entry of graphs traced for ``flat`` (``lifted``: module state or closed-over
+        tensors come before the call's), for ``aot_function`` and ``Traced`` alike."""
         positions = flat.tensor_positions
         exact = not lifted and positions == tuple(range(len(flat.constants)))
         return Entry(

@@ -440,8 +440,9 @@ def compile_stored(stored: Read, options: Options, driver: Driver) -> CompiledGr
     demand]).
 
     The ``create_graph`` backward (Note [Differentiable backward]), captured by ``driver``
-    (the pipeline's ``differentiable_backward_driver``), reads the forward's steps only; the ``fx`` modules, their fake values and the signature are built at the
-    first ``create_graph`` backward, so a hit that never differentiates twice builds none.
+    (the pipeline's ``differentiable_backward_driver``), reads the forward's steps only;
+    the ``fx`` modules, their fake values and the signature are built at the first
+    ``create_graph`` backward, so a hit that never differentiates twice builds none.
     """
     forward, backward = stored.forward, stored.backward
     if only_nop(options):
