@@ -89,7 +89,7 @@ def steps() -> dict[str, float]:
     a step's time includes the steps it calls.
     """
     from aotgrad._torch_compat import FUNCTION_BASE_APPLY
-    from aotgrad.cache import common_state
+    from aotgrad.cache.specializations import common_state
 
     torch.set_num_threads(1)
     x, w = torch.randn(8, 8), torch.randn(8, 8, requires_grad=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-from aotgrad.pipeline import switch
+from aotgrad.settings import switch
 from aotgrad.store import disk
 
 

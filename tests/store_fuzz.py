@@ -42,7 +42,8 @@ from hypothesis import strategies as st
 
 import aotgrad
 from aotgrad.errors import AotgradError, StoreError
-from aotgrad.pipeline import Options
+from aotgrad.pipeline import differentiable_backward_driver
+from aotgrad.settings import Options
 from aotgrad.store.disk import DiskCache
 from aotgrad.store.persist import EntryKey, load_graphs
 from store_fuzz_entry import entry_fn
@@ -443,9 +444,9 @@ def _read_entry(seed: Seed, kind: str, path: pathlib.Path) -> str:
     try:
         for compiler in (None, _users_compiler):
             try:
+                options = Options(fw_compiler=compiler, bw_compiler=compiler, disk_cache=False)
                 found = load_graphs(
-                    EntryKey(cache=cache, key=key),
-                    Options(fw_compiler=compiler, bw_compiler=compiler, disk_cache=False),
+                    EntryKey(cache=cache, key=key), options, differentiable_backward_driver(options)
                 )
             except StoreError:
                 continue

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import aotgrad
-from aotgrad.cache import SETTINGS, ambient_key
+from aotgrad.cache.specializations import SETTINGS, ambient_key
 from aotgrad.errors import ConfigError
 from aotgrad.store import disk
 

@@ -10,7 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import aotgrad
-from aotgrad.cache import ambient_key, common_state
+from aotgrad.cache.specializations import ambient_key, common_state
 from aotgrad.runtime import CompiledGraphs
 
 

@@ -27,13 +27,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("partition",),  # stage 3: forward and backward graphs
     ("runtime",),  # stage 4: the autograd.Function
     ("report", "export"),  # tables and reports over the graphs; torch.export programs of them
-    ("pipeline",),  # the stage sequence once: Options, the stages, the driver
-    ("store",),  # graphs in files and the disk cache (docs/caching.md)
-    ("cache", "compilers", "wrappers"),  # specializations and their keys; compilers users
-    # pass; DDP and FSDP2 run around the graphs
-    ("disk_cache", "specialization"),  # the disk cache as the frontends use it; what a
-    # Traced's calls must keep to
-    ("api",),  # the frontends: trace, aot_function, aot_module
+    ("settings", "cache"),  # Options and the AOTGRAD_* switches; specializations, their keys
+    # and what a Traced's calls must keep to
+    ("pipeline", "store"),  # the stage sequence once: the stages, the driver; graphs in files
+    # and the disk cache (docs/caching.md), which never import the pipeline
+    ("compilers", "wrappers"),  # compilers users pass; DDP and FSDP2 run around the graphs
+    ("api",),  # the frontends: trace, aot_function, aot_module, load
     ("dynamo", "profiling", "testing", "loops"),  # built on the frontends
     ("backends",),  # exported programs run by ONNX Runtime and IREE (docs/backends.md)
     ("cli",),

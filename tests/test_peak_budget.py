@@ -17,7 +17,7 @@ import aotgrad
 from aotgrad.errors import ScanError
 from aotgrad.partition import partition
 from aotgrad.partition.peak_budget import _intensive_flops
-from aotgrad.pipeline import Options
+from aotgrad.settings import Options
 from aotgrad.store.persist import options_text
 from aotgrad.testing import measure_peak, verify
 from library_models import build

@@ -595,3 +595,21 @@ def test_an_input_named_in_capitals_loads_under_its_name(tmp_path):
     (expected,) = torch.autograd.grad(net(x, w).sum(), x, create_graph=True)
     torch.testing.assert_close(g, expected)
     g.sum().backward()
+
+
+def test_traced_and_loaded_show_one_view_of_the_trace(tmp_path):
+    """``Traced`` and ``Loaded`` answer from one ``TraceView``: the same graphs, signature,
+    saved and recomputed values, and the same printed text."""
+    from aotgrad.store.loaded import TraceView
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    traced = aotgrad.trace(model, torch.randn(3, 4), partition="mincut")
+    traced.save(tmp_path / "mlp.aotgrad")
+    loaded = aotgrad.load(tmp_path / "mlp.aotgrad", module=model)
+    assert isinstance(traced, TraceView) and isinstance(loaded, TraceView)
+    assert traced.recomputed and loaded.recomputed == traced.recomputed
+    assert loaded.saved == traced.saved and loaded.signature == traced.signature
+    assert loaded.forward.code == traced.forward.code
+    assert loaded.backward is not None and traced.backward is not None
+    assert loaded.backward.code == traced.backward.code
+    assert str(loaded) == str(traced) and "# backward" in str(traced)

@@ -15,7 +15,7 @@ import aotgrad
 from aotgrad.cli import main
 from aotgrad.compilers import nop
 from aotgrad.errors import ConfigError
-from aotgrad.pipeline import Options
+from aotgrad.settings import Options
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "aotgrad"
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "carry.py"

@@ -11,7 +11,7 @@ with ordinary autograd semantics, plus a calling convention you can read.
 """
 
 from aotgrad import compilers
-from aotgrad.api import AOTModule, Traced, aot_function, aot_module, trace
+from aotgrad.api import AOTModule, Traced, aot_function, aot_module, load, trace
 from aotgrad.cache import CacheInfo, cache_info
 from aotgrad.capture.analyses.dynamic import dynamic
 from aotgrad.dynamo import backend
@@ -41,7 +41,7 @@ from aotgrad.loops import ScanFunction, scan, scan_function, scan_layers, scan_l
 from aotgrad.partition import budget
 from aotgrad.profiling import ProfileReport, profile
 from aotgrad.runtime import make_boxed_func, nop
-from aotgrad.store.loaded import Loaded, load
+from aotgrad.store.loaded import Loaded
 
 __all__ = [
     "AOTModule",

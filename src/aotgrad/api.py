@@ -1,4 +1,4 @@
-"""The user-facing entry points: ``trace``, ``aot_function``, ``aot_module``."""
+"""The user-facing entry points: ``trace``, ``aot_function``, ``aot_module``, ``load``."""
 
 from __future__ import annotations
 
@@ -15,27 +15,22 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import MODULE_HOOKS, functorch_transforms_active, global_module_hooks
-from aotgrad.cache import CacheInfo, CacheKey, Entry, Miss, SpecializationCache
+from aotgrad.cache import CacheInfo, Entry, KeyedCall, Miss, SpecializationCache, keyed_call
+from aotgrad.cache.traced import Capture, Specialization, capture_of, refuse_other_tensors
 from aotgrad.capture import Replay, TracerChoice, Watch, capturing
 from aotgrad.capture.analyses.autocast import autocast_state
 from aotgrad.capture.analyses.dynamic import DynamicDims, requested_dims
 from aotgrad.capture.analyses.input_aliases import memory_sharing
-from aotgrad.disk_cache import DiskCacheUse, HitCall
 from aotgrad.errors import CallError, CaptureError, StoreError
-from aotgrad.partition import Partitioned, SavedValue
+from aotgrad.partition import Partitioned
 from aotgrad.pipeline import (
-    Decompositions,
-    Options,
-    PartitionArg,
-    PartitionFn,
     Traceable,
     capture_and_partition,
     compile_stage,
-    options_of,
+    differentiable_backward_driver,
     run,
     signature_stage,
     watch_of,
-    with_option_keywords,
 )
 from aotgrad.report import SeqTable, memory_report, peak_report, seq_table
 from aotgrad.report.html import render_html
@@ -49,18 +44,26 @@ from aotgrad.runtime.transforms import (
     split_duals,
     transform_active,
 )
-from aotgrad.signature import Signature, leaf_names
-from aotgrad.signature.flatten import flatten_call
+from aotgrad.settings import (
+    Decompositions,
+    Options,
+    PartitionArg,
+    PartitionFn,
+    options_of,
+    with_option_keywords,
+)
+from aotgrad.signature import leaf_names
 from aotgrad.signature.lifting import (
     Arguments,
     Lifted,
     State,
     as_module,
     call_target,
-    module_arguments,
 )
-from aotgrad.specialization import Capture, Specialization, capture_of, refuse_other_tensors
-from aotgrad.store.loaded import save_traced
+from aotgrad.store.disk import read_regular_file
+from aotgrad.store.format import loads
+from aotgrad.store.loaded import Loaded, TraceView, save_traced
+from aotgrad.store.persist import DiskCacheUse, HitCall
 from aotgrad.wrappers import Wrapping, refuse_reached_wrappers, wrapping_of
 
 if TYPE_CHECKING:
@@ -161,7 +164,7 @@ class _Reports:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Traced(_Reports):
+class Traced(TraceView, _Reports):
     """The forward and backward graphs of one call, with everything aotgrad decided.
 
     >>> import torch, aotgrad
@@ -200,12 +203,10 @@ class Traced(_Reports):
     def __post_init__(self) -> None:
         if self._capture is None:
             return
-        flat = self.partitioned.joint.inputs
-        positions = flat.tensor_positions
-        exact = not self._lifted and positions == tuple(range(len(flat.constants)))
-        entry = Entry(
-            compiled=self._compiled,
-            positions=None if exact else positions,  # Entry.positions
+        entry = Entry.of(
+            self._compiled,
+            self.partitioned.joint.inputs,
+            lifted=bool(self._lifted),
             replay=self._replay,  # Note [Side effects replayed]
             environ=self.partitioned.joint.environ,  # Note [Environment read at capture]
         )
@@ -250,22 +251,6 @@ class Traced(_Reports):
         return self.partitioned.joint.gm
 
     @property
-    def forward(self) -> fx.GraphModule:
-        return self.partitioned.forward
-
-    @property
-    def backward(self) -> fx.GraphModule | None:
-        return self.partitioned.backward
-
-    @property
-    def signature(self) -> Signature:
-        return self.partitioned.signature
-
-    @property
-    def saved(self) -> tuple[SavedValue, ...]:
-        return self.partitioned.saved
-
-    @property
     def tracer(self) -> str:
         """The tracer that made the graphs: ``"direct"`` or ``"full"`` (Note [Choosing a tracer]).
 
@@ -305,6 +290,9 @@ class Traced(_Reports):
             inference_compiler=inference_compiler,
         )
         return replace(self, _compiled=compile_stage(self.partitioned, options))
+
+    def _trace(self) -> Partitioned:
+        return self.partitioned
 
     def _reported(self) -> Partitioned:
         return self.partitioned
@@ -408,12 +396,6 @@ class Traced(_Reports):
         refuse_other_tensors(self._capture.state.read().tensors, self._lifted)
         return self._lifted
 
-    def __str__(self) -> str:
-        parts = [str(self.signature), "# forward", self.forward.code.strip()]
-        if self.backward is not None:
-            parts += ["# backward", self.backward.code.strip()]
-        return "\n\n".join(parts)
-
 
 def trace(
     fn: Callable[..., Any],
@@ -479,14 +461,14 @@ def _trace(
     """The trace of ``traced_fn`` (a wrapper's inner module, or ``fn`` itself)."""
     lifting = State(traced_fn)
     target = call_target(traced_fn)
-    leaves, structure = flatten_call(args, kwargs)
-    arguments = module_arguments(target, args, kwargs, leaves, structure, {})
-    lifted = lifting.read(arguments)
+    # Keyed before the trace, as aot_function keys a call (Note [A Traced keeps to its capture]).
+    called = keyed_call(
+        *(target, lifting, args, kwargs, {}),
+        dims=lambda leaves: requested_dims(leaves, everything=options.dynamic),
+    )
+    arguments, lifted, dims, key = called.arguments, called.lifted, called.dims, called.key
     refuse_reached_wrappers(_reached(lifting, arguments))
     watch = watch_of(traced_fn, arguments)
-    dims = requested_dims(leaves, everything=options.dynamic)
-    # Keyed before the trace, as aot_function keys a call (Note [A Traced keeps to its capture]).
-    key = CacheKey.of_call(structure=structure, leaves=leaves, dims=dims, lifted=lifted)
     traceable = signature_stage(
         *(traced_fn, target, args, kwargs, lifting, lifted),
         dims=dims,
@@ -518,6 +500,38 @@ def _trace(
     )
 
 
+def load(
+    path: str | os.PathLike[str],
+    module: torch.nn.Module | None = None,
+    fw_compiler: Compiler | None = None,
+    bw_compiler: Compiler | None = None,
+    inference_compiler: Compiler | None = None,
+) -> Loaded:
+    """Read graphs ``Traced.save`` wrote; call the result as the ``Traced`` that saved them.
+
+    No tracing, and no code from the file runs (Note [Files run no code]). A module's
+    parameters and buffers are read from ``module`` at every call (Note [Loaded module
+    state]); the compilers run now, on the loaded graphs.
+
+    >>> import torch, aotgrad, tempfile, pathlib
+    >>> model = torch.nn.Linear(3, 2)
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "linear.aotgrad"
+    >>> aotgrad.trace(model, torch.ones(4, 3)).save(path)
+    >>> loaded = aotgrad.load(path, module=model)
+    >>> torch.allclose(loaded(torch.ones(4, 3)), model(torch.ones(4, 3)))
+    True
+    """
+    where = str(path)
+    try:
+        data = read_regular_file(path)
+    except OSError as e:
+        raise StoreError(f"cannot read {where}: {e}") from None
+    options = Options(
+        fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler
+    )
+    return Loaded(loads(data, where), module, options, differentiable_backward_driver(options))
+
+
 def aot_function(
     fn: Callable[..., Any],
     fw_compiler: Compiler | None = None,
@@ -539,7 +553,7 @@ def aot_function(
     "full") chooses how capture traces (Note [Choosing a tracer]). Specializations are
     also kept on disk across processes where a stable key exists (``disk_cache=False``
     or ``AOTGRAD_CACHE=0`` turns it off; Note [The disk cache], docs/caching.md).
-    The keyword options are the fields of :class:`aotgrad.pipeline.Options`.
+    The keyword options are the fields of :class:`aotgrad.settings.Options`.
 
     >>> import torch, aotgrad
     >>> f = aotgrad.aot_function(lambda x: x.sin().sum())
@@ -604,6 +618,7 @@ class AOTFunction(_Reports):
             code_key=code_key,
             input_names=input_names,
             options=options,
+            driver=differentiable_backward_driver(options),
         )
         self._partitioned: Partitioned | None = None
         # The last call, when a disk hit served it: what its reports trace (Note [Reports
@@ -633,11 +648,7 @@ class AOTFunction(_Reports):
             return self._fn(*args, **kwargs)
         if transform_active() and not self._is_jvp_body:
             return self._under_transform(args, kwargs)
-        leaves, structure, arguments, lifted = self._read(args, kwargs)
-        dims = self._dynamic_dims  # Note [Marking dimensions dynamic]
-        if dims is None:
-            dims = requested_dims(leaves, everything=self._options.dynamic)
-        key = CacheKey.of_call(structure=structure, leaves=leaves, dims=dims, lifted=lifted)
+        leaves, _, arguments, lifted, _, key = self._keyed(args, kwargs, self._dims)
         found = self.cache.find(key, lifted.tensors, leaves)
         if isinstance(found, Miss):
             missed = _Call(
@@ -648,13 +659,20 @@ class AOTFunction(_Reports):
             self.cache.remember(key, found, leaves)
         return found(lifted.tensors, leaves)
 
-    def _read(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Sequence[Any], Any, Arguments, Lifted]:
-        """The call's leaves and structure, the modules among them, and the state it reads."""
-        leaves, structure = flatten_call(args, kwargs)
-        arguments = module_arguments(self._target, args, kwargs, leaves, structure, self._names)
-        return leaves, structure, arguments, self._state.read(arguments)
+    def _keyed(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        dims: Callable[[Sequence[Any]], DynamicDims | None],
+    ) -> KeyedCall:
+        """The call read and keyed, as every specialization is (``keyed_call``)."""
+        return keyed_call(self._target, self._state, args, kwargs, self._names, dims)
+
+    def _dims(self, leaves: Sequence[Any]) -> DynamicDims | None:
+        """A call's dynamic dimensions (Note [Marking dimensions dynamic])."""
+        if self._dynamic_dims is not None:
+            return self._dynamic_dims
+        return requested_dims(leaves, everything=self._options.dynamic)
 
     def _under_transform(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call under a torch.func transform or a forward-AD level.
@@ -667,7 +685,9 @@ class AOTFunction(_Reports):
             positions = dual_positions(leaves)
             jvp = self._jvp(spec, positions) if positions else None
             # Not when the module state or a closed-over tensor carries a tangent.
-            if jvp is not None and not has_tangent(self._read(args, kwargs)[3].tensors):
+            if jvp is not None and not has_tangent(
+                self._keyed(args, kwargs, self._dims).lifted.tensors
+            ):
                 primals, tangents = split_duals(leaves, positions)
                 try:
                     out = jvp(primals, tangents)
@@ -776,8 +796,7 @@ class AOTFunction(_Reports):
         hit]): on tensors of the hit's metadata, under its grad mode; nothing is compiled."""
         args, kwargs = hit.call()
         with torch.set_grad_enabled(hit.grad_mode):
-            leaves, structure, arguments, lifted = self._read(args, kwargs)
-            key = CacheKey.of_call(structure=structure, leaves=leaves, dims=None, lifted=lifted)
+            leaves, _, arguments, lifted, _, key = self._keyed(args, kwargs, lambda _: None)
             if key != hit.key:
                 names = leaf_names(self._target, args, kwargs)
                 raise CallError(
@@ -795,11 +814,10 @@ class AOTFunction(_Reports):
         traceable, watch = self._traceable(call, dims)
         partitioned, compiled = run(traceable, self._options)
         self._partitioned, self._hit = partitioned, None
-        flat, positions = traceable.flat, traceable.flat.tensor_positions
-        exact = not call.lifted.tensors and positions == tuple(range(len(flat.constants)))
-        return Entry(
-            compiled=compiled,
-            positions=None if exact else positions,  # Entry.positions
+        return Entry.of(
+            compiled,
+            traceable.flat,
+            lifted=bool(call.lifted.tensors),
             replay=None if watch is None else watch.replay,  # Note [Side effects replayed]
             environ=partitioned.joint.environ,  # Note [Environment read at capture]
         )

@@ -34,8 +34,8 @@ from aotgrad._torch_compat import (
 )
 from aotgrad.api import AOTFunction
 from aotgrad.capture.tracing.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
-from aotgrad.pipeline import options_of, with_option_keywords
 from aotgrad.runtime.boxing import Compiler
+from aotgrad.settings import options_of, with_option_keywords
 from aotgrad.store.keys import Unkeyable, stable_text
 
 __all__ = ["aotgrad_backend", "backend", "user_expression"]

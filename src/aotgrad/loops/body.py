@@ -47,10 +47,11 @@ from aotgrad.errors import (
 )
 from aotgrad.ops.table import is_random
 from aotgrad.partition import Partitioned
-from aotgrad.pipeline import Options, run, signature_stage, watch_of
+from aotgrad.pipeline import run, signature_stage, watch_of
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.runtime.boxing import BoxedCall
 from aotgrad.runtime.function import Plan
+from aotgrad.settings import Options
 from aotgrad.signature.lifting import Body, Lifted, State
 
 

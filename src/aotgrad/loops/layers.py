@@ -63,7 +63,7 @@ import torch.utils._pytree as pytree
 
 from aotgrad.errors import ScanError, format_error, user_frame_from_stack
 from aotgrad.loops.loop import ScanFunction
-from aotgrad.pipeline import OPTION_NAMES, Options, options_of, with_option_keywords
+from aotgrad.settings import OPTION_NAMES, Options, options_of, with_option_keywords
 
 
 def scan_layers(

@@ -36,9 +36,9 @@ from aotgrad.capture import capturing
 from aotgrad.errors import DoubleBackwardError, ScanError, format_error, user_frame_from_stack
 from aotgrad.loops.body import ScanBody, capture_body, differentiable
 from aotgrad.partition import Budget
-from aotgrad.pipeline import Options, options_of, with_option_keywords
 from aotgrad.runtime.function import reached_grads, run_forward, with_zeros
 from aotgrad.runtime.transforms import transform_active
+from aotgrad.settings import Options, options_of, with_option_keywords
 from aotgrad.signature.lifting import NOTHING, Lifted, State, as_module
 
 

@@ -19,7 +19,7 @@ from aotgrad import _torch_compat as compat
 from aotgrad.capture import node_info
 from aotgrad.errors import UserFrame
 from aotgrad.ops.table import op_name
-from aotgrad.partition.saved import storages
+from aotgrad.partition.saved import record_dict, storages
 from aotgrad.partition.sizes import ExampleSize, hint
 from aotgrad.signature import Cotangent, Grad, Output, Saved, Signature, StateAtBackward
 
@@ -42,9 +42,7 @@ class LiveValue:
     source: UserFrame | None
 
     def to_dict(self) -> dict[str, Any]:
-        info = dict(vars(self))
-        info["source"] = None if self.source is None else str(self.source)
-        return info
+        return record_dict(self)
 
 
 @dataclass(frozen=True)
@@ -73,12 +71,7 @@ class PeakEstimate:
         return self.nbytes - self.inputs
 
     def to_dict(self) -> dict[str, Any]:
-        info = {k: v for k, v in vars(self).items() if k not in ("live", "sizes")}
-        info["source"] = None if self.source is None else str(self.source)
-        info["allocated"] = self.allocated
-        info["live"] = [v.to_dict() for v in self.live]
-        info["sizes"] = [dict(vars(s)) for s in self.sizes]
-        return info
+        return record_dict(self, allocated=self.allocated)
 
 
 # Note [What a step holds]

@@ -12,7 +12,7 @@ import torch.fx as fx
 from aotgrad.capture import JointGraph
 from aotgrad.errors import UserFrame
 from aotgrad.partition.memory import PeakEstimate, predict_peak
-from aotgrad.partition.saved import SavedValue, unique_bytes
+from aotgrad.partition.saved import SavedValue, record_dict, unique_bytes
 from aotgrad.partition.sizes import example_sizes
 from aotgrad.partition.workspace import op_peak
 from aotgrad.signature import Signature
@@ -32,9 +32,7 @@ class RecomputedOp:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
-        info = dict(vars(self))
-        info["source"] = None if self.source is None else str(self.source)
-        return info
+        return record_dict(self)
 
 
 @dataclass(frozen=True)

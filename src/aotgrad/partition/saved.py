@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,13 +50,38 @@ class SavedValue:
         return self.producer == "input"
 
     def to_dict(self) -> dict[str, Any]:
-        info = {k: v for k, v in vars(self).items() if k not in ("dtype", "source")}
-        info["dtype"] = "size" if self.is_size else str(self.dtype).removeprefix("torch.")
-        info["source"] = None if self.source is None else str(self.source)
-        info["users"] = list(self.users)
-        info["shape"] = [d if isinstance(d, int) else str(d) for d in self.shape]
-        info["nbytes"] = self.nbytes if isinstance(self.nbytes, int) else str(self.nbytes)
-        return info
+        return record_dict(
+            self,
+            dtype="size" if self.is_size else str(self.dtype).removeprefix("torch."),
+            shape=[d if isinstance(d, int) else str(d) for d in self.shape],
+            nbytes=self.nbytes if isinstance(self.nbytes, int) else str(self.nbytes),
+        )
+
+
+def record_dict(record: Any, **changed: Any) -> dict[str, Any]:
+    """A record of the partition (``SavedValue``, ``RecomputedOp``, the peak model's) as plain
+    data, for JSON: its fields in order, the user's line as text, records within as their
+    ``to_dict()``, tuples as lists; ``changed`` replaces fields or adds new ones after them.
+
+    >>> from aotgrad.partition.partitioned import RecomputedOp
+    >>> record_dict(RecomputedOp("relu", "aten.relu.default", "fc", None, 8, "cheap"))
+    {'name': 'relu', 'op': 'aten.relu.default', 'module': 'fc', 'source': None, 'flops': 8, 'reason': 'cheap'}
+    """
+    info = {name: _plain(value) for name, value in vars(record).items()}
+    info.update(changed)
+    return info
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, UserFrame):
+        return str(value)
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dict(vars(value))
+    return value
 
 
 # Note [Counting bytes]

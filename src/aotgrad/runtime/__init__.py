@@ -89,7 +89,7 @@ class CompiledGraphs:
         inputs required grad at the trace, and without it cut every input no gradient reaches.
         ``common=True``: the caller vouches for every call that grad mode is on, that
         no transform, forward-AD level or function mode is active (``common_state`` in
-        ``cache.py``) and that the inputs passed a ``TensorGuards`` check against plain
+        ``cache/specializations.py``) and that the inputs passed a ``TensorGuards`` check against plain
         tensors (so none is a functorch wrapper, dead or alive): the Function's C++
         ``apply`` runs with none of ``direct_apply``'s checks (Note [Where a call's
         microseconds go]).

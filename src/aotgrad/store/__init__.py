@@ -1,4 +1,4 @@
-"""Graphs in files: the graph file format (``format``) and the disk cache built on it (``disk``).
+"""Graphs in files: the graph file format (``format``) and the disk cache built on it (``persist``).
 
 See ``docs/caching.md`` and Note [Files run no code].
 """

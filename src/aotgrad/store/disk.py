@@ -1,4 +1,4 @@
-"""The disk cache: graph files by key, in one directory, least recently used evicted past a cap.
+"""The disk cache's folder: graph files by key, least recently used evicted past a cap.
 
 Note [The disk cache]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -76,7 +76,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aotgrad.errors import ConfigError
-from aotgrad.pipeline import switch
+from aotgrad.settings import switch
 from aotgrad.store.format import Read, Stored, dumps, loads, write_atomically
 
 SUFFIX = ".aotgrad"

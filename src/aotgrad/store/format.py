@@ -67,9 +67,9 @@ from aotgrad.errors import StoreError, UserFrame
 from aotgrad.ops.file_ops import INPUT_MUTATION, refusal
 from aotgrad.partition import Partitioned, RecomputedOp
 from aotgrad.partition.saved import SavedValue
-from aotgrad.pipeline import collector_paused
 from aotgrad.runtime.function import Plan
 from aotgrad.runtime.straight_line import Step
+from aotgrad.settings import collector_paused
 from aotgrad.signature.convention import Signature
 from aotgrad.signature.printing import DESC_KEY
 from aotgrad.store.encoding import MALFORMED, decode, encode

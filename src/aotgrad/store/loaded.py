@@ -1,4 +1,5 @@
-"""``Traced.save`` and ``aotgrad.load``: one call's graphs in a file, run again without tracing.
+"""``Traced.save`` and ``aotgrad.load``'s :class:`Loaded`: one call's graphs in a file, run again
+without tracing; :class:`TraceView`, what a ``Traced`` and a ``Loaded`` both show.
 
 Note [Loaded module state]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -40,20 +41,19 @@ from aotgrad.capture.analyses.autocast import autocast_state
 from aotgrad.errors import CallError, StoreError, format_error, user_frame_from_stack
 from aotgrad.partition import Partitioned, RecomputedOp
 from aotgrad.partition.saved import SavedValue
-from aotgrad.pipeline import Options, compilers, differentiable_backward_driver
 from aotgrad.runtime import CompiledGraphs, compile_graphs, higher_order_of
-from aotgrad.runtime.boxing import Compiler, nop
 from aotgrad.runtime.function import Plan
+from aotgrad.runtime.higher_order import Driver
 from aotgrad.runtime.straight_line import Step, straight_line
 from aotgrad.runtime.transforms import refuse_transforms_on
+from aotgrad.settings import Options, compilers, only_nop
 from aotgrad.signature import FlatInputs, Signature
 from aotgrad.signature.arguments import ArgumentLayout, tensor_text
 from aotgrad.signature.descriptors import Buffer, Param
 from aotgrad.signature.flatten import named_leaves
 from aotgrad.signature.lifting import State, StateKey
-from aotgrad.store.disk import read_regular_file
 from aotgrad.store.encoding import MALFORMED, decode, dump_structure, encode
-from aotgrad.store.format import Read, Stored, dumps, loads, with_values, write_atomically
+from aotgrad.store.format import Read, Stored, StoredGraph, dumps, with_values, write_atomically
 from aotgrad.store.keys import Unkeyable, stable_text
 
 TensorMeta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
@@ -106,42 +106,51 @@ def _refuse_unloadable(flat: FlatInputs, signature: Signature) -> None:
         )
 
 
-def load(
-    path: str | os.PathLike[str],
-    module: torch.nn.Module | None = None,
-    fw_compiler: Compiler | None = None,
-    bw_compiler: Compiler | None = None,
-    inference_compiler: Compiler | None = None,
-) -> Loaded:
-    """Read graphs ``Traced.save`` wrote; call the result as the ``Traced`` that saved them.
+class TraceView:
+    """One trace's graphs and what aotgrad decided, as ``Traced`` (traced in this process) and
+    :class:`Loaded` (read from a file) both show them."""
 
-    No tracing, and no code from the file runs (Note [Files run no code]). A module's
-    parameters and buffers are read from ``module`` at every call (Note [Loaded module
-    state]); the compilers run now, on the loaded graphs.
+    def _trace(self) -> Partitioned | Read:
+        raise NotImplementedError
 
-    >>> import torch, aotgrad, tempfile, pathlib
-    >>> model = torch.nn.Linear(3, 2)
-    >>> path = pathlib.Path(tempfile.mkdtemp()) / "linear.aotgrad"
-    >>> aotgrad.trace(model, torch.ones(4, 3)).save(path)
-    >>> loaded = aotgrad.load(path, module=model)
-    >>> torch.allclose(loaded(torch.ones(4, 3)), model(torch.ones(4, 3)))
-    True
-    """
-    where = str(path)
-    try:
-        data = read_regular_file(path)
-    except OSError as e:
-        raise StoreError(f"cannot read {where}: {e}") from None
-    options = Options(
-        fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler
-    )
-    return Loaded(loads(data, where), module, options)
+    @property
+    def forward(self) -> fx.GraphModule:
+        return _module(self._trace().forward)
+
+    @property
+    def backward(self) -> fx.GraphModule | None:
+        backward = self._trace().backward
+        return None if backward is None else _module(backward)
+
+    @property
+    def signature(self) -> Signature:
+        return self._trace().signature
+
+    @property
+    def saved(self) -> tuple[SavedValue, ...]:
+        return self._trace().saved
+
+    @property
+    def recomputed(self) -> tuple[RecomputedOp, ...]:
+        return self._trace().recomputed
+
+    def __str__(self) -> str:
+        parts = [str(self.signature), "# forward", self.forward.code.strip()]
+        if self.backward is not None:
+            parts += ["# backward", self.backward.code.strip()]
+        return "\n\n".join(parts)
 
 
-class Loaded:
+def _module(graph: fx.GraphModule | StoredGraph) -> fx.GraphModule:
+    return graph if isinstance(graph, fx.GraphModule) else graph.module()
+
+
+class Loaded(TraceView):
     """Graphs read from a file: call it like the ``Traced`` that saved them."""
 
-    def __init__(self, stored: Read, module: torch.nn.Module | None, options: Options) -> None:
+    def __init__(
+        self, stored: Read, module: torch.nn.Module | None, options: Options, driver: Driver
+    ) -> None:
         self._stored = stored
         call = stored.call
         try:
@@ -177,34 +186,16 @@ class Loaded:
             raise StoreError(f"malformed input description in the graph file: {e}") from None
         if len(self._expected) != num_lifted + len(self._tensor_positions):
             raise StoreError("the graph file's forward graph takes another number of inputs")
-        if all(c is None or c is nop for c in compilers(options)):
+        if only_nop(options):
             try:  # aotgrad's own code made from the file's checked steps
-                self._compiled = compile_stored(stored, options)
+                self._compiled = compile_stored(stored, options, driver)
             except (*MALFORMED, SyntaxError, MemoryError) as e:
                 raise StoreError(f"the graph file's graphs cannot be run: {e}") from None
         else:  # a user's compiler: its errors are the user's to see
-            self._compiled = compile_stored(stored, options)
+            self._compiled = compile_stored(stored, options, driver)
 
-    @property
-    def forward(self) -> fx.GraphModule:
-        return self._stored.forward.module()
-
-    @property
-    def backward(self) -> fx.GraphModule | None:
-        backward = self._stored.backward
-        return None if backward is None else backward.module()
-
-    @property
-    def signature(self) -> Signature:
-        return self._stored.signature
-
-    @property
-    def saved(self) -> tuple[SavedValue, ...]:
-        return self._stored.saved
-
-    @property
-    def recomputed(self) -> tuple[RecomputedOp, ...]:
-        return self._stored.recomputed
+    def _trace(self) -> Read:
+        return self._stored
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -442,18 +433,19 @@ def _meta(t: Any) -> TensorMeta | None:
     return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
 
 
-def compile_stored(stored: Read, options: Options) -> CompiledGraphs:
+def compile_stored(stored: Read, options: Options, driver: Driver) -> CompiledGraphs:
     """Hand loaded graphs to the compilers, as the pipeline's compile stage does. ``nop``
     makes its straight-line code from the steps, with no ``fx`` module (Note [Graphs read
     from a file]); a user's compiler gets the module, with fake values (Note [Values on
     demand]).
 
-    The ``create_graph`` backward (Note [Differentiable backward]) reads the forward's
-    steps only; the ``fx`` modules, their fake values and the signature are built at the
-    first ``create_graph`` backward, so a hit that never differentiates twice builds none.
+    The ``create_graph`` backward (Note [Differentiable backward]), captured by ``driver``
+    (the pipeline's ``differentiable_backward_driver``), reads the forward's steps only;
+    the ``fx`` modules, their fake values and the signature are built at the first
+    ``create_graph`` backward, so a hit that never differentiates twice builds none.
     """
     forward, backward = stored.forward, stored.backward
-    if all(c is None or c is nop for c in compilers(options)):
+    if only_nop(options):
         compiled = (
             straight_line(forward.steps),
             None if backward is None else straight_line(backward.steps),
@@ -473,6 +465,5 @@ def compile_stored(stored: Read, options: Options) -> CompiledGraphs:
                 with_values(module)
             return (*modules, stored.signature)
 
-        driver = differentiable_backward_driver(options)
         higher_order = higher_order_of(forward.steps, None, None, stored.plan, driver, prepare)
     return CompiledGraphs(None, *compiled, plan=stored.plan, higher_order=higher_order)

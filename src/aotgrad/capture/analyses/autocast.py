@@ -35,7 +35,7 @@ any_autocast = any_autocast_enabled
 # - The graphs run with autocast off. Run under the caller's autocast, the
 #   float32 ``mm`` above would be cast to bfloat16 again: a bfloat16 result,
 #   silently, where eager returns float32.
-# - Autocast is part of the cache key (Note [Ambient state] in ``cache.py``):
+# - Autocast is part of the cache key (Note [Ambient state] in ``cache/specializations.py``):
 #   a graph captured without autocast has no casts, so a call under autocast
 #   traces again; ``Traced`` objects, which never re-trace, refuse such a call.
 # - The backward is traced with autocast off. Eager's backward runs under the

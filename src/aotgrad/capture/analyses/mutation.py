@@ -499,7 +499,7 @@ def _tensor_arguments(
 # overlap differs fails them and is traced again. It runs on whatever tensors the op gets:
 # inputs that overlap (traced over one synthetic base, Note [Aliased inputs]) and views
 # of the function's own intermediates alike. Two calls whose inputs overlap differently
-# have different storage offsets, hence different cache keys (``cache.py``): each call's
+# have different storage offsets, hence different cache keys (``cache/specializations.py``): each call's
 # overlap is the one its graph was checked for.
 
 EAGER_PARTIAL_OVERLAP = (

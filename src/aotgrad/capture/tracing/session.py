@@ -103,7 +103,7 @@ class _Depth(threading.local):
 
 
 # ``SESSIONS.depth == 0`` and no function mode active: not ``capturing()`` (the last entry's
-# check, Note [The common state, checked fast] in cache.py).
+# check, Note [The common state, checked fast] in cache/specializations.py).
 SESSIONS = _STATE = _Depth()
 
 

@@ -19,7 +19,7 @@ that names the input and the difference, never a run::
                                       #   and eval() (closure self.training: True != False)
 
 There is one list of what matters, the key's: the capture's key is built by
-``CacheKey.of_call`` from the example call, as ``aot_function`` builds it, and
+``keyed_call`` from the example call, as ``aot_function`` keys its calls, and
 each call's key is compared with it in a one-entry ``SpecializationCache`` --
 the same ``find`` (shape guards of a dynamic capture, environment variables
 read: Note [Entries with shape guards]) and the same last-entry fast path
@@ -40,14 +40,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from aotgrad.cache import CacheKey, Entry, Miss, SpecializationCache
+from aotgrad.cache.specializations import CacheKey, Entry, Miss, SpecializationCache, keyed_call
 from aotgrad.capture.analyses.dynamic import DynamicDims
 from aotgrad.capture.analyses.input_aliases import memory_sharing
 from aotgrad.errors import CallError, format_error, user_frame_from_stack
 from aotgrad.signature.arguments import ArgumentLayout, positional_names, tensor_text
 from aotgrad.signature.descriptors import PrimalDescriptor
 from aotgrad.signature.flatten import flatten_call, is_tensor_key, leaf_names
-from aotgrad.signature.lifting import Lifted, State, module_arguments
+from aotgrad.signature.lifting import Lifted, State
 
 _TODO = (
     "Call aotgrad.trace again with inputs like these, or use aotgrad.aot_function, which"
@@ -133,9 +133,12 @@ class Specialization:
                 raise _refusal(
                     "the arguments' containers differ from the capture's (a type or a key inside them)"
                 )
-        arguments = module_arguments(capture.target, args, kwargs, leaves, structure, capture.names)
-        lifted = capture.state.read(arguments)
-        key = CacheKey.of_call(structure=structure, leaves=leaves, dims=capture.dims, lifted=lifted)
+        keyed = keyed_call(
+            *(capture.target, capture.state, args, kwargs, capture.names),
+            dims=lambda _: capture.dims,
+            flat=(leaves, structure),
+        )
+        lifted, key = keyed.lifted, keyed.key
         found = self.cache.find(key, lifted.tensors, leaves)
         if isinstance(found, Miss):
             call = _Arguments(args, kwargs, lifted.tensors, leaves)

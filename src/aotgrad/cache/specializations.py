@@ -39,9 +39,14 @@ from aotgrad.capture.user_state.environ import EnvironReads
 from aotgrad.capture.user_state.side_effects import Replay
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.runtime.transforms import transform_active
-from aotgrad.signature import PlainTensorsGuard, alias_key, call_key, dynamic_call_key
-from aotgrad.signature.flatten import DYNAMIC_TENSOR_FIELDS, TENSOR_FIELDS, is_tensor_key
-from aotgrad.signature.lifting import Lifted, StateKey
+from aotgrad.signature import FlatInputs, PlainTensorsGuard, alias_key, call_key, dynamic_call_key
+from aotgrad.signature.flatten import (
+    DYNAMIC_TENSOR_FIELDS,
+    TENSOR_FIELDS,
+    flatten_call,
+    is_tensor_key,
+)
+from aotgrad.signature.lifting import Arguments, Lifted, State, StateKey, module_arguments
 
 
 @dataclass
@@ -428,6 +433,50 @@ class CacheKey(NamedTuple):
         return "no field of the key differs"
 
 
+class KeyedCall(NamedTuple):
+    """One call, read and keyed as every specialization is (:func:`keyed_call`)."""
+
+    leaves: Sequence[Any]
+    structure: Any
+    # The modules among the arguments (Note [Module arguments]).
+    arguments: Arguments
+    # The module state, closed-over tensors and values the function reads.
+    lifted: Lifted
+    # The dimensions asked to be dynamic (``key.dynamic_dims`` leaves out those of inputs
+    # that share memory: Note [Inputs that share memory]).
+    dims: DynamicDims | None
+    key: CacheKey
+
+
+def keyed_call(
+    target: Callable[..., Any],
+    state: State,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    names: dict[Any, list[str]],
+    dims: Callable[[Sequence[Any]], DynamicDims | None],
+    flat: tuple[Sequence[Any], Any] | None = None,
+) -> KeyedCall:
+    """Read ``target(*args, **kwargs)`` and key it: its leaves and structure, the modules among
+    them, the state it reads (``state``) and the :class:`CacheKey` of all of it, with the
+    dimensions ``dims(leaves)`` dynamic; ``flat``: the call's ``flatten_call``, when the
+    caller has it. ``aot_function`` keys each call here, and a ``Traced`` its capture and
+    every call of it (Note [A Traced keeps to its capture]).
+
+    >>> import torch
+    >>> fn = lambda x: x.sin()
+    >>> call = keyed_call(fn, State(fn), (torch.ones(2, 3),), {}, {}, lambda leaves: None)
+    >>> call.key.leaves[0][1], call.lifted.tensors
+    (torch.Size([2, 3]), ())
+    """
+    leaves, structure = flatten_call(args, kwargs) if flat is None else flat
+    arguments = module_arguments(target, args, kwargs, leaves, structure, names)
+    lifted = state.read(arguments)
+    dynamic = dims(leaves)
+    key = CacheKey.of_call(structure=structure, leaves=leaves, dims=dynamic, lifted=lifted)
+    return KeyedCall(leaves, structure, arguments, lifted, dynamic, key)
+
+
 def _show_structure(structure: Any) -> str:
     if isinstance(structure, int):  # a flat positional call (``flatten_call``)
         return f"{structure} positional argument{'s' * (structure != 1)}"
@@ -615,6 +664,26 @@ class Entry:
     # The environment variables the capture read: a call where one differs is a miss
     # (Note [Environment read at capture]). None: it read none.
     environ: EnvironReads | None = None
+
+    @staticmethod
+    def of(
+        compiled: CompiledGraphs,
+        flat: FlatInputs,
+        *,
+        lifted: bool,
+        replay: Replay | None,
+        environ: EnvironReads | None,
+    ) -> Entry:
+        """The entry of graphs traced for ``flat`` (``lifted``: module state or closed-over
+        tensors come before the call's), for ``aot_function`` and ``Traced`` alike."""
+        positions = flat.tensor_positions
+        exact = not lifted and positions == tuple(range(len(flat.constants)))
+        return Entry(
+            compiled=compiled,
+            positions=None if exact else positions,
+            replay=replay,
+            environ=environ,
+        )
 
     def inputs(self, state: tuple[torch.Tensor, ...], leaves: Sequence[Any]) -> Sequence[Any]:
         """The graphs' inputs for a call: the lifted state, then the tensor leaves."""
