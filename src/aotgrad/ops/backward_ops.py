@@ -12,7 +12,7 @@ decomposes the ops of ``AS_FORWARD_OPS`` it lacks before it compiles a program
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -271,9 +271,15 @@ AS_FORWARD_OPS: dict[Any, Callable[..., Any]] = {
 }
 
 
-def decompose(program: ExportedProgram, ops: Collection[Any]) -> ExportedProgram:
-    """``program`` with its nodes of ``ops`` (keys of ``AS_FORWARD_OPS``) decomposed; itself
-    when it has none."""
+def decompose(
+    program: ExportedProgram,
+    ops: Collection[Any],
+    own: Mapping[Any, Callable[..., Any]] | None = None,
+) -> ExportedProgram:
+    """``program`` with its nodes of ``ops`` (keys of ``AS_FORWARD_OPS``) decomposed, and in
+    the same pass those of ``own`` (a backend's own decompositions, by op); itself when it
+    has none."""
     present = {n.target for n in program.graph.nodes if n.op == "call_function"}
     table = {op: AS_FORWARD_OPS[op] for op in ops if op in present}
+    table.update((op, fn) for op, fn in (own or {}).items() if op in present)
     return program.run_decompositions(table) if table else program
