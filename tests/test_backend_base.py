@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import aotgrad
 from aotgrad.backends import base
-from aotgrad.errors import BackendError
+from aotgrad.errors import BackendError, CallError
 from aotgrad.ops import backward_ops
 
 pytestmark = pytest.mark.backends
@@ -160,3 +160,20 @@ def test_decompose_with_a_backends_own_ops():
     assert torch.ops.aten.addmm.default not in targets and torch.ops.aten.mm.default in targets
     absent = {torch.ops.aten.sin.default: torch.cos}
     assert backward_ops.decompose(program, (), absent) is program
+
+
+def test_compiled_program_checks_counts():
+    """A call with too few inputs is the caller's error, naming what the program takes; a
+    backend returning another number of results is the backend's."""
+    specs = [base.TensorSpec((4, 3), torch.float32, "x"), base.TensorSpec((), torch.float32)]
+    program = base.CompiledProgram(EAGER, "backward", specs, specs[:1])
+    program.check_inputs([torch.ones(4, 3), torch.ones(())])
+    with pytest.raises(
+        CallError,
+        match=r"^the backward program compiled by torch takes 2 input tensor\(s\), got 1; it"
+        r" takes x: float32\[4, 3\], float32\[\]$",
+    ):
+        program.check_inputs([torch.ones(4, 3)])
+    program.check_results([torch.ones(4, 3)])
+    with pytest.raises(BackendError, match=r"^torch's backward program returned 2 value\(s\)"):
+        program.check_results([torch.ones(4, 3)] * 2)

@@ -40,7 +40,7 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
-from aotgrad.errors import BackendError
+from aotgrad.errors import BackendError, CallError
 from aotgrad.ops.table import draws_random, op_name
 
 __all__ = [
@@ -48,6 +48,8 @@ __all__ = [
     "REWRITE_OF",
     "SHOWN",
     "Backend",
+    "CompiledProgram",
+    "Specs",
     "TensorSpec",
     "calls",
     "describe",
@@ -93,6 +95,10 @@ class TensorSpec:
 
     def __str__(self) -> str:
         return f"{self.name}: {self.layout}" if self.name else self.layout
+
+
+# The specs of a program's inputs or outputs, in order.
+Specs = Sequence[TensorSpec]
 
 
 # Note [Program kinds]
@@ -255,6 +261,40 @@ class Backend:
             parts.append(f"{op} ({', '.join(where)})")
         more = f" and {len(nodes) - 6} more" if len(nodes) > 6 else ""
         return "; ".join(parts) + more
+
+
+class CompiledProgram:
+    """One program a backend compiled: its kind and the specs of its user inputs and
+    outputs, in order. A backend's subclass runs it in ``__call__``, with the checks below."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        kind: str,
+        inputs: Specs,
+        outputs: Specs,
+    ) -> None:
+        self.backend = backend
+        self.kind = kind  # "forward", "backward", ...: Note [Program kinds]
+        self.inputs = tuple(inputs)
+        self.outputs = tuple(outputs)
+
+    def check_inputs(self, inputs: Sequence[object]) -> None:
+        """As many inputs as the program takes (each one's spec: the backend's checks)."""
+        if len(inputs) != len(self.inputs):
+            raise CallError(
+                f"the {self.kind} program compiled by {self.backend.name} takes"
+                f" {len(self.inputs)} input tensor(s), got {len(inputs)}; it takes"
+                f" {', '.join(map(str, self.inputs)) or 'none'}"
+            )
+
+    def check_results(self, results: Sequence[object]) -> None:
+        """As many results as the program returns (a backend that returns others is wrong)."""
+        if len(results) != len(self.outputs):
+            raise BackendError(
+                f"{self.backend.name}'s {self.kind} program returned {len(results)} value(s),"
+                f" expected {len(self.outputs)}; run the program in another backend"
+            )
 
 
 # Note [Backends and random ops]

@@ -111,30 +111,18 @@ _DIAGNOSED_NODE = re.compile(re.escape(_NODE_FILE) + r"([A-Za-z0-9_]+)")
 _DIAGNOSED_OP = re.compile(r"torch\.aten\.[A-Za-z0-9_.]*[A-Za-z0-9_]")
 
 
-class IreeProgram:
+class IreeProgram(base.CompiledProgram):
     """One program compiled by IREE; call it with the program's user inputs, in order."""
 
-    def __init__(
-        self,
-        vmfb: bytes,
-        kind: str,
-        inputs: Sequence[base.TensorSpec],
-        outputs: Sequence[base.TensorSpec],
-    ) -> None:
-        self.kind = kind  # "forward", "backward", ...: Note [Program kinds]
-        self.inputs = tuple(inputs)
-        self.outputs = tuple(outputs)
+    def __init__(self, vmfb: bytes, kind: str, inputs: base.Specs, outputs: base.Specs) -> None:
+        super().__init__(IREE, kind, inputs, outputs)
         context = iree_runtime.SystemContext(config=_config())
         context.add_vm_module(iree_runtime.VmModule.copy_buffer(context.instance, vmfb))
         self._main = context.modules.module["main"]
         self._context = context  # the function runs in it
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if len(inputs) != len(self.inputs):
-            raise CallError(
-                f"the {self.kind} program compiled by IREE takes {len(self.inputs)} input"
-                f" tensor(s), got {len(inputs)}"
-            )
+        self.check_inputs(inputs)
         arrays = [
             _to_numpy(t, want, self.kind, i)
             for i, (t, want) in enumerate(zip(inputs, self.inputs, strict=True))
@@ -142,11 +130,7 @@ class IreeProgram:
         results = self._main(*arrays)
         if not isinstance(results, tuple | list):  # one result comes alone
             results = (results,)
-        if len(results) != len(self.outputs):
-            raise BackendError(
-                f"IREE's {self.kind} program returned {len(results)} value(s), expected"
-                f" {len(self.outputs)}; run the program in another backend"
-            )
+        self.check_results(results)
         return tuple(
             _to_torch(r, want, self.kind, i)
             for i, (r, want) in enumerate(zip(results, self.outputs, strict=True))
@@ -157,11 +141,11 @@ def compile_program(program: ExportedProgram) -> IreeProgram:
     """``program`` (one of ``traced.export(flat=True)``) compiled by IREE for this CPU.
 
     >>> import torch, aotgrad
-    >>> from aotgrad.backends.iree import compile_program
-    >>> lin = torch.nn.Linear(3, 2)
-    >>> programs = aotgrad.trace(lambda x: lin(x).sum(), torch.ones(4, 3)).export(flat=True)
-    >>> backward = compile_program(programs.backward)
-    >>> [tuple(g.shape) for g in backward(torch.ones(4, 3), torch.ones(()))]
+    >>> from aotgrad.backends import iree
+    >>> lin, x = torch.nn.Linear(3, 2), torch.ones(4, 3)
+    >>> traced = aotgrad.trace(lambda x: lin(x).sum(), x)
+    >>> backward = iree.compile_program(traced.export(flat=True).backward)
+    >>> [tuple(g.shape) for g in backward(x, torch.ones(()))]
     [(2, 3), (2,)]
     """
     kind = base.program_kind(program)

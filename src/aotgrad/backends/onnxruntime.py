@@ -283,7 +283,7 @@ def compile_program(program: ExportedProgram) -> OrtProgram:
     return OrtProgram(session, kind, inputs, outputs, feeds)
 
 
-class OrtProgram:
+class OrtProgram(base.CompiledProgram):
     """One program compiled by ONNX Runtime: call it with the program's inputs in order; it
     returns the program's outputs in order, as CPU tensors."""
 
@@ -295,20 +295,14 @@ class OrtProgram:
         outputs: Sequence[base.TensorSpec],
         feeds: Sequence[str | None],
     ) -> None:
+        super().__init__(ORT, kind, inputs, outputs)
         self.session = session
-        self.kind = kind
-        self.inputs = tuple(inputs)
-        self.outputs = tuple(outputs)
         # The session input each program input feeds (None: the model does not read it).
         self.feeds = tuple(feeds)
         self._output_names = [o.name for o in session.get_outputs()]
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if len(args) != len(self.inputs):
-            raise CallError(
-                f"the {self.kind} program takes {len(self.inputs)} input(s)"
-                f" ({', '.join(map(str, self.inputs))}), got {len(args)}"
-            )
+        self.check_inputs(args)
         feeds: dict[str, Any] = {}
         for spec, name, value in zip(self.inputs, self.feeds, args, strict=True):
             _check_value(value, spec, f"{self.kind} program input", CallError)
@@ -322,6 +316,7 @@ class OrtProgram:
                 "Run the program with torch (programs.forward.module()) to compare, and report"
                 " the op ONNX Runtime names above"
             ) from error
+        self.check_results(results)
         tensors = []
         for spec, result in zip(self.outputs, results, strict=True):
             tensor = torch.from_numpy(result)
