@@ -1,13 +1,11 @@
 """What every backend of the flat exported programs shares (docs/backends.md).
 
 A backend compiles one program of ``traced.export(flat=True)`` into a callable over tensors.
-What each must check before it compiles, and how it names what it refuses, is written here
-once: the program's kind (:func:`program_kind`, for messages), the flat signature and the
-shape and dtype of every user input and output (:meth:`Backend.user_specs`), the refusal of
-random ops and of the backend's own unfaithful ops in one error (:meth:`Backend.refuse`), the
-nodes a message is about with the user's line (:func:`describe`, :meth:`Backend.ops_at`),
-and tensors across NumPy (:func:`to_numpy`, :func:`from_numpy`). A backend keeps what is
-its own: how it compiles and runs a program, and the rewrites of the ops it lacks.
+Written here once: the program's kind (:func:`program_kind`), the flat signature and each
+input's and output's spec (:meth:`Backend.user_specs`), the refusal of random ops and of
+what the backend's own checks find (:meth:`Backend.refuse`), the nodes a message names
+(:func:`describe`, :meth:`Backend.ops_at`), the call's checks (:class:`CompiledProgram`) and
+tensors across NumPy (:func:`to_numpy`, :func:`from_numpy`).
 
 A third backend is its compile function and its rewrites. Here torch itself is the compiler;
 a real backend calls its own where ``program.module()`` stands, and decomposes the backward
@@ -22,9 +20,10 @@ ops it lacks first (``aotgrad.ops.backward_ops.decompose``)::
     ...     EAGER.refuse(program, kind)  # random ops, and the backend's own checks
     ...     run = program.module()
     ...     return lambda *tensors: tuple(run(*tensors))
-    >>> lin = torch.nn.Linear(3, 2)
-    >>> programs = aotgrad.trace(lambda x: lin(x).sum(), torch.ones(4, 3)).export(flat=True)
-    >>> [tuple(g.shape) for g in compile_program(programs.backward)(torch.ones(4, 3), torch.ones(()))]
+    >>> lin, x = torch.nn.Linear(3, 2), torch.ones(4, 3)
+    >>> programs = aotgrad.trace(lambda x: lin(x).sum(), x).export(flat=True)
+    >>> backward = compile_program(programs.backward)
+    >>> [tuple(g.shape) for g in backward(x, torch.ones(()))]
     [(2, 3), (2,)]
 """
 
@@ -113,9 +112,9 @@ Specs = Sequence[TensorSpec]
 #   Cotangent with any of the forward's                 "joint"     (export(joint=True))
 #   none (a program aotgrad did not export)             "exported"
 #
-# e.g. the joint program of ``lin(x).sum()`` takes (Param(lin.weight), Param(lin.bias),
-# Input(x), Cotangent(of=Output([]))): cotangents, like a backward, but the forward's inputs
-# too: "joint", not "backward". A backward whose cotangents nothing reads still has them as
+# e.g. the joint program of ``lambda x: lin(x).sum()`` takes (Global(lin.weight),
+# Global(lin.bias), Input(x), Cotangent(of=Output(""))): a cotangent, like a backward, but the
+# forward's inputs too: "joint", not "backward". A backward whose cotangents nothing reads still has them as
 # placeholders; one of saved values only is "backward" all the same.
 _BACKWARD_KINDS = frozenset({"Saved", "Cotangent"})
 
