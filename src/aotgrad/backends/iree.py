@@ -11,19 +11,18 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from aotgrad._torch_compat import OpOverload
+from aotgrad.backends import base
 from aotgrad.errors import BackendError, CallError
 from aotgrad.ops import backward_ops
-from aotgrad.ops.table import draws_random, op_name
+from aotgrad.ops.table import op_name
 
 try:
     import iree.compiler as iree_compiler
@@ -47,8 +46,8 @@ __all__ = ["FLAGS", "IreeProgram", "compile_program"]
 # 1. Checks. Every input is a USER_INPUT (or a CONSTANT_TENSOR: a tensor made at capture,
 #    part of the function, which the importer inlines into the module) and every output a
 #    USER_OUTPUT tensor of a dtype IREE's runtime passes (not complex, not float8). No op may
-#    draw random numbers: IREE's generator is not torch's, so a dropout mask would differ
-#    from eager's and from the one the backward assumes; ``BackendError`` names the op. No
+#    draw random numbers (Note [Backends and random ops]). These checks are every backend's
+#    (``base.Backend``); IREE's own: no
 #    op may write its arguments (``aten.add_``): the importer gives every tensor value
 #    semantics, and the write would be lost (aotgrad's graphs are functional; an edited one
 #    may not be).
@@ -100,19 +99,8 @@ FLAGS: tuple[str, ...] = (
     "--iree-input-demote-f64-to-f32=false",
 )
 
-# The torch dtypes the runtime passes, and the numpy dtype each travels as.
-_NUMPY: dict[torch.dtype, Any] = {
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.float16: np.float16,
-    torch.bfloat16: ml_dtypes.bfloat16,
-    torch.int8: np.int8,
-    torch.uint8: np.uint8,
-    torch.int16: np.int16,
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-    torch.bool: np.bool_,
-}
+# The torch dtypes the runtime passes, and the NumPy dtype each travels as.
+IREE = base.Backend("iree", "IREE", {**base.NUMPY_DTYPES, torch.bfloat16: ml_dtypes.bfloat16})
 
 # The file name of the locations ``_locate`` gives each node, before the node's name.
 _NODE_FILE = "aotgrad-node:"
@@ -123,55 +111,28 @@ _DIAGNOSED_NODE = re.compile(re.escape(_NODE_FILE) + r"([A-Za-z0-9_]+)")
 _DIAGNOSED_OP = re.compile(r"torch\.aten\.[A-Za-z0-9_.]*[A-Za-z0-9_]")
 
 
-@dataclass(frozen=True)
-class _TensorType:
-    """The shape and dtype of one input or output of a program."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    def __str__(self) -> str:
-        return f"{list(self.shape)} {self.dtype}"
-
-
-class IreeProgram:
+class IreeProgram(base.CompiledProgram):
     """One program compiled by IREE; call it with the program's user inputs, in order."""
 
-    def __init__(
-        self,
-        vmfb: bytes,
-        which: str,
-        inputs: Sequence[_TensorType],
-        outputs: Sequence[_TensorType],
-    ) -> None:
-        self.which = which  # "forward", "backward", ...: the program, for messages
-        self.inputs = tuple(inputs)
-        self.outputs = tuple(outputs)
+    def __init__(self, vmfb: bytes, kind: str, inputs: base.Specs, outputs: base.Specs) -> None:
+        super().__init__(IREE, kind, inputs, outputs)
         context = iree_runtime.SystemContext(config=_config())
         context.add_vm_module(iree_runtime.VmModule.copy_buffer(context.instance, vmfb))
         self._main = context.modules.module["main"]
         self._context = context  # the function runs in it
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if len(inputs) != len(self.inputs):
-            raise CallError(
-                f"the {self.which} program compiled by IREE takes {len(self.inputs)} input"
-                f" tensor(s), got {len(inputs)}"
-            )
+        self.check_inputs(inputs)
         arrays = [
-            _to_numpy(t, want, self.which, i)
+            _to_numpy(t, want, self.kind, i)
             for i, (t, want) in enumerate(zip(inputs, self.inputs, strict=True))
         ]
         results = self._main(*arrays)
         if not isinstance(results, tuple | list):  # one result comes alone
             results = (results,)
-        if len(results) != len(self.outputs):
-            raise BackendError(
-                f"IREE's {self.which} program returned {len(results)} value(s), expected"
-                f" {len(self.outputs)}; run the program in another backend"
-            )
+        self.check_results(results)
         return tuple(
-            _to_torch(r, want, self.which, i)
+            _to_torch(r, want, self.kind, i)
             for i, (r, want) in enumerate(zip(results, self.outputs, strict=True))
         )
 
@@ -180,24 +141,23 @@ def compile_program(program: ExportedProgram) -> IreeProgram:
     """``program`` (one of ``traced.export(flat=True)``) compiled by IREE for this CPU.
 
     >>> import torch, aotgrad
-    >>> from aotgrad.backends.iree import compile_program
-    >>> lin = torch.nn.Linear(3, 2)
-    >>> programs = aotgrad.trace(lambda x: lin(x).sum(), torch.ones(4, 3)).export(flat=True)
-    >>> backward = compile_program(programs.backward)
-    >>> [tuple(g.shape) for g in backward(torch.ones(4, 3), torch.ones(()))]
+    >>> from aotgrad.backends import iree
+    >>> lin, x = torch.nn.Linear(3, 2), torch.ones(4, 3)
+    >>> traced = aotgrad.trace(lambda x: lin(x).sum(), x)
+    >>> backward = iree.compile_program(traced.export(flat=True).backward)
+    >>> [tuple(g.shape) for g in backward(x, torch.ones(()))]
     [(2, 3), (2,)]
     """
-    which = _which(program)
-    inputs, outputs = _check_signature(program, which)
-    _refuse_random(program, which)
-    _refuse_mutation(program, which)
+    kind = base.program_kind(program)
+    inputs, outputs = IREE.user_specs(program, kind)  # Note [IREE programs], 1
+    IREE.refuse(program, kind, _mutation)
     program = _copy(program)  # Note [IREE programs], 2
     program = backward_ops.decompose(program, IREE_AS_FORWARD_OPS)
     _rewrite(program)
     _locate(program)
-    text = _import(program, which)
-    vmfb = _compile(text, program, which)
-    return IreeProgram(vmfb, which, inputs, outputs)
+    text = _import(program, kind)
+    vmfb = _compile(text, program, kind)
+    return IreeProgram(vmfb, kind, inputs, outputs)
 
 
 @functools.cache
@@ -206,101 +166,24 @@ def _config() -> Any:
     return iree_runtime.Config("local-task")
 
 
-def _which(program: ExportedProgram) -> str:
-    """``"forward"``, ``"backward"`` or ``"joint"``: what aotgrad's descriptors on the
-    program's inputs say it is (Note [Export signatures])."""
-    kinds = set()
-    for node in program.graph.find_nodes(op="placeholder"):
-        desc = node.meta.get("aotgrad", {}).get("descriptor")
-        if isinstance(desc, dict):
-            kinds.add(desc.get("kind"))
-    if "Cotangent" in kinds:
-        return "backward" if kinds <= {"Saved", "Cotangent"} else "joint"
-    return "forward" if kinds else "exported"
-
-
-def _check_signature(
-    program: ExportedProgram, which: str
-) -> tuple[list[_TensorType], list[_TensorType]]:
-    """The types of the program's user inputs and outputs; refuses a program that is not
-    flat or has a tensor of a dtype the runtime cannot pass (Note [IREE programs], 1)."""
-    signature = program.graph_signature
-    kept = {InputKind.USER_INPUT, InputKind.CONSTANT_TENSOR}
-    bad = [str(s.kind.name) for s in signature.input_specs if s.kind not in kept]
-    bad += [str(s.kind.name) for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
-    bad += [
-        type(s.arg).__name__
-        for s in (*signature.input_specs, *signature.output_specs)
-        if not isinstance(s.arg, TensorArgument)
-    ]
-    if bad:
-        raise BackendError(
-            f"IREE takes the {which} program as a pure function of tensors, and it has"
-            f" {', '.join(sorted(set(bad)))} inputs or outputs: export with"
-            " traced.export(flat=True)"
-        )
-    nodes = {n.name: n for n in program.graph.nodes}
-    inputs = [
-        _tensor_type(nodes[s.arg.name], which, "input")
-        for s in signature.input_specs
-        if s.kind == InputKind.USER_INPUT and isinstance(s.arg, TensorArgument)
-    ]
-    outputs = [
-        _tensor_type(nodes[s.arg.name], which, "output")
-        for s in signature.output_specs
-        if isinstance(s.arg, TensorArgument)
-    ]
-    return inputs, outputs
-
-
-def _tensor_type(node: fx.Node, which: str, role: str) -> _TensorType:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        raise BackendError(
-            f"expected the {which} program's {role} {node.name} to be a tensor, got {val!r}"
-        )
-    if val.dtype not in _NUMPY:
-        raise BackendError(
-            f"the {which} program's {role} {node.name} is a {val.dtype} tensor, a dtype IREE's"
-            f" runtime does not pass (it takes {', '.join(map(str, _NUMPY))}): run this"
-            " program in another backend"
-        )
-    return _TensorType(tuple(int(n) for n in val.shape), val.dtype)
-
-
-def _refuse_random(program: ExportedProgram, which: str) -> None:
-    """Refuses a program with an op that draws random numbers (Note [IREE programs], 1)."""
-    drawing = [
-        node
-        for node in _calls(program)
-        if draws_random(node.target, tuple(node.args), dict(node.kwargs))
-    ]
-    if drawing:
-        raise BackendError(
-            f"the {which} program draws random numbers ({_ops_at(drawing)}), and IREE's"
-            " generator is not torch's: its masks would differ from eager's. Set dropout to 0"
-            " (or call model.eval()) before tracing, or run the model with aotgrad's own"
-            " runtime"
-        )
-
-
-def _refuse_mutation(program: ExportedProgram, which: str) -> None:
-    """Refuses a program with an op that writes one of its arguments (Note [IREE programs],
-    1): the importer gives every tensor value semantics, so the write would be lost."""
+def _mutation(program: ExportedProgram) -> str | None:
+    """An op that writes one of its arguments (Note [IREE programs], 1): the importer gives
+    every tensor value semantics, so the write would be lost."""
     writing = [
         node
-        for node in _calls(program)
+        for node in base.calls(program)
         if isinstance(node.target, OpOverload) and node.target._schema.is_mutable
     ]
-    if writing:
-        raise BackendError(
-            f"the {which} program writes its tensors in place ({_ops_at(writing)}); IREE"
-            " takes functional programs, where every write is a new value. Export the"
-            " programs aotgrad's capture made (traced.export(flat=True)), not an edited graph"
-        )
+    if not writing:
+        return None
+    return (
+        f"writes its tensors in place ({IREE.ops_at(writing)}); IREE takes functional"
+        " programs, where every write is a new value. Export the programs aotgrad's capture"
+        " made (traced.export(flat=True)), not an edited graph"
+    )
 
 
-def _import(program: ExportedProgram, which: str) -> str:
+def _import(program: ExportedProgram, kind: str) -> str:
     """The program as MLIR text in the torch dialect (Note [IREE programs], 2)."""
     importer = FxImporter(graph_node_importer_cls=_NamingNodeImporter)
     try:
@@ -308,12 +191,12 @@ def _import(program: ExportedProgram, which: str) -> str:
     except _NodeImportError as error:
         cause = error.__cause__
         raise BackendError(
-            f"IREE's FX importer could not take {_ops_at([error.node])} of the {which}"
+            f"IREE's FX importer could not take {IREE.ops_at([error.node])} of the {kind}"
             f" program: {type(cause).__name__}: {_first_line(cause)}. {_advice()}"
         ) from cause
     except Exception as error:  # the importer raises what its checks raise
         raise BackendError(
-            f"IREE's FX importer could not take the {which} program:"
+            f"IREE's FX importer could not take the {kind} program:"
             f" {type(error).__name__}: {_first_line(error)}. {_advice()}"
         ) from error
     return str(importer.module.operation.get_asm(enable_debug_info=True))
@@ -411,7 +294,7 @@ class _Emitter:
         new.meta = {
             "val": val,
             "aotgrad": {key: info[key] for key in ("module", "source") if key in info},
-            _REWRITE_OF: op_name(self.node.target),
+            base.REWRITE_OF: op_name(self.node.target),
         }
         return new
 
@@ -420,10 +303,6 @@ class _Emitter:
         if value.meta["val"].dtype == dtype:
             return value
         return self(torch.ops.aten._to_copy.default, value, dtype=dtype)
-
-
-# The meta key that names, on a node a rewrite made, the op it was rewritten from.
-_REWRITE_OF = "iree_rewrite_of"
 
 
 def _squeeze_dims(emit: _Emitter, node: fx.Node) -> fx.Node:
@@ -441,7 +320,7 @@ def _fmod(emit: _Emitter, node: fx.Node) -> fx.Node:
     dtype = node.meta["val"].dtype
     if dtype == torch.float64:
         raise BackendError(
-            f"IREE cannot compute {_ops_at([node])} exactly in float64: its CPU executables"
+            f"IREE cannot compute {IREE.ops_at([node])} exactly in float64: its CPU executables"
             " do not link libm's fmod, and its own lowering (a - b * trunc(a / b)) is wrong"
             " wherever a / b rounds. Run this program in another backend"
             " (step(programs, 'onnxruntime'))"
@@ -449,7 +328,7 @@ def _fmod(emit: _Emitter, node: fx.Node) -> fx.Node:
     if not isinstance(b, fx.Node):  # fmod.Scalar: the divisor as a 0-d tensor
         if not dtype.is_floating_point and b == 0:
             raise BackendError(
-                f"the program computes {_ops_at([node])} by an integer 0, which raises"
+                f"the program computes {IREE.ops_at([node])} by an integer 0, which raises"
                 " ZeroDivisionError in torch; fix the divisor"
             )
         b = emit(aten.full.default, [], b, dtype=dtype)
@@ -497,7 +376,7 @@ _REWRITES: dict[Any, Any] = {
 def _rewrite(program: ExportedProgram) -> None:
     """Applies ``_REWRITES`` to ``program`` (a copy) in place (Note [IREE rewrites])."""
     graph = program.graph
-    for node in _calls(program):
+    for node in base.calls(program):
         rule = _REWRITES.get(node.target)
         if rule is None:
             continue
@@ -507,10 +386,10 @@ def _rewrite(program: ExportedProgram) -> None:
         want, got = node.meta["val"], replacement.meta["val"]
         if (want.shape, want.dtype) != (got.shape, got.dtype):
             raise BackendError(
-                f"IREE's rewrite of {_ops_at([node])}: expected a {list(want.shape)}"
+                f"IREE's rewrite of {IREE.ops_at([node])}: expected a {list(want.shape)}"
                 f" {want.dtype} result, got {list(got.shape)} {got.dtype}"
             )
-        replacement.meta = {**node.meta, _REWRITE_OF: op_name(node.target)}
+        replacement.meta = {**node.meta, base.REWRITE_OF: op_name(node.target)}
         node.replace_all_uses_with(replacement)
         name = node.name
         graph.erase_node(node)
@@ -536,7 +415,7 @@ class _NamingNodeImporter(GraphNodeImporter):
             raise _NodeImportError(node) from error
 
 
-def _compile(text: str, program: ExportedProgram, which: str) -> bytes:
+def _compile(text: str, program: ExportedProgram, kind: str) -> bytes:
     """The MLIR compiled into an IREE module for the host CPU (Note [IREE programs], 3)."""
     try:
         vmfb = iree_compiler.compile_str(
@@ -546,14 +425,14 @@ def _compile(text: str, program: ExportedProgram, which: str) -> bytes:
         diagnostics = str(error)
         located = set(_DIAGNOSED_NODE.findall(_error_lines(diagnostics)))
         names = _diagnosed_ops(_error_lines(diagnostics))
-        nodes = [n for n in _calls(program) if n.name in located]
-        nodes = nodes or [n for n in _calls(program) if _mlir_name(n) in names]
+        nodes = [n for n in base.calls(program) if n.name in located]
+        nodes = nodes or [n for n in base.calls(program) if _mlir_name(n) in names]
         if not nodes:  # an error at no op (a constant left over): the ops left unlowered
             names = _unlowered_ops(text)
-            nodes = [n for n in _calls(program) if _mlir_name(n) in names]
-        what = _ops_at(nodes) if nodes else ", ".join(sorted(names)) or "an op"
+            nodes = [n for n in base.calls(program) if _mlir_name(n) in names]
+        what = IREE.ops_at(nodes) if nodes else ", ".join(sorted(names)) or "an op"
         raise BackendError(
-            f"IREE could not compile {what} of the {which} program:\n"
+            f"IREE could not compile {what} of the {kind} program:\n"
             f"{_diagnostic_lines(diagnostics)}\n{_advice()}"
         ) from error
     assert isinstance(vmfb, bytes)
@@ -573,10 +452,6 @@ def _unlowered_ops(text: str) -> set[str]:
     except iree_compiler.CompilerToolError as error:
         return _diagnosed_ops(str(error))
     return set()
-
-
-def _calls(program: ExportedProgram) -> list[fx.Node]:
-    return [n for n in program.graph.nodes if n.op == "call_function"]
 
 
 def _diagnosed_ops(diagnostics: str) -> set[str]:
@@ -608,28 +483,6 @@ def _diagnostic_lines(diagnostics: str, limit: int = 8) -> str:
     return "\n".join(f"  {line}" for line in shown) + more
 
 
-def _ops_at(nodes: Sequence[fx.Node]) -> str:
-    """``aten.bernoulli.p (node bernoulli, drop, at model.py:12: x = self.drop(x))``; ...:
-    each node's op, name, module and the user's line."""
-    parts = []
-    for node in nodes[:6]:
-        info = node.meta.get("aotgrad", {})
-        where = [f"node {node.name}"]
-        if info.get("module"):
-            where.append(str(info["module"]))
-        source = info.get("source")
-        if isinstance(source, dict):
-            where.append(f"at {source.get('file')}:{source.get('line')}: {source.get('code')}")
-        op = op_name(node.target)
-        original = node.meta.get(_REWRITE_OF)  # Note [IREE rewrites]
-        if original:
-            where.insert(1, f"rewritten for IREE as {op}" if original != op else "rewritten")
-            op = original
-        parts.append(f"{op} ({', '.join(where)})")
-    more = f" and {len(nodes) - 6} more" if len(nodes) > 6 else ""
-    return "; ".join(parts) + more
-
-
 def _first_line(error: BaseException | None) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else "(no message)"
@@ -643,35 +496,29 @@ def _advice() -> str:
     )
 
 
-def _to_numpy(tensor: torch.Tensor, want: _TensorType, which: str, index: int) -> np.ndarray:
+def _to_numpy(tensor: torch.Tensor, want: base.TensorSpec, kind: str, index: int) -> np.ndarray:
     """One input as the runtime takes it: a contiguous CPU array (Note [IREE programs], 4)."""
     if not isinstance(tensor, torch.Tensor):
         raise CallError(
-            f"the {which} program's input {index} is {want}, got {type(tensor).__name__}"
+            f"the {kind} program's input {index} is {want}, got {type(tensor).__name__}"
         )
     if (tuple(tensor.shape), tensor.dtype) != (want.shape, want.dtype) or tensor.is_meta:
         raise CallError(
-            f"the {which} program compiled by IREE takes input {index} as {want}, got"
-            f" {list(tensor.shape)} {tensor.dtype}"
+            f"the {kind} program compiled by IREE takes input {index} as {list(want.shape)}"
+            f" {want.dtype}, got {list(tensor.shape)} {tensor.dtype}"
             + (" on the meta device" if tensor.is_meta else "")
             + ": pass the tensors the program was exported for"
         )
-    tensor = tensor.detach().to("cpu").contiguous()
-    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: the bits travel as int16
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
+    return base.to_numpy(tensor)
 
 
-def _to_torch(result: Any, want: _TensorType, which: str, index: int) -> torch.Tensor:
+def _to_torch(result: Any, want: base.TensorSpec, kind: str, index: int) -> torch.Tensor:
     """One result, copied into a new tensor, checked against the program's output."""
     array = np.array(result.to_host(), copy=True)
-    dtype = np.dtype(_NUMPY[want.dtype])
-    if array.shape != want.shape or array.dtype != dtype:
+    if array.shape != want.shape or array.dtype != np.dtype(IREE.dtypes[want.dtype]):
         raise BackendError(
-            f"IREE's {which} program returned output {index} as {list(array.shape)}"
+            f"IREE's {kind} program returned output {index} as {list(array.shape)}"
             f" {array.dtype}, and the program's output is {want}: it would not be the value"
             " torch computes. Run this program in another backend"
         )
-    if want.dtype == torch.bfloat16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+    return base.from_numpy(array, want.dtype)

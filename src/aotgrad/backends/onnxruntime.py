@@ -32,7 +32,7 @@ and shapes are checked when the program is compiled, and every result's when it 
 mismatch is a ``BackendError``, never a cast.
 
 Refused when a program is compiled, because ONNX Runtime would run it unlike torch without an
-error: random ops (Note [ONNX Runtime and random ops]), outputs the exporter fills with
+error: random ops (Note [Backends and random ops]), outputs the exporter fills with
 stand-ins (Note [ONNX functions with filler outputs]), arguments it ignores (Note [ONNX
 functions that ignore an argument]), and dtypes NumPy cannot hold (``bfloat16``, complex, the
 float8 types: the session's inputs and outputs go through NumPy). ``convolution_backward``,
@@ -40,15 +40,6 @@ float8 types: the session's inputs and outputs go through NumPy). ``convolution_
 cannot take, are decomposed first (Note [Convolution backward as convolutions], Note [Average pooling
 backward as a transposed convolution], Note [Adaptive average pooling backward as matmuls]); so is a write whose
 source broadcasts (Note [ONNX copy drops the destination's shape]).
-
-Note [ONNX Runtime and random ops]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-ONNX Runtime draws from its own generator: ``bernoulli.p(x, 0.9)``, dropout's mask, becomes
-ONNX's ``RandomUniformLike`` and a comparison, whose mask has nothing to do with the one eager
-torch draws from the same seed, and the backward (another session) could not reproduce it. A
-program whose op draws from the RNG (``aotgrad.ops.table.draws_random``: dropout with p > 0 in
-training, ``bernoulli``, ``rand_like``, attention with ``dropout_p`` > 0) is refused when it is
-compiled; dropout at p = 0, or in eval mode, draws nothing and runs.
 """
 
 from __future__ import annotations
@@ -59,37 +50,22 @@ import logging
 import operator
 import re
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
+from aotgrad.backends import base
 from aotgrad.errors import BackendError, CallError
 from aotgrad.ops import backward_ops
-from aotgrad.ops.table import draws_random, op_name
+from aotgrad.ops.table import op_name
 
 __all__ = ["OrtProgram", "compile_program"]
 
-_BACKEND = "onnxruntime"
-
 # The dtypes a program's inputs and outputs may have: each goes through NumPy unchanged.
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.float16,
-        torch.float32,
-        torch.float64,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.uint8,
-        torch.bool,
-    }
-)
+ORT = base.Backend("onnxruntime", "ONNX Runtime", base.NUMPY_DTYPES)
 
 # ONNX Runtime's names of those dtypes (``NodeArg.type``), to check the session's signature.
 _ORT_TYPES = {
@@ -103,23 +79,6 @@ _ORT_TYPES = {
     torch.uint8: "tensor(uint8)",
     torch.bool: "tensor(bool)",
 }
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """The shape and dtype of one program input or output, from its node's ``meta["val"]``."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def layout(self) -> str:
-        """``float32[4, 6]``."""
-        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
-
-    def __str__(self) -> str:
-        return f"{self.name}: {self.layout}"
 
 
 _aten = torch.ops.aten
@@ -163,38 +122,29 @@ def _broadcast_copy(
 
 
 # Ops the exporter has no faithful ONNX function for, decomposed by the backend before it
-# exports, and when: every node of the op, or only those the predicate picks.
+# exports: the backward ops of ``backward_ops.AS_FORWARD_OPS``, and a ``copy`` that broadcasts
+# (only there: ``_DECOMPOSE_ONLY``).
 _DECOMPOSITIONS: dict[Any, Any] = {
     **backward_ops.AS_FORWARD_OPS,
     _aten.copy.default: _broadcast_copy,
 }
-_DECOMPOSE_ONLY: dict[Any, Callable[[fx.Node], bool]] = {
-    _aten.copy.default: _broadcasts,
-}
+_DECOMPOSE_ONLY = {_aten.copy.default: _broadcasts}
 
 
 def _decompose(program: ExportedProgram) -> ExportedProgram:
-    """``program`` with the ops of ``_DECOMPOSITIONS`` decomposed (none there: itself)."""
-    present = {
-        n.target
-        for n in program.graph.nodes
-        if n.op == "call_function" and _DECOMPOSE_ONLY.get(n.target, bool)(n)
-    }
-    table = {op: fn for op, fn in _DECOMPOSITIONS.items() if op in present}
-    if not table:
-        return program
-    return program.run_decompositions(table)
+    """``program`` with the ops above decomposed (none there: itself)."""
+    return backward_ops.decompose(program, _DECOMPOSITIONS, _DECOMPOSE_ONLY)
 
 
 def _broadcasting_copies(program: ExportedProgram) -> str | None:
     """Note [ONNX copy drops the destination's shape], in the exporter's program."""
-    found = [n for n in program.graph.nodes if n.op == "call_function" and _broadcasts(n)]
+    found = [n for n in base.calls(program) if _broadcasts(n)]
     if not found:
         return None
     return (
-        "the exporter's decompositions made a copy that broadcasts its source, which its ONNX"
-        " function does not (Note [ONNX copy drops the destination's shape]):\n"
-        f"{_describe(found)}\n"
+        "has a copy that broadcasts its source, made by the exporter's decompositions, which"
+        " its ONNX function does not (Note [ONNX copy drops the destination's shape]):\n"
+        f"{base.describe(found)}\n"
         "  Capture with decompositions='core_aten', or run the program with torch"
     )
 
@@ -234,9 +184,8 @@ def _filler_outputs(program: ExportedProgram) -> str | None:
     """Note [ONNX functions with filler outputs]."""
     read = [
         node
-        for node in program.graph.nodes
-        if node.op == "call_function"
-        and node.target in _FILLER_OUTPUTS
+        for node in base.calls(program)
+        if node.target in _FILLER_OUTPUTS
         and any(
             user.target is operator.getitem and user.args[1] in _FILLER_OUTPUTS[node.target]
             for user in node.users
@@ -245,9 +194,9 @@ def _filler_outputs(program: ExportedProgram) -> str | None:
     if not read:
         return None
     return (
-        "it reads an output that the ONNX exporter does not compute (its ONNX function"
+        "reads an output that the ONNX exporter does not compute (its ONNX function"
         " returns a stand-in, zeros or a count: Note [ONNX functions with filler outputs]):"
-        f"\n{_describe(read)}\n"
+        f"\n{base.describe(read)}\n"
         "  Capture with decompositions='core_aten', which writes these ops as ops the"
         " exporter computes, or run the program with torch or another backend"
     )
@@ -291,17 +240,17 @@ def _argument(node: fx.Node, name: str) -> Any:
 def _ignored_arguments(program: ExportedProgram) -> str | None:
     """Note [ONNX functions that ignore an argument]."""
     ignored = []
-    for node in program.graph.nodes:
-        if node.op == "call_function" and node.target in _IGNORED_ARGUMENTS:
+    for node in base.calls(program):
+        if node.target in _IGNORED_ARGUMENTS:
             name, assumed = _IGNORED_ARGUMENTS[node.target]
             value = _argument(node, name)
             if value != assumed:
                 ignored.append((node, f"{name}={value!r}, which it takes as {assumed!r}"))
     if not ignored:
         return None
-    lines = "\n".join(f"{_describe([n])}: {why}" for n, why in ignored[:_SHOWN])
+    lines = "\n".join(f"{base.describe([n])}: {why}" for n, why in ignored[: base.SHOWN])
     return (
-        "it calls ops whose ONNX function ignores an argument"
+        "calls ops whose ONNX function ignores an argument"
         f" (Note [ONNX functions that ignore an argument]):\n{lines}\n"
         "  Capture with decompositions='core_aten', which writes these ops as ops the"
         " exporter computes (for batch norm, model.eval() also runs), or run the program"
@@ -309,19 +258,9 @@ def _ignored_arguments(program: ExportedProgram) -> str | None:
     )
 
 
-def _refuse_unfaithful(program: ExportedProgram, kind: str, exported: bool = False) -> None:
-    """Refuse what ONNX Runtime would run other than torch does, without an error: each check
-    names the nodes and says what to do (or returns None); the error has them all.
-    ``exported``: ``program`` is the exporter's, after the backend's decompositions."""
-    checks = [_random_ops, _filler_outputs, _ignored_arguments]
-    if exported:
-        checks.append(_broadcasting_copies)
-    problems = [problem for check in checks if (problem := check(program)) is not None]
-    if problems:
-        raise BackendError(
-            f"{_BACKEND}: the {kind} program cannot run in ONNX Runtime as it runs in torch:\n"
-            + "\n".join(f"- {problem}" for problem in problems)
-        )
+# What ONNX Runtime would run unlike torch, in the program and in the exporter's
+# (``base.Backend.refuse``; random ops are every backend's check).
+_UNFAITHFUL = (_filler_outputs, _ignored_arguments)
 
 
 def compile_program(program: ExportedProgram) -> OrtProgram:
@@ -335,21 +274,19 @@ def compile_program(program: ExportedProgram) -> OrtProgram:
     >>> loss, *saved = run(*programs.lifted, torch.ones(4, 3))
     >>> torch.testing.assert_close(loss, lin(torch.ones(4, 3)).sum().detach())
     """
-    kind = _program_kind(program)
-    _check_flat(program, kind)
-    _refuse_unfaithful(program, kind)
-    inputs = _user_specs(program, kind, "input")
-    outputs = _user_specs(program, kind, "output")
+    kind = base.program_kind(program)
+    inputs, outputs = ORT.user_specs(program, kind)
+    ORT.refuse(program, kind, *_UNFAITHFUL)
     onnx_program = _export(program, kind)
     # What the exporter translated: its decompositions may write an op as a refused one.
-    _refuse_unfaithful(onnx_program.exported_program, kind, exported=True)
+    ORT.refuse(onnx_program.exported_program, kind, *_UNFAITHFUL, _broadcasting_copies)
     feeds = _feed_names(onnx_program, inputs, kind)
     session = _session(onnx_program.model_proto, kind)
     _check_session(session, feeds, inputs, outputs, kind)
     return OrtProgram(session, kind, inputs, outputs, feeds)
 
 
-class OrtProgram:
+class OrtProgram(base.CompiledProgram):
     """One program compiled by ONNX Runtime: call it with the program's inputs in order; it
     returns the program's outputs in order, as CPU tensors."""
 
@@ -357,156 +294,38 @@ class OrtProgram:
         self,
         session: Any,
         kind: str,
-        inputs: Sequence[_Spec],
-        outputs: Sequence[_Spec],
+        inputs: Sequence[base.TensorSpec],
+        outputs: Sequence[base.TensorSpec],
         feeds: Sequence[str | None],
     ) -> None:
+        super().__init__(ORT, kind, inputs, outputs)
         self.session = session
-        self.kind = kind
-        self.inputs = tuple(inputs)
-        self.outputs = tuple(outputs)
         # The session input each program input feeds (None: the model does not read it).
         self.feeds = tuple(feeds)
         self._output_names = [o.name for o in session.get_outputs()]
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if len(args) != len(self.inputs):
-            raise CallError(
-                f"the {self.kind} program takes {len(self.inputs)} input(s)"
-                f" ({', '.join(map(str, self.inputs))}), got {len(args)}"
-            )
+        self.check_inputs(args)
         feeds: dict[str, Any] = {}
         for spec, name, value in zip(self.inputs, self.feeds, args, strict=True):
             _check_value(value, spec, f"{self.kind} program input", CallError)
             if name is not None:
-                feeds[name] = _to_numpy(value)
+                feeds[name] = base.to_numpy(value)
         try:
             results = self.session.run(self._output_names, feeds)
         except Exception as error:  # ONNX Runtime raises its own exception types
             raise BackendError(
-                f"{_BACKEND}: running the {self.kind} program failed: {error}\n"
+                f"{ORT.key}: running the {self.kind} program failed: {error}\n"
                 "Run the program with torch (programs.forward.module()) to compare, and report"
                 " the op ONNX Runtime names above"
             ) from error
+        self.check_results(results)
         tensors = []
         for spec, result in zip(self.outputs, results, strict=True):
             tensor = torch.from_numpy(result)
-            _check_value(
-                tensor, spec, f"{_BACKEND}: the {self.kind} program's output", BackendError
-            )
+            _check_value(tensor, spec, f"{ORT.key}: the {self.kind} program's output", BackendError)
             tensors.append(tensor)
         return tuple(tensors)
-
-
-def _program_kind(program: ExportedProgram) -> str:
-    """``"forward"`` or ``"backward"``: what aotgrad's metadata says the program computes."""
-    for node in program.graph.nodes:
-        info = node.meta.get("aotgrad")
-        if node.op == "placeholder" and isinstance(info, dict):
-            descriptor = info.get("descriptor") or {}
-            if descriptor.get("kind") in ("Saved", "Cotangent"):
-                return "backward"
-    return "forward"
-
-
-def _check_flat(program: ExportedProgram, kind: str) -> None:
-    signature = program.graph_signature
-    other = [s.arg for s in signature.input_specs if s.kind != InputKind.USER_INPUT]
-    other += [s.arg for s in signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
-    lifted = [a for a in other if not _is_constant_tensor(program, a)]
-    if lifted:
-        raise BackendError(
-            f"{_BACKEND}: the {kind} program has inputs or outputs that are not the user's"
-            f" ({', '.join(str(getattr(a, 'name', a)) for a in lifted)}): torch.onnx.export"
-            " drops mutations and parameter gradients. Export with traced.export(flat=True)"
-        )
-
-
-def _is_constant_tensor(program: ExportedProgram, arg: Any) -> bool:
-    """A tensor made at capture (``_tensor_constant0``): part of the function, an initializer."""
-    return any(
-        s.kind == InputKind.CONSTANT_TENSOR and s.arg == arg
-        for s in program.graph_signature.input_specs
-    )
-
-
-def _random_ops(program: ExportedProgram) -> str | None:
-    """Note [ONNX Runtime and random ops]."""
-    random = [
-        node
-        for node in program.graph.nodes
-        if node.op == "call_function" and draws_random(node.target, node.args, node.kwargs)
-    ]
-    if not random:
-        return None
-    return (
-        "it draws random numbers, which ONNX Runtime cannot draw as torch does (its masks"
-        f" would not be eager's: Note [ONNX Runtime and random ops]):\n{_describe(random)}\n"
-        "  Set the dropout probabilities to 0 (or call model.eval()) to run in ONNX Runtime,"
-        " or run the program with torch"
-    )
-
-
-def _describe(nodes: Sequence[fx.Node]) -> str:
-    """One line per op and user line (aotgrad's metadata), the first ``_SHOWN`` of them."""
-    lines = list(
-        dict.fromkeys(
-            f"  {op_name(node.target)}" + (f" at {where}" if (where := _where(node)) else "")
-            for node in nodes
-        )
-    )
-    more = f"\n  ... and {len(lines) - _SHOWN} more" if len(lines) > _SHOWN else ""
-    return "\n".join(lines[:_SHOWN]) + more
-
-
-_SHOWN = 8
-
-
-def _where(node: fx.Node) -> str:
-    # ``custom``: where the exporter's decompositions keep the metadata of a node they rewrote.
-    info = node.meta.get("aotgrad") or node.meta.get("custom", {}).get("aotgrad")
-    source = info.get("source") if isinstance(info, dict) else None
-    if not isinstance(source, dict):
-        return ""
-    module = info.get("module") if isinstance(info, dict) else ""
-    return f"{source['file']}:{source['line']} in {source['function']}: {source['code']}" + (
-        f" (module {module})" if module else ""
-    )
-
-
-def _user_specs(program: ExportedProgram, kind: str, which: str) -> list[_Spec]:
-    """The shape and dtype of every user input (``which="input"``) or output of ``program``."""
-    by_name = {n.name: n for n in program.graph.nodes}
-    signature = program.graph_signature
-    specs = signature.input_specs if which == "input" else signature.output_specs
-    user = InputKind.USER_INPUT if which == "input" else OutputKind.USER_OUTPUT
-    result = []
-    for spec in specs:
-        if spec.kind != user:
-            continue
-        if not isinstance(spec.arg, TensorArgument):
-            raise BackendError(
-                f"{_BACKEND}: the {kind} program's {which} {spec.arg} is not a tensor;"
-                " the backends take programs of tensors only (traced.export(flat=True))"
-            )
-        val = by_name[spec.arg.name].meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            raise AssertionError(f"expected a tensor meta['val'] on {spec.arg.name}, got {val!r}")
-        shape = tuple(val.shape)
-        if not all(isinstance(s, int) for s in shape):
-            raise BackendError(
-                f"{_BACKEND}: the {kind} program's {which} {spec.arg.name} has symbolic sizes"
-                f" {list(shape)}; ONNX Runtime runs programs of one specialization only"
-            )
-        if val.dtype not in _NUMPY_DTYPES:
-            raise BackendError(
-                f"{_BACKEND}: the {kind} program's {which} {spec.arg.name} is {val.dtype},"
-                " which aotgrad cannot pass to ONNX Runtime (its inputs and outputs go"
-                f" through NumPy: {', '.join(sorted(str(d) for d in _NUMPY_DTYPES))}). Cast it"
-                " in the function, or run the program with torch"
-            )
-        result.append(_Spec(spec.arg.name, shape, val.dtype))
-    return result
 
 
 # The loggers of the exporter and its optimizer: they warn about their own passes ("Skipped
@@ -576,11 +395,9 @@ def _reason(error: BaseException) -> str:
 def _export_failure(program: ExportedProgram, kind: str, error: BaseException) -> str:
     ops = _failed_ops(error)
     if ops:
-        nodes = [
-            n for n in program.graph.nodes if n.op == "call_function" and op_name(n.target) in ops
-        ]
+        nodes = [n for n in base.calls(program) if op_name(n.target) in ops]
         found = {op_name(n.target) for n in nodes}
-        named = _describe(nodes)
+        named = base.describe(nodes)
         missing = [op for op in ops if op not in found]
         if missing:
             named += "".join(
@@ -591,7 +408,7 @@ def _export_failure(program: ExportedProgram, kind: str, error: BaseException) -
     else:
         what = "failed"
     return (
-        f"{_BACKEND}: torch.onnx.export of the {kind} program {what}\n"
+        f"{ORT.key}: torch.onnx.export of the {kind} program {what}\n"
         f"  exporter: {_reason(error)}\n"
         "Capture with decompositions='core_aten' (the exporter knows Core ATen best), rewrite"
         " the code on that line with other ops, or run the program with torch or another"
@@ -599,23 +416,25 @@ def _export_failure(program: ExportedProgram, kind: str, error: BaseException) -
     )
 
 
-def _feed_names(onnx_program: Any, inputs: Sequence[_Spec], kind: str) -> list[str | None]:
+def _feed_names(
+    onnx_program: Any, inputs: Sequence[base.TensorSpec], kind: str
+) -> list[str | None]:
     """The ONNX model's name of each of the program's inputs, None where the model has no
     such input (Note [ONNX Runtime inputs by name])."""
     exported = onnx_program.exported_program
     if exported is None:
         raise AssertionError("expected torch.onnx.export to keep the program it translated")
-    theirs = _user_specs(exported, kind, "input")
+    theirs = ORT.specs(exported, kind, "input")
     if len(theirs) != len(inputs):
         raise BackendError(
-            f"{_BACKEND}: torch.onnx.export changed the {kind} program's inputs: expected"
+            f"{ORT.key}: torch.onnx.export changed the {kind} program's inputs: expected"
             f" {len(inputs)} ({', '.join(map(str, inputs))}), got {len(theirs)}"
             f" ({', '.join(map(str, theirs))})"
         )
     for mine, their in zip(inputs, theirs, strict=True):
         if (mine.shape, mine.dtype) != (their.shape, their.dtype):
             raise BackendError(
-                f"{_BACKEND}: torch.onnx.export changed the {kind} program's input {mine}:"
+                f"{ORT.key}: torch.onnx.export changed the {kind} program's input {mine}:"
                 f" expected its input in that place to match, got {their}"
             )
     position = {their.name: i for i, their in enumerate(theirs)}
@@ -627,7 +446,7 @@ def _feed_names(onnx_program: Any, inputs: Sequence[_Spec], kind: str) -> list[s
         i = position.get(node.name) if isinstance(node, fx.Node) else None
         if i is None or feeds[i] is not None:
             raise BackendError(
-                f"{_BACKEND}: the ONNX model of the {kind} program has an input {value.name!r}"
+                f"{ORT.key}: the ONNX model of the {kind} program has an input {value.name!r}"
                 " that aotgrad cannot trace to one of the program's"
                 f" ({', '.join(map(str, inputs))}); it cannot be fed"
             )
@@ -648,7 +467,7 @@ def _session(model: Any, kind: str) -> Any:
         )
     except Exception as error:  # ONNX Runtime raises its own exception types
         raise BackendError(
-            f"{_BACKEND}: ONNX Runtime could not load the {kind} program: {error}\n"
+            f"{ORT.key}: ONNX Runtime could not load the {kind} program: {error}\n"
             f"{_onnx_node_origin(model, str(error))}"
             "Run the program with torch or another backend"
         ) from error
@@ -674,8 +493,8 @@ def _onnx_node_origin(model: Any, message: str) -> str:
 def _check_session(
     session: Any,
     feeds: Sequence[str | None],
-    inputs: Sequence[_Spec],
-    outputs: Sequence[_Spec],
+    inputs: Sequence[base.TensorSpec],
+    outputs: Sequence[base.TensorSpec],
     kind: str,
 ) -> None:
     """The session's inputs are the ``feeds`` with their specs; its outputs the program's."""
@@ -683,7 +502,7 @@ def _check_session(
     got_inputs = session.get_inputs()
     if sorted(a.name for a in got_inputs) != sorted(wanted):
         raise BackendError(
-            f"{_BACKEND}: the ONNX Runtime session of the {kind} program takes inputs"
+            f"{ORT.key}: the ONNX Runtime session of the {kind} program takes inputs"
             f" {sorted(a.name for a in got_inputs)}, expected the ONNX model's {sorted(wanted)}"
         )
     for arg in got_inputs:
@@ -691,14 +510,14 @@ def _check_session(
     got = session.get_outputs()
     if len(got) != len(outputs):
         raise BackendError(
-            f"{_BACKEND}: the ONNX model of the {kind} program returns {len(got)} output(s),"
+            f"{ORT.key}: the ONNX model of the {kind} program returns {len(got)} output(s),"
             f" expected the program's {len(outputs)} ({', '.join(map(str, outputs))})"
         )
     for arg, spec in zip(got, outputs, strict=True):
         _check_node_arg(arg, spec, f"output {arg.name!r}", kind)
 
 
-def _check_node_arg(arg: Any, spec: _Spec, what: str, kind: str) -> None:
+def _check_node_arg(arg: Any, spec: base.TensorSpec, what: str, kind: str) -> None:
     """The session's declared type and shape of ``arg`` are ``spec``'s (unknown dims pass)."""
     dims = list(arg.shape)
     same_shape = len(dims) == len(spec.shape) and all(
@@ -706,12 +525,12 @@ def _check_node_arg(arg: Any, spec: _Spec, what: str, kind: str) -> None:
     )
     if arg.type != _ORT_TYPES[spec.dtype] or not same_shape:
         raise BackendError(
-            f"{_BACKEND}: the ONNX model of the {kind} program declares its {what} as"
+            f"{ORT.key}: the ONNX model of the {kind} program declares its {what} as"
             f" {arg.type}{dims}, expected the program's {spec}"
         )
 
 
-def _check_value(value: object, spec: _Spec, what: str, error: type[Exception]) -> None:
+def _check_value(value: object, spec: base.TensorSpec, what: str, error: type[Exception]) -> None:
     if not isinstance(value, torch.Tensor):
         raise error(
             f"{what} {spec.name}: expected a tensor ({spec.layout}), got {type(value).__name__}"
@@ -721,8 +540,3 @@ def _check_value(value: object, spec: _Spec, what: str, error: type[Exception]) 
             f"{what} {spec.name}: expected {spec.layout}, got"
             f" {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
         )
-
-
-def _to_numpy(value: torch.Tensor) -> Any:
-    """``value``'s data as a C-contiguous NumPy array on the CPU (a copy where it must be)."""
-    return value.detach().cpu().resolve_conj().resolve_neg().contiguous().numpy()
