@@ -30,9 +30,11 @@ from typing import Any
 
 import torch
 
-from aotgrad.capture import JointGraph, TracerChoice, Watch, capture, check_tracer_choice
+from aotgrad.capture import JointGraph, capture
 from aotgrad.capture.analyses.dynamic import DynamicDims
 from aotgrad.capture.checks import check_joint
+from aotgrad.capture.tracing.tracers import TracerChoice, check_tracer_choice
+from aotgrad.capture.user_state.side_effects import Watch
 from aotgrad.errors import (
     ConfigError,
     UnsupportedSubclassError,
