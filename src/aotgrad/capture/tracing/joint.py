@@ -72,7 +72,8 @@ from aotgrad.capture.analyses.subclass_inputs import StandIns, subclass_input_ch
 from aotgrad.capture.tracing.cotangents import make_cotangent
 from aotgrad.capture.tracing.fake import EagerViewsFakeMode
 from aotgrad.capture.tracing.fast import FastFakeMode
-from aotgrad.capture.tracing.recorder import Recorder, autograd_nodes, generator_restored
+from aotgrad.capture.tracing.recorder import Recorder, autograd_nodes
+from aotgrad.capture.tracing.rng import generator_restored, rng_stand_ins
 from aotgrad.capture.tracing.trace_errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.tracing.tracers import Tracer, TracerChoice
 from aotgrad.capture.user_state.closed_over import ClosedOver
@@ -248,7 +249,13 @@ def trace_joint(
     def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
         return _joint(body, inputs, inner, record, options, tracer, primals, flat)
 
-    with translate_trace_errors(body, options.where), compiling(), generator_restored(), mode:
+    with (
+        translate_trace_errors(body, options.where),
+        compiling(),
+        rng_stand_ins(),
+        generator_restored(),
+        mode,
+    ):
         gm = tracer.run(joint, fakes)
     return gm, record, inputs
 
