@@ -36,8 +36,9 @@ from aotgrad.capture.provenance import node_info, set_info
 from aotgrad.capture.tracing.cotangents import split_at_cotangents
 from aotgrad.capture.tracing.fast import DirectTracer
 from aotgrad.capture.tracing.full import FullTracer, refuse_untraceable
-from aotgrad.capture.tracing.joint import Body, GraphInputs, TraceOptions, TraceRecord, trace_joint
+from aotgrad.capture.tracing.joint import Body, TraceOptions, trace_joint
 from aotgrad.capture.tracing.recorder import Recorder, stamp
+from aotgrad.capture.tracing.state import GraphInputs, TraceRecord
 from aotgrad.capture.tracing.tracers import (
     Tracer,
     TracerReport,
