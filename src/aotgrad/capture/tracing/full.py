@@ -136,24 +136,14 @@ class FullTracer(Tracer):
         return isinstance(value, FunctionalTensor)
 
     def input_mutations(self, state: TraceState) -> list[InputMutation]:
-        sites, sets = self.recorder.mutation_sites, self._mode.storage_sets
-        graph_primals, descriptors, where = (
-            state.graph_primals,
-            state.inputs.descriptors,
-            state.where,
-        )
-        storages = sets.new_storages(graph_primals, state.fakes)
+        primals, descriptors, where = state.graph_primals, state.inputs.descriptors, state.where
+        sets, sites = self._mode.storage_sets, self.recorder.mutation_sites
+        storages = sets.new_storages(primals, state.fakes)
+        infos, resized = state.inputs.infos, sets.resized
         mutations = analyze_mutations(
-            graph_primals,
-            state.grad_fns,
-            state.inputs.infos,
-            descriptors,
-            where,
-            sites,
-            storages,
-            sets.resized,
+            primals, state.grad_fns, infos, descriptors, where, sites, storages, resized
         )
-        mutations = with_kernel_resizes(mutations, graph_primals)
+        mutations = with_kernel_resizes(mutations, primals)
         check_restrided_data(mutations, state.fakes, descriptors, where)
         return mutations
 
@@ -165,16 +155,12 @@ class FullTracer(Tracer):
     @contextlib.contextmanager
     def backward_checked(self, state: TraceState) -> Iterator[list[int]]:
         """Note [State updated by the backward]."""
-        before = mutation_counts(state.graph_primals)
+        primals = state.graph_primals
+        before = mutation_counts(primals)
         changed: list[int] = []
         yield changed
-        changed += backward_mutations(
-            state.graph_primals,
-            before,
-            state.inputs.descriptors,
-            state.where,
-            self.recorder.backward_sites,
-        )
+        sites = self.recorder.backward_sites
+        changed += backward_mutations(primals, before, state.inputs.descriptors, state.where, sites)
 
     def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:
         return value.from_functional() if isinstance(value, FunctionalTensor) else value
