@@ -232,13 +232,8 @@ class _Attempt:
 
 
 def _joint(attempt: _Attempt, inner: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-    tracer, inputs, record, options = (
-        attempt.tracer,
-        attempt.inputs,
-        attempt.record,
-        attempt.options,
-    )
-    where = options.where
+    tracer, options = attempt.tracer, attempt.options
+    inputs, record, where = attempt.inputs, attempt.record, options.where
     dispatch_mode = tracer.dispatch_mode()
     with dispatch_mode:
         graph_primals = tracer.graph_primals(inner, inputs.infos)
@@ -248,7 +243,15 @@ def _joint(attempt: _Attempt, inner: Sequence[torch.Tensor]) -> list[torch.Tenso
     with dispatch_mode:
         primals = _user_primals(graph_primals, inputs.sources, attempt.real)
         state = TraceState(
-            inputs, record, inner, graph_primals, grad_fns, needs_grad, edges, primals, where
+            inputs=inputs,
+            record=record,
+            fakes=inner,
+            graph_primals=graph_primals,
+            grad_fns=grad_fns,
+            needs_grad=needs_grad,
+            edges=edges,
+            primals=primals,
+            where=where,
         )
         member_grad_fns = [p.grad_fn for p in primals]
         closed_over = ClosedOver(attempt.real, primals, where)  # Note [Real tensors in a trace]
