@@ -34,7 +34,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import aotgrad
-from aotgrad.capture import DirectTracerBugWarning
+from aotgrad.capture.tracing.tracers import DirectTracerBugWarning
 from aotgrad.errors import AotgradError
 from aotgrad.signature import storage_key
 

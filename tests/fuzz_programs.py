@@ -67,7 +67,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 import aotgrad
 import fuzz_idioms
 from aotgrad import testing
-from aotgrad.capture import DirectTracerBugWarning
+from aotgrad.capture.tracing.tracers import DirectTracerBugWarning
 from aotgrad.errors import AotgradError
 from fuzz_idioms import FuzzFailure, error_signature, mismatch_signature, short_traceback
 

@@ -20,14 +20,13 @@ from torch.utils.checkpoint import (
 )
 
 import aotgrad
-from aotgrad.capture import (
+from aotgrad.capture import Phase, node_info
+from aotgrad.capture.analyses import collectives as collectives_module
+from aotgrad.capture.analyses.collectives import (
     COLLECTIVE_KEY,
     CollectiveCheckWarning,
-    Phase,
     collective_calls,
-    node_info,
 )
-from aotgrad.capture.analyses import collectives as collectives_module
 from aotgrad.errors import CollectiveGradError, CollectiveMismatchError, UnsupportedOpError
 from multiproc import run_ranks
 

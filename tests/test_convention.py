@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -280,6 +281,26 @@ def test_a_well_formed_signature_is_accepted():
 def test_a_signature_out_of_order_is_refused(changes, message):
     with pytest.raises(AssertionError, match=message):
         Signature(**descriptors(**changes))
+
+
+def test_the_joint_graph_reads_its_descriptors_off_its_one_signature():
+    """JointGraph holds the joint Signature capture built once; its graph inputs, outputs,
+    bases, mutated inputs and cotangents are that signature's, in its order."""
+    joint = traced_every_group().partitioned.joint
+    sig = joint.signature
+    assert [str(d) for d in joint.graph_inputs] == ["x", "buf"]
+    assert [str(d) for d in joint.outputs] == ["output[0]", "output[1]", "output[2]"]
+    assert joint.forward_results() and sig.forward_outputs == (
+        *joint.outputs,
+        *joint.bases,
+        *joint.mutated_descriptors,
+    )
+    assert len(joint.bases) == 1 and [d.of for d in joint.mutated_descriptors] == [
+        sig.forward_inputs[1]
+    ]
+    assert joint.cotangents == sig.cotangents and len(joint.cotangents) == 2  # output[0], base
+    with pytest.raises(AssertionError, match="none saved"):
+        dataclasses.replace(joint, signature=traced_every_group().signature)
 
 
 def test_the_runtime_plan_reads_its_positions_off_the_signature():

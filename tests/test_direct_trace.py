@@ -12,8 +12,9 @@ import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint as cp
 
 import aotgrad
-from aotgrad.capture import DirectTracerBugWarning, node_info
+from aotgrad.capture import node_info
 from aotgrad.capture.tracing.fast.direct import DirectTracer
+from aotgrad.capture.tracing.tracers import DirectTracerBugWarning
 from models import GPT, ConvBN, DeepMLP
 
 pytestmark = pytest.mark.fast_path  # Note [The fast path as a layer]

@@ -124,13 +124,13 @@ def test_a_sparse_input_needing_grad_is_refused_by_the_full_trace(monkeypatch, s
 def test_on_a_release_not_verified_the_fast_path_declines_and_says_so(monkeypatch):
     """Note [Behaviour by torch release]: the fast path's rules hold only where the suite
     verified them; elsewhere capture runs in the stock fake mode, with the full trace."""
-    import aotgrad.capture as capture
+    from aotgrad.capture.tracing import assemble
 
     def refuse(*args, **kwargs):
         raise AssertionError("the fast fake mode ran on a release it was not verified on")
 
     monkeypatch.setattr(FastFakeMode, "dispatch", refuse)
-    monkeypatch.setattr(capture, "FAST_PATH_VERIFIED", frozenset())
+    monkeypatch.setattr(assemble, "FAST_PATH_VERIFIED", frozenset())
     x = torch.randn(6, requires_grad=True)
     traced = aotgrad.trace(lambda x: x.view(2, 3).t().relu(), x)
     assert traced.tracer == "full"

@@ -311,3 +311,24 @@ def test_the_traces_own_stream_steps_are_not_reseeds():
     compiled = aotgrad.aot_function(f)
     for _ in range(2):
         assert torch.equal(compiled(x), f(x))
+
+
+def test_the_stand_ins_and_the_generator_restore_each_do_their_own_job():
+    """``rng_stand_ins`` replaces torch's RNG functions while it is in (outside a trace they
+    call torch's own) and puts them back; ``generator_restored`` puts the generator's state
+    back and refuses a reseed it did not make (Note [Reseeds the trace cannot see])."""
+    from aotgrad.capture.tracing.rng import generator_restored, rng_stand_ins
+
+    originals = (torch.manual_seed, torch.get_rng_state, torch.set_rng_state, torch.seed)
+    with rng_stand_ins():
+        assert torch.manual_seed is not originals[0]
+        torch.manual_seed(7)  # no trace runs: torch's own, as in eager
+        assert torch.default_generator.initial_seed() == 7
+    assert (torch.manual_seed, torch.get_rng_state, torch.set_rng_state, torch.seed) == originals
+    before = torch.get_rng_state()
+    with generator_restored():
+        torch.rand(3)  # steps the generator, as a trace's random ops do
+    assert torch.equal(torch.get_rng_state(), before)
+    with pytest.raises(aotgrad.errors.UnsupportedOpError, match="reseeded"), generator_restored():
+        torch.default_generator.manual_seed(0)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -18,7 +18,7 @@ import aotgrad
 import aotgrad.pipeline
 from aotgrad._torch_compat import FakeTensorMode
 from aotgrad.api import AOTFunction, Options
-from aotgrad.capture import COLLECTIVE_KEY
+from aotgrad.capture.analyses.collectives import COLLECTIVE_KEY
 from aotgrad.capture.checks import check_joint
 from aotgrad.errors import ConfigError, InvariantError
 from aotgrad.partition import Partitioned

@@ -275,7 +275,7 @@ def test_code_under_a_captures_swap_counts_as_capturing() -> None:
     (a CUDA one) inherits the capture's torch-function modes, not its Python thread-locals; a
     compiled function called there is traced through, not captured on its own (which
     waited for the capture lock the capture holds)."""
-    from aotgrad.capture import capturing
+    from aotgrad.capture.tracing.session import capturing
     from aotgrad.capture.user_state.closed_over import ClosedOver
 
     seen: list[bool] = []

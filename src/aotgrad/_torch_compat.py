@@ -89,7 +89,7 @@ from torch._C import _functionalization
 # Behaviours that drifted outside these names are fixed where they live and named by the
 # release in their Note: ``_linalg_check_errors`` not effectful before 2.13
 # (``ops.table.remove_dead_code``), ``detach`` traced as ``alias`` from 2.14
-# (``capture._remove_detaches``), a checkpoint's hooks kept by a live frame on 2.11/2.12
+# (``capture.tracing.assemble._remove_detaches``), a checkpoint's hooks kept by a live frame on 2.11/2.12
 # (Note [The direct trace's frames are let go]).
 TORCH_RELEASE: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
 SUPPORTED_RELEASES = ((2, 11), (2, 15))

@@ -17,10 +17,12 @@ import torch.utils._pytree as pytree
 from aotgrad._torch_compat import MODULE_HOOKS, functorch_transforms_active, global_module_hooks
 from aotgrad.cache import CacheInfo, Entry, KeyedCall, Miss, SpecializationCache, keyed_call
 from aotgrad.cache.traced import Capture, Specialization, capture_of, refuse_other_tensors
-from aotgrad.capture import Replay, TracerChoice, Watch, capturing
 from aotgrad.capture.analyses.autocast import autocast_state
 from aotgrad.capture.analyses.dynamic import DynamicDims, requested_dims
 from aotgrad.capture.analyses.input_aliases import memory_sharing
+from aotgrad.capture.tracing.session import capturing
+from aotgrad.capture.tracing.tracers import TracerChoice
+from aotgrad.capture.user_state.side_effects import Replay, Watch
 from aotgrad.errors import CallError, CaptureError, StoreError
 from aotgrad.partition import Partitioned
 from aotgrad.pipeline import (

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from aotgrad.capture import JointGraph, Watch, capture
+from aotgrad.capture import JointGraph, capture
 from aotgrad.capture.analyses.dynamic import DynamicDims
 from aotgrad.capture.checks import check_joint
+from aotgrad.capture.user_state.side_effects import Watch
 from aotgrad.errors import UnsupportedSubclassError, UserFrame, user_frame_of_function
 from aotgrad.ops.core_aten import decomposition_set, refuse_non_core
 from aotgrad.partition import Partitioned, partition

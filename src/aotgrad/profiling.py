@@ -24,7 +24,8 @@ import torch.utils._pytree as pytree
 from torch.profiler import ProfilerActivity, record_function
 
 from aotgrad.api import AOTFunction, AOTModule, Traced, trace
-from aotgrad.capture import Kind, graph_inputs, node_info
+from aotgrad.capture import Kind, node_info
+from aotgrad.capture.analyses.input_aliases import graph_inputs
 
 _PREFIX = "aotgrad"
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from aotgrad.capture import TracerChoice, check_tracer_choice
+from aotgrad.capture.tracing.tracers import TracerChoice, check_tracer_choice
 from aotgrad.errors import ConfigError
 from aotgrad.ops.core_aten import check_decomposition_set
 from aotgrad.partition import Policy, Strategy

@@ -98,9 +98,10 @@ class JointGraph:
     gm: fx.GraphModule
     # The user's call, flattened; one descriptor per user input.
     inputs: FlatInputs
-    # One descriptor per graph input (primal placeholder): the user's inputs, except that
-    # a synthetic base replaces inputs sharing memory (Note [Aliased inputs]).
-    graph_inputs: tuple[GraphInputDescriptor, ...]
+    # The joint graph's calling convention, nothing saved yet (Note [Calling convention]):
+    # the graph inputs, outputs, bases, mutated inputs and cotangents below are its. The
+    # partitioner adds the saved values (``Signature.with_saved``).
+    signature: Signature
     # The synthetic bases among the graph inputs, if any.
     input_bases: tuple[SyntheticBase, ...]
     # Per graph input: does it require grad?
@@ -109,16 +110,11 @@ class JointGraph:
     leaves: tuple[OutputLeaf, ...]
     # Tree structure of the user's result.
     out_spec: pytree.TreeSpec
-    # One descriptor per tensor output of the graph.
-    outputs: tuple[Output, ...]
-    # Intermediates several outputs view (Note [Aliased outputs]).
-    bases: tuple[OutputBase, ...]
     # Inputs the function mutated in place (Note [Input mutation]).
     mutations: tuple[InputMutation, ...]
     # Per value the autograd.Function returns (fresh outputs, bases, mutated): differentiable?
+    # The signature's cotangents are those of the differentiable ones.
     differentiable: tuple[bool, ...]
-    # One per cotangent placeholder, aligned with the differentiable returned values.
-    cotangents: tuple[Cotangent, ...]
     # Guards on symbolic sizes (Note [Dynamic shapes]); None for a static trace.
     guards: ShapeGuards | None = None
     # Metadata mutations of inputs a synthetic base stands for, by user input position.
@@ -145,6 +141,16 @@ class JointGraph:
     environ: EnvironReads | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
+        if self.signature.saved:
+            raise AssertionError(
+                f"expected the joint graph's signature (none saved), got {self.signature}"
+            )
+        state = tuple(self.graph_inputs[i] for i in self.state_at_backward)
+        if state != tuple(d.of for d in self.signature.state_at_backward):
+            raise AssertionError(
+                f"expected the signature's state at backward {state},"
+                f" got {self.signature.state_at_backward}"
+            )
         if sum(self.differentiable) != len(self.cotangents):
             raise AssertionError(
                 f"expected {sum(self.differentiable)} cotangents, got {len(self.cotangents)}"
@@ -176,30 +182,35 @@ class JointGraph:
         return tuple(m.index for m in self.mutations if m.data)
 
     @property
+    def graph_inputs(self) -> tuple[GraphInputDescriptor, ...]:
+        """One descriptor per graph input (primal placeholder): the user's inputs, except that
+        a synthetic base replaces inputs sharing memory (Note [Aliased inputs])."""
+        return self.signature.forward_inputs
+
+    @functools.cached_property
+    def outputs(self) -> tuple[Output, ...]:
+        """One descriptor per tensor output of the graph."""
+        return self.signature.outputs
+
+    @functools.cached_property
+    def bases(self) -> tuple[OutputBase, ...]:
+        """Intermediates several outputs view (Note [Aliased outputs])."""
+        values = self.signature.forward_outputs[self.signature.bases_in_forward]
+        return tuple(d for d in values if isinstance(d, OutputBase))
+
+    @functools.cached_property
     def mutated_descriptors(self) -> tuple[MutatedInput, ...]:
-        return tuple(
-            MutatedInput(of=self.graph_inputs[m.index], storage=m.storage is not None)
-            for m in self.mutations
-            if m.data
-        )
+        values = self.signature.forward_outputs[self.signature.mutated_in_forward]
+        return tuple(d for d in values if isinstance(d, MutatedInput))
+
+    @functools.cached_property
+    def cotangents(self) -> tuple[Cotangent, ...]:
+        """One per cotangent placeholder, aligned with the differentiable returned values."""
+        return self.signature.cotangents
 
     @property
     def has_backward(self) -> bool:
-        return bool(self.cotangents)
-
-    @functools.cached_property
-    def signature(self) -> Signature:
-        """The joint graph's calling convention: nothing saved yet (Note [Calling convention]).
-
-        The partitioner adds the saved values (``Signature.with_saved``).
-        """
-        return joint_signature(
-            graph_inputs=self.graph_inputs,
-            returned=(*self.outputs, *self.bases, *self.mutated_descriptors),
-            cotangents=self.cotangents,
-            requires_grad=self.requires_grad,
-            state_at_backward=self.state_at_backward,
-        )
+        return self.signature.has_backward
 
     def results(self) -> list[fx.Node | None]:
         """The graph's output values: ``(*outputs, *bases, *mutated, *grads)``."""

@@ -37,8 +37,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from aotgrad.api import Traced
-from aotgrad.capture import JointGraph, TensorOutput, Watch
+from aotgrad.capture import JointGraph
+from aotgrad.capture.analyses.aliasing import TensorOutput
 from aotgrad.capture.analyses.autocast import autocast_state
+from aotgrad.capture.user_state.side_effects import Watch
 from aotgrad.errors import (
     ScanError,
     UnsupportedSideEffectError,

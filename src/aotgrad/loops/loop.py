@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 from aotgrad._torch_compat import compiler_disabled
 from aotgrad.api import Traced
 from aotgrad.cache import CacheInfo, ambient_key
-from aotgrad.capture import capturing
+from aotgrad.capture.tracing.session import capturing
 from aotgrad.errors import DoubleBackwardError, ScanError, format_error, user_frame_from_stack
 from aotgrad.loops.body import ScanBody, capture_body, differentiable
 from aotgrad.partition import Budget

@@ -14,7 +14,9 @@ from typing import Literal
 
 import torch.fx as fx
 
-from aotgrad.capture import JointGraph, Phase, check_order, lazy_module, node_info
+from aotgrad.capture import JointGraph, Phase, node_info
+from aotgrad.capture.analyses.collectives import check_order
+from aotgrad.capture.graph import lazy_module
 from aotgrad.errors import PartitionError
 from aotgrad.ops.table import op_name
 from aotgrad.partition.memory import LiveValue, PeakEstimate

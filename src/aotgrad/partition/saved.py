@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from aotgrad.capture import node_info, op_text
+from aotgrad.capture import node_info
+from aotgrad.capture.analyses.collectives import op_text
 from aotgrad.errors import UserFrame
 from aotgrad.signature.storage import storage_key, storage_nbytes
 

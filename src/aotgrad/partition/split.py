@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from aotgrad.capture import JointGraph, Phase, phase_of, set_phase
+from aotgrad.capture import JointGraph, Phase, phase_of
+from aotgrad.capture.provenance import set_phase
 from aotgrad.ops.table import remove_dead_code
 
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch.fx as fx
 
-from aotgrad.capture import META_KEY, NodeInfo
+from aotgrad.capture import NodeInfo
+from aotgrad.capture.provenance import META_KEY
 from aotgrad.ops.table import op_name
 from aotgrad.partition import Partitioned
 from aotgrad.report.peak_report import peak_document

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch.fx as fx
 
-from aotgrad.capture import Kind, node_info, op_text
+from aotgrad.capture import Kind, node_info
+from aotgrad.capture.analyses.collectives import op_text
 
 
 @dataclass(frozen=True)

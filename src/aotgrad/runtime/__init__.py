@@ -12,8 +12,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from aotgrad._torch_compat import FUNCTION_BASE_APPLY
-from aotgrad.capture import graph_inputs
 from aotgrad.capture.analyses.autocast import autocast_off
+from aotgrad.capture.analyses.input_aliases import graph_inputs
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from aotgrad._torch_compat import is_boxed, mark_boxed
-from aotgrad.capture import ready_for_compiler
+from aotgrad.capture.graph import ready_for_compiler
 from aotgrad.runtime.straight_line import straight_line
 
 Compiled = Callable[..., Any]

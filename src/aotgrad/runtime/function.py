@@ -42,19 +42,19 @@ from aotgrad._torch_compat import (
     set_view_creation,
     unwrap_if_dead,
 )
-from aotgrad.capture import (
+from aotgrad.capture.analyses.aliasing import (
     Alias,
     AliasSource,
     ConstantOutput,
-    InputMutation,
     OutputLeaf,
-    ShapeGuards,
-    SyntheticBase,
     TensorOutput,
     ViewMeta,
 )
 from aotgrad.capture.analyses.autocast import any_autocast, autocast_off, autocast_state
 from aotgrad.capture.analyses.backward_state import StateRegion
+from aotgrad.capture.analyses.dynamic import ShapeGuards
+from aotgrad.capture.analyses.input_aliases import SyntheticBase
+from aotgrad.capture.analyses.mutation import InputMutation
 from aotgrad.errors import AutocastBackwardError, DoubleBackwardError, SavedVersionError
 from aotgrad.ops.table import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned

@@ -114,8 +114,9 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
-from aotgrad.capture import Body, JointGraph
+from aotgrad.capture import JointGraph
 from aotgrad.capture.provenance import META_KEY, NodeInfo, set_info
+from aotgrad.capture.tracing.joint import Body
 from aotgrad.capture.tracing.recorder import MODULE_KEY, SOURCE_FIXED_KEY, SOURCE_KEY
 from aotgrad.errors import AotgradError, DoubleBackwardError, format_error
 from aotgrad.ops.differentiable import (

@@ -37,8 +37,8 @@ from collections.abc import Sequence
 import torch
 
 from aotgrad._torch_compat import DisableTorchDispatch
-from aotgrad.capture import InputMutation
 from aotgrad.capture.analyses.aliasing import ViewMeta
+from aotgrad.capture.analyses.mutation import InputMutation
 from aotgrad.runtime.function import _replay_mutation
 from aotgrad.signature.subclasses import (
     InputChange,

@@ -60,8 +60,8 @@ import torch
 import torch.fx as fx
 
 from aotgrad._torch_compat import ExpandedCodeGen, FakeTensorMode, OpOverload
-from aotgrad.capture import lazy_module
 from aotgrad.capture.analyses.aliasing import TensorOutput
+from aotgrad.capture.graph import lazy_module
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase
 from aotgrad.errors import StoreError, UserFrame
 from aotgrad.ops.file_ops import INPUT_MUTATION, refusal

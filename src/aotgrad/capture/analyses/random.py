@@ -142,7 +142,7 @@ def _unless_drawing(op: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 torch.library.define("aotgrad::manual_seed", "(int seed, str generator) -> ()")
 
-# The real seeding functions, taken before any trace replaces them (``generator_restored``).
+# The real seeding functions, taken before any trace replaces them (``rng_stand_ins``).
 _SEEDERS: dict[str, Callable[[int], Any]] = {
     "default": torch.random.manual_seed,
     "cuda": torch.cuda.manual_seed,

@@ -33,9 +33,9 @@ from aotgrad.capture.analyses.mutation import (
 )
 from aotgrad.capture.analyses.set_storage import resizes_watched
 from aotgrad.capture.tracing.recorder import ProvenanceMode, Recorder
+from aotgrad.capture.tracing.state import TraceState
 from aotgrad.capture.tracing.tracers import FullTraceRefused, Tracer
 from aotgrad.errors import UserFrame, format_error
-from aotgrad.signature import GraphInputDescriptor
 
 
 def refuse_untraceable(
@@ -135,23 +135,16 @@ class FullTracer(Tracer):
     def traced(self, value: object) -> bool:
         return isinstance(value, FunctionalTensor)
 
-    def input_mutations(
-        self,
-        graph_primals: Sequence[torch.Tensor],
-        grad_fns: Sequence[object],
-        originals: Sequence[torch.Tensor],
-        infos: Sequence[PrimalInfo],
-        descriptors: Sequence[GraphInputDescriptor],
-        where: UserFrame | None,
-    ) -> list[InputMutation]:
-        sites = self.recorder.mutation_sites
-        sets = self._mode.storage_sets
-        storages = sets.new_storages(graph_primals, originals)
+    def input_mutations(self, state: TraceState) -> list[InputMutation]:
+        primals, descriptors, where = state.graph_primals, state.inputs.descriptors, state.where
+        sets, sites = self._mode.storage_sets, self.recorder.mutation_sites
+        storages = sets.new_storages(primals, state.fakes)
+        infos, resized = state.inputs.infos, sets.resized
         mutations = analyze_mutations(
-            graph_primals, grad_fns, infos, descriptors, where, sites, storages, sets.resized
+            primals, state.grad_fns, infos, descriptors, where, sites, storages, resized
         )
-        mutations = with_kernel_resizes(mutations, graph_primals)
-        check_restrided_data(mutations, originals, descriptors, where)
+        mutations = with_kernel_resizes(mutations, primals)
+        check_restrided_data(mutations, state.fakes, descriptors, where)
         return mutations
 
     def sync(self, values: Sequence[torch.Tensor]) -> None:
@@ -160,19 +153,14 @@ class FullTracer(Tracer):
             sync(value)
 
     @contextlib.contextmanager
-    def backward_checked(
-        self,
-        graph_primals: Sequence[torch.Tensor],
-        descriptors: Sequence[GraphInputDescriptor],
-        where: UserFrame | None,
-    ) -> Iterator[list[int]]:
+    def backward_checked(self, state: TraceState) -> Iterator[list[int]]:
         """Note [State updated by the backward]."""
-        before = mutation_counts(graph_primals)
+        primals = state.graph_primals
+        before = mutation_counts(primals)
         changed: list[int] = []
         yield changed
-        changed += backward_mutations(
-            graph_primals, before, descriptors, where, self.recorder.backward_sites
-        )
+        sites = self.recorder.backward_sites
+        changed += backward_mutations(primals, before, state.inputs.descriptors, state.where, sites)
 
     def unwrap(self, value: torch.Tensor | None) -> torch.Tensor | None:
         return value.from_functional() if isinstance(value, FunctionalTensor) else value

@@ -29,13 +29,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.autograd.graph import GradientEdge
 
 from aotgrad._torch_compat import (
     DisableTorchFunction,
@@ -45,23 +44,19 @@ from aotgrad._torch_compat import (
     set_compiling_flag,
 )
 from aotgrad.capture.analyses.aliasing import (
-    AliasSource,
     ConstantOutput,
-    OutputAliasing,
-    OutputLeaf,
     ViewMeta,
     analyze_aliasing,
     check_custom_views_of_mutated,
     check_input_aliases_are_views,
 )
 from aotgrad.capture.analyses.autocast import autocast_off
-from aotgrad.capture.analyses.backward_state import BackwardSite, saved_by_nodes, site_of
+from aotgrad.capture.analyses.backward_state import saved_by_nodes, site_of
 from aotgrad.capture.analyses.collectives import collective_grads_checked
 from aotgrad.capture.analyses.dynamic import ShapeGuards, symbolic_context
-from aotgrad.capture.analyses.input_aliases import SyntheticBase, graph_inputs, input_sources
+from aotgrad.capture.analyses.input_aliases import SyntheticBase
 from aotgrad.capture.analyses.mutation import (
     InputMutation,
-    PrimalInfo,
     check_member_mutations,
     member_metadata_mutations,
 )
@@ -72,7 +67,9 @@ from aotgrad.capture.analyses.subclass_inputs import StandIns, subclass_input_ch
 from aotgrad.capture.tracing.cotangents import make_cotangent
 from aotgrad.capture.tracing.fake import EagerViewsFakeMode
 from aotgrad.capture.tracing.fast import FastFakeMode
-from aotgrad.capture.tracing.recorder import Recorder, autograd_nodes, generator_restored
+from aotgrad.capture.tracing.recorder import Recorder, autograd_nodes
+from aotgrad.capture.tracing.rng import generator_restored, rng_stand_ins
+from aotgrad.capture.tracing.state import GraphInputs, TraceRecord, TraceState
 from aotgrad.capture.tracing.trace_errors import check_output_leaf, translate_trace_errors
 from aotgrad.capture.tracing.tracers import Tracer, TracerChoice
 from aotgrad.capture.user_state.closed_over import ClosedOver
@@ -84,8 +81,8 @@ from aotgrad.errors import (
     UserFrame,
     format_error,
 )
-from aotgrad.signature import FlatInputs, GraphInputDescriptor, InputBase
-from aotgrad.signature.descriptors import Closure, Global, Input, SideEffect
+from aotgrad.signature import FlatInputs
+from aotgrad.signature.descriptors import Closure, Global, Input
 from aotgrad.signature.objects import SharedObjectError, objects_as_nodes
 from aotgrad.signature.subclasses import check_plain_grads
 from aotgrad.signature.views import check_views_still_usable
@@ -93,48 +90,6 @@ from aotgrad.signature.views import check_views_still_usable
 # Runs the user's function on the primals; the result is the context's value. Capture
 # differentiates before leaving the context (Note [Reentrant checkpoints]).
 Body = Callable[[list[torch.Tensor]], AbstractContextManager[Any]]
-
-
-@dataclass
-class TraceRecord:
-    """What the joint function learns about the user's function while it is traced."""
-
-    # Every leaf of the user's result, in pytree order.
-    leaves: list[OutputLeaf] = field(default_factory=list)
-    out_spec: pytree.TreeSpec | None = None
-    # Key path of every leaf of the user's result: "[0]['a']".
-    out_paths: list[str] = field(default_factory=list)
-    # The tensors the function stored in the user's objects, described; they follow the
-    # result's tensors among the outputs (Note [Side effects replayed]).
-    effects: list[SideEffect] = field(default_factory=list)
-    aliasing: OutputAliasing | None = None
-    mutations: list[InputMutation] = field(default_factory=list)
-    # Metadata mutations of inputs re-derived from a synthetic base, by user input position.
-    member_mutations: list[InputMutation] = field(default_factory=list)
-    # Per value the autograd.Function returns: does it get a cotangent?
-    differentiable: list[bool] = field(default_factory=list)
-    grad_inputs: list[int] = field(default_factory=list)
-    # User input positions the function made require grad (Note [requires_grad_() on an input]).
-    made_to_require_grad: list[int] = field(default_factory=list)
-    # User input positions the function detached in place (``a.detach_()``).
-    detached_inputs: list[int] = field(default_factory=list)
-    # Per graph input: bit ``j`` set when cotangent ``j``'s output has an autograd path to it
-    # (Note [Gradients no output reaches]).
-    reached_by: list[int] = field(default_factory=list)
-    # Symbolic sizes and their guards (Note [Dynamic shapes]); None for static traces.
-    guards: ShapeGuards | None = None
-    # Real tensors requiring grad the function closes over (lifted as inputs): a reentrant
-    # checkpoint's backward must not write their ``.grad`` (``_real_grads_untouched``, a
-    # safety net: the closed-over swap spans the backward).
-    closed_over_leaves: list[torch.Tensor] = field(default_factory=list)
-    # Graph input positions whose data the backward changed (a checkpointed BatchNorm's
-    # running statistics): their values after it follow the grads
-    # (Note [State updated by the backward]).
-    state_at_backward: list[int] = field(default_factory=list)
-    # Per input in state_at_backward: what changed it in the backward (None: not known).
-    state_sites: list[BackwardSite | None] = field(default_factory=list)
-    # Per input in state_at_backward: an autograd node saved it (eager checks its version).
-    state_saved: list[bool] = field(default_factory=list)
 
 
 def fake_primals(
@@ -158,40 +113,6 @@ def fake_primals(
         fake = mode.from_tensor(p.detach(), symbolic_context=context)
         fakes[id(p)] = fake.requires_grad_(p.requires_grad)
     return [fakes[id(p)] for p in primals]
-
-
-@dataclass(frozen=True)
-class GraphInputs:
-    """The forward graph's inputs, and how the user's inputs derive from them."""
-
-    # One descriptor per graph input.
-    descriptors: tuple[GraphInputDescriptor, ...]
-    # One per graph input.
-    infos: tuple[PrimalInfo, ...]
-    # Per user input: the graph input it comes from and its view of it (None: it is it).
-    sources: tuple[tuple[int, ViewMeta | None], ...]
-
-    @staticmethod
-    def of(
-        flat: FlatInputs, primals: Sequence[torch.Tensor], bases: Sequence[SyntheticBase]
-    ) -> tuple[GraphInputs, list[torch.Tensor]]:
-        tensors = graph_inputs(primals, bases)
-        sources = tuple(input_sources(primals, bases))
-        descriptors: list[GraphInputDescriptor] = []
-        infos = list(PrimalInfo.of_all(tensors))
-        base_at = {b.members[0]: b for b in bases}
-        for i, (j, _) in enumerate(sources):
-            if j < len(descriptors):
-                continue
-            base = base_at.get(i)
-            if base is None:
-                descriptors.append(flat.descriptors[i])
-                continue
-            descriptors.append(InputBase(of=tuple(flat.descriptors[m] for m in base.members)))
-            root = primals[base.anchor]._base
-            root = primals[base.anchor] if root is None else root
-            infos[j] = PrimalInfo(root.is_leaf, root.requires_grad, None)
-        return GraphInputs(tuple(descriptors), tuple(infos), sources), tensors
 
 
 @dataclass(frozen=True)
@@ -245,10 +166,18 @@ def trace_joint(
     if shape_env is not None:
         record.guards = ShapeGuards(shape_env, fakes, names=[str(d) for d in inputs.descriptors])
 
-    def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
-        return _joint(body, inputs, inner, record, options, tracer, primals, flat)
+    attempt = _Attempt(body, flat, primals, options, tracer, inputs, record)
 
-    with translate_trace_errors(body, options.where), compiling(), generator_restored(), mode:
+    def joint(*inner: torch.Tensor) -> list[torch.Tensor | None]:
+        return _joint(attempt, inner)
+
+    with (
+        translate_trace_errors(body, options.where),
+        compiling(),
+        rng_stand_ins(),
+        generator_restored(),
+        mode,
+    ):
         gm = tracer.run(joint, fakes)
     return gm, record, inputs
 
@@ -288,17 +217,23 @@ def compiling() -> Iterator[None]:
         set_compiling_flag(was)
 
 
-def _joint(
-    body: Body,
-    inputs: GraphInputs,
-    inner: Sequence[torch.Tensor],
-    record: TraceRecord,
-    options: TraceOptions,
-    tracer: Tracer,
-    real: Sequence[torch.Tensor],
-    flat: FlatInputs,
-) -> list[torch.Tensor | None]:
-    where = options.where
+@dataclass(frozen=True)
+class _Attempt:
+    """What every run of the joint function of one attempt shares (``trace_joint``'s)."""
+
+    body: Body
+    flat: FlatInputs
+    # The caller's primals: real tensors (or the caller's fakes), one per user input.
+    real: Sequence[torch.Tensor]
+    options: TraceOptions
+    tracer: Tracer
+    inputs: GraphInputs
+    record: TraceRecord
+
+
+def _joint(attempt: _Attempt, inner: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    tracer, options = attempt.tracer, attempt.options
+    inputs, record, where = attempt.inputs, attempt.record, options.where
     dispatch_mode = tracer.dispatch_mode()
     with dispatch_mode:
         graph_primals = tracer.graph_primals(inner, inputs.infos)
@@ -306,9 +241,20 @@ def _joint(
     grad_fns = [p.grad_fn for p in graph_primals]  # to tell mutations autograd saw
     needs_grad = [p.requires_grad for p in graph_primals]  # before any in-place op
     with dispatch_mode:
-        primals = _user_primals(graph_primals, inputs.sources, real)
+        primals = _user_primals(graph_primals, inputs.sources, attempt.real)
+        state = TraceState(
+            inputs=inputs,
+            record=record,
+            fakes=inner,
+            graph_primals=graph_primals,
+            grad_fns=grad_fns,
+            needs_grad=needs_grad,
+            edges=edges,
+            primals=primals,
+            where=where,
+        )
         member_grad_fns = [p.grad_fn for p in primals]
-        closed_over = ClosedOver(real, primals, where)  # Note [Real tensors in a trace]
+        closed_over = ClosedOver(attempt.real, primals, where)  # Note [Real tensors in a trace]
         # The backward runs inside the body's context: it may re-run the body's code. The
         # closed-over swap covers the user's code and, swapping only, the backward (Note
         # [The swap spans the backward]).
@@ -316,33 +262,27 @@ def _joint(
             if options.effects is not None:  # Note [Side effects replayed]
                 stack.enter_context(options.effects.watching())
             with closed_over:
-                result = stack.enter_context(body(primals))
+                result = stack.enter_context(attempt.body(primals))
             stored: list[torch.Tensor] = []
             if options.effects is not None:
                 record.effects, stored = options.effects.stored(primals)
-            _note_grad_changes(
-                primals, graph_primals, needs_grad, edges, inputs, record, where, tracer
-            )
+            _note_grad_changes(state, tracer)
             record.member_mutations = member_metadata_mutations(
                 primals, member_grad_fns, inputs.sources
             )
-            record.mutations = tracer.input_mutations(
-                graph_primals, grad_fns, inner, inputs.infos, inputs.descriptors, where
-            )
+            record.mutations = tracer.input_mutations(state)
             stand_ins: StandIns = {}
-            if flat.subclasses is not None:  # Note [Subclass inputs changed in place]
+            if attempt.flat.subclasses is not None:  # Note [Subclass inputs changed in place]
                 record.mutations, stand_ins = subclass_input_changes(
-                    flat.subclasses,
+                    attempt.flat.subclasses,
                     record.mutations,
                     inputs.sources,
                     graph_primals,
-                    flat.descriptors,
+                    attempt.flat.descriptors,
                     tracer.recorder.mutation_sites,
                     where,
                 )
-            forward, returned = _forward_values(
-                result, stored, primals, graph_primals, inner, record, where, tracer
-            )
+            forward, returned = _forward_values(state, tracer, result, stored)
             check_set_outputs(  # Note [set_() on an input]
                 forward, record.mutations, graph_primals, primals, inputs.descriptors, where
             )
@@ -371,36 +311,26 @@ def _joint(
             grads: list[torch.Tensor | None] = []
             new_state: list[torch.Tensor] = []
             if any(record.differentiable):
-                grads = _backward(
-                    record, graph_primals, edges, returned, inputs, closed_over, tracer, where
-                )
+                grads = _backward(state, tracer, returned, closed_over)
                 new_state = [graph_primals[i] for i in record.state_at_backward]
                 tracer.sync(new_state)  # Note [State updated by the backward]
     return [*forward_values, *(tracer.unwrap(v) for v in (*grads, *new_state))]
 
 
-def _note_grad_changes(
-    primals: Sequence[torch.Tensor],
-    graph_primals: Sequence[torch.Tensor],
-    needs_grad: list[bool],
-    edges: list[GradientEdge | torch.Tensor | None],
-    inputs: GraphInputs,
-    record: TraceRecord,
-    where: UserFrame | None,
-    tracer: Tracer,
-) -> None:
+def _note_grad_changes(state: TraceState, tracer: Tracer) -> None:
     """After the body: inputs it detached (``a.detach_()``) or made require grad."""
+    inputs, record, needs_grad = state.inputs, state.record, state.needs_grad
     record.detached_inputs = [
         k
-        for k, (p, (j, _)) in enumerate(zip(primals, inputs.sources, strict=True))
+        for k, (p, (j, _)) in enumerate(zip(state.primals, inputs.sources, strict=True))
         if needs_grad[j] and not p.requires_grad  # a.detach_()
     ]
     record.made_to_require_grad = made_to_require_grad(
-        primals, needs_grad, inputs.sources, inputs.descriptors, where
+        state.primals, needs_grad, inputs.sources, inputs.descriptors, state.where
     )
     for i in dict.fromkeys(inputs.sources[k][0] for k in record.made_to_require_grad):
         needs_grad[i] = True  # Note [requires_grad_() on an input]
-        edges[i] = tracer.differentiate_at(graph_primals[i])
+        state.edges[i] = tracer.differentiate_at(state.graph_primals[i])
 
 
 def check_no_leaf_outputs(
@@ -463,14 +393,7 @@ def _differentiable(
 
 
 def _forward_values(
-    result: Any,
-    stored: Sequence[torch.Tensor],
-    primals: Sequence[torch.Tensor],
-    graph_primals: Sequence[torch.Tensor],
-    originals: Sequence[torch.Tensor],
-    record: TraceRecord,
-    where: UserFrame | None,
-    tracer: Tracer,
+    state: TraceState, tracer: Tracer, result: Any, stored: Sequence[torch.Tensor]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Analyze the result (after the input mutations); return the forward graph's outputs and
     what the Function returns.
@@ -479,9 +402,10 @@ def _forward_values(
     returns the fresh outputs, the bases and the new values. All are synced,
     so no forward op is recorded after the first cotangent.
     """
+    record, where, graph_primals = state.record, state.where, state.graph_primals
     leaves, tensors = _flatten_result(result, stored, record, where, tracer.traced)
     check_views_still_usable(tensors, where)
-    aliasing, bases = analyze_aliasing(tensors, primals, graph_primals, originals)
+    aliasing, bases = analyze_aliasing(tensors, state.primals, graph_primals, state.fakes)
     record.aliasing = aliasing
     record.leaves = [aliasing.outputs[x] if isinstance(x, int) else x for x in leaves]
     mutated = [graph_primals[m.index] for m in record.mutations if m.data]
@@ -578,22 +502,16 @@ def _flatten_result(
 
 
 def _backward(
-    record: TraceRecord,
-    primals: Sequence[torch.Tensor],
-    edges: Sequence[GradientEdge | torch.Tensor | None],
-    returned: Sequence[torch.Tensor],
-    inputs: GraphInputs,
-    closed_over: ClosedOver,
-    tracer: Tracer,
-    where: UserFrame | None,
+    state: TraceState, tracer: Tracer, returned: Sequence[torch.Tensor], closed_over: ClosedOver
 ) -> list[torch.Tensor | None]:
     """Run the backward under the checks and swaps it needs: cotangents for the Function's
     differentiable outputs, then the grads of all (graph) primals."""
+    record, primals, edges, where = state.record, state.graph_primals, state.edges, state.where
     if tracer.leaf_primals:  # a reentrant checkpoint may write closed-over .grad
         for t in record.closed_over_leaves:
             tracer.recorder.real_leaves.setdefault(id(t), t)
     with (
-        tracer.backward_checked(primals, inputs.descriptors, where) as changed,
+        tracer.backward_checked(state) as changed,
         closed_over.backward(),  # Note [The swap spans the backward]
     ):
         targets = [t for t, d in zip(returned, record.differentiable, strict=True) if d]
@@ -629,7 +547,7 @@ def _backward(
     grads: list[torch.Tensor | None] = [None] * len(edges)
     for i, g in zip(record.grad_inputs, computed, strict=True):
         grads[i] = g
-    check_plain_grads(grads, inputs.descriptors, where)  # Note [Tensor subclasses]
+    check_plain_grads(grads, state.inputs.descriptors, where)  # Note [Tensor subclasses]
     return grads
 
 
@@ -714,4 +632,4 @@ def _is_differentiable(t: torch.Tensor) -> bool:
     return t.requires_grad and (t.is_floating_point() or t.is_complex())
 
 
-__all__ = ["AliasSource", "TraceRecord", "trace_joint"]
+__all__ = ["Body", "TraceOptions", "trace_joint"]

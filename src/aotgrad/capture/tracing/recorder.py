@@ -14,10 +14,9 @@ import functools
 import linecache
 import os
 import sys
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,9 +40,10 @@ from aotgrad.capture.analyses.mutation import (
     check_writable,
     resize_keeps_layout,
 )
-from aotgrad.capture.analyses.random import FILL_RANDOM, MANUAL_SEED, seed_as_int64, strided_fill
+from aotgrad.capture.analyses.random import FILL_RANDOM, MANUAL_SEED, strided_fill
 from aotgrad.capture.analyses.set_storage import SET_OPS, StorageSets, data_assigned
 from aotgrad.capture.provenance import META_KEY, Kind, NodeInfo, Phase, set_info
+from aotgrad.capture.tracing.rng import restores_checked_by, step_seed
 from aotgrad.capture.user_state import closed_over
 from aotgrad.capture.user_state.host_checks import HostChecks
 from aotgrad.errors import (
@@ -207,9 +207,9 @@ class Recorder:
         """Around the whole trace: node metadata on, module hooks in."""
         pre = torch.nn.modules.module.register_module_forward_pre_hook(self._enter_module)
         post = torch.nn.modules.module.register_module_forward_hook(self._exit_module)
-        _RESTORE.recorders.append(self)
         try:
             with (
+                restores_checked_by(self.check_rng_restore),
                 fx_traceback.preserve_node_meta(),
                 fx_traceback.annotate({_MODULE: self.root_name}),
             ):
@@ -218,7 +218,6 @@ class Recorder:
                 finally:
                     self._close_open_contexts()
         finally:
-            _RESTORE.recorders.remove(self)
             pre.remove()
             post.remove()
 
@@ -259,7 +258,7 @@ class Recorder:
 
     def note_random(self, func: Any, args: tuple[Any, ...], kwargs: Any) -> None:
         """Stamp a random op with its place in the generator's stream, and move the stream on
-        (fake ops draw nothing: Note [Recomputed random ops]; :func:`generator_restored`)."""
+        (fake ops draw nothing: Note [Recomputed random ops]; ``rng.generator_restored``)."""
         drawing = draws_random(func, args, kwargs or {})
         if drawing and not self.in_backward:
             self.random_draws += 1  # Note [Reseeding inside the function]
@@ -273,7 +272,7 @@ class Recorder:
         with disable_current_modes():
             position = hash(generator.get_state().numpy().tobytes())
         custom[_RNG] = position
-        _SEEDS.step(generator, position & 0xFFFF_FFFF_FFFF)
+        step_seed(generator, position & 0xFFFF_FFFF_FFFF)
 
     def check_reseed(self) -> None:
         """Refuse a reseed that one op at its place in the forward cannot replay (Note
@@ -359,248 +358,6 @@ class Recorder:
         if self.running_nodes:
             self.running_nodes.pop()
         fx_traceback.reset_grad_fn_seq_nr()
-
-
-@contextlib.contextmanager
-def generator_restored() -> Iterator[None]:
-    """The real CPU generator during a trace, restored as it was when the trace ends.
-
-    Inside a trace ``torch.get_rng_state()`` would build its tensor under the
-    fake mode (fake storage: ``set_rng_state`` of it restores garbage), so
-    ``torch.utils.checkpoint``'s save and restore around a recompute would not
-    replay the stream (Note [Recomputed random ops]). Here both read and write
-    the real generator, outside every mode; :meth:`Recorder.note_random` steps it.
-    Reseeding records an op (Note [Reseeding inside the function]).
-    """
-    generator = torch.default_generator
-    with disable_current_modes():
-        state = generator.get_state()
-    devices = _device_generators()
-    device_states = [g.get_state() for g in devices]
-    seeds = _SEEDS.begin(generator)  # Note [Reseeds the trace cannot see]
-    for device in devices:
-        device.manual_seed(_SENTINEL_SEED)
-    outside = _OutsideReseeds.count
-
-    def get_rng_state() -> torch.Tensor:
-        with disable_current_modes():
-            return generator.get_state()
-
-    def set_rng_state(new_state: torch.Tensor) -> None:
-        if _RESTORE.recorders:  # the trace's recorder may refuse it
-            _RESTORE.recorders[-1].check_rng_restore()
-        with disable_current_modes():
-            generator.set_state(new_state)
-
-    seeders = {
-        (torch, "manual_seed"): "default",
-        (torch.random, "manual_seed"): "default",
-        (torch.cuda, "manual_seed"): "cuda",
-        (torch.cuda, "manual_seed_all"): "cuda_all",
-    }
-    fresh_seeds = [
-        (torch, "seed"),
-        (torch.random, "seed"),
-        (torch.cuda, "seed"),
-        (torch.cuda, "seed_all"),
-    ]
-    patched: dict[tuple[Any, str], Callable[..., Any]] = {
-        (torch, "get_rng_state"): get_rng_state,
-        (torch.random, "get_rng_state"): get_rng_state,
-        (torch, "set_rng_state"): set_rng_state,
-        (torch.random, "set_rng_state"): set_rng_state,
-        **{place: _reseeding(which, getattr(*place)) for place, which in seeders.items()},
-        **{place: _refusing_fresh_seeds(getattr(*place)) for place in fresh_seeds},
-    }
-    saved = {place: getattr(*place) for place in patched}
-    # Other threads keep torch's own functions (Note [Captures and other threads]).
-    for (owner, name), value in patched.items():
-        original = saved[owner, name]
-        if (owner, name) in seeders or (owner, name) in fresh_seeds:
-            original = _counted(original)
-        setattr(owner, name, _in_capture(value, original))
-    try:
-        yield
-        kept = seeds.kept(generator) and all(g.initial_seed() == _SENTINEL_SEED for g in devices)
-        if not kept and _OutsideReseeds.count == outside:
-            _refuse_direct_reseed()
-    finally:
-        _SEEDS.end()
-        for device, device_state in zip(devices, device_states, strict=True):
-            device.set_state(device_state)
-        for (owner, name), value in saved.items():
-            setattr(owner, name, value)
-        with disable_current_modes():
-            generator.set_state(state)
-
-
-# Note [Reseeds the trace cannot see]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``torch.manual_seed`` is replaced during a trace (Note [Reseeding inside the
-# function]), but a generator's own method is not replaceable (a C type), and it
-# would run once, at capture, silently::
-#
-#     def f(x):
-#         torch.default_generator.manual_seed(0)   # not seen: eager reseeds every call
-#         return F.dropout(x, 0.5)
-#
-# The trace draws no real numbers, so the generator's seed during it is free: the
-# trace seeds it itself, with a fixed sentinel at the start and with each random
-# op's stream position when it steps the stream (``Recorder.note_random``), and it
-# remembers every seed it set. A seed it did not set, found before a step or at the
-# end, means the function reseeded the generator some way the trace did not record,
-# and the capture is refused::
-#
-#     trace seeds         0x5EEDA076AD                (sentinel)
-#     user code           default_generator.manual_seed(0)   -> seed 0: not the trace's
-#     dropout's step      finds seed 0 -> refused
-#
-# ``set_state`` restores the seed with the state, so the ``get_rng_state`` /
-# ``set_rng_state`` pairs of a checkpoint or ``fork_rng`` bring back a seed the trace
-# set. The CUDA devices' default generators (once CUDA is initialized) are seeded
-# with the sentinel too, checked and restored the same way
-# (``torch.cuda.default_generators[0].manual_seed(0)`` is refused as well). A reseed by another thread (torch's own function there, Note [Captures and
-# other threads]) is counted, and the check is then left out: which thread reseeded
-# cannot be told. The generator is restored when the trace ends, as before.
-_SENTINEL_SEED = 0x5EED_A076AD
-
-
-@dataclass
-class _TraceSeeds:
-    """The seeds the current trace set on the default generator, and whether it found
-    another one (Note [Reseeds the trace cannot see])."""
-
-    ours: set[int] = field(default_factory=set)
-    foreign: bool = False
-
-    def step(self, generator: torch.Generator, seed: int) -> None:
-        self.check(generator)
-        generator.manual_seed(seed)
-        self.ours.add(generator.initial_seed())
-
-    def check(self, generator: torch.Generator) -> None:
-        self.foreign = self.foreign or generator.initial_seed() not in self.ours
-
-    def kept(self, generator: torch.Generator) -> bool:
-        self.check(generator)
-        return not self.foreign
-
-
-class _SeedStack(threading.local):
-    """The traces running in this thread, innermost last."""
-
-    def __init__(self) -> None:
-        self.traces: list[_TraceSeeds] = []
-
-    def begin(self, generator: torch.Generator) -> _TraceSeeds:
-        seeds = _TraceSeeds()
-        with disable_current_modes():
-            generator.manual_seed(_SENTINEL_SEED)
-        seeds.ours.add(generator.initial_seed())
-        self.traces.append(seeds)
-        return seeds
-
-    def step(self, generator: torch.Generator, seed: int) -> None:
-        if self.traces:
-            self.traces[-1].step(generator, seed)
-        else:
-            generator.manual_seed(seed)
-
-    def end(self) -> None:
-        self.traces.pop()
-
-
-_SEEDS = _SeedStack()
-
-
-class _OutsideReseeds:
-    """How often a thread outside a capture reseeded through ``torch.manual_seed``."""
-
-    count = 0
-
-
-def _device_generators() -> list[torch.Generator]:
-    """The default generators of the CUDA devices, once CUDA is initialized (the trace
-    neither draws from nor steps them: a seed of theirs it did not set is a reseed)."""
-    return list(torch.cuda.default_generators) if torch.cuda.is_initialized() else []
-
-
-def _counted(seed: Callable[..., Any]) -> Callable[..., Any]:
-    """``seed``, counted in ``_OutsideReseeds``."""
-
-    @functools.wraps(seed)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        _OutsideReseeds.count += 1
-        return seed(*args, **kwargs)
-
-    return call
-
-
-def _refuse_direct_reseed() -> None:
-    raise UnsupportedOpError(
-        "aotgrad: the function reseeded torch's default random generator directly"
-        " (torch.default_generator.manual_seed, or a generator's manual_seed/set_state"
-        " outside torch.manual_seed): that Python call ran once, at capture, where eager"
-        " runs it on every call, so later calls would draw other numbers than eager's."
-        " Reseed with torch.manual_seed(s) before every random op of the function (recorded"
-        " and replayed at every call), or seed before calling the compiled function"
-        " (Note [Reseeds the trace cannot see])."
-    )
-
-
-def _in_capture(patched: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
-    """``patched`` where the capture's code runs, ``original`` in every other thread."""
-
-    @functools.wraps(original)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return (patched if closed_over.in_capture() else original)(*args, **kwargs)
-
-    return call
-
-
-def _reseeding(which: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.manual_seed`` during a trace: records the reseed as an op (Note [Reseeding
-    inside the function]); the recorder refuses it where it cannot be replayed. Another
-    thread, not tracing, gets the original."""
-
-    def manual_seed(seed: Any) -> Any:
-        if not _RESTORE.recorders:
-            return original(seed)
-        MANUAL_SEED(seed_as_int64(seed), which)
-        return torch.default_generator if which == "default" else None
-
-    return manual_seed
-
-
-def _refusing_fresh_seeds(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.seed`` during a trace: refused (another thread, not tracing, gets the original)."""
-
-    def seed(*args: Any, **kwargs: Any) -> Any:
-        if not _RESTORE.recorders:
-            return original(*args, **kwargs)
-        raise UnsupportedOpError(
-            format_error(
-                "the function reseeds a random generator with a fresh, non-deterministic seed"
-                " (torch.seed, torch.cuda.seed): that Python call would run once, at capture,"
-                " where eager draws a new seed on every call",
-                user_frame_from_stack(),
-                "Seed before calling the compiled function, or reseed with a fixed seed"
-                " (torch.manual_seed(s)) before every random op of the function.",
-            )
-        )
-
-    return seed
-
-
-class _Restores(threading.local):
-    """The recorders of the traces running now in this thread, asked about
-    ``torch.set_rng_state`` (Note [Reseeding inside the function])."""
-
-    def __init__(self) -> None:
-        self.recorders: list[Recorder] = []
-
-
-_RESTORE = _Restores()
 
 
 def autograd_nodes(targets: Sequence[torch.Tensor]) -> list[Any]:

@@ -110,6 +110,7 @@ from torch.autograd.graph import GradientEdge
 from aotgrad._torch_compat import REENTRANT_CHECKPOINT_GRAD
 from aotgrad.capture.analyses.mutation import InputMutation, PrimalInfo
 from aotgrad.capture.tracing.recorder import Recorder
+from aotgrad.capture.tracing.state import TraceState
 from aotgrad.errors import (
     CaptureError,
     DirectTraceError,
@@ -117,7 +118,6 @@ from aotgrad.errors import (
     format_error,
     user_frame_from_traceback,
 )
-from aotgrad.signature import GraphInputDescriptor
 
 TracerChoice = Literal["auto", "direct", "full"]
 TracerName = Literal["direct", "full"]
@@ -245,27 +245,14 @@ class Tracer(ABC):
         """Is ``value`` (a leaf of the function's result) a tensor this trace computed?"""
 
     @abstractmethod
-    def input_mutations(
-        self,
-        graph_primals: Sequence[torch.Tensor],
-        grad_fns: Sequence[object],
-        originals: Sequence[torch.Tensor],
-        infos: Sequence[PrimalInfo],
-        descriptors: Sequence[GraphInputDescriptor],
-        where: UserFrame | None,
-    ) -> list[InputMutation]:
+    def input_mutations(self, state: TraceState) -> list[InputMutation]:
         """The inputs the function mutated, after it ran (Note [Input mutation])."""
 
     @abstractmethod
     def sync(self, values: Sequence[torch.Tensor]) -> None:
         """Make the forward values final, so no forward op is recorded after the first cotangent."""
 
-    def backward_checked(
-        self,
-        graph_primals: Sequence[torch.Tensor],
-        descriptors: Sequence[GraphInputDescriptor],
-        where: UserFrame | None,
-    ) -> AbstractContextManager[list[int]]:
+    def backward_checked(self, state: TraceState) -> AbstractContextManager[list[int]]:
         """Around the backward: the list it gives is filled, on exit, with the graph input
         positions the backward mutated (Note [State updated by the backward])."""
         return nullcontext([])  # the direct trace stops at an in-place op in the backward

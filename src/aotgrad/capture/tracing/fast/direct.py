@@ -134,9 +134,9 @@ from aotgrad.capture.tracing.fast.view_writes import (
     scatter,
 )
 from aotgrad.capture.tracing.recorder import Recorder
+from aotgrad.capture.tracing.state import TraceState
 from aotgrad.capture.tracing.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
-from aotgrad.errors import UserFrame
-from aotgrad.signature import GraphInputDescriptor, storage_key
+from aotgrad.signature import storage_key
 
 _PASS_THROUGH = (torch.ops.prim.device.default,)
 _CONSTANTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
@@ -187,23 +187,16 @@ class DirectTracer(Tracer):
     def traced(self, value: object) -> bool:
         return self._mode.traced(value)
 
-    def input_mutations(
-        self,
-        graph_primals: Sequence[torch.Tensor],
-        grad_fns: Sequence[object],
-        originals: Sequence[torch.Tensor],
-        infos: Sequence[PrimalInfo],
-        descriptors: Sequence[GraphInputDescriptor],
-        where: UserFrame | None,
-    ) -> list[InputMutation]:
+    def input_mutations(self, state: TraceState) -> list[InputMutation]:
         """Inputs whose values an in-place op replaced, out of autograd's sight (Note [In-place ops, directly])."""
         mutations = []
-        for i, (p, info) in enumerate(zip(graph_primals, infos, strict=True)):
+        for i, (p, info) in enumerate(zip(state.graph_primals, state.inputs.infos, strict=True)):
             if info.duplicate_of is not None or id(p) not in self._mode.mutated:
                 continue
-            if p.requires_grad or p.grad_fn is not grad_fns[i]:
+            if p.requires_grad or p.grad_fn is not state.grad_fns[i]:
                 raise NeedsFullTrace(
-                    f"input {descriptors[i]} is changed in place where autograd records it"
+                    f"input {state.inputs.descriptors[i]} is changed in place where autograd"
+                    " records it"
                 )
             mutations.append(
                 InputMutation(
