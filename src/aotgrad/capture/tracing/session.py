@@ -31,7 +31,7 @@ it:
   a trace]);
 - what the capture must install process-wide (the global module hooks that
   record module paths, and its ``torch.manual_seed`` / ``get_rng_state``
-  stand-ins: Note [Reseeding inside the function]) acts only where that mode is
+  stand-ins, ``rng.rng_stand_ins``: Note [Reseeding inside the function]) acts only where that mode is
   active: in the capturing thread while it runs the function or its backward,
   and in an autograd worker running that backward (the engine hands its
   workers the caller's modes, not its Python thread-locals: on CUDA a
