@@ -69,7 +69,10 @@ def _aot_module(**options: Any) -> Compile:
 
 
 def _trace(module: torch.nn.Module, inputs: Inputs) -> Callable[..., Any]:
-    args, kwargs = inputs
+    """Traced on inputs laid out as ``_step`` passes them (its clones: an expanded buffer such as
+    RoBERTa's ``token_type_ids`` comes back contiguous), as a user traces on the inputs they call
+    with; a Traced refuses another layout (Note [A Traced keeps to its capture])."""
+    args, kwargs = _clones(inputs)
     return aotgrad.trace(module, *args, **kwargs)
 
 
@@ -110,6 +113,12 @@ _MOE_CORE = (
     " decomposition) and transformers' own grouped-matmul custom ops; its grouped matmul has no"
     " float64 kernel either"
 )
+_HOOKS_AFTER_CAPTURE = (
+    "refused (CallError, loud): transformers installs its output-capturing hooks on Mixtral's"
+    " layers during the model's first forward, which here is the capture itself; the Traced's"
+    " first call then sees hooks the capture began without and refuses. Call the model once"
+    " before tracing it, or use aot_module"
+)
 _RELU_FLIPS = (
     "not comparable in float32 at 1e-4: mnasnet's gradients are ill-conditioned (ReLU inputs"
     " within 1e-6 of zero flip their mask, BatchNorm on small maps amplifies it); against"
@@ -119,6 +128,11 @@ _RELU_FLIPS = (
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
     **{("mixtral", c): _MOE_CORE for c in ("core_aten", "onnxruntime", "iree")},
     **{("mnasnet", c): _RELU_FLIPS for c in ("onnxruntime", "iree")},
+    ("mixtral", "trace"): _HOOKS_AFTER_CAPTURE,
+    # One of 1,200 gradient elements off by 1.5e-4 (relative 5.6e-4) in ONNX Runtime, as on
+    # mnasnet: a BatchNorm on a small map in float32.
+    ("tv_efficientnet", "onnxruntime"): "not comparable in float32 at 1e-4: one element of"
+    " features.3.0.block.1.0.weight's gradient (of 1,200) is off by 1.5e-4 in ONNX Runtime",
     # (torch.compile passes: Dynamo breaks the graph at the nonzero() and runs the loop itself.)
     **{("mixtral_eager", c): _MOE_LOOP for c in CHECKS if c != "dynamo"},
 }
@@ -346,13 +360,18 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def _step(case: Case, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    clones: dict[int, torch.Tensor] = {}  # a tensor passed twice (ids as labels) stays one
+def _clones(tree: Any) -> Any:
+    """``tree`` with each tensor cloned; a tensor passed twice (ids as labels) stays one."""
+    clones: dict[int, torch.Tensor] = {}
 
     def clone(t: torch.Tensor) -> torch.Tensor:
         return clones.setdefault(id(t), t.clone())
 
-    args, kwargs = pytree.tree_map_only(torch.Tensor, clone, (args, kwargs))
+    return pytree.tree_map_only(torch.Tensor, clone, tree)
+
+
+def _step(case: Case, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    args, kwargs = _clones((args, kwargs))
     torch.manual_seed(SEED)  # both runs draw the same random numbers
     out = fn(*args, **kwargs)
     case.loss(out).backward()
