@@ -125,6 +125,7 @@ FEATURES = frozenset(
         "trace_under_no_grad",  # a Traced called under no_grad
         "once_differentiable_create_graph",  # create_graph=True over a once_differentiable backward
         "create_graph_aliased_inputs",  # create_graph=True with inputs that share memory
+        "set_input_create_graph",  # create_graph=True with set_()/.data = on a value
         "requires_grad_intermediate",  # requires_grad_() on a value the function made
         "masked_fill_strided",  # masked_fill_ on a non-contiguous value
         "function_backward_mutation",  # a custom Function whose backward changes a saved input
@@ -162,7 +163,10 @@ KNOWN_BAD: dict[str, str] = {
     " gradient's local strides are not eager's (a0.t()), and aotgrad's backward calls as_strided,"
     " which DTensor refuses (eager runs it)",
     "create_graph_aliased_inputs": "NEW F22: create_graph=True with inputs b[0], b, b: the base's"
-    " second-order gradient is None (eager's is a tensor)",
+    " second-order gradient is None (eager's is a tensor); NEW F37: with inputs b, b, b[1:] its"
+    " values differ",
+    "set_input_create_graph": "NEW F36: x.data = y (or set_()) on an input requiring grad:"
+    " autograd.grad(out, x) gives None (the replayed set_() gives x a new grad accumulator)",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
     "requires_grad_under_no_grad": "NEW F15: requires_grad_() on a no_grad view of an input",
 }
@@ -185,6 +189,11 @@ KNOWN_BAD_SIGNATURES: dict[str, tuple[str, str]] = {
         " a tensor",
         "NEW F19: create_graph=True, an empty input returned as a view (a.view(-1)): its"
         " first-order gradient does not require grad (eager's does)",
+    ),
+    "F38": (
+        "mismatch: input: is_leaf True != eager False",
+        "NEW F38: a0.t_(); a0.requires_grad_(True) on an input another input views (b, b[1:]):"
+        " that view is a leaf after the call (eager's is a view of b)",
     ),
 }
 
@@ -902,6 +911,8 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
         ("alias_inputs", "create_graph_aliased_inputs"),
         ("subclass", "subclass_create_graph"),
         ("dtensor", "dtensor_create_graph"),
+        ("data_assign", "set_input_create_graph"),
+        ("set_input", "set_input_create_graph"),
     ):
         if create_graph and feature in prog_features:
             create_graph = tag in features

@@ -1028,3 +1028,57 @@ def test_dtensor_input_returned_through_a_custom_functions_view_gets_eagers_grad
     eager, compiled = gradient(fn), gradient(aotgrad.aot_function(fn))
     assert type(compiled) is type(eager) and compiled.placements == eager.placements
     torch.testing.assert_close(compiled.full_tensor(), eager.full_tensor())
+
+
+@unfixed(
+    "NEW F36: x.data = y on an input that requires grad: autograd.grad(out, x) is None (eager:"
+    " a tensor), first order and with create_graph=True"
+)
+def test_data_assignment_on_an_input_keeps_its_gradient_for_autograd_grad():
+    def fn(a):
+        a.data = torch.ones(3)
+        return a * 2
+
+    def grad(f, create_graph):
+        x = torch.randn(3, requires_grad=True)
+        return torch.autograd.grad(f(x), x, torch.ones(3), create_graph=create_graph)[0]
+
+    for create_graph in (False, True):
+        compiled = grad(aotgrad.aot_function(fn), create_graph)  # raises: x is not in its graph
+        torch.testing.assert_close(compiled, grad(fn, create_graph))
+        assert compiled.requires_grad == create_graph
+    verify(fn, torch.randn(3, requires_grad=True), create_graph=True)
+
+
+@unfixed(
+    "NEW F37: create_graph=True, inputs b, b, b[1:]: the base's second-order gradient has other"
+    " values than eager's, silently"
+)
+def test_second_order_gradient_of_a_base_passed_twice_and_sliced():
+    torch.manual_seed(0)
+    b = torch.randn(2, requires_grad=True)
+    verify(lambda a0, a1, a2: a0 * a2, b, b, b[1:], create_graph=True)
+
+
+@unfixed(
+    "NEW F38: a.t_(); a.requires_grad_(True) on an input another input views (b, b[1:]): that"
+    " view is a leaf after the call (eager's is not)"
+)
+def test_view_input_of_a_restrided_base_made_to_require_grad_is_not_a_leaf():
+    def fn(a0, a1):
+        a0.t_()
+        a0.requires_grad_(True)
+        return a0
+
+    def make():
+        b = torch.randn(2)
+        return b, b[1:]
+
+    eager = make()
+    fn(*eager)
+    for compile_fn in (aotgrad.aot_function, lambda f: aotgrad.trace(f, *make())):
+        compiled = make()
+        compile_fn(fn)(*compiled)
+        assert [(t.is_leaf, t.requires_grad) for t in compiled] == [
+            (t.is_leaf, t.requires_grad) for t in eager
+        ]  # eager: [(True, True), (False, True)]
