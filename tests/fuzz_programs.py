@@ -162,11 +162,8 @@ KNOWN_BAD: dict[str, str] = {
     "dtensor_create_graph": "NEW F35: create_graph=True with DTensor arguments: a second-order"
     " gradient's local strides are not eager's (a0.t()), and aotgrad's backward calls as_strided,"
     " which DTensor refuses (eager runs it)",
-    "create_graph_aliased_inputs": "NEW F22: create_graph=True with inputs b[0], b, b: the base's"
-    " second-order gradient is None (eager's is a tensor); NEW F37: with inputs b, b, b[1:] its"
-    " values differ",
-    "set_input_create_graph": "NEW F36: x.data = y (or set_()) on an input requiring grad:"
-    " autograd.grad(out, x) gives None (the replayed set_() gives x a new grad accumulator)",
+    "set_input_create_graph": "NEW F39: create_graph=True after x.data = y (or set_()) on an"
+    " input: a gradient reading x's new value is not differentiable in x",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
     "requires_grad_under_no_grad": "NEW F15: requires_grad_() on a no_grad view of an input",
 }

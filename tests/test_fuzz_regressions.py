@@ -805,7 +805,6 @@ def test_traced_called_under_no_grad_changes_a_view_of_a_leaf_as_eager_does():
         assert torch.equal(traced(*inputs()), fn(*inputs()))
 
 
-@unfixed("NEW F22: create_graph=True, inputs b[0], b, b: the base's second-order gradient is None")
 def test_second_order_gradient_of_a_base_passed_twice_and_viewed():
     b = torch.randn(2, requires_grad=True)
     verify(lambda a0, a1, a2: (a2.sin(),), b[0], b, b, create_graph=True)
@@ -1030,30 +1029,55 @@ def test_dtensor_input_returned_through_a_custom_functions_view_gets_eagers_grad
     torch.testing.assert_close(compiled.full_tensor(), eager.full_tensor())
 
 
-@unfixed(
-    "NEW F36: x.data = y on an input that requires grad: autograd.grad(out, x) is None (eager:"
-    " a tensor), first order and with create_graph=True"
-)
-def test_data_assignment_on_an_input_keeps_its_gradient_for_autograd_grad():
+def _assign_data(a):
+    a.data = torch.ones(3)
+
+
+def _assign_itself(a):
+    a.data = a
+
+
+def _set_under_no_grad(a):
+    with torch.no_grad():
+        a.set_(torch.ones(3))
+
+
+@pytest.mark.parametrize("change", [_assign_data, _assign_itself, _set_under_no_grad])
+def test_storage_change_of_an_input_keeps_its_gradient_for_autograd_grad(change):
+    # F36: the replayed set_() gave the leaf a new grad accumulator the graph did not reach
     def fn(a):
-        a.data = torch.ones(3)
-        return a * 2
+        change(a)
+        return a * 2  # a gradient that does not read a's value (a * a: F39)
 
     def grad(f, create_graph):
+        torch.manual_seed(0)
         x = torch.randn(3, requires_grad=True)
-        return torch.autograd.grad(f(x), x, torch.ones(3), create_graph=create_graph)[0]
+        cotangent = torch.randn(3, requires_grad=True)
+        return torch.autograd.grad(f(x), x, cotangent, create_graph=create_graph)[0], x
 
     for create_graph in (False, True):
-        compiled = grad(aotgrad.aot_function(fn), create_graph)  # raises: x is not in its graph
-        torch.testing.assert_close(compiled, grad(fn, create_graph))
-        assert compiled.requires_grad == create_graph
+        (eager, x), (compiled, y) = (
+            grad(fn, create_graph),
+            grad(aotgrad.aot_function(fn), create_graph),
+        )
+        torch.testing.assert_close(compiled, eager)
+        assert compiled.requires_grad == eager.requires_grad
+        assert y._version == x._version
     verify(fn, torch.randn(3, requires_grad=True), create_graph=True)
 
 
 @unfixed(
-    "NEW F37: create_graph=True, inputs b, b, b[1:]: the base's second-order gradient has other"
-    " values than eager's, silently"
+    "NEW F39: create_graph=True after x.data = y on an input: a gradient that reads x's new"
+    " value is not differentiable in x (second-order gradient None; eager's is a tensor)"
 )
+def test_second_order_gradient_through_an_inputs_new_data():
+    def fn(a):
+        a.data = torch.ones(3)
+        return a * a  # eager: grad 2 * a, differentiable in a
+
+    verify(fn, torch.randn(3, requires_grad=True), create_graph=True)
+
+
 def test_second_order_gradient_of_a_base_passed_twice_and_sliced():
     torch.manual_seed(0)
     b = torch.randn(2, requires_grad=True)

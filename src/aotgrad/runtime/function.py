@@ -832,10 +832,37 @@ def _replay_set(
             fresh.as_strided(layout.size, layout.stride, layout.storage_offset).copy_(new)
         storage = fresh.untyped_storage()
     version = x._version
+    if x.requires_grad and x.is_leaf:  # Note [set_() on a leaf keeps its accumulator]
+        carrier = torch.empty(0, dtype=x.dtype, device=x.device)
+        carrier.set_(storage, layout.storage_offset, layout.size, layout.stride)
+        x.data = carrier  # keeps x's version
+        if not keeps_version:  # as set_() bumps it
+            set_version_counter((x,), (version + 1,))
+        return
     with torch.no_grad():
         x.set_(storage, layout.storage_offset, layout.size, layout.stride)
     if keeps_version:  # ``x.data = source`` (set_() bumps it)
         set_version_counter((x,), (version,))
+
+
+# Note [set_() on a leaf keeps its accumulator]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``x.set_(...)`` on a leaf that requires grad gives ``x`` a new gradient
+# accumulator (``x.data = y`` keeps the old one). The compiled Function's edge
+# to ``x`` was made, at its apply, before the epilogue replays the set_, so
+# replayed with ``set_()`` the edge would lead to an accumulator ``x`` no
+# longer has: ``.backward()`` still fills ``x.grad``, but
+# ``autograd.grad(out, x)`` finds ``x`` unused::
+#
+#     def f(a):                  # a: a leaf requiring grad
+#         a.data = torch.ones(3)
+#         return a * 2           # eager: grad(out, a) = 2s; set_() replay: None
+#
+# So a leaf requiring grad takes its new storage through ``x.data = carrier``
+# (a tensor over that storage and layout), which keeps the accumulator, and its
+# version is bumped by hand where eager's ``set_()`` bumped it. Eager's own
+# ``set_()`` (under no_grad) does start a new accumulator, but its outputs
+# computed after it lead there, as the compiled outputs lead to the kept one.
 
 
 # Note [Views of a restrided input]
