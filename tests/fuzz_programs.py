@@ -189,8 +189,8 @@ KNOWN_BAD_SIGNATURES: dict[str, tuple[str, str]] = {
     ),
     "F38": (
         "mismatch: input: is_leaf True != eager False",
-        "NEW F38: a0.t_(); a0.requires_grad_(True) on an input another input views (b, b[1:]):"
-        " that view is a leaf after the call (eager's is a view of b)",
+        "NEW F38: a0.t_(); a0.requires_grad_(True) on an input another input views (b, b[1:]),"
+        " the backward reading a0: that view is a leaf after the call (eager's is a view of b)",
     ),
 }
 
