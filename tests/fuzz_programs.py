@@ -125,7 +125,6 @@ FEATURES = frozenset(
         "trace_under_no_grad",  # a Traced called under no_grad
         "once_differentiable_create_graph",  # create_graph=True over a once_differentiable backward
         "create_graph_aliased_inputs",  # create_graph=True with inputs that share memory
-        "set_input_create_graph",  # create_graph=True with set_()/.data = on a value
         "requires_grad_intermediate",  # requires_grad_() on a value the function made
         "masked_fill_strided",  # masked_fill_ on a non-contiguous value
         "function_backward_mutation",  # a custom Function whose backward changes a saved input
@@ -162,8 +161,6 @@ KNOWN_BAD: dict[str, str] = {
     "dtensor_create_graph": "NEW F35: create_graph=True with DTensor arguments: a second-order"
     " gradient's local strides are not eager's (a0.t()), and aotgrad's backward calls as_strided,"
     " which DTensor refuses (eager runs it)",
-    "set_input_create_graph": "NEW F39: create_graph=True after x.data = y (or set_()) on an"
-    " input: a gradient reading x's new value is not differentiable in x",
     "compile_requires_grad_": "NEW F13: torch.compile, requires_grad_() on a mutated input viewed",
     "requires_grad_under_no_grad": "NEW F15: requires_grad_() on a no_grad view of an input",
 }
@@ -908,8 +905,6 @@ def programs(draw, features: frozenset[str] | None = None, max_steps: int = 6) -
         ("alias_inputs", "create_graph_aliased_inputs"),
         ("subclass", "subclass_create_graph"),
         ("dtensor", "dtensor_create_graph"),
-        ("data_assign", "set_input_create_graph"),
-        ("set_input", "set_input_create_graph"),
     ):
         if create_graph and feature in prog_features:
             create_graph = tag in features

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import aotgrad
-from aotgrad.errors import AotgradError, UnsupportedMutationError
+from aotgrad.errors import AotgradError, DoubleBackwardError, UnsupportedMutationError
 from aotgrad.testing import verify
 from fuzz_programs import MarksDirty, OnceDifferentiable, ReturnsInput, ReturnsView
 
@@ -1066,16 +1066,27 @@ def test_storage_change_of_an_input_keeps_its_gradient_for_autograd_grad(change)
     verify(fn, torch.randn(3, requires_grad=True), create_graph=True)
 
 
-@unfixed(
-    "NEW F39: create_graph=True after x.data = y on an input: a gradient that reads x's new"
-    " value is not differentiable in x (second-order gradient None; eager's is a tensor)"
-)
-def test_second_order_gradient_through_an_inputs_new_data():
-    def fn(a):
-        a.data = torch.ones(3)
+def _assign_fresh(a, b):
+    a.data = torch.ones(3)
+
+
+def _assign_other(a, b):
+    a.data = b
+
+
+@pytest.mark.parametrize("change", [_assign_fresh, _assign_other])
+def test_second_order_gradient_through_an_inputs_new_data_is_refused(change):
+    # F39: the graph reads a's new data as the value it came from: G was differentiable in
+    # that value, not in a (second-order gradient None, or b's where eager gives a's)
+    def fn(a, b):
+        change(a, b)
         return a * a  # eager: grad 2 * a, differentiable in a
 
-    verify(fn, torch.randn(3, requires_grad=True), create_graph=True)
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    out = aotgrad.aot_function(fn)(x, y)
+    with pytest.raises(DoubleBackwardError, match="another storage"):
+        torch.autograd.grad(out, [x, y], torch.ones(3), create_graph=True, allow_unused=True)
+    verify(fn, torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True))
 
 
 def test_second_order_gradient_of_a_base_passed_twice_and_sliced():

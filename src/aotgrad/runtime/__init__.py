@@ -342,6 +342,7 @@ def higher_order_of(
         saved_in_forward=plan.saved_in_forward,
         driver=driver,
         changed=frozenset(changed),
+        set_inputs=frozenset(m.index for m in plan.mutations if m.storage is not None),
         prepare=prepare,
     )
 
