@@ -1090,6 +1090,7 @@ def test_second_order_gradient_through_an_inputs_new_data_is_refused(change):
 
 
 def test_second_order_gradient_of_a_base_passed_twice_and_sliced():
+    # F37 (and F22 above): the duplicate's place was cut (Note [A tensor passed twice is not cut])
     torch.manual_seed(0)
     b = torch.randn(2, requires_grad=True)
     verify(lambda a0, a1, a2: a0 * a2, b, b, b[1:], create_graph=True)
@@ -1116,6 +1117,7 @@ def _restrided_base_made_to_require_grad(returns):
 
 
 def test_view_input_of_a_restrided_base_made_to_require_grad_is_not_a_leaf():
+    # F38 where the backward does not read a0: the replay keeps eager's version bump
     _restrided_base_made_to_require_grad(lambda a0: a0)
 
 
