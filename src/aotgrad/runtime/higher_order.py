@@ -382,8 +382,8 @@ def _through_new_storage(what: str) -> DoubleBackwardError:
             f"create_graph=True: the function gives input {what}, which requires grad, another"
             f" storage (set_() or {what}.data = ...). Eager differentiates what it computes"
             f" from {what} afterwards through {what}; the compiled graph reads that data as the"
-            " value it came from, so the gradient's own derivative would be wrong (Note [A"
-            " gradient through a new storage]).",
+            " value it came from, so the gradient's own derivative would be wrong"
+            " (Note [A gradient through a new storage]).",
             None,
             f"Assign {what}.data (or call set_()) outside the compiled function, or take this"
             " gradient without create_graph=True.",
