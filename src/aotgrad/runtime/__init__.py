@@ -239,10 +239,29 @@ def _cut(inputs: Sequence[torch.Tensor], positions: tuple[int, ...]) -> list[tor
     """``inputs``, those at ``positions`` that have an autograd history cut off: fresh leaves
     that still require grad (Note [Inputs no gradient reaches])."""
     cut = list(inputs)
+    reached = {id(t) for i, t in enumerate(inputs) if i not in positions}
     for i in positions:
-        if cut[i].grad_fn is not None:
+        # A tensor also passed where a gradient reaches keeps its edge: its graph is walked
+        # anyway, and the saved values may read it through this place (Note [A tensor passed
+        # twice is not cut]).
+        if cut[i].grad_fn is not None and id(cut[i]) not in reached:
             cut[i] = cut[i].detach().requires_grad_()
     return cut
+
+
+# Note [A tensor passed twice is not cut]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A tensor passed twice is one functional wrapper in the trace, and the graph
+# may read it, and save it, through either placeholder: for ``f(a0, a1, a2)
+# = a0 * a2`` called on ``(b, b, b[1:])`` (``b`` a non-leaf), the forward
+# saves placeholder ``a1``, whose own gradient no output reaches. Cut there
+# (Note [Inputs no gradient reaches]), the Function would save a fresh leaf,
+# and the ``create_graph`` backward, differentiable in that saved primal
+# (Note [Differentiable backward]), would send ``b``'s second-order term from
+# ``a2``'s gradient into that leaf: silently lost (eager: ``b`` gets it). The
+# reason to cut does not hold for such a place: the same tensor's graph is
+# walked through its reached place anyway. So only a tensor passed nowhere a
+# gradient reaches is cut.
 
 
 # Note [Grad mode regions]
@@ -323,6 +342,7 @@ def higher_order_of(
         saved_in_forward=plan.saved_in_forward,
         driver=driver,
         changed=frozenset(changed),
+        set_inputs=frozenset(m.index for m in plan.mutations if m.storage is not None),
         prepare=prepare,
     )
 

@@ -60,6 +60,7 @@ from aotgrad.ops.table import autocast_lowers, needs_grad_mode, op_name
 from aotgrad.partition import Partitioned
 from aotgrad.runtime.boxing import BoxedCall
 from aotgrad.runtime.higher_order import HigherOrder
+from aotgrad.runtime.slices import ancestors, graph_outputs, graph_placeholders
 from aotgrad.runtime.transforms import GRAPH_PAIR, refuse_transform
 from aotgrad.signature import Signature
 
@@ -119,6 +120,10 @@ class Plan:
     # Per input in ``state_at_backward``: the cotangents (bitmask) that reach its region's
     # backward, and the inputs whose gradients that backward feeds.
     state_regions: tuple[StateRegion, ...] = ()
+    # Graph inputs whose version the backward checks (the saved values are read from them,
+    # or it reads them as state); None: not known, every metadata replay keeps the version
+    # (Note [Replayed metadata keeps the version]).
+    version_read: tuple[int, ...] | None = None
 
     @staticmethod
     def of(partitioned: Partitioned) -> Plan:
@@ -163,7 +168,17 @@ class Plan:
             detached_inputs=joint.detached_inputs,
             state_at_backward=joint.state_at_backward,
             state_regions=joint.state_regions,
+            version_read=_version_read(partitioned),
         )
+
+
+def _version_read(partitioned: Partitioned) -> tuple[int, ...]:
+    """Graph inputs a saved value is read from, or the backward reads as state."""
+    forward = partitioned.forward
+    index = {node: i for i, node in enumerate(graph_placeholders(forward))}
+    saved = graph_outputs(forward)[partitioned.signature.saved_in_forward]
+    read = {index[n] for n in ancestors(saved) if n in index}
+    return tuple(sorted(read | set(partitioned.joint.state_at_backward)))
 
 
 def _returned(fresh: tuple[int, ...], signature: Signature) -> tuple[int, ...]:
@@ -642,7 +657,8 @@ def run_epilogue(
         if mutation.resized is not None:  # Note [Storage resizes of an input]
             shrinks += _replay_resized(inputs[mutation.index], concrete.mutation(mutation), new)
         elif mutation.storage is None:
-            _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new)
+            bumps = _bumps_as_eager(plan, inputs, mutation.index)
+            _replay_mutation(inputs[mutation.index], concrete.mutation(mutation), new, bumps)
     if subclass_inputs is not None:
         subclass_inputs.replay()
     for mutation in sets:  # after every copy_: a set_ source's values are final
@@ -769,8 +785,22 @@ class SubclassInputs(Protocol):
     def replay(self) -> None: ...
 
 
-def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor | None) -> None:
-    """Apply a traced in-place change to the caller's tensor (Note [Input mutation])."""
+def _bumps_as_eager(plan: Plan, inputs: Sequence[torch.Tensor], i: int) -> bool:
+    """May a metadata replay on input ``i`` bump its version, as eager's did? Only when no
+    input the backward checks shares its storage (Note [Replayed metadata keeps the version])."""
+    if plan.version_read is None:
+        return False
+    storage = inputs[i].untyped_storage()
+    return not any(
+        inputs[j].untyped_storage().data_ptr() == storage.data_ptr() for j in plan.version_read
+    )
+
+
+def _replay_mutation(
+    x: torch.Tensor, mutation: InputMutation, new: torch.Tensor | None, bumps: bool = False
+) -> None:
+    """Apply a traced in-place change to the caller's tensor (Note [Input mutation]); ``bumps``:
+    a metadata-only change bumps its version (Note [Replayed metadata keeps the version])."""
     if mutation.metadata is not None:
         meta = mutation.metadata
         needed = meta.extent * x.element_size()
@@ -780,7 +810,7 @@ def _replay_mutation(x: torch.Tensor, mutation: InputMutation, new: torch.Tensor
         version = x._version
         with torch.set_grad_enabled(mutation.with_grad):
             x.as_strided_(meta.size, meta.stride, meta.storage_offset)
-        if new is None:  # Note [Replayed metadata keeps the version]
+        if new is None and not bumps:  # Note [Replayed metadata keeps the version]
             set_version_counter((x,), (version,))
     if new is not None:
         with torch.set_grad_enabled(mutation.requires_grad):
@@ -832,10 +862,37 @@ def _replay_set(
             fresh.as_strided(layout.size, layout.stride, layout.storage_offset).copy_(new)
         storage = fresh.untyped_storage()
     version = x._version
+    if x.requires_grad and x.is_leaf:  # Note [set_() on a leaf keeps its accumulator]
+        carrier = torch.empty(0, dtype=x.dtype, device=x.device)
+        carrier.set_(storage, layout.storage_offset, layout.size, layout.stride)
+        x.data = carrier  # keeps x's version
+        if not keeps_version:  # as set_() bumps it
+            set_version_counter((x,), (version + 1,))
+        return
     with torch.no_grad():
         x.set_(storage, layout.storage_offset, layout.size, layout.stride)
     if keeps_version:  # ``x.data = source`` (set_() bumps it)
         set_version_counter((x,), (version,))
+
+
+# Note [set_() on a leaf keeps its accumulator]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``x.set_(...)`` on a leaf that requires grad gives ``x`` a new gradient
+# accumulator (``x.data = y`` keeps the old one). The compiled Function's edge
+# to ``x`` was made, at its apply, before the epilogue replays the set_, so
+# replayed with ``set_()`` the edge would lead to an accumulator ``x`` no
+# longer has: ``.backward()`` still fills ``x.grad``, but
+# ``autograd.grad(out, x)`` finds ``x`` unused::
+#
+#     def f(a):                  # a: a leaf requiring grad
+#         a.data = torch.ones(3)
+#         return a * 2           # eager: grad(out, a) = 2s; set_() replay: None
+#
+# So a leaf requiring grad takes its new storage through ``x.data = carrier``
+# (a tensor over that storage and layout), which keeps the accumulator, and its
+# version is bumped by hand where eager's ``set_()`` bumped it. Eager's own
+# ``set_()`` (under no_grad) does start a new accumulator, but its outputs
+# computed after it lead there, as the compiled outputs lead to the kept one.
 
 
 # Note [Views of a restrided input]
@@ -880,6 +937,17 @@ def _replay_set(
 # the backward raises as eager does. The price of the restored version: where
 # eager raises because ``t_()`` came *after* the save, the compiled function
 # computes the (correct) gradient.
+#
+# Where no input the backward checks (``Plan.version_read``: those the saved
+# values are read from, and the backward's state) shares the input's storage,
+# the bump is kept, as eager's: a view of the input taken before the call
+# (another argument, ``b`` and ``b[1:]``) sees the version move and, once its
+# base requires grad, takes a ``grad_fn`` as eager's does::
+#
+#     def f(a0, a1):             # called as f(b, b[1:]), b a leaf not requiring grad
+#         a0.t_()                # bumps b's version (and a1's: one counter)
+#         a0.requires_grad_(True)
+#         return a0              # eager: a1 is a view with a grad_fn; restored: a leaf
 
 
 _SOURCES = (AliasSource.INPUT, AliasSource.GRAPH_INPUT, AliasSource.OUTPUT, AliasSource.BASE)

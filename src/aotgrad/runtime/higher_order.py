@@ -182,6 +182,9 @@ class HigherOrder:
     driver: Driver
     # Forward inputs the epilogue changes in place (data, metadata or ``detach_()``).
     changed: frozenset[int] = frozenset()
+    # Forward inputs the function gives another storage (``set_()``, ``x.data = y``): Note
+    # [A gradient through a new storage].
+    set_inputs: frozenset[int] = frozenset()
     # Builds the graphs and signature above, once, before the first ``G``.
     prepare: Callable[[], tuple[fx.GraphModule, fx.GraphModule, Signature]] | None = None
     order: int = 1
@@ -226,6 +229,10 @@ class HigherOrder:
         if not any(wanted):
             return (None,) * len(wanted)
         piece = self._slice(tuple(needs_grad), tuple(wanted))
+        if piece.primals or piece.constants:  # Note [A gradient through a new storage]
+            for i in sorted(self.set_inputs):
+                if needs_grad[i]:
+                    raise _through_new_storage(self._input_name(i))
         values = [
             *(
                 piece.zeros(i) if i in piece.stand_ins else self._primal(i, saved, kept)
@@ -349,6 +356,39 @@ def link_zeros(
     for link, grad in zip(links, passed, strict=True):
         found[link.grad] = grad
     return found
+
+
+# Note [A gradient through a new storage]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``x.data = y`` (or ``set_()``) keeps ``x`` the same autograd variable over
+# ``y``'s data: eager's ops after it differentiate through ``x``. The trace
+# reads ``x``'s new data as the value it came from (``y``, a value the function
+# made or another input), so a gradient computed from it is differentiable in
+# ``y``, not in ``x``::
+#
+#     def f(a, b):          # both require grad
+#         a.data = b
+#         return a * a      # eager: grad_a = 2 * a, differentiable in a
+#                           # G:     2 * b, differentiable in b (a gets None)
+#
+# The graph cannot tell ``a``'s new data from ``y`` itself, so ``G`` refuses
+# whenever such an input requires grad and ``G`` reads any primal or saved
+# value. A gradient that reads neither (``a * 2``: ``2 * g``) is right as is.
+
+
+def _through_new_storage(what: str) -> DoubleBackwardError:
+    return DoubleBackwardError(
+        format_error(
+            f"create_graph=True: the function gives input {what}, which requires grad, another"
+            f" storage (set_() or {what}.data = ...). Eager differentiates what it computes"
+            f" from {what} afterwards through {what}; the compiled graph reads that data as the"
+            " value it came from, so the gradient's own derivative would be wrong"
+            " (Note [A gradient through a new storage]).",
+            None,
+            f"Assign {what}.data (or call set_()) outside the compiled function, or take this"
+            " gradient without create_graph=True.",
+        )
+    )
 
 
 def _changed_after(what: str, version: int, tensor: torch.Tensor) -> DoubleBackwardError:
