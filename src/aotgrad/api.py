@@ -87,6 +87,7 @@ class _Reports:
         joint: bool = False,
         flat: bool = False,
         decompositions: Decompositions | str | None = None,
+        random: str | None = None,
     ) -> ExportedGraphs:
         """The forward and backward graphs as ``torch.export.ExportedProgram`` s, named in
         ``torch.export``'s vocabulary (Note [Export signatures]; docs/export.md); with
@@ -94,7 +95,10 @@ class _Reports:
         of tensors (parameters and buffers passed in, mutations and gradients returned: the
         form ONNX and IREE compile, docs/backends.md); with ``decompositions``
         (``"core_aten"`` or a dict from op to function), every program decomposed with that
-        table, whatever the trace was captured with (Note [Decomposing a captured graph]).
+        table, whatever the trace was captured with (Note [Decomposing a captured graph]);
+        with ``random="inputs"`` (the default for flat programs and Core ATen), each random
+        draw of the forward an input that ``ExportedGraphs.draw()`` makes with torch, as
+        eager draws it (``"ops"``: random ops kept; Note [Random draws as inputs]).
 
         >>> import torch, aotgrad
         >>> t = aotgrad.trace(torch.nn.Linear(2, 3), torch.ones(1, 2))
@@ -118,7 +122,12 @@ class _Reports:
         partitioned = self._reported()
         lifted = self._lifted_for_export(partitioned)
         return export_graphs(
-            partitioned, lifted, joint=joint, flat=flat, decompositions=decompositions
+            partitioned,
+            lifted,
+            joint=joint,
+            flat=flat,
+            decompositions=decompositions,
+            random=random,
         )
 
     def seq_table(self) -> SeqTable:

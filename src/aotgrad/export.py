@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -35,11 +36,13 @@ from aotgrad.ops.core_aten import (
     refuse_non_core,
 )
 from aotgrad.partition import Partitioned
+from aotgrad.partition.draws import Draws, lift_draws
 from aotgrad.signature.descriptors import (
     Buffer,
     Closure,
     Cotangent,
     Descriptor,
+    Draw,
     Global,
     Grad,
     Input,
@@ -51,7 +54,7 @@ from aotgrad.signature.descriptors import (
     Saved,
 )
 
-__all__ = ["ExportedGraphs", "export_graphs"]
+__all__ = ["RANDOM_CHOICES", "ExportedGraphs", "export_graphs"]
 
 # Note [Export signatures]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -62,6 +65,8 @@ __all__ = ["ExportedGraphs", "export_graphs"]
 #                      Input(x), InputBase   -> InputKind.USER_INPUT
 #                      Closure(w), Global(W) -> InputKind.CONSTANT_TENSOR, target
 #                      "aotgrad_w" (the placeholder's name), in ``constants``
+#                      Draw(bernoulli)       -> InputKind.USER_INPUT, after the user's
+#                      inputs (Note [Random draws as inputs])
 #   forward outputs    MutatedInput(of=Buffer) -> OutputKind.BUFFER_MUTATION (and of a Param,
 #                      PARAMETER_MUTATION; of an Input, USER_INPUT_MUTATION)
 #                      Output, OutputBase, Saved -> OutputKind.USER_OUTPUT
@@ -148,8 +153,38 @@ class ExportedGraphs:
     # (None: unset): the programs hold what it did with these values, as the graphs do
     # (Note [Environment read at capture]); transformers' Llama reads one.
     environment: tuple[tuple[str, str | None], ...] = ()
+    # With random draws as inputs (Note [Random draws as inputs]): () -> (*draws,), one per
+    # ``Draw`` of ``forward_inputs`` (the last ones), in order; :meth:`draw` runs it.
+    draws: ExportedProgram | None = None
+
+    def draw(self) -> tuple[torch.Tensor, ...]:
+        """The forward's random draws, made by torch's default generator as eager makes them:
+        pass them after the other inputs of ``forward.module()`` (and of ``joint.module()``).
+        Call it once per step, before the forward, and a step under ``torch.manual_seed(s)``
+        uses eager's masks; () when the programs draw nothing.
+
+        >>> import torch, aotgrad
+        >>> drop = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+        >>> programs = aotgrad.trace(drop, torch.ones(2, 4)).export(decompositions="core_aten")
+        >>> [str(d) for d in programs.forward_inputs]
+        ['input', 'draw bernoulli: aten.bernoulli.p in 1']
+        >>> _ = torch.manual_seed(0); out = programs.forward.module()(torch.ones(2, 4), *programs.draw())
+        >>> _ = torch.manual_seed(0); torch.equal(out[0], drop(torch.ones(2, 4)))
+        True
+        """
+        if self._draw_module is None:
+            return ()
+        with torch.no_grad():
+            return tuple(self._draw_module())
+
+    @cached_property
+    def _draw_module(self) -> torch.nn.Module | None:
+        return None if self.draws is None else self.draws.module()
 
     def __post_init__(self) -> None:
+        n_draws = sum(isinstance(d, Draw) for d in self.forward_inputs)
+        if self.draws is not None and n_draws != len(self.draws.graph_signature.user_outputs):
+            raise AssertionError(f"expected one draw per Draw input ({n_draws}) in the program")
         user = self.forward.graph_signature.user_outputs
         if len(user) != len(self.forward_outputs):
             raise AssertionError(
@@ -178,6 +213,9 @@ class ExportedGraphs:
 
 # What ``export(decompositions=...)`` takes: a set's name, or a dict from op to function.
 ExportDecompositions = str | Mapping[Any, Callable[..., Any]] | None
+# What ``export(random=...)`` takes: random ops kept in the programs, or their draws made
+# inputs (Note [Random draws as inputs]); None: inputs for flat programs and Core ATen.
+RANDOM_CHOICES = ("ops", "inputs")
 
 
 def export_graphs(
@@ -186,12 +224,22 @@ def export_graphs(
     joint: bool = False,
     flat: bool = False,
     decompositions: ExportDecompositions = None,
+    random: str | None = None,
 ) -> ExportedGraphs:
     """``partitioned``'s graphs as programs; ``lifted``: the real tensors of its leading
     Param/Buffer/Closure/Global inputs, in order; ``joint``: the joint graph too; ``flat``:
     every input a USER_INPUT, every output a USER_OUTPUT (Note [Export signatures]);
     ``decompositions``: every program decomposed with that table, and with a set's name,
-    holding only its ops (Note [Decomposing a captured graph])."""
+    holding only its ops (Note [Decomposing a captured graph]); ``random``: ``"inputs"``,
+    the forward's draws made inputs and a draw program (Note [Random draws as inputs]),
+    ``"ops"``, random ops kept; None, inputs when ``flat`` or a set's name is given."""
+    if random is not None and random not in RANDOM_CHOICES:
+        raise ConfigError(
+            f"export(random={random!r}) takes None, 'ops' (random ops kept in the programs: only"
+            " torch draws eager's numbers) or 'inputs' (the draws made inputs, drawn by"
+            " ExportedGraphs.draw())"
+        )
+    as_inputs = random == "inputs" or (random is None and (flat or isinstance(decompositions, str)))
     if partitioned.mutations_in_graph:
         raise CallError(
             "this trace has no backward and its forward graph writes its input mutations"
@@ -224,10 +272,16 @@ def export_graphs(
             f" convention has no place for state the backward mutates. {todo} to export the"
             " graphs"
         )
-    graphs = (partitioned.forward, partitioned.backward, partitioned.joint.gm if joint else None)
+    forward_gm, draws = partitioned.forward, None
+    joint_gm = partitioned.joint.gm if joint else None
+    if as_inputs:
+        forward_gm, draws = lift_draws(forward_gm)
+        joint_gm = _joint_draws(joint_gm, draws)
+    graphs = (forward_gm, partitioned.backward, joint_gm)
     forward_gm, backward_gm, joint_gm = _decomposed(graphs, decompositions)
+    drawn = () if draws is None else draws.descriptors
     forward, forward_outputs = _graph_program(
-        forward_gm, signature.forward_inputs, signature.forward_outputs, lifted, flat
+        forward_gm, (*signature.forward_inputs, *drawn), signature.forward_outputs, lifted, flat
     )
     backward: ExportedProgram | None = None
     grads: tuple[Descriptor, ...] = ()
@@ -239,7 +293,7 @@ def export_graphs(
     joint_outputs: tuple[Descriptor, ...] = ()
     if joint_gm is not None:
         graph = partitioned.joint
-        joint_inputs = (*graph.graph_inputs, *graph.cotangents)
+        joint_inputs = (*graph.graph_inputs, *graph.cotangents, *drawn)
         results = tuple(joint_gm.graph.output_node().meta["desc"])
         joint_program, joint_outputs = _graph_program(joint_gm, joint_inputs, results, lifted, flat)
     return ExportedGraphs(
@@ -255,12 +309,44 @@ def export_graphs(
         joint=joint_program,
         joint_outputs=joint_outputs,
         forward_inputs=tuple(
-            d for d in signature.forward_inputs if flat or isinstance(d, Input | InputBase)
+            d
+            for d in (*signature.forward_inputs, *drawn)
+            if flat or isinstance(d, Input | InputBase | Draw)
         ),
         lifted=tuple(t.detach() for t in lifted) if flat else (),
         flat=flat,
         environment=() if environ is None else environ.values,
+        draws=None if draws is None else _draw_program(draws),
     )
+
+
+def _joint_draws(joint: fx.GraphModule | None, draws: Draws | None) -> fx.GraphModule | None:
+    """The joint graph with the forward's draws as its last inputs: the same draws, as the
+    joint holds the forward's random ops (a recompute's are linked to them)."""
+    if joint is None or draws is None:
+        return joint
+    lifted, joint_draws = lift_draws(joint)
+    names = None if joint_draws is None else joint_draws.descriptors
+    if names != draws.descriptors:
+        raise AssertionError(
+            f"expected the joint graph to draw what the forward draws, {draws.descriptors},"
+            f" got {names}"
+        )
+    return lifted
+
+
+def _draw_program(draws: Draws) -> ExportedProgram:
+    """The draw program as a program of no inputs returning the draws."""
+    graph, placeholders, outputs = _copy(draws.program)
+    if placeholders:
+        raise AssertionError(f"expected a draw program without inputs, got {placeholders}")
+    constants: dict[str, torch.Tensor] = {}
+    inputs = _lift_constants(draws.program, graph, constants)
+    specs = [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(o.name), None) for o in outputs if o]
+    for node, desc in zip(outputs, draws.descriptors, strict=True):
+        if node is not None:
+            _annotate(node, desc, output=True)
+    return _program(graph, inputs, specs, {}, 0, len(specs), constants)
 
 
 _Graphs = tuple[fx.GraphModule, fx.GraphModule | None, fx.GraphModule | None]
@@ -311,7 +397,7 @@ def _decomposed(graphs: _Graphs, decompositions: ExportDecompositions) -> _Graph
 
 
 # The graph inputs export names; anything else is refused (Note [Export signatures]).
-_INPUTS = (Param, Buffer, Closure, Global, Input, InputBase, Saved, Cotangent)
+_INPUTS = (Param, Buffer, Closure, Global, Input, InputBase, Saved, Cotangent, Draw)
 
 
 def _graph_program(
@@ -441,7 +527,7 @@ def _input_spec(
 ) -> InputSpec:
     """The spec of one input; a lifted ``tensor`` goes into ``state`` or ``constants``."""
     arg = TensorArgument(name=node.name)
-    if isinstance(desc, Input | InputBase | Saved | Cotangent):
+    if isinstance(desc, Input | InputBase | Saved | Cotangent | Draw):
         return InputSpec(InputKind.USER_INPUT, arg, None)
     if not isinstance(desc, Param | Buffer | Closure | Global) or tensor is None:
         raise _unsupported(desc, "graph input")

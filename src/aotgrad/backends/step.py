@@ -71,7 +71,7 @@ class BackendStep:
         self, *inputs: torch.Tensor, cotangents: Sequence[torch.Tensor] | None = None
     ) -> StepResult:
         """Run the forward on ``inputs`` (the user's tensors, ``forward_inputs`` after the
-        lifted ones), then the backward on the saved values and ``cotangents`` (one per
+        lifted ones) and the draws torch's generator makes for it, then the backward on the saved values and ``cotangents`` (one per
         ``Cotangent`` of ``backward_inputs``; default: ones, the gradient of a sum)."""
         programs = self.programs
         users = [d for d in programs.forward_inputs if isinstance(d, Input | InputBase)]
@@ -80,7 +80,8 @@ class BackendStep:
                 f"expected {len(users)} input tensor(s) ({', '.join(map(str, users))}),"
                 f" got {len(inputs)}"
             )
-        results = self.forward(*programs.lifted, *inputs)
+        # Note [Random draws as inputs]: drawn by torch, now, as eager's step draws them
+        results = self.forward(*programs.lifted, *inputs, *programs.draw())
         named = dict(zip(programs.forward_outputs, results, strict=True))
         outputs = tuple(
             named[d] for d in programs.forward_outputs if isinstance(d, Output | OutputBase)

@@ -154,6 +154,24 @@ GraphInputDescriptor = Input | Param | Buffer | Closure | Global | Inner | Input
 
 
 @dataclass(frozen=True)
+class Draw(Descriptor):
+    """A random draw of the forward, taken as an input the host draws with torch: the node it
+    replaced, its op and its module (Note [Random draws as inputs] in ``partition/draws.py``).
+
+    >>> str(Draw(name="bernoulli", op="aten.bernoulli.p", module="drop"))
+    'draw bernoulli: aten.bernoulli.p in drop'
+    """
+
+    name: str
+    op: str
+    module: str = ""
+
+    def __str__(self) -> str:
+        where = f" in {printable(self.module)}" if self.module else ""
+        return f"draw {printable(self.name)}: {printable(self.op)}{where}"
+
+
+@dataclass(frozen=True)
 class Output(Descriptor):
     """A leaf of the user's result, by key path below ``output``: ``[1]``, ``[0]['a']``."""
 

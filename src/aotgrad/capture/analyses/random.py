@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from aotgrad.ops.draws import METADATA_ONLY
 from aotgrad.ops.table import draws_random, is_random
 
 # In-place random fills whose arguments after the target are floats: method name per op.
@@ -68,6 +69,7 @@ def _fill_random_fake(like: torch.Tensor, fill: str, args: Sequence[float]) -> t
 
 
 FILL_RANDOM = torch.ops.aotgrad.fill_random.default
+METADATA_ONLY[FILL_RANDOM] = frozenset({0})  # draws on an empty tensor laid out like ``like``
 
 
 def strided_fill(
