@@ -83,7 +83,7 @@ models: install
 # Every library model's exported programs run in ONNX Runtime and in IREE against eager
 # (docs/backends.md); `make test` runs one model per backend.
 backends: install
-	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -p no:cacheprovider -m 'backends_slow or backends' tests/test_backend_onnxruntime.py tests/test_backend_iree.py
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -p no:cacheprovider -m 'backends_slow or backends' tests/test_backend_onnxruntime.py tests/test_backend_iree.py tests/test_random_draws.py
 
 # The default suite on another torch / Python of the supported window, in a side environment
 # built once outside the repository (tools/compat.sh): make compat TORCH=2.14.1 PYTHON=3.11

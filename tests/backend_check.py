@@ -4,7 +4,9 @@ eager (docs/backends.md).
 ``check_backend(model, loss, args, kwargs, backend)`` traces ``loss(model(*args, **kwargs))``,
 exports the flat programs, runs one step of them through ``aotgrad.backends.step`` and compares
 the loss, every buffer after the step and every parameter's gradient with eager's, at the
-tolerances given (stated in each test: a backend computes in its own kernels, with its own
+tolerances given, and the generator's state after the step: the step starts from the generator
+state eager's step started from, so a model with dropout draws eager's masks (Note [Random
+draws as inputs]) and leaves the generator where eager leaves it (stated in each test: a backend computes in its own kernels, with its own
 summation order and its own transcendental functions).
 """
 
@@ -52,13 +54,18 @@ def check_backend(
     """Run one step of ``model``'s exported programs in ``backend`` and compare it with eager."""
     wrapped = WithLoss(model, loss)
     eager, traced_model = copy.deepcopy(wrapped), copy.deepcopy(wrapped)
+    start = torch.get_rng_state()
     expected = eager(*args, **kwargs)
     expected.backward()
+    after_eager = torch.get_rng_state()
     traced = aotgrad.trace(traced_model, *args, decompositions=decompositions, **kwargs)
     programs = traced.export(flat=True)
     leaves = pytree.tree_leaves((args, kwargs))
     tensors = [leaves[i] for i in traced.partitioned.joint.inputs.tensor_positions]
-    result = step(programs, backend)(*tensors)
+    run = step(programs, backend)
+    torch.set_rng_state(start)
+    result = run(*tensors)
+    assert torch.equal(torch.get_rng_state(), after_eager), "the generator moved unlike eager's"
 
     (loss_value,) = result.outputs
     torch.testing.assert_close(

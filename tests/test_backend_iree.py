@@ -61,11 +61,12 @@ def test_gpt2():
 
 
 def test_random_ops_refused():
-    """A program that draws random numbers is refused at compile time, naming the op and
-    the user's line: IREE's generator cannot reproduce torch's dropout mask."""
+    """A program that draws random numbers (its random ops kept: random="ops") is refused at
+    compile time, naming the op and the user's line: IREE's generator cannot reproduce torch's
+    dropout mask. (By default the draws are inputs: tests/test_random_draws.py.)"""
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2))
     x = torch.randn(4, 8)
-    programs = aotgrad.trace(lambda x: model(x).sum(), x).export(flat=True)
+    programs = aotgrad.trace(lambda x: model(x).sum(), x).export(flat=True, random="ops")
     with pytest.raises(
         BackendError, match=r"(?s)forward program draws random.*aten\.\w+.*model\.1"
     ):

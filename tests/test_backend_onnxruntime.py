@@ -204,11 +204,13 @@ def test_tied_gpt() -> None:
 
 
 def test_dropout_is_refused() -> None:
-    """ONNX Runtime cannot draw torch's mask: compiling a program with dropout p > 0 raises,
-    naming the op and the user's line."""
+    """ONNX Runtime cannot draw torch's mask: compiling a program that keeps dropout p > 0
+    (random="ops") raises, naming the op and the user's line. (By default the draws are inputs,
+    and the step runs: tests/test_random_draws.py.)"""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
-    programs = aotgrad.trace(lambda x: model(x).sum(), torch.randn(4, 8)).export(flat=True)
+    traced = aotgrad.trace(lambda x: model(x).sum(), torch.randn(4, 8))
+    programs = traced.export(flat=True, random="ops")
     with pytest.raises(
         BackendError, match=r"(?s)draws random numbers.*bernoulli.*test_backend_onnxruntime.py"
     ):
@@ -566,12 +568,12 @@ def test_timm_resnet_with_batchnorm(name: str) -> None:
 
 
 @pytest.mark.backends_slow
-def test_gpt2_with_dropout_is_refused() -> None:
+def test_gpt2_with_dropout_kept_is_refused() -> None:
     import library_models
 
     case = library_models.gpt2(0.1)
     programs = aotgrad.trace(case.model, *case.args, decompositions=None, **case.kwargs).export(
-        flat=True
+        flat=True, random="ops"
     )
     with pytest.raises(BackendError, match=r"(?s)draws random numbers.*transformers"):
         step(programs, BACKEND)

@@ -215,12 +215,16 @@ def test_as_strided_scatter_decomposition_is_the_op(size, stride, offset):
         decompose(base.t(), src, size, stride, offset)
 
 
-def test_dropout_drawing_outside_core_aten_is_refused_by_name():
+def test_dropout_kept_in_the_graph_is_refused_by_name():
     # Eager's CPU dropout draws with bernoulli_ (not Core ATen); its decomposition would draw
-    # other numbers, so the op is kept and the capture refused, naming it and why.
+    # other numbers, so with the random ops kept (random="ops") the capture is refused, naming
+    # the op, why, and the option that takes draws out (tests/test_random_draws.py).
     x = torch.randn(4, 4, requires_grad=True)
-    with pytest.raises(UnsupportedOpError, match=r"bernoulli\.p \(forward.*a random op"):
-        aotgrad.trace(lambda x: F.dropout(x, 0.5), x, decompositions="core_aten")
+    match = r"bernoulli\.p \(forward.*a random op.*random='inputs'"
+    with pytest.raises(UnsupportedOpError, match=match):
+        aotgrad.aot_function(lambda x: F.dropout(x, 0.5), decompositions="core_aten", random="ops")(
+            x
+        )
 
 
 def test_scan_layers_takes_core_aten():

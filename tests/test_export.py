@@ -15,7 +15,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 import aotgrad
 from aotgrad.errors import CallError, ConfigError, UnsupportedOpError
 from aotgrad.ops.core_aten import is_core
-from aotgrad.signature.descriptors import Grad, Input, Output, Saved
+from aotgrad.signature.descriptors import Draw, Grad, Input, Output, Saved
 from models import GPT, MLP, Block, ConvBN
 
 
@@ -53,19 +53,29 @@ def _backward_inputs(programs, backward, outputs):
 
 
 def check_export(
-    model, args, kwargs, tmp_path, rtol=1e-4, atol=1e-5, decompositions=None, **options
+    model,
+    args,
+    kwargs,
+    tmp_path,
+    rtol=1e-4,
+    atol=1e-5,
+    decompositions=None,
+    random=None,
+    **options,
 ):
-    """Export ``model``'s graphs (with ``decompositions``, if given), save and load them,
-    run both on the inputs and compare the loss, the buffers after the step and every
-    gradient with eager's (both seeded alike: dropout draws eager's masks)."""
+    """Export ``model``'s graphs (with ``decompositions`` and ``random``, if given), save and
+    load them, run both on the inputs and compare the loss, the buffers after the step and
+    every gradient with eager's (both seeded alike: dropout draws eager's masks, in the
+    programs or, with random="inputs", by the saved and loaded draw program)."""
     eager, traced_model = copy.deepcopy(model), copy.deepcopy(model)
     torch.manual_seed(1234)
     expected = eager(*args, **kwargs)
     expected.backward()
     traced = aotgrad.trace(traced_model, *args, **kwargs, **options)
-    programs = traced.export(joint=True, decompositions=decompositions)
+    programs = traced.export(joint=True, decompositions=decompositions, random=random)
     forward = _round_trip(programs.forward, tmp_path / "forward.pt2")
     backward = _round_trip(programs.backward, tmp_path / "backward.pt2")
+    draw = _drawing(programs, tmp_path)
     signature = traced.signature
 
     # Which input is which: parameters and buffers by name, then the user's tensors.
@@ -86,7 +96,7 @@ def check_export(
     tensors = [leaves[i] for i in traced.partitioned.joint.inputs.tensor_positions]
     module = forward.module()
     torch.manual_seed(1234)
-    outputs = module(*tensors)
+    outputs = module(*tensors, *draw())
     torch.testing.assert_close(outputs[0], expected.detach(), rtol=rtol, atol=atol)
     # Mutated buffers (BatchNorm's running statistics) are written into the module.
     got_buffers = dict(module.named_buffers())
@@ -111,7 +121,7 @@ def check_export(
     # The joint: (*user inputs, cotangent of the loss) -> (loss, *gradients).
     joint = _round_trip(programs.joint, tmp_path / "joint.pt2")
     torch.manual_seed(1234)
-    joint_outputs = joint.module()(*tensors, torch.ones(()))
+    joint_outputs = joint.module()(*tensors, torch.ones(()), *draw())
     results = dict(zip(programs.joint_outputs, joint_outputs, strict=True))
     torch.testing.assert_close(
         results[programs.forward_outputs[0]], expected.detach(), rtol=rtol, atol=atol
@@ -130,6 +140,15 @@ def check_export(
     first = next(iter(programs.forward.graph.find_nodes(op="placeholder")))
     assert first.meta["aotgrad"]["descriptor"]["kind"] == "Param"
     return programs
+
+
+def _drawing(programs, tmp_path):
+    """What makes the programs' draws: their draw program saved and loaded, run by torch."""
+    if programs.draws is None:
+        assert not any(isinstance(d, Draw) for d in programs.forward_inputs)
+        return tuple
+    module = _round_trip(programs.draws, tmp_path / "draws.pt2").module()
+    return lambda: module()
 
 
 def test_export_mlp(tmp_path):
@@ -532,13 +551,16 @@ def test_export_decomposition_dict_table(tmp_path):
         assert not targets & {aten.silu.default, aten.silu_backward.default}
 
 
-def test_export_core_aten_refuses_random_ops_it_cannot_decompose():
+def test_export_core_aten_with_random_ops_kept_is_refused():
     """CPU dropout draws with bernoulli (not Core ATen); its decomposition would draw other
-    numbers, so the export is refused, naming the op and why."""
+    numbers, so with the random ops kept in the programs (random="ops") the export is refused,
+    naming the op, why, and the option that takes its draws out (tests/test_random_draws.py)."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
     traced = aotgrad.trace(model, torch.randn(2, 4))
-    with pytest.raises(UnsupportedOpError, match=r"(?s)exported graph.*bernoulli.*a random op"):
-        traced.export(decompositions="core_aten")
+    match = r"(?s)exported graph.*bernoulli.*a random op.*random='inputs'"
+    with pytest.raises(UnsupportedOpError, match=match):
+        traced.export(decompositions="core_aten", random="ops")
+    assert not _not_core(traced.export(decompositions="core_aten").forward)
 
 
 def test_export_decompositions_on_every_frontend(tmp_path):

@@ -35,6 +35,7 @@ from aotgrad.errors import UnsupportedSubclassError, UserFrame, user_frame_of_fu
 from aotgrad.ops.core_aten import decomposition_set, refuse_non_core
 from aotgrad.partition import Partitioned, partition
 from aotgrad.partition.checks import check_partitioned
+from aotgrad.partition.draws import lifted_draws
 from aotgrad.runtime import CompiledGraphs, compile_partitioned
 from aotgrad.settings import Decompositions, Options, collector_paused, compilers
 from aotgrad.signature import FlatInputs, flatten_inputs
@@ -126,7 +127,9 @@ def capture_stage(
         except SubclassGradients as again:
             raise UnsupportedSubclassError(str(again)) from None
     if isinstance(options.decompositions, str):  # Note [Core ATen graphs]
-        refuse_non_core(joint.gm.graph, options.decompositions)
+        # Note [Random draws as inputs]: the draws leave the compiled forward
+        drawn = lifted_draws(joint.gm.graph) if options.draws_as_inputs else set()
+        refuse_non_core(joint.gm.graph, options.decompositions, ignore=drawn)
     if on_joint is not None:
         on_joint(joint)
     if options.check:
@@ -177,7 +180,10 @@ def compile_stage(partitioned: Partitioned, options: Options) -> CompiledGraphs:
     """Hand the graphs to ``options``' compilers; their create_graph backward captures
     through :func:`run` (Note [Differentiable backward])."""
     return compile_partitioned(
-        partitioned, *compilers(options), driver=differentiable_backward_driver(options)
+        partitioned,
+        *compilers(options),
+        driver=differentiable_backward_driver(options),
+        draws_as_inputs=options.draws_as_inputs,
     )
 
 

@@ -82,6 +82,22 @@ class Options:
     # False: PyTorch's stock fake mode and the full trace only. Default: on unless AOTGRAD_FAST=0
     # (read, as AOTGRAD_CHECKS, when the options are made).
     fast: bool = field(default_factory=lambda: switch(*_FROM_ENVIRONMENT["fast"]))
+    # The forward's random draws: "ops", random ops in the compiled graph (torch draws eager's
+    # numbers, a compiler its own); "inputs", the draws taken out as its last inputs, made by
+    # torch before each call (Note [Random draws as inputs]). None: "inputs" with a named
+    # decomposition set (no Core ATen op draws eager's numbers), "ops" otherwise.
+    random: str | None = None
+
+    @property
+    def draws_as_inputs(self) -> bool:
+        """Does the compiled forward take its random draws as inputs?
+
+        >>> Options().draws_as_inputs, Options(decompositions="core_aten").draws_as_inputs
+        (False, True)
+        """
+        if self.random is None:
+            return isinstance(self.decompositions, str)
+        return self.random == "inputs"
 
     def __post_init__(self) -> None:
         for name, variable in _FROM_ENVIRONMENT.items():  # None: the variable's value
@@ -90,6 +106,12 @@ class Options:
         check_tracer_choice(self.tracer)
         if isinstance(self.decompositions, str):
             check_decomposition_set(self.decompositions)
+        if self.random not in (None, "ops", "inputs"):
+            raise ConfigError(
+                f"random={self.random!r} is not a choice: pass 'ops' (random ops in the compiled"
+                " graphs) or 'inputs' (their draws made inputs, drawn by torch before each call:"
+                " Note [Random draws as inputs])"
+            )
         if self.tracer == "direct" and not self.fast:
             raise ValueError(
                 "tracer='direct' needs the fast path, which fast=False (or AOTGRAD_FAST=0) leaves"
@@ -106,7 +128,7 @@ def options_of(given: Mapping[str, Any], where: str) -> Options:
     >>> options_of({"dynamc": True}, "aot_function")
     Traceback (most recent call last):
     ...
-    TypeError: aot_function() got an unexpected keyword argument 'dynamc'; its options are fw_compiler, bw_compiler, inference_compiler, partition, decompositions, keep_inference_input_mutations, cache_limit, dynamic, tracer, disk_cache, check, fast
+    TypeError: aot_function() got an unexpected keyword argument 'dynamc'; its options are fw_compiler, bw_compiler, inference_compiler, partition, decompositions, keep_inference_input_mutations, cache_limit, dynamic, tracer, disk_cache, check, fast, random
     """
     unknown = [name for name in given if name not in OPTION_NAMES]
     if unknown:

@@ -235,8 +235,9 @@ class Backend:
         return (
             f"draws random numbers, which {self.name} cannot draw as torch does (its masks"
             f" would not be eager's: Note [Backends and random ops]):\n{describe(drawing)}\n"
-            "  Set the dropout probabilities to 0 (or call model.eval()) before tracing, or"
-            " run the program with torch"
+            "  Export with the draws as inputs (export(flat=True, random='inputs'), and pass"
+            " programs.draw() after the inputs: aotgrad.backends.step does), or run the"
+            " program with torch"
         )
 
     def ops_at(self, nodes: Sequence[fx.Node]) -> str:
@@ -304,7 +305,9 @@ class CompiledProgram:
 # program) could not reproduce it. A program whose op draws from the RNG
 # (``aotgrad.ops.table.draws_random``: dropout with p > 0 in training, ``bernoulli``,
 # ``rand_like``, attention with ``dropout_p`` > 0) is refused when it is compiled; dropout at
-# p = 0, or in eval mode, draws nothing and runs.
+# p = 0, or in eval mode, draws nothing and runs. Programs exported with their draws as inputs
+# (``export(random="inputs")``, the default for flat programs: Note [Random draws as inputs])
+# hold no random op, and ``step`` makes their draws with torch, so they train with eager's masks.
 
 
 def calls(program: ExportedProgram) -> list[fx.Node]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -329,10 +329,13 @@ def non_core_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and not is_core(n.target)]
 
 
-def refuse_non_core(graph: fx.Graph, name: str, exporting: bool = False) -> None:
-    """An UnsupportedOpError naming every op of ``graph`` outside the set ``name`` promised;
-    ``exporting``: the graph is a program ``export(decompositions=name)`` decomposed."""
-    offenders = non_core_nodes(graph)
+def refuse_non_core(
+    graph: fx.Graph, name: str, exporting: bool = False, ignore: Collection[fx.Node] = ()
+) -> None:
+    """An UnsupportedOpError naming every op of ``graph`` outside the set ``name`` promised,
+    but those of ``ignore`` (random draws the compiled graph takes as inputs); ``exporting``:
+    the graph is a program ``export(decompositions=name)`` decomposed."""
+    offenders = [n for n in non_core_nodes(graph) if n not in ignore]
     if not offenders:
         return
     first: dict[str, fx.Node] = {}
@@ -346,7 +349,8 @@ def refuse_non_core(graph: fx.Graph, name: str, exporting: bool = False) -> None
         where = f", first at {source}" if source is not None else ""
         why = (
             ": a random op, kept so that the graph draws what eager draws (its decompositions"
-            " draw other numbers)"
+            " draw other numbers); random='inputs' takes its draws out of the graph (Note"
+            " [Random draws as inputs])"
             if is_random(node.target)
             else ""
         )

@@ -22,8 +22,8 @@ alone, run by torch on the host, makes those inputs in eager's order::
 The draw program runs the very ops the graph held, on empty tensors laid out as their
 inputs, in graph order, with the default generator: under ``torch.manual_seed(s)`` a step
 uses eager's masks and leaves the generator where eager leaves it (draws do not depend on
-when the compute between them runs). A reseed recorded in the function (Note [Reseeding
-inside the function]) moves into the draw program, in place. The backward never draws: a
+when the compute between them runs). A reseed recorded in the function
+(Note [Reseeding inside the function]) moves into the draw program, in place. The backward never draws: a
 checkpoint's recompute reads the forward's draw (Note [Recomputed random ops]), now an
 input the forward saves like any other.
 
@@ -150,9 +150,45 @@ def lift_draws(gm: fx.GraphModule) -> tuple[fx.GraphModule, Draws | None]:
             kept.append(desc)
         else:  # only another draw read it: the program draws it, the graph does not take it
             graph.erase_node(placeholder)
+    for placeholder in placeholders:
+        if placeholder.graph is graph:
+            _copies_into_empty_dropped(placeholder)
     remove_dead_code(graph)
     result = fx.GraphModule(gm, graph)
     return result, Draws(program.module(), tuple(kept))
+
+
+# Buffers made only to be written whole: their values are never read.
+_EMPTY = frozenset(
+    [
+        torch.ops.aten.empty_like.default,
+        torch.ops.aten.empty_strided.default,
+        torch.ops.aten.new_empty.default,
+        torch.ops.aten.empty.memory_format,
+    ]
+)
+
+
+def _copies_into_empty_dropped(draw: fx.Node) -> None:
+    """``copy(empty_like(y), draw)`` read as ``draw`` where both are laid out alike: a strided
+    fill (Note [Random fills keep their layout]) copies its draw into a fresh buffer, which the
+    draw input already is (and ``empty_strided`` is an op backends refuse)."""
+    for user in list(draw.users):
+        if (
+            user.target is torch.ops.aten.copy.default
+            and user.args[1] is draw
+            and getattr(user.args[0], "target", None) in _EMPTY
+            and _layout(user) == _layout(draw)
+        ):
+            user.replace_all_uses_with(draw)
+            draw.graph.erase_node(user)
+
+
+def _layout(node: fx.Node) -> tuple[Any, ...] | None:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    return (val.shape, val.stride(), val.storage_offset(), val.dtype, val.device)
 
 
 def _draws(node: fx.Node) -> bool:
@@ -180,9 +216,11 @@ def _independent(graph: fx.Graph) -> set[fx.Node]:
 
 
 def _check_liftable(node: fx.Node, independent: set[fx.Node]) -> None:
-    op = op_name(node.target)
+    """An UnsupportedOpError unless the host can draw ``node`` before the graph runs."""
+    keep = " or keep the random ops in the graph (random='ops'), where only torch draws them."
     if node.kwargs.get("generator") is not None:
         why = "draws from a torch.Generator of its own, which the draw program cannot hand it"
+        todo = "Draw from the default generator," + keep
     elif node not in independent:
         layout_only = metadata_only(node.target)
         read = [a for i, a in enumerate(node.args) if i not in layout_only]
@@ -191,21 +229,24 @@ def _check_liftable(node: fx.Node, independent: set[fx.Node]) -> None:
             f"draws numbers that depend on values the graph computes ({', '.join(reads)}),"
             " which the host cannot draw before the graph runs"
         )
+        todo = (
+            "Draw on a tensor's layout alone and compute with the draw (torch.rand_like(probs)"
+            " < probs for torch.bernoulli(probs): other numbers than eager's bernoulli)," + keep
+        )
+    elif any(
+        isinstance(v, torch.Tensor) and not _static(v)
+        for n in (node, *_nodes(node.args))
+        for v in [n.meta.get("val")]
+    ):
+        why = "draws a tensor of symbolic size, which the draw program cannot lay out"
+        todo = "Trace with static sizes (no dynamic=True or aotgrad.dynamic marks)," + keep
     else:
-        for n in (node, *_nodes(node.args)):
-            val = n.meta.get("val")
-            if isinstance(val, torch.Tensor) and not _static(val):
-                why = "draws a tensor of symbolic size, which the draw program cannot lay out"
-                break
-        else:
-            return
+        return
     raise UnsupportedOpError(
         format_error(
-            f"random draws as inputs (Note [Random draws as inputs]): {op} {why}",
+            f"random draws as inputs (Note [Random draws as inputs]): {op_name(node.target)} {why}",
             node_info(node).source if "aotgrad" in node.meta else None,
-            "Draw from a tensor laid out like the value instead (torch.rand_like(probs) < probs"
-            " for torch.bernoulli(probs)), trace with static sizes, or keep the random ops in"
-            " the graph (random='ops'): then only torch draws eager's numbers.",
+            todo,
         )
     )
 

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from aotgrad._torch_compat import FUNCTION_BASE_APPLY
+from aotgrad._torch_compat import FUNCTION_BASE_APPLY, mark_boxed
 from aotgrad.capture.analyses.autocast import autocast_off
 from aotgrad.capture.analyses.input_aliases import graph_inputs
 from aotgrad.partition import Partitioned
-from aotgrad.runtime.boxing import Compiler, compile_boxed, make_boxed_func, nop
+from aotgrad.partition.draws import Draws, lift_draws
+from aotgrad.runtime.boxing import BoxedCall, Compiler, compile_boxed, make_boxed_func, nop
 from aotgrad.runtime.function import Plan, direct_apply, make_function, run_epilogue
 from aotgrad.runtime.higher_order import Driver, HigherOrder
 from aotgrad.runtime.slices import num_forward_inputs
@@ -301,14 +302,22 @@ def compile_partitioned(
     inference_compiler: Compiler | None,
     *,
     driver: Driver,
+    draws_as_inputs: bool = False,
 ) -> CompiledGraphs:
     """Hand each graph to its compiler (``nop`` by default) and wire the results up.
 
     Compilers receive ``(gm, example_inputs)`` with fake example inputs. ``driver``
-    captures the create_graph backward (``aotgrad.pipeline.compile_stage`` gives it).
+    captures the create_graph backward (``aotgrad.pipeline.compile_stage`` gives it);
+    ``draws_as_inputs``: the compiled forward takes its random draws as inputs (Note [Random
+    draws as inputs]).
     """
     forward, backward = compile_graphs(
-        partitioned.forward, partitioned.backward, fw_compiler, bw_compiler, inference_compiler
+        partitioned.forward,
+        partitioned.backward,
+        fw_compiler,
+        bw_compiler,
+        inference_compiler,
+        draws_as_inputs=draws_as_inputs,
     )
     plan = Plan.of(partitioned)
     higher_order = None
@@ -353,15 +362,32 @@ def compile_graphs(
     fw_compiler: Compiler | None = None,
     bw_compiler: Compiler | None = None,
     inference_compiler: Compiler | None = None,
+    draws_as_inputs: bool = False,
 ) -> tuple[Any, Any | None]:
-    """The forward and backward graphs, each handed to its compiler with its fake examples."""
+    """The forward and backward graphs, each handed to its compiler with its fake examples;
+    with ``draws_as_inputs``, the forward's random draws are its last inputs, which the call
+    draws with torch first (Note [Random draws as inputs])."""
+    draws = None
+    if draws_as_inputs:
+        forward, draws = lift_draws(forward)
+    fw = inference_compiler or fw_compiler if backward is None else fw_compiler
+    compiled = compile_boxed(fw, forward, _examples(forward))
+    if draws is not None:
+        compiled = _drawing(compiled, draws)
     if backward is None:
-        compiler = inference_compiler or fw_compiler
-        return compile_boxed(compiler, forward, _examples(forward)), None
-    return (
-        compile_boxed(fw_compiler, forward, _examples(forward)),
-        compile_boxed(bw_compiler or fw_compiler, backward, _examples(backward)),
-    )
+        return compiled, None
+    return compiled, compile_boxed(bw_compiler or fw_compiler, backward, _examples(backward))
+
+
+def _drawing(forward: BoxedCall, draws: Draws) -> BoxedCall:
+    """``forward``, called with its draws after the other inputs, made by torch now."""
+
+    def call(args: list[Any]) -> Any:
+        args.extend(draws())
+        return forward(args)
+
+    mark_boxed(call)
+    return call
 
 
 def _examples(gm: torch.fx.GraphModule) -> list[Any]:

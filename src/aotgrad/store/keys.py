@@ -20,7 +20,7 @@ plus the code that the trace ran, which a process-local key never needed:
                                 settings that choose traced ops: Note [Torch settings in
                                 the key]), as text
     options                     partition, tracer, dynamic, keep_inference_input_mutations,
-                                fast, the decomposition set's name
+                                fast, the decomposition set's name, draws as inputs
 
 Files of torch and of the standard library are covered by the versions and not
 walked. Anything without a stable text is *not cached* (``Unkeyable``, with the

@@ -455,6 +455,7 @@ def compile_stored(stored: Read, options: Options, driver: Driver) -> CompiledGr
             with_values(forward.module()),
             None if backward is None else with_values(backward.module()),
             *compilers(options),
+            draws_as_inputs=options.draws_as_inputs,
         )
     higher_order = None
     if backward is not None:
