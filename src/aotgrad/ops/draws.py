@@ -99,7 +99,7 @@ def _split_native_dropout(node: fx.Node) -> None:
     with graph.inserting_before(node):
         empty = graph.call_function(aten.empty_like.default, (x,))
         empty.meta = {**node.meta, "val": node.meta["val"][0]}
-        drawn = graph.call_function(node.target, (empty, *node.args[1:]), dict(node.kwargs))
+        drawn = graph.call_function(aten.native_dropout.default, (empty, *node.args[1:]))
         drawn.meta = dict(node.meta)
         mask = graph.call_function(operator.getitem, (drawn, 1))
         mask.meta = {**node.meta, "val": node.meta["val"][1]}

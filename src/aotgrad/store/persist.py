@@ -240,8 +240,8 @@ def options_text(options: Options) -> Any:
         raise Unkeyable("a partition policy has no stable key")
     partition = o.partition if isinstance(o.partition, str) else repr(o.partition)
     keyed = (o.tracer, o.dynamic, o.keep_inference_input_mutations, o.fast, decompositions)
-    keyed += (o.draws_as_inputs,)  # what the compiled forward takes (and a capture's check)
-    return [partition, *keyed]
+    # Whether the compiled forward takes its draws as inputs (and what the capture checked).
+    return [partition, *keyed, o.draws_as_inputs]
 
 
 def entry_key(
