@@ -13,7 +13,10 @@ beside its rule):
   ``backward_ops.decompose``, the one decomposition step before a backend compiles;
 - how the differentiable backward runs an op without a (right) derivative:
   ``differentiable.WITHOUT_DERIVATIVE`` and ``differentiable.REPLACED``;
-- whether a graph file may run an op: ``file_ops.refusal``.
+- whether a graph file may run an op: ``file_ops.refusal``;
+- what a random draw reads of its inputs (its layout alone, or values): ``draws.METADATA_ONLY``,
+  and the ops that draw and compute at once, split in two: ``draws.SPLIT_DRAWS``
+  (Note [Random draws as inputs] in ``partition/draws.py``).
 
 Tables that are one mechanism's own stay beside it, outside this package: the fast path's
 fake-mode shortcuts and direct-trace rules (``capture/tracing/fast``: ``layouts.LAYOUTS``,

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from aotgrad._torch_compat import ExpandedCodeGen
 from aotgrad.capture.analyses.random import MANUAL_SEED
 from aotgrad.capture.provenance import node_info
 from aotgrad.errors import UnsupportedOpError, format_error
@@ -267,7 +268,7 @@ def _copy(graph: fx.Graph) -> fx.Graph:
     env: dict[fx.Node, fx.Node] = {}
     output = copied.output(copied.graph_copy(graph, env))
     output.meta = dict(graph.output_node().meta)  # the outputs' descriptors
-    copied._codegen = graph._codegen
+    copied.set_codegen(ExpandedCodeGen())  # descriptors printed (signature/printing.py)
     return copied
 
 
