@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aotgrad
+import aotgrad.dynamo
 from aotgrad.backends import BACKENDS, step
 from aotgrad.errors import ConfigError, UnsupportedOpError
 from aotgrad.ops.core_aten import non_core_nodes
@@ -417,3 +418,61 @@ def test_fuzz_draws_as_inputs_against_eager(names, p, rows, cols, seed):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-5)
     assert torch.equal(got_after, after)
+
+
+def _dropout_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Dropout(0.3), torch.nn.Linear(8, 6)
+    )
+
+
+GLOBAL_MODEL = _dropout_mlp()
+
+
+def _global_loss(x):
+    return GLOBAL_MODEL(x).square().sum()
+
+
+def _idiom(name, model, x):
+    """``model``'s loss on ``x`` through one of the ways users call aotgrad, Core ATen."""
+    core = dict(decompositions="core_aten")
+    if name == "aot_module":
+        compiled = aotgrad.aot_module(model, **core)
+        return lambda x: compiled(x).square().sum()
+    if name == "trace":
+        traced = aotgrad.trace(model, x, **core)
+        return lambda x: traced(x).square().sum()
+    if name == "dynamo":
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=aotgrad.dynamo.backend(**core))
+        return lambda x: compiled(x).square().sum()
+    assert name == "global"
+    return aotgrad.aot_function(_global_loss, **core)
+
+
+@pytest.mark.parametrize("idiom", ["aot_module", "trace", "dynamo", "global"])
+def test_every_frontend_draws_eager_masks_in_core_aten(idiom):
+    """aot_module, trace then call, torch.compile and a loss over a global model, Core ATen:
+    each of two calls equals eager's step under its seed (values, every gradient, the input's,
+    and the generator after), and a create_graph double backward too."""
+    x = torch.randn(5, 4, requires_grad=True)
+    model = GLOBAL_MODEL if idiom == "global" else _dropout_mlp()
+    eager = copy.deepcopy(model)
+    loss = _idiom(idiom, model, x)
+    for seed in range(2):
+        results = []
+        for mod, f in ((eager, lambda x: eager(x).square().sum()), (model, loss)):
+            mod.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            value = f(x)
+            (gx,) = torch.autograd.grad(value, x, create_graph=True)
+            gx.square().sum().backward()
+            grads = [p.grad for p in mod.parameters()]
+            results.append((value.detach(), gx.detach(), grads, torch.get_rng_state()))
+        (v0, g0, p0, s0), (v1, g1, p1, s1) = results
+        torch.testing.assert_close(v1, v0, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-5)
+        for a, b in zip(p1, p0, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert torch.equal(s1, s0)
