@@ -476,3 +476,26 @@ def test_every_frontend_draws_eager_masks_in_core_aten(idiom):
         for a, b in zip(p1, p0, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         assert torch.equal(s1, s0)
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_joint_program_takes_the_draws_after_the_cotangents(backend):
+    """The flat joint program, (*lifted, x, cotangent, *draws) -> (loss, *grads), compiled by a
+    backend, with the draws the forward takes: equal to eager's step."""
+    model = _dropout_mlp()
+    x = torch.randn(5, 4)
+    programs = aotgrad.trace(lambda x: model(x).square().sum(), x).export(flat=True, joint=True)
+    compile_program = _compile(backend)
+    if isinstance(compile_program, str):
+        compile_program = __import__(BACKENDS[backend], fromlist=["x"]).compile_program
+    joint = compile_program(programs.joint)
+    torch.manual_seed(6)
+    loss, *grads = joint(*programs.lifted, x, torch.ones(()), *programs.draw())
+    torch.manual_seed(6)
+    expected = model(x).square().sum()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-4, atol=1e-5)
+    names = [str(d.of) for d in programs.joint_outputs[1:]]
+    assert names == [f"closure model.{n}" for n, _ in model.named_parameters()]
+    for grad, param in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(grad, param.grad, rtol=1e-4, atol=1e-5)
