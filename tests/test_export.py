@@ -81,8 +81,12 @@ def check_export(
     # Which input is which: parameters and buffers by name, then the user's tensors.
     specs = forward.graph_signature.input_specs
     names = [str(d) for d in signature.forward_inputs]
-    # Tensors the graph made at capture (torch.tensor(...) in the model) are lifted last.
-    assert all(s.kind == InputKind.CONSTANT_TENSOR for s in specs[len(names) :])
+    # The draws come next (USER_INPUTs: Note [Random draws as inputs]); tensors the graph made
+    # at capture (torch.tensor(...) in the model) are lifted last.
+    n_draws = sum(isinstance(d, Draw) for d in programs.forward_inputs)
+    drawn = specs[len(names) : len(names) + n_draws]
+    assert all(s.kind == InputKind.USER_INPUT for s in drawn)
+    assert all(s.kind == InputKind.CONSTANT_TENSOR for s in specs[len(names) + n_draws :])
     for spec, desc in zip(specs[: len(names)], names, strict=True):
         if spec.kind == InputKind.PARAMETER:
             assert desc == f"param {spec.target}"
