@@ -134,10 +134,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     **{("mixtral", c): _MOE_CORE for c in ("core_aten", "onnxruntime", "iree")},
     **{("mnasnet", c): _RELU_FLIPS for c in ("onnxruntime", "iree")},
     ("mixtral", "trace"): _HOOKS_AFTER_CAPTURE,
-    # One of 1,200 gradient elements off by 1.5e-4 (relative 5.6e-4) in ONNX Runtime, as on
-    # mnasnet: a BatchNorm on a small map in float32.
-    ("tv_efficientnet", "onnxruntime"): "not comparable in float32 at 1e-4: one element of"
-    " features.3.0.block.1.0.weight's gradient (of 1,200) is off by 1.5e-4 in ONNX Runtime",
     # (torch.compile passes: Dynamo breaks the graph at the nonzero() and runs the loop itself.)
     **{("mixtral_eager", c): _MOE_LOOP for c in CHECKS if c != "dynamo"},
 }
