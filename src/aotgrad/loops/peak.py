@@ -51,6 +51,7 @@ import torch.fx as fx
 
 from aotgrad.capture import JointGraph
 from aotgrad.errors import PartitionError, format_error, user_frame_from_stack
+from aotgrad.ops.table import is_random
 from aotgrad.partition import Budget, Partitioned, split_plan
 from aotgrad.partition.peak_budget import Candidate, candidates
 from aotgrad.partition.saved import storages
@@ -148,6 +149,10 @@ class Layout:
     saved_out: tuple[int, ...]
     # Per cotangent of the backward: ("carry", j) or ("y", j).
     cotangent_of: tuple[tuple[str, int], ...]
+    # Bytes of each CPU generator state the loop keeps under checkpoint when the body may
+    # draw (Note [Random ops in a scan]); 0 when it never draws or runs on CUDA, whose
+    # allocator does not see them.
+    rng_state: int
 
 
 def layout_of(partitioned: Partitioned, num_lifted: int, num_carry: int, num_x: int) -> Layout:
@@ -169,7 +174,18 @@ def layout_of(partitioned: Partitioned, num_lifted: int, num_carry: int, num_x: 
         y_out=tuple(tensors[num_carry:]),
         saved_out=tuple(range(saved.start, saved.stop)),
         cotangent_of=tuple(owners),
+        rng_state=_rng_state_bytes(partitioned.forward),
     )
+
+
+def _rng_state_bytes(forward: fx.GraphModule) -> int:
+    nodes = list(forward.graph.nodes)
+    if not any(is_random(n.target) for n in nodes):
+        return 0
+    values = [n.meta.get("val") for n in nodes]
+    if any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in values):
+        return 0
+    return torch.get_rng_state().nbytes
 
 
 
@@ -235,6 +251,7 @@ class _Loop:
             if self.checkpoint:
                 for key in carry:
                     mem.hold(key, 0, "kept")  # the carry's storage: held already
+                mem.hold(("rng state", i), lay.rng_state, "kept")
             mem.at(self.forward.peak, f"forward iteration {i}")
             out = self._run_forward(mem, i, carry, "results")
             new_carry = [_one(out[p]) for p in lay.carry_out]
@@ -262,6 +279,8 @@ class _Loop:
         mem.hold(("cotangent", "ys"), self.length * y_bytes, "user")
         mem.at(0, "the cotangents")
         totals: dict[int, Key] = {}
+        if self.checkpoint:  # the generator's state, put back after the backward
+            mem.hold(("rng state", "backward"), lay.rng_state, "kept")
         for i in reversed(range(self.length)):
             saved = kept[i] if kept else self._recomputed(mem, i, incoming[i])
             cotangent = self._run_backward(mem, i, saved, cotangent, totals)
