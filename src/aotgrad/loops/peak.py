@@ -188,7 +188,6 @@ def _rng_state_bytes(forward: fx.GraphModule) -> int:
     return torch.get_rng_state().nbytes
 
 
-
 class _Memory:
     """Who holds each storage of the loop; the live bytes and the peak so far."""
 
@@ -326,7 +325,9 @@ class _Loop:
     ) -> list[Key]:
         """The backward graph at iteration ``i``; the next carry cotangent."""
         lay = self.layout
-        given = [cotangent[j] if kind == "carry" else ("cotangent", "ys") for kind, j in lay.cotangent_of]
+        given = [
+            cotangent[j] if kind == "carry" else ("cotangent", "ys") for kind, j in lay.cotangent_of
+        ]
         mem.at(self.backward.peak, f"backward iteration {i}")
         out = _outputs(self.backward, [*saved, *given], ("backward", i), mem, "grads")
         mem.drop("values")  # checkpoint: the recomputed saved values die with the graph's call
@@ -501,7 +502,9 @@ def _below_floor(
     floor = peaks[least]
     todo = f"Raise the budget to at least {floor.allocated}"
     if not shape.checkpoint:
-        with_checkpoint = min(predict_scan_peak(p, replace(shape, checkpoint=True)).allocated for _, p in scored)
+        with_checkpoint = min(
+            predict_scan_peak(p, replace(shape, checkpoint=True)).allocated for _, p in scored
+        )
         todo += (
             f"; or pass checkpoint=True, which keeps each iteration's carry only: its smallest"
             f" predicted step peak is {with_checkpoint} bytes"
