@@ -111,10 +111,13 @@ class ScanFunction:
         ``partition=aotgrad.budget(peak=BYTES)``, the one the body's plan was chosen for.
 
         >>> import torch, aotgrad
+        >>> from aotgrad.testing import measure_peak
         >>> run = aotgrad.scan_function(lambda h, x: (torch.tanh(h * x), None))
-        >>> _ = run(torch.ones(1000, requires_grad=True), torch.ones(3, 1000))
-        >>> run.step_peak.allocated, run.step_peak.where
-        (24000, 'backward iteration 0')
+        >>> h, xs = torch.ones(1000, requires_grad=True), torch.ones(3, 1000)
+        >>> step = lambda: run(h, xs)[0].backward(torch.ones(1000))
+        >>> step(); h.grad = None
+        >>> run.step_peak.allocated, run.step_peak.where, measure_peak(step)
+        (28000, 'backward iteration 1', 28000)
         """
         if self._last is None or self._last_shape is None:
             raise ScanError(self._not_captured())

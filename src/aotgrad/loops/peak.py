@@ -361,18 +361,18 @@ def _outputs(
     """``run``'s outputs as storages of the loop: an input's where an output is one (or a view
     of one), else fresh ones, held by ``holder``."""
     env: dict[Any, Key] = {}
-    for keys, given in zip(run.inputs, inputs, strict=True):
-        for key in keys:
+    for local, given in zip(run.inputs, inputs, strict=True):
+        for key in local:
             if given is not None:
                 env[key] = given
-    found = []
+    found: list[list[Key]] = []
     for storages_of in run.outputs:
-        keys = []
+        names = []
         for key, nbytes in storages_of.items():
             name = env.get(key, (*tag, key))
             mem.hold(name, nbytes, holder)
-            keys.append(name)
-        found.append(keys)
+            names.append(name)
+        found.append(names)
     return found
 
 
