@@ -32,7 +32,8 @@ layer's simulation. For ``scan_layers`` of 3 blocks whose forward saves
 ``s`` bytes per layer, with parameter grads ``g`` per layer and a body
 backward peaking ``b`` above its inputs::
 
-    peak = 3 s (saved, all held) + 2 g (layers 2 and 1's grads) + b + carry cotangents
+    peak = 3 s (all saved values, held)  + 2 g (layers 2 and 1's grads, returned at the end)
+         + b (layer 0's backward, its grads included) + the output and its cotangent
 
 ``aotgrad.testing.measure_peak`` of the same step measures it; on CPU the two
 agree to the byte where Note [What a step holds] is exact. Not counted:
@@ -241,10 +242,32 @@ class _Loop:
     stacked: bool
 
     def peak(self) -> tuple[int, str]:
-        mem, lay = _Memory(), self.layout
+        """The step's peak above its inputs, and where it falls."""
+        mem = _Memory()
+        incoming, kept = self._forwards(mem)
+        cotangent = self._cotangents(mem)
+        totals: dict[int, Key] = {}  # per closed-over input: its grad summed so far
+        if self.checkpoint:  # the generator's state, put back after the backward
+            mem.hold(("rng state", "backward"), self.layout.rng_state, "kept")
+        for i in reversed(range(self.length)):
+            saved = kept[i] if not self.checkpoint else self._recomputed(mem, i, incoming[i])
+            cotangent = self._run_backward(mem, i, saved, cotangent, totals)
+        lay = self.layout
+        x_bytes = sum(
+            sum(self.backward.outputs[k].values())
+            for k in range(lay.num_lifted + lay.num_carry, len(self.backward.outputs))
+        )
+        if self.stacked:
+            mem.at(self.length * x_bytes, "the backward stacking the grads of xs")
+        return mem.peak, mem.where
+
+    def _forwards(self, mem: _Memory) -> tuple[list[list[Key]], list[list[Key | None]]]:
+        """The N forwards and the stacking of ys: per iteration, its incoming carry and
+        (without checkpoint) its saved values."""
+        lay = self.layout
         carry: list[Key] = [("caller", "init", j) for j in range(lay.num_carry)]
-        incoming: list[list[Key]] = []  # per iteration: its carry
-        kept: list[list[Key | None]] = []  # per iteration: its saved values (no checkpoint)
+        incoming: list[list[Key]] = []
+        kept: list[list[Key | None]] = []
         for i in range(self.length):
             incoming.append(carry)
             if self.checkpoint:
@@ -256,40 +279,35 @@ class _Loop:
             new_carry = [_one(out[p]) for p in lay.carry_out]
             for key in new_carry:
                 mem.hold(key, 0, ("carry", i + 1))
-            for p in lay.y_out:
-                for key in out[p]:
-                    mem.hold(key, 0, "ys")
+            for key in (k for p in lay.y_out for k in out[p]):
+                mem.hold(key, 0, "ys")
             if not self.checkpoint:
                 kept.append([_first(out[p]) for p in lay.saved_out])
-                for p in lay.saved_out:
-                    for key in out[p]:
-                        mem.hold(key, 0, "kept")
+                for key in (k for p in lay.saved_out for k in out[p]):
+                    mem.hold(key, 0, "kept")
             mem.drop("results")
             mem.drop(("carry", i))
             carry = new_carry
-        y_bytes = sum(self._bytes(p) for p in lay.y_out)
-        mem.at(self.length * y_bytes, "the forward stacking ys")
-        mem.hold(("ys",), self.length * y_bytes, "user")
+        stacked = self.length * self._y_bytes
+        mem.at(stacked, "the forward stacking ys")
+        mem.hold(("ys",), stacked, "user")
         mem.drop("ys")
-        # The dense cotangents, allocated by the caller after the forward (as .backward()).
+        return incoming, kept
+
+    def _cotangents(self, mem: _Memory) -> list[Key]:
+        """The dense cotangents the caller allocates after the forward (as ``.backward()``
+        does); the carry's."""
+        lay = self.layout
         cotangent = [("cotangent", j) for j in range(lay.num_carry)]
         for key, p in zip(cotangent, lay.carry_out, strict=True):
             mem.hold(key, self._bytes(p), "user")
-        mem.hold(("cotangent", "ys"), self.length * y_bytes, "user")
+        mem.hold(("cotangent", "ys"), self.length * self._y_bytes, "user")
         mem.at(0, "the cotangents")
-        totals: dict[int, Key] = {}
-        if self.checkpoint:  # the generator's state, put back after the backward
-            mem.hold(("rng state", "backward"), lay.rng_state, "kept")
-        for i in reversed(range(self.length)):
-            saved = kept[i] if kept else self._recomputed(mem, i, incoming[i])
-            cotangent = self._run_backward(mem, i, saved, cotangent, totals)
-        x_bytes = sum(
-            sum(self.backward.outputs[k].values())
-            for k in range(lay.num_lifted + lay.num_carry, len(self.backward.outputs))
-        )
-        if self.stacked:
-            mem.at(self.length * x_bytes, "the backward stacking the grads of xs")
-        return mem.peak, mem.where
+        return cotangent
+
+    @property
+    def _y_bytes(self) -> int:
+        return sum(self._bytes(p) for p in self.layout.y_out)
 
     def _bytes(self, p: int) -> int:
         return sum(self.forward.outputs[p].values())
