@@ -86,6 +86,15 @@ class GraphRun:
     peak: int
     inputs: tuple[tuple[Any, ...], ...]  # per placeholder, its storage keys
     outputs: tuple[dict[Any, int], ...]  # per output, its storages and bytes
+    # Per output, its tensor's bytes before any rounding (0 for None): what N of them
+    # stacked take, rounded once, by ``stacked``.
+    tensor_bytes: tuple[int, ...]
+    # On CUDA each storage counts as 512-byte blocks (Note [What a step holds]).
+    cuda: bool
+
+    def stacked(self, positions: Sequence[int], length: int) -> int:
+        """Bytes of each of these outputs stacked ``length`` times, one tensor per output."""
+        return sum(_rounded(length * self.tensor_bytes[p], self.cuda) for p in positions)
 
 
 def graph_run(gm: fx.GraphModule) -> GraphRun:
@@ -126,15 +135,30 @@ def graph_run(gm: fx.GraphModule) -> GraphRun:
         peak=peak,
         inputs=tuple(tuple(storages(n)) for n in placeholders),
         outputs=tuple({} if n is None else _allocations(n) for n in outputs),
+        tensor_bytes=tuple(_tensor_bytes(n) for n in outputs),
+        cuda=any(_on_cuda(n.meta.get("val")) for n in nodes),
     )
+
+
+def _tensor_bytes(node: fx.Node | None) -> int:
+    val = None if node is None else node.meta.get("val")
+    return hint(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _on_cuda(val: Any) -> bool:
+    return isinstance(val, torch.Tensor) and val.device.type == "cuda"
+
+
+def _rounded(nbytes: int, cuda: bool) -> int:
+    return -(-nbytes // 512) * 512 if cuda else nbytes
 
 
 def _allocations(node: fx.Node) -> dict[Any, int]:
     """A node's storages with the bytes the allocator counts (CUDA: 512-byte blocks)."""
     val = node.meta.get("val")
     tensors = val if isinstance(val, list | tuple) else [val]
-    cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors)
-    return {k: -(-hint(b) // 512) * 512 if cuda else hint(b) for k, b in storages(node).items()}
+    cuda = any(_on_cuda(t) for t in tensors)
+    return {k: _rounded(hint(b), cuda) for k, b in storages(node).items()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,12 +277,10 @@ class _Loop:
             saved = kept[i] if not self.checkpoint else self._recomputed(mem, i, incoming[i])
             cotangent = self._run_backward(mem, i, saved, cotangent, totals)
         lay = self.layout
-        x_bytes = sum(
-            sum(self.backward.outputs[k].values())
-            for k in range(lay.num_lifted + lay.num_carry, len(self.backward.outputs))
-        )
-        if self.stacked:
-            mem.at(self.length * x_bytes, "the backward stacking the grads of xs")
+        if self.stacked:  # each x leaf's grads stacked; the rows die after
+            x_out = range(lay.num_lifted + lay.num_carry, len(self.backward.outputs))
+            stacked = self.backward.stacked(x_out, self.length)
+            mem.at(stacked, "the backward stacking the grads of xs")
         return mem.peak, mem.where
 
     def _forwards(self, mem: _Memory) -> tuple[list[list[Key]], list[list[Key | None]]]:
@@ -288,7 +310,7 @@ class _Loop:
             mem.drop("results")
             mem.drop(("carry", i))
             carry = new_carry
-        stacked = self.length * self._y_bytes
+        stacked = self.forward.stacked(lay.y_out, self.length)
         mem.at(stacked, "the forward stacking ys")
         mem.hold(("ys",), stacked, "user")
         mem.drop("ys")
@@ -301,13 +323,10 @@ class _Loop:
         cotangent = [("cotangent", j) for j in range(lay.num_carry)]
         for key, p in zip(cotangent, lay.carry_out, strict=True):
             mem.hold(key, self._bytes(p), "user")
-        mem.hold(("cotangent", "ys"), self.length * self._y_bytes, "user")
+        ys = self.forward.stacked(lay.y_out, self.length)
+        mem.hold(("cotangent", "ys"), ys, "user")
         mem.at(0, "the cotangents")
         return cotangent
-
-    @property
-    def _y_bytes(self) -> int:
-        return sum(self._bytes(p) for p in self.layout.y_out)
 
     def _bytes(self, p: int) -> int:
         return sum(self.forward.outputs[p].values())
