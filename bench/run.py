@@ -99,6 +99,7 @@ def main() -> None:
     rows.extend(memory_rows(curves))
     memory.plot(curves, HERE / "memory.png")
     rows.extend(scan_rows(scan.measure()))
+    rows.extend(scan_peak_rows(scan.peak_budgets()))
     rows.extend(transform_rows(transforms.measure()))
     speed = compiled.measure()
     rows.append(
@@ -223,6 +224,27 @@ def scan_rows(found: dict[str, float]) -> list[dict[str, Any]]:
             found["saved carries + one body"],
             "<= 1.00",
             "vs the carries plus one body's saved values",
+        ),
+    ]
+
+
+def scan_peak_rows(found: dict[str, float]) -> list[dict[str, Any]]:
+    """Issue 42 item 2: peak budgets over scan_layers of gpt12's 12 blocks."""
+    return [
+        row(
+            "scan_layers gpt12 budget(peak=) step peak, predicted vs measured (bytes)",
+            found["peak predicted"],
+            found["peak measured"],
+            "within 2%",
+            "the worst of 6: save_all's peak, the midpoint, the floor; checkpoint False/True"
+            " (Note [A scan's step peak])",
+        ),
+        row(
+            "scan_layers budget(peak=) planning, 12 gpt12 blocks vs 1 (s)",
+            found["planning 12 blocks"],
+            found["planning 1 block"],
+            "<= 1.25",
+            "the body is planned once for any depth (Note [Peak budgets over a scan])",
         ),
     ]
 
