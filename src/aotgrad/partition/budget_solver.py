@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch.fx as fx
 from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import csc_array
 
 from aotgrad.capture import JointGraph, Phase, phase_of
 from aotgrad.errors import PartitionError
@@ -179,33 +180,40 @@ class _BudgetProblem:
 
     def constraint(self, needed: Iterable[fx.Node], cap: float | None) -> LinearConstraint:
         """What the backward reads is saved or recomputed; a recomputed op's op inputs are
-        too; with a ``cap``, the saved bytes are at most that."""
+        too; with a ``cap``, the saved bytes are at most that. Sparse, row by row as a dense
+        matrix would be: HiGHS receives the same matrix either way (``milp`` converts to CSC)."""
         n, index = len(self.ops), self.index
-        rows: list[np.ndarray] = []
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
         lower: list[float] = []
         upper: list[float] = []
-
-        def add(row: np.ndarray, lo: float, hi: float) -> None:
-            rows.append(row)
-            lower.append(lo)
-            upper.append(hi)
-
         for v in needed:
             if v in index:
-                row = np.zeros(2 * n)
-                row[index[v]] = row[n + index[v]] = 1
-                add(row, 1, np.inf)
+                rows += [len(lower)] * 2
+                cols += [index[v], n + index[v]]
+                vals += [1.0, 1.0]
+                lower.append(1)
+                upper.append(np.inf)
         for v in self.ops:
             for u in v.all_input_nodes:
                 if u in index:  # recompute_v - save_u - recompute_u <= 0
-                    row = np.zeros(2 * n)
-                    row[n + index[v]] = 1
-                    row[index[u]] -= 1
-                    row[n + index[u]] -= 1
-                    add(row, -np.inf, 0)
+                    rows += [len(lower)] * 3
+                    cols += [n + index[v], index[u], n + index[u]]
+                    vals += [1.0, -1.0, -1.0]
+                    lower.append(-np.inf)
+                    upper.append(0)
         if cap is not None:
-            add(self.on_save(self.weights), -np.inf, float(cap))
-        return LinearConstraint(np.array(rows), lower, upper)
+            (nonzero,) = np.nonzero(self.weights)
+            rows += [len(lower)] * len(nonzero)
+            cols += nonzero.tolist()
+            vals += self.weights[nonzero].tolist()
+            lower.append(-np.inf)
+            upper.append(float(cap))
+        shape = (len(lower), 2 * n)
+        matrix = csc_array((vals, (rows, cols)), shape=shape)
+        matrix.sum_duplicates()  # also sorts the indices, as a dense matrix's CSC has them
+        return LinearConstraint(matrix, lower, upper)
 
     def on_save(self, values: np.ndarray) -> np.ndarray:
         return np.concatenate([values, np.zeros(len(self.ops))])
