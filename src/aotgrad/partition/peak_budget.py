@@ -10,19 +10,21 @@ planned.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch.fx as fx
 
-from aotgrad.capture import JointGraph
+from aotgrad.capture import JointGraph, Phase, phase_of
 from aotgrad.errors import PartitionError
-from aotgrad.ops.table import is_compute_intensive
+from aotgrad.ops.table import is_compute_intensive, must_run
 from aotgrad.partition.partitioned import Partitioned
-from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward
+from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward, node_flops
 from aotgrad.partition.sizes import hint, hinted_bytes
+from aotgrad.partition.split import backward_order
 from aotgrad.partition.strategies import (
     Budget,
     apply_checkpoint_policy,
@@ -102,8 +104,20 @@ REL_GAP = 0.1
 
 
 @dataclass(frozen=True)
+class Option:
+    """One plan of the family before its split, with what the choice weighs first: the FLOPs
+    its backward re-runs, counted off the plan (:func:`_recompute_cost`)."""
+
+    label: str
+    plan: RematPlan
+    # Of ``flops``, those of recomputed matmuls, convolutions and attention.
+    intensive_flops: int
+    flops: int
+
+
+@dataclass(frozen=True)
 class Candidate:
-    """One plan of the family, with what the choice weighs."""
+    """One plan of the family, split, with what the choice weighs."""
 
     label: str
     plan: RematPlan
@@ -118,10 +132,13 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Family:
-    """The candidates of one joint graph, in their fixed order, and what limited them."""
+    """The plans of one joint graph, in their fixed order, and what limited them."""
 
-    candidates: tuple[Candidate, ...]
+    options: tuple[Option, ...]
     note: str | None
+    # The options split so far, by position: a budget splits only those it must (Note [Peak
+    # budgets]), and another budget on the same joint finds them here.
+    split: dict[int, Candidate] = field(default_factory=dict)
 
 
 def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitioned:
@@ -129,22 +146,89 @@ def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitio
     budgets]); ValueError naming the smallest peak when none does."""
     if limit.peak is None:
         raise AssertionError(f"expected a peak budget, got {limit}")
-    family = candidates(joint, limit.time_limit, split)
-    fits = [(i, c) for i, c in enumerate(family.candidates) if c.peak <= limit.peak]
-    if not fits:
-        raise PartitionError(_below_floor(limit, family))
-    _, best = min(fits, key=_rank)
-    partitioned = split(best.plan, str(limit))
+    family = candidates(joint, limit.time_limit)
+    splits: dict[int, Partitioned] = {}
+    chosen = _choice(family, limit.peak, split, splits)
+    if chosen is None:
+        raise PartitionError(_below_floor(limit, family, split))
+    position, best = chosen
+    partitioned = splits.get(position) or split(best.plan, str(limit))
     if partitioned.peak.allocated != best.peak:
         raise AssertionError(
             f"expected the chosen plan's peak {best.peak} again, got {partitioned.peak.allocated}"
         )
     note = (
         f"{limit}: predicted peak {best.peak} bytes at {best.where}; chose {best.label}"
-        f" ({best.flops} recompute FLOPs) of {len(family.candidates)} candidates"
+        f" ({best.flops} recompute FLOPs) of {len(family.options)} candidates"
     )
     notes = [n for n in (note, family.note, best.plan.note) if n]
-    return replace(partitioned, note="; ".join(notes))
+    return _relabelled(partitioned, str(limit), "; ".join(notes))
+
+
+def _choice(
+    family: Family, peak: int, split: Split, splits: dict[int, Partitioned]
+) -> tuple[int, Candidate] | None:
+    """The argmin of Note [Peak budgets], splitting options in order of their FLOPs only until
+    a group of equal FLOPs holds one that fits: every option after it ranks below."""
+    options = family.options
+
+    def flops(i: int) -> tuple[int, int]:
+        return (options[i].intensive_flops, options[i].flops)
+
+    for _, group in itertools.groupby(sorted(range(len(options)), key=flops), key=flops):
+        fits = [(i, c) for i in group if (c := _evaluate(family, i, split, splits)).peak <= peak]
+        if fits:
+            return min(fits, key=_rank)
+    return None
+
+
+def _exhaustive_choice(family: Family, peak: int, split: Split) -> tuple[int, Candidate] | None:
+    """The same argmin over every option split: the definition :func:`_choice` must meet."""
+    splits: dict[int, Partitioned] = {}
+    every = [(i, _evaluate(family, i, split, splits)) for i in range(len(family.options))]
+    fits = [(i, c) for i, c in every if c.peak <= peak]
+    return min(fits, key=_rank) if fits else None
+
+
+def _evaluate(
+    family: Family, position: int, split: Split, splits: dict[int, Partitioned]
+) -> Candidate:
+    """Option ``position`` split and its peak predicted, once per family; the split kept in
+    ``splits`` for this call."""
+    known = family.split.get(position)
+    if known is not None:
+        return known
+    option = family.options[position]
+    partitioned = split(option.plan, option.label)
+    if partitioned.backward is None:
+        raise AssertionError(f"expected a backward graph for {option.label}, got None")
+    intensive = _intensive_flops(partitioned)
+    if (intensive, partitioned.recompute_flops) != (option.intensive_flops, option.flops):
+        raise AssertionError(
+            f"expected {option.label} to recompute ({option.intensive_flops}, {option.flops})"
+            f" FLOPs as counted off its plan, got ({intensive}, {partitioned.recompute_flops})"
+        )
+    peak = partitioned.peak
+    candidate = Candidate(
+        label=option.label,
+        plan=option.plan,
+        flops=option.flops,
+        intensive_flops=intensive,
+        peak=peak.allocated,
+        where=f"{peak.graph} op {peak.node} ({peak.op})",
+        saved_bytes=hint(partitioned.saved_bytes),
+    )
+    family.split[position] = candidate
+    splits[position] = partitioned
+    return candidate
+
+
+def _relabelled(partitioned: Partitioned, strategy: str, note: str) -> Partitioned:
+    """``partitioned`` under the budget's name and note, its predicted peak kept (the
+    prediction reads neither)."""
+    relabelled = replace(partitioned, strategy=strategy, note=note)
+    relabelled.__dict__["peak"] = partitioned.peak  # functools.cached_property's slot
+    return relabelled
 
 
 # Note [Budgets at the example sizes]
@@ -228,11 +312,12 @@ def _rank(numbered: tuple[int, Candidate]) -> tuple[int, int, int, int, int]:
     return (c.intensive_flops, c.flops, c.peak, c.saved_bytes, position)
 
 
-def _below_floor(limit: Budget, family: Family) -> str:
-    numbered = list(enumerate(family.candidates))  # the plan budget(peak=<its peak>) gives
-    _, least = min(numbered, key=lambda ic: (ic[1].peak, *_rank(ic)))
+def _below_floor(limit: Budget, family: Family, split: Split) -> str:
+    splits: dict[int, Partitioned] = {}  # every option split: the floor is the least peak
+    every = [(i, _evaluate(family, i, split, splits)) for i in range(len(family.options))]
+    _, least = min(every, key=lambda ic: (ic[1].peak, *_rank(ic)))  # budget(peak=<it>)'s plan
     return (
-        f"no plan fits {limit}: the smallest predicted peak of {len(family.candidates)}"
+        f"no plan fits {limit}: the smallest predicted peak of {len(family.options)}"
         f" candidate plans is {least.peak} bytes ({least.peak / 1e6:.2f} MB), with"
         f" {least.label} (at {least.where}). Raise the budget to at least {least.peak}; or lower"
         " the floor inside the step: torch.utils.checkpoint around blocks, or"
@@ -248,14 +333,14 @@ _FAMILIES: dict[int, tuple[weakref.ref[JointGraph], float, Family]] = {}
 _LOCK = threading.Lock()
 
 
-def candidates(joint: JointGraph, time_limit: float, split: Split) -> Family:
+def candidates(joint: JointGraph, time_limit: float) -> Family:
     """The fixed family of plans for ``joint`` (Note [Peak budgets]), cached per joint."""
     key = id(joint)
     with _LOCK:
         entry = _FAMILIES.get(key)
     if entry is not None and entry[0]() is joint and entry[1] == time_limit:
         return entry[2]
-    family = _build_family(joint, time_limit, split)
+    family = _build_family(joint, time_limit)
     with _LOCK:
         fresh = key not in _FAMILIES
         _FAMILIES[key] = (weakref.ref(joint), time_limit, family)
@@ -264,37 +349,47 @@ def candidates(joint: JointGraph, time_limit: float, split: Split) -> Family:
     return family
 
 
-def _build_family(joint: JointGraph, time_limit: float, split: Split) -> Family:
+def _build_family(joint: JointGraph, time_limit: float) -> Family:
     plans, note = _base_plans(joint, time_limit)
-    seen: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
-    found: list[Candidate] = []
+    backward_ops = frozenset(n for n in joint.backward_nodes() if n.op != "placeholder")
+    results = frozenset(n for n in joint.backward_results() if n is not None)
+    options: list[Option] = []
     for label, base in _distinct(joint, plans):
-        for late in (True, False):  # the default order first: kept when both are the same
-            variant = replace(base, recompute_late=late)
-            named = label if late else f"{label}, recomputed at the backward's start"
-            partitioned = split(variant, named)
-            if partitioned.backward is None:
-                raise AssertionError(f"expected a backward graph for {named}, got None")
-            graphs = (  # the same graphs from two plans (nothing to move, say) count once
-                tuple(s.name for s in partitioned.saved),
-                tuple(n.format_node() or "" for n in partitioned.backward.graph.nodes),
-            )
-            if graphs in seen:
-                continue
-            seen.add(graphs)
-            peak = partitioned.peak
-            found.append(
-                Candidate(
-                    label=named,
-                    plan=variant,
-                    flops=partitioned.recompute_flops,
-                    intensive_flops=_intensive_flops(partitioned),
-                    peak=peak.allocated,
-                    where=f"{peak.graph} op {peak.node} ({peak.op})",
-                    saved_bytes=hint(partitioned.saved_bytes),
-                )
-            )
-    return Family(candidates=tuple(found), note=note)
+        intensive, flops = _recompute_cost(joint, base.recompute, backward_ops, results)
+        late = backward_order(joint, base.recompute, recompute_late=True)
+        for variant, named in (
+            (base, label),  # the default order first: kept when both are the same
+            (replace(base, recompute_late=False), f"{label}, recomputed at the backward's start"),
+        ):
+            if not variant.recompute_late and late == backward_order(
+                joint, base.recompute, recompute_late=False
+            ):
+                continue  # nothing to move: the same graphs count once
+            options.append(Option(named, variant, intensive, flops))
+    return Family(options=tuple(options), note=note)
+
+
+def _recompute_cost(
+    joint: JointGraph,
+    recompute: set[fx.Node],
+    backward_ops: frozenset[fx.Node],
+    results: frozenset[fx.Node],
+) -> tuple[int, int]:
+    """(matmul-class, all) FLOPs of the forward ops a plan's backward re-runs, counted off the
+    joint as the split would keep them: its recomputed ops and checkpoint regions that survive
+    dead-code removal (``remove_dead_code``; ``partition._recomputed`` counts the same)."""
+    ops = backward_ops | recompute
+    live: set[fx.Node] = set()
+    for node in reversed(joint.gm.graph.nodes):
+        if node in ops and (node in results or must_run(node) or not live.isdisjoint(node.users)):
+            live.add(node)
+    ran = [
+        n
+        for n in live
+        if n.op == "call_function" and (n in recompute or phase_of(n) is Phase.RECOMPUTE)
+    ]
+    costs = [(is_compute_intensive(n.target), node_flops(n)) for n in ran]
+    return sum(f for hot, f in costs if hot), sum(f for _, f in costs)
 
 
 def _without_matmul_recompute(
