@@ -184,10 +184,14 @@ def _choice(
 
 def _exhaustive_choice(family: Family, peak: int, split: Split) -> tuple[int, Candidate] | None:
     """The same argmin over every option split: the definition :func:`_choice` must meet."""
-    splits: dict[int, Partitioned] = {}
-    every = [(i, _evaluate(family, i, split, splits)) for i in range(len(family.options))]
-    fits = [(i, c) for i, c in every if c.peak <= peak]
+    fits = [(i, c) for i, c in enumerate(every_candidate(family, split)) if c.peak <= peak]
     return min(fits, key=_rank) if fits else None
+
+
+def every_candidate(family: Family, split: Split) -> tuple[Candidate, ...]:
+    """Every option of ``family`` split and its peak predicted, in the family's order."""
+    splits: dict[int, Partitioned] = {}
+    return tuple(_evaluate(family, i, split, splits) for i in range(len(family.options)))
 
 
 def _evaluate(
@@ -313,8 +317,7 @@ def _rank(numbered: tuple[int, Candidate]) -> tuple[int, int, int, int, int]:
 
 
 def _below_floor(limit: Budget, family: Family, split: Split) -> str:
-    splits: dict[int, Partitioned] = {}  # every option split: the floor is the least peak
-    every = [(i, _evaluate(family, i, split, splits)) for i in range(len(family.options))]
+    every = list(enumerate(every_candidate(family, split)))  # the floor: the least peak
     _, least = min(every, key=lambda ic: (ic[1].peak, *_rank(ic)))  # budget(peak=<it>)'s plan
     return (
         f"no plan fits {limit}: the smallest predicted peak of {len(family.options)}"
@@ -350,46 +353,65 @@ def candidates(joint: JointGraph, time_limit: float) -> Family:
 
 
 def _build_family(joint: JointGraph, time_limit: float) -> Family:
-    plans, note = _base_plans(joint, time_limit)
-    backward_ops = frozenset(n for n in joint.backward_nodes() if n.op != "placeholder")
-    results = frozenset(n for n in joint.backward_results() if n is not None)
+    from aotgrad.partition.budget_solver import shared_problems  # SciPy
+
+    with shared_problems():  # 19 solves of one program at different caps
+        plans, note = _base_plans(joint, time_limit)
+    graph = _Backward.of(joint)
     options: list[Option] = []
     for label, base in _distinct(joint, plans):
-        intensive, flops = _recompute_cost(joint, base.recompute, backward_ops, results)
-        late = backward_order(joint, base.recompute, recompute_late=True)
-        for variant, named in (
-            (base, label),  # the default order first: kept when both are the same
-            (replace(base, recompute_late=False), f"{label}, recomputed at the backward's start"),
-        ):
-            if not variant.recompute_late and late == backward_order(
-                joint, base.recompute, recompute_late=False
-            ):
-                continue  # nothing to move: the same graphs count once
-            options.append(Option(named, variant, intensive, flops))
+        intensive, flops = graph.recompute_cost(base.recompute)
+        orders = [
+            backward_order(joint, base.recompute, recompute_late=late, backward_ops=graph.ops)
+            for late in (True, False)
+        ]
+        options.append(Option(label, base, intensive, flops))  # the default order first
+        if orders[0] != orders[1]:  # else nothing to move: the same graphs count once
+            early = replace(base, recompute_late=False)
+            named = f"{label}, recomputed at the backward's start"
+            options.append(Option(named, early, intensive, flops))
     return Family(options=tuple(options), note=note)
 
 
-def _recompute_cost(
-    joint: JointGraph,
-    recompute: set[fx.Node],
-    backward_ops: frozenset[fx.Node],
-    results: frozenset[fx.Node],
-) -> tuple[int, int]:
-    """(matmul-class, all) FLOPs of the forward ops a plan's backward re-runs, counted off the
-    joint as the split would keep them: its recomputed ops and checkpoint regions that survive
-    dead-code removal (``remove_dead_code``; ``partition._recomputed`` counts the same)."""
-    ops = backward_ops | recompute
-    live: set[fx.Node] = set()
-    for node in reversed(joint.gm.graph.nodes):
-        if node in ops and (node in results or must_run(node) or not live.isdisjoint(node.users)):
-            live.add(node)
-    ran = [
-        n
-        for n in live
-        if n.op == "call_function" and (n in recompute or phase_of(n) is Phase.RECOMPUTE)
-    ]
-    costs = [(is_compute_intensive(n.target), node_flops(n)) for n in ran]
-    return sum(f for hot, f in costs if hot), sum(f for _, f in costs)
+@dataclass(frozen=True)
+class _Backward:
+    """What every plan's backward graph starts from, for counting its recompute off the joint."""
+
+    # The joint's nodes, last first.
+    reversed_nodes: tuple[fx.Node, ...]
+    # The backward's own ops and checkpoint regions (not its placeholders).
+    ops: frozenset[fx.Node]
+    # What it returns, and the nodes dead-code removal keeps (``must_run``).
+    results: frozenset[fx.Node]
+    kept: frozenset[fx.Node]
+
+    @staticmethod
+    def of(joint: JointGraph) -> _Backward:
+        ops = frozenset(n for n in joint.backward_nodes() if n.op != "placeholder")
+        return _Backward(
+            reversed_nodes=tuple(reversed(joint.gm.graph.nodes)),
+            ops=ops,
+            results=frozenset(n for n in joint.backward_results() if n is not None),
+            kept=frozenset(n for n in joint.gm.graph.nodes if n.op != "output" and must_run(n)),
+        )
+
+    def recompute_cost(self, recompute: set[fx.Node]) -> tuple[int, int]:
+        """(matmul-class, all) FLOPs of the forward ops a plan's backward re-runs, counted as
+        the split keeps them: its recomputed ops and checkpoint regions that survive dead-code
+        removal (``remove_dead_code``; ``partition._recomputed`` counts the same)."""
+        live: set[fx.Node] = set()
+        for node in self.reversed_nodes:
+            if (node in self.ops or node in recompute) and (
+                node in self.results or node in self.kept or not live.isdisjoint(node.users)
+            ):
+                live.add(node)
+        ran = [
+            n
+            for n in live
+            if n.op == "call_function" and (n in recompute or phase_of(n) is Phase.RECOMPUTE)
+        ]
+        costs = [(is_compute_intensive(n.target), node_flops(n)) for n in ran]
+        return sum(f for hot, f in costs if hot), sum(f for _, f in costs)
 
 
 def _without_matmul_recompute(

@@ -59,16 +59,18 @@ def build_backward(
 
 
 def backward_order(
-    joint: JointGraph, recompute: set[fx.Node], *, recompute_late: bool = True
+    joint: JointGraph,
+    recompute: set[fx.Node],
+    *,
+    recompute_late: bool = True,
+    backward_ops: frozenset[fx.Node] | None = None,
 ) -> list[fx.Node]:
     """The joint's nodes the backward graph runs, in its order (before dead code is removed):
-    the recomputed ones and the backward's own ops (Note [Recompute just before use])."""
-    backward = set(joint.backward_nodes())
-    order = [
-        n
-        for n in joint.gm.graph.nodes
-        if n in recompute or (n in backward and n.op != "placeholder")
-    ]
+    the recomputed ones and the backward's own ops, ``backward_ops`` when the caller has them
+    (Note [Recompute just before use])."""
+    if backward_ops is None:
+        backward_ops = frozenset(n for n in joint.backward_nodes() if n.op != "placeholder")
+    order = [n for n in joint.gm.graph.nodes if n in recompute or n in backward_ops]
     return _late_order(order, recompute) if recompute_late else order
 
 
