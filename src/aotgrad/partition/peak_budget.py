@@ -21,6 +21,7 @@ import torch.fx as fx
 from aotgrad.capture import JointGraph, Phase, phase_of
 from aotgrad.errors import PartitionError
 from aotgrad.ops.table import is_compute_intensive, must_run
+from aotgrad.partition.memory import shared_node_facts
 from aotgrad.partition.partitioned import Partitioned
 from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward, node_flops
 from aotgrad.partition.sizes import hint, hinted_bytes
@@ -148,9 +149,10 @@ def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitio
         raise AssertionError(f"expected a peak budget, got {limit}")
     family = candidates(joint, limit.time_limit)
     splits: dict[int, Partitioned] = {}
-    chosen = _choice(family, limit.peak, split, splits)
-    if chosen is None:
-        raise PartitionError(_below_floor(limit, family, split))
+    with shared_node_facts():  # Note [Plans share their nodes' facts]
+        chosen = _choice(family, limit.peak, split, splits)
+        if chosen is None:
+            raise PartitionError(_below_floor(limit, family, split))
     position, best = chosen
     partitioned = splits.get(position) or split(best.plan, str(limit))
     if partitioned.peak.allocated != best.peak:
