@@ -71,7 +71,11 @@ def capture_aotgrad(name: str, mode: str, peak: int) -> float:
 
 def capture_pytorch(name: str, mode: str, peak: int) -> float:
     import torch._functorch.config as functorch_config
-    from functorch.compile import aot_function, default_partition, min_cut_rematerialization_partition
+    from functorch.compile import (
+        aot_function,
+        default_partition,
+        min_cut_rematerialization_partition,
+    )
 
     import aotgrad
     from aotgrad.capture.tracing.joint import compiling
