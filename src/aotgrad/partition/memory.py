@@ -338,11 +338,11 @@ def _remembered(node: fx.Node, what: str, ask: Callable[[fx.Node], Any]) -> Any:
 
 def _allocations(node: fx.Node) -> dict[Any, int]:
     """The storages behind ``node``'s value with the bytes their allocator counts."""
-    return _remembered(node, "allocations", _count_allocations)  # type: ignore[no-any-return]
+    return _remembered(node, "allocations", _count_allocations)
 
 
 def _storages(node: fx.Node) -> dict[Any, Any]:
-    return _remembered(node, "storages", storages)  # type: ignore[no-any-return]
+    return _remembered(node, "storages", storages)
 
 
 def _count_allocations(node: fx.Node) -> dict[Any, int]:

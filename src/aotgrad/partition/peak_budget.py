@@ -3,9 +3,9 @@ is at most ``BYTES`` (Note [Peak budgets]).
 
 The plans come from a fixed family of candidates per joint graph (``save_all``,
 ``mincut`` and saved-bytes budgets on a grid, each with its recomputation in the
-joint's order and just before use); each is split and its peak predicted
-(``partition/memory.py``). The solver (numpy, SciPy) loads only when a peak budget is
-planned.
+joint's order and just before use); in order of their recompute FLOPs, each is split
+and its peak predicted (``partition/memory.py``) until one fits. The solver (numpy,
+SciPy) loads only when a peak budget is planned.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ REL_GAP = 0.1
 # default) and once with all of them at the backward's start (Note [Recompute
 # just before use] in ``partition/split.py``: only the first lowers the peak when
 # the peak is in the backward; the second frees a large saved input sooner when a
-# small value is recomputed from it). Candidates with the same graphs count once.
-# Each is split and its peak predicted; the plan is
+# small value is recomputed from it), the second left out when it moves nothing
+# (the same graphs count once). The plan is
 #
 #     argmin over {c : peak(c) <= B} of
 #         (recomputed matmul/conv/attention FLOPs, recompute FLOPs, peak, saved bytes, position)
@@ -94,14 +94,36 @@ REL_GAP = 0.1
 #     budget(peak=282_631) ... budget(peak=229_384) -> cap 138240, peak 229384
 #     budget(peak=229_383)                          -> ValueError: the smallest is 229384
 #
+# Splitting a candidate and predicting its peak is what costs (a split copies
+# the joint's nodes into two fx graphs; the prediction replays them), so a
+# budget splits only the candidates it must. Their FLOPs are counted off the
+# plan, without a split (``_Backward.recompute_cost``: the forward ops the
+# backward re-runs after dead-code removal, as ``partition._recomputed`` counts
+# them; each split checks the count). The candidates are taken in groups of
+# equal FLOPs, least first; the first group holding one whose peak fits holds
+# the argmin (every later group ranks below it in the first two places), and
+# within it the key's last three places choose. In the example above:
+#
+#     budget(peak=300_000): group (0, 0): save_all, 282632 fits -> 1 split
+#     budget(peak=250_000): (0, 0) save_all 282632; (0, 32768) the matmul policy,
+#                           both orders, 282632; (524288, 540672) cap 138240,
+#                           both orders: 229384 fits -> 5 splits of 11
+#
+# ``_exhaustive_choice`` splits every candidate: the definition the fast choice
+# is tested against (tests/test_fast_peak_planning.py), and what the ValueError
+# below the floor needs (every peak). Splits are remembered per family, and
+# every split of a budget's call shares its nodes' facts (Note [Plans share
+# their nodes' facts] in ``partition/memory.py``).
+#
 # The plan is the least recompute within the family, not over every plan (the
 # peak of a plan depends on the order of both graphs, which no integer program
 # here models); the predicted peak equals the measured one to the byte where Note
 # [What a step holds] is exact. Below the family's smallest peak there is no plan:
 # the ValueError names that peak, and the ways to lower it (scan_layers,
 # checkpoint). Cost: two floor solves and four solves per fraction (``REL_GAP``;
-# two per budget), and a split and a prediction per distinct plan; the family is cached per joint
-# graph, so another B on the same joint costs one split.
+# two per budget), one budget program built for all of them (``shared_problems``),
+# and the splits above; the family is cached per joint graph, so another B on the
+# same joint costs only the splits not made yet.
 
 
 @dataclass(frozen=True)
