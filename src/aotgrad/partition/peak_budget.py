@@ -129,7 +129,7 @@ REL_GAP = 0.1
 @dataclass(frozen=True)
 class Option:
     """One plan of the family before its split, with what the choice weighs first: the FLOPs
-    its backward re-runs, counted off the plan (:func:`_recompute_cost`)."""
+    its backward re-runs, counted off the plan (:meth:`_Backward.recompute_cost`)."""
 
     label: str
     plan: RematPlan
