@@ -31,6 +31,7 @@ import library_capture  # noqa: E402
 import memory  # noqa: E402
 import overhead  # noqa: E402
 import persist  # noqa: E402
+import planning  # noqa: E402
 import remat  # noqa: E402
 import report_page  # noqa: E402
 import scan  # noqa: E402
@@ -64,6 +65,7 @@ def main() -> None:
                 )
             )
     rows.extend(library_rows(library_capture.measure_in_fresh_processes(repeats=3)))
+    rows.extend(planning_rows(planning.measure_in_fresh_processes(repeats=3)))
     calls = overhead.measure()
     for phase, numbers in calls.items():
         rows.append(
@@ -195,6 +197,26 @@ def library_rows(found: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
     ]
     worst = max(rows, key=lambda r: r["ratio"])
     print(f"library capture: worst {worst['what']} at {worst['ratio']:.2f}x", flush=True)
+    return rows
+
+
+def planning_rows(found: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 42: planning time of budget(peak=mid) vs PyTorch's activation_memory_budget=0.5,
+    the worst repetition's (bench/planning.py)."""
+    rows = []
+    for name, got in found.items():
+        worst = max(range(len(got["ratios"])), key=got["ratios"].__getitem__)
+        ours, theirs = got["aotgrad"][worst], got["pytorch"][worst]
+        rows.append(
+            row(
+                f"planning {name}: budget(peak=mid) vs activation_memory_budget=0.5 (s)",
+                ours,
+                theirs,
+                "<= 1.00",
+                f"worst of {len(got['ratios'])} fresh-process repetitions;"
+                f" ratios {', '.join(f'{r:.2f}' for r in got['ratios'])}; mid = {got['peak']} B",
+            )
+        )
     return rows
 
 
