@@ -54,7 +54,7 @@ from aotgrad.capture import JointGraph
 from aotgrad.errors import PartitionError, format_error, user_frame_from_stack
 from aotgrad.ops.table import is_random
 from aotgrad.partition import Budget, Partitioned, split_plan
-from aotgrad.partition.peak_budget import Candidate, candidates
+from aotgrad.partition.peak_budget import Candidate, candidates, every_candidate
 from aotgrad.partition.saved import storages
 from aotgrad.partition.sizes import hint
 from aotgrad.partition.workspace import op_peak
@@ -488,8 +488,8 @@ def choose_for_peak(
     (Note [Peak budgets over a scan]); PartitionError naming the smallest step peak."""
     assert limit.peak is not None, f"expected a peak budget, got {limit}"
     split = _Recording(joint)
-    family = candidates(joint, limit.time_limit, split)
-    scored = [(c, split.of(c)) for c in family.candidates]
+    family = candidates(joint, limit.time_limit)
+    scored = [(c, split.of(c)) for c in every_candidate(family, split)]
     peaks = [predict_scan_peak(p, shape) for _, p in scored]
     fits = [k for k, peak in enumerate(peaks) if peak.allocated <= limit.peak]
     if not fits:
