@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import json
 import os
 import pstats
@@ -95,7 +96,7 @@ def cuda_sdpa_attention(
 def build(shape: str, attention: str = "cuda_sdpa", layers: int | None = None) -> Any:
     """The transformers LlamaForCausalLM of ``shape`` in bf16 on ``meta``, in train mode."""
     sys.path.insert(0, str(ROOT / "tests"))
-    import library_models  # noqa: F401  (torchvision shim, offline hub)
+    importlib.import_module("library_models")  # the torchvision shim, before transformers
     import torch
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
@@ -128,6 +129,7 @@ def worker(
     start = time.perf_counter()
     traced = aotgrad.trace(lambda ids: model(input_ids=ids, labels=ids).loss, ids)
     capture = time.perf_counter() - start
+    rss_capture = _rss_mb()
     joint = traced.partitioned.joint
     plans = {"save_all": _plan_entry(traced.partitioned, capture)}
     start = time.perf_counter()
@@ -161,10 +163,37 @@ def worker(
         "capture_s": capture,
         "nodes": len(joint.gm.graph.nodes),
         "rss_mb_imports": rss_imports,
+        "rss_mb_capture": rss_capture,
         "rss_mb": _rss_mb(),
         "meta_only": all(p.device.type == "meta" for p in model.parameters()),
         "plans": plans,
     }
+
+
+def pytorch_worker(
+    shape: str, batch: int, seq: int, attention: str, layers: int | None
+) -> dict[str, Any]:
+    """The reference, in its own fresh process: PyTorch's AOTAutograd (``aot_function``, its
+    default partition) capturing the same meta model's first forward and backward."""
+    import torch
+    from functorch.compile import aot_function, default_partition, make_boxed_func
+
+    model = build(shape, attention, layers)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+
+    def loss(state: dict[str, Any], ids: Any) -> Any:
+        kwargs = {"input_ids": ids, "labels": ids}
+        return torch.func.functional_call(model, state, (), kwargs).loss
+
+    start = time.perf_counter()
+    step = aot_function(
+        loss,
+        fw_compiler=lambda gm, _: make_boxed_func(gm),
+        partition_fn=default_partition,
+    )
+    step(state, ids).backward()
+    return {"capture_s": time.perf_counter() - start, "rss_mb": _rss_mb()}
 
 
 def _plan_entry(partitioned: Any, seconds: float) -> dict[str, Any]:
@@ -185,8 +214,10 @@ def measure(
     seq: int | None = None,
     attention: str = "cuda_sdpa",
     layers: int | None = None,
+    pytorch: bool = False,
 ) -> dict[str, Any]:
-    """One fresh process for ``shape``; its JSON line."""
+    """One fresh process for ``shape`` (PyTorch's capture instead with ``pytorch``); its JSON
+    line."""
     default_batch, default_seq = SIZES[shape]
     command = [
         sys.executable,
@@ -200,6 +231,8 @@ def measure(
     ]
     if layers is not None:
         command += ["--layers", str(layers)]
+    if pytorch:
+        command.append("--pytorch")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -215,7 +248,8 @@ def text(found: dict[str, Any]) -> str:
         f" parameters on meta), batch {found['batch']}, sequence {found['seq']},"
         f" attention {found['attention']}: capture {found['capture_s']:.1f} s"
         f" ({found['nodes']} nodes), peak RSS {found['rss_mb']:.0f} MB"
-        f" ({found['rss_mb_imports']:.0f} MB after imports)",
+        f" ({found['rss_mb_imports']:.0f} MB after imports,"
+        f" {found['rss_mb_capture']:.0f} MB after the capture)",
     ]
     for name, plan in found["plans"].items():
         if "refused" in plan:
@@ -240,9 +274,19 @@ def main() -> None:
     parser.add_argument("--attention", default="cuda_sdpa", help="cuda_sdpa, sdpa or eager")
     parser.add_argument("--layers", type=int, help="fewer layers than the shape's")
     parser.add_argument("--profile", action="store_true", help="cProfile the budget's planning")
+    parser.add_argument("--pytorch", action="store_true", help="PyTorch's capture instead")
     args = parser.parse_args()
+    if args.worker and args.pytorch:
+        print(
+            json.dumps(
+                pytorch_worker(*(args.shape, args.batch, args.seq, args.attention, args.layers))
+            )
+        )
+        return
     if args.worker:
-        found = worker(*(args.shape, args.batch, args.seq, args.attention, args.layers, args.profile))
+        found = worker(
+            *(args.shape, args.batch, args.seq, args.attention, args.layers, args.profile)
+        )
         print(json.dumps(found))
         return
     for shape in [args.shape] if args.shape else sorted(SHAPES, reverse=True):

@@ -18,20 +18,18 @@ import pytest
 import torch
 
 import aotgrad
+import library_models  # noqa: F401  (the torchvision shim, before transformers)
 from aotgrad.partition import Budget
 from aotgrad.partition.memory import predict_peak
 
 transformers = pytest.importorskip("transformers")
-import library_models  # noqa: E402, F401  (the torchvision shim before transformers' models)
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _llama(device: str, dtype: torch.dtype) -> torch.nn.Module:
     """A 2-layer Llama with grouped key/value heads; eager attention, which both devices run
     alike (``sdpa`` picks its kernel by device: docs/memory.md)."""
-    config = LlamaConfig(
+    config = transformers.LlamaConfig(
         hidden_size=64,
         intermediate_size=176,
         num_hidden_layers=2,
@@ -42,13 +40,15 @@ def _llama(device: str, dtype: torch.dtype) -> torch.nn.Module:
         use_cache=False,
     )
     with torch.device(device):
-        return LlamaForCausalLM(config).to(dtype).train()
+        return transformers.LlamaForCausalLM(config).to(dtype).train()
 
 
 def _trace(device: str, dtype: torch.dtype, partition: Any) -> aotgrad.Traced:
     model = _llama(device, dtype)
     ids = torch.arange(32, device=device).remainder(128).reshape(2, 16)
-    return aotgrad.trace(lambda ids: model(input_ids=ids, labels=ids).loss, ids, partition=partition)
+    return aotgrad.trace(
+        lambda ids: model(input_ids=ids, labels=ids).loss, ids, partition=partition
+    )
 
 
 def _code(gm: torch.fx.GraphModule) -> str:
@@ -81,7 +81,10 @@ def test_meta_plan_and_peak_equal_cpu(partition: Any) -> None:
 def test_meta_peak_leaves_out_scratch_space() -> None:
     """bf16: a CPU matmul's scratch space is measured by running it (Note [Measured scratch
     space]); on meta nothing runs, so the meta peak is the CPU peak without scratch space."""
-    meta, cpu = _trace("meta", torch.bfloat16, "save_all"), _trace("cpu", torch.bfloat16, "save_all")
+    meta, cpu = (
+        _trace("meta", torch.bfloat16, "save_all"),
+        _trace("cpu", torch.bfloat16, "save_all"),
+    )
     _same_plan(meta, cpu)
     c = cpu.partitioned
     assert c.backward is not None
