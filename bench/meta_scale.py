@@ -115,52 +115,47 @@ def _rss_mb() -> float:
 
 
 def worker(
-    shape: str, batch: int, seq: int, attention: str, layers: int | None, profile: bool = False
+    shape: str,
+    batch: int,
+    seq: int,
+    attention: str,
+    layers: int | None,
+    budget: bool = True,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """One fresh process: build, capture, plan; what it measured."""
     import torch
 
     import aotgrad
-    from aotgrad.partition import partition
 
     rss_imports = _rss_mb()
     model = build(shape, attention, layers)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     traced = aotgrad.trace(lambda ids: model(input_ids=ids, labels=ids).loss, ids)
-    capture = time.perf_counter() - start
+    capture, capture_cpu = time.perf_counter() - start, time.process_time() - cpu
     rss_capture = _rss_mb()
     joint = traced.partitioned.joint
-    plans = {"save_all": _plan_entry(traced.partitioned, capture)}
-    start = time.perf_counter()
-    cut = partition(joint, "mincut")
-    plans["mincut"] = _plan_entry(cut, time.perf_counter() - start)
-    inputs = cut.peak.inputs
-    limit = int(cut.peak.allocated * (1 - BUDGET_FRACTION))
-    name = f"budget(peak={limit / 1e9:.1f} GB)"
-    start = time.perf_counter()
-    profiler = cProfile.Profile() if profile else None
-    if profiler is not None:
-        profiler.enable()
-    try:
-        plans[name] = _plan_entry(
-            partition(joint, aotgrad.budget(peak=limit)), time.perf_counter() - start
-        )
-    except aotgrad.errors.PartitionError as error:  # below the family's floor: say so
-        plans[name] = {"refused": str(error).split(";")[0], "plan_s": time.perf_counter() - start}
-    if profiler is not None:
-        profiler.disable()
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    plans = {"save_all": _plan_entry(traced.partitioned, capture, capture_cpu)}
+    plans["mincut"] = _timed_plan(joint, "mincut")
+    if budget:
+        limit = int(plans["mincut"]["allocated_bytes"] * (1 - BUDGET_FRACTION))
+        profiler = cProfile.Profile() if profile else None
+        if profiler is not None:
+            profiler.enable()
+        plans[f"budget(peak={limit / 1e9:.1f} GB)"] = _timed_plan(joint, aotgrad.budget(peak=limit))
+        if profiler is not None:
+            profiler.disable()
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
     return {
         "shape": shape,
         "layers": model.config.num_hidden_layers,
         "batch": batch,
         "seq": seq,
         "attention": attention,
-        "param_bytes": params,
-        "input_bytes": inputs,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "capture_s": capture,
+        "capture_cpu_s": capture_cpu,  # this process's CPU time: the machine may be shared
         "nodes": len(joint.gm.graph.nodes),
         "rss_mb_imports": rss_imports,
         "rss_mb_capture": rss_capture,
@@ -168,6 +163,20 @@ def worker(
         "meta_only": all(p.device.type == "meta" for p in model.parameters()),
         "plans": plans,
     }
+
+
+def _timed_plan(joint: Any, strategy: Any) -> dict[str, Any]:
+    """``partition(joint, strategy)``, timed; a refusal (a peak below the floor) as its text."""
+    from aotgrad.errors import PartitionError
+    from aotgrad.partition import partition
+
+    start, cpu = time.perf_counter(), time.process_time()
+    try:
+        partitioned = partition(joint, strategy)
+    except PartitionError as error:
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+        return {"refused": str(error).split(";")[0], "plan_s": seconds, "plan_cpu_s": cpu_seconds}
+    return _plan_entry(partitioned, time.perf_counter() - start, time.process_time() - cpu)
 
 
 def pytorch_worker(
@@ -186,20 +195,22 @@ def pytorch_worker(
         kwargs = {"input_ids": ids, "labels": ids}
         return torch.func.functional_call(model, state, (), kwargs).loss
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     step = aot_function(
         loss,
         fw_compiler=lambda gm, _: make_boxed_func(gm),
         partition_fn=default_partition,
     )
     step(state, ids).backward()
-    return {"capture_s": time.perf_counter() - start, "rss_mb": _rss_mb()}
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+    return {"capture_s": seconds, "capture_cpu_s": cpu_seconds, "rss_mb": _rss_mb()}
 
 
-def _plan_entry(partitioned: Any, seconds: float) -> dict[str, Any]:
+def _plan_entry(partitioned: Any, seconds: float, cpu_seconds: float) -> dict[str, Any]:
     peak = partitioned.peak
     return {
         "plan_s": seconds,
+        "plan_cpu_s": cpu_seconds,
         "peak_bytes": peak.nbytes,  # what one GPU holds at the step's peak, inputs included
         "allocated_bytes": peak.allocated,  # above the inputs
         "saved_bytes": partitioned.saved_bytes,
@@ -215,6 +226,7 @@ def measure(
     attention: str = "cuda_sdpa",
     layers: int | None = None,
     pytorch: bool = False,
+    budget: bool = True,
 ) -> dict[str, Any]:
     """One fresh process for ``shape`` (PyTorch's capture instead with ``pytorch``); its JSON
     line."""
@@ -233,6 +245,8 @@ def measure(
         command += ["--layers", str(layers)]
     if pytorch:
         command.append("--pytorch")
+    if not budget:
+        command.append("--no-budget")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -247,20 +261,23 @@ def text(found: dict[str, Any]) -> str:
         f"{found['shape']} ({found['layers']} layers, {found['param_bytes'] / gb:.1f} GB of bf16"
         f" parameters on meta), batch {found['batch']}, sequence {found['seq']},"
         f" attention {found['attention']}: capture {found['capture_s']:.1f} s"
+        f" ({found['capture_cpu_s']:.1f} s CPU)"
         f" ({found['nodes']} nodes), peak RSS {found['rss_mb']:.0f} MB"
         f" ({found['rss_mb_imports']:.0f} MB after imports,"
         f" {found['rss_mb_capture']:.0f} MB after the capture)",
     ]
     for name, plan in found["plans"].items():
         if "refused" in plan:
-            lines.append(f"  {name:<26} refused: {plan['refused']} ({plan['plan_s']:.1f} s)")
+            lines.append(
+                f"  {name:<26} refused: {plan['refused']} ({plan['plan_cpu_s']:.1f} s CPU)"
+            )
             continue
         lines.append(
             f"  {name:<26} predicted peak per GPU {plan['peak_bytes'] / gb:7.2f} GB"
             f" ({plan['allocated_bytes'] / gb:.2f} GB above the inputs),"
             f" saved {plan['saved_bytes'] / gb:.2f} GB,"
             f" recompute {plan['recompute_flops'] / 1e12:.2f} TFLOP,"
-            f" planned in {plan['plan_s']:.1f} s, at {plan['where']}"
+            f" planned in {plan['plan_s']:.1f} s ({plan['plan_cpu_s']:.1f} s CPU), at {plan['where']}"
         )
     return "\n".join(lines)
 
@@ -274,23 +291,21 @@ def main() -> None:
     parser.add_argument("--attention", default="cuda_sdpa", help="cuda_sdpa, sdpa or eager")
     parser.add_argument("--layers", type=int, help="fewer layers than the shape's")
     parser.add_argument("--profile", action="store_true", help="cProfile the budget's planning")
+    parser.add_argument("--no-budget", action="store_true", help="save_all and mincut only")
     parser.add_argument("--pytorch", action="store_true", help="PyTorch's capture instead")
     args = parser.parse_args()
+    given = (args.shape, args.batch, args.seq, args.attention, args.layers)
     if args.worker and args.pytorch:
-        print(
-            json.dumps(
-                pytorch_worker(*(args.shape, args.batch, args.seq, args.attention, args.layers))
-            )
-        )
+        print(json.dumps(pytorch_worker(*given)))
         return
     if args.worker:
-        found = worker(
-            *(args.shape, args.batch, args.seq, args.attention, args.layers, args.profile)
-        )
+        found = worker(*given, budget=not args.no_budget, profile=args.profile)
         print(json.dumps(found))
         return
     for shape in [args.shape] if args.shape else sorted(SHAPES, reverse=True):
-        found = measure(shape, args.batch, args.seq, args.attention, args.layers)
+        found = measure(
+            *(shape, args.batch, args.seq, args.attention, args.layers), budget=not args.no_budget
+        )
         print(text(found), flush=True)
 
 
