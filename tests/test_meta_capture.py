@@ -152,3 +152,25 @@ def test_meta_capture_allocates_no_parameter_memory() -> None:
     assert found["grown"] < found["params"] / 8, found
     assert found["devices"] == ["meta"]
     assert found["peak"] > found["params"]
+
+
+def _saved_shapes(attention: str) -> list[tuple[int, ...]]:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import meta_scale
+
+    model = meta_scale.build("llama7b", attention, layers=1)
+    ids = torch.zeros(1, 256, dtype=torch.long, device="meta")
+    traced = aotgrad.trace(lambda ids: model(input_ids=ids, labels=ids).loss, ids)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    return [tuple(s.shape) for s in traced.saved]
+
+
+def test_attention_on_meta_is_the_kernel_it_names() -> None:
+    """docs/memory.md's warning, pinned: HF's sdpa on meta takes the math path and saves the
+    (1, 32, 256, 256) scores; bench/meta_scale.py's cuda_sdpa (the CUDA flash kernel) saves a
+    logsumexp per row instead, and no tensor of sequence x sequence."""
+    scores = (1, 32, 256, 256)
+    assert scores in _saved_shapes("sdpa")
+    flash = _saved_shapes("cuda_sdpa")
+    assert not [s for s in flash if s[-2:] == (256, 256)]
+    assert (1, 32, 256) in flash  # the logsumexp
