@@ -174,3 +174,32 @@ def test_attention_on_meta_is_the_kernel_it_names() -> None:
     flash = _saved_shapes("cuda_sdpa")
     assert not [s for s in flash if s[-2:] == (256, 256)]
     assert (1, 32, 256) in flash  # the logsumexp
+
+
+def test_budget_program_is_sparse_and_the_same() -> None:
+    """Note [A sparse program]: the budget program's constraint matrix, built sparse, is the
+    dense one its definition gives, row for row."""
+    from aotgrad.partition.budget_solver import _BudgetProblem
+    from aotgrad.partition.strategies import save_all
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w).relu().sin().sum()
+
+    x, w = torch.randn(8, 8), torch.randn(8, 8, requires_grad=True)
+    joint = aotgrad.trace(f, x, w).partitioned.joint
+    needed = list(save_all(joint).saved)
+    free = {n for n in needed if n.op == "placeholder"}
+    problem = _BudgetProblem.of(joint, free, 10.0)
+    n, at = len(problem.ops), problem.index
+    dense = [[*(at[v] == i for i in range(n)), *(at[v] == i for i in range(n))] for v in needed]
+    for v in problem.ops:
+        for u in (u for u in v.all_input_nodes if u in at):
+            row = [0.0] * 2 * n
+            row[n + at[v]], row[at[u]], row[n + at[u]] = 1, -1, -1
+            dense.append(row)
+    dense.append([*problem.weights, *[0.0] * n])
+    built = problem.constraint(needed, 1000.0)
+    assert built.A.toarray().tolist() == [[float(c) for c in row] for row in dense]
+    assert list(built.ub) == [float("inf")] * len(needed) + [0.0] * (
+        len(dense) - len(needed) - 1
+    ) + [1000.0]

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch.fx as fx
 from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import csr_array
 
 from aotgrad.capture import JointGraph, Phase, phase_of
 from aotgrad.errors import PartitionError
@@ -179,33 +180,20 @@ class _BudgetProblem:
 
     def constraint(self, needed: Iterable[fx.Node], cap: float | None) -> LinearConstraint:
         """What the backward reads is saved or recomputed; a recomputed op's op inputs are
-        too; with a ``cap``, the saved bytes are at most that."""
+        too; with a ``cap``, the saved bytes are at most that (Note [A sparse program])."""
         n, index = len(self.ops), self.index
-        rows: list[np.ndarray] = []
-        lower: list[float] = []
-        upper: list[float] = []
-
-        def add(row: np.ndarray, lo: float, hi: float) -> None:
-            rows.append(row)
-            lower.append(lo)
-            upper.append(hi)
-
+        rows = _SparseRows(2 * n)
         for v in needed:
             if v in index:
-                row = np.zeros(2 * n)
-                row[index[v]] = row[n + index[v]] = 1
-                add(row, 1, np.inf)
+                rows.add({index[v]: 1, n + index[v]: 1}, 1, np.inf)
         for v in self.ops:
             for u in v.all_input_nodes:
                 if u in index:  # recompute_v - save_u - recompute_u <= 0
-                    row = np.zeros(2 * n)
-                    row[n + index[v]] = 1
-                    row[index[u]] -= 1
-                    row[n + index[u]] -= 1
-                    add(row, -np.inf, 0)
+                    rows.add({n + index[v]: 1, index[u]: -1, n + index[u]: -1}, -np.inf, 0)
         if cap is not None:
-            add(self.on_save(self.weights), -np.inf, float(cap))
-        return LinearConstraint(np.array(rows), lower, upper)
+            on_save = self.on_save(self.weights)
+            rows.add({int(i): on_save[i] for i in np.flatnonzero(on_save)}, -np.inf, float(cap))
+        return rows.constraint()
 
     def on_save(self, values: np.ndarray) -> np.ndarray:
         return np.concatenate([values, np.zeros(len(self.ops))])
@@ -233,6 +221,45 @@ class _BudgetProblem:
             int(sum(self.weights[self.index[v]] for v in kept)),
             int(sum(self.costs[self.index[v]] for v in recompute if v in self.index)),
         )
+
+
+# Note [A sparse program]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Each row of the budget program names two or three of its 2n variables
+# (save_v + recompute_v >= 1; recompute_v - save_u - recompute_u <= 0), all
+# but the saved-bytes cap's, so the matrix is built sparse, row by row, as
+# (column, coefficient) pairs. Written dense, the program of an 80-layer
+# Llama-70B-shaped joint graph (6,922 forward ops and inputs: 10,374 rows of
+# 13,844 columns) is a 1.1 GB float64 matrix, built in seconds and scanned
+# again by ``milp`` for each of a peak budget's solves (bench/meta_scale.py).
+# HiGHS reads the matrix in compressed rows either way (``milp`` converts a
+# dense one), so the program it solves, and its answer, are the same.
+
+
+class _SparseRows:
+    """Rows of a constraint matrix with ``width`` columns, collected sparse with their bounds."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.columns: list[int] = []
+        self.row_of: list[int] = []
+        self.values: list[float] = []
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+
+    def add(self, row: dict[int, float], lo: float, hi: float) -> None:
+        """One row, ``{column: coefficient}``, bounded by ``lo <= row · x <= hi``."""
+        for column, value in row.items():
+            self.row_of.append(len(self.lower))
+            self.columns.append(column)
+            self.values.append(value)
+        self.lower.append(lo)
+        self.upper.append(hi)
+
+    def constraint(self) -> LinearConstraint:
+        shape = (len(self.lower), self.width)
+        matrix = csr_array((self.values, (self.row_of, self.columns)), shape=shape)
+        return LinearConstraint(matrix, self.lower, self.upper)
 
 
 def _budget_bounds(ops: list[fx.Node], pinned: set[fx.Node]) -> Bounds:
