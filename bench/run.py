@@ -29,6 +29,7 @@ import first_gradient  # noqa: E402
 import higher_order  # noqa: E402
 import library_capture  # noqa: E402
 import memory  # noqa: E402
+import meta_scale  # noqa: E402
 import overhead  # noqa: E402
 import persist  # noqa: E402
 import planning  # noqa: E402
@@ -127,6 +128,9 @@ def main() -> None:
     rows.extend(report_rows(report_page.measure()))
     rows.extend(persist_rows(persist.measure(pytorch=True)))
     rows.extend(export_rows(export_backends.measure()))
+    results["meta_scale"] = {shape: meta_scale.measure(shape) for shape in meta_scale.SIZES}
+    pytorch = {shape: meta_scale.measure(shape, pytorch=True) for shape in meta_scale.SIZES}
+    rows.extend(meta_rows(results["meta_scale"], pytorch))
     (HERE / "results.json").write_text(json.dumps(results, indent=1))
     print(table(results))
     update_readme(results)
@@ -514,6 +518,79 @@ def untied(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# Issue 42, item 4: the planning of a plan may take as long as the capture it plans.
+META_PLAN_TARGET = "<= 1.00"
+
+
+def meta_rows(found: dict[str, Any], pytorch: dict[str, Any]) -> list[dict[str, Any]]:
+    """Llama-7B/70B shapes on meta: capture vs PyTorch's, planning vs capture, RSS vs the
+    parameters' bytes; the predicted peaks go to the table below the rows."""
+    rows = []
+    for shape, m in found.items():
+        at = f"meta {shape} (b{m['batch']}, s{m['seq']})"
+        rows.append(
+            row(
+                f"{at} capture vs PyTorch's (CPU s)",
+                m["capture_cpu_s"],
+                pytorch[shape]["capture_cpu_s"],
+                "<= 1.00",
+                f"{m['nodes']} joint nodes; each side's fresh process, its CPU seconds (wall:"
+                f" {m['capture_s']:.0f} s vs {pytorch[shape]['capture_s']:.0f} s); PyTorch ="
+                " aot_function, default partition, first forward+backward",
+            )
+        )
+        for name, plan in m["plans"].items():
+            if name == "save_all":
+                continue
+            refused = f"refused: {plan['refused']}" if "refused" in plan else ""
+            rows.append(
+                row(
+                    f"{at} planning {'budget(peak=)' if '=' in name else name} vs capture (CPU s)",
+                    plan["plan_cpu_s"],
+                    m["capture_cpu_s"],
+                    META_PLAN_TARGET,
+                    refused or f"{name}: predicted peak {plan['peak_bytes'] / 1e9:.1f} GB",
+                )
+            )
+        rows.append(
+            row(
+                f"{at} peak RSS above imports vs bf16 parameters (MB)",
+                m["rss_mb"] - m["rss_mb_imports"],
+                m["param_bytes"] / 2**20,
+                "<= 0.10",
+                f"peak RSS {m['rss_mb']:.0f} MB: {m['rss_mb_imports']:.0f} MB after imports,"
+                f" {m['rss_mb_capture']:.0f} MB after the capture, the rest planning; PyTorch's"
+                f" capture: {pytorch[shape]['rss_mb']:.0f} MB",
+            )
+        )
+    return rows
+
+
+def meta_table(found: dict[str, Any]) -> list[str]:
+    """The predicted peak per GPU of one bf16 training step, per shape and plan."""
+    lines = [
+        "",
+        "Predicted peak of one training step on one GPU (bf16, parameters and gradients"
+        " included, no optimizer state), models built on `meta` (`bench/meta_scale.py`,"
+        " docs/memory.md):",
+        "",
+        "| model | batch, seq | plan | predicted peak | saved | recompute |",
+        "|---|---|---|---|---|---|",
+    ]
+    for shape, m in found.items():
+        for name, plan in m["plans"].items():
+            size = f"{m['batch']}, {m['seq']}"
+            if "refused" in plan:
+                lines.append(f"| {shape} | {size} | {name} | refused | | |")
+                continue
+            lines.append(
+                f"| {shape} | {size} | {name} | {plan['peak_bytes'] / 1e9:.1f} GB"
+                f" | {plan['saved_bytes'] / 1e9:.1f} GB"
+                f" | {plan['recompute_flops'] / 1e12:.2f} TFLOP |"
+            )
+    return lines
+
+
 def row(what: str, ours: float, theirs: float, target: str, note: str = "") -> dict[str, Any]:
     return {
         "what": what,
@@ -557,6 +634,7 @@ def table(results: dict[str, Any]) -> str:
     for model, entries in results.get("remat", {}).items():
         for label, v in entries.items():
             lines.append(f"| {model} | {label} | {v['saved_bytes']:,} | {v['recompute_flops']:,} |")
+    lines += meta_table(results.get("meta_scale", {})) if results.get("meta_scale") else []
     return "\n".join(lines)
 
 
