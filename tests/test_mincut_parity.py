@@ -97,6 +97,41 @@ def test_compute_intensive_ops_are_saved_and_their_pointwise_tails_recomputed():
     mincut_matches_eager(fn, x, w)
 
 
+def to_copy_chain(x, w):
+    return (x.float() @ w).bfloat16().float().sin().cos()
+
+
+def mild_reduction(x, w):
+    return x * x.sum(-1, keepdim=True) * (w @ w).sum()
+
+
+@pytest.mark.parametrize(
+    ("fn", "shape", "recomputed"),
+    [
+        (to_copy_chain, (16, 8), "aten._to_copy.default"),  # the casts of a mixed precision
+        (mild_reduction, (64, 2), "aten.sum.dim_IntList"),  # shrinks x 2x: recomputed
+    ],
+    ids=["to_copy", "sum(64, 2)"],
+)
+def test_what_pytorch_recomputes_is_recomputed(fn, shape, recomputed):
+    dtype = torch.bfloat16 if fn is to_copy_chain else torch.float32
+    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    w = torch.randn(shape[1], shape[1], requires_grad=True)
+    ours, theirs = mincut_saved_bytes(Function(fn), (x, w))
+    assert ours <= theirs
+    traced = aotgrad.trace(fn, x, w, partition="mincut")
+    assert recomputed in [r.op for r in traced.partitioned.recomputed]
+    mincut_matches_eager(fn, x, w)
+
+
+def test_a_reduction_that_shrinks_much_is_saved():
+    # Shrinking x (8, 64) 64x, the sum is saved (256 B), not recomputed from x.
+    x, w = torch.randn(8, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True)
+    traced = aotgrad.trace(mild_reduction, x, w, partition="mincut")
+    assert "aten.sum.dim_IntList" not in [r.op for r in traced.partitioned.recomputed]
+    assert "sum_1" in [s.name for s in traced.saved]
+
+
 UNARY: list[Callable[[torch.Tensor], torch.Tensor]] = [
     torch.sin,
     torch.exp,

@@ -26,10 +26,13 @@ Note [Min-cut weights]
 ~~~~~~~~~~~~~~~~~~~~~~
 ``mincut`` saves the fewest bytes from which the backward can recompute what
 it reads. Each forward input and op is an edge ``in -> out`` weighing its
-output's bytes; inputs, and ops no plan may recompute cheaply (only views and
-deterministic pointwise ops may be: matmuls, convolutions, attention and
-reductions are saved), hang off the source; what the backward reads hangs off
-the sink. A cut is a saved set::
+output's bytes; inputs, and ops it may not recompute, hang off the source;
+what the backward reads hangs off the sink. A cut is a saved set. It may
+recompute what PyTorch's min-cut may (``cheap_in_mincut``): views,
+deterministic pointwise ops, dtype copies, and reductions that shrink their
+input at most 4x (``x * x.sum(-1, keepdim=True)`` for ``x`` of shape (64, 2):
+the sum is recomputed from ``x``, which the backward reads anyway); matmuls,
+convolutions, attention and larger reductions are saved::
 
     f(x) = x.cos().cos().cos(),  x of 1000 floats
     the backward reads x, cos, cos_1 (each cos's gradient reads its input)
@@ -63,7 +66,14 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from aotgrad.capture import JointGraph, Phase, phase_of
-from aotgrad.ops.table import cheap_to_recompute, draws_random, flops, is_collective, is_free_view
+from aotgrad.ops.table import (
+    cheap_to_recompute,
+    draws_random,
+    flops,
+    is_collective,
+    is_free_view,
+    is_reduction,
+)
 from aotgrad.partition.sizes import hint, hinted_bytes
 
 INF = math.inf
@@ -175,10 +185,11 @@ def recompute_closure(
 
 
 def reads_mutated_input(joint: JointGraph) -> set[fx.Node]:
-    """Forward ops that read an input the function mutates, directly or through a view of
-    it: never recomputed (Note [Reading a mutated input])."""
+    """Forward ops that read a tensor the function mutates (its old value, its new value, or a
+    view of either): never recomputed (Note [Reading a mutated input])."""
     placeholders = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
-    aliases = {placeholders[i] for i in joint.mutated}
+    new_values = joint.results()[joint.signature.mutated_in_forward]
+    aliases = {placeholders[i] for i in joint.mutated} | {n for n in new_values if n is not None}
     readers = set(aliases)
     for node in joint.gm.graph.nodes:
         if node.op == "call_function" and any(a in aliases for a in node.all_input_nodes):
@@ -192,13 +203,17 @@ def reads_mutated_input(joint: JointGraph) -> set[fx.Node]:
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The runtime writes a mutated input's new value into the caller's tensor
 # after the forward, so the backward no longer has the old value: an op that
-# reads it, or reads a view of it, is never recomputed. Its users read a value
-# of the forward's own, and are recomputed from it like any op:
+# reads the input, its new value or a view of either (what the user's code
+# reads as that tensor) is never recomputed. The values such an op computes
+# are the forward's own, and what reads them is recomputed like any op:
 #
 #     bn = _native_batch_norm_legit_functional(x, w, b, running_mean, running_var, True, ...)
 #     out = bn[0]; r = relu(out); s = hardsigmoid(conv(r)); y = r * s
-#     running_mean and running_var are mutated (they become bn[3], bn[4])
-#     never recomputed: bn (it reads the old running stats); out, r, s may be
+#     running_mean and running_var are mutated (their new values: bn[3], bn[4])
+#     never recomputed: bn; recomputed when min-cut finds it cheaper: r, s
+#
+#     buf.add_(1); y = buf.cos()   ->   add = add(buf, 1); cos = cos(add)
+#     add is buf's new value: add and cos are never recomputed
 #
 # Every op downstream of a BatchNorm was once held to the same rule: min-cut
 # then saved MobileNetV3's hardsigmoid outputs beside the convolutions they
@@ -243,11 +258,7 @@ def _flow_graph(joint: JointGraph, needed: Iterable[fx.Node]) -> Any:
         graph.add_edge("source", (node, "in"), capacity=INF)
         graph.add_edge((node, "in"), (node, "out"), capacity=_capacity(node, savable=True))
     for node in forward_ops(joint):
-        recomputable = (
-            node not in pinned
-            and not never_recomputed(node)
-            and (cheap_to_recompute(node.target) or is_view_node(node))
-        )
+        recomputable = node not in pinned and cheap_in_mincut(node)
         # Views are replayed rather than saved, unless they cannot be recomputed.
         savable = is_tensor_node(node) and (not is_view_node(node) or not recomputable)
         graph.add_edge((node, "in"), (node, "out"), capacity=_capacity(node, savable))
@@ -261,6 +272,25 @@ def _flow_graph(joint: JointGraph, needed: Iterable[fx.Node]) -> Any:
             graph.add_edge((node, "out"), "sink", capacity=INF)
     graph.add_nodes_from(("source", "sink"))  # a backward that reads no forward value
     return graph
+
+
+# A reduction shrinking its input more than this many times is saved, not recomputed: its
+# output is small, and recomputing it keeps its input (Note [Min-cut weights]).
+REDUCTION_SHRINK = 4
+
+
+def cheap_in_mincut(node: fx.Node) -> bool:
+    """May min-cut recompute this forward op? Views, deterministic pointwise ops, copies
+    (``ops.table.cheap_to_recompute``) and reductions shrinking their input little; never what
+    :func:`why_never_recomputed` saves."""
+    if never_recomputed(node):
+        return False
+    if cheap_to_recompute(node.target) or is_view_node(node):
+        return True
+    if not (is_reduction(node.target) and is_tensor_node(node)):
+        return False
+    inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
+    return REDUCTION_SHRINK * hinted_bytes([node]) >= hinted_bytes(inputs)
 
 
 def _capacity(node: fx.Node, savable: bool) -> float:
