@@ -97,7 +97,7 @@ def budget_saved(
         raise PartitionError(
             f"no plan fits a budget of {budget_bytes} bytes: the inputs the backward reads take"
             f" {p.held}, and with what cannot be recomputed (random ops, ops reading an input the"
-            f" function mutates) the smallest plan saves {smallest} bytes. Raise the budget."
+            f" function mutates, MUST_SAVE values) the smallest plan saves {smallest} bytes. Raise the budget."
         )
     best = p.rounded(first.x, needed)
     tie = LinearConstraint(p.on_recompute(p.costs)[None, :], -np.inf, best.flops + 0.5)
