@@ -118,3 +118,17 @@ class SeedNet(nn.Module):
         x = x + residual
         x = torch.flatten(x)
         return (self.loss_fn(self.fc1(x), target),)
+
+
+def partition_suite(seed: int = 0) -> dict[str, tuple[nn.Module, tuple[torch.Tensor, ...]]]:
+    """The model suite as partition comparisons take it: each model returns a tensor to
+    differentiate, and its weights are untied (PyTorch's ``aot_module`` refuses tied ones)."""
+    torch.manual_seed(seed)
+    idx = torch.randint(0, 64, (2, 16))
+    return {
+        "mlp": (MLP(), (torch.randn(4, 16),)),
+        "convbn": (ConvBN(), (torch.randn(2, 1, 8, 8), torch.randn(2, 10))),
+        "gpt": (GPT(tied=False), (idx, torch.randint(0, 64, (2, 16)))),
+        "deepmlp": (DeepMLP(width=32, depth=4), (torch.randn(8, 32),)),
+        "seednet": (SeedNet(), (torch.randn(1, 4, 4, 4), torch.randn(1))),
+    }

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch._functorch.config as functorch_config
 import torch.fx as fx
-from functorch.compile import aot_module, make_boxed_func
+from functorch.compile import aot_function, aot_module, make_boxed_func
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from aotgrad.ops.table import flops
@@ -66,3 +66,69 @@ def pytorch_stats(
         out = compiled(*args)
         (out[0] if isinstance(out, tuple) else out).backward()
     return found[-1]
+
+
+class WithLoss(torch.nn.Module):
+    """``loss(model(*args, **kwargs))`` as one module: what both partitioners are given."""
+
+    def __init__(self, model: Callable[..., Any], loss: Callable[[Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.loss(self.model(*args, **kwargs))
+
+
+def pytorch_loss_stats(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    partition: Callable[..., Any],
+) -> tuple[int, int]:
+    """(saved bytes, recompute FLOPs) of PyTorch's ``aot_function`` with ``partition`` on
+    ``model(*args, **kwargs)``, its first output differentiated with a ones cotangent.
+
+    Parameters and buffers are inputs (as aotgrad's), and the model runs as if compiled, as
+    aotgrad's capture runs it (transformers' mask code takes its traceable branch only then:
+    Note [Capture is compiling])."""
+    from aotgrad.capture.tracing.joint import compiling
+
+    found: list[tuple[int, int]] = []
+
+    def bw_compiler(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        found.append(backward_stats(gm))
+        return make_boxed_func(gm)
+
+    model = copy.deepcopy(model)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+    def fn(state: dict[str, torch.Tensor], args: Any, kwargs: Any) -> Any:
+        return torch.func.functional_call(model, state, args, kwargs)
+
+    compiled = aot_function(
+        fn,
+        fw_compiler=lambda gm, example_inputs: make_boxed_func(gm),
+        bw_compiler=bw_compiler,
+        partition_fn=partition,
+    )
+    with compiling():
+        out = compiled(state, args, kwargs)
+    first = out[0] if isinstance(out, tuple | list) else out
+    first.backward(torch.ones_like(first))
+    return found[-1]
+
+
+def mincut_saved_bytes(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> tuple[int, int]:
+    """(aotgrad's ``"mincut"`` saved bytes, PyTorch's ``min_cut_rematerialization_partition``
+    saved bytes) on ``model(*args, **kwargs)``: unique storages the backward receives, inputs
+    and parameters included, on both sides."""
+    from functorch.compile import min_cut_rematerialization_partition
+
+    import aotgrad
+
+    kwargs = kwargs or {}
+    theirs, _ = pytorch_loss_stats(model, args, kwargs, min_cut_rematerialization_partition)
+    ours = aotgrad.trace(model, *args, partition="mincut", **kwargs).partitioned
+    return ours.saved_bytes, theirs

@@ -47,13 +47,23 @@ from aotgrad.errors import (
     format_error,
     user_frame_of_function,
 )
+from aotgrad.loops.peak import LoopShape, ScanPeak, choose_for_peak
 from aotgrad.ops.table import is_random
-from aotgrad.partition import Partitioned
-from aotgrad.pipeline import run, signature_stage, watch_of
+from aotgrad.partition import Budget, Partitioned
+from aotgrad.partition.checks import check_partitioned
+from aotgrad.pipeline import (
+    Traceable,
+    capture_stage,
+    compile_stage,
+    partition_stage,
+    run,
+    signature_stage,
+    watch_of,
+)
 from aotgrad.runtime import CompiledGraphs
 from aotgrad.runtime.boxing import BoxedCall
 from aotgrad.runtime.function import Plan
-from aotgrad.settings import Options
+from aotgrad.settings import Options, collector_paused
 from aotgrad.signature.lifting import Body, Lifted, State
 
 
@@ -88,6 +98,9 @@ class ScanBody:
     cotangent_of: tuple[tuple[str, int], ...]
     # Does the forward draw random numbers (Note [Random ops in a scan])?
     random: bool
+    # The predicted step peak a peak budget chose the plan for (Note [Peak budgets over a
+    # scan]); None for other partitions (``ScanFunction.step_peak`` predicts it on demand).
+    peak: ScanPeak | None = None
 
     @property
     def saved_in_forward(self) -> slice:
@@ -111,8 +124,14 @@ def capture_body(
     x_spec: pytree.TreeSpec,
     options: Options,
     with_grad: bool,
+    plan_for: LoopShape | None = None,
 ) -> ScanBody:
-    """Trace ``fn`` on one iteration's values; trace again cloning outputs that alias."""
+    """Trace ``fn`` on one iteration's values; trace again cloning outputs that alias.
+
+    ``plan_for``, given with a peak budget, is the loop the body's plan is chosen for (Note
+    [Peak budgets over a scan])."""
+    chosen: list[ScanPeak] = []
+    choose = None if plan_for is None else functools.partial(_choose, options, plan_for, chosen)
     carry = [_example(t, with_grad and differentiable(t)) for t in init]
     row = [_example(t, with_grad and t.requires_grad) for t in x]
     args = (pytree.tree_unflatten(carry, carry_spec), pytree.tree_unflatten(row, x_spec))
@@ -126,13 +145,48 @@ def capture_body(
         checks = functools.partial(_check_joint, fn, watch, clone is None)
         try:
             with torch.set_grad_enabled(with_grad):
-                partitioned, compiled = run(
-                    replace(traceable, body=body, effects=watch), options, checks
+                partitioned, compiled = _run(
+                    replace(traceable, body=body, effects=watch), options, checks, choose
                 )
         except _Aliasing as aliasing:  # Note [Outputs that alias]
             clone = aliasing.args[0]
             continue
-        return _body_of(partitioned, compiled, lifted.tensors, len(init), len(x), options)
+        body_of = _body_of(partitioned, compiled, lifted.tensors, len(init), len(x), options)
+        return replace(body_of, peak=chosen[-1] if chosen else None)
+
+
+def _choose(
+    options: Options, shape: LoopShape, chosen: list[ScanPeak], joint: JointGraph
+) -> Partitioned:
+    """A peak budget's plan for the loop; its predicted step peak goes to ``chosen``."""
+    assert isinstance(options.partition, Budget), "a loop plans for a peak budget only"
+    partitioned, peak = choose_for_peak(joint, options.partition, shape)
+    chosen.append(peak)
+    return partitioned
+
+
+# Partitions a body's joint graph for the loop (a peak budget's choice).
+Choose = Callable[[JointGraph], Partitioned]
+
+
+def _run(
+    traceable: Traceable,
+    options: Options,
+    checks: Callable[[JointGraph], None],
+    choose: Choose | None,
+) -> tuple[Partitioned, CompiledGraphs]:
+    """The pipeline's driver, with ``choose`` as the partition stage when given."""
+    if choose is None:
+        return run(traceable, options, checks)
+    with collector_paused():
+        joint = capture_stage(traceable, options, checks)
+        if not joint.has_backward:
+            partitioned = partition_stage(joint, options)
+        else:
+            partitioned = choose(joint)
+            if options.check:
+                check_partitioned(partitioned)
+    return partitioned, compile_stage(partitioned, options)
 
 
 class _Aliasing(Exception):

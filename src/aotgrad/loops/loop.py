@@ -35,6 +35,7 @@ from aotgrad.cache import CacheInfo, ambient_key
 from aotgrad.capture.tracing.session import capturing
 from aotgrad.errors import DoubleBackwardError, ScanError, format_error, user_frame_from_stack
 from aotgrad.loops.body import ScanBody, capture_body, differentiable
+from aotgrad.loops.peak import LoopShape, ScanPeak, predict_scan_peak
 from aotgrad.partition import Budget
 from aotgrad.runtime.function import reached_grads, run_forward, with_zeros
 from aotgrad.runtime.transforms import transform_active
@@ -78,17 +79,17 @@ class ScanFunction:
         self._fn = as_module(fn)
         self._state = State(self._fn, read_environment)
         self._options = options or options_of(keywords, "ScanFunction")
-        if isinstance(self._options.partition, Budget) and self._options.partition.peak is not None:
-            raise ScanError(
-                f"partition={self._options.partition} bounds the peak of a whole step"
-                " f(*inputs).backward(); a scan partitions its body, which runs once per"
-                " iteration, so the body's peak is not the step's. Bound what each iteration"
-                " saves with aotgrad.budget(x), or put the peak budget on aot_function or"
-                " aot_module around the whole step (Note [Peak budgets])"
-            )
+        partition = self._options.partition
+        # A peak budget bounds the whole loop's step (Note [Peak budgets over a scan]).
+        self._peak_budget = (
+            partition if isinstance(partition, Budget) and partition.peak is not None else None
+        )
         self.checkpoint = checkpoint
         self._bodies: dict[Any, ScanBody] = {}
         self._last: ScanBody | None = None
+        # The last call's loop (length, xs stacked or rows), and its predicted step peak.
+        self._last_shape: LoopShape | None = None
+        self._peaks: dict[tuple[int, LoopShape], ScanPeak] = {}
         # How many times the body was captured.
         self.captures = 0
         # Calls that reused a capture, captures and why (``aotgrad.cache_info``), and the
@@ -102,6 +103,34 @@ class ScanFunction:
         if self._last is None:
             raise ScanError(self._not_captured())
         return self._last.traced
+
+    @property
+    def step_peak(self) -> ScanPeak:
+        """The predicted peak of the last call's whole step: its N forwards, then the backward
+        of its outputs with dense cotangents (Note [A scan's step peak]); under
+        ``partition=aotgrad.budget(peak=BYTES)``, the one the body's plan was chosen for.
+
+        >>> import torch, aotgrad
+        >>> from aotgrad.testing import measure_peak
+        >>> run = aotgrad.scan_function(lambda h, x: (torch.tanh(h * x), None))
+        >>> h, xs = torch.ones(1000, requires_grad=True), torch.ones(3, 1000)
+        >>> step = lambda: run(h, xs)[0].backward(torch.ones(1000))
+        >>> step(); h.grad = None
+        >>> run.step_peak.allocated, run.step_peak.where, measure_peak(step)
+        (28000, 'backward iteration 1', 28000)
+        """
+        if self._last is None or self._last_shape is None:
+            raise ScanError(self._not_captured())
+        body, shape = self._last, self._last_shape
+        if body.backward is None:
+            raise ScanError(
+                "this scan's last call ran without a gradient: its step has no backward to"
+                " predict\ncall it with inputs that require grad (under torch.enable_grad())"
+            )
+        key = (id(body), shape)
+        if key not in self._peaks:
+            self._peaks[key] = body.peak or predict_scan_peak(body.traced.partitioned, shape)
+        return self._peaks[key]
 
     def _not_captured(self) -> str:
         """Why ``traced`` has nothing to give yet."""
@@ -182,7 +211,16 @@ class ScanFunction:
         with_grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in (*lifted.tensors, *init_leaves, *xs_leaves)
         )
-        body = self._body(call, init_leaves, carry_spec, lifted, with_grad)
+        shape = LoopShape(
+            num_lifted=len(lifted.tensors),
+            num_carry=len(init_leaves),
+            num_x=len(call.x_keys),
+            length=length,
+            checkpoint=self.checkpoint,
+            stacked=call.stacked,
+        )
+        body = self._body(call, init_leaves, carry_spec, lifted, with_grad, shape)
+        self._last_shape = shape
         if length == 0:  # as jax.lax.scan: init back, and empty ys
             empty = [torch.empty((0, *s), dtype=d, device=v) for s, d, v in body.y_examples]
             return init, body.y_of(empty)
@@ -203,6 +241,7 @@ class ScanFunction:
         carry_spec: pytree.TreeSpec,
         lifted: Lifted,
         with_grad: bool,
+        shape: LoopShape,
     ) -> ScanBody:
         key = (
             carry_spec,
@@ -212,6 +251,8 @@ class ScanFunction:
             lifted.key,
             with_grad,
             ambient_key(),
+            # Note [Peak budgets over a scan]: the plan is the loop's, for this length.
+            (shape.length, shape.stacked) if self._peak_budget and with_grad else None,
         )
         body = self._bodies.get(key)
         environ = None if body is None else body.traced.partitioned.joint.environ
@@ -231,6 +272,7 @@ class ScanFunction:
                 x_spec=call.xs_spec,
                 options=self._options,
                 with_grad=with_grad,
+                plan_for=shape if self._peak_budget and with_grad else None,
             )
             self.captures += 1
             settled = self._state.settle(lifted) if lifted is not NOTHING else lifted
@@ -254,6 +296,7 @@ _KEY_PARTS = (
     "the module state and closed-over tensors",
     "whether a gradient is needed",
     "the torch state (grad mode, autocast, default dtype)",
+    "the length and xs (stacked or rows) a peak budget plans for",
 )
 
 
@@ -416,13 +459,8 @@ class ScanLoop(torch.autograd.Function):
                 kept.extend(carry)
                 if body.random:
                     rng_states.append(torch.get_rng_state())
-            results = run_forward(
-                body.forward, body.plan, [*lifted, *carry, *_x_row(body, xs, i, stacked)]
-            )
-            if not checkpoint:
-                kept.extend(results[body.saved_in_forward])
-            carry = [results[p] for p in body.carry_in_forward]
-            ys.append([results[p] for p in body.y_in_forward])
+            x = _x_row(body, xs, i, stacked)
+            carry = _forward_step(body, lifted, carry, x, ys, None if checkpoint else kept)
         outputs = (*carry, *_stacked(ys, body.y_in_forward))
         ctx.save_for_backward(*lifted, *xs, *kept)
         ctx.body, ctx.checkpoint, ctx.length, ctx.rng_states = body, checkpoint, length, rng_states
@@ -447,13 +485,9 @@ class ScanLoop(torch.autograd.Function):
         ys_cotangent = cotangents[body.num_carry :]
         with _rng_restored(ctx.checkpoint and body.random):
             for i in reversed(range(ctx.length)):
-                y_rows = [None if t is None else t[i] for t in ys_cotangent]
-                given = [
-                    carry_cotangent[j] if kind == "carry" else y_rows[j]
-                    for kind, j in body.cotangent_of
-                ]
-                iteration = _iteration_grads(ctx, body, i, given, (lifted, kept, xs))
-                carry_cotangent = grads.add(i, iteration)
+                carry_cotangent = _backward_step(
+                    ctx, i, (carry_cotangent, ys_cotangent), (lifted, kept, xs), grads
+                )
         x_grads = grads.stacked_xs() if ctx.stacked else grads.rows()
         return (None, None, None, None, *grads.lifted, *carry_cotangent, *x_grads)
 
@@ -465,6 +499,39 @@ _DOUBLE_BACKWARD = (
     " higher-order gradients through the unrolled loop (from aotgrad.loops import unrolled),"
     " or compile the whole loop with aot_function."
 )
+
+
+def _forward_step(
+    body: ScanBody,
+    lifted: list[torch.Tensor],
+    carry: list[torch.Tensor],
+    x: list[torch.Tensor],
+    ys: list[list[torch.Tensor]],
+    kept: list[torch.Tensor] | None,
+) -> list[torch.Tensor]:
+    """One iteration's forward: ``y`` to ``ys``, its saved values to ``kept`` (None under
+    checkpoint: dropped here, Note [A scan's step peak]); the new carry."""
+    results = run_forward(body.forward, body.plan, [*lifted, *carry, *x])
+    if kept is not None:
+        kept.extend(results[body.saved_in_forward])
+    ys.append([results[p] for p in body.y_in_forward])
+    return [results[p] for p in body.carry_in_forward]
+
+
+def _backward_step(
+    ctx: Any,
+    i: int,
+    cotangents: tuple[list[torch.Tensor | None], Sequence[torch.Tensor | None]],
+    saved: tuple[list[torch.Tensor], Sequence[torch.Tensor], list[torch.Tensor]],
+    grads: _Grads,
+) -> list[torch.Tensor | None]:
+    """Iteration ``i``'s backward, its grads taken by ``grads``; the cotangent of the carry
+    before it. Holds nothing past its return (Note [A scan's step peak])."""
+    body: ScanBody = ctx.body
+    carry_cotangent, ys_cotangent = cotangents
+    y_rows = [None if t is None else t[i] for t in ys_cotangent]
+    given = [carry_cotangent[j] if kind == "carry" else y_rows[j] for kind, j in body.cotangent_of]
+    return grads.add(i, _iteration_grads(ctx, body, i, given, saved))
 
 
 def _iteration_grads(

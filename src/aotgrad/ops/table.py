@@ -102,13 +102,32 @@ def is_pointwise(op: object) -> bool:
     return isinstance(op, OpOverload) and torch.Tag.pointwise in op.tags
 
 
-def cheap_to_recompute(op: object) -> bool:
-    """What min-cut may recompute: free views and deterministic pointwise ops.
+# Copies to another dtype or layout: memory-bound, as a pointwise op is.
+_CHEAP_COPIES = frozenset({torch.ops.aten._to_copy.default, torch.ops.aten._unsafe_view.default})
 
-    Matmuls, convolutions, reductions and random ops are saved instead
-    (a memory budget may still recompute all but the random ones).
+
+def cheap_to_recompute(op: object) -> bool:
+    """What min-cut may recompute: free views, deterministic pointwise ops and copies.
+
+    Matmuls, convolutions, attention and random ops are saved instead, and so
+    are reductions that shrink their input much (``partition/remat.py``); a
+    memory budget may still recompute all but the random ones.
+
+    >>> cheap_to_recompute(torch.ops.aten._to_copy.default)
+    True
+    >>> cheap_to_recompute(torch.ops.aten.mm.default), cheap_to_recompute(torch.ops.aten.sum.dim_IntList)
+    (False, False)
     """
-    return is_free_view(op) or (is_pointwise(op) and not is_random(op))
+    return is_free_view(op) or op in _CHEAP_COPIES or (is_pointwise(op) and not is_random(op))
+
+
+def is_reduction(op: object) -> bool:
+    """An op that reduces over dimensions (``sum``, ``mean``, ``amax``, ``var``).
+
+    >>> is_reduction(torch.ops.aten.sum.dim_IntList), is_reduction(torch.ops.aten.sin.default)
+    (True, False)
+    """
+    return isinstance(op, OpOverload) and torch.Tag.reduction in op.tags
 
 
 def _numel(value: object) -> int:

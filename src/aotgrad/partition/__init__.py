@@ -55,6 +55,7 @@ __all__ = [
     "SavedValue",
     "budget",
     "partition",
+    "split_plan",
 ]
 
 Strategy = Literal["save_all", "mincut"] | Budget | Policy
@@ -120,6 +121,12 @@ def _plan(joint: JointGraph, strategy: Strategy) -> RematPlan:
         f"unknown partition strategy {strategy!r}; expected 'save_all', 'mincut',"
         " aotgrad.budget(x) or a policy (Note [Partition policies])"
     )
+
+
+def split_plan(joint: JointGraph, plan: RematPlan, strategy: str) -> Partitioned:
+    """``joint`` split as ``plan`` says, named ``strategy``: how a peak budget's candidates are
+    split, for a planner that weighs them itself (a scan's: Note [A scan's step peak])."""
+    return _split(joint, plan, strategy)
 
 
 def _split(joint: JointGraph, plan: RematPlan, strategy: str) -> Partitioned:

@@ -4,13 +4,16 @@ solved (``aotgrad.budget``), never with ``import aotgrad`` (issue 29)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch.fx as fx
 from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import csc_array
 
 from aotgrad.capture import JointGraph, Phase, phase_of
 from aotgrad.errors import PartitionError
@@ -25,6 +28,22 @@ from aotgrad.partition.remat import (
     recompute_closure,
 )
 from aotgrad.partition.sizes import hinted_bytes
+
+# A constraint matrix's rows as (row indices, column indices, values, lower bounds, upper bounds).
+_Rows = tuple[list[int], list[int], list[float], list[float], list[float]]
+# Within :func:`shared_problems`: each joint's problem, by joint, free inputs and kept ops.
+_SHARED: ContextVar[dict[Any, _BudgetProblem] | None] = ContextVar("budget_problems", default=None)
+
+
+@contextmanager
+def shared_problems() -> Iterator[None]:
+    """Solves of one joint inside share their problem's parts, built once: a peak budget's
+    family solves the same program at many caps (Note [Peak budgets])."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -78,7 +97,7 @@ def budget_saved(
         raise PartitionError(
             f"no plan fits a budget of {budget_bytes} bytes: the inputs the backward reads take"
             f" {p.held}, and with what cannot be recomputed (random ops, ops reading an input the"
-            f" function mutates) the smallest plan saves {smallest} bytes. Raise the budget."
+            f" function mutates, MUST_SAVE values) the smallest plan saves {smallest} bytes. Raise the budget."
         )
     best = p.rounded(first.x, needed)
     tie = LinearConstraint(p.on_recompute(p.costs)[None, :], -np.inf, best.flops + 0.5)
@@ -147,6 +166,8 @@ class _BudgetProblem:
     time_limit: float
     # HiGHS stops when its plan is proven within this fraction of the optimum (0: exact).
     rel_gap: float = 0.0
+    # The constraint rows but the cap's, by what the backward reads: built once per problem.
+    structure: dict[tuple[fx.Node, ...], _Rows] = field(default_factory=dict, compare=False)
 
     @staticmethod
     def of(
@@ -156,6 +177,10 @@ class _BudgetProblem:
         rel_gap: float = 0.0,
         kept: frozenset[fx.Node] = frozenset(),
     ) -> _BudgetProblem:
+        shared = _SHARED.get()
+        key = (id(joint), frozenset(free_inputs), kept)
+        if shared is not None and key in shared:  # the same problem at another time or gap
+            return replace(shared[key], time_limit=time_limit, rel_gap=rel_gap)
         inputs = [
             p
             for p in joint.gm.graph.nodes
@@ -166,7 +191,7 @@ class _BudgetProblem:
             [0 if is_view_node(v) or v in free_inputs else hinted_bytes([v]) for v in ops],
             dtype=float,
         )
-        return _BudgetProblem(
+        problem = _BudgetProblem(
             ops=ops,
             index={n: i for i, n in enumerate(ops)},
             weights=weights,
@@ -176,36 +201,53 @@ class _BudgetProblem:
             time_limit=time_limit,
             rel_gap=rel_gap,
         )
+        if shared is not None:
+            shared[key] = problem
+        return problem
 
     def constraint(self, needed: Iterable[fx.Node], cap: float | None) -> LinearConstraint:
         """What the backward reads is saved or recomputed; a recomputed op's op inputs are
-        too; with a ``cap``, the saved bytes are at most that."""
+        too; with a ``cap``, the saved bytes are at most that. Sparse, row by row as a dense
+        matrix would be: HiGHS receives the same matrix either way (``milp`` converts to CSC)."""
+        needed = tuple(needed)
+        if needed not in self.structure:
+            self.structure[needed] = self._structure(needed)
+        rows, cols, vals, lower, upper = (list(part) for part in self.structure[needed])
+        if cap is not None:
+            (nonzero,) = np.nonzero(self.weights)
+            rows += [len(lower)] * len(nonzero)
+            cols += nonzero.tolist()
+            vals += self.weights[nonzero].tolist()
+            lower.append(-np.inf)
+            upper.append(float(cap))
+        matrix = csc_array((vals, (rows, cols)), shape=(len(lower), 2 * len(self.ops)))
+        matrix.sum_duplicates()  # also sorts the indices, as a dense matrix's CSC has them
+        return LinearConstraint(matrix, lower, upper)
+
+    def _structure(self, needed: tuple[fx.Node, ...]) -> _Rows:
+        """The rows of :meth:`constraint` but the cap's: (rows, columns, values, lower, upper)."""
         n, index = len(self.ops), self.index
-        rows: list[np.ndarray] = []
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
         lower: list[float] = []
         upper: list[float] = []
-
-        def add(row: np.ndarray, lo: float, hi: float) -> None:
-            rows.append(row)
-            lower.append(lo)
-            upper.append(hi)
-
         for v in needed:
             if v in index:
-                row = np.zeros(2 * n)
-                row[index[v]] = row[n + index[v]] = 1
-                add(row, 1, np.inf)
+                rows += [len(lower)] * 2
+                cols += [index[v], n + index[v]]
+                vals += [1.0, 1.0]
+                lower.append(1)
+                upper.append(np.inf)
         for v in self.ops:
             for u in v.all_input_nodes:
                 if u in index:  # recompute_v - save_u - recompute_u <= 0
-                    row = np.zeros(2 * n)
-                    row[n + index[v]] = 1
-                    row[index[u]] -= 1
-                    row[n + index[u]] -= 1
-                    add(row, -np.inf, 0)
-        if cap is not None:
-            add(self.on_save(self.weights), -np.inf, float(cap))
-        return LinearConstraint(np.array(rows), lower, upper)
+                    rows += [len(lower)] * 3
+                    cols += [n + index[v], index[u], n + index[u]]
+                    vals += [1.0, -1.0, -1.0]
+                    lower.append(-np.inf)
+                    upper.append(0)
+        return rows, cols, vals, lower, upper
 
     def on_save(self, values: np.ndarray) -> np.ndarray:
         return np.concatenate([values, np.zeros(len(self.ops))])

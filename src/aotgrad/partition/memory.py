@@ -8,8 +8,10 @@ when it runs the forward and backward graphs (Note [What a step holds]) and retu
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,10 +25,12 @@ from aotgrad.partition.saved import record_dict, storages
 from aotgrad.partition.sizes import ExampleSize, hint
 from aotgrad.signature import Cotangent, Grad, Output, Saved, Signature, StateAtBackward
 
-__all__ = ["LiveValue", "PeakEstimate", "predict_peak"]
+__all__ = ["LiveValue", "PeakEstimate", "predict_peak", "shared_node_facts"]
 
 # The bytes an op allocates at its own peak, outputs included (None: just its new outputs).
 Workspace = Callable[[fx.Node], int | None]
+# A live storage's label before it is made a LiveValue: the node, graph, kind and bytes.
+_Label = tuple[fx.Node, str, str, Any]
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,10 @@ class _Holds:
     def __init__(self) -> None:
         self.holders: dict[Any, set[Any]] = {}
         self.sizes: dict[Any, int] = {}
-        self.labels: dict[Any, LiveValue] = {}
+        self.labels: dict[Any, LiveValue | _Label] = {}
         self.live = 0
 
-    def hold(self, key: Any, nbytes: int, holder: Any, label: LiveValue) -> int:
+    def hold(self, key: Any, nbytes: int, holder: Any, label: LiveValue | _Label) -> int:
         """Hold ``key``; the bytes that were newly allocated (0 when it was live already)."""
         holders = self.holders.setdefault(key, set())
         fresh = not holders
@@ -140,23 +144,32 @@ class _Holds:
             for holder in [h for h in self.holders[key] if h[0] == holder_kind]:
                 self.drop(key, holder)
 
-    def values(self) -> list[LiveValue]:
-        return sorted(self.labels.values(), key=lambda v: -v.nbytes)
+    def snapshot(self) -> list[LiveValue | _Label]:
+        """What is live now, labelled later (:func:`_live_value`): most snapshots are
+        overtaken by a higher peak before the step ends."""
+        return list(self.labels.values())
 
 
 class _Simulation:
     def __init__(self, workspace: Workspace | None) -> None:
         self.holds = _Holds()
         self.workspace = workspace
-        self.best: PeakEstimate | None = None
+        # The highest point so far: its bytes, graph, op, and what was live (unlabelled).
+        self.best: tuple[int, str, fx.Node | None, list[LiveValue | _Label]] | None = None
         self.inputs = 0
 
     def at(self, nbytes: int, graph: str, node: fx.Node | None, extra: LiveValue | None) -> None:
-        if self.best is not None and nbytes <= self.best.nbytes:
+        if self.best is not None and nbytes <= self.best[0]:
             return
-        live = self.holds.values() + ([extra] if extra is not None else [])
+        live = self.holds.snapshot() + ([extra] if extra is not None else [])
+        self.best = (nbytes, graph, node, live)
+
+    def estimate(self, sizes: tuple[ExampleSize, ...]) -> PeakEstimate:
+        """The highest point as a :class:`PeakEstimate`, everything live labelled."""
+        assert self.best is not None
+        nbytes, graph, node, live = self.best
         info = node_info(node) if node is not None and node.op != "output" else None
-        self.best = PeakEstimate(
+        return PeakEstimate(
             nbytes=nbytes,
             inputs=self.inputs,
             graph=graph,
@@ -164,7 +177,8 @@ class _Simulation:
             op=_op_text(node),
             module="" if info is None else info.module,
             source=None if info is None else info.source,
-            live=tuple(sorted(live, key=lambda v: -v.nbytes)),
+            live=tuple(sorted(map(_live_value, live), key=lambda v: -v.nbytes)),
+            sizes=sizes,
         )
 
     def run(self, gm: fx.GraphModule, graph: str, kinds: dict[fx.Node, str]) -> None:
@@ -172,7 +186,7 @@ class _Simulation:
         nodes = list(gm.graph.nodes)
         # A storage is labelled by what the graph returns it as, whichever node makes it
         # (a weight's gradient made by ``mm`` and returned through ``t``: a gradient).
-        stored = {key: kind for node, kind in kinds.items() for key in storages(node)}
+        stored = {key: kind for node, kind in kinds.items() for key in _storages(node)}
         last_use: dict[fx.Node, int] = {}
         for i, node in enumerate(nodes):
             for source in node.all_input_nodes:
@@ -184,7 +198,7 @@ class _Simulation:
                 self._compute(node, graph, stored)
             for source in [*node.all_input_nodes, node]:
                 if last_use.get(source, i) <= i and source not in kinds:
-                    for key in storages(source):
+                    for key in _storages(source):
                         self.holds.drop(key, (graph, source))
 
     def _compute(self, node: fx.Node, graph: str, stored: dict[Any, str]) -> None:
@@ -195,7 +209,7 @@ class _Simulation:
             )
             for key, size in _allocations(node).items()
         )
-        during = None if self.workspace is None else self.workspace(node)
+        during = None if self.workspace is None else _remembered(node, "workspace", self.workspace)
         scratch = 0 if during is None else max(0, during - fresh)
         extra = None
         if scratch:
@@ -207,7 +221,7 @@ class _Simulation:
             self.holds.hold(key, hint(size), holder, _label(node, graph, kind, size))
 
     def drop_node(self, node: fx.Node, holder: Any) -> None:
-        for key in storages(node):
+        for key in _storages(node):
             self.holds.drop(key, holder)
 
 
@@ -237,8 +251,7 @@ def predict_peak(
     sim.holds.drop_all("forward")
     if backward is not None:
         _backward(sim, forward, backward, signature)
-    assert sim.best is not None
-    return replace(sim.best, sizes=sizes)
+    return sim.estimate(sizes)
 
 
 def _backward(
@@ -285,8 +298,54 @@ def _backward(
 _CUDA_BLOCK = 512
 
 
+# Note [Plans share their nodes' facts]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Every split of one joint graph copies the joint's nodes, and a copy keeps its
+# node's value (``meta["val"]``, the same object) and arguments of the same
+# values. What a prediction asks of a node -- its storages and their bytes,
+# its op's measured scratch space (``workspace.op_peak``) -- is a function of
+# those values, so a peak budget's candidates (Note [Peak budgets]) ask it once
+# per joint node, not once per copy: inside ``shared_node_facts()``, answers
+# are remembered by the identity of the node's value and op, the value held
+# so that its identity is not reused while the scope lasts. A node whose
+# value is not a tensor (or tuple of them) is asked every time.
+
+_FACTS: ContextVar[dict[Any, tuple[Any, Any]] | None] = ContextVar("node_facts", default=None)
+
+
+@contextmanager
+def shared_node_facts() -> Iterator[None]:
+    """Predictions inside remember each node's facts by its value (Note [Plans share their
+    nodes' facts])."""
+    token = _FACTS.set({})
+    try:
+        yield
+    finally:
+        _FACTS.reset(token)
+
+
+def _remembered(node: fx.Node, what: str, ask: Callable[[fx.Node], Any]) -> Any:
+    facts = _FACTS.get()
+    val = node.meta.get("val")
+    values = val if isinstance(val, list | tuple) else [val]
+    if facts is None or not values or not all(isinstance(v, torch.Tensor) for v in values):
+        return ask(node)
+    key = (what, id(val), node.target)
+    if key not in facts:
+        facts[key] = (val, ask(node))
+    return facts[key][1]
+
+
 def _allocations(node: fx.Node) -> dict[Any, int]:
     """The storages behind ``node``'s value with the bytes their allocator counts."""
+    return _remembered(node, "allocations", _count_allocations)
+
+
+def _storages(node: fx.Node) -> dict[Any, Any]:
+    return _remembered(node, "storages", storages)
+
+
+def _count_allocations(node: fx.Node) -> dict[Any, int]:
     val = node.meta.get("val")
     tensors = val if isinstance(val, list | tuple) else [val]
     devices = {k: t.device for t in tensors if isinstance(t, torch.Tensor) for k in storages(t)}
@@ -333,7 +392,14 @@ def _kind(desc: Any) -> str:
     return "output" if isinstance(desc, Output) else "temporary"
 
 
-def _label(node: fx.Node, graph: str, kind: str, size: Any) -> LiveValue:
+def _label(node: fx.Node, graph: str, kind: str, size: Any) -> _Label:
+    return (node, graph, kind, size)
+
+
+def _live_value(label: LiveValue | _Label) -> LiveValue:
+    if isinstance(label, LiveValue):
+        return label
+    node, graph, kind, size = label
     return LiveValue(node.name, graph, kind, hint(size), *_where(node))
 
 

@@ -3,26 +3,29 @@ is at most ``BYTES`` (Note [Peak budgets]).
 
 The plans come from a fixed family of candidates per joint graph (``save_all``,
 ``mincut`` and saved-bytes budgets on a grid, each with its recomputation in the
-joint's order and just before use); each is split and its peak predicted
-(``partition/memory.py``). The solver (numpy, SciPy) loads only when a peak budget is
-planned.
+joint's order and just before use); in order of their recompute FLOPs, each is split
+and its peak predicted (``partition/memory.py``) until one fits. The solver (numpy,
+SciPy) loads only when a peak budget is planned.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch.fx as fx
 
-from aotgrad.capture import JointGraph
+from aotgrad.capture import JointGraph, Phase, phase_of
 from aotgrad.errors import PartitionError
-from aotgrad.ops.table import is_compute_intensive
+from aotgrad.ops.table import is_compute_intensive, must_run
+from aotgrad.partition.memory import shared_node_facts
 from aotgrad.partition.partitioned import Partitioned
-from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward
+from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward, node_flops
 from aotgrad.partition.sizes import hint, hinted_bytes
+from aotgrad.partition.split import backward_order
 from aotgrad.partition.strategies import (
     Budget,
     apply_checkpoint_policy,
@@ -56,8 +59,8 @@ REL_GAP = 0.1
 # default) and once with all of them at the backward's start (Note [Recompute
 # just before use] in ``partition/split.py``: only the first lowers the peak when
 # the peak is in the backward; the second frees a large saved input sooner when a
-# small value is recomputed from it). Candidates with the same graphs count once.
-# Each is split and its peak predicted; the plan is
+# small value is recomputed from it), the second left out when it moves nothing
+# (the same graphs count once). The plan is
 #
 #     argmin over {c : peak(c) <= B} of
 #         (recomputed matmul/conv/attention FLOPs, recompute FLOPs, peak, saved bytes, position)
@@ -91,19 +94,53 @@ REL_GAP = 0.1
 #     budget(peak=282_631) ... budget(peak=229_384) -> cap 138240, peak 229384
 #     budget(peak=229_383)                          -> ValueError: the smallest is 229384
 #
+# Splitting a candidate and predicting its peak is what costs (a split copies
+# the joint's nodes into two fx graphs; the prediction replays them), so a
+# budget splits only the candidates it must. Their FLOPs are counted off the
+# plan, without a split (``_Backward.recompute_cost``: the forward ops the
+# backward re-runs after dead-code removal, as ``partition._recomputed`` counts
+# them; each split checks the count). The candidates are taken in groups of
+# equal FLOPs, least first; the first group holding one whose peak fits holds
+# the argmin (every later group ranks below it in the first two places), and
+# within it the key's last three places choose. In the example above:
+#
+#     budget(peak=300_000): group (0, 0): save_all, 282632 fits -> 1 split
+#     budget(peak=250_000): (0, 0) save_all 282632; (0, 32768) the matmul policy,
+#                           both orders, 282632; (524288, 540672) cap 138240,
+#                           both orders: 229384 fits -> 5 splits of 11
+#
+# ``_exhaustive_choice`` splits every candidate: the definition the fast choice
+# is tested against (tests/test_fast_peak_planning.py), and what the ValueError
+# below the floor needs (every peak). Splits are remembered per family, and
+# every split of a budget's call shares its nodes' facts (Note [Plans share
+# their nodes' facts] in ``partition/memory.py``).
+#
 # The plan is the least recompute within the family, not over every plan (the
 # peak of a plan depends on the order of both graphs, which no integer program
 # here models); the predicted peak equals the measured one to the byte where Note
 # [What a step holds] is exact. Below the family's smallest peak there is no plan:
 # the ValueError names that peak, and the ways to lower it (scan_layers,
 # checkpoint). Cost: two floor solves and four solves per fraction (``REL_GAP``;
-# two per budget), and a split and a prediction per distinct plan; the family is cached per joint
-# graph, so another B on the same joint costs one split.
+# two per budget), one budget program built for all of them (``shared_problems``),
+# and the splits above; the family is cached per joint graph, so another B on the
+# same joint costs only the splits not made yet.
+
+
+@dataclass(frozen=True)
+class Option:
+    """One plan of the family before its split, with what the choice weighs first: the FLOPs
+    its backward re-runs, counted off the plan (:meth:`_Backward.recompute_cost`)."""
+
+    label: str
+    plan: RematPlan
+    # Of ``flops``, those of recomputed matmuls, convolutions and attention.
+    intensive_flops: int
+    flops: int
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One plan of the family, with what the choice weighs."""
+    """One plan of the family, split, with what the choice weighs."""
 
     label: str
     plan: RematPlan
@@ -118,10 +155,13 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Family:
-    """The candidates of one joint graph, in their fixed order, and what limited them."""
+    """The plans of one joint graph, in their fixed order, and what limited them."""
 
-    candidates: tuple[Candidate, ...]
+    options: tuple[Option, ...]
     note: str | None
+    # The options split so far, by position: a budget splits only those it must (Note [Peak
+    # budgets]), and another budget on the same joint finds them here.
+    split: dict[int, Candidate] = field(default_factory=dict)
 
 
 def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitioned:
@@ -129,22 +169,94 @@ def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitio
     budgets]); ValueError naming the smallest peak when none does."""
     if limit.peak is None:
         raise AssertionError(f"expected a peak budget, got {limit}")
-    family = candidates(joint, limit.time_limit, split)
-    fits = [(i, c) for i, c in enumerate(family.candidates) if c.peak <= limit.peak]
-    if not fits:
-        raise PartitionError(_below_floor(limit, family))
-    _, best = min(fits, key=_rank)
-    partitioned = split(best.plan, str(limit))
+    family = candidates(joint, limit.time_limit)
+    splits: dict[int, Partitioned] = {}
+    with shared_node_facts():  # Note [Plans share their nodes' facts]
+        chosen = _choice(family, limit.peak, split, splits)
+        if chosen is None:
+            raise PartitionError(_below_floor(limit, family, split))
+    position, best = chosen
+    partitioned = splits.get(position) or split(best.plan, str(limit))
     if partitioned.peak.allocated != best.peak:
         raise AssertionError(
             f"expected the chosen plan's peak {best.peak} again, got {partitioned.peak.allocated}"
         )
     note = (
         f"{limit}: predicted peak {best.peak} bytes at {best.where}; chose {best.label}"
-        f" ({best.flops} recompute FLOPs) of {len(family.candidates)} candidates"
+        f" ({best.flops} recompute FLOPs) of {len(family.options)} candidates"
     )
     notes = [n for n in (note, family.note, best.plan.note) if n]
-    return replace(partitioned, note="; ".join(notes))
+    return _relabelled(partitioned, str(limit), "; ".join(notes))
+
+
+def _choice(
+    family: Family, peak: int, split: Split, splits: dict[int, Partitioned]
+) -> tuple[int, Candidate] | None:
+    """The argmin of Note [Peak budgets], splitting options in order of their FLOPs only until
+    a group of equal FLOPs holds one that fits: every option after it ranks below."""
+    options = family.options
+
+    def flops(i: int) -> tuple[int, int]:
+        return (options[i].intensive_flops, options[i].flops)
+
+    for _, group in itertools.groupby(sorted(range(len(options)), key=flops), key=flops):
+        fits = [(i, c) for i in group if (c := _evaluate(family, i, split, splits)).peak <= peak]
+        if fits:
+            return min(fits, key=_rank)
+    return None
+
+
+def _exhaustive_choice(family: Family, peak: int, split: Split) -> tuple[int, Candidate] | None:
+    """The same argmin over every option split: the definition :func:`_choice` must meet."""
+    fits = [(i, c) for i, c in enumerate(every_candidate(family, split)) if c.peak <= peak]
+    return min(fits, key=_rank) if fits else None
+
+
+def every_candidate(family: Family, split: Split) -> tuple[Candidate, ...]:
+    """Every option of ``family`` split and its peak predicted, in the family's order."""
+    splits: dict[int, Partitioned] = {}
+    return tuple(_evaluate(family, i, split, splits) for i in range(len(family.options)))
+
+
+def _evaluate(
+    family: Family, position: int, split: Split, splits: dict[int, Partitioned]
+) -> Candidate:
+    """Option ``position`` split and its peak predicted, once per family; the split kept in
+    ``splits`` for this call."""
+    known = family.split.get(position)
+    if known is not None:
+        return known
+    option = family.options[position]
+    partitioned = split(option.plan, option.label)
+    if partitioned.backward is None:
+        raise AssertionError(f"expected a backward graph for {option.label}, got None")
+    intensive = _intensive_flops(partitioned)
+    if (intensive, partitioned.recompute_flops) != (option.intensive_flops, option.flops):
+        raise AssertionError(
+            f"expected {option.label} to recompute ({option.intensive_flops}, {option.flops})"
+            f" FLOPs as counted off its plan, got ({intensive}, {partitioned.recompute_flops})"
+        )
+    peak = partitioned.peak
+    candidate = Candidate(
+        label=option.label,
+        plan=option.plan,
+        flops=option.flops,
+        intensive_flops=intensive,
+        peak=peak.allocated,
+        where=f"{peak.graph} op {peak.node} ({peak.op})",
+        saved_bytes=hint(partitioned.saved_bytes),
+    )
+    family.split[position] = candidate
+    splits[position] = partitioned
+    return candidate
+
+
+def _relabelled(partitioned: Partitioned, strategy: str, note: str) -> Partitioned:
+    """``partitioned`` under the budget's name and note, its predicted peak kept (the
+    prediction reads neither)."""
+    relabelled = replace(partitioned, strategy=strategy, note=note)
+    relabelled.__dict__["peak"] = partitioned.peak  # functools.cached_property's slot
+    return relabelled
 
 
 # Note [Budgets at the example sizes]
@@ -228,11 +340,11 @@ def _rank(numbered: tuple[int, Candidate]) -> tuple[int, int, int, int, int]:
     return (c.intensive_flops, c.flops, c.peak, c.saved_bytes, position)
 
 
-def _below_floor(limit: Budget, family: Family) -> str:
-    numbered = list(enumerate(family.candidates))  # the plan budget(peak=<its peak>) gives
-    _, least = min(numbered, key=lambda ic: (ic[1].peak, *_rank(ic)))
+def _below_floor(limit: Budget, family: Family, split: Split) -> str:
+    every = list(enumerate(every_candidate(family, split)))  # the floor: the least peak
+    _, least = min(every, key=lambda ic: (ic[1].peak, *_rank(ic)))  # budget(peak=<it>)'s plan
     return (
-        f"no plan fits {limit}: the smallest predicted peak of {len(family.candidates)}"
+        f"no plan fits {limit}: the smallest predicted peak of {len(family.options)}"
         f" candidate plans is {least.peak} bytes ({least.peak / 1e6:.2f} MB), with"
         f" {least.label} (at {least.where}). Raise the budget to at least {least.peak}; or lower"
         " the floor inside the step: torch.utils.checkpoint around blocks, or"
@@ -248,14 +360,14 @@ _FAMILIES: dict[int, tuple[weakref.ref[JointGraph], float, Family]] = {}
 _LOCK = threading.Lock()
 
 
-def candidates(joint: JointGraph, time_limit: float, split: Split) -> Family:
+def candidates(joint: JointGraph, time_limit: float) -> Family:
     """The fixed family of plans for ``joint`` (Note [Peak budgets]), cached per joint."""
     key = id(joint)
     with _LOCK:
         entry = _FAMILIES.get(key)
     if entry is not None and entry[0]() is joint and entry[1] == time_limit:
         return entry[2]
-    family = _build_family(joint, time_limit, split)
+    family = _build_family(joint, time_limit)
     with _LOCK:
         fresh = key not in _FAMILIES
         _FAMILIES[key] = (weakref.ref(joint), time_limit, family)
@@ -264,37 +376,66 @@ def candidates(joint: JointGraph, time_limit: float, split: Split) -> Family:
     return family
 
 
-def _build_family(joint: JointGraph, time_limit: float, split: Split) -> Family:
-    plans, note = _base_plans(joint, time_limit)
-    seen: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
-    found: list[Candidate] = []
+def _build_family(joint: JointGraph, time_limit: float) -> Family:
+    from aotgrad.partition.budget_solver import shared_problems  # SciPy
+
+    with shared_problems():  # 19 solves of one program at different caps
+        plans, note = _base_plans(joint, time_limit)
+    graph = _Backward.of(joint)
+    options: list[Option] = []
     for label, base in _distinct(joint, plans):
-        for late in (True, False):  # the default order first: kept when both are the same
-            variant = replace(base, recompute_late=late)
-            named = label if late else f"{label}, recomputed at the backward's start"
-            partitioned = split(variant, named)
-            if partitioned.backward is None:
-                raise AssertionError(f"expected a backward graph for {named}, got None")
-            graphs = (  # the same graphs from two plans (nothing to move, say) count once
-                tuple(s.name for s in partitioned.saved),
-                tuple(n.format_node() or "" for n in partitioned.backward.graph.nodes),
-            )
-            if graphs in seen:
-                continue
-            seen.add(graphs)
-            peak = partitioned.peak
-            found.append(
-                Candidate(
-                    label=named,
-                    plan=variant,
-                    flops=partitioned.recompute_flops,
-                    intensive_flops=_intensive_flops(partitioned),
-                    peak=peak.allocated,
-                    where=f"{peak.graph} op {peak.node} ({peak.op})",
-                    saved_bytes=hint(partitioned.saved_bytes),
-                )
-            )
-    return Family(candidates=tuple(found), note=note)
+        intensive, flops = graph.recompute_cost(base.recompute)
+        orders = [
+            backward_order(joint, base.recompute, recompute_late=late, backward_ops=graph.ops)
+            for late in (True, False)
+        ]
+        options.append(Option(label, base, intensive, flops))  # the default order first
+        if orders[0] != orders[1]:  # else nothing to move: the same graphs count once
+            early = replace(base, recompute_late=False)
+            named = f"{label}, recomputed at the backward's start"
+            options.append(Option(named, early, intensive, flops))
+    return Family(options=tuple(options), note=note)
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """What every plan's backward graph starts from, for counting its recompute off the joint."""
+
+    # The joint's nodes, last first.
+    reversed_nodes: tuple[fx.Node, ...]
+    # The backward's own ops and checkpoint regions (not its placeholders).
+    ops: frozenset[fx.Node]
+    # What it returns, and the nodes dead-code removal keeps (``must_run``).
+    results: frozenset[fx.Node]
+    kept: frozenset[fx.Node]
+
+    @staticmethod
+    def of(joint: JointGraph) -> _Backward:
+        ops = frozenset(n for n in joint.backward_nodes() if n.op != "placeholder")
+        return _Backward(
+            reversed_nodes=tuple(reversed(joint.gm.graph.nodes)),
+            ops=ops,
+            results=frozenset(n for n in joint.backward_results() if n is not None),
+            kept=frozenset(n for n in joint.gm.graph.nodes if n.op != "output" and must_run(n)),
+        )
+
+    def recompute_cost(self, recompute: set[fx.Node]) -> tuple[int, int]:
+        """(matmul-class, all) FLOPs of the forward ops a plan's backward re-runs, counted as
+        the split keeps them: its recomputed ops and checkpoint regions that survive dead-code
+        removal (``remove_dead_code``; ``partition._recomputed`` counts the same)."""
+        live: set[fx.Node] = set()
+        for node in self.reversed_nodes:
+            if (node in self.ops or node in recompute) and (
+                node in self.results or node in self.kept or not live.isdisjoint(node.users)
+            ):
+                live.add(node)
+        ran = [
+            n
+            for n in live
+            if n.op == "call_function" and (n in recompute or phase_of(n) is Phase.RECOMPUTE)
+        ]
+        costs = [(is_compute_intensive(n.target), node_flops(n)) for n in ran]
+        return sum(f for hot, f in costs if hot), sum(f for _, f in costs)
 
 
 def _without_matmul_recompute(

@@ -14,25 +14,66 @@ walking back through forward ops until saved values or inputs::
     budget(0.5): the same if it fits, chosen by an integer program that
               minimizes recompute FLOPs within the byte budget
 
-Inputs are always available to the backward: min-cut saves one at no cost
-(the caller holds it anyway), while a budget counts the bytes of every input
-a plan saves (Note [Budget units]). Views are never saved (their base is, and
-the view is replayed on it); random ops are never recomputed (the backward
-must see the forward's draws), nor are collectives (Note [Collectives]).
-Bytes are counted as Note [Counting bytes] says.
+Every strategy counts the bytes of the inputs a plan saves, as
+``Partitioned.saved_bytes`` does (Note [Min-cut weights], Note [Budget
+units]). Views are never saved (their base is, and the view is replayed on
+it); random ops are never recomputed (the backward must see the forward's
+draws), nor are collectives (Note [Collectives]), nor a value a selective
+checkpoint tags ``MUST_SAVE`` (Note [Selective checkpoint policies]). Bytes
+are counted as Note [Counting bytes] says.
+
+Note [Min-cut weights]
+~~~~~~~~~~~~~~~~~~~~~~
+``mincut`` saves the fewest bytes from which the backward can recompute what
+it reads. Each forward input and op is an edge ``in -> out`` weighing its
+output's bytes; inputs, and ops it may not recompute, hang off the source;
+what the backward reads hangs off the sink. A cut is a saved set. It may
+recompute what PyTorch's min-cut may (``cheap_in_mincut``): views,
+deterministic pointwise ops, dtype copies, and reductions that shrink their
+input at most 4x (``x * x.sum(-1, keepdim=True)`` for ``x`` of shape (64, 2):
+the sum is recomputed from ``x``, which the backward reads anyway); matmuls,
+convolutions, attention and larger reductions are saved::
+
+    f(x) = x.cos().cos().cos(),  x of 1000 floats
+    the backward reads x, cos, cos_1 (each cos's gradient reads its input)
+    save x:              4,000 B; recompute cos = cos(x), cos_1 = cos(cos)
+    save x, cos, cos_1: 12,000 B
+
+An input weighs its bytes like any saved value, though the caller holds it
+anyway: ``saved_bytes`` counts it. Free, and outside the graph, inputs made
+the second plan above (no source: nothing to cut, so everything the backward
+reads was saved) and made ``x[:10].exp()`` recomputed from all of ``x``
+(4,000 B) rather than saved (40 B). An input the backward reads is cut in
+every plan, so recomputing from it costs nothing more.
+
+Among the cuts of fewest bytes, the one nearest the sink recomputes least
+(its recomputed ops are among every other's): for ``b = relu(mm(x, w))``
+read by the backward, saving ``b`` and saving the mm weigh the same, and ``b``
+is saved. networkx's cut is that one: on the sink's side it puts only what
+still reaches the sink through unsaturated edges of the maximal flow.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from aotgrad.capture import JointGraph, Phase, phase_of
-from aotgrad.ops.table import cheap_to_recompute, draws_random, flops, is_collective, is_free_view
+from aotgrad.ops.table import (
+    cheap_to_recompute,
+    draws_random,
+    flops,
+    is_collective,
+    is_free_view,
+    is_reduction,
+)
 from aotgrad.partition.sizes import hint, hinted_bytes
 
 INF = math.inf
@@ -68,12 +109,28 @@ def needed_by_backward(joint: JointGraph) -> dict[fx.Node, str]:
 
 
 def never_recomputed(node: fx.Node) -> bool:
-    """An op that draws from the RNG (the backward must see the forward's draws; attention
-    without dropout draws nothing) or a collective (every rank must run the same ones, once:
-    Note [Collectives]): saved, whatever the strategy."""
+    """Saved, whatever the strategy: :func:`why_never_recomputed` has a reason."""
+    return why_never_recomputed(node) is not None
+
+
+def why_never_recomputed(node: fx.Node) -> str | None:
+    """Why no strategy may recompute this forward op, or None: an op that draws from the RNG
+    (the backward must see the forward's draws; attention without dropout draws nothing), a
+    collective (every rank must run the same ones, once: Note [Collectives]), or a value a
+    selective checkpoint tags ``MUST_SAVE`` (Note [Selective checkpoint policies]). An element
+    of a multi-output op is saved when its op is.
+    """
     if node.op != "call_function":
-        return False
-    return draws_random(node.target, node.args, node.kwargs) or is_collective(node.target)
+        return None
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return why_never_recomputed(node.args[0])
+    if node.meta.get("recompute") is CheckpointPolicy.MUST_SAVE:
+        return "a selective checkpoint policy says MUST_SAVE"
+    if draws_random(node.target, node.args, node.kwargs):
+        return "a random op is never recomputed: the backward must see the forward's draws"
+    if is_collective(node.target):
+        return "a collective is never recomputed (Note [Collectives])"
+    return None
 
 
 def is_tensor_node(node: fx.Node) -> bool:
@@ -128,60 +185,116 @@ def recompute_closure(
 
 
 def reads_mutated_input(joint: JointGraph) -> set[fx.Node]:
-    """Forward ops that depend on an input the function mutates: never recomputed.
-
-    The runtime writes the new value into the caller's tensor after the
-    forward, so the backward no longer has the old one to recompute from.
-    """
+    """Forward ops that read a tensor the function mutates (its old value, its new value, or a
+    view of either): never recomputed (Note [Reading a mutated input])."""
     placeholders = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
-    tainted = {placeholders[i] for i in joint.mutated}
+    new_values = joint.results()[joint.signature.mutated_in_forward]
+    aliases = {placeholders[i] for i in joint.mutated} | {n for n in new_values if n is not None}
+    readers = set(aliases)
     for node in joint.gm.graph.nodes:
-        if node.op == "call_function" and any(a in tainted for a in node.all_input_nodes):
-            tainted.add(node)
-    return tainted
+        if node.op == "call_function" and any(a in aliases for a in node.all_input_nodes):
+            readers.add(node)
+            if is_view_node(node):
+                aliases.add(node)
+    return readers
+
+
+# Note [Reading a mutated input]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The runtime writes a mutated input's new value into the caller's tensor
+# after the forward, so the backward no longer has the old value: an op that
+# reads the input, its new value or a view of either (what the user's code
+# reads as that tensor) is never recomputed. The values such an op computes
+# are the forward's own, and what reads them is recomputed like any op:
+#
+#     bn = _native_batch_norm_legit_functional(x, w, b, running_mean, running_var, True, ...)
+#     out = bn[0]; r = relu(out); s = hardsigmoid(conv(r)); y = r * s
+#     running_mean and running_var are mutated (their new values: bn[3], bn[4])
+#     never recomputed: bn; recomputed when min-cut finds it cheaper: r, s
+#
+#     buf.add_(1); y = buf.cos()   ->   add = add(buf, 1); cos = cos(add)
+#     add is buf's new value: add and cos are never recomputed
+#
+# Every op downstream of a BatchNorm was once held to the same rule: min-cut
+# then saved MobileNetV3's hardsigmoid outputs beside the convolutions they
+# are recomputed from, 18 KB more than PyTorch's min-cut.
 
 
 def forward_ops(joint: JointGraph) -> list[fx.Node]:
     return [n for n in joint.nodes(Phase.FORWARD) if n.op == "call_function"]
 
 
-def mincut_saved(joint: JointGraph, needed: Iterable[fx.Node]) -> set[fx.Node]:
-    """Min-cut over a graph whose edge weights are tensor bytes (Note [Saved and recomputed]).
+def forward_inputs(joint: JointGraph) -> list[fx.Node]:
+    """The forward's placeholders (the cotangents are the backward's)."""
+    return [
+        n for n in joint.gm.graph.nodes if n.op == "placeholder" and phase_of(n) is Phase.FORWARD
+    ]
 
-    Each forward op is an edge ``in → out`` weighing its output's bytes
-    (infinite for views: their base is saved instead). Ops that must not be
-    recomputed hang off the source; what the backward reads hangs off the
-    sink. The cheapest cut is the set of values to save.
-    """
+
+def mincut_saved(joint: JointGraph, needed: Iterable[fx.Node]) -> set[fx.Node]:
+    """The saved set of fewest bytes, inputs included, from which the backward recomputes the
+    rest of what it reads; among those, the one that recomputes least (Note [Min-cut
+    weights])."""
     import networkx as nx  # loaded by the first min-cut, not by ``import aotgrad``
+
+    # The sink's side holds what still reaches the sink once the flow is maximal: the cut
+    # nearest the sink (Note [Min-cut weights]).
+    _, (source_side, _) = nx.minimum_cut(_flow_graph(joint, needed), "source", "sink")
+    return {
+        node
+        for node in (*forward_inputs(joint), *forward_ops(joint))
+        if (node, "in") in source_side and (node, "out") not in source_side
+    }
+
+
+def _flow_graph(joint: JointGraph, needed: Iterable[fx.Node]) -> Any:
+    """Each forward value is an edge ``in -> out`` weighing its bytes; a saved set is a cut
+    between the source (inputs, ops not to recompute) and the sink (what the backward reads)."""
+    import networkx as nx
 
     graph = nx.DiGraph()
     pinned = reads_mutated_input(joint)
+    for node in forward_inputs(joint):
+        graph.add_edge("source", (node, "in"), capacity=INF)
+        graph.add_edge((node, "in"), (node, "out"), capacity=_capacity(node, savable=True))
     for node in forward_ops(joint):
-        recomputable = (
-            node not in pinned
-            and not never_recomputed(node)
-            and (cheap_to_recompute(node.target) or is_view_node(node))
-        )
+        recomputable = node not in pinned and cheap_in_mincut(node)
         # Views are replayed rather than saved, unless they cannot be recomputed.
         savable = is_tensor_node(node) and (not is_view_node(node) or not recomputable)
-        capacity = hinted_bytes([node]) if savable else INF  # Note [Weights at the example sizes]
-        if is_size_node(node):
-            capacity = 0  # a size (dynamic shapes): the backward gets it as a Python int
-        graph.add_edge((node, "in"), (node, "out"), capacity=capacity)
+        graph.add_edge((node, "in"), (node, "out"), capacity=_capacity(node, savable))
         if not recomputable:
             graph.add_edge("source", (node, "in"), capacity=INF)
         for source in node.all_input_nodes:
-            if source.op == "call_function":
+            if source.op in ("call_function", "placeholder"):
                 graph.add_edge((source, "out"), (node, "in"), capacity=INF)
     for node in needed:
-        if node.op == "call_function":
+        if node.op in ("call_function", "placeholder"):
             graph.add_edge((node, "out"), "sink", capacity=INF)
-    if "sink" not in graph or "source" not in graph:
-        return {n for n in needed if n.op == "call_function" and not is_view_node(n)}
-    _, (source_side, _) = nx.minimum_cut(graph, "source", "sink")
-    return {
-        node
-        for node in forward_ops(joint)
-        if (node, "in") in source_side and (node, "out") not in source_side
-    }
+    graph.add_nodes_from(("source", "sink"))  # a backward that reads no forward value
+    return graph
+
+
+# A reduction shrinking its input more than this many times is saved, not recomputed: its
+# output is small, and recomputing it keeps its input (Note [Min-cut weights]).
+REDUCTION_SHRINK = 4
+
+
+def cheap_in_mincut(node: fx.Node) -> bool:
+    """May min-cut recompute this forward op? Views, deterministic pointwise ops, copies
+    (``ops.table.cheap_to_recompute``) and reductions shrinking their input little; never what
+    :func:`why_never_recomputed` saves."""
+    if never_recomputed(node):
+        return False
+    if cheap_to_recompute(node.target) or is_view_node(node):
+        return True
+    if not (is_reduction(node.target) and is_tensor_node(node)):
+        return False
+    inputs = [a for a in node.all_input_nodes if is_tensor_node(a)]
+    return REDUCTION_SHRINK * hinted_bytes([node]) >= hinted_bytes(inputs)
+
+
+def _capacity(node: fx.Node, savable: bool) -> float:
+    """The bytes of saving ``node`` (Note [Weights at the example sizes]); a size costs none."""
+    if is_size_node(node):
+        return 0  # a size (dynamic shapes): the backward gets it as a Python int
+    return hinted_bytes([node]) if savable else INF

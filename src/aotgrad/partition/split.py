@@ -49,19 +49,29 @@ def build_backward(
     for node in joint.gm.graph.nodes:
         if node.op == "placeholder" and phase_of(node) is Phase.BACKWARD:
             env[node] = graph.node_copy(node)
-    backward = set(joint.backward_nodes())
-    order = [
-        n
-        for n in joint.gm.graph.nodes
-        if n in recompute or (n in backward and n.op != "placeholder")
-    ]
-    for node in _late_order(order, recompute) if recompute_late else order:
+    for node in backward_order(joint, recompute, recompute_late=recompute_late):
         env[node] = graph.node_copy(node, env.__getitem__)
         if node in recompute:
             set_phase(env[node], Phase.RECOMPUTE)
     graph.output(tuple(env[g] if g is not None else None for g in joint.backward_results()))
     remove_dead_code(graph)
     return graph, placeholders
+
+
+def backward_order(
+    joint: JointGraph,
+    recompute: set[fx.Node],
+    *,
+    recompute_late: bool = True,
+    backward_ops: frozenset[fx.Node] | None = None,
+) -> list[fx.Node]:
+    """The joint's nodes the backward graph runs, in its order (before dead code is removed):
+    the recomputed ones and the backward's own ops, ``backward_ops`` when the caller has them
+    (Note [Recompute just before use])."""
+    if backward_ops is None:
+        backward_ops = frozenset(n for n in joint.backward_nodes() if n.op != "placeholder")
+    order = [n for n in joint.gm.graph.nodes if n in recompute or n in backward_ops]
+    return _late_order(order, recompute) if recompute_late else order
 
 
 # Note [Recompute just before use]

@@ -31,6 +31,7 @@ from aotgrad.partition.remat import (
     never_recomputed,
     reads_mutated_input,
     recompute_closure,
+    why_never_recomputed,
 )
 from aotgrad.partition.sizes import hinted_bytes
 
@@ -270,8 +271,8 @@ def with_policy(joint: JointGraph, policy: Policy) -> RematPlan:
             saved.add(node)
         if not is_tensor_node(node) or not isinstance(op, fx.Node):
             continue
-        if never_recomputed(op):
-            forced[node] = "a random op or a collective is never recomputed"
+        if (why := why_never_recomputed(op)) is not None:
+            forced[node] = why
         elif node in pinned:
             forced[node] = "reads an input the function mutates: never recomputed"
         elif node in checkpointed:
@@ -324,7 +325,7 @@ def from_saved(
     for node in kept:
         why = needed.get(node) or "input of a recomputed op"
         if node in inputs and node.op != "placeholder":
-            why += "; a collective is never recomputed (Note [Collectives])"
+            why += f"; {why_never_recomputed(node)}"
         reasons[node] = why if node.op == "placeholder" else f"{label}: {why}"
     recomputed = f"{label}: recomputed from saved values"
     recompute_reasons = {
@@ -348,9 +349,21 @@ def from_saved(
 #     mm  MUST_SAVE        -> saved
 #     sin MUST_RECOMPUTE   -> not saved; re-run in the backward from the saved mm
 #
-# ``PREFER_*`` tags are followed as if they were ``MUST_*``; random ops are
+# ``PREFER_RECOMPUTE`` is followed as ``MUST_RECOMPUTE``; random ops are
 # saved whatever their tag (the backward must see the forward's draws), and so
-# are collectives (Note [Collectives]).
+# are collectives (Note [Collectives]). ``MUST_SAVE`` binds every strategy, not
+# only this last step: the op is never recomputed (``why_never_recomputed``),
+# so ``mincut`` cuts above it, a budget counts it in its floor and a policy
+# answering False about it is overruled:
+#
+#     checkpoint(lambda x, w: (x * w).exp()),  exp MUST_SAVE, mul PREFER_RECOMPUTE
+#     the backward reads x, w (mul's gradient) and exp (its own)
+#     mincut, budget(0.01), lambda node: False:  save x, w and exp, though
+#         recomputing exp from x and w would save 256 fewer bytes (8x8 floats)
+#
+# ``PREFER_SAVE`` is a preference a strategy may override: a budget recomputes
+# it when that fits. The tags are read off the graph, and only the full trace
+# records them (Note [Two tracers]).
 _RECOMPUTE_POLICIES = {CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE}
 
 

@@ -1,0 +1,143 @@
+"""Fast peak planning (Note [Peak budgets]): splitting options in order of their recompute FLOPs
+chooses what splitting every option chooses, at every budget; the shared facts and the sparse
+budget program change no answer."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import aotgrad
+from aotgrad.partition import _split, partition
+from aotgrad.partition.budget_solver import _BudgetProblem, shared_problems
+from aotgrad.partition.memory import predict_peak, shared_node_facts
+from aotgrad.partition.peak_budget import (
+    Family,
+    _choice,
+    _exhaustive_choice,
+    candidates,
+    every_candidate,
+)
+from aotgrad.partition.remat import needed_by_backward
+from aotgrad.partition.strategies import save_all
+from aotgrad.partition.workspace import op_peak
+from library_models import build
+from models import GPT, MLP, ConvBN, DeepMLP, SeedNet
+
+
+def _suite_joint(name: str):
+    torch.manual_seed(0)
+    if name in ("gpt2", "llama"):
+        case = build(name)
+        args, kwargs = case.resized(8, 32)
+
+        def step(*args, **kwargs):
+            return case.loss(case.model(*args, **kwargs))
+
+        return aotgrad.trace(step, *args, **kwargs).partitioned.joint
+    model, args = {
+        "mlp": (MLP(), (torch.randn(8, 16),)),
+        "convbn": (ConvBN(), (torch.randn(4, 1, 8, 8), torch.randn(4, 10))),
+        "gpt": (GPT(), (torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))),
+        "deep_mlp": (DeepMLP(width=32), (torch.randn(16, 32),)),
+        "seednet": (SeedNet(), (torch.randn(1, 4, 4, 4), torch.randn(1))),
+    }[name]
+    return aotgrad.trace(model, *args).partitioned.joint
+
+
+def _budgets(peaks: list[int]) -> list[int]:
+    """Every candidate's peak, one byte below each, and the midpoints: every boundary."""
+    ordered = sorted(set(peaks))
+    mids = [(a + b) // 2 for a, b in itertools.pairwise(ordered)]
+    return sorted({*ordered, *(p - 1 for p in ordered), *mids, ordered[-1] * 2})
+
+
+@pytest.mark.parametrize("name", ["mlp", "convbn", "gpt", "deep_mlp", "seednet", "gpt2", "llama"])
+def test_the_fast_choice_is_the_exhaustive_one_at_every_budget(name):
+    joint = _suite_joint(name)
+    split = functools.partial(_split, joint)
+    family = candidates(joint, 60.0)
+    every = every_candidate(family, split)  # each option's FLOPs checked against its split
+    chosen = []
+    for peak in _budgets([c.peak for c in every]):
+        fresh = Family(options=family.options, note=family.note)  # nothing split yet
+        fast = _choice(fresh, peak, split, {})
+        slow = _exhaustive_choice(family, peak, split)
+        assert fast == slow, (name, peak)
+        assert len(fresh.split) <= len(family.options)
+        if slow is None:
+            with pytest.raises(ValueError, match="no plan fits"):
+                partition(joint, aotgrad.budget(peak=peak))
+            continue
+        position, best = slow
+        planned = partition(joint, aotgrad.budget(peak=peak))
+        assert planned.peak.allocated == best.peak <= peak
+        assert f"chose {best.label} (" in planned.note
+        expected = split(family.options[position].plan, "exhaustive")
+        assert [s.name for s in planned.saved] == [s.name for s in expected.saved]
+        assert planned.backward.code == expected.backward.code
+        chosen.append((best.peak, best.intensive_flops, best.flops))
+    # Note [Peak budgets]: monotone; a larger budget never recomputes more
+    assert [c[0] for c in chosen] == sorted(c[0] for c in chosen)
+    keys = [c[1:] for c in chosen]
+    assert keys == sorted(keys, reverse=True)
+
+
+def test_a_budget_at_save_alls_peak_splits_one_option():
+    joint = _suite_joint("gpt")
+    family = candidates(joint, 60.0)
+    top = partition(joint, "save_all").peak.allocated
+    fresh = Family(options=family.options, note=family.note)
+    _position, best = _choice(fresh, top, functools.partial(_split, joint), {})
+    assert best.flops == 0 and best.label == "save_all"
+    # save_all's group: the options recomputing nothing (and ones equal in FLOPs), no more
+    assert set(fresh.split) == {
+        i for i, o in enumerate(family.options) if (o.intensive_flops, o.flops) == (0, 0)
+    }
+    assert len(fresh.split) < len(family.options)
+
+
+def test_shared_node_facts_change_no_prediction():
+    # Note [Plans share their nodes' facts]: every split of a joint predicts as it would alone.
+    joint = _suite_joint("gpt")
+    family = candidates(joint, 60.0)
+    plans = [_split(joint, o.plan, o.label) for o in family.options[:6]]
+    alone = [predict_peak(p.forward, p.backward, p.signature, op_peak) for p in plans]
+    with shared_node_facts():
+        shared = [predict_peak(p.forward, p.backward, p.signature, op_peak) for p in plans]
+        again = [predict_peak(p.forward, p.backward, p.signature, op_peak) for p in plans]
+    assert alone == shared == again
+    assert len({p.allocated for p in alone}) > 1  # the plans differ in their peaks
+
+
+def test_the_sparse_budget_program_is_the_dense_one():
+    joint = _suite_joint("gpt")
+    full = save_all(joint)
+    free = {n for n in full.saved if n.op == "placeholder"}
+    needed = list(needed_by_backward(joint))
+    with shared_problems():
+        problem = _BudgetProblem.of(joint, free, 60.0)
+        assert _BudgetProblem.of(joint, free, 30.0, rel_gap=0.1).ops is problem.ops  # shared
+    n = len(problem.ops)
+    dense = []
+    for v in needed:
+        if v in problem.index:
+            row = np.zeros(2 * n)
+            row[problem.index[v]] = row[n + problem.index[v]] = 1
+            dense.append(row)
+    for v in problem.ops:
+        for u in v.all_input_nodes:
+            if u in problem.index:
+                row = np.zeros(2 * n)
+                row[n + problem.index[v]] = 1
+                row[problem.index[u]] -= 1
+                row[n + problem.index[u]] -= 1
+                dense.append(row)
+    dense.append(problem.on_save(problem.weights))
+    constraint = problem.constraint(needed, 12345)
+    np.testing.assert_array_equal(constraint.A.toarray(), np.array(dense))
+    assert constraint.ub[-1] == 12345 and constraint.A.has_sorted_indices
