@@ -58,10 +58,13 @@ METADATA_ONLY: dict[Any, frozenset[int]] = {
             aten.random,
         ),
         aten.bernoulli.p,  # bernoulli.default and .Tensor read self (or p) as probabilities
-        aten.randint_like.default,
-        aten.randint_like.low_dtype,
-        aten.randint_like.generator,
-        aten.randint_like.low_generator_dtype,
+        # randint_like's .Tensor overloads read their ``high`` tensor; the overloads a torch
+        # release has are read from it (newer ones take a generator)
+        *(
+            getattr(aten.randint_like, n)
+            for n in aten.randint_like.overloads()
+            if "Tensor" not in n
+        ),
     ]
 }
 
