@@ -37,6 +37,7 @@ from aotgrad.ops.core_aten import (
 )
 from aotgrad.partition import Partitioned
 from aotgrad.partition.draws import Draws, lift_draws
+from aotgrad.partition.sizes import is_static
 from aotgrad.signature.descriptors import (
     Buffer,
     Closure,
@@ -579,17 +580,12 @@ def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, list[fx.Node], list[fx.Node | N
 def _check_static(nodes: Sequence[fx.Node]) -> None:
     for node in nodes:
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not _static(val):
+        if not isinstance(val, torch.Tensor) or not is_static(val):
             raise CallError(  # TensorArgument and empty range constraints would misname it
                 f"export takes graphs whose inputs and outputs are tensors of static sizes;"
                 f" {node.name} is {val!r}. Trace without dynamic=True or aotgrad.dynamic"
                 " marks to export"
             )
-
-
-def _static(val: torch.Tensor) -> bool:
-    """Whether ``val``'s sizes and strides are plain ints (not traced as symbols)."""
-    return all(isinstance(n, int) for n in (*val.shape, *val.stride(), val.storage_offset()))
 
 
 def _plain_meta(node: fx.Node) -> None:

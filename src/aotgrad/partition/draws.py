@@ -52,6 +52,7 @@ from aotgrad.capture.provenance import node_info
 from aotgrad.errors import UnsupportedOpError, format_error
 from aotgrad.ops.draws import SPLIT_DRAWS, metadata_only
 from aotgrad.ops.table import draws_random, op_name, remove_dead_code
+from aotgrad.partition.sizes import is_static
 from aotgrad.signature.descriptors import Draw
 from aotgrad.signature.printing import DESC_KEY
 
@@ -235,7 +236,7 @@ def _check_liftable(node: fx.Node, independent: set[fx.Node]) -> None:
             " < probs for torch.bernoulli(probs): other numbers than eager's bernoulli)," + keep
         )
     elif any(
-        isinstance(v, torch.Tensor) and not _static(v)
+        isinstance(v, torch.Tensor) and not is_static(v)
         for n in (node, *_nodes(node.args))
         for v in [n.meta.get("val")]
     ):
@@ -250,10 +251,6 @@ def _check_liftable(node: fx.Node, independent: set[fx.Node]) -> None:
             todo,
         )
     )
-
-
-def _static(val: torch.Tensor) -> bool:
-    return all(isinstance(n, int) for n in (*val.shape, *val.stride(), val.storage_offset()))
 
 
 def _descriptor(value: fx.Node) -> Draw:

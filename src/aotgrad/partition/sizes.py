@@ -18,7 +18,24 @@ import torch
 from aotgrad._torch_compat import size_hint, symbol_hints
 from aotgrad.capture import JointGraph
 
-__all__ = ["ExampleSize", "example_sizes", "hint", "hinted_bytes", "sizes_text", "symbols_of"]
+__all__ = [
+    "ExampleSize",
+    "example_sizes",
+    "hint",
+    "hinted_bytes",
+    "is_static",
+    "sizes_text",
+    "symbols_of",
+]
+
+
+def is_static(val: torch.Tensor) -> bool:
+    """Whether ``val``'s sizes, strides and offset are plain ints (not traced as symbols).
+
+    >>> is_static(torch.ones(2, 3))
+    True
+    """
+    return all(isinstance(n, int) for n in (*val.shape, *val.stride(), val.storage_offset()))
 
 
 # Note [Weights at the example sizes]
