@@ -13,7 +13,7 @@ import torch
 
 import aotgrad
 from aotgrad.partition import _split, partition
-from aotgrad.partition.budget_solver import _BudgetProblem, shared_problems
+from aotgrad.partition.budget_solver import _BudgetProblem, _row_scale, shared_problems
 from aotgrad.partition.memory import predict_peak, shared_node_facts
 from aotgrad.partition.peak_budget import (
     Family,
@@ -137,7 +137,58 @@ def test_the_sparse_budget_program_is_the_dense_one():
                 row[problem.index[u]] -= 1
                 row[n + problem.index[u]] -= 1
                 dense.append(row)
-    dense.append(problem.on_save(problem.weights))
+    scale = _row_scale(problem.weights)  # Note [Rows scaled by a power of two]
+    dense.append(problem.on_save(problem.weights * scale))
     constraint = problem.constraint(needed, 12345)
     np.testing.assert_array_equal(constraint.A.toarray(), np.array(dense))
-    assert constraint.ub[-1] == 12345 and constraint.A.has_sorted_indices
+    assert constraint.ub[-1] == 12345 * scale and constraint.A.has_sorted_indices
+
+
+@pytest.mark.parametrize(
+    "values", [[0.0], [1.0], [3.0, 1.5], [2.0**20, 3 * 2.0**20], [117_964_800.0, 4.0, 0.0]]
+)
+def test_a_row_scaled_by_a_power_of_two_is_the_same_row(values):
+    # Note [Rows scaled by a power of two]: the largest coefficient lands in [1, 2), exactly
+    row = np.array(values)
+    scale = _row_scale(row)
+    scaled = row * scale
+    assert np.array_equal(scaled / scale, row)  # nothing rounded
+    largest = np.abs(scaled).max()
+    assert largest == 0 or 1 <= largest < 2
+    assert scale == 2.0 ** round(np.log2(scale))
+
+
+def test_a_plans_floor_is_what_its_forward_returns_beyond_the_inputs():
+    # Note [A floor under a plan's peak]: f returns its loss (4 bytes) and saves relu's output
+    # (64 x 32 floats); x and w are the caller's and count nothing.
+    def f(x, w):
+        return (x @ w).relu().sum()
+
+    x, w = torch.randn(64, 16), torch.randn(16, 32, requires_grad=True)
+    joint = aotgrad.trace(f, x, w, partition="save_all").partitioned.joint
+    family = candidates(joint, 60.0)
+    (everything,) = [o for o in family.options if o.label == "save_all"]
+    assert everything.floor == 4 + 64 * 32 * 4
+    for option, candidate in zip(
+        family.options, every_candidate(family, functools.partial(_split, joint))
+    ):
+        assert option.floor <= candidate.peak
+
+
+def test_options_whose_floor_is_above_the_budget_are_not_split():
+    joint = _suite_joint("gpt")
+    split = functools.partial(_split, joint)
+    family = candidates(joint, 60.0)
+    peak = max(o.floor for o in family.options) - 1  # save_all's floor, less a byte
+    assert min(c.peak for c in every_candidate(family, split)) <= peak  # some plan fits
+    fresh = Family(options=family.options, note=family.note)
+    position, best = _choice(fresh, peak, split, {})
+    ahead = {
+        i
+        for i, o in enumerate(family.options)
+        if (o.intensive_flops, o.flops) <= (best.intensive_flops, best.flops)
+    }
+    ruled_out = {i for i in ahead if family.options[i].floor > peak}
+    assert ruled_out, "expected some option ahead of the choice to be ruled out by its floor"
+    assert set(fresh.split) == ahead - ruled_out
+    assert (position, best) == _exhaustive_choice(family, peak, split)

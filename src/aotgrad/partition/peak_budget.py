@@ -21,7 +21,7 @@ import torch.fx as fx
 from aotgrad.capture import JointGraph, Phase, phase_of
 from aotgrad.errors import PartitionError
 from aotgrad.ops.table import is_compute_intensive, must_run
-from aotgrad.partition.memory import shared_node_facts
+from aotgrad.partition.memory import held_after_forward, shared_node_facts
 from aotgrad.partition.partitioned import Partitioned
 from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward, node_flops
 from aotgrad.partition.sizes import hint, hinted_bytes
@@ -102,7 +102,10 @@ REL_GAP = 0.1
 # them; each split checks the count). The candidates are taken in groups of
 # equal FLOPs, least first; the first group holding one whose peak fits holds
 # the argmin (every later group ranks below it in the first two places), and
-# within it the key's last three places choose. In the example above:
+# within it the key's last three places choose. A candidate whose forward alone
+# holds more than B at its end cannot fit, and is not split (its ``floor``:
+# Note [A floor under a plan's peak] in ``partition/memory.py``; every split
+# checks that its peak is not below it). In the example above:
 #
 #     budget(peak=300_000): group (0, 0): save_all, 282632 fits -> 1 split
 #     budget(peak=250_000): (0, 0) save_all 282632; (0, 32768) the matmul policy,
@@ -136,6 +139,9 @@ class Option:
     # Of ``flops``, those of recomputed matmuls, convolutions and attention.
     intensive_flops: int
     flops: int
+    # What its forward holds at its end beyond the inputs: no split predicts a lower peak
+    # (Note [A floor under a plan's peak] in ``partition/memory.py``).
+    floor: int
 
 
 @dataclass(frozen=True)
@@ -200,7 +206,8 @@ def _choice(
         return (options[i].intensive_flops, options[i].flops)
 
     for _, group in itertools.groupby(sorted(range(len(options)), key=flops), key=flops):
-        fits = [(i, c) for i in group if (c := _evaluate(family, i, split, splits)).peak <= peak]
+        fitting = [i for i in group if options[i].floor <= peak]  # the rest cannot fit
+        fits = [(i, c) for i in fitting if (c := _evaluate(family, i, split, splits)).peak <= peak]
         if fits:
             return min(fits, key=_rank)
     return None
@@ -237,6 +244,11 @@ def _evaluate(
             f" FLOPs as counted off its plan, got ({intensive}, {partitioned.recompute_flops})"
         )
     peak = partitioned.peak
+    if peak.allocated < option.floor:
+        raise AssertionError(
+            f"expected {option.label}'s predicted peak {peak.allocated} to be at least the"
+            f" {option.floor} bytes its forward holds at its end"
+        )
     candidate = Candidate(
         label=option.label,
         plan=option.plan,
@@ -381,19 +393,28 @@ def _build_family(joint: JointGraph, time_limit: float) -> Family:
 
     with shared_problems():  # 19 solves of one program at different caps
         plans, note = _base_plans(joint, time_limit)
+    with shared_node_facts():  # every plan's floor reads the same nodes
+        return _options(joint, plans, note)
+
+
+def _options(joint: JointGraph, plans: list[tuple[str, RematPlan]], note: str | None) -> Family:
+    """``plans``, each distinct once and in each backward order that moves something, with
+    what the choice weighs before splitting them (Note [Peak budgets])."""
     graph = _Backward.of(joint)
+    inputs = [n for n in joint.gm.graph.nodes if n.op in ("placeholder", "get_attr")]
     options: list[Option] = []
     for label, base in _distinct(joint, plans):
         intensive, flops = graph.recompute_cost(base.recompute)
+        floor = held_after_forward(inputs, [*joint.forward_results(), *base.saved])
         orders = [
             backward_order(joint, base.recompute, recompute_late=late, backward_ops=graph.ops)
             for late in (True, False)
         ]
-        options.append(Option(label, base, intensive, flops))  # the default order first
+        options.append(Option(label, base, intensive, flops, floor))  # the default order first
         if orders[0] != orders[1]:  # else nothing to move: the same graphs count once
             early = replace(base, recompute_late=False)
             named = f"{label}, recomputed at the backward's start"
-            options.append(Option(named, early, intensive, flops))
+            options.append(Option(named, early, intensive, flops, floor))
     return Family(options=tuple(options), note=note)
 
 
