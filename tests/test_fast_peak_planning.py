@@ -14,9 +14,9 @@ import torch
 import aotgrad
 from aotgrad.partition import _split, partition
 from aotgrad.partition.budget_solver import _BudgetProblem, _row_scale, shared_problems
+from aotgrad.partition.family import build_family
 from aotgrad.partition.memory import predict_peak, shared_node_facts
 from aotgrad.partition.peak_budget import (
-    Family,
     _choice,
     _exhaustive_choice,
     candidates,
@@ -64,10 +64,11 @@ def test_the_fast_choice_is_the_exhaustive_one_at_every_budget(name):
     every = every_candidate(family, split)  # each option's FLOPs checked against its split
     chosen = []
     for peak in _budgets([c.peak for c in every]):
-        fresh = Family(options=family.options, note=family.note)  # nothing split yet
+        fresh = build_family(joint, 60.0)  # nothing solved or split yet
         fast = _choice(fresh, peak, split, {})
         slow = _exhaustive_choice(family, peak, split)
         assert fast == slow, (name, peak)
+        assert fresh.bounds_hold, "a solved plan recomputes fewer FLOPs than a proven bound"
         assert len(fresh.split) <= len(family.options)
         if slow is None:
             with pytest.raises(ValueError, match="no plan fits"):
@@ -77,7 +78,8 @@ def test_the_fast_choice_is_the_exhaustive_one_at_every_budget(name):
         planned = partition(joint, aotgrad.budget(peak=peak))
         assert planned.peak.allocated == best.peak <= peak
         assert f"chose {best.label} (" in planned.note
-        expected = split(family.options[position].plan, "exhaustive")
+        (option,) = [o for o in family.options if o.position == position]
+        expected = split(option.plan, "exhaustive")
         assert [s.name for s in planned.saved] == [s.name for s in expected.saved]
         assert planned.backward.code == expected.backward.code
         chosen.append((best.peak, best.intensive_flops, best.flops))
@@ -91,14 +93,16 @@ def test_a_budget_at_save_alls_peak_splits_one_option():
     joint = _suite_joint("gpt")
     family = candidates(joint, 60.0)
     top = partition(joint, "save_all").peak.allocated
-    fresh = Family(options=family.options, note=family.note)
+    fresh = build_family(joint, 60.0)
     _position, best = _choice(fresh, top, functools.partial(_split, joint), {})
     assert best.flops == 0 and best.label == "save_all"
     # save_all's group: the options recomputing nothing (and ones equal in FLOPs), no more
     assert set(fresh.split) == {
-        i for i, o in enumerate(family.options) if (o.intensive_flops, o.flops) == (0, 0)
+        o.position for o in family.options if (o.intensive_flops, o.flops) == (0, 0)
     }
     assert len(fresh.split) < len(family.options)
+    # Note [Budgets solved when the choice needs them]: budgets proven to recompute are not solved
+    assert 0 < len(fresh.waiting()) < len(fresh.slots)
 
 
 def test_shared_node_facts_change_no_prediction():
@@ -170,7 +174,7 @@ def test_a_plans_floor_is_what_its_forward_returns_beyond_the_inputs():
     (everything,) = [o for o in family.options if o.label == "save_all"]
     assert everything.floor == 4 + 64 * 32 * 4
     for option, candidate in zip(
-        family.options, every_candidate(family, functools.partial(_split, joint))
+        family.options, every_candidate(family, functools.partial(_split, joint)), strict=True
     ):
         assert option.floor <= candidate.peak
 
@@ -181,14 +185,17 @@ def test_options_whose_floor_is_above_the_budget_are_not_split():
     family = candidates(joint, 60.0)
     peak = max(o.floor for o in family.options) - 1  # save_all's floor, less a byte
     assert min(c.peak for c in every_candidate(family, split)) <= peak  # some plan fits
-    fresh = Family(options=family.options, note=family.note)
+    fresh = build_family(joint, 60.0)
+    for slot in fresh.slots:  # every budget solved: this test is about splits
+        fresh.solve(slot)
     position, best = _choice(fresh, peak, split, {})
+    floors = {o.position: o.floor for o in family.options}
     ahead = {
-        i
-        for i, o in enumerate(family.options)
+        o.position
+        for o in family.options
         if (o.intensive_flops, o.flops) <= (best.intensive_flops, best.flops)
     }
-    ruled_out = {i for i in ahead if family.options[i].floor > peak}
+    ruled_out = {i for i in ahead if floors[i] > peak}
     assert ruled_out, "expected some option ahead of the choice to be ruled out by its floor"
     assert set(fresh.split) == ahead - ruled_out
     assert (position, best) == _exhaustive_choice(family, peak, split)

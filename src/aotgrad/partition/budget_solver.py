@@ -37,10 +37,11 @@ _SHARED: ContextVar[dict[Any, _BudgetProblem] | None] = ContextVar("budget_probl
 
 
 @contextmanager
-def shared_problems() -> Iterator[None]:
+def shared_problems(store: dict[Any, Any] | None = None) -> Iterator[None]:
     """Solves of one joint inside share their problem's parts, built once: a peak budget's
-    family solves the same program at many caps (Note [Peak budgets])."""
-    token = _SHARED.set({})
+    family solves the same program at many caps (Note [Peak budgets]). ``store`` keeps them
+    for later scopes (a family solves its budgets when its choice needs them)."""
+    token = _SHARED.set({} if store is None else store)
     try:
         yield
     finally:
@@ -52,6 +53,9 @@ class BudgetResult:
     # None when the solver found no plan in time (the caller falls back).
     saved: set[fx.Node] | None
     note: str | None
+    # What the solver proved: no plan under the budget recomputes fewer FLOPs (its dual
+    # bound; Note [Budgets solved when the choice needs them] in ``partition/family.py``).
+    flops_bound: float = 0.0
 
 
 def budget_saved(
@@ -91,7 +95,7 @@ def budget_saved(
             f"the budget solver hit its {time_limit:g} s time limit before finding a plan;"
             " falling back to save_all (raise time_limit in aotgrad.budget)"
         )
-        return BudgetResult(saved=None, note=fallback)
+        return BudgetResult(saved=None, note=fallback, flops_bound=_dual_bound(first))
     if first.x is None:
         least = smallest_saved_bytes(joint, needed, free_inputs, time_limit, kept)
         smallest = "?" if least is None else str(least)
@@ -117,7 +121,13 @@ def budget_saved(
             f"the budget solver hit its {time_limit:g} s time limit; the plan is the best found,"
             " not proven optimal (raise time_limit in aotgrad.budget)"
         )
-    return BudgetResult(saved=chosen.saved, note=note)
+    return BudgetResult(saved=chosen.saved, note=note, flops_bound=_dual_bound(first))
+
+
+def _dual_bound(result: Any) -> float:
+    """HiGHS's proven lower bound on the least objective (0 when it reports none)."""
+    bound = getattr(result, "mip_dual_bound", None)
+    return 0.0 if bound is None or not math.isfinite(bound) else max(0.0, float(bound))
 
 
 def smallest_saved_bytes(

@@ -1,50 +1,31 @@
 """Peak budgets: ``aotgrad.budget(peak=BYTES)``, the least recompute whose predicted step peak
 is at most ``BYTES`` (Note [Peak budgets]).
 
-The plans come from a fixed family of candidates per joint graph (``save_all``,
-``mincut`` and saved-bytes budgets on a grid, each with its recomputation in the
-joint's order and just before use); in order of their recompute FLOPs, each is split
-and its peak predicted (``partition/memory.py``) until one fits. The solver (numpy,
-SciPy) loads only when a peak budget is planned.
+The plans come from a fixed family of candidates per joint graph (``partition/family.py``:
+``save_all``, ``mincut`` and saved-bytes budgets on a grid, each with its recomputation in
+the joint's order and just before use); in order of their recompute FLOPs, each is split
+and its peak predicted (``partition/memory.py``) until one fits.
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-import torch.fx as fx
-
-from aotgrad.capture import JointGraph, Phase, phase_of
+from aotgrad.capture import JointGraph
 from aotgrad.errors import PartitionError
-from aotgrad.ops.table import is_compute_intensive, must_run
-from aotgrad.partition.memory import held_after_forward, shared_node_facts
+from aotgrad.ops.table import is_compute_intensive
+from aotgrad.partition.family import Candidate, Family, Option, candidates
+from aotgrad.partition.memory import shared_node_facts
 from aotgrad.partition.partitioned import Partitioned
-from aotgrad.partition.remat import RematPlan, forward_ops, needed_by_backward, node_flops
-from aotgrad.partition.sizes import hint, hinted_bytes
-from aotgrad.partition.split import backward_order
-from aotgrad.partition.strategies import (
-    Budget,
-    apply_checkpoint_policy,
-    from_saved,
-    mincut,
-    save_all,
-    with_policy,
-)
+from aotgrad.partition.remat import RematPlan
+from aotgrad.partition.sizes import hint
+from aotgrad.partition.strategies import Budget
+
+__all__ = ["Candidate", "Family", "candidates", "every_candidate", "with_peak_budget"]
 
 # Turns a plan into forward and backward graphs (``partition._split``), named by its label.
 Split = Callable[[RematPlan, str], Partitioned]
-
-# The saved-bytes budgets tried, as fractions from the smallest plan to save_all (Note
-# [Budget units]); fixed, so that the family does not depend on the peak asked for.
-FRACTIONS = (0.0, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4, 1.0)
-# Each of those solves stops within 10% of the least recompute FLOPs: a candidate's FLOPs and
-# peak are counted exactly after, and a gap, unlike a time limit, gives the same family on
-# every run, in a fraction of an exact solve's time (bench/findings.md, 2026-12-07).
-REL_GAP = 0.1
 
 
 # Note [Peak budgets]
@@ -123,51 +104,15 @@ REL_GAP = 0.1
 # here models); the predicted peak equals the measured one to the byte where Note
 # [What a step holds] is exact. Below the family's smallest peak there is no plan:
 # the ValueError names that peak, and the ways to lower it (scan_layers,
-# checkpoint). Cost: two floor solves and four solves per fraction (``REL_GAP``;
-# two per budget), one budget program built for all of them (``shared_problems``),
-# and the splits above; the family is cached per joint graph, so another B on the
+# checkpoint). Cost: two floor solves, two solves per budget the choice needs
+# (``REL_GAP``; the family is in ``partition/family.py``, and a budget whose
+# FLOPs are proven to lie beyond the group that fits is never solved: Note
+# [Budgets solved when the choice needs them]), one budget program built for
+# all of them (``shared_problems``), and the splits above. In the example above,
+# budget(peak=300_000) solves 3 of the 10 budgets, budget(peak=250_000) all of
+# them (its plan recomputes matmuls, and any budget might recompute fewer).
+# The family is cached per joint graph, so another B on the
 # same joint costs only the splits not made yet.
-
-
-@dataclass(frozen=True)
-class Option:
-    """One plan of the family before its split, with what the choice weighs first: the FLOPs
-    its backward re-runs, counted off the plan (:meth:`_Backward.recompute_cost`)."""
-
-    label: str
-    plan: RematPlan
-    # Of ``flops``, those of recomputed matmuls, convolutions and attention.
-    intensive_flops: int
-    flops: int
-    # What its forward holds at its end beyond the inputs: no split predicts a lower peak
-    # (Note [A floor under a plan's peak] in ``partition/memory.py``).
-    floor: int
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One plan of the family, split, with what the choice weighs."""
-
-    label: str
-    plan: RematPlan
-    flops: int
-    # Of ``flops``, those of recomputed matmuls, convolutions and attention.
-    intensive_flops: int
-    # Predicted ``peak.allocated``, and the op running at the peak (``graph/op``).
-    peak: int
-    where: str
-    saved_bytes: int
-
-
-@dataclass(frozen=True)
-class Family:
-    """The plans of one joint graph, in their fixed order, and what limited them."""
-
-    options: tuple[Option, ...]
-    note: str | None
-    # The options split so far, by position: a budget splits only those it must (Note [Peak
-    # budgets]), and another budget on the same joint finds them here.
-    split: dict[int, Candidate] = field(default_factory=dict)
 
 
 def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitioned:
@@ -187,53 +132,72 @@ def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitio
         raise AssertionError(
             f"expected the chosen plan's peak {best.peak} again, got {partitioned.peak.allocated}"
         )
+    solved = sum(s.solved for s in family.slots)
     note = (
         f"{limit}: predicted peak {best.peak} bytes at {best.where}; chose {best.label}"
-        f" ({best.flops} recompute FLOPs) of {len(family.options)} candidates"
+        f" ({best.flops} recompute FLOPs) of {len(family.known())} candidates"
+        f" ({solved} of the family's {len(family.slots)} plans solved, {len(family.split)} split)"
     )
     notes = [n for n in (note, family.note, best.plan.note) if n]
     return _relabelled(partitioned, str(limit), "; ".join(notes))
+
+
+def _key(option: Option) -> tuple[int, int]:
+    """What the choice weighs first: recomputed matmul-class FLOPs, then all."""
+    return option.intensive_flops, option.flops
 
 
 def _choice(
     family: Family, peak: int, split: Split, splits: dict[int, Partitioned]
 ) -> tuple[int, Candidate] | None:
     """The argmin of Note [Peak budgets], splitting options in order of their FLOPs only until
-    a group of equal FLOPs holds one that fits: every option after it ranks below."""
-    options = family.options
-
-    def flops(i: int) -> tuple[int, int]:
-        return (options[i].intensive_flops, options[i].flops)
-
-    for _, group in itertools.groupby(sorted(range(len(options)), key=flops), key=flops):
-        fitting = [i for i in group if options[i].floor <= peak]  # the rest cannot fit
-        fits = [(i, c) for i in fitting if (c := _evaluate(family, i, split, splits)).peak <= peak]
+    a group of equal FLOPs holds one that fits (every option after it ranks below), and
+    solving a budget only when its FLOPs could come before the next group (Note [Budgets
+    solved when the choice needs them])."""
+    done: set[tuple[int, int]] = set()
+    while True:
+        ahead = [o for o in family.known() if _key(o) not in done]
+        head = min(map(_key, ahead), default=None)
+        waiting = family.waiting()
+        if waiting:
+            slot = min(waiting, key=lambda s: (family.least_flops(s), -s.cap, s.index))
+            if head is None or (0, family.least_flops(slot)) <= head:
+                family.solve(slot)
+                continue
+        if head is None:
+            return None
+        done.add(head)
+        group = [o for o in ahead if _key(o) == head and o.floor <= peak]  # the rest cannot fit
+        fits = [
+            (o.position, c)
+            for o in group
+            if (c := _evaluate(family, o, split, splits)).peak <= peak
+        ]
         if fits:
             return min(fits, key=_rank)
-    return None
 
 
 def _exhaustive_choice(family: Family, peak: int, split: Split) -> tuple[int, Candidate] | None:
     """The same argmin over every option split: the definition :func:`_choice` must meet."""
-    fits = [(i, c) for i, c in enumerate(every_candidate(family, split)) if c.peak <= peak]
+    every = zip(family.options, every_candidate(family, split), strict=True)
+    fits = [(o.position, c) for o, c in every if c.peak <= peak]
     return min(fits, key=_rank) if fits else None
 
 
 def every_candidate(family: Family, split: Split) -> tuple[Candidate, ...]:
     """Every option of ``family`` split and its peak predicted, in the family's order."""
     splits: dict[int, Partitioned] = {}
-    return tuple(_evaluate(family, i, split, splits) for i in range(len(family.options)))
+    return tuple(_evaluate(family, o, split, splits) for o in family.options)
 
 
 def _evaluate(
-    family: Family, position: int, split: Split, splits: dict[int, Partitioned]
+    family: Family, option: Option, split: Split, splits: dict[int, Partitioned]
 ) -> Candidate:
-    """Option ``position`` split and its peak predicted, once per family; the split kept in
-    ``splits`` for this call."""
-    known = family.split.get(position)
+    """``option`` split and its peak predicted, once per family; the split kept in ``splits``
+    for this call."""
+    known = family.split.get(option.position)
     if known is not None:
         return known
-    option = family.options[position]
     partitioned = split(option.plan, option.label)
     if partitioned.backward is None:
         raise AssertionError(f"expected a backward graph for {option.label}, got None")
@@ -258,8 +222,8 @@ def _evaluate(
         where=f"{peak.graph} op {peak.node} ({peak.op})",
         saved_bytes=hint(partitioned.saved_bytes),
     )
-    family.split[position] = candidate
-    splits[position] = partitioned
+    family.split[option.position] = candidate
+    splits[option.position] = partitioned
     return candidate
 
 
@@ -353,10 +317,11 @@ def _rank(numbered: tuple[int, Candidate]) -> tuple[int, int, int, int, int]:
 
 
 def _below_floor(limit: Budget, family: Family, split: Split) -> str:
-    every = list(enumerate(every_candidate(family, split)))  # the floor: the least peak
+    options = family.options  # every budget solved: the floor is the least peak of them all
+    every = [(o.position, c) for o, c in zip(options, every_candidate(family, split), strict=True)]
     _, least = min(every, key=lambda ic: (ic[1].peak, *_rank(ic)))  # budget(peak=<it>)'s plan
     return (
-        f"no plan fits {limit}: the smallest predicted peak of {len(family.options)}"
+        f"no plan fits {limit}: the smallest predicted peak of {len(options)}"
         f" candidate plans is {least.peak} bytes ({least.peak / 1e6:.2f} MB), with"
         f" {least.label} (at {least.where}). Raise the budget to at least {least.peak}; or lower"
         " the floor inside the step: torch.utils.checkpoint around blocks, or"
@@ -365,194 +330,7 @@ def _below_floor(limit: Budget, family: Family, split: Split) -> str:
     )
 
 
-# Families by joint graph: another peak on the same joint re-splits one plan. An entry
-# holds plans (fx nodes of the joint's module), never the JointGraph itself, and leaves
-# when the joint is collected.
-_FAMILIES: dict[int, tuple[weakref.ref[JointGraph], float, Family]] = {}
-_LOCK = threading.Lock()
-
-
-def candidates(joint: JointGraph, time_limit: float) -> Family:
-    """The fixed family of plans for ``joint`` (Note [Peak budgets]), cached per joint."""
-    key = id(joint)
-    with _LOCK:
-        entry = _FAMILIES.get(key)
-    if entry is not None and entry[0]() is joint and entry[1] == time_limit:
-        return entry[2]
-    family = _build_family(joint, time_limit)
-    with _LOCK:
-        fresh = key not in _FAMILIES
-        _FAMILIES[key] = (weakref.ref(joint), time_limit, family)
-    if fresh:
-        weakref.finalize(joint, _FAMILIES.pop, key, None)
-    return family
-
-
-def _build_family(joint: JointGraph, time_limit: float) -> Family:
-    from aotgrad.partition.budget_solver import shared_problems  # SciPy
-
-    with shared_problems():  # 19 solves of one program at different caps
-        plans, note = _base_plans(joint, time_limit)
-    with shared_node_facts():  # every plan's floor reads the same nodes
-        return _options(joint, plans, note)
-
-
-def _options(joint: JointGraph, plans: list[tuple[str, RematPlan]], note: str | None) -> Family:
-    """``plans``, each distinct once and in each backward order that moves something, with
-    what the choice weighs before splitting them (Note [Peak budgets])."""
-    graph = _Backward.of(joint)
-    inputs = [n for n in joint.gm.graph.nodes if n.op in ("placeholder", "get_attr")]
-    options: list[Option] = []
-    for label, base in _distinct(joint, plans):
-        intensive, flops = graph.recompute_cost(base.recompute)
-        floor = held_after_forward(inputs, [*joint.forward_results(), *base.saved])
-        orders = [
-            backward_order(joint, base.recompute, recompute_late=late, backward_ops=graph.ops)
-            for late in (True, False)
-        ]
-        options.append(Option(label, base, intensive, flops, floor))  # the default order first
-        if orders[0] != orders[1]:  # else nothing to move: the same graphs count once
-            early = replace(base, recompute_late=False)
-            named = f"{label}, recomputed at the backward's start"
-            options.append(Option(named, early, intensive, flops, floor))
-    return Family(options=tuple(options), note=note)
-
-
-@dataclass(frozen=True)
-class _Backward:
-    """What every plan's backward graph starts from, for counting its recompute off the joint."""
-
-    # The joint's nodes, last first.
-    reversed_nodes: tuple[fx.Node, ...]
-    # The backward's own ops and checkpoint regions (not its placeholders).
-    ops: frozenset[fx.Node]
-    # What it returns, and the nodes dead-code removal keeps (``must_run``).
-    results: frozenset[fx.Node]
-    kept: frozenset[fx.Node]
-
-    @staticmethod
-    def of(joint: JointGraph) -> _Backward:
-        ops = frozenset(n for n in joint.backward_nodes() if n.op != "placeholder")
-        return _Backward(
-            reversed_nodes=tuple(reversed(joint.gm.graph.nodes)),
-            ops=ops,
-            results=frozenset(n for n in joint.backward_results() if n is not None),
-            kept=frozenset(n for n in joint.gm.graph.nodes if n.op != "output" and must_run(n)),
-        )
-
-    def recompute_cost(self, recompute: set[fx.Node]) -> tuple[int, int]:
-        """(matmul-class, all) FLOPs of the forward ops a plan's backward re-runs, counted as
-        the split keeps them: its recomputed ops and checkpoint regions that survive dead-code
-        removal (``remove_dead_code``; ``partition._recomputed`` counts the same)."""
-        live: set[fx.Node] = set()
-        for node in self.reversed_nodes:
-            if (node in self.ops or node in recompute) and (
-                node in self.results or node in self.kept or not live.isdisjoint(node.users)
-            ):
-                live.add(node)
-        ran = [
-            n
-            for n in live
-            if n.op == "call_function" and (n in recompute or phase_of(n) is Phase.RECOMPUTE)
-        ]
-        costs = [(is_compute_intensive(n.target), node_flops(n)) for n in ran]
-        return sum(f for hot, f in costs if hot), sum(f for _, f in costs)
-
-
-def _without_matmul_recompute(
-    joint: JointGraph,
-    needed: dict[fx.Node, str],
-    free_inputs: set[fx.Node],
-    top: int,
-    time_limit: float,
-    timed_out: list[str],
-) -> list[tuple[str, RematPlan]]:
-    """The saved-bytes budgets at ``FRACTIONS`` again, recomputing no matmul, convolution or
-    attention: the cheapest plans at each size that a step's time does not grow with."""
-    from aotgrad.partition.budget_solver import budget_saved, smallest_saved_bytes  # SciPy
-
-    kept = frozenset(n for n in forward_ops(joint) if is_compute_intensive(n.target))
-    if not kept:
-        return []
-    floor = smallest_saved_bytes(joint, needed, free_inputs, time_limit, kept)
-    if floor is None:
-        timed_out.append("the floor without matmul recompute")
-        return []
-    plans = []
-    for fraction in FRACTIONS[:-1]:  # at 1: save_all's cap, the plan above
-        cap = min(floor, top) + int(fraction * (top - min(floor, top)))
-        result = budget_saved(
-            joint, needed, cap, time_limit, free_inputs, rel_gap=REL_GAP, kept=kept
-        )
-        label = f"saved-bytes cap {cap}, no matmul recomputed"
-        if result.saved is None or result.note is not None:
-            timed_out.append(f"{fraction:g} (no matmul recomputed)")
-        if result.saved is not None:
-            plans.append((label, from_saved(joint, needed, result.saved, label)))
-    return plans
-
-
 def _intensive_flops(partitioned: Partitioned) -> int:
     assert partitioned.backward is not None
     targets = {n.name: n.target for n in partitioned.backward.graph.nodes}
     return sum(r.flops for r in partitioned.recomputed if is_compute_intensive(targets[r.name]))
-
-
-def _saves_compute_intensive(node: fx.Node) -> bool:
-    """The policy of the family's "save matmuls" candidate (Note [Peak budgets])."""
-    return is_compute_intensive(node.target)
-
-
-def _distinct(joint: JointGraph, plans: list[tuple[str, RematPlan]]) -> list[tuple[str, RematPlan]]:
-    """``plans`` after selective checkpoint tags (as ``partition`` applies them), each saved
-    and recomputed set once, first label kept: splitting is the family's main cost."""
-    distinct: dict[tuple[frozenset[object], frozenset[object]], tuple[str, RematPlan]] = {}
-    for label, base in plans:
-        plan = apply_checkpoint_policy(joint, base)
-        distinct.setdefault((frozenset(plan.saved), frozenset(plan.recompute)), (label, plan))
-    return list(distinct.values())
-
-
-def _base_plans(
-    joint: JointGraph, time_limit: float
-) -> tuple[list[tuple[str, RematPlan]], str | None]:
-    """save_all, mincut and the saved-bytes budgets at ``FRACTIONS`` (those solved in time)."""
-    from aotgrad.partition.budget_solver import budget_saved, smallest_saved_bytes  # SciPy
-
-    full = save_all(joint)
-    plans = [
-        ("save_all", full),
-        ("mincut", mincut(joint)),
-        (
-            "saved matmul/convolution/attention outputs",
-            with_policy(joint, _saves_compute_intensive),
-        ),
-    ]
-    needed = needed_by_backward(joint)
-    free_inputs = {n for n in full.saved if n.op == "placeholder"}
-    top = hinted_bytes(full.saved)  # Note [Budgets at the example sizes]
-    floor = smallest_saved_bytes(joint, needed, free_inputs, time_limit)
-    if floor is None:
-        return plans, (
-            f"the budget solver hit its {time_limit:g} s time limit finding the smallest plan;"
-            " the candidates are save_all and mincut only (raise time_limit in aotgrad.budget)"
-        )
-    floor = min(floor, top)
-    timed_out = []
-    for fraction in FRACTIONS:
-        cap = floor + int(fraction * (top - floor))  # as Budget.bytes_for
-        result = budget_saved(joint, needed, cap, time_limit, free_inputs, rel_gap=REL_GAP)
-        label = f"saved-bytes cap {cap}"  # budget(fraction)'s cap, solved within REL_GAP
-        if result.saved is None or result.note is not None:
-            timed_out.append(f"{fraction:g}")
-        if result.saved is not None:
-            plans.append((label, from_saved(joint, needed, result.saved, label)))
-    plans += _without_matmul_recompute(joint, needed, free_inputs, top, time_limit, timed_out)
-    note = None
-    if timed_out:
-        note = (
-            f"the budget solver hit its {time_limit:g} s time limit at fractions"
-            f" {', '.join(timed_out)}: those candidates are the best found or left out"
-            " and may differ between runs (raise time_limit in aotgrad.budget)"
-        )
-    return plans, note
