@@ -360,7 +360,8 @@ def _options_of(context: _Context, slot: _Slot) -> tuple[Option, ...]:
     start when that moves something (else the same graphs count once)."""
     assert slot.plan is not None
     joint, graph, plan = context.joint, context.backward, slot.plan
-    intensive, flops = graph.recompute_cost(plan.recompute)
+    live = graph.live(plan.recompute)
+    intensive, flops = graph.recompute_cost(plan.recompute, live)
     floor = held_after_forward(context.inputs, [*joint.forward_results(), *plan.saved])
     first = Option(slot.label, plan, intensive, flops, floor, 2 * slot.index)
     orders = [
@@ -371,7 +372,9 @@ def _options_of(context: _Context, slot: _Slot) -> tuple[Option, ...]:
         return (first,)
     early = replace(plan, recompute_late=False)
     named = f"{slot.label}, recomputed at the backward's start"
-    return first, replace(first, label=named, plan=early, position=first.position + 1)
+    held = graph.held_after_recompute(plan, orders[1], live)
+    floor_early = max(floor, held_after_forward(context.inputs, held))
+    return first, Option(named, early, intensive, flops, floor_early, first.position + 1)
 
 
 @dataclass(frozen=True)
@@ -396,16 +399,24 @@ class _Backward:
             kept=frozenset(n for n in joint.gm.graph.nodes if n.op != "output" and must_run(n)),
         )
 
-    def recompute_cost(self, recompute: set[fx.Node]) -> tuple[int, int]:
-        """(matmul-class, all) FLOPs of the forward ops a plan's backward re-runs, counted as
-        the split keeps them: its recomputed ops and checkpoint regions that survive dead-code
-        removal (``remove_dead_code``; ``partition._recomputed`` counts the same)."""
+    def live(self, recompute: set[fx.Node]) -> set[fx.Node]:
+        """The backward's ops and a plan's recomputed ops that survive dead-code removal
+        (``remove_dead_code``)."""
         live: set[fx.Node] = set()
         for node in self.reversed_nodes:
             if (node in self.ops or node in recompute) and (
                 node in self.results or node in self.kept or not live.isdisjoint(node.users)
             ):
                 live.add(node)
+        return live
+
+    def recompute_cost(
+        self, recompute: set[fx.Node], live: set[fx.Node] | None = None
+    ) -> tuple[int, int]:
+        """(matmul-class, all) FLOPs of the forward ops a plan's backward re-runs, counted as
+        the split keeps them: its recomputed ops and checkpoint regions among ``live`` (what
+        survives dead-code removal; ``partition._recomputed`` counts the same)."""
+        live = self.live(recompute) if live is None else live
         ran = [
             n
             for n in live
@@ -413,6 +424,19 @@ class _Backward:
         ]
         costs = [(is_compute_intensive(n.target), node_flops(n)) for n in ran]
         return sum(f for hot, f in costs if hot), sum(f for _, f in costs)
+
+    def held_after_recompute(
+        self, plan: RematPlan, order: list[fx.Node], live: set[fx.Node]
+    ) -> list[fx.Node]:
+        """The values live when the recomputed ops that lead ``order`` (the backward's order
+        with everything recomputed at its start) have run: those of them and of the saved
+        values that a later op reads or the backward returns (Note [A floor under a plan's
+        peak] in ``partition/memory.py``)."""
+        first = next((i for i, n in enumerate(order) if n not in plan.recompute), len(order))
+        leading = [n for n in order[:first] if n in live]
+        read = {u for n in order[first:] if n in live for u in n.all_input_nodes}
+        held = [n for n in leading if n in read or n in self.results]
+        return held + [s for s in plan.saved if s in read or s in self.results]
 
 
 def _saves_matmul_class(node: fx.Node) -> bool:

@@ -312,7 +312,15 @@ def _backward(
 # w1 and w2: floor 135,172 under its predicted peak of 282,632. On the 12-block
 # benchmark GPT (``bench/planning.py``) at ``budget(peak=76_638_216)`` the
 # floors are 0.94 to 0.96 of the peaks of the plans saving most, and rule out
-# 14 of the 18 plans the choice would otherwise split. Storages count once (a
+# 14 of the 18 plans the choice would otherwise split.
+#
+# A plan with its recomputed ops at the backward's start (Note [Recompute just
+# before use]) has a second floor, at the end of those leading ops: each value
+# they made, and each saved value, that a later op of the backward reads (or
+# the backward returns) is live then. In the doctest, saved-bytes cap 138240
+# recomputed at the start holds relu and relu_1 (65,536 bytes each) and h
+# (4,096): floor 135,168. On the benchmark GPT such floors are 0.96 of their
+# peaks (``family._Backward.held_after_recompute``). Storages count once (a
 # saved view of a saved value adds nothing) and as the allocator counts them (CUDA's
 # 512-byte blocks), as the prediction does.
 
