@@ -296,11 +296,11 @@ def trace_with(
     except NeedsFullTrace as e:
         if choice == "direct":
             raise _direct_refused(e.reason, _stop_site(e) or where) from e
-        stopped = _released(e)
+        stopped = released(e)
     except Exception as e:
         if choice == "direct":
             raise
-        failed = _released(e)
+        failed = released(e)
     # Outside the except blocks: the full trace's own errors carry no direct-trace context.
     try:
         with _grad_mode_restored_on_error():
@@ -362,7 +362,7 @@ def _grad_mode_restored_on_error() -> Iterator[None]:
 # message and its lines (code and line numbers stay).
 
 
-def _released(e: _E) -> _E:
+def released(e: _E) -> _E:
     """``e`` with the locals of its traceback's frames (and its causes') let go (Note [The
     direct trace's frames are let go])."""
     seen: set[int] = set()
@@ -429,5 +429,6 @@ __all__ = [
     "TracerReport",
     "check_tracer_choice",
     "refuses_autograd_grad",
+    "released",
     "trace_with",
 ]

@@ -92,6 +92,7 @@ import collections
 import contextlib
 import copy
 import operator
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -109,6 +110,7 @@ from aotgrad._torch_compat import (
     TorchDispatchMode,
     autograd_would_have_decomposed,
     below_autograd,
+    dispatched_by_selective_checkpoint,
     fake_device,
     in_autograd_engine,
     op_node_name,
@@ -135,7 +137,12 @@ from aotgrad.capture.tracing.fast.view_writes import (
 )
 from aotgrad.capture.tracing.recorder import Recorder
 from aotgrad.capture.tracing.state import TraceState
-from aotgrad.capture.tracing.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
+from aotgrad.capture.tracing.tracers import (
+    NeedsFullTrace,
+    Tracer,
+    refuses_autograd_grad,
+    released,
+)
 from aotgrad.signature import storage_key
 
 _PASS_THROUGH = (torch.ops.prim.device.default,)
@@ -144,6 +151,10 @@ _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 # What autograd says, before any mode sees the op, when an in-place op meets a leaf (or a
 # view of one) that requires grad: the direct trace's inputs are such leaves. The second:
 # a custom Function's ctx.mark_dirty() on one.
+_SELECTIVE_CHECKPOINT = (
+    "an op ran under a selective checkpoint's policy (context_fn="
+    "create_selective_checkpoint_contexts): only the full trace tags the ops with it"
+)
 _IN_PLACE_ON_LEAF = (
     "leaf Variable that requires grad is being used in an in-place operation",
     "leaf Variable that requires grad has been used in an in-place operation",
@@ -169,7 +180,14 @@ class DirectTracer(Tracer):
     ) -> fx.GraphModule:
         stops = _stops_at_refusals()
         resizes = resizes_watched(_stop_at_resize)  # Note [Storage resizes of an input]
-        with self.recorder.recording(), disable_autocast_cache(), self._mode, stops, resizes:
+        with (
+            self.recorder.recording(),
+            disable_autocast_cache(),
+            self._mode,
+            _stops_released(),  # inside the mode: a stop lets go before the mode exits
+            stops,
+            resizes,
+        ):
             for fake in fakes:
                 self._mode.input(fake)
             values = joint(*fakes)
@@ -217,6 +235,17 @@ class DirectTracer(Tracer):
 
 def _stop_at_resize(storage: Any, nbytes: Any) -> bool:
     raise NeedsFullTrace("untyped_storage().resize_() (only the full trace replays it)")
+
+
+@contextlib.contextmanager
+def _stops_released() -> Iterator[None]:
+    """A stop lets go of its frames here, inside the recording mode (Note [Selective
+    checkpoints stop the direct trace])."""
+    try:
+        yield
+    except NeedsFullTrace as e:
+        released(e)
+        raise
 
 
 @contextlib.contextmanager
@@ -285,6 +314,8 @@ class _RecordingMode(TorchDispatchMode):
             if len(args) == 1 and type(args[0]) is FakeTensor:  # the fake mode's own answer,
                 return fake_device(args[0])  # without two modes' dispatch (a query per op)
             return func(*args, **kwargs)
+        if dispatched_by_selective_checkpoint(sys._getframe(1)):  # Note [Selective
+            raise NeedsFullTrace(_SELECTIVE_CHECKPOINT)  # checkpoints stop the direct trace]
         if self._aliases:
             with self:
                 self.sync_values(pytree.arg_tree_leaves(*args, **kwargs), replay=True)
