@@ -346,10 +346,18 @@ def matmul_saved(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return cp.checkpoint(body, x, w, use_reentrant=False, context_fn=context)
 
 
-@pytest.mark.parametrize("strategy", ["mincut", "save_all", "budget(0.5)", "policy True"])
+PREFER_RECOMPUTE_STRATEGIES: dict[str, Callable[[], Any]] = {
+    "mincut": lambda: "mincut",
+    "save_all": lambda: "save_all",
+    # recomputed the MUST_SAVE mm too while the direct trace left it untagged
+    "budget(0.5)": lambda: aotgrad.budget(0.5),
+    "policy True": lambda: lambda node: True,
+}
+
+
+@pytest.mark.parametrize("strategy", list(PREFER_RECOMPUTE_STRATEGIES))
 def test_prefer_recompute_and_must_save_under_the_default_tracer(strategy):
-    # budget(0.5) recomputed the MUST_SAVE mm too when the direct trace left it untagged
-    partition = aotgrad.budget(0.5) if strategy == "budget(0.5)" else STRATEGIES[strategy]()
+    partition = PREFER_RECOMPUTE_STRATEGIES[strategy]()
     traced = aotgrad.trace(matmul_saved, *_inputs(), partition=partition)
     assert _tags(traced, aten.exp.default) == [CheckpointPolicy.PREFER_RECOMPUTE]
     assert _tags(traced, aten.mm.default) == [CheckpointPolicy.MUST_SAVE]
