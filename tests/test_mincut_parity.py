@@ -333,6 +333,28 @@ def test_must_save_under_the_default_tracer(strategy):
     verify(selective, *_inputs(), compile_fn=compile_fn)
 
 
+def test_must_save_under_torch_compile():
+    torch.compiler.reset()
+    forward_codes = []
+
+    def forward_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        forward_codes.append(gm.code)
+        return gm
+
+    backend = aotgrad.backend(forward_compiler, lambda gm, _: gm, partition="mincut")
+    x, w = _inputs()
+    out = torch.compile(selective, backend=backend)(x, w)
+    out.sum().backward()
+    eager_x, eager_w = (t.detach().clone().requires_grad_() for t in _inputs())
+    expected = selective(eager_x, eager_w)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x.grad, eager_x.grad)
+    torch.testing.assert_close(w.grad, eager_w.grad)
+    (code,) = forward_codes
+    assert "# saved: exp" in code  # the direct trace's untagged graph recomputed it
+
+
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     if op in (aten.mm.default, aten.addmm.default):
         return CheckpointPolicy.MUST_SAVE
