@@ -365,7 +365,9 @@ def _grad_mode_restored_on_error() -> Iterator[None]:
 #
 # so the frames are cleared (``traceback.clear_frames``) as soon as the exception
 # is caught: the generator closes and pops its hooks; the exception keeps its
-# message and its lines (code and line numbers stay).
+# message and its lines (code and line numbers stay). A stop is let go earlier
+# still, before the direct trace's recording mode exits (Note [Selective
+# checkpoints stop the direct trace]).
 
 
 def released(e: _E) -> _E:

@@ -151,9 +151,7 @@ from aotgrad.signature import storage_key
 _PASS_THROUGH = (torch.ops.prim.device.default,)
 _CONSTANTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
-# What autograd says, before any mode sees the op, when an in-place op meets a leaf (or a
-# view of one) that requires grad: the direct trace's inputs are such leaves. The second:
-# a custom Function's ctx.mark_dirty() on one.
+
 # Note [Selective checkpoints stop the direct trace]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A selective checkpoint (``checkpoint(fn, ..., context_fn=partial(
@@ -192,6 +190,10 @@ _SELECTIVE_CHECKPOINT = (
     "an op ran under a selective checkpoint's policy (context_fn="
     "create_selective_checkpoint_contexts): only the full trace tags the ops with it"
 )
+
+# What autograd says, before any mode sees the op, when an in-place op meets a leaf (or a
+# view of one) that requires grad: the direct trace's inputs are such leaves. The second:
+# a custom Function's ctx.mark_dirty() on one.
 _IN_PLACE_ON_LEAF = (
     "leaf Variable that requires grad is being used in an in-place operation",
     "leaf Variable that requires grad has been used in an in-place operation",
