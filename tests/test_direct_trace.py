@@ -3,6 +3,7 @@ trace's graphs node for node, stops with a reason, and the ``tracer`` option cho
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint as cp
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import aotgrad
 from aotgrad.capture import node_info
@@ -116,6 +119,15 @@ def _reentrant(x, w):
     return cp.checkpoint(lambda a, b: (a @ b).sin(), x, w, use_reentrant=True).sum()
 
 
+def _recompute_all(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective(x, w):
+    context = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
+    return cp.checkpoint(lambda a, b: (a @ b).sin(), x, w, use_reentrant=False, context_fn=context)
+
+
 class _ZeroesInPlace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -170,6 +182,11 @@ STOPS = {
         lambda: (_square(), _square()),
         "a reentrant checkpoint refuses autograd.grad",
     ),
+    "selective checkpoint": (
+        _selective,
+        lambda: (_square(), _square()),
+        "an op ran under a selective checkpoint's policy",
+    ),
 }
 
 
@@ -200,6 +217,28 @@ def test_the_stop_names_the_users_line():
     )
     with pytest.raises(aotgrad.DirectTraceError, match=r"x\.t_\(\)  # stops here"):
         aotgrad.trace(_mutates, torch.randn(3), tracer="direct")
+
+
+def _policy_contexts():
+    forward, _ = create_selective_checkpoint_contexts(_recompute_all)
+    with forward:
+        yield
+
+
+def _policy_mode_left_open(x):
+    # torch 2.11/2.12's checkpoint: the contexts a body raised inside stay open until the
+    # frame holding the checkpoint's generator lets go
+    contexts = _policy_contexts()
+    next(contexts)
+    return x.sin()  # stops here, under the policy's mode
+
+
+def test_a_stop_under_a_policy_mode_leaves_no_dispatch_mode_on():
+    # Note [Selective checkpoints stop the direct trace]: the policy's mode exits first
+    traced = aotgrad.trace(_policy_mode_left_open, torch.randn(3, requires_grad=True))
+    assert "selective checkpoint" in traced.fallback_reason
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert not is_in_torch_dispatch_mode()
 
 
 def test_calls_the_direct_trace_does_not_try():

@@ -7,6 +7,7 @@ the backward receives, inputs and parameters included.
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import aotgrad
 import library_models  # before anything imports torchvision: it installs the shim
+from aotgrad.capture import Phase
 from aotgrad.errors import PartitionError
 from aotgrad.testing import verify
 from models import partition_suite
@@ -309,9 +311,160 @@ def test_a_policy_answering_false_says_why_must_save_wins():
     assert "MUST_SAVE" in exp.reason
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the direct trace records no selective-checkpoint tags (Note [Two tracers])"
-)
-def test_must_save_under_the_direct_trace():
-    traced = aotgrad.trace(selective, *_inputs(), partition="mincut", tracer="direct")
+# ------------------------------------------------------------------ the default tracer
+# The direct trace stops at a selective checkpoint's policy, so "auto" gives the full trace's
+# tagged graph (Note [Selective checkpoints stop the direct trace]).
+
+
+def _tags(traced: Any, op: Any) -> list[Any]:
+    """The selective checkpoint tag of each forward node calling ``op``."""
+    forward = traced.partitioned.joint.nodes(Phase.FORWARD)
+    return [n.meta.get("recompute") for n in forward if n.target is op]
+
+
+@pytest.mark.parametrize("strategy", ["mincut", "save_all", "budget(0.01)", "policy False"])
+def test_must_save_under_the_default_tracer(strategy):
+    partition = STRATEGIES[strategy]()
+    traced = aotgrad.trace(selective, *_inputs(), partition=partition)
+    assert _tags(traced, aten.exp.default) == [CheckpointPolicy.MUST_SAVE]
     assert "exp" in [s.name for s in traced.saved]
+    assert "exp" not in [r.name for r in traced.partitioned.recomputed]
+    compile_fn = functools.partial(aotgrad.aot_function, partition=partition)
+    verify(selective, *_inputs(), compile_fn=compile_fn)
+
+
+def test_must_save_under_torch_compile():
+    torch.compiler.reset()
+    forward_codes = []
+
+    def forward_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        forward_codes.append(gm.code)
+        return gm
+
+    backend = aotgrad.backend(forward_compiler, lambda gm, _: gm, partition="mincut")
+    x, w = _inputs()
+    out = torch.compile(selective, backend=backend)(x, w)
+    out.sum().backward()
+    eager_x, eager_w = (t.detach().clone().requires_grad_() for t in _inputs())
+    expected = selective(eager_x, eager_w)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(x.grad, eager_x.grad)
+    torch.testing.assert_close(w.grad, eager_w.grad)
+    (code,) = forward_codes
+    assert "# saved: exp" in code  # the direct trace's untagged graph recomputed it
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op in (aten.mm.default, aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def matmul_saved(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``mm`` MUST_SAVE, ``exp`` and ``sin`` PREFER_RECOMPUTE."""
+    context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    body = lambda x, w: (x @ w).exp().sin()  # noqa: E731
+    return cp.checkpoint(body, x, w, use_reentrant=False, context_fn=context)
+
+
+PREFER_RECOMPUTE_STRATEGIES: dict[str, Callable[[], Any]] = {
+    "mincut": lambda: "mincut",
+    "save_all": lambda: "save_all",
+    # recomputed the MUST_SAVE mm too while the direct trace left it untagged
+    "budget(0.5)": lambda: aotgrad.budget(0.5),
+    "policy True": lambda: lambda node: True,
+}
+
+
+@pytest.mark.parametrize("strategy", list(PREFER_RECOMPUTE_STRATEGIES))
+def test_prefer_recompute_and_must_save_under_the_default_tracer(strategy):
+    partition = PREFER_RECOMPUTE_STRATEGIES[strategy]()
+    traced = aotgrad.trace(matmul_saved, *_inputs(), partition=partition)
+    assert _tags(traced, aten.exp.default) == [CheckpointPolicy.PREFER_RECOMPUTE]
+    assert _tags(traced, aten.mm.default) == [CheckpointPolicy.MUST_SAVE]
+    assert [s.name for s in traced.saved] == ["x", "w", "mm"]
+    recomputed = traced.partitioned.recomputed
+    assert [r.name for r in recomputed] == ["exp"]
+    assert "selective checkpoint policy PREFER_RECOMPUTE" in recomputed[0].reason
+    compile_fn = functools.partial(aotgrad.aot_function, partition=partition)
+    verify(matmul_saved, *_inputs(), compile_fn=compile_fn)
+
+
+class SelectiveBlock(nn.Module):
+    """A residual MLP block checkpointed selectively inside its forward: the matmuls saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        h = cp.checkpoint(self._mlp, x, use_reentrant=False, context_fn=context)
+        return self.norm(h + x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("partition", ["mincut", "save_all"])
+def test_a_module_checkpointing_selectively_in_its_forward(partition):
+    torch.manual_seed(0)
+    model = SelectiveBlock()
+    eager = copy.deepcopy(model)
+    compiled = aotgrad.aot_module(model, partition=partition)
+    x = torch.randn(4, 8, requires_grad=True)
+    eager_x = x.detach().clone().requires_grad_()
+    for _ in range(2):  # the trace, then the cached graphs
+        out, expected = compiled(x), eager(eager_x)
+        torch.testing.assert_close(out, expected)
+        cotangent = torch.randn_like(out)
+        out.backward(cotangent)
+        expected.backward(cotangent)
+    torch.testing.assert_close(x.grad, eager_x.grad)
+    params = dict(eager.named_parameters())
+    assert len(params) == 6
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, params[name].grad, msg=name)
+    partitioned = compiled.compiled.partitioned
+    tags = {n.meta.get("recompute") for n in partitioned.joint.nodes(Phase.FORWARD)}
+    assert CheckpointPolicy.MUST_SAVE in tags
+    saved = [s.producer for s in partitioned.saved if not s.is_input]
+    assert saved.count("aten.addmm.default") == 2  # fc1's and fc2's, as the policy says
+    assert "aten.gelu.default" not in saved
+
+
+@pytest.mark.fast_path  # Note [The fast path as a layer]
+def test_the_direct_trace_stops_at_a_selective_checkpoint_only():
+    traced = aotgrad.trace(selective, *_inputs(), partition="mincut")
+    assert traced.tracer == "full"
+    assert traced.fallback_reason.startswith("the direct trace stopped at ")
+    assert "an op ran under a selective checkpoint's policy" in traced.fallback_reason
+    module = aotgrad.aot_module(SelectiveBlock())
+    module(torch.randn(4, 8)).sum().backward()
+    assert module.compiled.partitioned.joint.tracer.name == "full"
+    with pytest.raises(aotgrad.DirectTraceError, match="selective checkpoint's policy"):
+        aotgrad.trace(selective, *_inputs(), partition="mincut", tracer="direct")
+
+
+def plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return cp.checkpoint(lambda x, w: (x * w).exp(), x, w, use_reentrant=False)
+
+
+class PlainBlock(SelectiveBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(cp.checkpoint(self._mlp, x, use_reentrant=False) + x)
+
+
+@pytest.mark.fast_path
+def test_a_plain_checkpoint_stays_on_the_direct_trace():
+    traced = aotgrad.trace(plain, *_inputs(), partition="mincut")
+    assert (traced.tracer, traced.fallback_reason) == ("direct", None)
+    assert "exp" not in [s.name for s in traced.saved]  # untagged: mincut recomputes it
+    module = aotgrad.aot_module(PlainBlock())
+    module(torch.randn(4, 8)).sum().backward()
+    assert module.compiled.partitioned.joint.tracer.name == "direct"
+    assert aotgrad.trace(PlainBlock(), torch.randn(4, 8)).tracer == "direct"

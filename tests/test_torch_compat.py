@@ -4,9 +4,11 @@ aotgrad assumes. After a torch upgrade, this file says which assumption broke.""
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import logging
 import pathlib
+import sys
 import threading
 import traceback
 
@@ -14,7 +16,11 @@ import pytest
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from aotgrad import _torch_compat as compat
 
@@ -277,6 +283,43 @@ def test_disable_torch_function_hides_calls_from_torch_function_modes():
     with Mode(), compat.DisableTorchFunction():
         torch.ones(2).sin()
     assert torch.Tensor.sin not in seen
+
+
+def _recompute_all(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_selective_checkpoint_modes_are_what_its_contexts_make():
+    forward, recompute = create_selective_checkpoint_contexts(_recompute_all)
+    assert isinstance(forward, compat.SELECTIVE_CHECKPOINT_MODES)
+    assert isinstance(recompute, compat.SELECTIVE_CHECKPOINT_MODES)
+
+
+class _Asks(compat.TorchDispatchMode):
+    """Notes, per op, whether a selective checkpoint's mode dispatched it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[object, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((func, compat.dispatched_by_selective_checkpoint(sys._getframe(1))))
+        return func(*args, **(kwargs or {}))
+
+
+def test_ops_a_selective_checkpoint_dispatches_are_told_apart():
+    context = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
+    x = torch.ones(3, requires_grad=True)
+    with _Asks() as asks:
+        y = x.cos()
+        z = checkpoint(torch.tanh, y, use_reentrant=False, context_fn=context)
+        plain = checkpoint(torch.exp, y, use_reentrant=False)
+        torch.autograd.grad((z + plain).sum(), x)
+    by_op: dict[object, set[bool]] = {}
+    for op, dispatched in asks.ops:
+        by_op.setdefault(op, set()).add(dispatched)
+    assert by_op[aten.tanh.default] == {True}  # in the forward and in the recompute
+    assert by_op[aten.cos.default] == by_op[aten.exp.default] == {False}
 
 
 # --- torch.fx internals ------------------------------------------------------------------------

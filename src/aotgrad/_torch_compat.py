@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -72,6 +73,7 @@ import torch.utils._device as _device
 import torch.utils._mode_utils as _mode_utils
 import torch.utils._python_dispatch as _python_dispatch
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint as _checkpoint
 from torch._C import _functionalization
 
 # Note [Behaviour by torch release]
@@ -189,6 +191,40 @@ autograd_would_have_decomposed = _python_dispatch.autograd_would_have_decomposed
 # handler does: the direct trace's replays of views outside an op (Note [Writes through
 # views, directly]).
 below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
+
+# The two modes ``create_selective_checkpoint_contexts`` makes: the forward's, which asks the
+# policy about each op and caches what it saves, and the recompute's, which hands the cache
+# back (Note [Selective checkpoints stop the direct trace]).
+SELECTIVE_CHECKPOINT_MODES: tuple[type, ...] = (
+    _checkpoint._CachingTorchDispatchMode,
+    _checkpoint._CachedTorchDispatchMode,
+)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# How far up from a mode's handler a policy mode's frame is looked for: a few wrappers and
+# torch's own layers lie between (five on 2.13); the walk ends sooner at the first frame not torch's.
+_FRAMES_TO_A_POLICY_MODE = 32
+
+
+def dispatched_by_selective_checkpoint(frame: types.FrameType | None) -> bool:
+    """Did a selective checkpoint's mode dispatch the op? ``frame`` is the caller of the
+    ``__torch_dispatch__`` handling it (Note [Selective checkpoints stop the direct trace]).
+
+    Such a mode sits above the handler's mode and is off the mode stack while it runs (a
+    handler's mode is popped while its handler runs), but its handler's frame is on the
+    Python stack, behind torch's own frames: the walk goes up through those only.
+    """
+    for _ in range(_FRAMES_TO_A_POLICY_MODE):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "__torch_dispatch__" and isinstance(
+            frame.f_locals.get("self"), SELECTIVE_CHECKPOINT_MODES
+        ):
+            return True
+        if not code.co_filename.startswith(_TORCH_DIR):
+            return False
+        frame = frame.f_back
+    return False
 
 
 # Node metadata ``make_fx`` copies onto each node it creates: the direct tracer copies the same.

@@ -363,7 +363,8 @@ def from_saved(
 #
 # ``PREFER_SAVE`` is a preference a strategy may override: a budget recomputes
 # it when that fits. The tags are read off the graph, and only the full trace
-# records them (Note [Two tracers]).
+# records them: the direct trace stops at a selective checkpoint (Note
+# [Selective checkpoints stop the direct trace]).
 _RECOMPUTE_POLICIES = {CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE}
 
 

@@ -31,18 +31,20 @@ The joint function is the same code for both; what differs is owned by the
     unwrap(graph value)         itself, synced as above   from_functional
 
 Both give the same graph, node for node, for a function both can trace
-(``tests/test_direct_trace.py`` checks it), with one known exception: under a
-*selective* checkpoint policy (``create_selective_checkpoint_contexts``), the
-checkpoint's recompute of a ``PREFER_RECOMPUTE`` op is recorded by the direct
-tracer as a new node and reaches the full tracer's graph as the forward's node
-(the policy's dispatch mode sits at another place in the full tracer's mode
-stack)::
+(``tests/test_direct_trace.py`` checks it). A *selective* checkpoint
+(``create_selective_checkpoint_contexts``) is one the direct trace does not
+take: torch's policy mode tags the nodes (MUST_SAVE, PREFER_RECOMPUTE) and
+caches every value only under the full trace's proxy mode, so the two graphs
+would differ in the tags the partitioner reads, and in the nodes::
 
     body(a) = (a @ w).sin().cos(), mm MUST_SAVE, the rest PREFER_RECOMPUTE
     direct:  sin = sin(mm); cos = cos(sin); sin_1 = sin(mm); sin_2 = sin(sin_1) ...
+             (no tags: the strategy alone decides what is saved)
     full:    sin = sin(mm); cos = cos(sin);                  sin_1 = sin(sin) ...
+             (mm tagged MUST_SAVE, sin and cos PREFER_RECOMPUTE)
 
-Values are equal either way; the partitioner then decides what is saved. And
+The direct trace stops at the first op the policy's mode passes down (Note
+[Selective checkpoints stop the direct trace]). One known difference remains:
 a view of a base written through a view (timm's convnext: ``as_strided_backward``)
 has the seq_nr of the op that first reads it in the full trace, which
 regenerates it there (``is_functional_regenerated``), and of the op that made
@@ -64,9 +66,13 @@ which (``JointGraph.tracer``, shown as ``traced.tracer`` and
     f(x) = x.sin()          made the graph    tracer "direct", fallback_reason None
     f(x) = x.t_().sin()     stopped           "full", "the direct trace stopped:
                                               aten.t_.default mutates an input's ..."
+    checkpoint(f, x,        stopped           "full", "the direct trace stopped: an op ran
+      context_fn=sac)                         under a selective checkpoint's policy ..."
     dynamic=True            not tried         "full", "the direct trace was not tried:
                                               dynamic shapes"
     a bug in direct.py      failed            "full", "the direct tracer failed: TypeError ..."
+
+(``sac``: ``partial(create_selective_checkpoint_contexts, policy)``.)
 
 "Stopped" is :class:`NeedsFullTrace`, which the direct tracer raises for
 what it knowingly does not handle, with the reason. It derives from
@@ -296,11 +302,11 @@ def trace_with(
     except NeedsFullTrace as e:
         if choice == "direct":
             raise _direct_refused(e.reason, _stop_site(e) or where) from e
-        stopped = _released(e)
+        stopped = released(e)
     except Exception as e:
         if choice == "direct":
             raise
-        failed = _released(e)
+        failed = released(e)
     # Outside the except blocks: the full trace's own errors carry no direct-trace context.
     try:
         with _grad_mode_restored_on_error():
@@ -359,10 +365,12 @@ def _grad_mode_restored_on_error() -> Iterator[None]:
 #
 # so the frames are cleared (``traceback.clear_frames``) as soon as the exception
 # is caught: the generator closes and pops its hooks; the exception keeps its
-# message and its lines (code and line numbers stay).
+# message and its lines (code and line numbers stay). A stop is let go earlier
+# still, before the direct trace's recording mode exits (Note [Selective
+# checkpoints stop the direct trace]).
 
 
-def _released(e: _E) -> _E:
+def released(e: _E) -> _E:
     """``e`` with the locals of its traceback's frames (and its causes') let go (Note [The
     direct trace's frames are let go])."""
     seen: set[int] = set()
@@ -429,5 +437,6 @@ __all__ = [
     "TracerReport",
     "check_tracer_choice",
     "refuses_autograd_grad",
+    "released",
     "trace_with",
 ]

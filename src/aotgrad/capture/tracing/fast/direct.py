@@ -32,10 +32,13 @@ a reason, and under ``tracer="auto"`` the full trace runs the function again
     torch.tensor([1.0]) * x              aten.lift_fresh.default lifts a tensor constant ...
     x.sum().item()                       aten._local_scalar_dense.default reads tensor data
     checkpoint(..., use_reentrant=True)  a reentrant checkpoint refuses autograd.grad ...
+    checkpoint(f, x, context_fn=sac)     an op ran under a selective checkpoint's policy ...
 
-(The fourth: the direct trace's inputs are fake leaves, and autograd refuses
-an in-place op on a leaf that requires grad before any mode sees the op; the
-full trace's inputs are functional wrappers, which are not leaves.) Besides
+(The last: ``sac = partial(create_selective_checkpoint_contexts, policy)``,
+Note [Selective checkpoints stop the direct trace]. The fourth: the direct
+trace's inputs are fake leaves, and autograd refuses an in-place op on a leaf
+that requires grad before any mode sees the op; the full trace's inputs are
+functional wrappers, which are not leaves.) Besides
 every call with the fast path off (Note [The fast path as a layer]), three
 kinds of call skip the direct trace: symbolic sizes (``dynamic=True``); inputs
 that share memory: which of them an output view comes from (so where its
@@ -92,6 +95,7 @@ import collections
 import contextlib
 import copy
 import operator
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -109,6 +113,7 @@ from aotgrad._torch_compat import (
     TorchDispatchMode,
     autograd_would_have_decomposed,
     below_autograd,
+    dispatched_by_selective_checkpoint,
     fake_device,
     in_autograd_engine,
     op_node_name,
@@ -135,12 +140,57 @@ from aotgrad.capture.tracing.fast.view_writes import (
 )
 from aotgrad.capture.tracing.recorder import Recorder
 from aotgrad.capture.tracing.state import TraceState
-from aotgrad.capture.tracing.tracers import NeedsFullTrace, Tracer, refuses_autograd_grad
+from aotgrad.capture.tracing.tracers import (
+    NeedsFullTrace,
+    Tracer,
+    refuses_autograd_grad,
+    released,
+)
 from aotgrad.signature import storage_key
 
 _PASS_THROUGH = (torch.ops.prim.device.default,)
 _CONSTANTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+# Note [Selective checkpoints stop the direct trace]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A selective checkpoint (``checkpoint(fn, ..., context_fn=partial(
+# create_selective_checkpoint_contexts, policy))``) asks its policy about each op from
+# a dispatch mode above the tracer's. The answers reach the partitioner only as node
+# tags (``node.meta["recompute"]``: MUST_SAVE, PREFER_RECOMPUTE, ...; Note [Selective
+# checkpoint policies]), and torch's mode writes them only while a ``make_fx`` proxy
+# mode traces: the full trace's. The direct trace records the region untagged, and a
+# strategy free to choose recomputes what the policy said to save::
+#
+#     checkpoint(lambda x, w: (x * w).exp(), x, w, context_fn=...)   exp MUST_SAVE
+#     direct trace:  exp untagged       mincut saves x and w, recomputes exp
+#     full trace:    exp MUST_SAVE      mincut saves x, w and exp
+#
+# So the first op the policy's mode passes down stops the direct trace, and "auto"
+# runs the full one (Note [Choosing a tracer]). While a mode's handler runs, that mode
+# is off the mode stack, so the op is told by the Python stack instead: the policy
+# mode's handler is a few of torch's frames above the recording mode's
+# (``_torch_compat.dispatched_by_selective_checkpoint``; the walk ends at the first
+# frame that is not torch's, under a microsecond per op). A plain checkpoint's
+# contexts are no modes, and it stays on the direct trace; so does a ``context_fn``
+# of the user's own modes, which sit above either tracer alike.
+#
+# The stop is raised inside the policy's mode. On torch 2.11 and 2.12 a checkpoint
+# whose function raised leaves its contexts open until its frame lets go (Note [The
+# direct trace's frames are let go]), and the recording mode's exit pops the top mode,
+# the policy's, in place of its own; torch's "a dispatch mode is on" flag then stays
+# set after both are gone::
+#
+#     stack: recording, policy   ->  recording exits: pops policy  ->  the frame lets
+#     go, policy exits: pops recording, restores the flag it saved (on)
+#
+# So a stop lets go of its frames inside the recording mode (``_stops_released``):
+# the policy's mode exits first.
+_SELECTIVE_CHECKPOINT = (
+    "an op ran under a selective checkpoint's policy (context_fn="
+    "create_selective_checkpoint_contexts): only the full trace tags the ops with it"
+)
+
 # What autograd says, before any mode sees the op, when an in-place op meets a leaf (or a
 # view of one) that requires grad: the direct trace's inputs are such leaves. The second:
 # a custom Function's ctx.mark_dirty() on one.
@@ -169,7 +219,14 @@ class DirectTracer(Tracer):
     ) -> fx.GraphModule:
         stops = _stops_at_refusals()
         resizes = resizes_watched(_stop_at_resize)  # Note [Storage resizes of an input]
-        with self.recorder.recording(), disable_autocast_cache(), self._mode, stops, resizes:
+        with (
+            self.recorder.recording(),
+            disable_autocast_cache(),
+            self._mode,
+            _stops_released(),  # inside the mode: a stop lets go before the mode exits
+            stops,
+            resizes,
+        ):
             for fake in fakes:
                 self._mode.input(fake)
             values = joint(*fakes)
@@ -217,6 +274,17 @@ class DirectTracer(Tracer):
 
 def _stop_at_resize(storage: Any, nbytes: Any) -> bool:
     raise NeedsFullTrace("untyped_storage().resize_() (only the full trace replays it)")
+
+
+@contextlib.contextmanager
+def _stops_released() -> Iterator[None]:
+    """A stop lets go of its frames here, inside the recording mode (Note [Selective
+    checkpoints stop the direct trace])."""
+    try:
+        yield
+    except NeedsFullTrace as e:
+        released(e)
+        raise
 
 
 @contextlib.contextmanager
@@ -285,6 +353,9 @@ class _RecordingMode(TorchDispatchMode):
             if len(args) == 1 and type(args[0]) is FakeTensor:  # the fake mode's own answer,
                 return fake_device(args[0])  # without two modes' dispatch (a query per op)
             return func(*args, **kwargs)
+        # Note [Selective checkpoints stop the direct trace]
+        if dispatched_by_selective_checkpoint(sys._getframe(1)):
+            raise NeedsFullTrace(_SELECTIVE_CHECKPOINT)
         if self._aliases:
             with self:
                 self.sync_values(pytree.arg_tree_leaves(*args, **kwargs), replay=True)
