@@ -19,8 +19,10 @@ from aotgrad.partition.memory import predict_peak, shared_node_facts
 from aotgrad.partition.peak_budget import (
     _choice,
     _exhaustive_choice,
+    _rank,
     candidates,
     every_candidate,
+    least_peak,
 )
 from aotgrad.partition.remat import needed_by_backward
 from aotgrad.partition.strategies import save_all
@@ -199,3 +201,19 @@ def test_options_whose_floor_is_above_the_budget_are_not_split():
     assert ruled_out, "expected some option ahead of the choice to be ruled out by its floor"
     assert set(fresh.split) == ahead - ruled_out
     assert (position, best) == _exhaustive_choice(family, peak, split)
+
+
+@pytest.mark.parametrize("name", ["mlp", "convbn", "gpt", "deep_mlp", "gpt2"])
+def test_the_least_peak_is_the_least_of_every_candidate(name):
+    # The ValueError below the floor names it: found splitting in order of the floors only
+    joint = _suite_joint(name)
+    split = functools.partial(_split, joint)
+    family = candidates(joint, 60.0)
+    every = [
+        (o.position, c) for o, c in zip(family.options, every_candidate(family, split), strict=True)
+    ]
+    expected = min(every, key=lambda pc: (pc[1].peak, *_rank(pc)))
+    fresh = build_family(joint, 60.0)
+    assert least_peak(fresh, split) == expected
+    if name in ("gpt", "gpt2"):  # floors rule out the plans saving most
+        assert len(fresh.split) < len(fresh.options)

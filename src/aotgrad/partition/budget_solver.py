@@ -301,8 +301,8 @@ class _BudgetProblem:
 # two that brings their largest coefficient into [1, 2): a row of 2**20 and
 # 3 * 2**20 bytes under a cap of 5 * 2**20 becomes 1, 3 under 5. Multiplying by
 # a power of two is exact in floating point, so the program is the same one; only
-# HiGHS's path through it changes (a 32-layer Llama's 36 solves: 7.1 s to 5.1 s
-# of CPU, bench/planning.py). Its feasibility tolerance now reads in units of
+# HiGHS's path through it changes, and it takes fewer iterations (bench/findings.md,
+# 2026-12-08). Its feasibility tolerance now reads in units of
 # the largest coefficient (1e-7 of a megabyte is 0.1 byte), and every answer is
 # re-measured exactly in any case (``_Rounded``).
 

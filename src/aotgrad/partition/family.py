@@ -41,7 +41,7 @@ REL_GAP = 0.1
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The family's saved-bytes budgets are the costly part of building it: two
 # HiGHS solves each (least FLOPs under the cap, then fewest bytes at those
-# FLOPs), 34 for a 32-layer Llama, about 0.15 s of CPU each. The choice (Note [Peak
+# FLOPs), 34 for a 32-layer Llama (bench/findings.md, 2026-12-08). The choice (Note [Peak
 # budgets]) walks the options in order of (matmul-class FLOPs, FLOPs) and
 # stops at the first group that fits, so a budget whose FLOPs are known to lie
 # beyond that group need not be solved at all. Its FLOPs are bounded before

@@ -94,8 +94,10 @@ Split = Callable[[RematPlan, str], Partitioned]
 #                           both orders: 229384 fits -> 5 splits of 11
 #
 # ``_exhaustive_choice`` splits every candidate: the definition the fast choice
-# is tested against (tests/test_fast_peak_planning.py), and what the ValueError
-# below the floor needs (every peak). Splits are remembered per family, and
+# is tested against (tests/test_fast_peak_planning.py). The ValueError below the
+# floor names the least peak of all (``least_peak``): every budget solved, the
+# candidates split in order of their floors until the next floor is above the
+# least peak found. Splits are remembered per family, and
 # every split of a budget's call shares its nodes' facts (Note [Plans share
 # their nodes' facts] in ``partition/memory.py``).
 #
@@ -317,17 +319,32 @@ def _rank(numbered: tuple[int, Candidate]) -> tuple[int, int, int, int, int]:
 
 
 def _below_floor(limit: Budget, family: Family, split: Split) -> str:
-    options = family.options  # every budget solved: the floor is the least peak of them all
-    every = [(o.position, c) for o, c in zip(options, every_candidate(family, split), strict=True)]
-    _, least = min(every, key=lambda ic: (ic[1].peak, *_rank(ic)))  # budget(peak=<it>)'s plan
+    _, least = least_peak(family, split)  # budget(peak=<its peak>)'s plan
     return (
-        f"no plan fits {limit}: the smallest predicted peak of {len(options)}"
+        f"no plan fits {limit}: the smallest predicted peak of {len(family.options)}"
         f" candidate plans is {least.peak} bytes ({least.peak / 1e6:.2f} MB), with"
         f" {least.label} (at {least.where}). Raise the budget to at least {least.peak}; or lower"
         " the floor inside the step: torch.utils.checkpoint around blocks, or"
         " aotgrad.scan_layers(layers, x, checkpoint=True) for a stack of identical layers"
         " (Note [Peak budgets])"
     )
+
+
+def least_peak(family: Family, split: Split) -> tuple[int, Candidate]:
+    """The candidate of least predicted peak, ties by the choice's order: every budget solved,
+    the options split in order of their floors until the next floor is above the least peak
+    found (no later option can go below it: Note [A floor under a plan's peak])."""
+    splits: dict[int, Partitioned] = {}
+    best: tuple[int, Candidate] | None = None
+    for option in sorted(family.options, key=lambda o: (o.floor, o.position)):
+        if best is not None and option.floor > best[1].peak:
+            break
+        found = (option.position, _evaluate(family, option, split, splits))
+        if best is None or (found[1].peak, *_rank(found)) < (best[1].peak, *_rank(best)):
+            best = found
+    if best is None:
+        raise AssertionError("expected a family with save_all among its options, got none")
+    return best
 
 
 def _intensive_flops(partitioned: Partitioned) -> int:
