@@ -35,6 +35,7 @@ import importlib
 import json
 import os
 import pstats
+import re
 import resource
 import subprocess
 import sys
@@ -66,9 +67,10 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 # The (batch, sequence) each shape is measured at by ``make bench``.
 SIZES = {"llama7b": (1, 4096), "llama70b": (1, 2048)}
-# The peak budget: mincut's predicted peak above the inputs, less this fraction (the family's
-# floor is about 0.75 of mincut's on the 7B shape: a quarter off would be refused).
-BUDGET_FRACTION = 0.2
+# The peak budgets: ``budget(peak=0)``, whose refusal names the family's floor (the least
+# peak of any plan: what a user asks first), then halfway between that floor and mincut's
+# predicted peak, planned afresh (the family forgotten in between).
+FLOOR_TEXT = re.compile(r"smallest predicted peak of \d+ candidate plans is (\d+) bytes")
 
 
 def cuda_sdpa_attention(
@@ -139,10 +141,13 @@ def worker(
     plans = {"save_all": _plan_entry(traced.partitioned, capture, capture_cpu)}
     plans["mincut"] = _timed_plan(joint, "mincut")
     if budget:
-        limit = int(plans["mincut"]["allocated_bytes"] * (1 - BUDGET_FRACTION))
         profiler = cProfile.Profile() if profile else None
         if profiler is not None:
             profiler.enable()
+        plans["budget(peak=0)"] = _timed_plan(joint, aotgrad.budget(peak=0))
+        floor = int(FLOOR_TEXT.search(plans["budget(peak=0)"]["refused"])[1])  # type: ignore[index]
+        _forget_plans()
+        limit = (floor + plans["mincut"]["allocated_bytes"]) // 2
         plans[f"budget(peak={limit / 1e9:.1f} GB)"] = _timed_plan(joint, aotgrad.budget(peak=limit))
         if profiler is not None:
             profiler.disable()
@@ -163,6 +168,14 @@ def worker(
         "meta_only": all(p.device.type == "meta" for p in model.parameters()),
         "plans": plans,
     }
+
+
+def _forget_plans() -> None:
+    """Drop the peak-budget families this process built: the next budget plans from scratch,
+    as a fresh process would."""
+    from aotgrad.partition import family
+
+    family._FAMILIES.clear()
 
 
 def _timed_plan(joint: Any, strategy: Any) -> dict[str, Any]:

@@ -560,9 +560,14 @@ def meta_rows(found: dict[str, Any], pytorch: dict[str, Any]) -> list[dict[str, 
             if name == "save_all":
                 continue
             refused = f"refused: {plan['refused']}" if "refused" in plan else ""
+            what = name
+            if name.startswith("budget(peak=0)"):
+                what = "budget(peak=0), the floor"
+            elif name.startswith("budget"):
+                what = "budget(peak=mid)"
             rows.append(
                 row(
-                    f"{at} planning {'budget(peak=)' if '=' in name else name} vs capture (CPU s)",
+                    f"{at} planning {what} vs capture (CPU s)",
                     plan["plan_cpu_s"],
                     m["capture_cpu_s"],
                     META_PLAN_TARGET,

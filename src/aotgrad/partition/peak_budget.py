@@ -187,9 +187,9 @@ def _exhaustive_choice(family: Family, peak: int, split: Split) -> tuple[int, Ca
 
 
 def every_candidate(family: Family, split: Split) -> tuple[Candidate, ...]:
-    """Every option of ``family`` split and its peak predicted, in the family's order."""
-    splits: dict[int, Partitioned] = {}
-    return tuple(_evaluate(family, o, split, splits) for o in family.options)
+    """Every option of ``family`` split and its peak predicted, in the family's order; no split
+    is kept (each candidate keeps what it weighs)."""
+    return tuple(_evaluate(family, o, split, {}) for o in family.options)
 
 
 def _evaluate(
@@ -334,12 +334,11 @@ def least_peak(family: Family, split: Split) -> tuple[int, Candidate]:
     """The candidate of least predicted peak, ties by the choice's order: every budget solved,
     the options split in order of their floors until the next floor is above the least peak
     found (no later option can go below it: Note [A floor under a plan's peak])."""
-    splits: dict[int, Partitioned] = {}
     best: tuple[int, Candidate] | None = None
     for option in sorted(family.options, key=lambda o: (o.floor, o.position)):
         if best is not None and option.floor > best[1].peak:
             break
-        found = (option.position, _evaluate(family, option, split, splits))
+        found = (option.position, _evaluate(family, option, split, {}))  # no split kept
         if best is None or (found[1].peak, *_rank(found)) < (best[1].peak, *_rank(best)):
             best = found
     if best is None:
