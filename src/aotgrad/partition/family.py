@@ -144,8 +144,11 @@ class _Context:
     time_limit: float
     backward: _Backward
     inputs: list[fx.Node]
-    # The budget program's parts, shared by every solve (``budget_solver.shared_problems``).
+    # The budget program's parts, shared by every solve (``budget_solver.shared_problems``),
+    # and the joint's nodes' facts, by every floor and split (Note [Plans share their nodes'
+    # facts] in ``partition/memory.py``).
     problems: dict[Any, Any] = field(default_factory=dict)
+    facts: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def joint(self) -> JointGraph:
@@ -311,7 +314,7 @@ def build_family(joint: JointGraph, time_limit: float) -> Family:
         for cap in caps:  # as Budget.bytes_for, each once (a floor at the top gives one cap)
             slots.append(_Slot(f"saved-bytes cap {cap}{suffix}", len(slots), series, cap))
     family = Family(slots=slots, context=context, floor_note=floor_note)
-    with shared_node_facts():  # every plan's floor reads the same nodes
+    with shared_node_facts(context.facts):  # every plan's floor reads the same nodes
         for slot in slots[: len(known)]:
             slot.plan = apply_checkpoint_policy(joint, slot.plan)  # type: ignore[arg-type]
             slot.options = _options_of(context, slot)
@@ -351,7 +354,7 @@ def _solve(context: _Context, slot: _Slot) -> None:
     if result.saved is not None:
         plan = from_saved(joint, context.needed, result.saved, slot.label)
         slot.plan = apply_checkpoint_policy(joint, plan)
-        with shared_node_facts():
+        with shared_node_facts(context.facts):
             slot.options = _options_of(context, slot)
 
 

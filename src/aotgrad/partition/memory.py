@@ -349,17 +349,19 @@ _CUDA_BLOCK = 512
 # those values, so a peak budget's candidates (Note [Peak budgets]) ask it once
 # per joint node, not once per copy: inside ``shared_node_facts()``, answers
 # are remembered by the identity of the node's value and op, the value held
-# so that its identity is not reused while the scope lasts. A node whose
+# so that its identity is not reused while the scope lasts. A peak budget's
+# family keeps one record for its joint (``family._Context.facts``), so every
+# floor and split of every budget asked of that joint shares it. A node whose
 # value is not a tensor (or tuple of them) is asked every time.
 
 _FACTS: ContextVar[dict[Any, tuple[Any, Any]] | None] = ContextVar("node_facts", default=None)
 
 
 @contextmanager
-def shared_node_facts() -> Iterator[None]:
+def shared_node_facts(store: dict[Any, tuple[Any, Any]] | None = None) -> Iterator[None]:
     """Predictions inside remember each node's facts by its value (Note [Plans share their
-    nodes' facts])."""
-    token = _FACTS.set({})
+    nodes' facts]); in ``store`` when given, which keeps them for later scopes."""
+    token = _FACTS.set({} if store is None else store)
     try:
         yield
     finally:

@@ -124,7 +124,7 @@ def with_peak_budget(joint: JointGraph, limit: Budget, split: Split) -> Partitio
         raise AssertionError(f"expected a peak budget, got {limit}")
     family = candidates(joint, limit.time_limit)
     splits: dict[int, Partitioned] = {}
-    with shared_node_facts():  # Note [Plans share their nodes' facts]
+    with shared_node_facts(family.context.facts):  # Note [Plans share their nodes' facts]
         chosen = _choice(family, limit.peak, split, splits)
         if chosen is None:
             raise PartitionError(_below_floor(limit, family, split))
