@@ -36,7 +36,8 @@ Split = Callable[[RematPlan, str], Partitioned]
 # Per joint graph the candidates are a fixed family, built without looking at B:
 # save_all, mincut, the policy saving what matmuls, convolutions and attention
 # return (recomputing only cheaper ops from them), the saved-bytes budgets at
-# ``FRACTIONS``, and those budgets again with no matmul-class op recomputed; each once with each recomputed op just before its first use (the
+# ``FRACTIONS`` (``partition/family.py``), and those budgets again with no
+# matmul-class op recomputed; each once with each recomputed op just before its first use (the
 # default) and once with all of them at the backward's start (Note [Recompute
 # just before use] in ``partition/split.py``: only the first lowers the peak when
 # the peak is in the backward; the second frees a large saved input sooner when a
@@ -78,7 +79,7 @@ Split = Callable[[RematPlan, str], Partitioned]
 # Splitting a candidate and predicting its peak is what costs (a split copies
 # the joint's nodes into two fx graphs; the prediction replays them), so a
 # budget splits only the candidates it must. Their FLOPs are counted off the
-# plan, without a split (``_Backward.recompute_cost``: the forward ops the
+# plan, without a split (``family._Backward.recompute_cost``: the forward ops the
 # backward re-runs after dead-code removal, as ``partition._recomputed`` counts
 # them; each split checks the count). The candidates are taken in groups of
 # equal FLOPs, least first; the first group holding one whose peak fits holds
